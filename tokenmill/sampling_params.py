@@ -1,0 +1,268 @@
+"""SamplingParams: how one request is decoded, validated on construction.
+
+Field names, meanings and defaults follow vLLM's ``SamplingParams`` (and so the OpenAI API
+fields they come from), so code written against vLLM keeps working.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+# Temperatures below this are greedy decoding (vLLM uses the same epsilon).
+SAMPLING_EPS = 1e-5
+MAX_LOGPROBS_DEFAULT = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries."""
+
+    CUMULATIVE = 0  # all text and tokens so far
+    DELTA = 1  # only what is new since the last output (streaming)
+    FINAL_ONLY = 2  # one output, when the request finishes (offline generate)
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range. ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+# Fields whose defaults may come from the model's generation_config.json (as in vLLM).
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request.
+
+    Args:
+        n: number of output sequences returned for the prompt.
+        best_of: number of sequences generated, of which the ``n`` with the highest
+            cumulative log-probability are returned (default ``n``).
+        presence_penalty: subtracted once from the logit of every token already
+            generated (OpenAI semantics), in [-2, 2].
+        frequency_penalty: subtracted from a token's logit once per earlier occurrence in
+            the output, in [-2, 2].
+        repetition_penalty: CTRL-style penalty (Keskar et al. 2019) on tokens of the
+            prompt and output: positive logits divided by it, negative ones multiplied; > 0,
+            1 disables it.
+        temperature: logits are divided by it; 0 means greedy.
+        top_p: nucleus sampling (Holtzman et al. 2019), in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 disables it.
+        min_p: drop tokens whose probability is below ``min_p`` times the top one's, in [0, 1].
+        seed: per-request random seed: the same seed and prompt give the same tokens.
+        stop: strings that end generation when they appear in the output text; removed
+            from the output unless ``include_stop_str_in_output``.
+        stop_token_ids: token ids that end generation (kept in the token ids, not in text).
+        ignore_eos: keep generating past the end-of-sequence token.
+        max_tokens: most tokens to generate (None: up to the context length).
+        min_tokens: fewest tokens to generate before EOS or stop tokens may end the output.
+        logprobs: number of top log-probabilities returned per output token (plus the
+            sampled token's); -1 means the whole vocabulary.
+        prompt_logprobs: the same for each prompt token (after the first).
+        detokenize: produce text (False returns token ids only).
+        skip_special_tokens: leave special tokens out of the text.
+        spaces_between_special_tokens: kept for vLLM compatibility; the tokenizer decides.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        logit_bias: token id -> value added to that token's logit (OpenAI, [-100, 100]).
+        allowed_token_ids: if given, only these tokens can be sampled.
+        output_kind: what each RequestOutput carries (see RequestOutputKind).
+
+    Raises:
+        SamplingParamsError: a field is out of its range (the message names the field).
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled by the engine from the model (eos ids); not set by users.
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.best_of is None:
+            self.best_of = self.n
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self.output_kind = RequestOutputKind(self.output_kind)
+        self._verify()
+        if self.temperature < SAMPLING_EPS:
+            # Greedy: the truncation filters cannot change the argmax.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _verify(self) -> None:
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise SamplingParamsError(message, param)
+
+        check(isinstance(self.n, int) and self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
+        check(
+            isinstance(self.best_of, int) and self.best_of >= self.n,
+            "best_of",
+            f"best_of must be greater than or equal to n, got n={self.n} and "
+            f"best_of={self.best_of}.",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}.")
+        check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
+        )
+        check(
+            self.temperature >= 0.0,
+            "temperature",
+            f"temperature must be non-negative, got {self.temperature}.",
+        )
+        check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        check(
+            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+            "top_k",
+            f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.",
+        )
+        check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}.")
+        check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            f"max_tokens must be at least 1, got {self.max_tokens}.",
+        )
+        check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens",
+            f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.",
+        )
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+            f"got {self.min_tokens}.",
+        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(
+                value is None or (isinstance(value, int) and value >= -1),
+                name,
+                f"{name} must be non-negative or -1 (whole vocabulary), got {value}.",
+            )
+        check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "stop strings must be non-empty strings.",
+        )
+        check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "stop_token_ids must be non-negative integers.",
+        )
+        if self.logit_bias:
+            bad = {k: v for k, v in self.logit_bias.items() if not -100.0 <= v <= 100.0}
+            check(not bad, "logit_bias", f"logit_bias values must be in [-100, 100], got {bad}.")
+        if self.allowed_token_ids is not None:
+            check(
+                len(self.allowed_token_ids) > 0,
+                "allowed_token_ids",
+                "allowed_token_ids must not be empty.",
+            )
+        check(
+            self.seed is None or isinstance(self.seed, int),
+            "seed",
+            f"seed must be an integer, got {self.seed!r}.",
+        )
+
+    def verify_for_model(self, vocab_size: int, max_logprobs: int) -> None:
+        """Check the fields that depend on the model.
+
+        Raises:
+            SamplingParamsError: a token id is outside ``[0, vocab_size)`` or more
+                logprobs are asked for than the engine allows (``--max-logprobs``).
+        """
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise SamplingParamsError(
+                    f"Requested {name}={value} but at most {max_logprobs} are allowed "
+                    f"(--max-logprobs).",
+                    name,
+                )
+        ids: list[int] = list(self.stop_token_ids or [])
+        ids += list(self.logit_bias or {})
+        ids += list(self.allowed_token_ids or [])
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise SamplingParamsError(
+                f"token ids {bad[:5]} are out of the vocabulary range [0, {vocab_size}).",
+                "logit_bias" if self.logit_bias else "stop_token_ids",
+            )
+
+    @property
+    def sampling_type_greedy(self) -> bool:
+        """True when decoding is deterministic argmax."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """Token ids that end the output: stop_token_ids plus EOS unless ignore_eos."""
+        ids = set(self.stop_token_ids or [])
+        if not self.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return ids
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (requests must not share mutable lists)."""
+        return copy.deepcopy(self)
+
+    @classmethod
+    def from_generation_config(
+        cls, generation_config: dict[str, Any], **overrides: Any
+    ) -> SamplingParams:
+        """SamplingParams whose defaults come from a model's generation_config.json.
+
+        Only the fields vLLM takes from it are used (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens -> max_tokens); ``overrides`` win over them.
+        """
+        kwargs: dict[str, Any] = {}
+        for src, dst in GENERATION_CONFIG_FIELDS.items():
+            if generation_config.get(src) is not None:
+                kwargs[dst] = generation_config[src]
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kwargs)
