@@ -1,0 +1,72 @@
+"""Test harness: run a model over a paged KV cache for hand-built batches."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.model.attention.backend import AttentionMetadata
+from tokenmill.model.layers.attention import bind_kv_caches
+
+
+class PagedRunner:
+    """Runs ``model`` step by step for several sequences with scattered block ids.
+
+    Each sequence gets blocks from a shuffled pool, so block ids are non-contiguous.
+    """
+
+    def __init__(self, model, config, num_blocks: int = 64, block_size: int = 16, seed: int = 0):
+        self.model = model
+        self.block_size = block_size
+        num_kv = config.get("num_key_value_heads", config.num_attention_heads)
+        head_dim = config.get("head_dim") or config.hidden_size // config.num_attention_heads
+        dtype = next(model.parameters()).dtype
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, num_kv, head_dim, dtype=dtype)
+            for _ in range(config.num_hidden_layers)
+        ]
+        bind_kv_caches(model, self.kv_caches)
+        gen = torch.Generator().manual_seed(seed)
+        self.free = torch.randperm(num_blocks, generator=gen).tolist()
+        self.blocks: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def step(self, chunks: dict[str, list[int]], all_tokens: dict[str, list[int]]) -> torch.Tensor:
+        """Compute ``chunks[seq]`` (the next tokens of each sequence) in one forward pass.
+
+        ``all_tokens[seq]`` is the whole sequence so far (for positions). Returns the
+        logits of every scheduled token, ``[num_tokens, vocab]``.
+        """
+        ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
+        for seq, chunk in chunks.items():
+            done = self.computed.get(seq, 0)
+            total = done + len(chunk)
+            blocks = self.blocks.setdefault(seq, [])
+            while len(blocks) * self.block_size < total:
+                blocks.append(self.free.pop())
+            for pos in range(done, total):
+                positions.append(pos)
+                slots.append(blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+            ids += chunk
+            starts.append(starts[-1] + len(chunk))
+            seq_lens.append(total)
+            tables.append(blocks)
+            self.computed[seq] = total
+        width = max(len(t) for t in tables)
+        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        qsl = torch.tensor(starts, dtype=torch.int32)
+        sl = torch.tensor(seq_lens, dtype=torch.int32)
+        md = AttentionMetadata(
+            num_actual_tokens=len(ids),
+            num_reqs=len(chunks),
+            query_start_loc=qsl,
+            seq_lens=sl,
+            block_table=block_table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            max_query_len=max(len(c) for c in chunks.values()),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=sl,
+        )
+        with torch.no_grad():
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), md)
+            return self.model.compute_logits(hidden)

@@ -1,0 +1,169 @@
+"""Weight loading: safetensors (single, sharded), dummy, and the errors users see."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tokenmill.config import ConfigError, LoadConfig
+from tokenmill.engine_args import EngineArgs
+from tokenmill.model.attention.torch_ref import TorchAttentionBackend
+from tokenmill.model.loader.hf_config import ModelLoadError, load_hf_config, normalize_rope
+from tokenmill.model.loader.model_loader import get_model
+from tokenmill.model.registry import UnsupportedArchitectureError
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny")
+    cfg = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**cfg)).save_pretrained(path)
+    return str(path)
+
+
+def _load(path: str, **kw):
+    cfg = EngineArgs(model=path, dtype="float32", device="cpu", **kw).create_engine_config()
+    return get_model(
+        cfg.model_config, LoadConfig(kw.get("load_format", "auto")), torch.device("cpu"),
+        TorchAttentionBackend,
+    )
+
+
+def _copy_folder(src: str, dst, skip=()):
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name not in skip:
+            with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "wb") as g:
+                g.write(f.read())
+    return str(dst)
+
+
+def test_loads_single_file(hf_folder):
+    model = _load(hf_folder)
+    ref = load_file(os.path.join(hf_folder, "model.safetensors"))
+    q = ref["model.layers.1.self_attn.q_proj.weight"]
+    torch.testing.assert_close(model.model.layers[1].self_attn.qkv_proj.weight[: q.shape[0]], q)
+
+
+def test_loads_sharded_with_index(hf_folder, tmp_path):
+    folder = _copy_folder(hf_folder, tmp_path / "sharded", skip=("model.safetensors",))
+    tensors = load_file(os.path.join(hf_folder, "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, part in shards.items():
+        save_file({n: tensors[n].contiguous() for n in part}, os.path.join(folder, file))
+        weight_map.update({n: file for n in part})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    model = _load(folder)
+    torch.testing.assert_close(model.lm_head.weight, tensors["lm_head.weight"])
+
+
+def test_dummy_reads_no_weight_file(hf_folder, tmp_path, monkeypatch):
+    folder = _copy_folder(hf_folder, tmp_path / "dummy", skip=("model.safetensors",))
+    import tokenmill.model.loader.safetensors_loader as st
+
+    def fail(*a, **k):
+        raise AssertionError("a weight file was read")
+
+    monkeypatch.setattr(st, "safe_open", fail)
+    model = _load(folder, load_format="dummy")
+    w = model.model.layers[0].mlp.gate_up_proj.weight
+    assert w.abs().max() <= 1e-3 and w.abs().max() > 0
+    # same seed, same weights
+    torch.testing.assert_close(_load(folder, load_format="dummy").lm_head.weight, model.lm_head.weight)
+
+
+def test_truncated_file_names_the_tensor(hf_folder, tmp_path):
+    folder = _copy_folder(hf_folder, tmp_path / "truncated")
+    path = os.path.join(folder, "model.safetensors")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 1000)
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors.*tensor '[^']+' is truncated"):
+        _load(folder)
+
+
+def test_wrong_shape_names_the_tensor(hf_folder, tmp_path):
+    folder = _copy_folder(hf_folder, tmp_path / "shape")
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(32, 60)
+    save_file(tensors, path)
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*\(32, 60\)"):
+        _load(folder)
+
+
+def test_missing_tensor_is_named(hf_folder, tmp_path):
+    folder = _copy_folder(hf_folder, tmp_path / "missing")
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, path)
+    with pytest.raises(ModelLoadError, match=r"qkv_proj.*shards \['k'\]"):
+        _load(folder)
+
+
+def test_unknown_architecture_lists_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "architectures": ["FooForCausalLM"]}))
+    with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM"):
+        _load(str(tmp_path), load_format="dummy")
+
+
+def test_max_model_len_over_model_limit(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    with pytest.raises(ConfigError, match="maximum context length of 128"):
+        EngineArgs(model=str(tmp_path), max_model_len=129, device="cpu").create_engine_config()
+    cfg = EngineArgs(model=str(tmp_path), device="cpu").create_engine_config()
+    assert cfg.model_config.max_model_len == 128
+    assert cfg.model_config.dtype == "float32"
+
+
+def test_missing_model_path():
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        EngineArgs(model="/nonexistent/model", device="cpu").create_engine_config()
+
+
+def test_unimplemented_flags_rejected(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        EngineArgs(model=str(tmp_path), tensor_parallel_size=2).create_engine_config()
+    with pytest.raises(ConfigError, match="quantization"):
+        EngineArgs(model=str(tmp_path), quantization="awq").create_engine_config()
+
+
+def test_rope_normalisation_both_formats():
+    old = normalize_rope({"rope_theta": 500000, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert old["rope_theta"] == 500000.0 and old["rope_scaling"] == {"factor": 2.0, "rope_type": "linear"}
+    new = normalize_rope({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert new["rope_theta"] == 1e6 and new["rope_scaling"] is None
+
+
+def test_gguf_config(smollm2_gguf_path):
+    config, generation_config = load_hf_config(smollm2_gguf_path)
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads) == (576, 30, 3)
+    assert config.tie_word_embeddings is True and config.eos_token_id == 2
+    assert generation_config == {}

@@ -1,0 +1,123 @@
+"""The attention backend seam: metadata the model runner builds, and the interface a
+backend implements (torch reference on CPU, Triton kernels on CUDA).
+
+Paged attention (Kwon et al., SOSP 2023): each request's KV lives in fixed-size blocks
+anywhere in the cache; the block table maps a request's logical blocks to physical ones,
+and the slot mapping says where each new token's K/V is written.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each scheduled token's query and KV live, for one forward pass.
+
+    Tokens are flat: request ``i`` owns tokens ``query_start_loc[i]:query_start_loc[i+1]``,
+    which are the last ``query_len`` positions of its ``seq_len``-token context.
+
+    Attributes:
+        num_actual_tokens: scheduled tokens (inputs may be padded past this).
+        num_reqs: requests in the batch.
+        query_start_loc: ``[num_reqs + 1]`` int32, cumulative query lengths.
+        seq_lens: ``[num_reqs]`` int32, context length of each request including this
+            step's tokens.
+        block_table: ``[num_reqs, max_blocks]`` int32, physical block ids per request
+            (entries past a request's blocks are unspecified but valid ids).
+        slot_mapping: ``[num_tokens]`` int64, ``block_id * block_size + offset`` of each
+            token's K/V; -1 for padding tokens (not written).
+        max_query_len: the longest query (tokens) in the batch.
+        max_seq_len: the longest context (tokens) in the batch.
+        query_start_loc_cpu: host copy of ``query_start_loc`` (no device sync to read it).
+        seq_lens_cpu: host copy of ``seq_lens``.
+        num_decodes: how many of the first requests have ``query_len == 1`` (the runner
+            puts decode requests first when it can; 0 if unknown).
+    """
+
+    num_actual_tokens: int
+    num_reqs: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    num_decodes: int = 0
+
+
+class AttentionImpl(abc.ABC):
+    """One layer's attention over the paged KV cache.
+
+    Args:
+        num_heads: query heads (on this rank).
+        head_dim: size of each head.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        num_kv_heads: key/value heads; ``num_heads`` must be a multiple (GQA,
+            Ainslie et al. 2023).
+        sliding_window: if set, a query at position p sees keys at positions > p - window.
+        logits_soft_cap: if set, scores become ``cap * tanh(scores / cap)`` (Gemma 2).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write this step's K/V into their slots, then attend.
+
+        Args:
+            query: ``[num_tokens, num_heads * head_dim]``.
+            key: ``[num_tokens, num_kv_heads * head_dim]``.
+            value: ``[num_tokens, num_kv_heads * head_dim]``.
+            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+            metadata: the batch layout.
+
+        Returns:
+            ``[num_tokens, num_heads * head_dim]``, same dtype as ``query``; rows past
+            ``metadata.num_actual_tokens`` are unspecified.
+        """
+
+
+class AttentionBackend(abc.ABC):
+    """A family of attention kernels: names itself and builds per-layer implementations."""
+
+    name: str = "abstract"
+
+    @staticmethod
+    @abc.abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]: ...
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)

@@ -1,0 +1,184 @@
+"""Reference paged attention in plain torch: the CPU backend, and the ground truth the GPU
+kernels are tested against.
+
+Decode requests (one query token each) are attended in one batched call over their gathered
+blocks; prompt chunks one request at a time, with a causal mask aligned to the end of the
+context (query ``r`` of a chunk after ``c`` cached tokens sees keys ``0..c+r``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+
+
+def write_to_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each token's K/V in its slot.
+
+    Args:
+        key, value: ``[T, num_kv_heads * head_dim]``.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: ``[T]`` int, non-negative slots.
+    """
+    _, num_blocks, block_size, h, d = kv_cache.shape
+    slots = slot_mapping.long()
+    kv_cache[0].view(num_blocks * block_size, h, d).index_copy_(0, slots, key.view(-1, h, d))
+    kv_cache[1].view(num_blocks * block_size, h, d).index_copy_(0, slots, value.view(-1, h, d))
+
+
+def gather_kv(
+    cache: torch.Tensor, block_ids: torch.Tensor, length: int
+) -> torch.Tensor:
+    """The first ``length`` tokens of K or V through a block table row (or rows).
+
+    Args:
+        cache: ``[num_blocks, block_size, H, D]``.
+        block_ids: ``[nb]`` or ``[B, nb]`` int block ids covering ``length`` tokens.
+        length: tokens to return.
+
+    Returns:
+        ``[length, H, D]`` or ``[B, length, H, D]``.
+    """
+    blocks = cache[block_ids.long()]  # [..., nb, bs, H, D]
+    shape = blocks.shape
+    flat = blocks.reshape(*shape[:-4], shape[-4] * shape[-3], *shape[-2:])
+    return flat[..., :length, :, :]
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """Softmax attention with GQA. q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, mask
+    broadcastable to ``[B, H, Lq, Lk]`` (True = attend)."""
+    group = q.shape[1] // k.shape[1]
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=group > 1
+        )
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if is_causal:
+        lq, lk = scores.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+
+
+class TorchAttentionImpl(AttentionImpl):
+    """Paged attention in torch ops (see module docstring)."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = metadata.num_actual_tokens
+        write_to_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+        out = torch.zeros_like(query)
+        q = query[:n].view(n, self.num_heads, self.head_dim)
+        o = out[:n].view(n, self.num_heads, self.head_dim)
+        plan = _batch_plan(metadata)
+        if plan["decode_reqs"].numel():
+            o[plan["decode_tokens"]] = self._decode(q, kv_cache, metadata, plan)
+        starts = plan["starts"]
+        seq_lens = plan["seq_lens"]
+        for i in plan["prefill_reqs"]:
+            s, e = starts[i], starts[i + 1]
+            o[s:e] = self._prefill(q[s:e], kv_cache, metadata.block_table[i], seq_lens[i])
+        return out
+
+    def _window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """True where a query at ``q_pos`` may see a key at ``k_pos`` (causal + window)."""
+        mask = k_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= k_pos > q_pos - self.sliding_window
+        return mask
+
+    def _prefill(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+    ) -> torch.Tensor:
+        q_len = q.shape[0]
+        bs = kv_cache.shape[2]
+        nb = -(-seq_len // bs)
+        k = gather_kv(kv_cache[0], block_ids[:nb], seq_len)
+        v = gather_kv(kv_cache[1], block_ids[:nb], seq_len)
+        qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        if q_len == seq_len and self.sliding_window is None:
+            out = _attend(qt, kt, vt, None, self.scale, self.logits_soft_cap, is_causal=True)
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            mask = self._window_mask(q_pos, k_pos)
+            out = _attend(qt, kt, vt, mask, self.scale, self.logits_soft_cap)
+        return out.squeeze(0).transpose(0, 1)
+
+    def _decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, plan: dict
+    ) -> torch.Tensor:
+        reqs = plan["decode_reqs"]
+        lens = plan["decode_seq_lens"]
+        max_len = plan["decode_max_len"]
+        bs = kv_cache.shape[2]
+        nb = -(-max_len // bs)
+        block_ids = metadata.block_table[reqs, :nb]
+        k = gather_kv(kv_cache[0], block_ids, max_len).transpose(1, 2)  # [B, Hkv, L, D]
+        v = gather_kv(kv_cache[1], block_ids, max_len).transpose(1, 2)
+        qd = q[plan["decode_tokens"]].unsqueeze(2)  # [B, H, 1, D]
+        k_pos = torch.arange(max_len, device=q.device)[None, :]
+        mask = self._window_mask((lens - 1)[:, None], k_pos)[:, None, None, :]
+        return _attend(qd, k, v, mask, self.scale, self.logits_soft_cap).squeeze(2)
+
+
+def _batch_plan(metadata: AttentionMetadata) -> dict:
+    """Split the batch into decode and prefill requests, once per step (cached on the
+    metadata object, since every layer needs the same split)."""
+    plan = getattr(metadata, "_torch_plan", None)
+    if plan is not None:
+        return plan
+    starts = metadata.query_start_loc_cpu.tolist()
+    seq_lens = metadata.seq_lens_cpu.tolist()
+    num_reqs = metadata.num_reqs
+    decode = [i for i in range(num_reqs) if starts[i + 1] - starts[i] == 1]
+    prefill = [i for i in range(num_reqs) if starts[i + 1] - starts[i] > 1]
+    device = metadata.block_table.device
+    plan = {
+        "starts": starts,
+        "seq_lens": seq_lens,
+        "prefill_reqs": prefill,
+        "decode_reqs": torch.tensor(decode, dtype=torch.long, device=device),
+        "decode_tokens": torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
+        "decode_seq_lens": torch.tensor([seq_lens[i] for i in decode], device=device),
+        "decode_max_len": max((seq_lens[i] for i in decode), default=0),
+    }
+    metadata._torch_plan = plan  # type: ignore[attr-defined]
+    return plan
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The torch reference backend (CPU, and the test oracle for GPU kernels)."""
+
+    name = "torch"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TorchAttentionImpl

@@ -1,0 +1,71 @@
+"""The attention layer models use: holds its layer's KV cache and calls the backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer.
+
+    ``forward(q [T, H*D], k [T, Hkv*D], v [T, Hkv*D], metadata) -> [T, H*D]``. The model
+    runner binds ``kv_cache`` (``[2, num_blocks, block_size, Hkv, D]``) before the first
+    forward (see ``bind_kv_caches``).
+
+    Args:
+        num_heads, head_dim, num_kv_heads: head layout on this rank.
+        scale: softmax scale.
+        layer_idx: index of the layer (which KV cache tensor it owns).
+        backend: the attention backend class.
+        sliding_window: window in tokens for local-attention layers, else None.
+        logits_soft_cap: attention-score soft cap, else None.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        layer_idx: int,
+        backend: type[AttentionBackend],
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.impl = backend.get_impl_cls()(
+            num_heads, head_dim, scale, num_kv_heads, sliding_window, logits_soft_cap
+        )
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError(f"layer {self.layer_idx} has no KV cache bound")
+        return self.impl.forward(query, key, value, self.kv_cache, metadata)
+
+
+def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
+    """Give each Attention layer of ``model`` its KV cache tensor, by ``layer_idx``.
+
+    Raises:
+        ValueError: the number of caches differs from the number of attention layers.
+    """
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if len(layers) != len(kv_caches):
+        raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
+    for layer in layers:
+        layer.kv_cache = kv_caches[layer.layer_idx]

@@ -1,0 +1,54 @@
+"""Token embedding and the LM head (tied to the embedding or separate)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.model.layers.linear import default_weight_loader
+
+
+class VocabEmbedding(nn.Module):
+    """Token id -> vector. ``forward(ids [T] int) -> [T, embedding_dim]``.
+
+    Args:
+        num_embeddings: vocabulary size.
+        embedding_dim: hidden size.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, embedding_dim), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(VocabEmbedding):
+    """Hidden states -> logits over the vocabulary: ``[N, H] -> [N, V]``.
+
+    When ``tie_word_embeddings`` is set the model points ``weight`` at the embedding's.
+    ``soft_cap`` (Gemma 2/3) applies ``cap * tanh(logits / cap)``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, soft_cap: float | None = None):
+        super().__init__(num_embeddings, embedding_dim)
+        self.soft_cap = soft_cap
+
+    def tie_to(self, embedding: VocabEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits = F.linear(hidden_states, self.weight)
+        if self.soft_cap:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        return logits

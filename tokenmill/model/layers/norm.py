@@ -1,0 +1,42 @@
+"""RMSNorm (Zhang & Sennrich 2019), optionally fused with the residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32.
+
+    ``forward(x, residual)`` with a residual first adds it (``x = x + residual``) and returns
+    ``(normed, new_residual)``, the pre-norm transformer pattern, so the add and the norm
+    can be one fused kernel on the GPU.
+
+    Args:
+        hidden_size: size of the last dimension.
+        eps: added to the mean square.
+        offset: 1.0 for Gemma, whose weights are stored as ``weight - 1``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.offset = offset
+        self.hidden_size = hidden_size
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float() + self.offset if self.offset else self.weight.float()
+        return (x * w).to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,92 @@
+"""Read tensors from a GGUF file (llama.cpp's format), dequantized to float32.
+
+Tensor names are mapped from llama.cpp's (``blk.0.attn_q.weight``) to Hugging Face's
+(``model.layers.0.self_attn.q_proj.weight``) with the ``gguf`` package's own name table,
+restricted to the names the model expects. llama.cpp's converter permutes the rows of Q and
+K for Llama-architecture files (so its GPT-J-style RoPE matches); that permutation is undone
+here so the Hugging Face (NeoX-style) layout comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from tokenmill.model.loader.hf_config import ModelLoadError
+
+# llama.cpp architectures whose converter permutes Q/K rows.
+PERMUTED_QK_ARCHS = ("llama", "mistral")
+
+
+def _arch_enum(arch: str):
+    import gguf
+
+    for enum, name in gguf.MODEL_ARCH_NAMES.items():
+        if name == arch:
+            return enum
+    raise ModelLoadError(f"the gguf package does not know architecture {arch!r}")
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's ``reshape(n_head, 2, d/2, ...).swapaxes(1, 2)`` on Q/K rows.
+
+    Args:
+        w: ``[n_head * head_dim, ...]`` (weight or bias) in llama.cpp's row order.
+        n_head: heads in this projection (KV heads for K).
+    """
+    shape = w.shape
+    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def iterate_gguf(
+    path: str,
+    hf_names: Iterable[str],
+    num_heads: int,
+    num_kv_heads: int,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor of the GGUF file.
+
+    Args:
+        path: the ``.gguf`` file.
+        hf_names: the Hugging Face checkpoint names the model expects (used to invert
+            llama.cpp's naming).
+        num_heads, num_kv_heads: to undo the Q/K row permutation.
+
+    Raises:
+        ModelLoadError: unreadable file, or a tensor with no known Hugging Face name.
+    """
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    arch = str(reader.fields["general.architecture"].contents())
+    num_blocks = int(reader.fields[f"{arch}.block_count"].contents())
+    name_map = gguf.get_tensor_name_map(_arch_enum(arch), num_blocks)
+    to_hf: dict[str, str] = {}
+    for hf_name in hf_names:
+        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is not None:
+            to_hf[gguf_name] = hf_name
+    permute = arch in PERMUTED_QK_ARCHS
+    for t in reader.tensors:
+        hf_name = to_hf.get(t.name)
+        if hf_name is None:
+            if t.name in ("rope_freqs.weight",):  # llama3 rope factors: we compute them
+                continue
+            raise ModelLoadError(f"{path}: tensor {t.name!r} has no Hugging Face equivalent")
+        try:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
+        data = np.asarray(data, dtype=np.float32)
+        if permute and ".q_proj." in hf_name:
+            data = unpermute_qk(data, num_heads)
+        elif permute and ".k_proj." in hf_name:
+            data = unpermute_qk(data, num_kv_heads)
+        if not data.flags.writeable or not data.flags.c_contiguous:
+            data = np.array(data, copy=True)  # an mmap view of an unquantized tensor
+        yield hf_name, torch.from_numpy(data)

@@ -1,0 +1,109 @@
+"""Build a model on its device and fill its weights from safetensors, GGUF or dummy values."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from tokenmill.config import LoadConfig, ModelConfig
+from tokenmill.model.attention.backend import AttentionBackend
+from tokenmill.model.loader.hf_config import ModelLoadError
+from tokenmill.model.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def expected_checkpoint_names(model: nn.Module) -> list[str]:
+    """Hugging Face checkpoint names that would fill ``model`` (merged params expanded)."""
+    names = []
+    mapping = getattr(model, "stacked_params_mapping", [])
+    for name, _ in model.named_parameters():
+        parts = [(p, c) for p, c, _ in mapping if f".{p}." in name]
+        if parts:
+            names += [name.replace(f".{p}.", f".{c}.") for p, c in parts]
+        else:
+            names.append(name)
+    if "lm_head.weight" not in names:
+        names.append("lm_head.weight")
+    return names
+
+
+def resolve_load_format(model_config: ModelConfig, load_config: LoadConfig) -> str:
+    fmt = load_config.load_format
+    if fmt == "auto":
+        return "gguf" if model_config.is_gguf else "safetensors"
+    if fmt == "gguf" and not model_config.is_gguf:
+        raise ModelLoadError(f"--load-format gguf needs a .gguf file, got {model_config.model}")
+    if fmt == "safetensors" and model_config.is_gguf:
+        raise ModelLoadError(f"{model_config.model} is a GGUF file, not safetensors")
+    return fmt
+
+
+def get_model(
+    model_config: ModelConfig,
+    load_config: LoadConfig,
+    device: torch.device,
+    backend: type[AttentionBackend],
+) -> nn.Module:
+    """Build the model on ``device`` in the configured dtype and load its weights.
+
+    Parameters are created on the target device, so weights are copied straight there
+    (tensor by tensor from memory-mapped files).
+
+    Raises:
+        ModelLoadError: missing/corrupt files or tensors (names the file and tensor).
+        UnsupportedArchitectureError: the architecture is not implemented.
+    """
+    from tokenmill.model.loader.weights import initialize_dummy_weights
+
+    fmt = resolve_load_format(model_config, load_config)
+    model_cls = get_model_class(model_config.architecture)
+    start = time.perf_counter()
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype(model_config.dtype))
+    try:
+        with torch.device(device):
+            model = model_cls(model_config, backend)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    model.eval().requires_grad_(False)
+    with torch.no_grad():
+        if fmt == "dummy":
+            initialize_dummy_weights(model, seed=model_config.seed)
+        elif fmt == "gguf":
+            from tokenmill.model.loader.gguf_loader import iterate_gguf
+
+            hf = model_config.hf_config
+            weights = iterate_gguf(
+                model_config.model,
+                expected_checkpoint_names(model),
+                hf.num_attention_heads,
+                hf.get("num_key_value_heads", hf.num_attention_heads),
+            )
+            model.load_weights(weights, source=model_config.model)
+        else:
+            from tokenmill.model.loader.safetensors_loader import (
+                iterate_safetensors,
+                list_safetensors_files,
+            )
+
+            files = list_safetensors_files(model_config.model)
+            model.load_weights(iterate_safetensors(files), source=model_config.model)
+    logger.info(
+        "Loaded %s (%s, %s weights) on %s in %.1f s",
+        model_config.architecture,
+        model_config.dtype,
+        fmt,
+        device,
+        time.perf_counter() - start,
+    )
+    return model

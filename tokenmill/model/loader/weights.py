@@ -1,0 +1,107 @@
+"""Put checkpoint tensors into a model's parameters (one generic loader for every model).
+
+A model declares how checkpoint names map onto its merged parameters
+(``stacked_params_mapping``: ``(our_param_part, checkpoint_part, shard_id)``); each
+parameter's ``weight_loader`` slices and copies (and, with tensor parallelism, shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.model.layers.linear import WeightShapeError, default_weight_loader
+from tokenmill.model.loader.hf_config import ModelLoadError
+
+# Checkpoint tensors that hold no weights (buffers transformers used to save).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def load_model_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked_params_mapping: list[tuple[str, str, str | int]],
+    skip: tuple[str, ...] = (),
+    source: str = "checkpoint",
+) -> None:
+    """Load ``(name, tensor)`` pairs into ``model``.
+
+    Args:
+        model: the model; parameter names follow Hugging Face's checkpoint names except
+            for the merged parameters named in ``stacked_params_mapping``.
+        weights: checkpoint tensors by Hugging Face name (any dtype; converted on copy).
+        stacked_params_mapping: ``(merged_part, checkpoint_part, shard_id)`` triples.
+        skip: checkpoint names to ignore (e.g. ``lm_head.weight`` with tied embeddings).
+        source: the file(s) the tensors come from, for error messages.
+
+    Raises:
+        ModelLoadError: a tensor has the wrong shape, a checkpoint tensor matches no
+            parameter, or a parameter got no tensor. The message names the tensor.
+    """
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        param._tm_name = name  # type: ignore[attr-defined]
+    expected_shards: dict[str, set] = {}
+    for part, ckpt_part, shard_id in stacked_params_mapping:
+        for name in params:
+            if f".{part}." in name or name.startswith(f"{part}."):
+                expected_shards.setdefault(name, set()).add(shard_id)
+    loaded: dict[str, set] = {}
+    for ckpt_name, tensor in weights:
+        if ckpt_name in skip or ckpt_name.endswith(IGNORED_SUFFIXES):
+            continue
+        name, shard_id = ckpt_name, None
+        for part, ckpt_part, sid in stacked_params_mapping:
+            if f".{ckpt_part}." in ckpt_name:
+                candidate = ckpt_name.replace(f".{ckpt_part}.", f".{part}.")
+                if candidate in params:
+                    name, shard_id = candidate, sid
+                    break
+        param = params.get(name)
+        if param is None:
+            raise ModelLoadError(
+                f"{source}: tensor {ckpt_name!r} does not belong to any parameter of "
+                f"{type(model).__name__}"
+            )
+        loader = getattr(param, "weight_loader", None)
+        try:
+            if loader is None:
+                default_weight_loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except WeightShapeError as e:
+            raise ModelLoadError(f"{source}: tensor {ckpt_name!r}: {e}") from e
+        loaded.setdefault(name, set()).add(shard_id)
+    missing = []
+    for name in params:
+        got = loaded.get(name)
+        if got is None:
+            missing.append(name)
+        elif name in expected_shards and None not in got and got != expected_shards[name]:
+            missing.append(f"{name} (shards {sorted(map(str, expected_shards[name] - got))})")
+    if missing:
+        raise ModelLoadError(
+            f"{source}: no weights for {len(missing)} parameter(s) of {type(model).__name__}: "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+        )
+
+
+def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3,
+                             high: float = 1e-3) -> None:
+    """Fill every parameter with uniform random values from ``seed`` (no file is read).
+
+    For benchmarks: speed does not depend on weight values. Small values keep activations
+    finite in any dtype.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.device.type == "cpu":
+                param.uniform_(low, high, generator=generator)
+            else:
+                # Draw on the device: a host round trip of 16 GB would dominate start-up.
+                gen = torch.Generator(device=param.device).manual_seed(seed)
+                seed += 1
+                param.uniform_(low, high, generator=gen)
