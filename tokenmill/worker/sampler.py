@@ -1,0 +1,399 @@
+"""The batched sampler: logits processors, penalties, truncation, seeded sampling, logprobs.
+
+One ``Sampler.forward`` turns the logits of the ``B`` rows that sample this step into one token
+per row, vectorised across rows (per-row parameters are tensors, not Python loops) and free of
+host-device syncs: branches depend on ``SamplingMetadata``'s Python flags only.
+
+Order of operations:
+
+1. Logprobs returned to users are those of the model's raw distribution: ``log_softmax`` of the
+   logits in float32 before any processing (vLLM's default ``--logprobs-mode raw_logprobs``).
+2. Processing, on float32 logits: allowed_token_ids mask, logit_bias (added), min_tokens (stop
+   and EOS ids set to -inf), repetition penalty (CTRL, Keskar et al. 2019, arXiv:1909.05858:
+   over prompt and output tokens, positive logits divided, negative ones multiplied), frequency
+   and presence penalties (OpenAI API reference: over output tokens only,
+   ``logit -= frequency * count + presence * (count > 0)``).
+3. Greedy rows: argmax of the processed logits.
+4. Random rows: divide by temperature; min-p (drop tokens whose probability is below
+   ``min_p`` times the largest; Nguyen et al. 2024, arXiv:2407.01082); top-k; top-p (nucleus
+   sampling, Holtzman et al. 2019, arXiv:1904.09751: the smallest set of most likely tokens
+   whose probability reaches ``top_p``); then one draw per row by the exponential race:
+   ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` i.i.d. picks token i with probability p_i,
+   because ``E_i / p_i ~ Exp(p_i)`` and the minimum of independent exponentials is the i-th
+   with probability ``p_i / sum(p)``; it is the Gumbel-max trick (Gumbel 1954; Maddison et al.
+   2014, "A* Sampling") with ``-log E`` as the Gumbel noise, and needs no sync, unlike
+   ``torch.multinomial``.
+5. Seeds: a row with ``SamplingParams.seed`` draws its noise from a generator seeded by
+   ``step_seed(seed, num_output_tokens)``; other rows share torch's default generator.
+6. Logprobs for the rows that asked (see ``LogprobsTensors``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.core.engine_io import LogprobsLists
+from tokenmill.worker.sampling_metadata import SamplingMetadata
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of ``N`` positions (batch rows or prompt positions), still on the device.
+
+    Attributes:
+        token_ids: [N, K+1] int64: the chosen token, then the top-K tokens in descending
+            probability.
+        logprobs: [N, K+1] float32: natural-log probabilities of ``token_ids``.
+        ranks: [N] int64: 1-based rank of the chosen token (1 + the number of tokens with a
+            strictly larger logprob).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+
+    def to_lists(
+        self, row_ranges: Sequence[tuple[int, int]], num_logprobs: Sequence[int]
+    ) -> list[LogprobsLists]:
+        """Copy to the host once and cut into one LogprobsLists per range.
+
+        Args:
+            row_ranges: per output, the rows ``[start, end)`` it covers (one row per sampled
+                token; the prompt positions of one request for prompt logprobs).
+            num_logprobs: per output, how many top logprobs to keep (``-1``: all K); each
+                row keeps the chosen token and that many top-K entries.
+
+        Returns:
+            One LogprobsLists per range, in order.
+
+        Raises:
+            ValueError: the two sequences differ in length.
+        """
+        if len(row_ranges) != len(num_logprobs):
+            raise ValueError(
+                f"{len(row_ranges)} row ranges but {len(num_logprobs)} logprob counts."
+            )
+        width = self.token_ids.shape[1]
+        # NOTE: float64 holds int64 token ids and ranks (< 2**53) and float32 logprobs exactly,
+        # so one packed tensor means one device->host copy and one sync for the whole batch.
+        packed = torch.cat(
+            [self.token_ids.double(), self.logprobs.double(), self.ranks.double()[:, None]], dim=1
+        ).cpu()
+        token_ids = packed[:, :width].long().tolist()
+        logprobs = packed[:, width : 2 * width].tolist()
+        ranks = packed[:, -1].long().tolist()
+        out = []
+        for (start, end), n in zip(row_ranges, num_logprobs, strict=True):
+            keep = width if n < 0 else n + 1
+            out.append(
+                LogprobsLists(
+                    [ids[:keep] for ids in token_ids[start:end]],
+                    [lps[:keep] for lps in logprobs[start:end]],
+                    ranks[start:end],
+                )
+            )
+        return out
+
+    def to_lists_per_row(self, num_logprobs: Sequence[int | None]) -> list[LogprobsLists | None]:
+        """One single-position LogprobsLists per row; None for rows whose count is None."""
+        wanted = [i for i, n in enumerate(num_logprobs) if n is not None]
+        lists = self.to_lists([(i, i + 1) for i in wanted], [num_logprobs[i] for i in wanted])
+        out: list[LogprobsLists | None] = [None] * len(num_logprobs)
+        for i, row_lists in zip(wanted, lists, strict=True):
+            out[i] = row_lists
+        return out
+
+
+@dataclass
+class SamplerOutput:
+    """What the sampler returns for a batch of ``B`` rows.
+
+    Attributes:
+        sampled_token_ids: [B] int64, one token per row.
+        logprobs: logprobs of the raw distribution with K = ``max_num_logprobs``, or None
+            when no row asked for them.
+    """
+
+    sampled_token_ids: torch.Tensor
+    logprobs: LogprobsTensors | None
+
+
+class Sampler(torch.nn.Module):
+    """Samples one token per row from a batch of logits (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # One reusable generator per device for seeded rows: reseeding is cheap, creating
+        # CUDA generators every step is not.
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: [B, V], any float dtype; not modified.
+            metadata: the batch's parameters, built for the same B and V.
+
+        Returns:
+            SamplerOutput with [B] int64 tokens and, if asked for, the raw logprobs.
+        """
+        logits = logits.float()
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = apply_logits_processors(logits, metadata)
+        if metadata.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample_random(logits, metadata)
+            if metadata.greedy_mask is not None:
+                sampled = torch.where(metadata.greedy_mask, logits.argmax(dim=-1), sampled)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled, logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """[B] int64 tokens drawn from the truncated, temperature-scaled distribution."""
+        logits = logits / metadata.temperature[:, None]
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        if metadata.top_p is not None:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
+        elif metadata.top_k is not None:
+            logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
+        probs = torch.softmax(logits, dim=-1)
+        noise = self._exponential_noise(probs, metadata.seeds)
+        return (probs / noise).argmax(dim=-1)
+
+    def _exponential_noise(self, probs: torch.Tensor, seeds: dict[int, int] | None) -> torch.Tensor:
+        """[B, V] float32 Exp(1) noise; seeded rows get their own stream (the one Python loop)."""
+        noise = torch.empty_like(probs).exponential_()
+        if seeds:
+            generator = self._generator(probs.device)
+            for row, seed in seeds.items():
+                generator.manual_seed(seed)
+                noise[row].exponential_(generator=generator)
+        # NOTE: some torch versions can return an exact 0 from exponential_; 0 would turn
+        # p/E into inf or nan. The smallest normal float keeps p/E finite for every p <= 1.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device]
+
+
+def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Masks, logit_bias and penalties (step 2 of the module docstring), out of place.
+
+    Args:
+        logits: [B, V] float32.
+        metadata: the batch's parameters.
+
+    Returns:
+        [B, V] float32 processed logits (``logits`` itself when nothing applies).
+    """
+    if metadata.allowed_token_mask is not None:
+        logits = logits.masked_fill(~metadata.allowed_token_mask, _NEG_INF)
+    if metadata.logit_bias is not None:
+        rows, tokens, values = metadata.logit_bias
+        logits = logits.index_put((rows, tokens), values, accumulate=True)
+    if metadata.min_tokens_mask is not None:
+        rows, tokens = metadata.min_tokens_mask
+        # NOTE: a device-side fill; a Python scalar as the value would be a host copy.
+        neg_inf = torch.full(rows.shape, _NEG_INF, dtype=logits.dtype, device=logits.device)
+        logits = logits.index_put((rows, tokens), neg_inf)
+    if metadata.repetition_penalties is not None:
+        logits = apply_repetition_penalty(
+            logits,
+            metadata.repetition_penalties,
+            metadata.prompt_token_ids,
+            metadata.output_token_ids,
+        )
+    if metadata.frequency_penalties is not None:
+        logits = apply_frequency_presence_penalties(
+            logits,
+            metadata.frequency_penalties,
+            metadata.presence_penalties,
+            metadata.output_token_ids,
+        )
+    return logits
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor,
+    penalties: torch.Tensor,
+    prompt_token_ids: torch.Tensor,
+    output_token_ids: torch.Tensor,
+) -> torch.Tensor:
+    """CTRL repetition penalty (Keskar et al. 2019, arXiv:1909.05858).
+
+    Tokens seen in the prompt or output have positive logits divided by the penalty and
+    negative ones multiplied by it (both lower the token when the penalty is above 1).
+
+    Args:
+        logits: [B, V] float32.
+        penalties: [B] float32, 1.0 for rows without the penalty.
+        prompt_token_ids: [B, Lp] int64, padded with V.
+        output_token_ids: [B, Lo] int64, padded with V.
+
+    Returns:
+        [B, V] float32.
+    """
+    batch, vocab = logits.shape
+    seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, prompt_token_ids, True)
+    seen.scatter_(1, output_token_ids, True)
+    seen = seen[:, :vocab]
+    penalty = penalties[:, None]
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def apply_frequency_presence_penalties(
+    logits: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    presence_penalties: torch.Tensor,
+    output_token_ids: torch.Tensor,
+) -> torch.Tensor:
+    """OpenAI frequency and presence penalties over the output tokens.
+
+    ``logit[j] -= frequency * count[j] + presence * (count[j] > 0)`` (OpenAI API reference,
+    "Frequency and presence penalties").
+
+    Args:
+        logits: [B, V] float32.
+        frequency_penalties: [B] float32.
+        presence_penalties: [B] float32.
+        output_token_ids: [B, Lo] int64, padded with V.
+
+    Returns:
+        [B, V] float32.
+    """
+    batch, vocab = logits.shape
+    counts = torch.zeros(batch, vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, output_token_ids, torch.ones_like(output_token_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab]
+    return (
+        logits
+        - frequency_penalties[:, None] * counts
+        - presence_penalties[:, None] * (counts > 0).to(logits.dtype)
+    )
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's largest.
+
+    Args:
+        logits: [B, V] float32 (temperature already applied).
+        min_p: [B] float32, 0.0 for rows without min-p.
+
+    Returns:
+        [B, V] float32 with dropped tokens at -inf.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest logits (exactly k, ties broken by ``torch.topk``).
+
+    Args:
+        logits: [B, V] float32.
+        top_k: [B] int64 in [1, V].
+        max_top_k: ``top_k.max()`` as a Python int (no sync).
+
+    Returns:
+        [B, V] float32 with the others at -inf.
+    """
+    _, top_ids = logits.topk(max_top_k, dim=-1)
+    in_row_k = torch.arange(max_top_k, device=logits.device)[None, :] < top_k[:, None]
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top_ids, in_row_k)
+    return logits.masked_fill(~keep, _NEG_INF)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor,
+    max_top_k: int | None = None,
+) -> torch.Tensor:
+    """Top-k, then nucleus (top-p) truncation (Holtzman et al. 2019), with one sort.
+
+    A token survives top-p when the probability of the tokens ranked above it is below
+    ``top_p``: the kept set is the smallest prefix of the sorted tokens whose probability
+    reaches ``top_p``, and always holds the most likely token. Top-p sees the distribution
+    renormalised over what top-k kept.
+
+    Args:
+        logits: [B, V] float32.
+        top_k: [B] int64 in [1, V], or None.
+        top_p: [B] float32 in (0, 1]; rows at 1.0 keep everything top-k kept.
+        max_top_k: ``top_k.max()`` as a Python int; below V, only that many columns are
+            sorted (``torch.topk``), much cheaper than sorting the vocabulary.
+
+    Returns:
+        [B, V] float32 with the dropped tokens at -inf.
+    """
+    vocab = logits.shape[1]
+    if top_k is not None and max_top_k is not None and max_top_k < vocab:
+        sorted_logits, sorted_ids = logits.topk(max_top_k, dim=-1)
+    else:
+        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        position = torch.arange(sorted_logits.shape[1], device=logits.device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(position >= top_k[:, None], _NEG_INF)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # NOTE: rounding can push mass_above past 1.0 at the tail; rows at 1.0 must keep all.
+    drop = (mass_above >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.full_like(logits, _NEG_INF).scatter_(1, sorted_ids, sorted_logits)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, chosen_token_ids: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """The chosen token's logprob and rank, and the top-K logprobs of each row.
+
+    Args:
+        logprobs: [N, V] float32 log-probabilities.
+        chosen_token_ids: [N] int64.
+        num_logprobs: K >= 0, or -1 for the whole vocabulary.
+
+    Returns:
+        LogprobsTensors with [N, K+1] token ids and logprobs, [N] ranks.
+    """
+    k = logprobs.shape[1] if num_logprobs < 0 else num_logprobs
+    chosen = chosen_token_ids[:, None]
+    chosen_logprobs = logprobs.gather(1, chosen)
+    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    return LogprobsTensors(
+        token_ids=torch.cat([chosen, top_ids], dim=1),
+        logprobs=torch.cat([chosen_logprobs, top_logprobs], dim=1),
+        ranks=ranks,
+    )
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
+) -> LogprobsTensors:
+    """Logprobs of prompt tokens: the raw distribution at each position and its next token.
+
+    Args:
+        logits: [N, V], any float dtype: the model's logits at N prompt positions.
+        next_token_ids: [N] int64: the prompt token that follows each position.
+        k: top logprobs per position (``-1``: the whole vocabulary).
+
+    Returns:
+        LogprobsTensors with the next prompt token as the chosen one.
+    """
+    return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), next_token_ids, k)

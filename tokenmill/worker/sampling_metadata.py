@@ -1,0 +1,238 @@
+"""SamplingMetadata: the sampling parameters of one step's batch, as tensors.
+
+The model runner describes each row that samples this step with a ``SamplingRow``;
+``build_sampling_metadata`` turns the rows into a ``SamplingMetadata`` whose tensors live on the
+logits' device. Every optional feature stays ``None`` unless some row uses it, so the sampler
+branches on Python flags only (no host-device syncs) and an all-greedy batch costs one argmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingRow:
+    """One row of the batch that samples a token this step.
+
+    Attributes:
+        params: the request's sampling parameters.
+        prompt_token_ids: the prompt, as token ids.
+        output_token_ids: tokens generated so far, before this step.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+@dataclass
+class SamplingMetadata:
+    """Sampling parameters of the ``B`` rows that sample this step, in batch order.
+
+    Tensors are on the logits' device. Optional fields are ``None`` when no row uses them.
+
+    Attributes:
+        temperature: [B] float32; 1.0 for greedy rows (they never divide by it).
+        all_greedy: every row decodes by argmax.
+        all_random: no row is greedy.
+        greedy_mask: [B] bool, True for greedy rows; only in mixed batches.
+        top_k: [B] int64 in [1, V]; V for rows that do not use top-k.
+        max_top_k: the largest value in ``top_k`` (a Python int, for ``torch.topk``).
+        top_p: [B] float32 in (0, 1]; 1.0 for rows that do not use it.
+        min_p: [B] float32 in [0, 1]; 0.0 for rows that do not use it.
+        presence_penalties: [B] float32; set with ``frequency_penalties``.
+        frequency_penalties: [B] float32.
+        repetition_penalties: [B] float32; 1.0 disables it for a row.
+        prompt_token_ids: [B, Lp] int64, padded with V; only with repetition penalties.
+        output_token_ids: [B, Lo] int64, padded with V; only with any penalty.
+        min_tokens_mask: (row indices, token ids), both [M] int64: stop/EOS tokens that may not
+            be sampled yet because the row has fewer than ``min_tokens`` outputs.
+        logit_bias: (row indices [N] int64, token ids [N] int64, values [N] float32).
+        allowed_token_mask: [B, V] bool, True where a token may be sampled.
+        seeds: row index -> seed of this step's noise, for rows with ``SamplingParams.seed``
+            (already mixed with the number of output tokens, see ``step_seed``).
+        num_logprobs: per row, the number of top logprobs asked for (``-1``: the whole
+            vocabulary), or None when the row asked for none.
+        max_num_logprobs: the K of the batch's logprobs tensors (``-1`` resolved to V), or None
+            when no row asked for logprobs.
+    """
+
+    temperature: torch.Tensor
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    max_top_k: int = 0
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    presence_penalties: torch.Tensor | None = None
+    frequency_penalties: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    prompt_token_ids: torch.Tensor | None = None
+    output_token_ids: torch.Tensor | None = None
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    allowed_token_mask: torch.Tensor | None = None
+    seeds: dict[int, int] | None = None
+    num_logprobs: list[int | None] | None = None
+    max_num_logprobs: int | None = None
+
+
+def step_seed(seed: int, num_output_tokens: int) -> int:
+    """The seed of a seeded row's noise at one step.
+
+    A function of the request's seed and how many tokens it has generated only, so the same
+    seed and prompt give the same tokens whatever else is in the batch, wherever the row sits
+    in it, and after preemption by recompute. Mixed with the splitmix64 finaliser (Steele, Lea
+    and Flood, "Fast Splittable Pseudorandom Number Generators", OOPSLA 2014) so that
+    neighbouring (seed, step) pairs give unrelated streams.
+
+    Returns:
+        A seed in [0, 2**63) for ``torch.Generator.manual_seed``.
+    """
+    x = (seed * 0x9E3779B97F4A7C15 + num_output_tokens + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+def build_sampling_metadata(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+) -> SamplingMetadata:
+    """Build the tensors the sampler needs for ``rows``.
+
+    Args:
+        rows: the rows that sample this step, in batch order (at least one).
+        vocab_size: V, the width of the logits.
+        device: where the logits are.
+
+    Returns:
+        The batch's SamplingMetadata; token ids outside [0, V) must have been rejected
+        before (``SamplingParams.verify_for_model``).
+    """
+    params = [row.params for row in rows]
+    greedy = [p.sampling_type_greedy for p in params]
+    all_greedy, all_random = all(greedy), not any(greedy)
+    temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+    meta = SamplingMetadata(
+        temperature=_floats(temperature, device),
+        all_greedy=all_greedy,
+        all_random=all_random,
+    )
+    if not (all_greedy or all_random):
+        meta.greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+    if not all_greedy:
+        _add_truncation(meta, params, vocab_size, device)
+        meta.seeds = {
+            i: step_seed(row.params.seed, len(row.output_token_ids))
+            for i, row in enumerate(rows)
+            if row.params.seed is not None and not greedy[i]
+        } or None
+    _add_penalties(meta, rows, vocab_size, device)
+    _add_masks(meta, rows, vocab_size, device)
+    num_logprobs = [p.logprobs for p in params]
+    if any(n is not None for n in num_logprobs):
+        meta.num_logprobs = num_logprobs
+        meta.max_num_logprobs = max(
+            vocab_size if n == -1 else n for n in num_logprobs if n is not None
+        )
+    return meta
+
+
+def _floats(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _add_truncation(
+    meta: SamplingMetadata, params: list[SamplingParams], vocab_size: int, device: torch.device
+) -> None:
+    """top-k, top-p and min-p; greedy rows have them disabled by SamplingParams already."""
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    if any(k < vocab_size for k in top_k):
+        meta.top_k = torch.tensor(top_k, dtype=torch.int64, device=device)
+        meta.max_top_k = max(top_k)
+    if any(p.top_p < 1.0 for p in params):
+        meta.top_p = _floats([p.top_p for p in params], device)
+    if any(p.min_p > 0.0 for p in params):
+        meta.min_p = _floats([p.min_p for p in params], device)
+
+
+def _add_penalties(
+    meta: SamplingMetadata, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+) -> None:
+    params = [row.params for row in rows]
+    use_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    use_additive = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+    if not (use_repetition or use_additive):
+        return
+    meta.output_token_ids = _pad_2d([row.output_token_ids for row in rows], vocab_size, device)
+    if use_repetition:
+        meta.repetition_penalties = _floats([p.repetition_penalty for p in params], device)
+        meta.prompt_token_ids = _pad_2d([row.prompt_token_ids for row in rows], vocab_size, device)
+    if use_additive:
+        meta.presence_penalties = _floats([p.presence_penalty for p in params], device)
+        meta.frequency_penalties = _floats([p.frequency_penalty for p in params], device)
+
+
+def _add_masks(
+    meta: SamplingMetadata, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+) -> None:
+    """min_tokens, logit_bias and allowed_token_ids, as sparse (row, token) index lists."""
+    stop_rows: list[int] = []
+    stop_tokens: list[int] = []
+    bias_rows: list[int] = []
+    bias_tokens: list[int] = []
+    bias_values: list[float] = []
+    allowed_rows: list[int] = []
+    allowed_row_of_token: list[int] = []
+    allowed_tokens: list[int] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.output_token_ids) < p.min_tokens:
+            ids = p.all_stop_token_ids
+            stop_rows += [i] * len(ids)
+            stop_tokens += ids
+        if p.logit_bias:
+            bias_rows += [i] * len(p.logit_bias)
+            bias_tokens += p.logit_bias.keys()
+            bias_values += p.logit_bias.values()
+        if p.allowed_token_ids is not None:
+            allowed_rows.append(i)
+            allowed_row_of_token += [i] * len(p.allowed_token_ids)
+            allowed_tokens += p.allowed_token_ids
+    if stop_rows:
+        meta.min_tokens_mask = (_longs(stop_rows, device), _longs(stop_tokens, device))
+    if bias_rows:
+        meta.logit_bias = (
+            _longs(bias_rows, device),
+            _longs(bias_tokens, device),
+            _floats(bias_values, device),
+        )
+    if allowed_rows:
+        mask = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)
+        mask[_longs(allowed_rows, device)] = False
+        mask[_longs(allowed_row_of_token, device), _longs(allowed_tokens, device)] = True
+        meta.allowed_token_mask = mask
+
+
+def _longs(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _pad_2d(seqs: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[len(seqs), max_len] int64, right-padded with ``pad`` (at least one column)."""
+    width = max(1, max(len(s) for s in seqs))
+    # NOTE: numpy converts each row in C; one copy to the device for the whole batch.
+    out = np.full((len(seqs), width), pad, dtype=np.int64)
+    for i, seq in enumerate(seqs):
+        out[i, : len(seq)] = seq
+    return torch.from_numpy(out).to(device)
