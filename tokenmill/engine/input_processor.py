@@ -1,0 +1,229 @@
+"""InputProcessor: a user's prompt and SamplingParams -> validated EngineCoreRequests.
+
+Text prompts are tokenized here (with the tokenizer's default special tokens, e.g. a BOS,
+as vLLM does), lengths and token ids are checked against the model, and parallel sampling
+(``n > 1`` / ``best_of``) is fanned out into child requests (see parallel_sampling.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.core.engine_io import EngineCoreRequest
+from tokenmill.engine.parallel_sampling import child_request_id, make_child_params, needs_fan_out
+from tokenmill.sampling_params import SamplingParams, SamplingParamsError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from tokenmill.config import ModelConfig
+
+# A prompt: text, token ids, or a dict with "prompt" (text) or "prompt_token_ids"
+# (optionally "cache_salt").
+PromptType = str | list[int] | dict[str, Any]
+
+
+class InvalidRequestError(ValueError):
+    """A request cannot be served as given; ``param`` names the offending field, if one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ProcessedRequest:
+    """A validated request, ready to be registered with the OutputProcessor and the core.
+
+    Attributes:
+        request_id: the user-facing id.
+        prompt: the prompt text, or None when token ids were given.
+        prompt_token_ids: the prompt's token ids.
+        params: the request's sampling parameters (a copy of the user's, with EOS ids set).
+        engine_requests: what to submit to the core: one request, or ``best_of`` children
+            with ids ``f"{i}_{request_id}"``.
+        arrival_time: ``time.time()`` when the request was accepted (seconds).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    engine_requests: list[EngineCoreRequest]
+    arrival_time: float
+
+
+class InputProcessor:
+    """Turns prompts into EngineCoreRequests, rejecting what the model cannot serve.
+
+    Args:
+        model_config: the served model (vocabulary size, context length, EOS ids).
+        tokenizer: the model's tokenizer.
+        max_logprobs: the most logprobs a request may ask for per position (-1: no limit).
+    """
+
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, max_logprobs: int
+    ) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = model_config.max_model_len
+        self.eos_token_ids = self._resolve_eos_ids()
+
+    def _resolve_eos_ids(self) -> list[int]:
+        ids = list(self.model_config.eos_token_ids)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(int(tok_eos))
+        return ids
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the defaults of the model's generation_config.json."""
+        return SamplingParams.from_generation_config(self.model_config.generation_config)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        validate_max_tokens: bool = True,
+    ) -> ProcessedRequest:
+        """Tokenize and validate one request and build its EngineCoreRequests.
+
+        Args:
+            request_id: the user-facing id (unique among live requests).
+            prompt: text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
+                (optionally with ``"cache_salt"``).
+            params: sampling parameters; not modified (the request gets a copy).
+            arrival_time: ``time.time()`` of arrival (seconds); now if None.
+            priority: scheduling priority (lower runs earlier).
+            validate_max_tokens: reject prompt + max_tokens beyond the context (the API
+                server); when False, generation just stops at the context length (offline).
+
+        Returns:
+            The ProcessedRequest.
+
+        Raises:
+            InvalidRequestError: empty prompt, token ids outside the vocabulary, prompt or
+                prompt + max_tokens longer than the context, stop strings without
+                detokenization.
+            SamplingParamsError: more logprobs than allowed, or token ids in the sampling
+                parameters outside the vocabulary.
+        """
+        text, prompt_ids, cache_salt = self._tokenize(prompt)
+        self._validate_prompt(prompt_ids, params, validate_max_tokens)
+        params = self._validate_params(params)
+        arrival = time.time() if arrival_time is None else arrival_time
+
+        def core_request(req_id: str, req_params: SamplingParams) -> EngineCoreRequest:
+            return EngineCoreRequest(
+                request_id=req_id,
+                prompt_token_ids=prompt_ids,
+                sampling_params=req_params,
+                arrival_time=arrival,
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+
+        if needs_fan_out(params):
+            assert params.best_of is not None
+            engine_requests = [
+                core_request(child_request_id(i, request_id), make_child_params(params, i))
+                for i in range(params.best_of)
+            ]
+        else:
+            engine_requests = [core_request(request_id, params)]
+        return ProcessedRequest(request_id, text, prompt_ids, params, engine_requests, arrival)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        cache_salt = None
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+            if prompt.get("prompt_token_ids") is not None:
+                return (
+                    prompt.get("prompt"),
+                    self._as_token_ids(prompt["prompt_token_ids"]),
+                    (cache_salt),
+                )
+            if "prompt" not in prompt:
+                raise InvalidRequestError(
+                    "A prompt dict needs a 'prompt' (text) or 'prompt_token_ids' key, "
+                    f"got keys {sorted(prompt)}.",
+                    "prompt",
+                )
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True), cache_salt
+        if isinstance(prompt, (list, tuple)):
+            return None, self._as_token_ids(prompt), cache_salt
+        raise InvalidRequestError(
+            f"A prompt must be a string, a list of token ids or a dict, got "
+            f"{type(prompt).__name__}.",
+            "prompt",
+        )
+
+    @staticmethod
+    def _as_token_ids(ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            raise InvalidRequestError("prompt_token_ids must be a list of integers.", "prompt")
+        return list(ids)
+
+    def _validate_prompt(
+        self, prompt_ids: list[int], params: SamplingParams, validate_max_tokens: bool
+    ) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError(
+                "The prompt is empty: it must contain at least one token.", "prompt"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"Prompt token id(s) {bad[:5]} are out of the vocabulary: the model has "
+                f"{self.vocab_size} tokens (ids 0 to {self.vocab_size - 1}).",
+                "prompt",
+            )
+        num_prompt, max_len = len(prompt_ids), self.max_model_len
+        too_long = params.max_tokens is not None and num_prompt + params.max_tokens > max_len
+        if validate_max_tokens and too_long:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the "
+                f"messages, {params.max_tokens} in the completion). Please reduce the length "
+                f"of the messages or completion.",
+                "max_tokens",
+            )
+        if num_prompt >= max_len:
+            # NOTE: a prompt of exactly max_model_len tokens leaves no position to generate in.
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, your "
+                f"prompt has {num_prompt} tokens, which leaves no room for the completion "
+                f"(at least 1 token). Please reduce the length of the prompt.",
+                "prompt",
+            )
+
+    def _validate_params(self, params: SamplingParams) -> SamplingParams:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value == -1 and 0 <= self.max_logprobs < self.vocab_size:
+                raise SamplingParamsError(
+                    f"Requested {name}=-1 (the whole vocabulary, {self.vocab_size} tokens) "
+                    f"but at most {self.max_logprobs} are allowed (--max-logprobs).",
+                    name,
+                )
+        limit = self.max_logprobs if self.max_logprobs >= 0 else self.vocab_size
+        params.verify_for_model(self.vocab_size, limit)
+        if params.stop and not params.detokenize:
+            raise InvalidRequestError(
+                "Stop strings need detokenize=True (they are matched on the text).", "stop"
+            )
+        params = params.clone()
+        params.eos_token_ids = list(self.eos_token_ids)
+        return params

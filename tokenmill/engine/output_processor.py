@@ -1,0 +1,577 @@
+"""OutputProcessor: EngineCoreOutputs -> RequestOutputs.
+
+Per engine step it detokenizes the new tokens of every request (incrementally), finds stop
+strings (the core does not see text: a request stopped here is returned for the caller to
+abort in the core), turns logprobs into ``Logprob`` dicts with decoded tokens, gathers the
+children of ``n > 1`` / ``best_of`` requests, and records latency statistics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from tokenmill.core.engine_io import EngineCoreOutput, FinishReason, LogprobsLists
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.input_processor import ProcessedRequest
+from tokenmill.engine.parallel_sampling import ParentRequest
+from tokenmill.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.tokenizer import decode_token_texts
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+class OutputQueue(Protocol):
+    """Where a request's outputs go when the caller consumes them as they come (streaming)."""
+
+    def put(self, output: RequestOutput) -> None: ...
+
+
+@dataclass
+class FinishedRequestStats:
+    """Latency figures of one engine request that finished (seconds, token counts)."""
+
+    request_id: str
+    finish_reason: str
+    e2e_latency: float  # arrival -> finish
+    queue_time: float | None  # arrival -> first scheduled (None if never scheduled)
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """What one engine step produced, for logs and Prometheus metrics.
+
+    Attributes:
+        iteration_timestamp: ``time.time()`` of the step (seconds).
+        num_prompt_tokens: prompt tokens of requests whose prefill completed this step
+            (they got their first token).
+        num_generation_tokens: output tokens produced this step.
+        time_to_first_tokens: TTFT (arrival -> first token, seconds) of each request that
+            got its first token this step.
+        inter_token_latencies: ITL (seconds since the request's previous token) of each
+            request that got a later token this step.
+        finished_requests: requests that finished this step.
+    """
+
+    iteration_timestamp: float
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass
+class OutputProcessorResult:
+    """The result of one ``process_outputs`` call.
+
+    Attributes:
+        request_outputs: outputs of requests registered without a queue.
+        reqs_to_abort: engine request ids finished here by a stop string; the caller
+            aborts them in the core.
+        iteration_stats: statistics of the step (None when stats are off).
+    """
+
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]
+    iteration_stats: IterationStats | None
+
+
+TokenDecoder = Callable[[list[int]], list[str]]
+
+
+class LogprobsProcessor:
+    """Accumulates one sequence's sample and prompt logprobs as ``Logprob`` dicts.
+
+    Args:
+        num_logprobs: top-k per output position (None: none; -1: all that are sent).
+        num_prompt_logprobs: the same for prompt positions.
+        decode: token ids -> their texts (None: no decoded tokens).
+    """
+
+    def __init__(
+        self, num_logprobs: int | None, num_prompt_logprobs: int | None, decode: TokenDecoder | None
+    ) -> None:
+        self.num_logprobs = num_logprobs
+        self.num_prompt_logprobs = num_prompt_logprobs
+        self.decode = decode
+        self.logprobs: SampleLogprobs | None = None if num_logprobs is None else []
+        self.cumulative_logprob: float | None = None if num_logprobs is None else 0.0
+        self.prompt_logprobs: PromptLogprobs | None = None if num_prompt_logprobs is None else []
+        self._sent_logprobs = 0
+        self._sent_prompt_logprobs = 0
+
+    def update(self, output: EngineCoreOutput) -> None:
+        if self.logprobs is not None and output.new_logprobs is not None:
+            assert self.num_logprobs is not None and self.cumulative_logprob is not None
+            lists = output.new_logprobs
+            self.logprobs.extend(self._convert(lists, self.num_logprobs))
+            self.cumulative_logprob += sum(row[0] for row in lists.logprobs)
+        if self.prompt_logprobs is not None and output.new_prompt_logprobs is not None:
+            assert self.num_prompt_logprobs is not None
+            if not self.prompt_logprobs:
+                # The first prompt token has no logprob: nothing precedes it.
+                self.prompt_logprobs.append(None)
+            self.prompt_logprobs.extend(
+                self._convert(output.new_prompt_logprobs, self.num_prompt_logprobs)
+            )
+
+    def _convert(self, lists: LogprobsLists, k: int) -> list[dict[int, Logprob]]:
+        """One dict per position: the chosen token (its rank) then the top k (ranks 1..k)."""
+        rows = [ids if k < 0 else ids[: k + 1] for ids in lists.token_ids]
+        texts: list[str] | None = None
+        if self.decode is not None:
+            texts = self.decode([t for ids in rows for t in ids])
+        result = []
+        offset = 0
+        for ids, lps, rank in zip(rows, lists.logprobs, lists.ranks, strict=True):
+            entry = {ids[0]: Logprob(lps[0], rank, texts[offset] if texts else None)}
+            for j in range(1, len(ids)):
+                if ids[j] not in entry:
+                    entry[ids[j]] = Logprob(lps[j], j, texts[offset + j] if texts else None)
+            result.append(entry)
+            offset += len(ids)
+        return result
+
+    def next_logprobs(self, delta: bool) -> SampleLogprobs | None:
+        """All logprobs so far (a copy), or those not returned by an earlier delta call."""
+        if self.logprobs is None:
+            return None
+        if not delta:
+            return list(self.logprobs)
+        new = self.logprobs[self._sent_logprobs :]
+        self._sent_logprobs = len(self.logprobs)
+        return new
+
+    def next_prompt_logprobs(self, delta: bool) -> PromptLogprobs | None:
+        """All prompt logprobs so far, or (delta) those not returned before (None if none)."""
+        if not self.prompt_logprobs:
+            return None
+        if not delta:
+            return list(self.prompt_logprobs)
+        new = self.prompt_logprobs[self._sent_prompt_logprobs :]
+        self._sent_prompt_logprobs = len(self.prompt_logprobs)
+        return new or None
+
+
+class RequestState:
+    """The front end's state of one engine request (a plain request or one child)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        parent_id: str | None,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_kind: RequestOutputKind,
+        arrival_time: float,
+        queue: OutputQueue | None,
+        tokenizer: PreTrainedTokenizerBase,
+        decode: TokenDecoder,
+    ) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.parent_id = parent_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.output_kind = output_kind
+        self.queue = queue
+        self.detokenize = params.detokenize
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self.logprobs = LogprobsProcessor(
+            params.logprobs, params.prompt_logprobs, decode if params.detokenize else None
+        )
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.num_cached_tokens = 0
+        self._sent_tokens = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.detokenizer.token_ids
+
+    def make_completion(
+        self,
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+        has_new_tokens: bool,
+    ) -> CompletionOutput | None:
+        """This step's CompletionOutput under the request's output kind, or None for none.
+
+        DELTA outputs carry the tokens and logprobs since the last output; a step that
+        adds no text (held back, or an incomplete character) emits nothing unless it
+        finishes the request, and its tokens go out with the next output.
+        """
+        finished = finish_reason is not None
+        kind = self.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        text = self.detokenizer.get_next_output_text(finished, delta)
+        if delta:
+            new_tokens = len(self.token_ids) > self._sent_tokens
+            progressed = bool(text) or (not self.detokenize and new_tokens)
+            if not (finished or progressed):
+                return None
+            token_ids = self.token_ids[self._sent_tokens :]
+            self._sent_tokens = len(self.token_ids)
+        else:
+            if not (finished or has_new_tokens):
+                return None
+            token_ids = list(self.token_ids)
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=self.logprobs.cumulative_logprob,
+            logprobs=self.logprobs.next_logprobs(delta),
+            finish_reason=str(finish_reason) if finished else None,
+            stop_reason=stop_reason,
+        )
+
+
+@dataclass
+class _ParentState:
+    """A parallel-sampling request as the user sees it."""
+
+    parent: ParentRequest
+    prompt: str | None
+    prompt_token_ids: list[int]
+    queue: OutputQueue | None
+    metrics: RequestMetrics
+    prompt_logprobs: LogprobsProcessor  # child 0's: only it computes prompt logprobs
+    num_cached_tokens: int = 0
+
+
+class OutputProcessor:
+    """Turns engine-core outputs into RequestOutputs for every live request.
+
+    Args:
+        tokenizer: the model's fast tokenizer.
+        log_stats: collect IterationStats each step.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, log_stats: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.log_stats = log_stats
+        self.request_states: dict[str, RequestState] = {}  # engine request id -> state
+        self.parent_states: dict[str, _ParentState] = {}  # user id -> parent
+        self._token_texts: dict[int, str] = {}
+
+    def _decode_tokens(self, token_ids: list[int]) -> list[str]:
+        """Texts of single tokens, cached (the same top-k tokens recur every step)."""
+        cache = self._token_texts
+        missing = list({t for t in token_ids if t not in cache})
+        if missing:
+            cache.update(zip(missing, decode_token_texts(self.tokenizer, missing), strict=True))
+        return [cache[t] for t in token_ids]
+
+    # ---- registration -------------------------------------------------------------------
+
+    def add_request(
+        self,
+        processed: ProcessedRequest,
+        params: SamplingParams,
+        queue: OutputQueue | None = None,
+    ) -> None:
+        """Register a request (and its children) before it is submitted to the core.
+
+        Args:
+            processed: the InputProcessor's result.
+            params: the request's sampling parameters (the user's n, best_of, logprobs,
+                output_kind).
+            queue: receives the request's outputs; without one they are returned by
+                ``process_outputs``.
+
+        Raises:
+            ValueError: a request with this id (or one of its children's ids) is live.
+        """
+        user_id = processed.request_id
+        engine_ids = [r.request_id for r in processed.engine_requests]
+        if user_id in self.parent_states or any(i in self.request_states for i in engine_ids):
+            raise ValueError(f"request id {user_id!r} is already in use by a live request")
+        fan_out = len(processed.engine_requests) > 1 or engine_ids[0] != user_id
+        parent = ParentRequest(user_id, params) if fan_out else None
+        kind = parent.child_output_kind if parent else params.output_kind
+        states = []
+        for index, req in enumerate(processed.engine_requests):
+            state = RequestState(
+                request_id=req.request_id,
+                index=index,
+                parent_id=user_id if parent else None,
+                prompt=processed.prompt,
+                prompt_token_ids=processed.prompt_token_ids,
+                params=req.sampling_params,
+                output_kind=kind,
+                arrival_time=req.arrival_time,
+                queue=queue,
+                tokenizer=self.tokenizer,
+                decode=self._decode_tokens,
+            )
+            states.append(state)
+            self.request_states[req.request_id] = state
+        if parent is not None:
+            self.parent_states[user_id] = _ParentState(
+                parent=parent,
+                prompt=processed.prompt,
+                prompt_token_ids=processed.prompt_token_ids,
+                queue=queue,
+                metrics=RequestMetrics(arrival_time=processed.arrival_time),
+                prompt_logprobs=states[0].logprobs,
+            )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Live user-facing requests (a parallel-sampling request counts once)."""
+        singles = sum(1 for s in self.request_states.values() if s.parent_id is None)
+        return singles + len(self.parent_states)
+
+    # ---- the step -----------------------------------------------------------------------
+
+    def process_outputs(
+        self,
+        engine_core_outputs: list[EngineCoreOutput],
+        engine_core_timestamp: float | None = None,
+        first_scheduled: dict[str, float] | None = None,
+    ) -> OutputProcessorResult:
+        """Process one engine step's outputs.
+
+        Args:
+            engine_core_outputs: the step's per-request outputs (unknown ids, e.g. of
+                requests already aborted, are ignored).
+            engine_core_timestamp: ``time.time()`` of the step (seconds); now if None.
+            first_scheduled: engine request id -> time it was first scheduled
+                (``EngineCoreOutputs.first_scheduled``), for queue-time metrics.
+
+        Returns:
+            The outputs not delivered to queues, the engine ids to abort, the step's stats.
+        """
+        now = time.time() if engine_core_timestamp is None else engine_core_timestamp
+        stats = IterationStats(iteration_timestamp=now) if self.log_stats else None
+        if first_scheduled:
+            self._record_scheduled(first_scheduled)
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        touched: dict[str, _ParentState] = {}
+        for output in engine_core_outputs:
+            state = self.request_states.get(output.request_id)
+            if state is None:
+                continue
+            self._record_tokens(state, len(output.new_token_ids), now, stats)
+            finish_reason, stop_reason = output.finish_reason, output.stop_reason
+            stop_str = state.detokenizer.update(
+                output.new_token_ids,
+                stop_terminated=finish_reason == FinishReason.STOP,
+                finished=finish_reason is not None,
+            )
+            if stop_str is not None:
+                if finish_reason is None:
+                    reqs_to_abort.append(state.request_id)
+                finish_reason, stop_reason = FinishReason.STOP, stop_str
+            state.logprobs.update(output)
+            if output.num_cached_tokens:
+                state.num_cached_tokens = output.num_cached_tokens
+            completion = state.make_completion(
+                finish_reason, stop_reason, has_new_tokens=bool(output.new_token_ids)
+            )
+            if finish_reason is not None:
+                self._finish_state(state, str(finish_reason), now, stats)
+            if completion is None:
+                continue
+            if state.parent_id is None:
+                self._deliver(self._single_output(state, completion), state.queue, request_outputs)
+            else:
+                entry = self.parent_states[state.parent_id]
+                entry.parent.add_child_output(completion)
+                entry.num_cached_tokens = max(entry.num_cached_tokens, state.num_cached_tokens)
+                touched[state.parent_id] = entry
+        for user_id, entry in touched.items():
+            parent_output = self._parent_output(user_id, entry, now)
+            if parent_output is not None:
+                self._deliver(parent_output, entry.queue, request_outputs)
+        return OutputProcessorResult(request_outputs, reqs_to_abort, stats)
+
+    def _record_scheduled(self, first_scheduled: dict[str, float]) -> None:
+        for request_id, t in first_scheduled.items():
+            state = self.request_states.get(request_id)
+            if state is None or state.metrics.first_scheduled_time is not None:
+                continue
+            state.metrics.first_scheduled_time = t
+            if state.parent_id is not None:
+                parent_metrics = self.parent_states[state.parent_id].metrics
+                if parent_metrics.first_scheduled_time is None:
+                    parent_metrics.first_scheduled_time = t
+
+    def _record_tokens(
+        self, state: RequestState, num_new: int, now: float, stats: IterationStats | None
+    ) -> None:
+        if num_new == 0:
+            return
+        metrics = state.metrics
+        if stats is not None:
+            stats.num_generation_tokens += num_new
+            if metrics.first_token_time is None:
+                stats.num_prompt_tokens += len(state.prompt_token_ids)
+                stats.time_to_first_tokens.append(now - metrics.arrival_time)
+            elif metrics.last_token_time is not None:
+                stats.inter_token_latencies.append(now - metrics.last_token_time)
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        if state.parent_id is not None:
+            parent_metrics = self.parent_states[state.parent_id].metrics
+            if parent_metrics.first_token_time is None:
+                parent_metrics.first_token_time = now
+            parent_metrics.last_token_time = now
+
+    def _finish_state(
+        self, state: RequestState, reason: str, now: float, stats: IterationStats | None
+    ) -> None:
+        self.request_states.pop(state.request_id, None)
+        state.metrics.finished_time = now
+        if stats is None:
+            return
+        scheduled = state.metrics.first_scheduled_time
+        stats.finished_requests.append(
+            FinishedRequestStats(
+                request_id=state.request_id,
+                finish_reason=reason,
+                e2e_latency=now - state.metrics.arrival_time,
+                queue_time=None if scheduled is None else scheduled - state.metrics.arrival_time,
+                num_prompt_tokens=len(state.prompt_token_ids),
+                num_generation_tokens=len(state.token_ids),
+            )
+        )
+
+    @staticmethod
+    def _deliver(
+        output: RequestOutput, queue: OutputQueue | None, outputs: list[RequestOutput]
+    ) -> None:
+        if queue is not None:
+            queue.put(output)
+        else:
+            outputs.append(output)
+
+    def _single_output(self, state: RequestState, completion: CompletionOutput) -> RequestOutput:
+        delta = state.output_kind == RequestOutputKind.DELTA
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.logprobs.next_prompt_logprobs(delta),
+            outputs=[completion],
+            finished=completion.finished(),
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+        )
+
+    def _parent_output(self, user_id: str, entry: _ParentState, now: float) -> RequestOutput | None:
+        completions = entry.parent.pop_outputs()
+        if completions is None:
+            return None
+        finished = entry.parent.finished
+        if finished:
+            entry.metrics.finished_time = now
+            self.parent_states.pop(user_id, None)
+        delta = entry.parent.params.output_kind == RequestOutputKind.DELTA
+        return RequestOutput(
+            request_id=user_id,
+            prompt=entry.prompt,
+            prompt_token_ids=entry.prompt_token_ids,
+            prompt_logprobs=entry.prompt_logprobs.next_prompt_logprobs(delta),
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=entry.num_cached_tokens,
+            metrics=entry.metrics,
+        )
+
+    # ---- aborts and failures --------------------------------------------------------------
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Forget requests the caller aborts; a request with a queue gets a final output.
+
+        The final output (finish_reason "abort") lets a consumer waiting on the queue end.
+
+        Args:
+            request_ids: user-facing ids (an engine id of a single request is the same);
+                unknown ids are ignored.
+
+        Returns:
+            The engine request ids to abort in the core (children included).
+        """
+        engine_ids: list[str] = []
+        now = time.time()
+        for request_id in request_ids:
+            ids, output, queue = self._abort_one(request_id, now)
+            engine_ids.extend(ids)
+            if output is not None and queue is not None:
+                queue.put(output)
+        return engine_ids
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every live request with finish_reason "abort" (the engine has died).
+
+        Args:
+            error: why, for the log.
+
+        Returns:
+            The final outputs of requests without a queue (queues get theirs).
+        """
+        user_ids = list(self.parent_states)
+        user_ids += [rid for rid, s in self.request_states.items() if s.parent_id is None]
+        if user_ids:
+            logger.error("engine failed; aborting %d requests: %s", len(user_ids), error)
+        outputs: list[RequestOutput] = []
+        now = time.time()
+        for user_id in user_ids:
+            _, output, queue = self._abort_one(user_id, now)
+            if output is not None:
+                self._deliver(output, queue, outputs)
+        return outputs
+
+    def _abort_one(
+        self, user_id: str, now: float
+    ) -> tuple[list[str], RequestOutput | None, OutputQueue | None]:
+        """Finish one user-facing request as aborted: its engine ids, final output, queue."""
+        entry = self.parent_states.get(user_id)
+        if entry is not None:
+            engine_ids = entry.parent.live_child_ids()
+            for child_id in engine_ids:
+                state = self.request_states.pop(child_id, None)
+                if state is not None:
+                    entry.parent.add_child_output(self._aborted_completion(state, now))
+            output = self._parent_output(user_id, entry, now)
+            self.parent_states.pop(user_id, None)  # (already gone: every child has finished)
+            return engine_ids, output, entry.queue
+        state = self.request_states.get(user_id)
+        if state is None or state.parent_id is not None:
+            return [], None, None
+        del self.request_states[user_id]
+        completion = self._aborted_completion(state, now)
+        return [user_id], self._single_output(state, completion), state.queue
+
+    @staticmethod
+    def _aborted_completion(state: RequestState, now: float) -> CompletionOutput:
+        state.metrics.finished_time = now
+        completion = state.make_completion(FinishReason.ABORT, None, has_new_tokens=False)
+        assert completion is not None  # a finishing sequence always emits
+        return completion
