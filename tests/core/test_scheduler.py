@@ -1,0 +1,616 @@
+"""Scheduler: exact per-step plans for chunked prefill, caps, stops, preemption and aborts.
+
+``FakeWorker`` plays the worker's side of the contract: it applies each SchedulerOutput
+diff to its own per-request state (and checks that the diff is consistent), "computes"
+KV into a fake cache by writing a fingerprint of each token's prefix into its slot, checks
+that every context slot a request reads holds its own prefix, and samples a deterministic
+token once a request's prompt is done.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass, field
+
+import pytest
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.engine_io import EngineCoreOutputs, FinishReason, LogprobsLists
+from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+
+VOCAB_SIZE = 1000
+
+
+def fake_token(req_id: str, position: int, vocab_size: int = VOCAB_SIZE) -> int:
+    """The token a request 'samples' at ``position``: a fixed function of both."""
+    return zlib.crc32(f"{req_id}:{position}".encode()) % vocab_size
+
+
+@dataclass
+class _WorkerRequest:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    salt: str | None = None
+    fingerprints: list[int] = field(default_factory=list)
+
+    def prefix_fingerprints(self) -> list[int]:
+        """fingerprints[p] stands for (salt, token_ids[: p + 1])."""
+        fps = self.fingerprints
+        prev = fps[-1] if fps else hash(("root", self.salt))
+        for token in self.token_ids[len(fps) :]:
+            prev = hash((prev, token))
+            fps.append(prev)
+        return fps
+
+
+class FakeWorker:
+    """The worker side of SchedulerOutput / ModelRunnerOutput, on a fake KV cache.
+
+    Args:
+        block_size: tokens per block.
+        num_blocks: blocks in the cache.
+        script: request id -> the output tokens to sample, by output index; beyond the
+            script (or for other requests) ``fake_token`` is used.
+        salts: request id -> cache salt (mixed into the KV fingerprints, so a hit
+            across salts is caught as a wrong read).
+        vocab_size: range of ``fake_token``.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        script: dict[str, list[int]] | None = None,
+        salts: dict[str, str | None] | None = None,
+        vocab_size: int = VOCAB_SIZE,
+    ) -> None:
+        self.block_size = block_size
+        self.kv: list[int | None] = [None] * (block_size * num_blocks)
+        self.script = script or {}
+        self.salts = salts or {}
+        self.vocab_size = vocab_size
+        self.states: dict[str, _WorkerRequest] = {}
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_diff(so)
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        batch = [(self.states[r], n) for r, n in so.num_scheduled_tokens.items()]
+        # Every layer writes the KV of all scheduled tokens before attention reads.
+        for state, n in batch:
+            assert n > 0 and state.num_computed_tokens + n <= len(state.token_ids)
+            assert len(state.block_ids) * self.block_size >= state.num_computed_tokens + n
+            fps = state.prefix_fingerprints()
+            for pos in range(state.num_computed_tokens, state.num_computed_tokens + n):
+                self.kv[self._slot(state, pos)] = fps[pos]
+        for state, n in batch:
+            fps = state.prefix_fingerprints()
+            for pos in range(state.num_computed_tokens + n):
+                assert self.kv[self._slot(state, pos)] == fps[pos], f"wrong KV at {pos}"
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for req_id, (state, n) in zip(req_ids, batch, strict=True):
+            state.num_computed_tokens += n
+            if state.num_computed_tokens < len(state.token_ids):
+                sampled.append([])  # a partial prefill chunk samples nothing
+                continue
+            token = self._next_token(req_id, state)
+            state.token_ids.append(token)
+            sampled.append([token])
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def _apply_diff(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.states.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.states, f"{new.req_id} sent twice in full"
+            self.states[new.req_id] = _WorkerRequest(
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                salt=self.salts.get(new.req_id),
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.states[req_id]
+            assert state.num_computed_tokens == cached.num_computed_tokens[i], req_id
+            state.block_ids.extend(cached.new_block_ids[i])
+
+    def _next_token(self, req_id: str, state: _WorkerRequest) -> int:
+        index = len(state.token_ids) - state.num_prompt_tokens
+        script = self.script.get(req_id, [])
+        if index < len(script):
+            return script[index]
+        return fake_token(req_id, len(state.token_ids), self.vocab_size)
+
+    def _slot(self, state: _WorkerRequest, pos: int) -> int:
+        return state.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+def make_scheduler(
+    budget: int = 16,
+    max_num_seqs: int = 4,
+    max_model_len: int = 64,
+    block_size: int = 4,
+    num_blocks: int = 32,
+    chunked: bool = True,
+    policy: str = "fcfs",
+    threshold: int = 0,
+    caching: bool = True,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=chunked,
+            scheduling_policy=policy,
+            long_prefill_token_threshold=threshold,
+        ),
+        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        num_blocks=num_blocks,
+    )
+
+
+def make_request(
+    req_id: str,
+    prompt_len: int,
+    max_tokens: int | None = 16,
+    first_token: int = 0,
+    priority: int = 0,
+    arrival_time: float = 0.0,
+    max_model_len: int | None = None,
+    **params,
+) -> Request:
+    prompt = [(first_token + i) % VOCAB_SIZE for i in range(prompt_len)]
+    return Request(
+        req_id,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, **params),
+        arrival_time=arrival_time,
+        priority=priority,
+        max_model_len=max_model_len,
+    )
+
+
+def step(sched: Scheduler, worker: FakeWorker) -> tuple[SchedulerOutput, EngineCoreOutputs]:
+    so = sched.schedule()
+    sched.kv_cache_manager.check_integrity()
+    out = sched.update_from_output(so, worker.execute(so))
+    sched.kv_cache_manager.check_integrity()
+    return so, out
+
+
+def worker_for(sched: Scheduler, **kwargs) -> FakeWorker:
+    return FakeWorker(sched.block_size, sched.num_blocks, **kwargs)
+
+
+# ----------------------------------------------------------------------- chunked prefill
+
+
+def test_chunked_prefill_under_a_small_budget():
+    sched = make_scheduler(budget=8)
+    worker = worker_for(sched)
+    sched.add_request(make_request("a", 20, first_token=0))
+    sched.add_request(make_request("b", 6, first_token=100))
+    so, out = step(sched, worker)
+    assert so.num_scheduled_tokens == {"a": 8}
+    [new] = so.scheduled_new_reqs
+    assert (new.req_id, new.block_ids, new.num_computed_tokens) == ("a", [0, 1], 0)
+    assert out.outputs == []  # a partial prefill samples nothing
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"a": 8}
+    assert so.scheduled_cached_reqs.req_ids == ["a"]
+    assert so.scheduled_cached_reqs.new_block_ids == [[2, 3]]
+    assert so.scheduled_cached_reqs.num_computed_tokens == [8]
+    so, out = step(sched, worker)
+    assert list(so.num_scheduled_tokens.items()) == [("a", 4), ("b", 4)]
+    assert so.scheduled_cached_reqs.new_block_ids == [[4]]
+    assert [(n.req_id, n.block_ids) for n in so.scheduled_new_reqs] == [("b", [5])]
+    assert [o.request_id for o in out.outputs] == ["a"]  # a's prompt is done
+    so, out = step(sched, worker)
+    assert list(so.num_scheduled_tokens.items()) == [("a", 1), ("b", 2)]
+    assert so.scheduled_cached_reqs.new_block_ids == [[6], [7]]  # a's 21st token, b's 5th
+    assert [o.request_id for o in out.outputs] == ["a", "b"]
+    so, _ = step(sched, worker)
+    assert list(so.num_scheduled_tokens.items()) == [("a", 1), ("b", 1)]
+    assert so.total_num_scheduled_tokens == 2
+
+
+def test_long_prefill_token_threshold_caps_chunks():
+    sched = make_scheduler(budget=16, threshold=5)
+    worker = worker_for(sched)
+    sched.add_request(make_request("a", 12))
+    sched.add_request(make_request("b", 3))
+    plans = [step(sched, worker)[0].num_scheduled_tokens for _ in range(4)]
+    assert plans == [{"a": 5, "b": 3}, {"a": 5, "b": 1}, {"a": 2, "b": 1}, {"a": 1, "b": 1}]
+
+
+def test_max_num_seqs_caps_running_requests():
+    sched = make_scheduler(budget=64, max_num_seqs=2)
+    worker = worker_for(sched)
+    for i, req_id in enumerate("abc"):
+        sched.add_request(make_request(req_id, 4, max_tokens=2 + i, first_token=10 * i))
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"a": 4, "b": 4}
+    so, out = step(sched, worker)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert [o.request_id for o in out.outputs if o.finished] == ["a"]
+    so, _ = step(sched, worker)
+    assert list(so.num_scheduled_tokens.items()) == [("b", 1), ("c", 4)]
+    assert so.finished_req_ids == {"a"}
+
+
+def test_decode_after_prefill_one_token_per_step():
+    sched = make_scheduler()
+    worker = worker_for(sched)
+    sched.add_request(make_request("a", 5, max_tokens=4))
+    tokens = []
+    for expected in [{"a": 5}, {"a": 1}, {"a": 1}, {"a": 1}]:
+        so, out = step(sched, worker)
+        assert so.num_scheduled_tokens == expected
+        [o] = out.outputs
+        tokens += o.new_token_ids
+    assert tokens == [fake_token("a", n) for n in range(5, 9)]
+    assert o.finish_reason == FinishReason.LENGTH
+    assert not sched.has_unfinished_requests()
+    assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks
+
+
+def test_chunked_prefill_off_waits_for_the_whole_prompt():
+    sched = make_scheduler(budget=16, max_model_len=16, chunked=False)
+    worker = worker_for(sched)
+    sched.add_request(make_request("a", 10, first_token=0))
+    sched.add_request(make_request("b", 10, first_token=100))
+    sched.add_request(make_request("c", 3, first_token=200))
+    so, _ = step(sched, worker)
+    # b does not fit the 6 tokens left and is not split; c, though it fits, queues behind b.
+    assert so.num_scheduled_tokens == {"a": 10}
+    so, _ = step(sched, worker)
+    assert list(so.num_scheduled_tokens.items()) == [("a", 1), ("b", 10), ("c", 3)]
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_scheduler(budget=8, max_model_len=16, chunked=False)
+
+
+# ------------------------------------------------------------------------------ stops
+
+
+def run_to_finish(sched: Scheduler, worker: FakeWorker, max_steps: int = 100):
+    """Step until nothing is left; returns (tokens, last output) per request id."""
+    tokens: dict[str, list[int]] = {}
+    last = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return tokens, last
+        _, out = step(sched, worker)
+        for o in out.outputs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            last[o.request_id] = o
+    raise AssertionError("requests did not finish")
+
+
+@pytest.mark.parametrize(
+    "params, script, expected_tokens, reason, stop_reason",
+    [
+        (dict(eos_token_ids=[2]), [5, 2, 7], [5, 2], FinishReason.STOP, None),
+        (dict(eos_token_ids=[2], ignore_eos=True, max_tokens=3), [2, 2, 2, 2], [2, 2, 2],
+         FinishReason.LENGTH, None),
+        (dict(stop_token_ids=[9]), [4, 9, 5], [4, 9], FinishReason.STOP, 9),
+        (dict(eos_token_ids=[2], min_tokens=3), [2, 2, 7, 2], [2, 2, 7, 2],
+         FinishReason.STOP, None),
+        (dict(eos_token_ids=[2], min_tokens=3), [2, 2, 2], [2, 2, 2], FinishReason.STOP, None),
+        (dict(stop_token_ids=[9], min_tokens=2), [9, 9], [9, 9], FinishReason.STOP, 9),
+        (dict(max_tokens=3), [1, 2, 3, 4], [1, 2, 3], FinishReason.LENGTH, None),
+    ],
+)  # fmt: skip
+def test_stop_conditions(params, script, expected_tokens, reason, stop_reason):
+    sched = make_scheduler()
+    worker = worker_for(sched, script={"r": script})
+    params.setdefault("max_tokens", 10)
+    sched.add_request(make_request("r", 6, **params))
+    tokens, last = run_to_finish(sched, worker)
+    assert tokens["r"] == expected_tokens
+    assert last["r"].finish_reason == reason
+    assert last["r"].stop_reason == stop_reason
+    assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks
+    assert sched.schedule().finished_req_ids == {"r"}
+
+
+def test_stop_at_max_model_len():
+    sched = make_scheduler(max_model_len=13)
+    worker = worker_for(sched)
+    # Not clamped by the request itself: the scheduler's own check must end it.
+    sched.add_request(make_request("r", 10, max_tokens=None))
+    tokens, last = run_to_finish(sched, worker)
+    assert len(tokens["r"]) == 3
+    assert last["r"].finish_reason == FinishReason.LENGTH
+
+
+def test_tokens_after_a_stop_are_dropped_and_logprobs_sliced():
+    sched = make_scheduler()
+    sched.add_request(make_request("r", 4, eos_token_ids=[2]))
+    so = sched.schedule()
+    logprobs = LogprobsLists([[4], [2], [6]], [[-0.1], [-0.2], [-0.3]], [1, 1, 1])
+    runner_out = ModelRunnerOutput(["r"], [[4, 2, 6]], logprobs={"r": logprobs})
+    [o] = sched.update_from_output(so, runner_out).outputs
+    assert o.new_token_ids == [4, 2]
+    assert o.new_logprobs.token_ids == [[4], [2]]
+    assert o.finish_reason == FinishReason.STOP
+
+
+# ------------------------------------------------------------------------- preemption
+
+
+def test_preemption_fcfs_preempts_the_newest_and_resumes_it_in_full():
+    sched = make_scheduler(budget=32, num_blocks=4, caching=False)
+    worker = worker_for(sched)
+    sched.add_request(make_request("a", 8, max_tokens=4, first_token=0))
+    sched.add_request(make_request("b", 6, max_tokens=4, first_token=100))
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"a": 8, "b": 6}
+    assert sched.kv_cache_manager.get_block_ids("a") == [0, 1]
+    assert sched.kv_cache_manager.get_block_ids("b") == [2, 3]
+    b = sched.requests["b"]
+    # a's 9th token needs a third block: none is free, so b (the newest) is preempted.
+    so, out = step(sched, worker)
+    assert so.num_scheduled_tokens == {"a": 1}
+    assert so.scheduled_cached_reqs.new_block_ids == [[3]]  # b's tail block, freed first
+    assert so.finished_req_ids == {"b"}
+    assert b.status == RequestStatus.PREEMPTED
+    assert b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert list(sched.waiting) == [b]
+    assert out.scheduler_stats.num_preemptions == 1
+    b_output = list(b.output_token_ids)
+    assert len(b_output) == 1
+    for _ in range(2):  # a decodes; b does not fit back yet (needs 2 blocks, 1 free)
+        so, _ = step(sched, worker)
+        assert so.num_scheduled_tokens == {"a": 1}
+    # a is done and freed; b comes back in full and recomputes prompt + output.
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"b": 7}
+    [new] = so.scheduled_new_reqs
+    assert new.req_id == "b" and new.output_token_ids == b_output
+    assert new.num_computed_tokens == 0
+    assert so.finished_req_ids == {"a"}
+    tokens, _ = run_to_finish(sched, worker)
+    assert len(b.output_token_ids) == 4
+    assert sched.kv_cache_manager.num_free_blocks == 4
+
+
+def test_preempted_request_goes_first_once_it_fits():
+    sched = make_scheduler(budget=32, max_num_seqs=2, num_blocks=3, caching=False, max_model_len=12)
+    worker = worker_for(sched)
+    sched.add_request(make_request("a", 4, max_tokens=8, first_token=0))
+    sched.add_request(make_request("b", 8, max_tokens=8, first_token=100))
+    sched.add_request(make_request("c", 2, max_tokens=1, first_token=200))
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"a": 4, "b": 8}  # c waits: max_num_seqs
+    # a needs a second block: b is preempted and goes back ahead of c.
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"a": 1}
+    assert so.finished_req_ids == {"b"}
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]
+    scheduled = []
+    while sched.has_unfinished_requests():
+        scheduled.append(step(sched, worker)[0].num_scheduled_tokens)
+    # a runs alone to its 8th token (b does not fit back, and c queues behind b) ...
+    assert scheduled[:6] == [{"a": 1}] * 6
+    # ... then b recomputes its prompt and first token, and c runs once b is done.
+    assert scheduled[6] == {"b": 9}
+    assert scheduled[7:] == [{"b": 1}] * 2 + [{"c": 2}]  # b stops at max_model_len
+    assert sched.kv_cache_manager.num_free_blocks == 3
+
+
+def _priority_setup(policy: str) -> tuple[Scheduler, FakeWorker]:
+    """x (low priority, admitted first) then y (high priority); the next step y needs a
+    block while x, scheduled before it in the same step, does not."""
+    sched = make_scheduler(budget=32, num_blocks=4, policy=policy, caching=False)
+    worker = worker_for(sched)
+    sched.add_request(make_request("x", 5, priority=5, arrival_time=0.0, first_token=0))
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"x": 5}
+    sched.add_request(make_request("y", 8, priority=0, arrival_time=1.0, first_token=100))
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"x": 1, "y": 8}
+    assert sched.kv_cache_manager.get_block_ids("x") == [0, 1]
+    assert sched.kv_cache_manager.get_block_ids("y") == [2, 3]
+    return sched, worker
+
+
+def test_preemption_priority_undoes_the_victims_step():
+    sched, worker = _priority_setup("priority")
+    x = sched.requests["x"]
+    so, _ = step(sched, worker)
+    # x was scheduled first, then preempted for y: its part of the step is undone.
+    assert so.num_scheduled_tokens == {"y": 1}
+    assert so.total_num_scheduled_tokens == 1
+    assert so.scheduled_cached_reqs.req_ids == ["y"]
+    assert so.scheduled_cached_reqs.new_block_ids == [[1]]  # x's tail block, freed first
+    assert so.finished_req_ids == {"x"}
+    assert x.status == RequestStatus.PREEMPTED and x.num_computed_tokens == 0
+    assert [r.request_id for r in sched.running] == ["y"]
+
+
+def test_preemption_fcfs_same_setup_preempts_the_newest():
+    sched, worker = _priority_setup("fcfs")
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"x": 1}
+    assert so.finished_req_ids == {"y"}
+    assert sched.requests["y"].status == RequestStatus.PREEMPTED
+
+
+def test_undone_victim_leaves_no_uncomputed_block_in_the_prefix_cache():
+    sched = make_scheduler(budget=32, block_size=2, num_blocks=7, policy="priority", threshold=3)
+    worker = worker_for(sched)
+    sched.add_request(make_request("x", 10, priority=5, arrival_time=0.0, first_token=0))
+    step(sched, worker)  # x: 3 tokens in blocks 0, 1
+    sched.add_request(make_request("y", 5, max_tokens=2, arrival_time=1.0, first_token=100))
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"x": 3, "y": 3}
+    x = sched.requests["x"]
+    # x's next chunk takes blocks 5, 6 (block 5 fills up and is cached at allocation);
+    # then y finds no block, x is the victim and its part of the step is undone.
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"y": 2}
+    assert so.scheduled_cached_reqs.new_block_ids == [[6]]
+    assert so.finished_req_ids == {"x"}
+    # Block 5 never got its KV: it must not be found by x (or anyone) later.
+    assert sched.kv_cache_manager.block_pool.get_cached_block(x.block_hashes[3]) is None
+    assert sched.kv_cache_manager.block_pool.get_cached_block(x.block_hashes[2]) is not None
+    resumed = []
+    while sched.has_unfinished_requests():
+        so, _ = step(sched, worker)  # the worker checks every KV slot x reads
+        resumed += [n.num_computed_tokens for n in so.scheduled_new_reqs if n.req_id == "x"]
+    assert resumed == [6]
+
+
+def test_resumed_request_hits_its_own_cached_blocks():
+    sched = make_scheduler(budget=32, num_blocks=5)
+    worker = worker_for(sched)
+    sched.add_request(make_request("a", 8, max_tokens=2, first_token=0))
+    sched.add_request(make_request("b", 8, max_tokens=5, first_token=100))
+    step(sched, worker)
+    so, _ = step(sched, worker)  # a takes the last block; b preempts itself; a finishes
+    assert so.num_scheduled_tokens == {"a": 1}
+    assert so.finished_req_ids == {"b"}
+    so, _ = step(sched, worker)
+    [new] = so.scheduled_new_reqs
+    assert new.req_id == "b"
+    assert new.block_ids == [2, 3, 4]  # its two cached prompt blocks + a new one
+    assert new.num_computed_tokens == 8
+    assert so.num_scheduled_tokens == {"b": 1}
+    assert sched.requests["b"].num_cached_tokens == 0  # set once, at first schedule
+    run_to_finish(sched, worker)
+
+
+# --------------------------------------------------------------------- aborts, policy
+
+
+def test_abort_frees_blocks_at_once():
+    sched = make_scheduler()
+    worker = worker_for(sched)
+    sched.add_request(make_request("a", 8, first_token=0))
+    sched.add_request(make_request("b", 8, first_token=100))
+    step(sched, worker)
+    so = sched.schedule()  # both scheduled; then a is aborted before the step's output
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert sched.kv_cache_manager.get_block_ids("a") == []
+    assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks - 3
+    assert [r.request_id for r in sched.running] == ["b"]
+    out = sched.update_from_output(so, worker.execute(so))
+    assert [o.request_id for o in out.outputs] == ["b"]
+    sched.add_request(make_request("c", 4, first_token=200))
+    sched.finish_requests(["c", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert len(sched.waiting) == 0
+    so = sched.schedule()
+    assert so.finished_req_ids == {"a", "c"}
+    assert so.num_scheduled_tokens == {"b": 1}
+    with pytest.raises(ValueError):
+        sched.finish_requests("b", RequestStatus.RUNNING)
+    sched.kv_cache_manager.check_integrity()
+
+
+def test_priority_orders_waiting_requests():
+    sched = make_scheduler(budget=64, max_num_seqs=1, policy="priority")
+    worker = worker_for(sched)
+    for req_id, priority, arrival in [("c", 2, 0.0), ("a", 0, 1.0), ("b", 1, 2.0), ("d", 0, 3.0)]:
+        sched.add_request(
+            make_request(req_id, 3, max_tokens=1, priority=priority, arrival_time=arrival)
+        )
+    assert [r.request_id for r in sched.waiting] == ["a", "d", "b", "c"]
+    order = [next(iter(step(sched, worker)[0].num_scheduled_tokens)) for _ in range(4)]
+    assert order == ["a", "d", "b", "c"]
+
+
+def test_fcfs_orders_waiting_requests_by_arrival():
+    sched = make_scheduler(budget=64, max_num_seqs=1)
+    worker = worker_for(sched)
+    for req_id in "cab":
+        sched.add_request(make_request(req_id, 3, max_tokens=1))
+    order = [next(iter(step(sched, worker)[0].num_scheduled_tokens)) for _ in range(3)]
+    assert order == ["c", "a", "b"]
+
+
+# ---------------------------------------------------------------- admission and stats
+
+
+def test_add_request_rejects_what_can_never_run():
+    sched = make_scheduler(max_model_len=64, block_size=4, num_blocks=8)
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        sched.add_request(make_request("long", 65))
+    with pytest.raises(ValueError, match="only 8 blocks"):
+        sched.add_request(make_request("big", 33))
+    with pytest.raises(ValueError, match="empty"):
+        sched.add_request(make_request("empty", 0))
+    sched.add_request(make_request("ok", 32))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_request("ok", 3))
+    assert sched.get_num_unfinished_requests() == 1
+
+
+def test_stats_and_first_scheduled_events():
+    sched = make_scheduler(budget=64)
+    worker = worker_for(sched)
+    sched.add_request(make_request("a", 9, first_token=0))
+    _, out = step(sched, worker)
+    assert set(out.first_scheduled) == {"a"}
+    assert out.scheduler_stats.prefix_cache_queries == 9
+    assert out.scheduler_stats.prefix_cache_hits == 0
+    sched.add_request(make_request("b", 10, first_token=0))  # shares a's 2 full blocks
+    _, out = step(sched, worker)
+    assert set(out.first_scheduled) == {"b"}
+    stats = out.scheduler_stats
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (10, 8)
+    assert (stats.num_running_reqs, stats.num_waiting_reqs) == (2, 0)
+    assert stats.num_total_blocks == 32
+    assert stats.num_free_blocks == 32 - 4  # a: 3 blocks; b: 1 more (2 shared)
+    assert stats.kv_cache_usage == pytest.approx(4 / 32)
+    assert sched.requests["b"].num_cached_tokens == 8
+    [ob] = [o for o in out.outputs if o.request_id == "b"]
+    assert ob.num_cached_tokens == 8
+    _, out = step(sched, worker)
+    assert out.first_scheduled == {}
+    assert sched.requests["a"].first_scheduled_time is not None
+
+
+def test_same_step_prefix_hit_for_parallel_samples():
+    sched = make_scheduler(budget=64)
+    worker = worker_for(sched)
+    for i in range(3):  # how the front end submits n=3: same prompt, separate requests
+        sched.add_request(make_request(f"s{i}", 10, first_token=0))
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"s0": 10, "s1": 2, "s2": 2}
+    assert [n.block_ids for n in so.scheduled_new_reqs] == [[0, 1, 2], [0, 1, 3], [0, 1, 4]]
+    assert [b.ref_cnt for b in sched.kv_cache_manager.block_pool.blocks[:5]] == [3, 3, 1, 1, 1]
+
+
+def test_reset_prefix_cache_and_counts():
+    sched = make_scheduler()
+    worker = worker_for(sched)
+    sched.add_request(make_request("a", 9, max_tokens=2))
+    assert sched.has_unfinished_requests() and not sched.has_finished_requests()
+    step(sched, worker)
+    assert sched.reset_prefix_cache() is False  # a holds blocks
+    step(sched, worker)
+    assert sched.has_finished_requests() and not sched.has_unfinished_requests()
+    assert sched.reset_prefix_cache() is True
+    sched.add_request(make_request("b", 9, max_tokens=1))
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"b": 9}  # no hit left
+
+
+def test_core_does_not_import_torch():
+    code = (
+        "import sys\n"
+        "import tokenmill.core.scheduler, tokenmill.core.kv_cache_manager\n"
+        "assert 'torch' not in sys.modules, 'core imported torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,116 @@
+"""EngineCore: the loop of schedule -> execute -> update, in-process.
+
+``EngineCoreProc`` (core/engine_core_proc.py) runs the same loop in its own process behind
+ZMQ sockets for the server. This module stays importable without torch: the executor
+(which loads torch) is created through a factory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.core.engine_io import EngineCoreOutputs, EngineCoreRequest
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+def _default_executor(config: EngineConfig):
+    from tokenmill.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor(config)
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; ``step()`` runs one iteration.
+
+    Args:
+        config: the resolved engine configuration.
+        executor_factory: builds the executor (defaults to one in-process worker).
+        log_stats: attach SchedulerStats to every step's outputs.
+
+    Raises:
+        ConfigError: the KV cache cannot hold even one request of ``max_model_len``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_factory: Callable[[EngineConfig], object] | None = None,
+        log_stats: bool = True,
+    ) -> None:
+        self.config = config
+        start = time.perf_counter()
+        self.executor = (executor_factory or _default_executor)(config)
+        num_blocks = self._init_kv_cache()
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, num_blocks, log_stats=log_stats
+        )
+        self.log_stats = log_stats
+        logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
+
+    def _init_kv_cache(self) -> int:
+        cc, mc, sc = self.config.cache_config, self.config.model_config, self.config.scheduler_config
+        num_blocks = self.executor.determine_num_blocks()
+        capacity = num_blocks * cc.block_size
+        if capacity < mc.max_model_len:
+            if self.config.max_model_len_auto:
+                mc.max_model_len = sc.max_model_len = capacity
+            else:
+                raise ConfigError(
+                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+                    f"{cc.block_size}), fewer than --max-model-len {mc.max_model_len}: lower "
+                    "--max-model-len or give the cache more memory (--kv-cache-memory, "
+                    "--gpu-memory-utilization)"
+                )
+        cc.num_blocks = num_blocks
+        self.executor.initialize_cache(num_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency for "
+            "%d-token requests: %.2fx",
+            num_blocks, cc.block_size, capacity, mc.max_model_len, capacity / mc.max_model_len,
+        )
+        return num_blocks
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request (validated by the front end; the scheduler re-checks lengths)."""
+        self.scheduler.add_request(
+            Request.from_engine_core_request(request, self.config.model_config.max_model_len)
+        )
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish requests at once and free their KV blocks (unknown ids are ignored)."""
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """One iteration: schedule, run the model, turn sampled tokens into outputs."""
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # Still tell the worker about finished requests so it drops their state.
+            if scheduler_output.finished_req_ids:
+                self.executor.execute_model(scheduler_output)
+            outputs = EngineCoreOutputs(timestamp=time.time())
+            if self.log_stats:
+                outputs.scheduler_stats = self.scheduler.make_stats()
+            return outputs
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.timestamp = time.time()
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

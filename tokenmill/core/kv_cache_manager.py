@@ -1,0 +1,280 @@
+"""KVCacheManager: per-request block tables over a BlockPool, with automatic prefix caching.
+
+Each request holds a list of blocks (its block table): block ``i`` holds the KV of tokens
+``[i * block_size, (i + 1) * block_size)``. Full blocks whose tokens are known are entered
+into the prefix cache under their chained block hash, so a later request with the same
+prefix (and cache salt) reuses them instead of recomputing: automatic prefix caching, as
+in vLLM (the hash-chain form of RadixAttention's prefix reuse, Zheng et al. 2023,
+"SGLang: Efficient Execution of Structured Language Model Programs").
+
+NOTE: blocks are entered into the prefix cache when they are *scheduled*, before the
+worker has written their KV, so a request admitted later in the same step may hit them.
+That is sound because the model runs each step as one forward pass in which every layer
+writes the KV of all scheduled tokens into the cache before its attention reads from it:
+the hitting request reads, at each layer, KV that the same layer has just written. This is
+also how the ``n`` sequences of a parallel-sampling request share their prompt: the front
+end submits them as separate requests with the same prompt, the first computes the prompt
+blocks and the others hit them, in the same step or later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.core.block_pool import BlockPool
+from tokenmill.core.kv_cache_utils import KVCacheBlock, update_block_hashes
+from tokenmill.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters since the last snapshot (deltas).
+
+    Attributes:
+        requests: lookups made (one per admission attempt).
+        queries: tokens looked up (the requests' full lengths).
+        hits: of those, tokens served from the cache.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+
+class KVCacheManager:
+    """Block tables of the live requests, over one pool of KV blocks.
+
+    Args:
+        num_blocks: blocks in the KV cache.
+        block_size: tokens per block.
+        max_model_len: the longest context (tokens) a request may allocate.
+        enable_caching: automatic prefix caching on or off.
+        log_stats: count prefix-cache queries and hits.
+
+    Raises:
+        ValueError: ``num_blocks`` or ``block_size`` is not positive.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+        log_stats: bool = True,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.log_stats = log_stats
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        # request id -> its block table, in token order.
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # request id -> tokens its blocks were sized for (the largest allocation so far).
+        self.req_to_num_allocated_tokens: dict[str, int] = {}
+        # request id -> leading blocks already passed to BlockPool.cache_full_blocks.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, in [0, 1]."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any request (cached or not)."""
+        return self.block_pool.get_num_free_blocks()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Look up the longest cached prefix of ``request`` (full blocks only).
+
+        At most ``request.num_tokens - 1`` tokens may be hits: the last token must be
+        computed to produce the logits of the next one.
+
+        Args:
+            request: a request that holds no blocks yet (new, or resumed after preemption).
+
+        Returns:
+            The hit blocks in order (not yet referenced: pass them to ``allocate_slots``)
+            and the number of hit tokens (``len(blocks) * block_size``).
+        """
+        if not self.enable_caching:
+            return [], 0
+        update_block_hashes(request, self.block_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        if self.log_stats:
+            self.prefix_cache_stats.requests += 1
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[int] | None:
+        """Make room for ``request.num_computed_tokens + num_new_computed_tokens +
+        num_new_tokens`` tokens in the request's block table.
+
+        Prefix-cache hit blocks are referenced first, then only the missing blocks are
+        taken from the pool (so a request has at most one partly filled block). Finally
+        the request's full blocks of known tokens (up to ``min(that total,
+        request.num_tokens)``) are entered into the prefix cache. The caller then advances
+        ``request.num_computed_tokens`` by the hit and new tokens once the step is planned
+        (``free`` relies on it).
+
+        Args:
+            request: the request.
+            num_new_tokens: tokens to compute in this step (>= 0).
+            num_new_computed_tokens: prefix-cache hit tokens (from ``get_computed_blocks``).
+            new_computed_blocks: the hit blocks (from ``get_computed_blocks``); only for a
+                request that holds no blocks yet.
+
+        Returns:
+            The ids of the blocks added to the request's block table by this call, hit
+            blocks first; None if the pool is short of blocks, in which case nothing
+            changed.
+
+        Raises:
+            ValueError: negative ``num_new_tokens``, hits for a request that already
+                holds blocks, hits not matching their blocks, or more than
+                ``max_model_len`` tokens.
+        """
+        hit_blocks = new_computed_blocks or []
+        req_id = request.request_id
+        blocks = self.req_to_blocks.get(req_id, [])
+        self._check_allocation(request, blocks, num_new_tokens, num_new_computed_tokens, hit_blocks)
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_new_blocks = max(0, cdiv(num_tokens, self.block_size) - len(blocks) - len(hit_blocks))
+        # NOTE: a hit on a free block takes it out of the free pool, so it counts here.
+        num_free_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_free_hits > self.block_pool.get_num_free_blocks():
+            return None
+        # Touch the hits before taking new blocks, so that those cannot evict them.
+        self.block_pool.touch(hit_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks = self.req_to_blocks.setdefault(req_id, [])
+        blocks.extend(hit_blocks)
+        blocks.extend(new_blocks)
+        num_allocated = max(num_tokens, self.req_to_num_allocated_tokens.get(req_id, 0))
+        self.req_to_num_allocated_tokens[req_id] = num_allocated
+        if self.enable_caching:
+            self._cache_known_blocks(request, blocks, len(hit_blocks), num_tokens)
+        return [b.block_id for b in hit_blocks] + [b.block_id for b in new_blocks]
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so that its last blocks are evicted
+        before the prefix they extend. A request holding no blocks is ignored.
+
+        Blocks that were entered into the prefix cache but whose KV was never computed
+        (beyond ``request.num_computed_tokens``: the request was preempted or aborted in
+        the step that scheduled them) are dropped from the prefix cache first, so no later
+        request can hit KV that was never written. Call this before resetting
+        ``num_computed_tokens``.
+        """
+        req_id = request.request_id
+        blocks = self.req_to_blocks.pop(req_id, None)
+        self.req_to_num_allocated_tokens.pop(req_id, None)
+        self.num_cached_blocks.pop(req_id, None)
+        if blocks is None:
+            return
+        num_computed_blocks = request.num_computed_tokens // self.block_size
+        self.block_pool.uncache_blocks(blocks[num_computed_blocks:])
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as block ids (empty if it holds no blocks)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The prefix-cache counters since the last call; resets them."""
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; only possible (True) when no block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Check the pool and every block table.
+
+        Raises:
+            AssertionError: the pool is inconsistent (see ``BlockPool.check_integrity``),
+                a block table's length is not ``ceil(allocated tokens / block_size)``, a
+                table holds a block twice, or a block's ref count differs from the
+                number of tables holding it.
+        """
+        self.block_pool.check_integrity()
+        holders = [0] * self.num_blocks
+        for req_id, blocks in self.req_to_blocks.items():
+            num_tokens = self.req_to_num_allocated_tokens.get(req_id, 0)
+            expected = cdiv(num_tokens, self.block_size)
+            assert len(blocks) == expected, (
+                f"request {req_id!r} holds {len(blocks)} blocks for {num_tokens} tokens "
+                f"(expected {expected})"
+            )
+            ids = [b.block_id for b in blocks]
+            assert len(set(ids)) == len(ids), f"request {req_id!r} holds a block twice: {ids}"
+            for block in blocks:
+                holders[block.block_id] += 1
+        for block in self.block_pool.blocks:
+            assert block.ref_cnt == holders[block.block_id], (
+                f"{block} is held by {holders[block.block_id]} requests"
+            )
+
+    def _check_allocation(
+        self,
+        request: Request,
+        blocks: list[KVCacheBlock],
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        hit_blocks: list[KVCacheBlock],
+    ) -> None:
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if hit_blocks and blocks:
+            raise ValueError(f"request {request.request_id!r} already holds blocks; no hits")
+        if num_new_computed_tokens != len(hit_blocks) * self.block_size:
+            raise ValueError(
+                f"{num_new_computed_tokens} hit tokens do not fill {len(hit_blocks)} blocks "
+                f"of {self.block_size} tokens"
+            )
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} would hold {num_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+
+    def _cache_known_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_hit_blocks: int, num_tokens: int
+    ) -> None:
+        """Enter the request's full blocks of known tokens into the prefix cache."""
+        req_id = request.request_id
+        num_cached = max(self.num_cached_blocks.get(req_id, 0), num_hit_blocks)
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        if num_full > num_cached:
+            update_block_hashes(request, self.block_size)
+            self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full)
+        self.num_cached_blocks[req_id] = max(num_cached, num_full)

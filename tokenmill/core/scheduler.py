@@ -1,0 +1,491 @@
+"""Scheduler: the iteration-level (continuous-batching) scheduler of the engine core.
+
+One rule, no phases: each step hands out ``{request_id: num_tokens}`` so that every
+request's ``num_computed_tokens`` catches up with its ``num_tokens`` (prompt + output),
+within one token budget (``max_num_batched_tokens``) and a cap on running requests
+(``max_num_seqs``). A prompt longer than the budget is computed in chunks (chunked
+prefill), prefix-cache hits simply start a request with some tokens computed, and a
+request preempted by recompute starts over at zero. Iteration-level scheduling is Orca's
+(Yu et al. 2022, "Orca: A Distributed Serving System for Transformer-Based Generative
+Models"); the token-budget form is vLLM V1's.
+
+Torch-free: it reasons about token counts and block ids only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tokenmill.core.engine_io import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.request_queue import create_request_queue
+from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    # Annotations only: core/ stays importable without the model-side packages.
+    from tokenmill.config import CacheConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepPlan:
+    """What one ``schedule()`` call has decided so far."""
+
+    token_budget: int
+    # request id -> tokens this step; insertion order is the batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Running requests scheduled again, with the block ids they gained this step.
+    running_reqs: list[Request] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Requests the worker has not seen (first time, or resumed after preemption).
+    new_reqs: list[Request] = field(default_factory=list)
+    preempted_ids: set[str] = field(default_factory=set)
+
+    def add_running(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
+        self.running_reqs.append(request)
+        self.new_block_ids[request.request_id] = new_block_ids
+        self._add(request, num_tokens)
+
+    def add_new(self, request: Request, num_tokens: int) -> None:
+        self.new_reqs.append(request)
+        self._add(request, num_tokens)
+
+    def unschedule(self, request: Request) -> None:
+        """Undo a running request's part of this step (it is being preempted)."""
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        self.running_reqs.remove(request)
+        del self.new_block_ids[request.request_id]
+
+    def _add(self, request: Request, num_tokens: int) -> None:
+        assert num_tokens > 0 and request.request_id not in self.num_scheduled_tokens
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.token_budget -= num_tokens
+
+
+class Scheduler:
+    """Decides, step by step, which requests run and how many tokens each computes.
+
+    Args:
+        scheduler_config: token budget, sequence cap, chunked prefill, policy.
+        cache_config: block size and prefix caching.
+        num_blocks: KV blocks available (as sized by the worker).
+        log_stats: count prefix-cache hits and attach ``SchedulerStats`` to each output.
+
+    Attributes:
+        requests: every live (waiting or running) request, by id.
+        waiting: requests to admit, in policy order (preempted ones included).
+        running: admitted requests, in admission order (the batch order).
+        kv_cache_manager: the block tables (the engine reads usage, tests integrity).
+        max_context_len: the most tokens a request may reach: ``max_model_len``, or the
+            whole KV cache if that is smaller.
+
+    Raises:
+        ValueError: a non-positive budget or sequence cap, an unknown policy, or chunked
+            prefill off with a token budget smaller than ``max_model_len`` (a long
+            prompt could then never be scheduled).
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        log_stats: bool = True,
+    ) -> None:
+        self._init_config(scheduler_config, cache_config, log_stats)
+        self._init_queues()
+        self._init_kv_cache(cache_config, num_blocks)
+
+    def _init_config(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, log_stats: bool
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.policy = scheduler_config.scheduling_policy
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.block_size = cache_config.block_size
+        self.log_stats = log_stats
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) and max_num_seqs "
+                f"({self.max_num_seqs}) must be positive"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) with chunked prefill disabled, so a "
+                "long prompt could never be scheduled; raise max_num_batched_tokens or "
+                "enable chunked prefill"
+            )
+
+    def _init_queues(self) -> None:
+        # Every live (waiting or running) request, by id.
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        # In admission order: fcfs preempts from the tail.
+        self.running: list[Request] = []
+        # Finished, aborted: sent in the next SchedulerOutput so the worker drops them.
+        self.finished_req_ids: set[str] = set()
+        # request id -> first-schedule time not yet reported in an EngineCoreOutputs.
+        self._first_scheduled: dict[str, float] = {}
+        self._num_preemptions = 0
+
+    def _init_kv_cache(self, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        # NOTE: a request can never hold more tokens than the whole cache. Capping it there
+        # (finish reason "length") keeps a lone request that outgrows the cache from being
+        # preempted and re-queued forever. The engine normally sizes the cache to hold at
+        # least one max_model_len request, so this cap is then max_model_len.
+        self.max_context_len = min(self.max_model_len, num_blocks * self.block_size)
+        if self.max_context_len < self.max_model_len:
+            logger.warning(
+                "The KV cache holds %d tokens (%d blocks of %d), fewer than max_model_len=%d: "
+                "requests end at %d tokens.",
+                self.max_context_len,
+                num_blocks,
+                self.block_size,
+                self.max_model_len,
+                self.max_context_len,
+            )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_blocks,
+            block_size=cache_config.block_size,
+            max_model_len=self.max_model_len,
+            enable_caching=cache_config.enable_prefix_caching,
+            log_stats=self.log_stats,
+        )
+
+    # ----------------------------------------------------------------- requests in/out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request to be scheduled.
+
+        Raises:
+            ValueError: the id is already live, the prompt is empty, longer than
+                ``max_model_len``, or needs more blocks than the whole KV cache has
+                (the message gives the numbers).
+        """
+        req_id = request.request_id
+        num_prompt = request.num_prompt_tokens
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        if num_prompt == 0:
+            raise ValueError(f"request {req_id!r} has an empty prompt")
+        if num_prompt > self.max_model_len:
+            raise ValueError(
+                f"request {req_id!r}: prompt of {num_prompt} tokens is longer than "
+                f"max_model_len={self.max_model_len}"
+            )
+        num_prompt_blocks = cdiv(num_prompt, self.block_size)
+        if num_prompt_blocks > self.num_blocks:
+            raise ValueError(
+                f"request {req_id!r}: prompt of {num_prompt} tokens needs {num_prompt_blocks} "
+                f"KV blocks of {self.block_size} tokens, but the KV cache has only "
+                f"{self.num_blocks} blocks ({self.num_blocks * self.block_size} tokens)"
+            )
+        self.requests[req_id] = request
+        self.waiting.add_request(request)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
+        """End requests from outside the scheduler (aborts, stop strings).
+
+        Their blocks are freed at once and their ids go into the next SchedulerOutput's
+        ``finished_req_ids``. Unknown (or already finished) ids are ignored.
+
+        Raises:
+            ValueError: ``finished_status`` is not a finished status.
+        """
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        running_ids: set[str] = set()
+        waiting: list[Request] = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                running_ids.add(req_id)
+            else:
+                waiting.append(request)
+            request.status = finished_status
+            self._free_request(request)
+        if running_ids:
+            self.running = [r for r in self.running if r.request_id not in running_ids]
+        if waiting:
+            self.waiting.remove_requests(waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        """True if finished ids are waiting to be sent to the worker."""
+        return bool(self.finished_req_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache; only possible (True) when no block is in use."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first (in order), then waiting ones.
+
+        Running requests that cannot get blocks preempt others (recompute). Waiting
+        requests are admitted only in a step without preemption. After the plan is built,
+        each scheduled request's ``num_computed_tokens`` is advanced by its tokens.
+
+        Returns:
+            The step's SchedulerOutput (possibly empty, carrying only finished ids).
+        """
+        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted_ids:
+            self._schedule_waiting(plan)
+        return self._make_output(plan)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        for request in list(self.running):
+            if plan.token_budget <= 0:
+                break
+            if request.request_id in plan.preempted_ids:
+                continue
+            num_new = self._num_tokens_to_schedule(
+                request, request.num_computed_tokens, plan.token_budget
+            )
+            if num_new == 0:
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new, plan)
+            if new_block_ids is not None:
+                plan.add_running(request, num_new, new_block_ids)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, plan: _StepPlan
+    ) -> list[int] | None:
+        """Allocate blocks for a running request, preempting others until it fits.
+
+        Returns:
+            The new block ids, or None if ``request`` itself had to be preempted.
+        """
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self._select_victim()
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _select_victim(self) -> Request:
+        """fcfs: the most recently admitted running request. priority: the running request
+        with the largest ``(priority, arrival_time)`` (the most recently admitted on ties).
+        """
+        if self.policy == "priority":
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        """Preempt by recompute: drop all of the request's KV and queue it again."""
+        self.running.remove(request)
+        if request.request_id in plan.num_scheduled_tokens:
+            plan.unschedule(request)
+        # free() reads num_computed_tokens: reset it only afterwards.
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.prepend_request(request)
+        plan.preempted_ids.add(request.request_id)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek_request()
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = self._num_tokens_to_schedule(request, num_hit_tokens, plan.token_budget)
+            if num_new == 0:
+                break  # chunked prefill off and the prompt does not fit: it waits
+            if kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is None:
+                break
+            self.waiting.pop_request()
+            self._admit(request, num_hit_tokens)
+            plan.add_new(request, num_new)
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.time()
+            self._first_scheduled[request.request_id] = request.first_scheduled_time
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens to compute for ``request`` this step, from ``num_computed`` on (0: none)."""
+        num_new = request.num_tokens - num_computed
+        if self.enable_chunked_prefill:
+            if self.long_prefill_token_threshold > 0:
+                num_new = min(num_new, self.long_prefill_token_threshold)
+            num_new = min(num_new, budget)
+        elif num_new > budget:
+            return 0
+        return max(0, min(num_new, self.max_model_len - num_computed))
+
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=list(r.prompt_token_ids),
+                output_token_ids=list(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                block_ids=kv.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in plan.new_reqs
+        ]
+        cached_reqs = CachedRequestData(
+            req_ids=[r.request_id for r in plan.running_reqs],
+            new_block_ids=[plan.new_block_ids[r.request_id] for r in plan.running_reqs],
+            num_computed_tokens=[r.num_computed_tokens for r in plan.running_reqs],
+        )
+        finished_req_ids = self.finished_req_ids | plan.preempted_ids
+        self.finished_req_ids = set()
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=dict(plan.num_scheduled_tokens),
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            finished_req_ids=finished_req_ids,
+        )
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        return output
+
+    # ------------------------------------------------------------- update from output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Apply a step's sampled tokens: append them, check stop conditions, free the
+        finished requests.
+
+        Args:
+            scheduler_output: the plan the step ran.
+            model_runner_output: its sampled tokens (and logprobs), per request.
+
+        Returns:
+            One EngineCoreOutput per request that got tokens, prompt logprobs or finished,
+            plus stats (if ``log_stats``) and first-schedule times.
+        """
+        runner = model_runner_output
+        sampled = dict(zip(runner.req_ids, runner.sampled_token_ids, strict=True))
+        outputs: list[EngineCoreOutput] = []
+        finished_ids: set[str] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted since it was scheduled
+            new_token_ids = self._append_tokens(request, sampled.get(req_id, []))
+            prompt_logprobs = runner.prompt_logprobs.get(req_id)
+            finished = request.is_finished()
+            if not (new_token_ids or finished or prompt_logprobs):
+                continue
+            logprobs = runner.logprobs.get(req_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=(
+                        logprobs.slice(0, len(new_token_ids))
+                        if logprobs is not None and new_token_ids
+                        else None
+                    ),
+                    new_prompt_logprobs=prompt_logprobs,
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(0, request.num_cached_tokens),
+                )
+            )
+            if finished:
+                finished_ids.add(req_id)
+                self._free_request(request)
+        if finished_ids:
+            self.running = [r for r in self.running if r.request_id not in finished_ids]
+        first_scheduled, self._first_scheduled = self._first_scheduled, {}
+        return EngineCoreOutputs(
+            outputs=outputs,
+            scheduler_stats=self.make_stats() if self.log_stats else None,
+            timestamp=time.time(),
+            first_scheduled=first_scheduled,
+        )
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Append sampled tokens one at a time until one ends the request.
+
+        Returns:
+            The tokens kept (those after a stop are dropped).
+        """
+        kept: list[int] = []
+        for token_id in token_ids:
+            request.append_output_token_ids([token_id])
+            kept.append(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                request.status = status
+                break
+        return kept
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        """The finished status ``token_id`` (just appended) puts the request in, if any."""
+        params = request.sampling_params
+        if token_id in request.eos_and_stop_ids and request.num_output_tokens >= params.min_tokens:
+            request.stop_reason = token_id if token_id in (params.stop_token_ids or ()) else None
+            return RequestStatus.FINISHED_STOPPED
+        if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.max_context_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ------------------------------------------------------------------------ stats
+
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot for metrics; counters are deltas since the last snapshot."""
+        kv = self.kv_cache_manager
+        prefix = kv.make_prefix_cache_stats()
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self._num_preemptions,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+        )
+        self._num_preemptions = 0
+        return stats
