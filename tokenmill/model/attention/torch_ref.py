@@ -93,7 +93,12 @@ class TorchAttentionImpl(AttentionImpl):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         n = metadata.num_actual_tokens
-        write_to_kv_cache(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+        slots = metadata.slot_mapping[:n]
+        valid = slots >= 0  # padding tokens of CUDA-graph-shaped batches have slot -1
+        if bool(valid.all()):
+            write_to_kv_cache(key[:n], value[:n], kv_cache, slots)
+        else:
+            write_to_kv_cache(key[:n][valid], value[:n][valid], kv_cache, slots[valid])
         out = torch.zeros_like(query)
         q = query[:n].view(n, self.num_heads, self.head_dim)
         o = out[:n].view(n, self.num_heads, self.head_dim)
@@ -158,8 +163,9 @@ def _batch_plan(metadata: AttentionMetadata) -> dict:
     starts = metadata.query_start_loc_cpu.tolist()
     seq_lens = metadata.seq_lens_cpu.tolist()
     num_reqs = metadata.num_reqs
-    decode = [i for i in range(num_reqs) if starts[i + 1] - starts[i] == 1]
-    prefill = [i for i in range(num_reqs) if starts[i + 1] - starts[i] > 1]
+    # Padding requests (context length 0) attend to nothing; their output stays zero.
+    decode = [i for i in range(num_reqs) if starts[i + 1] - starts[i] == 1 and seq_lens[i] > 0]
+    prefill = [i for i in range(num_reqs) if starts[i + 1] - starts[i] > 1 and seq_lens[i] > 0]
     device = metadata.block_table.device
     plan = {
         "starts": starts,

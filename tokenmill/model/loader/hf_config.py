@@ -27,6 +27,8 @@ class HFConfig:
         object.__setattr__(self, "_data", dict(data))
 
     def __getattr__(self, key: str) -> Any:
+        if key.startswith("__") or key == "_data":  # pickling probes dunders before _data exists
+            raise AttributeError(key)
         try:
             return self._data[key]
         except KeyError:

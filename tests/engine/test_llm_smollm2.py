@@ -1,0 +1,209 @@
+"""The offline engine on the real SmolLM2: continuous batching, chunked prefill, preemption,
+prefix caching and sampling, end to end through ``LLM``."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+# bytes of one KV block of SmolLM2 in float32: 30 layers x K,V x 16 tokens x 3 heads x 64 dims x 4
+BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4
+
+
+def _prompts(n: int) -> list[str]:
+    topics = ["the sea", "a robot", "Paris", "mathematics", "a small dog", "the moon", "coffee"]
+    return [
+        f"Write a sentence about {topics[i % len(topics)]}."
+        + " Please be brief and clear." * (i % 5)
+        + f" Number {i}."
+        for i in range(n)
+    ]
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _scheduler(llm: LLM):
+    return llm.llm_engine.engine_core.scheduler
+
+
+def _counters(llm: LLM):
+    """A copy of the engine's running totals (prefix-cache queries/hits, preemptions)."""
+    import dataclasses
+
+    return dataclasses.replace(llm.llm_engine.counters)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf_path):
+    """A small-budget engine: 8 running requests, 64 tokens per step."""
+    return LLM(
+        smollm2_gguf_path,
+        kv_cache_memory=256 << 20,
+        max_model_len=1024,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def test_batched_greedy_equals_alone(llm):
+    prompts = _prompts(64)
+    batched = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in batched)
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert _tokens(batched) == _tokens(alone)
+    kv = _scheduler(llm).kv_cache_manager
+    kv.check_integrity()
+    assert kv.usage == 0.0
+
+
+def test_preemption_with_a_tiny_cache(llm, smollm2_gguf_path):
+    long_prompts = [p * 3 for p in _prompts(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    reference = _tokens(llm.generate(long_prompts, params, use_tqdm=False))
+    tiny = LLM(
+        smollm2_gguf_path,
+        kv_cache_memory=12 * BLOCK_BYTES,
+        max_model_len=12 * 16,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+    )
+    scheduler = _scheduler(tiny)
+    assert scheduler.kv_cache_manager.num_blocks == 12
+    engine = tiny.llm_engine
+    for i, p in enumerate(long_prompts):
+        engine.add_request(str(i), p, params)
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+        scheduler.kv_cache_manager.check_integrity()
+    assert [results[str(i)].outputs[0].token_ids for i in range(8)] == reference
+    assert engine.counters.num_preemptions > 0
+    assert scheduler.kv_cache_manager.usage == 0.0
+    assert scheduler.kv_cache_manager.num_free_blocks == 12
+
+
+def test_prefix_cache_hits_and_same_output(llm, smollm2_gguf_path):
+    tokenizer = llm.get_tokenizer()
+    prefix = tokenizer.encode(" ".join(f"Fact {i}: the sky is blue." for i in range(40)))[:200]
+    assert len(prefix) == 200
+    first = prefix + tokenizer.encode(" Question one: what colour is the sky?")
+    second = prefix + tokenizer.encode(" Question two: is grass green?")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm.reset_prefix_cache()
+    llm.generate({"prompt_token_ids": first}, params, use_tqdm=False)
+    before = _counters(llm)
+    out = llm.generate({"prompt_token_ids": second}, params, use_tqdm=False)[0]
+    after = _counters(llm)
+    full_blocks = 200 // 16 * 16
+    assert after.prefix_cache_hits - before.prefix_cache_hits == full_blocks
+    assert after.prefix_cache_queries - before.prefix_cache_queries == len(second)
+    assert out.num_cached_tokens == full_blocks
+    no_cache = LLM(
+        smollm2_gguf_path, kv_cache_memory=64 << 20, max_model_len=1024,
+        enable_prefix_caching=False,
+    )
+    ref = no_cache.generate({"prompt_token_ids": second}, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(llm):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate("Tell me about the ocean.", params, use_tqdm=False)[0]
+    others = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 5
+    mixed = llm.generate(
+        ["Hello there"] * 3 + ["Tell me about the ocean."] + ["Hi"] * 2,
+        others[:3] + [params] + others[3:],
+        use_tqdm=False,
+    )
+    assert mixed[3].outputs[0].token_ids == alone.outputs[0].token_ids
+    other_seed = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True)
+    different = llm.generate("Tell me about the ocean.", other_seed, use_tqdm=False)[0]
+    assert different.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_stop_string_split_across_tokens(llm):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    pieces = [tokenizer.decode([t]) for t in full.token_ids]
+    # a stop string that spans the boundary between two consecutive multi-char tokens
+    i = next(i for i in range(1, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[i][-1] + pieces[i + 1][:2]
+    cut = full.text.index(stop)
+    out = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=30, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.text == full.text[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_parallel_sampling_shares_prompt_blocks(llm):
+    prompt = "Name a colour: " * 20
+    params = SamplingParams(temperature=1.0, n=4, seed=7, max_tokens=8, ignore_eos=True)
+    llm.reset_prefix_cache()
+    before = _counters(llm)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    hits = _counters(llm).prefix_cache_hits - before.prefix_cache_hits
+    assert len(out.outputs) == 4 and [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    prompt_len = len(out.prompt_token_ids)
+    # the 3 siblings scheduled after the first reuse its full prompt blocks
+    assert hits == 3 * (prompt_len // 16 * 16)
+
+
+def test_best_of_returns_highest_cumulative_logprob(llm):
+    params = SamplingParams(
+        temperature=1.0, n=2, best_of=5, seed=3, max_tokens=6, ignore_eos=True, logprobs=0
+    )
+    out = llm.generate("Pick a number:", params, use_tqdm=False)[0]
+    assert len(out.outputs) == 2
+    assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
+
+
+def test_logprobs_and_prompt_logprobs(llm):
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2)
+    out = llm.generate("The capital of France is", params, use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == len(comp.token_ids)
+    for tok, lp in zip(comp.token_ids, comp.logprobs):
+        assert tok in lp and lp[tok].rank == 1  # greedy picks the top token
+        assert 3 <= len(lp) <= 4
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for tok, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert tok in lp
+
+
+def test_chat_answers_paris(llm):
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=20),
+        use_tqdm=False,
+    )[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_decode_batches_padded_like_cuda_graphs(llm):
+    """The runner's CUDA-graph padding (inert rows with slot -1 and no context) does not
+    change any real request's tokens; checked on CPU with eager padded batches."""
+    prompts = _prompts(5)
+    reference = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    runner.pad_decode_batches_to = [8]
+    try:
+        padded = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    finally:
+        runner.pad_decode_batches_to = None
+    assert padded == reference

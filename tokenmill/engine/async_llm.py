@@ -1,0 +1,334 @@
+"""AsyncLLM: the asyncio front of the engine (the server), one output stream per request.
+
+The EngineCore runs in its own process (core/engine_core_proc.py). This side tokenizes,
+submits requests over ZMQ, and one background task receives each step's outputs,
+detokenizes them and wakes the waiting request streams. A request whose consumer goes
+away (client disconnect, cancellation) is aborted in the core, freeing its KV blocks.
+If the engine process dies, every live request fails with EngineDeadError at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.engine_core_proc import (
+    MSG_ABORT,
+    MSG_ADD,
+    MSG_OUT,
+    MSG_UTILITY,
+    run_engine_core,
+)
+from tokenmill.core.engine_io import EngineCoreOutputs, SchedulerStats
+from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.output_processor import IterationStats, OutputProcessor
+from tokenmill.engine.request_collector import RequestOutputCollector
+from tokenmill.engine_args import EngineArgs
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process failed or exited; no request can be served."""
+
+
+class StatLogger(Protocol):
+    """Receives each step's stats; ``log()`` is called every few seconds."""
+
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+    ) -> None: ...
+
+    def log(self) -> None: ...
+
+
+class AsyncLLM:
+    """Serves requests from asyncio code.
+
+    Args:
+        config: the resolved engine configuration.
+        stat_loggers: objects with ``record(scheduler_stats, iteration_stats)`` and ``log()``.
+        start_timeout_s: how long to wait for the engine to load (seconds).
+
+    Raises:
+        EngineDeadError: the engine process failed to start (the message says why).
+    """
+
+    LOG_INTERVAL_S = 5.0
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        stat_loggers: list[StatLogger] | None = None,
+        start_timeout_s: float = 1800.0,
+    ) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.stat_loggers = list(stat_loggers or [])
+        mc = config.model_config
+        self.tokenizer = get_tokenizer(mc.model, mc.tokenizer if mc.tokenizer != mc.model else None)
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        self._utility_waiters: dict[str, list[asyncio.Future]] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.dead_error: str | None = None
+        self._closed = False
+        self._start_engine(start_timeout_s)
+        self.input_processor = InputProcessor(mc, self.tokenizer, mc.max_logprobs)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=bool(self.stat_loggers))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        return cls(engine_args.create_engine_config("server"), **kwargs)
+
+    # ---- engine process ----------------------------------------------------------------
+
+    def _start_engine(self, timeout_s: float) -> None:
+        self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")
+        tag = uuid.uuid4().hex[:8]
+        input_address = f"ipc://{self._ipc_dir}/in-{tag}"
+        output_address = f"ipc://{self._ipc_dir}/out-{tag}"
+        self._zmq = zmq.asyncio.Context()
+        self._output_sock = self._zmq.socket(zmq.PULL)
+        self._output_sock.bind(output_address)
+        self._input_sock = self._zmq.socket(zmq.PUSH)
+        self._input_sock.connect(input_address)
+        mp = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = mp.Pipe(duplex=False)
+        self.engine_proc = mp.Process(
+            target=run_engine_core,
+            args=(self.config, input_address, output_address, child_conn,
+                  logging.getLogger().getEffectiveLevel()),
+            name="tokenmill-engine-core",
+            daemon=True,
+        )
+        self.engine_proc.start()
+        child_conn.close()
+        deadline = time.monotonic() + timeout_s
+        while not parent_conn.poll(0.2):
+            if not self.engine_proc.is_alive():
+                raise EngineDeadError(
+                    f"the engine process exited during start-up (exit code "
+                    f"{self.engine_proc.exitcode}); see its log above"
+                )
+            if time.monotonic() > deadline:
+                self.engine_proc.kill()
+                raise EngineDeadError(f"the engine did not start within {timeout_s:.0f} s")
+        try:
+            info = parent_conn.recv()
+        except EOFError:
+            info = {"status": "failed", "error": "the engine process exited during start-up"}
+        parent_conn.close()
+        if info.get("status") != "ready":
+            self.engine_proc.join(timeout=5)
+            raise EngineDeadError(f"the engine failed to start: {info.get('error')}")
+        # The core may have fitted max_model_len to the KV cache (--max-model-len -1).
+        self.model_config.max_model_len = info["max_model_len"]
+        self.config.scheduler_config.max_model_len = info["max_model_len"]
+        self.config.cache_config.num_blocks = info["num_blocks"]
+
+    def _ensure_background_tasks(self) -> None:
+        if self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._output_loop(), name="tokenmill-output-handler"),
+            loop.create_task(self._log_loop(), name="tokenmill-stat-logger"),
+        ]
+        # The process sentinel becomes readable the moment the engine process exits.
+        loop.add_reader(self.engine_proc.sentinel, self._on_engine_exit)
+
+    def _on_engine_exit(self) -> None:
+        try:
+            asyncio.get_running_loop().remove_reader(self.engine_proc.sentinel)
+        except (RuntimeError, ValueError):
+            pass
+        self.engine_proc.join(0.1)  # reap it, so the exit code is known
+        if not self._closed:
+            self._fail_all(
+                f"the engine process exited unexpectedly (exit code {self.engine_proc.exitcode})"
+            )
+
+    def _fail_all(self, error: str) -> None:
+        if self.dead_error is None:
+            self.dead_error = error
+            logger.error("Engine is dead: %s", error)
+        self.output_processor.fail_all(error)
+        for collector in self._collectors.values():
+            collector.put(EngineDeadError(error))
+        for waiters in self._utility_waiters.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_exception(EngineDeadError(error))
+
+    async def _output_loop(self) -> None:
+        sock = self._output_sock
+        while True:
+            try:
+                kind, payload = await sock.recv_multipart()
+            except (asyncio.CancelledError, zmq.ContextTerminated, zmq.ZMQError):
+                return
+            if kind == MSG_OUT:
+                self._process_outputs(_outputs_decoder.decode(payload))
+            elif kind == MSG_UTILITY:
+                name, result = msgspec.msgpack.decode(payload)
+                waiters = self._utility_waiters.get(name)
+                if waiters:
+                    fut = waiters.pop(0)
+                    if not fut.done():
+                        fut.set_result(result)
+
+    def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.engine_error is not None:
+            self._fail_all(f"the engine failed: {outputs.engine_error}")
+            return
+        result = self.output_processor.process_outputs(
+            outputs.outputs, outputs.timestamp or time.time(), outputs.first_scheduled
+        )
+        if result.reqs_to_abort:
+            self._send_abort(result.reqs_to_abort)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(outputs.scheduler_stats, result.iteration_stats)
+
+    async def _log_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.LOG_INTERVAL_S)
+            for stat_logger in self.stat_loggers:
+                try:
+                    stat_logger.log()
+                except Exception:  # a logger must never take the server down
+                    logger.exception("stat logger failed")
+
+    # ---- requests ----------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError if the engine process is gone."""
+        if self.dead_error is None and not self.engine_proc.is_alive() and not self._closed:
+            self._fail_all(f"the engine process is not running (exit code {self.engine_proc.exitcode})")
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        validate_max_tokens: bool = True,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Submit a request and yield its outputs until it finishes.
+
+        Validation happens before the first yield, so an invalid request raises at once.
+        Closing or cancelling the generator aborts the request in the engine.
+
+        Raises:
+            InvalidRequestError, SamplingParamsError: the request cannot be served.
+            EngineDeadError: the engine is not running (or dies meanwhile).
+            ValueError: ``request_id`` is already in use.
+        """
+        self._ensure_background_tasks()
+        self.check_health()
+        processed = self.input_processor.process(
+            request_id, prompt, sampling_params, priority=priority,
+            validate_max_tokens=validate_max_tokens,
+        )
+        collector = RequestOutputCollector(processed.params.output_kind)
+        self.output_processor.add_request(processed, processed.params, collector)
+        self._collectors[request_id] = collector
+        for req in processed.engine_requests:
+            self._input_sock.send_multipart([MSG_ADD, _encoder.encode(req)])
+        finished = False
+        try:
+            while not finished:
+                out = await collector.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._collectors.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests by their user-facing ids (unknown or finished ids are ignored)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        engine_ids = self.output_processor.abort_requests(ids)
+        if engine_ids:
+            self._send_abort(engine_ids)
+
+    def _send_abort(self, engine_ids: list[str]) -> None:
+        if self.dead_error is None and not self._closed:
+            self._input_sock.send_multipart([MSG_ABORT, _encoder.encode(engine_ids)])
+
+    async def _utility(self, name: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        self._ensure_background_tasks()
+        self.check_health()
+        fut = asyncio.get_running_loop().create_future()
+        self._utility_waiters.setdefault(name, []).append(fut)
+        await self._input_sock.send_multipart([MSG_UTILITY, _encoder.encode([name, list(args)])])
+        return await asyncio.wait_for(fut, timeout_s)
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._utility("reset_prefix_cache"))
+
+    async def check_kv_integrity(self) -> bool:
+        """Ask the core to verify its KV cache bookkeeping (raises there if broken)."""
+        return bool(await self._utility("check_integrity"))
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    # ---- shutdown ----------------------------------------------------------------------
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine process and release sockets (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        try:
+            asyncio.get_running_loop().remove_reader(self.engine_proc.sentinel)
+        except (RuntimeError, ValueError):
+            pass
+        if self.engine_proc.is_alive():
+            self.engine_proc.terminate()
+            self.engine_proc.join(timeout_s)
+            if self.engine_proc.is_alive():
+                self.engine_proc.kill()
+                self.engine_proc.join(2)
+        self._input_sock.close(linger=0)
+        self._output_sock.close(linger=0)
+        self._zmq.term()
+        for name in os.listdir(self._ipc_dir):
+            try:
+                os.unlink(os.path.join(self._ipc_dir, name))
+            except OSError:
+                pass
+        try:
+            os.rmdir(self._ipc_dir)
+        except OSError:
+            pass

@@ -1,0 +1,35 @@
+"""Executor: runs the worker(s) of an engine — in this process, or one process per device."""
+
+from __future__ import annotations
+
+import abc
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.scheduler_output import SchedulerOutput
+
+
+class Executor(abc.ABC):
+    """The engine core's handle on its workers.
+
+    Life cycle: ``__init__`` (loads the model), ``determine_num_blocks``,
+    ``initialize_cache(num_blocks)``, then ``execute_model`` per step, ``shutdown``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV blocks that fit on every worker (the minimum over workers)."""
+
+    @abc.abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache and warm up (CUDA graphs)."""
+
+    @abc.abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns the driver worker's output."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release workers and devices."""

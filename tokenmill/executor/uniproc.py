@@ -1,0 +1,29 @@
+"""One worker in the engine core's own process (one device, or CPU)."""
+
+from __future__ import annotations
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.executor.base import Executor
+from tokenmill.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    """Runs a single Worker in-process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.worker = Worker(config)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+        self.worker.warm_up()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

@@ -1,0 +1,87 @@
+"""CUDA graphs for decode-only steps.
+
+A decode step of a large model launches hundreds of small kernels; at small batch their
+launch overhead rivals the GPU work. The forward pass (model + LM head) is captured once
+per padded batch size over the runner's persistent buffers and replayed: a batch of ``B``
+requests runs the graph of the smallest captured size ``>= B``, with the extra rows filled
+by inert padding requests (slot -1: nothing written; context length 0: nothing read).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def default_capture_sizes(max_num_seqs: int, max_size: int = 512) -> list[int]:
+    """Padded batch sizes to capture: dense where padding would waste most, capped."""
+    sizes = [1, 2, 4, 8] + list(range(16, 256, 16)) + list(range(256, max_size + 1, 32))
+    return [s for s in sizes if s <= max_num_seqs] or [1]
+
+
+class CUDAGraphRunner:
+    """Captures and replays the decode forward pass of ``runner.model``.
+
+    Args:
+        runner: the model runner whose buffers the graphs read and write.
+        capture_sizes: batch sizes to capture (default: ``default_capture_sizes``).
+    """
+
+    def __init__(self, runner: ModelRunner, capture_sizes: list[int] | None = None) -> None:
+        self.runner = runner
+        self.sizes = sorted(capture_sizes or default_capture_sizes(runner.max_num_reqs))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def can_run(self, num_reqs: int) -> bool:
+        return bool(self.graphs) and num_reqs <= self.sizes[-1]
+
+    def padded_size(self, num_reqs: int) -> int:
+        return next(s for s in self.sizes if s >= num_reqs)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size, largest first, sharing one memory pool."""
+        runner = self.runner
+        model = runner.model
+        assert model is not None
+        start = time.perf_counter()
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for size in reversed(self.sizes):
+            # Inert inputs for capture: every row a padding request.
+            metadata = runner.pad_decode_batch(0, size)
+            ids = runner.input_ids.device[:size]
+            pos = runner.positions.device[:size]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: Triton autotuning and lazy allocations
+                    model(ids, pos, metadata)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[size] = model(ids, pos, metadata)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info(
+            "Captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s",
+            len(self.graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - start,
+        )
+
+    def run(self, num_reqs: int) -> torch.Tensor:
+        """Replay for a decode batch of ``num_reqs`` whose inputs are already in the
+        runner's buffers; returns hidden states ``[padded, H]`` (rows past ``num_reqs`` are
+        padding)."""
+        size = self.padded_size(num_reqs)
+        self.runner.pad_decode_batch(num_reqs, size)
+        self.graphs[size].replay()
+        return self.outputs[size]

@@ -1,0 +1,444 @@
+"""ModelRunner: turns a SchedulerOutput into input tensors, runs the model, samples.
+
+The only place where scheduler decisions become tensors. Per step it applies the
+scheduler's diff to the persistent InputBatch, builds the flat batch with vectorised numpy
+(positions, token ids, slot mapping, block table) in host staging buffers (pinned on CUDA),
+copies them into persistent device buffers, runs the model (replaying a CUDA graph for
+decode-only batches), and samples the requests whose context is complete (a request still
+prefilling its prompt in chunks samples nothing). The one host-device sync of a step is
+reading the sampled token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.engine_io import LogprobsLists
+from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.model.attention.backend import AttentionMetadata
+from tokenmill.model.attention.selector import get_attn_backend
+from tokenmill.model.layers.attention import bind_kv_caches
+from tokenmill.model.loader.model_loader import get_model, torch_dtype
+from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
+from tokenmill.worker.sampling_metadata import (
+    SamplingMetadata,
+    SamplingRow,
+    build_sampling_metadata,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """One step's batch, ready for the model.
+
+    Attributes:
+        req_ids: scheduled requests in batch order.
+        num_tokens: scheduled tokens (the real ones; device buffers may be padded).
+        metadata: attention metadata.
+        sample_rows: batch indices of the requests that sample a token this step.
+        logits_indices: ``[len(sample_rows)]`` int64 on the device: each sampling
+            request's last token.
+        num_scheduled: ``[num_reqs]`` tokens per request (host).
+        num_computed: ``[num_reqs]`` tokens cached before this step (host).
+        batch_rows: ``[num_reqs]`` InputBatch rows of the requests (host).
+    """
+
+    req_ids: list[str]
+    num_tokens: int
+    metadata: AttentionMetadata
+    sample_rows: list[int]
+    logits_indices: torch.Tensor
+    num_scheduled: np.ndarray
+    num_computed: np.ndarray
+    batch_rows: np.ndarray
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.metadata.max_query_len == 1
+
+
+def _leading_ones(num_scheduled: np.ndarray) -> int:
+    """How many leading requests compute one token (the decode kernel's share)."""
+    not_one = np.flatnonzero(num_scheduled != 1)
+    return int(not_one[0]) if len(not_one) else len(num_scheduled)
+
+
+class _Buffer:
+    """A persistent device tensor with a host staging twin (pinned on CUDA)."""
+
+    def __init__(self, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.device = torch.zeros(size, dtype=dtype, device=device)
+        if device.type == "cuda":
+            self.host = torch.zeros(size, dtype=dtype, pin_memory=True)
+        else:
+            self.host = self.device  # on CPU the device tensor is its own staging buffer
+        self.np = self.host.numpy()
+
+    def copy_to_device(self, n: int) -> torch.Tensor:
+        """Copy the first ``n`` entries (rows) host -> device; returns the device slice."""
+        if self.host is not self.device:
+            self.device[:n].copy_(self.host[:n], non_blocking=True)
+        return self.device[:n]
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the persistent batch of one device."""
+
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        mc, sc = config.model_config, config.scheduler_config
+        self.dtype = torch_dtype(mc.dtype)
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = mc.max_model_len
+        self.max_num_reqs = sc.max_num_seqs
+        self.max_num_tokens = sc.max_num_batched_tokens
+        self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.vocab_size = mc.vocab_size
+        self.attn_backend = get_attn_backend(device.type)
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler()
+        self.cuda_graphs = None  # a CUDAGraphRunner once captured
+        # Tests set this on CPU to run decode batches padded like CUDA-graph batches.
+        self.pad_decode_batches_to: list[int] | None = None
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
+        self._init_buffers()
+
+    def _init_buffers(self) -> None:
+        # Persistent buffers: steps write into them in place, so CUDA graphs captured over
+        # them stay valid and nothing is allocated per step.
+        d, n, r = self.device, self.max_num_tokens, self.max_num_reqs
+        self.input_ids = _Buffer((n,), torch.int64, d)
+        self.positions = _Buffer((n,), torch.int64, d)
+        self.slot_mapping = _Buffer((n,), torch.int64, d)
+        self.query_start_loc = _Buffer((r + 1,), torch.int32, d)
+        self.seq_lens = _Buffer((r,), torch.int32, d)
+        self.block_table = _Buffer((r, self.max_blocks_per_req), torch.int32, d)
+        self.logits_indices = _Buffer((r,), torch.int64, d)
+        self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
+
+    # ---- set-up ------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        self.model = get_model(
+            self.config.model_config, self.config.load_config, self.device, self.attn_backend
+        )
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one KV block takes over all layers (K and V)."""
+        mc = self.config.model_config
+        per_layer = 2 * self.block_size * mc.get_num_kv_heads() * mc.get_head_dim()
+        return per_layer * mc.get_num_layers() * torch.tensor([], dtype=self.dtype).element_size()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer and bind it.
+
+        Zero-filled: attention reads padded block-table entries under a mask, and masked
+        garbage could be NaN, which a mask does not cancel (0 * NaN = NaN).
+        """
+        mc = self.config.model_config
+        shape = self.attn_backend.get_kv_cache_shape(
+            num_blocks, self.block_size, mc.get_num_kv_heads(), mc.get_head_dim()
+        )
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(mc.get_num_layers())
+        ]
+        assert self.model is not None
+        bind_kv_caches(self.model, self.kv_caches)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode-only forward passes for padded batch sizes (CUDA only)."""
+        if self.device.type != "cuda":
+            return
+        from tokenmill.worker.cuda_graph import CUDAGraphRunner
+
+        self.cuda_graphs = CUDAGraphRunner(self)
+        self.cuda_graphs.capture()
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            batch.remove(req_id)
+        for new in so.scheduled_new_reqs:
+            batch.add(new)
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            batch.append_blocks(req_id, block_ids)
+            batch.set_num_computed(req_id, num_computed)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        batch = self.input_batch
+        req_ids = list(so.num_scheduled_tokens)
+        num_reqs = len(req_ids)
+        rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=num_reqs)
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        num_tokens = int(num_sched.sum())
+        cu = self.query_start_loc.np[: num_reqs + 1]
+        cu[0] = 0
+        np.cumsum(num_sched, out=cu[1:])
+        starts = cu[:-1].astype(np.int64)
+        req_idx = np.repeat(self._arange[:num_reqs], num_sched)
+        computed = batch.num_computed_tokens[rows].astype(np.int64)
+        positions = self.positions.np[:num_tokens]
+        np.add(computed[req_idx], self._arange[:num_tokens] - starts[req_idx], out=positions)
+        token_rows = rows[req_idx]
+        self.input_ids.np[:num_tokens] = batch.token_ids[token_rows, positions]
+        block_ids = batch.block_table[token_rows, positions // self.block_size]
+        slots = self.slot_mapping.np[:num_tokens]
+        np.add(block_ids.astype(np.int64) * self.block_size, positions % self.block_size, out=slots)
+        seq_lens = computed + num_sched
+        self.seq_lens.np[:num_reqs] = seq_lens
+        max_blocks = int(-(-int(seq_lens.max()) // self.block_size))
+        self.block_table.np[:num_reqs, :max_blocks] = batch.block_table[rows, :max_blocks]
+        # A request samples once its whole context is computed this step.
+        sample_rows = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
+        num_samples = len(sample_rows)
+        self.logits_indices.np[:num_samples] = cu[1:][sample_rows] - 1
+
+        n = num_tokens
+        self.input_ids.copy_to_device(n)
+        self.positions.copy_to_device(n)
+        self.slot_mapping.copy_to_device(n)
+        self.query_start_loc.copy_to_device(num_reqs + 1)
+        self.seq_lens.copy_to_device(num_reqs)
+        if self.block_table.host is not self.block_table.device:
+            self.block_table.device[:num_reqs, :max_blocks].copy_(
+                self.block_table.host[:num_reqs, :max_blocks], non_blocking=True
+            )
+        metadata = AttentionMetadata(
+            num_actual_tokens=n,
+            num_reqs=num_reqs,
+            query_start_loc=self.query_start_loc.device[: num_reqs + 1],
+            seq_lens=self.seq_lens.device[:num_reqs],
+            block_table=self.block_table.device[:num_reqs],
+            slot_mapping=self.slot_mapping.device[:n],
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=self.query_start_loc.host[: num_reqs + 1].clone(),
+            seq_lens_cpu=self.seq_lens.host[:num_reqs].clone(),
+            num_decodes=_leading_ones(num_sched),
+        )
+        return StepInputs(
+            req_ids,
+            n,
+            metadata,
+            sample_rows.tolist(),
+            self.logits_indices.copy_to_device(num_samples),
+            num_sched,
+            computed,
+            rows,
+        )
+
+    def _run_model(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states ``[>= num_tokens, H]`` of the step (a graph's output is padded)."""
+        assert self.model is not None
+        num_reqs = inputs.metadata.num_reqs
+        if inputs.is_decode_only:
+            if self.cuda_graphs is not None and self.cuda_graphs.can_run(num_reqs):
+                return self.cuda_graphs.run(num_reqs)
+            if self.pad_decode_batches_to:
+                padded = next((b for b in self.pad_decode_batches_to if b >= num_reqs), None)
+                if padded is not None:
+                    metadata = self.pad_decode_batch(num_reqs, padded)
+                    return self.model(
+                        self.input_ids.device[:padded], self.positions.device[:padded], metadata
+                    )
+        n = inputs.num_tokens
+        return self.model(self.input_ids.device[:n], self.positions.device[:n], inputs.metadata)
+
+    def pad_decode_batch(self, num_reqs: int, padded: int) -> AttentionMetadata:
+        """Fill rows ``num_reqs..padded`` of the device buffers with inert padding requests
+        (one token each, slot -1 so nothing is written, context length 0) and return the
+        metadata of the padded batch, as a captured CUDA graph sees it."""
+        d = self
+        d.input_ids.device[num_reqs:padded].zero_()
+        d.positions.device[num_reqs:padded].zero_()
+        d.slot_mapping.device[num_reqs:padded].fill_(-1)
+        d.seq_lens.device[num_reqs:padded].zero_()
+        qsl = d.query_start_loc.device
+        torch.arange(num_reqs + 1, padded + 1, out=qsl[num_reqs + 1 : padded + 1])
+        return self.decode_metadata(padded)
+
+    def decode_metadata(self, batch_size: int) -> AttentionMetadata:
+        """Metadata over the persistent buffers for a decode batch of ``batch_size``."""
+        qsl_cpu = torch.arange(batch_size + 1, dtype=torch.int32)
+        return AttentionMetadata(
+            num_actual_tokens=batch_size,
+            num_reqs=batch_size,
+            query_start_loc=self.query_start_loc.device[: batch_size + 1],
+            seq_lens=self.seq_lens.device[:batch_size],
+            block_table=self.block_table.device[:batch_size],
+            slot_mapping=self.slot_mapping.device[:batch_size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=self.seq_lens.host[:batch_size].clone(),
+            num_decodes=batch_size,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step.
+
+        Returns:
+            The sampled token of every request that completed its context this step (an
+            empty list for requests mid-prefill), plus logprobs and prompt logprobs.
+        """
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput.empty()
+        assert self.model is not None
+        inputs = self._prepare_inputs(so)
+        hidden = self._run_model(inputs)
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        sampled: list[list[int]] = [[] for _ in inputs.req_ids]
+        logprobs: dict[str, LogprobsLists] = {}
+        if inputs.sample_rows:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            sample_batch_rows = inputs.batch_rows[inputs.sample_rows]
+            metadata = self._sampling_metadata(inputs, sample_batch_rows)
+            out = self.sampler(logits, metadata)
+            token_ids = out.sampled_token_ids.tolist()  # the step's one sync
+            req_ids = inputs.req_ids
+            if out.logprobs is not None:
+                per_row = out.logprobs.to_lists_per_row(metadata.num_logprobs)
+                for i, lp in zip(inputs.sample_rows, per_row):
+                    if lp is not None:
+                        logprobs[req_ids[i]] = lp
+            batch = self.input_batch
+            for i, tok in zip(inputs.sample_rows, token_ids):
+                sampled[i] = [tok]
+                batch.append_token(req_ids[i], tok)
+        self._advance_computed(inputs)
+        return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs)
+
+    def _advance_computed(self, inputs: StepInputs) -> None:
+        batch = self.input_batch
+        new_computed = inputs.num_computed + inputs.num_scheduled
+        batch.num_computed_tokens[inputs.batch_rows] = new_computed
+        for req_id, c in zip(inputs.req_ids, new_computed.tolist()):
+            batch.requests[req_id].num_computed_tokens = c
+
+    def _sampling_metadata(self, inputs: StepInputs, rows: np.ndarray) -> SamplingMetadata:
+        """The sampler's metadata: a numpy gather of per-row parameters when every row is
+        plain (temperature/top-k/top-p/min-p only), else the general per-row builder."""
+        b = self.input_batch
+        if not b.simple_sampling[rows].all():
+            states = [b.requests[inputs.req_ids[i]] for i in inputs.sample_rows]
+            return build_sampling_metadata(
+                [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids)
+                 for s in states],
+                self.vocab_size,
+                self.device,
+            )
+        d, v = self.device, self.vocab_size
+        greedy = b.greedy[rows]
+        all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
+        temperature = np.where(greedy, np.float32(1.0), b.temperature[rows])
+        meta = SamplingMetadata(
+            temperature=torch.from_numpy(temperature).to(d, non_blocking=True),
+            all_greedy=all_greedy,
+            all_random=all_random,
+        )
+        if not (all_greedy or all_random):
+            meta.greedy_mask = torch.from_numpy(greedy).to(d, non_blocking=True)
+        if not all_greedy:
+            top_k = b.top_k[rows]
+            top_k = np.where((top_k <= 0) | (top_k >= v), v, top_k)
+            if (top_k < v).any():
+                meta.top_k = torch.from_numpy(top_k).to(d, non_blocking=True)
+                meta.max_top_k = int(top_k.max())
+            top_p = b.top_p[rows]
+            if (top_p < 1.0).any():
+                meta.top_p = torch.from_numpy(top_p).to(d, non_blocking=True)
+            min_p = b.min_p[rows]
+            if (min_p > 0.0).any():
+                meta.min_p = torch.from_numpy(min_p).to(d, non_blocking=True)
+        return meta
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
+        """Logprobs of the prompt tokens this step's positions predict (requests that ask)."""
+        result: dict[str, LogprobsLists] = {}
+        starts = inputs.metadata.query_start_loc_cpu.tolist()
+        for i, req_id in enumerate(inputs.req_ids):
+            state = self.input_batch.requests[req_id]
+            k = state.sampling_params.prompt_logprobs
+            # A request resumed after preemption recomputes its prompt; its prompt logprobs
+            # were already sent.
+            if k is None or state.output_token_ids:
+                continue
+            first = int(inputs.num_computed[i])
+            prompt_len = len(state.prompt_token_ids)
+            # Position p predicts prompt token p + 1; the last prompt position predicts output.
+            last = min(first + int(inputs.num_scheduled[i]), prompt_len - 1)
+            if last <= first:
+                continue
+            token_idx = torch.arange(starts[i], starts[i] + last - first, device=self.device)
+            logits = self.model.compute_logits(hidden[token_idx])  # type: ignore[union-attr]
+            targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1], device=self.device)
+            lp = compute_prompt_logprobs(logits, targets, k)
+            result[req_id] = lp.to_lists([(0, last - first)], [k])[0]
+        return result
+
+    # ---- profiling ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward pass at the full token budget, to measure peak activation memory.
+
+        Uses a throw-away KV cache just large enough for the batch.
+        """
+        assert self.model is not None
+        n = self.max_num_tokens
+        num_reqs = max(1, min(self.max_num_reqs, n // max(1, self.max_model_len)))
+        per_req = [n // num_reqs + (1 if i < n % num_reqs else 0) for i in range(num_reqs)]
+        saved = self.kv_caches
+        self.initialize_kv_cache(sum(-(-p // self.block_size) for p in per_req))
+        try:
+            slots, tables, block = [], [], 0
+            for p in per_req:
+                nb = -(-p // self.block_size)
+                tables.append(list(range(block, block + nb)))
+                slots += [block * self.block_size + j for j in range(p)]
+                block += nb
+            width = max(len(t) for t in tables)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+            qsl = torch.tensor(np.concatenate([[0], np.cumsum(per_req)]), dtype=torch.int32)
+            seq = torch.tensor(per_req, dtype=torch.int32)
+            d = self.device
+            md = AttentionMetadata(
+                n, num_reqs, qsl.to(d), seq.to(d), table.to(d), torch.tensor(slots, device=d),
+                max(per_req), max(per_req), qsl, seq,
+            )
+            ids = torch.zeros(n, dtype=torch.int64, device=d)
+            pos = torch.cat([torch.arange(p) for p in per_req]).to(d)
+            hidden = self.model(ids, pos, md)
+            # A decode step of max_num_seqs requests samples that many rows: the logits and
+            # the sampler's float32 copies of them are part of the peak.
+            rows = min(n, self.max_num_reqs)
+            logits = self.model.compute_logits(hidden[:rows])
+            self.sampler(
+                logits,
+                SamplingMetadata(
+                    temperature=torch.ones(rows, device=d), all_greedy=False, all_random=True
+                ),
+            )
+        finally:
+            self.kv_caches = saved
+            if saved:
+                bind_kv_caches(self.model, saved)

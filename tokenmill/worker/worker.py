@@ -1,0 +1,114 @@
+"""Worker: one device — its initialisation, memory profiling and KV cache sizing."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+class Worker:
+    """Drives one ModelRunner on one device.
+
+    Start-up order: ``init_device`` -> ``load_model`` -> ``determine_num_blocks`` ->
+    ``initialize_cache`` -> ``warm_up``; then ``execute_model`` once per step.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = torch.device("cpu")
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        if self.config.device_config.device == "cuda":
+            self.device = torch.device("cuda", self.rank)
+            torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
+        else:
+            self.device = torch.device("cpu")
+            # Leave one core for the front end (tokenizing, HTTP) when there are several.
+            threads = int(os.environ.get("TOKENMILL_CPU_THREADS", "0")) or None
+            if threads:
+                torch.set_num_threads(threads)
+        torch.manual_seed(self.config.model_config.seed)
+        self.model_runner = ModelRunner(self.config, self.device)
+
+    def load_model(self) -> None:
+        assert self.model_runner is not None
+        self.model_runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks fit.
+
+        ``--kv-cache-memory`` fixes the bytes. Otherwise on CUDA: the card's memory times
+        ``--gpu-memory-utilization``, minus what is in use after loading the weights, minus
+        the activation peak of a forward pass at the full token budget; on CPU: the CPU
+        default (4 GiB).
+
+        Raises:
+            ConfigError: no memory is left for the KV cache.
+        """
+        runner = self.model_runner
+        assert runner is not None
+        cc = self.config.cache_config
+        per_block = runner.kv_cache_bytes_per_block()
+        if cc.kv_cache_memory is not None:
+            budget = cc.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:
+            budget = cc.cpu_kv_cache_memory
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"no memory left for the KV cache ({budget / GiB:.2f} GiB available, one block "
+                f"needs {per_block} bytes); raise --gpu-memory-utilization or --kv-cache-memory"
+            )
+        return int(num_blocks)
+
+    def _profile_cuda_budget(self) -> int:
+        runner = self.model_runner
+        assert runner is not None
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        runner.profile_run()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        used = total - free_after  # weights, CUDA context, other processes
+        budget = int(total * self.config.cache_config.gpu_memory_utilization) - used - peak
+        logger.info(
+            "Memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB activation peak, "
+            "%.2f GiB for the KV cache",
+            total / GiB, used / GiB, peak / GiB, budget / GiB,
+        )
+        return budget
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        assert self.model_runner is not None
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def warm_up(self) -> None:
+        """Compile/capture what the device needs before serving (CUDA graphs)."""
+        assert self.model_runner is not None
+        capture = getattr(self.model_runner, "capture_cuda_graphs", None)
+        if capture is not None and not self.config.enforce_eager:
+            capture()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.model_runner is not None
+        return self.model_runner.execute_model(scheduler_output)
