@@ -1,0 +1,104 @@
+"""The ``tokenmill`` command line: versions, flag errors in one line with exit code 2,
+start-up errors in one line with a non-zero exit code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill.entrypoints.cli.main import build_parser, main
+from tokenmill.entrypoints.cli.serve import UNIMPLEMENTED_FLAGS
+from tokenmill.version import __version__
+
+
+def run_main(capsys, argv: list[str]) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_version_flag_and_command(capsys):
+    assert run_main(capsys, ["--version"]) == (0, f"{__version__}\n", "")
+    assert run_main(capsys, ["version"]) == (0, f"{__version__}\n", "")
+
+
+@pytest.mark.parametrize("flag", [*UNIMPLEMENTED_FLAGS, "-dp"])
+def test_unimplemented_vllm_flags_are_rejected(capsys, flag):
+    code, out, err = run_main(capsys, ["serve", flag, "some-value"])
+    assert code == 2
+    assert err == f"tokenmill serve: error: tokenmill does not implement {flag} yet\n"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--port", "eighty"],
+        ["serve", "--dtype", "float8"],
+        ["serve", "--allowed-origins", "not json"],
+        ["serve", "--no-such-flag"],
+        ["serve", "--max-num-seqs"],
+        ["serve", "a", "--model", "b"],
+        ["serve", "--chat-template", "/no/such/template.jinja"],
+        ["serve", "--max-log-len", "-1"],
+    ],
+)
+def test_bad_flags_fail_in_one_line(capsys, argv):
+    code, out, err = run_main(capsys, argv)
+    assert code == 2
+    assert err.count("\n") == 1 and "error" in err and "Traceback" not in err
+
+
+def test_serve_flags_and_defaults():
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.model_tag, args.model) == ("0.0.0.0", 8000, None, None)
+    assert args.allowed_origins == ["*"] and args.api_key is None
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "m",
+            "--max-num-seqs",
+            "4",
+            "--no-enable-prefix-caching",
+            "--allowed-origins",
+            '["http://a"]',
+            "-tp",
+            "1",
+            "--kv-cache-memory-bytes",
+            "1GiB",
+        ]
+    )
+    assert (args.model_tag, args.max_num_seqs, args.enable_prefix_caching) == ("m", 4, False)
+    assert args.allowed_origins == ["http://a"] and args.kv_cache_memory == "1GiB"
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("TOKENMILL_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["/no/such/model"], "does not exist"),
+        (["--tensor-parallel-size", "2"], "tensor parallel"),
+        (["{tiny}", "--max-model-len", "100000"], "max-model-len"),
+    ],
+)
+def test_startup_errors_fail_in_one_line(tiny_model_dir, argv, words):
+    """Invalid settings are reported before the engine starts: one line, exit code 1."""
+    argv = [a.replace("{tiny}", tiny_model_dir) for a in argv]
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("tokenmill serve: error:") and words in lines[0]

@@ -1,0 +1,156 @@
+"""Legacy completions against the real default model: echo, logprobs, several prompts,
+streaming, and a stream of emoji / CJK text that never carries a broken character."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.entrypoints.test_chat_completions import MODEL, sse_events
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+
+
+def test_completion_usage_and_stream_equivalence(default_server):
+    client = default_server.openai()
+    result = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=8)
+    choice = result.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    tokens = default_server.post("/tokenize", {"prompt": PROMPT}).json()["tokens"]
+    assert result.usage.prompt_tokens == len(tokens)
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=8, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
+
+
+def test_default_max_tokens_is_16(default_server):
+    result = default_server.post(
+        "/v1/completions",
+        {
+            "prompt": PROMPT,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    ).json()
+    assert result["usage"]["completion_tokens"] == 16
+
+
+def test_echo_with_logprobs(default_server):
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 4, "echo": True, "logprobs": 2}
+    result = default_server.post("/v1/completions", body).json()
+    choice = result["choices"][0]
+    assert choice["text"].startswith(PROMPT)
+    logprobs = choice["logprobs"]
+    num_tokens = result["usage"]["prompt_tokens"] + result["usage"]["completion_tokens"]
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert len(logprobs[name]) == num_tokens, name
+    # The first prompt token has nothing before it, hence no logprob.
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    for value, top in zip(
+        logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:], strict=True
+    ):
+        assert math.isfinite(value) and value <= 0
+        assert 1 <= len(top) <= 3 and all(math.isfinite(v) for v in top.values())
+    # text_offset indexes the choice's text.
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    for offset, token in zip(logprobs["text_offset"], logprobs["tokens"], strict=True):
+        assert choice["text"][offset : offset + len(token)] == token
+
+    events = sse_events(default_server, "/v1/completions", {**body, "stream": True})
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert chunks[0]["text"].startswith(PROMPT)
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    streamed_tokens = [t for c in chunks for t in (c["logprobs"] or {}).get("tokens", [])]
+    assert streamed_tokens == logprobs["tokens"]
+
+
+def test_several_prompts_and_token_id_prompts(default_server):
+    ids = default_server.post("/tokenize", {"prompt": PROMPT}).json()["tokens"]
+    body = {"prompt": [PROMPT, "Once upon a time"], "temperature": 0, "max_tokens": 5, "n": 2}
+    result = default_server.post("/v1/completions", body).json()
+    assert [c["index"] for c in result["choices"]] == [0, 1, 2, 3]
+    by_ids = default_server.post(
+        "/v1/completions",
+        {
+            "prompt": ids,
+            "temperature": 0,
+            "max_tokens": 5,
+        },
+    ).json()
+    assert by_ids["choices"][0]["text"] == result["choices"][0]["text"]
+    assert result["choices"][0]["text"] == result["choices"][1]["text"]  # greedy: n alike
+
+    events = sse_events(default_server, "/v1/completions", {**body, "stream": True})
+    texts = ["", "", "", ""]
+    for event in events[:-1]:
+        for c in event["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == [c["text"] for c in result["choices"]]
+
+
+def _whole_characters(token_bytes: list[bytes]) -> int:
+    """The most leading tokens whose bytes decode to whole UTF-8 characters."""
+    best = 0
+    for k in range(1, len(token_bytes) + 1):
+        try:
+            b"".join(token_bytes[:k]).decode("utf-8")
+            best = k
+        except UnicodeDecodeError:
+            pass
+    return best
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "😀😃😄😁😆😅🤣😂🙂🙃😉😊😇🥰😍",
+        "東京は日本の首都です。大阪は",
+    ],
+)
+def test_emoji_and_cjk_stream_never_breaks_a_character(default_server, prompt):
+    """Regression: multi-byte characters split over several tokens reach the client whole."""
+    probe = default_server.post(
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+            "max_tokens": 16,
+            "logprobs": True,
+        },
+    ).json()
+    content = probe["choices"][0]["logprobs"]["content"]
+    token_bytes = [bytes(e["bytes"]) for e in content]
+    # End on a whole character so that no truncation at max_tokens is involved.
+    k = _whole_characters(token_bytes)
+    assert k > 0
+    split = [b for b in token_bytes[:k] if _broken(b)]
+    assert split, "the answer should contain characters spread over several tokens"
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0,
+        "max_tokens": k,
+        "stream": True,
+    }
+    events = sse_events(default_server, "/v1/chat/completions", body)
+    pieces = [e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"]]
+    for piece in pieces:
+        assert "\ufffd" not in piece
+    expected = b"".join(token_bytes[:k]).decode("utf-8")
+    text = "".join(pieces)
+    if events[-2]["choices"][0]["finish_reason"] == "stop":
+        expected = expected.split("<|im_end|>")[0]
+    assert text == expected
+    assert any(ord(ch) > 0x2E80 for ch in text)
+
+
+def _broken(token: bytes) -> bool:
+    try:
+        token.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True

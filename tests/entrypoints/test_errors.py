@@ -1,0 +1,248 @@
+"""Malformed and invalid requests: each gets the right status and OpenAI's error body, and the
+server keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MSG = [{"role": "user", "content": "Hi"}]
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+# (name, path, body (dict, or raw bytes), expected status, expected `param` or None to skip,
+#  a word the message must contain)
+CASES = [
+    ("malformed json", CHAT, b'{"messages": [', 400, None, "JSON"),
+    ("empty body", CHAT, b"", 400, None, "body"),
+    ("body is a list", CHAT, b"[1, 2]", 400, None, "object"),
+    ("missing messages", CHAT, {"model": "SmolLM2-135M-Instruct"}, 400, "messages", "messages"),
+    ("empty messages", CHAT, {"messages": []}, 400, "messages", "messages"),
+    ("messages not a list", CHAT, {"messages": "Hi"}, 400, "messages", "list"),
+    (
+        "unknown role",
+        CHAT,
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages.0.role",
+        "role",
+    ),
+    (
+        "message without role",
+        CHAT,
+        {"messages": [{"content": "x"}]},
+        400,
+        "messages.0.role",
+        "role",
+    ),
+    (
+        "content of the wrong type",
+        CHAT,
+        {"messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages.0.content",
+        "content",
+    ),
+    (
+        "user message without content",
+        CHAT,
+        {"messages": [{"role": "user"}]},
+        400,
+        "messages.0.content",
+        "content",
+    ),
+    (
+        "image content part",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages.0.content",
+        "image_url",
+    ),
+    (
+        "temperature is a string",
+        CHAT,
+        {"messages": MSG, "temperature": "hot"},
+        400,
+        "temperature",
+        "number",
+    ),
+    (
+        "max_tokens is a string",
+        CHAT,
+        {"messages": MSG, "max_tokens": "10"},
+        400,
+        "max_tokens",
+        "integer",
+    ),
+    (
+        "negative max_tokens",
+        CHAT,
+        {"messages": MSG, "max_tokens": -1},
+        400,
+        "max_tokens",
+        "max_tokens",
+    ),
+    (
+        "zero max_completion_tokens",
+        CHAT,
+        {"messages": MSG, "max_completion_tokens": 0},
+        400,
+        "max_tokens",
+        "max_tokens",
+    ),
+    (
+        "negative temperature",
+        CHAT,
+        {"messages": MSG, "temperature": -0.5},
+        400,
+        "temperature",
+        "temperature",
+    ),
+    ("top_p zero", CHAT, {"messages": MSG, "top_p": 0}, 400, "top_p", "top_p"),
+    ("top_p above one", CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p", "top_p"),
+    ("n zero", CHAT, {"messages": MSG, "n": 0}, 400, "n", "n must"),
+    (
+        "too many top_logprobs",
+        CHAT,
+        {"messages": MSG, "logprobs": True, "top_logprobs": 50},
+        400,
+        "top_logprobs",
+        "top_logprobs",
+    ),
+    (
+        "top_logprobs without logprobs",
+        CHAT,
+        {"messages": MSG, "top_logprobs": 3},
+        400,
+        "top_logprobs",
+        "logprobs",
+    ),
+    (
+        "presence_penalty out of range",
+        CHAT,
+        {"messages": MSG, "presence_penalty": 3},
+        400,
+        "presence_penalty",
+        "presence_penalty",
+    ),
+    (
+        "logit_bias key not a token id",
+        CHAT,
+        {"messages": MSG, "logit_bias": {"x": 1}},
+        400,
+        "logit_bias",
+        "logit_bias",
+    ),
+    (
+        "logit_bias token out of vocabulary",
+        CHAT,
+        {"messages": MSG, "logit_bias": {"999999": 1}},
+        400,
+        "logit_bias",
+        "vocabulary",
+    ),
+    (
+        "stream_options without stream",
+        CHAT,
+        {"messages": MSG, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "stream",
+    ),
+    ("context overflow", CHAT, {"messages": MSG, "max_tokens": 4000}, 400, "max_tokens", "2048"),
+    ("unknown model", CHAT, {"messages": MSG, "model": "gpt-4o"}, 404, "model", "gpt-4o"),
+    ("tools", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools", "tool"),
+    ("completions: missing prompt", COMPLETIONS, {"max_tokens": 5}, 400, "prompt", "prompt"),
+    ("completions: empty prompt", COMPLETIONS, {"prompt": ""}, 400, "prompt", "empty"),
+    ("completions: empty prompt list", COMPLETIONS, {"prompt": []}, 400, "prompt", "empty"),
+    (
+        "completions: token id out of vocabulary",
+        COMPLETIONS,
+        {"prompt": [1, 10**7]},
+        400,
+        "prompt",
+        "vocabulary",
+    ),
+    (
+        "completions: prompt longer than the context",
+        COMPLETIONS,
+        {"prompt": "hello " * 2100, "max_tokens": None},
+        400,
+        "prompt",
+        "2048",
+    ),
+    (
+        "completions: unknown model",
+        COMPLETIONS,
+        {"prompt": "x", "model": "davinci"},
+        404,
+        "model",
+        "davinci",
+    ),
+    ("completions: suffix", COMPLETIONS, {"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix"),
+    ("tokenize: neither prompt nor messages", "/tokenize", {}, 400, "prompt", "prompt"),
+    (
+        "detokenize: token out of vocabulary",
+        "/detokenize",
+        {"tokens": [-1]},
+        400,
+        "tokens",
+        "vocabulary",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "body", "status", "param", "word"), CASES, ids=[c[0] for c in CASES]
+)
+def test_invalid_request(default_server, name, path, body, status, param, word):
+    if isinstance(body, bytes):
+        response = default_server.post(
+            path, content=body, headers={"Content-Type": "application/json"}
+        )
+    else:
+        response = default_server.post(path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert word.lower() in error["message"].lower(), error
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_server_still_serves_after_bad_requests(default_server):
+    assert len(CASES) >= 20
+    response = default_server.post(CHAT, {"messages": MSG, "temperature": 0, "max_tokens": 4})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] > 0
+    assert default_server.get("/health").status_code == 200
+
+
+def test_context_overflow_message_gives_the_numbers(default_server):
+    num_prompt = default_server.post("/tokenize", {"messages": MSG}).json()["count"]
+    response = default_server.post(CHAT, {"messages": MSG, "max_tokens": 2040})
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400
+    for number in (2048, num_prompt + 2040, num_prompt, 2040):
+        assert str(number) in message
+
+
+def test_unknown_route_and_method(default_server):
+    missing = default_server.get("/v1/nothing")
+    assert missing.status_code == 404 and "error" in missing.json()
+    wrong = default_server.get(CHAT)
+    assert wrong.status_code == 405 and "error" in wrong.json()
+
+
+def test_openai_sdk_raises_typed_errors(default_server):
+    import openai
+
+    client = default_server.openai()
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MSG, temperature=-1)
+    assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MSG)

@@ -1,0 +1,69 @@
+"""The ``tokenmill`` command: ``serve``, ``bench``, ``version``; ``tokenmill --version``.
+
+Errors in the command line are reported in one line (no usage dump, no traceback) with
+exit code 2, as a script calling the command can show them as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from tokenmill.version import __version__
+
+
+class CLIParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``prog: error: message`` (exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _run_version(_: argparse.Namespace) -> int:
+    print(__version__)
+    return 0
+
+
+def build_parser() -> CLIParser:
+    """The ``tokenmill`` parser with its subcommands."""
+    parser = CLIParser(
+        prog="tokenmill",
+        description="tokenmill: a high-throughput LLM inference and serving engine.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--version", action="version", version=__version__)
+    subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+
+    from tokenmill.entrypoints.cli import serve
+
+    serve.add_parser(subparsers)
+    # The benchmark command lives in its own module, present in full installs only.
+    if importlib.util.find_spec("tokenmill.entrypoints.cli.bench") is not None:
+        bench = importlib.import_module("tokenmill.entrypoints.cli.bench")
+        bench.add_parser(subparsers)
+        bench_parser = subparsers.choices.get("bench")
+        if bench_parser is not None and bench_parser.get_default("dispatch") is None:
+            bench_parser.set_defaults(dispatch=bench.run)
+    version_parser = subparsers.add_parser("version", help="Print the version.")
+    version_parser.set_defaults(dispatch=_run_version)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tokenmill`` command; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    dispatch = getattr(args, "dispatch", None)
+    if dispatch is None:
+        parser.print_help()
+        return 2
+    code = dispatch(args)
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""``tokenmill serve [MODEL] [flags]``: the OpenAI-compatible server.
+
+Flags follow ``vllm serve``: every engine flag (generated from EngineArgs) plus the server
+flags below. vLLM flags that tokenmill does not implement yet are recognised and rejected
+with one line (exit code 2), so that a copied command line never silently does something
+else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from tokenmill.config import ConfigError
+from tokenmill.engine_args import EngineArgs
+from tokenmill.model.loader.hf_config import ModelLoadError
+
+API_KEY_ENV = "TOKENMILL_API_KEY"
+
+# vLLM flags with no tokenmill implementation yet.
+UNIMPLEMENTED_FLAGS = (
+    "--enable-lora",
+    "--lora-modules",
+    "--max-loras",
+    "--max-lora-rank",
+    "--speculative-config",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "--tool-parser-plugin",
+    "--reasoning-parser",
+    "--guided-decoding-backend",
+    "--structured-outputs-config",
+    "--kv-transfer-config",
+    "--kv-events-config",
+    "--data-parallel-size",
+    "--enable-expert-parallel",
+    "--distributed-executor-backend",
+    "--cpu-offload-gb",
+    "--swap-space",
+    "--kv-cache-dtype",
+    "--limit-mm-per-prompt",
+    "--mm-processor-kwargs",
+    "--enable-sleep-mode",
+    "--ssl-keyfile",
+    "--ssl-certfile",
+    "--ssl-ca-certs",
+    "--enable-ssl-refresh",
+    "--return-tokens-as-token-ids",
+    "--enable-prompt-tokens-details",
+    "--override-generation-config",
+    "--rope-scaling",
+    "--hf-overrides",
+    "--middleware",
+    "--uds",
+    "--api-server-count",
+    "--headless",
+)
+
+
+class _Unimplemented(argparse.Action):
+    """Rejects a known vLLM flag that tokenmill does not implement (one line, exit 2)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(
+            option_strings, dest, nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        parser.exit(2, f"{parser.prog}: error: tokenmill does not implement {option_string} yet\n")
+
+
+def _json_list(value: str) -> list[str]:
+    from tokenmill.entrypoints.openai.server import parse_json_list
+
+    return parse_json_list(value)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server's flags (``vllm serve`` names and defaults)."""
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="0.0.0.0", help="Address to listen on. (default: 0.0.0.0)")
+    group.add_argument("--port", type=int, default=8000, help="Port to listen on. (default: 8000)")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"Require 'Authorization: Bearer <key>' on /v1 and tokenizer routes "
+        f"(default: ${API_KEY_ENV}, else none).",
+    )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="Chat template (a file or the Jinja text) replacing the model's own.",
+    )
+    group.add_argument(
+        "--response-role",
+        default="assistant",
+        help="Role of generated chat messages. (default: assistant)",
+    )
+    group.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="Do not log a line per request at arrival and finish.",
+    )
+    group.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="Most prompt characters / token ids printed in request logs (default: all).",
+    )
+    group.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level. (default: info)",
+    )
+    group.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="Do not log a line per HTTP request (uvicorn's access log).",
+    )
+    group.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=["*"],
+        help='CORS allowed origins, a JSON list. (default: ["*"])',
+    )
+    group.add_argument(
+        "--allowed-methods",
+        type=_json_list,
+        default=["*"],
+        help='CORS allowed methods, a JSON list. (default: ["*"])',
+    )
+    group.add_argument(
+        "--allowed-headers",
+        type=_json_list,
+        default=["*"],
+        help='CORS allowed headers, a JSON list. (default: ["*"])',
+    )
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
+    group.add_argument(
+        "--root-path",
+        default=None,
+        help="URL prefix when served behind a path-based reverse proxy.",
+    )
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``tokenmill`` command's subparsers."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="Serve a model over an OpenAI-compatible HTTP API.",
+        description="Serve a model over an OpenAI-compatible HTTP API (flags as vllm serve).",
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="Model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).",
+    )
+    parser.add_argument("--model", dest="model", default=None, help="Same as MODEL.")
+    add_server_args(parser)
+    EngineArgs.add_cli_args(parser, positional_model=True)
+    for flag in UNIMPLEMENTED_FLAGS:
+        parser.add_argument(flag, action=_Unimplemented)
+    parser.add_argument("-dp", action=_Unimplemented)
+    parser.set_defaults(dispatch=run)
+    return parser
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"tokenmill serve: error: {message}", file=sys.stderr)
+    return code
+
+
+def configure_logging() -> None:
+    """One format for tokenmill's logs: level, time, module, message."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``tokenmill serve``; returns the exit code.
+
+    Start-up errors (invalid settings, an unreadable model, an engine that fails to start)
+    are reported in one line with exit code 1; flag errors exit with 2.
+    """
+    from tokenmill.engine.async_llm import EngineDeadError
+    from tokenmill.tokenizer import ChatTemplateError, load_chat_template
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        return _fail(f"two models given: {args.model_tag} and --model {args.model}", 2)
+    args.model = args.model_tag or args.model
+    if args.max_log_len is not None and args.max_log_len < 0:
+        return _fail(f"--max-log-len must be non-negative, got {args.max_log_len}", 2)
+    chat_template = None
+    if args.chat_template:
+        try:
+            chat_template = load_chat_template(args.chat_template)
+        except ChatTemplateError as e:
+            return _fail(f"--chat-template: {e}", 2)
+    configure_logging()
+    # NOTE: until uvicorn installs its handlers, SIGTERM exits through Python's normal path,
+    # whose atexit hooks terminate the (daemonic) engine process instead of orphaning it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        config = EngineArgs.from_cli_args(args).create_engine_config("server")
+        if chat_template is not None:
+            config.model_config.chat_template = chat_template
+        from tokenmill.entrypoints.openai.server import run_server
+
+        asyncio.run(run_server(args, config, chat_template))
+    except (ConfigError, ModelLoadError, EngineDeadError) as e:
+        return _fail(str(e), 1)
+    except KeyboardInterrupt:
+        return 0
+    return 0

@@ -1,0 +1,370 @@
+"""The OpenAI-compatible HTTP server: FastAPI app, routes, auth, CORS, error handlers, run loop.
+
+The HTTP server (this process) tokenizes, detokenizes and talks HTTP; the model loop runs in
+the engine process (``AsyncLLM``), so neither stalls the other. Routes:
+
+- POST /v1/chat/completions, /v1/completions (streaming or not), GET /v1/models
+- POST /tokenize, /detokenize
+- GET /health (200 while the engine runs, 503 once it is dead), /metrics (Prometheus), /version
+
+Every error answers with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+SIGTERM drains: uvicorn stops accepting connections, in-flight requests finish (for at most
+``GRACEFUL_SHUTDOWN_S``), then the engine is shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import re
+import signal
+from http import HTTPStatus
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
+from tokenmill.entrypoints.openai.errors import (
+    OpenAIError,
+    bad_request,
+    engine_dead,
+    error_body,
+    error_type,
+)
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenmill.entrypoints.openai.serving_engine import RequestLogger, cancel_on_disconnect
+from tokenmill.metrics import LoggingStatLogger, PrometheusStatLogger, make_registry
+from tokenmill.version import __version__
+
+logger = logging.getLogger("tokenmill.entrypoints.openai.server")
+
+# How long SIGTERM waits for in-flight requests before cancelling them (seconds).
+GRACEFUL_SHUTDOWN_S = 30
+# Routes that answer without an API key (probes and scrapers).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+router = APIRouter()
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 503)
+}
+
+
+# ---- routes ------------------------------------------------------------------------------------
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    """200 while the engine process runs; 503 (with the reason) once it has died."""
+    try:
+        raw_request.app.state.engine.check_health()
+    except EngineDeadError as e:
+        return engine_dead(str(e)).to_response()
+    return Response(status_code=HTTPStatus.OK)
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": __version__})
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    """Prometheus text format."""
+    registry: CollectorRegistry = raw_request.app.state.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models", responses=_ERROR_RESPONSES)
+async def list_models(raw_request: Request) -> Response:
+    engine: AsyncLLM = raw_request.app.state.engine
+    mc = engine.model_config
+    card = ModelCard(id=mc.served_model_name, root=mc.model, max_model_len=mc.max_model_len)
+    return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+
+@router.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingChat = raw_request.app.state.serving_chat
+    return await cancel_on_disconnect(
+        raw_request, serving.create_chat_completion(request, raw_request)
+    )
+
+
+@router.post("/v1/completions", responses=_ERROR_RESPONSES)
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingCompletion = raw_request.app.state.serving_completion
+    return await cancel_on_disconnect(raw_request, serving.create_completion(request, raw_request))
+
+
+@router.post("/tokenize", responses=_ERROR_RESPONSES)
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
+    """Token ids of a text ``prompt`` or of chat ``messages`` rendered with the template."""
+    serving: OpenAIServingChat = raw_request.app.state.serving_chat
+    serving.check_model(request.model)
+    if (request.prompt is None) == (request.messages is None):
+        raise bad_request("Give exactly one of prompt and messages.", "prompt")
+    if request.messages is not None:
+        tokens = serving.render_prompt(request.messages, request)
+    else:
+        tokens = serving.tokenizer.encode(
+            request.prompt, add_special_tokens=request.add_special_tokens
+        )
+    strs = serving.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+    response = TokenizeResponse(
+        count=len(tokens),
+        max_model_len=serving.model_config.max_model_len,
+        tokens=tokens,
+        token_strs=strs,
+    )
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+@router.post("/detokenize", responses=_ERROR_RESPONSES)
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingChat = raw_request.app.state.serving_chat
+    serving.check_model(request.model)
+    vocab_size = serving.model_config.vocab_size
+    bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(
+            f"Token ids {bad[:5]} are out of the vocabulary [0, {vocab_size}).", "tokens"
+        )
+    text = serving.tokenizer.decode(request.tokens)
+    return Response(
+        DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json"
+    )
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+# pydantic marks which member of a union it tried (``str``, ``list[ContentPart]``...) in an
+# error's location; such tags are not request fields.
+_UNION_TAG_RE = re.compile(r"^(str|int|float|bool|dict|list|none|function-\w+)(\[.*\])?$")
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    """A 400 naming the first field at fault, for a body that is not a valid request."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("Invalid request body.")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return bad_request(f"The request body is not valid JSON: {detail}".rstrip(": "))
+    messages = []
+    param = None
+    for error in errors[:3]:
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        fields = [p for p in loc if not _UNION_TAG_RE.match(p)]
+        path = ".".join(fields)
+        if param is None and path:
+            param = path
+        text = error.get("msg", "invalid value")
+        if error.get("type") == "missing" and not path:
+            text = "A JSON request body is required."
+        entry = f"{path}: {text}" if path else text
+        if entry not in messages:
+            messages.append(entry)
+    return bad_request("; ".join(messages), param)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def on_openai_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, OpenAIError)
+        return exc.to_response()
+
+    async def on_validation_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return _validation_error(exc).to_response()
+
+    async def on_http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        body = error_body(str(exc.detail), error_type(exc.status_code))
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    async def on_unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error", exc_info=exc)
+        err = OpenAIError(f"Internal server error: {type(exc).__name__}: {exc}", 500)
+        return err.to_response()
+
+    app.add_exception_handler(OpenAIError, on_openai_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+# ---- auth --------------------------------------------------------------------------------------
+
+
+class APIKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` on every route but OPEN_PATHS.
+
+    The key is compared in constant time (``hmac.compare_digest``), so response timing does
+    not leak how much of a guess was right. CORS preflight (OPTIONS) requests pass.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        if path in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        body = error_body(
+            "Invalid or missing API key: send it as 'Authorization: Bearer <key>'.",
+            "invalid_request_error",
+            code="invalid_api_key",
+        )
+        response = JSONResponse(body, status_code=HTTPStatus.UNAUTHORIZED)
+        await response(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                header = value
+                break
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+
+
+# ---- app ---------------------------------------------------------------------------------------
+
+
+def build_app(
+    engine: AsyncLLM,
+    args: argparse.Namespace,
+    registry: CollectorRegistry,
+    chat_template: str | None = None,
+) -> FastAPI:
+    """The FastAPI app serving ``engine``.
+
+    Args:
+        engine: the running AsyncLLM.
+        args: the server flags (api_key, allowed_origins/methods/headers, allow_credentials,
+            disable_log_requests, max_log_len, response_role).
+        registry: the Prometheus registry exposed at /metrics.
+        chat_template: template text replacing the tokenizer's own, if given.
+    """
+    app = FastAPI(title="tokenmill", version=__version__)
+    app.include_router(router)
+    _add_error_handlers(app)
+    api_key = getattr(args, "api_key", None)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # Added last, so it is the outermost layer: preflight answers never need a key.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=getattr(args, "allowed_origins", ["*"]),
+        allow_credentials=getattr(args, "allow_credentials", False),
+        allow_methods=getattr(args, "allowed_methods", ["*"]),
+        allow_headers=getattr(args, "allowed_headers", ["*"]),
+    )
+    request_logger = None
+    if not getattr(args, "disable_log_requests", False):
+        request_logger = RequestLogger(getattr(args, "max_log_len", None))
+    state = app.state
+    state.engine = engine
+    state.registry = registry
+    state.serving_chat = OpenAIServingChat(
+        engine, request_logger, chat_template, getattr(args, "response_role", "assistant")
+    )
+    state.serving_completion = OpenAIServingCompletion(engine, request_logger)
+    return app
+
+
+def make_stat_loggers(config: EngineConfig, registry: CollectorRegistry) -> list[Any]:
+    """The engine's stat loggers: Prometheus collectors and the periodic log line."""
+    if config.disable_log_stats:
+        return []
+    name = config.model_config.served_model_name
+    return [PrometheusStatLogger(name, registry), LoggingStatLogger()]
+
+
+async def run_server(
+    args: argparse.Namespace, config: EngineConfig, chat_template: str | None = None
+) -> None:
+    """Start the engine, serve HTTP until SIGTERM/SIGINT, then shut the engine down.
+
+    Raises:
+        EngineDeadError: the engine failed to start.
+    """
+    registry = make_registry()
+    engine = AsyncLLM(config, stat_loggers=make_stat_loggers(config, registry))
+    try:
+        app = build_app(engine, args, registry, chat_template)
+        uv_config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            root_path=args.root_path or "",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            timeout_keep_alive=5,
+        )
+        server = uvicorn.Server(uv_config)
+        logger.info(
+            "Serving %s on http://%s:%d (max_model_len=%d)",
+            config.model_config.served_model_name,
+            args.host,
+            args.port,
+            engine.model_config.max_model_len,
+        )
+        # uvicorn re-raises the signal that stopped it once it has drained; the process then
+        # still has the engine to shut down, and exits 0 after that.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _ignore_signal)
+        await server.serve()
+    finally:
+        engine.shutdown()
+        logger.info("Engine shut down.")
+
+
+def _ignore_signal(signum: int, frame: Any) -> None:  # noqa: ARG001
+    """Outside uvicorn's serve loop a stop signal has nothing left to stop."""
+
+
+def parse_json_list(value: str) -> list[str]:
+    """A flag given as a JSON list of strings (``--allowed-origins '["*"]'``).
+
+    Raises:
+        argparse.ArgumentTypeError: not a JSON list of strings.
+    """
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return parsed

@@ -1,0 +1,351 @@
+"""POST /v1/chat/completions: messages -> chat template -> engine -> OpenAI chat response.
+
+Streaming answers are server-sent events: a first chunk per choice carrying the role, chunks of
+new text (never a broken UTF-8 character: the detokenizer holds incomplete ones back), the
+finish reason on a choice's last chunk, an optional usage chunk with no choices
+(``stream_options.include_usage``), then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    UsageInfo,
+    random_id,
+)
+from tokenmill.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    RequestLogger,
+    TokenBytes,
+    clamp_logprob,
+    first_output,
+    to_openai_error,
+)
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.tokenizer import apply_chat_template
+
+if TYPE_CHECKING:
+    from tokenmill.engine.async_llm import AsyncLLM
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def chat_logprobs(
+    token_ids: list[int],
+    logprobs: list[dict[int, Logprob]],
+    num_top: int,
+    token_bytes: TokenBytes,
+) -> ChatCompletionLogProbs:
+    """OpenAI's chat ``logprobs.content``: per output token its text, logprob, bytes and the
+    ``num_top`` most likely tokens (rank order). Logprobs are clamped to finite values.
+    """
+    content = []
+    for token_id, entry in zip(token_ids, logprobs, strict=False):
+        chosen = entry.get(token_id)
+        if chosen is None:  # cannot happen with engine outputs; keep the schema valid anyway
+            chosen = Logprob(float("-inf"), None, None)
+        top = sorted(
+            (
+                item
+                for item in entry.items()
+                if item[1].rank is not None and item[1].rank <= num_top
+            ),
+            key=lambda item: item[1].rank or 0,
+        )[:num_top]
+        content.append(
+            ChatCompletionLogProbsContent(
+                token=chosen.decoded_token or "",
+                logprob=clamp_logprob(chosen.logprob),
+                bytes=token_bytes(token_id, chosen.decoded_token or ""),
+                top_logprobs=[
+                    ChatCompletionLogProb(
+                        token=lp.decoded_token or "",
+                        logprob=clamp_logprob(lp.logprob),
+                        bytes=token_bytes(tid, lp.decoded_token or ""),
+                    )
+                    for tid, lp in top
+                ],
+            )
+        )
+    return ChatCompletionLogProbs(content=content)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Serves chat completions.
+
+    Args:
+        engine: the running AsyncLLM.
+        request_logger: logs arrivals and finishes; None disables request logs.
+        chat_template: Jinja template text replacing the tokenizer's own (``--chat-template``).
+        response_role: the role of generated messages (``--response-role``).
+    """
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        request_logger: RequestLogger | None = None,
+        chat_template: str | None = None,
+        response_role: str = "assistant",
+    ) -> None:
+        super().__init__(engine, request_logger)
+        self.chat_template = chat_template
+        self.response_role = response_role
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw_request: Request | None = None
+    ) -> Response:
+        """Answer one chat request (streaming or not).
+
+        Raises:
+            OpenAIError: 400 for an invalid request, 404 for an unknown model, 503 if the
+                engine is dead.
+        """
+        start = time.monotonic()
+        self.check_model(request.model)
+        self._check_supported(request)
+        self.check_stream_options(request)
+        prompt_ids = self.render_prompt(request.messages, request)
+        self.check_prompt_length(len(prompt_ids), "messages")
+        max_tokens = (
+            request.max_completion_tokens
+            if request.max_completion_tokens is not None
+            else request.max_tokens
+        )
+        params = self.build_sampling_params(
+            request, len(prompt_ids), max_tokens, self._num_logprobs(request)
+        )
+        request_id = random_id("chatcmpl")
+        if self.request_logger is not None:
+            # A token holds at least one character: decoding max_log_len tokens is enough.
+            shown = prompt_ids[: self.request_logger.max_log_len]
+            self.log_arrival(request_id, self.tokenizer.decode(shown), prompt_ids, params)
+        stream = self.generate(prompt_ids, None, params, request_id, request.priority)
+        first = await first_output(stream)
+        num_top = request.top_logprobs or 0
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, request_id, first, stream, num_top, start),
+                media_type="text/event-stream",
+            )
+        try:
+            final = first
+            async for out in stream:
+                final = out
+        except Exception as e:
+            raise to_openai_error(e) from None
+        response = self._full_response(request_id, final, num_top)
+        self.log_finish(
+            request_id, [c.finish_reason for c in response.choices], response.usage, start
+        )
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    # ---- request -> prompt ------------------------------------------------------------------
+
+    def _check_supported(self, request: ChatCompletionRequest) -> None:
+        if request.tools and request.tool_choice != "none":
+            raise bad_request("tokenmill does not implement tool calling yet.", "tools")
+        fmt = (request.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise bad_request(
+                f"tokenmill does not implement response_format {fmt!r} yet (only 'text').",
+                "response_format",
+            )
+        if request.continue_final_message and request.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true.",
+                "continue_final_message",
+            )
+
+    def _num_logprobs(self, request: ChatCompletionRequest) -> int | None:
+        top = request.top_logprobs
+        if top is not None and top < 0:
+            raise bad_request(f"top_logprobs must be non-negative, got {top}.", "top_logprobs")
+        if not request.logprobs:
+            if top:
+                raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+            return None
+        limit = self.model_config.max_logprobs
+        if top is not None and 0 <= limit < top:
+            raise bad_request(
+                f"top_logprobs must be at most {limit} (--max-logprobs), got {top}.",
+                "top_logprobs",
+            )
+        return top or 0
+
+    def render_prompt(self, messages: list[Any], request: Any = None) -> list[int]:
+        """Render the messages with the chat template and tokenize them.
+
+        Raises:
+            OpenAIError: 400 when a content part is not text, there is no chat template, or
+                the template fails on the messages.
+        """
+        conversation = []
+        for i, message in enumerate(messages):
+            content: Any = message.content
+            if isinstance(content, list):
+                for part in content:
+                    if part.type != "text" or part.text is None:
+                        raise bad_request(
+                            f"messages[{i}]: content parts of type {part.type!r} are not "
+                            "supported (only text parts).",
+                            f"messages.{i}.content",
+                        )
+                content = [{"type": "text", "text": part.text} for part in content]
+            elif content is None:
+                if message.role != "assistant":
+                    raise bad_request(
+                        f"messages[{i}]: a {message.role} message needs content.",
+                        f"messages.{i}.content",
+                    )
+                content = ""
+            entry: dict[str, Any] = {"role": message.role, "content": content}
+            if message.name is not None:
+                entry["name"] = message.name
+            conversation.append(entry)
+        kwargs: dict[str, Any] = dict(getattr(request, "chat_template_kwargs", None) or {})
+        if getattr(request, "continue_final_message", False):
+            kwargs["continue_final_message"] = True
+        add_generation_prompt = getattr(request, "add_generation_prompt", True)
+        try:
+            return apply_chat_template(
+                self.tokenizer,
+                conversation,
+                chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except Exception as e:  # ChatTemplateError, or a template kwarg transformers rejects
+            raise bad_request(str(e), "messages") from None
+
+    # ---- outputs -> response ----------------------------------------------------------------
+
+    def _logprobs(self, output: CompletionOutput, num_top: int) -> ChatCompletionLogProbs | None:
+        if output.logprobs is None:
+            return None
+        return chat_logprobs(output.token_ids, output.logprobs, num_top, self.token_bytes)
+
+    def _usage(self, prompt_tokens: int, completion_tokens: int, cached: int) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+    def _check_not_aborted(self, output: CompletionOutput) -> None:
+        if output.finish_reason == "abort":
+            if self.engine.errored:
+                raise engine_dead(self.engine.dead_error or "unknown error")
+            raise OpenAIError("The request was aborted.", 500)
+
+    def _full_response(
+        self, request_id: str, final: RequestOutput, num_top: int
+    ) -> ChatCompletionResponse:
+        choices = []
+        for output in final.outputs:
+            self._check_not_aborted(output)
+            choices.append(
+                ChatCompletionChoice(
+                    index=output.index,
+                    message=ChatCompletionMessage(role=self.response_role, content=output.text),
+                    logprobs=self._logprobs(output, num_top),
+                    finish_reason=output.finish_reason,
+                    stop_reason=output.stop_reason,
+                )
+            )
+        completion_tokens = sum(len(o.token_ids) for o in final.outputs)
+        usage = self._usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens)
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=usage
+        )
+
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        first: RequestOutput,
+        stream: AsyncIterator[RequestOutput],
+        num_top: int,
+        start: float,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        n = request.n or 1
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
+        prompt_tokens = len(first.prompt_token_ids)
+        completion_tokens = [0] * n
+        finish_reasons: list[str | None] = [None] * n
+        cached = first.num_cached_tokens
+
+        def sse(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+            chunk = ChatCompletionStreamResponse(
+                id=request_id,
+                object="chat.completion.chunk",
+                created=created,
+                model=self.model_name,
+                choices=choices,
+            )
+            if include_usage:
+                chunk.usage = usage
+            return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+        try:
+            for i in range(n):
+                role = DeltaMessage(role=self.response_role, content="")
+                yield sse(
+                    [
+                        ChatCompletionStreamChoice(
+                            index=i, delta=role, logprobs=None, finish_reason=None
+                        )
+                    ]
+                )
+            output: RequestOutput | None = first
+            while output is not None:
+                for c in output.outputs:
+                    self._check_not_aborted(c)
+                    completion_tokens[c.index] += len(c.token_ids)
+                    finish_reasons[c.index] = c.finish_reason
+                    logprobs = self._logprobs(c, num_top)
+                    if not c.text and c.finish_reason is None and not c.token_ids:
+                        continue
+                    choice = ChatCompletionStreamChoice(
+                        index=c.index,
+                        delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                    )
+                    if c.finish_reason is not None:
+                        choice.stop_reason = c.stop_reason
+                    usage = None
+                    if continuous_usage:
+                        usage = self._usage(prompt_tokens, sum(completion_tokens), cached)
+                    yield sse([choice], usage)
+                output = await anext(stream, None)
+            usage = self._usage(prompt_tokens, sum(completion_tokens), cached)
+            if include_usage:
+                yield sse([], usage)
+            self.log_finish(request_id, finish_reasons, usage, start)
+        except Exception as e:  # the stream has begun: report in-band, then end it
+            yield to_openai_error(e).to_sse()
+        finally:
+            await stream.aclose()
+        yield SSE_DONE

@@ -1,0 +1,375 @@
+"""POST /v1/completions: prompt(s) -> engine -> OpenAI (legacy) completions response.
+
+A request may carry several prompts; each becomes its own engine request, all run
+concurrently, and prompt ``p``'s ``i``-th sequence is choice ``p * n + i``. With ``echo`` the
+prompt text is prepended to each choice (and, with ``logprobs``, the prompt tokens' logprobs
+to its logprobs, the first being null as nothing precedes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
+from tokenmill.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    PromptTokensDetails,
+    UsageInfo,
+    random_id,
+)
+from tokenmill.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    RequestLogger,
+    clamp_logprob,
+    first_output,
+    merge_streams,
+    to_openai_error,
+)
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.tokenizer import decode_token_texts
+
+if TYPE_CHECKING:
+    from tokenmill.engine.async_llm import AsyncLLM
+
+SSE_DONE = "data: [DONE]\n\n"
+
+# One prompt as given: its text (None for token ids) and its token ids.
+Prompt = tuple[str | None, list[int]]
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[dict[int, Logprob] | None],
+    num_top: int,
+    token_text: dict[int, str],
+    initial_offset: int = 0,
+) -> CompletionLogProbs:
+    """OpenAI's legacy ``logprobs`` object for a run of tokens.
+
+    Args:
+        token_ids: the tokens, in order.
+        logprobs: per token, its Logprob entry (the chosen token and the top ones) or None
+            (the first prompt token, which has no logprob).
+        num_top: how many alternatives go into ``top_logprobs`` (besides the chosen token).
+        token_text: texts of tokens without an entry (decoded by the caller).
+        initial_offset: character offset of the first token in the choice's text.
+
+    Returns:
+        tokens, token_logprobs, top_logprobs ({token text: logprob}) and text_offset
+        (characters into the choice's text); logprobs are clamped to finite values.
+    """
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+    offset = initial_offset
+    for token_id, entry in zip(token_ids, logprobs, strict=False):
+        chosen = entry.get(token_id) if entry is not None else None
+        if entry is None or chosen is None:
+            text = token_text.get(token_id, "")
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            text = chosen.decoded_token or ""
+            token_logprobs.append(clamp_logprob(chosen.logprob))
+            ranked = sorted(
+                (lp for lp in entry.values() if lp.rank is not None and lp.rank <= num_top),
+                key=lambda lp: lp.rank or 0,
+            )[:num_top]
+            top = {lp.decoded_token or "": clamp_logprob(lp.logprob) for lp in ranked}
+            top.setdefault(text, clamp_logprob(chosen.logprob))
+            top_logprobs.append(top)
+        tokens.append(text)
+        text_offset.append(offset)
+        offset += len(text)
+    # Every field is passed explicitly: streamed chunks are dumped with exclude_unset.
+    return CompletionLogProbs(
+        text_offset=text_offset,
+        token_logprobs=token_logprobs,
+        tokens=tokens,
+        top_logprobs=top_logprobs,
+    )
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Serves (legacy) text completions.
+
+    Args:
+        engine: the running AsyncLLM.
+        request_logger: logs arrivals and finishes; None disables request logs.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_logger: RequestLogger | None = None) -> None:
+        super().__init__(engine, request_logger)
+
+    async def create_completion(
+        self, request: CompletionRequest, raw_request: Request | None = None
+    ) -> Response:
+        """Answer one completions request (streaming or not).
+
+        Raises:
+            OpenAIError: 400 for an invalid request, 404 for an unknown model, 503 if the
+                engine is dead.
+        """
+        start = time.monotonic()
+        self.check_model(request.model)
+        self._check_supported(request)
+        self.check_stream_options(request)
+        prompts = self._prompts(request)
+        request_id = random_id("cmpl")
+        streams = []
+        for p, (text, ids) in enumerate(prompts):
+            if ids:  # (an empty prompt is the engine's to reject)
+                self.check_prompt_length(len(ids), "prompt")
+            params = self.build_sampling_params(
+                request,
+                len(ids),
+                request.max_tokens,
+                request.logprobs,
+                prompt_logprobs=request.logprobs if request.echo else request.prompt_logprobs,
+                best_of=request.best_of,
+            )
+            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{p}"
+            self.log_arrival(sub_id, text, ids, params)
+            streams.append(self.generate(ids, text, params, sub_id, request.priority))
+        firsts = await self._first_outputs(streams)
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, request_id, prompts, firsts, streams, start),
+                media_type="text/event-stream",
+            )
+        finals = list(firsts)
+        try:
+            pending = [s for s, f in zip(streams, firsts, strict=True) if not f.finished]
+            index = [p for p, f in enumerate(firsts) if not f.finished]
+            async for i, out in merge_streams(pending):
+                finals[index[i]] = out
+        except Exception as e:
+            raise to_openai_error(e) from None
+        response = self._full_response(request, request_id, prompts, finals)
+        self.log_finish(
+            request_id, [c.finish_reason for c in response.choices], response.usage, start
+        )
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    # ---- request -> prompts -----------------------------------------------------------------
+
+    def _check_supported(self, request: CompletionRequest) -> None:
+        if request.suffix:
+            raise bad_request("tokenmill does not implement suffix (insertion) yet.", "suffix")
+        if request.stream and request.best_of is not None and request.best_of > (request.n or 1):
+            raise bad_request("best_of cannot be used with stream.", "best_of")
+
+    def _prompts(self, request: CompletionRequest) -> list[Prompt]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return [(prompt, self._encode(prompt))]
+        if not prompt:
+            raise bad_request("prompt must not be empty.", "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [(None, list(prompt))]  # type: ignore[arg-type]
+        result: list[Prompt] = []
+        for p in prompt:
+            if isinstance(p, str):
+                result.append((p, self._encode(p)))
+            else:
+                result.append((None, list(p)))  # type: ignore[arg-type]
+        return result
+
+    def _encode(self, text: str) -> list[int]:
+        # The engine's own rule for text prompts: the tokenizer's default special tokens.
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    async def _first_outputs(
+        self, streams: list[AsyncIterator[RequestOutput]]
+    ) -> list[RequestOutput]:
+        """Submit every prompt at once and wait for each one's first output.
+
+        Raises:
+            OpenAIError: a prompt was rejected (the other prompts are aborted).
+        """
+        results = await asyncio.gather(*(first_output(s) for s in streams), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for stream in streams:
+                await stream.aclose()  # type: ignore[attr-defined]
+            raise to_openai_error(errors[0])
+        return results  # type: ignore[return-value]
+
+    # ---- outputs -> response ----------------------------------------------------------------
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        text, ids = prompt
+        return text if text is not None else self.tokenizer.decode(ids)
+
+    def _echo_logprobs(
+        self, prompt_ids: list[int], prompt_logprobs: list | None, num_top: int
+    ) -> CompletionLogProbs | None:
+        if prompt_logprobs is None:
+            return None
+        texts = dict(
+            zip(prompt_ids[:1], decode_token_texts(self.tokenizer, prompt_ids[:1]), strict=True)
+        )
+        return completion_logprobs(prompt_ids, prompt_logprobs, num_top, texts)
+
+    def _choice(
+        self,
+        request: CompletionRequest,
+        prompt: Prompt,
+        prompt_logprobs: list | None,
+        c: CompletionOutput,
+        choice_index: int,
+        echo: bool,
+        text_offset: int,
+    ) -> tuple[CompletionChoice, int]:
+        """One choice (or one chunk of it); returns it and the text offset after it.
+
+        Args:
+            echo: prepend the prompt (and its logprobs): the choice's first chunk only.
+            text_offset: characters of this choice's text sent before (streaming).
+        """
+        if c.finish_reason == "abort":
+            if self.engine.errored:
+                raise engine_dead(self.engine.dead_error or "unknown error")
+            raise OpenAIError("The request was aborted.", 500)
+        num_top = request.logprobs or 0
+        prefix = self._prompt_text(prompt) if echo else ""
+        logprobs = None
+        if echo and request.logprobs is not None:
+            logprobs = self._echo_logprobs(prompt[1], prompt_logprobs, num_top)
+        if c.logprobs is not None:
+            generated = completion_logprobs(
+                c.token_ids, c.logprobs, num_top, {}, text_offset + len(prefix)
+            )
+            if logprobs is None:
+                logprobs = generated
+            else:
+                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    getattr(logprobs, name).extend(getattr(generated, name))
+        text = prefix + c.text
+        choice = CompletionChoice(
+            index=choice_index, text=text, logprobs=logprobs, finish_reason=c.finish_reason
+        )
+        if c.finish_reason is not None:
+            choice.stop_reason = c.stop_reason
+        return choice, text_offset + len(text)
+
+    def _full_response(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[Prompt],
+        finals: list[RequestOutput],
+    ) -> CompletionResponse:
+        n = request.n or 1
+        choices = []
+        prompt_tokens = completion_tokens = cached = 0
+        for p, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+            prompt_tokens += len(final.prompt_token_ids)
+            cached += final.num_cached_tokens
+            for c in final.outputs:
+                completion_tokens += len(c.token_ids)
+                choice, _ = self._choice(
+                    request,
+                    prompt,
+                    final.prompt_logprobs,
+                    c,
+                    p * n + c.index,
+                    bool(request.echo),
+                    0,
+                )
+                choices.append(choice)
+        return CompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=_usage(prompt_tokens, completion_tokens, cached),
+        )
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[Prompt],
+        firsts: list[RequestOutput],
+        streams: list[AsyncIterator[RequestOutput]],
+        start: float,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        n = request.n or 1
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
+        prompt_tokens = sum(len(f.prompt_token_ids) for f in firsts)
+        cached = sum(f.num_cached_tokens for f in firsts)
+        num_choices = len(prompts) * n
+        completion_tokens = [0] * num_choices
+        finish_reasons: list[str | None] = [None] * num_choices
+        offsets = [0] * num_choices
+        echoed = [not request.echo] * num_choices
+        # DELTA outputs carry the prompt logprobs once; every echoed choice needs them.
+        prompt_logprobs: list[list | None] = [f.prompt_logprobs for f in firsts]
+
+        def sse(choice: CompletionChoice | None, usage: UsageInfo | None = None) -> str:
+            chunk = CompletionStreamResponse(
+                id=request_id,
+                object="text_completion",
+                created=created,
+                model=self.model_name,
+                choices=[choice] if choice is not None else [],
+            )
+            if include_usage:
+                chunk.usage = usage
+            return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+        async def chained(p: int) -> AsyncIterator[RequestOutput]:
+            yield firsts[p]
+            if not firsts[p].finished:
+                async for out in streams[p]:
+                    yield out
+
+        try:
+            async for p, output in merge_streams([chained(p) for p in range(len(prompts))]):
+                if prompt_logprobs[p] is None:
+                    prompt_logprobs[p] = output.prompt_logprobs
+                for c in output.outputs:
+                    k = p * n + c.index
+                    completion_tokens[k] += len(c.token_ids)
+                    finish_reasons[k] = c.finish_reason
+                    echo, echoed[k] = not echoed[k], True
+                    choice, offsets[k] = self._choice(
+                        request, prompts[p], prompt_logprobs[p], c, k, echo, offsets[k]
+                    )
+                    usage = None
+                    if continuous_usage:
+                        usage = _usage(prompt_tokens, sum(completion_tokens), cached)
+                    yield sse(choice, usage)
+            usage = _usage(prompt_tokens, sum(completion_tokens), cached)
+            if include_usage:
+                yield sse(None, usage)
+            self.log_finish(request_id, finish_reasons, usage, start)
+        except Exception as e:  # the stream has begun: report in-band, then end it
+            yield to_openai_error(e).to_sse()
+        finally:
+            for stream in streams:
+                await stream.aclose()  # type: ignore[attr-defined]
+        yield SSE_DONE
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )

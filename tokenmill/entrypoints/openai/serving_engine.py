@@ -1,0 +1,406 @@
+"""What the chat and completions handlers share: model-name checks, sampling parameters,
+request logging, engine-error mapping, client-disconnect handling and logprob formatting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from tokenmill.engine.async_llm import EngineDeadError
+from tokenmill.entrypoints.openai.errors import (
+    OpenAIError,
+    bad_request,
+    engine_dead,
+    model_not_found,
+)
+from tokenmill.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from tokenmill.tokenizer import ChatTemplateError, get_backend_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from tokenmill.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger("tokenmill.entrypoints.openai")
+
+T = TypeVar("T")
+
+# JSON has no -inf or NaN: logprobs are clamped to this finite floor (as vLLM does).
+MIN_LOGPROB = -9999.0
+# HTTP status logged for a request whose client went away (nginx's convention).
+CLIENT_CLOSED_REQUEST = 499
+
+
+class RequestLogger:
+    """Logs one line when a request arrives and one when it finishes.
+
+    Args:
+        max_log_len: most characters (of the prompt) and token ids printed; None: all.
+    """
+
+    def __init__(self, max_log_len: int | None = None) -> None:
+        self.max_log_len = max_log_len
+
+    def log_arrival(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: Any
+    ) -> None:
+        limit = self.max_log_len
+        shown_prompt = prompt if prompt is None or limit is None else prompt[:limit]
+        shown_ids = prompt_token_ids if limit is None else prompt_token_ids[:limit]
+        logger.info(
+            "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+            request_id,
+            shown_prompt,
+            params,
+            shown_ids,
+        )
+
+    def log_finish(
+        self,
+        request_id: str,
+        finish_reasons: list[str | None],
+        usage: UsageInfo,
+        start_time: float,
+    ) -> None:
+        logger.info(
+            "Finished request %s: finish_reason=%s, prompt_tokens=%d, completion_tokens=%d, "
+            "e2e=%.3f s",
+            request_id,
+            ",".join(str(r) for r in finish_reasons),
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            time.monotonic() - start_time,
+        )
+
+
+def to_openai_error(error: BaseException) -> OpenAIError:
+    """The client-facing error for an exception raised while serving a request.
+
+    Validation errors (``InvalidRequestError``, ``SamplingParamsError``, ``ChatTemplateError``,
+    any ValueError) become 400s naming the field; a dead engine a 503; anything else a 500.
+    """
+    if isinstance(error, OpenAIError):
+        return error
+    if isinstance(error, EngineDeadError):
+        return engine_dead(str(error))
+    if isinstance(error, ChatTemplateError):
+        return bad_request(str(error), "messages")
+    if isinstance(error, ValueError):
+        return bad_request(str(error), getattr(error, "param", None))
+    logger.exception("unexpected error while serving a request", exc_info=error)
+    return OpenAIError(f"Internal server error: {type(error).__name__}: {error}", 500)
+
+
+class OpenAIServing:
+    """Shared state and steps of the chat and completions handlers.
+
+    Args:
+        engine: the running AsyncLLM.
+        request_logger: logs arrivals and finishes; None disables request logs.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_logger: RequestLogger | None = None) -> None:
+        self.engine = engine
+        self.model_config = engine.model_config
+        self.model_name = engine.model_config.served_model_name
+        self.tokenizer = engine.get_tokenizer()
+        self.request_logger = request_logger
+        self.default_params = engine.input_processor.default_sampling_params()
+        self.priority_scheduling = engine.config.scheduler_config.scheduling_policy == "priority"
+        self.token_bytes = TokenBytes(self.tokenizer)
+
+    def check_model(self, model: str | None) -> None:
+        """Raises a 404 OpenAIError unless ``model`` is None or the served model's name."""
+        if model is not None and model != self.model_name:
+            raise model_not_found(model)
+
+    def check_prompt_length(self, num_prompt_tokens: int, param: str) -> None:
+        """Raises a 400 when the prompt leaves no room for even one generated token."""
+        max_len = self.model_config.max_model_len
+        if num_prompt_tokens >= max_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_len} tokens. However, your "
+                f"prompt has {num_prompt_tokens} tokens, which leaves no room for the "
+                "completion. Please reduce the length of the prompt.",
+                param,
+            )
+
+    def build_sampling_params(
+        self,
+        request: SamplingFields,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        best_of: int | None = None,
+    ) -> SamplingParams:
+        """SamplingParams for one prompt of a request.
+
+        Fields the request leaves unset take the model's generation_config defaults. Without
+        ``max_tokens`` the answer may fill the rest of the context (``max_model_len`` minus
+        ``num_prompt_tokens``), capped by the generation config's ``max_new_tokens``.
+
+        Raises:
+            OpenAIError: 400 naming the field that is out of range.
+        """
+        if request.priority != 0 and not self.priority_scheduling:
+            raise bad_request(
+                "priority is only honoured with --scheduling-policy priority; this server "
+                "schedules first come, first served.",
+                "priority",
+            )
+        if max_tokens is None:
+            max_tokens = max(1, self.model_config.max_model_len - num_prompt_tokens)
+            default_max = self.model_config.generation_config.get("max_new_tokens")
+            if default_max:
+                max_tokens = min(max_tokens, int(default_max))
+        defaults = self.default_params
+
+        def pick(value: T | None, default: T) -> T:
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                n=pick(request.n, 1),
+                best_of=best_of,
+                presence_penalty=pick(request.presence_penalty, 0.0),
+                frequency_penalty=pick(request.frequency_penalty, 0.0),
+                repetition_penalty=pick(request.repetition_penalty, defaults.repetition_penalty),
+                temperature=pick(request.temperature, defaults.temperature),
+                top_p=pick(request.top_p, defaults.top_p),
+                top_k=pick(request.top_k, defaults.top_k),
+                min_p=pick(request.min_p, defaults.min_p),
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                logit_bias=parse_logit_bias(request.logit_bias),
+                output_kind=RequestOutputKind.DELTA
+                if request.stream
+                else RequestOutputKind.FINAL_ONLY,
+            )
+        except SamplingParamsError as e:
+            raise bad_request(str(e), e.param) from None
+
+    def check_stream_options(self, request: SamplingFields) -> None:
+        if request.stream_options is not None and not request.stream:
+            raise bad_request(
+                "stream_options may only be set when stream is true.", "stream_options"
+            )
+
+    def log_arrival(
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+    ) -> None:
+        if self.request_logger is not None:
+            self.request_logger.log_arrival(request_id, prompt, prompt_ids, params)
+
+    def log_finish(
+        self, request_id: str, reasons: list[str | None], usage: UsageInfo, start_time: float
+    ) -> None:
+        if self.request_logger is not None:
+            self.request_logger.log_finish(request_id, reasons, usage, start_time)
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        prompt: str | None,
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit one prompt (already tokenized) to the engine."""
+        engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids, "prompt": prompt}
+        return self.engine.generate(engine_prompt, params, request_id, priority=priority)
+
+
+def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``{"token id as a string": bias}`` -> ``{token_id: bias}``.
+
+    Raises:
+        OpenAIError: a key is not an integer.
+    """
+    if not logit_bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in logit_bias.items()}
+    except ValueError:
+        raise bad_request(
+            "logit_bias keys must be token ids (integers as strings), got "
+            f"{sorted(logit_bias)[:5]}.",
+            "logit_bias",
+        ) from None
+
+
+async def first_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """Wait for a request's first output, turning a rejection into an OpenAIError.
+
+    The engine validates a request when its stream is first awaited, so waiting here lets
+    a bad request fail with a status code before a streaming response has started.
+    """
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        raise OpenAIError("The engine returned no output for this request.", 500) from None
+    except (ValueError, EngineDeadError) as e:
+        raise to_openai_error(e) from None
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    """Return when the client closes its connection (the ASGI ``http.disconnect`` message)."""
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(raw_request: Request, handler: Awaitable[Response]) -> Response:
+    """Run a request handler, cancelling it if the client disconnects first.
+
+    Cancelling the handler closes its engine streams, which aborts the requests in the
+    engine and frees their KV blocks. (Once a streaming response has started, Starlette
+    cancels the stream itself on disconnect.)
+    """
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    logger.info("client disconnected; request aborted")
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async streams as items arrive: yields ``(stream index, item)``.
+
+    Leaving early (an error, a disconnect) closes every stream, aborting its request.
+    """
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            aclose = getattr(streams[0], "aclose", None)
+            if aclose is not None:
+                await aclose()
+        return
+    pending: dict[asyncio.Future, int] = {
+        asyncio.ensure_future(s.__anext__()): i for i, s in enumerate(streams)
+    }
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                try:
+                    item = fut.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, item
+    finally:
+        for fut in pending:
+            fut.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def clamp_logprob(value: float) -> float:
+    """A JSON-safe logprob: -inf and NaN become MIN_LOGPROB (JSON has neither)."""
+    if math.isnan(value):
+        return MIN_LOGPROB
+    return min(max(value, MIN_LOGPROB), 0.0)
+
+
+@lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """Inverse of the byte -> printable character table of byte-level BPE.
+
+    GPT-2's byte-level BPE (Radford et al. 2019, ``bytes_to_unicode`` in its encoder.py)
+    keeps the 188 printable Latin-1 bytes as themselves and shifts the other 68 bytes, in
+    order, to code points 256 and up, so every byte has a visible character.
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+_BYTE_FALLBACK_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+class TokenBytes:
+    """The raw UTF-8 bytes of single tokens (the ``bytes`` field of chat logprobs).
+
+    A token may hold part of a multi-byte character, so its text alone cannot give its
+    bytes: byte-level BPE vocabularies and SentencePiece byte-fallback tokens (``<0xE2>``)
+    are mapped back to bytes; other tokens use the UTF-8 encoding of their text.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        backend = get_backend_tokenizer(tokenizer)
+        self._backend = backend
+        decoder = getattr(backend, "decoder", None)
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+        # Added tokens (e.g. <|im_end|>) are stored as their text, not byte-level encoded.
+        added = getattr(backend, "get_added_tokens_decoder", None)
+        self._added_ids = set(added()) if added is not None else set()
+        self._cache: dict[int, list[int]] = {}
+
+    def __call__(self, token_id: int, text: str) -> list[int]:
+        cached = self._cache.get(token_id)
+        if cached is not None:
+            return cached
+        result = self._lookup(token_id, text)
+        if len(self._cache) < 1 << 18:
+            self._cache[token_id] = result
+        return result
+
+    def _lookup(self, token_id: int, text: str) -> list[int]:
+        if token_id in self._added_ids or self._backend is None:
+            return list(text.encode("utf-8"))
+        piece = self._backend.id_to_token(token_id)
+        if piece is not None:
+            if self._byte_level:
+                table = _byte_level_decoder()
+                if all(c in table for c in piece):
+                    return [table[c] for c in piece]
+            match = _BYTE_FALLBACK_RE.match(piece)
+            if match:
+                return [int(match.group(1), 16)]
+        return list(text.encode("utf-8"))
