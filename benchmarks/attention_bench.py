@@ -1,0 +1,285 @@
+"""Time the Triton paged-attention kernels on CUDA and compare them with the GPU's ceilings.
+
+Shapes default to Llama-3.1-8B on one GPU (32 query heads, 8 KV heads, head_dim 128,
+block_size 16, bf16), with block ids scattered over the cache as a serving engine leaves them:
+
+- decode: batches of 1/32/256 requests at contexts 512..8192 (memory-bound: reported as
+  achieved GB/s of K/V + Q + output traffic against ``--peak-gbps``);
+- prefill: one fresh prompt of 512..8192 tokens, and 2048-token chunks after cached contexts
+  (compute-bound: reported as TFLOP/s of causal attention work against ``--peak-tflops``);
+- the KV-cache write (``reshape_and_cache``) for 512..8192 tokens.
+
+Two times per row: ``eager``, the median of ``triton.testing.do_bench`` (L2 flushed between
+runs; includes the host's launch cost, which dominates kernels shorter than ~20 us), and
+``graph``, the kernel alone: a CUDA graph of (L2 flush + kernel) x 20 replayed, minus a graph of
+the flushes alone. Rates use the graph time, which is what a CUDA-graph decode step pays.
+``--baseline``
+adds torch SDPA on contiguous (unpaged) tensors, ``--sweep-splits`` times every decode split
+count, ``--sweep-tiles`` tries prefill tile shapes: both help tune the heuristics in
+``tokenmill/model/attention/triton_backend.py``.
+
+Usage: python benchmarks/attention_bench.py [--dtype bf16] [--baseline] [--sweep-splits]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from tokenmill.model.attention import triton_backend
+from tokenmill.model.attention.backend import AttentionMetadata
+from tokenmill.model.attention.triton_backend import (
+    TileConfig,
+    TritonAttentionImpl,
+    reshape_and_cache,
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TILE_SWEEP = [
+    TileConfig(128, 64, 8, 3),
+    TileConfig(128, 64, 4, 3),
+    TileConfig(128, 32, 4, 3),
+    TileConfig(128, 128, 8, 2),
+    TileConfig(64, 64, 4, 3),
+    TileConfig(64, 32, 4, 4),
+]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--num-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--decode-batches", type=ints, default=[1, 32, 256])
+    p.add_argument("--contexts", type=ints, default=[512, 1024, 2048, 4096, 8192])
+    p.add_argument("--prefill-tokens", type=ints, default=[512, 1024, 2048, 4096, 8192])
+    p.add_argument("--chunk-tokens", type=int, default=2048)
+    p.add_argument("--peak-gbps", type=float, default=4200.0, help="memory ceiling (GB/s)")
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matrix ceiling")
+    p.add_argument("--baseline", action="store_true", help="also time torch SDPA, unpaged")
+    p.add_argument("--sweep-splits", action="store_true", help="time each decode split count")
+    p.add_argument("--sweep-tiles", action="store_true", help="time prefill tile shapes")
+    p.add_argument("--only", choices=["decode", "prefill", "cache"], default=None)
+    return p.parse_args()
+
+
+class Problem:
+    """Requests of ``q_lens[i]`` new tokens after ``ctx_lens[i]`` cached ones, in a paged
+    cache with shuffled block ids."""
+
+    def __init__(self, args: argparse.Namespace, q_lens: list[int], ctx_lens: list[int]):
+        dtype, dev, bs = DTYPES[args.dtype], torch.device("cuda"), args.block_size
+        h, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
+        seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
+        needed = [triton.cdiv(s, bs) for s in seq_lens]
+        num_blocks = sum(needed)
+        perm = torch.randperm(num_blocks, device=dev, dtype=torch.int32)
+        width = max(needed)
+        table = torch.zeros(len(q_lens), width, dtype=torch.int32, device=dev)
+        start = 0
+        for i, n in enumerate(needed):
+            table[i, :n] = perm[start : start + n]
+            start += n
+        qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+        sl = torch.tensor(seq_lens, dtype=torch.int32)
+        tokens = sum(q_lens)
+        slots = torch.cat(
+            [
+                table[i, torch.arange(c, s, device=dev) // bs].long() * bs
+                + torch.arange(c, s, device=dev) % bs
+                for i, (c, s) in enumerate(zip(ctx_lens, seq_lens, strict=True))
+            ]
+        )
+        self.metadata = AttentionMetadata(
+            num_actual_tokens=tokens, num_reqs=len(q_lens), query_start_loc=qsl.to(dev),
+            seq_lens=sl.to(dev), block_table=table, slot_mapping=slots,
+            max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl, seq_lens_cpu=sl,
+            num_decodes=sum(1 for q in q_lens if q == 1) if max(q_lens) == 1 else 0,
+        )  # fmt: skip
+        self.kv_cache = torch.randn(2, num_blocks, bs, hkv, d, dtype=dtype, device=dev)
+        self.query = torch.randn(tokens, h * d, dtype=dtype, device=dev)
+        self.key = torch.randn(tokens, hkv * d, dtype=dtype, device=dev)
+        self.value = torch.randn(tokens, hkv * d, dtype=dtype, device=dev)
+        self.out = torch.empty_like(self.query)
+        self.impl = TritonAttentionImpl(h, d, d**-0.5, hkv)
+        self.q_lens, self.ctx_lens, self.elem = q_lens, ctx_lens, self.query.element_size()
+        self.args = args
+
+    def attend(self) -> None:
+        self.impl.attend(self.query, self.kv_cache, self.metadata, out=self.out)
+
+    def bytes_moved(self) -> int:
+        """K/V of every visible context token read once, Q read, output written."""
+        a = self.args
+        kv = sum(q + c for q, c in zip(self.q_lens, self.ctx_lens, strict=True)) * a.num_kv_heads
+        return (2 * kv * a.head_dim + 2 * self.query.numel()) * self.elem
+
+    def flops(self) -> int:
+        """4 * H * D per (query, visible key) pair: QK^T and PV, 2 FLOPs per multiply-add."""
+        pairs = sum(
+            q * c + q * (q + 1) // 2 for q, c in zip(self.q_lens, self.ctx_lens, strict=True)
+        )
+        return 4 * self.args.num_heads * self.args.head_dim * pairs
+
+
+L2_FLUSH_BYTES = 256 * 1024 * 1024  # several times the H200's 60 MB L2
+GRAPH_REPS = 20
+
+
+def _graph_ms(body: Callable[[], None], replays: int = 10) -> float:
+    """Median milliseconds of one replay of a graph holding ``GRAPH_REPS`` calls of ``body``."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_REPS):
+            body()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def bench(fn: Callable[[], None]) -> tuple[float, float]:
+    """(eager, graph) milliseconds per call of ``fn`` (see the module docstring)."""
+    eager = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+
+    def cold() -> None:
+        flush.zero_()
+        fn()
+
+    graph = (_graph_ms(cold) - _graph_ms(flush.zero_)) / GRAPH_REPS
+    return eager, max(graph, 1e-6)
+
+
+def report(
+    name: str, times: tuple[float, float], nbytes: int, flops: int, args: argparse.Namespace
+) -> None:
+    eager, ms = times
+    gbps = nbytes / ms / 1e6
+    tflops = flops / ms / 1e9
+    print(
+        f"{name:<40} eager {eager * 1e3:>8.1f} us  graph {ms * 1e3:>8.1f} us  "
+        f"{gbps:>6.0f} GB/s ({100 * gbps / args.peak_gbps:>3.0f}%)  "
+        f"{tflops:>6.1f} TFLOP/s ({100 * tflops / args.peak_tflops:>3.0f}%)"
+    )
+
+
+@contextlib.contextmanager
+def patched(name: str, value: object) -> Iterator[None]:
+    saved = getattr(triton_backend, name)
+    setattr(triton_backend, name, value)
+    try:
+        yield
+    finally:
+        setattr(triton_backend, name, saved)
+
+
+def sdpa_baseline(p: Problem) -> Callable[[], None]:
+    """torch SDPA over contiguous K/V of the same sizes (one request at a time is not needed:
+    every request of a problem has the same lengths)."""
+    a = p.args
+    b, q_len, ctx = len(p.q_lens), p.q_lens[0], p.ctx_lens[0]
+    dtype, dev = p.query.dtype, p.query.device
+    q = torch.randn(b, a.num_heads, q_len, a.head_dim, dtype=dtype, device=dev)
+    k = torch.randn(b, a.num_kv_heads, q_len + ctx, a.head_dim, dtype=dtype, device=dev)
+    v = torch.randn_like(k)
+    causal = q_len > 1 and ctx == 0
+    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def run_decode(args: argparse.Namespace) -> None:
+    print(
+        f"\n== decode (query_len 1), {args.num_heads}/{args.num_kv_heads} heads, D={args.head_dim}"
+    )
+    sms = triton_backend.device_num_sms(torch.device("cuda"))
+    for batch in args.decode_batches:
+        for ctx in args.contexts:
+            p = Problem(args, [1] * batch, [ctx - 1] * batch)
+            splits = triton_backend.num_decode_splits(batch, args.num_kv_heads, ctx, sms)
+            name = f"decode b={batch} ctx={ctx} splits={splits}"
+            report(name, bench(p.attend), p.bytes_moved(), p.flops(), args)
+            if args.sweep_splits:
+                for s in (1, 2, 4, 8, 16, 32, 64):
+                    with patched("num_decode_splits", lambda *_, s=s: s):
+                        times = bench(p.attend)
+                    report(f"  splits={s}", times, p.bytes_moved(), p.flops(), args)
+            if args.baseline:
+                report(
+                    "  torch sdpa (unpaged)",
+                    bench(sdpa_baseline(p)),
+                    p.bytes_moved(),
+                    p.flops(),
+                    args,
+                )
+            del p
+            torch.cuda.empty_cache()
+
+
+def run_prefill(args: argparse.Namespace) -> None:
+    print(f"\n== prefill, {args.num_heads}/{args.num_kv_heads} heads, D={args.head_dim}")
+    shapes = [(t, 0) for t in args.prefill_tokens]
+    shapes += [(args.chunk_tokens, c) for c in args.contexts if c >= args.chunk_tokens]
+    for tokens, ctx in shapes:
+        p = Problem(args, [tokens], [ctx])
+        name = f"prefill tokens={tokens} ctx={ctx}"
+        report(name, bench(p.attend), p.bytes_moved(), p.flops(), args)
+        if args.sweep_tiles:
+            for cfg in TILE_SWEEP:
+                with patched("varlen_tile_config", lambda *_, cfg=cfg: cfg):
+                    times = bench(p.attend)
+                tag = (
+                    f"  tiles m={cfg.block_m} n={cfg.block_n} w={cfg.num_warps} s={cfg.num_stages}"
+                )
+                report(tag, times, p.bytes_moved(), p.flops(), args)
+        if args.baseline:
+            report(
+                "  torch sdpa (unpaged)", bench(sdpa_baseline(p)), p.bytes_moved(), p.flops(), args
+            )
+
+
+def run_cache_write(args: argparse.Namespace) -> None:
+    print("\n== reshape_and_cache")
+    for tokens in args.prefill_tokens:
+        p = Problem(args, [tokens], [0])
+        md = p.metadata
+
+        def write(p: Problem = p, md: AttentionMetadata = md, n: int = tokens) -> None:
+            reshape_and_cache(p.key, p.value, p.kv_cache, md.slot_mapping, n)
+
+        nbytes = 2 * 2 * p.key.numel() * p.elem  # read K/V, write K/V
+        report(f"cache write tokens={tokens}", bench(write), nbytes, 0, args)
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"ceilings: {args.peak_gbps:.0f} GB/s, {args.peak_tflops:.0f} TFLOP/s ({args.dtype})")
+    if args.only in (None, "decode"):
+        run_decode(args)
+    if args.only in (None, "prefill"):
+        run_prefill(args)
+    if args.only in (None, "cache"):
+        run_cache_write(args)
+
+
+if __name__ == "__main__":
+    main()

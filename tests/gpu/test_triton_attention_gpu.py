@@ -1,0 +1,237 @@
+"""The Triton attention kernels on CUDA in bf16/fp16 against an fp32 torch reference.
+
+Inputs are unit-variance and rounded to the kernel dtype before both runs, so the error
+measured is the kernels' own: probabilities cast to bf16/fp16 for the P @ V product and the
+output rounding. Tolerance: max abs error <= 2e-2 (bf16 keeps 8 mantissa bits; attention
+outputs are weighted means of unit-variance values, so |out| <= ~3).
+
+Kernel modules are imported inside the tests: defining them at collection time on a machine
+without CUDA would stop the interpreter-mode CPU tests from running in the same session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tokenmill.model.attention.backend import AttentionMetadata
+
+pytestmark = pytest.mark.gpu
+
+ATOL = 2e-2
+DEVICE = "cuda"
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@dataclasses.dataclass
+class Batch:
+    query: torch.Tensor  # [T, H * D], kernel dtype
+    key: torch.Tensor  # [T, Hkv * D]
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]; NaN where never written
+    metadata: AttentionMetadata
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def make_batch(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int = 16,
+    num_decodes: int = 0,
+    max_seq_len: int | None = None,
+    query_scale: float = 1.0,
+    seed: int = 0,
+) -> Batch:
+    """Requests of ``q_lens[i]`` new tokens after ``ctx_lens[i]`` cached ones, in scattered
+    blocks; cache slots nothing wrote hold NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens, strict=True)]
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + 2
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in needed]
+    width = max(needed) + 1
+    rows = [
+        t + torch.randint(num_blocks, (width - len(t),), generator=gen).tolist() for t in tables
+    ]
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    slots = []
+    for table, c, s in zip(tables, ctx_lens, seq_lens, strict=True):
+        pos = torch.arange(s)
+        all_slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+        flat[:, all_slots[:c]] = torch.randn(2, c, num_kv_heads, head_dim, generator=gen)
+        slots += all_slots[c:].tolist()
+    t = len(slots)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_actual_tokens=t,
+        num_reqs=len(q_lens),
+        query_start_loc=qsl.to(DEVICE),
+        seq_lens=sl.to(DEVICE),
+        block_table=torch.tensor(rows, dtype=torch.int32, device=DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        max_query_len=max(q_lens),
+        max_seq_len=max_seq_len or max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=sl,
+        num_decodes=num_decodes,
+    )
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
+
+    return Batch(
+        query=rand(t, num_heads * head_dim, scale=query_scale),
+        key=rand(t, num_kv_heads * head_dim),
+        value=rand(t, num_kv_heads * head_dim),
+        kv_cache=kv_cache.to(DEVICE, dtype),
+        metadata=metadata,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+
+
+def check(b: Batch, sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+    """Triton (poisoned output, NaN stale slots) against the fp32 reference (NaN read as 0)."""
+    from tokenmill.model.attention.torch_ref import TorchAttentionImpl, write_to_kv_cache
+    from tokenmill.model.attention.triton_backend import TritonAttentionImpl, reshape_and_cache
+
+    args = (b.num_heads, b.head_dim, b.head_dim**-0.5, b.num_kv_heads, sliding_window, soft_cap)
+    md = b.metadata
+    n = md.num_actual_tokens
+    cache = b.kv_cache.clone()
+    reshape_and_cache(b.key, b.value, cache, md.slot_mapping, n)
+    out = torch.full((b.query.shape[0], b.num_heads * b.head_dim), float("nan"), device=DEVICE)
+    out = out.to(b.query.dtype)
+    TritonAttentionImpl(*args).attend(b.query, cache, dataclasses.replace(md), out=out)
+
+    expected_cache = b.kv_cache.clone()
+    write_to_kv_cache(b.key[:n], b.value[:n], expected_cache, md.slot_mapping[:n])
+    torch.testing.assert_close(cache, expected_cache, atol=0, rtol=0, equal_nan=True)
+
+    ref = TorchAttentionImpl(*args).forward(
+        b.query.float(), b.key.float(), b.value.float(),
+        torch.nan_to_num(b.kv_cache.float(), nan=0.0), dataclasses.replace(md),
+    )  # fmt: skip
+    assert out.dtype == b.query.dtype
+    assert not out[:n].isnan().any(), "a real token's output row was not written"
+    err = (out[:n].float() - ref[:n]).abs().max().item()
+    assert err <= ATOL, f"max abs error {err:.3g} > {ATOL}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(32, 8, 128), (16, 16, 64), (8, 1, 256), (12, 4, 80), (28, 4, 128)],
+)
+def test_mixed_batch(dtype, num_heads, num_kv_heads, head_dim):
+    # Three decodes, a fresh prompt, a chunk after cached context.
+    b = make_batch(
+        [1, 1, 1, 700, 300], [1000, 4000, 17, 0, 2000],
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+        num_decodes=3,
+    )  # fmt: skip
+    check(b)
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 128])
+def test_block_sizes(block_size):
+    b = make_batch(
+        [1, 1, 333, 95], [70, 999, 0, 517], num_heads=32, num_kv_heads=8, head_dim=128,
+        dtype=torch.bfloat16, block_size=block_size, num_decodes=2,
+    )  # fmt: skip
+    check(b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliding_window_and_soft_cap(dtype):
+    # Gemma-2/3-like: head_dim 256, window 512, soft cap 50.
+    b = make_batch(
+        [1, 1, 900, 200], [3000, 100, 0, 1500], num_heads=8, num_kv_heads=4, head_dim=256,
+        dtype=dtype, num_decodes=2, query_scale=3.0,
+    )  # fmt: skip
+    check(b, sliding_window=512)
+    check(b, soft_cap=50.0)
+    check(b, sliding_window=512, soft_cap=50.0)
+
+
+def test_long_decode_small_batch():
+    from tokenmill.model.attention import triton_backend
+
+    b = make_batch(
+        [1, 1], [16000, 333], num_heads=32, num_kv_heads=8, head_dim=128,
+        dtype=torch.bfloat16, num_decodes=2,
+    )  # fmt: skip
+    sms = triton_backend.device_num_sms(torch.device(DEVICE))
+    assert triton_backend.num_decode_splits(2, 8, b.metadata.max_seq_len, sms) > 1
+    check(b)
+
+
+def test_large_decode_batch():
+    ctx = torch.randint(1, 2000, (256,), generator=torch.Generator().manual_seed(1)).tolist()
+    b = make_batch(
+        [1] * 256, ctx, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+    )  # fmt: skip
+    check(b)
+
+
+def test_decode_cuda_graph_replays_with_new_lengths():
+    """Capture one decode step for 8 requests, then replay it with other contexts."""
+    from tokenmill.model.attention.triton_backend import TritonAttentionImpl
+
+    batch, heads, kv_heads, dim, max_len = 8, 32, 8, 128, 8192
+    steps = [
+        make_batch([1] * batch, [int(c) for c in ctx], num_heads=heads, num_kv_heads=kv_heads,
+                   head_dim=dim, dtype=torch.bfloat16, seed=seed)
+        for seed, ctx in enumerate(([5000, 3, 17, 800, 8000, 1, 64, 300], [40] * batch))
+    ]  # fmt: skip
+    # Static buffers sized for the longest step; each step's blocks live in one shared cache.
+    num_blocks = max(s.kv_cache.shape[1] for s in steps)
+    cache = torch.zeros(2, num_blocks, 16, kv_heads, dim, dtype=torch.bfloat16, device=DEVICE)
+    query = torch.zeros(batch, heads * dim, dtype=torch.bfloat16, device=DEVICE)
+    key = torch.zeros(batch, kv_heads * dim, dtype=torch.bfloat16, device=DEVICE)
+    value = torch.zeros_like(key)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    md = AttentionMetadata(
+        num_actual_tokens=batch, num_reqs=batch, query_start_loc=qsl.to(DEVICE),
+        seq_lens=torch.ones(batch, dtype=torch.int32, device=DEVICE),
+        block_table=torch.zeros(batch, max_len // 16, dtype=torch.int32, device=DEVICE),
+        slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=DEVICE),
+        max_query_len=1, max_seq_len=max_len, query_start_loc_cpu=qsl,
+        seq_lens_cpu=torch.ones(batch, dtype=torch.int32), num_decodes=batch,
+    )  # fmt: skip
+    impl = TritonAttentionImpl(heads, dim, dim**-0.5, kv_heads)
+    impl.forward(query, key, value, cache, md)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = impl.forward(query, key, value, cache, md)
+
+    for step in steps:
+        cache.zero_()
+        cache[:, : step.kv_cache.shape[1]].copy_(torch.nan_to_num(step.kv_cache, nan=0.0))
+        for static, new in ((query, step.query), (key, step.key), (value, step.value)):
+            static.copy_(new)
+        md.seq_lens.copy_(step.metadata.seq_lens)
+        md.slot_mapping.copy_(step.metadata.slot_mapping)
+        md.block_table.zero_()
+        table = step.metadata.block_table
+        md.block_table[:, : table.shape[1]].copy_(table)
+        graph.replay()
+        expected = TritonAttentionImpl(heads, dim, dim**-0.5, kv_heads).forward(
+            step.query, step.key, step.value, cache.clone(), dataclasses.replace(step.metadata)
+        )
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    check(steps[0])

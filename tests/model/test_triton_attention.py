@@ -1,0 +1,417 @@
+"""The Triton attention kernels against the torch reference, run by Triton's interpreter
+(``TRITON_INTERPRET=1``) on CPU in float32.
+
+Every batch uses scattered block ids, spare block-table columns holding other valid ids and
+sequence lengths that are not multiples of the block size. Cache slots no request has written
+hold NaN (as a ``torch.empty`` cache may), so a kernel that reads past a sequence's end fails;
+the reference sees them as zeros. Outputs are poisoned with NaN before each run, so a real
+token's row that a kernel forgets to write fails too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    # NOTE: the interpreter switch is process-wide and read when kernels are defined; with a
+    # GPU present the kernels must compile for it, and the GPU test file covers them.
+    pytest.skip("CUDA present: tests/gpu/test_triton_attention_gpu.py", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from triton.runtime import interpreter  # noqa: E402
+
+from tokenmill.model.attention import triton_backend  # noqa: E402
+from tokenmill.model.attention import triton_kernels as kernels  # noqa: E402
+from tokenmill.model.attention.backend import AttentionMetadata  # noqa: E402
+from tokenmill.model.attention.selector import get_attn_backend  # noqa: E402
+from tokenmill.model.attention.torch_ref import (  # noqa: E402
+    TorchAttentionImpl,
+    write_to_kv_cache,
+)
+from tokenmill.model.attention.triton_backend import (  # noqa: E402
+    TileConfig,
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    reshape_and_cache,
+)
+
+if not isinstance(kernels.varlen_attention_kernel, interpreter.InterpretedFunction):
+    pytest.skip("Triton kernels were defined before TRITON_INTERPRET=1", allow_module_level=True)
+
+# An empty split's log-sum-exp is log2(0) = -inf by design.
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")
+
+
+def _index_size1_arrays() -> None:
+    """Let the interpreter use scalars as loop bounds under NumPy >= 2.4.
+
+    Triton 3.6's interpreter holds scalars (e.g. from ``tl.program_id``) as 1-element
+    arrays and converts them with ``int(array)``, which NumPy 2.4 rejects for ndim > 0.
+    """
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "size1_index", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.size1_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+_index_size1_arrays()
+
+
+@dataclasses.dataclass
+class Batch:
+    query: torch.Tensor  # [T, H * D]
+    key: torch.Tensor  # [T, Hkv * D]
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]; NaN where never written
+    metadata: AttentionMetadata
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def make_batch(
+    q_lens: list[int],
+    ctx_lens: list[int],
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    block_size: int = 16,
+    extra_tokens: int = 0,
+    num_decodes: int = 0,
+    max_seq_len: int | None = None,
+    query_scale: float = 1.0,
+    seed: int = 0,
+) -> Batch:
+    """Requests with ``q_lens[i]`` new tokens after ``ctx_lens[i]`` cached ones (random K/V
+    in the cache; every other slot NaN).
+
+    ``extra_tokens`` rows past ``num_actual_tokens`` carry valid-looking slots in a block no
+    request owns: they must not be written.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens, strict=True)]
+    needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(needed) + 3
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    stray_block = free.pop()
+    tables = [[free.pop() for _ in range(n)] for n in needed]
+    width = max(needed, default=0) + 1
+    rows = [
+        t + torch.randint(num_blocks, (width - len(t),), generator=gen).tolist() for t in tables
+    ]
+    slots = [
+        table[p // block_size] * block_size + p % block_size
+        for table, s, q in zip(tables, seq_lens, q_lens, strict=True)
+        for p in range(s - q, s)
+    ]
+    n = len(slots)
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    for table, c in zip(tables, ctx_lens, strict=True):
+        cached = [table[p // block_size] * block_size + p % block_size for p in range(c)]
+        flat[:, cached] = torch.randn(2, c, num_kv_heads, head_dim, generator=gen)
+    slots += [stray_block * block_size + i % block_size for i in range(extra_tokens)]
+    t = len(slots)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_actual_tokens=n,
+        num_reqs=len(q_lens),
+        query_start_loc=qsl,
+        seq_lens=sl,
+        block_table=torch.tensor(rows, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=max(q_lens),
+        max_seq_len=max_seq_len or max(seq_lens),
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens_cpu=sl.clone(),
+        num_decodes=num_decodes,
+    )
+    return Batch(
+        query=torch.randn(t, num_heads * head_dim, generator=gen) * query_scale,
+        key=torch.randn(t, num_kv_heads * head_dim, generator=gen),
+        value=torch.randn(t, num_kv_heads * head_dim, generator=gen),
+        kv_cache=kv_cache,
+        metadata=metadata,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+
+
+def run_triton(
+    b: Batch, sliding_window: int | None = None, soft_cap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache write + attention through the Triton impl; output poisoned with NaN first."""
+    impl = TritonAttentionImpl(
+        b.num_heads, b.head_dim, b.head_dim**-0.5, b.num_kv_heads, sliding_window, soft_cap
+    )
+    cache = b.kv_cache.clone()
+    md = dataclasses.replace(b.metadata)
+    reshape_and_cache(b.key, b.value, cache, md.slot_mapping, md.num_actual_tokens)
+    out = torch.full((b.query.shape[0], b.num_heads * b.head_dim), float("nan"))
+    assert impl.attend(b.query, cache, md, out=out) is out
+    return out, cache
+
+
+def run_reference(
+    b: Batch, sliding_window: int | None = None, soft_cap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference's output (on the cache with NaN read as 0) and the cache it
+    leaves (NaN kept where nothing was written)."""
+    impl = TorchAttentionImpl(
+        b.num_heads, b.head_dim, b.head_dim**-0.5, b.num_kv_heads, sliding_window, soft_cap
+    )
+    md = dataclasses.replace(b.metadata)
+    out = impl.forward(b.query, b.key, b.value, torch.nan_to_num(b.kv_cache, nan=0.0), md)
+    cache = b.kv_cache.clone()
+    n = md.num_actual_tokens
+    write_to_kv_cache(b.key[:n], b.value[:n], cache, md.slot_mapping[:n])
+    return out, cache
+
+
+def assert_same_cache(cache: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(cache, expected, atol=0, rtol=0, equal_nan=True)
+
+
+def check(b: Batch, sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+    out, cache = run_triton(b, sliding_window, soft_cap)
+    ref_out, ref_cache = run_reference(b, sliding_window, soft_cap)
+    n = b.metadata.num_actual_tokens
+    torch.testing.assert_close(out[:n], ref_out[:n], atol=1e-4, rtol=1e-4)
+    assert_same_cache(cache, ref_cache)
+
+
+# Two decodes, a fresh prompt, a chunk after cached context.
+MIXED_Q = [1, 1, 37, 21]
+MIXED_CTX = [40, 17, 0, 50]
+
+
+def use_tiles(monkeypatch, varlen: TileConfig, decode: TileConfig) -> None:
+    monkeypatch.setattr(triton_backend, "varlen_tile_config", lambda d, dtype: varlen)
+    monkeypatch.setattr(triton_backend, "decode_tile_config", lambda d, dtype: decode)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """16 x 16 tiles: many query blocks and key tiles per request on small shapes."""
+    use_tiles(monkeypatch, TileConfig(16, 16, 4, 1), TileConfig(16, 16, 4, 1))
+
+
+# The fp32 tiles (16 x 16) and the bf16/fp16 ones the GPU runs at head_dim <= 128.
+TILE_SHAPES = {
+    "fp32": (TileConfig(16, 16, 4, 1), TileConfig(16, 16, 4, 2)),
+    "half": (TileConfig(128, 64, 8, 3), TileConfig(16, 64, 4, 3)),
+}
+
+
+def test_backend_is_selected_for_cuda():
+    assert TritonAttentionBackend.name == "triton"
+    assert TritonAttentionBackend.get_impl_cls() is TritonAttentionImpl
+    assert get_attn_backend("cuda") is TritonAttentionBackend
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(2, 2, 16), (4, 2, 64), (8, 2, 128), (8, 1, 16)]
+)
+def test_mixed_batch_matches_reference(num_heads, num_kv_heads, head_dim):
+    b = make_batch(
+        MIXED_Q, MIXED_CTX, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        num_decodes=2,
+    )  # fmt: skip
+    check(b)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+def test_forward_writes_cache_then_attends(num_kv_heads):
+    b = make_batch(MIXED_Q, MIXED_CTX, num_kv_heads=num_kv_heads)
+    impl = TritonAttentionImpl(4, 16, 0.25, num_kv_heads)
+    cache = b.kv_cache.clone()
+    out = impl.forward(b.query, b.key, b.value, cache, dataclasses.replace(b.metadata))
+    ref_out, ref_cache = run_reference(b)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+    assert_same_cache(cache, ref_cache)
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 128])
+def test_block_sizes(block_size):
+    check(make_batch(MIXED_Q, MIXED_CTX, block_size=block_size, num_decodes=2))
+
+
+@pytest.mark.parametrize("tiles", sorted(TILE_SHAPES))
+@pytest.mark.parametrize("window", [None, 1, 7, 33])
+def test_tile_shapes_masks_and_window(monkeypatch, tiles, window):
+    # Chunks longer than a tile, window edges inside and across tiles.
+    use_tiles(monkeypatch, *TILE_SHAPES[tiles])
+    b = make_batch([1, 70, 45], [60, 0, 90], num_kv_heads=1, block_size=8, num_decodes=1)
+    check(b, sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [1, 20, 500])
+def test_sliding_window(window):
+    check(make_batch(MIXED_Q, [140, 17, 0, 150], num_decodes=2), sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [5, 40])
+def test_context_outside_the_window_is_never_read(small_tiles, window):
+    # Blocks that fell out of the window may be reused: poison them for the kernels only.
+    q_lens, ctx_lens = [1, 1, 30], [75, 44, 60]
+    b = make_batch(q_lens, ctx_lens, num_kv_heads=1, block_size=8, num_decodes=2)
+    ref_out, ref_cache = run_reference(b, sliding_window=window)
+    md = b.metadata
+    poisoned = b.kv_cache.clone()
+    flat = poisoned.view(2, -1, *poisoned.shape[3:])
+    for i, ctx in enumerate(ctx_lens):
+        first_visible = ctx - window + 1  # the window start of the request's first query
+        stale = [int(md.block_table[i, p // 8]) * 8 + p % 8 for p in range(max(first_visible, 0))]
+        flat[:, stale] = float("nan")
+    out, _ = run_triton(dataclasses.replace(b, kv_cache=poisoned), sliding_window=window)
+    n = md.num_actual_tokens
+    torch.testing.assert_close(out[:n], ref_out[:n], atol=1e-4, rtol=1e-4)
+
+
+def test_soft_cap_with_window():
+    b = make_batch(MIXED_Q, MIXED_CTX, num_decodes=2, query_scale=4.0)
+    check(b, soft_cap=5.0)
+    check(b, sliding_window=24, soft_cap=5.0)
+
+
+def test_non_power_of_two_head_dim():
+    check(make_batch(MIXED_Q, MIXED_CTX, num_heads=6, num_kv_heads=2, head_dim=24, num_decodes=2))
+
+
+def test_long_decode_uses_several_splits():
+    ctx = [1000, 700, 3, 260]
+    b = make_batch([1] * 4, ctx, num_heads=8, num_kv_heads=2, head_dim=16, num_decodes=4)
+    splits = triton_backend.num_decode_splits(
+        4, 2, b.metadata.max_seq_len, triton_backend.DEFAULT_NUM_SMS
+    )
+    assert splits > 1
+    check(b)
+    check(b, sliding_window=300)
+
+
+@pytest.mark.parametrize("splits", [1, 5])
+def test_decode_split_counts(monkeypatch, splits):
+    # 5 splits: a non-power-of-two reduction where short contexts leave splits empty.
+    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
+    b = make_batch([1] * 3, [300, 2, 47], num_heads=4, num_kv_heads=1, num_decodes=3)
+    check(b)
+
+
+def test_decode_grid_sized_for_longest_model_context():
+    # A CUDA graph captured with max_seq_len = max_model_len replays with short contexts:
+    # the split count then exceeds what the lengths need and most splits are empty.
+    b = make_batch([1] * 3, [30, 5, 64], num_decodes=3, max_seq_len=32768)
+    assert triton_backend.num_decode_splits(3, 2, 32768, 132) > 8
+    check(b)
+
+
+def test_unordered_batch_without_decode_count():
+    # Decodes after a prompt, num_decodes unknown: the leading decode is found on the host
+    # copy of query_start_loc and the rest go through the varlen kernel.
+    b = make_batch([1, 30, 1, 5, 1], [20, 0, 33, 9, 0])
+    check(b)
+    assert b.metadata.num_decodes == 0
+
+
+def test_tokens_past_num_actual_tokens_are_ignored():
+    b = make_batch(MIXED_Q, MIXED_CTX, extra_tokens=5, num_decodes=2)
+    check(b)  # the cache comparison covers the stray block those tokens point at
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_padded_decode_batch_of_a_cuda_graph(monkeypatch, splits):
+    # 3 real decodes padded to 6: padding requests have seq_len 0, one token, slot -1.
+    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
+    real = make_batch([1] * 3, [50, 9, 31], num_decodes=3)
+    md = real.metadata
+    pad = 3
+    qsl = torch.arange(md.num_reqs + pad + 1, dtype=torch.int32)
+    sl = torch.cat([md.seq_lens, torch.zeros(pad, dtype=torch.int32)])
+    padded = dataclasses.replace(
+        md,
+        num_actual_tokens=md.num_reqs + pad,
+        num_reqs=md.num_reqs + pad,
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=sl,
+        seq_lens_cpu=sl.clone(),
+        block_table=torch.cat([md.block_table, torch.zeros_like(md.block_table[:pad])]),
+        slot_mapping=torch.cat([md.slot_mapping, torch.full((pad,), -1)]),
+        num_decodes=md.num_reqs + pad,
+    )
+    grow = lambda x: torch.cat([x, torch.randn(pad, x.shape[1])])  # noqa: E731
+    b = dataclasses.replace(
+        real, query=grow(real.query), key=grow(real.key), value=grow(real.value), metadata=padded
+    )
+    out, cache = run_triton(b)
+    ref_out, ref_cache = run_reference(real)
+    torch.testing.assert_close(out[:3], ref_out, atol=1e-4, rtol=1e-4)
+    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+    assert_same_cache(cache, ref_cache)
+
+
+def test_requests_without_tokens_are_skipped():
+    # Trailing requests with no query tokens (query_start_loc repeats): nothing to do.
+    b = make_batch([1, 12, 0, 0], [7, 3, 0, 0], num_decodes=1)
+    check(b)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_requests_without_tokens_write_nothing(monkeypatch, splits):
+    # All queries have length <= 1, so every request goes to the decode kernel; the empty
+    # trailing ones start at token 2, a row that would be out of bounds in a real batch.
+    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
+    b = make_batch([1, 1, 0, 0], [33, 8, 0, 0], extra_tokens=2)
+    out, _ = run_triton(b)
+    ref_out, _ = run_reference(b)
+    torch.testing.assert_close(out[:2], ref_out[:2], atol=1e-4, rtol=1e-4)
+    assert out[2:].isnan().all()
+
+
+def test_strided_views_of_fused_qkv():
+    b = make_batch(MIXED_Q, MIXED_CTX, num_decodes=2)
+    qkv = torch.cat([b.query, b.key, b.value], dim=1)
+    q, k, v = qkv.split([b.query.shape[1], b.key.shape[1], b.value.shape[1]], dim=1)
+    assert not q.is_contiguous()
+    check(dataclasses.replace(b, query=q, key=k, value=v))
+
+
+def test_plan_is_shared_by_layers_of_one_step():
+    # Layers with different head layouts and windows reuse one metadata object.
+    b = make_batch([1, 1, 9], [300, 40, 5], num_heads=4, num_kv_heads=2, num_decodes=2)
+    md = dataclasses.replace(b.metadata)
+    cache = b.kv_cache.clone()
+    reshape_and_cache(b.key, b.value, cache, md.slot_mapping, md.num_actual_tokens)
+    for window, heads in ((None, 4), (16, 4), (None, 2)):
+        query = b.query[:, : heads * 16]
+        out = TritonAttentionImpl(heads, 16, 0.25, 2, window).attend(query, cache, md)
+        ref = TorchAttentionImpl(heads, 16, 0.25, 2, window)
+        clean = torch.nan_to_num(b.kv_cache, nan=0.0)
+        ref_out = ref.forward(query, b.key, b.value, clean, dataclasses.replace(md))
+        torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+
+
+def test_reshape_and_cache_skips_negative_slots():
+    b = make_batch([5, 3], [0, 4], num_kv_heads=2, head_dim=16)
+    slots = b.metadata.slot_mapping.clone()
+    slots[[1, 6]] = -1
+    cache = b.kv_cache.clone()
+    reshape_and_cache(b.key, b.value, cache, slots, len(slots))
+    expected = b.kv_cache.clone()
+    keep = slots >= 0
+    write_to_kv_cache(b.key[keep], b.value[keep], expected, slots[keep])
+    assert_same_cache(cache, expected)

@@ -1,0 +1,383 @@
+"""Paged attention on CUDA with Triton kernels (``triton_kernels.py``).
+
+Kernel structure, and why (H200: 132 SMs, 60 MB L2; ceilings seen through PyTorch on the lent
+machines: ~4.3 TB/s device copy, ~790 TFLOP/s dense bf16. Llama-3.1-8B: 32 query heads, 8 KV
+heads, head_dim 128):
+
+- **Decode** (``query_len == 1``) is memory-bound: each token reads its whole context once
+  (``2 * seq_len * Hkv * D`` elements) for ``4 * seq_len * H * D`` FLOPs, about 4 FLOP per
+  byte with GQA 4 against the chip's ~190. One program per (request, KV head) gives only
+  ``num_reqs * Hkv`` programs: 8 at batch 1, far too few to keep 132 SMs' loads in flight.
+  Flash-Decoding (Dao, Haziza, Massa, Sizov 2023) splits each context over ``num_splits``
+  programs, each streaming a contiguous
+  run of key tiles, then ``decode_reduce_kernel`` merges the partials by their log-sum-exp;
+  the extra traffic is ``num_reqs * H * num_splits * D * 4`` bytes, negligible beside the KV
+  reads. With enough (request, KV head) pairs the split count drops to 1 and the kernel
+  writes the output directly (no second launch). The M dimension of the dot products is the
+  GQA group padded to 16 (``tl.dot``'s minimum), so no rows go to absent query tokens.
+- **Prompt chunks** (any mix of fresh prompts, chunks after cached context, and stray
+  ``query_len == 1`` requests) are compute-bound: a tile of ``BLOCK_Q`` query tokens x the
+  ``GROUP`` heads of one KV head (128 rows for head_dim <= 128) reuses each K/V tile 128
+  times. Tiles are handed out over the flat token range (``num_tokens // BLOCK_Q +
+  num_seqs`` programs, sequence found by binary search on ``query_start_loc``) so a batch of
+  one long prompt and many short ones launches no empty programs. Causal/window masks cost
+  elementwise work only on the diagonal and window-edge tiles.
+
+The varlen kernel alone is correct for every batch; the decode kernel is the fast path for the
+leading decode requests (the model runner puts them first and says how many in
+``metadata.num_decodes``). Two kernels rather than one unified kernel because a decode token
+in a 128-row query tile fills only ``GROUP`` of its rows (4 of 128 for Llama-3.1-8B), holding
+registers and shared memory for the rest and so cutting occupancy, and split-K only pays for
+decode.
+
+Host-side reads (no device tensor is ever read on the host, so every launch is CUDA-graph
+capturable):
+
+- ``reshape_and_cache``: ``num_actual_tokens`` (grid).
+- decode path: ``num_reqs``, ``num_decodes`` (else ``max_query_len``, and
+  ``query_start_loc_cpu`` when a batch mixes decodes and prompts), and ``max_seq_len`` (split
+  count only). Device: ``query_start_loc``, ``seq_lens``, ``block_table``. The grid is
+  ``(num_decodes, Hkv, num_splits)`` with ``num_splits`` from ``(num_decodes, Hkv,
+  max_seq_len, SM count)``; splits are dealt from the device ``seq_lens``, so a captured graph
+  replays correctly for any lengths that fit the block table, whatever its split count.
+  Capture with ``max_seq_len = max_model_len`` so that long contexts get enough splits.
+  Padding requests (``seq_len == 0``, slot -1) produce zeros; requests with ``query_len == 0``
+  are not touched.
+- varlen path: ``query_start_loc_cpu[num_decodes]`` and ``[num_reqs]`` (token count, grid).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from tokenmill.model.attention import triton_kernels as kernels
+from tokenmill.model.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+
+# SMs of an H200 (and H100 SXM); used when the tensors are not on CUDA (interpreter).
+DEFAULT_NUM_SMS = 132
+# Decode split heuristics: aim for this many resident programs per SM, never give a split
+# fewer than MIN_SPLIT_TOKENS keys, and cap the reduction's width.
+DECODE_PROGRAMS_PER_SM = 2
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and launch options of one kernel.
+
+    Attributes:
+        block_m: query rows per program (query tokens x heads of one KV group); the varlen
+            kernel packs ``block_m // group`` tokens. Unused by the decode kernel.
+        block_n: keys per tile.
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the key loop.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def varlen_tile_config(head_dim_padded: int, dtype: torch.dtype) -> TileConfig:
+    """Tiles of the prompt-chunk kernel for a power-of-two head size.
+
+    128 x 64 tiles with 8 warps (two warpgroups of ``wgmma``) keep the Q tile, scores and
+    accumulator in registers and three K/V stages (96 KiB at head_dim 128, bf16) in shared
+    memory; head_dim 256 halves both tiles. fp32 runs its dot products on FMA units (exact,
+    slow: a correctness path) and only 16 x 16 tiles fit its registers without spilling.
+    Chosen from sm_90 compiles (no spills at head sizes 64..256, with and without window and
+    soft cap); to be tuned with ``benchmarks/attention_bench.py --sweep-tiles``.
+    """
+    if dtype == torch.float32:
+        return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if head_dim_padded <= 128:
+        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+def decode_tile_config(head_dim_padded: int, dtype: torch.dtype) -> TileConfig:
+    """Tiles of the decode kernel: 64 keys per tile (32 at head_dim 256), 4 warps; fp32
+    (FMA dot products) 16 keys per tile."""
+    if dtype == torch.float32:
+        return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+    block_n = 64 if head_dim_padded <= 128 else 32
+    return TileConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=3)
+
+
+def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many programs share one (request, KV head)'s context in the decode kernel.
+
+    Enough to give every SM ``DECODE_PROGRAMS_PER_SM`` programs, but no split shorter than
+    ``MIN_SPLIT_TOKENS`` keys and at most ``MAX_SPLITS``. Depends only on host integers.
+    """
+    pairs = max(1, num_reqs * num_kv_heads)
+    wanted = (DECODE_PROGRAMS_PER_SM * num_sms) // pairs
+    useful = triton.cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+@functools.cache
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (``DEFAULT_NUM_SMS`` off CUDA)."""
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, triton.next_power_of_2(n))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # NOTE: fp32 inputs would otherwise run through TF32 (10-bit mantissa) on the GPU.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_tokens: int,
+) -> None:
+    """Write the first ``num_tokens`` tokens' K/V into their slots of the paged cache.
+
+    Args:
+        key, value: ``[T, num_kv_heads * head_dim]`` (rows may be strided, e.g. views of
+            a fused QKV output; the last dimension must be contiguous).
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, last dim
+            contiguous; values are cast to its dtype.
+        slot_mapping: ``[>= num_tokens]`` int32/int64, ``block_id * block_size + offset``;
+            tokens with a negative slot (padding) are skipped.
+        num_tokens: tokens to write (``metadata.num_actual_tokens``).
+
+    Raises:
+        ValueError: a layout the kernel cannot address.
+    """
+    if num_tokens == 0:
+        return
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    for name, t in (("key", key), ("value", value), ("kv_cache", kv_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    if key.shape[-1] != num_kv_heads * head_dim or value.shape[-1] != key.shape[-1]:
+        raise ValueError(f"K/V width {key.shape[-1]} != {num_kv_heads} x {head_dim}")
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    kernels.reshape_and_cache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), value.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        H_P=_pow2(num_kv_heads), D_P=_pow2(head_dim), BLOCK_SIZE=block_size,
+        num_warps=4,
+    )  # fmt: skip
+
+
+@dataclass
+class _StepPlan:
+    """How one step's batch splits between the two kernels (same for every layer)."""
+
+    num_decodes: int  # leading requests served by the decode kernel
+    num_prefills: int  # the rest, served by the varlen kernel
+    prefill_tokens: int  # query tokens of those requests
+    workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def _leading_decodes(metadata: AttentionMetadata) -> int:
+    if metadata.num_decodes:
+        return metadata.num_decodes
+    if metadata.max_query_len <= 1:
+        return metadata.num_reqs
+    q_lens = metadata.query_start_loc_cpu[1 : metadata.num_reqs + 1]
+    q_lens = q_lens - metadata.query_start_loc_cpu[: metadata.num_reqs]
+    not_decode = torch.nonzero(q_lens != 1)
+    return int(not_decode[0, 0]) if len(not_decode) else metadata.num_reqs
+
+
+def _step_plan(metadata: AttentionMetadata) -> _StepPlan:
+    """The batch split, computed from host fields once per step and kept on ``metadata``."""
+    plan = getattr(metadata, "_triton_plan", None)
+    if plan is not None:
+        return plan
+    num_decodes = _leading_decodes(metadata)
+    num_prefills = metadata.num_reqs - num_decodes
+    prefill_tokens = 0
+    if num_prefills:
+        qsl = metadata.query_start_loc_cpu
+        prefill_tokens = int(qsl[metadata.num_reqs]) - int(qsl[num_decodes])
+    plan = _StepPlan(num_decodes, num_prefills, prefill_tokens)
+    metadata._triton_plan = plan  # type: ignore[attr-defined]
+    return plan
+
+
+class TritonAttentionImpl(AttentionImpl):
+    """Paged attention with Triton kernels (see the module docstring for the structure).
+
+    Same arguments and semantics as ``AttentionImpl``. Works for any head size (powers of two
+    run unmasked along the head dimension), any ``block_size``, GQA groups of any size,
+    sliding windows and logit soft-capping; fp16/bf16 on the GPU, any float dtype in the
+    Triton interpreter.
+    """
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, metadata.num_actual_tokens)
+        return self.attend(query, kv_cache, metadata)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention over the cache as it is (this step's K/V already written).
+
+        Args:
+            query: ``[num_tokens, num_heads * head_dim]``; rows may be strided.
+            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+            metadata: the batch layout.
+            out: optional ``[num_tokens, num_heads * head_dim]`` destination, contiguous,
+                ``query.dtype``; allocated when None.
+
+        Returns:
+            ``out``: every row of a real token is written; rows past
+            ``metadata.num_actual_tokens`` are unspecified.
+
+        Raises:
+            ValueError: ``kv_cache`` or ``out`` has a layout the kernels cannot address.
+        """
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        if kv_cache.stride(-1) != 1:
+            raise ValueError("kv_cache must be contiguous in its last dimension")
+        width = self.num_heads * self.head_dim
+        if out is None:
+            out = torch.empty(query.shape[0], width, dtype=query.dtype, device=query.device)
+        elif out.shape != (query.shape[0], width) or out.stride(-1) != 1:
+            raise ValueError(f"out must be [{query.shape[0]}, {width}], rows contiguous")
+        plan = _step_plan(metadata)
+        if plan.num_decodes:
+            self._decode(out, query, kv_cache, metadata, plan)
+        if plan.num_prefills:
+            self._varlen(out, query, kv_cache, metadata, plan)
+        return out
+
+    def _common_args(self, query: torch.Tensor, kv_cache: torch.Tensor) -> dict:
+        group = self.num_heads // self.num_kv_heads
+        return {
+            "sm_scale": float(self.scale),
+            "soft_cap": float(self.logits_soft_cap or 0.0),
+            "window": int(self.sliding_window or 0),
+            "GROUP": group,
+            "HEAD_DIM": self.head_dim,
+            "D_P": _pow2(self.head_dim, 16),
+            "BLOCK_SIZE": kv_cache.shape[2],
+            "USE_WINDOW": self.sliding_window is not None,
+            "USE_SOFTCAP": self.logits_soft_cap is not None,
+            "DOT_PRECISION": _dot_precision(query.dtype),
+        }
+
+    def _workspace(
+        self, plan: _StepPlan, num_splits: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial outputs ``[R, H, S, D]`` and log2-sum-exps ``[R, H, S]`` (fp32), shared by
+        all layers of the step (layers run one after another on one stream)."""
+        key = (self.num_heads, self.head_dim, num_splits, device)
+        if key not in plan.workspaces:
+            shape = (plan.num_decodes, self.num_heads, num_splits)
+            plan.workspaces[key] = (
+                torch.empty(*shape, self.head_dim, dtype=torch.float32, device=device),
+                torch.empty(*shape, dtype=torch.float32, device=device),
+            )
+        return plan.workspaces[key]
+
+    def _decode(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        plan: _StepPlan,
+    ) -> None:
+        args = self._common_args(query, kv_cache)
+        cfg = decode_tile_config(args["D_P"], query.dtype)
+        num_splits = num_decode_splits(
+            plan.num_decodes, self.num_kv_heads, metadata.max_seq_len, device_num_sms(query.device)
+        )
+        if num_splits > 1:
+            part_out, part_lse = self._workspace(plan, num_splits, query.device)
+        else:  # the kernel writes ``out`` directly; these are never touched
+            part_out = part_lse = out
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        grid = (plan.num_decodes, self.num_kv_heads, num_splits)
+        kernels.decode_attention_kernel[grid](
+            out, part_out, part_lse, query, k_cache, v_cache,
+            metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0,
+            stride_qt=query.stride(0), stride_ot=out.stride(0),
+            stride_bt=metadata.block_table.stride(0),
+            stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
+            stride_pr=part_out.stride(0), stride_ph=part_out.stride(1),
+            stride_lr=part_lse.stride(0), stride_lh=part_lse.stride(1),
+            GROUP_P=_pow2(args["GROUP"], 16), BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args,
+        )  # fmt: skip
+        if num_splits > 1:
+            kernels.decode_reduce_kernel[(plan.num_decodes, self.num_heads)](
+                out, part_out, part_lse, metadata.query_start_loc, 0,
+                out.stride(0), part_out.stride(0), part_out.stride(1),
+                part_lse.stride(0), part_lse.stride(1),
+                HEAD_DIM=self.head_dim, D_P=args["D_P"], NUM_SPLITS=num_splits,
+                S_P=_pow2(num_splits), num_warps=4,
+            )  # fmt: skip
+
+    def _varlen(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        plan: _StepPlan,
+    ) -> None:
+        args = self._common_args(query, kv_cache)
+        cfg = varlen_tile_config(args["D_P"], query.dtype)
+        group_p = _pow2(args["GROUP"])
+        block_q = max(1, cfg.block_m // group_p)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        grid = (plan.prefill_tokens // block_q + plan.num_prefills, self.num_kv_heads)
+        kernels.varlen_attention_kernel[grid](
+            out, query, k_cache, v_cache,
+            metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
+            plan.num_decodes, plan.num_prefills,
+            stride_qt=query.stride(0), stride_ot=out.stride(0),
+            stride_bt=metadata.block_table.stride(0),
+            stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
+            GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args,
+        )  # fmt: skip
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton paged-attention kernels for CUDA (also run by the Triton interpreter)."""
+
+    name = "triton"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TritonAttentionImpl

@@ -1,0 +1,404 @@
+"""Triton kernels for paged attention: the KV-cache write, a split-K decode kernel with its
+log-sum-exp reduction, and a varlen kernel for prompt chunks.
+
+All attention kernels use the online softmax of FlashAttention (Dao et al., NeurIPS 2022;
+FlashAttention-2, Dao 2023): scores are kept in the log2 domain (``exp2`` is one instruction),
+a running row maximum ``m`` and row sum ``l`` rescale the fp32 accumulator tile by tile, and
+the output is ``acc / l``. Keys and values are read in place through the block table (paged
+attention, Kwon et al. SOSP 2023): each key row of a tile looks up its own physical block, so a
+tile may span several cache blocks and any ``block_size`` works.
+
+GQA (Ainslie et al. 2023): one program serves all query heads that share a KV head, with the
+(query token x head-in-group) pairs packed into the M dimension of ``tl.dot``, so K/V are read
+once per group and the dot products run on tensor cores.
+
+Launch logic, tile choices and the reasoning behind them live in ``triton_backend.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+# NOTE: the running maximum starts finite so that rows whose keys are all masked so far give
+# exp2(-inf - (-1e30)) = 0 instead of exp2(-inf + inf) = NaN.
+M_INIT: tl.constexpr = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_vt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    H_P: tl.constexpr,
+    D_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """One program per token: copy its ``[Hkv, D]`` K and V rows to its slot (skip slot < 0)."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, H_P)[:, None]
+    d = tl.arange(0, D_P)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    src = h * HEAD_DIM + d
+    dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
+    k = tl.load(key_ptr + t.to(tl.int64) * stride_kt + src, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + src, mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from one exp (portable: no libdevice, so it also runs in the interpreter)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_row_ptr,
+    kv_head_offset,
+    kv_lo,
+    seq_len,
+    window,
+    sm_scale,
+    soft_cap,
+    start,
+    end,
+    stride_cb,
+    stride_cs,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold the key tiles ``[start, end)`` (step ``BLOCK_N``) into the online softmax state.
+
+    ``acc`` ``[M, D_P]`` fp32, ``m_i``/``l_i`` ``[M]`` fp32 (log2 domain), ``q`` ``[M, D_P]``,
+    ``q_pos`` ``[M]`` int32 positions of the query rows. ``MASKED`` tiles apply the causal,
+    sequence-end and sliding-window masks and load no key outside ``[kv_lo, seq_len)`` (slots
+    there may hold stale data, NaN included); unmasked tiles must be fully visible to every row.
+    """
+    d = tl.arange(0, D_P)
+    d_valid = d < HEAD_DIM
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            kv_valid = (j >= kv_lo) & (j < seq_len)
+            block = tl.load(block_row_ptr + j // BLOCK_SIZE, mask=kv_valid, other=0)
+            kt_mask = kv_valid[None, :] & d_valid[:, None]
+            v_mask = kv_valid[:, None] & d_valid[None, :]
+        else:
+            block = tl.load(block_row_ptr + j // BLOCK_SIZE)
+            kt_mask = d_valid[:, None]
+            v_mask = d_valid[None, :]
+        row = block.to(tl.int64) * stride_cb + (j % BLOCK_SIZE) * stride_cs + kv_head_offset
+        # K is read transposed, [D_P, BLOCK_N], so q @ k needs no shuffle.
+        k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=kt_mask, other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if USE_SOFTCAP:
+            s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * LOG2E
+        else:
+            s = s * (sm_scale * LOG2E)
+        if MASKED:
+            visible = (j[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+            if USE_WINDOW:
+                visible = visible & (j[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=v_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["req_offset", "window"])
+def decode_attention_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    req_offset,
+    sm_scale,
+    soft_cap,
+    window,
+    stride_qt,
+    stride_ot,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_pr,
+    stride_ph,
+    stride_lr,
+    stride_lh,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Flash-decoding: program (request, KV head, split) attends one query token's
+    ``GROUP`` heads over its split of the context.
+
+    The context's key tiles are dealt evenly to ``NUM_SPLITS`` programs from the device
+    ``seq_lens``, so the grid does not depend on context lengths. With one split the result
+    goes straight to ``out``; otherwise each split writes its normalized partial output
+    ``[D]`` and log2-sum-exp to ``part_out[r, head, split]`` / ``part_lse[r, head, split]``
+    (split strides ``HEAD_DIM`` and 1) for ``decode_reduce_kernel``. A request with
+    ``seq_len == 0`` (padding) yields zeros; one whose query length is not 1 is left alone.
+    """
+    r = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = req_offset + r
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if q_len != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    g = tl.arange(0, GROUP_P)
+    d = tl.arange(0, D_P)
+    head = kv_head * GROUP + g
+    qo_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * HEAD_DIM + d[None, :],
+        mask=qo_mask,
+        other=0.0,
+    )
+    q_pos = tl.zeros([GROUP_P], dtype=tl.int32) + (seq_len - 1)
+
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(seq_len - window, 0)
+    lo = kv_lo // BLOCK_N * BLOCK_N
+    tiles = tl.cdiv(seq_len - lo, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
+    start = lo + split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)
+    m_i = tl.zeros([GROUP_P], dtype=tl.float32) + M_INIT
+    l_i = tl.zeros([GROUP_P], dtype=tl.float32)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr,
+        block_table_ptr + req.to(tl.int64) * stride_bt, kv_head * stride_ch, kv_lo,
+        seq_len, window, sm_scale, soft_cap, start, end, stride_cb, stride_cs,
+        True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
+    else:
+        part = r.to(tl.int64) * stride_pr + head * stride_ph + split * HEAD_DIM
+        tl.store(part_out_ptr + part[:, None] + d[None, :], out, mask=qo_mask)
+        lse = m_i + tl.log2(l_i)  # -inf for an empty split
+        lse_ptrs = part_lse_ptr + r * stride_lr + head * stride_lh + split
+        tl.store(lse_ptrs, lse, mask=g < GROUP)
+
+
+@triton.jit(do_not_specialize=["req_offset"])
+def decode_reduce_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    req_offset,
+    stride_ot,
+    stride_pr,
+    stride_ph,
+    stride_lr,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    D_P: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    S_P: tl.constexpr,
+):
+    """Program (request, head): combine the splits' partial outputs, each weighted by
+    ``exp2(lse_s - max lse)`` (the log-sum-exp merge of flash-decoding)."""
+    r = tl.program_id(0)
+    head = tl.program_id(1)
+    req = req_offset + r
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+        return
+    s = tl.arange(0, S_P)
+    d = tl.arange(0, D_P)
+    lse_ptrs = part_lse_ptr + r * stride_lr + head * stride_lh + s
+    lse = tl.load(lse_ptrs, mask=s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    mask = (s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :]
+    base = r.to(tl.int64) * stride_pr + head * stride_ph
+    parts = tl.load(part_out_ptr + base + s[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head * HEAD_DIM + d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, req_offset, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """The sequence whose query blocks include program ``pid``.
+
+    Sequence ``i`` (counted from ``req_offset``) owns programs from
+    ``(query_start_loc[i] - query_start_loc[0]) // BLOCK_Q + i``: the ``+ i`` leaves room for
+    each sequence's partial last block, so the starts increase and the grid needs at most
+    ``num_tokens // BLOCK_Q + num_seqs`` programs. Binary search for the last start <= pid.
+    """
+    base = tl.load(query_start_loc_ptr + req_offset)
+    lo = pid * 0
+    hi = lo + num_seqs
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        first = (tl.load(query_start_loc_ptr + req_offset + mid) - base) // BLOCK_Q + mid
+        take = first <= pid
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid)
+    return lo
+
+
+@triton.jit(do_not_specialize=["req_offset", "num_seqs", "window"])
+def varlen_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    req_offset,
+    num_seqs,
+    sm_scale,
+    soft_cap,
+    window,
+    stride_qt,
+    stride_ot,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (query block, KV head): ``BLOCK_Q`` consecutive query tokens of one sequence
+    times the ``GROUP`` heads of one KV head, ``BLOCK_Q * GROUP_P`` rows in all.
+
+    The tokens are the last ``q_len`` positions of a ``seq_len``-token context, so token
+    ``t`` of the chunk sits at position ``seq_len - q_len + t`` and sees keys up to it (and
+    above ``pos - window``). Key tiles visible to every row skip the masks; only the tiles on
+    the diagonal and at the window's edge pay for them.
+    """
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, req_offset, num_seqs, pid, BLOCK_Q)
+    req = req_offset + seq
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block = pid - ((q_start - tl.load(query_start_loc_ptr + req_offset)) // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + rows // GROUP_P
+    head = kv_head * GROUP + rows % GROUP_P
+    d = tl.arange(0, D_P)
+    row_valid = (tok < q_len) & (rows % GROUP_P < GROUP)
+    qo_mask = row_valid[:, None] & (d < HEAD_DIM)[None, :]
+    qo_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + qo_rows[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :],
+        mask=qo_mask,
+        other=0.0,
+    )
+    q_pos = context_len + tok
+
+    first_pos = context_len + q_block * BLOCK_Q
+    end = tl.minimum(first_pos + BLOCK_Q, seq_len)  # one past the last query position
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # tiles below it are causal for all rows
+    kv_lo = 0  # the first row's window start: no row sees keys below it
+    full_lo = 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(first_pos - window + 1, 0)
+        full_lo = tl.cdiv(tl.maximum(end - window, 0), BLOCK_N) * BLOCK_N
+    lo = kv_lo // BLOCK_N * BLOCK_N
+    mid_lo = tl.minimum(tl.maximum(full_lo, lo), end)
+    mid_hi = tl.maximum(full_end, mid_lo)  # full_end <= end
+
+    acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + M_INIT
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
+    kv_head_offset = kv_head * stride_ch
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
+        kv_lo, seq_len, window, sm_scale, soft_cap, lo, mid_lo, stride_cb, stride_cs,
+        True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
+        kv_lo, seq_len, window, sm_scale, soft_cap, mid_lo, mid_hi, stride_cb, stride_cs,
+        False, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
+        kv_lo, seq_len, window, sm_scale, soft_cap, mid_hi, end, stride_cb, stride_cs,
+        True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + qo_rows[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
