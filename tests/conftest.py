@@ -6,6 +6,12 @@ import importlib.util
 import os
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels can only run in Triton's interpreter; the flag must be set
+# before triton is first imported (it decides at decoration time).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _smollm2_gguf() -> str | None:
@@ -17,8 +23,6 @@ def _smollm2_gguf() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():

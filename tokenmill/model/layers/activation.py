@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.model.layers import fused_kernels
+
 
 class SiluAndMul(nn.Module):
     """SwiGLU gate (Shazeer 2020): ``silu(x[..., :d]) * x[..., d:]``.
@@ -14,6 +16,8 @@ class SiluAndMul(nn.Module):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_kernels.use_fused(x):
+            return fused_kernels.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.model.layers import fused_kernels
+
 
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32.
@@ -36,6 +38,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if fused_kernels.use_fused(x):
+            return fused_kernels.rms_norm(x, self.weight, self.eps, residual, self.offset)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.model.layers import fused_kernels
+
 
 def _base_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
     """``1 / base^(2i/d)`` for i in [0, d/2), float32, shape [d/2]."""
@@ -173,6 +175,12 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if fused_kernels.use_fused(q) and not (self.rotary_dim // 2) & (self.rotary_dim // 2 - 1):
+            fused_kernels.rotary_inplace(
+                positions, q, k, self.cos_sin_cache, self.head_dim, self.rotary_dim,
+                self.is_neox_style,
+            )
+            return q, k
         cos_sin = self.cos_sin_cache.index_select(0, positions)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
         t = positions.shape[0]

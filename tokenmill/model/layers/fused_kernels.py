@@ -1,0 +1,157 @@
+"""Fused element-wise Triton kernels for the CUDA path: RMSNorm with the residual add,
+SiLU-and-mul, and rotary embedding applied in place.
+
+Unfused, each of these is several torch kernels that read and write the activations again
+(the rotary embedding alone is ~10 passes over q and k in float32); fused, each is one pass.
+The torch implementations in norm.py, activation.py and rotary.py stay the CPU path and
+the reference these kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs
+    HAS_TRITON = False
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Fused kernels run on CUDA tensors when Triton is available."""
+    return HAS_TRITON and x.is_cuda
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+        n_cols, x_stride, res_stride, out_stride, eps, offset,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + row * res_stride + cols, mask=mask, other=0.0)
+            x = x + r.to(tl.float32)
+            # The new residual is stored in the activations' dtype, as the torch path does.
+            tl.store(residual_out_ptr + row * res_stride + cols,
+                     x.to(residual_out_ptr.dtype.element_ty), mask=mask)
+            x = x.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
+        var = tl.sum(x * x, axis=0) / n_cols
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
+        y = x * tl.rsqrt(var + eps) * w
+        tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < d
+        gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotary_kernel(
+        q_ptr, k_ptr, pos_ptr, cache_ptr,
+        q_stride, k_stride, cache_stride,
+        num_q_heads, head_dim,
+        HALF: tl.constexpr, NEOX: tl.constexpr,
+    ):
+        # One program per (token, head); heads past the query heads are key heads.
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        pos = tl.load(pos_ptr + token).to(tl.int64)
+        i = tl.arange(0, HALF)
+        cos = tl.load(cache_ptr + pos * cache_stride + i)
+        sin = tl.load(cache_ptr + pos * cache_stride + HALF + i)
+        if head < num_q_heads:
+            base = q_ptr + token * q_stride + head * head_dim
+        else:
+            base = k_ptr + token * k_stride + (head - num_q_heads) * head_dim
+        if NEOX:
+            a_ptr = base + i
+            b_ptr = base + HALF + i
+        else:
+            a_ptr = base + 2 * i
+            b_ptr = base + 2 * i + 1
+        a = tl.load(a_ptr).to(tl.float32)
+        b = tl.load(b_ptr).to(tl.float32)
+        tl.store(a_ptr, (a * cos - b * sin).to(q_ptr.dtype.element_ty))
+        tl.store(b_ptr, (b * cos + a * sin).to(q_ptr.dtype.element_ty))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    offset: float = 0.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``RMSNorm(x + residual)``; see ``RMSNorm``. Shapes ``[T, H]``, rows contiguous.
+
+    Returns ``normed`` or ``(normed, x + residual)``; the inputs are not modified.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    n_rows, n_cols = x2.shape
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else out
+    res = residual.reshape(-1, n_cols) if residual is not None else x2
+    if n_rows:
+        _rms_norm_kernel[(n_rows,)](
+            x2, res, weight, out, res_out, n_cols, x2.stride(0), res.stride(0), out.stride(0),
+            eps, offset, HAS_RESIDUAL=residual is not None, BLOCK=_next_pow2(n_cols),
+            num_warps=min(16, max(1, _next_pow2(n_cols) // 256)),
+        )
+    if residual is None:
+        return out.view_as(x)
+    return out.view_as(x), res_out.view_as(x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Fused SwiGLU gate: ``[T, 2d] -> [T, d]``."""
+    x2 = x.reshape(-1, x.shape[-1])
+    d = x2.shape[-1] // 2
+    out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
+    block = 1024
+    if x2.shape[0]:
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+            x2, out, d, x2.stride(0), out.stride(0), BLOCK=block
+        )
+    return out.view(*x.shape[:-1], d)
+
+
+def rotary_inplace(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+    rotary_dim: int,
+    is_neox_style: bool,
+) -> None:
+    """Rotate ``q [T, Hq*D]`` and ``k [T, Hk*D]`` in place (first ``rotary_dim`` dims of each
+    head) with the float32 ``cos | sin`` table ``[max_pos, rotary_dim]``."""
+    t = positions.shape[0]
+    if t == 0:
+        return
+    half = rotary_dim // 2
+    if half & (half - 1):
+        raise ValueError(f"fused rotary needs a power-of-two rotary_dim/2, got {half}")
+    num_q, num_k = q.shape[1] // head_dim, k.shape[1] // head_dim
+    _rotary_kernel[(t, num_q + num_k)](
+        q, k, positions, cos_sin_cache, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
+        num_q, head_dim, HALF=half, NEOX=is_neox_style,
+    )
