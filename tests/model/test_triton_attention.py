@@ -47,25 +47,6 @@ if not isinstance(kernels.varlen_attention_kernel, interpreter.InterpretedFuncti
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")
 
 
-def _index_size1_arrays() -> None:
-    """Let the interpreter use scalars as loop bounds under NumPy >= 2.4.
-
-    Triton 3.6's interpreter holds scalars (e.g. from ``tl.program_id``) as 1-element
-    arrays and converts them with ``int(array)``, which NumPy 2.4 rejects for ndim > 0.
-    """
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "size1_index", False):
-        return
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched.size1_index = True
-    interpreter._patch_lang_tensor = patched
-
-
-_index_size1_arrays()
 
 
 @dataclasses.dataclass
