@@ -11,6 +11,19 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+}
+
+
+# Embedding (pooling) architectures: encoders run by the embedding engine, one forward pass
+# per input and no KV cache, instead of the generation engine.
+_POOLING_MODELS: dict[str, tuple[str, str]] = {
+    "BertModel": ("bert", "BertModel"),
+    "BertForMaskedLM": ("bert", "BertForMaskedLM"),
 }
 
 
@@ -19,12 +32,20 @@ class UnsupportedArchitectureError(ValueError):
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted([*_MODELS, *_POOLING_MODELS])
 
 
-def register_model(architecture: str, module: str, class_name: str) -> None:
-    """Add an architecture (module relative to ``tokenmill.model.models``)."""
-    _MODELS[architecture] = (module, class_name)
+def register_model(
+    architecture: str, module: str, class_name: str, pooling: bool = False
+) -> None:
+    """Add an architecture (module relative to ``tokenmill.model.models``); ``pooling``
+    marks an embedding model."""
+    (_POOLING_MODELS if pooling else _MODELS)[architecture] = (module, class_name)
+
+
+def is_pooling_model(architecture: str) -> bool:
+    """Whether ``architecture`` is an embedding model (served by the embedding engine)."""
+    return architecture in _POOLING_MODELS
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
@@ -33,7 +54,7 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     Raises:
         UnsupportedArchitectureError: not supported; the message lists what is.
     """
-    entry = _MODELS.get(architecture)
+    entry = _MODELS.get(architecture) or _POOLING_MODELS.get(architecture)
     if entry is None:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported; supported architectures: "

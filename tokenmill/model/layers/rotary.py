@@ -8,7 +8,9 @@ arXiv:2309.00071) and ``longrope`` (Phi-3's per-frequency factors, arXiv:2402.13
 
 from __future__ import annotations
 
+import json
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -150,7 +152,7 @@ class RotaryEmbedding(nn.Module):
             ext = torch.tensor(
                 scaling["long_factor" if use_long else "short_factor"], dtype=torch.float64
             )
-            factor = max_position / orig
+            factor = scaling.get("factor") or max_position / orig
             attention_factor = scaling.get("attention_factor")
             if attention_factor is None:
                 attention_factor = (
@@ -189,6 +191,10 @@ class RotaryEmbedding(nn.Module):
         return q, k
 
 
+# Weak: a table lives as long as a model that uses it.
+_ROPE_CACHE: weakref.WeakValueDictionary[tuple, RotaryEmbedding] = weakref.WeakValueDictionary()
+
+
 def get_rope(
     head_dim: int,
     max_position: int,
@@ -198,13 +204,22 @@ def get_rope(
     is_neox_style: bool = True,
     max_model_len: int | None = None,
 ) -> RotaryEmbedding:
-    """Build the rotary embedding a config asks for (see RotaryEmbedding)."""
-    return RotaryEmbedding(
-        head_dim,
-        rotary_dim or head_dim,
-        max_position,
-        base,
-        is_neox_style,
-        scaling,
-        max_model_len,
+    """The rotary embedding a config asks for (see RotaryEmbedding).
+
+    Layers with the same settings share one instance: its cos/sin table holds
+    ``max_position x rotary_dim`` float32 values (64 MiB for Llama 3.1's 131072
+    positions), which would otherwise be repeated in every layer.
+    """
+    device = torch.empty(0).device  # the default device the model is being built on
+    key = (
+        head_dim, rotary_dim or head_dim, max_position, float(base), is_neox_style,
+        json.dumps(scaling, sort_keys=True), max_model_len, str(device),
     )
+    rope = _ROPE_CACHE.get(key)
+    if rope is None:
+        rope = RotaryEmbedding(
+            head_dim, rotary_dim or head_dim, max_position, base, is_neox_style, scaling,
+            max_model_len,
+        )
+        _ROPE_CACHE[key] = rope
+    return rope

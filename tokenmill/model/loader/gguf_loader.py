@@ -4,7 +4,9 @@ Tensor names are mapped from llama.cpp's (``blk.0.attn_q.weight``) to Hugging Fa
 (``model.layers.0.self_attn.q_proj.weight``) with the ``gguf`` package's own name table,
 restricted to the names the model expects. llama.cpp's converter permutes the rows of Q and
 K for Llama-architecture files (so its GPT-J-style RoPE matches); that permutation is undone
-here so the Hugging Face (NeoX-style) layout comes back.
+here so the Hugging Face (NeoX-style) layout comes back. For Gemma files the converter stores
+RMSNorm weights as ``1 + w`` (llama.cpp multiplies by the weight as is); 1 is subtracted here,
+since Gemma models apply ``(1 + w)`` to the Hugging Face weight ``w``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from tokenmill.model.loader.hf_config import ModelLoadError
 
 # llama.cpp architectures whose converter permutes Q/K rows.
 PERMUTED_QK_ARCHS = ("llama", "mistral")
+# llama.cpp architectures whose converter adds 1 to every RMSNorm weight.
+NORM_PLUS_ONE_ARCHS = ("gemma", "gemma2", "gemma3")
 
 
 def _arch_enum(arch: str):
@@ -72,6 +76,7 @@ def iterate_gguf(
         if gguf_name is not None:
             to_hf[gguf_name] = hf_name
     permute = arch in PERMUTED_QK_ARCHS
+    norm_plus_one = arch in NORM_PLUS_ONE_ARCHS
     for t in reader.tensors:
         hf_name = to_hf.get(t.name)
         if hf_name is None:
@@ -87,6 +92,8 @@ def iterate_gguf(
             data = unpermute_qk(data, num_heads)
         elif permute and ".k_proj." in hf_name:
             data = unpermute_qk(data, num_kv_heads)
+        elif norm_plus_one and hf_name.endswith("norm.weight"):
+            data = data - 1.0
         if not data.flags.writeable or not data.flags.c_contiguous:
             data = np.array(data, copy=True)  # an mmap view of an unquantized tensor
         yield hf_name, torch.from_numpy(data)

@@ -79,6 +79,11 @@ def normalize_rope(data: dict[str, Any]) -> dict[str, Any]:
         scaling = dict(scaling)
         rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")
         scaling["rope_type"] = rope_type
+        if rope_type in ("longrope", "su") and data.get("original_max_position_embeddings"):
+            # Phi-3 configs before transformers 5 keep this length at the top level.
+            scaling.setdefault(
+                "original_max_position_embeddings", data["original_max_position_embeddings"]
+            )
         data["rope_scaling"] = None if rope_type == "default" else scaling
     else:
         data["rope_scaling"] = None
@@ -113,7 +118,13 @@ GGUF_KEYS = {
     "vocab_size": "vocab_size",
     "final_logit_softcapping": "final_logit_softcapping",
     "attn_logit_softcapping": "attn_logit_softcapping",
+    "rope.freq_base_swa": "rope_local_base_freq",
 }
+
+# llama.cpp's Gemma 3 graph: five sliding-window layers per global one, local RoPE base 1e4.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+GEMMA3_27B_LAYERS = 62
 
 
 def _gguf_field(reader: Any, key: str) -> Any:
@@ -177,7 +188,33 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     data["tie_word_embeddings"] = "output.weight" not in tensor_names
     data["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     data["_gguf_architecture"] = arch
+    if arch == "gemma3":
+        _derive_gemma3_config(data, _gguf_field(reader, f"{arch}.attention.sliding_window_pattern"))
     return data
+
+
+def _derive_gemma3_config(data: dict[str, Any], pattern: Any) -> None:
+    """Fill the Gemma 3 settings a GGUF file leaves implicit, as llama.cpp's Gemma 3 graph
+    fixes them: the layer pattern (every sixth layer global unless the file lists per-layer
+    sliding flags), the local RoPE base, tanh GELU, and the softmax scale.
+
+    NOTE: llama.cpp scales queries by ``head_dim^-0.5`` except for the 27B model (62 layers),
+    which uses ``(hidden_size / num_heads)^-0.5``. transformers instead keeps its default
+    ``query_pre_attn_scalar`` of 256, which agrees for every size but 27B.
+    """
+    n = data["num_hidden_layers"]
+    if isinstance(pattern, list) and len(pattern) == n:
+        sliding = [bool(p) for p in pattern]
+    else:
+        every = int(pattern) if isinstance(pattern, int) and pattern > 0 else None
+        every = every or GEMMA3_SLIDING_WINDOW_PATTERN
+        sliding = [bool((i + 1) % every) for i in range(n)]
+    data["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    data.setdefault("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA)
+    data.setdefault("hidden_activation", "gelu_pytorch_tanh")
+    if n == GEMMA3_27B_LAYERS:
+        data.setdefault("query_pre_attn_scalar", data["hidden_size"] // data["num_attention_heads"])
+    data.setdefault("query_pre_attn_scalar", data["head_dim"])
 
 
 def load_hf_config(model: str) -> tuple[HFConfig, dict[str, Any]]:
@@ -237,7 +274,8 @@ def derive_max_model_len(config: HFConfig) -> int:
     if derived is None:
         derived = 2048
     scaling = config.get("rope_scaling")
-    if isinstance(scaling, dict):
+    # Gemma 3's max_position_embeddings already counts its (global layers') linear scaling.
+    if isinstance(scaling, dict) and config.get("model_type") not in ("gemma3", "gemma3_text"):
         rope_type = scaling.get("rope_type")
         factor = scaling.get("factor", 1.0)
         if rope_type == "yarn" and "original_max_position_embeddings" in scaling:

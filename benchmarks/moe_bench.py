@@ -1,0 +1,126 @@
+"""Time the fused MoE Triton kernel against the torch expert loop on CUDA.
+
+Defaults are Mixtral-8x7B's MoE layer on one GPU: 8 experts, top-2 routing, hidden 4096,
+intermediate 14336, bf16, for batches of 1..4096 tokens with random router logits. Both sides
+compute the routed experts of one layer from the same routing (``select_experts`` is shared
+and not timed); the torch side is ``fused_experts_torch`` (one pair of GEMMs per expert that
+received tokens, plus a host sync to read the per-expert counts). Times are medians of
+``triton.testing.do_bench``. Each row also checks that the two outputs agree.
+
+Columns: tokens; torch and Triton times (ms); the speed-up (torch / Triton); the Triton
+kernel's rate as TFLOP/s of routed-expert work (``6 * tokens * top_k * H * I``) and as GB/s of
+expert weights read (every expert that received a token is read once), the figure that
+bounds decode-sized batches. ``--sweep-tiles`` also times a list of tile shapes per row and
+prints the fastest, to tune ``moe_tile_config`` in ``tokenmill/model/layers/fused_moe.py``.
+
+Usage: python benchmarks/moe_bench.py [--tokens 1,16,256,4096] [--sweep-tiles]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+import triton.testing
+
+from tokenmill.model.layers.fused_moe import (
+    fused_experts_torch,
+    fused_experts_triton,
+    moe_tile_config,
+    select_experts,
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TILE_SWEEP = [
+    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
+    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument("--tokens", type=ints,
+                   default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096])
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep-tiles", action="store_true", help="time each tile shape per row")
+    return p.parse_args()
+
+
+def make_weights(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random expert weights ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` on the GPU."""
+    dtype, e, h, i = DTYPES[args.dtype], args.experts, args.hidden, args.intermediate
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    w13 = torch.empty(e, 2 * i, h, device="cuda", dtype=dtype)
+    w2 = torch.empty(e, h, i, device="cuda", dtype=dtype)
+    w13.normal_(0, h**-0.5, generator=gen)
+    w2.normal_(0, i**-0.5, generator=gen)
+    return w13, w2
+
+
+def time_ms(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def bench_row(args: argparse.Namespace, tokens: int, w13: torch.Tensor, w2: torch.Tensor) -> str:
+    dtype, h, i = DTYPES[args.dtype], args.hidden, args.intermediate
+    gen = torch.Generator(device="cuda").manual_seed(args.seed + tokens)
+    x = torch.randn(tokens, h, device="cuda", generator=gen).to(dtype)
+    logits = torch.randn(tokens, args.experts, device="cuda", generator=gen)
+    weights, ids = select_experts(logits, args.top_k, renormalize=True)
+
+    ref = fused_experts_torch(x, w13, w2, weights, ids)
+    got = fused_experts_triton(x, w13, w2, weights, ids)
+    scale = ref.float().abs().max().item()
+    rel_err = (got.float() - ref.float()).abs().max().item() / max(scale, 1e-12)
+
+    t_torch = time_ms(lambda: fused_experts_torch(x, w13, w2, weights, ids))
+    t_triton = time_ms(lambda: fused_experts_triton(x, w13, w2, weights, ids))
+    flops = 6 * tokens * args.top_k * h * i
+    touched = int(torch.unique(ids).numel())
+    weight_bytes = touched * 3 * h * i * w13.element_size()
+    row = (
+        f"{tokens:>6} {t_torch:>10.3f} {t_triton:>10.3f} {t_torch / t_triton:>8.2f}x "
+        f"{flops / t_triton / 1e9:>9.1f} {weight_bytes / t_triton / 1e6:>9.0f} {rel_err:>9.2e}"
+    )
+    if args.sweep_tiles:
+        best = min(
+            (time_ms(lambda c=c: fused_experts_triton(x, w13, w2, weights, ids, config=c)), k)
+            for k, c in enumerate(TILE_SWEEP)
+        )
+        chosen = moe_tile_config(tokens * args.top_k, args.experts, dtype)
+        row += f"   best {best[0]:.3f} ms with {TILE_SWEEP[best[1]]} (default {chosen})"
+    return row
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("moe_bench.py needs a CUDA device")
+    print(f"# {datetime.date.today().isoformat()}  {torch.cuda.get_device_name()}  "
+          f"torch {torch.__version__}  triton {triton.__version__}")
+    print(f"# python {' '.join(sys.argv)}")
+    print(f"# experts {args.experts} top-{args.top_k} hidden {args.hidden} "
+          f"intermediate {args.intermediate} {args.dtype}")
+    print(f"{'tokens':>6} {'torch ms':>10} {'triton ms':>10} {'speedup':>9} "
+          f"{'TFLOP/s':>9} {'GB/s':>9} {'max err':>9}")
+    w13, w2 = make_weights(args)
+    for tokens in args.tokens:
+        print(bench_row(args, tokens, w13, w2), flush=True)
+
+
+if __name__ == "__main__":
+    main()

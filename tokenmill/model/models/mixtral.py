@@ -1,0 +1,137 @@
+"""Mixtral (Jiang et al. 2024, arXiv:2401.04088): Mistral's attention with a sparse MoE block
+of ``num_local_experts`` SwiGLU experts in place of the MLP; each token goes to the top
+``num_experts_per_tok`` experts, weighted by a softmax over their router logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.model.layers.fused_moe import FusedMoE
+from tokenmill.model.layers.linear import ReplicatedLinear
+from tokenmill.model.layers.norm import RMSNorm
+from tokenmill.model.loader.hf_config import HFConfig
+from tokenmill.model.loader.weights import load_model_weights
+from tokenmill.model.models.llama import LlamaAttention
+
+
+class MixtralSparseMoeBlock(nn.Module):
+    """Router (``gate``) and routed experts: ``[T, H] -> [T, H]``."""
+
+    def __init__(self, config: HFConfig) -> None:
+        super().__init__()
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=False)
+        self.experts = FusedMoE(
+            num_experts=config.num_local_experts,
+            top_k=config.num_experts_per_tok,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            renormalize=True,
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden, self.gate(hidden))
+
+
+class MixtralDecoderLayer(nn.Module):
+    """Pre-norm block: attention then the MoE block; residual carried apart."""
+
+    def __init__(
+        self,
+        config: HFConfig,
+        layer_idx: int,
+        max_model_len: int,
+        backend: type[AttentionBackend],
+    ) -> None:
+        super().__init__()
+        eps = config.get("rms_norm_eps", 1e-5)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = LlamaAttention(config, layer_idx, max_model_len, backend, False, False)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.block_sparse_moe = MixtralSparseMoeBlock(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.block_sparse_moe(hidden), residual
+
+
+class MixtralModel(nn.Module):
+    """Embedding, decoder layers and final norm: ids ``[T]`` -> hidden ``[T, H]``."""
+
+    def __init__(
+        self, config: HFConfig, max_model_len: int, backend: type[AttentionBackend]
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            MixtralDecoderLayer(config, i, max_model_len, backend)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-5))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class MixtralForCausalLM(nn.Module):
+    """Mixtral causal LM.
+
+    ``forward(input_ids [T] int64, positions [T] int64, metadata) -> hidden [T, H]``;
+    ``compute_logits(hidden [N, H]) -> [N, vocab]``. Per-expert checkpoint tensors
+    (``block_sparse_moe.experts.{e}.w1/w3/w2``: gate, up, down) load into each layer's
+    stacked ``experts.w13`` / ``experts.w2``.
+    """
+
+    def __init__(self, model_config: ModelConfig, backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        config = model_config.hf_config
+        self.config = config
+        self.model = MixtralModel(config, model_config.max_model_len, backend)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.get("tie_word_embeddings", False):
+            self.lm_head.tie_to(self.model.embed_tokens)
+        self.stacked_params_mapping = [
+            *FusedMoE.expert_params_mapping(config.num_local_experts, "w1", "w3", "w2"),
+            ("qkv_proj", "q_proj", "q"),
+            ("qkv_proj", "k_proj", "k"),
+            ("qkv_proj", "v_proj", "v"),
+        ]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
+    ) -> None:
+        skip = ("lm_head.weight",) if self.config.get("tie_word_embeddings", False) else ()
+        load_model_weights(self, weights, self.stacked_params_mapping, skip=skip, source=source)
