@@ -21,6 +21,20 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class PoolerConfig:
+    """How an embedding model turns its token states into one vector per input.
+
+    Attributes:
+        pooling_type: "MEAN" (over real tokens), "CLS" (the first token) or "LAST" (the
+            last real token); None: what the model folder's sentence-transformers files say.
+        normalize: L2-normalize the pooled vector; None: as the model folder says.
+    """
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+
+
+@dataclass
 class ModelConfig:
     """The model being served.
 
@@ -35,6 +49,8 @@ class ModelConfig:
         seed: seed of the engine's random state (dummy weights, unseeded sampling).
         max_logprobs: the most logprobs a request may ask for per position.
         chat_template: a Jinja template (its text) that replaces the model's own.
+        pooler_config: how token states become one embedding; set (resolved) for
+            embedding models only, None for generative models.
     """
 
     model: str
@@ -47,10 +63,16 @@ class ModelConfig:
     seed: int = 0
     max_logprobs: int = 20
     chat_template: str | None = None
+    pooler_config: PoolerConfig | None = None
 
     @property
     def architecture(self) -> str:
         return self.hf_config.architectures[0]
+
+    @property
+    def is_pooling_model(self) -> bool:
+        """An embedding model: served by the embedding engine, not the generation engine."""
+        return self.pooler_config is not None
 
     @property
     def vocab_size(self) -> int:
@@ -122,6 +144,8 @@ class SchedulerConfig:
             then arrival order).
         long_prefill_token_threshold: if > 0, a prompt chunk takes at most this many
             tokens of a step, so long prompts do not starve decodes.
+        async_scheduling: schedule step n+1 while step n runs on the device (each
+            running request is assumed to get one token; a stop is seen one step late).
     """
 
     max_num_batched_tokens: int
@@ -130,6 +154,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     long_prefill_token_threshold: int = 0
+    async_scheduling: bool = False
 
 
 @dataclass

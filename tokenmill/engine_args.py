@@ -141,6 +141,11 @@ class EngineArgs:
     long_prefill_token_threshold: int = _flag(
         "If > 0, a prompt chunk takes at most this many tokens of a step.", default=0
     )
+    async_scheduling: bool | None = _flag(
+        "Overlap scheduling and output processing of the next step with the device's work "
+        "on this one. Default: on for CUDA, off on CPU (where nothing runs asynchronously).",
+        default=None,
+    )
     tensor_parallel_size: int = _flag("Tensor-parallel ranks.", default=1, aliases=["-tp"])
     pipeline_parallel_size: int = _flag("Pipeline-parallel stages.", default=1, aliases=["-pp"])
     enforce_eager: bool = _flag("Disable CUDA graphs (always eager).", default=False)
@@ -152,6 +157,11 @@ class EngineArgs:
         default="auto",
     )
     quantization: str | None = _flag("Quantization method (none implemented yet).")
+    pooler_config: str | dict[str, Any] | None = _flag(
+        "Embedding models: a JSON object overriding the pooling of the model folder's "
+        'sentence-transformers files, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+        "(pooling_type MEAN, CLS or LAST)."
+    )
     trust_remote_code: bool = _flag(
         "Accepted for compatibility: tokenmill never runs code from a model folder.",
         default=False,
@@ -173,7 +183,7 @@ class EngineArgs:
             if f.default is not None and f.default is not dataclasses.MISSING:
                 help_text += f" (default: {f.default})"
             kwargs: dict[str, Any] = {"dest": f.name, "help": help_text, **meta}
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "bool | None"):
                 kwargs["action"] = argparse.BooleanOptionalAction
                 kwargs["default"] = f.default
             else:
@@ -261,6 +271,7 @@ class EngineArgs:
 
     def _create_model_config(self, device: str) -> ModelConfig:
         from tokenmill.model.loader.hf_config import derive_max_model_len, load_hf_config
+        from tokenmill.model.registry import is_pooling_model
 
         model = self.model or default_model_path()
         model = os.path.expanduser(model)
@@ -280,6 +291,17 @@ class EngineArgs:
         if dtype == "auto":
             dtype = "bfloat16" if device == "cuda" else "float32"
         model_len = derive_max_model_len(hf_config)
+        pooler_config = None
+        if is_pooling_model(hf_config.architectures[0]):
+            from tokenmill.model.layers.pooler import parse_pooler_config, resolve_pooler_config
+
+            pooler_config, max_seq_length = resolve_pooler_config(
+                model, parse_pooler_config(self.pooler_config)
+            )
+            # As vLLM: an embedding model's context is what it was trained on.
+            model_len = min(model_len, max_seq_length or model_len)
+        elif self.pooler_config is not None:
+            raise ConfigError("--pooler-config applies to embedding models only")
         max_model_len = self.max_model_len
         if max_model_len is None or max_model_len == -1:
             # -1 (largest that fits the KV cache) is settled by the worker once it has sized
@@ -303,6 +325,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
+            pooler_config=pooler_config,
         )
 
     def _create_scheduler_config(
@@ -331,6 +354,9 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            async_scheduling=(
+                device == "cuda" if self.async_scheduling is None else self.async_scheduling
+            ),
         )
 
 

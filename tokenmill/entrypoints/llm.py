@@ -10,9 +10,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from tokenmill.engine.embedding_engine import EmbeddingEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine_args import EngineArgs
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import apply_chat_template, load_chat_template
 
@@ -23,12 +24,16 @@ PromptInput = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    """An engine for offline batched generation.
+    """An engine for offline batched generation, or embedding with an embedding model.
+
+    An embedding (pooling) model, e.g. a BERT sentence encoder, gets the embedding engine:
+    ``embed`` works and ``generate``/``chat`` raise; a generative model the reverse.
 
     Args:
         model: a model folder or ``.gguf`` file (default: the embedded SmolLM2-135M-Instruct).
         **kwargs: any EngineArgs field, by its vLLM name (``dtype``, ``max_model_len``,
-            ``kv_cache_memory``, ``max_num_seqs``, ``enable_prefix_caching``, ...).
+            ``kv_cache_memory``, ``max_num_seqs``, ``enable_prefix_caching``,
+            ``pooler_config``, ...).
 
     Raises:
         TypeError: an unknown keyword argument.
@@ -44,15 +49,65 @@ class LLM:
                 raise TypeError(f"LLM() got an unexpected keyword argument {key!r}")
             args[key] = value
         self.engine_args = EngineArgs(model=model, **args)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, usage_context="llm")
+        config = self.engine_args.create_engine_config("llm")
+        self.model_config = config.model_config
+        self.llm_engine: LLMEngine | None = None
+        self.embedding_engine: EmbeddingEngine | None = None
+        if config.model_config.is_pooling_model:
+            self.embedding_engine = EmbeddingEngine(config)
+        else:
+            self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
 
     def get_tokenizer(self):
-        return self.llm_engine.get_tokenizer()
+        engine = self.embedding_engine or self.llm_engine
+        assert engine is not None
+        return engine.get_tokenizer()
+
+    def _generation_engine(self) -> LLMEngine:
+        if self.llm_engine is None:
+            raise ValueError(
+                f"{self.model_config.model} ({self.model_config.architecture}) is an embedding "
+                "model: it cannot generate text; use LLM.embed"
+            )
+        return self.llm_engine
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        truncate_prompt_tokens: int | None = None,
+        dimensions: int | None = None,
+        use_tqdm: bool = True,  # noqa: ARG002 (vLLM's signature; one call needs no bar)
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed ``prompts`` with an embedding model; one output per prompt, in order.
+
+        ``out.outputs.embedding`` is the pooled vector (``list[float]``, L2-normalized when
+        the model's pooling says so), ``out.prompt_token_ids`` the input's tokens.
+
+        Args:
+            prompts: a prompt or a list of prompts: text, token ids, or
+                ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``.
+            truncate_prompt_tokens: cut inputs to this many tokens (-1: the model's maximum
+                input length); None: longer inputs raise.
+            dimensions: shorten embeddings to this size (Matryoshka models only).
+
+        Raises:
+            ValueError: the model is not an embedding model, or an input is empty, longer
+                than the model's maximum or has token ids outside the vocabulary (nothing
+                is run then).
+        """
+        if self.embedding_engine is None:
+            raise ValueError(
+                f"{self.model_config.model} ({self.model_config.architecture}) is not an "
+                "embedding model: LLM.embed needs one (e.g. a BERT sentence encoder)"
+            )
+        return self.embedding_engine.embed(
+            self._as_prompt_list(prompts), truncate_prompt_tokens, dimensions
+        )
 
     def get_default_sampling_params(self) -> SamplingParams:
         """Sampling defaults from the model's generation_config.json (as vLLM)."""
-        return self.llm_engine.input_processor.default_sampling_params()
+        return self._generation_engine().input_processor.default_sampling_params()
 
     def generate(
         self,
@@ -74,6 +129,7 @@ class LLM:
         Raises:
             ValueError: mismatched list lengths, or an invalid prompt (nothing is run then).
         """
+        engine = self._generation_engine()
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -93,12 +149,12 @@ class LLM:
                 params = params.clone()
                 params.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._counter))
-                self.llm_engine.add_request(
+                engine.add_request(
                     request_id, prompt, params, priority=priority[i] if priority else 0
                 )
                 ids.append(request_id)
         except Exception:
-            self.llm_engine.abort_request(ids)
+            engine.abort_request(ids)
             raise
         return self._run_engine(ids, use_tqdm)
 
@@ -119,6 +175,7 @@ class LLM:
         Raises:
             ChatTemplateError: the model has no chat template and none was given.
         """
+        self._generation_engine()
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         template = load_chat_template(chat_template) if chat_template else None
         tokenizer = self.get_tokenizer()
@@ -134,7 +191,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.reset_prefix_cache()
+        return self._generation_engine().reset_prefix_cache()
 
     @staticmethod
     def _as_prompt_list(prompts: Any) -> list[PromptInput]:
@@ -146,7 +203,7 @@ class LLM:
         return prompts
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.llm_engine
+        engine = self._generation_engine()
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
                    disable=not use_tqdm)

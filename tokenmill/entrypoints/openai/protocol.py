@@ -237,6 +237,49 @@ class CompletionStreamResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+# ---- embeddings ------------------------------------------------------------------------------
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    """POST /v1/embeddings (OpenAI's request, plus vLLM's ``truncate_prompt_tokens``).
+
+    ``input`` is a string, a list of strings, a list of token ids or a list of token-id
+    lists. ``encoding_format`` "base64" returns each vector as the base64 of its
+    little-endian float32 bytes.
+    """
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # Extra fields (vLLM's).
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    """Token counts of an embedding request (every input token is a prompt token)."""
+
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 # ---- models, tokenizer -----------------------------------------------------------------------
 
 

@@ -4,6 +4,8 @@ The HTTP server (this process) tokenizes, detokenizes and talks HTTP; the model 
 the engine process (``AsyncLLM``), so neither stalls the other. Routes:
 
 - POST /v1/chat/completions, /v1/completions (streaming or not), GET /v1/models
+- POST /v1/embeddings, when the model is an embedding model (then the two above answer 400);
+  its engine (AsyncEmbeddingEngine) runs forward passes in a thread of this process
 - POST /tokenize, /detokenize
 - GET /health (200 while the engine runs, 503 once it is dead), /metrics (Prometheus), /version
 
@@ -34,6 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
+from tokenmill.engine.embedding_engine import AsyncEmbeddingEngine
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -46,6 +49,7 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -54,6 +58,10 @@ from tokenmill.entrypoints.openai.protocol import (
 )
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenmill.entrypoints.openai.serving_embedding import (
+    OpenAIServingEmbedding,
+    not_generative,
+)
 from tokenmill.entrypoints.openai.serving_engine import RequestLogger, cancel_on_disconnect
 from tokenmill.metrics import LoggingStatLogger, PrometheusStatLogger, make_registry
 from tokenmill.version import __version__
@@ -106,7 +114,9 @@ async def list_models(raw_request: Request) -> Response:
 
 @router.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-    serving: OpenAIServingChat = raw_request.app.state.serving_chat
+    serving: OpenAIServingChat | None = raw_request.app.state.serving_chat
+    if serving is None:
+        raise not_generative(raw_request.app.state.engine.model_config.served_model_name)
     return await cancel_on_disconnect(
         raw_request, serving.create_chat_completion(request, raw_request)
     )
@@ -114,14 +124,33 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
 
 @router.post("/v1/completions", responses=_ERROR_RESPONSES)
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-    serving: OpenAIServingCompletion = raw_request.app.state.serving_completion
+    serving: OpenAIServingCompletion | None = raw_request.app.state.serving_completion
+    if serving is None:
+        raise not_generative(raw_request.app.state.engine.model_config.served_model_name)
     return await cancel_on_disconnect(raw_request, serving.create_completion(request, raw_request))
+
+
+@router.post("/v1/embeddings", responses=_ERROR_RESPONSES)
+async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingEmbedding | None = raw_request.app.state.serving_embedding
+    if serving is None:
+        name = raw_request.app.state.engine.model_config.served_model_name
+        raise bad_request(
+            f"The model `{name}` generates text; it is not an embedding model.", "model"
+        )
+    return await cancel_on_disconnect(raw_request, serving.create_embedding(request, raw_request))
+
+
+def _tokenizing_serving(raw_request: Request) -> OpenAIServingChat | OpenAIServingEmbedding:
+    """The handler whose tokenizer /tokenize and /detokenize use (the model's, either way)."""
+    state = raw_request.app.state
+    return state.serving_chat or state.serving_embedding
 
 
 @router.post("/tokenize", responses=_ERROR_RESPONSES)
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     """Token ids of a text ``prompt`` or of chat ``messages`` rendered with the template."""
-    serving: OpenAIServingChat = raw_request.app.state.serving_chat
+    serving = _tokenizing_serving(raw_request)
     serving.check_model(request.model)
     if (request.prompt is None) == (request.messages is None):
         raise bad_request("Give exactly one of prompt and messages.", "prompt")
@@ -143,7 +172,7 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
 
 @router.post("/detokenize", responses=_ERROR_RESPONSES)
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
-    serving: OpenAIServingChat = raw_request.app.state.serving_chat
+    serving = _tokenizing_serving(raw_request)
     serving.check_model(request.model)
     vocab_size = serving.model_config.vocab_size
     bad = [t for t in request.tokens if not 0 <= t < vocab_size]
@@ -262,7 +291,7 @@ class APIKeyMiddleware:
 
 
 def build_app(
-    engine: AsyncLLM,
+    engine: AsyncLLM | AsyncEmbeddingEngine,
     args: argparse.Namespace,
     registry: CollectorRegistry,
     chat_template: str | None = None,
@@ -270,7 +299,7 @@ def build_app(
     """The FastAPI app serving ``engine``.
 
     Args:
-        engine: the running AsyncLLM.
+        engine: the running AsyncLLM, or AsyncEmbeddingEngine for an embedding model.
         args: the server flags (api_key, allowed_origins/methods/headers, allow_credentials,
             disable_log_requests, max_log_len, response_role).
         registry: the Prometheus registry exposed at /metrics.
@@ -296,6 +325,10 @@ def build_app(
     state = app.state
     state.engine = engine
     state.registry = registry
+    state.serving_chat = state.serving_completion = state.serving_embedding = None
+    if isinstance(engine, AsyncEmbeddingEngine):
+        state.serving_embedding = OpenAIServingEmbedding(engine, request_logger)
+        return app
     state.serving_chat = OpenAIServingChat(
         engine, request_logger, chat_template, getattr(args, "response_role", "assistant")
     )
@@ -320,7 +353,11 @@ async def run_server(
         EngineDeadError: the engine failed to start.
     """
     registry = make_registry()
-    engine = AsyncLLM(config, stat_loggers=make_stat_loggers(config, registry))
+    engine: AsyncLLM | AsyncEmbeddingEngine
+    if config.model_config.is_pooling_model:
+        engine = AsyncEmbeddingEngine(config)
+    else:
+        engine = AsyncLLM(config, stat_loggers=make_stat_loggers(config, registry))
     try:
         app = build_app(engine, args, registry, chat_template)
         uv_config = uvicorn.Config(
