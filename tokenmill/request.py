@@ -76,6 +76,8 @@ class Request:
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling: tokens being sampled by steps in flight, not yet appended.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
@@ -84,6 +86,8 @@ class Request:
             room = max_model_len - self.num_prompt_tokens
             self.max_tokens = room if self.max_tokens is None else min(self.max_tokens, room)
         self.eos_and_stop_ids = sampling_params.all_stop_token_ids
+        # Its sampling reads host-side history, so its steps cannot overlap (async mode).
+        self.needs_sync_step = sampling_params.uses_full_sampler
         # Timestamps (time.time()) for queue-time and TTFT accounting.
         self.first_scheduled_time: float | None = None
 

@@ -240,6 +240,23 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
     @property
+    def uses_full_sampler(self) -> bool:
+        """True if decoding needs the token history or logprobs on the host: penalties,
+        logit bias, allowed tokens, min_tokens, a seed, logprobs or prompt logprobs. Plain
+        temperature/top-k/top-p/min-p sampling does not (the fast path)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.min_tokens
+            or self.seed is not None
+            or self.logprobs is not None
+            or self.prompt_logprobs is not None
+        )
+
+    @property
     def all_stop_token_ids(self) -> set[int]:
         """Token ids that end the output: stop_token_ids plus EOS unless ignore_eos."""
         ids = set(self.stop_token_ids or [])

@@ -207,3 +207,31 @@ def test_decode_batches_padded_like_cuda_graphs(llm):
     finally:
         runner.pad_decode_batches_to = None
     assert padded == reference
+
+
+def test_async_scheduling_matches_sync(llm, smollm2_gguf_path):
+    """Overlapped scheduling (one step in flight) changes no token: natural EOS stops,
+    stop strings, preemption in a tiny cache, and seeded requests (run in step) mixed in."""
+    prompts = [p * 2 for p in _prompts(10)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=30),  # may stop at EOS
+        SamplingParams(temperature=0, max_tokens=30, stop=[" the"]),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=12),
+    ] * 3 + [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    tiny = LLM(
+        smollm2_gguf_path,
+        kv_cache_memory=14 * BLOCK_BYTES,
+        max_model_len=14 * 16,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        async_scheduling=True,
+    )
+    out = tiny.generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in out] == [
+        (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in reference
+    ]
+    assert tiny.llm_engine.counters.num_preemptions > 0
+    kv = _scheduler(tiny).kv_cache_manager
+    kv.check_integrity()
+    assert kv.usage == 0.0

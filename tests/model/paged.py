@@ -16,12 +16,13 @@ class PagedRunner:
 
     def __init__(self, model, config, num_blocks: int = 64, block_size: int = 16, seed: int = 0):
         self.model = model
+        self.device = next(model.parameters()).device
         self.block_size = block_size
         num_kv = config.get("num_key_value_heads", config.num_attention_heads)
         head_dim = config.get("head_dim") or config.hidden_size // config.num_attention_heads
         dtype = next(model.parameters()).dtype
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, num_kv, head_dim, dtype=dtype)
+            torch.zeros(2, num_blocks, block_size, num_kv, head_dim, dtype=dtype, device=self.device)
             for _ in range(config.num_hidden_layers)
         ]
         bind_kv_caches(model, self.kv_caches)
@@ -55,18 +56,19 @@ class PagedRunner:
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         qsl = torch.tensor(starts, dtype=torch.int32)
         sl = torch.tensor(seq_lens, dtype=torch.int32)
+        d = self.device
         md = AttentionMetadata(
             num_actual_tokens=len(ids),
             num_reqs=len(chunks),
-            query_start_loc=qsl,
-            seq_lens=sl,
-            block_table=block_table,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=qsl.to(d),
+            seq_lens=sl.to(d),
+            block_table=block_table.to(d),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=d),
             max_query_len=max(len(c) for c in chunks.values()),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=sl,
         )
         with torch.no_grad():
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), md)
+            hidden = self.model(torch.tensor(ids, device=d), torch.tensor(positions, device=d), md)
             return self.model.compute_logits(hidden)

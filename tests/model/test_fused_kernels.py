@@ -18,6 +18,8 @@ pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
     reason="needs CUDA or the Triton interpreter",
 )
+# On a GPU machine the kernels are compiled for CUDA; on CPU they run in the interpreter.
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -29,7 +31,10 @@ def test_rms_norm(residual, offset):
     x = torch.randn(7, 96)
     r = torch.randn(7, 96) if residual else None
     ref = norm(x, r) if residual else norm(x)
-    got = fused_kernels.rms_norm(x, norm.weight, 1e-5, r, offset)
+    got = fused_kernels.rms_norm(
+        x.to(DEV), norm.weight.to(DEV), 1e-5, r.to(DEV) if residual else None, offset
+    )
+    got = tuple(g.cpu() for g in got) if residual else got.cpu()
     if residual:
         torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[1], ref[1])
@@ -40,7 +45,8 @@ def test_rms_norm(residual, offset):
 def test_silu_and_mul():
     torch.manual_seed(0)
     x = torch.randn(5, 2 * 1100)
-    torch.testing.assert_close(fused_kernels.silu_and_mul(x), SiluAndMul()(x), rtol=1e-5, atol=1e-6)
+    got = fused_kernels.silu_and_mul(x.to(DEV)).cpu()
+    torch.testing.assert_close(got, SiluAndMul()(x), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("neox", [True, False])
@@ -52,6 +58,10 @@ def test_rotary_inplace(neox, rotary_dim):
     qkv = torch.randn(5, (4 + 2 + 2) * 32)
     q, k, _ = qkv.split([128, 64, 64], dim=-1)
     ref_q, ref_k = rope(pos, q.clone(), k.clone())
-    fused_kernels.rotary_inplace(pos, q, k, rope.cos_sin_cache, 32, rotary_dim, neox)
-    torch.testing.assert_close(q, ref_q, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(k, ref_k, rtol=1e-5, atol=1e-5)
+    qkv_dev = qkv.to(DEV)
+    q, k, _ = qkv_dev.split([128, 64, 64], dim=-1)
+    fused_kernels.rotary_inplace(
+        pos.to(DEV), q, k, rope.cos_sin_cache.to(DEV), 32, rotary_dim, neox
+    )
+    torch.testing.assert_close(q.cpu(), ref_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.cpu(), ref_k, rtol=1e-5, atol=1e-5)

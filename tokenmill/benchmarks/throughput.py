@@ -106,9 +106,16 @@ def run_throughput(
         )
         for r in requests
     ]
+    counters = getattr(llm.llm_engine, "counters", None)
+    before = (counters.num_preemptions, counters.prefix_cache_hits) if counters else (0, 0)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
+    if counters is not None:
+        logger.info(
+            "Engine counters during the run: %d preemptions, %d prefix-cache hit tokens",
+            counters.num_preemptions - before[0], counters.prefix_cache_hits - before[1],
+        )
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     total = prompt_tokens + output_tokens

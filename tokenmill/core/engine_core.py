@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.engine_io import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,9 @@ class EngineCore:
             config.scheduler_config, config.cache_config, num_blocks, log_stats=log_stats
         )
         self.log_stats = log_stats
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        # Async scheduling: the step in flight (its plan and its output handle).
+        self._pending: tuple[SchedulerOutput, Any] | None = None
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
 
     def _init_kv_cache(self) -> int:
@@ -89,12 +94,19 @@ class EngineCore:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._pending is not None
 
     # ---- the loop ----------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
-        """One iteration: schedule, run the model, turn sampled tokens into outputs."""
+        """One iteration: schedule, run the model, turn sampled tokens into outputs.
+
+        With async scheduling the step launched here is collected by the next call: the
+        host schedules and processes outputs while the device computes, and the outputs
+        returned are those of the previous step.
+        """
+        if self.async_scheduling:
+            return self._step_async()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Still tell the worker about finished requests so it drops their state.
@@ -109,8 +121,48 @@ class EngineCore:
         outputs.timestamp = time.time()
         return outputs
 
+    def _step_async(self) -> EngineCoreOutputs:
+        so = self.scheduler.schedule()
+        pending, self._pending = self._pending, None
+        outputs = EngineCoreOutputs(timestamp=time.time())
+        if so.total_num_scheduled_tokens == 0:
+            if pending is not None:
+                outputs = self._collect(pending)
+            if so.finished_req_ids:
+                self.executor.execute_model(so)  # the worker drops finished requests
+            if self.log_stats and outputs.scheduler_stats is None:
+                outputs.scheduler_stats = self.scheduler.make_stats()
+            return outputs
+        requests = self.scheduler.requests
+        if any(requests[r].needs_sync_step for r in so.num_scheduled_tokens):
+            # Its sampling needs every earlier token on the host: run it in step.
+            if pending is not None:
+                outputs = self._collect(pending)
+            runner_output = self.executor.execute_model(so)
+            return _merge(outputs, self.scheduler.update_from_output(so, runner_output))
+        handle = self.executor.execute_model_async(so)
+        if pending is not None:
+            outputs = self._collect(pending)
+        self._pending = (so, handle)
+        return outputs
+
+    def _collect(self, pending: tuple[SchedulerOutput, Any]) -> EngineCoreOutputs:
+        scheduler_output, handle = pending
+        outputs = self.scheduler.update_from_output(scheduler_output, handle.get())
+        outputs.timestamp = time.time()
+        return outputs
+
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _merge(first: EngineCoreOutputs, second: EngineCoreOutputs) -> EngineCoreOutputs:
+    """One step's outputs followed by the next's (async mode collecting two at once)."""
+    first.outputs.extend(second.outputs)
+    first.first_scheduled.update(second.first_scheduled)
+    first.scheduler_stats = second.scheduler_stats or first.scheduler_stats
+    first.timestamp = second.timestamp or first.timestamp
+    return first

@@ -113,6 +113,7 @@ class Scheduler:
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.policy = scheduler_config.scheduling_policy
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.async_scheduling = scheduler_config.async_scheduling
         self.block_size = cache_config.block_size
         self.log_stats = log_stats
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
@@ -266,6 +267,8 @@ class Scheduler:
                 break
             if request.request_id in plan.preempted_ids:
                 continue
+            if request.num_output_placeholders and self._has_all_tokens_pending(request):
+                continue
             num_new = self._num_tokens_to_schedule(
                 request, request.num_computed_tokens, plan.token_budget
             )
@@ -274,6 +277,15 @@ class Scheduler:
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
             if new_block_ids is not None:
                 plan.add_running(request, num_new, new_block_ids)
+
+    def _has_all_tokens_pending(self, request: Request) -> bool:
+        """Async scheduling: the steps in flight already produce the request's last token
+        (max_tokens or the context length), so scheduling it again would be wasted work."""
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        if request.max_tokens is not None:
+            if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
+                return True
+        return num_tokens >= self.max_context_len
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, plan: _StepPlan
@@ -309,6 +321,9 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # A token still being sampled for it is discarded (update_from_output skips
+        # requests that are not running); recompute produces it again.
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
         self.waiting.prepend_request(request)
@@ -339,8 +354,12 @@ class Scheduler:
             self._first_scheduled[request.request_id] = request.first_scheduled_time
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
-        """Tokens to compute for ``request`` this step, from ``num_computed`` on (0: none)."""
-        num_new = request.num_tokens - num_computed
+        """Tokens to compute for ``request`` this step, from ``num_computed`` on (0: none).
+
+        Under async scheduling a token still being sampled counts as known: the worker takes
+        it from the device when the step runs.
+        """
+        num_new = request.num_tokens + request.num_output_placeholders - num_computed
         if self.enable_chunked_prefill:
             if self.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.long_prefill_token_threshold)
@@ -377,7 +396,14 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            if (
+                self.async_scheduling
+                and request.num_computed_tokens
+                >= request.num_tokens + request.num_output_placeholders
+            ):
+                request.num_output_placeholders += 1  # this step samples its next token
         return output
 
     # ------------------------------------------------------------- update from output
@@ -403,8 +429,13 @@ class Scheduler:
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted since it was scheduled
-            new_token_ids = self._append_tokens(request, sampled.get(req_id, []))
+                continue  # aborted or preempted since it was scheduled
+            step_tokens = sampled.get(req_id, [])
+            if request.num_output_placeholders:
+                request.num_output_placeholders = max(
+                    0, request.num_output_placeholders - len(step_tokens)
+                )
+            new_token_ids = self._append_tokens(request, step_tokens)
             prompt_logprobs = runner.prompt_logprobs.get(req_id)
             finished = request.is_finished()
             if not (new_token_ids or finished or prompt_logprobs):

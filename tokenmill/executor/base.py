@@ -31,5 +31,10 @@ class Executor(abc.ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the driver worker's output."""
 
+    def execute_model_async(self, scheduler_output: SchedulerOutput):
+        """Launch a step without waiting for its tokens; the returned handle's ``get()``
+        gives the ModelRunnerOutput (async scheduling)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run steps asynchronously")
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release workers and devices."""

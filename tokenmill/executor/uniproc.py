@@ -27,3 +27,6 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput):
+        return self.worker.execute_model_async(scheduler_output)

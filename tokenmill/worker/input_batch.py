@@ -64,6 +64,9 @@ class InputBatch:
         self.greedy = np.zeros(max_num_reqs, dtype=bool)
         # False for rows that need the general path (penalties, masks, seeds, logprobs).
         self.simple_sampling = np.zeros(max_num_reqs, dtype=bool)
+        # Async scheduling: index of the row's last sampled token in the previous step's
+        # device tensor while its host copy is not yet known (-1: none pending).
+        self.pending_idx = np.full(max_num_reqs, -1, dtype=np.int64)
         self.requests: dict[str, CachedRequestState] = {}
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -105,16 +108,8 @@ class InputBatch:
         self.top_p[row] = p.top_p
         self.min_p[row] = p.min_p
         self.greedy[row] = p.sampling_type_greedy
-        self.simple_sampling[row] = not (
-            p.presence_penalty
-            or p.frequency_penalty
-            or p.repetition_penalty != 1.0
-            or p.logit_bias
-            or p.allowed_token_ids is not None
-            or p.min_tokens
-            or p.seed is not None
-            or p.logprobs is not None
-        )
+        self.simple_sampling[row] = not p.uses_full_sampler
+        self.pending_idx[row] = -1
 
     def remove(self, req_id: str) -> None:
         """Drop a finished or preempted request (unknown ids are ignored)."""

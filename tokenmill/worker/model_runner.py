@@ -73,21 +73,60 @@ def _leading_ones(num_scheduled: np.ndarray) -> int:
 
 
 class _Buffer:
-    """A persistent device tensor with a host staging twin (pinned on CUDA)."""
+    """A persistent device tensor with host staging twins (pinned on CUDA).
+
+    Two host copies alternate between steps: with async scheduling the host prepares step
+    n+1 while step n's copies may not have run yet, so it must not write the same memory.
+    """
 
     def __init__(self, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.device = torch.zeros(size, dtype=dtype, device=device)
         if device.type == "cuda":
-            self.host = torch.zeros(size, dtype=dtype, pin_memory=True)
+            self._hosts = [torch.zeros(size, dtype=dtype, pin_memory=True) for _ in range(2)]
         else:
-            self.host = self.device  # on CPU the device tensor is its own staging buffer
-        self.np = self.host.numpy()
+            self._hosts = [self.device]  # on CPU the device tensor is its own staging buffer
+        self._nps = [h.numpy() for h in self._hosts]
+        self.select(0)
+
+    def select(self, parity: int) -> None:
+        """Use staging copy ``parity`` (0 or 1) for this step."""
+        i = parity % len(self._hosts)
+        self.host, self.np = self._hosts[i], self._nps[i]
 
     def copy_to_device(self, n: int) -> torch.Tensor:
         """Copy the first ``n`` entries (rows) host -> device; returns the device slice."""
         if self.host is not self.device:
             self.device[:n].copy_(self.host[:n], non_blocking=True)
         return self.device[:n]
+
+
+class AsyncModelRunnerOutput:
+    """A step whose sampled tokens are still being copied to the host.
+
+    ``get()`` waits for the copy, records the tokens in the worker's batch and returns the
+    ModelRunnerOutput. Outputs must be collected in step order.
+    """
+
+    def __init__(self, runner: ModelRunner, inputs: StepInputs, host_tokens: torch.Tensor,
+                 event: torch.cuda.Event | None) -> None:
+        self.runner = runner
+        self.inputs = inputs
+        self.host_tokens = host_tokens
+        self.event = event
+
+    def get(self) -> ModelRunnerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        inputs = self.inputs
+        token_ids = self.host_tokens.tolist()
+        sampled: list[list[int]] = [[] for _ in inputs.req_ids]
+        batch = self.runner.input_batch
+        for i, tok in zip(inputs.sample_rows, token_ids):
+            req_id = inputs.req_ids[i]
+            sampled[i] = [tok]
+            if req_id in batch.row_of:  # it may have finished or been preempted meanwhile
+                batch.append_token(req_id, tok)
+        return ModelRunnerOutput(inputs.req_ids, sampled)
 
 
 class ModelRunner:
@@ -125,6 +164,19 @@ class ModelRunner:
         self.seq_lens = _Buffer((r,), torch.int32, d)
         self.block_table = _Buffer((r, self.max_blocks_per_req), torch.int32, d)
         self.logits_indices = _Buffer((r,), torch.int64, d)
+        # Async scheduling: where last step's sampled tokens go in this step's input ids.
+        self.pending_dst = _Buffer((r,), torch.int64, d)
+        self.pending_src = _Buffer((r,), torch.int64, d)
+        self.sampled_host = [
+            torch.zeros(r, dtype=torch.int64, pin_memory=d.type == "cuda") for _ in range(2)
+        ]
+        self._buffers = [
+            self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
+            self.seq_lens, self.block_table, self.logits_indices, self.pending_dst,
+            self.pending_src,
+        ]
+        self._parity = 0
+        self._prev_sampled: torch.Tensor | None = None
         self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
 
     # ---- set-up ------------------------------------------------------------------------
@@ -182,6 +234,9 @@ class ModelRunner:
             batch.set_num_computed(req_id, num_computed)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        self._parity ^= 1
+        for buf in self._buffers:
+            buf.select(self._parity)
         batch = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
         num_reqs = len(req_ids)
@@ -212,6 +267,7 @@ class ModelRunner:
 
         n = num_tokens
         self.input_ids.copy_to_device(n)
+        self._fill_pending_tokens(rows, starts)
         self.positions.copy_to_device(n)
         self.slot_mapping.copy_to_device(n)
         self.query_start_loc.copy_to_device(num_reqs + 1)
@@ -243,6 +299,21 @@ class ModelRunner:
             computed,
             rows,
         )
+
+    def _fill_pending_tokens(self, rows: np.ndarray, starts: np.ndarray) -> None:
+        """Async scheduling: a request whose last sampled token is still only on the device
+        takes it from there, as the input of its (single) scheduled token."""
+        src = self.input_batch.pending_idx[rows]
+        self.input_batch.pending_idx[rows] = -1  # consumed by this step
+        has = src >= 0
+        if self._prev_sampled is None or not has.any():
+            return
+        k = int(has.sum())
+        self.pending_dst.np[:k] = starts[has]
+        self.pending_src.np[:k] = src[has]
+        dst = self.pending_dst.copy_to_device(k)
+        idx = self.pending_src.copy_to_device(k)
+        self.input_ids.device.index_copy_(0, dst, self._prev_sampled.index_select(0, idx))
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states ``[>= num_tokens, H]`` of the step (a graph's output is padded)."""
@@ -290,6 +361,34 @@ class ModelRunner:
             seq_lens_cpu=self.seq_lens.host[:batch_size].clone(),
             num_decodes=batch_size,
         )
+
+    @torch.inference_mode()
+    def execute_model_async(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch one step and return before its sampled tokens reach the host.
+
+        Only for batches whose requests all sample on the fast path (no penalties, seeds or
+        logprobs: ``SamplingParams.uses_full_sampler`` is False); the engine runs other
+        steps with ``execute_model``.
+        """
+        self._update_states(so)
+        assert self.model is not None and so.total_num_scheduled_tokens > 0
+        inputs = self._prepare_inputs(so)
+        hidden = self._run_model(inputs)
+        batch = self.input_batch
+        host = self.sampled_host[self._parity][: len(inputs.sample_rows)]
+        event = None
+        if inputs.sample_rows:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            rows = inputs.batch_rows[inputs.sample_rows]
+            sampled = self.sampler(logits, self._sampling_metadata(inputs, rows)).sampled_token_ids
+            batch.pending_idx[rows] = np.arange(len(rows))
+            self._prev_sampled = sampled
+            host.copy_(sampled, non_blocking=True)
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+        self._advance_computed(inputs)
+        return AsyncModelRunnerOutput(self, inputs, host, event)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:

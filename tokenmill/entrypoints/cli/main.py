@@ -61,6 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if dispatch is None:
         parser.print_help()
         return 2
+    from tokenmill.entrypoints.cli.serve import configure_logging
+
+    configure_logging()  # start-up facts (KV blocks, graphs, memory) go to the log
     code = dispatch(args)
     return int(code or 0)
 
