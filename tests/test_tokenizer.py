@@ -165,3 +165,17 @@ def test_decode_helpers(smollm2_tokenizer):
     assert "\ufffd" in texts[-1]  # one byte of the emoji on its own
     assert decode_token_texts(tok, [tok.eos_token_id]) == ["<|im_end|>"]
     assert decode_with_context(tok, ids[:1], ids[1:], skip_special_tokens=True) == " world 😀"
+
+
+def test_encode_prompt_equals_transformers_encode(smollm2_tokenizer):
+    from tokenmill.tokenizer import encode_prompt
+
+    texts = [
+        "Hello world", " leading space", "emoji 😀🎉 and CJK 你好世界", "<|im_start|>user\nhi<|im_end|>",
+        "tabs\tand\nnewlines\n\n", "", "a" * 3000,
+    ]
+    for text in texts:
+        for special in (True, False):
+            assert encode_prompt(smollm2_tokenizer, text, special) == smollm2_tokenizer.encode(
+                text, add_special_tokens=special
+            ), text

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.engine_io import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.model.loader.hf_config import ModelLoadError
@@ -36,6 +37,30 @@ MSG_OUT = b"out"
 _request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
 _ids_decoder = msgspec.msgpack.Decoder(list[str])
 _encoder = msgspec.msgpack.Encoder()
+
+
+class _StepLog:
+    """Debug aid (TOKENMILL_LOG_STEP_STATS=1): step durations and output counts, every 5 s."""
+
+    INTERVAL_S = 5.0
+
+    def __init__(self) -> None:
+        self.durations: list[float] = []
+        self.outputs = 0
+        self.last = time.monotonic()
+
+    def record(self, duration_s: float, num_outputs: int) -> None:
+        self.durations.append(duration_s)
+        self.outputs += num_outputs
+        if time.monotonic() - self.last >= self.INTERVAL_S:
+            d = sorted(self.durations)
+            logger.info(
+                "Engine steps: %d in %.1f s, mean %.2f ms, p50 %.2f ms, max %.2f ms, "
+                "%.1f request outputs per step",
+                len(d), time.monotonic() - self.last, 1e3 * sum(d) / len(d),
+                1e3 * d[len(d) // 2], 1e3 * d[-1], self.outputs / len(d),
+            )
+            self.durations, self.outputs, self.last = [], 0, time.monotonic()
 
 
 class EngineCoreProc:
@@ -60,6 +85,7 @@ class EngineCoreProc:
         self.output.connect(output_address)
         self.engine_core = EngineCore(config, log_stats=not config.disable_log_stats)
         self.running = True
+        self.step_log = _StepLog() if envs.log_step_stats() else None
 
     def ready_info(self) -> dict[str, Any]:
         """What the front end needs after start-up (the core may have resized the context)."""
@@ -123,7 +149,10 @@ class EngineCoreProc:
                     )
                     self.output.send_multipart([MSG_OUT, _encoder.encode(idle)])
                 continue
+            start = time.perf_counter()
             outputs = core.step()
+            if self.step_log is not None:
+                self.step_log.record(time.perf_counter() - start, len(outputs.outputs))
             if outputs.outputs or outputs.scheduler_stats is not None:
                 self.output.send_multipart([MSG_OUT, _encoder.encode(outputs)], copy=False)
 

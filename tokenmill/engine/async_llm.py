@@ -23,6 +23,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core_proc import (
     MSG_ABORT,
@@ -32,6 +33,7 @@ from tokenmill.core.engine_core_proc import (
     run_engine_core,
 )
 from tokenmill.core.engine_io import EngineCoreOutputs, SchedulerStats
+from tokenmill.engine.async_tokenizer import AsyncTokenizer
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.output_processor import IterationStats, OutputProcessor
 from tokenmill.engine.request_collector import RequestOutputCollector
@@ -93,6 +95,7 @@ class AsyncLLM:
         self._start_engine(start_timeout_s)
         self.input_processor = InputProcessor(mc, self.tokenizer, mc.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=bool(self.stat_loggers))
+        self.async_tokenizer = AsyncTokenizer(self.tokenizer)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -152,6 +155,8 @@ class AsyncLLM:
             loop.create_task(self._output_loop(), name="tokenmill-output-handler"),
             loop.create_task(self._log_loop(), name="tokenmill-stat-logger"),
         ]
+        if envs.log_step_stats():
+            self._tasks.append(loop.create_task(self._lag_probe(), name="tokenmill-lag-probe"))
         # The process sentinel becomes readable the moment the engine process exits.
         loop.add_reader(self.engine_proc.sentinel, self._on_engine_exit)
 
@@ -215,6 +220,22 @@ class AsyncLLM:
                     stat_logger.log()
                 except Exception:  # a logger must never take the server down
                     logger.exception("stat logger failed")
+
+    async def _lag_probe(self) -> None:
+        """Debug aid: how late the event loop runs a 10 ms timer (a busy front end shows)."""
+        lags: list[float] = []
+        last = time.monotonic()
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            lags.append(time.monotonic() - t - 0.01)
+            if time.monotonic() - last >= self.LOG_INTERVAL_S:
+                lags.sort()
+                logger.info(
+                    "Front-end event loop lag: p50 %.1f ms, p99 %.1f ms, max %.1f ms",
+                    1e3 * lags[len(lags) // 2], 1e3 * lags[int(len(lags) * 0.99)], 1e3 * lags[-1],
+                )
+                lags, last = [], time.monotonic()
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -298,6 +319,10 @@ class AsyncLLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt, encoded off the event loop (see AsyncTokenizer)."""
+        return await self.async_tokenizer.encode(text, add_special_tokens)
+
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
@@ -308,6 +333,7 @@ class AsyncLLM:
         if self._closed:
             return
         self._closed = True
+        self.async_tokenizer.shutdown()
         for task in self._tasks:
             task.cancel()
         try:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.core.engine_io import EngineCoreRequest
 from tokenmill.engine.parallel_sampling import child_request_id, make_child_params, needs_fan_out
 from tokenmill.sampling_params import SamplingParams, SamplingParamsError
+from tokenmill.tokenizer import encode_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -159,7 +160,7 @@ class InputProcessor:
                 )
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True), cache_salt
+            return prompt, encode_prompt(self.tokenizer, prompt), cache_salt
         if isinstance(prompt, (list, tuple)):
             return None, self._as_token_ids(prompt), cache_salt
         raise InvalidRequestError(

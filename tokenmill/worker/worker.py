@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import SchedulerOutput
@@ -38,7 +38,7 @@ class Worker:
         else:
             self.device = torch.device("cpu")
             # Leave one core for the front end (tokenizing, HTTP) when there are several.
-            threads = int(os.environ.get("TOKENMILL_CPU_THREADS", "0")) or None
+            threads = envs.cpu_threads()
             if threads:
                 torch.set_num_threads(threads)
         torch.manual_seed(self.config.model_config.seed)
@@ -112,3 +112,8 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None
         return self.model_runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput):
+        """Launch a step; returns a handle whose ``get()`` gives its ModelRunnerOutput."""
+        assert self.model_runner is not None
+        return self.model_runner.execute_model_async(scheduler_output)

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.config import ConfigError
 from tokenmill.engine_args import EngineArgs
 from tokenmill.model.loader.hf_config import ModelLoadError
@@ -93,7 +93,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=8000, help="Port to listen on. (default: 8000)")
     group.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
+        default=envs.api_key(),
         help=f"Require 'Authorization: Bearer <key>' on /v1 and tokenizer routes "
         f"(default: ${API_KEY_ENV}, else none).",
     )

@@ -40,7 +40,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     to_openai_error,
 )
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenmill.tokenizer import apply_chat_template
+from tokenmill.tokenizer import encode_prompt, render_chat_template
 
 if TYPE_CHECKING:
     from tokenmill.engine.async_llm import AsyncLLM
@@ -122,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         self._check_supported(request)
         self.check_stream_options(request)
-        prompt_ids = self.render_prompt(request.messages, request)
+        prompt_ids = await self.render_prompt_async(request.messages, request)
         self.check_prompt_length(len(prompt_ids), "messages")
         max_tokens = (
             request.max_completion_tokens
@@ -191,7 +191,22 @@ class OpenAIServingChat(OpenAIServing):
         return top or 0
 
     def render_prompt(self, messages: list[Any], request: Any = None) -> list[int]:
-        """Render the messages with the chat template and tokenize them.
+        """Render the messages with the chat template and tokenize them (on this thread).
+
+        Raises:
+            OpenAIError: see ``render_text``.
+        """
+        return encode_prompt(
+            self.tokenizer, self.render_text(messages, request), add_special_tokens=False
+        )
+
+    async def render_prompt_async(self, messages: list[Any], request: Any = None) -> list[int]:
+        """``render_prompt`` with the tokenizing off the event loop (see AsyncTokenizer)."""
+        text = self.render_text(messages, request)
+        return await self.engine.encode(text, add_special_tokens=False)
+
+    def render_text(self, messages: list[Any], request: Any = None) -> str:
+        """Render the messages with the chat template.
 
         Raises:
             OpenAIError: 400 when a content part is not text, there is no chat template, or
@@ -225,7 +240,7 @@ class OpenAIServingChat(OpenAIServing):
             kwargs["continue_final_message"] = True
         add_generation_prompt = getattr(request, "add_generation_prompt", True)
         try:
-            return apply_chat_template(
+            return render_chat_template(
                 self.tokenizer,
                 conversation,
                 chat_template=self.chat_template,

@@ -125,7 +125,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         self._check_supported(request)
         self.check_stream_options(request)
-        prompts = self._prompts(request)
+        prompts = await self._prompts(request)
         request_id = random_id("cmpl")
         streams = []
         for p, (text, ids) in enumerate(prompts):
@@ -170,25 +170,25 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream and request.best_of is not None and request.best_of > (request.n or 1):
             raise bad_request("best_of cannot be used with stream.", "best_of")
 
-    def _prompts(self, request: CompletionRequest) -> list[Prompt]:
+    async def _prompts(self, request: CompletionRequest) -> list[Prompt]:
         prompt = request.prompt
         if isinstance(prompt, str):
-            return [(prompt, self._encode(prompt))]
+            return [(prompt, await self._encode(prompt))]
         if not prompt:
             raise bad_request("prompt must not be empty.", "prompt")
         if all(isinstance(p, int) for p in prompt):
             return [(None, list(prompt))]  # type: ignore[arg-type]
-        result: list[Prompt] = []
-        for p in prompt:
-            if isinstance(p, str):
-                result.append((p, self._encode(p)))
-            else:
-                result.append((None, list(p)))  # type: ignore[arg-type]
-        return result
+        texts = [p for p in prompt if isinstance(p, str)]
+        encoded = iter(await asyncio.gather(*(self._encode(t) for t in texts)))
+        return [
+            (p, next(encoded)) if isinstance(p, str) else (None, list(p))  # type: ignore[misc]
+            for p in prompt
+        ]
 
-    def _encode(self, text: str) -> list[int]:
-        # The engine's own rule for text prompts: the tokenizer's default special tokens.
-        return self.tokenizer.encode(text, add_special_tokens=True)
+    async def _encode(self, text: str) -> list[int]:
+        # The engine's own rule for text prompts: the tokenizer's default special tokens,
+        # encoded off the event loop.
+        return await self.engine.encode(text, add_special_tokens=True)
 
     async def _first_outputs(
         self, streams: list[AsyncIterator[RequestOutput]]

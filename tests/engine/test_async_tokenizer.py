@@ -1,0 +1,24 @@
+"""AsyncTokenizer gives transformers' ids, micro-batched off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tokenmill.engine.async_tokenizer import AsyncTokenizer
+
+
+def test_batched_encode_equals_encode(smollm2_tokenizer):
+    texts = ["Hello world", "emoji 😀 and 你好", "<|im_start|>user\nhi<|im_end|>", "", "x " * 500]
+
+    async def run():
+        tok = AsyncTokenizer(smollm2_tokenizer, max_batch=2)
+        try:
+            with_special = await asyncio.gather(*(tok.encode(t) for t in texts))
+            without = await asyncio.gather(*(tok.encode(t, False) for t in texts))
+        finally:
+            tok.shutdown()
+        return with_special, without
+
+    with_special, without = asyncio.run(run())
+    assert with_special == [smollm2_tokenizer.encode(t) for t in texts]
+    assert without == [smollm2_tokenizer.encode(t, add_special_tokens=False) for t in texts]
