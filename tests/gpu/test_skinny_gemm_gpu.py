@@ -1,0 +1,147 @@
+"""The skinny GEMM kernel on CUDA in bf16/fp16 against an fp32 reference, at Llama-3.1-8B's
+decode shapes.
+
+Inputs are rounded to the kernel dtype before both runs and the reference is the fp32 product
+of the rounded values, so the error measured is the kernel's own: fp32 accumulation in another
+order (~1e-6 relative) and one rounding of the output (bf16 keeps 8 mantissa bits: relative
+error <= 2**-9). Weights are scaled by 1/sqrt(K) so outputs are ~N(0, 1) and |y| < ~6:
+tolerance ``atol = rtol = 1e-2``.
+
+The kernel module is imported inside the tests: defining Triton kernels at collection time on
+a machine without CUDA would stop the interpreter-mode CPU tests from running in the session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+ATOL = RTOL = 1e-2
+DEVICE = "cuda"
+LLAMA_8B = {
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+MS = [1, 2, 3, 4, 8, 16, 32]
+
+
+def _operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, generator=gen, device=DEVICE) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=gen, device=DEVICE).to(dtype)
+    return x, w, b
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+@pytest.fixture(scope="module", params=sorted(LLAMA_8B), ids=sorted(LLAMA_8B))
+def llama_weight(request) -> torch.Tensor:
+    """One Llama-3.1-8B weight in bf16 (up to 1 GB for the LM head), made once per module."""
+    n, k = LLAMA_8B[request.param]
+    return _operands(1, n, k, torch.bfloat16, seed=1)[1]
+
+
+@pytest.mark.parametrize("m", MS)
+def test_llama_shapes_bf16(llama_weight, m):
+    from tokenmill.model.layers.skinny_gemm import skinny_linear, use_skinny_gemm
+
+    x = _operands(m, 1, llama_weight.shape[1], torch.bfloat16, seed=m)[0]
+    assert use_skinny_gemm(x, llama_weight)
+    got = skinny_linear(x, llama_weight)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, llama_weight.shape[0])
+    torch.testing.assert_close(got.float(), _reference(x, llama_weight), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("split_k", [1, 3, 16])
+def test_both_paths_ragged_shape_with_bias(dtype, use_dot, split_k):
+    """N and K not multiples of any tile, uneven splits, bias, strided rows of x."""
+    from tokenmill.model.layers.skinny_gemm import default_config, skinny_linear
+
+    x, w, b = _operands(4, 4100, 4104, dtype, seed=split_k)
+    wide = torch.zeros(8, 4200, dtype=dtype, device=DEVICE)
+    wide[::2, 8:4112] = x
+    cfg = default_config(8 if use_dot else 2, 4100, 4104)
+    cfg = dataclasses.replace(cfg, split_k=split_k)
+    got = skinny_linear(wide[::2, 8:4112], w, b, config=cfg)
+    torch.testing.assert_close(got.float(), _reference(x, w, b), atol=ATOL, rtol=RTOL)
+
+
+def test_split_k_is_deterministic_and_leaves_counters_zero():
+    from tokenmill.model.layers import skinny_gemm as sg
+
+    x, w, b = _operands(8, 4096, 14336, torch.bfloat16)
+    cfg = sg.launch_config(8, 4096, 14336)
+    first = sg.skinny_linear(x, w, b)
+    assert cfg.split_k > 1
+    for _ in range(3):
+        assert torch.equal(sg.skinny_linear(x, w, b), first)
+    torch.cuda.synchronize()
+    assert int(sg._LOCKS[first.device].abs().sum()) == 0
+
+
+def _capture(fn, calls: int) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def test_cuda_graph_replay_with_new_inputs():
+    """Split-K launches captured back to back replay correctly for inputs copied in later."""
+    from tokenmill.model.layers.skinny_gemm import skinny_linear
+
+    x, w, b = _operands(2, 4096, 4096, torch.bfloat16)
+    out = torch.empty(2, 4096, dtype=torch.bfloat16, device=DEVICE)
+    skinny_linear(x, w, b, out=out)  # warm-up: compiles, creates the split-K counters
+    torch.cuda.synchronize()
+    graph = _capture(lambda: skinny_linear(x, w, b, out=out), calls=3)
+    for seed in (5, 6):
+        x.copy_(_operands(2, 1, 4096, torch.bfloat16, seed=seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), _reference(x, w, b), atol=ATOL, rtol=RTOL)
+
+
+def test_capture_before_the_counters_exist_falls_back_to_one_split():
+    from tokenmill.model.layers import skinny_gemm as sg
+
+    x, w, _ = _operands(1, 4096, 4096, torch.bfloat16)
+    out = torch.empty(1, 4096, dtype=torch.bfloat16, device=DEVICE)
+    assert sg.launch_config(1, 4096, 4096).split_k > 1
+    unsplit = dataclasses.replace(sg.launch_config(1, 4096, 4096), split_k=1)
+    sg.skinny_linear(x, w, out=out, config=unsplit)  # compile outside capture
+    torch.cuda.synchronize()
+    saved = sg._LOCKS.pop(x.device)
+    try:
+        graph = _capture(lambda: sg.skinny_linear(x, w, out=out), calls=1)
+        assert x.device not in sg._LOCKS
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), _reference(x, w), atol=ATOL, rtol=RTOL)
+    finally:
+        sg._LOCKS[x.device] = saved
+
+
+def test_use_skinny_gemm_on_cuda():
+    from tokenmill.model.layers.skinny_gemm import MAX_M, use_skinny_gemm
+
+    w = torch.empty(4096, 4096, dtype=torch.bfloat16, device=DEVICE)
+    assert use_skinny_gemm(torch.empty(8, 4096, dtype=torch.bfloat16, device=DEVICE), w)
+    assert not use_skinny_gemm(torch.empty(MAX_M + 1, 4096, dtype=torch.bfloat16, device=DEVICE), w)
+    assert not use_skinny_gemm(torch.empty(8, 4096, device=DEVICE), w.float())
+    assert not use_skinny_gemm(torch.empty(8, 4096, dtype=torch.bfloat16), w)

@@ -1,0 +1,193 @@
+"""The skinny GEMM kernel equals ``F.linear`` (run by Triton's interpreter on CPU), and its
+launch heuristics keep the properties the kernel's bandwidth model relies on."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+from tokenmill.model.layers import skinny_gemm as sg  # noqa: E402
+from tokenmill.model.layers.skinny_gemm import SkinnyConfig, skinny_linear  # noqa: E402
+
+needs_kernels = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="needs CUDA or the Triton interpreter",
+)
+# On a GPU machine the kernel is compiled for CUDA; on CPU it runs in the interpreter.
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+# Small tiles keep the interpreter fast and make N=100, K=300 ragged in both dimensions.
+FMA = SkinnyConfig(block_n=16, block_k=64, split_k=1, num_warps=4, num_stages=1, use_dot=False)
+DOT = SkinnyConfig(block_n=32, block_k=32, split_k=1, num_warps=4, num_stages=1, use_dot=True)
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+
+
+def _operands(m: int, n: int, k: int, dtype: torch.dtype = torch.float32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    return x, w, b
+
+
+def _run(x, w, b=None, **kwargs) -> torch.Tensor:
+    """The kernel on DEV, writing into a NaN-filled output so that unwritten entries show."""
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=DEV)
+    got = skinny_linear(x.to(DEV), w.to(DEV), None if b is None else b.to(DEV), out=out, **kwargs)
+    assert got is out
+    return got.cpu()
+
+
+def _reference(x, w, b=None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "m,cfg",
+    [(1, FMA), (2, FMA), (3, FMA), (4, FMA), (1, DOT), (3, DOT), (8, DOT), (17, DOT)],
+    ids=["fma-1", "fma-2", "fma-3", "fma-4", "dot-1", "dot-3", "dot-8", "dot-17"],
+)
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_matches_reference_fp32(m, cfg, split_k):
+    """Ragged N and K (not multiples of the tiles), uneven K-splits (5 tiles over 3)."""
+    x, w, b = _operands(m, 100, 300, seed=10 * m + split_k + 100 * cfg.use_dot)
+    got = _run(x, w, b, config=replace(cfg, split_k=split_k))
+    torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cfg", [FMA, DOT], ids=["fma", "dot"])
+def test_fp16_even_k_without_bias(cfg):
+    """K a multiple of the tile (no K masks), fp16 in and out, no bias."""
+    x, w, _ = _operands(3, 96, 256, torch.float16, seed=1 + cfg.use_dot)
+    got = _run(x, w, config=replace(cfg, split_k=2))
+    # fp32 sums of fp16 products, one rounding to fp16 (|y| <~ 4: half an ulp ~ 2e-3).
+    torch.testing.assert_close(got.double(), _reference(x, w), rtol=2e-3, atol=2e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cfg", [FMA, DOT], ids=["fma", "dot"])
+def test_strided_x_rows(cfg):
+    """Rows of x taken from a wider buffer and every other row (stride(0) != K)."""
+    x, w, b = _operands(4, 40, 200, seed=3 + cfg.use_dot)
+    wide = torch.randn(8, 320)
+    wide[::2, 16:216] = x
+    view = wide[::2, 16:216]
+    assert view.stride(0) == 640
+    got = _run(view, w, b, config=replace(cfg, split_k=2))
+    torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_split_k_counters_reset_and_results_repeat():
+    """Each launch leaves the split-K counters at zero, so the next launch (a graph replay)
+    combines correctly, and the fixed summation order makes repeats bitwise equal."""
+    x, w, b = _operands(2, 100, 300, seed=5)
+    cfg = replace(FMA, split_k=4, block_k=32)
+    first = _run(x, w, b, config=cfg)
+    locks = sg._LOCKS[torch.empty(0, device=DEV).device]
+    assert int(locks.abs().sum()) == 0
+    second = _run(x, w, b, config=cfg)
+    assert torch.equal(first, second)
+    assert int(locks.abs().sum()) == 0
+    unsplit = _run(x, w, b, config=replace(cfg, split_k=1))
+    torch.testing.assert_close(first, unsplit, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_too_many_column_blocks_for_the_counters_run_unsplit(monkeypatch):
+    monkeypatch.setattr(sg, "LOCK_SLOTS", 3)  # 7 column blocks of 16
+    untouched = torch.full((3,), 100, dtype=torch.int32, device=DEV)
+    monkeypatch.setitem(sg._LOCKS, untouched.device, untouched)
+    x, w, b = _operands(1, 100, 300, seed=7)
+    got = _run(x, w, b, config=replace(FMA, split_k=3))
+    torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
+    assert untouched.tolist() == [100, 100, 100]
+
+
+@needs_kernels
+def test_default_config_runs():
+    x, w, b = _operands(1, 64, 512, seed=6)
+    got = skinny_linear(x.to(DEV), w.to(DEV), b.to(DEV))
+    assert got.shape == (1, 64) and got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got.cpu().double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_rejects_what_the_kernel_cannot_address():
+    x, w, b = _operands(2, 64, 128)
+    with pytest.raises(ValueError, match="expected x"):
+        skinny_linear(x, w[:, :64])
+    with pytest.raises(ValueError, match="rows"):
+        skinny_linear(torch.zeros(sg.MAX_M + 1, 128), w)
+    with pytest.raises(ValueError, match="dtypes"):
+        skinny_linear(x, w.double())
+    with pytest.raises(ValueError, match="contiguous along K"):
+        skinny_linear(x, w.t().contiguous().t())
+    with pytest.raises(ValueError, match="bias"):
+        skinny_linear(x, w, b[:10])
+    with pytest.raises(ValueError, match="out must be"):
+        skinny_linear(x, w, out=torch.empty(64, 2))
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        with pytest.raises(ValueError, match="CUDA-core main loop"):
+            skinny_linear(torch.zeros(8, 128), w, config=FMA)
+        with pytest.raises(ValueError, match="block_n >= 16"):
+            skinny_linear(x, w, config=replace(DOT, block_n=8))
+
+
+def test_eligibility():
+    bf16 = torch.bfloat16
+    x, w = torch.zeros(8, 4096, dtype=bf16), torch.zeros(4096, 4096, dtype=bf16)
+    assert sg._eligible(x, w)
+    assert not sg.use_skinny_gemm(x, w)  # CPU tensors stay on F.linear
+    assert sg._eligible(torch.zeros(sg.MAX_M, 4096, dtype=bf16), w)
+    assert not sg._eligible(torch.zeros(sg.MAX_M + 1, 4096, dtype=bf16), w)
+    assert not sg._eligible(x.float(), w.float())
+    assert not sg._eligible(x.half(), w)
+    assert not sg._eligible(x, w.t())  # non-contiguous weight
+    assert not sg._eligible(x, torch.zeros(8, 4096, dtype=bf16))  # router-sized N
+    odd_k = torch.zeros(256, 4098, dtype=bf16)  # rows not 16-byte aligned
+    assert not sg._eligible(torch.zeros(8, 4098, dtype=bf16), odd_k)
+    assert not sg._eligible(torch.zeros(8, 4096, dtype=bf16).t().contiguous().t(), w)
+
+
+def test_split_plan_covers_k_without_empty_splits():
+    for k in (64, 300, 4096, 14336, 4100):
+        for block_k in (32, 128, 256):
+            for split in (1, 2, 3, 4, 7, 16, 1000):
+                splits, k_per_split = sg.split_plan(k, block_k, split)
+                assert 1 <= splits <= max(1, split) and k_per_split % block_k == 0
+                assert (splits - 1) * k_per_split < k <= splits * k_per_split
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16, 32])
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+def test_default_config_fills_the_chip(m, n, k):
+    """Enough programs for 132 SMs unless a split limit stops it; splits keep
+    MIN_TILES_PER_SPLIT tiles and the partials' traffic within budget."""
+    cfg = sg.default_config(m, n, k, 132)
+    assert cfg.use_dot == (m > sg.FMA_DEFAULT_MAX_M)
+    splits, k_per_split = sg.split_plan(k, cfg.block_k, cfg.split_k)
+    assert splits == cfg.split_k  # Llama's K divides evenly into the chosen splits
+    programs = triton.cdiv(n, cfg.block_n) * splits
+    assert splits == 1 or k_per_split >= sg.MIN_TILES_PER_SPLIT * cfg.block_k
+    assert 4 * splits * m / k <= sg.PARTIAL_TRAFFIC_BUDGET or splits == 1
+    assert programs >= sg.TARGET_PROGRAMS_PER_SM * 132 or splits * 2 > min(
+        sg.MAX_SPLIT_K,
+        triton.cdiv(k, cfg.block_k) // sg.MIN_TILES_PER_SPLIT,
+        int(sg.PARTIAL_TRAFFIC_BUDGET * k / (4 * m)),
+    )
+
+
+def test_tuned_table_takes_precedence(monkeypatch):
+    tuned = replace(DOT, split_k=2)
+    monkeypatch.setitem(sg.TUNED_CONFIGS, (8, 4096, 4096), tuned)
+    assert sg.launch_config(5, 4096, 4096, 132) is tuned  # M=5 falls in bucket 8
+    assert sg.launch_config(8, 4096, 4096, 114) == sg.default_config(8, 4096, 4096, 114)
+    assert sg.launch_config(16, 4096, 4096, 132) == sg.default_config(16, 4096, 4096, 132)

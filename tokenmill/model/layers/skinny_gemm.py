@@ -1,0 +1,521 @@
+"""Skinny matrix products ``y = x W^T (+ b)`` for decode-sized batches (M <= 32 rows) on CUDA.
+
+**Bandwidth model.** With ``x [M, K]``, ``W [N, K]`` (row-major) and ``y [M, N]`` in 2-byte
+dtypes, a product moves ``2 * (N*K + M*K + M*N)`` bytes for ``2*M*N*K`` FLOPs: ``M`` FLOP per
+byte. An H200 (132 SMs, ~4.25 TB/s copy bandwidth, ~790 TFLOP/s dense bf16) turns from
+memory- to compute-bound near 186 FLOP/byte, so at ``M <= 32`` the floor is the time to
+stream ``W`` once: ``2*N*K / 4.25e12`` seconds (7.9 us for a 4096 x 4096 weight). Reaching
+it takes (i) every weight byte read exactly once, with 16-byte vector loads along K;
+(ii) enough bytes in flight to cover DRAM latency (Little's law: ~4.25 TB/s x ~0.7 us ~ 3 MB
+on the chip, ~23 KB per SM), which means tiles of 4-20 KB, several programs per SM and/or a
+multi-stage copy pipeline; (iii) enough programs that the last wave is short: about
+``TARGET_PROGRAMS_PER_SM`` programs per SM. Through ``F.linear``, cuBLAS reaches 42-66% of
+the copy bandwidth at ``N = 4096`` on an H200 (80% at N = 28672, 98% at N = 128256): the
+shapes with few output columns are the ones it leaves short of programs in flight.
+
+**Design.** One program computes ``BLOCK_N`` outputs (for all M rows) over one K-slice. When
+``N / BLOCK_N`` programs are too few to fill the chip, K is split over ``split_k`` programs,
+as Flash-Decoding (Dao, Haziza, Massa, Sizov 2023) splits a long context and as split-K GEMMs
+do for small batches (Hoque et al. 2024, "Accelerating a Triton Fused Kernel for W4A16
+Quantized Inference with SplitK work decomposition", arXiv:2402.00025). The partial sums are
+combined inside the same launch (a second reduction kernel would add a launch gap of ~1-2 us
+per layer, 10-20% of a 4096 x 4096 product): each program writes its fp32 partial tile to a
+workspace and increments a per-column-block counter; the program that arrives last sums the
+partials in split order (deterministic), adds the bias, writes ``y`` and resets the counter
+to zero (the "last block reduces" pattern of CUDA's threadFenceReduction sample; CUTLASS
+calls it serial split-K). Two main loops:
+
+- CUDA cores (``M <= FMA_MAX_M``; the default for ``M <= FMA_DEFAULT_MAX_M``): one fp32
+  register accumulator ``[BLOCK_N, BLOCK_K]`` per row of ``x``, reduced across lanes once
+  after the K loop (no shuffles inside it), with the next weight tile loaded into registers
+  while the current one is multiplied;
+- tensor cores (any M): ``acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T`` with ``BLOCK_M``
+  padded to 16 or 32; the weight is the ``tl.dot`` left operand so that its 64-row tiles can
+  use Hopper's ``wgmma`` ("swap AB"), and ``num_stages`` pipelines its loads through shared
+  memory (``cp.async``). Seen in an sm_90 compile of the default tiles: ``HGMMA`` fed by
+  ``LDGSTS``, and 16-byte ``LDG.E.EF.128`` weight loads in the CUDA-core loop.
+
+Weights are loaded with ``evict_first`` (read once: first to leave L2) and ``x`` with
+``evict_last`` (every program reads it).
+
+**CUDA graphs.** No host sync and no device-to-host read. The partial workspace is allocated
+per call; under capture it comes from the graph's memory pool, which keeps it for replays.
+The counters live in one zero-initialised buffer per device that each launch leaves at zero;
+it is created by the first call outside capture (the model runner's warm-up); a call made
+during capture before that runs without split-K. Launches that share the counters must
+not run concurrently: keep skinny products of one device on one stream at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs
+    HAS_TRITON = False
+
+# Largest M (rows of x) sent to this kernel: at M = 32 a product does 32 FLOP per weight
+# byte, still ~6x below the H200's ridge point, so streaming W is the whole cost; above it
+# cuBLAS's large-M tiles become efficient and the workspace traffic of split-K grows with M.
+MAX_M = 32
+# Rows the CUDA-core main loop can take (one register accumulator per row; more would
+# spill), and up to which the default configuration uses it: from 3 rows the accumulators
+# and the re-read x (M / BLOCK_N of the weight bytes) cost more than padding M to 16 for
+# the tensor cores.
+FMA_MAX_M = 4
+FMA_DEFAULT_MAX_M = 2
+# Smaller products are launch-bound whichever kernel runs: leave them to cuBLAS.
+MIN_N = 256
+MIN_K = 256
+MIN_WEIGHT_BYTES = 1 << 20
+# Split-K heuristics: aim for this many programs per SM, give every split at least
+# MIN_TILES_PER_SPLIT K-tiles, and let the fp32 partials (written and read back, mostly
+# in L2) add at most PARTIAL_TRAFFIC_BUDGET of the weight bytes.
+TARGET_PROGRAMS_PER_SM = 4
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLIT_K = 16
+PARTIAL_TRAFFIC_BUDGET = 0.1
+# Split-K counters per device (int32): column blocks of one launch must fit; launches with
+# more column blocks already fill the chip without splitting.
+LOCK_SLOTS = 1 << 14
+# SMs of an H200; used when tensors are not on CUDA (interpreter) and to key TUNED_CONFIGS.
+DEFAULT_NUM_SMS = 132
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch configuration of the skinny GEMM kernel.
+
+    Attributes:
+        block_n: outputs (rows of ``W``) per program; >= 16 when ``use_dot``.
+        block_k: K elements per tile (per loop iteration); a power of two, >= 16.
+        split_k: programs sharing one column block's K range (1: no split); the launch may
+            use fewer so that no split is empty.
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the tensor-core K loop (the CUDA-core loop
+            always prefetches one tile ahead in registers).
+        use_dot: tensor-core main loop (``tl.dot``); else CUDA cores, for M <= FMA_MAX_M.
+    """
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+
+
+# Measured best configurations on an H200 (132 SMs), keyed by (M bucket, N, K) with the M
+# bucket the next power of two of M; filled from ``benchmarks/skinny_gemm_bench.py --sweep``,
+# whose output lines paste in here. Shapes not listed use ``default_config``.
+TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
+
+
+def m_bucket(m: int) -> int:
+    """The key under which ``TUNED_CONFIGS`` holds configurations for ``m`` rows."""
+    return 1 << max(0, m - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=1024)
+def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> SkinnyConfig:
+    """The reasoned launch configuration for an ``[m, k] x [n, k]^T`` product.
+
+    CUDA cores up to ``FMA_DEFAULT_MAX_M`` rows: 16 x 256 weight tiles (8 KB of bf16, one
+    512-byte row segment per warp), 32 elements per thread with 4 warps at M = 1, 16 with
+    8 warps at M = 2 (sm_90 compile: 94 and 80 registers, so 5 and 3 programs per SM, each
+    with two tiles in flight: 80 and 48 KB per SM). Tensor cores above: 64 x 128 weight tiles
+    (a ``wgmma`` M of 64 for 4 warps) and 4 stages of ~20 KB (80-96 KB of shared memory, 2
+    programs per SM), so ~120 KB of loads are in flight per SM. The split count is the
+    smallest power of two giving ``TARGET_PROGRAMS_PER_SM`` programs per SM, within the
+    limits set at the top of this module.
+    """
+    if m <= FMA_DEFAULT_MAX_M:
+        block_n, block_k, warps, stages, use_dot = 16, 256, (4 if m == 1 else 8), 1, False
+    else:
+        block_n, block_k, warps, stages, use_dot = 64, 128, 4, 4, True
+    n_blocks = _cdiv(n, block_n)
+    max_split = min(
+        MAX_SPLIT_K,
+        max(1, _cdiv(k, block_k) // MIN_TILES_PER_SPLIT),
+        # round trip of s*M*N fp32 partials against 2*N*K weight bytes: 4*s*M / K
+        max(1, int(PARTIAL_TRAFFIC_BUDGET * k / (4 * m))),
+    )
+    split = 1
+    while split * 2 <= max_split and n_blocks * split < TARGET_PROGRAMS_PER_SM * num_sms:
+        split *= 2
+    return SkinnyConfig(block_n, block_k, split, warps, stages, use_dot)
+
+
+def launch_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> SkinnyConfig:
+    """The tuned configuration for this shape on an H200 if there is one, else the default."""
+    if num_sms == DEFAULT_NUM_SMS:
+        tuned = TUNED_CONFIGS.get((m_bucket(m), n, k))
+        if tuned is not None:
+            return tuned
+    return default_config(m, n, k, num_sms)
+
+
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative integers (usable without Triton installed)."""
+    return -(-a // b)
+
+
+def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """``(splits, k_per_split)``: K-slices of whole tiles, none of them empty.
+
+    ``k_per_split`` is a multiple of ``block_k``; the last slice may be shorter.
+    """
+    tiles = _cdiv(k, block_k)
+    tiles_per_split = _cdiv(tiles, max(1, min(split_k, tiles)))
+    return _cdiv(tiles, tiles_per_split), tiles_per_split * block_k
+
+
+def block_m(m: int, use_dot: bool) -> int:
+    """Rows of ``x`` per program, padded: a power of two, >= 16 for ``tl.dot``."""
+    p = m_bucket(m)
+    return max(16, p) if use_dot else p
+
+
+def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``skinny_linear(x, weight, ...)`` should replace ``F.linear`` here.
+
+    True for CUDA tensors of bf16/fp16 with ``1 <= M <= MAX_M`` rows, a contiguous weight of
+    at least ``MIN_N`` x ``MIN_K`` (and ``MIN_WEIGHT_BYTES``) with 16-byte aligned rows, and
+    ``x`` contiguous along K.
+    """
+    return HAS_TRITON and x.is_cuda and weight.device == x.device and _eligible(x, weight)
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The device-independent part of ``use_skinny_gemm``."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        return False
+    (m, k), n = x.shape, weight.shape[0]
+    return (
+        1 <= m <= MAX_M
+        and n >= MIN_N
+        and k >= MIN_K
+        and n * k * weight.element_size() >= MIN_WEIGHT_BYTES
+        and weight.is_contiguous()
+        and (k * weight.element_size()) % 16 == 0
+        and weight.data_ptr() % 16 == 0
+        and x.stride(1) == 1
+    )
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: SkinnyConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``y = x W^T (+ b)`` with fp32 accumulation, one kernel launch.
+
+    Args:
+        x: ``[M, K]``, float16/bfloat16 (float32 too under the Triton interpreter); rows may
+            be strided, columns must be contiguous.
+        weight: ``[N, K]`` of x's dtype, contiguous along K.
+        bias: ``[N]`` or None; added in fp32 before the cast.
+        config: launch configuration (default: ``launch_config`` for this shape).
+        out: ``[M, N]`` of x's dtype, contiguous along N, to write into (default: a new
+            tensor).
+
+    Returns:
+        ``out``, or a new contiguous ``[M, N]`` tensor of x's dtype.
+
+    Raises:
+        ValueError: shapes, dtypes, devices or strides the kernel cannot address, a
+            CUDA-core ``config`` with more than ``FMA_MAX_M`` rows, a tensor-core one with
+            ``block_n < 16``, or tensors off CUDA without ``TRITON_INTERPRET=1``.
+    """
+    _check_operands(x, weight, bias)
+    (m, k), n = x.shape, weight.shape[0]
+    cfg = config or launch_config(m, n, k, _num_sms(x.device))
+    plan = _launch_plan(m, n, k, cfg)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] {x.dtype} contiguous along N")
+    locks = _device_locks(x.device)
+    splits, k_per_split = plan.splits, plan.k_per_split
+    if splits > 1 and (locks is None or plan.n_blocks > LOCK_SLOTS):
+        splits, k_per_split = 1, _cdiv(k, cfg.block_k) * cfg.block_k
+    if splits > 1:
+        partials = torch.empty(plan.partial_elems, dtype=torch.float32, device=x.device)
+    else:
+        locks = partials = out  # never touched without split-K
+    _skinny_gemm_kernel[(plan.n_blocks * splits,)](
+        x, weight, bias if bias is not None else out, out, partials, locks,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), splits, k_per_split,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=plan.block_m, USE_DOT=cfg.use_dot,
+        USE_SPLIT=splits > 1, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class _LaunchPlan:
+    block_m: int  # rows of x per program, padded
+    splits: int  # K-slices actually launched
+    k_per_split: int  # elements of K per slice, a multiple of block_k
+    n_blocks: int  # column blocks of BLOCK_N outputs
+    partial_elems: int  # fp32 elements of the split-K workspace
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_plan(m: int, n: int, k: int, cfg: SkinnyConfig) -> _LaunchPlan:
+    """Host arithmetic of a launch, cached: in eager decode the CPU issues every layer."""
+    if not cfg.use_dot and m > FMA_MAX_M:
+        raise ValueError(f"the CUDA-core main loop takes at most {FMA_MAX_M} rows, got {m}")
+    if cfg.use_dot and cfg.block_n < 16:
+        raise ValueError(f"tl.dot needs block_n >= 16, got {cfg.block_n}")
+    bm = block_m(m, cfg.use_dot)
+    splits, k_per_split = split_plan(k, cfg.block_k, cfg.split_k)
+    n_blocks = _cdiv(n, cfg.block_n)
+    return _LaunchPlan(bm, splits, k_per_split, n_blocks, n_blocks * splits * cfg.block_n * bm)
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if not HAS_TRITON:
+        raise ValueError("skinny_linear needs Triton")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected x [M, K] and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    if x.shape[0] < 1 or x.shape[0] > MAX_M:
+        raise ValueError(f"x must have 1..{MAX_M} rows, got {x.shape[0]}")
+    if weight.dtype != x.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtypes: x {x.dtype}, weight {weight.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("x and weight must be contiguous along K")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [N] vector, got {tuple(bias.shape)}")
+    devices = {t.device for t in (x, weight, bias) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"operands on several devices: {sorted(map(str, devices))}")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("skinny_linear runs on CUDA tensors (or under TRITON_INTERPRET=1)")
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _device_locks(device: torch.device) -> torch.Tensor | None:
+    """The device's split-K counters, created by its first call outside graph capture; None
+    (run without split-K) when a graph is being captured before that: a zero-fill recorded
+    into one graph would not run before another graph's replay."""
+    locks = _LOCKS.get(device)
+    if locks is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        locks = _LOCKS[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
+        if device.type == "cuda":  # once: later launches may come from other streams
+            torch.cuda.current_stream(device).synchronize()
+    return locks
+
+
+@functools.cache
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _load_tile(ptrs, k_ok, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
+        # k_ok: [1, BLOCK_K] or [BLOCK_K] mask of in-range K; unused when K is whole tiles.
+        if EVEN_K:
+            tile = tl.load(ptrs, eviction_policy=EVICT)
+        else:
+            tile = tl.load(ptrs, mask=k_ok, other=0.0, eviction_policy=EVICT)
+        return tile
+
+    @triton.jit
+    def _fma_mainloop(
+        x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):  # fmt: skip
+        """Partial sums ``[BLOCK_N, BLOCK_M]`` (fp32) on CUDA cores, BLOCK_M <= 4.
+
+        Tile ``i + 1`` is loaded into registers before tile ``i`` is multiplied, so each
+        program has two tiles of loads in flight (Triton's pipeliner stages only loads that
+        feed ``tl.dot``).
+        """
+        # Rows past N re-read row N-1 so that the weight loads need no row mask.
+        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        offs_k = (k_start + tl.arange(0, BLOCK_K))[None, :]
+        w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k
+        # Rows of x as [1, BLOCK_K] tiles take the weight tile's register layout (a 1-D load
+        # would be re-laid out through shared memory every iteration). Rows past M repeat
+        # row M-1; their outputs are never stored.
+        x0 = x_ptr + offs_k + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+        x1 = x0 + tl.minimum(1, M - 1) * stride_xm
+        x2 = x0 + tl.minimum(2, M - 1) * stride_xm
+        x3 = x0 + tl.minimum(3, M - 1) * stride_xm
+        ok = offs_k < K
+        w = _load_tile(w_ptrs, ok, EVEN_K, "evict_first")
+        v0 = _load_tile(x0, ok, EVEN_K, "evict_last")
+        v1 = _load_tile(x1, ok, EVEN_K, "evict_last")
+        v2 = _load_tile(x2, ok, EVEN_K, "evict_last")
+        v3 = _load_tile(x3, ok, EVEN_K, "evict_last")
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for i in range(num_tiles):
+            more = i + 1 < num_tiles  # the last prefetch is masked off entirely
+            if EVEN_K:
+                ok_next = more
+            else:
+                ok_next = (offs_k + (i + 1) * BLOCK_K < K) & more
+            w_ptrs += BLOCK_K
+            w_next = tl.load(w_ptrs, mask=ok_next, other=0.0, eviction_policy="evict_first")
+            x0 += BLOCK_K
+            v0_next = tl.load(x0, mask=ok_next, other=0.0, eviction_policy="evict_last")
+            if BLOCK_M > 1:
+                x1 += BLOCK_K
+                v1_next = tl.load(x1, mask=ok_next, other=0.0, eviction_policy="evict_last")
+            if BLOCK_M > 2:
+                x2 += BLOCK_K
+                x3 += BLOCK_K
+                v2_next = tl.load(x2, mask=ok_next, other=0.0, eviction_policy="evict_last")
+                v3_next = tl.load(x3, mask=ok_next, other=0.0, eviction_policy="evict_last")
+            wf = w.to(tl.float32)
+            acc0 += wf * v0.to(tl.float32)
+            w = w_next
+            v0 = v0_next
+            if BLOCK_M > 1:
+                acc1 += wf * v1.to(tl.float32)
+                v1 = v1_next
+            if BLOCK_M > 2:
+                acc2 += wf * v2.to(tl.float32)
+                acc3 += wf * v3.to(tl.float32)
+                v2 = v2_next
+                v3 = v3_next
+        # One cross-lane reduction per row, after the loop; rows become columns of the tile.
+        cols = tl.arange(0, BLOCK_M)[None, :]
+        acc = tl.where(cols == 0, tl.sum(acc0, axis=1)[:, None], 0.0)
+        if BLOCK_M > 1:
+            acc = tl.where(cols == 1, tl.sum(acc1, axis=1)[:, None], acc)
+        if BLOCK_M > 2:
+            acc = tl.where(cols == 2, tl.sum(acc2, axis=1)[:, None], acc)
+            acc = tl.where(cols == 3, tl.sum(acc3, axis=1)[:, None], acc)
+        return acc
+
+    @triton.jit
+    def _dot_mainloop(
+        x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """Partial sums ``[BLOCK_N, BLOCK_M]`` (fp32) on tensor cores: ``W_tile @ x_tile^T``."""
+        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        offs_m = tl.minimum(tl.arange(0, BLOCK_M), M - 1)
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for i in range(num_tiles):
+            k_ok = (offs_k + i * BLOCK_K < K)[None, :]
+            w = _load_tile(w_ptrs, k_ok, EVEN_K, "evict_first")
+            xt = _load_tile(x_ptrs, k_ok, EVEN_K, "evict_last")
+            acc = tl.dot(w, tl.trans(xt), acc, input_precision=DOT_PRECISION)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        return acc
+
+    @triton.jit
+    def _store_output(
+        acc, out_ptr, bias_ptr, pid_n, M, N, stride_om,
+        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ):  # fmt: skip
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc += b.to(tl.float32)[:, None]
+        ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _split_k_combine(
+        acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits, M, N, stride_om,
+        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ):  # fmt: skip
+        """Publish this split's partial tile; the last split of the column block sums all
+        of them in split order and writes the output."""
+        TILE: tl.constexpr = BLOCK_N * BLOCK_M
+        cols = tl.arange(0, BLOCK_M)[None, :]
+        idx = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + cols
+        live = (idx >= 0) & (cols < M)  # padded rows of x are neither written nor read
+        tiles = part_ptr + pid_n.to(tl.int64) * splits * TILE + idx
+        # .cg: partials go to L2, the one level every SM sees coherently.
+        tl.store(tiles + pid_k * TILE, acc, mask=live, cache_modifier=".cg")
+        # Every thread's partial store precedes the counter update (bar.sync), which is a
+        # release at GPU scope; the reader's acquire orders its partial loads after it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(0, splits):
+                total += tl.load(tiles + s * TILE, mask=live, other=0.0, cache_modifier=".cg")
+            # Leave the counter at zero for the next launch (kernel boundaries order it).
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            _store_output(total, out_ptr, bias_ptr, pid_n, M, N, stride_om,
+                          BLOCK_N, BLOCK_M, HAS_BIAS)  # fmt: skip
+
+    @triton.jit
+    def _skinny_gemm_kernel(
+        x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+        M, N, K, stride_xm, stride_wn, stride_om, splits, k_per_split,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+        USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``; grid ``(cdiv(N, BLOCK_N) * splits,)``.
+
+        The splits of one column block are adjacent program ids, so they run at the same
+        time and their combine happens early rather than in a tail at the end.
+        """
+        pid = tl.program_id(0)
+        pid_n = pid // splits
+        pid_k = pid % splits
+        k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
+        num_tiles = tl.cdiv(tl.minimum(k_per_split, K - k_start), BLOCK_K)
+        if USE_DOT:
+            acc = _dot_mainloop(
+                x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
+                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, DOT_PRECISION,
+            )  # fmt: skip
+        else:
+            acc = _fma_mainloop(
+                x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
+                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K,
+            )  # fmt: skip
+        if USE_SPLIT:
+            _split_k_combine(acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits,
+                             M, N, stride_om, BLOCK_N, BLOCK_M, HAS_BIAS)  # fmt: skip
+        else:
+            _store_output(acc, out_ptr, bias_ptr, pid_n, M, N, stride_om,
+                          BLOCK_N, BLOCK_M, HAS_BIAS)  # fmt: skip
