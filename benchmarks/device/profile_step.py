@@ -1,0 +1,46 @@
+"""Where an offline run's time goes: cProfile of the engine loop on a throughput workload.
+
+usage: python3 benchmarks/device/profile_step.py MODEL_DIR [NUM_PROMPTS] [IN] [OUT]
+Prints the functions with the most own time and the engine phases' cumulative time.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import numpy as np
+
+from tokenmill import LLM, SamplingParams
+
+
+def main() -> None:
+    model = sys.argv[1]
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
+    in_len = int(sys.argv[3]) if len(sys.argv) > 3 else 256
+    out_len = int(sys.argv[4]) if len(sys.argv) > 4 else 256
+    llm = LLM(model, load_format="dummy")
+    rng = np.random.default_rng(0)
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    prompts = [{"prompt_token_ids": rng.integers(0, vocab - 1000, in_len).tolist()} for _ in range(n)]
+    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=out_len)
+    llm.generate(prompts[:32], params, use_tqdm=False)
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    prof.disable()
+    elapsed = time.perf_counter() - start
+    print(f"PROFILE {n} prompts {in_len}/{out_len}: {elapsed:.2f} s, "
+          f"{n * out_len / elapsed:.0f} output tok/s (under cProfile)")
+    for key in ("tottime", "cumulative"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(28)
+        print(s.getvalue())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Runs tokenmill's GPU checks and benchmarks on the lent H200, next to vLLM's recipe.
+#   bash benchmarks/device/run.sh STAGE [STAGE...]
+# Needs the vLLM bundle (tools/peer-vllm prepare.sh) in .carry/peer-vllm/parts and its
+# scripts in .carry/peer-vllm/tools: the bundle's wheels (fastapi, uvicorn, pyzmq, msgspec)
+# are tokenmill's server dependencies there, and its model folders are the M8/M135 configs.
+# Stages:
+#   gputests   pytest tests/gpu and the Triton/fused-kernel tests on CUDA
+#   attn       benchmarks/attention_bench.py (kernel timings)
+#   lat1 lat32 tokenmill bench latency, M8, 32 in / 256 out, batch 1 / 32
+#   tp_long tp_short tp_small   tokenmill bench throughput (as ANCHORS.md)
+#   serve      tokenmill serve M8 + bench serve random 1024/256 c=64, then shared prefix
+#   vllm_*     the same stage run by vLLM's CLI (vllm_tp_long, vllm_lat1, ...)
+# Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-/tmp/tm_out}"; mkdir -p "$OUT"
+LOGS="$(mktemp -d /tmp/tmlogs.XXXX)"
+SUM="$OUT/summary.log"
+T0=$(date +%s)
+BUDGET_S="${BUDGET_S:-570}"
+say() { echo "$*" | tee -a "$SUM"; }
+source .carry/peer-vllm/tools/device_setup.sh .carry/peer-vllm/parts > "$LOGS/setup.log" 2>&1
+cat "$LOGS/setup.log" >> "$SUM"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+TM=(python3 -m tokenmill.entrypoints.cli.main)
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+stage() {  # stage NAME TIMEOUT CMD...
+  local name=$1 to=$2; shift 2
+  local l; l=$(left)
+  if [ "$l" -lt 20 ]; then say "STAGE $name skipped (${l}s left)"; return 99; fi
+  [ "$to" -gt "$l" ] && to=$l
+  local t=$(date +%s.%N)
+  timeout -k 10 "$to" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
+  say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
+  grep -aE "Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^LM head|^PROFILE|preempt" "$LOGS/$name.log" \
+    | grep -v "warnings.warn" | tail -25 | sed 's/^/  | /' | tee -a "$SUM"
+  { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
+  return $rc
+}
+addjson() { [ -f "$2" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[2])); d={k:v for k,v in d.items() if not isinstance(v,(list,dict)) or len(v)<=8}; print(json.dumps({'stage':sys.argv[1],'result':d}))" "$1" "$2" >> "$OUT/results.jsonl"; }
+wait_health() {
+  local pid=$1 t=$(date +%s.%N)
+  for _ in $(seq 1 600); do
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null && { python3 -c "print(round($(date +%s.%N)-$t,1))"; return 0; }
+    kill -0 "$pid" 2>/dev/null || { echo died; return 1; }
+    sleep 0.5
+  done; echo timeout; return 1
+}
+SERVE_ARGS=(--dataset-name random --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --ignore-eos --save-result --result-dir "$LOGS")
+serve_pair() {  # serve_pair ENGINE(tm|vllm) extra server args...
+  local eng=$1; shift
+  local t=$(date +%s)
+  if [ "$eng" = tm ]; then TOKENMILL_LOG_STEP_STATS=1 setsid "${TM[@]}" serve "$M8" --load-format dummy --port 8000 --disable-log-requests --served-model-name "$M8" "$@" > "$LOGS/${eng}_server.log" 2>&1 &
+  else setsid vllm serve "$M8" --load-format dummy --port 8000 "$@" > "$LOGS/${eng}_server.log" 2>&1 & fi
+  local pid=$!
+  local ready; ready=$(wait_health $pid)
+  say "STAGE ${eng}_server ready after ${ready}s"
+  grep -aE "KV cache|CUDA graphs|ready in|Memory:|Error|Traceback" "$LOGS/${eng}_server.log" | head -8 | sed 's/^/  | /' | tee -a "$SUM"
+  echo "{\"stage\":\"${eng}_server\",\"ready_s\":\"$ready\"}" >> "$OUT/results.jsonl"
+  local B=("${TM[@]}" bench serve); [ "$eng" = vllm ] && B=(vllm bench serve --backend vllm)
+  stage ${eng}_serve_random 300 "${B[@]}" --model "$M8" --port 8000 "${SERVE_ARGS[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 500 --max-concurrency 64 --result-filename ${eng}_serve_random.json
+  addjson ${eng}_serve_random "$LOGS/${eng}_serve_random.json"
+  stage ${eng}_serve_prefix 200 "${B[@]}" --model "$M8" --port 8000 "${SERVE_ARGS[@]}" --random-prefix-len 2000 --random-input-len 256 --random-output-len 128 --num-prompts 500 --max-concurrency 64 --result-filename ${eng}_serve_prefix.json
+  addjson ${eng}_serve_prefix "$LOGS/${eng}_serve_prefix.json"
+  if [ "$eng" = tm ] && [ -n "${VCLIENT:-}" ]; then  # vLLM's own client against tokenmill
+    local V=(vllm bench serve --backend vllm)
+    stage tm_vclient_random 300 "${V[@]}" --model "$M8" --port 8000 "${SERVE_ARGS[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 500 --max-concurrency 64 --result-filename tm_vclient_random.json
+    addjson tm_vclient_random "$LOGS/tm_vclient_random.json"
+    stage tm_vclient_prefix 200 "${V[@]}" --model "$M8" --port 8000 "${SERVE_ARGS[@]}" --random-prefix-len 2000 --random-input-len 256 --random-output-len 128 --num-prompts 500 --max-concurrency 64 --result-filename tm_vclient_prefix.json
+    addjson tm_vclient_prefix "$LOGS/tm_vclient_prefix.json"
+  fi
+  grep -aE "Engine steps|event loop lag" "$LOGS/${eng}_server.log" | tail -40 > "$OUT/${eng}_server_steps.log" 2>/dev/null
+  kill -INT -- -$pid 2>/dev/null; for _ in $(seq 1 30); do kill -0 $pid 2>/dev/null || break; sleep 0.5; done; kill -9 -- -$pid 2>/dev/null; sleep 2
+}
+TPA=(--load-format dummy --dataset-name random)
+for st in "$@"; do
+  case "$st" in
+    gputests) stage gputests 240 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 ;;
+    gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
+    attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
+    lat1)     stage lat1 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1.json"; addjson lat1 "$LOGS/lat1.json" ;;
+    lat32)    stage lat32 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32.json"; addjson lat32 "$LOGS/lat32.json" ;;
+    tp_long)  stage tp_long 400 "${TM[@]}" bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/tp_long.json"; addjson tp_long "$LOGS/tp_long.json" ;;
+    tp_short) stage tp_short 400 "${TM[@]}" bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/tp_short.json"; addjson tp_short "$LOGS/tp_short.json" ;;
+    tp_small) stage tp_small 300 "${TM[@]}" bench throughput --model "$M135" "${TPA[@]}" --random-input-len 256 --random-output-len 256 --num-prompts 2000 --output-json "$LOGS/tp_small.json"; addjson tp_small "$LOGS/tp_small.json" ;;
+    prof_small) stage prof_small 300 python3 benchmarks/device/profile_step.py "$M135" ;;
+    prof_lat1) stage prof_lat1 200 python3 benchmarks/device/profile_step.py "$M8" 1 32 256 ;;
+    stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
+    serve)    serve_pair tm ;;
+    vllm_serve) serve_pair vllm ;;
+    vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;
+    vllm_tp_short) stage vllm_tp_short 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/vllm_tp_short.json"; addjson vllm_tp_short "$LOGS/vllm_tp_short.json" ;;
+    vllm_tp_small) stage vllm_tp_small 300 vllm bench throughput --model "$M135" "${TPA[@]}" --random-input-len 256 --random-output-len 256 --num-prompts 2000 --output-json "$LOGS/vllm_tp_small.json"; addjson vllm_tp_small "$LOGS/vllm_tp_small.json" ;;
+    vllm_lat1) stage vllm_lat1 300 vllm bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/vllm_lat1.json"; addjson vllm_lat1 "$LOGS/vllm_lat1.json" ;;
+    *) say "unknown stage $st" ;;
+  esac
+done
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
+say "DONE $* in $(( $(date +%s) - T0 ))s"
