@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Runs the CPU test suite (GPU tests skip themselves without CUDA). Extra args go to pytest.
+# Lints, then runs the CPU test suite (GPU tests skip themselves without CUDA). Extra args go
+# to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
+"$VENV/bin/python" -m ruff check tokenmill tests benchmarks
 exec "$VENV/bin/python" -m pytest -q "$@"

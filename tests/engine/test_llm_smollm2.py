@@ -109,7 +109,9 @@ def test_prefix_cache_hits_and_same_output(llm, smollm2_gguf_path):
     assert after.prefix_cache_queries - before.prefix_cache_queries == len(second)
     assert out.num_cached_tokens == full_blocks
     no_cache = LLM(
-        smollm2_gguf_path, kv_cache_memory=64 << 20, max_model_len=1024,
+        smollm2_gguf_path,
+        kv_cache_memory=64 << 20,
+        max_model_len=1024,
         enable_prefix_caching=False,
     )
     ref = no_cache.generate({"prompt_token_ids": second}, params, use_tqdm=False)[0]
@@ -126,7 +128,9 @@ def test_seeded_sampling_is_reproducible_in_any_batch(llm):
         use_tqdm=False,
     )
     assert mixed[3].outputs[0].token_ids == alone.outputs[0].token_ids
-    other_seed = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True)
+    other_seed = SamplingParams(
+        temperature=0.9, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True
+    )
     different = llm.generate("Tell me about the ocean.", other_seed, use_tqdm=False)[0]
     assert different.outputs[0].token_ids != alone.outputs[0].token_ids
 
@@ -137,11 +141,14 @@ def test_stop_string_split_across_tokens(llm):
     tokenizer = llm.get_tokenizer()
     pieces = [tokenizer.decode([t]) for t in full.token_ids]
     # a stop string that spans the boundary between two consecutive multi-char tokens
-    i = next(i for i in range(1, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    i = next(
+        i for i in range(1, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2
+    )
     stop = pieces[i][-1] + pieces[i + 1][:2]
     cut = full.text.index(stop)
     out = llm.generate(
-        "The capital of France is", SamplingParams(temperature=0, max_tokens=30, stop=[stop]),
+        "The capital of France is",
+        SamplingParams(temperature=0, max_tokens=30, stop=[stop]),
         use_tqdm=False,
     )[0].outputs[0]
     assert out.text == full.text[:cut]
@@ -176,12 +183,12 @@ def test_logprobs_and_prompt_logprobs(llm):
     out = llm.generate("The capital of France is", params, use_tqdm=False)[0]
     comp = out.outputs[0]
     assert len(comp.logprobs) == len(comp.token_ids)
-    for tok, lp in zip(comp.token_ids, comp.logprobs):
+    for tok, lp in zip(comp.token_ids, comp.logprobs, strict=False):
         assert tok in lp and lp[tok].rank == 1  # greedy picks the top token
         assert 3 <= len(lp) <= 4
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
-    for tok, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+    for tok, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=False):
         assert tok in lp
 
 
@@ -228,7 +235,9 @@ def test_async_scheduling_matches_sync(llm, smollm2_gguf_path):
         async_scheduling=True,
     )
     out = tiny.generate(prompts, params, use_tqdm=False)
-    assert [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in out] == [
+    assert [
+        (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in out
+    ] == [
         (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in reference
     ]
     assert tiny.llm_engine.counters.num_preemptions > 0

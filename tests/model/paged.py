@@ -22,7 +22,9 @@ class PagedRunner:
         head_dim = config.get("head_dim") or config.hidden_size // config.num_attention_heads
         dtype = next(model.parameters()).dtype
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, num_kv, head_dim, dtype=dtype, device=self.device)
+            torch.zeros(
+                2, num_blocks, block_size, num_kv, head_dim, dtype=dtype, device=self.device
+            )
             for _ in range(config.num_hidden_layers)
         ]
         bind_kv_caches(model, self.kv_caches)
@@ -46,7 +48,9 @@ class PagedRunner:
                 blocks.append(self.free.pop())
             for pos in range(done, total):
                 positions.append(pos)
-                slots.append(blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+                slots.append(
+                    blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+                )
             ids += chunk
             starts.append(starts[-1] + len(chunk))
             seq_lens.append(total)

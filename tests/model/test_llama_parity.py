@@ -44,7 +44,9 @@ def _hf_configs():
     }
 
 
-@pytest.fixture(scope="module", params=["llama3-rope", "llama-tied-bias", "mistral-sliding", "qwen2"])
+@pytest.fixture(
+    scope="module", params=["llama3-rope", "llama-tied-bias", "mistral-sliding", "qwen2"]
+)
 def saved_model(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 

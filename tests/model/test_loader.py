@@ -45,7 +45,9 @@ def hf_folder(tmp_path_factory):
 def _load(path: str, **kw):
     cfg = EngineArgs(model=path, dtype="float32", device="cpu", **kw).create_engine_config()
     return get_model(
-        cfg.model_config, LoadConfig(kw.get("load_format", "auto")), torch.device("cpu"),
+        cfg.model_config,
+        LoadConfig(kw.get("load_format", "auto")),
+        torch.device("cpu"),
         TorchAttentionBackend,
     )
 
@@ -70,7 +72,10 @@ def test_loads_sharded_with_index(hf_folder, tmp_path):
     folder = _copy_folder(hf_folder, tmp_path / "sharded", skip=("model.safetensors",))
     tensors = load_file(os.path.join(hf_folder, "model.safetensors"))
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
     weight_map = {}
     for file, part in shards.items():
         save_file({n: tensors[n].contiguous() for n in part}, os.path.join(folder, file))
@@ -93,7 +98,9 @@ def test_dummy_reads_no_weight_file(hf_folder, tmp_path, monkeypatch):
     w = model.model.layers[0].mlp.gate_up_proj.weight
     assert w.abs().max() <= 1e-3 and w.abs().max() > 0
     # same seed, same weights
-    torch.testing.assert_close(_load(folder, load_format="dummy").lm_head.weight, model.lm_head.weight)
+    torch.testing.assert_close(
+        _load(folder, load_format="dummy").lm_head.weight, model.lm_head.weight
+    )
 
 
 def test_truncated_file_names_the_tensor(hf_folder, tmp_path):
@@ -112,7 +119,9 @@ def test_wrong_shape_names_the_tensor(hf_folder, tmp_path):
     tensors = load_file(path)
     tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(32, 60)
     save_file(tensors, path)
-    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*\(32, 60\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*\(32, 60\)"
+    ):
         _load(folder)
 
 
@@ -127,7 +136,9 @@ def test_missing_tensor_is_named(hf_folder, tmp_path):
 
 
 def test_unknown_architecture_lists_supported(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "architectures": ["FooForCausalLM"]}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({**CONFIG, "architectures": ["FooForCausalLM"]})
+    )
     with pytest.raises(UnsupportedArchitectureError, match="LlamaForCausalLM"):
         _load(str(tmp_path), load_format="dummy")
 
@@ -156,7 +167,10 @@ def test_unimplemented_flags_rejected(tmp_path):
 
 def test_rope_normalisation_both_formats():
     old = normalize_rope({"rope_theta": 500000, "rope_scaling": {"type": "linear", "factor": 2.0}})
-    assert old["rope_theta"] == 500000.0 and old["rope_scaling"] == {"factor": 2.0, "rope_type": "linear"}
+    assert old["rope_theta"] == 500000.0 and old["rope_scaling"] == {
+        "factor": 2.0,
+        "rope_type": "linear",
+    }
     new = normalize_rope({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
     assert new["rope_theta"] == 1e6 and new["rope_scaling"] is None
 
@@ -164,6 +178,10 @@ def test_rope_normalisation_both_formats():
 def test_gguf_config(smollm2_gguf_path):
     config, generation_config = load_hf_config(smollm2_gguf_path)
     assert config.architectures == ["LlamaForCausalLM"]
-    assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads) == (576, 30, 3)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads) == (
+        576,
+        30,
+        3,
+    )
     assert config.tie_word_embeddings is True and config.eos_token_id == 2
     assert generation_config == {}

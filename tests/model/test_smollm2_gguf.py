@@ -37,7 +37,7 @@ def test_greedy_continuation_matches_transformers(smollm2_model, smollm2_hf, smo
         ends = torch.tensor([len(c) for c in chunks.values()]).cumsum(0) - 1
         next_ids = logits[ends].argmax(-1).tolist()
         chunks = {}
-        for p, tok in zip(list(seqs), next_ids):
+        for p, tok in zip(list(seqs), next_ids, strict=False):
             seqs[p] = seqs[p] + [tok]
             chunks[p] = [tok]
     for p, ids in seqs.items():

@@ -59,7 +59,11 @@ class EngineCore:
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
 
     def _init_kv_cache(self) -> int:
-        cc, mc, sc = self.config.cache_config, self.config.model_config, self.config.scheduler_config
+        cc, mc, sc = (
+            self.config.cache_config,
+            self.config.model_config,
+            self.config.scheduler_config,
+        )
         num_blocks = self.executor.determine_num_blocks()
         capacity = num_blocks * cc.block_size
         if capacity < mc.max_model_len:
@@ -77,7 +81,11 @@ class EngineCore:
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency for "
             "%d-token requests: %.2fx",
-            num_blocks, cc.block_size, capacity, mc.max_model_len, capacity / mc.max_model_len,
+            num_blocks,
+            cc.block_size,
+            capacity,
+            mc.max_model_len,
+            capacity / mc.max_model_len,
         )
         return num_blocks
 

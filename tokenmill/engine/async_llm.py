@@ -117,8 +117,13 @@ class AsyncLLM:
         parent_conn, child_conn = mp.Pipe(duplex=False)
         self.engine_proc = mp.Process(
             target=run_engine_core,
-            args=(self.config, input_address, output_address, child_conn,
-                  logging.getLogger().getEffectiveLevel()),
+            args=(
+                self.config,
+                input_address,
+                output_address,
+                child_conn,
+                logging.getLogger().getEffectiveLevel(),
+            ),
             name="tokenmill-engine-core",
             daemon=True,
         )
@@ -233,7 +238,9 @@ class AsyncLLM:
                 lags.sort()
                 logger.info(
                     "Front-end event loop lag: p50 %.1f ms, p99 %.1f ms, max %.1f ms",
-                    1e3 * lags[len(lags) // 2], 1e3 * lags[int(len(lags) * 0.99)], 1e3 * lags[-1],
+                    1e3 * lags[len(lags) // 2],
+                    1e3 * lags[int(len(lags) * 0.99)],
+                    1e3 * lags[-1],
                 )
                 lags, last = [], time.monotonic()
 
@@ -246,7 +253,9 @@ class AsyncLLM:
     def check_health(self) -> None:
         """Raises EngineDeadError if the engine process is gone."""
         if self.dead_error is None and not self.engine_proc.is_alive() and not self._closed:
-            self._fail_all(f"the engine process is not running (exit code {self.engine_proc.exitcode})")
+            self._fail_all(
+                f"the engine process is not running (exit code {self.engine_proc.exitcode})"
+            )
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
 
@@ -271,7 +280,10 @@ class AsyncLLM:
         self._ensure_background_tasks()
         self.check_health()
         processed = self.input_processor.process(
-            request_id, prompt, sampling_params, priority=priority,
+            request_id,
+            prompt,
+            sampling_params,
+            priority=priority,
             validate_max_tokens=validate_max_tokens,
         )
         collector = RequestOutputCollector(processed.params.output_kind)

@@ -145,7 +145,7 @@ class LLM:
             raise ValueError(f"{len(prompt_list)} prompts but {len(priority)} priorities")
         ids = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=False)):
                 params = params.clone()
                 params.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._counter))

@@ -107,8 +107,13 @@ class AsyncModelRunnerOutput:
     ModelRunnerOutput. Outputs must be collected in step order.
     """
 
-    def __init__(self, runner: ModelRunner, inputs: StepInputs, host_tokens: torch.Tensor,
-                 event: torch.cuda.Event | None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        inputs: StepInputs,
+        host_tokens: torch.Tensor,
+        event: torch.cuda.Event | None,
+    ) -> None:
         self.runner = runner
         self.inputs = inputs
         self.host_tokens = host_tokens
@@ -121,7 +126,7 @@ class AsyncModelRunnerOutput:
         token_ids = self.host_tokens.tolist()
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         batch = self.runner.input_batch
-        for i, tok in zip(inputs.sample_rows, token_ids):
+        for i, tok in zip(inputs.sample_rows, token_ids, strict=False):
             req_id = inputs.req_ids[i]
             sampled[i] = [tok]
             if req_id in batch.row_of:  # it may have finished or been preempted meanwhile
@@ -150,7 +155,9 @@ class ModelRunner:
         self.cuda_graphs = None  # a CUDAGraphRunner once captured
         # Tests set this on CPU to run decode batches padded like CUDA-graph batches.
         self.pad_decode_batches_to: list[int] | None = None
-        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_blocks_per_req)
+        self.input_batch = InputBatch(
+            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req
+        )
         self._init_buffers()
 
     def _init_buffers(self) -> None:
@@ -171,8 +178,14 @@ class ModelRunner:
             torch.zeros(r, dtype=torch.int64, pin_memory=d.type == "cuda") for _ in range(2)
         ]
         self._buffers = [
-            self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
-            self.seq_lens, self.block_table, self.logits_indices, self.pending_dst,
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_table,
+            self.logits_indices,
+            self.pending_dst,
             self.pending_src,
         ]
         self._parity = 0
@@ -228,7 +241,7 @@ class ModelRunner:
             batch.add(new)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=False
         ):
             batch.append_blocks(req_id, block_ids)
             batch.set_num_computed(req_id, num_computed)
@@ -416,11 +429,11 @@ class ModelRunner:
             req_ids = inputs.req_ids
             if out.logprobs is not None:
                 per_row = out.logprobs.to_lists_per_row(metadata.num_logprobs)
-                for i, lp in zip(inputs.sample_rows, per_row):
+                for i, lp in zip(inputs.sample_rows, per_row, strict=False):
                     if lp is not None:
                         logprobs[req_ids[i]] = lp
             batch = self.input_batch
-            for i, tok in zip(inputs.sample_rows, token_ids):
+            for i, tok in zip(inputs.sample_rows, token_ids, strict=False):
                 sampled[i] = [tok]
                 batch.append_token(req_ids[i], tok)
         self._advance_computed(inputs)
@@ -430,7 +443,7 @@ class ModelRunner:
         batch = self.input_batch
         new_computed = inputs.num_computed + inputs.num_scheduled
         batch.num_computed_tokens[inputs.batch_rows] = new_computed
-        for req_id, c in zip(inputs.req_ids, new_computed.tolist()):
+        for req_id, c in zip(inputs.req_ids, new_computed.tolist(), strict=False):
             batch.requests[req_id].num_computed_tokens = c
 
     def _sampling_metadata(self, inputs: StepInputs, rows: np.ndarray) -> SamplingMetadata:
@@ -440,8 +453,10 @@ class ModelRunner:
         if not b.simple_sampling[rows].all():
             states = [b.requests[inputs.req_ids[i]] for i in inputs.sample_rows]
             return build_sampling_metadata(
-                [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids)
-                 for s in states],
+                [
+                    SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids)
+                    for s in states
+                ],
                 self.vocab_size,
                 self.device,
             )
@@ -470,7 +485,9 @@ class ModelRunner:
                 meta.min_p = torch.from_numpy(min_p).to(d, non_blocking=True)
         return meta
 
-    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
+    def _prompt_logprobs(
+        self, inputs: StepInputs, hidden: torch.Tensor
+    ) -> dict[str, LogprobsLists]:
         """Logprobs of the prompt tokens this step's positions predict (requests that ask)."""
         result: dict[str, LogprobsLists] = {}
         starts = inputs.metadata.query_start_loc_cpu.tolist()
@@ -521,8 +538,16 @@ class ModelRunner:
             seq = torch.tensor(per_req, dtype=torch.int32)
             d = self.device
             md = AttentionMetadata(
-                n, num_reqs, qsl.to(d), seq.to(d), table.to(d), torch.tensor(slots, device=d),
-                max(per_req), max(per_req), qsl, seq,
+                n,
+                num_reqs,
+                qsl.to(d),
+                seq.to(d),
+                table.to(d),
+                torch.tensor(slots, device=d),
+                max(per_req),
+                max(per_req),
+                qsl,
+                seq,
             )
             ids = torch.zeros(n, dtype=torch.int64, device=d)
             pos = torch.cat([torch.arange(p) for p in per_req]).to(d)

@@ -75,7 +75,9 @@ class AttentionImpl(abc.ABC):
         logits_soft_cap: float | None = None,
     ) -> None:
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+            raise ValueError(
+                f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale

@@ -44,7 +44,7 @@ def load_model_weights(
     for name, param in params.items():
         param._tm_name = name  # type: ignore[attr-defined]
     expected_shards: dict[str, set] = {}
-    for part, ckpt_part, shard_id in stacked_params_mapping:
+    for part, _ckpt_part, shard_id in stacked_params_mapping:
         for name in params:
             if f".{part}." in name or name.startswith(f"{part}."):
                 expected_shards.setdefault(name, set()).add(shard_id)
