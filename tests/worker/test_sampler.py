@@ -135,6 +135,20 @@ def test_float32_logits_are_not_modified() -> None:
     assert torch.equal(logits, before)
 
 
+def test_half_precision_input_same_draws_and_left_untouched() -> None:
+    """The in-place path (float32 copies of bf16 logits) draws exactly the out-of-place one."""
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)] * 3
+    params[2] = SamplingParams(temperature=1.3, seed=11)
+    draws = []
+    for x in (logits, logits.float()):
+        torch.manual_seed(5)
+        draws.append(Sampler()(x, _meta(params)).sampled_token_ids)
+    assert torch.equal(draws[0], draws[1])
+    assert torch.equal(logits, before)
+
+
 # ---------------------------------------------------------------- random sampling
 
 

@@ -23,7 +23,7 @@ from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
-from tokenmill.model.layers.attention import bind_kv_caches
+from tokenmill.model.layers.attention import bind_kv_caches, unbind_kv_caches
 from tokenmill.model.loader.model_loader import get_model, torch_dtype
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
@@ -198,6 +198,12 @@ class ModelRunner:
         self.model = get_model(
             self.config.model_config, self.config.load_config, self.device, self.attn_backend
         )
+
+    def model_weight_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers on the device."""
+        assert self.model is not None
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one KV block takes over all layers (K and V)."""
@@ -514,17 +520,27 @@ class ModelRunner:
     # ---- profiling ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def profile_run(self) -> None:
+    def profile_run(self) -> int:
         """A forward pass at the full token budget, to measure peak activation memory.
 
-        Uses a throw-away KV cache just large enough for the batch.
+        Uses a throw-away KV cache just large enough for the batch, unbound afterwards.
+
+        Returns:
+            On CUDA, the peak bytes allocated during the pass beyond what was allocated
+            before it and beyond the throw-away cache; 0 on other devices.
         """
         assert self.model is not None
         n = self.max_num_tokens
         num_reqs = max(1, min(self.max_num_reqs, n // max(1, self.max_model_len)))
         per_req = [n // num_reqs + (1 if i < n % num_reqs else 0) for i in range(num_reqs)]
         saved = self.kv_caches
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
         self.initialize_kv_cache(sum(-(-p // self.block_size) for p in per_req))
+        scratch = sum(t.numel() * t.element_size() for t in self.kv_caches)
         try:
             slots, tables, block = [], [], 0
             for p in per_req:
@@ -562,7 +578,13 @@ class ModelRunner:
                     temperature=torch.ones(rows, device=d), all_greedy=False, all_random=True
                 ),
             )
+            if cuda:
+                torch.cuda.synchronize(self.device)
+                return max(0, torch.cuda.max_memory_allocated(self.device) - before - scratch)
+            return 0
         finally:
             self.kv_caches = saved
+            # Rebinding releases the scratch cache, which the layers still reference.
+            unbind_kv_caches(self.model)
             if saved:
                 bind_kv_caches(self.model, saved)

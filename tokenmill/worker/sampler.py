@@ -142,25 +142,40 @@ class Sampler(torch.nn.Module):
         Returns:
             SamplerOutput with [B] int64 tokens and, if asked for, the raw logprobs.
         """
+        # Below, in-place steps only touch float32 copies made here, never the caller's
+        # tensor: at max_num_seqs rows each [B, V] float32 copy is hundreds of MiB, and the
+        # sampler's peak is part of the memory the KV cache must leave free.
+        owned = logits.dtype != torch.float32
         logits = logits.float()
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = apply_logits_processors(logits, metadata)
+        processed = apply_logits_processors(logits, metadata)
+        owned = owned or processed is not logits
+        logits = processed
         if metadata.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
-            sampled = self._sample_random(logits, metadata)
-            if metadata.greedy_mask is not None:
-                sampled = torch.where(metadata.greedy_mask, logits.argmax(dim=-1), sampled)
+            # Before the random path scales and overwrites ``logits``; dividing by a positive
+            # temperature would not change the argmax anyway.
+            greedy = logits.argmax(dim=-1) if metadata.greedy_mask is not None else None
+            sampled = self._sample_random(logits, metadata, in_place=owned)
+            if greedy is not None:
+                sampled = torch.where(metadata.greedy_mask, greedy, sampled)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, logprobs)
 
-    def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """[B] int64 tokens drawn from the truncated, temperature-scaled distribution."""
-        logits = logits / metadata.temperature[:, None]
+    def _sample_random(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, in_place: bool = False
+    ) -> torch.Tensor:
+        """[B] int64 tokens drawn from the truncated, temperature-scaled distribution.
+
+        With ``in_place`` the float32 ``logits`` are scaled and then overwritten by the noise.
+        """
+        temperature = metadata.temperature[:, None]
+        logits = logits.div_(temperature) if in_place else logits / temperature
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         if metadata.top_p is not None:
@@ -168,14 +183,17 @@ class Sampler(torch.nn.Module):
         elif metadata.top_k is not None:
             logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
         probs = torch.softmax(logits, dim=-1)
-        noise = self._exponential_noise(probs, metadata.seeds)
-        return (probs / noise).argmax(dim=-1)
+        # The scaled logits are dead once softmax has read them: their memory takes the noise.
+        buffer = logits if in_place else torch.empty_like(probs)
+        noise = self._exponential_noise(buffer, metadata.seeds)
+        return probs.div_(noise).argmax(dim=-1)
 
-    def _exponential_noise(self, probs: torch.Tensor, seeds: dict[int, int] | None) -> torch.Tensor:
-        """[B, V] float32 Exp(1) noise; seeded rows get their own stream (the one Python loop)."""
-        noise = torch.empty_like(probs).exponential_()
+    def _exponential_noise(self, out: torch.Tensor, seeds: dict[int, int] | None) -> torch.Tensor:
+        """Fill ``out`` ([B, V] float32) with Exp(1) noise; seeded rows get their own stream
+        (the one Python loop). Returns ``out``."""
+        noise = out.exponential_()
         if seeds:
-            generator = self._generator(probs.device)
+            generator = self._generator(out.device)
             for row, seed in seeds.items():
                 generator.manual_seed(seed)
                 noise[row].exponential_(generator=generator)

@@ -29,12 +29,26 @@ class Worker:
         self.rank = rank
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
+        # Device memory in use when this worker started (CUDA context, other processes):
+        # --gpu-memory-utilization bounds what this engine adds on top, as in vLLM.
+        self._baseline_used = 0
 
     def init_device(self) -> None:
         if self.config.device_config.device == "cuda":
             self.device = torch.device("cuda", self.rank)
             torch.cuda.set_device(self.device)
             torch.cuda.empty_cache()
+            torch.cuda.synchronize(self.device)  # creates the context before the snapshot
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._baseline_used = total - free
+            wanted = self.config.cache_config.gpu_memory_utilization * total
+            if self.config.cache_config.kv_cache_memory is None and free < wanted:
+                raise ConfigError(
+                    f"only {free / GiB:.2f} GiB of the device's {total / GiB:.2f} GiB are free, "
+                    f"less than --gpu-memory-utilization "
+                    f"{self.config.cache_config.gpu_memory_utilization} asks for "
+                    f"({wanted / GiB:.2f} GiB); lower it or free the device"
+                )
         else:
             self.device = torch.device("cpu")
             # Leave one core for the front end (tokenizing, HTTP) when there are several.
@@ -78,23 +92,28 @@ class Worker:
         return int(num_blocks)
 
     def _profile_cuda_budget(self) -> int:
+        """KV cache bytes: ``total * utilization`` minus what loading and a forward pass add.
+
+        What this engine adds is the device memory in use now beyond the start-up baseline
+        (weights, buffers, cuBLAS/Triton workspaces) plus the activation peak of
+        ``profile_run``, which excludes that pass's own scratch KV cache.
+        """
         runner = self.model_runner
         assert runner is not None
         torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        runner.profile_run()
+        _, total = torch.cuda.mem_get_info(self.device)
+        peak = runner.profile_run()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
         free_after, _ = torch.cuda.mem_get_info(self.device)
-        used = total - free_after  # weights, CUDA context, other processes
+        used = total - free_after - self._baseline_used
+        weights = runner.model_weight_bytes()
         budget = int(total * self.config.cache_config.gpu_memory_utilization) - used - peak
         logger.info(
-            "Memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB activation peak, "
-            "%.2f GiB for the KV cache",
-            total / GiB, used / GiB, peak / GiB, budget / GiB,
+            "Memory: %.2f GiB total, %.2f GiB in use before start-up; the engine added %.2f GiB "
+            "(model %.2f GiB), activation peak %.2f GiB; %.2f GiB for the KV cache",
+            total / GiB, self._baseline_used / GiB, used / GiB, weights / GiB, peak / GiB,
+            budget / GiB,
         )
         return budget
 

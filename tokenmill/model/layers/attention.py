@@ -69,3 +69,10 @@ def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
         raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
     for layer in layers:
         layer.kv_cache = kv_caches[layer.layer_idx]
+
+
+def unbind_kv_caches(model: nn.Module) -> None:
+    """Drop every Attention layer's reference to its KV cache (so the memory can be freed)."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.kv_cache = None
