@@ -146,6 +146,9 @@ class SchedulerConfig:
             tokens of a step, so long prompts do not starve decodes.
         async_scheduling: schedule step n+1 while step n runs on the device (each
             running request is assumed to get one token; a stop is seen one step late).
+        admission_headroom: admit a waiting request only if the blocks left free cover
+            the running requests' expected growth (``tokenmill.core.admission``), so a
+            KV-bound load preempts (and recomputes) far less.
     """
 
     max_num_batched_tokens: int
@@ -155,6 +158,7 @@ class SchedulerConfig:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     long_prefill_token_threshold: int = 0
     async_scheduling: bool = False
+    admission_headroom: bool = True
 
 
 @dataclass

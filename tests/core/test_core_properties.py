@@ -53,6 +53,7 @@ class Config:
     policy: str
     threshold: int
     caching: bool
+    headroom: bool
 
 
 @st.composite
@@ -74,6 +75,7 @@ def configs(draw) -> Config:
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         threshold=draw(st.sampled_from([0, 0, 3, 7])),
         caching=draw(st.booleans()),
+        headroom=draw(st.booleans()),
     )
 
 
@@ -109,6 +111,7 @@ class Harness:
                 enable_chunked_prefill=config.chunked,
                 scheduling_policy=config.policy,
                 long_prefill_token_threshold=config.threshold,
+                admission_headroom=config.headroom,
             ),
             CacheConfig(block_size=config.block_size, enable_prefix_caching=config.caching),
             num_blocks=config.num_blocks,

@@ -145,7 +145,10 @@ def make_scheduler(
     policy: str = "fcfs",
     threshold: int = 0,
     caching: bool = True,
+    headroom: bool = False,
 ) -> Scheduler:
+    """A scheduler over a small cache; admission headroom off unless asked for, so plans
+    admit whatever fits (the mechanics these tests pin down)."""
     return Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=budget,
@@ -154,6 +157,7 @@ def make_scheduler(
             enable_chunked_prefill=chunked,
             scheduling_policy=policy,
             long_prefill_token_threshold=threshold,
+            admission_headroom=headroom,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks=num_blocks,

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenmill.core.admission import AdmissionHeadroom
 from tokenmill.core.engine_io import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.model_runner_output import ModelRunnerOutput
@@ -158,6 +159,11 @@ class Scheduler:
                 self.max_model_len,
                 self.max_context_len,
             )
+        self.headroom = (
+            AdmissionHeadroom(self.block_size, self.max_context_len)
+            if self.scheduler_config.admission_headroom
+            else None
+        )
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=cache_config.block_size,
@@ -326,22 +332,38 @@ class Scheduler:
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
+        if self.headroom is not None:
+            self.headroom.on_preempted()
         self.waiting.prepend_request(request)
         plan.preempted_ids.add(request.request_id)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
+        reserved: int | None = None  # headroom for the running requests, once computed
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = self._num_tokens_to_schedule(request, num_hit_tokens, plan.token_budget)
             if num_new == 0:
                 break  # chunked prefill off and the prompt does not fit: it waits
+            if self.headroom is not None and self.running:
+                need = cdiv(num_hit_tokens + num_new, self.block_size) - len(hit_blocks)
+                free_after = kv.num_free_blocks - need
+                if free_after < self.headroom.quick_bound_blocks(len(self.running)):
+                    if reserved is None:
+                        reserved = self.headroom.reserved_blocks(
+                            self.running, plan.num_scheduled_tokens
+                        )
+                    if free_after < reserved:
+                        break  # admitting it would likely force a preemption later
             if kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is None:
                 break
             self.waiting.pop_request()
             self._admit(request, num_hit_tokens)
             plan.add_new(request, num_new)
+            if reserved is not None:
+                assert self.headroom is not None
+                reserved += self.headroom.growth_blocks(request, num_new)
 
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         self.running.append(request)
@@ -458,6 +480,8 @@ class Scheduler:
             )
             if finished:
                 finished_ids.add(req_id)
+                if self.headroom is not None:
+                    self.headroom.on_finished(request)
                 self._free_request(request)
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
