@@ -30,3 +30,10 @@ def api_key() -> str | None:
 def log_step_stats() -> bool:
     """TOKENMILL_LOG_STEP_STATS=1: the engine logs step durations and sizes every 5 s."""
     return os.environ.get("TOKENMILL_LOG_STEP_STATS", "") not in ("", "0")
+
+
+def skinny_gemm() -> bool:
+    """TOKENMILL_SKINNY_GEMM=0/1: the split-K Triton kernel for linear layers of decode-sized
+    batches (<= 32 rows) on CUDA, instead of cuBLAS (default: off; on an H200 cuBLAS inside
+    a CUDA graph is faster at Llama-3.1-8B's shapes, see benchmarks/RESULTS.md)."""
+    return os.environ.get("TOKENMILL_SKINNY_GEMM", "0") not in ("", "0")

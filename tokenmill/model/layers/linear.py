@@ -12,11 +12,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from tokenmill.model.layers import skinny_gemm
+
+# Read once: the choice must not change between CUDA-graph capture and eager steps.
+_SKINNY_GEMM = envs.skinny_gemm()
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x W^T (+ b)``: ``F.linear``, or for decode-sized batches on CUDA the split-K
+    kernel of ``skinny_gemm``, which streams the weight closer to the memory bandwidth.
+
+    Shapes: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``.
+    """
+    if (
+        _SKINNY_GEMM
+        and x.dim() == 2
+        and x.shape[0] <= skinny_gemm.MAX_M
+        and skinny_gemm.use_skinny_gemm(x, weight)
+    ):
+        return skinny_gemm.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class WeightShapeError(ValueError):
@@ -65,7 +86,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -190,7 +211,7 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = dense(x, self.weight)
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:
