@@ -42,6 +42,10 @@ TILE_SWEEP = [
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
 ]
 
 
@@ -97,12 +101,17 @@ def bench_row(args: argparse.Namespace, tokens: int, w13: torch.Tensor, w2: torc
         f"{flops / t_triton / 1e9:>9.1f} {weight_bytes / t_triton / 1e6:>9.0f} {rel_err:>9.2e}"
     )
     if args.sweep_tiles:
-        best = min(
-            (time_ms(lambda c=c: fused_experts_triton(x, w13, w2, weights, ids, config=c)), k)
-            for k, c in enumerate(TILE_SWEEP)
-        )
+        timed = []
+        for k, c in enumerate(TILE_SWEEP):
+            try:
+                run = lambda c=c: fused_experts_triton(x, w13, w2, weights, ids, config=c)  # noqa: E731
+                timed.append((time_ms(run), k))
+            except Exception as e:  # e.g. tiles needing more shared memory than the GPU has
+                print(f"#   tiles {c} skipped: {type(e).__name__}", flush=True)
+        best = min(timed)
         chosen = moe_tile_config(tokens * args.top_k, args.experts, dtype)
         row += f"   best {best[0]:.3f} ms with {TILE_SWEEP[best[1]]} (default {chosen})"
+        row += "\n#   " + "  ".join(f"{t:.3f}" for t, _ in sorted(timed, key=lambda tk: tk[1]))
     return row
 
 
