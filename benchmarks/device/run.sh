@@ -11,6 +11,9 @@
 #   tp_long tp_short tp_small   tokenmill bench throughput (as ANCHORS.md)
 #   serve      tokenmill serve M8 + bench serve random 1024/256 c=64, then shared prefix
 #   vllm_*     the same stage run by vLLM's CLI (vllm_tp_long, vllm_lat1, ...)
+#   stepbench  one decode step's GPU time (decode_step_bench.py)
+#   skinny skinny_sweep moe   kernel benchmarks: skinny GEMM vs cuBLAS, fused MoE vs torch
+#   *_cublas   lat1/lat32/stepbench with TOKENMILL_SKINNY_GEMM=0 (cuBLAS for every product)
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,7 +38,7 @@ stage() {  # stage NAME TIMEOUT CMD...
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^LM head|^PROFILE|preempt" "$LOGS/$name.log" \
+  grep -aE "^KPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^LM head|^PROFILE|preempt" "$LOGS/$name.log" \
     | grep -v "warnings.warn" | tail -25 | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
@@ -89,6 +92,15 @@ for st in "$@"; do
     prof_small) stage prof_small 300 python3 benchmarks/device/profile_step.py "$M135" ;;
     prof_lat1) stage prof_lat1 200 python3 benchmarks/device/profile_step.py "$M8" 1 32 256 ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
+    stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
+    lat1_cublas) TOKENMILL_SKINNY_GEMM=0 stage lat1_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_cublas.json"; addjson lat1_cublas "$LOGS/lat1_cublas.json" ;;
+    lat32_cublas) TOKENMILL_SKINNY_GEMM=0 stage lat32_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32_cublas.json"; addjson lat32_cublas "$LOGS/lat32_cublas.json" ;;
+    skinny)   stage skinny 200 python3 benchmarks/skinny_gemm_bench.py ;;
+    skinny_sweep) stage skinny_sweep 400 python3 benchmarks/skinny_gemm_bench.py --sweep --ms "${SWEEP_MS:-1}" --shapes qkv,o_proj,gate_up,down --rounds 1 ;;
+    moe)      stage moe 150 python3 benchmarks/moe_bench.py ;;
+    moetest)  stage moetest 150 python3 -m pytest -q tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider --timeout 120 ;;
+    moe_sweep) stage moe_sweep 200 python3 benchmarks/moe_bench.py --sweep-tiles --tokens 64,256,512,1024,2048,4096 ;;
+    kprof_long) stage kprof_long 200 python3 benchmarks/device/kernel_profile.py "$M8" 300 1024 256 ;;
     serve)    serve_pair tm ;;
     vllm_serve) serve_pair vllm ;;
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;
