@@ -75,6 +75,22 @@ def parse_bytes(value: str | int) -> int:
     return int(float(number) * ((1024 if binary else 1000) ** power))
 
 
+def byte_size_arg(value: str) -> str:
+    """argparse type of size flags (``--kv-cache-memory 4GiB``): checks the value at parsing,
+    so a typo fails in one line before anything loads; the text itself is kept.
+
+    Raises:
+        argparse.ArgumentTypeError: not a positive size in bytes.
+    """
+    try:
+        size = parse_bytes(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size in bytes, got {value!r}")
+    return value
+
+
 def _flag(help: str, **kw: Any) -> Any:
     """A dataclass field carrying its CLI help (and optional choices/aliases/nargs)."""
     default = kw.pop("default", None)
@@ -120,6 +136,7 @@ class EngineArgs:
         "KV cache size in bytes (e.g. 4GiB); overrides --gpu-memory-utilization. "
         f"CPU default: {DEFAULT_CPU_KV_CACHE_BYTES >> 30} GiB.",
         aliases=["--kv-cache-memory-bytes"],
+        type=byte_size_arg,
     )
     enable_prefix_caching: bool = _flag(
         "Reuse KV blocks of identical prompt prefixes (automatic prefix caching).", default=True
@@ -187,7 +204,7 @@ class EngineArgs:
                 kwargs["default"] = f.default
             else:
                 kwargs["default"] = f.default
-                kwargs["type"] = _arg_type(f.type)
+                kwargs.setdefault("type", _arg_type(f.type))
             if f.name == "model" and positional_model:
                 continue
             group.add_argument(*names, **kwargs)
@@ -210,7 +227,10 @@ class EngineArgs:
         device = self._resolve_device()
         model_config = self._create_model_config(device)
         scheduler_config = self._create_scheduler_config(device, usage_context, model_config)
-        kv_bytes = parse_bytes(self.kv_cache_memory) if self.kv_cache_memory else None
+        try:
+            kv_bytes = parse_bytes(self.kv_cache_memory) if self.kv_cache_memory else None
+        except ValueError as e:
+            raise ConfigError(f"--kv-cache-memory: {e}") from None
         if kv_bytes is not None and kv_bytes <= 0:
             raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

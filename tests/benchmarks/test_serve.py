@@ -169,10 +169,13 @@ def test_erroring_endpoint_gives_a_summary_not_a_traceback(tmp_path, capsys, smo
     with StubServer("error") as stub:
         code, result = _run(tmp_path, stub.base_url, smollm2_gguf_path, "--plot", str(png))
     out = capsys.readouterr()
-    assert code == 0
+    assert code == 1  # every request failed: the run says so, after its summary
     assert "Traceback" not in out.out + out.err
     assert "Failed requests:                         6" in out.out
     assert "6 x HTTP 500: engine exploded" in out.out
+    assert out.err.splitlines()[-1] == (
+        "tokenmill bench serve: error: all 6 requests failed (errors listed above)"
+    )
     assert (result["completed"], result["failed"]) == (0, 6)
     assert result["error_counts"] == {"HTTP 500: engine exploded": 6}
     assert result["mean_ttft_ms"] is None and result["total_output_tokens"] == 0
@@ -201,22 +204,21 @@ def test_mixed_failures_are_counted(tmp_path, capsys, smollm2_gguf_path):
 def test_dropped_connection_and_unreachable_server(tmp_path, capsys, smollm2_gguf_path):
     with StubServer("drop") as stub:
         code, result = _run(tmp_path, stub.base_url, smollm2_gguf_path, num_prompts=3)
-    assert code == 0 and (result["completed"], result["failed"]) == (0, 3)
+    assert code == 1 and (result["completed"], result["failed"]) == (0, 3)
     assert all(r["error"] for r in result["requests"])
+    capsys.readouterr()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed_port = s.getsockname()[1]
-    code, result = _run(
-        tmp_path,
-        f"http://127.0.0.1:{closed_port}",
-        smollm2_gguf_path,
-        num_prompts=3,
-        name="unreachable.json",
-    )
-    out = capsys.readouterr()
-    assert code == 0 and "Traceback" not in out.out + out.err
-    assert (result["completed"], result["failed"]) == (0, 3)
-    assert all("ClientConnectorError" in r["error"] for r in result["requests"])
+    url = f"http://127.0.0.1:{closed_port}"
+    for model in (["--model", STUB_MODEL], []):  # with --model, and asking the server
+        code = bench_main(["serve", "--base-url", url, *model, "--num-prompts", "3"])
+        out = capsys.readouterr()
+        assert code == 2 and out.out == "" and "Traceback" not in out.err
+        assert out.err == (
+            f"tokenmill bench serve: error: the server at {url} is unreachable (Connection "
+            "refused); start it, or point --base-url (or --host/--port) at it\n"
+        )
 
 
 def test_counts_with_the_tokenizer_without_usage(tmp_path, smollm2_gguf_path, smollm2_tokenizer):
@@ -343,19 +345,20 @@ def test_sharegpt_and_prefix_repetition_workloads(tmp_path, smollm2_gguf_path, s
     ],
 )
 def test_bad_settings_fail_in_one_line(flags, message, capsys, smollm2_gguf_path):
-    argv = [
-        "serve",
-        "--base-url",
-        "http://127.0.0.1:9",
-        "--model",
-        "m",
-        "--tokenizer",
-        smollm2_gguf_path,
-        "--num-prompts",
-        "1",
-        *flags,
-    ]
-    assert bench_main(argv) == 2
+    with StubServer("ok") as stub:  # (an unreachable server would be reported first)
+        argv = [
+            "serve",
+            "--base-url",
+            stub.base_url,
+            "--model",
+            "m",
+            "--tokenizer",
+            smollm2_gguf_path,
+            "--num-prompts",
+            "1",
+            *flags,
+        ]
+        assert bench_main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert err.startswith("tokenmill bench serve: error:")

@@ -283,7 +283,7 @@ def test_bench_serve_reports_refused_requests(server, tiny_model, tmp_path, caps
         ]
     )
     out = capsys.readouterr()
-    assert code == 0 and "Traceback" not in out.out + out.err
+    assert code == 1 and "Traceback" not in out.out + out.err  # 1: every request failed
     result = json.loads((tmp_path / "refused.json").read_text())
     assert (result["completed"], result["failed"]) == (0, 4)
     (message,) = result["error_counts"]

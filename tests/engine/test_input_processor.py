@@ -94,7 +94,7 @@ def test_prompt_plus_max_tokens_too_long(processor):
         processor.process("r", [5] * 2000, SamplingParams(max_tokens=100))
     assert str(e.value).startswith(
         "This model's maximum context length is 2048 tokens. However, you requested 2100 "
-        "tokens (2000 in the messages, 100 in the completion)."
+        "tokens (2000 in the prompt, 100 in the completion)."
     )
     assert e.value.param == "max_tokens"
     # Exactly the context length is fine.

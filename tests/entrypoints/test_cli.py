@@ -93,7 +93,8 @@ def test_startup_errors_fail_in_one_line(tiny_model_dir, argv, words):
     """Invalid settings are reported before the engine starts: one line, exit code 1."""
     argv = [a.replace("{tiny}", tiny_model_dir) for a in argv]
     result = subprocess.run(
-        [sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", *argv],
+        # --port 0: the port is bound first; a busy default port must not mask the error.
+        [sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", *argv, "--port", "0"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -89,8 +89,8 @@ CASES = [
         CHAT,
         {"messages": MSG, "max_completion_tokens": 0},
         400,
-        "max_tokens",
-        "max_tokens",
+        "max_completion_tokens",  # the field the client sent
+        "max_completion_tokens",
     ),
     (
         "negative temperature",

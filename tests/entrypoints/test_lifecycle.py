@@ -114,7 +114,8 @@ def test_engine_death_fails_health_and_pending_requests(tiny_model_dir):
 
 
 def test_sigterm_stops_accepting_and_drains(tiny_model_dir):
-    server = RemoteServer(tiny_args(tiny_model_dir))
+    # A grace period far longer than the request needs: it finishes rather than be aborted.
+    server = RemoteServer([*tiny_args(tiny_model_dir), "--shutdown-timeout", "600"])
     try:
         pid = engine_pid(server)
         body = {**LONG, "max_tokens": 200, "stream_options": {"include_usage": True}}

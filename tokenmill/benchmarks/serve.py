@@ -5,7 +5,8 @@ An asyncio client (aiohttp) streams every request, sending them at a Poisson
 with at most ``--max-concurrency`` in flight. It works against tokenmill, vLLM, llama.cpp's
 server or any server of the OpenAI API; flags, printed block and result keys are those of
 ``vllm bench serve``. A request that fails is recorded with its error message and counted;
-the run always ends with a summary.
+the run always ends with a summary, and exits with 1 if every request failed. An unreachable
+server is reported before anything is sent.
 
 Token counts are the server's (``stream_options.include_usage``) where it reports them, else
 the benchmark's tokenizer's count of the streamed text.
@@ -24,6 +25,7 @@ from tokenmill.benchmarks.common import BenchmarkError, flags_of, parse_percenti
 from tokenmill.benchmarks.datasets import add_dataset_args, encode, sample_requests
 from tokenmill.benchmarks.serve_client import (
     ClientConfig,
+    ServerUnreachable,
     auth_headers,
     list_models,
     run_benchmark,
@@ -303,13 +305,21 @@ def _load_tokenizer(tokenizer_id: str) -> PreTrainedTokenizerBase:
         ) from None
 
 
+class AllRequestsFailed(ValueError):
+    """Every request of the run failed. The summary (and result file) are out already; the
+    CLI reports this in one last line and exits with 1, as for other ValueErrors."""
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``tokenmill bench serve`` with parsed flags; prints and returns the result.
 
-    Failed requests do not raise: they are counted and listed in the summary.
+    Failed requests are counted and listed in the summary; only a run in which every one
+    failed raises, after the summary.
 
     Raises:
-        BenchmarkError: invalid flags, no tokenizer, or an unwritable result file.
+        BenchmarkError: invalid flags, an unreachable server, no tokenizer, or an
+            unwritable result file.
+        AllRequestsFailed: no request succeeded.
     """
     _check_args(args)
     percentiles = parse_percentiles(args.metric_percentiles)
@@ -321,7 +331,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         base_url, args.ready_check_timeout_sec
     ):
         print(f"warning: {base_url} did not answer within {args.ready_check_timeout_sec} s")
-    models = list_models(base_url)
+    try:
+        models = list_models(base_url)
+    except ServerUnreachable as e:
+        raise BenchmarkError(
+            f"the server at {base_url} is unreachable ({e}); start it, or point --base-url "
+            "(or --host/--port) at it"
+        ) from None
     model_id, model_name, tokenizer_id = resolve_model(models, args.model, args.served_model_name)
     args.label = default_label(args, models)
     tokenizer_id = args.tokenizer or tokenizer_id
@@ -365,6 +381,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
         plot_results([(result["label"], result)], args.plot)
         print(f"Plot written to {args.plot}")
+    if records and not any(record.success for record in records):
+        raise AllRequestsFailed(f"all {len(records)} requests failed (errors listed above)")
     return result
 
 

@@ -64,13 +64,26 @@ def auth_headers() -> dict[str, str]:
     return headers
 
 
+class ServerUnreachable(Exception):
+    """No HTTP answer from the server: connection refused, unknown host, timeout."""
+
+
 def list_models(base_url: str, timeout_s: float = 10.0) -> list[dict[str, Any]] | None:
-    """The server's ``/v1/models`` entries, or None if it does not answer with a list."""
+    """The server's ``/v1/models`` entries, or None if it answers without a model list.
+
+    Raises:
+        ServerUnreachable: the server did not answer over HTTP at all (the message says why).
+    """
     request = urllib.request.Request(f"{base_url}/v1/models", headers=auth_headers())
     try:
         with _DIRECT.open(request, timeout=timeout_s) as response:
             data = json.loads(response.read())
-    except (urllib.error.URLError, OSError, ValueError):
+    except urllib.error.HTTPError:  # an answer, just not a model list
+        return None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise ServerUnreachable(getattr(reason, "strerror", None) or str(reason)) from None
+    except ValueError:
         return None
     entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list):

@@ -197,8 +197,8 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"This model's maximum context length is {max_len} tokens. However, you "
                 f"requested {num_prompt + params.max_tokens} tokens ({num_prompt} in the "
-                f"messages, {params.max_tokens} in the completion). Please reduce the length "
-                f"of the messages or completion.",
+                f"prompt, {params.max_tokens} in the completion). Please reduce the length "
+                f"of the prompt or completion.",
                 "max_tokens",
             )
         if num_prompt >= max_len:

@@ -5,7 +5,7 @@ The first three take the flags of ``vllm bench`` (the same workload for the same
 ``python -m tokenmill.entrypoints.cli.bench serve --base-url ... --model ...``.
 
 Errors in the benchmark's settings are reported in one line (exit code 2); failing requests
-of ``serve`` are part of its result (exit code 0).
+of ``serve`` are part of its result, and a run whose every request failed exits with 1.
 """
 
 from __future__ import annotations

@@ -53,10 +53,32 @@ def build_parser() -> CLIParser:
     return parser
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CLIParser:
+    """The (sub)command parser the command line chose, e.g. ``tokenmill bench serve``'s."""
+    chosen = parser
+    while True:
+        # NOTE: argparse lists subcommands only in these private fields.
+        actions = [a for a in chosen._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, actions[0].dest, None) if actions and actions[0].dest else None
+        if name is None or name not in actions[0].choices:
+            return chosen  # type: ignore[return-value]
+        chosen = actions[0].choices[name]
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, but an unknown argument is reported by the subcommand it was
+    given to (``tokenmill serve: error: unrecognized arguments: ...``), as its other errors.
+    """
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tokenmill`` command; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     dispatch = getattr(args, "dispatch", None)
     if dispatch is None:
         parser.print_help()

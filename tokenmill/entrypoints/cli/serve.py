@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -86,11 +88,43 @@ def _json_list(value: str) -> list[str]:
     return parse_json_list(value)
 
 
+def port_number(value: str) -> int:
+    """``--port``: a TCP port, 0-65535 (0: any free port).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer in that range.
+    """
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0-65535, got {port}")
+    return port
+
+
+def non_negative_seconds(value: str) -> int:
+    """A whole number of seconds, 0 or more (``--shutdown-timeout``).
+
+    Raises:
+        argparse.ArgumentTypeError: not a non-negative integer.
+    """
+    try:
+        seconds = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of seconds: {value!r}") from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {seconds}")
+    return seconds
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """The HTTP server's flags (``vllm serve`` names and defaults)."""
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="0.0.0.0", help="Address to listen on. (default: 0.0.0.0)")
-    group.add_argument("--port", type=int, default=8000, help="Port to listen on. (default: 8000)")
+    group.add_argument(
+        "--port", type=port_number, default=8000, help="Port to listen on. (default: 8000)"
+    )
     group.add_argument(
         "--api-key",
         default=envs.api_key(),
@@ -149,6 +183,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
     group.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_seconds,
+        default=0,
+        metavar="SECONDS",
+        help="On SIGTERM/SIGINT, stop accepting requests and give running ones up to this "
+        "many seconds to finish, then abort the rest; 0 aborts them at once. A second "
+        "signal exits immediately. (default: 0)",
+    )
+    group.add_argument(
         "--root-path",
         default=None,
         help="URL prefix when served behind a path-based reverse proxy.",
@@ -180,6 +223,50 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def bind_listeners(host: str, port: int) -> list[socket.socket]:
+    """TCP sockets bound to ``port`` on every address ``host`` resolves to (not listening yet).
+
+    Binding before the engine starts makes a busy port fail at once, not after the model has
+    loaded; uvicorn then serves on these sockets. As asyncio's ``create_server``: sockets
+    have SO_REUSEADDR (a restart need not wait out TIME_WAIT), IPv6 ones are IPv6-only, and
+    an address family the machine has disabled is skipped.
+
+    Raises:
+        OSError: ``host`` does not resolve, or the port is in use or not permitted.
+    """
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    listeners: list[socket.socket] = []
+    skipped: OSError | None = None
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError as e:  # a family without kernel support
+                skipped = e
+                continue
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and listeners:  # one free port for every address
+                address = (address[0], listeners[0].getsockname()[1], *address[2:])
+            try:
+                sock.bind(address)
+            except OSError as e:
+                sock.close()
+                if e.errno != errno.EADDRNOTAVAIL:  # (not: a family that is turned off)
+                    raise
+                skipped = e
+                continue
+            listeners.append(sock)
+    except OSError:
+        for sock in listeners:
+            sock.close()
+        raise
+    if not listeners:
+        raise skipped or OSError(errno.EADDRNOTAVAIL, f"{host} has no address to listen on")
+    return listeners
+
+
 def _fail(message: str, code: int) -> int:
     print(f"tokenmill serve: error: {message}", file=sys.stderr)
     return code
@@ -197,8 +284,10 @@ def configure_logging() -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``tokenmill serve``; returns the exit code.
 
-    Start-up errors (invalid settings, an unreadable model, an engine that fails to start)
-    are reported in one line with exit code 1; flag errors exit with 2.
+    Start-up errors (invalid settings, an unreadable model, a port that cannot be bound, an
+    engine that fails to start) are reported in one line with exit code 1; flag errors exit
+    with 2. The port is bound before the engine starts, so a busy port fails in a second,
+    not after the model has loaded.
     """
     from tokenmill.engine.async_llm import EngineDeadError
     from tokenmill.tokenizer import ChatTemplateError, load_chat_template
@@ -215,18 +304,25 @@ def run(args: argparse.Namespace) -> int:
         except ChatTemplateError as e:
             return _fail(f"--chat-template: {e}", 2)
     configure_logging()
-    # NOTE: until uvicorn installs its handlers, SIGTERM exits through Python's normal path,
-    # whose atexit hooks terminate the (daemonic) engine process instead of orphaning it.
+    # NOTE: until the server installs its own handlers, SIGTERM exits through Python's normal
+    # path, whose atexit hooks terminate the (daemonic) engine process instead of orphaning it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        listeners = bind_listeners(args.host, args.port)
+    except OSError as e:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}", 1)
     try:
         config = EngineArgs.from_cli_args(args).create_engine_config("server")
         if chat_template is not None:
             config.model_config.chat_template = chat_template
         from tokenmill.entrypoints.openai.server import run_server
 
-        asyncio.run(run_server(args, config, chat_template))
+        asyncio.run(run_server(args, config, chat_template, listeners))
     except (ConfigError, ModelLoadError, EngineDeadError) as e:
         return _fail(str(e), 1)
     except KeyboardInterrupt:
         return 0
+    finally:
+        for sock in listeners:
+            sock.close()
     return 0

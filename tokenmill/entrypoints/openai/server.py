@@ -10,20 +10,27 @@ the engine process (``AsyncLLM``), so neither stalls the other. Routes:
 - GET /health (200 while the engine runs, 503 once it is dead), /metrics (Prometheus), /version
 
 Every error answers with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
-SIGTERM drains: uvicorn stops accepting connections, in-flight requests finish (for at most
-``GRACEFUL_SHUTDOWN_S``), then the engine is shut down.
+SIGTERM or SIGINT stops accepting connections and gives running requests
+``--shutdown-timeout`` seconds (default 0) to finish; the rest are aborted (their clients get an
+error, in the stream or as the response), then the engine is shut down and the process exits
+with 0. A second signal exits at once (code 128 + signal number).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import hmac
 import json
 import logging
+import os
 import re
 import signal
+import socket
+from collections.abc import Iterator
 from http import HTTPStatus
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -68,8 +75,12 @@ from tokenmill.version import __version__
 
 logger = logging.getLogger("tokenmill.entrypoints.openai.server")
 
-# How long SIGTERM waits for in-flight requests before cancelling them (seconds).
-GRACEFUL_SHUTDOWN_S = 30
+# After the shutdown timeout has aborted the running requests, how long their responses may
+# take to end before uvicorn cancels them (a client that stopped reading, say) (seconds).
+ABORTED_RESPONSE_GRACE_S = 5
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# On a second stop signal, how long aborted streams get to send their error event (seconds).
+ABORT_FLUSH_S = 0.2
 # Routes that answer without an API key (probes and scrapers).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
@@ -345,9 +356,19 @@ def make_stat_loggers(config: EngineConfig, registry: CollectorRegistry) -> list
 
 
 async def run_server(
-    args: argparse.Namespace, config: EngineConfig, chat_template: str | None = None
+    args: argparse.Namespace,
+    config: EngineConfig,
+    chat_template: str | None = None,
+    listeners: list[socket.socket] | None = None,
 ) -> None:
     """Start the engine, serve HTTP until SIGTERM/SIGINT, then shut the engine down.
+
+    Args:
+        args: the server flags (host, port, shutdown_timeout, ...; see build_app).
+        config: the engine configuration.
+        chat_template: template text replacing the tokenizer's own, if given.
+        listeners: sockets bound to host:port (``cli.serve.bind_listeners``); None: uvicorn
+            binds them itself.
 
     Raises:
         EngineDeadError: the engine failed to start.
@@ -358,8 +379,10 @@ async def run_server(
         engine = AsyncEmbeddingEngine(config)
     else:
         engine = AsyncLLM(config, stat_loggers=make_stat_loggers(config, registry))
+    shutdown: GracefulShutdown | None = None
     try:
         app = build_app(engine, args, registry, chat_template)
+        timeout_s = getattr(args, "shutdown_timeout", 0)
         uv_config = uvicorn.Config(
             app,
             host=args.host,
@@ -367,29 +390,144 @@ async def run_server(
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
             root_path=args.root_path or "",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            timeout_graceful_shutdown=timeout_s + ABORTED_RESPONSE_GRACE_S,
             timeout_keep_alive=5,
         )
-        server = uvicorn.Server(uv_config)
+        server = _Server(uv_config)
+        servings = [app.state.serving_chat, app.state.serving_completion]
+        shutdown = GracefulShutdown(server, engine, [s for s in servings if s], timeout_s)
+        shutdown.install()
         logger.info(
-            "Serving %s on http://%s:%d (max_model_len=%d)",
+            "Serving %s on %s (max_model_len=%d)",
             config.model_config.served_model_name,
-            args.host,
-            args.port,
+            _listen_url(args.host, args.port, listeners),
             engine.model_config.max_model_len,
         )
-        # uvicorn re-raises the signal that stopped it once it has drained; the process then
-        # still has the engine to shut down, and exits 0 after that.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _ignore_signal)
-        await server.serve()
+        await server.serve(sockets=listeners)
     finally:
+        if shutdown is not None:
+            shutdown.uninstall()
         engine.shutdown()
         logger.info("Engine shut down.")
 
 
-def _ignore_signal(signum: int, frame: Any) -> None:  # noqa: ARG001
-    """Outside uvicorn's serve loop a stop signal has nothing left to stop."""
+def _listen_url(host: str, port: int, listeners: list[socket.socket] | None) -> str:
+    if listeners:
+        port = listeners[0].getsockname()[1]  # the chosen one, for --port 0
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+# ---- shutdown ----------------------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, leaving SIGTERM and SIGINT to GracefulShutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # NOTE: uvicorn's own handlers end a drain that runs out of time by cancelling the
+        # requests' tasks (truncated streams, a traceback each) and re-raise the signal once
+        # done; GracefulShutdown aborts the requests in the engine instead.
+        yield
+
+
+class GracefulShutdown:
+    """What SIGTERM and SIGINT do while the server runs.
+
+    The first signal makes uvicorn stop accepting connections; running requests get
+    ``timeout_s`` seconds to finish, then the rest are aborted, so their clients get an
+    error (an error event and ``[DONE]`` in a stream, else the response) rather than wait.
+    The server then returns from ``serve`` once every response has ended. A second signal
+    exits the process at once.
+
+    Args:
+        server: the uvicorn server.
+        engine: the engine, killed by a second signal.
+        servings: the handlers whose running requests are aborted.
+        timeout_s: grace period of running requests (seconds); 0 aborts them at once.
+    """
+
+    def __init__(
+        self,
+        server: uvicorn.Server,
+        engine: AsyncLLM | AsyncEmbeddingEngine,
+        servings: list[Any],
+        timeout_s: float,
+    ) -> None:
+        self.server = server
+        self.engine = engine
+        self.servings = servings
+        self.timeout_s = timeout_s
+        self.stopping = False
+        self._exit_signal: int | None = None  # a second signal came: exit, do not drain
+        self._abort_task: asyncio.Task | None = None
+
+    def install(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, self.on_signal, sig)
+
+    def uninstall(self) -> None:
+        """Leave the event loop: from now on (engine shutdown) a signal exits at once."""
+        if self._exit_signal is not None:  # the responses ended before ABORT_FLUSH_S
+            exit_now(self.engine, self._exit_signal)
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, lambda signum, _: exit_now(self.engine, signum))
+        if self._abort_task is not None:
+            self._abort_task.cancel()
+
+    def num_running(self) -> int:
+        return sum(s.num_running() for s in self.servings)
+
+    def on_signal(self, signum: int) -> None:
+        """First signal: stop accepting, abort what still runs after the grace period.
+        Second: abort what runs and exit, after a moment for the aborts to reach clients."""
+        if self.stopping:
+            self._abort_running()
+            self._exit_signal = signum
+            loop = asyncio.get_running_loop()
+            loop.call_later(ABORT_FLUSH_S, exit_now, self.engine, signum)
+            return
+        self.stopping = True
+        logger.info(
+            "%s: shutting down; not accepting new requests; %d running request(s) get %g s "
+            "to finish (a second signal exits at once)",
+            signal.Signals(signum).name,
+            self.num_running(),
+            self.timeout_s,
+        )
+        self.server.should_exit = True
+        self._abort_task = asyncio.get_running_loop().create_task(self._abort_after_timeout())
+
+    async def _abort_after_timeout(self) -> None:
+        if self.timeout_s > 0:
+            await asyncio.sleep(self.timeout_s)
+        aborted = self._abort_running()
+        if aborted:
+            logger.warning(
+                "Shutdown timeout (%g s) reached: aborted %d running request(s)",
+                self.timeout_s,
+                aborted,
+            )
+
+    def _abort_running(self) -> int:
+        return sum(s.abort_running() for s in self.servings)
+
+
+def exit_now(engine: AsyncLLM | AsyncEmbeddingEngine, signum: int) -> NoReturn:
+    """End the process at once (a second stop signal): kill the engine process, exit with
+    128 + ``signum``, without unwinding the running requests (no tracebacks)."""
+    logger.warning("%s again: exiting now", signal.Signals(signum).name)
+    proc = getattr(engine, "engine_proc", None)
+    if proc is not None and proc.is_alive():
+        proc.kill()
+        proc.join(5)
+    with contextlib.suppress(Exception):
+        engine.shutdown()  # sockets and the IPC folder (idempotent)
+    logging.shutdown()
+    os._exit(128 + signum)
 
 
 def parse_json_list(value: str) -> list[str]:

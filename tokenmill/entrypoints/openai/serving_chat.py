@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
+from tokenmill.entrypoints.openai.errors import bad_request
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionLogProb,
@@ -267,9 +267,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _check_not_aborted(self, output: CompletionOutput) -> None:
         if output.finish_reason == "abort":
-            if self.engine.errored:
-                raise engine_dead(self.engine.dead_error or "unknown error")
-            raise OpenAIError("The request was aborted.", 500)
+            raise self.aborted_error()
 
     def _full_response(
         self, request_id: str, final: RequestOutput, num_top: int

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
+from tokenmill.entrypoints.openai.errors import bad_request
 from tokenmill.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -239,9 +239,7 @@ class OpenAIServingCompletion(OpenAIServing):
             text_offset: characters of this choice's text sent before (streaming).
         """
         if c.finish_reason == "abort":
-            if self.engine.errored:
-                raise engine_dead(self.engine.dead_error or "unknown error")
-            raise OpenAIError("The request was aborted.", 500)
+            raise self.aborted_error()
         num_top = request.logprobs or 0
         prefix = self._prompt_text(prompt) if echo else ""
         logprobs = None

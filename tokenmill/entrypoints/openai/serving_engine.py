@@ -9,8 +9,9 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from functools import lru_cache
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
@@ -23,7 +24,11 @@ from tokenmill.entrypoints.openai.errors import (
     engine_dead,
     model_not_found,
 )
-from tokenmill.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    SamplingFields,
+    UsageInfo,
+)
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from tokenmill.tokenizer import ChatTemplateError, get_backend_tokenizer
@@ -41,6 +46,7 @@ T = TypeVar("T")
 MIN_LOGPROB = -9999.0
 # HTTP status logged for a request whose client went away (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
+SHUTTING_DOWN = "The server is shutting down; it takes no new requests."
 
 
 class RequestLogger:
@@ -120,6 +126,9 @@ class OpenAIServing:
         self.default_params = engine.input_processor.default_sampling_params()
         self.priority_scheduling = engine.config.scheduler_config.scheduling_policy == "priority"
         self.token_bytes = TokenBytes(self.tokenizer)
+        # Ids of the requests whose streams this handler has open; aborted at shutdown.
+        self._running: set[str] = set()
+        self._closed = False
 
     def check_model(self, model: str | None) -> None:
         """Raises a 404 OpenAIError unless ``model`` is None or the served model's name."""
@@ -166,6 +175,8 @@ class OpenAIServing:
             default_max = self.model_config.generation_config.get("max_new_tokens")
             if default_max:
                 max_tokens = min(max_tokens, int(default_max))
+        elif max_tokens > 0:
+            self.check_room_for_max_tokens(request, num_prompt_tokens, max_tokens)
         defaults = self.default_params
 
         def pick(value: T | None, default: T) -> T:
@@ -198,7 +209,29 @@ class OpenAIServing:
                 else RequestOutputKind.FINAL_ONLY,
             )
         except SamplingParamsError as e:
-            raise bad_request(str(e), e.param) from None
+            message, param = str(e), e.param
+            if param == "max_tokens":
+                param = max_tokens_field(request)
+                message = message.replace("max_tokens", param, 1)
+            raise bad_request(message, param) from None
+
+    def check_room_for_max_tokens(
+        self, request: SamplingFields, num_prompt_tokens: int, max_tokens: int
+    ) -> None:
+        """Raises a 400 when prompt + ``max_tokens`` exceed the context, naming the fields
+        the client sent (``messages`` or ``prompt``; ``max_completion_tokens`` or
+        ``max_tokens``)."""
+        max_len = self.model_config.max_model_len
+        total = num_prompt_tokens + max_tokens
+        if total <= max_len:
+            return
+        prompt = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+        raise bad_request(
+            f"This model's maximum context length is {max_len} tokens. However, you "
+            f"requested {total} tokens ({num_prompt_tokens} in the {prompt}, {max_tokens} in "
+            f"the completion). Please reduce the length of the {prompt} or completion.",
+            max_tokens_field(request),
+        )
 
     def check_stream_options(self, request: SamplingFields) -> None:
         if request.stream_options is not None and not request.stream:
@@ -226,9 +259,64 @@ class OpenAIServing:
         request_id: str,
         priority: int,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit one prompt (already tokenized) to the engine."""
+        """Submit one prompt (already tokenized) to the engine.
+
+        Raises:
+            OpenAIError: 503, the server is shutting down (``abort_running`` was called).
+        """
+        if self._closed:
+            raise OpenAIError(SHUTTING_DOWN, HTTPStatus.SERVICE_UNAVAILABLE)
         engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids, "prompt": prompt}
-        return self.engine.generate(engine_prompt, params, request_id, priority=priority)
+        stream = self.engine.generate(engine_prompt, params, request_id, priority=priority)
+        return self._tracked(request_id, stream)
+
+    async def _tracked(
+        self, request_id: str, stream: AsyncGenerator[RequestOutput, None]
+    ) -> AsyncIterator[RequestOutput]:
+        """``stream``, counted in ``num_running`` from its first step until it ends."""
+        self._running.add(request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            self._running.discard(request_id)
+            await stream.aclose()
+
+    def aborted_error(self) -> OpenAIError:
+        """The error for a request that ended with finish_reason "abort": the engine died
+        (503), the server is shutting down (503), or it was aborted otherwise (500)."""
+        if self.engine.errored:
+            return engine_dead(self.engine.dead_error or "unknown error")
+        if self._closed:
+            return OpenAIError(
+                "The server is shutting down; the request was aborted.",
+                HTTPStatus.SERVICE_UNAVAILABLE,
+            )
+        return OpenAIError("The request was aborted.", HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    def num_running(self) -> int:
+        """Requests of this handler in the engine now."""
+        return len(self._running)
+
+    def abort_running(self) -> int:
+        """Abort every running request and refuse new ones (503): the server shuts down.
+
+        Each aborted stream ends with finish_reason "abort", which the handler turns into
+        an error for its client. Returns how many requests were aborted.
+        """
+        self._closed = True
+        running = list(self._running)
+        if running:
+            self.engine.abort(running)
+        return len(running)
+
+
+def max_tokens_field(request: SamplingFields) -> str:
+    """The field that carried the request's token limit: chat's ``max_completion_tokens``
+    (which wins when both are given), else ``max_tokens``."""
+    if getattr(request, "max_completion_tokens", None) is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
 
 
 def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -1,0 +1,160 @@
+"""OpenAIServing without a server: the running-request registry that shutdown aborts, and the
+context-length error's wording. A fake engine stands in for AsyncLLM (no model, no process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tokenmill.entrypoints.openai.errors import OpenAIError
+from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, max_tokens_field
+from tokenmill.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 64
+
+
+class FakeEngine:
+    """Streams ``tokens`` outputs per request; ``abort`` ends a stream as AsyncLLM does, with
+    a final output (here the string "abort")."""
+
+    def __init__(self, tokens: int = 3) -> None:
+        self.tokens = tokens
+        self.model_config = SimpleNamespace(
+            served_model_name="fake", max_model_len=MAX_MODEL_LEN, generation_config={}
+        )
+        self.config = SimpleNamespace(scheduler_config=SimpleNamespace(scheduling_policy="fcfs"))
+        self.input_processor = SimpleNamespace(default_sampling_params=SamplingParams)
+        self.errored = False
+        self.dead_error: str | None = None
+        self.aborted: list[str] = []
+        self._queues: dict[str, asyncio.Queue] = {}
+
+    def get_tokenizer(self) -> object:
+        return object()
+
+    async def generate(
+        self, prompt: Any, params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        for i in range(self.tokens):
+            queue.put_nowait(f"token {i}")
+        while True:
+            item = await queue.get()
+            yield item
+            if item == "abort":
+                return
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.aborted.extend(request_ids)
+        for request_id in request_ids:
+            self._queues[request_id].put_nowait("abort")
+
+
+def make_serving(engine: FakeEngine | None = None) -> OpenAIServing:
+    return OpenAIServing(engine or FakeEngine())  # type: ignore[arg-type]
+
+
+def start(serving: OpenAIServing, request_id: str) -> AsyncIterator[Any]:
+    return serving.generate([1, 2], None, SamplingParams(), request_id, 0)
+
+
+def test_streams_count_as_running_until_they_end():
+    async def scenario() -> list[int]:
+        serving = make_serving()
+        stream = start(serving, "a")
+        counts = [serving.num_running()]  # not submitted before it is first awaited
+        await stream.__anext__()
+        counts.append(serving.num_running())
+        await stream.aclose()  # a client that went away
+        counts.append(serving.num_running())
+        return counts
+
+    assert asyncio.run(scenario()) == [0, 1, 0]
+
+
+def test_abort_running_ends_every_stream_and_refuses_new_requests():
+    async def scenario() -> tuple[int, list[str], list[list[Any]], OpenAIError]:
+        engine = FakeEngine(tokens=1)
+        serving = make_serving(engine)
+        streams = [start(serving, rid) for rid in ("a", "b")]
+        for stream in streams:
+            await stream.__anext__()
+        aborted = serving.abort_running()
+        rest = []
+        for stream in streams:
+            rest.append([out async for out in stream])
+        with pytest.raises(OpenAIError) as refused:
+            start(serving, "c")
+        return aborted, engine.aborted, rest, refused.value
+
+    aborted, engine_aborted, rest, refused = asyncio.run(scenario())
+    assert aborted == 2 and sorted(engine_aborted) == ["a", "b"]
+    assert rest == [["abort"], ["abort"]]  # each stream ended, none hangs
+    assert refused.status == 503 and "shutting down" in refused.message
+
+
+def test_aborted_error_says_why():
+    serving = make_serving()
+    assert serving.aborted_error().status == 500
+    serving.abort_running()
+    error = serving.aborted_error()
+    assert error.status == 503 and "shutting down" in error.message
+    serving.engine.errored, serving.engine.dead_error = True, "boom"  # type: ignore[attr-defined]
+    assert serving.aborted_error().code == "engine_dead"
+
+
+def test_abort_running_with_nothing_running_aborts_nothing():
+    engine = FakeEngine()
+    assert make_serving(engine).abort_running() == 0 and engine.aborted == []
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+
+
+@pytest.mark.parametrize(
+    ("request_", "limit", "prompt_word", "param"),
+    [
+        (CompletionRequest(prompt="x", max_tokens=100), 100, "prompt", "max_tokens"),
+        (chat(max_tokens=100), 100, "messages", "max_tokens"),
+        (chat(max_completion_tokens=100), 100, "messages", "max_completion_tokens"),
+        (chat(max_tokens=5, max_completion_tokens=100), 100, "messages", "max_completion_tokens"),
+    ],
+    ids=["completions", "chat max_tokens", "chat max_completion_tokens", "chat both"],
+)
+def test_context_overflow_names_the_fields_the_client_sent(request_, limit, prompt_word, param):
+    serving = make_serving()
+    with pytest.raises(OpenAIError) as raised:
+        serving.build_sampling_params(request_, 3, limit, None)
+    error = raised.value
+    assert error.status == 400 and error.param == param
+    other = "messages" if prompt_word == "prompt" else "prompt"
+    assert f"3 in the {prompt_word}, {limit} in the completion" in error.message
+    assert f"the {other}" not in error.message and str(MAX_MODEL_LEN) in error.message
+
+
+def test_a_request_that_fits_exactly_is_accepted():
+    params = make_serving().build_sampling_params(
+        CompletionRequest(prompt="x"), 4, MAX_MODEL_LEN - 4, None
+    )
+    assert params.max_tokens == MAX_MODEL_LEN - 4
+
+
+def test_invalid_max_completion_tokens_is_reported_under_its_name():
+    with pytest.raises(OpenAIError) as raised:
+        make_serving().build_sampling_params(chat(max_completion_tokens=0), 3, 0, None)
+    assert raised.value.param == "max_completion_tokens"
+    assert "max_completion_tokens" in raised.value.message
+
+
+def test_max_tokens_field():
+    assert max_tokens_field(CompletionRequest(prompt="x", max_tokens=3)) == "max_tokens"
+    assert max_tokens_field(chat()) == "max_tokens"
+    assert max_tokens_field(chat(max_completion_tokens=3)) == "max_completion_tokens"
