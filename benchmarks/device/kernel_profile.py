@@ -10,26 +10,13 @@ from __future__ import annotations
 import sys
 import time
 
-import numpy as np
 import torch
+from profile_step import offline_workload  # this folder is on sys.path as the script's own
 from torch.profiler import ProfilerActivity, profile
-
-from tokenmill import LLM, SamplingParams
 
 
 def main() -> None:
-    model = sys.argv[1]
-    n = int(sys.argv[2]) if len(sys.argv) > 2 else 300
-    in_len = int(sys.argv[3]) if len(sys.argv) > 3 else 1024
-    out_len = int(sys.argv[4]) if len(sys.argv) > 4 else 256
-    llm = LLM(model, load_format="dummy")
-    rng = np.random.default_rng(0)
-    vocab = llm.llm_engine.config.model_config.vocab_size
-    prompts = [
-        {"prompt_token_ids": rng.integers(0, vocab - 1000, in_len).tolist()} for _ in range(n)
-    ]
-    params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=out_len)
-    llm.generate(prompts[:64], params, use_tqdm=False)
+    llm, prompts, params, n, in_len, out_len = offline_workload(sys.argv, 300, 1024, 256, 64)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)

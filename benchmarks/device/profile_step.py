@@ -17,19 +17,28 @@ import numpy as np
 from tokenmill import LLM, SamplingParams
 
 
-def main() -> None:
-    model = sys.argv[1]
-    n = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
-    in_len = int(sys.argv[3]) if len(sys.argv) > 3 else 256
-    out_len = int(sys.argv[4]) if len(sys.argv) > 4 else 256
-    llm = LLM(model, load_format="dummy")
+def offline_workload(
+    argv: list[str], default_n: int, default_in: int, default_out: int, warm_up: int = 32
+) -> tuple[LLM, list[dict], SamplingParams, int, int, int]:
+    """``MODEL_DIR [NUM_PROMPTS] [IN] [OUT]`` from ``argv``: a dummy-weight LLM warmed up on
+    ``warm_up`` prompts, random token prompts and ``ignore_eos`` sampling parameters (as
+    ``tokenmill bench throughput``'s random dataset)."""
+    n = int(argv[2]) if len(argv) > 2 else default_n
+    in_len = int(argv[3]) if len(argv) > 3 else default_in
+    out_len = int(argv[4]) if len(argv) > 4 else default_out
+    llm = LLM(argv[1], load_format="dummy")
     rng = np.random.default_rng(0)
     vocab = llm.llm_engine.config.model_config.vocab_size
     prompts = [
         {"prompt_token_ids": rng.integers(0, vocab - 1000, in_len).tolist()} for _ in range(n)
     ]
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=out_len)
-    llm.generate(prompts[:32], params, use_tqdm=False)
+    llm.generate(prompts[:warm_up], params, use_tqdm=False)
+    return llm, prompts, params, n, in_len, out_len
+
+
+def main() -> None:
+    llm, prompts, params, n, in_len, out_len = offline_workload(sys.argv, 1000, 256, 256)
     prof = cProfile.Profile()
     start = time.perf_counter()
     prof.enable()
