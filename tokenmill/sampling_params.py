@@ -8,11 +8,29 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 # Temperatures below this are greedy decoding (vLLM uses the same epsilon).
 SAMPLING_EPS = 1e-5
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_INT32_MAX = 2**31 - 1
+_FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty",
+)  # fmt: skip
+_INT_FIELDS = ("n", "best_of", "top_k", "max_tokens", "min_tokens", "logprobs",
+               "prompt_logprobs", "seed")  # fmt: skip
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 MAX_LOGPROBS_DEFAULT = 20
 
 
@@ -125,6 +143,8 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self.output_kind = RequestOutputKind(self.output_kind)
         self._verify()
+        if self.top_k > _INT32_MAX:
+            self.top_k = 0  # more than any vocabulary: no truncation, as vLLM treats it
         if self.temperature < SAMPLING_EPS:
             # Greedy: the truncation filters cannot change the argmax.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -134,7 +154,21 @@ class SamplingParams:
             if not ok:
                 raise SamplingParamsError(message, param)
 
-        check(isinstance(self.n, int) and self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            check(
+                _is_real(value) and math.isfinite(value),
+                name,
+                f"{name} must be a finite number, got {value!r}.",
+            )
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            check(
+                value is None or _is_int(value),
+                name,
+                f"{name} must be an integer, got {value!r}.",
+            )
+        check(self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
         check(
             isinstance(self.best_of, int) and self.best_of >= self.n,
             "best_of",
@@ -145,7 +179,8 @@ class SamplingParams:
             value = getattr(self, name)
             check(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}.")
         check(
-            self.repetition_penalty > 0.0,
+            # float32 (the sampler's precision) must not round it to zero
+            self.repetition_penalty >= _FLOAT32_TINY,
             "repetition_penalty",
             f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
         )
@@ -156,7 +191,7 @@ class SamplingParams:
         )
         check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}.")
         check(
-            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+            self.top_k >= 0 or self.top_k == -1,
             "top_k",
             f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.",
         )
@@ -204,9 +239,10 @@ class SamplingParams:
                 "allowed_token_ids must not be empty.",
             )
         check(
-            self.seed is None or isinstance(self.seed, int),
+            self.seed is None or _INT64_MIN <= self.seed <= _INT64_MAX - (self.best_of - 1),
             "seed",
-            f"seed must be an integer, got {self.seed!r}.",
+            f"seed must be a 64-bit signed integer (with room for seed + n - 1), "
+            f"got {self.seed!r}.",
         )
 
     def verify_for_model(self, vocab_size: int, max_logprobs: int) -> None:

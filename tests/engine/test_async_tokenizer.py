@@ -22,3 +22,21 @@ def test_batched_encode_equals_encode(smollm2_tokenizer):
     with_special, without = asyncio.run(run())
     assert with_special == [smollm2_tokenizer.encode(t) for t in texts]
     assert without == [smollm2_tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def test_one_untokenizable_text_fails_only_its_own_request(smollm2_tokenizer):
+    from tokenmill.engine.input_processor import InvalidRequestError
+
+    texts = ["fine", "evil \ud800", "also fine"]
+
+    async def run():
+        tok = AsyncTokenizer(smollm2_tokenizer)
+        try:
+            return await asyncio.gather(*(tok.encode(t) for t in texts), return_exceptions=True)
+        finally:
+            tok.shutdown()
+
+    good, bad, also_good = asyncio.run(run())
+    assert good == smollm2_tokenizer.encode("fine")
+    assert also_good == smollm2_tokenizer.encode("also fine")
+    assert isinstance(bad, InvalidRequestError)

@@ -480,3 +480,10 @@ def test_forward_has_no_host_device_sync() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert out.sampled_token_ids.device.type == "cuda"
     assert 1 <= int(out.sampled_token_ids[2]) <= 3
+
+
+def test_top_p_below_float32_range_keeps_the_top_token() -> None:
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(6))
+    meta = _meta([SamplingParams(top_p=1e-46)] * 2)
+    sampled = Sampler()(logits, meta).sampled_token_ids
+    assert sampled.tolist() == logits.argmax(dim=-1).tolist()

@@ -286,13 +286,16 @@ class AsyncLLM:
             priority=priority,
             validate_max_tokens=validate_max_tokens,
         )
+        # Encode every engine request before registering any: one that cannot be sent
+        # must not leave its siblings running in the engine unobserved.
+        messages = [_encoder.encode(req) for req in processed.engine_requests]
         collector = RequestOutputCollector(processed.params.output_kind)
         self.output_processor.add_request(processed, processed.params, collector)
         self._collectors[request_id] = collector
-        for req in processed.engine_requests:
-            self._input_sock.send_multipart([MSG_ADD, _encoder.encode(req)])
         finished = False
         try:
+            for message in messages:
+                self._input_sock.send_multipart([MSG_ADD, message])
             while not finished:
                 out = await collector.get()
                 finished = out.finished

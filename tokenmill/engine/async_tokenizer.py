@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transformers import PreTrainedTokenizerBase
 
+from tokenmill.engine.input_processor import InvalidRequestError
 from tokenmill.tokenizer import encode_prompt, get_backend_tokenizer
 
 
@@ -54,14 +55,30 @@ class AsyncTokenizer:
                 texts = [t for t, _ in group]
                 try:
                     ids = await loop.run_in_executor(self._executor, self._encode, texts, special)
-                except Exception as e:  # a tokenizer error fails the batch's requests
-                    for _, future in group:
-                        if not future.done():
-                            future.set_exception(e)
+                except Exception:
+                    # One bad text (e.g. a lone surrogate) fails the whole batch call: encode
+                    # one by one so that only its own request gets the error.
+                    await self._encode_each(group, special)
                     continue
                 for (_, future), row in zip(group, ids, strict=True):
                     if not future.done():
                         future.set_result(row)
+
+    async def _encode_each(
+        self, group: list[tuple[str, asyncio.Future[list[int]]]], special: bool
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        for text, future in group:
+            try:
+                [row] = await loop.run_in_executor(self._executor, self._encode, [text], special)
+            except Exception as e:
+                if not future.done():
+                    future.set_exception(
+                        InvalidRequestError(f"the prompt could not be tokenized: {e}")
+                    )
+                continue
+            if not future.done():
+                future.set_result(row)
 
     def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         if self._backend is None:

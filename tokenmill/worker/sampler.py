@@ -372,6 +372,7 @@ def apply_top_k_top_p(
     mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
     # NOTE: rounding can push mass_above past 1.0 at the tail; rows at 1.0 must keep all.
     drop = (mass_above >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop[:, 0] = False  # a top_p that float32 rounds to 0 must still keep the top token
     sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     return torch.full_like(logits, _NEG_INF).scatter_(1, sorted_ids, sorted_logits)
 

@@ -44,6 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
 from tokenmill.engine.embedding_engine import AsyncEmbeddingEngine
+from tokenmill.engine.input_processor import InvalidRequestError
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -69,7 +70,11 @@ from tokenmill.entrypoints.openai.serving_embedding import (
     OpenAIServingEmbedding,
     not_generative,
 )
-from tokenmill.entrypoints.openai.serving_engine import RequestLogger, cancel_on_disconnect
+from tokenmill.entrypoints.openai.serving_engine import (
+    RequestLogger,
+    cancel_on_disconnect,
+    to_openai_error,
+)
 from tokenmill.metrics import LoggingStatLogger, PrometheusStatLogger, make_registry
 from tokenmill.version import __version__
 
@@ -244,6 +249,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         body = error_body(str(exc.detail), error_type(exc.status_code))
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
+    async def on_invalid_request(_: Request, exc: Exception) -> Response:
+        # Raised outside a handler's own error mapping (e.g. by the tokenizer): still a 400.
+        return to_openai_error(exc).to_response()
+
     async def on_unexpected(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error", exc_info=exc)
         err = OpenAIError(f"Internal server error: {type(exc).__name__}: {exc}", 500)
@@ -252,6 +261,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, on_openai_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(InvalidRequestError, on_invalid_request)
     app.add_exception_handler(Exception, on_unexpected)
 
 

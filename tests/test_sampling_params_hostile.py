@@ -1,0 +1,35 @@
+"""SamplingParams rejects values that would crash or silently break the engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tokenmill.sampling_params import SamplingParams, SamplingParamsError
+
+
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        (dict(temperature=math.inf), "temperature"),
+        (dict(temperature="0.5"), "temperature"),
+        (dict(presence_penalty=None), "presence_penalty"),
+        (dict(top_p=math.nan), "top_p"),
+        (dict(repetition_penalty=1e-46), "repetition_penalty"),
+        (dict(n="2"), "n"),
+        (dict(n=True), "n"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(seed=2**64 - 1), "seed"),
+        (dict(seed=2**63 - 1, n=2), "seed"),
+    ],
+)
+def test_rejected_with_the_field_named(kwargs, param):
+    with pytest.raises(SamplingParamsError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+
+
+def test_top_k_beyond_any_vocabulary_disables_truncation():
+    assert SamplingParams(top_k=2**63).top_k == 0
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
