@@ -12,7 +12,6 @@ attention, five local to one global by default. Final logits are soft-capped
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -21,12 +20,12 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.attention import Attention
-from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding, get_rope
 from tokenmill.model.loader.hf_config import HFConfig
-from tokenmill.model.loader.weights import load_model_weights
+from tokenmill.model.models.decoder import DecoderForCausalLM, DecoderModel
 from tokenmill.model.models.llama import LlamaForCausalLM, LlamaMLP
 
 SLIDING = "sliding_attention"
@@ -157,7 +156,7 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(DecoderModel):
     """Scaled embedding, decoder layers and final norm: ids ``[T]`` -> hidden ``[T, H]``."""
 
     def __init__(
@@ -189,20 +188,13 @@ class Gemma3Model(nn.Module):
             max_model_len=max_model_len,
         )
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # The scale is rounded to the activations' dtype first, as transformers does.
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
 
 
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(DecoderForCausalLM):
     """Gemma 3 causal LM (text-only checkpoints, ``model_type`` gemma3_text).
 
     ``forward(input_ids [T] int64, positions [T] int64, metadata) -> hidden [T, H]``;
@@ -212,28 +204,11 @@ class Gemma3ForCausalLM(nn.Module):
 
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
     gguf_permuted_qk = False
+    tie_word_embeddings_default = True
 
     def __init__(self, model_config: ModelConfig, backend: type[AttentionBackend]) -> None:
-        super().__init__()
-        config = model_config.hf_config
-        self.config = config
-        self.model = Gemma3Model(config, model_config.max_model_len, backend)
-        self.lm_head = LMHead(
-            config.vocab_size, config.hidden_size, soft_cap=config.get("final_logit_softcapping")
+        super().__init__(model_config)
+        self.attach(
+            Gemma3Model(self.config, model_config.max_model_len, backend),
+            soft_cap=self.config.get("final_logit_softcapping"),
         )
-        if config.get("tie_word_embeddings", True):
-            self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
-    ) -> None:
-        skip = ("lm_head.weight",) if self.config.get("tie_word_embeddings", True) else ()
-        load_model_weights(self, weights, self.stacked_params_mapping, skip=skip, source=source)

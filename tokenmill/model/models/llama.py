@@ -6,8 +6,6 @@ Pre-norm decoder layers: RMSNorm -> attention (merged QKV, RoPE, GQA, paged KV) 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -15,7 +13,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.activation import get_act_and_mul
 from tokenmill.model.layers.attention import Attention
-from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -24,7 +22,7 @@ from tokenmill.model.layers.linear import (
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import get_rope
 from tokenmill.model.loader.hf_config import HFConfig
-from tokenmill.model.loader.weights import load_model_weights
+from tokenmill.model.models.decoder import DecoderForCausalLM, DecoderModel
 
 
 def layer_sliding_window(config: HFConfig, layer_idx: int) -> int | None:
@@ -147,7 +145,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     """Embedding, decoder layers and the final norm: ids ``[T]`` -> hidden ``[T, H]``."""
 
     def __init__(
@@ -166,25 +164,10 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6))
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
+class LlamaForCausalLM(DecoderForCausalLM):
+    """Llama-family causal LM (interface: ``DecoderForCausalLM``)."""
 
-class LlamaForCausalLM(nn.Module):
-    """Llama-family causal LM.
-
-    ``forward(input_ids [T] int64, positions [T] int64, metadata) -> hidden [T, H]``;
-    ``compute_logits(hidden [N, H]) -> [N, vocab]``.
-    """
-
-    # checkpoint name part -> (our merged parameter, shard id)
     stacked_params_mapping = [
         ("qkv_proj", "q_proj", "q"),
         ("qkv_proj", "k_proj", "k"),
@@ -196,34 +179,17 @@ class LlamaForCausalLM(nn.Module):
     gguf_permuted_qk = True
 
     def __init__(self, model_config: ModelConfig, backend: type[AttentionBackend]) -> None:
-        super().__init__()
-        config = model_config.hf_config
-        self.config = config
-        qkv_bias, o_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, model_config.max_model_len, backend, qkv_bias, o_bias)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
-        if config.get("tie_word_embeddings", False):
-            self.lm_head.tie_to(self.model.embed_tokens)
+        super().__init__(model_config)
+        qkv_bias, o_bias = self.attention_biases(self.config)
+        self.attach(
+            LlamaModel(self.config, model_config.max_model_len, backend, qkv_bias, o_bias)
+        )
 
     @staticmethod
     def attention_biases(config: HFConfig) -> tuple[bool, bool]:
         """(bias on q/k/v, bias on o_proj) for this config."""
         bias = bool(config.get("attention_bias", False))
         return bias, bias
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
-    ) -> None:
-        skip = ("lm_head.weight",) if self.config.get("tie_word_embeddings", False) else ()
-        load_model_weights(self, weights, self.stacked_params_mapping, skip=skip, source=source)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -5,19 +5,17 @@ of ``num_local_experts`` SwiGLU experts in place of the MLP; each token goes to 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
-from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.fused_moe import FusedMoE
 from tokenmill.model.layers.linear import ReplicatedLinear
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.loader.hf_config import HFConfig
-from tokenmill.model.loader.weights import load_model_weights
+from tokenmill.model.models.decoder import DecoderForCausalLM, DecoderModel
 from tokenmill.model.models.llama import LlamaAttention
 
 
@@ -73,7 +71,7 @@ class MixtralDecoderLayer(nn.Module):
         return self.block_sparse_moe(hidden), residual
 
 
-class MixtralModel(nn.Module):
+class MixtralModel(DecoderModel):
     """Embedding, decoder layers and final norm: ids ``[T]`` -> hidden ``[T, H]``."""
 
     def __init__(
@@ -87,18 +85,8 @@ class MixtralModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-5))
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
-
-class MixtralForCausalLM(nn.Module):
+class MixtralForCausalLM(DecoderForCausalLM):
     """Mixtral causal LM.
 
     ``forward(input_ids [T] int64, positions [T] int64, metadata) -> hidden [T, H]``;
@@ -108,30 +96,12 @@ class MixtralForCausalLM(nn.Module):
     """
 
     def __init__(self, model_config: ModelConfig, backend: type[AttentionBackend]) -> None:
-        super().__init__()
-        config = model_config.hf_config
-        self.config = config
-        self.model = MixtralModel(config, model_config.max_model_len, backend)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
-        if config.get("tie_word_embeddings", False):
-            self.lm_head.tie_to(self.model.embed_tokens)
+        super().__init__(model_config)
+        config = self.config
+        self.attach(MixtralModel(config, model_config.max_model_len, backend))
         self.stacked_params_mapping = [
             *FusedMoE.expert_params_mapping(config.num_local_experts, "w1", "w3", "w2"),
             ("qkv_proj", "q_proj", "q"),
             ("qkv_proj", "k_proj", "k"),
             ("qkv_proj", "v_proj", "v"),
         ]
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
-    ) -> None:
-        skip = ("lm_head.weight",) if self.config.get("tie_word_embeddings", False) else ()
-        load_model_weights(self, weights, self.stacked_params_mapping, skip=skip, source=source)

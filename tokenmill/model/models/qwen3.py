@@ -7,17 +7,17 @@ reuses the attention, the layers and the model loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
-from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.loader.hf_config import HFConfig
-from tokenmill.model.loader.weights import load_model_weights
+from tokenmill.model.models.decoder import DecoderForCausalLM, DecoderModel
 from tokenmill.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 MLPFactory = Callable[[int], nn.Module]
@@ -90,7 +90,7 @@ class Qwen3DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class Qwen3Model(nn.Module):
+class Qwen3Model(DecoderModel):
     """Embedding, decoder layers and final norm: ids ``[T]`` -> hidden ``[T, H]``.
 
     Args:
@@ -112,18 +112,8 @@ class Qwen3Model(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6))
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
-
-class Qwen3ForCausalLM(nn.Module):
+class Qwen3ForCausalLM(DecoderForCausalLM):
     """Qwen3 dense causal LM.
 
     ``forward(input_ids [T] int64, positions [T] int64, metadata) -> hidden [T, H]``;
@@ -134,28 +124,9 @@ class Qwen3ForCausalLM(nn.Module):
     gguf_permuted_qk = False
 
     def __init__(self, model_config: ModelConfig, backend: type[AttentionBackend]) -> None:
-        super().__init__()
-        config = model_config.hf_config
-        self.config = config
-        self.model = Qwen3Model(config, model_config.max_model_len, backend, self._make_mlp)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
-        if config.get("tie_word_embeddings", False):
-            self.lm_head.tie_to(self.model.embed_tokens)
+        super().__init__(model_config)
+        self.attach(Qwen3Model(self.config, model_config.max_model_len, backend, self._make_mlp))
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         c = self.config
         return LlamaMLP(c.hidden_size, c.intermediate_size, c.get("hidden_act", "silu"), False)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
-    ) -> None:
-        skip = ("lm_head.weight",) if self.config.get("tie_word_embeddings", False) else ()
-        load_model_weights(self, weights, self.stacked_params_mapping, skip=skip, source=source)

@@ -1,0 +1,92 @@
+"""What every decoder-only model here shares: the layer stack and the causal-LM shell.
+
+A family's file defines its decoder layer and builds ``embed_tokens``, ``layers`` and
+``norm`` in a ``DecoderModel`` subclass (the submodule names are the checkpoints'); its
+``DecoderForCausalLM`` subclass builds that model and calls ``attach``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.model.attention.backend import AttentionMetadata
+from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.model.loader.weights import load_model_weights
+
+
+class DecoderModel(nn.Module):
+    """Embedding, pre-norm decoder layers and the final norm: ids ``[T]`` -> hidden ``[T, H]``.
+
+    Subclasses set ``embed_tokens``, ``layers`` (each called as ``layer(positions, hidden,
+    residual, metadata) -> (hidden, residual)``) and ``norm`` (an RMSNorm that adds the
+    residual first).
+    """
+
+    embed_tokens: VocabEmbedding
+    layers: nn.ModuleList
+    norm: nn.Module
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings ``[T, H]`` (families that scale them override this)."""
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    """A ``DecoderModel`` under an LM head (tied to the embedding when configured).
+
+    ``forward(input_ids [T] int64, positions [T] int64, metadata) -> hidden [T, H]``;
+    ``compute_logits(hidden [N, H]) -> [N, vocab]``.
+    """
+
+    # checkpoint name part -> (our merged parameter, shard id); see ``load_model_weights``
+    stacked_params_mapping: list[tuple[str, str, Any]] = []
+    # ``tie_word_embeddings`` when the config does not say
+    tie_word_embeddings_default = False
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__()
+        self.config = model_config.hf_config
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", self.tie_word_embeddings_default))
+
+    def attach(self, model: DecoderModel, soft_cap: float | None = None) -> None:
+        """Take ``model`` as ``self.model`` and build the LM head over it.
+
+        Args:
+            soft_cap: final logit soft-capping, if the family uses it.
+        """
+        self.model = model
+        self.lm_head = LMHead(self.config.vocab_size, self.config.hidden_size, soft_cap=soft_cap)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(model.embed_tokens)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
+    ) -> None:
+        skip = ("lm_head.weight",) if self.tie_word_embeddings else ()
+        load_model_weights(self, weights, self.stacked_params_mapping, skip=skip, source=source)
