@@ -19,6 +19,38 @@ from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.model.loader.weights import load_model_weights
 
 
+class PreNormDecoderLayer(nn.Module):
+    """RMSNorm -> attention -> RMSNorm -> feed-forward, the residual adds fused into the norms.
+
+    Subclasses set ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and
+    ``mlp`` (or override ``feed_forward``). Shapes: hidden and residual ``[T, H]``; the first
+    layer gets ``residual=None`` and starts the residual stream.
+    """
+
+    input_layernorm: nn.Module
+    self_attn: nn.Module
+    post_attention_layernorm: nn.Module
+
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mlp(hidden)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.feed_forward(hidden), residual
+
+
 class DecoderModel(nn.Module):
     """Embedding, pre-norm decoder layers and the final norm: ids ``[T]`` -> hidden ``[T, H]``.
 

@@ -22,7 +22,11 @@ from tokenmill.model.layers.linear import (
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import get_rope
 from tokenmill.model.loader.hf_config import HFConfig
-from tokenmill.model.models.decoder import DecoderForCausalLM, DecoderModel
+from tokenmill.model.models.decoder import (
+    DecoderForCausalLM,
+    DecoderModel,
+    PreNormDecoderLayer,
+)
 
 
 def layer_sliding_window(config: HFConfig, layer_idx: int) -> int | None:
@@ -104,7 +108,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, metadata))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     """One pre-norm transformer block; carries the residual stream separately."""
 
     def __init__(
@@ -127,22 +131,6 @@ class LlamaDecoderLayer(nn.Module):
             config.get("hidden_act", "silu"),
             bias=config.get("mlp_bias", False),
         )
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class LlamaModel(DecoderModel):

@@ -9,13 +9,17 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.model.attention.backend import AttentionBackend
 from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.fused_moe import FusedMoE
 from tokenmill.model.layers.linear import ReplicatedLinear
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.loader.hf_config import HFConfig
-from tokenmill.model.models.decoder import DecoderForCausalLM, DecoderModel
+from tokenmill.model.models.decoder import (
+    DecoderForCausalLM,
+    DecoderModel,
+    PreNormDecoderLayer,
+)
 from tokenmill.model.models.llama import LlamaAttention
 
 
@@ -37,7 +41,7 @@ class MixtralSparseMoeBlock(nn.Module):
         return self.experts(hidden, self.gate(hidden))
 
 
-class MixtralDecoderLayer(nn.Module):
+class MixtralDecoderLayer(PreNormDecoderLayer):
     """Pre-norm block: attention then the MoE block; residual carried apart."""
 
     def __init__(
@@ -54,21 +58,8 @@ class MixtralDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.block_sparse_moe = MixtralSparseMoeBlock(config)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.block_sparse_moe(hidden), residual
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(hidden)
 
 
 class MixtralModel(DecoderModel):

@@ -17,7 +17,11 @@ from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadat
 from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.loader.hf_config import HFConfig
-from tokenmill.model.models.decoder import DecoderForCausalLM, DecoderModel
+from tokenmill.model.models.decoder import (
+    DecoderForCausalLM,
+    DecoderModel,
+    PreNormDecoderLayer,
+)
 from tokenmill.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 MLPFactory = Callable[[int], nn.Module]
@@ -51,7 +55,7 @@ class Qwen3Attention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v, metadata))
 
 
-class Qwen3DecoderLayer(nn.Module):
+class Qwen3DecoderLayer(PreNormDecoderLayer):
     """Pre-norm block ``x + attn(norm(x))``, then ``+ mlp(norm(.))``; residual carried apart.
 
     Args:
@@ -72,22 +76,6 @@ class Qwen3DecoderLayer(nn.Module):
         self.self_attn = Qwen3Attention(config, layer_idx, max_model_len, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.mlp = mlp
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class Qwen3Model(DecoderModel):
