@@ -215,9 +215,10 @@ class RequestState:
     ) -> CompletionOutput | None:
         """This step's CompletionOutput under the request's output kind, or None for none.
 
-        DELTA outputs carry the tokens and logprobs since the last output; a step that
-        adds no text (held back, or an incomplete character) emits nothing unless it
-        finishes the request, and its tokens go out with the next output.
+        DELTA outputs carry the tokens, text and logprobs since the last output. A step
+        that adds tokens but no text (text held back for a possible stop string, or an
+        incomplete character) still emits an output, with empty text, as vLLM does: a
+        stream's first chunk then marks the first token, whatever its text.
         """
         finished = finish_reason is not None
         kind = self.output_kind
@@ -227,7 +228,7 @@ class RequestState:
         text = self.detokenizer.get_next_output_text(finished, delta)
         if delta:
             new_tokens = len(self.token_ids) > self._sent_tokens
-            progressed = bool(text) or (not self.detokenize and new_tokens)
+            progressed = new_tokens or bool(text)
             if not (finished or progressed):
                 return None
             token_ids = self.token_ids[self._sent_tokens :]
