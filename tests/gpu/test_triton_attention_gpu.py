@@ -235,3 +235,35 @@ def test_decode_cuda_graph_replays_with_new_lengths():
         )
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
     check(steps[0])
+
+
+def test_no_compile_for_new_batch_shapes():
+    """Once warm, steps with other decode counts, split counts and context lengths reuse the
+    compiled kernels: a compile in the middle of serving stalls the engine for most of a
+    second (split counts and strides were once specialization keys)."""
+    import triton
+
+    compiles: list[str] = []
+
+    def hook(*args, **kwargs) -> None:
+        fn = kwargs.get("fn")
+        compiles.append(getattr(fn, "name", repr(fn)))
+
+    def batch(num_decodes: int, ctx: int, seed: int) -> Batch:
+        q_lens = [1] * num_decodes + [37, 250]
+        ctx_lens = [ctx + 13 * i for i in range(num_decodes)] + [0, 2000]
+        return make_batch(
+            q_lens, ctx_lens, num_heads=32, num_kv_heads=8, head_dim=128,
+            dtype=torch.bfloat16, num_decodes=num_decodes, seed=seed,
+        )  # fmt: skip
+
+    check(batch(1, 3000, 0))  # warm: one decode, split context, and a prompt chunk
+    check(batch(64, 100, 1))  # warm: one split
+    old = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        for seed, (num_decodes, ctx) in enumerate([(2, 5000), (3, 700), (5, 9000), (17, 40)]):
+            check(batch(num_decodes, ctx, seed + 2))
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = old
+    assert not compiles, f"kernels compiled again for new batch shapes: {compiles}"

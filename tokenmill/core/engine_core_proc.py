@@ -40,7 +40,8 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 class _StepLog:
-    """Debug aid (TOKENMILL_LOG_STEP_STATS=1): step durations and output counts, every 5 s."""
+    """Debug aid (TOKENMILL_LOG_STEP_STATS=1): step durations, output counts and the Triton
+    kernels compiled while serving (each one stalls a step), every 5 s."""
 
     INTERVAL_S = 5.0
 
@@ -48,6 +49,16 @@ class _StepLog:
         self.durations: list[float] = []
         self.outputs = 0
         self.last = time.monotonic()
+        self.compiled: list[str] = []
+        try:
+            import triton
+        except ImportError:
+            return
+        triton.knobs.runtime.jit_post_compile_hook = self._on_compile
+
+    def _on_compile(self, *args: Any, **kwargs: Any) -> None:
+        fn = kwargs.get("fn")
+        self.compiled.append(getattr(fn, "name", "?"))
 
     def record(self, duration_s: float, num_outputs: int) -> None:
         self.durations.append(duration_s)
@@ -56,11 +67,13 @@ class _StepLog:
             d = sorted(self.durations)
             logger.info(
                 "Engine steps: %d in %.1f s, mean %.2f ms, p50 %.2f ms, max %.2f ms, "
-                "%.1f request outputs per step",
+                "%.1f request outputs per step; kernels compiled: %s",
                 len(d), time.monotonic() - self.last, 1e3 * sum(d) / len(d),
                 1e3 * d[len(d) // 2], 1e3 * d[-1], self.outputs / len(d),
+                ", ".join(self.compiled) or "none",
             )
             self.durations, self.outputs, self.last = [], 0, time.monotonic()
+            self.compiled = []
 
 
 class EngineCoreProc:

@@ -330,21 +330,21 @@ class TritonAttentionImpl(AttentionImpl):
         kernels.decode_attention_kernel[grid](
             out, part_out, part_lse, query, k_cache, v_cache,
             metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0,
+            num_splits=num_splits,
             stride_qt=query.stride(0), stride_ot=out.stride(0),
             stride_bt=metadata.block_table.stride(0),
             stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
             stride_pr=part_out.stride(0), stride_ph=part_out.stride(1),
             stride_lr=part_lse.stride(0), stride_lh=part_lse.stride(1),
-            GROUP_P=_pow2(args["GROUP"], 16), BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
+            GROUP_P=_pow2(args["GROUP"], 16), BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args,
         )  # fmt: skip
         if num_splits > 1:
             kernels.decode_reduce_kernel[(plan.num_decodes, self.num_heads)](
-                out, part_out, part_lse, metadata.query_start_loc, 0,
+                out, part_out, part_lse, metadata.query_start_loc, 0, num_splits,
                 out.stride(0), part_out.stride(0), part_out.stride(1),
                 part_lse.stride(0), part_lse.stride(1),
-                HEAD_DIM=self.head_dim, D_P=args["D_P"], NUM_SPLITS=num_splits,
-                S_P=_pow2(num_splits), num_warps=4,
+                HEAD_DIM=self.head_dim, D_P=args["D_P"], S_P=_pow2(MAX_SPLITS), num_warps=4,
             )  # fmt: skip
 
     def _varlen(

@@ -142,7 +142,14 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["req_offset", "window"])
+# NOTE: every integer that changes from step to step is a runtime argument excluded from
+# Triton's specialization (on 1 and on divisibility by 16): a new value must never trigger a
+# compile in the middle of serving (each one stalls the engine for most of a second).
+@triton.jit(
+    do_not_specialize=[
+        "req_offset", "window", "num_splits", "stride_pr", "stride_ph", "stride_lr", "stride_lh"
+    ]
+)
 def decode_attention_kernel(
     out_ptr,
     part_out_ptr,
@@ -157,6 +164,7 @@ def decode_attention_kernel(
     sm_scale,
     soft_cap,
     window,
+    num_splits,
     stride_qt,
     stride_ot,
     stride_bt,
@@ -173,7 +181,6 @@ def decode_attention_kernel(
     D_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -181,7 +188,7 @@ def decode_attention_kernel(
     """Flash-decoding: program (request, KV head, split) attends one query token's
     ``GROUP`` heads over its split of the context.
 
-    The context's key tiles are dealt evenly to ``NUM_SPLITS`` programs from the device
+    The context's key tiles are dealt evenly to ``num_splits`` programs from the device
     ``seq_lens``, so the grid does not depend on context lengths. With one split the result
     goes straight to ``out``; otherwise each split writes its normalized partial output
     ``[D]`` and log2-sum-exp to ``part_out[r, head, split]`` / ``part_lse[r, head, split]``
@@ -214,7 +221,7 @@ def decode_attention_kernel(
         kv_lo = tl.maximum(seq_len - window, 0)
     lo = kv_lo // BLOCK_N * BLOCK_N
     tiles = tl.cdiv(seq_len - lo, BLOCK_N)
-    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tiles, num_splits)
     start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
@@ -228,7 +235,7 @@ def decode_attention_kernel(
         True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
@@ -239,13 +246,19 @@ def decode_attention_kernel(
         tl.store(lse_ptrs, lse, mask=g < GROUP)
 
 
-@triton.jit(do_not_specialize=["req_offset"])
+_REDUCE_RUNTIME_INTS = [
+    "req_offset", "num_splits", "stride_pr", "stride_ph", "stride_lr", "stride_lh"
+]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_REDUCE_RUNTIME_INTS)
 def decode_reduce_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
     query_start_loc_ptr,
     req_offset,
+    num_splits,
     stride_ot,
     stride_pr,
     stride_ph,
@@ -253,7 +266,6 @@ def decode_reduce_kernel(
     stride_lh,
     HEAD_DIM: tl.constexpr,
     D_P: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     S_P: tl.constexpr,
 ):
     """Program (request, head): combine the splits' partial outputs, each weighted by
@@ -267,12 +279,12 @@ def decode_reduce_kernel(
     s = tl.arange(0, S_P)
     d = tl.arange(0, D_P)
     lse_ptrs = part_lse_ptr + r * stride_lr + head * stride_lh + s
-    lse = tl.load(lse_ptrs, mask=s < NUM_SPLITS, other=float("-inf"))
+    lse = tl.load(lse_ptrs, mask=s < num_splits, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     total = tl.sum(w, 0)
-    mask = (s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :]
+    mask = (s < num_splits)[:, None] & (d < HEAD_DIM)[None, :]
     base = r.to(tl.int64) * stride_pr + head * stride_ph
     parts = tl.load(part_out_ptr + base + s[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
