@@ -1,4 +1,4 @@
-"""AsyncTokenizer gives transformers' ids, micro-batched off the event loop."""
+"""AsyncTokenizer gives transformers' ids, encoded off the event loop in a thread pool."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import asyncio
 from tokenmill.engine.async_tokenizer import AsyncTokenizer
 
 
-def test_batched_encode_equals_encode(smollm2_tokenizer):
+def test_threaded_encode_equals_encode(smollm2_tokenizer):
     texts = ["Hello world", "emoji 😀 and 你好", "<|im_start|>user\nhi<|im_end|>", "", "x " * 500]
 
     async def run():
-        tok = AsyncTokenizer(smollm2_tokenizer, max_batch=2)
+        tok = AsyncTokenizer(smollm2_tokenizer, num_workers=2)
         try:
             with_special = await asyncio.gather(*(tok.encode(t) for t in texts))
             without = await asyncio.gather(*(tok.encode(t, False) for t in texts))

@@ -1,15 +1,16 @@
-"""AsyncTokenizer: tokenizes prompts off the server's event loop, in micro-batches.
+"""AsyncTokenizer: tokenizes prompts off the server's event loop, in parallel.
 
-The Rust tokenizer's single ``encode`` holds the GIL for the whole call (~5 ms for a
-2k-token prompt): a burst of long prompts on the event loop stalls every stream for
-hundreds of milliseconds. ``encode_batch`` releases the GIL and encodes in parallel, so
-prompts that arrive together are encoded as one batch in a worker thread while the event
-loop keeps streaming.
+The Rust tokenizer's single ``encode`` holds the GIL for the whole call (~4 ms for a
+2k-token prompt): a burst of long prompts on the event loop would stall every stream.
+``encode_batch`` releases the GIL, so each prompt is encoded as a batch of one in a small
+thread pool: prompts that arrive together are encoded side by side, and none waits for the
+others of its burst (a single batch call would hold every prompt until the last is done).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 from transformers import PreTrainedTokenizerBase
@@ -18,73 +19,44 @@ from tokenmill.engine.input_processor import InvalidRequestError
 from tokenmill.tokenizer import encode_prompt, get_backend_tokenizer
 
 
+def default_num_workers() -> int:
+    """Tokenizer threads: one per core, between 2 and 8."""
+    return max(2, min(8, os.cpu_count() or 1))
+
+
 class AsyncTokenizer:
     """``await encode(text)`` gives the same ids as ``tokenizer.encode(text)``.
 
     Args:
-        tokenizer: a transformers fast tokenizer (slow ones are encoded one by one in the
-            worker thread).
-        max_batch: most prompts encoded in one ``encode_batch`` call.
+        tokenizer: a transformers tokenizer; a fast one is encoded through its Rust backend
+            (GIL released), a slow one (or one that splits special tokens) by transformers.
+        num_workers: threads encoding at once (default: ``default_num_workers()``).
+
+    Raises (from ``encode``):
+        InvalidRequestError: the text cannot be tokenized (e.g. a lone surrogate).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_batch: int = 256) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, num_workers: int | None = None) -> None:
         self.tokenizer = tokenizer
         backend = get_backend_tokenizer(tokenizer)
         self._backend = None if getattr(tokenizer, "split_special_tokens", False) else backend
-        self.max_batch = max_batch
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer")
-        self._pending: list[tuple[str, bool, asyncio.Future]] = []
-        self._worker: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(
+            num_workers or default_num_workers(), thread_name_prefix="tokenmill-tokenizer"
+        )
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._pending.append((text, add_special_tokens, future))
-        if self._worker is None or self._worker.done():
-            self._worker = loop.create_task(self._drain())
-        return await future
+        encode = self._encode
+        try:
+            return await loop.run_in_executor(self._executor, encode, text, add_special_tokens)
+        except Exception as e:  # any text the tokenizer rejects is the request's error
+            raise InvalidRequestError(f"the prompt could not be tokenized: {e}") from None
 
-    async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._pending:
-            batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
-            for special in (True, False):
-                group = [(t, f) for t, s, f in batch if s == special]
-                if not group:
-                    continue
-                texts = [t for t, _ in group]
-                try:
-                    ids = await loop.run_in_executor(self._executor, self._encode, texts, special)
-                except Exception:
-                    # One bad text (e.g. a lone surrogate) fails the whole batch call: encode
-                    # one by one so that only its own request gets the error.
-                    await self._encode_each(group, special)
-                    continue
-                for (_, future), row in zip(group, ids, strict=True):
-                    if not future.done():
-                        future.set_result(row)
-
-    async def _encode_each(
-        self, group: list[tuple[str, asyncio.Future[list[int]]]], special: bool
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        for text, future in group:
-            try:
-                [row] = await loop.run_in_executor(self._executor, self._encode, [text], special)
-            except Exception as e:
-                if not future.done():
-                    future.set_exception(
-                        InvalidRequestError(f"the prompt could not be tokenized: {e}")
-                    )
-                continue
-            if not future.done():
-                future.set_result(row)
-
-    def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._backend is None:
-            return [encode_prompt(self.tokenizer, t, add_special_tokens) for t in texts]
-        encodings = self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)
-        return [e.ids for e in encodings]
+            return encode_prompt(self.tokenizer, text, add_special_tokens)
+        [encoding] = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return encoding.ids
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
