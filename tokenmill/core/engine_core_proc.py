@@ -27,6 +27,7 @@ import zmq
 from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.engine_io import EngineCoreOutputs, EngineCoreRequest
+from tokenmill.gc_freeze import freeze_startup_heap
 from tokenmill.model.loader.hf_config import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -208,6 +209,7 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when to stop
     try:
         proc = EngineCoreProc(config, input_address, output_address)
+        freeze_startup_heap("engine core")
         ready_pipe.send(proc.ready_info())
         proc.run()
     except Exception as e:

@@ -75,6 +75,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     cancel_on_disconnect,
     to_openai_error,
 )
+from tokenmill.gc_freeze import freeze_startup_heap
 from tokenmill.metrics import LoggingStatLogger, PrometheusStatLogger, make_registry
 from tokenmill.version import __version__
 
@@ -407,6 +408,7 @@ async def run_server(
         servings = [app.state.serving_chat, app.state.serving_completion]
         shutdown = GracefulShutdown(server, engine, [s for s in servings if s], timeout_s)
         shutdown.install()
+        freeze_startup_heap("API server")
         logger.info(
             "Serving %s on %s (max_model_len=%d)",
             config.model_config.served_model_name,
