@@ -37,6 +37,7 @@ from tokenmill.engine.async_tokenizer import AsyncTokenizer
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.output_processor import IterationStats, OutputProcessor
 from tokenmill.engine.request_collector import RequestOutputCollector
+from tokenmill.engine.stage_timings import FRONT_END_TIMINGS
 from tokenmill.engine_args import EngineArgs
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -92,6 +93,7 @@ class AsyncLLM:
         self._tasks: list[asyncio.Task] = []
         self.dead_error: str | None = None
         self._closed = False
+        self._timed = envs.log_step_stats()
         self._start_engine(start_timeout_s)
         self.input_processor = InputProcessor(mc, self.tokenizer, mc.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=bool(self.stat_loggers))
@@ -196,7 +198,10 @@ class AsyncLLM:
             except (asyncio.CancelledError, zmq.ContextTerminated, zmq.ZMQError):
                 return
             if kind == MSG_OUT:
-                self._process_outputs(_outputs_decoder.decode(payload))
+                outputs = _outputs_decoder.decode(payload)
+                if self._timed and outputs.timestamp:
+                    FRONT_END_TIMINGS.record("engine->front end", time.time() - outputs.timestamp)
+                self._process_outputs(outputs)
             elif kind == MSG_UTILITY:
                 name, result = msgspec.msgpack.decode(payload)
                 waiters = self._utility_waiters.get(name)
@@ -237,10 +242,12 @@ class AsyncLLM:
             if time.monotonic() - last >= self.LOG_INTERVAL_S:
                 lags.sort()
                 logger.info(
-                    "Front-end event loop lag: p50 %.1f ms, p99 %.1f ms, max %.1f ms",
+                    "Front-end event loop lag: p50 %.1f ms, p99 %.1f ms, max %.1f ms; "
+                    "stages (mean/max): %s",
                     1e3 * lags[len(lags) // 2],
                     1e3 * lags[int(len(lags) * 0.99)],
                     1e3 * lags[-1],
+                    FRONT_END_TIMINGS.take(),
                 )
                 lags, last = [], time.monotonic()
 

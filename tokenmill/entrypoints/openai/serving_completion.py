@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tokenmill import envs
+from tokenmill.engine.stage_timings import FRONT_END_TIMINGS
 from tokenmill.entrypoints.openai.errors import bad_request
 from tokenmill.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -126,6 +128,9 @@ class OpenAIServingCompletion(OpenAIServing):
         self._check_supported(request)
         self.check_stream_options(request)
         prompts = await self._prompts(request)
+        timed = envs.log_step_stats()
+        if timed:
+            FRONT_END_TIMINGS.record("handler->tokenized", time.monotonic() - start)
         request_id = random_id("cmpl")
         streams = []
         for p, (text, ids) in enumerate(prompts):
@@ -142,7 +147,10 @@ class OpenAIServingCompletion(OpenAIServing):
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{p}"
             self.log_arrival(sub_id, text, ids, params)
             streams.append(self.generate(ids, text, params, sub_id, request.priority))
+        submitted = time.monotonic()
         firsts = await self._first_outputs(streams)
+        if timed:
+            FRONT_END_TIMINGS.record("submitted->first output", time.monotonic() - submitted)
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, prompts, firsts, streams, start),
@@ -315,6 +323,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finish_reasons: list[str | None] = [None] * num_choices
         offsets = [0] * num_choices
         echoed = [not request.echo] * num_choices
+        timed = envs.log_step_stats()
         # DELTA outputs carry the prompt logprobs once; every echoed choice needs them.
         prompt_logprobs: list[list | None] = [f.prompt_logprobs for f in firsts]
 
@@ -351,6 +360,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     usage = None
                     if continuous_usage:
                         usage = _usage(prompt_tokens, sum(completion_tokens), cached)
+                    if timed:
+                        FRONT_END_TIMINGS.record("handler->first chunk", time.monotonic() - start)
+                        timed = False
                     yield sse(choice, usage)
             usage = _usage(prompt_tokens, sum(completion_tokens), cached)
             if include_usage:
