@@ -48,7 +48,8 @@ def api_key() -> str | None:
 
 
 def log_step_stats() -> bool:
-    """TOKENMILL_LOG_STEP_STATS=1: the engine logs step durations and sizes every 5 s."""
+    """TOKENMILL_LOG_STEP_STATS=1: every 5 s the engine logs step durations, sizes and any
+    Triton kernels compiled; the server logs its event-loop lag and front-end stage times."""
     return os.environ.get("TOKENMILL_LOG_STEP_STATS", "") not in ("", "0")
 
 
