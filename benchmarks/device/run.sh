@@ -78,6 +78,34 @@ serve_pair() {  # serve_pair ENGINE(tm|vllm) extra server args...
   grep -aE "Engine steps|event loop lag" "$LOGS/${eng}_server.log" | tail -40 > "$OUT/${eng}_server_steps.log" 2>/dev/null
   kill -INT -- -$pid 2>/dev/null; for _ in $(seq 1 30); do kill -0 $pid 2>/dev/null || break; sleep 0.5; done; kill -9 -- -$pid 2>/dev/null; sleep 2
 }
+# serve_diag LABEL [server args...]: tokenmill serve with vLLM's client on both serving loads;
+# keeps per-request detail, /metrics before and after each load, the server's step log and,
+# if .carry/tools has a py-spy wheel, a profile of the API server during the random load.
+serve_diag() {
+  local label=$1; shift
+  local D="$OUT/serve_diag"; mkdir -p "$D"
+  if [ -z "${PYSPY:-}" ] && ls .carry/tools/py_spy-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .carry/tools/py_spy-*.whl >/dev/null 2>&1
+    PYSPY=$(ls /tmp/pyspy/bin/py-spy 2>/dev/null)
+  fi
+  if [ "${label#vllm}" != "$label" ]; then setsid vllm serve "$M8" --load-format dummy --port 8000 "$@" > "$D/${label}_server.log" 2>&1 &
+  else TOKENMILL_LOG_STEP_STATS=1 setsid "${TM[@]}" serve "$M8" --load-format dummy --port 8000 --disable-log-requests --disable-uvicorn-access-log --served-model-name "$M8" "$@" > "$D/${label}_server.log" 2>&1 &
+  fi
+  local pid=$!
+  local ready; ready=$(wait_health $pid)
+  say "STAGE ${label}_server ready after ${ready}s (args: $*)"
+  local V=(vllm bench serve --backend vllm --model "$M8" --port 8000 "${SERVE_ARGS[@]}" --save-detailed --result-dir "$D" --max-concurrency 64 --num-prompts 500)
+  for load in ${LOADS:-random prefix}; do
+    local args=(--random-input-len 1024 --random-output-len 256); local to=300
+    [ $load = prefix ] && { args=(--random-prefix-len 2000 --random-input-len 256 --random-output-len 128); to=200; }
+    curl -s http://127.0.0.1:8000/metrics > "$D/${label}_${load}_metrics_before.txt"
+    if [ -n "${PYSPY:-}" ]; then (sleep 15; timeout 30 "$PYSPY" record -p $pid -d 15 -r 200 -f raw -o "$D/${label}_${load}_pyspy.txt" > /dev/null 2>&1) & fi
+    stage ${label}_${load} $to "${V[@]}" "${args[@]}" --result-filename ${label}_${load}.json
+    addjson ${label}_${load} "$D/${label}_${load}.json"
+    curl -s http://127.0.0.1:8000/metrics > "$D/${label}_${load}_metrics_after.txt"
+  done
+  kill -INT -- -$pid 2>/dev/null; for _ in $(seq 1 30); do kill -0 $pid 2>/dev/null || break; sleep 0.5; done; kill -9 -- -$pid 2>/dev/null; sleep 2
+}
 TPA=(--load-format dummy --dataset-name random)
 for st in "$@"; do
   case "$st" in
@@ -102,6 +130,12 @@ for st in "$@"; do
     moe_sweep) stage moe_sweep 200 python3 benchmarks/moe_bench.py --sweep-tiles --tokens 64,256,512,1024,2048,4096 ;;
     kprof_long) stage kprof_long 200 python3 benchmarks/device/kernel_profile.py "$M8" 300 1024 256 ;;
     serve)    serve_pair tm ;;
+    diag_default) serve_diag default ;;
+    diag_vllm) serve_diag vllm ;;
+    gputests_attn) stage gputests_attn 200 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 150 ;;
+    diag_b4096) serve_diag b4096 --max-num-batched-tokens 4096 ;;
+    diag_b2048) serve_diag b2048 --max-num-batched-tokens 2048 ;;
+    diag_sync) serve_diag sync --no-async-scheduling ;;
     vllm_serve) serve_pair vllm ;;
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;
     vllm_tp_short) stage vllm_tp_short 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/vllm_tp_short.json"; addjson vllm_tp_short "$LOGS/vllm_tp_short.json" ;;
@@ -111,4 +145,6 @@ for st in "$@"; do
   esac
 done
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
+# few files come back from the machine: one archive for the serving diagnostics
+[ -d "$OUT/serve_diag" ] && tar -czf "$OUT/serve_diag.tar.gz" -C "$OUT" serve_diag && rm -rf "$OUT/serve_diag"
 say "DONE $* in $(( $(date +%s) - T0 ))s"
