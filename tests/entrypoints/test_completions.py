@@ -69,6 +69,33 @@ def test_echo_with_logprobs(default_server):
     assert streamed_tokens == logprobs["tokens"]
 
 
+def test_echo_with_logprobs_of_a_one_token_prompt(default_server):
+    ids = default_server.post("/tokenize", {"prompt": "Hi", "add_special_tokens": False})
+    [token] = ids.json()["tokens"]
+    body = {"prompt": [token], "temperature": 0, "max_tokens": 2, "echo": True, "logprobs": 1}
+    choice = default_server.post("/v1/completions", body).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == 3 and logprobs["tokens"][0] == "Hi"
+    assert logprobs["token_logprobs"][0] is None and logprobs["text_offset"][:2] == [0, 2]
+    assert "".join(logprobs["tokens"]) == choice["text"]
+
+
+def test_prompt_logprobs(default_server):
+    ids = default_server.post("/tokenize", {"prompt": PROMPT}).json()["tokens"]
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 2, "prompt_logprobs": 1}
+    choice = default_server.post("/v1/completions", body).json()["choices"][0]
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for token_id, entry in zip(ids[1:], entries[1:], strict=True):
+        assert str(token_id) in entry and 1 <= len(entry) <= 2
+        chosen = entry[str(token_id)]
+        assert math.isfinite(chosen["logprob"]) and chosen["logprob"] <= 0 and chosen["rank"] >= 1
+    events = sse_events(default_server, "/v1/completions", {**body, "stream": True})
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert chunks[0]["prompt_logprobs"] == entries
+    assert all("prompt_logprobs" not in c for c in chunks[1:])
+
+
 def test_several_prompts_and_token_id_prompts(default_server):
     ids = default_server.post("/tokenize", {"prompt": PROMPT}).json()["tokens"]
     body = {"prompt": [PROMPT, "Once upon a time"], "temperature": 0, "max_tokens": 5, "n": 2}

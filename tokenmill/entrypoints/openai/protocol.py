@@ -216,6 +216,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's extension for ``prompt_logprobs``: per prompt position, {token id: {"logprob",
+    # "rank", "decoded_token"}} (None for the first token); only in a choice's first chunk.
+    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -101,6 +101,30 @@ def completion_logprobs(
         tokens=tokens,
         top_logprobs=top_logprobs,
     )
+
+
+def prompt_logprobs_json(
+    prompt_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None
+) -> list[dict[int, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` field: per prompt position, ``{token id: {"logprob",
+    "rank", "decoded_token"}}`` for the prompt's token and the top alternatives, None where
+    there is no logprob (the first token; every token of a one-token prompt). Logprobs are
+    clamped to finite values."""
+    entries = list(prompt_logprobs or [])
+    entries = [None] * (len(prompt_ids) - len(entries)) + entries
+    return [
+        None
+        if entry is None
+        else {
+            token_id: {
+                "logprob": clamp_logprob(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -222,13 +246,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _echo_logprobs(
         self, prompt_ids: list[int], prompt_logprobs: list | None, num_top: int
-    ) -> CompletionLogProbs | None:
-        if prompt_logprobs is None:
-            return None
-        texts = dict(
-            zip(prompt_ids[:1], decode_token_texts(self.tokenizer, prompt_ids[:1]), strict=True)
-        )
-        return completion_logprobs(prompt_ids, prompt_logprobs, num_top, texts)
+    ) -> CompletionLogProbs:
+        # The first prompt token has no logprob; a one-token prompt gets none at all.
+        entries = list(prompt_logprobs or [])
+        entries = [None] * (len(prompt_ids) - len(entries)) + entries
+        bare = [t for t, e in zip(prompt_ids, entries, strict=True) if e is None]
+        texts = dict(zip(bare, decode_token_texts(self.tokenizer, bare), strict=True))
+        return completion_logprobs(prompt_ids, entries, num_top, texts)
 
     def _choice(
         self,
@@ -239,12 +263,14 @@ class OpenAIServingCompletion(OpenAIServing):
         choice_index: int,
         echo: bool,
         text_offset: int,
+        first: bool = True,
     ) -> tuple[CompletionChoice, int]:
         """One choice (or one chunk of it); returns it and the text offset after it.
 
         Args:
             echo: prepend the prompt (and its logprobs): the choice's first chunk only.
             text_offset: characters of this choice's text sent before (streaming).
+            first: the choice's first chunk, which carries ``prompt_logprobs`` if asked for.
         """
         if c.finish_reason == "abort":
             raise self.aborted_error()
@@ -268,6 +294,8 @@ class OpenAIServingCompletion(OpenAIServing):
         )
         if c.finish_reason is not None:
             choice.stop_reason = c.stop_reason
+        if first and request.prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs_json(prompt[1], prompt_logprobs)
         return choice, text_offset + len(text)
 
     def _full_response(
@@ -320,6 +348,7 @@ class OpenAIServingCompletion(OpenAIServing):
         cached = sum(f.num_cached_tokens for f in firsts)
         num_choices = len(prompts) * n
         completion_tokens = [0] * num_choices
+        sent = [False] * num_choices
         finish_reasons: list[str | None] = [None] * num_choices
         offsets = [0] * num_choices
         echoed = [not request.echo] * num_choices
@@ -355,8 +384,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     finish_reasons[k] = c.finish_reason
                     echo, echoed[k] = not echoed[k], True
                     choice, offsets[k] = self._choice(
-                        request, prompts[p], prompt_logprobs[p], c, k, echo, offsets[k]
-                    )
+                        request, prompts[p], prompt_logprobs[p], c, k, echo, offsets[k],
+                        first=not sent[k],
+                    )  # fmt: skip
+                    sent[k] = True
                     usage = None
                     if continuous_usage:
                         usage = _usage(prompt_tokens, sum(completion_tokens), cached)
