@@ -3,6 +3,7 @@ server keeps serving."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -15,6 +16,14 @@ COMPLETIONS = "/v1/completions"
 #  a word the message must contain)
 CASES = [
     ("malformed json", CHAT, b'{"messages": [', 400, None, "JSON"),
+    (
+        "chat_template_kwargs overriding the rendering",
+        CHAT,
+        {"messages": MSG, "chat_template_kwargs": {"tokenize": True, "conversation": []}},
+        400,
+        "chat_template_kwargs",
+        "conversation, tokenize",
+    ),
     ("empty body", CHAT, b"", 400, None, "body"),
     ("body is a list", CHAT, b"[1, 2]", 400, None, "object"),
     ("missing messages", CHAT, {"model": "SmolLM2-135M-Instruct"}, 400, "messages", "messages"),
@@ -246,3 +255,22 @@ def test_openai_sdk_raises_typed_errors(default_server):
     assert bad.value.body["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MSG)
+
+
+def test_model_name_with_a_lone_surrogate_is_a_404(default_server):
+    body = b'{"model": "x\\ud800", "messages": [{"role": "user", "content": "Hi"}]}'
+    response = default_server.post(CHAT, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["code"] == "model_not_found" and "\\ud800" in error["message"]
+
+
+def test_retrieve_model_and_head_health(default_server):
+    served = default_server.get("/v1/models").json()["data"][0]
+    card = default_server.get(f"/v1/models/{served['id']}")
+    assert card.status_code == 200
+    assert {**card.json(), "created": 0} == {**served, "created": 0}
+    missing = default_server.get("/v1/models/nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    head = httpx.head(default_server.url + "/health", headers=default_server.headers, timeout=30)
+    assert head.status_code == 200 and head.content == b""

@@ -76,7 +76,12 @@ def error_type(status: int) -> str:
 def error_body(
     message: str, err_type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``.
+
+    A message that quotes the request (a model name, say) may hold text that UTF-8 cannot
+    encode (lone surrogates): those characters are escaped, so the error itself can be sent.
+    """
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 

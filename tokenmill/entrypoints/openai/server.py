@@ -51,6 +51,7 @@ from tokenmill.entrypoints.openai.errors import (
     engine_dead,
     error_body,
     error_type,
+    model_not_found,
 )
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -99,7 +100,7 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 # ---- routes ------------------------------------------------------------------------------------
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(raw_request: Request) -> Response:
     """200 while the engine process runs; 503 (with the reason) once it has died."""
     try:
@@ -127,6 +128,17 @@ async def list_models(raw_request: Request) -> Response:
     mc = engine.model_config
     card = ModelCard(id=mc.served_model_name, root=mc.model, max_model_len=mc.max_model_len)
     return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+
+@router.get("/v1/models/{model:path}", responses=_ERROR_RESPONSES)
+async def retrieve_model(model: str, raw_request: Request) -> Response:
+    """The served model's card; 404 (model_not_found) for any other id."""
+    engine: AsyncLLM = raw_request.app.state.engine
+    mc = engine.model_config
+    if model != mc.served_model_name:
+        raise model_not_found(model)
+    card = ModelCard(id=mc.served_model_name, root=mc.model, max_model_len=mc.max_model_len)
+    return Response(card.model_dump_json(), media_type="application/json")
 
 
 @router.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
@@ -173,6 +185,8 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
         raise bad_request("Give exactly one of prompt and messages.", "prompt")
     if request.messages is not None:
         tokens = serving.render_prompt(request.messages, request)
+    elif isinstance(serving.engine, AsyncLLM):  # off the event loop, as prompts are
+        tokens = await serving.engine.encode(request.prompt, request.add_special_tokens)
     else:
         tokens = serving.tokenizer.encode(
             request.prompt, add_special_tokens=request.add_special_tokens

@@ -47,6 +47,16 @@ if TYPE_CHECKING:
 
 SSE_DONE = "data: [DONE]\n\n"
 
+# Parameters of the rendering call itself, which chat_template_kwargs may not override
+# (the rest reach the template as variables).
+RENDER_PARAMETERS = frozenset(
+    {
+        "conversation", "chat_template", "add_generation_prompt", "tokenize", "padding",
+        "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
+        "return_assistant_tokens_mask",
+    }
+)  # fmt: skip
+
 
 def chat_logprobs(
     token_ids: list[int],
@@ -236,6 +246,14 @@ class OpenAIServingChat(OpenAIServing):
                 entry["name"] = message.name
             conversation.append(entry)
         kwargs: dict[str, Any] = dict(getattr(request, "chat_template_kwargs", None) or {})
+        reserved = sorted(set(kwargs) & RENDER_PARAMETERS)
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs cannot set {', '.join(reserved)}: the server decides "
+                "how the template is rendered (use the request's own fields, e.g. "
+                "add_generation_prompt).",
+                "chat_template_kwargs",
+            )
         if getattr(request, "continue_final_message", False):
             kwargs["continue_final_message"] = True
         add_generation_prompt = getattr(request, "add_generation_prompt", True)
