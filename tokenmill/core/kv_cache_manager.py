@@ -161,6 +161,9 @@ class KVCacheManager:
                 holds blocks, hits not matching their blocks, or more than
                 ``max_model_len`` tokens.
         """
+        if not new_computed_blocks and num_new_computed_tokens == 0 and num_new_tokens >= 0:
+            if self._allocate_in_place(request, num_new_tokens):
+                return []
         hit_blocks = new_computed_blocks or []
         req_id = request.request_id
         blocks = self.req_to_blocks.get(req_id, [])
@@ -182,6 +185,27 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_known_blocks(request, blocks, len(hit_blocks), num_tokens)
         return [b.block_id for b in hit_blocks] + [b.block_id for b in new_blocks]
+
+    def _allocate_in_place(self, request: Request, num_new_tokens: int) -> bool:
+        """The common decode case of ``allocate_slots``: a request whose new tokens fit in
+        the blocks it already holds. Updates its bookkeeping exactly as the general path
+        would and returns True; returns False (nothing changed) when that path is needed."""
+        req_id = request.request_id
+        blocks = self.req_to_blocks.get(req_id)
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if (
+            blocks is None
+            or num_tokens > len(blocks) * self.block_size
+            or num_tokens > self.max_model_len
+        ):
+            return False
+        if num_tokens > self.req_to_num_allocated_tokens[req_id]:
+            self.req_to_num_allocated_tokens[req_id] = num_tokens
+        if self.enable_caching:
+            num_full = min(num_tokens, request.num_tokens) // self.block_size
+            if num_full > self.num_cached_blocks.get(req_id, 0):
+                self._cache_known_blocks(request, blocks, 0, num_tokens)
+        return True
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so that its last blocks are evicted
