@@ -114,6 +114,18 @@ def test_prefix_hit_full_blocks_only_and_shared_ref_counts():
     kv.check_integrity()
 
 
+def test_no_hits_for_a_request_that_wants_prompt_logprobs():
+    # Every prompt position needs its logits: cached KV would leave them uncomputed.
+    kv = make_manager()
+    admit(kv, make_request("a", list(range(10))))
+    b = Request("b", list(range(10)), SamplingParams(max_tokens=8, prompt_logprobs=0))
+    assert kv.get_computed_blocks(b) == ([], 0)
+    assert admit(kv, b) == [3, 4, 5]
+    c = make_request("c", list(range(10)))  # b's blocks are cached for later requests
+    assert [h.block_id for h in kv.get_computed_blocks(c)[0]] == [0, 1]
+    kv.check_integrity()
+
+
 def test_never_hit_the_last_token():
     kv = make_manager()
     a = make_request("a", list(range(8)))  # exactly 2 full blocks

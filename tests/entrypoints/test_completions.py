@@ -96,6 +96,29 @@ def test_prompt_logprobs(default_server):
     assert all("prompt_logprobs" not in c for c in chunks[1:])
 
 
+def test_prompt_logprobs_of_a_cached_prompt(default_server):
+    # The second request's prompt is in the prefix cache: its logprobs must still cover
+    # every position, as if the cache were cold.
+    prompt = "A long shared prefix about the history of the river city. " * 6
+    body = {"prompt": prompt, "temperature": 0, "max_tokens": 1, "prompt_logprobs": 0}
+    default_server.post("/v1/completions", {**body, "prompt_logprobs": None})
+    choice = default_server.post("/v1/completions", body).json()["choices"][0]
+    assert choice["prompt_logprobs"][0] is None
+    assert all(entry is not None for entry in choice["prompt_logprobs"][1:])
+    echo = {**body, "prompt_logprobs": None, "echo": True, "logprobs": 0}
+    echoed = default_server.post("/v1/completions", echo).json()["choices"][0]
+    assert all(v is not None for v in echoed["logprobs"]["token_logprobs"][1:])
+
+
+def test_echo_uses_an_explicit_prompt_logprobs(default_server):
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 1, "echo": True, "logprobs": 1}
+    choice = default_server.post("/v1/completions", {**body, "prompt_logprobs": 3}).json()
+    entries = choice["choices"][0]["prompt_logprobs"]
+    assert all(3 <= len(entry) <= 4 for entry in entries[1:])
+    bad = default_server.post("/v1/completions", {**body, "prompt_logprobs": 1000})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_several_prompts_and_token_id_prompts(default_server):
     ids = default_server.post("/tokenize", {"prompt": PROMPT}).json()["tokens"]
     body = {"prompt": [PROMPT, "Once upon a time"], "temperature": 0, "max_tokens": 5, "n": 2}

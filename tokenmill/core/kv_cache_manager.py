@@ -101,7 +101,8 @@ class KVCacheManager:
         """Look up the longest cached prefix of ``request`` (full blocks only).
 
         At most ``request.num_tokens - 1`` tokens may be hits: the last token must be
-        computed to produce the logits of the next one.
+        computed to produce the logits of the next one. A request that asks for prompt
+        logprobs gets no hits at all: every prompt position needs its logits computed.
 
         Args:
             request: a request that holds no blocks yet (new, or resumed after preemption).
@@ -110,7 +111,7 @@ class KVCacheManager:
             The hit blocks in order (not yet referenced: pass them to ``allocate_slots``)
             and the number of hit tokens (``len(blocks) * block_size``).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         update_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

@@ -165,7 +165,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 len(ids),
                 request.max_tokens,
                 request.logprobs,
-                prompt_logprobs=request.logprobs if request.echo else request.prompt_logprobs,
+                # An explicit prompt_logprobs wins; echo with logprobs falls back to logprobs.
+                prompt_logprobs=(
+                    request.prompt_logprobs
+                    if request.prompt_logprobs is not None or not request.echo
+                    else request.logprobs
+                ),
                 best_of=request.best_of,
             )
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{p}"
