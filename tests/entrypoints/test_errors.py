@@ -24,6 +24,14 @@ CASES = [
         "chat_template_kwargs",
         "conversation, tokenize",
     ),
+    (
+        "chat_template_kwargs naming the messages",
+        CHAT,
+        {"messages": MSG, "chat_template_kwargs": {"messages": [], "self": 1}},
+        400,
+        "chat_template_kwargs",
+        "messages, self",
+    ),
     ("empty body", CHAT, b"", 400, None, "body"),
     ("body is a list", CHAT, b"[1, 2]", 400, None, "object"),
     ("missing messages", CHAT, {"model": "SmolLM2-135M-Instruct"}, 400, "messages", "messages"),
@@ -274,3 +282,19 @@ def test_retrieve_model_and_head_health(default_server):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     head = httpx.head(default_server.url + "/health", headers=default_server.headers, timeout=30)
     assert head.status_code == 200 and head.content == b""
+
+
+def test_tokenize_messages_with_a_lone_surrogate_is_a_400(default_server):
+    body = b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}'
+    response = default_server.post(
+        "/tokenize", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "messages"
+
+
+def test_long_model_names_are_quoted_shortened(default_server):
+    response = default_server.post(CHAT, {"model": "m" * 100_000, "messages": MSG})
+    assert response.status_code == 404
+    message = response.json()["error"]["message"]
+    assert len(message) < 400 and "100000 characters" in message

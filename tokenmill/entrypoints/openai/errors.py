@@ -90,8 +90,15 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(message, HTTPStatus.BAD_REQUEST, param, code)
 
 
+# Longest piece of a client's text quoted back in an error message (characters).
+MAX_QUOTED_CHARS = 256
+
+
 def model_not_found(model: str) -> OpenAIError:
-    """A 404 for a model name that is not served (the OpenAI API's wording and code)."""
+    """A 404 for a model name that is not served (the OpenAI API's wording and code); a name
+    longer than ``MAX_QUOTED_CHARS`` is quoted shortened."""
+    if len(model) > MAX_QUOTED_CHARS:
+        model = f"{model[:MAX_QUOTED_CHARS]}... ({len(model)} characters)"
     return OpenAIError(
         f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model", "model_not_found"
     )

@@ -183,14 +183,25 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     serving.check_model(request.model)
     if (request.prompt is None) == (request.messages is None):
         raise bad_request("Give exactly one of prompt and messages.", "prompt")
-    if request.messages is not None:
-        tokens = serving.render_prompt(request.messages, request)
-    elif isinstance(serving.engine, AsyncLLM):  # off the event loop, as prompts are
-        tokens = await serving.engine.encode(request.prompt, request.add_special_tokens)
-    else:
-        tokens = serving.tokenizer.encode(
-            request.prompt, add_special_tokens=request.add_special_tokens
-        )
+    # Off the event loop where the engine has a tokenizer pool, as generation requests are.
+    off_loop = isinstance(serving.engine, AsyncLLM)
+    try:
+        if request.messages is not None:
+            if off_loop and isinstance(serving, OpenAIServingChat):
+                tokens = await serving.render_prompt_async(request.messages, request)
+            else:
+                tokens = serving.render_prompt(request.messages, request)
+        elif off_loop:
+            tokens = await serving.engine.encode(request.prompt, request.add_special_tokens)
+        else:
+            tokens = serving.tokenizer.encode(
+                request.prompt, add_special_tokens=request.add_special_tokens
+            )
+    except (TypeError, ValueError) as e:  # text the tokenizer rejects (a lone surrogate)
+        param = "messages" if request.messages is not None else "prompt"
+        if isinstance(e, InvalidRequestError):
+            raise bad_request(str(e), e.param or param) from None
+        raise bad_request(f"The text could not be tokenized: {e}", param) from None
     strs = serving.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
     response = TokenizeResponse(
         count=len(tokens),

@@ -51,9 +51,9 @@ SSE_DONE = "data: [DONE]\n\n"
 # (the rest reach the template as variables).
 RENDER_PARAMETERS = frozenset(
     {
-        "conversation", "chat_template", "add_generation_prompt", "tokenize", "padding",
-        "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
-        "return_assistant_tokens_mask",
+        "conversation", "messages", "chat_template", "add_generation_prompt", "tokenize",
+        "tokenizer", "self", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "tokenizer_kwargs", "return_assistant_tokens_mask",
     }
 )  # fmt: skip
 
