@@ -67,6 +67,8 @@ def test_echo_with_logprobs(default_server):
     assert "".join(c["text"] for c in chunks) == choice["text"]
     streamed_tokens = [t for c in chunks for t in (c["logprobs"] or {}).get("tokens", [])]
     assert streamed_tokens == logprobs["tokens"]
+    streamed_offsets = [o for c in chunks for o in (c["logprobs"] or {}).get("text_offset", [])]
+    assert streamed_offsets == logprobs["text_offset"]
 
 
 def test_echo_with_logprobs_of_a_one_token_prompt(default_server):

@@ -270,7 +270,8 @@ class OpenAIServingCompletion(OpenAIServing):
         text_offset: int,
         first: bool = True,
     ) -> tuple[CompletionChoice, int]:
-        """One choice (or one chunk of it); returns it and the text offset after it.
+        """One choice (or one chunk of it); returns it and the text offset after it (after
+        its tokens' texts when it carries logprobs).
 
         Args:
             echo: prepend the prompt (and its logprobs): the choice's first chunk only.
@@ -284,16 +285,21 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs = None
         if echo and request.logprobs is not None:
             logprobs = self._echo_logprobs(prompt[1], prompt_logprobs, num_top)
+        text = prefix + c.text
+        end = text_offset + len(text)
         if c.logprobs is not None:
             generated = completion_logprobs(
                 c.token_ids, c.logprobs, num_top, {}, text_offset + len(prefix)
             )
+            if generated.tokens:
+                # Offsets follow the tokens' texts: a token whose character is not complete
+                # yet sends no text in its chunk but still takes its place in the offsets.
+                end = generated.text_offset[-1] + len(generated.tokens[-1])
             if logprobs is None:
                 logprobs = generated
             else:
                 for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                     getattr(logprobs, name).extend(getattr(generated, name))
-        text = prefix + c.text
         choice = CompletionChoice(
             index=choice_index, text=text, logprobs=logprobs, finish_reason=c.finish_reason
         )
@@ -301,7 +307,7 @@ class OpenAIServingCompletion(OpenAIServing):
             choice.stop_reason = c.stop_reason
         if first and request.prompt_logprobs is not None:
             choice.prompt_logprobs = prompt_logprobs_json(prompt[1], prompt_logprobs)
-        return choice, text_offset + len(text)
+        return choice, end
 
     def _full_response(
         self,
