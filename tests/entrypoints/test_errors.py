@@ -298,3 +298,13 @@ def test_long_model_names_are_quoted_shortened(default_server):
     assert response.status_code == 404
     message = response.json()["error"]["message"]
     assert len(message) < 400 and "100000 characters" in message
+
+
+def test_untokenizable_prompt_names_the_field(default_server):
+    body = b'{"prompt": "fine \\ud800", "max_tokens": 1}'
+    response = default_server.post(
+        COMPLETIONS, content=body, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "Unicode" in error["message"]

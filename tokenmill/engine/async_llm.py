@@ -341,9 +341,15 @@ class AsyncLLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a prompt, encoded off the event loop (see AsyncTokenizer)."""
-        return await self.async_tokenizer.encode(text, add_special_tokens)
+    async def encode(
+        self, text: str, add_special_tokens: bool = True, param: str | None = None
+    ) -> list[int]:
+        """Token ids of a prompt, encoded off the event loop (see AsyncTokenizer).
+
+        Raises:
+            InvalidRequestError: the text cannot be tokenized (``param`` names its field).
+        """
+        return await self.async_tokenizer.encode(text, add_special_tokens, param)
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()

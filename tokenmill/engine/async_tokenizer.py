@@ -44,13 +44,23 @@ class AsyncTokenizer:
             num_workers or default_num_workers(), thread_name_prefix="tokenmill-tokenizer"
         )
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(
+        self, text: str, add_special_tokens: bool = True, param: str | None = None
+    ) -> list[int]:
+        """The token ids of ``text``; ``param`` names the request field it came from, for
+        the error of a text that cannot be tokenized."""
         loop = asyncio.get_running_loop()
         encode = self._encode
         try:
             return await loop.run_in_executor(self._executor, encode, text, add_special_tokens)
+        except TypeError:  # the Rust tokenizer's wording for text that is not valid Unicode
+            raise InvalidRequestError(
+                "the prompt could not be tokenized: it holds text that is not valid Unicode "
+                "(a lone surrogate)",
+                param,
+            ) from None
         except Exception as e:  # any text the tokenizer rejects is the request's error
-            raise InvalidRequestError(f"the prompt could not be tokenized: {e}") from None
+            raise InvalidRequestError(f"the prompt could not be tokenized: {e}", param) from None
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._backend is None:

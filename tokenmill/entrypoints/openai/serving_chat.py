@@ -213,7 +213,7 @@ class OpenAIServingChat(OpenAIServing):
     async def render_prompt_async(self, messages: list[Any], request: Any = None) -> list[int]:
         """``render_prompt`` with the tokenizing off the event loop (see AsyncTokenizer)."""
         text = self.render_text(messages, request)
-        return await self.engine.encode(text, add_special_tokens=False)
+        return await self.engine.encode(text, add_special_tokens=False, param="messages")
 
     def render_text(self, messages: list[Any], request: Any = None) -> str:
         """Render the messages with the chat template.

@@ -225,7 +225,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _encode(self, text: str) -> list[int]:
         # The engine's own rule for text prompts: the tokenizer's default special tokens,
         # encoded off the event loop.
-        return await self.engine.encode(text, add_special_tokens=True)
+        return await self.engine.encode(text, add_special_tokens=True, param="prompt")
 
     async def _first_outputs(
         self, streams: list[AsyncIterator[RequestOutput]]
