@@ -19,6 +19,17 @@ from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.model.loader.weights import load_model_weights
 
 
+def open_residual(
+    norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input norm on the residual stream: ``(norm(hidden + residual), hidden +
+    residual)``; the first layer (``residual=None``) starts the stream with ``hidden``.
+    Shapes ``[T, H]``; ``norm`` is an RMSNorm that adds the residual itself (fused)."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
+
+
 class PreNormDecoderLayer(nn.Module):
     """RMSNorm -> attention -> RMSNorm -> feed-forward, the residual adds fused into the norms.
 
@@ -41,11 +52,7 @@ class PreNormDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = open_residual(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.feed_forward(hidden), residual

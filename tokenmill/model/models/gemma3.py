@@ -25,7 +25,7 @@ from tokenmill.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding, get_rope
 from tokenmill.model.loader.hf_config import HFConfig
-from tokenmill.model.models.decoder import DecoderForCausalLM, DecoderModel
+from tokenmill.model.models.decoder import DecoderForCausalLM, DecoderModel, open_residual
 from tokenmill.model.models.llama import LlamaForCausalLM, LlamaMLP
 
 SLIDING = "sliding_attention"
@@ -146,11 +146,7 @@ class Gemma3DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = open_residual(self.input_layernorm, hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, metadata))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
