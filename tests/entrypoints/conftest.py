@@ -27,6 +27,8 @@ import httpx
 import pytest
 
 API_KEY = "tokenmill-test-key"
+# ``tokenmill serve`` as a subprocess command (append its arguments).
+SERVE_COMMAND = [sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve"]
 TINY_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -59,17 +61,7 @@ class RemoteServer:
         )
         env = dict(os.environ, TOKENMILL_CPU_THREADS="1", PYTHONUNBUFFERED="1")
         env.pop("TOKENMILL_API_KEY", None)
-        cmd = [
-            sys.executable,
-            "-m",
-            "tokenmill.entrypoints.cli.main",
-            "serve",
-            *args,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-        ]
+        cmd = [*SERVE_COMMAND, *args, "--host", "127.0.0.1", "--port", str(self.port)]
         # Own process group: if a test leaves it hanging, the group can be killed whole.
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True

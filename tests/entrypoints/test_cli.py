@@ -4,10 +4,10 @@ start-up errors in one line with a non-zero exit code."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
+from tests.entrypoints.conftest import SERVE_COMMAND
 from tokenmill.entrypoints.cli.main import build_parser, main
 from tokenmill.entrypoints.cli.serve import UNIMPLEMENTED_FLAGS
 from tokenmill.version import __version__
@@ -94,7 +94,7 @@ def test_startup_errors_fail_in_one_line(tiny_model_dir, argv, words):
     argv = [a.replace("{tiny}", tiny_model_dir) for a in argv]
     result = subprocess.run(
         # --port 0: the port is bound first; a busy default port must not mask the error.
-        [sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", *argv, "--port", "0"],
+        [*SERVE_COMMAND, *argv, "--port", "0"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 
 import pytest
 
+from tests.entrypoints.conftest import SERVE_COMMAND
 from tests.entrypoints.test_cli import run_main
 from tokenmill.engine_args import byte_size_arg
 from tokenmill.entrypoints.cli.main import build_parser
@@ -93,16 +93,7 @@ def test_busy_port_fails_before_the_engine_starts():
         busy.listen()
         port = busy.getsockname()[1]
         result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tokenmill.entrypoints.cli.main",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
+            [*SERVE_COMMAND, "--host", "127.0.0.1", "--port", str(port)],
             capture_output=True,
             text=True,
             timeout=120,
