@@ -122,22 +122,23 @@ async def metrics(raw_request: Request) -> Response:
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
+def _model_card(raw_request: Request) -> ModelCard:
+    mc = raw_request.app.state.engine.model_config
+    return ModelCard(id=mc.served_model_name, root=mc.model, max_model_len=mc.max_model_len)
+
+
 @router.get("/v1/models", responses=_ERROR_RESPONSES)
 async def list_models(raw_request: Request) -> Response:
-    engine: AsyncLLM = raw_request.app.state.engine
-    mc = engine.model_config
-    card = ModelCard(id=mc.served_model_name, root=mc.model, max_model_len=mc.max_model_len)
+    card = _model_card(raw_request)
     return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
 
 @router.get("/v1/models/{model:path}", responses=_ERROR_RESPONSES)
 async def retrieve_model(model: str, raw_request: Request) -> Response:
     """The served model's card; 404 (model_not_found) for any other id."""
-    engine: AsyncLLM = raw_request.app.state.engine
-    mc = engine.model_config
-    if model != mc.served_model_name:
+    card = _model_card(raw_request)
+    if model != card.id:
         raise model_not_found(model)
-    card = ModelCard(id=mc.served_model_name, root=mc.model, max_model_len=mc.max_model_len)
     return Response(card.model_dump_json(), media_type="application/json")
 
 

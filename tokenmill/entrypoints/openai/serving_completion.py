@@ -103,15 +103,23 @@ def completion_logprobs(
     )
 
 
+def per_prompt_position(
+    prompt_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None
+) -> list[dict[int, Logprob] | None]:
+    """The engine's prompt logprobs with one entry per prompt token: the first token has
+    none, and a one-token prompt gets none at all."""
+    entries = list(prompt_logprobs or [])
+    return [None] * (len(prompt_ids) - len(entries)) + entries
+
+
 def prompt_logprobs_json(
     prompt_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None
 ) -> list[dict[int, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs`` field: per prompt position, ``{token id: {"logprob",
     "rank", "decoded_token"}}`` for the prompt's token and the top alternatives, None where
-    there is no logprob (the first token; every token of a one-token prompt). Logprobs are
-    clamped to finite values."""
-    entries = list(prompt_logprobs or [])
-    entries = [None] * (len(prompt_ids) - len(entries)) + entries
+    there is no logprob (see ``per_prompt_position``). Logprobs are clamped to finite
+    values."""
+    entries = per_prompt_position(prompt_ids, prompt_logprobs)
     return [
         None
         if entry is None
@@ -137,6 +145,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def __init__(self, engine: AsyncLLM, request_logger: RequestLogger | None = None) -> None:
         super().__init__(engine, request_logger)
+        self._timed = envs.log_step_stats()  # front-end stage timings (a debug aid)
 
     async def create_completion(
         self, request: CompletionRequest, raw_request: Request | None = None
@@ -152,7 +161,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self._check_supported(request)
         self.check_stream_options(request)
         prompts = await self._prompts(request)
-        timed = envs.log_step_stats()
+        timed = self._timed
         if timed:
             FRONT_END_TIMINGS.record("handler->tokenized", time.monotonic() - start)
         request_id = random_id("cmpl")
@@ -252,9 +261,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def _echo_logprobs(
         self, prompt_ids: list[int], prompt_logprobs: list | None, num_top: int
     ) -> CompletionLogProbs:
-        # The first prompt token has no logprob; a one-token prompt gets none at all.
-        entries = list(prompt_logprobs or [])
-        entries = [None] * (len(prompt_ids) - len(entries)) + entries
+        entries = per_prompt_position(prompt_ids, prompt_logprobs)
         bare = [t for t, e in zip(prompt_ids, entries, strict=True) if e is None]
         texts = dict(zip(bare, decode_token_texts(self.tokenizer, bare), strict=True))
         return completion_logprobs(prompt_ids, entries, num_top, texts)
@@ -362,8 +369,7 @@ class OpenAIServingCompletion(OpenAIServing):
         sent = [False] * num_choices
         finish_reasons: list[str | None] = [None] * num_choices
         offsets = [0] * num_choices
-        echoed = [not request.echo] * num_choices
-        timed = envs.log_step_stats()
+        timed = self._timed
         # DELTA outputs carry the prompt logprobs once; every echoed choice needs them.
         prompt_logprobs: list[list | None] = [f.prompt_logprobs for f in firsts]
 
@@ -393,12 +399,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     k = p * n + c.index
                     completion_tokens[k] += len(c.token_ids)
                     finish_reasons[k] = c.finish_reason
-                    echo, echoed[k] = not echoed[k], True
+                    first, sent[k] = not sent[k], True
                     choice, offsets[k] = self._choice(
-                        request, prompts[p], prompt_logprobs[p], c, k, echo, offsets[k],
-                        first=not sent[k],
+                        request, prompts[p], prompt_logprobs[p], c, k,
+                        bool(request.echo) and first, offsets[k], first=first,
                     )  # fmt: skip
-                    sent[k] = True
                     usage = None
                     if continuous_usage:
                         usage = _usage(prompt_tokens, sum(completion_tokens), cached)
