@@ -52,6 +52,9 @@ wait_health() {
     sleep 0.5
   done; echo timeout; return 1
 }
+stop_server() {  # stop_server PID: SIGINT to its process group, SIGKILL after 15 s
+  kill -INT -- -$1 2>/dev/null; for _ in $(seq 1 30); do kill -0 $1 2>/dev/null || break; sleep 0.5; done; kill -9 -- -$1 2>/dev/null; sleep 2
+}
 SERVE_ARGS=(--dataset-name random --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --ignore-eos --save-result --result-dir "$LOGS")
 serve_pair() {  # serve_pair ENGINE(tm|vllm) extra server args...
   local eng=$1; shift
@@ -76,7 +79,7 @@ serve_pair() {  # serve_pair ENGINE(tm|vllm) extra server args...
     addjson tm_vclient_prefix "$LOGS/tm_vclient_prefix.json"
   fi
   grep -aE "Engine steps|event loop lag" "$LOGS/${eng}_server.log" | tail -40 > "$OUT/${eng}_server_steps.log" 2>/dev/null
-  kill -INT -- -$pid 2>/dev/null; for _ in $(seq 1 30); do kill -0 $pid 2>/dev/null || break; sleep 0.5; done; kill -9 -- -$pid 2>/dev/null; sleep 2
+  stop_server $pid
 }
 # serve_diag LABEL [server args...]: tokenmill serve with vLLM's client on both serving loads;
 # keeps per-request detail, /metrics before and after each load, the server's step log and,
@@ -104,7 +107,7 @@ serve_diag() {
     addjson ${label}_${load} "$D/${label}_${load}.json"
     curl -s http://127.0.0.1:8000/metrics > "$D/${label}_${load}_metrics_after.txt"
   done
-  kill -INT -- -$pid 2>/dev/null; for _ in $(seq 1 30); do kill -0 $pid 2>/dev/null || break; sleep 0.5; done; kill -9 -- -$pid 2>/dev/null; sleep 2
+  stop_server $pid
 }
 TPA=(--load-format dummy --dataset-name random)
 for st in "$@"; do
