@@ -149,6 +149,9 @@ class SchedulerConfig:
         admission_headroom: admit a waiting request only if the blocks left free cover
             the running requests' expected growth (``tokenmill.core.admission``), so a
             KV-bound load preempts (and recomputes) far less.
+        prefill_pacing_tokens: if > 0 (and chunked prefill is on), the most prompt tokens
+            a step computes while other requests decode and the queued prompts fit in one
+            step's budget (``tokenmill.core.prefill_pacing``).
     """
 
     max_num_batched_tokens: int
@@ -159,6 +162,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     async_scheduling: bool = False
     admission_headroom: bool = True
+    prefill_pacing_tokens: int = 0
 
 
 @dataclass

@@ -157,6 +157,12 @@ class EngineArgs:
     long_prefill_token_threshold: int = _flag(
         "If > 0, a prompt chunk takes at most this many tokens of a step.", default=0
     )
+    prefill_pacing_tokens: int = _flag(
+        "If > 0, while requests decode, compute at most this many tokens per step of the "
+        "queued prompts that fit in one step's budget: lower TTFT under bursts of requests, "
+        "at some cost in TPOT (see tokenmill/core/prefill_pacing.py). Needs chunked prefill.",
+        default=0,
+    )
     async_scheduling: bool | None = _flag(
         "Overlap scheduling and output processing of the next step with the device's work "
         "on this one. Default: on for CUDA, off on CPU (where nothing runs asynchronously).",
@@ -276,6 +282,15 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.prefill_pacing_tokens < 0:
+            raise ConfigError(
+                f"--prefill-pacing-tokens must be non-negative, got {self.prefill_pacing_tokens}"
+            )
+        if self.prefill_pacing_tokens and not self.enable_chunked_prefill:
+            raise ConfigError(
+                "--prefill-pacing-tokens needs chunked prefill: without it a prompt is "
+                "computed whole in one step"
+            )
         if self.max_logprobs < 0:
             raise ConfigError(f"--max-logprobs must be non-negative, got {self.max_logprobs}")
 
@@ -376,6 +391,7 @@ class EngineArgs:
             async_scheduling=(
                 device == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
+            prefill_pacing_tokens=self.prefill_pacing_tokens,
         )
 
 

@@ -146,6 +146,7 @@ def make_scheduler(
     threshold: int = 0,
     caching: bool = True,
     headroom: bool = False,
+    pacing: int = 0,
 ) -> Scheduler:
     """A scheduler over a small cache; admission headroom off unless asked for, so plans
     admit whatever fits (the mechanics these tests pin down)."""
@@ -158,6 +159,7 @@ def make_scheduler(
             scheduling_policy=policy,
             long_prefill_token_threshold=threshold,
             admission_headroom=headroom,
+            prefill_pacing_tokens=pacing,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks=num_blocks,

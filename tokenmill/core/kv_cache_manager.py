@@ -111,8 +111,25 @@ class KVCacheManager:
             The hit blocks in order (not yet referenced: pass them to ``allocate_slots``)
             and the number of hit tokens (``len(blocks) * block_size``).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        hits = self._cached_prefix(request)
+        if hits is None:
             return [], 0
+        num_hit_tokens = len(hits) * self.block_size
+        if self.log_stats:
+            self.prefix_cache_stats.requests += 1
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """The tokens ``get_computed_blocks`` would find cached now, without counting the
+        lookup in the prefix-cache statistics (a look ahead, not an admission)."""
+        return len(self._cached_prefix(request) or ()) * self.block_size
+
+    def _cached_prefix(self, request: Request) -> list[KVCacheBlock] | None:
+        """The cached blocks of the request's prefix, or None if it may not use any."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return None
         update_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
@@ -121,12 +138,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        if self.log_stats:
-            self.prefix_cache_stats.requests += 1
-            self.prefix_cache_stats.queries += request.num_tokens
-            self.prefix_cache_stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits
 
     def allocate_slots(
         self,

@@ -24,6 +24,7 @@ from tokenmill.core.admission import AdmissionHeadroom
 from tokenmill.core.engine_io import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.prefill_pacing import PrefillPacing, is_prefilling
 from tokenmill.core.request_queue import create_request_queue
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.request import Request, RequestStatus
@@ -40,6 +41,9 @@ class _StepPlan:
     """What one ``schedule()`` call has decided so far."""
 
     token_budget: int
+    # Prompt tokens this step may still compute, a limit on top of the token budget
+    # (None: no such limit); see tokenmill.core.prefill_pacing.
+    prefill_budget: int | None = None
     # request id -> tokens this step; insertion order is the batch order.
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Running requests scheduled again, with the block ids they gained this step.
@@ -58,9 +62,19 @@ class _StepPlan:
         self.new_reqs.append(request)
         self._add(request, num_tokens)
 
+    def budget_for(self, request: Request) -> int:
+        """Tokens ``request`` may get this step: prompt tokens also count against the
+        prefill allowance."""
+        if self.prefill_budget is not None and is_prefilling(request):
+            return min(self.token_budget, self.prefill_budget)
+        return self.token_budget
+
     def unschedule(self, request: Request) -> None:
         """Undo a running request's part of this step (it is being preempted)."""
-        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        num_tokens = self.num_scheduled_tokens.pop(request.request_id)
+        self.token_budget += num_tokens
+        if self.prefill_budget is not None and is_prefilling(request):
+            self.prefill_budget += num_tokens
         self.running_reqs.remove(request)
         del self.new_block_ids[request.request_id]
 
@@ -68,6 +82,8 @@ class _StepPlan:
         assert num_tokens > 0 and request.request_id not in self.num_scheduled_tokens
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.token_budget -= num_tokens
+        if self.prefill_budget is not None and is_prefilling(request):
+            self.prefill_budget -= num_tokens
 
 
 class Scheduler:
@@ -88,9 +104,10 @@ class Scheduler:
             whole KV cache if that is smaller.
 
     Raises:
-        ValueError: a non-positive budget or sequence cap, an unknown policy, or chunked
+        ValueError: a non-positive budget or sequence cap, an unknown policy, chunked
             prefill off with a token budget smaller than ``max_model_len`` (a long
-            prompt could then never be scheduled).
+            prompt could then never be scheduled), or prefill pacing that is negative or
+            asked for without chunked prefill.
     """
 
     def __init__(
@@ -115,6 +132,15 @@ class Scheduler:
         self.policy = scheduler_config.scheduling_policy
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.async_scheduling = scheduler_config.async_scheduling
+        pacing_tokens = scheduler_config.prefill_pacing_tokens
+        if pacing_tokens < 0 or (pacing_tokens and not self.enable_chunked_prefill):
+            raise ValueError(
+                f"prefill_pacing_tokens ({pacing_tokens}) must be >= 0, and 0 without "
+                "chunked prefill"
+            )
+        self.pacing = (
+            PrefillPacing(pacing_tokens, self.max_num_batched_tokens) if pacing_tokens else None
+        )
         self.block_size = cache_config.block_size
         self.log_stats = log_stats
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
@@ -255,13 +281,22 @@ class Scheduler:
         """Plan one step: running requests first (in order), then waiting ones.
 
         Running requests that cannot get blocks preempt others (recompute). Waiting
-        requests are admitted only in a step without preemption. After the plan is built,
-        each scheduled request's ``num_computed_tokens`` is advanced by its tokens.
+        requests are admitted only in a step without preemption. With prefill pacing, a
+        short queue's prompt tokens are also limited per step (core/prefill_pacing.py).
+        After the plan is built, each scheduled request's ``num_computed_tokens`` is
+        advanced by its tokens.
 
         Returns:
             The step's SchedulerOutput (possibly empty, carrying only finished ids).
         """
-        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        plan = _StepPlan(
+            token_budget=self.max_num_batched_tokens,
+            prefill_budget=(
+                None
+                if self.pacing is None
+                else self.pacing.allowance(self.running, self.waiting, self.kv_cache_manager)
+            ),
+        )
         self._schedule_running(plan)
         if not plan.preempted_ids:
             self._schedule_waiting(plan)
@@ -276,7 +311,7 @@ class Scheduler:
             if request.num_output_placeholders and self._has_all_tokens_pending(request):
                 continue
             num_new = self._num_tokens_to_schedule(
-                request, request.num_computed_tokens, plan.token_budget
+                request, request.num_computed_tokens, plan.budget_for(request)
             )
             if num_new == 0:
                 continue
@@ -343,9 +378,12 @@ class Scheduler:
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new = self._num_tokens_to_schedule(request, num_hit_tokens, plan.token_budget)
+            budget = plan.budget_for(request)
+            num_new = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
             if num_new == 0:
-                break  # chunked prefill off and the prompt does not fit: it waits
+                # The prompt does not fit (chunked prefill off), or the step's prefill
+                # allowance is spent: it waits.
+                break
             if self.headroom is not None and self.running:
                 need = cdiv(num_hit_tokens + num_new, self.block_size) - len(hit_blocks)
                 free_after = kv.num_free_blocks - need

@@ -1,0 +1,105 @@
+"""Prefill pacing: exact plans for a short queue while requests decode, a deep queue, no
+decodes, prefix-cache hits, and the engine flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.core.test_scheduler import make_request, make_scheduler, run_to_finish, step, worker_for
+from tests.model.test_loader import CONFIG
+from tokenmill.config import ConfigError
+from tokenmill.engine_args import EngineArgs
+
+
+def _decoding(sched, worker, req_id: str = "d") -> None:
+    """Start one request and step until it decodes (its prompt fits one step)."""
+    sched.add_request(make_request(req_id, 4, max_tokens=40, first_token=900))
+    step(sched, worker)
+
+
+def test_short_queue_is_paced_while_a_request_decodes():
+    sched = make_scheduler(budget=32, max_num_seqs=8, num_blocks=64, pacing=6)
+    worker = worker_for(sched)
+    _decoding(sched, worker)
+    sched.add_request(make_request("a", 10, first_token=0))
+    sched.add_request(make_request("b", 8, first_token=100))
+    plans = [step(sched, worker)[0].num_scheduled_tokens for _ in range(4)]
+    # 18 queued prompt tokens fit in one 32-token step: 6 per step, the decode goes on.
+    assert plans == [
+        {"d": 1, "a": 6},
+        {"d": 1, "a": 4, "b": 2},
+        {"d": 1, "a": 1, "b": 6},
+        {"d": 1, "a": 1, "b": 1},
+    ]
+
+
+def test_no_decoding_request_uses_the_whole_budget():
+    sched = make_scheduler(budget=32, max_num_seqs=8, num_blocks=64, pacing=6)
+    worker = worker_for(sched)
+    sched.add_request(make_request("a", 10, first_token=0))
+    sched.add_request(make_request("b", 8, first_token=100))
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"a": 10, "b": 8}
+
+
+def test_queue_beyond_one_budget_is_computed_at_once():
+    sched = make_scheduler(budget=32, max_num_seqs=8, max_model_len=128, num_blocks=64, pacing=6)
+    worker = worker_for(sched)
+    _decoding(sched, worker)
+    sched.add_request(make_request("a", 44, first_token=0))
+    plans = [step(sched, worker)[0].num_scheduled_tokens for _ in range(4)]
+    # 44 queued: the 12 beyond one budget now, then the rest at 6 per step.
+    assert plans == [{"d": 1, "a": 12}, {"d": 1, "a": 6}, {"d": 1, "a": 6}, {"d": 1, "a": 6}]
+    # Two budgets or more: no limit but the budget.
+    sched.add_request(make_request("b", 70, first_token=300))
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"d": 1, "a": 14, "b": 17}
+
+
+def test_prefix_cache_hits_do_not_count_as_queued_work():
+    sched = make_scheduler(budget=32, max_num_seqs=8, max_model_len=128, num_blocks=64, pacing=6)
+    worker = worker_for(sched)
+    sched.add_request(make_request("p", 41, max_tokens=40, first_token=0))
+    for _ in range(3):
+        step(sched, worker)  # p's prompt in two steps (40 tokens cached), then a decode
+    # q shares p's first 40 tokens: 12 of its 52 to compute, a short queue, so paced (52
+    # counted whole would be 20 beyond the budget, all computed at once). The look-ahead
+    # is not counted as a second prefix-cache query.
+    sched.add_request(make_request("q", 52, max_tokens=4, first_token=0))
+    so, out = step(sched, worker)
+    assert so.num_scheduled_tokens == {"p": 1, "q": 6}
+    stats = out.scheduler_stats
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (52, 40)
+
+
+def test_paced_requests_finish_and_free_every_block():
+    sched = make_scheduler(budget=16, max_num_seqs=8, max_model_len=64, num_blocks=64, pacing=3)
+    worker = worker_for(sched)
+    _decoding(sched, worker)
+    for i in range(5):
+        sched.add_request(make_request(f"r{i}", 7 + i, max_tokens=5, first_token=50 * i))
+    tokens, last = run_to_finish(sched, worker, max_steps=200)
+    assert all(len(tokens[f"r{i}"]) == 5 for i in range(5))
+    assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks
+
+
+def test_pacing_without_chunked_prefill_is_rejected():
+    with pytest.raises(ValueError, match="prefill_pacing_tokens"):
+        make_scheduler(budget=64, chunked=False, pacing=8)
+
+
+def test_engine_flag(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    model = str(tmp_path)
+    config = EngineArgs(model=model, prefill_pacing_tokens=512).create_engine_config("server")
+    assert config.scheduler_config.prefill_pacing_tokens == 512
+    default = EngineArgs(model=model).create_engine_config("server")
+    assert default.scheduler_config.prefill_pacing_tokens == 0
+    with pytest.raises(ConfigError, match="non-negative"):
+        EngineArgs(model=model, prefill_pacing_tokens=-1).create_engine_config()
+    with pytest.raises(ConfigError, match="chunked prefill"):
+        EngineArgs(
+            model=model, prefill_pacing_tokens=512, enable_chunked_prefill=False
+        ).create_engine_config()

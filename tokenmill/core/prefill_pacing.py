@@ -1,0 +1,101 @@
+"""Prefill pacing: spread a short queue's prompts over several steps while others decode.
+
+A step that computes prompt tokens stalls every decoding request for as long as it runs: a
+full 8192-token budget is ~200 ms for an 8B model on an H200, twenty decode steps. Taking a
+burst of prompts in one such step has two costs:
+
+- every request of the burst waits for the whole step before its first token, and every
+  decoding request sees one very long inter-token gap;
+- under a closed-loop load the burst never breaks up: requests admitted in one step have
+  their outputs produced step by step together, finish together, and their clients send
+  the next requests together, so each burst comes back as large as it left.
+
+So while other requests are decoding, the scheduler computes at most ``pacing_tokens``
+prompt tokens per step of the queued prefill work that fits in one step's token budget;
+only what the queue holds beyond one budget is computed at once (so a queue of two budgets
+or more gets whole steps). The first requests of a burst get their first token after a
+short step, the stall per step stays bounded (the inter-token-latency bound that chunked
+prefill exists for: Agrawal et al. 2024, "Taming Throughput-Latency Tradeoff in LLM
+Inference with Sarathi-Serve"), and bursts spread out over the steps that follow. With no
+request decoding there is no stall to bound, and the budget is used whole.
+
+The price is the other side of the same trade: the prompt work is spread over more steps,
+so decoding requests see more, shorter stalls, and their time per output token rises
+(e2e latency stays about the same). With Llama-3.1-8B on an H200 and 64 concurrent
+clients (benchmarks/RESULTS.md, fourth set), 512 tokens took a shared-prefix load's median
+TTFT from 390 to 106 ms, its TPOT from 9.3 to 11.3 ms; on long unshared prompts TTFT went
+from 780 to 473 ms, but TPOT from 10.7 to 12.4 ms at 5% less throughput. So it is off by
+default (full-budget steps, as in vLLM), a choice for latency-minded deployments.
+
+Torch-free, like the rest of core/.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from tokenmill.core.kv_cache_manager import KVCacheManager
+    from tokenmill.request import Request
+
+
+def is_prefilling(request: Request) -> bool:
+    """True while ``request`` still has prompt tokens to compute (a new request, one
+    being prefilled in chunks, or one resumed after preemption)."""
+    return request.num_computed_tokens < request.num_prompt_tokens
+
+
+class PrefillPacing:
+    """Decides each step's allowance of prompt tokens.
+
+    Args:
+        pacing_tokens: prompt tokens per step while requests decode and the queue is short.
+        queue_limit_tokens: the queued prefill work (tokens) up to which pacing applies;
+            the scheduler passes its token budget.
+
+    Raises:
+        ValueError: a non-positive ``pacing_tokens`` or ``queue_limit_tokens``.
+    """
+
+    def __init__(self, pacing_tokens: int, queue_limit_tokens: int) -> None:
+        if pacing_tokens <= 0 or queue_limit_tokens <= 0:
+            raise ValueError(
+                f"pacing_tokens ({pacing_tokens}) and queue_limit_tokens "
+                f"({queue_limit_tokens}) must be positive"
+            )
+        self.pacing_tokens = pacing_tokens
+        self.queue_limit_tokens = queue_limit_tokens
+
+    def allowance(
+        self, running: Iterable[Request], waiting: Iterable[Request], kv: KVCacheManager
+    ) -> int | None:
+        """Prompt tokens the next step may compute, or None for no limit beyond the
+        token budget.
+
+        Args:
+            running: the running requests (decoding, or partway through their prompt).
+            waiting: the queued requests, in the order they would be admitted.
+            kv: the block tables, to discount the prompt tokens a prefix-cache hit covers.
+        """
+        queued = 0
+        decoding = False
+        for request in running:
+            if is_prefilling(request):
+                queued += request.num_prompt_tokens - request.num_computed_tokens
+            else:
+                decoding = True
+        if not decoding:
+            return None
+        # Only the part of the queue beyond one step's budget is urgent: it is computed at
+        # once, the rest at the pacing rate. From two budgets on, that part alone fills a
+        # step, so the sum can stop there.
+        limit = self.queue_limit_tokens
+        if queued >= 2 * limit:
+            return None
+        for request in waiting:
+            queued += request.num_tokens - kv.num_cached_prefix_tokens(request)
+            if queued >= 2 * limit:
+                return None
+        return max(self.pacing_tokens, queued - limit)
