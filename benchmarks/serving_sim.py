@@ -1,0 +1,188 @@
+"""Closed-loop serving simulator: the real Scheduler against a step-time model.
+
+Scheduling policies change how a closed-loop load settles (bursts that stay together, or
+arrivals that spread out), which decides median TTFT and TPOT far more than any kernel.
+This drives tokenmill's own ``Scheduler`` (async scheduling: step n+1 is planned while
+step n runs) with simulated clients, front end and device, so a policy can be swept over
+loads on a CPU in seconds before it is measured on the GPU:
+
+- ``--max-concurrency`` clients, each sending its next request when the previous one ends
+  (the shape of ``vllm bench serve --max-concurrency``); ``--num-prompts`` in all.
+- A tokenizer pool of ``--tokenizer-workers`` threads, ``--tokenize-ms`` per 2,256-token
+  prompt (scaled by prompt length, +-20% jitter), plus 1 ms of HTTP in and 1.5 ms out.
+- Step time (ms) = 5.0 + 0.02 x decodes + 1.5e-5 x their context tokens
+  + ``--prefill-ms-per-token`` x prompt tokens (+1 ms for an eager step with prompt tokens).
+  Fitted to Llama-3.1-8B on an H200 (benchmarks/RESULTS.md, third and fourth sets):
+  a decode step of 64 requests at ~2.3k context takes ~8.6 ms, one at ~1.2k ~7.3 ms, an
+  8,192-token prefill step ~205 ms.
+
+The figures are a model's, for comparing policies; only the GPU measures.
+
+Usage:
+    python benchmarks/serving_sim.py --load prefix --prefill-pacing-tokens 0 512 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import random
+import statistics
+from dataclasses import dataclass
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.request import Request
+from tokenmill.sampling_params import SamplingParams
+
+# (prefix tokens, input tokens, output tokens) of the two loads of the serving benchmarks.
+LOADS = {"prefix": (2000, 256, 128), "random": (0, 1024, 256)}
+HTTP_IN_S, HTTP_OUT_S = 1e-3, 1.5e-3
+
+
+@dataclass
+class SimConfig:
+    """One simulated run; times in seconds unless the name says ms."""
+
+    load: str = "prefix"
+    budget: int = 8192
+    pacing: int = 0
+    concurrency: int = 64
+    num_prompts: int = 500
+    tokenizer_workers: int = 8
+    tokenize_ms: float = 6.0
+    prefill_ms_per_token: float = 0.024
+    seed: int = 0
+
+
+def step_time_s(sched: Scheduler, so: SchedulerOutput, prefill_ms_per_token: float) -> float:
+    """The modelled device time of one step (seconds)."""
+    prompt = decodes = context = 0
+    for req_id, n in so.num_scheduled_tokens.items():
+        request = sched.requests.get(req_id)
+        if n == 1 and request is not None and request.num_output_tokens > 0:
+            decodes += 1
+            context += request.num_computed_tokens
+        else:
+            prompt += n
+    ms = 5.0 + 0.02 * decodes + 1.5e-5 * context + prefill_ms_per_token * prompt
+    return (ms + (1.0 if prompt else 0.0)) / 1e3
+
+
+def simulate(cfg: SimConfig) -> dict[str, float]:
+    """Run one closed-loop load; returns median TTFT/TPOT (ms, clients after the first
+    burst), mean front-end delay (ms) and request throughput (req/s)."""
+    prefix_len, input_len, output_len = LOADS[cfg.load]
+    rng = random.Random(cfg.seed)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=cfg.budget,
+            max_num_seqs=1024,
+            max_model_len=8192,
+            async_scheduling=True,
+            prefill_pacing_tokens=cfg.pacing,
+        ),
+        CacheConfig(block_size=16, enable_prefix_caching=True),
+        num_blocks=55000,
+    )
+    prefix = [rng.randrange(1000, 100000) for _ in range(prefix_len)]
+    tokenize_s = (prefix_len + input_len) / 2256 * cfg.tokenize_ms / 1e3
+    workers = [0.0] * cfg.tokenizer_workers
+    arrivals: list[tuple[float, int, Request]] = []
+    # request index -> [sent, reached the engine, first token, finished]
+    times: dict[int, list[float | None]] = {}
+
+    def send(at: float) -> None:
+        index = len(times)
+        prompt = prefix + [rng.randrange(1000, 100000) for _ in range(input_len)]
+        params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+        start = max(heapq.heappop(workers), at + HTTP_IN_S)
+        done = start + tokenize_s * (0.8 + 0.4 * rng.random())
+        heapq.heappush(workers, done)
+        request = Request(str(index), prompt, params, arrival_time=at)
+        heapq.heappush(arrivals, (done, index, request))
+        times[index] = [at, done, None, None]
+
+    def collect(so: SchedulerOutput, end: float) -> None:
+        sampled = []
+        for req_id in so.num_scheduled_tokens:
+            r = sched.requests.get(req_id)
+            # A step samples for a request whose known tokens it computed all of (the
+            # scheduler counts that sample as a placeholder already).
+            known = 0 if r is None else r.num_tokens + r.num_output_placeholders - 1
+            sampled.append([7] if r is not None and r.num_computed_tokens >= known else [])
+        runner = ModelRunnerOutput(req_ids=list(so.num_scheduled_tokens), sampled_token_ids=sampled)
+        for out in sched.update_from_output(so, runner).outputs:
+            t = times[int(out.request_id)]
+            if t[2] is None and out.new_token_ids:
+                t[2] = end + HTTP_OUT_S
+            if out.finish_reason is not None:
+                t[3] = end + HTTP_OUT_S
+                if len(times) < cfg.num_prompts:
+                    send(end + HTTP_OUT_S)
+
+    for _ in range(cfg.concurrency):
+        send(0.0)
+    now, pending = 0.0, None  # pending: (plan, end time) of the step in flight
+    while any(t[3] is None for t in times.values()):
+        while arrivals and arrivals[0][0] <= now:
+            sched.add_request(heapq.heappop(arrivals)[2])
+        so = sched.schedule() if sched.has_unfinished_requests() else None
+        if so is None or so.total_num_scheduled_tokens == 0:
+            if pending is not None:
+                now = max(now, pending[1])
+                collect(*pending)
+                pending = None
+            elif arrivals:
+                now = arrivals[0][0]
+            continue
+        start = max(now + 1e-3, pending[1] if pending else 0.0)
+        if pending is not None:
+            now = max(now, pending[1])
+            collect(*pending)
+        else:
+            now += 1e-3
+        pending = (so, start + step_time_s(sched, so, cfg.prefill_ms_per_token))
+    later = [t for i, t in times.items() if i >= cfg.concurrency]
+    return {
+        "ttft_p50_ms": 1e3 * statistics.median(t[2] - t[0] for t in later),
+        "tpot_p50_ms": 1e3 * statistics.median((t[3] - t[2]) / (output_len - 1) for t in later),
+        "front_end_ms": 1e3 * statistics.mean(t[1] - t[0] for t in later),
+        "req_per_s": len(times) / max(t[3] for t in times.values()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--load", choices=sorted(LOADS), nargs="+", default=sorted(LOADS))
+    parser.add_argument("--prefill-pacing-tokens", type=int, nargs="+", default=[0, 512, 1024])
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-concurrency", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=500)
+    parser.add_argument("--tokenizer-workers", type=int, default=8)
+    parser.add_argument("--tokenize-ms", type=float, default=6.0)
+    parser.add_argument("--prefill-ms-per-token", type=float, default=0.024)
+    parser.add_argument("--seeds", type=int, default=2)
+    args = parser.parse_args()
+    for load in args.load:
+        for pacing in args.prefill_pacing_tokens:
+            for seed in range(args.seeds):
+                cfg = SimConfig(
+                    load=load, budget=args.max_num_batched_tokens, pacing=pacing,
+                    concurrency=args.max_concurrency, num_prompts=args.num_prompts,
+                    tokenizer_workers=args.tokenizer_workers, tokenize_ms=args.tokenize_ms,
+                    prefill_ms_per_token=args.prefill_ms_per_token, seed=seed,
+                )  # fmt: skip
+                r = simulate(cfg)
+                print(
+                    f"{load:6s} pacing {pacing:5d} seed {seed}: TTFT p50 {r['ttft_p50_ms']:6.1f} ms"
+                    f"  TPOT p50 {r['tpot_p50_ms']:5.2f} ms  front end {r['front_end_ms']:5.1f} ms"
+                    f"  {r['req_per_s']:5.1f} req/s",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
