@@ -44,7 +44,8 @@ HTTP_IN_S, HTTP_OUT_S = 1e-3, 1.5e-3
 
 @dataclass
 class SimConfig:
-    """One simulated run; times in seconds unless the name says ms."""
+    """One simulated run: the load (a key of ``LOADS``), the scheduler's token budget and
+    pacing (tokens), the clients, and the front end and device models (ms)."""
 
     load: str = "prefix"
     budget: int = 8192
