@@ -1,6 +1,7 @@
 """Property-based tests of the scheduler and KV cache manager (hypothesis).
 
-Random arrivals (prompt lengths, shared prefixes, cache salts, output limits, priorities),
+Random arrivals (prompt lengths, shared prefixes, cache salts, output limits, priorities)
+under random scheduler settings (prefill pacing included),
 steps run by the fake worker, and aborts (between steps and between a step's plan and its
 output) must never leak or double-free a block, exceed the token budget or the sequence
 cap, schedule a non-positive token count, or let a request read KV that is not its own;
@@ -54,6 +55,7 @@ class Config:
     threshold: int
     caching: bool
     headroom: bool
+    pacing: int
 
 
 @st.composite
@@ -76,6 +78,7 @@ def configs(draw) -> Config:
         threshold=draw(st.sampled_from([0, 0, 3, 7])),
         caching=draw(st.booleans()),
         headroom=draw(st.booleans()),
+        pacing=draw(st.sampled_from([0, 0, 1, 3, 8])) if chunked else 0,
     )
 
 
@@ -112,6 +115,7 @@ class Harness:
                 scheduling_policy=config.policy,
                 long_prefill_token_threshold=config.threshold,
                 admission_headroom=config.headroom,
+                prefill_pacing_tokens=config.pacing,
             ),
             CacheConfig(block_size=config.block_size, enable_prefix_caching=config.caching),
             num_blocks=config.num_blocks,
