@@ -16,7 +16,9 @@ the flushes alone. Rates use the graph time, which is what a CUDA-graph decode s
 ``--baseline``
 adds torch SDPA on contiguous (unpaged) tensors, ``--sweep-splits`` times every decode split
 count, ``--sweep-tiles`` tries prefill tile shapes: both help tune the heuristics in
-``tokenmill/model/attention/triton_backend.py``.
+``tokenmill/model/attention/triton_backend.py``. ``--shared-prefix 0,2000`` times each decode
+shape again with its first 2,000 tokens in blocks shared by every request (prefix caching):
+the rate is then over the logical K/V, so it shows how much the shared reads come from L2.
 
 Usage: python benchmarks/attention_bench.py [--dtype bf16] [--baseline] [--sweep-splits]
 """
@@ -50,6 +52,10 @@ TILE_SWEEP = [
     TileConfig(64, 32, 4, 4),
 ]
 
+DECODE_TILE_SWEEP = [
+    TileConfig(16, n, w, st) for n in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3)
+]
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -68,27 +74,46 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--baseline", action="store_true", help="also time torch SDPA, unpaged")
     p.add_argument("--sweep-splits", action="store_true", help="time each decode split count")
     p.add_argument("--sweep-tiles", action="store_true", help="time prefill tile shapes")
+    p.add_argument(
+        "--sweep-decode-tiles", action="store_true", help="time decode tile shapes (keys, warps)"
+    )
     p.add_argument("--only", choices=["decode", "prefill", "cache"], default=None)
+    p.add_argument(
+        "--shared-prefix",
+        type=ints,
+        default=[0],
+        help="decode: tokens of context every request shares (prefix-cached blocks); "
+        "a list times each",
+    )
     return p.parse_args()
 
 
 class Problem:
     """Requests of ``q_lens[i]`` new tokens after ``ctx_lens[i]`` cached ones, in a paged
-    cache with shuffled block ids."""
+    cache with shuffled block ids; the first ``shared_prefix`` tokens' full blocks are the
+    same physical blocks in every request, as prefix caching leaves them."""
 
-    def __init__(self, args: argparse.Namespace, q_lens: list[int], ctx_lens: list[int]):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        q_lens: list[int],
+        ctx_lens: list[int],
+        shared_prefix: int = 0,
+    ):
         dtype, dev, bs = DTYPES[args.dtype], torch.device("cuda"), args.block_size
         h, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
         seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
         needed = [triton.cdiv(s, bs) for s in seq_lens]
-        num_blocks = sum(needed)
+        shared = min(shared_prefix // bs, min(needed) - 1)
+        num_blocks = shared + sum(n - shared for n in needed)
         perm = torch.randperm(num_blocks, device=dev, dtype=torch.int32)
         width = max(needed)
         table = torch.zeros(len(q_lens), width, dtype=torch.int32, device=dev)
-        start = 0
+        start = shared
         for i, n in enumerate(needed):
-            table[i, :n] = perm[start : start + n]
-            start += n
+            table[i, :shared] = perm[:shared]
+            table[i, shared:n] = perm[start : start + n - shared]
+            start += n - shared
         qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
         sl = torch.tensor(seq_lens, dtype=torch.int32)
         tokens = sum(q_lens)
@@ -210,10 +235,18 @@ def run_decode(args: argparse.Namespace) -> None:
     sms = triton_backend.device_num_sms(torch.device("cuda"))
     for batch in args.decode_batches:
         for ctx in args.contexts:
-            p = Problem(args, [1] * batch, [ctx - 1] * batch)
-            splits = triton_backend.num_decode_splits(batch, args.num_kv_heads, ctx, sms)
-            name = f"decode b={batch} ctx={ctx} splits={splits}"
-            report(name, bench(p.attend), p.bytes_moved(), p.flops(), args)
+            for shared in args.shared_prefix:
+                p = Problem(args, [1] * batch, [ctx - 1] * batch, shared_prefix=shared)
+                splits = triton_backend.num_decode_splits(batch, args.num_kv_heads, ctx, sms)
+                name = f"decode b={batch} ctx={ctx} splits={splits}"
+                if shared:
+                    name += f" shared={shared}"
+                report(name, bench(p.attend), p.bytes_moved(), p.flops(), args)
+            if args.sweep_decode_tiles:
+                for cfg in DECODE_TILE_SWEEP:
+                    with patched("decode_tile_config", lambda *_, cfg=cfg: cfg):
+                        times = bench(p.attend)
+                    report(f"  {cfg}", times, p.bytes_moved(), p.flops(), args)
             if args.sweep_splits:
                 for s in (1, 2, 4, 8, 16, 32, 64):
                     with patched("num_decode_splits", lambda *_, s=s: s):

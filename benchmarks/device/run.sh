@@ -115,6 +115,8 @@ for st in "$@"; do
     gputests) stage gputests 240 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 ;;
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
+    attn_prefix) stage attn_prefix 180 python3 benchmarks/attention_bench.py --only decode --decode-batches 64 --contexts 1280,2304 --shared-prefix 0,2000 --sweep-splits ;;
+    attn_dtiles) stage attn_dtiles 300 python3 benchmarks/attention_bench.py --only decode --decode-batches 1,64,256 --contexts 2304,8192 --shared-prefix 0,2000 --sweep-decode-tiles ;;
     lat1)     stage lat1 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1.json"; addjson lat1 "$LOGS/lat1.json" ;;
     lat32)    stage lat32 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32.json"; addjson lat32 "$LOGS/lat32.json" ;;
     tp_long)  stage tp_long 400 "${TM[@]}" bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/tp_long.json"; addjson tp_long "$LOGS/tp_long.json" ;;
