@@ -24,7 +24,9 @@ so decoding requests see more, shorter stalls, and their time per output token r
 (e2e latency stays about the same). With Llama-3.1-8B on an H200 and 64 concurrent
 clients (benchmarks/RESULTS.md, fourth set), 512 tokens took a shared-prefix load's median
 TTFT from 390 to 106 ms, its TPOT from 9.3 to 11.3 ms; on long unshared prompts TTFT went
-from 780 to 473 ms, but TPOT from 10.7 to 12.4 ms at 5% less throughput. So it is off by
+from 780 to 473 ms, but TPOT from 10.7 to 12.4 ms at 5% less throughput. Arrivals spread
+thin also make most steps mixed, and mixed steps run without CUDA graphs: another run of
+the prefix load gave 142 ms at 14.1 ms TPOT and 20% less throughput. So it is off by
 default (full-budget steps, as in vLLM), a choice for latency-minded deployments.
 
 Torch-free, like the rest of core/.
