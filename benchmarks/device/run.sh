@@ -14,6 +14,9 @@
 #   stepbench  one decode step's GPU time (decode_step_bench.py)
 #   skinny skinny_sweep moe   kernel benchmarks: skinny GEMM vs cuBLAS, fused MoE vs torch
 #   *_cublas   lat1/lat32/stepbench with TOKENMILL_SKINNY_GEMM=0 (cuBLAS for every product)
+#   diag_default diag_vllm diag_pace512 ...   serving with per-request detail, /metrics and
+#              step logs (LOADS="random prefix" picks the loads)
+#   attn_prefix attn_dtiles   decode attention with a shared prefix; decode tile sweep
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/../.."
