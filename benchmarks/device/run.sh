@@ -12,6 +12,7 @@
 #   serve      tokenmill serve M8 + bench serve random 1024/256 c=64, then shared prefix
 #   vllm_*     the same stage run by vLLM's CLI (vllm_tp_long, vllm_lat1, ...)
 #   stepbench  one decode step's GPU time (decode_step_bench.py)
+#   mixedbench eager vs captured mixed (decode + prompt chunk) steps (mixed_step_bench.py)
 #   skinny skinny_sweep moe   kernel benchmarks: skinny GEMM vs cuBLAS, fused MoE vs torch
 #   *_cublas   lat1/lat32/stepbench with TOKENMILL_SKINNY_GEMM=0 (cuBLAS for every product)
 #   diag_default diag_vllm diag_pace512 ...   serving with per-request detail, /metrics and
@@ -127,6 +128,7 @@ for st in "$@"; do
     tp_small) stage tp_small 300 "${TM[@]}" bench throughput --model "$M135" "${TPA[@]}" --random-input-len 256 --random-output-len 256 --num-prompts 2000 --output-json "$LOGS/tp_small.json"; addjson tp_small "$LOGS/tp_small.json" ;;
     prof_small) stage prof_small 300 python3 benchmarks/device/profile_step.py "$M135" ;;
     prof_lat1) stage prof_lat1 200 python3 benchmarks/device/profile_step.py "$M8" 1 32 256 ;;
+    mixedbench) stage mixedbench 300 python3 benchmarks/device/mixed_step_bench.py "$M8" ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     lat1_cublas) TOKENMILL_SKINNY_GEMM=0 stage lat1_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_cublas.json"; addjson lat1_cublas "$LOGS/lat1_cublas.json" ;;

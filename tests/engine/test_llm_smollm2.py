@@ -216,6 +216,21 @@ def test_decode_batches_padded_like_cuda_graphs(llm):
     assert padded == reference
 
 
+def test_token_batches_padded_like_piecewise_graphs(llm):
+    """The piecewise graphs' padding (trailing token-0 rows at position 0 with slot -1,
+    attention told the real token count) changes no token, with prompt chunks and decodes
+    mixed in one step (64-token budget); checked on CPU with eager padded batches."""
+    prompts = _prompts(6)
+    reference = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    runner.pad_token_batches_to = [16, 48, 64]
+    try:
+        padded = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    finally:
+        runner.pad_token_batches_to = None
+    assert padded == reference
+
+
 def test_async_scheduling_matches_sync(llm, smollm2_gguf_path):
     """Overlapped scheduling (one step in flight) changes no token: natural EOS stops,
     stop strings, preemption in a tiny cache, and seeded requests (run in step) mixed in."""

@@ -65,8 +65,12 @@ def test_bf16_logits_match_cpu_float32(smollm2_random):
     logits = runner.step({0: seqs[0], 1: seqs[1], 2: seqs[2], 3: seqs[3][30:]}, seqs).float().cpu()
     with torch.no_grad():
         ref = torch.cat(
-            [hf(torch.tensor([seqs[0]])).logits[0], hf(torch.tensor([seqs[1]])).logits[0],
-             hf(torch.tensor([seqs[2]])).logits[0], hf(torch.tensor([seqs[3]])).logits[0][30:]]
+            [
+                hf(torch.tensor([seqs[0]])).logits[0],
+                hf(torch.tensor([seqs[1]])).logits[0],
+                hf(torch.tensor([seqs[2]])).logits[0],
+                hf(torch.tensor([seqs[3]])).logits[0][30:],
+            ]
         )
     # bf16 weights and activations: errors of a few 1e-3 relative to the logit scale.
     rel = (logits - ref).abs().max() / ref.abs().max()
@@ -99,6 +103,43 @@ def test_cuda_graphs_equal_eager_and_batch_independent_in_float32(smollm2_random
     assert graphs == eager
     assert graphs[:3] == alone
     assert graphs == again
+
+
+def test_piecewise_graphs_equal_eager_in_float32(smollm2_random):
+    """A 64-token budget mixes prompt chunks with decodes in most steps: those replay the
+    piecewise graphs (attention eager between them), and greedy tokens equal eager
+    execution's, alone or batched."""
+    from tokenmill import LLM, SamplingParams
+
+    _, path = smollm2_random
+    prompts = _prompts(8)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for eager in (False, True):
+        llm = LLM(
+            path,
+            dtype="float32",
+            kv_cache_memory=2 << 30,
+            max_model_len=1024,
+            max_num_seqs=64,
+            max_num_batched_tokens=64,
+            enforce_eager=eager,
+        )
+        runner = llm.llm_engine.engine_core.executor.worker.model_runner
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        alone = llm.generate({"prompt_token_ids": prompts[7]}, params, use_tqdm=False)
+        replays = runner.piecewise_graphs.num_replays if runner.piecewise_graphs else 0
+        results[eager] = (
+            [o.outputs[0].token_ids for o in outs],
+            alone[0].outputs[0].token_ids,
+            replays,
+        )
+        del llm, runner
+        torch.cuda.empty_cache()
+    (graphs, graphs_alone, replays), (eager, eager_alone, _) = results[False], results[True]
+    assert replays >= 4  # the steps with prompt tokens
+    assert graphs == eager
+    assert graphs_alone == eager_alone == graphs[7]
 
 
 def test_bf16_is_deterministic_for_the_same_batch(smollm2_random):

@@ -33,14 +33,21 @@ class CUDAGraphRunner:
     Args:
         runner: the model runner whose buffers the graphs read and write.
         capture_sizes: batch sizes to capture (default: ``default_capture_sizes``).
+        pool: a CUDA graph memory pool to share with other graphs that are never replayed
+            concurrently with these; a new one when None.
     """
 
-    def __init__(self, runner: ModelRunner, capture_sizes: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        capture_sizes: list[int] | None = None,
+        pool: tuple[int, int] | None = None,
+    ) -> None:
         self.runner = runner
         self.sizes = sorted(capture_sizes or default_capture_sizes(runner.max_num_reqs))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool = pool
 
     def can_run(self, num_reqs: int) -> bool:
         return bool(self.graphs) and num_reqs <= self.sizes[-1]
@@ -55,7 +62,8 @@ class CUDAGraphRunner:
         model = runner.model
         assert model is not None
         start = time.perf_counter()
-        self.pool = torch.cuda.graph_pool_handle()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for size in reversed(self.sizes):
             # Inert inputs for capture: every row a padding request.

@@ -153,8 +153,11 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.cuda_graphs = None  # a CUDAGraphRunner once captured
-        # Tests set this on CPU to run decode batches padded like CUDA-graph batches.
+        self.piecewise_graphs = None  # a PiecewiseCUDAGraphRunner once captured
+        # Tests set these on CPU to run batches padded like CUDA-graph batches: decode-only
+        # batches as the decode graphs do, others as the piecewise graphs do.
         self.pad_decode_batches_to: list[int] | None = None
+        self.pad_token_batches_to: list[int] | None = None
         self.input_batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_blocks_per_req
         )
@@ -229,12 +232,17 @@ class ModelRunner:
         bind_kv_caches(self.model, self.kv_caches)
 
     def capture_cuda_graphs(self) -> None:
-        """Capture decode-only forward passes for padded batch sizes (CUDA only)."""
+        """Capture piecewise graphs for steps with prompt tokens, then whole-pass graphs for
+        decode-only batches, in one memory pool (CUDA only)."""
         if self.device.type != "cuda":
             return
         from tokenmill.worker.cuda_graph import CUDAGraphRunner
+        from tokenmill.worker.piecewise_graph import PiecewiseCUDAGraphRunner
 
-        self.cuda_graphs = CUDAGraphRunner(self)
+        pool = torch.cuda.graph_pool_handle()
+        self.piecewise_graphs = PiecewiseCUDAGraphRunner(self, pool=pool)
+        self.piecewise_graphs.capture()
+        self.cuda_graphs = CUDAGraphRunner(self, pool=pool)
         self.cuda_graphs.capture()
 
     # ---- one step ----------------------------------------------------------------------
@@ -349,18 +357,31 @@ class ModelRunner:
                         self.input_ids.device[:padded], self.positions.device[:padded], metadata
                     )
         n = inputs.num_tokens
+        if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(n):
+            return self.piecewise_graphs.run(n, inputs.metadata)
+        if self.pad_token_batches_to:
+            padded = next((b for b in self.pad_token_batches_to if b >= n), None)
+            if padded is not None:
+                self.pad_token_inputs(n, padded)
+                return self.model(
+                    self.input_ids.device[:padded], self.positions.device[:padded], inputs.metadata
+                )
         return self.model(self.input_ids.device[:n], self.positions.device[:n], inputs.metadata)
+
+    def pad_token_inputs(self, num_tokens: int, padded: int) -> None:
+        """Make rows ``num_tokens..padded`` of the token buffers inert padding: token 0 at
+        position 0 with slot -1 (its K/V is never written)."""
+        self.input_ids.device[num_tokens:padded].zero_()
+        self.positions.device[num_tokens:padded].zero_()
+        self.slot_mapping.device[num_tokens:padded].fill_(-1)
 
     def pad_decode_batch(self, num_reqs: int, padded: int) -> AttentionMetadata:
         """Fill rows ``num_reqs..padded`` of the device buffers with inert padding requests
         (one token each, slot -1 so nothing is written, context length 0) and return the
         metadata of the padded batch, as a captured CUDA graph sees it."""
-        d = self
-        d.input_ids.device[num_reqs:padded].zero_()
-        d.positions.device[num_reqs:padded].zero_()
-        d.slot_mapping.device[num_reqs:padded].fill_(-1)
-        d.seq_lens.device[num_reqs:padded].zero_()
-        qsl = d.query_start_loc.device
+        self.pad_token_inputs(num_reqs, padded)
+        self.seq_lens.device[num_reqs:padded].zero_()
+        qsl = self.query_start_loc.device
         torch.arange(num_reqs + 1, padded + 1, out=qsl[num_reqs + 1 : padded + 1])
         return self.decode_metadata(padded)
 

@@ -85,7 +85,6 @@ class AttentionImpl(abc.ABC):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
 
-    @abc.abstractmethod
     def forward(
         self,
         query: torch.Tensor,
@@ -93,8 +92,9 @@ class AttentionImpl(abc.ABC):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V into their slots, then attend.
+        """Write this step's K/V into their slots (``write_kv``), then attend (``attend``).
 
         Args:
             query: ``[num_tokens, num_heads * head_dim]``.
@@ -102,10 +102,58 @@ class AttentionImpl(abc.ABC):
             value: ``[num_tokens, num_kv_heads * head_dim]``.
             kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
             metadata: the batch layout.
+            out: optional destination, as for ``attend``.
 
         Returns:
             ``[num_tokens, num_heads * head_dim]``, same dtype as ``query``; rows past
             ``metadata.num_actual_tokens`` are unspecified.
+        """
+        self.write_kv(key, value, kv_cache, metadata.slot_mapping, metadata.num_actual_tokens)
+        return self.attend(query, kv_cache, metadata, out)
+
+    @abc.abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_tokens: int,
+    ) -> None:
+        """Store the first ``num_tokens`` tokens' K/V in their slots.
+
+        Args:
+            key, value: ``[>= num_tokens, num_kv_heads * head_dim]``.
+            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+            slot_mapping: ``[>= num_tokens]`` int, ``block_id * block_size + offset``;
+                tokens with a negative slot (padding) are skipped.
+            num_tokens: tokens to write.
+        """
+
+    @abc.abstractmethod
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention over the cache as it is (this step's K/V already written).
+
+        Args:
+            query: ``[num_tokens, num_heads * head_dim]``; rows may be strided.
+            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+            metadata: the batch layout.
+            out: optional ``[num_tokens, num_heads * head_dim]`` destination, rows
+                contiguous, ``query.dtype`` (a CUDA graph's static buffer); allocated when
+                None.
+
+        Returns:
+            ``out``: every row of a real token is written; rows past
+            ``metadata.num_actual_tokens`` are unspecified.
+
+        Raises:
+            ValueError: ``kv_cache`` or ``out`` has a layout the backend cannot address.
         """
 
 

@@ -33,9 +33,7 @@ def write_to_kv_cache(
     kv_cache[1].view(num_blocks * block_size, h, d).index_copy_(0, slots, value.view(-1, h, d))
 
 
-def gather_kv(
-    cache: torch.Tensor, block_ids: torch.Tensor, length: int
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` tokens of K or V through a block table row (or rows).
 
     Args:
@@ -84,22 +82,32 @@ def _attend(
 class TorchAttentionImpl(AttentionImpl):
     """Paged attention in torch ops (see module docstring)."""
 
-    def forward(
+    def write_kv(
         self,
-        query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        n = metadata.num_actual_tokens
-        slots = metadata.slot_mapping[:n]
+        slot_mapping: torch.Tensor,
+        num_tokens: int,
+    ) -> None:
+        n = num_tokens
+        slots = slot_mapping[:n]
         valid = slots >= 0  # padding tokens of CUDA-graph-shaped batches have slot -1
         if bool(valid.all()):
             write_to_kv_cache(key[:n], value[:n], kv_cache, slots)
         else:
             write_to_kv_cache(key[:n][valid], value[:n][valid], kv_cache, slots[valid])
-        out = torch.zeros_like(query)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        n = metadata.num_actual_tokens
+        if out is None:
+            out = torch.zeros_like(query)
         q = query[:n].view(n, self.num_heads, self.head_dim)
         o = out[:n].view(n, self.num_heads, self.head_dim)
         plan = _batch_plan(metadata)

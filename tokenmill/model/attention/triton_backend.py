@@ -229,16 +229,15 @@ class TritonAttentionImpl(AttentionImpl):
     Triton interpreter.
     """
 
-    def forward(
+    def write_kv(
         self,
-        query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, metadata.num_actual_tokens)
-        return self.attend(query, kv_cache, metadata)
+        slot_mapping: torch.Tensor,
+        num_tokens: int,
+    ) -> None:
+        reshape_and_cache(key, value, kv_cache, slot_mapping, num_tokens)
 
     def attend(
         self,
@@ -247,22 +246,7 @@ class TritonAttentionImpl(AttentionImpl):
         metadata: AttentionMetadata,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention over the cache as it is (this step's K/V already written).
-
-        Args:
-            query: ``[num_tokens, num_heads * head_dim]``; rows may be strided.
-            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
-            metadata: the batch layout.
-            out: optional ``[num_tokens, num_heads * head_dim]`` destination, contiguous,
-                ``query.dtype``; allocated when None.
-
-        Returns:
-            ``out``: every row of a real token is written; rows past
-            ``metadata.num_actual_tokens`` are unspecified.
-
-        Raises:
-            ValueError: ``kv_cache`` or ``out`` has a layout the kernels cannot address.
-        """
+        """See ``AttentionImpl.attend``; ``out`` must be contiguous in its last dimension."""
         if query.stride(-1) != 1:
             query = query.contiguous()
         if kv_cache.stride(-1) != 1:

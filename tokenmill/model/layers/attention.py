@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -53,9 +56,52 @@ class Attention(nn.Module):
         value: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        if _attention_hook is not None:
+            return _attention_hook(self, query, key, value, metadata)
+        return self.impl.forward(query, key, value, self._cache(), metadata)
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int
+    ) -> None:
+        """Store the first ``num_tokens`` tokens' K/V in the layer's cache (negative slots
+        skipped); see ``AttentionImpl.write_kv``."""
+        self.impl.write_kv(key, value, self._cache(), slot_mapping, num_tokens)
+
+    def attend(
+        self, query: torch.Tensor, metadata: AttentionMetadata, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Attention over the layer's cache as it is; see ``AttentionImpl.attend``."""
+        return self.impl.attend(query, self._cache(), metadata, out)
+
+    def _cache(self) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError(f"layer {self.layer_idx} has no KV cache bound")
-        return self.impl.forward(query, key, value, self.kv_cache, metadata)
+        return self.kv_cache
+
+
+# What every Attention layer calls instead of its backend while ``attention_hook`` is active.
+AttentionHook = Callable[
+    [Attention, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
+]
+_attention_hook: AttentionHook | None = None
+
+
+@contextmanager
+def attention_hook(hook: AttentionHook) -> Iterator[None]:
+    """Route every ``Attention.forward`` through ``hook(layer, query, key, value, metadata)``
+    for the duration of the block; its return value is the layer's output.
+
+    The piecewise CUDA graphs use this to split a forward pass at its attention calls.
+    Not re-entrant, and global to the process (one model runs per process and thread).
+    """
+    global _attention_hook
+    if _attention_hook is not None:
+        raise RuntimeError("an attention hook is already active")
+    _attention_hook = hook
+    try:
+        yield
+    finally:
+        _attention_hook = None
 
 
 def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:

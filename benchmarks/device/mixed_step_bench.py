@@ -1,0 +1,148 @@
+"""Is a mixed (decode + prompt chunk) step bound by the host or by the GPU?
+
+usage: python3 benchmarks/device/mixed_step_bench.py MODEL_DIR
+
+For batches of ``D`` decode requests (context ``ctx``) plus one prompt chunk of ``P`` tokens
+after ``pctx`` cached tokens, prints per forward pass (model only, no LM head):
+- ``eager``: steady-state time of back-to-back eager passes (GPU time plus any gaps the
+  host's kernel launches leave);
+- ``launch``: host time to issue one eager pass;
+- ``graph``: the same pass captured whole as one CUDA graph and replayed (GPU time with
+  no launch gaps; a floor for any graph scheme);
+- ``piecewise``: the runner's piecewise graphs (attention eager between captured pieces),
+  when the runner has them for that size.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from tokenmill import LLM
+from tokenmill.model.attention.backend import AttentionMetadata
+
+CASES = [  # (decodes, decode context, prompt chunk tokens, cached tokens before the chunk)
+    (64, 2304, 0, 0),
+    (64, 2304, 16, 2000),
+    (64, 2304, 64, 2000),
+    (64, 2304, 256, 2000),
+    (64, 2304, 512, 2000),
+    (64, 1280, 512, 0),
+    (64, 1280, 1024, 0),
+    (64, 1280, 2048, 0),
+    (8, 1280, 256, 0),
+    (1, 1280, 512, 0),
+    (0, 0, 512, 0),
+    (0, 0, 2048, 0),
+]
+
+
+def build_batch(runner, decodes: int, ctx: int, chunk: int, cached: int, gen: torch.Generator):
+    """Inputs and metadata of one mixed batch over random, distinct KV blocks."""
+    bs = runner.block_size
+    num_blocks = runner.kv_caches[0].shape[1]
+    q_lens = [1] * decodes + ([chunk] if chunk else [])
+    seq_lens = [ctx] * decodes + ([cached + chunk] if chunk else [])
+    width = max(-(-s // bs) for s in seq_lens)
+    need = sum(-(-s // bs) for s in seq_lens)
+    perm = torch.randperm(num_blocks - 1, generator=gen)[:need] + 1
+    table = torch.zeros(len(q_lens), width, dtype=torch.int32)
+    slots, positions, at = [], [], 0
+    for i, (q, s) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        nb = -(-s // bs)
+        table[i, :nb] = perm[at : at + nb]
+        at += nb
+        for p in range(s - q, s):
+            slots.append(int(table[i, p // bs]) * bs + p % bs)
+            positions.append(p)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    n = int(qsl[-1])
+    d = runner.device
+    md = AttentionMetadata(
+        num_actual_tokens=n,
+        num_reqs=len(q_lens),
+        query_start_loc=qsl.to(d),
+        seq_lens=seq.to(d),
+        block_table=table.to(d),
+        slot_mapping=torch.tensor(slots, device=d),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq,
+        num_decodes=decodes,
+    )
+    ids = torch.randint(0, 1000, (n,), generator=gen).to(d)
+    return ids, torch.tensor(positions, device=d), md
+
+
+def per_pass_ms(fn, iters: int = 20) -> float:
+    """Steady-state milliseconds per call of ``fn`` issued back to back."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+@torch.inference_mode()
+def main() -> None:
+    llm = LLM(sys.argv[1], load_format="dummy", max_num_seqs=256)
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    model = runner.model
+    gen = torch.Generator().manual_seed(0)
+    for decodes, ctx, chunk, cached in CASES:
+        ids, pos, md = build_batch(runner, decodes, ctx, chunk, cached, gen)
+        eager = per_pass_ms(lambda ids=ids, pos=pos, md=md: model(ids, pos, md))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(5):
+            model(ids, pos, md)
+        launch = (time.perf_counter() - t) / 5 * 1e3
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            model(ids, pos, md)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            model(ids, pos, md)
+        whole = per_pass_ms(graph.replay)
+        del graph
+        line = (
+            f"STEP mixed decodes={decodes} ctx={ctx} chunk={chunk} cached={cached} "
+            f"tokens={md.num_actual_tokens}: eager {eager:.2f} ms, launch {launch:.2f} ms, "
+            f"graph {whole:.2f} ms"
+        )
+        pieces = runner.piecewise_graphs
+        if pieces is not None and pieces.can_run(md.num_actual_tokens):
+            line += piecewise_timing(runner, pieces, ids, pos, md)
+        print(line, flush=True)
+
+
+def piecewise_timing(runner, pieces, ids, pos, md) -> str:
+    """Steady-state and launch time of the runner's piecewise graphs on this batch."""
+    n = md.num_actual_tokens
+    runner.input_ids.device[:n].copy_(ids)
+    runner.positions.device[:n].copy_(pos)
+    runner.slot_mapping.device[:n].copy_(md.slot_mapping)
+    ms = per_pass_ms(lambda: pieces.run(n, md))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):
+        pieces.run(n, md)
+    launch = (time.perf_counter() - t) / 5 * 1e3
+    torch.cuda.synchronize()
+    return f", piecewise {ms:.2f} ms (launch {launch:.2f} ms, size {pieces.padded_size(n)})"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Piecewise CUDA graphs for steps that compute prompt tokens.
+
+A decode-only step replays one graph of the whole forward pass (``cuda_graph.py``). A step
+with prompt chunks cannot: how the attention kernels split its work (decodes against
+prompt tiles, split counts, grids) is read from the batch layout on the host each step.
+Everything else in a layer — norms, projections, rotary embedding, the MLP — depends only
+on the number of tokens, and run eagerly it costs more host time than GPU time below about
+a thousand tokens (Llama-3.1-8B on an H200: ~14 ms to launch a 320-token step whose GPU
+work takes ~15 ms, and a 264-token step that takes 8.3 ms on the GPU still needs ~15 ms to
+launch; ``benchmarks/device/mixed_step_bench.py``).
+
+So for each padded token count ``T`` the forward pass is captured in pieces split at its
+attention calls — for ``L`` layers, ``L + 1`` graphs: up to the first attention, between
+consecutive ones, after the last — and replayed in order with each layer's attention run
+eagerly in between on the step's real layout. vLLM's piecewise mode splits the same way
+(through torch.compile). A ``T``-token step replays the pieces of the smallest captured
+size ``>= T``; the padding rows carry token 0 at position 0, and attention, which sees
+the real ``num_actual_tokens``, neither writes them to the cache nor reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill.model.attention.backend import AttentionMetadata
+from tokenmill.model.layers.attention import Attention, attention_hook
+
+if TYPE_CHECKING:
+    from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Above this many tokens a step's GPU work hides its eager launches (measured: 2-3% gained
+# by a whole-step graph at 576-1,088 tokens), so larger steps run eagerly.
+MAX_PIECEWISE_TOKENS = 1024
+
+
+def default_piecewise_sizes(max_num_tokens: int, max_size: int = MAX_PIECEWISE_TOKENS) -> list[int]:
+    """Padded token counts to capture: 32-token steps to 512, then 64-token steps, up to
+    ``min(max_num_tokens, max_size)`` (always included).
+
+    Padding a step costs GEMM rows (at most 12% of a step past 256 tokens); each size
+    costs ``L + 1`` graphs and a little start-up time.
+    """
+    limit = min(max_num_tokens, max_size)
+    sizes = [8, 16] + list(range(32, 513, 32)) + list(range(576, max_size + 1, 64))
+    sizes = [s for s in sizes if s < limit]
+    return sizes + [limit]
+
+
+class PiecewiseCUDAGraphRunner:
+    """Captures the forward pass of ``runner.model`` in pieces split at attention, and
+    replays them around eager attention.
+
+    At each split the piece writes the layer's new K/V into the cache (the runner's slot
+    mapping, padding rows -1) and copies its queries into a static buffer; the eager part
+    is attention alone, whose output goes to another static buffer the next piece reads.
+    The buffers are shared by every layer and size, so a size keeps nothing alive in the
+    graph pool beyond its pieces.
+
+    Args:
+        runner: the model runner whose input buffers the graphs read.
+        capture_sizes: token counts to capture (default: ``default_piecewise_sizes``).
+        pool: a CUDA graph memory pool to share (the decode graphs'); graphs of one pool
+            must never be replayed concurrently, which one stream guarantees.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        capture_sizes: list[int] | None = None,
+        pool: tuple[int, int] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.sizes = sorted(capture_sizes or default_piecewise_sizes(runner.max_num_tokens))
+        self.pool = pool
+        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        # Per attention call, in forward order: the layer, its static query buffer and its
+        # static output buffer (full size; a step uses the first rows).
+        self.calls: list[tuple[Attention, torch.Tensor, torch.Tensor]] = []
+        self.hidden: torch.Tensor | None = None  # the static output of the last piece
+        # Static tensors, [max size, width] by (role, width, dtype).
+        self._static: dict[tuple[str, int, torch.dtype], torch.Tensor] = {}
+        self.num_replays = 0  # steps run through the pieces
+
+    def can_run(self, num_tokens: int) -> bool:
+        return bool(self.pieces) and num_tokens <= self.sizes[-1]
+
+    def padded_size(self, num_tokens: int) -> int:
+        return next(s for s in self.sizes if s >= num_tokens)
+
+    def _buffer(self, role: str, like: torch.Tensor) -> torch.Tensor:
+        """The static ``role`` buffer ``[max size, W]`` for tensors like ``like`` (``[T, W]``)."""
+        key = (role, like.shape[-1], like.dtype)
+        if key not in self._static:
+            self._static[key] = torch.zeros(
+                self.sizes[-1], like.shape[-1], dtype=like.dtype, device=like.device
+            )
+        return self._static[key]
+
+    def _capture_metadata(self, size: int) -> AttentionMetadata:
+        # Attention does not run during capture; the metadata only has to be well formed.
+        r = self.runner
+        qsl = torch.tensor([0, size], dtype=torch.int32)
+        return AttentionMetadata(
+            num_actual_tokens=size,
+            num_reqs=1,
+            query_start_loc=r.query_start_loc.device[:2],
+            seq_lens=r.seq_lens.device[:1],
+            block_table=r.block_table.device[:1],
+            slot_mapping=r.slot_mapping.device[:size],
+            max_query_len=size,
+            max_seq_len=size,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=qsl[1:].clone(),
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size's pieces, largest first, into the shared pool."""
+        model = self.runner.model
+        assert model is not None
+        if not self.sizes:
+            return
+        start = time.perf_counter()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        # Every slot -1: the captures' K/V writes (and the warm-ups') touch no cache block.
+        self.runner.slot_mapping.device.fill_(-1)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in reversed(self.sizes):
+                self._capture_size(model, size)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info(
+            "Captured piecewise CUDA graphs for %d token counts (%d..%d, %d pieces each) in %.1f s",
+            len(self.sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            len(self.calls) + 1,
+            time.perf_counter() - start,
+        )
+
+    def _capture_size(self, model: torch.nn.Module, size: int) -> None:
+        ids = self.runner.input_ids.device[:size]
+        pos = self.runner.positions.device[:size]
+        metadata = self._capture_metadata(size)
+        slots = metadata.slot_mapping
+        calls: list[tuple[Attention, torch.Tensor, torch.Tensor]] = []
+
+        def split_point(layer: Attention, query, key, value, md) -> torch.Tensor:
+            # Recorded into the piece that ends here: the K/V write and the query hand-off.
+            layer.write_kv(key, value, slots, size)
+            static_query, out = self._buffer("query", query), self._buffer("attn_out", query)
+            static_query[:size].copy_(query)
+            calls.append((layer, static_query, out))
+            return out[:size]
+
+        with attention_hook(split_point):
+            for _ in range(2):  # warm up: Triton compiles, cuBLAS workspaces, static buffers
+                calls.clear()
+                self.hidden = self._buffer("hidden", model(ids, pos, metadata))
+        if self.calls and [c[0] for c in calls] != [c[0] for c in self.calls]:
+            raise RuntimeError("the forward pass calls attention differently for another size")
+        self.calls = list(calls)
+
+        pieces: list[torch.cuda.CUDAGraph] = []
+        graph = torch.cuda.CUDAGraph()
+
+        def split(layer: Attention, query, key, value, md) -> torch.Tensor:
+            nonlocal graph
+            out = split_point(layer, query, key, value, md)
+            graph.capture_end()
+            pieces.append(graph)
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool)
+            return out
+
+        with attention_hook(split):
+            graph.capture_begin(pool=self.pool)
+            try:
+                hidden = model(ids, pos, metadata)
+                self._buffer("hidden", hidden)[:size].copy_(hidden)
+            finally:
+                graph.capture_end()
+        pieces.append(graph)
+        self.pieces[size] = pieces
+
+    def run(self, num_tokens: int, metadata: AttentionMetadata) -> torch.Tensor:
+        """Replay for a step of ``num_tokens`` whose inputs are in the runner's buffers.
+
+        Args:
+            num_tokens: the step's real tokens (``metadata.num_actual_tokens``).
+            metadata: the step's attention metadata, used by the eager attention calls.
+
+        Returns:
+            Hidden states ``[padded, H]`` (a static buffer, valid until the next step);
+            rows past ``num_tokens`` are padding.
+        """
+        size = self.padded_size(num_tokens)
+        self.runner.pad_token_inputs(num_tokens, size)
+        pieces = self.pieces[size]
+        for graph, (layer, query, out) in zip(pieces, self.calls, strict=False):
+            graph.replay()
+            layer.attend(query[:size], metadata, out=out[:size])
+        pieces[-1].replay()
+        self.num_replays += 1
+        assert self.hidden is not None
+        return self.hidden[:size]
