@@ -10,7 +10,8 @@ after ``pctx`` cached tokens, prints per forward pass (model only, no LM head):
 - ``graph``: the same pass captured whole as one CUDA graph and replayed (GPU time with
   no launch gaps; a floor for any graph scheme);
 - ``piecewise``: the runner's piecewise graphs (attention eager between captured pieces),
-  when the runner has them for that size.
+  when the runner has them for that size; then again with the prompt kernel's keys never
+  split (``num_varlen_splits`` forced to 1).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 import torch
 
 from tokenmill import LLM
+from tokenmill.model.attention import triton_backend
 from tokenmill.model.attention.backend import AttentionMetadata
 
 CASES = [  # (decodes, decode context, prompt chunk tokens, cached tokens before the chunk)
@@ -36,6 +38,8 @@ CASES = [  # (decodes, decode context, prompt chunk tokens, cached tokens before
     (1, 1280, 512, 0),
     (0, 0, 512, 0),
     (0, 0, 2048, 0),
+    (0, 0, 32, 8000),  # a new turn of a long conversation
+    (16, 8192, 32, 8000),
 ]
 
 
@@ -125,6 +129,13 @@ def main() -> None:
         pieces = runner.piecewise_graphs
         if pieces is not None and pieces.can_run(md.num_actual_tokens):
             line += piecewise_timing(runner, pieces, ids, pos, md)
+            # The same with the prompt kernel's keys never split (its one-split path).
+            split_rule = triton_backend.num_varlen_splits
+            triton_backend.num_varlen_splits = lambda *args: 1
+            try:
+                line += "; one key split:" + piecewise_timing(runner, pieces, ids, pos, md)
+            finally:
+                triton_backend.num_varlen_splits = split_rule
         print(line, flush=True)
 
 

@@ -292,6 +292,33 @@ def test_decode_split_counts(monkeypatch, splits):
     check(b)
 
 
+def test_short_chunks_after_long_context_split_their_keys():
+    # Two decodes, then a 5-token turn after 700 cached tokens and a 3-token one after 257.
+    b = make_batch([1, 1, 5, 3], [300, 40, 700, 257], num_heads=8, num_kv_heads=2,
+                   num_decodes=2)  # fmt: skip
+    splits = triton_backend.num_varlen_splits(8, 2, 32, 2, 705, triton_backend.DEFAULT_NUM_SMS)
+    assert splits == 3  # 705 keys make 3 splits of >= 256
+    check(b)
+    check(b, sliding_window=300)
+    check(b, soft_cap=5.0)
+
+
+def test_long_prompts_keep_one_key_split():
+    # 2,000 query tokens in 32-token blocks over 8 KV heads: 504 programs fill 132 SMs.
+    assert triton_backend.num_varlen_splits(2000, 1, 32, 8, 4000, 132) == 1
+    assert triton_backend.num_varlen_splits(16, 1, 32, 8, 2016, 132) == 8
+
+
+@pytest.mark.parametrize("splits", [2, 7])
+@pytest.mark.parametrize("window", [None, 9])
+def test_prompt_split_counts(monkeypatch, small_tiles, splits, window):
+    # Uneven runs of key tiles; 7 splits leave some empty for the fresh prompt's first
+    # blocks and for rows whose causal mask hides a whole split.
+    monkeypatch.setattr(triton_backend, "num_varlen_splits", lambda *args: splits)
+    b = make_batch(MIXED_Q, MIXED_CTX, num_decodes=2)
+    check(b, sliding_window=window)
+
+
 def test_decode_grid_sized_for_longest_model_context():
     # A CUDA graph captured with max_seq_len = max_model_len replays with short contexts:
     # the split count then exceeds what the lengths need and most splits are empty.

@@ -21,7 +21,10 @@ heads, head_dim 128):
   times. Tiles are handed out over the flat token range (``num_tokens // BLOCK_Q +
   num_seqs`` programs, sequence found by binary search on ``query_start_loc``) so a batch of
   one long prompt and many short ones launches no empty programs. Causal/window masks cost
-  elementwise work only on the diagonal and window-edge tiles.
+  elementwise work only on the diagonal and window-edge tiles. A short chunk after a long
+  context (a new conversation turn, a suffix after a cached prefix) makes few programs that
+  each walk the whole context: its keys are then split over up to ``VARLEN_MAX_SPLITS``
+  programs and merged by ``varlen_reduce_kernel``, as flash-decoding does for decodes.
 
 The varlen kernel alone is correct for every batch; the decode kernel is the fast path for the
 leading decode requests (the model runner puts them first and says how many in
@@ -43,7 +46,8 @@ capturable):
   Capture with ``max_seq_len = max_model_len`` so that long contexts get enough splits.
   Padding requests (``seq_len == 0``, slot -1) produce zeros; requests with ``query_len == 0``
   are not touched.
-- varlen path: ``query_start_loc_cpu[num_decodes]`` and ``[num_reqs]`` (token count, grid).
+- varlen path: ``query_start_loc_cpu[num_decodes]`` and ``[num_reqs]`` (token count, grid),
+  and ``seq_lens_cpu`` of the prompt requests (split count).
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ DEFAULT_NUM_SMS = 132
 DECODE_PROGRAMS_PER_SM = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+# Prompt-chunk KV splits: at most this many, and only while the chunks' query blocks leave
+# SMs idle (see ``num_varlen_splits``).
+VARLEN_MAX_SPLITS = 16
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,37 @@ def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     wanted = (DECODE_PROGRAMS_PER_SM * num_sms) // pairs
     useful = triton.cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
     return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def num_varlen_splits(
+    num_tokens: int,
+    num_seqs: int,
+    block_q: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+) -> int:
+    """How many programs share each (query block, KV head)'s keys in the prompt kernel.
+
+    A short chunk after a long context (a new turn of a conversation, a suffix after a
+    cached prefix) has few query blocks, and each program walks the whole context alone:
+    16 tokens after 2,000 cached ones make 8 programs for Llama-3.1-8B, on 132 SMs. Its
+    keys are then split like flash-decoding's, so that the busy programs about fill the
+    chip once (one prompt program per SM: its tiles take most of the shared memory), with
+    no split shorter than ``MIN_SPLIT_TOKENS`` keys and at most ``VARLEN_MAX_SPLITS``.
+    Long prompts keep one split. Depends only on host integers.
+
+    Args:
+        num_tokens: query tokens of the prompt requests.
+        num_seqs: prompt requests.
+        block_q: query tokens per program.
+        num_kv_heads: KV heads (programs per query block).
+        max_seq_len: the longest context of the prompt requests (tokens).
+        num_sms: streaming multiprocessors.
+    """
+    busy = max(triton.cdiv(num_tokens, block_q), num_seqs) * num_kv_heads
+    useful = triton.cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
+    return max(1, min(num_sms // max(1, busy), useful, VARLEN_MAX_SPLITS))
 
 
 @functools.cache
@@ -190,6 +228,7 @@ class _StepPlan:
     num_decodes: int  # leading requests served by the decode kernel
     num_prefills: int  # the rest, served by the varlen kernel
     prefill_tokens: int  # query tokens of those requests
+    prefill_max_seq_len: int  # their longest context
     workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -211,11 +250,12 @@ def _step_plan(metadata: AttentionMetadata) -> _StepPlan:
         return plan
     num_decodes = _leading_decodes(metadata)
     num_prefills = metadata.num_reqs - num_decodes
-    prefill_tokens = 0
+    prefill_tokens = prefill_max_seq_len = 0
     if num_prefills:
         qsl = metadata.query_start_loc_cpu
         prefill_tokens = int(qsl[metadata.num_reqs]) - int(qsl[num_decodes])
-    plan = _StepPlan(num_decodes, num_prefills, prefill_tokens)
+        prefill_max_seq_len = int(metadata.seq_lens_cpu[num_decodes : metadata.num_reqs].max())
+    plan = _StepPlan(num_decodes, num_prefills, prefill_tokens, prefill_max_seq_len)
     metadata._triton_plan = plan  # type: ignore[attr-defined]
     return plan
 
@@ -279,13 +319,15 @@ class TritonAttentionImpl(AttentionImpl):
         }
 
     def _workspace(
-        self, plan: _StepPlan, num_splits: int, device: torch.device
+        self, plan: _StepPlan, rows: int, num_splits: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial outputs ``[R, H, S, D]`` and log2-sum-exps ``[R, H, S]`` (fp32), shared by
-        all layers of the step (layers run one after another on one stream)."""
-        key = (self.num_heads, self.head_dim, num_splits, device)
+        """Partial outputs ``[rows, H, S, D]`` and log2-sum-exps ``[rows, H, S]`` (fp32),
+        shared by all layers of the step (layers run one after another on one stream)."""
+        key = (rows, self.num_heads, self.head_dim, num_splits, device)  # rows: R decodes or
+        # prompt tokens; a decode and a prompt workspace of one shape may be the same tensor,
+        # as the decode reduction has consumed it before the prompt kernel writes it.
         if key not in plan.workspaces:
-            shape = (plan.num_decodes, self.num_heads, num_splits)
+            shape = (rows, self.num_heads, num_splits)
             plan.workspaces[key] = (
                 torch.empty(*shape, self.head_dim, dtype=torch.float32, device=device),
                 torch.empty(*shape, dtype=torch.float32, device=device),
@@ -306,7 +348,7 @@ class TritonAttentionImpl(AttentionImpl):
             plan.num_decodes, self.num_kv_heads, metadata.max_seq_len, device_num_sms(query.device)
         )
         if num_splits > 1:
-            part_out, part_lse = self._workspace(plan, num_splits, query.device)
+            part_out, part_lse = self._workspace(plan, plan.num_decodes, num_splits, query.device)
         else:  # the kernel writes ``out`` directly; these are never touched
             part_out = part_lse = out
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -344,17 +386,38 @@ class TritonAttentionImpl(AttentionImpl):
         group_p = _pow2(args["GROUP"])
         block_q = max(1, cfg.block_m // group_p)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        grid = (plan.prefill_tokens // block_q + plan.num_prefills, self.num_kv_heads)
+        num_splits = num_varlen_splits(
+            plan.prefill_tokens, plan.num_prefills, block_q, self.num_kv_heads,
+            plan.prefill_max_seq_len, device_num_sms(query.device),
+        )  # fmt: skip
+        if num_splits > 1:
+            part_out, part_lse = self._workspace(
+                plan, plan.prefill_tokens, num_splits, query.device
+            )
+        else:  # the kernel writes ``out`` directly; these are never touched
+            part_out = part_lse = out
+        grid = (plan.prefill_tokens // block_q + plan.num_prefills, self.num_kv_heads, num_splits)
         kernels.varlen_attention_kernel[grid](
-            out, query, k_cache, v_cache,
+            out, part_out, part_lse, query, k_cache, v_cache,
             metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
-            plan.num_decodes, plan.num_prefills,
+            plan.num_decodes, plan.num_prefills, num_splits=num_splits,
             stride_qt=query.stride(0), stride_ot=out.stride(0),
             stride_bt=metadata.block_table.stride(0),
             stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
+            stride_pr=part_out.stride(0), stride_ph=part_out.stride(1),
+            stride_lr=part_lse.stride(0), stride_lh=part_lse.stride(1),
             GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args,
         )  # fmt: skip
+        if num_splits > 1:
+            first_token = int(metadata.query_start_loc_cpu[plan.num_decodes])
+            kernels.varlen_reduce_kernel[(plan.prefill_tokens, self.num_heads)](
+                out, part_out, part_lse, first_token, num_splits,
+                out.stride(0), part_out.stride(0), part_out.stride(1),
+                part_lse.stride(0), part_lse.stride(1),
+                HEAD_DIM=self.head_dim, D_P=args["D_P"], S_P=_pow2(VARLEN_MAX_SPLITS),
+                num_warps=4,
+            )  # fmt: skip
 
 
 class TritonAttentionBackend(AttentionBackend):

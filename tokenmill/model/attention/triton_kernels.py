@@ -246,6 +246,27 @@ def decode_attention_kernel(
         tl.store(lse_ptrs, lse, mask=g < GROUP)
 
 
+@triton.jit
+def _merge_splits(
+    part_out_ptr, part_lse_ptr, r, head, num_splits, stride_pr, stride_ph, stride_lr, stride_lh,
+    HEAD_DIM: tl.constexpr, D_P: tl.constexpr, S_P: tl.constexpr,
+):
+    """Row ``r``, head ``head``: the splits' partial outputs ``[D_P]`` merged, each weighted
+    by ``exp2(lse_s - max lse)`` (the log-sum-exp merge of flash-decoding); fp32."""
+    s = tl.arange(0, S_P)
+    d = tl.arange(0, D_P)
+    lse_ptrs = part_lse_ptr + r * stride_lr + head * stride_lh + s
+    lse = tl.load(lse_ptrs, mask=s < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    mask = (s < num_splits)[:, None] & (d < HEAD_DIM)[None, :]
+    base = r.to(tl.int64) * stride_pr + head * stride_ph
+    parts = tl.load(part_out_ptr + base + s[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    return tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+
+
 _REDUCE_RUNTIME_INTS = [
     "req_offset", "num_splits", "stride_pr", "stride_ph", "stride_lr", "stride_lh"
 ]  # fmt: skip
@@ -268,27 +289,52 @@ def decode_reduce_kernel(
     D_P: tl.constexpr,
     S_P: tl.constexpr,
 ):
-    """Program (request, head): combine the splits' partial outputs, each weighted by
-    ``exp2(lse_s - max lse)`` (the log-sum-exp merge of flash-decoding)."""
+    """Program (request, head): merge a decode token's splits into its output row."""
     r = tl.program_id(0)
     head = tl.program_id(1)
     req = req_offset + r
     q_start = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
         return
-    s = tl.arange(0, S_P)
+    out = _merge_splits(
+        part_out_ptr, part_lse_ptr, r, head, num_splits, stride_pr, stride_ph, stride_lr,
+        stride_lh, HEAD_DIM, D_P, S_P,
+    )  # fmt: skip
     d = tl.arange(0, D_P)
-    lse_ptrs = part_lse_ptr + r * stride_lr + head * stride_lh + s
-    lse = tl.load(lse_ptrs, mask=s < num_splits, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    total = tl.sum(w, 0)
-    mask = (s < num_splits)[:, None] & (d < HEAD_DIM)[None, :]
-    base = r.to(tl.int64) * stride_pr + head * stride_ph
-    parts = tl.load(part_out_ptr + base + s[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head * HEAD_DIM + d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "row_offset", "num_splits", "stride_pr", "stride_ph", "stride_lr", "stride_lh"
+    ]
+)
+def varlen_reduce_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    row_offset,
+    num_splits,
+    stride_ot,
+    stride_pr,
+    stride_ph,
+    stride_lr,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    D_P: tl.constexpr,
+    S_P: tl.constexpr,
+):
+    """Program (token, head): merge the KV splits of ``varlen_attention_kernel`` for query
+    token ``row_offset + token``."""
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    out = _merge_splits(
+        part_out_ptr, part_lse_ptr, t, head, num_splits, stride_pr, stride_ph, stride_lr,
+        stride_lh, HEAD_DIM, D_P, S_P,
+    )  # fmt: skip
+    d = tl.arange(0, D_P)
+    o_ptrs = out_ptr + (row_offset + t).to(tl.int64) * stride_ot + head * HEAD_DIM + d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -313,9 +359,16 @@ def _find_seq(query_start_loc_ptr, req_offset, num_seqs, pid, BLOCK_Q: tl.conste
     return lo
 
 
-@triton.jit(do_not_specialize=["req_offset", "num_seqs", "window"])
+@triton.jit(
+    do_not_specialize=[
+        "req_offset", "num_seqs", "window", "num_splits",
+        "stride_pr", "stride_ph", "stride_lr", "stride_lh",
+    ]
+)  # fmt: skip
 def varlen_attention_kernel(
     out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -327,12 +380,17 @@ def varlen_attention_kernel(
     sm_scale,
     soft_cap,
     window,
+    num_splits,
     stride_qt,
     stride_ot,
     stride_bt,
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_pr,
+    stride_ph,
+    stride_lr,
+    stride_lh,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -344,21 +402,29 @@ def varlen_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Program (query block, KV head): ``BLOCK_Q`` consecutive query tokens of one sequence
-    times the ``GROUP`` heads of one KV head, ``BLOCK_Q * GROUP_P`` rows in all.
+    """Program (query block, KV head, split): ``BLOCK_Q`` consecutive query tokens of one
+    sequence times the ``GROUP`` heads of one KV head, ``BLOCK_Q * GROUP_P`` rows in all,
+    over the ``split``-th of ``num_splits`` contiguous runs of its key tiles.
 
     The tokens are the last ``q_len`` positions of a ``seq_len``-token context, so token
     ``t`` of the chunk sits at position ``seq_len - q_len + t`` and sees keys up to it (and
     above ``pos - window``). Key tiles visible to every row skip the masks; only the tiles on
-    the diagonal and at the window's edge pay for them.
+    the diagonal and at the window's edge pay for them. With one split the result goes to
+    ``out``; with more (a short chunk after a long context, whose few programs would leave
+    most of the chip idle), each split writes its normalized partial output and log2-sum-exp
+    to ``part_out[t, head, split]`` / ``part_lse[t, head, split]`` (``t`` counted from the
+    first query token of ``req_offset``; split strides ``HEAD_DIM`` and 1) for
+    ``varlen_reduce_kernel``.
     """
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = _find_seq(query_start_loc_ptr, req_offset, num_seqs, pid, BLOCK_Q)
     req = req_offset + seq
+    first_token = tl.load(query_start_loc_ptr + req_offset)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q_block = pid - ((q_start - tl.load(query_start_loc_ptr + req_offset)) // BLOCK_Q + seq)
+    q_block = pid - ((q_start - first_token) // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
@@ -390,6 +456,10 @@ def varlen_attention_kernel(
     lo = kv_lo // BLOCK_N * BLOCK_N
     mid_lo = tl.minimum(tl.maximum(full_lo, lo), end)
     mid_hi = tl.maximum(full_end, mid_lo)  # full_end <= end
+    # This split's run of key tiles, [split_lo, split_hi); each segment below is cut to it.
+    tiles_per_split = tl.cdiv(tl.cdiv(end - lo, BLOCK_N), num_splits)
+    split_lo = lo + split * tiles_per_split * BLOCK_N
+    split_hi = split_lo + tiles_per_split * BLOCK_N
 
     acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + M_INIT
@@ -398,19 +468,29 @@ def varlen_attention_kernel(
     kv_head_offset = kv_head * stride_ch
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
-        kv_lo, seq_len, window, sm_scale, soft_cap, lo, mid_lo, stride_cb, stride_cs,
+        kv_lo, seq_len, window, sm_scale, soft_cap, tl.maximum(lo, split_lo),
+        tl.minimum(mid_lo, split_hi), stride_cb, stride_cs,
         True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
-        kv_lo, seq_len, window, sm_scale, soft_cap, mid_lo, mid_hi, stride_cb, stride_cs,
+        kv_lo, seq_len, window, sm_scale, soft_cap, tl.maximum(mid_lo, split_lo),
+        tl.minimum(mid_hi, split_hi), stride_cb, stride_cs,
         False, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
-        kv_lo, seq_len, window, sm_scale, soft_cap, mid_hi, end, stride_cb, stride_cs,
+        kv_lo, seq_len, window, sm_scale, soft_cap, tl.maximum(mid_hi, split_lo),
+        tl.minimum(end, split_hi), stride_cb, stride_cs,
         True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + qo_rows[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
+    if num_splits == 1:
+        o_ptrs = out_ptr + qo_rows[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
+    else:
+        t = (q_start - first_token + tok).to(tl.int64)
+        part = t * stride_pr + head * stride_ph + split * HEAD_DIM
+        tl.store(part_out_ptr + part[:, None] + d[None, :], out, mask=qo_mask)
+        lse = m_i + tl.log2(l_i)  # -inf where a row sees no key of this split
+        tl.store(part_lse_ptr + t * stride_lr + head * stride_lh + split, lse, mask=row_valid)
