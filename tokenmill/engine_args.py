@@ -26,6 +26,7 @@ from tokenmill.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +158,12 @@ class EngineArgs:
     long_prefill_token_threshold: int = _flag(
         "If > 0, a prompt chunk takes at most this many tokens of a step.", default=0
     )
-    prefill_pacing_tokens: int = _flag(
+    prefill_pacing_tokens: int | None = _flag(
         "If > 0, while requests decode, compute at most this many tokens per step of the "
         "queued prompts that fit in one step's budget: lower TTFT under bursts of requests, "
-        "at some cost in TPOT (see tokenmill/core/prefill_pacing.py). Needs chunked prefill.",
-        default=0,
+        "at some cost in TPOT (see tokenmill/core/prefill_pacing.py); 0 turns it off. Needs "
+        "chunked prefill. Default: 512 when serving on CUDA with chunked prefill, else 0.",
+        default=None,
     )
     async_scheduling: bool | None = _flag(
         "Overlap scheduling and output processing of the next step with the device's work "
@@ -282,7 +284,7 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        if self.prefill_pacing_tokens < 0:
+        if self.prefill_pacing_tokens is not None and self.prefill_pacing_tokens < 0:
             raise ConfigError(
                 f"--prefill-pacing-tokens must be non-negative, got {self.prefill_pacing_tokens}"
             )
@@ -391,8 +393,14 @@ class EngineArgs:
             async_scheduling=(
                 device == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
-            prefill_pacing_tokens=self.prefill_pacing_tokens,
+            prefill_pacing_tokens=self._prefill_pacing_tokens(device, server),
         )
+
+    def _prefill_pacing_tokens(self, device: str, server: bool) -> int:
+        if self.prefill_pacing_tokens is not None:
+            return self.prefill_pacing_tokens
+        paced = server and device == "cuda" and self.enable_chunked_prefill
+        return SERVING_PACING_TOKENS if paced else 0
 
 
 def _default_served_name(model: str) -> str:

@@ -68,7 +68,7 @@ serve_pair() {  # serve_pair ENGINE(tm|vllm) extra server args...
   local pid=$!
   local ready; ready=$(wait_health $pid)
   say "STAGE ${eng}_server ready after ${ready}s"
-  grep -aE "KV cache|CUDA graphs|ready in|Memory:|Error|Traceback" "$LOGS/${eng}_server.log" | head -8 | sed 's/^/  | /' | tee -a "$SUM"
+  grep -aE "KV cache|CUDA graphs|Scheduler:|ready in|Memory:|Error|Traceback" "$LOGS/${eng}_server.log" | head -8 | sed 's/^/  | /' | tee -a "$SUM"
   echo "{\"stage\":\"${eng}_server\",\"ready_s\":\"$ready\"}" >> "$OUT/results.jsonl"
   local B=("${TM[@]}" bench serve); [ "$eng" = vllm ] && B=(vllm bench serve --backend vllm)
   stage ${eng}_serve_random 300 "${B[@]}" --model "$M8" --port 8000 "${SERVE_ARGS[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 500 --max-concurrency 64 --result-filename ${eng}_serve_random.json

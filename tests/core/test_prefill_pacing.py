@@ -10,6 +10,7 @@ import pytest
 from tests.core.test_scheduler import make_request, make_scheduler, run_to_finish, step, worker_for
 from tests.model.test_loader import CONFIG
 from tokenmill.config import ConfigError
+from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
 from tokenmill.engine_args import EngineArgs
 
 
@@ -96,10 +97,27 @@ def test_engine_flag(tmp_path):
     config = EngineArgs(model=model, prefill_pacing_tokens=512).create_engine_config("server")
     assert config.scheduler_config.prefill_pacing_tokens == 512
     default = EngineArgs(model=model).create_engine_config("server")
-    assert default.scheduler_config.prefill_pacing_tokens == 0
+    assert default.scheduler_config.prefill_pacing_tokens == 0  # a CPU server
     with pytest.raises(ConfigError, match="non-negative"):
         EngineArgs(model=model, prefill_pacing_tokens=-1).create_engine_config()
     with pytest.raises(ConfigError, match="chunked prefill"):
         EngineArgs(
             model=model, prefill_pacing_tokens=512, enable_chunked_prefill=False
         ).create_engine_config()
+
+
+def test_servers_on_cuda_pace_by_default(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    model = str(tmp_path)
+    monkeypatch.setattr(EngineArgs, "_resolve_device", lambda self: "cuda")
+
+    def pacing(usage="server", **kwargs):
+        args = EngineArgs(model=model, **kwargs)
+        return args.create_engine_config(usage).scheduler_config.prefill_pacing_tokens
+
+    assert pacing() == SERVING_PACING_TOKENS == 512
+    assert pacing("llm") == 0  # offline runs are about throughput
+    assert pacing(prefill_pacing_tokens=0) == 0
+    assert pacing(prefill_pacing_tokens=1024) == 1024
+    # Without chunked prefill the default is off, not an error.
+    assert pacing(enable_chunked_prefill=False, max_num_batched_tokens=4096) == 0

@@ -56,6 +56,15 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Async scheduling: the step in flight (its plan and its output handle).
         self._pending: tuple[SchedulerOutput, Any] | None = None
+        sc = config.scheduler_config
+        logger.info(
+            "Scheduler: %d tokens and %d requests per step, chunked prefill %s, prefill pacing "
+            "%s, async scheduling %s",
+            sc.max_num_batched_tokens, sc.max_num_seqs,
+            "on" if sc.enable_chunked_prefill else "off",
+            f"{sc.prefill_pacing_tokens} tokens" if sc.prefill_pacing_tokens else "off",
+            "on" if sc.async_scheduling else "off",
+        )  # fmt: skip
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
 
     def _init_kv_cache(self) -> int:

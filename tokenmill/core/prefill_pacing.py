@@ -21,13 +21,21 @@ request decoding there is no stall to bound, and the budget is used whole.
 
 The price is the other side of the same trade: the prompt work is spread over more steps,
 so decoding requests see more, shorter stalls, and their time per output token rises
-(e2e latency stays about the same). With Llama-3.1-8B on an H200 and 64 concurrent
-clients (benchmarks/RESULTS.md, fourth set), 512 tokens took a shared-prefix load's median
-TTFT from 390 to 106 ms, its TPOT from 9.3 to 11.3 ms; on long unshared prompts TTFT went
-from 780 to 473 ms, but TPOT from 10.7 to 12.4 ms at 5% less throughput. Arrivals spread
-thin also make most steps mixed, and mixed steps run without CUDA graphs: another run of
-the prefix load gave 142 ms at 14.1 ms TPOT and 20% less throughput. So it is off by
-default (full-budget steps, as in vLLM), a choice for latency-minded deployments.
+(e2e latency stays about the same: at a fixed throughput a closed loop's TTFT + (n-1) x TPOT
+is fixed, and a policy only moves time between the two). With Llama-3.1-8B on an H200, 64
+concurrent clients and vLLM 0.24 measured in the same session (benchmarks/RESULTS.md,
+fifth set), 512 tokens gave:
+
+- a 2,000-token shared prefix + 256: median TTFT 108 ms against 345 ms unpaced (vLLM
+  123 ms), TPOT 11.25 ms against 9.93 ms (vLLM 11.18 ms), 2% more throughput;
+- 1,024 unshared tokens: TTFT 355 ms against 788 ms (vLLM 708 ms), TPOT 12.2 ms against
+  10.6 ms (vLLM 10.7 ms), the same throughput.
+
+Steps that mix a prompt chunk with decodes replay piecewise CUDA graphs, so spreading the
+prompts costs no launch overhead (before those graphs, pacing cost 5-20% of throughput).
+So a server on CUDA paces at ``SERVING_PACING_TOKENS`` unless told otherwise; offline runs
+(throughput, not latency) and CPU servers do not, and ``--prefill-pacing-tokens 0`` keeps
+vLLM's full-budget steps.
 
 Torch-free, like the rest of core/.
 """
@@ -41,6 +49,9 @@ if TYPE_CHECKING:
 
     from tokenmill.core.kv_cache_manager import KVCacheManager
     from tokenmill.request import Request
+
+# The default of a server on CUDA (tokens per step; measured above).
+SERVING_PACING_TOKENS = 512
 
 
 def is_prefilling(request: Request) -> bool:
