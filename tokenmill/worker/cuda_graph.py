@@ -1,10 +1,11 @@
 """CUDA graphs for decode-only steps.
 
 A decode step of a large model launches hundreds of small kernels; at small batch their
-launch overhead rivals the GPU work. The forward pass (model + LM head) is captured once
-per padded batch size over the runner's persistent buffers and replayed: a batch of ``B``
-requests runs the graph of the smallest captured size ``>= B``, with the extra rows filled
-by inert padding requests (slot -1: nothing written; context length 0: nothing read).
+launch overhead rivals the GPU work. The model's forward pass (to the final norm) is
+captured once per padded batch size over the runner's persistent buffers and replayed: a
+batch of ``B`` requests runs the graph of the smallest captured size ``>= B``, with the
+extra rows filled by inert padding requests (slot -1: nothing written; context length 0:
+nothing read).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """ModelRunner: turns a SchedulerOutput into input tensors, runs the model, samples.
 
-The only place where scheduler decisions become tensors. Per step it applies the
-scheduler's diff to the persistent InputBatch, builds the flat batch with vectorised numpy
-(positions, token ids, slot mapping, block table) in host staging buffers (pinned on CUDA),
-copies them into persistent device buffers, runs the model (replaying a CUDA graph for
-decode-only batches), and samples the requests whose context is complete (a request still
-prefilling its prompt in chunks samples nothing). The one host-device sync of a step is
-reading the sampled token ids.
+The only place where scheduler decisions become tensors. Per step it applies the scheduler's
+diff to the persistent InputBatch, builds the flat batch with vectorised numpy (positions,
+token ids, slot mapping, block table) in host staging buffers (pinned on CUDA), copies them
+into persistent device buffers, runs the model (replaying a whole-step CUDA graph for
+decode-only batches, piecewise graphs around eager attention for steps with prompt tokens:
+``cuda_graph.py``, ``piecewise_graph.py``), and samples the requests whose context is
+complete (a request still prefilling its prompt in chunks samples nothing). The one
+host-device sync of a step is reading the sampled token ids.
 """
 
 from __future__ import annotations
