@@ -162,7 +162,8 @@ class EngineArgs:
         "If > 0, while requests decode, compute at most this many tokens per step of the "
         "queued prompts that fit in one step's budget: lower TTFT under bursts of requests, "
         "at some cost in TPOT (see tokenmill/core/prefill_pacing.py); 0 turns it off. Needs "
-        "chunked prefill. Default: 512 when serving on CUDA with chunked prefill, else 0.",
+        "chunked prefill. Default: 512 when serving on CUDA with chunked prefill and CUDA "
+        "graphs, else 0.",
         default=None,
     )
     async_scheduling: bool | None = _flag(
@@ -399,7 +400,11 @@ class EngineArgs:
     def _prefill_pacing_tokens(self, device: str, server: bool) -> int:
         if self.prefill_pacing_tokens is not None:
             return self.prefill_pacing_tokens
-        paced = server and device == "cuda" and self.enable_chunked_prefill
+        # Pacing makes most steps mix prompt chunks with decodes; only the piecewise CUDA
+        # graphs make those cheap, so eager servers keep full-budget steps.
+        paced = (
+            server and device == "cuda" and self.enable_chunked_prefill and not self.enforce_eager
+        )
         return SERVING_PACING_TOKENS if paced else 0
 
 

@@ -121,3 +121,4 @@ def test_servers_on_cuda_pace_by_default(tmp_path, monkeypatch):
     assert pacing(prefill_pacing_tokens=1024) == 1024
     # Without chunked prefill the default is off, not an error.
     assert pacing(enable_chunked_prefill=False, max_num_batched_tokens=4096) == 0
+    assert pacing(enforce_eager=True) == 0  # mixed steps would run eagerly

@@ -231,6 +231,21 @@ def test_token_batches_padded_like_piecewise_graphs(llm):
     assert padded == reference
 
 
+def test_attention_warm_up_pass_writes_nothing(llm):
+    """The start-up pass that compiles the prompt kernel's key splits on CUDA (a short chunk
+    after a long context over arbitrary blocks) leaves the KV cache and later outputs as
+    they were."""
+    import torch
+
+    prompts = _prompts(3)
+    reference = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    before = [c.clone() for c in runner.kv_caches]
+    assert runner.short_chunk_pass()
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+
+
 def test_async_scheduling_matches_sync(llm, smollm2_gguf_path):
     """Overlapped scheduling (one step in flight) changes no token: natural EOS stops,
     stop strings, preemption in a tiny cache, and seeded requests (run in step) mixed in."""

@@ -232,6 +232,51 @@ class ModelRunner:
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
 
+    @torch.inference_mode()
+    def warm_up_attention(self) -> None:
+        """Compile the attention variants that neither the profiling pass (a full-budget
+        prompt step) nor the graph captures run: the prompt kernel's key splits and their
+        merge, used when a short chunk follows a long context. A compile in the middle of
+        serving would stall every request for most of a second. CUDA only."""
+        if self.device.type == "cuda" and self.short_chunk_pass():
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def short_chunk_pass(self) -> bool:
+        """An eager forward pass of 16 tokens after up to 2,048 positions over block ids
+        0.., which writes nothing to the cache (slot -1) and leaves the input buffers as
+        any step may (each step rewrites what it reads). Returns False when the cache or
+        the model length is too small for one."""
+        if self.model is None or not self.kv_caches:
+            return False
+        chunk = 16
+        ctx = min(self.max_model_len, 2048, self.kv_caches[0].shape[1] * self.block_size)
+        if ctx <= chunk:
+            return False
+        num_blocks = -(-ctx // self.block_size)
+        self.input_ids.device[:chunk].zero_()
+        torch.arange(ctx - chunk, ctx, out=self.positions.device[:chunk])
+        self.slot_mapping.device[:chunk].fill_(-1)
+        qsl = torch.tensor([0, chunk], dtype=torch.int32)
+        seq = torch.tensor([ctx], dtype=torch.int32)
+        self.query_start_loc.device[:2].copy_(qsl)
+        self.seq_lens.device[:1].copy_(seq)
+        torch.arange(num_blocks, out=self.block_table.device[0, :num_blocks])
+        metadata = AttentionMetadata(
+            num_actual_tokens=chunk,
+            num_reqs=1,
+            query_start_loc=self.query_start_loc.device[:2],
+            seq_lens=self.seq_lens.device[:1],
+            block_table=self.block_table.device[:1],
+            slot_mapping=self.slot_mapping.device[:chunk],
+            max_query_len=chunk,
+            max_seq_len=ctx,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq,
+        )
+        self.model(self.input_ids.device[:chunk], self.positions.device[:chunk], metadata)
+        return True
+
     def capture_cuda_graphs(self) -> None:
         """Capture piecewise graphs for steps with prompt tokens, then whole-pass graphs for
         decode-only batches, in one memory pool (CUDA only)."""

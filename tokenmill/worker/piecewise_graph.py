@@ -166,6 +166,11 @@ class PiecewiseCUDAGraphRunner:
             for _ in range(2):  # warm up: Triton compiles, cuBLAS workspaces, static buffers
                 calls.clear()
                 self.hidden = self._buffer("hidden", model(ids, pos, metadata))
+        if not calls:
+            raise RuntimeError(
+                "the model's forward pass made no Attention call to split at; run it with "
+                "--enforce-eager"
+            )
         if self.calls and [c[0] for c in calls] != [c[0] for c in self.calls]:
             raise RuntimeError("the forward pass calls attention differently for another size")
         self.calls = list(calls)

@@ -122,8 +122,12 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def warm_up(self) -> None:
-        """Compile/capture what the device needs before serving (CUDA graphs)."""
+        """Compile/capture what the device needs before serving (kernel variants, CUDA
+        graphs)."""
         assert self.model_runner is not None
+        warm_up_attention = getattr(self.model_runner, "warm_up_attention", None)
+        if warm_up_attention is not None:
+            warm_up_attention()
         capture = getattr(self.model_runner, "capture_cuda_graphs", None)
         if capture is not None and not self.config.enforce_eager:
             capture()
