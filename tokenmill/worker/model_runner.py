@@ -257,23 +257,10 @@ class ModelRunner:
         self.input_ids.device[:chunk].zero_()
         torch.arange(ctx - chunk, ctx, out=self.positions.device[:chunk])
         self.slot_mapping.device[:chunk].fill_(-1)
-        qsl = torch.tensor([0, chunk], dtype=torch.int32)
-        seq = torch.tensor([ctx], dtype=torch.int32)
-        self.query_start_loc.device[:2].copy_(qsl)
-        self.seq_lens.device[:1].copy_(seq)
+        metadata = self.single_request_metadata(chunk, ctx)
+        self.query_start_loc.device[:2].copy_(metadata.query_start_loc_cpu)
+        self.seq_lens.device[:1].copy_(metadata.seq_lens_cpu)
         torch.arange(num_blocks, out=self.block_table.device[0, :num_blocks])
-        metadata = AttentionMetadata(
-            num_actual_tokens=chunk,
-            num_reqs=1,
-            query_start_loc=self.query_start_loc.device[:2],
-            seq_lens=self.seq_lens.device[:1],
-            block_table=self.block_table.device[:1],
-            slot_mapping=self.slot_mapping.device[:chunk],
-            max_query_len=chunk,
-            max_seq_len=ctx,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq,
-        )
         self.model(self.input_ids.device[:chunk], self.positions.device[:chunk], metadata)
         return True
 
@@ -430,6 +417,24 @@ class ModelRunner:
         qsl = self.query_start_loc.device
         torch.arange(num_reqs + 1, padded + 1, out=qsl[num_reqs + 1 : padded + 1])
         return self.decode_metadata(padded)
+
+    def single_request_metadata(self, num_tokens: int, seq_len: int) -> AttentionMetadata:
+        """Metadata over the persistent buffers for one request computing the last
+        ``num_tokens`` of its ``seq_len`` positions; filling the device buffers is the
+        caller's business."""
+        qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
+        return AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            num_reqs=1,
+            query_start_loc=self.query_start_loc.device[:2],
+            seq_lens=self.seq_lens.device[:1],
+            block_table=self.block_table.device[:1],
+            slot_mapping=self.slot_mapping.device[:num_tokens],
+            max_query_len=num_tokens,
+            max_seq_len=seq_len,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=torch.tensor([seq_len], dtype=torch.int32),
+        )
 
     def decode_metadata(self, batch_size: int) -> AttentionMetadata:
         """Metadata over the persistent buffers for a decode batch of ``batch_size``."""

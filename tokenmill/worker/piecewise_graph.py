@@ -102,23 +102,6 @@ class PiecewiseCUDAGraphRunner:
             )
         return self._static[key]
 
-    def _capture_metadata(self, size: int) -> AttentionMetadata:
-        # Attention does not run during capture; the metadata only has to be well formed.
-        r = self.runner
-        qsl = torch.tensor([0, size], dtype=torch.int32)
-        return AttentionMetadata(
-            num_actual_tokens=size,
-            num_reqs=1,
-            query_start_loc=r.query_start_loc.device[:2],
-            seq_lens=r.seq_lens.device[:1],
-            block_table=r.block_table.device[:1],
-            slot_mapping=r.slot_mapping.device[:size],
-            max_query_len=size,
-            max_seq_len=size,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=qsl[1:].clone(),
-        )
-
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size's pieces, largest first, into the shared pool."""
@@ -150,7 +133,8 @@ class PiecewiseCUDAGraphRunner:
     def _capture_size(self, model: torch.nn.Module, size: int) -> None:
         ids = self.runner.input_ids.device[:size]
         pos = self.runner.positions.device[:size]
-        metadata = self._capture_metadata(size)
+        # Attention does not run during capture; the metadata only has to be well formed.
+        metadata = self.runner.single_request_metadata(size, size)
         slots = metadata.slot_mapping
         calls: list[tuple[Attention, torch.Tensor, torch.Tensor]] = []
 
