@@ -1,0 +1,35 @@
+"""Piecewise CUDA graphs: which padded sizes exist and which steps they serve (the capture
+and replay themselves run in tests/gpu/test_engine_gpu.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from tokenmill.worker.piecewise_graph import (
+    MAX_PIECEWISE_TOKENS,
+    PiecewiseCUDAGraphRunner,
+    default_piecewise_sizes,
+)
+
+
+def test_default_sizes_cover_every_token_count_up_to_the_cap():
+    sizes = default_piecewise_sizes(8192)
+    assert sizes[0] == 8 and sizes[-1] == MAX_PIECEWISE_TOKENS
+    assert sizes == sorted(set(sizes))
+    # Padding past 256 tokens wastes at most 12.5% of a step.
+    assert all((b - a) / b <= 0.125 for a, b in zip(sizes, sizes[1:], strict=False) if a >= 256)
+
+
+def test_sizes_end_at_a_small_token_budget():
+    assert default_piecewise_sizes(100) == [8, 16, 32, 64, 96, 100]
+    assert default_piecewise_sizes(4) == [4]
+
+
+def test_steps_pad_to_the_next_size_and_larger_ones_run_eagerly():
+    runner = SimpleNamespace(max_num_tokens=600)
+    pieces = PiecewiseCUDAGraphRunner(runner)  # type: ignore[arg-type]
+    assert not pieces.can_run(1)  # nothing captured yet
+    pieces.pieces = {s: [] for s in pieces.sizes}
+    assert pieces.sizes[-1] == 600
+    assert [pieces.padded_size(n) for n in (1, 9, 33, 300, 513, 600)] == [8, 16, 64, 320, 576, 600]
+    assert pieces.can_run(600) and not pieces.can_run(601)
