@@ -111,7 +111,8 @@ class EngineArgs:
     )
     tokenizer: str | None = _flag("Tokenizer folder or .gguf file (default: the model).")
     served_model_name: str | None = _flag(
-        "Name clients use for the model (default: the model path's base name)."
+        "Name clients use for the model (default: the model path's base name; "
+        "SmolLM2-135M-Instruct for the embedded default model)."
     )
     dtype: str = _flag(
         "Weights/activations dtype; auto = bfloat16 on CUDA, float32 on CPU.",
@@ -161,7 +162,7 @@ class EngineArgs:
     prefill_pacing_tokens: int | None = _flag(
         "If > 0, while requests decode, compute at most this many tokens per step of the "
         "queued prompts that fit in one step's budget: lower TTFT under bursts of requests, "
-        "at some cost in TPOT (see tokenmill/core/prefill_pacing.py); 0 turns it off. Needs "
+        "at some cost in TPOT; 0 turns it off (full-budget steps). Needs "
         "chunked prefill. Default: 512 when serving on CUDA with chunked prefill and CUDA "
         "graphs, else 0.",
         default=None,
