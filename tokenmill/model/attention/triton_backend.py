@@ -321,11 +321,12 @@ class TritonAttentionImpl(AttentionImpl):
     def _workspace(
         self, plan: _StepPlan, rows: int, num_splits: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial outputs ``[rows, H, S, D]`` and log2-sum-exps ``[rows, H, S]`` (fp32),
-        shared by all layers of the step (layers run one after another on one stream)."""
-        key = (rows, self.num_heads, self.head_dim, num_splits, device)  # rows: R decodes or
-        # prompt tokens; a decode and a prompt workspace of one shape may be the same tensor,
-        # as the decode reduction has consumed it before the prompt kernel writes it.
+        """Partial outputs ``[rows, H, S, D]`` and log2-sum-exps ``[rows, H, S]`` (fp32) for
+        ``rows`` decodes or prompt tokens, shared by all layers of the step (layers run one
+        after another on one stream). A decode and a prompt workspace of one shape may be
+        the same tensor: the decode reduction has consumed it before the prompt kernel
+        writes it."""
+        key = (rows, self.num_heads, self.head_dim, num_splits, device)
         if key not in plan.workspaces:
             shape = (rows, self.num_heads, num_splits)
             plan.workspaces[key] = (

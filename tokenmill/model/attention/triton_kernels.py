@@ -144,12 +144,13 @@ def _attend_tiles(
 
 # NOTE: every integer that changes from step to step is a runtime argument excluded from
 # Triton's specialization (on 1 and on divisibility by 16): a new value must never trigger a
-# compile in the middle of serving (each one stalls the engine for most of a second).
-@triton.jit(
-    do_not_specialize=[
-        "req_offset", "window", "num_splits", "stride_pr", "stride_ph", "stride_lr", "stride_lh"
-    ]
-)
+# compile in the middle of serving (each one stalls the engine for most of a second). These
+# are the split count and the strides of the split workspaces, which every kernel that
+# writes or merges splits takes.
+_SPLIT_RUNTIME_INTS = ["num_splits", "stride_pr", "stride_ph", "stride_lr", "stride_lh"]
+
+
+@triton.jit(do_not_specialize=["req_offset", "window"] + _SPLIT_RUNTIME_INTS)
 def decode_attention_kernel(
     out_ptr,
     part_out_ptr,
@@ -248,11 +249,13 @@ def decode_attention_kernel(
 
 @triton.jit
 def _merge_splits(
-    part_out_ptr, part_lse_ptr, r, head, num_splits, stride_pr, stride_ph, stride_lr, stride_lh,
+    out_ptr, out_row, stride_ot, part_out_ptr, part_lse_ptr, r, head, num_splits,
+    stride_pr, stride_ph, stride_lr, stride_lh,
     HEAD_DIM: tl.constexpr, D_P: tl.constexpr, S_P: tl.constexpr,
 ):
-    """Row ``r``, head ``head``: the splits' partial outputs ``[D_P]`` merged, each weighted
-    by ``exp2(lse_s - max lse)`` (the log-sum-exp merge of flash-decoding); fp32."""
+    """Partial row ``r``, head ``head``: merge the splits' partial outputs, each weighted by
+    ``exp2(lse_s - max lse)`` (the log-sum-exp merge of flash-decoding), into output row
+    ``out_row``."""
     s = tl.arange(0, S_P)
     d = tl.arange(0, D_P)
     lse_ptrs = part_lse_ptr + r * stride_lr + head * stride_lh + s
@@ -264,15 +267,13 @@ def _merge_splits(
     mask = (s < num_splits)[:, None] & (d < HEAD_DIM)[None, :]
     base = r.to(tl.int64) * stride_pr + head * stride_ph
     parts = tl.load(part_out_ptr + base + s[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
-    return tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    o_ptrs = out_ptr + out_row.to(tl.int64) * stride_ot + head * HEAD_DIM + d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-_REDUCE_RUNTIME_INTS = [
-    "req_offset", "num_splits", "stride_pr", "stride_ph", "stride_lr", "stride_lh"
-]  # fmt: skip
 
-
-@triton.jit(do_not_specialize=_REDUCE_RUNTIME_INTS)
+@triton.jit(do_not_specialize=["req_offset"] + _SPLIT_RUNTIME_INTS)
 def decode_reduce_kernel(
     out_ptr,
     part_out_ptr,
@@ -291,25 +292,17 @@ def decode_reduce_kernel(
 ):
     """Program (request, head): merge a decode token's splits into its output row."""
     r = tl.program_id(0)
-    head = tl.program_id(1)
     req = req_offset + r
     q_start = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
         return
-    out = _merge_splits(
-        part_out_ptr, part_lse_ptr, r, head, num_splits, stride_pr, stride_ph, stride_lr,
-        stride_lh, HEAD_DIM, D_P, S_P,
+    _merge_splits(
+        out_ptr, q_start, stride_ot, part_out_ptr, part_lse_ptr, r, tl.program_id(1),
+        num_splits, stride_pr, stride_ph, stride_lr, stride_lh, HEAD_DIM, D_P, S_P,
     )  # fmt: skip
-    d = tl.arange(0, D_P)
-    o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head * HEAD_DIM + d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit(
-    do_not_specialize=[
-        "row_offset", "num_splits", "stride_pr", "stride_ph", "stride_lr", "stride_lh"
-    ]
-)
+@triton.jit(do_not_specialize=["row_offset"] + _SPLIT_RUNTIME_INTS)
 def varlen_reduce_kernel(
     out_ptr,
     part_out_ptr,
@@ -328,14 +321,10 @@ def varlen_reduce_kernel(
     """Program (token, head): merge the KV splits of ``varlen_attention_kernel`` for query
     token ``row_offset + token``."""
     t = tl.program_id(0)
-    head = tl.program_id(1)
-    out = _merge_splits(
-        part_out_ptr, part_lse_ptr, t, head, num_splits, stride_pr, stride_ph, stride_lr,
-        stride_lh, HEAD_DIM, D_P, S_P,
+    _merge_splits(
+        out_ptr, row_offset + t, stride_ot, part_out_ptr, part_lse_ptr, t, tl.program_id(1),
+        num_splits, stride_pr, stride_ph, stride_lr, stride_lh, HEAD_DIM, D_P, S_P,
     )  # fmt: skip
-    d = tl.arange(0, D_P)
-    o_ptrs = out_ptr + (row_offset + t).to(tl.int64) * stride_ot + head * HEAD_DIM + d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -359,12 +348,7 @@ def _find_seq(query_start_loc_ptr, req_offset, num_seqs, pid, BLOCK_Q: tl.conste
     return lo
 
 
-@triton.jit(
-    do_not_specialize=[
-        "req_offset", "num_seqs", "window", "num_splits",
-        "stride_pr", "stride_ph", "stride_lr", "stride_lh",
-    ]
-)  # fmt: skip
+@triton.jit(do_not_specialize=["req_offset", "num_seqs", "window"] + _SPLIT_RUNTIME_INTS)
 def varlen_attention_kernel(
     out_ptr,
     part_out_ptr,
