@@ -29,7 +29,7 @@ def test_steps_pad_to_the_next_size_and_larger_ones_run_eagerly():
     runner = SimpleNamespace(max_num_tokens=600)
     pieces = PiecewiseCUDAGraphRunner(runner)  # type: ignore[arg-type]
     assert not pieces.can_run(1)  # nothing captured yet
-    pieces.pieces = {s: [] for s in pieces.sizes}
+    pieces.graphs = {s: [] for s in pieces.sizes}
     assert pieces.sizes[-1] == 600
     assert [pieces.padded_size(n) for n in (1, 9, 33, 300, 513, 600)] == [8, 16, 64, 320, 576, 600]
     assert pieces.can_run(600) and not pieces.can_run(601)

@@ -10,9 +10,10 @@ nothing read).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,14 +29,57 @@ def default_capture_sizes(max_num_seqs: int, max_size: int = 512) -> list[int]:
     return [s for s in sizes if s <= max_num_seqs] or [1]
 
 
-class CUDAGraphRunner:
+def next_size(sizes: list[int], n: int) -> int | None:
+    """The smallest of the ascending ``sizes`` that is at least ``n``; None past the last."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+class PaddedGraphs:
+    """Graphs captured per padded size: a batch of ``n`` replays the smallest size ``>= n``.
+
+    Args:
+        runner: the model runner whose buffers the graphs read and write.
+        sizes: the sizes to capture.
+        pool: a CUDA graph memory pool to share with other graphs that are never replayed
+            concurrently with these; a new one at capture when None.
+    """
+
+    def __init__(
+        self, runner: ModelRunner, sizes: list[int], pool: tuple[int, int] | None
+    ) -> None:
+        self.runner = runner
+        self.sizes = sorted(sizes)
+        self.pool = pool
+        self.graphs: dict[int, Any] = {}  # size -> what its capture produced
+
+    def can_run(self, n: int) -> bool:
+        return bool(self.graphs) and n <= self.sizes[-1]
+
+    def padded_size(self, n: int) -> int:
+        """The captured size a batch of ``n`` runs at.
+
+        Raises:
+            ValueError: ``n`` is past the largest size.
+        """
+        size = next_size(self.sizes, n)
+        if size is None:
+            raise ValueError(f"{n} is past the largest captured size {self.sizes[-1]}")
+        return size
+
+    def _shared_pool(self) -> tuple[int, int]:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
+
+
+class CUDAGraphRunner(PaddedGraphs):
     """Captures and replays the decode forward pass of ``runner.model``.
 
     Args:
         runner: the model runner whose buffers the graphs read and write.
         capture_sizes: batch sizes to capture (default: ``default_capture_sizes``).
-        pool: a CUDA graph memory pool to share with other graphs that are never replayed
-            concurrently with these; a new one when None.
+        pool: as for ``PaddedGraphs``.
     """
 
     def __init__(
@@ -44,17 +88,11 @@ class CUDAGraphRunner:
         capture_sizes: list[int] | None = None,
         pool: tuple[int, int] | None = None,
     ) -> None:
-        self.runner = runner
-        self.sizes = sorted(capture_sizes or default_capture_sizes(runner.max_num_reqs))
+        super().__init__(
+            runner, capture_sizes or default_capture_sizes(runner.max_num_reqs), pool
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = pool
-
-    def can_run(self, num_reqs: int) -> bool:
-        return bool(self.graphs) and num_reqs <= self.sizes[-1]
-
-    def padded_size(self, num_reqs: int) -> int:
-        return next(s for s in self.sizes if s >= num_reqs)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -63,8 +101,7 @@ class CUDAGraphRunner:
         model = runner.model
         assert model is not None
         start = time.perf_counter()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        pool = self._shared_pool()
         stream = torch.cuda.Stream()
         for size in reversed(self.sizes):
             # Inert inputs for capture: every row a padding request.
@@ -77,7 +114,7 @@ class CUDAGraphRunner:
                     model(ids, pos, metadata)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=pool):
                 self.outputs[size] = model(ids, pos, metadata)
             self.graphs[size] = graph
         torch.cuda.synchronize()

@@ -26,6 +26,7 @@ from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.layers.attention import bind_kv_caches, unbind_kv_caches
 from tokenmill.model.loader.model_loader import get_model, torch_dtype
+from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
 from tokenmill.worker.sampling_metadata import (
@@ -155,8 +156,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.cuda_graphs = None  # a CUDAGraphRunner once captured
         self.piecewise_graphs = None  # a PiecewiseCUDAGraphRunner once captured
-        # Tests set these on CPU to run batches padded like CUDA-graph batches: decode-only
-        # batches as the decode graphs do, others as the piecewise graphs do.
+        # Tests set these (ascending sizes) on CPU to run batches padded like CUDA-graph
+        # batches: decode-only batches as the decode graphs do, others as the piecewise
+        # graphs do.
         self.pad_decode_batches_to: list[int] | None = None
         self.pad_token_batches_to: list[int] | None = None
         self.input_batch = InputBatch(
@@ -383,7 +385,7 @@ class ModelRunner:
             if self.cuda_graphs is not None and self.cuda_graphs.can_run(num_reqs):
                 return self.cuda_graphs.run(num_reqs)
             if self.pad_decode_batches_to:
-                padded = next((b for b in self.pad_decode_batches_to if b >= num_reqs), None)
+                padded = next_size(self.pad_decode_batches_to, num_reqs)
                 if padded is not None:
                     metadata = self.pad_decode_batch(num_reqs, padded)
                     return self.model(
@@ -393,7 +395,7 @@ class ModelRunner:
         if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(n):
             return self.piecewise_graphs.run(n, inputs.metadata)
         if self.pad_token_batches_to:
-            padded = next((b for b in self.pad_token_batches_to if b >= n), None)
+            padded = next_size(self.pad_token_batches_to, n)
             if padded is not None:
                 self.pad_token_inputs(n, padded)
                 return self.model(

@@ -28,6 +28,7 @@ import torch
 
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.layers.attention import Attention, attention_hook
+from tokenmill.worker.cuda_graph import PaddedGraphs
 
 if TYPE_CHECKING:
     from tokenmill.worker.model_runner import ModelRunner
@@ -52,7 +53,7 @@ def default_piecewise_sizes(max_num_tokens: int, max_size: int = MAX_PIECEWISE_T
     return sizes + [limit]
 
 
-class PiecewiseCUDAGraphRunner:
+class PiecewiseCUDAGraphRunner(PaddedGraphs):
     """Captures the forward pass of ``runner.model`` in pieces split at attention, and
     replays them around eager attention.
 
@@ -65,8 +66,7 @@ class PiecewiseCUDAGraphRunner:
     Args:
         runner: the model runner whose input buffers the graphs read.
         capture_sizes: token counts to capture (default: ``default_piecewise_sizes``).
-        pool: a CUDA graph memory pool to share (the decode graphs'); graphs of one pool
-            must never be replayed concurrently, which one stream guarantees.
+        pool: as for ``PaddedGraphs`` (the decode graphs' pool).
     """
 
     def __init__(
@@ -75,10 +75,10 @@ class PiecewiseCUDAGraphRunner:
         capture_sizes: list[int] | None = None,
         pool: tuple[int, int] | None = None,
     ) -> None:
-        self.runner = runner
-        self.sizes = sorted(capture_sizes or default_piecewise_sizes(runner.max_num_tokens))
-        self.pool = pool
-        self.pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        super().__init__(
+            runner, capture_sizes or default_piecewise_sizes(runner.max_num_tokens), pool
+        )
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # size -> its pieces
         # Per attention call, in forward order: the layer, its static query buffer and its
         # static output buffer (full size; a step uses the first rows).
         self.calls: list[tuple[Attention, torch.Tensor, torch.Tensor]] = []
@@ -86,12 +86,6 @@ class PiecewiseCUDAGraphRunner:
         # Static tensors, [max size, width] by (role, width, dtype).
         self._static: dict[tuple[str, int, torch.dtype], torch.Tensor] = {}
         self.num_replays = 0  # steps run through the pieces
-
-    def can_run(self, num_tokens: int) -> bool:
-        return bool(self.pieces) and num_tokens <= self.sizes[-1]
-
-    def padded_size(self, num_tokens: int) -> int:
-        return next(s for s in self.sizes if s >= num_tokens)
 
     def _buffer(self, role: str, like: torch.Tensor) -> torch.Tensor:
         """The static ``role`` buffer ``[max size, W]`` for tensors like ``like`` (``[T, W]``)."""
@@ -110,8 +104,7 @@ class PiecewiseCUDAGraphRunner:
         if not self.sizes:
             return
         start = time.perf_counter()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        self._shared_pool()
         # Every slot -1: the captures' K/V writes (and the warm-ups') touch no cache block.
         self.runner.slot_mapping.device.fill_(-1)
         stream = torch.cuda.Stream()
@@ -179,7 +172,7 @@ class PiecewiseCUDAGraphRunner:
             finally:
                 graph.capture_end()
         pieces.append(graph)
-        self.pieces[size] = pieces
+        self.graphs[size] = pieces
 
     def run(self, num_tokens: int, metadata: AttentionMetadata) -> torch.Tensor:
         """Replay for a step of ``num_tokens`` whose inputs are in the runner's buffers.
@@ -194,7 +187,7 @@ class PiecewiseCUDAGraphRunner:
         """
         size = self.padded_size(num_tokens)
         self.runner.pad_token_inputs(num_tokens, size)
-        pieces = self.pieces[size]
+        pieces = self.graphs[size]
         for graph, (layer, query, out) in zip(pieces, self.calls, strict=False):
             graph.replay()
             layer.attend(query[:size], metadata, out=out[:size])
