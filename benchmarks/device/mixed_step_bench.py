@@ -96,6 +96,17 @@ def per_pass_ms(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
+def launch_ms(fn, iters: int = 5) -> float:
+    """Host milliseconds to issue one call of ``fn`` (the GPU idle when it starts)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = (time.perf_counter() - t) / iters * 1e3
+    torch.cuda.synchronize()
+    return elapsed
+
+
 @torch.inference_mode()
 def main() -> None:
     llm = LLM(sys.argv[1], load_format="dummy", max_num_seqs=256)
@@ -104,13 +115,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for decodes, ctx, chunk, cached in CASES:
         ids, pos, md = build_batch(runner, decodes, ctx, chunk, cached, gen)
-        eager = per_pass_ms(lambda ids=ids, pos=pos, md=md: model(ids, pos, md))
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(5):
-            model(ids, pos, md)
-        launch = (time.perf_counter() - t) / 5 * 1e3
-        torch.cuda.synchronize()
+        eager_pass = lambda ids=ids, pos=pos, md=md: model(ids, pos, md)  # noqa: E731
+        eager, launch = per_pass_ms(eager_pass), launch_ms(eager_pass)
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -145,13 +151,7 @@ def piecewise_timing(runner, pieces, ids, pos, md) -> str:
     runner.input_ids.device[:n].copy_(ids)
     runner.positions.device[:n].copy_(pos)
     runner.slot_mapping.device[:n].copy_(md.slot_mapping)
-    ms = per_pass_ms(lambda: pieces.run(n, md))
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(5):
-        pieces.run(n, md)
-    launch = (time.perf_counter() - t) / 5 * 1e3
-    torch.cuda.synchronize()
+    ms, launch = per_pass_ms(lambda: pieces.run(n, md)), launch_ms(lambda: pieces.run(n, md))
     return f", piecewise {ms:.2f} ms (launch {launch:.2f} ms, size {pieces.padded_size(n)})"
 
 

@@ -202,32 +202,27 @@ def test_chat_answers_paris(llm):
     assert out.outputs[0].finish_reason == "stop"
 
 
-def test_decode_batches_padded_like_cuda_graphs(llm):
-    """The runner's CUDA-graph padding (inert rows with slot -1 and no context) does not
-    change any real request's tokens; checked on CPU with eager padded batches."""
-    prompts = _prompts(5)
+@pytest.mark.parametrize(
+    "knob, sizes, num_prompts",
+    [
+        # Decode graphs: inert rows with slot -1 and no context.
+        ("pad_decode_batches_to", [8], 5),
+        # Piecewise graphs: trailing token-0 rows at position 0 with slot -1, attention told
+        # the real token count, with prompt chunks and decodes mixed in one step.
+        ("pad_token_batches_to", [16, 48, 64], 6),
+    ],
+)
+def test_batches_padded_like_cuda_graphs(llm, knob, sizes, num_prompts):
+    """The runner's CUDA-graph padding does not change any real request's tokens; checked
+    on CPU with eager padded batches (64-token budget)."""
+    prompts = _prompts(num_prompts)
     reference = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
-    runner.pad_decode_batches_to = [8]
+    setattr(runner, knob, sizes)
     try:
         padded = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     finally:
-        runner.pad_decode_batches_to = None
-    assert padded == reference
-
-
-def test_token_batches_padded_like_piecewise_graphs(llm):
-    """The piecewise graphs' padding (trailing token-0 rows at position 0 with slot -1,
-    attention told the real token count) changes no token, with prompt chunks and decodes
-    mixed in one step (64-token budget); checked on CPU with eager padded batches."""
-    prompts = _prompts(6)
-    reference = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
-    runner = llm.llm_engine.engine_core.executor.worker.model_runner
-    runner.pad_token_batches_to = [16, 48, 64]
-    try:
-        padded = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
-    finally:
-        runner.pad_token_batches_to = None
+        setattr(runner, knob, None)
     assert padded == reference
 
 
