@@ -232,11 +232,13 @@ def test_attention_warm_up_pass_writes_nothing(llm):
     they were."""
     import torch
 
+    from tokenmill.worker.start_up_passes import short_chunk_pass
+
     prompts = _prompts(3)
     reference = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     before = [c.clone() for c in runner.kv_caches]
-    assert runner.short_chunk_pass()
+    assert short_chunk_pass(runner)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
 

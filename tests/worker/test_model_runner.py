@@ -7,6 +7,7 @@ import torch
 from tokenmill.engine_args import EngineArgs
 from tokenmill.model.layers.attention import Attention
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.start_up_passes import profile_run
 
 
 def _runner(tmp_path) -> ModelRunner:
@@ -29,12 +30,12 @@ def _runner(tmp_path) -> ModelRunner:
 def test_profile_run_releases_its_scratch_cache(tmp_path):
     runner = _runner(tmp_path)
     layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
-    assert runner.profile_run() == 0  # no peak accounting off CUDA
+    assert profile_run(runner) == 0  # no peak accounting off CUDA
     assert all(layer.kv_cache is None for layer in layers)
     assert runner.kv_caches == []
 
     runner.initialize_kv_cache(8)
     caches = list(runner.kv_caches)
-    runner.profile_run()
+    profile_run(runner)
     assert [layer.kv_cache for layer in layers] == caches
     assert runner.model_weight_bytes() > 0

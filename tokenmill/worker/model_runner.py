@@ -24,7 +24,7 @@ from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
-from tokenmill.model.layers.attention import bind_kv_caches, unbind_kv_caches
+from tokenmill.model.layers.attention import bind_kv_caches
 from tokenmill.model.loader.model_loader import get_model, torch_dtype
 from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.input_batch import InputBatch
@@ -233,38 +233,6 @@ class ModelRunner:
         ]
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
-
-    @torch.inference_mode()
-    def warm_up_attention(self) -> None:
-        """Compile the attention variants that neither the profiling pass (a full-budget
-        prompt step) nor the graph captures run: the prompt kernel's key splits and their
-        merge, used when a short chunk follows a long context. A compile in the middle of
-        serving would stall every request for most of a second. CUDA only."""
-        if self.device.type == "cuda" and self.short_chunk_pass():
-            torch.cuda.synchronize(self.device)
-
-    @torch.inference_mode()
-    def short_chunk_pass(self) -> bool:
-        """An eager forward pass of 16 tokens after up to 2,048 positions over block ids
-        0.., which writes nothing to the cache (slot -1) and leaves the input buffers as
-        any step may (each step rewrites what it reads). Returns False when the cache or
-        the model length is too small for one."""
-        if self.model is None or not self.kv_caches:
-            return False
-        chunk = 16
-        ctx = min(self.max_model_len, 2048, self.kv_caches[0].shape[1] * self.block_size)
-        if ctx <= chunk:
-            return False
-        num_blocks = -(-ctx // self.block_size)
-        self.input_ids.device[:chunk].zero_()
-        torch.arange(ctx - chunk, ctx, out=self.positions.device[:chunk])
-        self.slot_mapping.device[:chunk].fill_(-1)
-        metadata = self.single_request_metadata(chunk, ctx)
-        self.query_start_loc.device[:2].copy_(metadata.query_start_loc_cpu)
-        self.seq_lens.device[:1].copy_(metadata.seq_lens_cpu)
-        torch.arange(num_blocks, out=self.block_table.device[0, :num_blocks])
-        self.model(self.input_ids.device[:chunk], self.positions.device[:chunk], metadata)
-        return True
 
     def capture_cuda_graphs(self) -> None:
         """Capture piecewise graphs for steps with prompt tokens, then whole-pass graphs for
@@ -590,75 +558,3 @@ class ModelRunner:
             lp = compute_prompt_logprobs(logits, targets, k)
             result[req_id] = lp.to_lists([(0, last - first)], [k])[0]
         return result
-
-    # ---- profiling ---------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def profile_run(self) -> int:
-        """A forward pass at the full token budget, to measure peak activation memory.
-
-        Uses a throw-away KV cache just large enough for the batch, unbound afterwards.
-
-        Returns:
-            On CUDA, the peak bytes allocated during the pass beyond what was allocated
-            before it and beyond the throw-away cache; 0 on other devices.
-        """
-        assert self.model is not None
-        n = self.max_num_tokens
-        num_reqs = max(1, min(self.max_num_reqs, n // max(1, self.max_model_len)))
-        per_req = [n // num_reqs + (1 if i < n % num_reqs else 0) for i in range(num_reqs)]
-        saved = self.kv_caches
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_allocated(self.device)
-        self.initialize_kv_cache(sum(-(-p // self.block_size) for p in per_req))
-        scratch = sum(t.numel() * t.element_size() for t in self.kv_caches)
-        try:
-            slots, tables, block = [], [], 0
-            for p in per_req:
-                nb = -(-p // self.block_size)
-                tables.append(list(range(block, block + nb)))
-                slots += [block * self.block_size + j for j in range(p)]
-                block += nb
-            width = max(len(t) for t in tables)
-            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-            qsl = torch.tensor(np.concatenate([[0], np.cumsum(per_req)]), dtype=torch.int32)
-            seq = torch.tensor(per_req, dtype=torch.int32)
-            d = self.device
-            md = AttentionMetadata(
-                n,
-                num_reqs,
-                qsl.to(d),
-                seq.to(d),
-                table.to(d),
-                torch.tensor(slots, device=d),
-                max(per_req),
-                max(per_req),
-                qsl,
-                seq,
-            )
-            ids = torch.zeros(n, dtype=torch.int64, device=d)
-            pos = torch.cat([torch.arange(p) for p in per_req]).to(d)
-            hidden = self.model(ids, pos, md)
-            # A decode step of max_num_seqs requests samples that many rows: the logits and
-            # the sampler's float32 copies of them are part of the peak.
-            rows = min(n, self.max_num_reqs)
-            logits = self.model.compute_logits(hidden[:rows])
-            self.sampler(
-                logits,
-                SamplingMetadata(
-                    temperature=torch.ones(rows, device=d), all_greedy=False, all_random=True
-                ),
-            )
-            if cuda:
-                torch.cuda.synchronize(self.device)
-                return max(0, torch.cuda.max_memory_allocated(self.device) - before - scratch)
-            return 0
-        finally:
-            self.kv_caches = saved
-            # Rebinding releases the scratch cache, which the layers still reference.
-            unbind_kv_caches(self.model)
-            if saved:
-                bind_kv_caches(self.model, saved)

@@ -11,6 +11,7 @@ from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.start_up_passes import profile_run, warm_up_attention
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class Worker:
         assert runner is not None
         torch.cuda.synchronize()
         _, total = torch.cuda.mem_get_info(self.device)
-        peak = runner.profile_run()
+        peak = profile_run(runner)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free_after, _ = torch.cuda.mem_get_info(self.device)
@@ -125,9 +126,7 @@ class Worker:
         """Compile/capture what the device needs before serving (kernel variants, CUDA
         graphs)."""
         assert self.model_runner is not None
-        warm_up_attention = getattr(self.model_runner, "warm_up_attention", None)
-        if warm_up_attention is not None:
-            warm_up_attention()
+        warm_up_attention(self.model_runner)
         capture = getattr(self.model_runner, "capture_cuda_graphs", None)
         if capture is not None and not self.config.enforce_eager:
             capture()

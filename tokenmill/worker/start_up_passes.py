@@ -1,0 +1,124 @@
+"""Forward passes that are not serving steps: the memory-profiling pass that sizes the KV
+cache, and the warm-up pass that compiles kernel variants no other start-up pass reaches.
+
+Both run on the model runner's model and buffers before the first request.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tokenmill.model.attention.backend import AttentionMetadata
+from tokenmill.model.layers.attention import bind_kv_caches, unbind_kv_caches
+from tokenmill.worker.sampling_metadata import SamplingMetadata
+
+if TYPE_CHECKING:
+    from tokenmill.worker.model_runner import ModelRunner
+
+
+@torch.inference_mode()
+def profile_run(runner: ModelRunner) -> int:
+    """A forward pass at the full token budget, to measure peak activation memory.
+
+    Uses a throw-away KV cache just large enough for the batch, unbound afterwards.
+
+    Returns:
+        On CUDA, the peak bytes allocated during the pass beyond what was allocated
+        before it and beyond the throw-away cache; 0 on other devices.
+    """
+    assert runner.model is not None
+    n = runner.max_num_tokens
+    num_reqs = max(1, min(runner.max_num_reqs, n // max(1, runner.max_model_len)))
+    per_req = [n // num_reqs + (1 if i < n % num_reqs else 0) for i in range(num_reqs)]
+    saved = runner.kv_caches
+    cuda = runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.reset_peak_memory_stats(runner.device)
+        before = torch.cuda.memory_allocated(runner.device)
+    runner.initialize_kv_cache(sum(-(-p // runner.block_size) for p in per_req))
+    scratch = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    try:
+        slots, tables, block = [], [], 0
+        for p in per_req:
+            nb = -(-p // runner.block_size)
+            tables.append(list(range(block, block + nb)))
+            slots += [block * runner.block_size + j for j in range(p)]
+            block += nb
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        qsl = torch.tensor(np.concatenate([[0], np.cumsum(per_req)]), dtype=torch.int32)
+        seq = torch.tensor(per_req, dtype=torch.int32)
+        d = runner.device
+        md = AttentionMetadata(
+            n,
+            num_reqs,
+            qsl.to(d),
+            seq.to(d),
+            table.to(d),
+            torch.tensor(slots, device=d),
+            max(per_req),
+            max(per_req),
+            qsl,
+            seq,
+        )
+        ids = torch.zeros(n, dtype=torch.int64, device=d)
+        pos = torch.cat([torch.arange(p) for p in per_req]).to(d)
+        hidden = runner.model(ids, pos, md)
+        # A decode step of max_num_seqs requests samples that many rows: the logits and
+        # the sampler's float32 copies of them are part of the peak.
+        rows = min(n, runner.max_num_reqs)
+        logits = runner.model.compute_logits(hidden[:rows])
+        runner.sampler(
+            logits,
+            SamplingMetadata(
+                temperature=torch.ones(rows, device=d), all_greedy=False, all_random=True
+            ),
+        )
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+            return max(0, torch.cuda.max_memory_allocated(runner.device) - before - scratch)
+        return 0
+    finally:
+        runner.kv_caches = saved
+        # Rebinding releases the scratch cache, which the layers still reference.
+        unbind_kv_caches(runner.model)
+        if saved:
+            bind_kv_caches(runner.model, saved)
+
+
+@torch.inference_mode()
+def warm_up_attention(runner: ModelRunner) -> None:
+    """Compile the attention variants that neither the profiling pass (a full-budget
+    prompt step) nor the graph captures run: the prompt kernel's key splits and their
+    merge, used when a short chunk follows a long context. A compile in the middle of
+    serving would stall every request for most of a second. CUDA only."""
+    if runner.device.type == "cuda" and short_chunk_pass(runner):
+        torch.cuda.synchronize(runner.device)
+
+
+@torch.inference_mode()
+def short_chunk_pass(runner: ModelRunner) -> bool:
+    """An eager forward pass of 16 tokens after up to 2,048 positions over block ids
+    0.., which writes nothing to the cache (slot -1) and leaves the input buffers as
+    any step may (each step rewrites what it reads). Returns False when the cache or
+    the model length is too small for one."""
+    if runner.model is None or not runner.kv_caches:
+        return False
+    chunk = 16
+    ctx = min(runner.max_model_len, 2048, runner.kv_caches[0].shape[1] * runner.block_size)
+    if ctx <= chunk:
+        return False
+    num_blocks = -(-ctx // runner.block_size)
+    runner.input_ids.device[:chunk].zero_()
+    torch.arange(ctx - chunk, ctx, out=runner.positions.device[:chunk])
+    runner.slot_mapping.device[:chunk].fill_(-1)
+    metadata = runner.single_request_metadata(chunk, ctx)
+    runner.query_start_loc.device[:2].copy_(metadata.query_start_loc_cpu)
+    runner.seq_lens.device[:1].copy_(metadata.seq_lens_cpu)
+    torch.arange(num_blocks, out=runner.block_table.device[0, :num_blocks])
+    runner.model(runner.input_ids.device[:chunk], runner.positions.device[:chunk], metadata)
+    return True
