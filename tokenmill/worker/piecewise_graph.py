@@ -104,14 +104,14 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         if not self.sizes:
             return
         start = time.perf_counter()
-        self._shared_pool()
+        pool = self._shared_pool()
         # Every slot -1: the captures' K/V writes (and the warm-ups') touch no cache block.
         self.runner.slot_mapping.device.fill_(-1)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for size in reversed(self.sizes):
-                self._capture_size(model, size)
+                self._capture_size(model, size, pool)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         logger.info(
@@ -123,7 +123,7 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
             time.perf_counter() - start,
         )
 
-    def _capture_size(self, model: torch.nn.Module, size: int) -> None:
+    def _capture_size(self, model: torch.nn.Module, size: int, pool: tuple[int, int]) -> None:
         ids = self.runner.input_ids.device[:size]
         pos = self.runner.positions.device[:size]
         # Attention does not run during capture; the metadata only has to be well formed.
@@ -131,15 +131,17 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         slots = metadata.slot_mapping
         calls: list[tuple[Attention, torch.Tensor, torch.Tensor]] = []
 
-        def split_point(layer: Attention, query, key, value, md) -> torch.Tensor:
+        def hand_off(layer: Attention, query, key, value, md) -> torch.Tensor:
             # Recorded into the piece that ends here: the K/V write and the query hand-off.
             layer.write_kv(key, value, slots, size)
-            static_query, out = self._buffer("query", query), self._buffer("attn_out", query)
-            static_query[:size].copy_(query)
-            calls.append((layer, static_query, out))
-            return out[:size]
+            self._buffer("query", query)[:size].copy_(query)
+            return self._buffer("attn_out", query)[:size]
 
-        with attention_hook(split_point):
+        def record(layer: Attention, query, key, value, md) -> torch.Tensor:
+            calls.append((layer, self._buffer("query", query), self._buffer("attn_out", query)))
+            return hand_off(layer, query, key, value, md)
+
+        with attention_hook(record):
             for _ in range(2):  # warm up: Triton compiles, cuBLAS workspaces, static buffers
                 calls.clear()
                 self.hidden = self._buffer("hidden", model(ids, pos, metadata))
@@ -150,22 +152,22 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
             )
         if self.calls and [c[0] for c in calls] != [c[0] for c in self.calls]:
             raise RuntimeError("the forward pass calls attention differently for another size")
-        self.calls = list(calls)
+        self.calls = calls
 
         pieces: list[torch.cuda.CUDAGraph] = []
         graph = torch.cuda.CUDAGraph()
 
         def split(layer: Attention, query, key, value, md) -> torch.Tensor:
             nonlocal graph
-            out = split_point(layer, query, key, value, md)
+            out = hand_off(layer, query, key, value, md)
             graph.capture_end()
             pieces.append(graph)
             graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=self.pool)
+            graph.capture_begin(pool=pool)
             return out
 
         with attention_hook(split):
-            graph.capture_begin(pool=self.pool)
+            graph.capture_begin(pool=pool)
             try:
                 hidden = model(ids, pos, metadata)
                 self._buffer("hidden", hidden)[:size].copy_(hidden)

@@ -227,7 +227,8 @@ class _StepPlan:
 
     num_decodes: int  # leading requests served by the decode kernel
     num_prefills: int  # the rest, served by the varlen kernel
-    prefill_tokens: int  # query tokens of those requests
+    prefill_start: int  # the first query token of those requests
+    prefill_tokens: int  # their query tokens
     prefill_max_seq_len: int  # their longest context
     workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -250,12 +251,15 @@ def _step_plan(metadata: AttentionMetadata) -> _StepPlan:
         return plan
     num_decodes = _leading_decodes(metadata)
     num_prefills = metadata.num_reqs - num_decodes
-    prefill_tokens = prefill_max_seq_len = 0
+    prefill_start = prefill_tokens = prefill_max_seq_len = 0
     if num_prefills:
         qsl = metadata.query_start_loc_cpu
-        prefill_tokens = int(qsl[metadata.num_reqs]) - int(qsl[num_decodes])
+        prefill_start = int(qsl[num_decodes])
+        prefill_tokens = int(qsl[metadata.num_reqs]) - prefill_start
         prefill_max_seq_len = int(metadata.seq_lens_cpu[num_decodes : metadata.num_reqs].max())
-    plan = _StepPlan(num_decodes, num_prefills, prefill_tokens, prefill_max_seq_len)
+    plan = _StepPlan(
+        num_decodes, num_prefills, prefill_start, prefill_tokens, prefill_max_seq_len
+    )
     metadata._triton_plan = plan  # type: ignore[attr-defined]
     return plan
 
@@ -411,9 +415,8 @@ class TritonAttentionImpl(AttentionImpl):
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args,
         )  # fmt: skip
         if num_splits > 1:
-            first_token = int(metadata.query_start_loc_cpu[plan.num_decodes])
             kernels.varlen_reduce_kernel[(plan.prefill_tokens, self.num_heads)](
-                out, part_out, part_lse, first_token, num_splits,
+                out, part_out, part_lse, plan.prefill_start, num_splits,
                 out.stride(0), part_out.stride(0), part_out.stride(1),
                 part_lse.stride(0), part_lse.stride(1),
                 HEAD_DIM=self.head_dim, D_P=args["D_P"], S_P=_pow2(VARLEN_MAX_SPLITS),
