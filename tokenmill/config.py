@@ -202,6 +202,7 @@ class EngineConfig:
     load_config: LoadConfig = field(default_factory=LoadConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     enforce_eager: bool = False
+    disable_cascade_attn: bool = False
     disable_log_stats: bool = False
     # --max-model-len -1: the worker shrinks max_model_len to what the KV cache holds.
     max_model_len_auto: bool = False

@@ -175,6 +175,12 @@ class EngineArgs:
     tensor_parallel_size: int = _flag("Tensor-parallel ranks.", default=1, aliases=["-tp"])
     pipeline_parallel_size: int = _flag("Pipeline-parallel stages.", default=1, aliases=["-pp"])
     enforce_eager: bool = _flag("Disable CUDA graphs (always eager).", default=False)
+    disable_cascade_attn: bool = _flag(
+        "Never use cascade attention, which reads a prompt prefix that all decoding "
+        "requests of a step share (found by prefix caching) once instead of once per "
+        "request. Outputs agree up to floating-point rounding either way.",
+        default=False,
+    )
     max_logprobs: int = _flag("Most logprobs a request may ask for per position.", default=20)
     disable_log_stats: bool = _flag("Do not log engine statistics.", default=False)
     generation_config: str = _flag(
@@ -262,6 +268,7 @@ class EngineArgs:
             load_config=LoadConfig(self.load_format),  # type: ignore[arg-type]
             device_config=DeviceConfig(device),  # type: ignore[arg-type]
             enforce_eager=self.enforce_eager or device != "cuda",
+            disable_cascade_attn=self.disable_cascade_attn,
             disable_log_stats=self.disable_log_stats,
             max_model_len_auto=self.max_model_len == -1,
         )

@@ -12,10 +12,15 @@ after ``pctx`` cached tokens, prints per forward pass (model only, no LM head):
 - ``piecewise``: the runner's piecewise graphs (attention eager between captured pieces),
   when the runner has them for that size; then again with the prompt kernel's keys never
   split (``num_varlen_splits`` forced to 1).
+
+Cases with a shared prefix give their decodes the same first blocks (a prompt prefix found by
+prefix caching); the timings above then read it once per request, and ``cascade`` repeats
+the piecewise (and eager) pass with cascade attention reading it once per step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -25,7 +30,15 @@ from tokenmill import LLM
 from tokenmill.model.attention import triton_backend
 from tokenmill.model.attention.backend import AttentionMetadata
 
-CASES = [  # (decodes, decode context, prompt chunk tokens, cached tokens before the chunk)
+# (decodes, decode context, prompt chunk tokens, cached tokens before the chunk[, prefix
+# tokens the decodes share])
+CASES = [
+    (64, 2304, 0, 0, 2000),
+    (64, 2304, 256, 2000, 2000),
+    (8, 1280, 0, 0, 1024),
+    (16, 1280, 0, 0, 1024),
+    (32, 1280, 0, 0, 512),
+    (128, 1280, 0, 0, 1024),
     (64, 2304, 0, 0),
     (64, 2304, 16, 2000),
     (64, 2304, 64, 2000),
@@ -43,8 +56,11 @@ CASES = [  # (decodes, decode context, prompt chunk tokens, cached tokens before
 ]
 
 
-def build_batch(runner, decodes: int, ctx: int, chunk: int, cached: int, gen: torch.Generator):
-    """Inputs and metadata of one mixed batch over random, distinct KV blocks."""
+def build_batch(
+    runner, decodes: int, ctx: int, chunk: int, cached: int, gen: torch.Generator, shared: int = 0
+):
+    """Inputs and metadata of one mixed batch over random, distinct KV blocks, except the
+    first ``shared`` tokens' blocks, which all decodes take from the first one."""
     bs = runner.block_size
     num_blocks = runner.kv_caches[0].shape[1]
     q_lens = [1] * decodes + ([chunk] if chunk else [])
@@ -61,6 +77,7 @@ def build_batch(runner, decodes: int, ctx: int, chunk: int, cached: int, gen: to
         for p in range(s - q, s):
             slots.append(int(table[i, p // bs]) * bs + p % bs)
             positions.append(p)
+    table[1:decodes, : shared // bs] = table[0, : shared // bs]
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     n = int(qsl[-1])
@@ -113,8 +130,9 @@ def main() -> None:
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     model = runner.model
     gen = torch.Generator().manual_seed(0)
-    for decodes, ctx, chunk, cached in CASES:
-        ids, pos, md = build_batch(runner, decodes, ctx, chunk, cached, gen)
+    for decodes, ctx, chunk, cached, *shared in CASES:
+        shared = shared[0] if shared else 0
+        ids, pos, md = build_batch(runner, decodes, ctx, chunk, cached, gen, shared)
         eager_pass = lambda ids=ids, pos=pos, md=md: model(ids, pos, md)  # noqa: E731
         eager, launch = per_pass_ms(eager_pass), launch_ms(eager_pass)
         graph = torch.cuda.CUDAGraph()
@@ -129,12 +147,20 @@ def main() -> None:
         del graph
         line = (
             f"STEP mixed decodes={decodes} ctx={ctx} chunk={chunk} cached={cached} "
-            f"tokens={md.num_actual_tokens}: eager {eager:.2f} ms, launch {launch:.2f} ms, "
-            f"graph {whole:.2f} ms"
+            f"shared={shared} tokens={md.num_actual_tokens}: eager {eager:.2f} ms, "
+            f"launch {launch:.2f} ms, graph {whole:.2f} ms"
         )
         pieces = runner.piecewise_graphs
         if pieces is not None and pieces.can_run(md.num_actual_tokens):
             line += piecewise_timing(runner, pieces, ids, pos, md)
+            if shared:
+                cmd = dataclasses.replace(md, common_prefix_len=shared)  # whole blocks
+                cascade_eager = per_pass_ms(lambda i=ids, p=pos, m=cmd: model(i, p, m))
+                line += f"; cascade: eager {cascade_eager:.2f} ms" + piecewise_timing(
+                    runner, pieces, ids, pos, cmd
+                )
+                print(line, flush=True)
+                continue
             # The same with the prompt kernel's keys never split (its one-split path).
             split_rule = triton_backend.num_varlen_splits
             triton_backend.num_varlen_splits = lambda *args: 1

@@ -226,19 +226,20 @@ def test_batches_padded_like_cuda_graphs(llm, knob, sizes, num_prompts):
     assert padded == reference
 
 
-def test_attention_warm_up_pass_writes_nothing(llm):
-    """The start-up pass that compiles the prompt kernel's key splits on CUDA (a short chunk
-    after a long context over arbitrary blocks) leaves the KV cache and later outputs as
-    they were."""
+@pytest.mark.parametrize("pass_name", ["short_chunk_pass", "shared_prefix_pass"])
+def test_attention_warm_up_passes_write_nothing(llm, pass_name):
+    """The start-up passes that compile attention variants on CUDA (a short chunk after a
+    long context; decodes sharing prefix blocks, for cascade attention), run over
+    arbitrary blocks, leave the KV cache and later outputs as they were."""
     import torch
 
-    from tokenmill.worker.start_up_passes import short_chunk_pass
+    from tokenmill.worker import start_up_passes
 
     prompts = _prompts(3)
     reference = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     before = [c.clone() for c in runner.kv_caches]
-    assert short_chunk_pass(runner)
+    assert getattr(start_up_passes, pass_name)(runner)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
 
@@ -271,3 +272,30 @@ def test_async_scheduling_matches_sync(llm, smollm2_gguf_path):
     kv = _scheduler(tiny).kv_cache_manager
     kv.check_integrity()
     assert kv.usage == 0.0
+
+
+def test_decodes_sharing_a_cached_prefix_get_cascade_metadata(llm, monkeypatch):
+    """Eight requests after a cached 300-token prompt prefix decode together: the runner
+    finds the shared blocks and passes them to attention (the CPU backend ignores the hint,
+    so this checks the plumbing; the Triton kernels are checked in the interpreter and on
+    the GPU)."""
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    prefix = "Here is a long shared system prompt about ships and the sea. " * 25
+    prompts = [prefix + f"Question {i}: name a colour." for i in range(8)]
+    llm.generate(prompts[0], GREEDY, use_tqdm=False)  # caches the prefix blocks
+    reference = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+
+    seen: list[int] = []
+    prepare = runner._prepare_inputs
+
+    def recording(so):
+        inputs = prepare(so)
+        seen.append(inputs.metadata.common_prefix_len)
+        return inputs
+
+    monkeypatch.setattr(runner, "cascade_attn", True)
+    monkeypatch.setattr(runner, "_prepare_inputs", recording)
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+    shared = [p for p in seen if p]
+    assert shared and all(p >= 256 and p % 16 == 0 for p in shared)
+    assert max(shared) <= len(llm.get_tokenizer().encode(prefix))

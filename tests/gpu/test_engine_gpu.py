@@ -147,3 +147,41 @@ def test_bf16_is_deterministic_for_the_same_batch(smollm2_random):
     prompts = _prompts(8)
     first, _, again = _generate(path, prompts, dtype="bfloat16")
     assert first == again
+
+
+def test_cascade_attention_equals_plain_in_float32(smollm2_random):
+    """48 requests after a cached 400-token prefix: their decode steps read the shared
+    blocks once (cascade attention, decode-only steps leaving the whole-step graph for the
+    piecewise graphs), and greedy tokens equal those of ``--disable-cascade-attn``."""
+    from tokenmill import LLM, SamplingParams
+
+    _, path = smollm2_random
+    gen = torch.Generator().manual_seed(2)
+    prefix = torch.randint(100, 40000, (400,), generator=gen).tolist()
+    prompts = [prefix + p for p in _prompts(48)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = {}
+    for disable in (False, True):
+        llm = LLM(
+            path, dtype="float32", kv_cache_memory=2 << 30, max_model_len=1024,
+            max_num_seqs=64, disable_cascade_attn=disable,
+        )  # fmt: skip
+        runner = llm.llm_engine.engine_core.executor.worker.model_runner
+        llm.generate({"prompt_token_ids": prefix}, params, use_tqdm=False)
+        seen: list[int] = []
+        prepare = runner._prepare_inputs
+
+        def recording(so, prepare=prepare, seen=seen):
+            inputs = prepare(so)
+            seen.append(inputs.metadata.common_prefix_len)
+            return inputs
+
+        runner._prepare_inputs = recording
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[disable] = ([o.outputs[0].token_ids for o in outs], seen)
+        del llm, runner
+        torch.cuda.empty_cache()
+    (cascade, seen), (plain, seen_plain) = results[False], results[True]
+    assert sum(1 for p in seen if p) >= 20  # the 23 decode-only steps, at least
+    assert max(seen) == 400 // 16 * 16 and not any(seen_plain)
+    assert cascade == plain

@@ -257,13 +257,45 @@ def test_no_compile_for_new_batch_shapes():
             dtype=torch.bfloat16, num_decodes=num_decodes, seed=seed,
         )  # fmt: skip
 
+    def cascade(num_decodes: int, ctx: int, seed: int, blocks: int) -> Batch:
+        return shared_prefix(batch(num_decodes, ctx, seed), num_decodes, blocks)
+
     check(batch(1, 3000, 0))  # warm: one decode, split context, and a prompt chunk
     check(batch(64, 100, 1))  # warm: one split
+    check(cascade(8, 300, 10, 16))  # warm: cascade attention
     old = triton.knobs.runtime.jit_post_compile_hook
     triton.knobs.runtime.jit_post_compile_hook = hook
     try:
         for seed, (num_decodes, ctx) in enumerate([(2, 5000), (3, 700), (5, 9000), (17, 40)]):
             check(batch(num_decodes, ctx, seed + 2))
+        check(cascade(20, 600, 11, 32))
+        check(cascade(64, 1100, 12, 64))
     finally:
         triton.knobs.runtime.jit_post_compile_hook = old
     assert not compiles, f"kernels compiled again for new batch shapes: {compiles}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(32, 8, 128), (8, 1, 256), (12, 4, 80)]
+)
+def test_cascade_over_a_shared_prefix(dtype, num_heads, num_kv_heads, head_dim):
+    # 64 decodes whose first 125 blocks (2,000 tokens) are the first decode's, then a chunk.
+    gen = torch.Generator().manual_seed(3)
+    ctx = (2000 + torch.randint(0, 400, (64,), generator=gen)).tolist()
+    b = make_batch(
+        [1] * 64 + [40], ctx + [300], num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, dtype=dtype, num_decodes=64,
+    )  # fmt: skip
+    check(shared_prefix(b, 64, 125))
+    check(shared_prefix(b, 64, 125), soft_cap=30.0)
+
+
+def shared_prefix(b: Batch, num_decodes: int, blocks: int) -> Batch:
+    """The first ``num_decodes`` requests take their first ``blocks`` blocks from the first
+    one (a prefix-cache hit), and the metadata says so."""
+    table = b.metadata.block_table.clone()
+    table[1:num_decodes, :blocks] = table[0, :blocks]
+    bs = b.kv_cache.shape[2]
+    md = dataclasses.replace(b.metadata, block_table=table, common_prefix_len=blocks * bs)
+    return dataclasses.replace(b, metadata=md)

@@ -423,3 +423,62 @@ def test_reshape_and_cache_skips_negative_slots():
     keep = slots >= 0
     write_to_kv_cache(b.key[keep], b.value[keep], expected, slots[keep])
     assert_same_cache(cache, expected)
+
+
+def share_prefix(b: Batch, num_decodes: int, prefix_blocks: int) -> Batch:
+    """The first ``num_decodes`` requests' first ``prefix_blocks`` block-table entries point
+    at request 0's blocks (a prompt prefix found by prefix caching); the blocks they held
+    before are left unread."""
+    table = b.metadata.block_table.clone()
+    table[1:num_decodes, :prefix_blocks] = table[0, :prefix_blocks]
+    bs = b.kv_cache.shape[2]
+    md = dataclasses.replace(
+        b.metadata, block_table=table, common_prefix_len=prefix_blocks * bs
+    )
+    return dataclasses.replace(b, metadata=md)
+
+
+@pytest.mark.parametrize("tiles", sorted(TILE_SHAPES))
+@pytest.mark.parametrize("prefix_blocks", [1, 6, 21])
+def test_cascade_attention_over_a_shared_prefix(monkeypatch, tiles, prefix_blocks):
+    # Five decodes share 1, 6 or 21 blocks of 16 (the last request's context ends right
+    # after the prefix); a prompt chunk follows. The prefix's last key tile is partial
+    # (96 and 336 are not multiples of 64).
+    use_tiles(monkeypatch, *TILE_SHAPES[tiles])
+    q_lens, ctx = [1, 1, 1, 1, 1, 9], [400, 350, 341, 500, 336, 20]
+    b = share_prefix(
+        make_batch(q_lens, ctx, num_heads=8, num_kv_heads=2, num_decodes=5), 5, prefix_blocks
+    )
+    check(b)
+    check(b, soft_cap=5.0)
+    # A window turns cascade off (the prefix would not be visible to every request).
+    check(b, sliding_window=100)
+
+
+@pytest.mark.parametrize("splits", [(1, 1), (3, 5), (2, 16)])
+def test_cascade_split_counts(monkeypatch, splits):
+    # Empty splits on both sides: 5 suffix splits of ~30 keys, 16 splits of a 48-key prefix.
+    decode_splits, prefix_splits = splits
+    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: decode_splits)
+    monkeypatch.setattr(triton_backend, "num_prefix_splits", lambda *args: prefix_splits)
+    b = make_batch([1] * 4, [60, 77, 49, 90], num_heads=4, num_kv_heads=1, num_decodes=4)
+    check(share_prefix(b, 4, 3))
+
+
+def test_cascade_output_equals_the_plain_decode_path():
+    q_lens, ctx = [1] * 6, [300, 290, 310, 275, 400, 288]
+    b = make_batch(q_lens, ctx, num_heads=8, num_kv_heads=2, num_decodes=6)
+    shared = share_prefix(b, 6, 16)
+    plain = dataclasses.replace(
+        shared, metadata=dataclasses.replace(shared.metadata, common_prefix_len=0)
+    )
+    out, _ = run_triton(shared)
+    ref, _ = run_triton(plain)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_split_heuristic():
+    # 64 decodes in 32-token blocks over 8 KV heads: 16 programs, 2,000 keys -> 8 splits.
+    assert triton_backend.num_prefix_splits(64, 32, 8, 2000, 132) == 8
+    assert triton_backend.num_prefix_splits(64, 32, 8, 256, 132) == 1
+    assert triton_backend.num_prefix_splits(1024, 32, 8, 8000, 132) == 1

@@ -26,6 +26,7 @@ from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.layers.attention import bind_kv_caches
 from tokenmill.model.loader.model_loader import get_model, torch_dtype
+from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
@@ -151,6 +152,7 @@ class ModelRunner:
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.vocab_size = mc.vocab_size
         self.attn_backend = get_attn_backend(device.type)
+        self.cascade_attn = self.attn_backend.supports_cascade and not config.disable_cascade_attn
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
@@ -306,6 +308,13 @@ class ModelRunner:
             self.block_table.device[:num_reqs, :max_blocks].copy_(
                 self.block_table.host[:num_reqs, :max_blocks], non_blocking=True
             )
+        num_decodes = _leading_ones(num_sched)
+        prefix_len = 0
+        if self.cascade_attn:
+            prefix_len = common_prefix_len(
+                self.block_table.np, seq_lens, num_decodes, self.block_size,
+                replaces_graph=num_decodes == num_reqs and self._has_decode_graph(num_reqs),
+            )  # fmt: skip
         metadata = AttentionMetadata(
             num_actual_tokens=n,
             num_reqs=num_reqs,
@@ -317,7 +326,8 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=self.query_start_loc.host[: num_reqs + 1].clone(),
             seq_lens_cpu=self.seq_lens.host[:num_reqs].clone(),
-            num_decodes=_leading_ones(num_sched),
+            num_decodes=num_decodes,
+            common_prefix_len=prefix_len,
         )
         return StepInputs(
             req_ids,
@@ -349,8 +359,9 @@ class ModelRunner:
         """Hidden states ``[>= num_tokens, H]`` of the step (a graph's output is padded)."""
         assert self.model is not None
         num_reqs = inputs.metadata.num_reqs
-        if inputs.is_decode_only:
-            if self.cuda_graphs is not None and self.cuda_graphs.can_run(num_reqs):
+        # A step with cascade attention runs attention eagerly (piecewise graphs).
+        if inputs.is_decode_only and not inputs.metadata.common_prefix_len:
+            if self._has_decode_graph(num_reqs):
                 return self.cuda_graphs.run(num_reqs)
             if self.pad_decode_batches_to:
                 padded = next_size(self.pad_decode_batches_to, num_reqs)
@@ -370,6 +381,9 @@ class ModelRunner:
                     self.input_ids.device[:padded], self.positions.device[:padded], inputs.metadata
                 )
         return self.model(self.input_ids.device[:n], self.positions.device[:n], inputs.metadata)
+
+    def _has_decode_graph(self, num_reqs: int) -> bool:
+        return self.cuda_graphs is not None and self.cuda_graphs.can_run(num_reqs)
 
     def pad_token_inputs(self, num_tokens: int, padded: int) -> None:
         """Make rows ``num_tokens..padded`` of the token buffers inert padding: token 0 at

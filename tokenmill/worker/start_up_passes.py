@@ -1,11 +1,12 @@
 """Forward passes that are not serving steps: the memory-profiling pass that sizes the KV
-cache, and the warm-up pass that compiles kernel variants no other start-up pass reaches.
+cache, and the warm-up passes that compile kernel variants no other start-up pass reaches.
 
 Both run on the model runner's model and buffers before the first request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.layers.attention import bind_kv_caches, unbind_kv_caches
+from tokenmill.worker.cascade import CASCADE_MIN_DECODES, CASCADE_MIN_PREFIX_TOKENS
 from tokenmill.worker.sampling_metadata import SamplingMetadata
 
 if TYPE_CHECKING:
@@ -94,9 +96,15 @@ def profile_run(runner: ModelRunner) -> int:
 def warm_up_attention(runner: ModelRunner) -> None:
     """Compile the attention variants that neither the profiling pass (a full-budget
     prompt step) nor the graph captures run: the prompt kernel's key splits and their
-    merge, used when a short chunk follows a long context. A compile in the middle of
+    merge, used when a short chunk follows a long context, and the cascade attention
+    kernel, used when decoding requests share a prompt prefix. A compile in the middle of
     serving would stall every request for most of a second. CUDA only."""
-    if runner.device.type == "cuda" and short_chunk_pass(runner):
+    if runner.device.type != "cuda":
+        return
+    ran = short_chunk_pass(runner)
+    if runner.cascade_attn:
+        ran = shared_prefix_pass(runner) or ran
+    if ran:
         torch.cuda.synchronize(runner.device)
 
 
@@ -121,4 +129,38 @@ def short_chunk_pass(runner: ModelRunner) -> bool:
     runner.seq_lens.device[:1].copy_(metadata.seq_lens_cpu)
     torch.arange(num_blocks, out=runner.block_table.device[0, :num_blocks])
     runner.model(runner.input_ids.device[:chunk], runner.positions.device[:chunk], metadata)
+    return True
+
+
+@torch.inference_mode()
+def shared_prefix_pass(runner: ModelRunner) -> bool:
+    """An eager decode step of ``CASCADE_MIN_DECODES`` requests whose contexts share their
+    first blocks (block ids 0..), with cascade attention over the shared ones; writes
+    nothing to the cache (slot -1) and leaves the input buffers as any step may. Returns
+    False when the cache or the model length is too small for one."""
+    if runner.model is None or not runner.kv_caches:
+        return False
+    bs = runner.block_size
+    ctx = min(runner.max_model_len, 2 * CASCADE_MIN_PREFIX_TOKENS + 1)
+    ctx = min(ctx, runner.kv_caches[0].shape[1] * bs)
+    prefix = (ctx - 1) // bs * bs
+    n = min(CASCADE_MIN_DECODES, runner.max_num_reqs)
+    if prefix < CASCADE_MIN_PREFIX_TOKENS or n < 2:
+        return False
+    num_blocks = -(-ctx // bs)
+    runner.input_ids.device[:n].zero_()
+    runner.positions.device[:n].fill_(ctx - 1)
+    runner.slot_mapping.device[:n].fill_(-1)
+    runner.seq_lens.device[:n].fill_(ctx)
+    torch.arange(n + 1, out=runner.query_start_loc.device[: n + 1])
+    runner.block_table.device[:n, :num_blocks].copy_(
+        torch.arange(num_blocks, device=runner.device).expand(n, num_blocks)
+    )
+    metadata = dataclasses.replace(
+        runner.decode_metadata(n),
+        max_seq_len=ctx,
+        seq_lens_cpu=torch.full((n,), ctx, dtype=torch.int32),
+        common_prefix_len=prefix,
+    )
+    runner.model(runner.input_ids.device[:n], runner.positions.device[:n], metadata)
     return True

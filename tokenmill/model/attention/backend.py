@@ -37,6 +37,11 @@ class AttentionMetadata:
         seq_lens_cpu: host copy of ``seq_lens``.
         num_decodes: how many of the first requests have ``query_len == 1`` (the runner
             puts decode requests first when it can; 0 if unknown).
+        common_prefix_len: tokens at the start of every one of those ``num_decodes``
+            requests' contexts that they hold in the same physical blocks (a shared prompt
+            prefix found by prefix caching), a multiple of the block size below each
+            request's last position; 0 when none or not looked for. A backend may read
+            these keys once for all of them (cascade attention) or ignore the hint.
     """
 
     num_actual_tokens: int
@@ -50,6 +55,7 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
     num_decodes: int = 0
+    common_prefix_len: int = 0
 
 
 class AttentionImpl(abc.ABC):
@@ -161,6 +167,8 @@ class AttentionBackend(abc.ABC):
     """A family of attention kernels: names itself and builds per-layer implementations."""
 
     name: str = "abstract"
+    # Reads ``AttentionMetadata.common_prefix_len`` (cascade attention); others ignore it.
+    supports_cascade: bool = False
 
     @staticmethod
     @abc.abstractmethod

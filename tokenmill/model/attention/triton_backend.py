@@ -26,6 +26,15 @@ heads, head_dim 128):
   each walk the whole context: its keys are then split over up to ``VARLEN_MAX_SPLITS``
   programs and merged by ``varlen_reduce_kernel``, as flash-decoding does for decodes.
 
+- **Cascade attention** (Juravsky et al., "Hydragen", 2024): when the model runner finds
+  that the decode requests hold the same first blocks (``metadata.common_prefix_len``, a
+  prompt prefix found by prefix caching), ``shared_prefix_kernel`` reads those keys once
+  for all of them, ``BLOCK_Q`` decode tokens x ``GROUP`` heads per ``tl.dot`` as in the
+  varlen kernel, and the decode kernel reads only each request's keys after the prefix; the
+  decode reduction merges both kernels' partials by their log-sum-exp. 64 requests after a
+  shared 2,000-token prefix otherwise read its keys 64 times per step (through L2 at best).
+  Layers with a sliding window keep the plain path.
+
 The varlen kernel alone is correct for every batch; the decode kernel is the fast path for the
 leading decode requests (the model runner puts them first and says how many in
 ``metadata.num_decodes``). Two kernels rather than one unified kernel because a decode token
@@ -38,8 +47,9 @@ capturable):
 
 - ``reshape_and_cache``: ``num_actual_tokens`` (grid).
 - decode path: ``num_reqs``, ``num_decodes`` (else ``max_query_len``, and
-  ``query_start_loc_cpu`` when a batch mixes decodes and prompts), and ``max_seq_len`` (split
-  count only). Device: ``query_start_loc``, ``seq_lens``, ``block_table``. The grid is
+  ``query_start_loc_cpu`` when a batch mixes decodes and prompts), ``max_seq_len`` (split
+  count only) and ``common_prefix_len`` (cascade: grids and split counts; such steps are
+  never captured whole). Device: ``query_start_loc``, ``seq_lens``, ``block_table``. The grid is
   ``(num_decodes, Hkv, num_splits)`` with ``num_splits`` from ``(num_decodes, Hkv,
   max_seq_len, SM count)``; splits are dealt from the device ``seq_lens``, so a captured graph
   replays correctly for any lengths that fit the block table, whatever its split count.
@@ -117,16 +127,29 @@ def decode_tile_config(head_dim_padded: int, dtype: torch.dtype) -> TileConfig:
     return TileConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=3)
 
 
-def num_decode_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+def num_decode_splits(
+    num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, max_splits: int = MAX_SPLITS
+) -> int:
     """How many programs share one (request, KV head)'s context in the decode kernel.
 
     Enough to give every SM ``DECODE_PROGRAMS_PER_SM`` programs, but no split shorter than
-    ``MIN_SPLIT_TOKENS`` keys and at most ``MAX_SPLITS``. Depends only on host integers.
+    ``MIN_SPLIT_TOKENS`` keys and at most ``max_splits``. Depends only on host integers.
     """
     pairs = max(1, num_reqs * num_kv_heads)
     wanted = (DECODE_PROGRAMS_PER_SM * num_sms) // pairs
     useful = triton.cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
-    return max(1, min(wanted, useful, MAX_SPLITS))
+    return max(1, min(wanted, useful, max_splits))
+
+
+def num_prefix_splits(
+    num_decodes: int, block_q: int, num_kv_heads: int, prefix_len: int, num_sms: int
+) -> int:
+    """How many programs share the shared prefix's keys in ``shared_prefix_kernel``: the
+    (decode block, KV head) programs times the splits about fill the chip once, with no
+    split shorter than ``MIN_SPLIT_TOKENS`` keys and at most ``VARLEN_MAX_SPLITS``."""
+    busy = triton.cdiv(num_decodes, block_q) * num_kv_heads
+    useful = triton.cdiv(max(1, prefix_len), MIN_SPLIT_TOKENS)
+    return max(1, min(num_sms // max(1, busy), useful, VARLEN_MAX_SPLITS))
 
 
 def num_varlen_splits(
@@ -349,30 +372,58 @@ class TritonAttentionImpl(AttentionImpl):
     ) -> None:
         args = self._common_args(query, kv_cache)
         cfg = decode_tile_config(args["D_P"], query.dtype)
+        num_sms = device_num_sms(query.device)
+        # Cascade attention: the decodes' shared prefix is read once by
+        # ``shared_prefix_kernel``; the decode kernel reads only the keys after it. Windows
+        # would hide part of the prefix from some requests, so they keep the plain path.
+        prefix_len = metadata.common_prefix_len if self.sliding_window is None else 0
+        prefix_splits = block_q = 0
+        pcfg = varlen_tile_config(args["D_P"], query.dtype)
+        if prefix_len and plan.num_decodes > 1:
+            block_q = max(1, pcfg.block_m // _pow2(args["GROUP"]))
+            prefix_splits = num_prefix_splits(
+                plan.num_decodes, block_q, self.num_kv_heads, prefix_len, num_sms
+            )
+        else:
+            prefix_len = 0
         num_splits = num_decode_splits(
-            plan.num_decodes, self.num_kv_heads, metadata.max_seq_len, device_num_sms(query.device)
-        )
-        if num_splits > 1:
-            part_out, part_lse = self._workspace(plan, plan.num_decodes, num_splits, query.device)
+            plan.num_decodes, self.num_kv_heads, metadata.max_seq_len - prefix_len, num_sms,
+            MAX_SPLITS - prefix_splits,
+        )  # fmt: skip
+        total_splits = num_splits + prefix_splits
+        if total_splits > 1:
+            part_out, part_lse = self._workspace(plan, plan.num_decodes, total_splits, query.device)
         else:  # the kernel writes ``out`` directly; these are never touched
             part_out = part_lse = out
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        grid = (plan.num_decodes, self.num_kv_heads, num_splits)
-        kernels.decode_attention_kernel[grid](
+        strides = {
+            "stride_qt": query.stride(0), "stride_bt": metadata.block_table.stride(0),
+            "stride_cb": k_cache.stride(0), "stride_cs": k_cache.stride(1),
+            "stride_ch": k_cache.stride(2),
+            "stride_pr": part_out.stride(0), "stride_ph": part_out.stride(1),
+            "stride_lr": part_lse.stride(0), "stride_lh": part_lse.stride(1),
+        }  # fmt: skip
+        kernels.decode_attention_kernel[(plan.num_decodes, self.num_kv_heads, num_splits)](
             out, part_out, part_lse, query, k_cache, v_cache,
-            metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0,
-            num_splits=num_splits,
-            stride_qt=query.stride(0), stride_ot=out.stride(0),
-            stride_bt=metadata.block_table.stride(0),
-            stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
-            stride_pr=part_out.stride(0), stride_ph=part_out.stride(1),
-            stride_lr=part_lse.stride(0), stride_lh=part_lse.stride(1),
+            metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0, prefix_len,
+            num_splits=num_splits, stride_ot=out.stride(0),
             GROUP_P=_pow2(args["GROUP"], 16), BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **strides, **args,
         )  # fmt: skip
-        if num_splits > 1:
+        if prefix_len:
+            grid = (triton.cdiv(plan.num_decodes, block_q), self.num_kv_heads, prefix_splits)
+            prefix_args = {k: v for k, v in args.items() if k not in ("window", "USE_WINDOW")}
+            kernels.shared_prefix_kernel[grid](
+                part_out, part_lse, query, k_cache, v_cache, metadata.block_table,
+                metadata.query_start_loc, 0, plan.num_decodes, prefix_len,
+                split_base=num_splits, num_splits=prefix_splits,
+                GROUP_P=_pow2(args["GROUP"]), BLOCK_Q=block_q, BLOCK_N=pcfg.block_n,
+                num_warps=pcfg.num_warps, num_stages=pcfg.num_stages,
+                **strides, **prefix_args,
+            )  # fmt: skip
+        if total_splits > 1:
             kernels.decode_reduce_kernel[(plan.num_decodes, self.num_heads)](
-                out, part_out, part_lse, metadata.query_start_loc, 0, num_splits,
+                out, part_out, part_lse, metadata.query_start_loc, 0, total_splits,
                 out.stride(0), part_out.stride(0), part_out.stride(1),
                 part_lse.stride(0), part_lse.stride(1),
                 HEAD_DIM=self.head_dim, D_P=args["D_P"], S_P=_pow2(MAX_SPLITS), num_warps=4,
@@ -428,6 +479,7 @@ class TritonAttentionBackend(AttentionBackend):
     """Triton paged-attention kernels for CUDA (also run by the Triton interpreter)."""
 
     name = "triton"
+    supports_cascade = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

@@ -150,7 +150,7 @@ def _attend_tiles(
 _SPLIT_RUNTIME_INTS = ["num_splits", "stride_pr", "stride_ph", "stride_lr", "stride_lh"]
 
 
-@triton.jit(do_not_specialize=["req_offset", "window"] + _SPLIT_RUNTIME_INTS)
+@triton.jit(do_not_specialize=["req_offset", "kv_start", "window"] + _SPLIT_RUNTIME_INTS)
 def decode_attention_kernel(
     out_ptr,
     part_out_ptr,
@@ -162,6 +162,7 @@ def decode_attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     req_offset,
+    kv_start,
     sm_scale,
     soft_cap,
     window,
@@ -187,14 +188,16 @@ def decode_attention_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Flash-decoding: program (request, KV head, split) attends one query token's
-    ``GROUP`` heads over its split of the context.
+    ``GROUP`` heads over its split of the context's keys from ``kv_start`` on.
 
-    The context's key tiles are dealt evenly to ``num_splits`` programs from the device
-    ``seq_lens``, so the grid does not depend on context lengths. With one split the result
-    goes straight to ``out``; otherwise each split writes its normalized partial output
-    ``[D]`` and log2-sum-exp to ``part_out[r, head, split]`` / ``part_lse[r, head, split]``
-    (split strides ``HEAD_DIM`` and 1) for ``decode_reduce_kernel``. A request with
-    ``seq_len == 0`` (padding) yields zeros; one whose query length is not 1 is left alone.
+    The key tiles are dealt evenly to ``num_splits`` programs from the device ``seq_lens``,
+    so the grid does not depend on context lengths. With one split and ``kv_start == 0``
+    the result goes straight to ``out``; otherwise each split writes its normalized partial
+    output ``[D]`` and log2-sum-exp to ``part_out[r, head, split]`` /
+    ``part_lse[r, head, split]`` (split strides ``HEAD_DIM`` and 1) for
+    ``decode_reduce_kernel``. ``kv_start > 0`` leaves the keys below it to
+    ``shared_prefix_kernel`` (cascade attention). A request with ``seq_len == 0`` (padding)
+    yields zeros; one whose query length is not 1 is left alone.
     """
     r = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -217,9 +220,9 @@ def decode_attention_kernel(
     )
     q_pos = tl.zeros([GROUP_P], dtype=tl.int32) + (seq_len - 1)
 
-    kv_lo = 0
+    kv_lo = kv_start
     if USE_WINDOW:
-        kv_lo = tl.maximum(seq_len - window, 0)
+        kv_lo = tl.maximum(seq_len - window, kv_start)
     lo = kv_lo // BLOCK_N * BLOCK_N
     tiles = tl.cdiv(seq_len - lo, BLOCK_N)
     tiles_per_split = tl.cdiv(tiles, num_splits)
@@ -236,7 +239,7 @@ def decode_attention_kernel(
         True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if num_splits == 1:
+    if num_splits == 1 and kv_start == 0:
         o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
@@ -300,6 +303,103 @@ def decode_reduce_kernel(
         out_ptr, q_start, stride_ot, part_out_ptr, part_lse_ptr, r, tl.program_id(1),
         num_splits, stride_pr, stride_ph, stride_lr, stride_lh, HEAD_DIM, D_P, S_P,
     )  # fmt: skip
+
+
+@triton.jit(
+    do_not_specialize=["req_offset", "num_decodes", "prefix_len", "split_base"]
+    + _SPLIT_RUNTIME_INTS
+)
+def shared_prefix_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    query_start_loc_ptr,
+    req_offset,
+    num_decodes,
+    prefix_len,
+    sm_scale,
+    soft_cap,
+    split_base,
+    num_splits,
+    stride_qt,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_pr,
+    stride_ph,
+    stride_lr,
+    stride_lh,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Cascade attention's shared half: program (decode block, KV head, split) attends
+    ``BLOCK_Q`` decode tokens times the ``GROUP`` heads of one KV head (``BLOCK_Q *
+    GROUP_P`` rows of one ``tl.dot``) over its split of the first ``prefix_len`` keys, which
+    every decode request ``req_offset .. req_offset + num_decodes - 1`` holds in the same
+    physical blocks (read here through the first request's block table row).
+
+    The decode kernel reads these keys once per request; here each key tile is read once per
+    ``BLOCK_Q`` requests and multiplied on tensor cores. Every prefix key precedes every
+    decode token, so only the prefix's last partial tile is masked. Writes normalized
+    partial outputs and log2-sum-exps to ``part_out[r, head, split_base + split]`` /
+    ``part_lse[...]`` (``r`` counted from ``req_offset``), merged with the decode kernel's
+    splits of the keys from ``prefix_len`` on by ``decode_reduce_kernel``. Cascade
+    inference: Juravsky et al., "Hydragen" (2024); Ye et al., FlashInfer (2025).
+    """
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    rows = tl.arange(0, BLOCK_M)
+    r = q_block * BLOCK_Q + rows // GROUP_P
+    g = rows % GROUP_P
+    head = kv_head * GROUP + g
+    d = tl.arange(0, D_P)
+    row_valid = (r < num_decodes) & (g < GROUP)
+    qo_mask = row_valid[:, None] & (d < HEAD_DIM)[None, :]
+    q_rows = tl.load(query_start_loc_ptr + req_offset + r, mask=r < num_decodes, other=0)
+    q = tl.load(
+        q_ptr + q_rows.to(tl.int64)[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :],
+        mask=qo_mask,
+        other=0.0,
+    )
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + prefix_len  # after every prefix key
+
+    tiles_per_split = tl.cdiv(tl.cdiv(prefix_len, BLOCK_N), num_splits)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, prefix_len)
+    full_end = tl.maximum(start, end // BLOCK_N * BLOCK_N)
+    acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + M_INIT
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    block_row_ptr = block_table_ptr + req_offset.to(tl.int64) * stride_bt
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head * stride_ch,
+        0, prefix_len, 0, sm_scale, soft_cap, start, full_end, stride_cb, stride_cs,
+        False, False, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head * stride_ch,
+        0, prefix_len, 0, sm_scale, soft_cap, full_end, end, stride_cb, stride_cs,
+        True, False, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    part = r.to(tl.int64) * stride_pr + head * stride_ph + (split_base + split) * HEAD_DIM
+    tl.store(part_out_ptr + part[:, None] + d[None, :], out, mask=qo_mask)
+    lse = m_i + tl.log2(l_i)  # -inf for an empty split
+    lse_ptrs = part_lse_ptr + r * stride_lr + head * stride_lh + split_base + split
+    tl.store(lse_ptrs, lse, mask=row_valid)
 
 
 @triton.jit(do_not_specialize=["row_offset"] + _SPLIT_RUNTIME_INTS)
