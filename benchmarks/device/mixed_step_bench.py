@@ -1,6 +1,6 @@
 """Is a mixed (decode + prompt chunk) step bound by the host or by the GPU?
 
-usage: python3 benchmarks/device/mixed_step_bench.py MODEL_DIR
+usage: python3 benchmarks/device/mixed_step_bench.py MODEL_DIR [--shared-only]
 
 For batches of ``D`` decode requests (context ``ctx``) plus one prompt chunk of ``P`` tokens
 after ``pctx`` cached tokens, prints per forward pass (model only, no LM head):
@@ -39,6 +39,7 @@ CASES = [
     (16, 1280, 0, 0, 1024),
     (32, 1280, 0, 0, 512),
     (128, 1280, 0, 0, 1024),
+    (32, 1280, 256, 0, 1024),
     (64, 2304, 0, 0),
     (64, 2304, 16, 2000),
     (64, 2304, 64, 2000),
@@ -130,8 +131,11 @@ def main() -> None:
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     model = runner.model
     gen = torch.Generator().manual_seed(0)
+    shared_only = "--shared-only" in sys.argv[2:]
     for decodes, ctx, chunk, cached, *shared in CASES:
         shared = shared[0] if shared else 0
+        if shared_only and not shared:
+            continue
         ids, pos, md = build_batch(runner, decodes, ctx, chunk, cached, gen, shared)
         eager_pass = lambda ids=ids, pos=pos, md=md: model(ids, pos, md)  # noqa: E731
         eager, launch = per_pass_ms(eager_pass), launch_ms(eager_pass)

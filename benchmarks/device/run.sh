@@ -12,7 +12,8 @@
 #   serve      tokenmill serve M8 + bench serve random 1024/256 c=64, then shared prefix
 #   vllm_*     the same stage run by vLLM's CLI (vllm_tp_long, vllm_lat1, ...)
 #   stepbench  one decode step's GPU time (decode_step_bench.py)
-#   mixedbench eager vs captured mixed (decode + prompt chunk) steps (mixed_step_bench.py)
+#   mixedbench eager vs captured mixed (decode + prompt chunk) steps (mixed_step_bench.py);
+#              mixedbench_shared: only the batches whose decodes share a prefix (cascade)
 #   skinny skinny_sweep moe   kernel benchmarks: skinny GEMM vs cuBLAS, fused MoE vs torch
 #   *_cublas   lat1/lat32/stepbench with TOKENMILL_SKINNY_GEMM=0 (cuBLAS for every product)
 #   diag_default diag_vllm diag_pace512 ...   serving with per-request detail, /metrics and
@@ -129,6 +130,7 @@ for st in "$@"; do
     prof_small) stage prof_small 300 python3 benchmarks/device/profile_step.py "$M135" ;;
     prof_lat1) stage prof_lat1 200 python3 benchmarks/device/profile_step.py "$M8" 1 32 256 ;;
     mixedbench) stage mixedbench 300 python3 benchmarks/device/mixed_step_bench.py "$M8" ;;
+    mixedbench_shared) stage mixedbench_shared 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --shared-only ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     lat1_cublas) TOKENMILL_SKINNY_GEMM=0 stage lat1_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_cublas.json"; addjson lat1_cublas "$LOGS/lat1_cublas.json" ;;
@@ -148,6 +150,7 @@ for st in "$@"; do
     diag_sync) serve_diag sync --no-async-scheduling ;;
     diag_pace512) serve_diag pace512 --prefill-pacing-tokens 512 ;;
     diag_pace1024) serve_diag pace1024 --prefill-pacing-tokens 1024 ;;
+    diag_nocascade) serve_diag nocascade --disable-cascade-attn ;;
     vllm_serve) serve_pair vllm ;;
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;
     vllm_tp_short) stage vllm_tp_short 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/vllm_tp_short.json"; addjson vllm_tp_short "$LOGS/vllm_tp_short.json" ;;

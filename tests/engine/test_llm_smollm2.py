@@ -293,6 +293,9 @@ def test_decodes_sharing_a_cached_prefix_get_cascade_metadata(llm, monkeypatch):
         seen.append(inputs.metadata.common_prefix_len)
         return inputs
 
+    from tokenmill.worker import cascade
+
+    monkeypatch.setattr(cascade, "CASCADE_MIN_SAVED_TOKENS", 0)  # 8 x 300 tokens is few
     monkeypatch.setattr(runner, "cascade_attn", True)
     monkeypatch.setattr(runner, "_prepare_inputs", recording)
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference

@@ -149,11 +149,15 @@ def test_bf16_is_deterministic_for_the_same_batch(smollm2_random):
     assert first == again
 
 
-def test_cascade_attention_equals_plain_in_float32(smollm2_random):
+def test_cascade_attention_equals_plain_in_float32(smollm2_random, monkeypatch):
     """48 requests after a cached 400-token prefix: their decode steps read the shared
     blocks once (cascade attention, decode-only steps leaving the whole-step graph for the
     piecewise graphs), and greedy tokens equal those of ``--disable-cascade-attn``."""
     from tokenmill import LLM, SamplingParams
+    from tokenmill.worker import cascade
+
+    # 48 x 400 shared tokens: below the default bar for giving up a whole-step graph.
+    monkeypatch.setattr(cascade, "CASCADE_MIN_SAVED_TOKENS_WITHOUT_GRAPH", 0)
 
     _, path = smollm2_random
     gen = torch.Generator().manual_seed(2)

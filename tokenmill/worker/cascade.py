@@ -8,9 +8,19 @@ for all those requests and merges the result with each request's own suffix by t
 log-sum-exp; the attention backend does the reading (``AttentionMetadata.common_prefix_len``).
 
 This module finds the shared prefix from the step's host block table and decides whether it
-is worth it. A decode-only step that uses it gives up its whole-step CUDA graph for the
-piecewise graphs (the prefix kernel's grid depends on the prefix), which costs ~0.3 ms of
-Llama-3.1-8B on an H200; so such a step also needs enough shared reads to save.
+is worth it. The saving is in GPU time; the cost is on the host: one more kernel launch per
+layer, and a decode-only step gives up its whole-step CUDA graph for the piecewise graphs
+(the prefix kernel's grid depends on the prefix), whose eager attention launches take 4-8 ms
+of host time for Llama-3.1-8B. Measured on an H200 (``benchmarks/device/mixed_step_bench.py``,
+benchmarks/RESULTS.md), decode-only steps:
+
+- 64 requests sharing 2,000 of 2,304 tokens: 8.15 ms (whole graph) -> 7.48 ms;
+- 128 sharing 1,024 of 1,280: 8.96 -> 7.95 ms;
+- 16 sharing 1,024, or 32 sharing 512: 5.3-6.1 -> 7.5-7.9 ms (the host's launches then take
+  longer than the GPU's work).
+
+So a step uses it only when requests x shared tokens is large; mixed steps, already
+piecewise, at a lower bar.
 """
 
 from __future__ import annotations
@@ -21,9 +31,10 @@ import numpy as np
 # of 256 tokens for its cascade attention).
 CASCADE_MIN_DECODES = 8
 CASCADE_MIN_PREFIX_TOKENS = 256
-# Decode-only steps: the shared key reads saved (requests x prefix tokens) must be at least
-# this many to give up the whole-step graph.
-CASCADE_MIN_SAVED_TOKENS_WITHOUT_GRAPH = 16384
+# Shared key reads saved (requests x prefix tokens) a step needs: steps with prompt tokens
+# (piecewise graphs either way), and decode-only steps, which give up their whole graph.
+CASCADE_MIN_SAVED_TOKENS = 32768
+CASCADE_MIN_SAVED_TOKENS_WITHOUT_GRAPH = 65536
 
 
 def common_prefix_len(
@@ -63,6 +74,5 @@ def common_prefix_len(
     prefix = blocks * block_size
     if prefix < CASCADE_MIN_PREFIX_TOKENS:
         return 0
-    if replaces_graph and num_decodes * prefix < CASCADE_MIN_SAVED_TOKENS_WITHOUT_GRAPH:
-        return 0
-    return prefix
+    needed = CASCADE_MIN_SAVED_TOKENS_WITHOUT_GRAPH if replaces_graph else CASCADE_MIN_SAVED_TOKENS
+    return prefix if num_decodes * prefix >= needed else 0

@@ -33,6 +33,8 @@ heads, head_dim 128):
   varlen kernel, and the decode kernel reads only each request's keys after the prefix; the
   decode reduction merges both kernels' partials by their log-sum-exp. 64 requests after a
   shared 2,000-token prefix otherwise read its keys 64 times per step (through L2 at best).
+  With one decode split the decode kernel merges the prefix partials itself, so a cascade
+  layer costs one launch more than a plain one, not two.
   Layers with a sliding window keep the plain path.
 
 The varlen kernel alone is correct for every batch; the decode kernel is the fast path for the
@@ -403,14 +405,9 @@ class TritonAttentionImpl(AttentionImpl):
             "stride_pr": part_out.stride(0), "stride_ph": part_out.stride(1),
             "stride_lr": part_lse.stride(0), "stride_lh": part_lse.stride(1),
         }  # fmt: skip
-        kernels.decode_attention_kernel[(plan.num_decodes, self.num_kv_heads, num_splits)](
-            out, part_out, part_lse, query, k_cache, v_cache,
-            metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0, prefix_len,
-            num_splits=num_splits, stride_ot=out.stride(0),
-            GROUP_P=_pow2(args["GROUP"], 16), BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **strides, **args,
-        )  # fmt: skip
         if prefix_len:
+            # Before the decode kernel: with one decode split, that kernel merges these
+            # partials itself and no reduction is launched.
             grid = (triton.cdiv(plan.num_decodes, block_q), self.num_kv_heads, prefix_splits)
             prefix_args = {k: v for k, v in args.items() if k not in ("window", "USE_WINDOW")}
             kernels.shared_prefix_kernel[grid](
@@ -421,7 +418,15 @@ class TritonAttentionImpl(AttentionImpl):
                 num_warps=pcfg.num_warps, num_stages=pcfg.num_stages,
                 **strides, **prefix_args,
             )  # fmt: skip
-        if total_splits > 1:
+        merge_splits = prefix_splits if num_splits == 1 else 0
+        kernels.decode_attention_kernel[(plan.num_decodes, self.num_kv_heads, num_splits)](
+            out, part_out, part_lse, query, k_cache, v_cache,
+            metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0, prefix_len,
+            merge_splits, num_splits=num_splits, stride_ot=out.stride(0),
+            GROUP_P=_pow2(args["GROUP"], 16), BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **strides, **args,
+        )  # fmt: skip
+        if total_splits > 1 and not merge_splits:
             kernels.decode_reduce_kernel[(plan.num_decodes, self.num_heads)](
                 out, part_out, part_lse, metadata.query_start_loc, 0, total_splits,
                 out.stride(0), part_out.stride(0), part_out.stride(1),

@@ -150,7 +150,9 @@ def _attend_tiles(
 _SPLIT_RUNTIME_INTS = ["num_splits", "stride_pr", "stride_ph", "stride_lr", "stride_lh"]
 
 
-@triton.jit(do_not_specialize=["req_offset", "kv_start", "window"] + _SPLIT_RUNTIME_INTS)
+@triton.jit(
+    do_not_specialize=["req_offset", "kv_start", "merge_splits", "window"] + _SPLIT_RUNTIME_INTS
+)
 def decode_attention_kernel(
     out_ptr,
     part_out_ptr,
@@ -163,6 +165,7 @@ def decode_attention_kernel(
     query_start_loc_ptr,
     req_offset,
     kv_start,
+    merge_splits,
     sm_scale,
     soft_cap,
     window,
@@ -191,13 +194,15 @@ def decode_attention_kernel(
     ``GROUP`` heads over its split of the context's keys from ``kv_start`` on.
 
     The key tiles are dealt evenly to ``num_splits`` programs from the device ``seq_lens``,
-    so the grid does not depend on context lengths. With one split and ``kv_start == 0``
-    the result goes straight to ``out``; otherwise each split writes its normalized partial
-    output ``[D]`` and log2-sum-exp to ``part_out[r, head, split]`` /
-    ``part_lse[r, head, split]`` (split strides ``HEAD_DIM`` and 1) for
-    ``decode_reduce_kernel``. ``kv_start > 0`` leaves the keys below it to
-    ``shared_prefix_kernel`` (cascade attention). A request with ``seq_len == 0`` (padding)
-    yields zeros; one whose query length is not 1 is left alone.
+    so the grid does not depend on context lengths. ``kv_start > 0`` leaves the keys below
+    it to ``shared_prefix_kernel`` (cascade attention). With one split, the result goes
+    straight to ``out`` when it covers every key: ``kv_start == 0``, or the
+    ``merge_splits`` partials of the keys below ``kv_start`` that ``shared_prefix_kernel``
+    wrote before this launch (at split slots ``1 ..``) are merged in here. Otherwise each
+    split writes its normalized partial output ``[D]`` and log2-sum-exp to
+    ``part_out[r, head, split]`` / ``part_lse[r, head, split]`` (split strides ``HEAD_DIM``
+    and 1) for ``decode_reduce_kernel``. A request with ``seq_len == 0`` (padding) yields
+    zeros; one whose query length is not 1 is left alone.
     """
     r = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -238,8 +243,21 @@ def decode_attention_kernel(
         seq_len, window, sm_scale, soft_cap, start, end, stride_cb, stride_cs,
         True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
+    for s in range(merge_splits):
+        # A partial (normalized output o, log2-sum-exp lse) is the state (acc = o * 2^lse,
+        # l = 2^lse) relative to a zero maximum; fold it in like one more key tile.
+        slot = r.to(tl.int64) * stride_pr + head * stride_ph + (1 + s) * HEAD_DIM
+        o_s = tl.load(part_out_ptr + slot[:, None] + d[None, :], mask=qo_mask, other=0.0)
+        lse_ptrs = part_lse_ptr + r * stride_lr + head * stride_lh + 1 + s
+        lse_s = tl.load(lse_ptrs, mask=g < GROUP, other=float("-inf"))
+        m_new = tl.maximum(m_i, lse_s)
+        alpha = tl.exp2(m_i - m_new)
+        beta = tl.exp2(lse_s - m_new)
+        acc = acc * alpha[:, None] + o_s * beta[:, None]
+        l_i = l_i * alpha + beta
+        m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if num_splits == 1 and kv_start == 0:
+    if num_splits == 1 and (kv_start == 0 or merge_splits > 0):
         o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
