@@ -161,5 +161,7 @@ for st in "$@"; do
 done
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
 # few files come back from the machine: one archive for the serving diagnostics
-[ -d "$OUT/serve_diag" ] && tar -czf "$OUT/serve_diag.tar.gz" -C "$OUT" serve_diag && rm -rf "$OUT/serve_diag"
+# Several invocations may share one $OUT: each keeps its own archive.
+TAR="$OUT/serve_diag.tar.gz"; i=1; while [ -e "$TAR" ]; do TAR="$OUT/serve_diag.$i.tar.gz"; i=$((i+1)); done
+[ -d "$OUT/serve_diag" ] && tar -czf "$TAR" -C "$OUT" serve_diag && rm -rf "$OUT/serve_diag"
 say "DONE $* in $(( $(date +%s) - T0 ))s"
