@@ -24,7 +24,7 @@ from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
-from tokenmill.model.layers.attention import bind_kv_caches
+from tokenmill.model.layers.attention import Attention, bind_kv_caches
 from tokenmill.model.loader.model_loader import get_model, torch_dtype
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
@@ -206,6 +206,11 @@ class ModelRunner:
         self.model = get_model(
             self.config.model_config, self.config.load_config, self.device, self.attn_backend
         )
+        # Windowed layers keep plain attention: with a window on every layer, cascade would
+        # only cost decode-only steps their whole-step graph.
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if all(m.sliding_window is not None for m in layers):
+            self.cascade_attn = False
 
     def model_weight_bytes(self) -> int:
         """Bytes of the model's parameters and buffers on the device."""

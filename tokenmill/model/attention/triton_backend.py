@@ -68,10 +68,10 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-import triton
 
 from tokenmill.model.attention import triton_kernels as kernels
 from tokenmill.model.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+from tokenmill.model.host_ints import cdiv, next_power_of_2
 
 # SMs of an H200 (and H100 SXM); used when the tensors are not on CUDA (interpreter).
 DEFAULT_NUM_SMS = 132
@@ -139,7 +139,7 @@ def num_decode_splits(
     """
     pairs = max(1, num_reqs * num_kv_heads)
     wanted = (DECODE_PROGRAMS_PER_SM * num_sms) // pairs
-    useful = triton.cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
+    useful = cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
     return max(1, min(wanted, useful, max_splits))
 
 
@@ -149,8 +149,8 @@ def num_prefix_splits(
     """How many programs share the shared prefix's keys in ``shared_prefix_kernel``: the
     (decode block, KV head) programs times the splits about fill the chip once, with no
     split shorter than ``MIN_SPLIT_TOKENS`` keys and at most ``VARLEN_MAX_SPLITS``."""
-    busy = triton.cdiv(num_decodes, block_q) * num_kv_heads
-    useful = triton.cdiv(max(1, prefix_len), MIN_SPLIT_TOKENS)
+    busy = cdiv(num_decodes, block_q) * num_kv_heads
+    useful = cdiv(max(1, prefix_len), MIN_SPLIT_TOKENS)
     return max(1, min(num_sms // max(1, busy), useful, VARLEN_MAX_SPLITS))
 
 
@@ -180,8 +180,8 @@ def num_varlen_splits(
         max_seq_len: the longest context of the prompt requests (tokens).
         num_sms: streaming multiprocessors.
     """
-    busy = max(triton.cdiv(num_tokens, block_q), num_seqs) * num_kv_heads
-    useful = triton.cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
+    busy = max(cdiv(num_tokens, block_q), num_seqs) * num_kv_heads
+    useful = cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
     return max(1, min(num_sms // max(1, busy), useful, VARLEN_MAX_SPLITS))
 
 
@@ -198,7 +198,7 @@ def device_num_sms(device: torch.device) -> int:
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
-    return max(minimum, triton.next_power_of_2(n))
+    return max(minimum, next_power_of_2(n))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -408,7 +408,7 @@ class TritonAttentionImpl(AttentionImpl):
         if prefix_len:
             # Before the decode kernel: with one decode split, that kernel merges these
             # partials itself and no reduction is launched.
-            grid = (triton.cdiv(plan.num_decodes, block_q), self.num_kv_heads, prefix_splits)
+            grid = (cdiv(plan.num_decodes, block_q), self.num_kv_heads, prefix_splits)
             prefix_args = {k: v for k, v in args.items() if k not in ("window", "USE_WINDOW")}
             kernels.shared_prefix_kernel[grid](
                 part_out, part_lse, query, k_cache, v_cache, metadata.block_table,

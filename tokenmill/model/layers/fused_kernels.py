@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.model.host_ints import cdiv, next_power_of_2
+
 try:
     import triton
     import triton.language as tl
@@ -89,10 +91,6 @@ if HAS_TRITON:
         tl.store(b_ptr, (b * cos + a * sin).to(q_ptr.dtype.element_ty))
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -112,8 +110,8 @@ def rms_norm(
     if n_rows:
         _rms_norm_kernel[(n_rows,)](
             x2, res, weight, out, res_out, n_cols, x2.stride(0), res.stride(0), out.stride(0),
-            eps, offset, HAS_RESIDUAL=residual is not None, BLOCK=_next_pow2(n_cols),
-            num_warps=min(16, max(1, _next_pow2(n_cols) // 256)),
+            eps, offset, HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(n_cols),
+            num_warps=min(16, max(1, next_power_of_2(n_cols) // 256)),
         )
     if residual is None:
         return out.view_as(x)
@@ -127,7 +125,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
     block = 1024
     if x2.shape[0]:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+        _silu_and_mul_kernel[(x2.shape[0], cdiv(d, block))](
             x2, out, d, x2.stride(0), out.stride(0), BLOCK=block
         )
     return out.view(*x.shape[:-1], d)

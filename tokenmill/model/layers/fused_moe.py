@@ -40,6 +40,7 @@ from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from tokenmill.model.host_ints import cdiv
 from tokenmill.model.layers.linear import check_shape
 
 try:
@@ -274,7 +275,7 @@ def _launch_moe_gemm(
     k = a.shape[1]
     max_padded = sorted_slots.numel()
     tiles = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["GROUP_M"]
-    grid = (triton.cdiv(max_padded, tiles[0]) * triton.cdiv(n, tiles[1]),)
+    grid = (cdiv(max_padded, tiles[0]) * cdiv(n, tiles[1]),)
     _moe_gemm_kernel[grid](
         a, b, c, topk_weights, sorted_slots, block_experts, num_padded,
         n, k, num_slots, max_padded,

@@ -54,6 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.model.host_ints import cdiv
+
 try:
     import triton
     import triton.language as tl
@@ -141,10 +143,10 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> Sk
         block_n, block_k, warps, stages, use_dot = 16, 256, (4 if m == 1 else 8), 1, False
     else:
         block_n, block_k, warps, stages, use_dot = 64, 128, 4, 4, True
-    n_blocks = _cdiv(n, block_n)
+    n_blocks = cdiv(n, block_n)
     max_split = min(
         MAX_SPLIT_K,
-        max(1, _cdiv(k, block_k) // MIN_TILES_PER_SPLIT),
+        max(1, cdiv(k, block_k) // MIN_TILES_PER_SPLIT),
         # round trip of s*M*N fp32 partials against 2*N*K weight bytes: 4*s*M / K
         max(1, int(PARTIAL_TRAFFIC_BUDGET * k / (4 * m))),
     )
@@ -163,19 +165,14 @@ def launch_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> Ski
     return default_config(m, n, k, num_sms)
 
 
-def _cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for non-negative integers (usable without Triton installed)."""
-    return -(-a // b)
-
-
 def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     """``(splits, k_per_split)``: K-slices of whole tiles, none of them empty.
 
     ``k_per_split`` is a multiple of ``block_k``; the last slice may be shorter.
     """
-    tiles = _cdiv(k, block_k)
-    tiles_per_split = _cdiv(tiles, max(1, min(split_k, tiles)))
-    return _cdiv(tiles, tiles_per_split), tiles_per_split * block_k
+    tiles = cdiv(k, block_k)
+    tiles_per_split = cdiv(tiles, max(1, min(split_k, tiles)))
+    return cdiv(tiles, tiles_per_split), tiles_per_split * block_k
 
 
 def block_m(m: int, use_dot: bool) -> int:
@@ -251,7 +248,7 @@ def skinny_linear(
     locks = _device_locks(x.device)
     splits, k_per_split = plan.splits, plan.k_per_split
     if splits > 1 and (locks is None or plan.n_blocks > LOCK_SLOTS):
-        splits, k_per_split = 1, _cdiv(k, cfg.block_k) * cfg.block_k
+        splits, k_per_split = 1, cdiv(k, cfg.block_k) * cfg.block_k
     if splits > 1:
         partials = torch.empty(plan.partial_elems, dtype=torch.float32, device=x.device)
     else:
@@ -285,7 +282,7 @@ def _launch_plan(m: int, n: int, k: int, cfg: SkinnyConfig) -> _LaunchPlan:
         raise ValueError(f"tl.dot needs block_n >= 16, got {cfg.block_n}")
     bm = block_m(m, cfg.use_dot)
     splits, k_per_split = split_plan(k, cfg.block_k, cfg.split_k)
-    n_blocks = _cdiv(n, cfg.block_n)
+    n_blocks = cdiv(n, cfg.block_n)
     return _LaunchPlan(bm, splits, k_per_split, n_blocks, n_blocks * splits * cfg.block_n * bm)
 
 
