@@ -293,10 +293,10 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        if self.prefill_pacing_tokens is not None and self.prefill_pacing_tokens < 0:
-            raise ConfigError(
-                f"--prefill-pacing-tokens must be non-negative, got {self.prefill_pacing_tokens}"
-            )
+        for name in ("prefill_pacing_tokens", "long_prefill_token_threshold"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be non-negative, got {value}")
         if self.prefill_pacing_tokens and not self.enable_chunked_prefill:
             raise ConfigError(
                 "--prefill-pacing-tokens needs chunked prefill: without it a prompt is "

@@ -100,6 +100,8 @@ def test_engine_flag(tmp_path):
     assert default.scheduler_config.prefill_pacing_tokens == 0  # a CPU server
     with pytest.raises(ConfigError, match="non-negative"):
         EngineArgs(model=model, prefill_pacing_tokens=-1).create_engine_config()
+    with pytest.raises(ConfigError, match="long-prefill-token-threshold must be non-negative"):
+        EngineArgs(model=model, long_prefill_token_threshold=-5).create_engine_config()
     with pytest.raises(ConfigError, match="chunked prefill"):
         EngineArgs(
             model=model, prefill_pacing_tokens=512, enable_chunked_prefill=False
