@@ -256,6 +256,22 @@ class _StepPlan:
     prefill_tokens: int  # their query tokens
     prefill_max_seq_len: int  # their longest context
     workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    launches: dict[tuple, _Launches] = field(default_factory=dict)
+
+
+@dataclass
+class _Launches:
+    """One path's kernel launches (decode or prompt) for one step and one layer shape: the
+    grids, and the arguments other than the layer's own tensors and the step's metadata
+    tensors. A ``None`` grid is not launched."""
+
+    workspace: tuple[torch.Tensor, torch.Tensor] | None  # split partials; None: one split
+    grid: tuple[int, int, int]
+    kwargs: dict
+    reduce_grid: tuple[int, int] | None = None
+    reduce_kwargs: dict = field(default_factory=dict)
+    prefix_grid: tuple[int, int, int] | None = None  # cascade attention's shared prefix
+    prefix_kwargs: dict = field(default_factory=dict)
 
 
 def _leading_decodes(metadata: AttentionMetadata) -> int:
@@ -297,6 +313,14 @@ class TritonAttentionImpl(AttentionImpl):
     sliding windows and logit soft-capping; fp16/bf16 on the GPU, any float dtype in the
     Triton interpreter.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Layers with equal keys launch the same decode kernels for the same batch.
+        self.launch_key = (
+            self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
+            self.sliding_window, self.logits_soft_cap,
+        )  # fmt: skip
 
     def write_kv(
         self,
@@ -372,6 +396,53 @@ class TritonAttentionImpl(AttentionImpl):
         metadata: AttentionMetadata,
         plan: _StepPlan,
     ) -> None:
+        launch = self._launches("decode", out, query, kv_cache, metadata, plan)
+        part_out, part_lse = launch.workspace or (out, out)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        if launch.prefix_grid:
+            kernels.shared_prefix_kernel[launch.prefix_grid](
+                part_out, part_lse, query, k_cache, v_cache, metadata.block_table,
+                metadata.query_start_loc, **launch.prefix_kwargs,
+            )  # fmt: skip
+        kernels.decode_attention_kernel[launch.grid](
+            out, part_out, part_lse, query, k_cache, v_cache, metadata.block_table,
+            metadata.seq_lens, metadata.query_start_loc, **launch.kwargs,
+        )  # fmt: skip
+        if launch.reduce_grid:
+            kernels.decode_reduce_kernel[launch.reduce_grid](
+                out, part_out, part_lse, metadata.query_start_loc, **launch.reduce_kwargs
+            )
+
+    def _launches(
+        self,
+        path: str,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        plan: _StepPlan,
+    ) -> _Launches:
+        """``path``'s launches for this step, worked out by its first layer of this shape.
+
+        Every layer of a step with the same shapes launches the same grids with the same
+        scalars; working them out takes tens of microseconds of Python per layer, while
+        the GPU waits for the launches."""
+        key = (path, self.launch_key, query.dtype, query.stride(0), out.stride(0), kv_cache.shape)
+        launch = plan.launches.get(key)
+        if launch is None:
+            build = self._decode_launches if path == "decode" else self._varlen_launches
+            launch = plan.launches[key] = build(out, query, kv_cache, metadata, plan)
+        return launch
+
+    def _decode_launches(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        plan: _StepPlan,
+    ) -> _Launches:
+        """The decode path's grids, split counts and kernel arguments for this step."""
         args = self._common_args(query, kv_cache)
         cfg = decode_tile_config(args["D_P"], query.dtype)
         num_sms = device_num_sms(query.device)
@@ -393,11 +464,12 @@ class TritonAttentionImpl(AttentionImpl):
             MAX_SPLITS - prefix_splits,
         )  # fmt: skip
         total_splits = num_splits + prefix_splits
+        workspace = None
+        part_out = part_lse = out  # one split: the kernel writes ``out``, these go unused
         if total_splits > 1:
-            part_out, part_lse = self._workspace(plan, plan.num_decodes, total_splits, query.device)
-        else:  # the kernel writes ``out`` directly; these are never touched
-            part_out = part_lse = out
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+            workspace = self._workspace(plan, plan.num_decodes, total_splits, query.device)
+            part_out, part_lse = workspace
+        k_cache = kv_cache[0]
         strides = {
             "stride_qt": query.stride(0), "stride_bt": metadata.block_table.stride(0),
             "stride_cb": k_cache.stride(0), "stride_cs": k_cache.stride(1),
@@ -405,34 +477,39 @@ class TritonAttentionImpl(AttentionImpl):
             "stride_pr": part_out.stride(0), "stride_ph": part_out.stride(1),
             "stride_lr": part_lse.stride(0), "stride_lh": part_lse.stride(1),
         }  # fmt: skip
-        if prefix_len:
-            # Before the decode kernel: with one decode split, that kernel merges these
-            # partials itself and no reduction is launched.
-            grid = (cdiv(plan.num_decodes, block_q), self.num_kv_heads, prefix_splits)
-            prefix_args = {k: v for k, v in args.items() if k not in ("window", "USE_WINDOW")}
-            kernels.shared_prefix_kernel[grid](
-                part_out, part_lse, query, k_cache, v_cache, metadata.block_table,
-                metadata.query_start_loc, 0, plan.num_decodes, prefix_len,
-                split_base=num_splits, num_splits=prefix_splits,
-                GROUP_P=_pow2(args["GROUP"]), BLOCK_Q=block_q, BLOCK_N=pcfg.block_n,
-                num_warps=pcfg.num_warps, num_stages=pcfg.num_stages,
-                **strides, **prefix_args,
-            )  # fmt: skip
+        # With one decode split the decode kernel merges the prefix partials itself (the
+        # prefix kernel runs first) and no reduction is launched.
         merge_splits = prefix_splits if num_splits == 1 else 0
-        kernels.decode_attention_kernel[(plan.num_decodes, self.num_kv_heads, num_splits)](
-            out, part_out, part_lse, query, k_cache, v_cache,
-            metadata.block_table, metadata.seq_lens, metadata.query_start_loc, 0, prefix_len,
-            merge_splits, num_splits=num_splits, stride_ot=out.stride(0),
-            GROUP_P=_pow2(args["GROUP"], 16), BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **strides, **args,
-        )  # fmt: skip
+        launch = _Launches(
+            workspace=workspace,
+            grid=(plan.num_decodes, self.num_kv_heads, num_splits),
+            kwargs={
+                "req_offset": 0, "kv_start": prefix_len, "merge_splits": merge_splits,
+                "num_splits": num_splits, "stride_ot": out.stride(0),
+                "GROUP_P": _pow2(args["GROUP"], 16), "BLOCK_N": cfg.block_n,
+                "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **strides, **args,
+            },  # fmt: skip
+        )
+        if prefix_len:
+            launch.prefix_grid = (cdiv(plan.num_decodes, block_q), self.num_kv_heads, prefix_splits)
+            prefix_args = {k: v for k, v in args.items() if k not in ("window", "USE_WINDOW")}
+            launch.prefix_kwargs = {
+                "req_offset": 0, "num_decodes": plan.num_decodes, "prefix_len": prefix_len,
+                "split_base": num_splits, "num_splits": prefix_splits,
+                "GROUP_P": _pow2(args["GROUP"]), "BLOCK_Q": block_q, "BLOCK_N": pcfg.block_n,
+                "num_warps": pcfg.num_warps, "num_stages": pcfg.num_stages,
+                **strides, **prefix_args,
+            }  # fmt: skip
         if total_splits > 1 and not merge_splits:
-            kernels.decode_reduce_kernel[(plan.num_decodes, self.num_heads)](
-                out, part_out, part_lse, metadata.query_start_loc, 0, total_splits,
-                out.stride(0), part_out.stride(0), part_out.stride(1),
-                part_lse.stride(0), part_lse.stride(1),
-                HEAD_DIM=self.head_dim, D_P=args["D_P"], S_P=_pow2(MAX_SPLITS), num_warps=4,
-            )  # fmt: skip
+            launch.reduce_grid = (plan.num_decodes, self.num_heads)
+            launch.reduce_kwargs = {
+                "req_offset": 0, "num_splits": total_splits, "stride_ot": out.stride(0),
+                "stride_pr": part_out.stride(0), "stride_ph": part_out.stride(1),
+                "stride_lr": part_lse.stride(0), "stride_lh": part_lse.stride(1),
+                "HEAD_DIM": self.head_dim, "D_P": args["D_P"], "S_P": _pow2(MAX_SPLITS),
+                "num_warps": 4,
+            }  # fmt: skip
+        return launch
 
     def _varlen(
         self,
@@ -442,42 +519,68 @@ class TritonAttentionImpl(AttentionImpl):
         metadata: AttentionMetadata,
         plan: _StepPlan,
     ) -> None:
+        launch = self._launches("varlen", out, query, kv_cache, metadata, plan)
+        part_out, part_lse = launch.workspace or (out, out)
+        kernels.varlen_attention_kernel[launch.grid](
+            out, part_out, part_lse, query, kv_cache[0], kv_cache[1], metadata.block_table,
+            metadata.seq_lens, metadata.query_start_loc, **launch.kwargs,
+        )  # fmt: skip
+        if launch.reduce_grid:
+            kernels.varlen_reduce_kernel[launch.reduce_grid](
+                out, part_out, part_lse, **launch.reduce_kwargs
+            )
+
+    def _varlen_launches(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        plan: _StepPlan,
+    ) -> _Launches:
+        """The prompt path's grid, key splits and kernel arguments for this step."""
         args = self._common_args(query, kv_cache)
         cfg = varlen_tile_config(args["D_P"], query.dtype)
         group_p = _pow2(args["GROUP"])
         block_q = max(1, cfg.block_m // group_p)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache = kv_cache[0]
         num_splits = num_varlen_splits(
             plan.prefill_tokens, plan.num_prefills, block_q, self.num_kv_heads,
             plan.prefill_max_seq_len, device_num_sms(query.device),
         )  # fmt: skip
+        workspace = None
+        part_out = part_lse = out  # one split: the kernel writes ``out``, these go unused
         if num_splits > 1:
-            part_out, part_lse = self._workspace(
-                plan, plan.prefill_tokens, num_splits, query.device
-            )
-        else:  # the kernel writes ``out`` directly; these are never touched
-            part_out = part_lse = out
-        grid = (plan.prefill_tokens // block_q + plan.num_prefills, self.num_kv_heads, num_splits)
-        kernels.varlen_attention_kernel[grid](
-            out, part_out, part_lse, query, k_cache, v_cache,
-            metadata.block_table, metadata.seq_lens, metadata.query_start_loc,
-            plan.num_decodes, plan.num_prefills, num_splits=num_splits,
-            stride_qt=query.stride(0), stride_ot=out.stride(0),
-            stride_bt=metadata.block_table.stride(0),
-            stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
-            stride_pr=part_out.stride(0), stride_ph=part_out.stride(1),
-            stride_lr=part_lse.stride(0), stride_lh=part_lse.stride(1),
-            GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **args,
-        )  # fmt: skip
+            workspace = self._workspace(plan, plan.prefill_tokens, num_splits, query.device)
+            part_out, part_lse = workspace
+        programs = plan.prefill_tokens // block_q + plan.num_prefills  # see _find_seq
+        launch = _Launches(
+            workspace=workspace,
+            grid=(programs, self.num_kv_heads, num_splits),
+            kwargs={
+                "req_offset": plan.num_decodes, "num_seqs": plan.num_prefills,
+                "num_splits": num_splits,
+                "stride_qt": query.stride(0), "stride_ot": out.stride(0),
+                "stride_bt": metadata.block_table.stride(0),
+                "stride_cb": k_cache.stride(0), "stride_cs": k_cache.stride(1),
+                "stride_ch": k_cache.stride(2),
+                "stride_pr": part_out.stride(0), "stride_ph": part_out.stride(1),
+                "stride_lr": part_lse.stride(0), "stride_lh": part_lse.stride(1),
+                "GROUP_P": group_p, "BLOCK_Q": block_q, "BLOCK_N": cfg.block_n,
+                "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **args,
+            },  # fmt: skip
+        )
         if num_splits > 1:
-            kernels.varlen_reduce_kernel[(plan.prefill_tokens, self.num_heads)](
-                out, part_out, part_lse, plan.prefill_start, num_splits,
-                out.stride(0), part_out.stride(0), part_out.stride(1),
-                part_lse.stride(0), part_lse.stride(1),
-                HEAD_DIM=self.head_dim, D_P=args["D_P"], S_P=_pow2(VARLEN_MAX_SPLITS),
-                num_warps=4,
-            )  # fmt: skip
+            launch.reduce_grid = (plan.prefill_tokens, self.num_heads)
+            launch.reduce_kwargs = {
+                "row_offset": plan.prefill_start, "num_splits": num_splits,
+                "stride_ot": out.stride(0),
+                "stride_pr": part_out.stride(0), "stride_ph": part_out.stride(1),
+                "stride_lr": part_lse.stride(0), "stride_lh": part_lse.stride(1),
+                "HEAD_DIM": self.head_dim, "D_P": args["D_P"],
+                "S_P": _pow2(VARLEN_MAX_SPLITS), "num_warps": 4,
+            }  # fmt: skip
+        return launch
 
 
 class TritonAttentionBackend(AttentionBackend):
