@@ -176,13 +176,38 @@ def main() -> None:
 
 
 def piecewise_timing(runner, pieces, ids, pos, md) -> str:
-    """Steady-state and launch time of the runner's piecewise graphs on this batch."""
+    """Steady-state and launch time of the runner's piecewise graphs on this batch, and the
+    launch time's split between graph replays and eager attention calls."""
     n = md.num_actual_tokens
     runner.input_ids.device[:n].copy_(ids)
     runner.positions.device[:n].copy_(pos)
     runner.slot_mapping.device[:n].copy_(md.slot_mapping)
     ms, launch = per_pass_ms(lambda: pieces.run(n, md)), launch_ms(lambda: pieces.run(n, md))
-    return f", piecewise {ms:.2f} ms (launch {launch:.2f} ms, size {pieces.padded_size(n)})"
+    replay, attend = host_split_ms(pieces, n, md)
+    return (
+        f", piecewise {ms:.2f} ms (launch {launch:.2f} ms: replays {replay:.2f}, attention "
+        f"{attend:.2f}; size {pieces.padded_size(n)})"
+    )
+
+
+def host_split_ms(pieces, n: int, md, iters: int = 5) -> tuple[float, float]:
+    """Host milliseconds of one piecewise pass spent replaying graphs and in the eager
+    attention calls between them (the GPU idle when each pass starts)."""
+    size = pieces.padded_size(n)
+    graphs = pieces.graphs[size]
+    replay = attend = 0.0
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        for graph, (layer, query, out) in zip(graphs, pieces.calls, strict=False):
+            t = time.perf_counter()
+            graph.replay()
+            t2 = time.perf_counter()
+            layer.attend(query[:size], md, out=out[:size])
+            replay += t2 - t
+            attend += time.perf_counter() - t2
+        graphs[-1].replay()
+    torch.cuda.synchronize()
+    return replay / iters * 1e3, attend / iters * 1e3
 
 
 if __name__ == "__main__":
