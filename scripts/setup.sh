@@ -24,7 +24,9 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # (--no-deps): its dependencies (sympy, networkx...) then come with tokenmill's from pip's
 # usual index, which is asked once per name rather than twice.
 if [ -n "$TORCH_INDEX_URL" ]; then
-    "${PIP[@]}" install --no-deps --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"
+    # One retry: where the index is unreachable, pip takes the wheel from its find-links
+    # folders after the retries, each of which prints a warning.
+    "${PIP[@]}" install --retries 1 --no-deps --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"
 else
     "${PIP[@]}" install "$TORCH_SPEC"
 fi
