@@ -12,12 +12,12 @@ is worth it. The saving is in GPU time; the cost is on the host: one more kernel
 layer, and a decode-only step gives up its whole-step CUDA graph for the piecewise graphs
 (the prefix kernel's grid depends on the prefix), whose eager attention launches take 4-8 ms
 of host time for Llama-3.1-8B. Measured on an H200 (``benchmarks/device/mixed_step_bench.py``,
-benchmarks/RESULTS.md), decode-only steps:
+benchmarks/RESULTS.md, sixth set), decode-only steps, whole graph -> cascade:
 
-- 64 requests sharing 2,000 of 2,304 tokens: 8.15 ms (whole graph) -> 7.48 ms;
-- 128 sharing 1,024 of 1,280: 8.96 -> 7.95 ms;
-- 16 sharing 1,024, or 32 sharing 512: 5.3-6.1 -> 7.5-7.9 ms (the host's launches then take
-  longer than the GPU's work).
+- 64 requests sharing 2,000 of 2,304 tokens: 8.02 -> 7.20 ms;
+- 128 sharing 1,024 of 1,280: 8.88 -> 7.30 ms;
+- 16 sharing 1,024: 5.29 -> 5.44 ms; 32 sharing 512: 5.84 -> 6.23 ms; 8 sharing 1,024:
+  4.77 -> 6.22 ms (the host's launches then take longer than the GPU's work).
 
 So a step uses it only when requests x shared tokens is large; mixed steps, already
 piecewise, at a lower bar.
