@@ -305,6 +305,30 @@ def _step_plan(metadata: AttentionMetadata) -> _StepPlan:
     return plan
 
 
+def _split_strides(part_out: torch.Tensor, part_lse: torch.Tensor) -> dict[str, int]:
+    """Row and head strides of a split workspace (or of ``out`` standing in for one)."""
+    return {
+        "stride_pr": part_out.stride(0), "stride_ph": part_out.stride(1),
+        "stride_lr": part_lse.stride(0), "stride_lh": part_lse.stride(1),
+    }  # fmt: skip
+
+
+def _operand_strides(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    workspace: tuple[torch.Tensor, torch.Tensor],
+) -> dict[str, int]:
+    """The strides every attention kernel takes: query rows, block table rows, the cache's
+    block/slot/head, and the split workspace's."""
+    k_cache = kv_cache[0]
+    return {
+        "stride_qt": query.stride(0), "stride_bt": metadata.block_table.stride(0),
+        "stride_cb": k_cache.stride(0), "stride_cs": k_cache.stride(1),
+        "stride_ch": k_cache.stride(2), **_split_strides(*workspace),
+    }  # fmt: skip
+
+
 class TritonAttentionImpl(AttentionImpl):
     """Paged attention with Triton kernels (see the module docstring for the structure).
 
@@ -373,12 +397,14 @@ class TritonAttentionImpl(AttentionImpl):
 
     def _workspace(
         self, plan: _StepPlan, rows: int, num_splits: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Partial outputs ``[rows, H, S, D]`` and log2-sum-exps ``[rows, H, S]`` (fp32) for
         ``rows`` decodes or prompt tokens, shared by all layers of the step (layers run one
-        after another on one stream). A decode and a prompt workspace of one shape may be
-        the same tensor: the decode reduction has consumed it before the prompt kernel
-        writes it."""
+        after another on one stream); None for one split, whose kernel writes ``out``
+        directly. A decode and a prompt workspace of one shape may be the same tensor: the
+        decode reduction has consumed it before the prompt kernel writes it."""
+        if num_splits <= 1:
+            return None
         key = (rows, self.num_heads, self.head_dim, num_splits, device)
         if key not in plan.workspaces:
             shape = (rows, self.num_heads, num_splits)
@@ -387,6 +413,22 @@ class TritonAttentionImpl(AttentionImpl):
                 torch.empty(*shape, dtype=torch.float32, device=device),
             )
         return plan.workspaces[key]
+
+    def _reduce_args(
+        self,
+        out: torch.Tensor,
+        workspace: tuple[torch.Tensor, torch.Tensor],
+        num_splits: int,
+        max_splits: int,
+    ) -> dict:
+        """Arguments of a split reduction (``decode_reduce_kernel``, ``varlen_reduce_kernel``)
+        other than its tensors and its first row."""
+        return {
+            "num_splits": num_splits, "stride_ot": out.stride(0),
+            **_split_strides(*workspace),
+            "HEAD_DIM": self.head_dim, "D_P": _pow2(self.head_dim, 16),
+            "S_P": _pow2(max_splits), "num_warps": 4,
+        }  # fmt: skip
 
     def _decode(
         self,
@@ -464,19 +506,8 @@ class TritonAttentionImpl(AttentionImpl):
             MAX_SPLITS - prefix_splits,
         )  # fmt: skip
         total_splits = num_splits + prefix_splits
-        workspace = None
-        part_out = part_lse = out  # one split: the kernel writes ``out``, these go unused
-        if total_splits > 1:
-            workspace = self._workspace(plan, plan.num_decodes, total_splits, query.device)
-            part_out, part_lse = workspace
-        k_cache = kv_cache[0]
-        strides = {
-            "stride_qt": query.stride(0), "stride_bt": metadata.block_table.stride(0),
-            "stride_cb": k_cache.stride(0), "stride_cs": k_cache.stride(1),
-            "stride_ch": k_cache.stride(2),
-            "stride_pr": part_out.stride(0), "stride_ph": part_out.stride(1),
-            "stride_lr": part_lse.stride(0), "stride_lh": part_lse.stride(1),
-        }  # fmt: skip
+        workspace = self._workspace(plan, plan.num_decodes, total_splits, query.device)
+        strides = _operand_strides(query, kv_cache, metadata, workspace or (out, out))
         # With one decode split the decode kernel merges the prefix partials itself (the
         # prefix kernel runs first) and no reduction is launched.
         merge_splits = prefix_splits if num_splits == 1 else 0
@@ -503,12 +534,8 @@ class TritonAttentionImpl(AttentionImpl):
         if total_splits > 1 and not merge_splits:
             launch.reduce_grid = (plan.num_decodes, self.num_heads)
             launch.reduce_kwargs = {
-                "req_offset": 0, "num_splits": total_splits, "stride_ot": out.stride(0),
-                "stride_pr": part_out.stride(0), "stride_ph": part_out.stride(1),
-                "stride_lr": part_lse.stride(0), "stride_lh": part_lse.stride(1),
-                "HEAD_DIM": self.head_dim, "D_P": args["D_P"], "S_P": _pow2(MAX_SPLITS),
-                "num_warps": 4,
-            }  # fmt: skip
+                "req_offset": 0, **self._reduce_args(out, workspace, total_splits, MAX_SPLITS)
+            }
         return launch
 
     def _varlen(
@@ -543,29 +570,19 @@ class TritonAttentionImpl(AttentionImpl):
         cfg = varlen_tile_config(args["D_P"], query.dtype)
         group_p = _pow2(args["GROUP"])
         block_q = max(1, cfg.block_m // group_p)
-        k_cache = kv_cache[0]
         num_splits = num_varlen_splits(
             plan.prefill_tokens, plan.num_prefills, block_q, self.num_kv_heads,
             plan.prefill_max_seq_len, device_num_sms(query.device),
         )  # fmt: skip
-        workspace = None
-        part_out = part_lse = out  # one split: the kernel writes ``out``, these go unused
-        if num_splits > 1:
-            workspace = self._workspace(plan, plan.prefill_tokens, num_splits, query.device)
-            part_out, part_lse = workspace
+        workspace = self._workspace(plan, plan.prefill_tokens, num_splits, query.device)
         programs = plan.prefill_tokens // block_q + plan.num_prefills  # see _find_seq
         launch = _Launches(
             workspace=workspace,
             grid=(programs, self.num_kv_heads, num_splits),
             kwargs={
                 "req_offset": plan.num_decodes, "num_seqs": plan.num_prefills,
-                "num_splits": num_splits,
-                "stride_qt": query.stride(0), "stride_ot": out.stride(0),
-                "stride_bt": metadata.block_table.stride(0),
-                "stride_cb": k_cache.stride(0), "stride_cs": k_cache.stride(1),
-                "stride_ch": k_cache.stride(2),
-                "stride_pr": part_out.stride(0), "stride_ph": part_out.stride(1),
-                "stride_lr": part_lse.stride(0), "stride_lh": part_lse.stride(1),
+                "num_splits": num_splits, "stride_ot": out.stride(0),
+                **_operand_strides(query, kv_cache, metadata, workspace or (out, out)),
                 "GROUP_P": group_p, "BLOCK_Q": block_q, "BLOCK_N": cfg.block_n,
                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **args,
             },  # fmt: skip
@@ -573,13 +590,9 @@ class TritonAttentionImpl(AttentionImpl):
         if num_splits > 1:
             launch.reduce_grid = (plan.prefill_tokens, self.num_heads)
             launch.reduce_kwargs = {
-                "row_offset": plan.prefill_start, "num_splits": num_splits,
-                "stride_ot": out.stride(0),
-                "stride_pr": part_out.stride(0), "stride_ph": part_out.stride(1),
-                "stride_lr": part_lse.stride(0), "stride_lh": part_lse.stride(1),
-                "HEAD_DIM": self.head_dim, "D_P": args["D_P"],
-                "S_P": _pow2(VARLEN_MAX_SPLITS), "num_warps": 4,
-            }  # fmt: skip
+                "row_offset": plan.prefill_start,
+                **self._reduce_args(out, workspace, num_splits, VARLEN_MAX_SPLITS),
+            }
         return launch
 
 
