@@ -51,17 +51,21 @@ def test_silu_and_mul():
 
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("rotary_dim", [32, 16])
-def test_rotary_inplace(neox, rotary_dim):
+@pytest.mark.parametrize("heads", [(4, 2), (9, 3)])
+def test_rotary_inplace(neox, rotary_dim, heads):
     torch.manual_seed(0)
+    num_q, num_k = heads
     rope = RotaryEmbedding(32, rotary_dim, 64, 10000.0, is_neox_style=neox)
     pos = torch.tensor([0, 5, 63, 17, 2])
-    qkv = torch.randn(5, (4 + 2 + 2) * 32)
-    q, k, _ = qkv.split([128, 64, 64], dim=-1)
+    sizes = [num_q * 32, num_k * 32, num_k * 32]
+    qkv = torch.randn(5, sum(sizes))
+    q, k, v = qkv.split(sizes, dim=-1)
     ref_q, ref_k = rope(pos, q.clone(), k.clone())
     qkv_dev = qkv.to(DEV)
-    q, k, _ = qkv_dev.split([128, 64, 64], dim=-1)
+    q, k, v_dev = qkv_dev.split(sizes, dim=-1)
     fused_kernels.rotary_inplace(
         pos.to(DEV), q, k, rope.cos_sin_cache.to(DEV), 32, rotary_dim, neox
     )
     torch.testing.assert_close(q.cpu(), ref_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k.cpu(), ref_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v_dev.cpu(), v)  # the values beside q and k are left alone

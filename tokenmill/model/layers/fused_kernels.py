@@ -62,33 +62,46 @@ if HAS_TRITON:
         tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _rotate_heads(
+        base, row_stride, num_heads, cos, sin,
+        HEADS: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
+    ):
+        # One token's heads as a [HEADS, HALF] tile: rows past ``num_heads`` are masked.
+        h = tl.arange(0, HEADS)[:, None]
+        i = tl.arange(0, HALF)[None, :]
+        mask = (h < num_heads) & (i < HALF)
+        if NEOX:
+            a_ptr = base + h * row_stride + i
+            b_ptr = a_ptr + HALF
+        else:
+            a_ptr = base + h * row_stride + 2 * i
+            b_ptr = a_ptr + 1
+        a = tl.load(a_ptr, mask=mask).to(tl.float32)
+        b = tl.load(b_ptr, mask=mask).to(tl.float32)
+        tl.store(a_ptr, (a * cos - b * sin).to(base.dtype.element_ty), mask=mask)
+        tl.store(b_ptr, (b * cos + a * sin).to(base.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _rotary_kernel(
         q_ptr, k_ptr, pos_ptr, cache_ptr,
         q_stride, k_stride, cache_stride,
-        num_q_heads, head_dim,
+        num_q_heads, num_k_heads, head_dim,
         HALF: tl.constexpr, NEOX: tl.constexpr,
+        Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
     ):
-        # One program per (token, head); heads past the query heads are key heads.
+        # One program per token, all its heads at once: a program per (token, head) moved
+        # 256 bytes each and ran at a fifth of the memory bandwidth.
         token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
         pos = tl.load(pos_ptr + token).to(tl.int64)
         i = tl.arange(0, HALF)
-        cos = tl.load(cache_ptr + pos * cache_stride + i)
-        sin = tl.load(cache_ptr + pos * cache_stride + HALF + i)
-        if head < num_q_heads:
-            base = q_ptr + token * q_stride + head * head_dim
-        else:
-            base = k_ptr + token * k_stride + (head - num_q_heads) * head_dim
-        if NEOX:
-            a_ptr = base + i
-            b_ptr = base + HALF + i
-        else:
-            a_ptr = base + 2 * i
-            b_ptr = base + 2 * i + 1
-        a = tl.load(a_ptr).to(tl.float32)
-        b = tl.load(b_ptr).to(tl.float32)
-        tl.store(a_ptr, (a * cos - b * sin).to(q_ptr.dtype.element_ty))
-        tl.store(b_ptr, (b * cos + a * sin).to(q_ptr.dtype.element_ty))
+        cos = tl.load(cache_ptr + pos * cache_stride + i)[None, :]
+        sin = tl.load(cache_ptr + pos * cache_stride + HALF + i)[None, :]
+        _rotate_heads(
+            q_ptr + token * q_stride, head_dim, num_q_heads, cos, sin, Q_HEADS, HALF, NEOX
+        )
+        _rotate_heads(
+            k_ptr + token * k_stride, head_dim, num_k_heads, cos, sin, K_HEADS, HALF, NEOX
+        )
 
 
 def rms_norm(
@@ -149,7 +162,8 @@ def rotary_inplace(
     if half & (half - 1):
         raise ValueError(f"fused rotary needs a power-of-two rotary_dim/2, got {half}")
     num_q, num_k = q.shape[1] // head_dim, k.shape[1] // head_dim
-    _rotary_kernel[(t, num_q + num_k)](
+    _rotary_kernel[(t,)](
         q, k, positions, cos_sin_cache, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
-        num_q, head_dim, HALF=half, NEOX=is_neox_style,
-    )
+        num_q, num_k, head_dim, HALF=half, NEOX=is_neox_style,
+        Q_HEADS=next_power_of_2(num_q), K_HEADS=next_power_of_2(num_k),
+    )  # fmt: skip
