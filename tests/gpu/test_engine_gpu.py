@@ -105,6 +105,30 @@ def test_cuda_graphs_equal_eager_and_batch_independent_in_float32(smollm2_random
     assert graphs == again
 
 
+def test_split_decode_graphs_survive_a_released_cache(smollm2_random):
+    """A batch-1 decode graph splits each request's keys (its workspace is allocated by the
+    warm-up passes, outside the graph's pool): it must still replay correctly after the
+    caching allocator releases its free memory, as it does when an engine is deleted."""
+    from tokenmill import LLM, SamplingParams
+
+    _, path = smollm2_random
+    prompt = (_prompts(8)[0] * 64)[:300]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for eager in (False, True):
+        llm = LLM(path, dtype="float32", kv_cache_memory=2 << 30, max_model_len=1024,
+                  max_num_seqs=8, enforce_eager=eager)  # fmt: skip
+        runner = llm.llm_engine.engine_core.executor.worker.model_runner
+        if not eager:
+            assert set(runner.cuda_graphs.metadata) == set(runner.cuda_graphs.graphs)
+        torch.cuda.empty_cache()
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        tokens[eager] = out[0].outputs[0].token_ids
+        del llm, runner
+        torch.cuda.empty_cache()
+    assert tokens[False] == tokens[True]
+
+
 def test_piecewise_graphs_equal_eager_in_float32(smollm2_random):
     """A 64-token budget mixes prompt chunks with decodes in most steps: those replay the
     piecewise graphs (attention eager between them), and greedy tokens equal eager

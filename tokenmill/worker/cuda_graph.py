@@ -93,6 +93,12 @@ class CUDAGraphRunner(PaddedGraphs):
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # Each graph's capture metadata, kept as long as the graph: the attention backend
+        # keeps what it allocates for a step on the metadata (the key-split workspaces,
+        # allocated by the warm-up passes outside the graph's pool), and the graph replays
+        # into those addresses. Freed, the memory goes back to the caching allocator, and
+        # a replay then writes into whatever reuses it, or faults once it is released.
+        self.metadata: dict[int, object] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -117,6 +123,7 @@ class CUDAGraphRunner(PaddedGraphs):
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[size] = model(ids, pos, metadata)
             self.graphs[size] = graph
+            self.metadata[size] = metadata
         torch.cuda.synchronize()
         logger.info(
             "Captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s",
