@@ -117,7 +117,7 @@ def test_servers_on_cuda_pace_by_default(tmp_path, monkeypatch):
         args = EngineArgs(model=model, **kwargs)
         return args.create_engine_config(usage).scheduler_config.prefill_pacing_tokens
 
-    assert pacing() == SERVING_PACING_TOKENS == 512
+    assert pacing() == SERVING_PACING_TOKENS == 256
     assert pacing("llm") == 0  # offline runs are about throughput
     assert pacing(prefill_pacing_tokens=0) == 0
     assert pacing(prefill_pacing_tokens=1024) == 1024
