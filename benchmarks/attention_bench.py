@@ -45,10 +45,15 @@ from tokenmill.model.attention.triton_backend import (
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TILE_SWEEP = [
     TileConfig(128, 64, 8, 3),
+    TileConfig(128, 64, 8, 2),
+    TileConfig(128, 64, 8, 4),
     TileConfig(128, 64, 4, 3),
     TileConfig(128, 32, 4, 3),
     TileConfig(128, 128, 8, 2),
+    TileConfig(128, 128, 8, 3),
+    TileConfig(256, 64, 8, 2),
     TileConfig(64, 64, 4, 3),
+    TileConfig(64, 128, 4, 2),
     TileConfig(64, 32, 4, 4),
 ]
 
@@ -68,6 +73,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode-batches", type=ints, default=[1, 32, 256])
     p.add_argument("--contexts", type=ints, default=[512, 1024, 2048, 4096, 8192])
     p.add_argument("--prefill-tokens", type=ints, default=[512, 1024, 2048, 4096, 8192])
+    p.add_argument(
+        "--prefill-batch",
+        type=ints,
+        default=[1],
+        help="prefill: prompts per batch (each of --prefill-tokens tokens); a list times each",
+    )
     p.add_argument("--chunk-tokens", type=int, default=2048)
     p.add_argument("--peak-gbps", type=float, default=4200.0, help="memory ceiling (GB/s)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matrix ceiling")
@@ -206,13 +217,18 @@ def report(
 
 
 @contextlib.contextmanager
-def patched(name: str, value: object) -> Iterator[None]:
+def patched(name: str, value: object, problem: Problem) -> Iterator[None]:
+    """Replace ``triton_backend.<name>`` while timing ``problem``. The backend works out a
+    step's launches once and keeps them on the step's metadata, so they are dropped on the
+    way in and out: otherwise the replacement would never be consulted."""
     saved = getattr(triton_backend, name)
     setattr(triton_backend, name, value)
+    problem.metadata.__dict__.pop("_triton_plan", None)
     try:
         yield
     finally:
         setattr(triton_backend, name, saved)
+        problem.metadata.__dict__.pop("_triton_plan", None)
 
 
 def sdpa_baseline(p: Problem) -> Callable[[], None]:
@@ -244,12 +260,12 @@ def run_decode(args: argparse.Namespace) -> None:
                 report(name, bench(p.attend), p.bytes_moved(), p.flops(), args)
             if args.sweep_decode_tiles:
                 for cfg in DECODE_TILE_SWEEP:
-                    with patched("decode_tile_config", lambda *_, cfg=cfg: cfg):
+                    with patched("decode_tile_config", lambda *_, cfg=cfg: cfg, p):
                         times = bench(p.attend)
                     report(f"  {cfg}", times, p.bytes_moved(), p.flops(), args)
             if args.sweep_splits:
                 for s in (1, 2, 4, 8, 16, 32, 64):
-                    with patched("num_decode_splits", lambda *_, s=s: s):
+                    with patched("num_decode_splits", lambda *_, s=s: s, p):
                         times = bench(p.attend)
                     report(f"  splits={s}", times, p.bytes_moved(), p.flops(), args)
             if args.baseline:
@@ -266,15 +282,15 @@ def run_decode(args: argparse.Namespace) -> None:
 
 def run_prefill(args: argparse.Namespace) -> None:
     print(f"\n== prefill, {args.num_heads}/{args.num_kv_heads} heads, D={args.head_dim}")
-    shapes = [(t, 0) for t in args.prefill_tokens]
-    shapes += [(args.chunk_tokens, c) for c in args.contexts if c >= args.chunk_tokens]
-    for tokens, ctx in shapes:
-        p = Problem(args, [tokens], [ctx])
-        name = f"prefill tokens={tokens} ctx={ctx}"
+    shapes = [(t, 0, b) for t in args.prefill_tokens for b in args.prefill_batch]
+    shapes += [(args.chunk_tokens, c, 1) for c in args.contexts if c >= args.chunk_tokens]
+    for tokens, ctx, batch in shapes:
+        p = Problem(args, [tokens] * batch, [ctx] * batch)
+        name = f"prefill tokens={tokens} ctx={ctx}" + (f" x{batch} prompts" if batch > 1 else "")
         report(name, bench(p.attend), p.bytes_moved(), p.flops(), args)
         if args.sweep_tiles:
             for cfg in TILE_SWEEP:
-                with patched("varlen_tile_config", lambda *_, cfg=cfg: cfg):
+                with patched("varlen_tile_config", lambda *_, cfg=cfg: cfg, p):
                     times = bench(p.attend)
                 tag = (
                     f"  tiles m={cfg.block_m} n={cfg.block_n} w={cfg.num_warps} s={cfg.num_stages}"

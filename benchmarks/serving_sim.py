@@ -55,11 +55,22 @@ class SimConfig:
     tokenizer_workers: int = 8
     tokenize_ms: float = 6.0
     prefill_ms_per_token: float = 0.024
+    roofline: bool = False
     seed: int = 0
 
 
-def step_time_s(sched: Scheduler, so: SchedulerOutput, prefill_ms_per_token: float) -> float:
-    """The modelled device time of one step (seconds)."""
+def step_time_s(
+    sched: Scheduler, so: SchedulerOutput, prefill_ms_per_token: float, roofline: bool = False
+) -> float:
+    """The modelled device time of one step (seconds): the linear model above, or with
+    ``roofline`` the products' time as the larger of reading the weights (3.9 ms) and
+    computing on every token (20.5 us/token), plus the decodes' K/V reads, 2.5 us per
+    prompt token of attention and element-wise work, and 0.5 ms for a mixed step's eager
+    attention between piecewise graphs. Fitted to per-kernel profiles of Llama-3.1-8B
+    steps on an H200 (``mixed_step_bench.py --kernels``): 64 decodes at 1,280 tokens take
+    7.0 ms, with a 256-token chunk 10.6 ms, with a 512-token chunk 15.9 ms; so a prompt
+    chunk's marginal cost per token is lowest while a step is still bound by its weight
+    reads, which the linear model misses."""
     prompt = decodes = context = 0
     for req_id, n in so.num_scheduled_tokens.items():
         request = sched.requests.get(req_id)
@@ -68,6 +79,10 @@ def step_time_s(sched: Scheduler, so: SchedulerOutput, prefill_ms_per_token: flo
             context += request.num_computed_tokens
         else:
             prompt += n
+    if roofline:
+        products = max(3.9, 0.0205 * (decodes + prompt))
+        ms = 0.6 + products + 3.4e-5 * context + 0.0025 * prompt
+        return (ms + (0.5 if prompt else 0.0)) / 1e3
     ms = 5.0 + 0.02 * decodes + 1.5e-5 * context + prefill_ms_per_token * prompt
     return (ms + (1.0 if prompt else 0.0)) / 1e3
 
@@ -145,7 +160,7 @@ def simulate(cfg: SimConfig) -> dict[str, float]:
             collect(*pending)
         else:
             now += 1e-3
-        pending = (so, start + step_time_s(sched, so, cfg.prefill_ms_per_token))
+        pending = (so, start + step_time_s(sched, so, cfg.prefill_ms_per_token, cfg.roofline))
     later = [t for i, t in times.items() if i >= cfg.concurrency]
     return {
         "ttft_p50_ms": 1e3 * statistics.median(t[2] - t[0] for t in later),
@@ -166,6 +181,9 @@ def main() -> None:
     parser.add_argument("--tokenize-ms", type=float, default=6.0)
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.024)
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument(
+        "--roofline", action="store_true", help="the roofline step model (see step_time_s)"
+    )
     args = parser.parse_args()
     for load in args.load:
         for pacing in args.prefill_pacing_tokens:
@@ -174,7 +192,8 @@ def main() -> None:
                     load=load, budget=args.max_num_batched_tokens, pacing=pacing,
                     concurrency=args.max_concurrency, num_prompts=args.num_prompts,
                     tokenizer_workers=args.tokenizer_workers, tokenize_ms=args.tokenize_ms,
-                    prefill_ms_per_token=args.prefill_ms_per_token, seed=seed,
+                    prefill_ms_per_token=args.prefill_ms_per_token, roofline=args.roofline,
+                    seed=seed,
                 )  # fmt: skip
                 r = simulate(cfg)
                 print(

@@ -1,6 +1,6 @@
 """Is a mixed (decode + prompt chunk) step bound by the host or by the GPU?
 
-usage: python3 benchmarks/device/mixed_step_bench.py MODEL_DIR [--shared-only]
+usage: python3 benchmarks/device/mixed_step_bench.py MODEL_DIR [--shared-only | --kernels]
 
 For batches of ``D`` decode requests (context ``ctx``) plus one prompt chunk of ``P`` tokens
 after ``pctx`` cached tokens, prints per forward pass (model only, no LM head):
@@ -16,6 +16,9 @@ after ``pctx`` cached tokens, prints per forward pass (model only, no LM head):
 Cases with a shared prefix give their decodes the same first blocks (a prompt prefix found by
 prefix caching); the timings above then read it once per request, and ``cascade`` repeats
 the piecewise (and eager) pass with cascade attention reading it once per step.
+
+``--kernels`` instead prints, for the ``KERNEL_CASES`` batches, the GPU time per pass of each
+kernel (torch.profiler over whole-graph replays): where a mixed step's time goes.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ CASES = [
     (0, 0, 32, 8000),  # a new turn of a long conversation
     (16, 8192, 32, 8000),
 ]
+
+# Decode-heavy steps of a serving load of 1024-token prompts: what a prompt chunk adds.
+KERNEL_CASES = [(64, 1280, 0, 0), (64, 1280, 256, 0), (64, 1280, 512, 0), (0, 0, 512, 0)]
 
 
 def build_batch(
@@ -132,6 +138,10 @@ def main() -> None:
     model = runner.model
     gen = torch.Generator().manual_seed(0)
     shared_only = "--shared-only" in sys.argv[2:]
+    if "--kernels" in sys.argv[2:]:
+        for case in KERNEL_CASES:
+            kernel_table(model, case, *build_batch(runner, *case, gen))
+        return
     for decodes, ctx, chunk, cached, *shared in CASES:
         shared = shared[0] if shared else 0
         if shared_only and not shared:
@@ -173,6 +183,37 @@ def main() -> None:
             finally:
                 triton_backend.num_varlen_splits = split_rule
         print(line, flush=True)
+
+
+def kernel_table(model, case, ids, pos, md, passes: int = 5) -> None:
+    """Print the GPU microseconds per pass of each kernel of ``case``'s whole-graph pass."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        model(ids, pos, md)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        model(ids, pos, md)
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(passes):
+            graph.replay()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name[:70]
+            totals[name] = totals.get(name, 0.0) + event.device_time_total / passes
+            counts[name] = counts.get(name, 0) + 1
+    print(f"KERNELS decodes/ctx/chunk/cached={case}: {sum(totals.values()) / 1e3:.2f} ms "
+          "of kernels per pass", flush=True)
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"KERNELS   {us:9.1f} us  x{counts[name] // passes:<4d} {name}", flush=True)
 
 
 def piecewise_timing(runner, pieces, ids, pos, md) -> str:

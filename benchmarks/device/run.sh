@@ -121,6 +121,7 @@ for st in "$@"; do
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
     attn_prefix) stage attn_prefix 180 python3 benchmarks/attention_bench.py --only decode --decode-batches 64 --contexts 1280,2304 --shared-prefix 0,2000 --sweep-splits ;;
+    attn_ptiles) stage attn_ptiles 300 python3 benchmarks/attention_bench.py --only prefill --prefill-tokens 512,1024 --prefill-batch 1,14 --chunk-tokens 512 --contexts 1024 --sweep-tiles --baseline ;;
     attn_dtiles) stage attn_dtiles 300 python3 benchmarks/attention_bench.py --only decode --decode-batches 1,64,256 --contexts 2304,8192 --shared-prefix 0,2000 --sweep-decode-tiles ;;
     lat1)     stage lat1 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1.json"; addjson lat1 "$LOGS/lat1.json" ;;
     lat32)    stage lat32 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32.json"; addjson lat32 "$LOGS/lat32.json" ;;
@@ -130,6 +131,7 @@ for st in "$@"; do
     prof_small) stage prof_small 300 python3 benchmarks/device/profile_step.py "$M135" ;;
     prof_lat1) stage prof_lat1 200 python3 benchmarks/device/profile_step.py "$M8" 1 32 256 ;;
     mixedbench) stage mixedbench 300 python3 benchmarks/device/mixed_step_bench.py "$M8" ;;
+    mixedkernels) stage mixedkernels 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --kernels ;;
     mixedbench_shared) stage mixedbench_shared 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --shared-only ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
@@ -141,6 +143,9 @@ for st in "$@"; do
     moetest)  stage moetest 150 python3 -m pytest -q tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider --timeout 120 ;;
     moe_sweep) stage moe_sweep 200 python3 benchmarks/moe_bench.py --sweep-tiles --tokens 64,256,512,1024,2048,4096 ;;
     kprof_long) stage kprof_long 200 python3 benchmarks/device/kernel_profile.py "$M8" 300 1024 256 ;;
+    kprof_prefill) stage kprof_prefill 200 python3 benchmarks/device/kernel_profile.py "$M8" 192 1024 1 ;;
+    kprof_lat1) stage kprof_lat1 200 python3 benchmarks/device/kernel_profile.py "$M8" 1 32 256 ;;
+    pgemm)    stage pgemm 150 python3 benchmarks/device/prefill_gemm_bench.py --ms "${PGEMM_MS:-512,2048,8192}" ;;
     serve)    serve_pair tm ;;
     diag_default) serve_diag default ;;
     diag_vllm) serve_diag vllm ;;
@@ -148,8 +153,7 @@ for st in "$@"; do
     diag_b4096) serve_diag b4096 --max-num-batched-tokens 4096 ;;
     diag_b2048) serve_diag b2048 --max-num-batched-tokens 2048 ;;
     diag_sync) serve_diag sync --no-async-scheduling ;;
-    diag_pace512) serve_diag pace512 --prefill-pacing-tokens 512 ;;
-    diag_pace1024) serve_diag pace1024 --prefill-pacing-tokens 1024 ;;
+    diag_pace[0-9]*) serve_diag "pace${st#diag_pace}" --prefill-pacing-tokens "${st#diag_pace}" ;;
     diag_nocascade) serve_diag nocascade --disable-cascade-attn ;;
     vllm_serve) serve_pair vllm ;;
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;
