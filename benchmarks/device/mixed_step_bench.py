@@ -149,14 +149,7 @@ def main() -> None:
         ids, pos, md = build_batch(runner, decodes, ctx, chunk, cached, gen, shared)
         eager_pass = lambda ids=ids, pos=pos, md=md: model(ids, pos, md)  # noqa: E731
         eager, launch = per_pass_ms(eager_pass), launch_ms(eager_pass)
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            model(ids, pos, md)
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            model(ids, pos, md)
+        graph = capture_whole(model, ids, pos, md)
         whole = per_pass_ms(graph.replay)
         del graph
         line = (
@@ -185,10 +178,8 @@ def main() -> None:
         print(line, flush=True)
 
 
-def kernel_table(model, case, ids, pos, md, passes: int = 5) -> None:
-    """Print the GPU microseconds per pass of each kernel of ``case``'s whole-graph pass."""
-    from torch.profiler import ProfilerActivity, profile
-
+def capture_whole(model, ids, pos, md) -> torch.cuda.CUDAGraph:
+    """One forward pass of the batch captured whole, after a warm-up pass on a side stream."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -197,6 +188,14 @@ def kernel_table(model, case, ids, pos, md, passes: int = 5) -> None:
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
         model(ids, pos, md)
+    return graph
+
+
+def kernel_table(model, case, ids, pos, md, passes: int = 5) -> None:
+    """Print the GPU microseconds per pass of each kernel of ``case``'s whole-graph pass."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = capture_whole(model, ids, pos, md)
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
