@@ -163,8 +163,8 @@ class EngineArgs:
         "If > 0, while requests decode, compute at most this many tokens per step of the "
         "queued prompts that fit in one step's budget: lower TTFT under bursts of requests, "
         "at some cost in TPOT; 0 turns it off (full-budget steps). Needs "
-        "chunked prefill. Default: 512 when serving on CUDA with chunked prefill and CUDA "
-        "graphs, else 0.",
+        f"chunked prefill. Default: {SERVING_PACING_TOKENS} when serving on CUDA with chunked "
+        "prefill and CUDA graphs, else 0.",
         default=None,
     )
     async_scheduling: bool | None = _flag(
