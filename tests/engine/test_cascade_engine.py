@@ -14,6 +14,7 @@ import torch
 if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton's interpreter only (tests/gpu covers CUDA)", allow_module_level=True)
 
+from tests.engine.prefix_probe import record_common_prefix_lens  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.model.attention import selector  # noqa: E402
 from tokenmill.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -43,15 +44,7 @@ def _generate(path, tokenizer, prompts, backend, monkeypatch, **kwargs):
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompts[0][:PREFIX]}, params, use_tqdm=False)  # cached
-    seen: list[int] = []
-    prepare = runner._prepare_inputs
-
-    def recording(so):
-        inputs = prepare(so)
-        seen.append(inputs.metadata.common_prefix_len)
-        return inputs
-
-    runner._prepare_inputs = recording
+    seen = record_common_prefix_lens(runner, monkeypatch)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], seen
 

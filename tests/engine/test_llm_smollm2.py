@@ -285,19 +285,12 @@ def test_decodes_sharing_a_cached_prefix_get_cascade_metadata(llm, monkeypatch):
     llm.generate(prompts[0], GREEDY, use_tqdm=False)  # caches the prefix blocks
     reference = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
 
-    seen: list[int] = []
-    prepare = runner._prepare_inputs
-
-    def recording(so):
-        inputs = prepare(so)
-        seen.append(inputs.metadata.common_prefix_len)
-        return inputs
-
+    from tests.engine.prefix_probe import record_common_prefix_lens
     from tokenmill.worker import cascade
 
     monkeypatch.setattr(cascade, "CASCADE_MIN_SAVED_TOKENS", 0)  # 8 x 300 tokens is few
     monkeypatch.setattr(runner, "cascade_attn", True)
-    monkeypatch.setattr(runner, "_prepare_inputs", recording)
+    seen = record_common_prefix_lens(runner, monkeypatch)
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
     shared = [p for p in seen if p]
     assert shared and all(p >= 256 and p % 16 == 0 for p in shared)
