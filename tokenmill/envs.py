@@ -58,3 +58,10 @@ def skinny_gemm() -> bool:
     batches (<= 32 rows) on CUDA, instead of cuBLAS (default: off; on an H200 cuBLAS inside
     a CUDA graph is faster at Llama-3.1-8B's shapes, see benchmarks/RESULTS.md)."""
     return os.environ.get("TOKENMILL_SKINNY_GEMM", "0") not in ("", "0")
+
+
+def mixed_step_graphs() -> bool:
+    """TOKENMILL_MIXED_STEP_GRAPHS=0: replay steps with prompt tokens through the piecewise
+    graphs (attention eager between pieces) instead of whole-step graphs (default: on where
+    the attention backend supports them; ``worker/mixed_graph.py``)."""
+    return os.environ.get("TOKENMILL_MIXED_STEP_GRAPHS", "1") not in ("", "0")

@@ -1,6 +1,7 @@
 """Is a mixed (decode + prompt chunk) step bound by the host or by the GPU?
 
-usage: python3 benchmarks/device/mixed_step_bench.py MODEL_DIR [--shared-only | --kernels]
+usage: python3 benchmarks/device/mixed_step_bench.py MODEL_DIR [--shared-only | --kernels |
+    --serving]
 
 For batches of ``D`` decode requests (context ``ctx``) plus one prompt chunk of ``P`` tokens
 after ``pctx`` cached tokens, prints per forward pass (model only, no LM head):
@@ -9,6 +10,8 @@ after ``pctx`` cached tokens, prints per forward pass (model only, no LM head):
 - ``launch``: host time to issue one eager pass;
 - ``graph``: the same pass captured whole as one CUDA graph and replayed (GPU time with
   no launch gaps; a floor for any graph scheme);
+- ``whole-step graph``: the runner's graph for mixed batches of the padded size (uniform
+  attention grids: ``worker/mixed_graph.py``);
 - ``piecewise``: the runner's piecewise graphs (attention eager between captured pieces),
   when the runner has them for that size; then again with the prompt kernel's keys never
   split (``num_varlen_splits`` forced to 1).
@@ -19,6 +22,7 @@ the piecewise (and eager) pass with cascade attention reading it once per step.
 
 ``--kernels`` instead prints, for the ``KERNEL_CASES`` batches, the GPU time per pass of each
 kernel (torch.profiler over whole-graph replays): where a mixed step's time goes.
+``--serving`` runs the ``SERVING_CASES`` batches both ways (timings, then kernel tables).
 """
 
 from __future__ import annotations
@@ -61,6 +65,10 @@ CASES = [
 
 # Decode-heavy steps of a serving load of 1024-token prompts: what a prompt chunk adds.
 KERNEL_CASES = [(64, 1280, 0, 0), (64, 1280, 256, 0), (64, 1280, 512, 0), (0, 0, 512, 0)]
+# The steps of a paced serving load (c=64, 1024/256, pacing 256; serving_profile.py): ~60
+# decodes at ~1,150 tokens of context, alone or with a ~206-token chunk of a prompt that
+# has 0-768 tokens cached.
+SERVING_CASES = [(60, 1152, 0, 0), (60, 1152, 206, 0), (60, 1152, 206, 512), (60, 1152, 256, 768)]
 
 
 def build_batch(
@@ -142,7 +150,8 @@ def main() -> None:
         for case in KERNEL_CASES:
             kernel_table(model, case, *build_batch(runner, *case, gen))
         return
-    for decodes, ctx, chunk, cached, *shared in CASES:
+    serving = "--serving" in sys.argv[2:]
+    for decodes, ctx, chunk, cached, *shared in SERVING_CASES if serving else CASES:
         shared = shared[0] if shared else 0
         if shared_only and not shared:
             continue
@@ -157,6 +166,9 @@ def main() -> None:
             f"shared={shared} tokens={md.num_actual_tokens}: eager {eager:.2f} ms, "
             f"launch {launch:.2f} ms, graph {whole:.2f} ms"
         )
+        mixed = runner.mixed_graphs
+        if mixed is not None and mixed.can_run(md.num_actual_tokens) and not shared:
+            line += mixed_timing(runner, mixed, ids, pos, md)
         pieces = runner.piecewise_graphs
         if pieces is not None and pieces.can_run(md.num_actual_tokens):
             line += piecewise_timing(runner, pieces, ids, pos, md)
@@ -176,6 +188,9 @@ def main() -> None:
             finally:
                 triton_backend.num_varlen_splits = split_rule
         print(line, flush=True)
+    if serving:
+        for case in SERVING_CASES:
+            kernel_table(model, case, *build_batch(runner, *case, gen))
 
 
 def capture_whole(model, ids, pos, md) -> torch.cuda.CUDAGraph:
@@ -228,6 +243,22 @@ def piecewise_timing(runner, pieces, ids, pos, md) -> str:
         f", piecewise {ms:.2f} ms (launch {launch:.2f} ms: replays {replay:.2f}, attention "
         f"{attend:.2f}; size {pieces.padded_size(n)})"
     )
+
+
+def mixed_timing(runner, mixed, ids, pos, md) -> str:
+    """Steady-state and launch time of the runner's whole-step graph for this batch (its
+    layout copied into the runner's buffers, which that graph reads)."""
+    n, r = md.num_actual_tokens, md.num_reqs
+    runner.input_ids.device[:n].copy_(ids)
+    runner.positions.device[:n].copy_(pos)
+    runner.slot_mapping.device[:n].copy_(md.slot_mapping)
+    runner.query_start_loc.device[: r + 1].copy_(md.query_start_loc)
+    runner.seq_lens.device[:r].copy_(md.seq_lens)
+    width = md.block_table.shape[1]
+    runner.block_table.device[:r, :width].copy_(md.block_table)
+    d = md.num_decodes
+    ms, launch = per_pass_ms(lambda: mixed.run(n, r, d)), launch_ms(lambda: mixed.run(n, r, d))
+    return f", whole-step graph {ms:.2f} ms (launch {launch:.2f} ms; size {mixed.padded_size(n)})"
 
 
 def host_split_ms(pieces, n: int, md, iters: int = 5) -> tuple[float, float]:

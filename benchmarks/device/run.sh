@@ -19,6 +19,9 @@
 #   diag_default diag_vllm diag_pace512 ...   serving with per-request detail, /metrics and
 #              step logs (LOADS="random prefix" picks the loads)
 #   attn_prefix attn_dtiles   decode attention with a shared prefix; decode tile sweep
+#   sprof_pace256 ...   the server's engine core under a closed loop: step times, GPU busy,
+#              kernels and host functions per step (serving_profile.py); sprofpw_pace256
+#              the same with piecewise graphs for mixed steps (TOKENMILL_MIXED_STEP_GRAPHS=0)
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -43,8 +46,8 @@ stage() {  # stage NAME TIMEOUT CMD...
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "^KPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^LM head|^PROFILE|preempt" "$LOGS/$name.log" \
-    | grep -v "warnings.warn" | tail -25 | sed 's/^/  | /' | tee -a "$SUM"
+  grep -aE "^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^LM head|^PROFILE|preempt" "$LOGS/$name.log" \
+    | grep -v "warnings.warn" | tail -${TAIL_LINES:-25} | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
 }
@@ -132,6 +135,7 @@ for st in "$@"; do
     prof_lat1) stage prof_lat1 200 python3 benchmarks/device/profile_step.py "$M8" 1 32 256 ;;
     mixedbench) stage mixedbench 300 python3 benchmarks/device/mixed_step_bench.py "$M8" ;;
     mixedkernels) stage mixedkernels 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --kernels ;;
+    mixedserving) stage mixedserving 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --serving ;;
     mixedbench_shared) stage mixedbench_shared 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --shared-only ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
@@ -154,6 +158,8 @@ for st in "$@"; do
     diag_b2048) serve_diag b2048 --max-num-batched-tokens 2048 ;;
     diag_sync) serve_diag sync --no-async-scheduling ;;
     diag_pace[0-9]*) serve_diag "pace${st#diag_pace}" --prefill-pacing-tokens "${st#diag_pace}" ;;
+    sprof_pace[0-9]*) stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprof_pace}" ;;
+    sprofpw_pace[0-9]*) TOKENMILL_MIXED_STEP_GRAPHS=0 stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprofpw_pace}" ;;
     diag_nocascade) serve_diag nocascade --disable-cascade-attn ;;
     vllm_serve) serve_pair vllm ;;
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;

@@ -129,12 +129,15 @@ def test_split_decode_graphs_survive_a_released_cache(smollm2_random):
     assert tokens[False] == tokens[True]
 
 
-def test_piecewise_graphs_equal_eager_in_float32(smollm2_random):
+@pytest.mark.parametrize("whole_step", [True, False])
+def test_mixed_step_graphs_equal_eager_in_float32(smollm2_random, monkeypatch, whole_step):
     """A 64-token budget mixes prompt chunks with decodes in most steps: those replay the
+    whole-step graphs of mixed batches (uniform attention grids), or with those off the
     piecewise graphs (attention eager between them), and greedy tokens equal eager
     execution's, alone or batched."""
     from tokenmill import LLM, SamplingParams
 
+    monkeypatch.setenv("TOKENMILL_MIXED_STEP_GRAPHS", "1" if whole_step else "0")
     _, path = smollm2_random
     prompts = _prompts(8)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -152,7 +155,8 @@ def test_piecewise_graphs_equal_eager_in_float32(smollm2_random):
         runner = llm.llm_engine.engine_core.executor.worker.model_runner
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         alone = llm.generate({"prompt_token_ids": prompts[7]}, params, use_tqdm=False)
-        replays = runner.piecewise_graphs.num_replays if runner.piecewise_graphs else 0
+        graphs = runner.mixed_graphs if whole_step else runner.piecewise_graphs
+        replays = graphs.num_replays if graphs else 0
         results[eager] = (
             [o.outputs[0].token_ids for o in outs],
             alone[0].outputs[0].token_ids,

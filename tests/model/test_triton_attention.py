@@ -47,8 +47,6 @@ if not isinstance(kernels.varlen_attention_kernel, interpreter.InterpretedFuncti
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")
 
 
-
-
 @dataclasses.dataclass
 class Batch:
     query: torch.Tensor  # [T, H * D]
@@ -372,6 +370,54 @@ def test_padded_decode_batch_of_a_cuda_graph(monkeypatch, splits):
     assert_same_cache(cache, ref_cache)
 
 
+@pytest.mark.parametrize(
+    "q_lens, ctx, leading",
+    [
+        ([1, 1, 21, 9, 1], [40, 17, 50, 0, 33], 2),  # decodes first, one after the prompts
+        ([21, 1, 1, 9, 1], [50, 40, 17, 0, 33], 0),  # no leading decode
+    ],
+)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_uniform_grids_of_a_padded_mixed_batch(
+    monkeypatch, small_tiles, splits, q_lens, ctx, leading
+):
+    """A mixed batch as a whole-step CUDA graph of 64 tokens runs it: the prompt kernel
+    takes the requests after the leading decodes from the device ``prefill_range`` and
+    leaves one-token queries among them to the decode kernel; padded with one-token
+    requests of no context while padding tokens last, then with empty ones; host copies
+    wrong on purpose (the kernels must not read them)."""
+    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
+    real = make_batch(q_lens, ctx)
+    md = real.metadata
+    n, r, tokens, reqs = md.num_actual_tokens, md.num_reqs, 64, 40
+    qsl = torch.cat([md.query_start_loc, torch.arange(n + 1, n + 1 + reqs - r).clamp(max=tokens)])
+    sl = torch.cat([md.seq_lens, torch.zeros(reqs - r, dtype=torch.int32)])
+    wrong = torch.zeros(reqs + 1, dtype=torch.int32)
+    padded = dataclasses.replace(
+        md,
+        num_actual_tokens=tokens,
+        num_reqs=reqs,
+        query_start_loc=qsl.to(torch.int32),
+        query_start_loc_cpu=wrong,
+        seq_lens=sl,
+        seq_lens_cpu=wrong[:reqs],
+        block_table=torch.cat([md.block_table, md.block_table[:1].expand(reqs - r, -1)]),
+        slot_mapping=torch.cat([md.slot_mapping, torch.full((tokens - n,), -1)]),
+        max_query_len=1,
+        max_seq_len=4096,
+        uniform_grids=True,
+        prefill_range=torch.tensor([leading, len(q_lens) - leading], dtype=torch.int32),
+    )
+    grow = lambda x: torch.cat([x, torch.randn(tokens - n, x.shape[1])])  # noqa: E731
+    b = dataclasses.replace(
+        real, query=grow(real.query), key=grow(real.key), value=grow(real.value), metadata=padded
+    )
+    out, cache = run_triton(b)
+    ref_out, ref_cache = run_reference(real)
+    torch.testing.assert_close(out[:n], ref_out, atol=1e-4, rtol=1e-4)
+    assert_same_cache(cache, ref_cache)
+
+
 def test_requests_without_tokens_are_skipped():
     # Trailing requests with no query tokens (query_start_loc repeats): nothing to do.
     b = make_batch([1, 12, 0, 0], [7, 3, 0, 0], num_decodes=1)
@@ -432,9 +478,7 @@ def share_prefix(b: Batch, num_decodes: int, prefix_blocks: int) -> Batch:
     table = b.metadata.block_table.clone()
     table[1:num_decodes, :prefix_blocks] = table[0, :prefix_blocks]
     bs = b.kv_cache.shape[2]
-    md = dataclasses.replace(
-        b.metadata, block_table=table, common_prefix_len=prefix_blocks * bs
-    )
+    md = dataclasses.replace(b.metadata, block_table=table, common_prefix_len=prefix_blocks * bs)
     return dataclasses.replace(b, metadata=md)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
@@ -158,6 +159,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.cuda_graphs = None  # a CUDAGraphRunner once captured
         self.piecewise_graphs = None  # a PiecewiseCUDAGraphRunner once captured
+        self.mixed_graphs = None  # a MixedCUDAGraphRunner once captured
         # Tests set these (ascending sizes) on CPU to run batches padded like CUDA-graph
         # batches: decode-only batches as the decode graphs do, others as the piecewise
         # graphs do.
@@ -179,6 +181,7 @@ class ModelRunner:
         self.seq_lens = _Buffer((r,), torch.int32, d)
         self.block_table = _Buffer((r, self.max_blocks_per_req), torch.int32, d)
         self.logits_indices = _Buffer((r,), torch.int64, d)
+        self.prefill_range = _Buffer((2,), torch.int32, d)  # whole-step graphs of mixed steps
         # Async scheduling: where last step's sampled tokens go in this step's input ids.
         self.pending_dst = _Buffer((r,), torch.int64, d)
         self.pending_src = _Buffer((r,), torch.int64, d)
@@ -193,6 +196,7 @@ class ModelRunner:
             self.seq_lens,
             self.block_table,
             self.logits_indices,
+            self.prefill_range,
             self.pending_dst,
             self.pending_src,
         ]
@@ -252,6 +256,11 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         self.piecewise_graphs = PiecewiseCUDAGraphRunner(self, pool=pool)
         self.piecewise_graphs.capture()
+        if self.attn_backend.supports_uniform_grids and envs.mixed_step_graphs():
+            from tokenmill.worker.mixed_graph import MixedCUDAGraphRunner
+
+            self.mixed_graphs = MixedCUDAGraphRunner(self, pool=pool)
+            self.mixed_graphs.capture()
         self.cuda_graphs = CUDAGraphRunner(self, pool=pool)
         self.cuda_graphs.capture()
 
@@ -376,6 +385,15 @@ class ModelRunner:
                         self.input_ids.device[:padded], self.positions.device[:padded], metadata
                     )
         n = inputs.num_tokens
+        # Cascade steps keep the piecewise graphs: uniform grids know no shared prefix.
+        num_decodes = inputs.metadata.num_decodes
+        if (
+            self.mixed_graphs is not None
+            and self.mixed_graphs.can_run(n)
+            and num_reqs - num_decodes <= self.attn_backend.uniform_max_prefills
+            and not inputs.metadata.common_prefix_len
+        ):
+            return self.mixed_graphs.run(n, num_reqs, num_decodes)
         if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(n):
             return self.piecewise_graphs.run(n, inputs.metadata)
         if self.pad_token_batches_to:

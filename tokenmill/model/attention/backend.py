@@ -42,6 +42,16 @@ class AttentionMetadata:
             prefix found by prefix caching), a multiple of the block size below each
             request's last position; 0 when none or not looked for. A backend may read
             these keys once for all of them (cascade attention) or ignore the hint.
+        uniform_grids: launch every kernel over the whole padded batch, with grids and
+            arguments from ``num_reqs``, ``num_actual_tokens`` and ``max_seq_len`` alone,
+            the kernels finding each request's work (decode or prompt tokens, lengths) in
+            the device tensors; the host copies and ``num_decodes`` are not read. Then any
+            mix of decodes and prompt chunks replays one CUDA graph captured for its padded
+            token count (``worker/mixed_graph.py``). Padding requests have one token or
+            none and a context of 0. Only backends with ``supports_uniform_grids`` see it.
+        prefill_range: with ``uniform_grids``, ``[2]`` int32 on the device: the first
+            request that is not one of the leading decodes, and how many follow it (at most
+            the backend's ``uniform_max_prefills``).
     """
 
     num_actual_tokens: int
@@ -56,6 +66,8 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor
     num_decodes: int = 0
     common_prefix_len: int = 0
+    uniform_grids: bool = False
+    prefill_range: torch.Tensor | None = None
 
 
 class AttentionImpl(abc.ABC):
@@ -169,6 +181,10 @@ class AttentionBackend(abc.ABC):
     name: str = "abstract"
     # Reads ``AttentionMetadata.common_prefix_len`` (cascade attention); others ignore it.
     supports_cascade: bool = False
+    # Honours ``AttentionMetadata.uniform_grids`` (whole-step graphs of mixed batches) for
+    # batches with at most this many requests after the leading decodes.
+    supports_uniform_grids: bool = False
+    uniform_max_prefills: int = 0
 
     @staticmethod
     @abc.abstractmethod

@@ -477,6 +477,7 @@ def varlen_attention_kernel(
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    prefill_range_ptr,
     req_offset,
     num_seqs,
     sm_scale,
@@ -503,6 +504,7 @@ def varlen_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    UNIFORM: tl.constexpr,
 ):
     """Program (query block, KV head, split): ``BLOCK_Q`` consecutive query tokens of one
     sequence times the ``GROUP`` heads of one KV head, ``BLOCK_Q * GROUP_P`` rows in all,
@@ -517,10 +519,20 @@ def varlen_attention_kernel(
     to ``part_out[t, head, split]`` / ``part_lse[t, head, split]`` (``t`` counted from the
     first query token of ``req_offset``; split strides ``HEAD_DIM`` and 1) for
     ``varlen_reduce_kernel``.
+
+    ``UNIFORM`` (a batch launched with uniform grids): the requests are
+    ``prefill_range[1]`` from ``prefill_range[0]`` on (device int32), in place of
+    ``num_seqs`` from ``req_offset``, and those with one query token are left to the
+    decode kernel.
     """
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if UNIFORM:
+        req_offset = tl.load(prefill_range_ptr)
+        num_seqs = tl.load(prefill_range_ptr + 1)
+        if num_seqs == 0:
+            return
     seq = _find_seq(query_start_loc_ptr, req_offset, num_seqs, pid, BLOCK_Q)
     req = req_offset + seq
     first_token = tl.load(query_start_loc_ptr + req_offset)
@@ -529,6 +541,9 @@ def varlen_attention_kernel(
     q_block = pid - ((q_start - first_token) // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
         return
+    if UNIFORM:
+        if q_len == 1:
+            return
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
 

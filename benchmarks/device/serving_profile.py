@@ -1,0 +1,282 @@
+"""Where a served step's time goes: the engine core under a closed-loop load, no HTTP.
+
+usage: python3 benchmarks/device/serving_profile.py MODEL_DIR [--pacing N]
+    [--concurrency 64] [--input-len 1024] [--output-len 256] [--warm-requests 128]
+    [--window-steps 300]
+
+The engine core of ``tokenmill serve`` (the server's configuration, ``--load-format dummy``)
+runs ``--concurrency`` random-token requests at a time, each replaced by a new one as it
+finishes, as ``vllm bench serve --max-concurrency`` drives a server. After
+``--warm-requests`` have finished (the load has settled), three windows of
+``--window-steps`` steps each measure:
+
+- ``timing``: step wall time, the decodes and prompt tokens per step, and the median TTFT
+  and TPOT of the requests that finished in it (engine-side: no HTTP, no detokenizing);
+- ``gpu``: GPU busy time per step and the kernels' totals (torch.profiler, CUDA only);
+- ``host``: the engine thread's functions with the most own time (cProfile, which slows
+  the host: its step times are not comparable).
+
+A step is host-bound where its wall time exceeds its GPU time. One line per figure,
+prefixed ``SPROF``. One configuration per process: the KV cache takes the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tokenmill.core.engine_core import EngineCore
+from tokenmill.core.engine_io import EngineCoreRequest
+from tokenmill.engine_args import EngineArgs
+from tokenmill.sampling_params import SamplingParams
+
+
+def step_kind(prompt_tokens: int) -> str:
+    """A step's bucket: decode-only, or its prompt tokens rounded up to a power of two."""
+    if prompt_tokens == 0:
+        return "decode-only"
+    return f"prompt<={min(8192, 1 << (prompt_tokens - 1).bit_length())}"
+
+
+class ClosedLoop:
+    """``concurrency`` requests in flight over an EngineCore; finished ones are replaced."""
+
+    def __init__(self, core: EngineCore, args: argparse.Namespace, vocab: int) -> None:
+        self.core = core
+        self.args = args
+        self.rng = np.random.default_rng(0)
+        self.vocab = vocab
+        self.params = SamplingParams(
+            temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len
+        )
+        self.next_id = 0
+        self.sent: dict[str, float] = {}
+        self.first: dict[str, float] = {}
+        self.finished: list[tuple[float, float, float]] = []  # (sent, first token, end)
+        self.step_log: list[tuple[float, int, int]] = []  # (wall s, decodes, prompt tokens)
+        self._composition = (0, 0)
+        # (kind, start event, end event) of each launched step while ``spans`` is a list.
+        self.spans: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
+        for name in ("execute_model", "execute_model_async"):
+            setattr(core.executor, name, self._recording(getattr(core.executor, name)))
+        for _ in range(args.concurrency):
+            self.send()
+
+    def _recording(self, execute):
+        """``execute`` that first notes the step's decodes and prompt tokens."""
+
+        def recorded(so):
+            if not so.total_num_scheduled_tokens:
+                return execute(so)
+            decodes = sum(1 for n in so.num_scheduled_tokens.values() if n == 1)
+            self._composition = (decodes, so.total_num_scheduled_tokens - decodes)
+            kind = step_kind(self._composition[1])
+            if self.spans is None:
+                with torch.profiler.record_function(f"step {kind}"):
+                    return execute(so)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = execute(so)
+            end.record()
+            self.spans.append((kind, start, end))
+            return result
+
+        return recorded
+
+    def send(self) -> None:
+        rid = str(self.next_id)
+        self.next_id += 1
+        prompt = self.rng.integers(0, self.vocab - 1000, self.args.input_len).tolist()
+        now = time.time()
+        self.sent[rid] = now
+        self.core.add_request(EngineCoreRequest(rid, prompt, self.params, now))
+
+    def step(self) -> None:
+        launched_before = self._composition
+        start = time.perf_counter()
+        outputs = self.core.step()
+        wall = time.perf_counter() - start
+        # With async scheduling a call waits for the step the previous call launched.
+        waited_for = launched_before if self.core.async_scheduling else self._composition
+        self.step_log.append((wall, *waited_for))
+        now = time.time()
+        for out in outputs.outputs:
+            rid = out.request_id
+            if out.new_token_ids and rid not in self.first:
+                self.first[rid] = now
+            if out.finish_reason is not None:
+                self.finished.append((self.sent.pop(rid), self.first.pop(rid, now), now))
+                self.send()
+
+    def run_steps(self, n: int) -> None:
+        for _ in range(n):
+            self.step()
+
+
+def timing_window(loop: ClosedLoop, steps: int, label: str) -> None:
+    loop.step_log.clear()
+    done = len(loop.finished)
+    cuda = torch.cuda.is_available()
+    loop.spans = [] if cuda else None
+    start = time.perf_counter()
+    loop.run_steps(steps)
+    wall = time.perf_counter() - start
+    walls = [w for w, _, _ in loop.step_log]
+    decodes = [d for _, d, _ in loop.step_log]
+    prompt = [p for _, _, p in loop.step_log]
+    finished = loop.finished[done:]
+    out_len = loop.args.output_len
+    print(
+        f"SPROF {label} timing: {steps} steps in {wall:.2f} s, step mean "
+        f"{1e3 * statistics.mean(walls):.2f} ms p50 {1e3 * statistics.median(walls):.2f} ms "
+        f"max {1e3 * max(walls):.1f} ms; decodes/step {statistics.mean(decodes):.1f}, prompt "
+        f"tokens/step {statistics.mean(prompt):.1f}; output tok/s {sum(decodes) / wall:.0f}",
+        flush=True,
+    )
+    if finished:
+        ttft = statistics.median(f - s for s, f, _ in finished)
+        tpot = statistics.median((e - f) / (out_len - 1) for _, f, e in finished)
+        print(
+            f"SPROF {label} requests: {len(finished)} finished, TTFT p50 {1e3 * ttft:.1f} ms, "
+            f"TPOT p50 {1e3 * tpot:.2f} ms",
+            flush=True,
+        )
+    # Step time by composition: decode-only steps, and steps with prompt tokens by size;
+    # the GPU span runs from a step's first launch to its last kernel's end.
+    buckets: dict[str, list[float]] = {}
+    for w, _, p in loop.step_log:
+        buckets.setdefault(step_kind(p), []).append(w)
+    spans: dict[str, list[float]] = {}
+    if cuda:
+        torch.cuda.synchronize()
+        for kind, begin, end in loop.spans:
+            spans.setdefault(kind, []).append(begin.elapsed_time(end) / 1e3)
+        loop.spans = None
+    for key, ws in sorted(buckets.items()):
+        span = (
+            f", GPU span p50 {1e3 * statistics.median(spans[key]):6.2f} ms"
+            if spans.get(key)
+            else ""
+        )
+        print(
+            f"SPROF {label} steps {key:>14s}: x{len(ws):<4d} wall p50 "
+            f"{1e3 * statistics.median(ws):6.2f} ms{span}",
+            flush=True,
+        )
+
+
+def gpu_window(loop: ClosedLoop, steps: int, label: str) -> None:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        loop.run_steps(steps)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name[:80]
+        totals[name] = totals.get(name, 0.0) + event.device_time_total
+        counts[name] = counts.get(name, 0) + 1
+    busy = sum(totals.values()) / 1e6
+    print(
+        f"SPROF {label} gpu: wall {1e3 * wall / steps:.2f} ms/step, GPU busy "
+        f"{1e3 * busy / steps:.2f} ms/step ({100 * busy / wall:.1f}%)",
+        flush=True,
+    )
+    # The kernels each kind of step launched (the record_function ranges' device time).
+    for avg in prof.key_averages():
+        if avg.key.startswith("step "):
+            print(
+                f"SPROF {label} kind {avg.key[5:]:>14s}: x{avg.count:<4d} kernels "
+                f"{avg.device_time_total / 1e3 / max(1, avg.count):7.2f} ms/step",
+                flush=True,
+            )
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:20]:
+        print(
+            f"SPROF {label} kernel {us / 1e3 / steps:7.3f} ms/step {100 * us / 1e6 / wall:5.1f}%"
+            f" x{counts[name] / steps:<5.1f} {name}",
+            flush=True,
+        )
+
+
+def kinds_window(loop: ClosedLoop, steps: int, label: str) -> None:
+    """Kernel time per kind of step: the kernels launched inside each step's
+    ``record_function`` range (the host is profiled too, so wall times are not comparable)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        loop.run_steps(steps)
+        torch.cuda.synchronize()
+    counts: dict[str, int] = {}
+    kernels: dict[str, dict[str, float]] = {}
+
+    def collect(event, into: dict[str, float]) -> None:
+        for k in event.kernels:
+            into[k.name[:70]] = into.get(k.name[:70], 0.0) + k.duration
+        for child in event.cpu_children:
+            collect(child, into)
+
+    for event in prof.events():
+        if event.name.startswith("step "):
+            kind = event.name[5:]
+            counts[kind] = counts.get(kind, 0) + 1
+            collect(event, kernels.setdefault(kind, {}))
+    for kind, n in sorted(counts.items()):
+        total = sum(kernels[kind].values()) / 1e3 / n
+        print(f"SPROF {label} kind {kind}: x{n} kernels {total:.2f} ms/step", flush=True)
+        for name, us in sorted(kernels[kind].items(), key=lambda kv: -kv[1])[:14]:
+            print(f"SPROF {label} kind {kind} {us / 1e3 / n:7.3f} ms  {name}", flush=True)
+
+
+def host_window(loop: ClosedLoop, steps: int, label: str) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    loop.run_steps(steps)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    for line in buf.getvalue().splitlines():
+        if line.strip():
+            print(f"SPROF {label} host {line}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--pacing", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--warm-requests", type=int, default=128)
+    parser.add_argument("--window-steps", type=int, default=300)
+    parser.add_argument("--no-host", action="store_true", help="skip the cProfile window")
+    args = parser.parse_args()
+    engine_args = EngineArgs(
+        model=args.model, load_format="dummy", prefill_pacing_tokens=args.pacing
+    )
+    core = EngineCore(engine_args.create_engine_config("server"))
+    loop = ClosedLoop(core, args, core.config.model_config.vocab_size)
+    label = f"pace{args.pacing}"
+    while len(loop.finished) < args.warm_requests:
+        loop.step()
+    timing_window(loop, args.window_steps, label)
+    if torch.cuda.is_available():
+        gpu_window(loop, args.window_steps, label)
+        kinds_window(loop, args.window_steps // 3, label)
+    if not args.no_host:
+        host_window(loop, args.window_steps // 3, label)
+    core.shutdown()
+
+
+if __name__ == "__main__":
+    main()

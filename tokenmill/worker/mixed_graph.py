@@ -1,0 +1,143 @@
+"""Whole-step CUDA graphs for steps that mix prompt chunks with decodes.
+
+The piecewise graphs (``piecewise_graph.py``) run such a step's attention eagerly between
+``L + 1`` captured pieces, because the kernels' grids follow the batch layout. That costs
+the GPU a gap at every hand-over: Llama-3.1-8B on an H200, 60 decodes at 1,152 tokens of
+context plus a 206-token chunk after 512 cached ones, takes 11.36 ms piecewise against
+10.41 ms as one graph (``benchmarks/device/mixed_step_bench.py --serving``), and such steps
+are about half of a paced serving load's.
+
+With ``AttentionMetadata.uniform_grids`` the attention kernels size their grids from the
+padded batch alone and find each request's work in the device tensors
+(``model/attention/triton_backend.py``). So the whole forward pass is captured once per
+padded token count ``T`` over ``R = min(T, max_num_reqs)`` request rows, and any step of at
+most ``T`` tokens with at most the backend's ``uniform_max_prefills`` requests after its
+leading decodes replays it: padding requests take one padding token each while there are
+some (slot -1, context 0: nothing written or read), then none. Other steps keep the
+piecewise graphs, as do steps with cascade attention.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill.model.attention.backend import AttentionMetadata
+from tokenmill.worker.cuda_graph import PaddedGraphs
+from tokenmill.worker.piecewise_graph import default_piecewise_sizes
+
+if TYPE_CHECKING:
+    from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class MixedCUDAGraphRunner(PaddedGraphs):
+    """Captures and replays the forward pass of steps of any layout, per padded token count.
+
+    Args:
+        runner: the model runner whose buffers the graphs read and write; its attention
+            backend must support uniform grids.
+        capture_sizes: token counts to capture (default: the piecewise graphs' sizes).
+        pool: as for ``PaddedGraphs``.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        capture_sizes: list[int] | None = None,
+        pool: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__(
+            runner, capture_sizes or default_piecewise_sizes(runner.max_num_tokens), pool
+        )
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        # The capture metadata lives as long as its graph: the backend keeps the key-split
+        # workspaces the warm-up allocated on it, and the graph replays into them.
+        self.metadata: dict[int, AttentionMetadata] = {}
+        self.num_replays = 0
+
+    def request_rows(self, size: int) -> int:
+        """Request rows of the graph of ``size`` tokens (a step has at most one per token)."""
+        return min(size, self.runner.max_num_reqs)
+
+    def pad_batch(
+        self, num_tokens: int, num_reqs: int, size: int, num_decodes: int = 0
+    ) -> AttentionMetadata:
+        """Pad the step in the runner's buffers to the graph of ``size`` tokens and return
+        the metadata that graph is captured with (uniform grids over its request rows).
+
+        Tokens ``num_tokens..size`` become inert padding tokens; requests past ``num_reqs``
+        take one of them each while any are left, then none, with a context of 0. The
+        requests after the ``num_decodes`` leading decodes (at most the backend's
+        ``uniform_max_prefills``) go to the device ``prefill_range``.
+        """
+        runner = self.runner
+        rows = self.request_rows(size)
+        prefill_range = runner.prefill_range
+        prefill_range.np[:] = (num_decodes, num_reqs - num_decodes)
+        prefill_range.copy_to_device(2)
+        runner.pad_token_inputs(num_tokens, size)
+        runner.seq_lens.device[num_reqs:rows].zero_()
+        ends = runner.query_start_loc.device[num_reqs + 1 : rows + 1]
+        torch.arange(num_tokens + 1, num_tokens + 1 + len(ends), out=ends)
+        ends.clamp_(max=size)
+        return AttentionMetadata(
+            num_actual_tokens=size,
+            num_reqs=rows,
+            query_start_loc=runner.query_start_loc.device[: rows + 1],
+            seq_lens=runner.seq_lens.device[:rows],
+            block_table=runner.block_table.device[:rows],
+            slot_mapping=runner.slot_mapping.device[:size],
+            max_query_len=size,
+            max_seq_len=runner.max_model_len,
+            # Not read with uniform grids; well-formed for any code that checks shapes.
+            query_start_loc_cpu=torch.zeros(rows + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.zeros(rows, dtype=torch.int32),
+            uniform_grids=True,
+            prefill_range=prefill_range.device,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size, largest first, into the shared pool."""
+        model = self.runner.model
+        assert model is not None
+        start = time.perf_counter()
+        pool = self._shared_pool()
+        stream = torch.cuda.Stream()
+        for size in reversed(self.sizes):
+            # Inert inputs: every request a padding request.
+            metadata = self.pad_batch(0, 0, size)
+            ids = self.runner.input_ids.device[:size]
+            pos = self.runner.positions.device[:size]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: Triton compiles, cuBLAS workspaces
+                    model(ids, pos, metadata)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = model(ids, pos, metadata)
+            self.graphs[size] = graph
+            self.metadata[size] = metadata
+        torch.cuda.synchronize()
+        logger.info(
+            "Captured %d whole-step CUDA graphs for mixed batches (%d..%d tokens) in %.1f s",
+            len(self.graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - start,
+        )  # fmt: skip
+
+    def run(self, num_tokens: int, num_reqs: int, num_decodes: int) -> torch.Tensor:
+        """Replay for a step of ``num_tokens`` tokens and ``num_reqs`` requests, the first
+        ``num_decodes`` of them decodes, whose inputs are in the runner's buffers; returns
+        hidden states ``[padded, H]`` (a static buffer; rows past ``num_tokens`` are
+        padding)."""
+        size = self.padded_size(num_tokens)
+        self.pad_batch(num_tokens, num_reqs, size, num_decodes)
+        self.graphs[size].replay()
+        self.num_replays += 1
+        return self.outputs[size]
