@@ -31,8 +31,9 @@ fifth set), 512 tokens gave:
 - 1,024 unshared tokens: TTFT 355 ms against 788 ms (vLLM 708 ms), TPOT 12.2 ms against
   10.6 ms (vLLM 10.7 ms), the same throughput.
 
-Steps that mix a prompt chunk with decodes replay piecewise CUDA graphs, so spreading the
-prompts costs no launch overhead (before those graphs, pacing cost 5-20% of throughput).
+Steps that mix a prompt chunk with decodes replay CUDA graphs (whole-step or piecewise), so
+spreading the prompts costs no launch overhead (before those graphs, pacing cost 5-20% of
+throughput).
 So a server on CUDA paces at ``SERVING_PACING_TOKENS`` unless told otherwise; offline runs
 (throughput, not latency) and CPU servers do not, and ``--prefill-pacing-tokens 0`` keeps
 vLLM's full-budget steps.

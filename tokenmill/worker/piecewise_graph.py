@@ -16,6 +16,10 @@ eagerly in between on the step's real layout. vLLM's piecewise mode splits the s
 (through torch.compile). A ``T``-token step replays the pieces of the smallest captured
 size ``>= T``; the padding rows carry token 0 at position 0, and attention, which sees
 the real ``num_actual_tokens``, neither writes them to the cache nor reads them.
+
+Where the attention backend supports uniform grids, most such steps replay one whole-step
+graph instead (``mixed_graph.py``, ~1 ms less per step); the pieces remain for steps with
+cascade attention or with more prompt requests than those graphs take.
 """
 
 from __future__ import annotations
