@@ -1,4 +1,5 @@
-"""Paged attention on CUDA with Triton kernels (``triton_kernels.py``).
+"""Paged attention on CUDA with Triton kernels (``triton_kernels.py``; tile shapes and
+key-split counts in ``triton_launch.py``).
 
 Kernel structure, and why (H200: 132 SMs, 60 MB L2; ceilings seen through PyTorch on the lent
 machines: ~4.3 TB/s device copy, ~790 TFLOP/s dense bf16. Llama-3.1-8B: 32 query heads, 8 KV
@@ -71,140 +72,27 @@ capturable):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from tokenmill.model.attention import triton_kernels as kernels
 from tokenmill.model.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+from tokenmill.model.attention.triton_launch import (  # noqa: F401 (patched and read here)
+    DEFAULT_NUM_SMS,
+    MAX_SPLITS,
+    MIN_SPLIT_TOKENS,
+    UNIFORM_MAX_PREFILLS,
+    VARLEN_MAX_SPLITS,
+    TileConfig,
+    decode_tile_config,
+    device_num_sms,
+    num_decode_splits,
+    num_prefix_splits,
+    num_varlen_splits,
+    varlen_tile_config,
+)
 from tokenmill.model.host_ints import cdiv, next_power_of_2
-
-# SMs of an H200 (and H100 SXM); used when the tensors are not on CUDA (interpreter).
-DEFAULT_NUM_SMS = 132
-# Decode split heuristics: aim for this many resident programs per SM, never give a split
-# fewer than MIN_SPLIT_TOKENS keys, and cap the reduction's width.
-DECODE_PROGRAMS_PER_SM = 2
-MIN_SPLIT_TOKENS = 256
-MAX_SPLITS = 64
-# Prompt-chunk KV splits: at most this many, and only while the chunks' query blocks leave
-# SMs idle (see ``num_varlen_splits``).
-VARLEN_MAX_SPLITS = 16
-# Uniform grids: the prompt kernel's grid has room for this many requests after the leading
-# decodes (each may end in a partial query block). A paced serving step has one or two.
-UNIFORM_MAX_PREFILLS = 8
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    """Tile shape and launch options of one kernel.
-
-    Attributes:
-        block_m: query rows per program (query tokens x heads of one KV group); the varlen
-            kernel packs ``block_m // group`` tokens. Unused by the decode kernel.
-        block_n: keys per tile.
-        num_warps: warps per program.
-        num_stages: software-pipelining depth of the key loop.
-    """
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-def varlen_tile_config(head_dim_padded: int, dtype: torch.dtype) -> TileConfig:
-    """Tiles of the prompt-chunk kernel for a power-of-two head size.
-
-    128 x 64 tiles with 8 warps (two warpgroups of ``wgmma``) keep the Q tile, scores and
-    accumulator in registers and three K/V stages (96 KiB at head_dim 128, bf16) in shared
-    memory; head_dim 256 halves both tiles. fp32 runs its dot products on FMA units (exact,
-    slow: a correctness path) and only 16 x 16 tiles fit its registers without spilling.
-    Chosen from sm_90 compiles (no spills at head sizes 64..256, with and without window and
-    soft cap); to be tuned with ``benchmarks/attention_bench.py --sweep-tiles``.
-    """
-    if dtype == torch.float32:
-        return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    if head_dim_padded <= 128:
-        return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    return TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
-
-
-def decode_tile_config(head_dim_padded: int, dtype: torch.dtype) -> TileConfig:
-    """Tiles of the decode kernel: 64 keys per tile (32 at head_dim 256), 4 warps; fp32
-    (FMA dot products) 16 keys per tile."""
-    if dtype == torch.float32:
-        return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
-    block_n = 64 if head_dim_padded <= 128 else 32
-    return TileConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=3)
-
-
-def num_decode_splits(
-    num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, max_splits: int = MAX_SPLITS
-) -> int:
-    """How many programs share one (request, KV head)'s context in the decode kernel.
-
-    Enough to give every SM ``DECODE_PROGRAMS_PER_SM`` programs, but no split shorter than
-    ``MIN_SPLIT_TOKENS`` keys and at most ``max_splits``. Depends only on host integers.
-    """
-    pairs = max(1, num_reqs * num_kv_heads)
-    wanted = (DECODE_PROGRAMS_PER_SM * num_sms) // pairs
-    useful = cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
-    return max(1, min(wanted, useful, max_splits))
-
-
-def num_prefix_splits(
-    num_decodes: int, block_q: int, num_kv_heads: int, prefix_len: int, num_sms: int
-) -> int:
-    """How many programs share the shared prefix's keys in ``shared_prefix_kernel``: the
-    (decode block, KV head) programs times the splits about fill the chip once, with no
-    split shorter than ``MIN_SPLIT_TOKENS`` keys and at most ``VARLEN_MAX_SPLITS``."""
-    busy = cdiv(num_decodes, block_q) * num_kv_heads
-    useful = cdiv(max(1, prefix_len), MIN_SPLIT_TOKENS)
-    return max(1, min(num_sms // max(1, busy), useful, VARLEN_MAX_SPLITS))
-
-
-def num_varlen_splits(
-    num_tokens: int,
-    num_seqs: int,
-    block_q: int,
-    num_kv_heads: int,
-    max_seq_len: int,
-    num_sms: int,
-) -> int:
-    """How many programs share each (query block, KV head)'s keys in the prompt kernel.
-
-    A short chunk after a long context (a new turn of a conversation, a suffix after a
-    cached prefix) has few query blocks, and each program walks the whole context alone:
-    16 tokens after 2,000 cached ones make 8 programs for Llama-3.1-8B, on 132 SMs. Its
-    keys are then split like flash-decoding's, so that the busy programs about fill the
-    chip once (one prompt program per SM: its tiles take most of the shared memory), with
-    no split shorter than ``MIN_SPLIT_TOKENS`` keys and at most ``VARLEN_MAX_SPLITS``.
-    Long prompts keep one split. Depends only on host integers.
-
-    Args:
-        num_tokens: query tokens of the prompt requests.
-        num_seqs: prompt requests.
-        block_q: query tokens per program.
-        num_kv_heads: KV heads (programs per query block).
-        max_seq_len: the longest context of the prompt requests (tokens).
-        num_sms: streaming multiprocessors.
-    """
-    busy = max(cdiv(num_tokens, block_q), num_seqs) * num_kv_heads
-    useful = cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
-    return max(1, min(num_sms // max(1, busy), useful, VARLEN_MAX_SPLITS))
-
-
-@functools.cache
-def _cuda_num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (``DEFAULT_NUM_SMS`` off CUDA)."""
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
