@@ -15,6 +15,20 @@ from profile_step import offline_workload  # this folder is on sys.path as the s
 from torch.profiler import ProfilerActivity, profile
 
 
+def kernel_totals(prof, width: int) -> tuple[dict[str, float], dict[str, int]]:
+    """GPU microseconds and launch counts per kernel name (cut to ``width`` characters) of
+    a finished ``torch.profiler.profile``."""
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name[:width]
+        totals[name] = totals.get(name, 0.0) + event.device_time_total
+        counts[name] = counts.get(name, 0) + 1
+    return totals, counts
+
+
 def main() -> None:
     llm, prompts, params, n, in_len, out_len = offline_workload(sys.argv, 300, 1024, 256, 64)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -22,14 +36,7 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    totals: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = event.name[:90]
-        totals[name] = totals.get(name, 0.0) + event.device_time_total
-        counts[name] = counts.get(name, 0) + 1
+    totals, counts = kernel_totals(prof, 90)
     busy = sum(totals.values()) / 1e6
     print(f"KPROF {n} prompts {in_len}/{out_len}: wall {wall:.2f} s, GPU busy {busy:.2f} s "
           f"({100 * busy / wall:.1f}%)")

@@ -217,13 +217,10 @@ def kernel_table(model, case, ids, pos, md, passes: int = 5) -> None:
         for _ in range(passes):
             graph.replay()
         torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name[:70]
-            totals[name] = totals.get(name, 0.0) + event.device_time_total / passes
-            counts[name] = counts.get(name, 0) + 1
+    from kernel_profile import kernel_totals  # this folder is on sys.path
+
+    totals, counts = kernel_totals(prof, 70)
+    totals = {name: us / passes for name, us in totals.items()}
     print(f"KERNELS decodes/ctx/chunk/cached={case}: {sum(totals.values()) / 1e3:.2f} ms "
           "of kernels per pass", flush=True)
     for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:12]:

@@ -8,15 +8,17 @@ The engine core of ``tokenmill serve`` (the server's configuration, ``--load-for
 runs ``--concurrency`` random-token requests at a time, each replaced by a new one as it
 finishes, as ``vllm bench serve --max-concurrency`` drives a server. After
 ``--warm-requests`` have finished (the load has settled), three windows of
-``--window-steps`` steps each measure:
+``--window-steps`` steps (a third of that for ``host``) measure:
 
 - ``timing``: step wall time, the decodes and prompt tokens per step, and the median TTFT
   and TPOT of the requests that finished in it (engine-side: no HTTP, no detokenizing);
+  per kind of step (decode-only, or by prompt tokens) the wall time and the GPU span from
+  the step's first launch to its last kernel (CUDA events);
 - ``gpu``: GPU busy time per step and the kernels' totals (torch.profiler, CUDA only);
 - ``host``: the engine thread's functions with the most own time (cProfile, which slows
   the host: its step times are not comparable).
 
-A step is host-bound where its wall time exceeds its GPU time. One line per figure,
+A step is host-bound where its wall time exceeds its GPU span. One line per figure,
 prefixed ``SPROF``. One configuration per process: the KV cache takes the GPU's memory.
 """
 
@@ -31,6 +33,7 @@ import time
 
 import numpy as np
 import torch
+from kernel_profile import kernel_totals  # this folder is on sys.path as the script's own
 from torch.profiler import ProfilerActivity, profile
 
 from tokenmill.core.engine_core import EngineCore
@@ -78,15 +81,13 @@ class ClosedLoop:
                 return execute(so)
             decodes = sum(1 for n in so.num_scheduled_tokens.values() if n == 1)
             self._composition = (decodes, so.total_num_scheduled_tokens - decodes)
-            kind = step_kind(self._composition[1])
             if self.spans is None:
-                with torch.profiler.record_function(f"step {kind}"):
-                    return execute(so)
+                return execute(so)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             result = execute(so)
             end.record()
-            self.spans.append((kind, start, end))
+            self.spans.append((step_kind(self._composition[1]), start, end))
             return result
 
         return recorded
@@ -180,62 +181,19 @@ def gpu_window(loop: ClosedLoop, steps: int, label: str) -> None:
         loop.run_steps(steps)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    totals: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        name = event.name[:80]
-        totals[name] = totals.get(name, 0.0) + event.device_time_total
-        counts[name] = counts.get(name, 0) + 1
+    totals, counts = kernel_totals(prof, 80)
     busy = sum(totals.values()) / 1e6
     print(
         f"SPROF {label} gpu: wall {1e3 * wall / steps:.2f} ms/step, GPU busy "
         f"{1e3 * busy / steps:.2f} ms/step ({100 * busy / wall:.1f}%)",
         flush=True,
     )
-    # The kernels each kind of step launched (the record_function ranges' device time).
-    for avg in prof.key_averages():
-        if avg.key.startswith("step "):
-            print(
-                f"SPROF {label} kind {avg.key[5:]:>14s}: x{avg.count:<4d} kernels "
-                f"{avg.device_time_total / 1e3 / max(1, avg.count):7.2f} ms/step",
-                flush=True,
-            )
     for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:20]:
         print(
             f"SPROF {label} kernel {us / 1e3 / steps:7.3f} ms/step {100 * us / 1e6 / wall:5.1f}%"
             f" x{counts[name] / steps:<5.1f} {name}",
             flush=True,
         )
-
-
-def kinds_window(loop: ClosedLoop, steps: int, label: str) -> None:
-    """Kernel time per kind of step: the kernels launched inside each step's
-    ``record_function`` range (the host is profiled too, so wall times are not comparable)."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        loop.run_steps(steps)
-        torch.cuda.synchronize()
-    counts: dict[str, int] = {}
-    kernels: dict[str, dict[str, float]] = {}
-
-    def collect(event, into: dict[str, float]) -> None:
-        for k in event.kernels:
-            into[k.name[:70]] = into.get(k.name[:70], 0.0) + k.duration
-        for child in event.cpu_children:
-            collect(child, into)
-
-    for event in prof.events():
-        if event.name.startswith("step "):
-            kind = event.name[5:]
-            counts[kind] = counts.get(kind, 0) + 1
-            collect(event, kernels.setdefault(kind, {}))
-    for kind, n in sorted(counts.items()):
-        total = sum(kernels[kind].values()) / 1e3 / n
-        print(f"SPROF {label} kind {kind}: x{n} kernels {total:.2f} ms/step", flush=True)
-        for name, us in sorted(kernels[kind].items(), key=lambda kv: -kv[1])[:14]:
-            print(f"SPROF {label} kind {kind} {us / 1e3 / n:7.3f} ms  {name}", flush=True)
 
 
 def host_window(loop: ClosedLoop, steps: int, label: str) -> None:
@@ -272,7 +230,6 @@ def main() -> None:
     timing_window(loop, args.window_steps, label)
     if torch.cuda.is_available():
         gpu_window(loop, args.window_steps, label)
-        kinds_window(loop, args.window_steps // 3, label)
     if not args.no_host:
         host_window(loop, args.window_steps // 3, label)
     core.shutdown()

@@ -72,6 +72,27 @@ class PaddedGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         return self.pool
 
+    def capture_pass(
+        self, size: int, metadata: Any, stream: torch.cuda.Stream
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the model's forward pass over the first ``size`` rows of the runner's
+        input buffers with ``metadata``, into the shared pool, after two warm-up passes on
+        ``stream`` (Triton compiles, lazy allocations); returns the graph and its output
+        (hidden states ``[size, H]`` in the pool)."""
+        model = self.runner.model
+        assert model is not None
+        ids = self.runner.input_ids.device[:size]
+        pos = self.runner.positions.device[:size]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                model(ids, pos, metadata)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._shared_pool()):
+            output = model(ids, pos, metadata)
+        return graph, output
+
 
 class CUDAGraphRunner(PaddedGraphs):
     """Captures and replays the decode forward pass of ``runner.model``.
@@ -103,26 +124,12 @@ class CUDAGraphRunner(PaddedGraphs):
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per size, largest first, sharing one memory pool."""
-        runner = self.runner
-        model = runner.model
-        assert model is not None
         start = time.perf_counter()
-        pool = self._shared_pool()
         stream = torch.cuda.Stream()
         for size in reversed(self.sizes):
             # Inert inputs for capture: every row a padding request.
-            metadata = runner.pad_decode_batch(0, size)
-            ids = runner.input_ids.device[:size]
-            pos = runner.positions.device[:size]
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: Triton autotuning and lazy allocations
-                    model(ids, pos, metadata)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = model(ids, pos, metadata)
-            self.graphs[size] = graph
+            metadata = self.runner.pad_decode_batch(0, size)
+            self.graphs[size], self.outputs[size] = self.capture_pass(size, metadata, stream)
             self.metadata[size] = metadata
         torch.cuda.synchronize()
         logger.info(

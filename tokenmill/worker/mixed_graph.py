@@ -105,25 +105,12 @@ class MixedCUDAGraphRunner(PaddedGraphs):
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture one graph per size, largest first, into the shared pool."""
-        model = self.runner.model
-        assert model is not None
         start = time.perf_counter()
-        pool = self._shared_pool()
         stream = torch.cuda.Stream()
         for size in reversed(self.sizes):
             # Inert inputs: every request a padding request.
             metadata = self.pad_batch(0, 0, size)
-            ids = self.runner.input_ids.device[:size]
-            pos = self.runner.positions.device[:size]
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: Triton compiles, cuBLAS workspaces
-                    model(ids, pos, metadata)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = model(ids, pos, metadata)
-            self.graphs[size] = graph
+            self.graphs[size], self.outputs[size] = self.capture_pass(size, metadata, stream)
             self.metadata[size] = metadata
         torch.cuda.synchronize()
         logger.info(
