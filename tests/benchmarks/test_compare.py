@@ -122,6 +122,9 @@ def test_compare_errors(tmp_path, capsys):
     assert "cannot read" in capsys.readouterr().err
     assert bench_main(["compare", good, good, "--labels", "one"]) == 2
     assert "--labels" in capsys.readouterr().err
+    throughput = _write(tmp_path, "tp.json", {"elapsed_time": 2.0, "tokens_per_second": 9.0})
+    assert bench_main(["compare", throughput, good]) == 2
+    assert "share no metric" in capsys.readouterr().err
 
 
 def test_rows_and_samples_from_either_format():

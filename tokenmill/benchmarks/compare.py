@@ -159,11 +159,23 @@ def main(args: argparse.Namespace) -> str:
     """Run ``tokenmill bench compare``; prints and returns the table.
 
     Raises:
-        BenchmarkError: an unreadable file, or ``--labels`` of the wrong length.
+        BenchmarkError: an unreadable file, ``--labels`` of the wrong length, or files that
+            share no metric (results of different benchmarks).
     """
     results = [read_json(path) for path in args.results]
     if args.labels is not None and len(args.labels) != len(results):
         raise BenchmarkError(f"{len(results)} result files but {len(args.labels)} --labels")
+    flats = [_flatten(r) for r in results]
+    shared = [
+        key
+        for key, _, _ in comparison_rows(results)
+        if all(isinstance(f.get(key), (int, float)) for f in flats)
+    ]
+    if len(results) > 1 and not shared:
+        raise BenchmarkError(
+            "the result files share no metric: compare results of one benchmark (bench "
+            "serve, bench throughput or bench latency) with each other"
+        )
     labels = (
         list(args.labels)
         if args.labels
