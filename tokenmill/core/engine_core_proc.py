@@ -196,8 +196,11 @@ def run_engine_core(
     ``ready_pipe`` (a multiprocessing Connection) gets ``{"status": "ready", ...}`` once the
     model is loaded and the KV cache allocated, or ``{"status": "failed", "error": ...}``.
     """
+    # The front end's format (entrypoints/cli/serve.py), the process named in the brackets.
     logging.basicConfig(
-        level=log_level, format="%(levelname)s %(asctime)s [engine] %(name)s: %(message)s"
+        level=log_level,
+        format="%(levelname)s %(asctime)s [engine %(name)s] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
     )
     proc: EngineCoreProc | None = None
 
