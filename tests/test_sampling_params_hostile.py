@@ -22,12 +22,22 @@ from tokenmill.sampling_params import SamplingParams, SamplingParamsError
         (dict(max_tokens=True), "max_tokens"),
         (dict(seed=2**64 - 1), "seed"),
         (dict(seed=2**63 - 1, n=2), "seed"),
+        # One request fans out into n (best_of) engine requests: 2**70 exhausted memory.
+        (dict(n=2**70), "n"),
+        (dict(n=129), "n"),
+        (dict(n=2, best_of=129), "best_of"),
+        (dict(temperature=1e39), "temperature"),  # inf once stored as float32
+        (dict(stop=["a\ud800"]), "stop"),  # a lone surrogate cannot be matched as text
     ],
 )
 def test_rejected_with_the_field_named(kwargs, param):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param
+
+
+def test_the_most_sequences_per_request():
+    assert SamplingParams(n=128).best_of == 128
 
 
 def test_top_k_beyond_any_vocabulary_disables_truncation():

@@ -29,9 +29,24 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_unicode(text: str) -> bool:
+    """False for text that cannot be encoded (lone surrogates, e.g. from JSON's \\ud800)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 MAX_LOGPROBS_DEFAULT = 20
+# The most sequences one request may ask for (n, best_of): OpenAI's limit on ``n``. Each
+# copy is a request of its own; an unbounded count would let one request exhaust memory.
+MAX_N = 128
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -66,9 +81,9 @@ class SamplingParams:
     """Sampling parameters of one request.
 
     Args:
-        n: number of output sequences returned for the prompt.
+        n: number of output sequences returned for the prompt, at most ``MAX_N``.
         best_of: number of sequences generated, of which the ``n`` with the highest
-            cumulative log-probability are returned (default ``n``).
+            cumulative log-probability are returned (default ``n``; at most ``MAX_N``).
         presence_penalty: subtracted once from the logit of every token already
             generated (OpenAI semantics), in [-2, 2].
         frequency_penalty: subtracted from a token's logit once per earlier occurrence in
@@ -157,9 +172,9 @@ class SamplingParams:
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             check(
-                _is_real(value) and math.isfinite(value),
+                _is_real(value) and math.isfinite(value) and abs(value) <= _FLOAT32_MAX,
                 name,
-                f"{name} must be a finite number, got {value!r}.",
+                f"{name} must be a finite number (float32), got {value!r}.",
             )
         for name in _INT_FIELDS:
             value = getattr(self, name)
@@ -168,12 +183,11 @@ class SamplingParams:
                 name,
                 f"{name} must be an integer, got {value!r}.",
             )
-        check(self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
+        check(1 <= self.n <= MAX_N, "n", f"n must be in [1, {MAX_N}], got {self.n}.")
         check(
-            isinstance(self.best_of, int) and self.best_of >= self.n,
+            isinstance(self.best_of, int) and self.n <= self.best_of <= MAX_N,
             "best_of",
-            f"best_of must be greater than or equal to n, got n={self.n} and "
-            f"best_of={self.best_of}.",
+            f"best_of must be in [n, {MAX_N}], got n={self.n} and best_of={self.best_of}.",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -220,9 +234,9 @@ class SamplingParams:
                 f"{name} must be non-negative or -1 (whole vocabulary), got {value}.",
             )
         check(
-            all(isinstance(s, str) and s for s in self.stop),
+            all(isinstance(s, str) and s and _is_unicode(s) for s in self.stop),
             "stop",
-            "stop strings must be non-empty strings.",
+            "stop strings must be non-empty strings of valid Unicode (no lone surrogates).",
         )
         check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -40,3 +40,32 @@ def test_one_untokenizable_text_fails_only_its_own_request(smollm2_tokenizer):
     assert good == smollm2_tokenizer.encode("fine")
     assert also_good == smollm2_tokenizer.encode("also fine")
     assert isinstance(bad, InvalidRequestError)
+
+
+def test_text_too_long_for_any_context_is_rejected_without_tokenizing(smollm2_tokenizer):
+    from tokenmill.engine.async_tokenizer import max_prompt_chars
+    from tokenmill.engine.input_processor import InvalidRequestError
+
+    limit = max_prompt_chars(smollm2_tokenizer, 16)
+    # No token of this vocabulary is longer than 81 characters.
+    assert limit == 2 * 81 * 16
+
+    async def run():
+        tok = AsyncTokenizer(smollm2_tokenizer, max_model_len=16)
+        tok._encode = None  # tokenizing the long text would fail differently
+        try:
+            return await asyncio.gather(tok.encode("a" * (limit + 1), param="prompt"),
+                                        return_exceptions=True)  # fmt: skip
+        finally:
+            tok.shutdown()
+
+    [error] = asyncio.run(run())
+    assert isinstance(error, InvalidRequestError) and error.param == "prompt"
+    assert "16 tokens" in str(error)
+    # At the bound the text is tokenized (and then judged by its token count).
+    tok = AsyncTokenizer(smollm2_tokenizer, max_model_len=16)
+    try:
+        ids = asyncio.run(tok.encode("a" * limit))
+    finally:
+        tok.shutdown()
+    assert ids == smollm2_tokenizer.encode("a" * limit)

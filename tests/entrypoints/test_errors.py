@@ -120,6 +120,8 @@ CASES = [
     ("top_p zero", CHAT, {"messages": MSG, "top_p": 0}, 400, "top_p", "top_p"),
     ("top_p above one", CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p", "top_p"),
     ("n zero", CHAT, {"messages": MSG, "n": 0}, 400, "n", "n must"),
+    # Each of n copies is an engine request: 2**70 took the server down (out of memory).
+    ("n huge", COMPLETIONS, {"prompt": "Hi", "max_tokens": 1, "n": 2**70}, 400, "n", "n must"),
     (
         "too many top_logprobs",
         CHAT,

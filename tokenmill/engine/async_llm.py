@@ -97,7 +97,7 @@ class AsyncLLM:
         self._start_engine(start_timeout_s)
         self.input_processor = InputProcessor(mc, self.tokenizer, mc.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=bool(self.stat_loggers))
-        self.async_tokenizer = AsyncTokenizer(self.tokenizer)
+        self.async_tokenizer = AsyncTokenizer(self.tokenizer, max_model_len=mc.max_model_len)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:

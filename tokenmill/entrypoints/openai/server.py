@@ -223,7 +223,8 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Respon
         raise bad_request(
             f"Token ids {bad[:5]} are out of the vocabulary [0, {vocab_size}).", "tokens"
         )
-    text = serving.tokenizer.decode(request.tokens)
+    # Off the event loop: decoding millions of ids takes seconds, and other requests wait.
+    text = await asyncio.to_thread(serving.tokenizer.decode, request.tokens)
     return Response(
         DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json"
     )
