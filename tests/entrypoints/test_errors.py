@@ -122,6 +122,23 @@ CASES = [
     ("n zero", CHAT, {"messages": MSG, "n": 0}, 400, "n", "n must"),
     # Each of n copies is an engine request: 2**70 took the server down (out of memory).
     ("n huge", COMPLETIONS, {"prompt": "Hi", "max_tokens": 1, "n": 2**70}, 400, "n", "n must"),
+    # vLLM's fields that tokenmill does not implement: refused, never silently ignored.
+    (
+        "allowed_token_ids",
+        COMPLETIONS,
+        {"prompt": "Hi", "max_tokens": 1, "allowed_token_ids": [10**9]},
+        400,
+        "allowed_token_ids",
+        "does not implement",
+    ),
+    (
+        "response_format on completions",
+        COMPLETIONS,
+        {"prompt": "Hi", "max_tokens": 1, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+        "does not implement",
+    ),
     (
         "too many top_logprobs",
         CHAT,

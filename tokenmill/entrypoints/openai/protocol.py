@@ -59,6 +59,25 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    # Accepted so that they can be rejected with a clear message (not implemented):
+    # ignored, they would silently change what a client asked for.
+    response_format: dict[str, Any] | None = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
+
+
+# vLLM's request fields that tokenmill does not implement yet (400 when given).
+UNIMPLEMENTED_FIELDS = (
+    "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "structured_outputs", "logits_processors",
+)  # fmt: skip
 
 
 # ---- chat completions ------------------------------------------------------------------------
@@ -96,7 +115,6 @@ class ChatCompletionRequest(SamplingFields):
     # Accepted so that they can be rejected with a clear message (not implemented).
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     # Extra fields (vLLM's).
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -35,6 +35,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
     RequestLogger,
     TokenBytes,
+    check_implemented,
     clamp_logprob,
     first_output,
     to_openai_error,
@@ -172,12 +173,7 @@ class OpenAIServingChat(OpenAIServing):
     def _check_supported(self, request: ChatCompletionRequest) -> None:
         if request.tools and request.tool_choice != "none":
             raise bad_request("tokenmill does not implement tool calling yet.", "tools")
-        fmt = (request.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise bad_request(
-                f"tokenmill does not implement response_format {fmt!r} yet (only 'text').",
-                "response_format",
-            )
+        check_implemented(request)
         if request.continue_final_message and request.add_generation_prompt:
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true.",

@@ -25,6 +25,7 @@ from tokenmill.entrypoints.openai.errors import (
     model_not_found,
 )
 from tokenmill.entrypoints.openai.protocol import (
+    UNIMPLEMENTED_FIELDS,
     ChatCompletionRequest,
     SamplingFields,
     UsageInfo,
@@ -164,6 +165,7 @@ class OpenAIServing:
         Raises:
             OpenAIError: 400 naming the field that is out of range.
         """
+        check_implemented(request)
         if request.priority != 0 and not self.priority_scheduling:
             raise bad_request(
                 "priority is only honoured with --scheduling-policy priority; this server "
@@ -309,6 +311,24 @@ class OpenAIServing:
         if running:
             self.engine.abort(running)
         return len(running)
+
+
+def check_implemented(request: SamplingFields) -> None:
+    """Reject the request fields tokenmill accepts only to refuse them.
+
+    Raises:
+        OpenAIError: 400 naming the first such field given (``response_format`` other than
+            ``text``, or one of ``UNIMPLEMENTED_FIELDS``).
+    """
+    fmt = (request.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise bad_request(
+            f"tokenmill does not implement response_format {fmt!r} yet (only 'text').",
+            "response_format",
+        )
+    for name in UNIMPLEMENTED_FIELDS:
+        if getattr(request, name) is not None:
+            raise bad_request(f"tokenmill does not implement {name} yet.", name)
 
 
 def max_tokens_field(request: SamplingFields) -> str:
