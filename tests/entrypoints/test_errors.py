@@ -122,6 +122,14 @@ CASES = [
     ("n zero", CHAT, {"messages": MSG, "n": 0}, 400, "n", "n must"),
     # Each of n copies is an engine request: 2**70 took the server down (out of memory).
     ("n huge", COMPLETIONS, {"prompt": "Hi", "max_tokens": 1, "n": 2**70}, 400, "n", "n must"),
+    (
+        "text part without text",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        400,
+        "messages.0.content",
+        "needs its 'text'",
+    ),
     # vLLM's fields that tokenmill does not implement: refused, never silently ignored.
     (
         "allowed_token_ids",

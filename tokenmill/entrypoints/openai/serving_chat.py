@@ -223,10 +223,15 @@ class OpenAIServingChat(OpenAIServing):
             content: Any = message.content
             if isinstance(content, list):
                 for part in content:
-                    if part.type != "text" or part.text is None:
+                    if part.type != "text":
                         raise bad_request(
                             f"messages[{i}]: content parts of type {part.type!r} are not "
                             "supported (only text parts).",
+                            f"messages.{i}.content",
+                        )
+                    if part.text is None:
+                        raise bad_request(
+                            f"messages[{i}]: a text content part needs its 'text'.",
                             f"messages.{i}.content",
                         )
                 content = [{"type": "text", "text": part.text} for part in content]
