@@ -52,6 +52,13 @@ class PaddedGraphs:
         self.sizes = sorted(sizes)
         self.pool = pool
         self.graphs: dict[int, Any] = {}  # size -> what its capture produced
+        # Each whole-pass graph's capture metadata, kept as long as the graph (by
+        # ``capture_pass``): the attention backend keeps what it allocates for a step on the
+        # metadata (the key-split workspaces, allocated by the warm-up passes outside the
+        # graph's pool), and the graph replays into those addresses. Freed, the memory goes
+        # back to the caching allocator, and a replay then writes into whatever reuses it,
+        # or faults once it is released.
+        self.metadata: dict[int, Any] = {}
 
     def can_run(self, n: int) -> bool:
         return bool(self.graphs) and n <= self.sizes[-1]
@@ -78,7 +85,8 @@ class PaddedGraphs:
         """Capture the model's forward pass over the first ``size`` rows of the runner's
         input buffers with ``metadata``, into the shared pool, after two warm-up passes on
         ``stream`` (Triton compiles, lazy allocations); returns the graph and its output
-        (hidden states ``[size, H]`` in the pool)."""
+        (hidden states ``[size, H]`` in the pool) and keeps ``metadata`` for the graph's
+        lifetime (``self.metadata[size]``)."""
         model = self.runner.model
         assert model is not None
         ids = self.runner.input_ids.device[:size]
@@ -91,6 +99,7 @@ class PaddedGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._shared_pool()):
             output = model(ids, pos, metadata)
+        self.metadata[size] = metadata
         return graph, output
 
 
@@ -114,12 +123,6 @@ class CUDAGraphRunner(PaddedGraphs):
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        # Each graph's capture metadata, kept as long as the graph: the attention backend
-        # keeps what it allocates for a step on the metadata (the key-split workspaces,
-        # allocated by the warm-up passes outside the graph's pool), and the graph replays
-        # into those addresses. Freed, the memory goes back to the caching allocator, and
-        # a replay then writes into whatever reuses it, or faults once it is released.
-        self.metadata: dict[int, object] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -130,7 +133,6 @@ class CUDAGraphRunner(PaddedGraphs):
             # Inert inputs for capture: every row a padding request.
             metadata = self.runner.pad_decode_batch(0, size)
             self.graphs[size], self.outputs[size] = self.capture_pass(size, metadata, stream)
-            self.metadata[size] = metadata
         torch.cuda.synchronize()
         logger.info(
             "Captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s",

@@ -56,9 +56,6 @@ class MixedCUDAGraphRunner(PaddedGraphs):
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        # The capture metadata lives as long as its graph: the backend keeps the key-split
-        # workspaces the warm-up allocated on it, and the graph replays into them.
-        self.metadata: dict[int, AttentionMetadata] = {}
         self.num_replays = 0
 
     def request_rows(self, size: int) -> int:
@@ -111,7 +108,6 @@ class MixedCUDAGraphRunner(PaddedGraphs):
             # Inert inputs: every request a padding request.
             metadata = self.pad_batch(0, 0, size)
             self.graphs[size], self.outputs[size] = self.capture_pass(size, metadata, stream)
-            self.metadata[size] = metadata
         torch.cuda.synchronize()
         logger.info(
             "Captured %d whole-step CUDA graphs for mixed batches (%d..%d tokens) in %.1f s",
