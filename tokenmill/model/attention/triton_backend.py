@@ -78,6 +78,7 @@ import torch
 
 from tokenmill.model.attention import triton_kernels as kernels
 from tokenmill.model.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+from tokenmill.model.attention.triton_cache_write import reshape_and_cache
 from tokenmill.model.attention.triton_launch import (  # noqa: F401 (patched and read here)
     DEFAULT_NUM_SMS,
     MAX_SPLITS,
@@ -102,46 +103,6 @@ def _pow2(n: int, minimum: int = 1) -> int:
 def _dot_precision(dtype: torch.dtype) -> str:
     # NOTE: fp32 inputs would otherwise run through TF32 (10-bit mantissa) on the GPU.
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_tokens: int,
-) -> None:
-    """Write the first ``num_tokens`` tokens' K/V into their slots of the paged cache.
-
-    Args:
-        key, value: ``[T, num_kv_heads * head_dim]`` (rows may be strided, e.g. views of
-            a fused QKV output; the last dimension must be contiguous).
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, last dim
-            contiguous; values are cast to its dtype.
-        slot_mapping: ``[>= num_tokens]`` int32/int64, ``block_id * block_size + offset``;
-            tokens with a negative slot (padding) are skipped.
-        num_tokens: tokens to write (``metadata.num_actual_tokens``).
-
-    Raises:
-        ValueError: a layout the kernel cannot address.
-    """
-    if num_tokens == 0:
-        return
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    for name, t in (("key", key), ("value", value), ("kv_cache", kv_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension")
-    if key.shape[-1] != num_kv_heads * head_dim or value.shape[-1] != key.shape[-1]:
-        raise ValueError(f"K/V width {key.shape[-1]} != {num_kv_heads} x {head_dim}")
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    kernels.reshape_and_cache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), value.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        H_P=_pow2(num_kv_heads), D_P=_pow2(head_dim), BLOCK_SIZE=block_size,
-        num_warps=4,
-    )  # fmt: skip
 
 
 @dataclass

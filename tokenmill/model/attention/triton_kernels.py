@@ -1,5 +1,6 @@
-"""Triton kernels for paged attention: the KV-cache write, a split-K decode kernel with its
-log-sum-exp reduction, and a varlen kernel for prompt chunks.
+"""Triton kernels for paged attention: a split-K decode kernel with its log-sum-exp
+reduction, the shared-prefix kernel of cascade attention, and a varlen kernel for prompt
+chunks (the KV-cache write is in ``triton_cache_write.py``).
 
 All attention kernels use the online softmax of FlashAttention (Dao et al., NeurIPS 2022;
 FlashAttention-2, Dao 2023): scores are kept in the log2 domain (``exp2`` is one instruction),
@@ -24,42 +25,6 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # NOTE: the running maximum starts finite so that rows whose keys are all masked so far give
 # exp2(-inf - (-1e30)) = 0 instead of exp2(-inf + inf) = NaN.
 M_INIT: tl.constexpr = tl.constexpr(-1.0e30)
-
-
-@triton.jit
-def reshape_and_cache_kernel(
-    key_ptr,
-    value_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    stride_kt,
-    stride_vt,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    H_P: tl.constexpr,
-    D_P: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-):
-    """One program per token: copy its ``[Hkv, D]`` K and V rows to its slot (skip slot < 0)."""
-    t = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    h = tl.arange(0, H_P)[:, None]
-    d = tl.arange(0, D_P)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-    src = h * HEAD_DIM + d
-    dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
-    k = tl.load(key_ptr + t.to(tl.int64) * stride_kt + src, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + src, mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
