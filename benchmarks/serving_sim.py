@@ -56,11 +56,16 @@ class SimConfig:
     tokenize_ms: float = 6.0
     prefill_ms_per_token: float = 0.024
     roofline: bool = False
+    served: bool = False
     seed: int = 0
 
 
 def step_time_s(
-    sched: Scheduler, so: SchedulerOutput, prefill_ms_per_token: float, roofline: bool = False
+    sched: Scheduler,
+    so: SchedulerOutput,
+    prefill_ms_per_token: float,
+    roofline: bool = False,
+    served: bool = False,
 ) -> float:
     """The modelled device time of one step (seconds): the linear model above, or with
     ``roofline`` the products' time as the larger of reading the weights (3.9 ms) and
@@ -79,6 +84,12 @@ def step_time_s(
             context += request.num_computed_tokens
         else:
             prompt += n
+    if served:
+        # Fitted to serving_profile.py's step times (RESULTS.md, eighth set): decode-only
+        # steps of ~60 requests at ~1.15k context 7.42 ms, with a <=256-token chunk
+        # 11.78 ms, with an 8,192-token budget 193.5 ms.
+        per_token = 0.017 if prompt <= 512 else 0.023
+        return (5.1 + 3.5e-5 * context + per_token * prompt) / 1e3
     if roofline:
         products = max(3.9, 0.0205 * (decodes + prompt))
         ms = 0.6 + products + 3.4e-5 * context + 0.0025 * prompt
@@ -160,7 +171,10 @@ def simulate(cfg: SimConfig) -> dict[str, float]:
             collect(*pending)
         else:
             now += 1e-3
-        pending = (so, start + step_time_s(sched, so, cfg.prefill_ms_per_token, cfg.roofline))
+        pending = (
+            so,
+            start + step_time_s(sched, so, cfg.prefill_ms_per_token, cfg.roofline, cfg.served),
+        )
     later = [t for i, t in times.items() if i >= cfg.concurrency]
     return {
         "ttft_p50_ms": 1e3 * statistics.median(t[2] - t[0] for t in later),
@@ -184,6 +198,9 @@ def main() -> None:
     parser.add_argument(
         "--roofline", action="store_true", help="the roofline step model (see step_time_s)"
     )
+    parser.add_argument(
+        "--served", action="store_true", help="the step model fitted to served steps"
+    )
     args = parser.parse_args()
     for load in args.load:
         for pacing in args.prefill_pacing_tokens:
@@ -193,6 +210,7 @@ def main() -> None:
                     concurrency=args.max_concurrency, num_prompts=args.num_prompts,
                     tokenizer_workers=args.tokenizer_workers, tokenize_ms=args.tokenize_ms,
                     prefill_ms_per_token=args.prefill_ms_per_token, roofline=args.roofline,
+                    served=args.served,
                     seed=seed,
                 )  # fmt: skip
                 r = simulate(cfg)

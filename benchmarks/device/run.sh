@@ -22,6 +22,9 @@
 #   sprof_pace256 ...   the server's engine core under a closed loop: step times, GPU busy,
 #              kernels and host functions per step (serving_profile.py); sprofpw_pace256
 #              the same with piecewise graphs for mixed steps (TOKENMILL_MIXED_STEP_GRAPHS=0)
+#   spsweep    one engine core under the same closed loop, one timing window per admission
+#              policy (SWEEP="PACING:QUEUE_LIMIT:MAX_NUM_SEQS ..."; serving_profile.py --sweep)
+#   diag_args  serving with per-request detail for a server given DIAG_ARGS (label DIAG_LABEL)
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -161,6 +164,8 @@ for st in "$@"; do
     diag_pace[0-9]*) serve_diag "pace${st#diag_pace}" --prefill-pacing-tokens "${st#diag_pace}" ;;
     sprof_pace[0-9]*) stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprof_pace}" ;;
     sprofpw_pace[0-9]*) TOKENMILL_MIXED_STEP_GRAPHS=0 stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprofpw_pace}" ;;
+    spsweep) stage spsweep 400 python3 benchmarks/device/serving_profile.py "$M8" --warm-requests 96 --sweep ${SWEEP:-256:0:0 256:65536:0 0:0:0} ;;
+    diag_args) serve_diag "${DIAG_LABEL:-args}" $DIAG_ARGS ;;
     diag_nocascade) serve_diag nocascade --disable-cascade-attn ;;
     vllm_serve) serve_pair vllm ;;
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;

@@ -2,7 +2,7 @@
 
 usage: python3 benchmarks/device/serving_profile.py MODEL_DIR [--pacing N]
     [--concurrency 64] [--input-len 1024] [--output-len 256] [--warm-requests 128]
-    [--window-steps 300]
+    [--window-steps 300] [--sweep PACING:QUEUE_LIMIT:MAX_NUM_SEQS ...]
 
 The engine core of ``tokenmill serve`` (the server's configuration, ``--load-format dummy``)
 runs ``--concurrency`` random-token requests at a time, each replaced by a new one as it
@@ -17,6 +17,12 @@ finishes, as ``vllm bench serve --max-concurrency`` drives a server. After
 - ``gpu``: GPU busy time per step and the kernels' totals (torch.profiler, CUDA only);
 - ``host``: the engine thread's functions with the most own time (cProfile, which slows
   the host: its step times are not comparable).
+
+With ``--sweep``, one engine runs each scheduling policy in turn (prefill pacing tokens,
+the queued tokens past which pacing stops, the most running requests; 0 keeps the
+server's value), each after ``--warm-requests`` finish under it, with a timing window of
+twice ``--window-steps`` and no profiles: a way to compare admission policies on the GPU
+in seconds each.
 
 A step is host-bound where its wall time exceeds its GPU span. One line per figure,
 prefixed ``SPROF``. One configuration per process: the KV cache takes the GPU's memory.
@@ -38,6 +44,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.engine_io import EngineCoreRequest
+from tokenmill.core.prefill_pacing import PrefillPacing
 from tokenmill.engine_args import EngineArgs
 from tokenmill.sampling_params import SamplingParams
 
@@ -147,7 +154,7 @@ def timing_window(loop: ClosedLoop, steps: int, label: str) -> None:
         tpot = statistics.median((e - f) / (out_len - 1) for _, f, e in finished)
         print(
             f"SPROF {label} requests: {len(finished)} finished, TTFT p50 {1e3 * ttft:.1f} ms, "
-            f"TPOT p50 {1e3 * tpot:.2f} ms",
+            f"TPOT p50 {1e3 * tpot:.2f} ms, {len(finished) / wall:.2f} req/s",
             flush=True,
         )
     # Step time by composition: decode-only steps, and steps with prompt tokens by size;
@@ -208,6 +215,20 @@ def host_window(loop: ClosedLoop, steps: int, label: str) -> None:
             print(f"SPROF {label} host {line}", flush=True)
 
 
+def set_policy(core: EngineCore, spec: str, server_max_num_seqs: int) -> str:
+    """Apply a ``PACING:QUEUE_LIMIT:MAX_NUM_SEQS`` policy to the running scheduler (0 takes
+    the server's queue limit and ``server_max_num_seqs``; pacing 0 turns pacing off);
+    returns the policy's label."""
+    pacing, queue_limit, max_num_seqs = (int(x) for x in spec.split(":"))
+    sched = core.scheduler
+    if pacing:
+        sched.pacing = PrefillPacing(pacing, queue_limit or sched.max_num_batched_tokens)
+    else:
+        sched.pacing = None
+    sched.max_num_seqs = max_num_seqs or server_max_num_seqs
+    return f"p{pacing}q{queue_limit}s{max_num_seqs}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
@@ -218,6 +239,7 @@ def main() -> None:
     parser.add_argument("--warm-requests", type=int, default=128)
     parser.add_argument("--window-steps", type=int, default=300)
     parser.add_argument("--no-host", action="store_true", help="skip the cProfile window")
+    parser.add_argument("--sweep", nargs="+", default=[], metavar="P:Q:S")
     args = parser.parse_args()
     engine_args = EngineArgs(
         model=args.model, load_format="dummy", prefill_pacing_tokens=args.pacing
@@ -225,6 +247,16 @@ def main() -> None:
     core = EngineCore(engine_args.create_engine_config("server"))
     loop = ClosedLoop(core, args, core.config.model_config.vocab_size)
     label = f"pace{args.pacing}"
+    if args.sweep:
+        server_max_num_seqs = core.scheduler.max_num_seqs
+        for spec in args.sweep:
+            label = set_policy(core, spec, server_max_num_seqs)
+            warm_until = len(loop.finished) + args.warm_requests
+            while len(loop.finished) < warm_until:
+                loop.step()
+            timing_window(loop, 2 * args.window_steps, label)
+        core.shutdown()
+        return
     while len(loop.finished) < args.warm_requests:
         loop.step()
     timing_window(loop, args.window_steps, label)
