@@ -45,18 +45,18 @@ def test_no_decoding_request_uses_the_whole_budget():
     assert so.num_scheduled_tokens == {"a": 10, "b": 8}
 
 
-def test_queue_beyond_one_budget_is_computed_at_once():
+def test_queue_beyond_two_budgets_is_computed_at_once():
     sched = make_scheduler(budget=32, max_num_seqs=8, max_model_len=128, num_blocks=64, pacing=6)
     worker = worker_for(sched)
     _decoding(sched, worker)
-    sched.add_request(make_request("a", 44, first_token=0))
+    sched.add_request(make_request("a", 76, first_token=0))
     plans = [step(sched, worker)[0].num_scheduled_tokens for _ in range(4)]
-    # 44 queued: the 12 beyond one budget now, then the rest at 6 per step.
+    # 76 queued: the 12 beyond two budgets now, then the rest at 6 per step.
     assert plans == [{"d": 1, "a": 12}, {"d": 1, "a": 6}, {"d": 1, "a": 6}, {"d": 1, "a": 6}]
-    # Two budgets or more: no limit but the budget.
+    # 46 + 70 queued, 52 beyond two budgets: no limit but the budget.
     sched.add_request(make_request("b", 70, first_token=300))
     so, _ = step(sched, worker)
-    assert so.num_scheduled_tokens == {"d": 1, "a": 14, "b": 17}
+    assert so.num_scheduled_tokens == {"d": 1, "a": 31}
 
 
 def test_prefix_cache_hits_do_not_count_as_queued_work():

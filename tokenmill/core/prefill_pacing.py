@@ -11,9 +11,9 @@ burst of prompts in one such step has two costs:
   the next requests together, so each burst comes back as large as it left.
 
 So while other requests are decoding, the scheduler computes at most ``pacing_tokens``
-prompt tokens per step of the queued prefill work that fits in one step's token budget;
-only what the queue holds beyond one budget is computed at once (so a queue of two budgets
-or more gets whole steps). The first requests of a burst get their first token after a
+prompt tokens per step of the queued prefill work up to ``QUEUE_LIMIT_BUDGETS`` step
+budgets; only what the queue holds beyond that is computed at once (so a deep queue, an
+overload, still gets whole steps). The first requests of a burst get their first token after a
 short step, the stall per step stays bounded (the inter-token-latency bound that chunked
 prefill exists for: Agrawal et al. 2024, "Taming Throughput-Latency Tradeoff in LLM
 Inference with Sarathi-Serve"), and bursts spread out over the steps that follow. With no
@@ -46,6 +46,15 @@ seventh set), 256 against 512: 1,024 unshared tokens TTFT 430 against 368 ms, TP
 against 12.08 ms; a 2,000-token shared prefix TTFT 65 ms and TPOT 9.45 ms at 47.6 req/s,
 against 88-116 ms and 9.4-11.2 ms at 44.6 req/s. 128 tokens was worse on both loads.
 
+Why two budgets before bursting, not one: with one, a closed loop of 64 clients still
+queued more than a budget now and then (requests finishing together come back together),
+and each such full-budget step stalled every decode for ~190 ms at ~23 us per prompt token,
+where paced chunks cost ~18 us per token beside the decodes' weight reads. Those few steps
+were a quarter of the GPU time. Measured on the engine core under 64 closed-loop clients
+(Llama-3.1-8B, H200, random 1,024/256; ``serving_profile.py --sweep``, RESULTS.md ninth
+set): one budget TTFT p50 480 ms, TPOT p50 11.77 ms, 18.55 req/s; two budgets 61 ms,
+11.99 ms, 20.54 req/s (the same as 8 budgets).
+
 Torch-free, like the rest of core/.
 """
 
@@ -61,6 +70,8 @@ if TYPE_CHECKING:
 
 # The default of a server on CUDA (tokens per step; measured above).
 SERVING_PACING_TOKENS = 256
+# Step budgets of queued prompt work that are paced; the excess is computed at once.
+QUEUE_LIMIT_BUDGETS = 2
 
 
 def is_prefilling(request: Request) -> bool:
@@ -75,7 +86,7 @@ class PrefillPacing:
     Args:
         pacing_tokens: prompt tokens per step while requests decode and the queue is short.
         queue_limit_tokens: the queued prefill work (tokens) up to which pacing applies;
-            the scheduler passes its token budget.
+            the scheduler passes ``QUEUE_LIMIT_BUDGETS`` times its token budget.
 
     Raises:
         ValueError: a non-positive ``pacing_tokens`` or ``queue_limit_tokens``.
@@ -110,9 +121,9 @@ class PrefillPacing:
                 decoding = True
         if not decoding:
             return None
-        # Only the part of the queue beyond one step's budget is urgent: it is computed at
-        # once, the rest at the pacing rate. From two budgets on, that part alone fills a
-        # step, so the sum can stop there.
+        # Only the part of the queue beyond the limit is urgent: it is computed at once,
+        # the rest at the pacing rate. From twice the limit on, that part alone fills a
+        # step (the limit is at least one budget), so the sum can stop there.
         limit = self.queue_limit_tokens
         if queued >= 2 * limit:
             return None
