@@ -28,6 +28,7 @@ kernel (torch.profiler over whole-graph replays): where a mixed step's time goes
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 
@@ -69,6 +70,12 @@ KERNEL_CASES = [(64, 1280, 0, 0), (64, 1280, 256, 0), (64, 1280, 512, 0), (0, 0,
 # decodes at ~1,150 tokens of context, alone or with a ~206-token chunk of a prompt that
 # has 0-768 tokens cached.
 SERVING_CASES = [(60, 1152, 0, 0), (60, 1152, 206, 0), (60, 1152, 206, 512), (60, 1152, 256, 768)]
+# TOKENMILL_BENCH_CASES="60,1152,228,512 ..." (decodes, context, chunk, cached) replaces them.
+if os.environ.get("TOKENMILL_BENCH_CASES"):
+    SERVING_CASES = [
+        tuple(int(x) for x in case.split(","))
+        for case in os.environ["TOKENMILL_BENCH_CASES"].split()
+    ]
 
 
 def build_batch(
