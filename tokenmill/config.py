@@ -150,8 +150,8 @@ class SchedulerConfig:
             the running requests' expected growth (``tokenmill.core.admission``), so a
             KV-bound load preempts (and recomputes) far less.
         prefill_pacing_tokens: if > 0 (and chunked prefill is on), the most prompt tokens
-            a step computes while other requests decode and the queued prompts fit in one
-            step's budget (``tokenmill.core.prefill_pacing``).
+            a step computes while other requests decode, of the queued prompt work up to
+            two steps' budget (``tokenmill.core.prefill_pacing``).
     """
 
     max_num_batched_tokens: int

@@ -161,8 +161,9 @@ class EngineArgs:
     )
     prefill_pacing_tokens: int | None = _flag(
         "If > 0, while requests decode, compute at most this many tokens per step of the "
-        "queued prompts that fit in one step's budget: lower TTFT under bursts of requests, "
-        "at some cost in TPOT; 0 turns it off (full-budget steps). Needs "
+        "queued prompts, up to two steps' budget of them (the excess is computed at once): "
+        "lower TTFT and more throughput under load, at some cost in TPOT; 0 turns it off "
+        "(full-budget steps). Needs "
         f"chunked prefill. Default: {SERVING_PACING_TOKENS} when serving on CUDA with chunked "
         "prefill and CUDA graphs, else 0.",
         default=None,

@@ -44,7 +44,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.engine_io import EngineCoreRequest
-from tokenmill.core.prefill_pacing import QUEUE_LIMIT_BUDGETS, PrefillPacing
+from tokenmill.core.prefill_pacing import PrefillPacing
 from tokenmill.engine_args import EngineArgs
 from tokenmill.sampling_params import SamplingParams
 
@@ -222,9 +222,7 @@ def set_policy(core: EngineCore, spec: str, server_max_num_seqs: int) -> str:
     pacing, queue_limit, max_num_seqs = (int(x) for x in spec.split(":"))
     sched = core.scheduler
     if pacing:
-        sched.pacing = PrefillPacing(
-            pacing, queue_limit or QUEUE_LIMIT_BUDGETS * sched.max_num_batched_tokens
-        )
+        sched.pacing = PrefillPacing(pacing, sched.max_num_batched_tokens, queue_limit or None)
     else:
         sched.pacing = None
     sched.max_num_seqs = max_num_seqs or server_max_num_seqs

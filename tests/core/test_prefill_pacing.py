@@ -4,13 +4,14 @@ decodes, prefix-cache hits, and the engine flag."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from tests.core.test_scheduler import make_request, make_scheduler, run_to_finish, step, worker_for
 from tests.model.test_loader import CONFIG
 from tokenmill.config import ConfigError
-from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
+from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS, PrefillPacing
 from tokenmill.engine_args import EngineArgs
 
 
@@ -65,14 +66,27 @@ def test_prefix_cache_hits_do_not_count_as_queued_work():
     sched.add_request(make_request("p", 41, max_tokens=40, first_token=0))
     for _ in range(3):
         step(sched, worker)  # p's prompt in two steps (40 tokens cached), then a decode
-    # q shares p's first 40 tokens: 12 of its 52 to compute, a short queue, so paced (52
-    # counted whole would be 20 beyond the budget, all computed at once). The look-ahead
-    # is not counted as a second prefix-cache query.
-    sched.add_request(make_request("q", 52, max_tokens=4, first_token=0))
+    # q shares p's first 40 tokens: 41 of its 81 to compute, a short queue, so paced (81
+    # counted whole would be 17 beyond two budgets, computed at once). The look-ahead is
+    # not counted as a second prefix-cache query.
+    sched.add_request(make_request("q", 81, max_tokens=4, first_token=0))
     so, out = step(sched, worker)
     assert so.num_scheduled_tokens == {"p": 1, "q": 6}
     stats = out.scheduler_stats
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (52, 40)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (81, 40)
+
+
+def test_the_sum_of_the_queue_stops_once_the_excess_fills_a_step():
+    pacing = PrefillPacing(256, budget_tokens=1000, queue_limit_tokens=500)
+    running = [SimpleNamespace(num_prompt_tokens=10, num_computed_tokens=11)]  # decoding
+    # The last request has no length: the sum must stop before reading it.
+    waiting = [SimpleNamespace(num_tokens=n) for n in (400, 599, 501)] + [SimpleNamespace()]
+    kv = SimpleNamespace(num_cached_prefix_tokens=lambda request: 0)
+    assert pacing.allowance(running, waiting[:1], kv) == 256
+    assert pacing.allowance(running, waiting[:2], kv) == 499
+    assert pacing.allowance(running, waiting, kv) is None  # 1,500 = limit + budget
+    with pytest.raises(ValueError, match="budget_tokens"):
+        PrefillPacing(256, budget_tokens=0)
 
 
 def test_paced_requests_finish_and_free_every_block():

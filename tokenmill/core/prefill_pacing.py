@@ -86,21 +86,28 @@ class PrefillPacing:
 
     Args:
         pacing_tokens: prompt tokens per step while requests decode and the queue is short.
+        budget_tokens: the step's token budget (``max_num_batched_tokens``).
         queue_limit_tokens: the queued prefill work (tokens) up to which pacing applies;
-            the scheduler passes ``QUEUE_LIMIT_BUDGETS`` times its token budget.
+            default ``QUEUE_LIMIT_BUDGETS`` times ``budget_tokens``.
 
     Raises:
-        ValueError: a non-positive ``pacing_tokens`` or ``queue_limit_tokens``.
+        ValueError: a non-positive argument.
     """
 
-    def __init__(self, pacing_tokens: int, queue_limit_tokens: int) -> None:
-        if pacing_tokens <= 0 or queue_limit_tokens <= 0:
+    def __init__(
+        self, pacing_tokens: int, budget_tokens: int, queue_limit_tokens: int | None = None
+    ) -> None:
+        if queue_limit_tokens is None:
+            queue_limit_tokens = QUEUE_LIMIT_BUDGETS * budget_tokens
+        if min(pacing_tokens, budget_tokens, queue_limit_tokens) <= 0:
             raise ValueError(
-                f"pacing_tokens ({pacing_tokens}) and queue_limit_tokens "
-                f"({queue_limit_tokens}) must be positive"
+                f"pacing_tokens ({pacing_tokens}), budget_tokens ({budget_tokens}) and "
+                f"queue_limit_tokens ({queue_limit_tokens}) must be positive"
             )
         self.pacing_tokens = pacing_tokens
         self.queue_limit_tokens = queue_limit_tokens
+        # From this much queued work on, the part beyond the limit fills a step by itself.
+        self.unpaced_tokens = queue_limit_tokens + budget_tokens
 
     def allowance(
         self, running: Iterable[Request], waiting: Iterable[Request], kv: KVCacheManager
@@ -123,13 +130,11 @@ class PrefillPacing:
         if not decoding:
             return None
         # Only the part of the queue beyond the limit is urgent: it is computed at once,
-        # the rest at the pacing rate. From twice the limit on, that part alone fills a
-        # step (the limit is at least one budget), so the sum can stop there.
-        limit = self.queue_limit_tokens
-        if queued >= 2 * limit:
+        # the rest at the pacing rate. Once that part alone fills a step, the sum can stop.
+        if queued >= self.unpaced_tokens:
             return None
         for request in waiting:
             queued += request.num_tokens - kv.num_cached_prefix_tokens(request)
-            if queued >= 2 * limit:
+            if queued >= self.unpaced_tokens:
                 return None
-        return max(self.pacing_tokens, queued - limit)
+        return max(self.pacing_tokens, queued - self.queue_limit_tokens)

@@ -24,7 +24,7 @@ from tokenmill.core.admission import AdmissionHeadroom
 from tokenmill.core.engine_io import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.prefill_pacing import QUEUE_LIMIT_BUDGETS, PrefillPacing, is_prefilling
+from tokenmill.core.prefill_pacing import PrefillPacing, is_prefilling
 from tokenmill.core.request_queue import create_request_queue
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.request import Request, RequestStatus
@@ -139,9 +139,7 @@ class Scheduler:
                 "chunked prefill"
             )
         self.pacing = (
-            PrefillPacing(pacing_tokens, QUEUE_LIMIT_BUDGETS * self.max_num_batched_tokens)
-            if pacing_tokens
-            else None
+            PrefillPacing(pacing_tokens, self.max_num_batched_tokens) if pacing_tokens else None
         )
         self.block_size = cache_config.block_size
         self.log_stats = log_stats
