@@ -5,7 +5,8 @@
 # scripts in .carry/peer-vllm/tools: the bundle's wheels (fastapi, uvicorn, pyzmq, msgspec)
 # are tokenmill's server dependencies there, and its model folders are the M8/M135 configs.
 # Stages:
-#   gputests   pytest tests/gpu and the Triton/fused-kernel tests on CUDA
+#   gputests   pytest tests/gpu and the Triton/fused-kernel tests on CUDA; gputests_sampler
+#              the sampler's tests (their CUDA cases) and the engine's GPU tests
 #   attn       benchmarks/attention_bench.py (kernel timings)
 #   lat1 lat32 tokenmill bench latency, M8, 32 in / 256 out, batch 1 / 32
 #   tp_long tp_short tp_small   tokenmill bench throughput (as ANCHORS.md)
@@ -125,6 +126,7 @@ for st in "$@"; do
   case "$st" in
     gputests) stage gputests 240 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 ;;
     gputests_mixed) stage gputests_mixed 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "mixed_step_graphs or split_decode" -p no:cacheprovider --timeout 120 ;;
+    gputests_sampler) stage gputests_sampler 200 python3 -m pytest -q tests/worker/test_sampler.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 150 ;;
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
     attn_prefix) stage attn_prefix 180 python3 benchmarks/attention_bench.py --only decode --decode-batches 64 --contexts 1280,2304 --shared-prefix 0,2000 --sweep-splits ;;
