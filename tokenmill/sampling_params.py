@@ -274,15 +274,18 @@ class SamplingParams:
                     f"(--max-logprobs).",
                     name,
                 )
-        ids: list[int] = list(self.stop_token_ids or [])
-        ids += list(self.logit_bias or {})
-        ids += list(self.allowed_token_ids or [])
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise SamplingParamsError(
-                f"token ids {bad[:5]} are out of the vocabulary range [0, {vocab_size}).",
-                "logit_bias" if self.logit_bias else "stop_token_ids",
-            )
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", self.logit_bias),
+            ("allowed_token_ids", self.allowed_token_ids),
+        ):
+            bad = [t for t in ids or () if not 0 <= t < vocab_size]
+            if bad:
+                raise SamplingParamsError(
+                    f"{name}: token ids {bad[:5]} are out of the vocabulary range "
+                    f"[0, {vocab_size}).",
+                    name,
+                )
 
     @property
     def sampling_type_greedy(self) -> bool:

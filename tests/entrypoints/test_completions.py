@@ -206,3 +206,31 @@ def _broken(token: bytes) -> bool:
         return False
     except UnicodeDecodeError:
         return True
+
+
+def test_allowed_token_ids_limit_what_is_sampled(default_server):
+    words = {"prompt": " Paris Lyon", "add_special_tokens": False}
+    allowed = default_server.post("/tokenize", words).json()["tokens"]
+    texts = {default_server.post("/detokenize", {"tokens": [t]}).json()["prompt"] for t in allowed}
+    body = {
+        "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 0, "ignore_eos": True,
+        "allowed_token_ids": allowed, "logprobs": 1,
+    }  # fmt: skip
+    result = default_server.post("/v1/completions", body).json()
+    tokens = result["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 6 and set(tokens) <= texts, (tokens, texts)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(default_server):
+    prompt = "one two three four five six seven eight nine ten"
+    ids = default_server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    body = {"prompt": prompt, "max_tokens": 1, "echo": True, "truncate_prompt_tokens": 4}
+    result = default_server.post("/v1/completions", body).json()
+    assert result["usage"]["prompt_tokens"] == 4
+    tail = default_server.post("/detokenize", {"tokens": ids[-4:]}).json()["prompt"]
+    assert result["choices"][0]["text"].startswith(tail)
+    # Shorter prompts, and -1, keep every token.
+    for k in (len(ids), -1):
+        body = {"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": k}
+        result = default_server.post("/v1/completions", body).json()
+        assert result["usage"]["prompt_tokens"] == len(ids)

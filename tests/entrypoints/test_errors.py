@@ -130,13 +130,45 @@ CASES = [
         "messages.0.content",
         "needs its 'text'",
     ),
-    # vLLM's fields that tokenmill does not implement: refused, never silently ignored.
     (
-        "allowed_token_ids",
+        "allowed_token_ids out of the vocabulary",
         COMPLETIONS,
         {"prompt": "Hi", "max_tokens": 1, "allowed_token_ids": [10**9]},
         400,
         "allowed_token_ids",
+        "out of the vocabulary",
+    ),
+    (
+        "allowed_token_ids empty",
+        CHAT,
+        {"messages": MSG, "allowed_token_ids": []},
+        400,
+        "allowed_token_ids",
+        "must not be empty",
+    ),
+    (
+        "truncate_prompt_tokens zero",
+        CHAT,
+        {"messages": MSG, "truncate_prompt_tokens": 0},
+        400,
+        "truncate_prompt_tokens",
+        "between 1 and",
+    ),
+    (
+        "truncate_prompt_tokens past the context",
+        COMPLETIONS,
+        {"prompt": "Hi", "truncate_prompt_tokens": 10**6},
+        400,
+        "truncate_prompt_tokens",
+        "between 1 and",
+    ),
+    # vLLM's fields that tokenmill does not implement: refused, never silently ignored.
+    (
+        "bad_words",
+        COMPLETIONS,
+        {"prompt": "Hi", "max_tokens": 1, "bad_words": ["x"]},
+        400,
+        "bad_words",
         "does not implement",
     ),
     (

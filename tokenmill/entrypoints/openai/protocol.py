@@ -59,12 +59,14 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    # vLLM's extensions: sample only among these token ids; keep only the prompt's last
+    # this many tokens (-1: as many as the context holds).
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     # Accepted so that they can be rejected with a clear message (not implemented):
     # ignored, they would silently change what a client asked for.
     response_format: dict[str, Any] | None = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
-    truncate_prompt_tokens: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -75,8 +77,8 @@ class SamplingFields(OpenAIBaseModel):
 
 # vLLM's request fields that tokenmill does not implement yet (400 when given).
 UNIMPLEMENTED_FIELDS = (
-    "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "structured_outputs", "logits_processors",
+    "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "structured_outputs", "logits_processors",
 )  # fmt: skip
 
 

@@ -134,6 +134,7 @@ class OpenAIServingChat(OpenAIServing):
         self._check_supported(request)
         self.check_stream_options(request)
         prompt_ids = await self.render_prompt_async(request.messages, request)
+        prompt_ids = self.truncate_prompt(prompt_ids, request)
         self.check_prompt_length(len(prompt_ids), "messages")
         max_tokens = (
             request.max_completion_tokens

@@ -166,6 +166,13 @@ class OpenAIServingCompletion(OpenAIServing):
             FRONT_END_TIMINGS.record("handler->tokenized", time.monotonic() - start)
         request_id = random_id("cmpl")
         streams = []
+        if request.truncate_prompt_tokens is not None:
+            cut: list[Prompt] = []
+            for text, ids in prompts:
+                kept = self.truncate_prompt(ids, request)
+                # A cut prompt echoes its kept tokens' text.
+                cut.append((text if len(kept) == len(ids) else None, kept))
+            prompts = cut
         for p, (text, ids) in enumerate(prompts):
             if ids:  # (an empty prompt is the engine's to reject)
                 self.check_prompt_length(len(ids), "prompt")

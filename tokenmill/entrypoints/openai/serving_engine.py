@@ -136,6 +136,28 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise model_not_found(model)
 
+    def truncate_prompt(self, ids: list[int], request: SamplingFields) -> list[int]:
+        """The prompt's last ``request.truncate_prompt_tokens`` tokens (vLLM's left
+        truncation; -1: the most the context holds with room for one generated token), or
+        ``ids`` when the field is unset or the prompt is shorter.
+
+        Raises:
+            OpenAIError: 400 for a value other than -1 or 1..max_model_len - 1.
+        """
+        k = request.truncate_prompt_tokens
+        if k is None:
+            return ids
+        max_len = self.model_config.max_model_len
+        if k == -1:
+            k = max_len - 1
+        elif not 1 <= k < max_len:
+            raise bad_request(
+                f"truncate_prompt_tokens must be -1 or between 1 and {max_len - 1} (the "
+                f"model's context, {max_len} tokens, minus one to generate), got {k}.",
+                "truncate_prompt_tokens",
+            )
+        return ids[-k:] if len(ids) > k else ids
+
     def check_prompt_length(self, num_prompt_tokens: int, param: str) -> None:
         """Raises a 400 when the prompt leaves no room for even one generated token."""
         max_len = self.model_config.max_model_len
@@ -206,6 +228,7 @@ class OpenAIServing:
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 logit_bias=parse_logit_bias(request.logit_bias),
+                allowed_token_ids=request.allowed_token_ids,
                 output_kind=RequestOutputKind.DELTA
                 if request.stream
                 else RequestOutputKind.FINAL_ONLY,
