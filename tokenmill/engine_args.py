@@ -240,20 +240,10 @@ class EngineArgs:
             ConfigError: an invalid or unimplemented value (the message names the flag).
             ModelLoadError: the model cannot be read.
         """
-        self._reject_unimplemented()
+        kv_bytes = self._check_flags()
         device = self._resolve_device()
         model_config = self._create_model_config(device)
         scheduler_config = self._create_scheduler_config(device, usage_context, model_config)
-        try:
-            kv_bytes = parse_bytes(self.kv_cache_memory) if self.kv_cache_memory else None
-        except ValueError as e:
-            raise ConfigError(f"--kv-cache-memory: {e}") from None
-        if kv_bytes is not None and kv_bytes <= 0:
-            raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(
-                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -274,7 +264,21 @@ class EngineArgs:
             max_model_len_auto=self.max_model_len == -1,
         )
 
-    def _reject_unimplemented(self) -> None:
+    def _check_flags(self) -> int | None:
+        """The checks that need no model (before its config is read, which takes seconds
+        for a large GGUF file); returns ``--kv-cache-memory`` in bytes (None: unset)."""
+        try:
+            kv_bytes = parse_bytes(self.kv_cache_memory) if self.kv_cache_memory else None
+        except ValueError as e:
+            raise ConfigError(f"--kv-cache-memory: {e}") from None
+        if kv_bytes is not None and kv_bytes <= 0:
+            raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_model_len is not None and self.max_model_len != -1 and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be positive or -1, got {self.max_model_len}")
         if self.tensor_parallel_size != 1:
             raise ConfigError(
                 f"--tensor-parallel-size {self.tensor_parallel_size}: tokenmill runs a model on "
@@ -305,6 +309,7 @@ class EngineArgs:
             )
         if self.max_logprobs < 0:
             raise ConfigError(f"--max-logprobs must be non-negative, got {self.max_logprobs}")
+        return kv_bytes
 
     def _resolve_device(self) -> str:
         import torch
@@ -353,8 +358,6 @@ class EngineArgs:
             # -1 (largest that fits the KV cache) is settled by the worker once it has sized
             # the cache; start from the model's limit.
             max_model_len = model_len
-        elif max_model_len < 1:
-            raise ConfigError(f"--max-model-len must be positive or -1, got {max_model_len}")
         elif max_model_len > model_len:
             raise ConfigError(
                 f"--max-model-len {max_model_len} is larger than the model's maximum context "

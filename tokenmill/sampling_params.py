@@ -111,6 +111,9 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string in the text.
         logit_bias: token id -> value added to that token's logit (OpenAI, [-100, 100]).
         allowed_token_ids: if given, only these tokens can be sampled.
+        truncate_prompt_tokens: keep only the prompt's last this many tokens (vLLM's left
+            truncation); -1 keeps as many as leave room for ``max_tokens`` (or for one
+            token when it is None). At most the context length minus one.
         output_kind: what each RequestOutput carries (see RequestOutputKind).
 
     Raises:
@@ -140,6 +143,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the model (eos ids); not set by users.
     eos_token_ids: list[int] = field(default_factory=list)
@@ -252,6 +256,12 @@ class SamplingParams:
                 "allowed_token_ids",
                 "allowed_token_ids must not be empty.",
             )
+        k = self.truncate_prompt_tokens
+        check(
+            k is None or (_is_int(k) and (k == -1 or k >= 1)),
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens must be -1 or at least 1, got {k!r}.",
+        )
         check(
             self.seed is None or _INT64_MIN <= self.seed <= _INT64_MAX - (self.best_of - 1),
             "seed",

@@ -112,6 +112,8 @@ async def _stream(
 
 
 async def _models(request: web.Request) -> web.Response:
+    if request.app[STATE_KEY].mode == "unauthorized":
+        return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
     return web.json_response(
         {"object": "list", "data": [{"id": STUB_MODEL, "object": "model", "owned_by": "stub"}]}
     )

@@ -221,6 +221,19 @@ def test_dropped_connection_and_unreachable_server(tmp_path, capsys, smollm2_ggu
         )
 
 
+def test_a_server_that_wants_an_api_key_is_named_as_such(capsys, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with StubServer("unauthorized") as stub:
+        code = bench_main(["serve", "--base-url", stub.base_url, "--num-prompts", "1"])
+    out = capsys.readouterr()
+    assert code == 2 and "Traceback" not in out.err
+    assert out.err == (
+        f"tokenmill bench serve: error: the server at {stub.base_url} refused the request "
+        "(HTTP 401): it needs an API key, and OPENAI_API_KEY is not set; set it to the "
+        "server's --api-key\n"
+    )
+
+
 def test_counts_with_the_tokenizer_without_usage(tmp_path, smollm2_gguf_path, smollm2_tokenizer):
     with StubServer("no_usage") as stub:
         code, result = _run(

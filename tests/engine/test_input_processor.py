@@ -194,3 +194,30 @@ def test_default_sampling_params(smollm2_tokenizer):
     assert (params.temperature, params.top_p, params.max_tokens) == (0.6, 0.9, 50)
     plain = InputProcessor(make_config(), smollm2_tokenizer, 20).default_sampling_params()
     assert plain == SamplingParams()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(processor):
+    ids = list(range(10, 3010))  # longer than the 2048-token context
+    req = processor.process("r", ids, SamplingParams(truncate_prompt_tokens=5))
+    assert req.prompt_token_ids == ids[-5:]
+    req = processor.process("r", "Hello world, again", SamplingParams(truncate_prompt_tokens=2))
+    assert len(req.prompt_token_ids) == 2 and req.prompt is None  # the text no longer matches
+    req = processor.process("r", "Hi", SamplingParams(truncate_prompt_tokens=50))
+    assert req.prompt == "Hi"  # shorter than k: kept whole
+    # -1: as much as leaves room for max_tokens.
+    req = processor.process("r", ids, SamplingParams(truncate_prompt_tokens=-1, max_tokens=48))
+    assert req.prompt_token_ids == ids[-2000:]
+    with pytest.raises(InvalidRequestError, match="between 1 and 2047") as e:
+        processor.process("r", ids, SamplingParams(truncate_prompt_tokens=2048))
+    assert e.value.param == "truncate_prompt_tokens"
+    for bad in (0, -2, 1.5):
+        with pytest.raises(SamplingParamsError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_min_tokens_with_only_stop_tokens_allowed(processor):
+    with pytest.raises(InvalidRequestError, match="no token could be sampled") as e:
+        processor.process("r", [1], SamplingParams(min_tokens=2, allowed_token_ids=[2]))
+    assert e.value.param == "allowed_token_ids"
+    processor.process("r", [1], SamplingParams(min_tokens=2, allowed_token_ids=[2, 7]))
+    processor.process("r", [1], SamplingParams(allowed_token_ids=[2]))

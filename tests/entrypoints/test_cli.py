@@ -8,6 +8,8 @@ import subprocess
 import pytest
 
 from tests.entrypoints.conftest import SERVE_COMMAND
+from tokenmill.config import ConfigError
+from tokenmill.engine_args import EngineArgs
 from tokenmill.entrypoints.cli.main import build_parser, main
 from tokenmill.entrypoints.cli.serve import UNIMPLEMENTED_FLAGS
 from tokenmill.version import __version__
@@ -103,3 +105,17 @@ def test_startup_errors_fail_in_one_line(tiny_model_dir, argv, words):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert lines[0].startswith("tokenmill serve: error:") and words in lines[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"max_model_len": 0}, "--max-model-len must be positive"),
+        ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization must be in"),
+        ({"kv_cache_memory": "0"}, "--kv-cache-memory must be positive"),
+    ],
+)
+def test_flag_ranges_are_checked_before_the_model_is_read(kwargs, words):
+    # A missing model would be reported first if the model were read first.
+    with pytest.raises(ConfigError, match=words):
+        EngineArgs(model="/no/such/model", **kwargs).create_engine_config("server")

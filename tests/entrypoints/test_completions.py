@@ -234,3 +234,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(default_server):
         body = {"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": k}
         result = default_server.post("/v1/completions", body).json()
         assert result["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_truncate_prompt_tokens_minus_one_leaves_room_for_max_tokens(default_server):
+    max_len = default_server.get("/v1/models").json()["data"][0]["max_model_len"]
+    body = {"prompt": [100] * (max_len + 10), "max_tokens": 16, "truncate_prompt_tokens": -1}
+    result = default_server.post("/v1/completions", body).json()
+    assert result["usage"]["prompt_tokens"] == max_len - 16, result

@@ -25,6 +25,7 @@ from tokenmill.benchmarks.common import BenchmarkError, flags_of, parse_percenti
 from tokenmill.benchmarks.datasets import add_dataset_args, encode, sample_requests
 from tokenmill.benchmarks.serve_client import (
     ClientConfig,
+    ServerUnauthorized,
     ServerUnreachable,
     auth_headers,
     list_models,
@@ -133,13 +134,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     report = parser.add_argument_group("report")
     report.add_argument(
         "--percentile-metrics",
-        default="ttft,tpot,itl,e2el",
-        help="Metrics to print percentiles of: ttft,tpot,itl,e2el. (default: all four)",
+        default="ttft,tpot,itl",
+        help="Metrics to print percentiles of, from ttft,tpot,itl,e2el. (default: ttft,tpot,itl, "
+        "as vLLM's)",
     )
     report.add_argument(
         "--metric-percentiles",
-        default="90,99",
-        help="Percentiles to report, e.g. 50,90,99. (default: 90,99)",
+        default="99",
+        help="Percentiles to report, e.g. 50,90,99. (default: 99, as vLLM's)",
     )
     report.add_argument(
         "--goodput",
@@ -337,6 +339,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchmarkError(
             f"the server at {base_url} is unreachable ({e}); start it, or point --base-url "
             "(or --host/--port) at it"
+        ) from None
+    except ServerUnauthorized as e:
+        key = "is wrong" if os.environ.get("OPENAI_API_KEY") else "is not set"
+        raise BenchmarkError(
+            f"the server at {base_url} refused the request ({e}): it needs an API key, and "
+            f"OPENAI_API_KEY {key}; set it to the server's --api-key"
         ) from None
     model_id, model_name, tokenizer_id = resolve_model(models, args.model, args.served_model_name)
     args.label = default_label(args, models)

@@ -68,17 +68,24 @@ class ServerUnreachable(Exception):
     """No HTTP answer from the server: connection refused, unknown host, timeout."""
 
 
+class ServerUnauthorized(Exception):
+    """The server answered 401 or 403: it wants an API key that was not sent or is wrong."""
+
+
 def list_models(base_url: str, timeout_s: float = 10.0) -> list[dict[str, Any]] | None:
     """The server's ``/v1/models`` entries, or None if it answers without a model list.
 
     Raises:
         ServerUnreachable: the server did not answer over HTTP at all (the message says why).
+        ServerUnauthorized: the server answered 401 or 403.
     """
     request = urllib.request.Request(f"{base_url}/v1/models", headers=auth_headers())
     try:
         with _DIRECT.open(request, timeout=timeout_s) as response:
             data = json.loads(response.read())
-    except urllib.error.HTTPError:  # an answer, just not a model list
+    except urllib.error.HTTPError as e:  # an answer, just not a model list
+        if e.code in (401, 403):
+            raise ServerUnauthorized(f"HTTP {e.code}") from None
         return None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)

@@ -56,6 +56,27 @@ class ProcessedRequest:
     arrival_time: float
 
 
+def truncate_prompt(
+    prompt_ids: list[int], k: int, max_model_len: int, max_tokens: int | None
+) -> list[int]:
+    """The prompt's last ``k`` tokens (vLLM's ``truncate_prompt_tokens``, left truncation);
+    ``k = -1`` keeps as many as leave room for ``max_tokens`` (for one token when None).
+    A prompt of at most ``k`` tokens is returned as it is.
+
+    Raises:
+        InvalidRequestError: ``k`` other than -1 or 1..max_model_len - 1.
+    """
+    if k == -1:
+        k = max(1, max_model_len - max(1, max_tokens or 1))
+    elif not 1 <= k < max_model_len:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens must be -1 or between 1 and {max_model_len - 1} (the "
+            f"model's context, {max_model_len} tokens, minus one to generate), got {k}.",
+            "truncate_prompt_tokens",
+        )
+    return prompt_ids[-k:] if len(prompt_ids) > k else prompt_ids
+
+
 class InputProcessor:
     """Turns prompts into EngineCoreRequests, rejecting what the model cannot serve.
 
@@ -113,11 +134,15 @@ class InputProcessor:
         Raises:
             InvalidRequestError: empty prompt, token ids outside the vocabulary, prompt or
                 prompt + max_tokens longer than the context, stop strings without
-                detokenization.
+                detokenization, allowed_token_ids that are all stop tokens under min_tokens.
             SamplingParamsError: more logprobs than allowed, or token ids in the sampling
                 parameters outside the vocabulary.
         """
         text, prompt_ids, cache_salt = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            kept = self._truncate(prompt_ids, params)
+            if len(kept) < len(prompt_ids):
+                text, prompt_ids = None, kept  # the text no longer matches the tokens
         self._validate_prompt(prompt_ids, params, validate_max_tokens)
         params = self._validate_params(params)
         arrival = time.time() if arrival_time is None else arrival_time
@@ -141,6 +166,12 @@ class InputProcessor:
         else:
             engine_requests = [core_request(request_id, params)]
         return ProcessedRequest(request_id, text, prompt_ids, params, engine_requests, arrival)
+
+    def _truncate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        assert params.truncate_prompt_tokens is not None
+        return truncate_prompt(
+            prompt_ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens
+        )
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         cache_salt = None
@@ -227,4 +258,11 @@ class InputProcessor:
             )
         params = params.clone()
         params.eos_token_ids = list(self.eos_token_ids)
+        if params.min_tokens and params.allowed_token_ids is not None:
+            if set(params.allowed_token_ids) <= set(params.all_stop_token_ids):
+                raise InvalidRequestError(
+                    "Every allowed token is a stop or EOS token, and min_tokens keeps those "
+                    "from being sampled until it is reached: no token could be sampled.",
+                    "allowed_token_ids",
+                )
         return params

@@ -66,6 +66,9 @@ class SamplingFields(OpenAIBaseModel):
     # Accepted so that they can be rejected with a clear message (not implemented):
     # ignored, they would silently change what a client asked for.
     response_format: dict[str, Any] | None = None
+    use_beam_search: Any = None
+    return_tokens_as_token_ids: Any = None
+    prompt_embeds: Any = None
     bad_words: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -78,7 +81,7 @@ class SamplingFields(OpenAIBaseModel):
 # vLLM's request fields that tokenmill does not implement yet (400 when given).
 UNIMPLEMENTED_FIELDS = (
     "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "structured_outputs", "logits_processors",
+    "structured_outputs", "logits_processors", "prompt_embeds",
 )  # fmt: skip
 
 

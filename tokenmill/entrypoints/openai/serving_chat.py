@@ -134,13 +134,13 @@ class OpenAIServingChat(OpenAIServing):
         self._check_supported(request)
         self.check_stream_options(request)
         prompt_ids = await self.render_prompt_async(request.messages, request)
-        prompt_ids = self.truncate_prompt(prompt_ids, request)
-        self.check_prompt_length(len(prompt_ids), "messages")
         max_tokens = (
             request.max_completion_tokens
             if request.max_completion_tokens is not None
             else request.max_tokens
         )
+        prompt_ids = self.truncate_prompt(prompt_ids, request, max_tokens)
+        self.check_prompt_length(len(prompt_ids), "messages")
         params = self.build_sampling_params(
             request, len(prompt_ids), max_tokens, self._num_logprobs(request)
         )
@@ -174,6 +174,9 @@ class OpenAIServingChat(OpenAIServing):
     def _check_supported(self, request: ChatCompletionRequest) -> None:
         if request.tools and request.tool_choice != "none":
             raise bad_request("tokenmill does not implement tool calling yet.", "tools")
+        if request.tool_choice not in (None, "none", "auto"):
+            # "required" or a named function asks for a tool call, which cannot be served.
+            raise bad_request("tokenmill does not implement tool calling yet.", "tool_choice")
         check_implemented(request)
         if request.continue_final_message and request.add_generation_prompt:
             raise bad_request(

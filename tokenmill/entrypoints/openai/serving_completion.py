@@ -169,7 +169,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.truncate_prompt_tokens is not None:
             cut: list[Prompt] = []
             for text, ids in prompts:
-                kept = self.truncate_prompt(ids, request)
+                kept = self.truncate_prompt(ids, request, request.max_tokens)
                 # A cut prompt echoes its kept tokens' text.
                 cut.append((text if len(kept) == len(ids) else None, kept))
             prompts = cut

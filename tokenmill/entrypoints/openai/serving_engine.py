@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tokenmill.engine.async_llm import EngineDeadError
+from tokenmill.engine.input_processor import InvalidRequestError, truncate_prompt
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -136,10 +137,13 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise model_not_found(model)
 
-    def truncate_prompt(self, ids: list[int], request: SamplingFields) -> list[int]:
+    def truncate_prompt(
+        self, ids: list[int], request: SamplingFields, max_tokens: int | None
+    ) -> list[int]:
         """The prompt's last ``request.truncate_prompt_tokens`` tokens (vLLM's left
-        truncation; -1: the most the context holds with room for one generated token), or
-        ``ids`` when the field is unset or the prompt is shorter.
+        truncation; -1: the most the context holds with room for ``max_tokens``, or for
+        one generated token when it is unset), or ``ids`` when the field is unset or the
+        prompt is shorter.
 
         Raises:
             OpenAIError: 400 for a value other than -1 or 1..max_model_len - 1.
@@ -147,16 +151,10 @@ class OpenAIServing:
         k = request.truncate_prompt_tokens
         if k is None:
             return ids
-        max_len = self.model_config.max_model_len
-        if k == -1:
-            k = max_len - 1
-        elif not 1 <= k < max_len:
-            raise bad_request(
-                f"truncate_prompt_tokens must be -1 or between 1 and {max_len - 1} (the "
-                f"model's context, {max_len} tokens, minus one to generate), got {k}.",
-                "truncate_prompt_tokens",
-            )
-        return ids[-k:] if len(ids) > k else ids
+        try:
+            return truncate_prompt(ids, k, self.model_config.max_model_len, max_tokens)
+        except InvalidRequestError as e:
+            raise bad_request(str(e), e.param) from None
 
     def check_prompt_length(self, num_prompt_tokens: int, param: str) -> None:
         """Raises a 400 when the prompt leaves no room for even one generated token."""
@@ -351,6 +349,10 @@ def check_implemented(request: SamplingFields) -> None:
         )
     for name in UNIMPLEMENTED_FIELDS:
         if getattr(request, name) is not None:
+            raise bad_request(f"tokenmill does not implement {name} yet.", name)
+    # vLLM's flags: false asks for the default behaviour, which is served.
+    for name in ("use_beam_search", "return_tokens_as_token_ids"):
+        if getattr(request, name) not in (None, False):
             raise bad_request(f"tokenmill does not implement {name} yet.", name)
 
 
