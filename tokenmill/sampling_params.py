@@ -111,6 +111,9 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string in the text.
         logit_bias: token id -> value added to that token's logit (OpenAI, [-100, 100]).
         allowed_token_ids: if given, only these tokens can be sampled.
+        bad_words: words that may not be generated: the token that would complete one is
+            never sampled (each word as tokenized alone and after a space; the engine fills
+            ``bad_words_token_ids``).
         truncate_prompt_tokens: keep only the prompt's last this many tokens (vLLM's left
             truncation); -1 keeps as many as leave room for ``max_tokens`` (or for one
             token when it is None). At most the context length minus one.
@@ -143,10 +146,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Filled by the engine from the model (eos ids); not set by users.
+    # Filled by the engine from the model (eos ids, bad words' token ids); not set by users.
     eos_token_ids: list[int] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.best_of is None:
@@ -256,6 +261,15 @@ class SamplingParams:
                 "allowed_token_ids",
                 "allowed_token_ids must not be empty.",
             )
+        if self.bad_words is not None:
+            check(
+                isinstance(self.bad_words, list)
+                and all(
+                    isinstance(w, str) and w.strip() and _is_unicode(w) for w in self.bad_words
+                ),
+                "bad_words",
+                "bad_words must be a list of non-blank strings of valid Unicode.",
+            )
         k = self.truncate_prompt_tokens
         check(
             k is None or (_is_int(k) and (k == -1 or k >= 1)),
@@ -288,6 +302,7 @@ class SamplingParams:
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", self.logit_bias),
             ("allowed_token_ids", self.allowed_token_ids),
+            ("bad_words", [t for word in self.bad_words_token_ids or () for t in word]),
         ):
             bad = [t for t in ids or () if not 0 <= t < vocab_size]
             if bad:
@@ -305,7 +320,8 @@ class SamplingParams:
     @property
     def uses_full_sampler(self) -> bool:
         """True if decoding needs the token history or logprobs on the host: penalties,
-        logit bias, allowed tokens, min_tokens, a seed, logprobs or prompt logprobs. Plain
+        logit bias, allowed tokens, bad words, min_tokens, a seed, logprobs or prompt
+        logprobs. Plain
         temperature/top-k/top-p/min-p sampling does not (the fast path)."""
         return bool(
             self.presence_penalty
@@ -313,6 +329,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.allowed_token_ids is not None
+            or self.bad_words
             or self.min_tokens
             or self.seed is not None
             or self.logprobs is not None

@@ -221,3 +221,17 @@ def test_min_tokens_with_only_stop_tokens_allowed(processor):
     assert e.value.param == "allowed_token_ids"
     processor.process("r", [1], SamplingParams(min_tokens=2, allowed_token_ids=[2, 7]))
     processor.process("r", [1], SamplingParams(allowed_token_ids=[2]))
+
+
+def test_bad_words_are_tokenized_alone_and_after_a_space(processor, smollm2_tokenizer):
+    req = processor.process("r", [1], SamplingParams(bad_words=["Paris", " hello world"]))
+    expected = []
+    for text in ("Paris", " Paris", "hello world", " hello world"):
+        ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+        if ids not in expected:
+            expected.append(ids)
+    assert req.engine_requests[0].sampling_params.bad_words_token_ids == expected
+    assert req.params.uses_full_sampler  # matched on the host's token history
+    for bad in ([""], ["  "], "Paris", [3]):
+        with pytest.raises(SamplingParamsError, match="bad_words"):
+            SamplingParams(bad_words=bad)

@@ -241,3 +241,12 @@ def test_truncate_prompt_tokens_minus_one_leaves_room_for_max_tokens(default_ser
     body = {"prompt": [100] * (max_len + 10), "max_tokens": 16, "truncate_prompt_tokens": -1}
     result = default_server.post("/v1/completions", body).json()
     assert result["usage"]["prompt_tokens"] == max_len - 16, result
+
+
+def test_bad_words_are_never_generated(default_server):
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 0}
+    first = default_server.post("/v1/completions", body).json()["choices"][0]
+    word = first["logprobs"]["tokens"][0].strip()  # the greedy first word, e.g. "Paris"
+    again = default_server.post("/v1/completions", {**body, "bad_words": [word]}).json()
+    tokens = again["choices"][0]["logprobs"]["tokens"]
+    assert word not in [t.strip() for t in tokens], (word, tokens)

@@ -202,13 +202,21 @@ CASES = [
         "prompt_embeds",
         "does not implement",
     ),
-    # vLLM's fields that tokenmill does not implement: refused, never silently ignored.
     (
-        "bad_words",
-        COMPLETIONS,
-        {"prompt": "Hi", "max_tokens": 1, "bad_words": ["x"]},
+        "bad_words blank",
+        CHAT,
+        {"messages": MSG, "bad_words": ["x", " "]},
         400,
         "bad_words",
+        "non-blank strings",
+    ),
+    # vLLM's fields that tokenmill does not implement: refused, never silently ignored.
+    (
+        "guided_json",
+        COMPLETIONS,
+        {"prompt": "Hi", "max_tokens": 1, "guided_json": {"type": "object"}},
+        400,
+        "guided_json",
         "does not implement",
     ),
     (

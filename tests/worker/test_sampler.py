@@ -19,6 +19,7 @@ from tokenmill.worker.sampler import (
 from tokenmill.worker.sampling_metadata import (
     SamplingMetadata,
     SamplingRow,
+    bad_word_bans,
     build_sampling_metadata,
     step_seed,
 )
@@ -360,7 +361,7 @@ def test_nothing_optional_when_unused() -> None:
         "repetition_penalties",
         "prompt_token_ids",
         "output_token_ids",
-        "min_tokens_mask",
+        "banned_tokens",
         "logit_bias",
         "allowed_token_mask",
         "seeds",
@@ -487,3 +488,18 @@ def test_top_p_below_float32_range_keeps_the_top_token() -> None:
     meta = _meta([SamplingParams(top_p=1e-46)] * 2)
     sampled = Sampler()(logits, meta).sampled_token_ids
     assert sampled.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_bad_word_bans_match_the_end_of_the_output() -> None:
+    words = [[7], [3, 4, 5], [9, 4]]
+    assert bad_word_bans(words, []) == [7]  # a one-token word: always
+    assert bad_word_bans(words, [1, 3, 4]) == [7, 5]  # 3 4 ends the output: not 5 next
+    assert bad_word_bans(words, [3, 4, 1]) == [7]
+    assert bad_word_bans(words, [9]) == [7, 4]
+    rows = [SamplingRow(SamplingParams(), [1], [3, 4]) for _ in range(2)]
+    rows[1].params.bad_words_token_ids = words
+    meta = build_sampling_metadata(rows, 10, torch.device("cpu"))
+    assert meta.banned_tokens is not None
+    assert [t.tolist() for t in meta.banned_tokens] == [[1, 1], [7, 5]]
+    logits = apply_logits_processors(torch.zeros(2, 10), meta)
+    assert torch.isinf(logits[1, [5, 7]]).all() and not torch.isinf(logits[0]).any()

@@ -173,6 +173,17 @@ class InputProcessor:
             prompt_ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens
         )
 
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids as it would start the text and as it would follow a space
+        (tokenizers give most words a different token there), without duplicates."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = encode_prompt(self.tokenizer, text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         cache_salt = None
         if isinstance(prompt, dict):
@@ -250,14 +261,16 @@ class InputProcessor:
                     f"but at most {self.max_logprobs} are allowed (--max-logprobs).",
                     name,
                 )
-        limit = self.max_logprobs if self.max_logprobs >= 0 else self.vocab_size
-        params.verify_for_model(self.vocab_size, limit)
         if params.stop and not params.detokenize:
             raise InvalidRequestError(
                 "Stop strings need detokenize=True (they are matched on the text).", "stop"
             )
         params = params.clone()
         params.eos_token_ids = list(self.eos_token_ids)
+        if params.bad_words:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        limit = self.max_logprobs if self.max_logprobs >= 0 else self.vocab_size
+        params.verify_for_model(self.vocab_size, limit)
         if params.min_tokens and params.allowed_token_ids is not None:
             if set(params.allowed_token_ids) <= set(params.all_stop_token_ids):
                 raise InvalidRequestError(

@@ -9,9 +9,10 @@ Order of operations:
 1. Logprobs returned to users are those of the model's raw distribution: ``log_softmax`` of the
    logits in float32 before any processing (vLLM's default ``--logprobs-mode raw_logprobs``).
 2. Processing, on float32 logits: allowed_token_ids mask, logit_bias (added), min_tokens (stop
-   and EOS ids set to -inf), repetition penalty (CTRL, Keskar et al. 2019, arXiv:1909.05858:
-   over prompt and output tokens, positive logits divided, negative ones multiplied), frequency
-   and presence penalties (OpenAI API reference: over output tokens only,
+   and EOS ids set to -inf), bad words (the token that would complete one set to -inf),
+   repetition penalty (CTRL, Keskar et al. 2019, arXiv:1909.05858: over prompt and output
+   tokens, positive logits divided, negative ones multiplied), frequency and presence
+   penalties (OpenAI API reference: over output tokens only,
    ``logit -= frequency * count + presence * (count > 0)``).
 3. Greedy rows: argmax of the processed logits.
 4. Random rows: divide by temperature; min-p (drop tokens whose probability is below
@@ -222,8 +223,8 @@ def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) ->
     if metadata.logit_bias is not None:
         rows, tokens, values = metadata.logit_bias
         logits = logits.index_put((rows, tokens), values, accumulate=True)
-    if metadata.min_tokens_mask is not None:
-        rows, tokens = metadata.min_tokens_mask
+    if metadata.banned_tokens is not None:
+        rows, tokens = metadata.banned_tokens
         # NOTE: a device-side fill; a Python scalar as the value would be a host copy.
         neg_inf = torch.full(rows.shape, _NEG_INF, dtype=logits.dtype, device=logits.device)
         logits = logits.index_put((rows, tokens), neg_inf)

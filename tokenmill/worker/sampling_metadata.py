@@ -54,8 +54,9 @@ class SamplingMetadata:
         repetition_penalties: [B] float32; 1.0 disables it for a row.
         prompt_token_ids: [B, Lp] int64, padded with V; only with repetition penalties.
         output_token_ids: [B, Lo] int64, padded with V; only with any penalty.
-        min_tokens_mask: (row indices, token ids), both [M] int64: stop/EOS tokens that may not
-            be sampled yet because the row has fewer than ``min_tokens`` outputs.
+        banned_tokens: (row indices, token ids), both [M] int64: tokens that may not be
+            sampled this step: stop/EOS tokens while the row has fewer than ``min_tokens``
+            outputs, and the last token of each bad word whose other tokens end the output.
         logit_bias: (row indices [N] int64, token ids [N] int64, values [N] float32).
         allowed_token_mask: [B, V] bool, True where a token may be sampled.
         seeds: row index -> seed of this step's noise, for rows with ``SamplingParams.seed``
@@ -79,7 +80,7 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None = None
     prompt_token_ids: torch.Tensor | None = None
     output_token_ids: torch.Tensor | None = None
-    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     allowed_token_mask: torch.Tensor | None = None
     seeds: dict[int, int] | None = None
@@ -186,9 +187,10 @@ def _add_penalties(
 def _add_masks(
     meta: SamplingMetadata, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
 ) -> None:
-    """min_tokens, logit_bias and allowed_token_ids, as sparse (row, token) index lists."""
-    stop_rows: list[int] = []
-    stop_tokens: list[int] = []
+    """min_tokens, bad words, logit_bias and allowed_token_ids, as sparse (row, token) index
+    lists."""
+    banned_rows: list[int] = []
+    banned_tokens: list[int] = []
     bias_rows: list[int] = []
     bias_tokens: list[int] = []
     bias_values: list[float] = []
@@ -199,8 +201,12 @@ def _add_masks(
         p = row.params
         if len(row.output_token_ids) < p.min_tokens:
             ids = p.all_stop_token_ids
-            stop_rows += [i] * len(ids)
-            stop_tokens += ids
+            banned_rows += [i] * len(ids)
+            banned_tokens += ids
+        if p.bad_words_token_ids:
+            ids = bad_word_bans(p.bad_words_token_ids, row.output_token_ids)
+            banned_rows += [i] * len(ids)
+            banned_tokens += ids
         if p.logit_bias:
             bias_rows += [i] * len(p.logit_bias)
             bias_tokens += p.logit_bias.keys()
@@ -209,8 +215,8 @@ def _add_masks(
             allowed_rows.append(i)
             allowed_row_of_token += [i] * len(p.allowed_token_ids)
             allowed_tokens += p.allowed_token_ids
-    if stop_rows:
-        meta.min_tokens_mask = (_longs(stop_rows, device), _longs(stop_tokens, device))
+    if banned_rows:
+        meta.banned_tokens = (_longs(banned_rows, device), _longs(banned_tokens, device))
     if bias_rows:
         meta.logit_bias = (
             _longs(bias_rows, device),
@@ -222,6 +228,18 @@ def _add_masks(
         mask[_longs(allowed_rows, device)] = False
         mask[_longs(allowed_row_of_token, device), _longs(allowed_tokens, device)] = True
         meta.allowed_token_mask = mask
+
+
+def bad_word_bans(bad_words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The tokens that would complete one of ``bad_words`` (token-id sequences) after
+    ``output``: a one-token word always, a longer one when its other tokens end the output
+    (vLLM's ``bad_words``: matched against the generated tokens only)."""
+    banned = []
+    for word in bad_words:
+        n = len(word) - 1
+        if n == 0 or (len(output) >= n and list(output[len(output) - n :]) == list(word[:-1])):
+            banned.append(word[-1])
+    return banned
 
 
 def _longs(values: list[int], device: torch.device) -> torch.Tensor:

@@ -62,6 +62,7 @@ class SamplingFields(OpenAIBaseModel):
     # vLLM's extensions: sample only among these token ids; keep only the prompt's last
     # this many tokens (-1: as many as the context holds).
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     # Accepted so that they can be rejected with a clear message (not implemented):
     # ignored, they would silently change what a client asked for.
@@ -69,7 +70,6 @@ class SamplingFields(OpenAIBaseModel):
     use_beam_search: Any = None
     return_tokens_as_token_ids: Any = None
     prompt_embeds: Any = None
-    bad_words: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -80,7 +80,7 @@ class SamplingFields(OpenAIBaseModel):
 
 # vLLM's request fields that tokenmill does not implement yet (400 when given).
 UNIMPLEMENTED_FIELDS = (
-    "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "structured_outputs", "logits_processors", "prompt_embeds",
 )  # fmt: skip
 

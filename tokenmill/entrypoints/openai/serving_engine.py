@@ -227,6 +227,7 @@ class OpenAIServing:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 logit_bias=parse_logit_bias(request.logit_bias),
                 allowed_token_ids=request.allowed_token_ids,
+                bad_words=request.bad_words,
                 output_kind=RequestOutputKind.DELTA
                 if request.stream
                 else RequestOutputKind.FINAL_ONLY,
