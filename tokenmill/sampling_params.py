@@ -46,6 +46,9 @@ MAX_LOGPROBS_DEFAULT = 20
 # The most sequences one request may ask for (n, best_of): OpenAI's limit on ``n``. Each
 # copy is a request of its own; an unbounded count would let one request exhaust memory.
 MAX_N = 128
+# Most words in ``bad_words``: each is tokenized (twice) on the server's event loop when the
+# request arrives, and matched against every request's output at every step.
+MAX_BAD_WORDS = 1024
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -262,6 +265,11 @@ class SamplingParams:
                 "allowed_token_ids must not be empty.",
             )
         if self.bad_words is not None:
+            check(
+                isinstance(self.bad_words, list) and len(self.bad_words) <= MAX_BAD_WORDS,
+                "bad_words",
+                f"bad_words must be a list of at most {MAX_BAD_WORDS} words.",
+            )
             check(
                 isinstance(self.bad_words, list)
                 and all(

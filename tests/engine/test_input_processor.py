@@ -235,3 +235,9 @@ def test_bad_words_are_tokenized_alone_and_after_a_space(processor, smollm2_toke
     for bad in ([""], ["  "], "Paris", [3]):
         with pytest.raises(SamplingParamsError, match="bad_words"):
             SamplingParams(bad_words=bad)
+
+
+def test_allowed_tokens_that_are_all_bad_words(processor, smollm2_tokenizer):
+    [paris] = smollm2_tokenizer.encode(" Paris", add_special_tokens=False)
+    with pytest.raises(InvalidRequestError, match="no token could be sampled"):
+        processor.process("r", [1], SamplingParams(bad_words=["Paris"], allowed_token_ids=[paris]))

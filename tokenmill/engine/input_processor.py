@@ -134,7 +134,8 @@ class InputProcessor:
         Raises:
             InvalidRequestError: empty prompt, token ids outside the vocabulary, prompt or
                 prompt + max_tokens longer than the context, stop strings without
-                detokenization, allowed_token_ids that are all stop tokens under min_tokens.
+                detokenization, allowed_token_ids that are all banned (one-token bad words, stop
+                tokens under min_tokens).
             SamplingParamsError: more logprobs than allowed, or token ids in the sampling
                 parameters outside the vocabulary.
         """
@@ -176,13 +177,13 @@ class InputProcessor:
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's token ids as it would start the text and as it would follow a space
         (tokenizers give most words a different token there), without duplicates."""
-        sequences: list[list[int]] = []
+        sequences: dict[tuple[int, ...], None] = {}  # ordered, without duplicates
         for word in words:
             for text in (word.lstrip(), " " + word.lstrip()):
                 ids = encode_prompt(self.tokenizer, text, add_special_tokens=False)
-                if ids and ids not in sequences:
-                    sequences.append(ids)
-        return sequences
+                if ids:
+                    sequences[tuple(ids)] = None
+        return [list(ids) for ids in sequences]
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         cache_salt = None
@@ -271,11 +272,16 @@ class InputProcessor:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         limit = self.max_logprobs if self.max_logprobs >= 0 else self.vocab_size
         params.verify_for_model(self.vocab_size, limit)
-        if params.min_tokens and params.allowed_token_ids is not None:
-            if set(params.allowed_token_ids) <= set(params.all_stop_token_ids):
+        if params.allowed_token_ids is not None:
+            # Tokens never sampled at the first step: one-token bad words, and stop tokens
+            # under min_tokens.
+            banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+            if params.min_tokens:
+                banned |= params.all_stop_token_ids
+            if set(params.allowed_token_ids) <= banned:
                 raise InvalidRequestError(
-                    "Every allowed token is a stop or EOS token, and min_tokens keeps those "
-                    "from being sampled until it is reached: no token could be sampled.",
+                    "Every allowed token is a one-token bad word, or a stop or EOS token "
+                    "that min_tokens keeps from being sampled: no token could be sampled.",
                     "allowed_token_ids",
                 )
         return params

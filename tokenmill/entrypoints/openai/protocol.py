@@ -67,8 +67,8 @@ class SamplingFields(OpenAIBaseModel):
     # Accepted so that they can be rejected with a clear message (not implemented):
     # ignored, they would silently change what a client asked for.
     response_format: dict[str, Any] | None = None
-    use_beam_search: Any = None
-    return_tokens_as_token_ids: Any = None
+    use_beam_search: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     prompt_embeds: Any = None
     guided_json: Any = None
     guided_regex: Any = None

@@ -174,7 +174,16 @@ class OpenAIServingChat(OpenAIServing):
     def _check_supported(self, request: ChatCompletionRequest) -> None:
         if request.tools and request.tool_choice != "none":
             raise bad_request("tokenmill does not implement tool calling yet.", "tools")
-        if request.tool_choice not in (None, "none", "auto"):
+        choice = request.tool_choice
+        if not (
+            choice is None or choice in ("none", "auto", "required") or isinstance(choice, dict)
+        ):
+            raise bad_request(
+                "tool_choice must be 'none', 'auto', 'required' or a function, as "
+                '{"type": "function", "function": {"name": ...}}.',
+                "tool_choice",
+            )
+        if choice not in (None, "none", "auto"):
             # "required" or a named function asks for a tool call, which cannot be served.
             raise bad_request("tokenmill does not implement tool calling yet.", "tool_choice")
         check_implemented(request)

@@ -353,7 +353,7 @@ def check_implemented(request: SamplingFields) -> None:
             raise bad_request(f"tokenmill does not implement {name} yet.", name)
     # vLLM's flags: false asks for the default behaviour, which is served.
     for name in ("use_beam_search", "return_tokens_as_token_ids"):
-        if getattr(request, name) not in (None, False):
+        if getattr(request, name):
             raise bad_request(f"tokenmill does not implement {name} yet.", name)
 
 
