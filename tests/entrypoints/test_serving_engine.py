@@ -13,7 +13,11 @@ import pytest
 
 from tokenmill.entrypoints.openai.errors import OpenAIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from tokenmill.entrypoints.openai.serving_engine import OpenAIServing, max_tokens_field
+from tokenmill.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    max_tokens_field,
+    shown_params,
+)
 from tokenmill.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 64
@@ -158,3 +162,11 @@ def test_max_tokens_field():
     assert max_tokens_field(CompletionRequest(prompt="x", max_tokens=3)) == "max_tokens"
     assert max_tokens_field(chat()) == "max_tokens"
     assert max_tokens_field(chat(max_completion_tokens=3)) == "max_completion_tokens"
+
+
+def test_logged_params_cut_long_lists():
+    params = SamplingParams(bad_words=[f"w{i}" for i in range(1000)], allowed_token_ids=[1, 2])
+    text = shown_params(params)
+    assert "bad_words=['w0', " in text and "... (1000 in all)" in text and "w999" not in text
+    assert "allowed_token_ids=[1, 2]," in text
+    assert shown_params(SamplingParams()) == str(SamplingParams())

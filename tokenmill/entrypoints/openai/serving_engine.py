@@ -5,6 +5,7 @@ request logging, engine-error mapping, client-disconnect handling and logprob fo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import re
@@ -51,6 +52,27 @@ CLIENT_CLOSED_REQUEST = 499
 SHUTTING_DOWN = "The server is shutting down; it takes no new requests."
 
 
+# Items of a list or dict field of the logged parameters shown before "..." (bad_words,
+# allowed_token_ids and logit_bias may hold thousands).
+LOGGED_ITEMS = 16
+
+
+def shown_params(params: Any) -> str:
+    """``str(params)``, with each list or dict field of a dataclass cut to its first
+    ``LOGGED_ITEMS`` items plus a count."""
+    if not dataclasses.is_dataclass(params) or isinstance(params, type):
+        return str(params)
+    parts = []
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        text = repr(value)
+        if isinstance(value, (list, dict)) and len(value) > LOGGED_ITEMS:
+            items = list(value.items() if isinstance(value, dict) else value)[:LOGGED_ITEMS]
+            text = f"{items!r}... ({len(value)} in all)"
+        parts.append(f"{f.name}={text}")
+    return f"{type(params).__name__}({', '.join(parts)})"
+
+
 class RequestLogger:
     """Logs one line when a request arrives and one when it finishes.
 
@@ -71,7 +93,7 @@ class RequestLogger:
             "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
             request_id,
             shown_prompt,
-            params,
+            shown_params(params),
             shown_ids,
         )
 
