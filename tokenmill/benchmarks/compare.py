@@ -166,11 +166,10 @@ def main(args: argparse.Namespace) -> str:
     if args.labels is not None and len(args.labels) != len(results):
         raise BenchmarkError(f"{len(results)} result files but {len(args.labels)} --labels")
     flats = [_flatten(r) for r in results]
-    shared = [
-        key
+    shared = any(
+        all(isinstance(f.get(key), (int, float)) for f in flats)
         for key, _, _ in comparison_rows(results)
-        if all(isinstance(f.get(key), (int, float)) for f in flats)
-    ]
+    )
     if len(results) > 1 and not shared:
         raise BenchmarkError(
             "the result files share no metric: compare results of one benchmark (bench "

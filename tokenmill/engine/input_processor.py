@@ -141,7 +141,9 @@ class InputProcessor:
         """
         text, prompt_ids, cache_salt = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
-            kept = self._truncate(prompt_ids, params)
+            kept = truncate_prompt(
+                prompt_ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens
+            )
             if len(kept) < len(prompt_ids):
                 text, prompt_ids = None, kept  # the text no longer matches the tokens
         self._validate_prompt(prompt_ids, params, validate_max_tokens)
@@ -167,12 +169,6 @@ class InputProcessor:
         else:
             engine_requests = [core_request(request_id, params)]
         return ProcessedRequest(request_id, text, prompt_ids, params, engine_requests, arrival)
-
-    def _truncate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-        assert params.truncate_prompt_tokens is not None
-        return truncate_prompt(
-            prompt_ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens
-        )
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's token ids as it would start the text and as it would follow a space

@@ -59,8 +59,8 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     priority: int = 0
-    # vLLM's extensions: sample only among these token ids; keep only the prompt's last
-    # this many tokens (-1: as many as the context holds).
+    # vLLM's extensions (see SamplingParams): sample only among these token ids; never
+    # complete these words; keep only the prompt's last this many tokens.
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None

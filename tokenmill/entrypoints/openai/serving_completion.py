@@ -32,6 +32,7 @@ from tokenmill.entrypoints.openai.protocol import (
 from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
     RequestLogger,
+    check_implemented,
     clamp_logprob,
     first_output,
     merge_streams,
@@ -218,6 +219,7 @@ class OpenAIServingCompletion(OpenAIServing):
     # ---- request -> prompts -----------------------------------------------------------------
 
     def _check_supported(self, request: CompletionRequest) -> None:
+        check_implemented(request)
         if request.suffix:
             raise bad_request("tokenmill does not implement suffix (insertion) yet.", "suffix")
         if request.stream and request.best_of is not None and request.best_of > (request.n or 1):

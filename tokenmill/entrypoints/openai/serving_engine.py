@@ -207,7 +207,6 @@ class OpenAIServing:
         Raises:
             OpenAIError: 400 naming the field that is out of range.
         """
-        check_implemented(request)
         if request.priority != 0 and not self.priority_scheduling:
             raise bad_request(
                 "priority is only honoured with --scheduling-policy priority; this server "
