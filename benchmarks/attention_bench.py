@@ -7,7 +7,8 @@ block_size 16, bf16), with block ids scattered over the cache as a serving engin
   achieved GB/s of K/V + Q + output traffic against ``--peak-gbps``);
 - prefill: one fresh prompt of 512..8192 tokens, and 2048-token chunks after cached contexts
   (compute-bound: reported as TFLOP/s of causal attention work against ``--peak-tflops``);
-- the KV-cache write (``reshape_and_cache``) for 512..8192 tokens.
+- the KV-cache write (``reshape_and_cache``) for 512..8192 tokens, and the same write fused
+  with the rotary embedding (``fused_kernels.rotary_and_cache``) against the two kernels.
 
 Two times per row: ``eager``, the median of ``triton.testing.do_bench`` (L2 flushed between
 runs; includes the host's launch cost, which dominates kernels shorter than ~20 us), and
@@ -19,6 +20,9 @@ count, ``--sweep-tiles`` tries prefill tile shapes: both help tune the heuristic
 ``tokenmill/model/attention/triton_backend.py``. ``--shared-prefix 0,2000`` times each decode
 shape again with its first 2,000 tokens in blocks shared by every request (prefix caching):
 the rate is then over the logical K/V, so it shows how much the shared reads come from L2.
+``--uniform`` runs the prompt kernel as a whole-step graph of a mixed batch does (uniform
+grids: one key split, programs found from the device tensors); ``--chunk-contexts 0,256``
+times ``--chunk-tokens`` chunks after those cached contexts.
 
 Usage: python benchmarks/attention_bench.py [--dtype bf16] [--baseline] [--sweep-splits]
 """
@@ -41,10 +45,15 @@ from tokenmill.model.attention.triton_backend import (
     TritonAttentionImpl,
     reshape_and_cache,
 )
+from tokenmill.model.layers import fused_kernels
+from tokenmill.model.layers.rotary import RotaryEmbedding
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TILE_SWEEP = [
     TileConfig(128, 64, 8, 3),
+    TileConfig(64, 64, 4, 2),
+    TileConfig(32, 64, 4, 3),
+    TileConfig(64, 64, 8, 3),
     TileConfig(128, 64, 8, 2),
     TileConfig(128, 64, 8, 4),
     TileConfig(128, 64, 4, 3),
@@ -80,6 +89,16 @@ def parse_args() -> argparse.Namespace:
         help="prefill: prompts per batch (each of --prefill-tokens tokens); a list times each",
     )
     p.add_argument("--chunk-tokens", type=int, default=2048)
+    p.add_argument(
+        "--chunk-contexts",
+        type=ints,
+        default=None,
+        help="prefill: cached contexts of the --chunk-tokens chunks (default: the --contexts "
+        "at least as long as a chunk)",
+    )
+    p.add_argument(
+        "--uniform", action="store_true", help="prefill: uniform grids (whole-step graphs)"
+    )
     p.add_argument("--peak-gbps", type=float, default=4200.0, help="memory ceiling (GB/s)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matrix ceiling")
     p.add_argument("--baseline", action="store_true", help="also time torch SDPA, unpaged")
@@ -142,6 +161,13 @@ class Problem:
             query_start_loc_cpu=qsl, seq_lens_cpu=sl,
             num_decodes=sum(1 for q in q_lens if q == 1) if max(q_lens) == 1 else 0,
         )  # fmt: skip
+        if getattr(args, "uniform", False) and max(q_lens) > 1:
+            # As a whole-step graph launches it: every request after the (no) leading
+            # decodes is a prompt, found through the device prefill range.
+            self.metadata.uniform_grids = True
+            self.metadata.prefill_range = torch.tensor(
+                [0, len(q_lens)], dtype=torch.int32, device=dev
+            )
         self.kv_cache = torch.randn(2, num_blocks, bs, hkv, d, dtype=dtype, device=dev)
         self.query = torch.randn(tokens, h * d, dtype=dtype, device=dev)
         self.key = torch.randn(tokens, hkv * d, dtype=dtype, device=dev)
@@ -283,10 +309,15 @@ def run_decode(args: argparse.Namespace) -> None:
 def run_prefill(args: argparse.Namespace) -> None:
     print(f"\n== prefill, {args.num_heads}/{args.num_kv_heads} heads, D={args.head_dim}")
     shapes = [(t, 0, b) for t in args.prefill_tokens for b in args.prefill_batch]
-    shapes += [(args.chunk_tokens, c, 1) for c in args.contexts if c >= args.chunk_tokens]
+    chunk_contexts = args.chunk_contexts
+    if chunk_contexts is None:
+        chunk_contexts = [c for c in args.contexts if c >= args.chunk_tokens]
+    shapes += [(args.chunk_tokens, c, 1) for c in chunk_contexts]
     for tokens, ctx, batch in shapes:
         p = Problem(args, [tokens] * batch, [ctx] * batch)
         name = f"prefill tokens={tokens} ctx={ctx}" + (f" x{batch} prompts" if batch > 1 else "")
+        if args.uniform:
+            name += " uniform"
         report(name, bench(p.attend), p.bytes_moved(), p.flops(), args)
         if args.sweep_tiles:
             for cfg in TILE_SWEEP:
@@ -302,6 +333,25 @@ def run_prefill(args: argparse.Namespace) -> None:
             )
 
 
+def _rope_writes(p: Problem, tokens: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """RoPE on ``p``'s query and key then the K/V write (two kernels), and the fused kernel."""
+    d = p.args.head_dim
+    table = RotaryEmbedding(d, d, 8192, 500000.0).cos_sin_cache.cuda()
+    pos = torch.arange(tokens, device="cuda") % 8192
+    slots = p.metadata.slot_mapping
+
+    def rope_then_write() -> None:
+        fused_kernels.rotary_inplace(pos, p.query, p.key, table, d, d, True)
+        reshape_and_cache(p.key, p.value, p.kv_cache, slots, tokens)
+
+    def rope_and_write() -> None:
+        fused_kernels.rotary_and_cache(
+            pos, p.query, p.key, p.value, table, d, d, True, p.kv_cache, slots, tokens
+        )
+
+    return rope_then_write, rope_and_write
+
+
 def run_cache_write(args: argparse.Namespace) -> None:
     print("\n== reshape_and_cache")
     for tokens in args.prefill_tokens:
@@ -313,6 +363,10 @@ def run_cache_write(args: argparse.Namespace) -> None:
 
         nbytes = 2 * 2 * p.key.numel() * p.elem  # read K/V, write K/V
         report(f"cache write tokens={tokens}", bench(write), nbytes, 0, args)
+        rope_then_write, rope_and_write = _rope_writes(p, tokens)
+        nbytes += 2 * p.query.numel() * p.elem  # the query rotated in place
+        report(f"rope, then cache write tokens={tokens}", bench(rope_then_write), nbytes, 0, args)
+        report(f"rope + cache write fused tokens={tokens}", bench(rope_and_write), nbytes, 0, args)
 
 
 def main() -> None:

@@ -65,3 +65,9 @@ def mixed_step_graphs() -> bool:
     graphs (attention eager between pieces) instead of whole-step graphs (default: on where
     the attention backend supports them; ``worker/mixed_graph.py``)."""
     return os.environ.get("TOKENMILL_MIXED_STEP_GRAPHS", "1") not in ("", "0")
+
+
+def fused_rope_cache() -> bool:
+    """TOKENMILL_FUSED_ROPE_CACHE=0: apply the rotary embedding and write the KV cache in two
+    launches per layer instead of one (on by default; off to compare)."""
+    return os.environ.get("TOKENMILL_FUSED_ROPE_CACHE", "1") not in ("", "0")

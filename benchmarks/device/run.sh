@@ -7,7 +7,11 @@
 # Stages:
 #   gputests   pytest tests/gpu and the Triton/fused-kernel tests on CUDA; gputests_sampler
 #              the sampler's tests (their CUDA cases) and the engine's GPU tests
-#   attn       benchmarks/attention_bench.py (kernel timings)
+#   attn       benchmarks/attention_bench.py (kernel timings); attn_rope the KV write with and
+#              without RoPE fused in; attn_chunk[_uniform] prompt-chunk tile sweeps (CHUNK
+#              tokens after 0..768 cached; _uniform as whole-step graphs launch them)
+#   gputests_engine  the engine's GPU tests, fused kernels, attention hook and sampler
+#   lat1_nofuse      lat1 with RoPE and the KV write as two kernels (TOKENMILL_FUSED_ROPE_CACHE=0)
 #   lat1 lat32 tokenmill bench latency, M8, 32 in / 256 out, batch 1 / 32
 #   tp_long tp_short tp_small   tokenmill bench throughput (as ANCHORS.md)
 #   serve      tokenmill serve M8 + bench serve random 1024/256 c=64, then shared prefix
@@ -128,7 +132,11 @@ for st in "$@"; do
     gputests_mixed) stage gputests_mixed 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "mixed_step_graphs or split_decode" -p no:cacheprovider --timeout 120 ;;
     gputests_sampler) stage gputests_sampler 200 python3 -m pytest -q tests/worker/test_sampler.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 150 ;;
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
+    gputests_engine) stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
+    attn_rope) stage attn_rope 120 python3 benchmarks/attention_bench.py --only cache --prefill-tokens 1,64,272,1024 ;;
+    attn_chunk) stage attn_chunk 240 python3 benchmarks/attention_bench.py --only prefill --prefill-tokens 1024 --chunk-tokens "${CHUNK:-256}" --chunk-contexts 0,256,512,768 --sweep-tiles ;;
+    attn_chunk_uniform) stage attn_chunk_uniform 240 python3 benchmarks/attention_bench.py --only prefill --uniform --prefill-tokens 1024 --chunk-tokens "${CHUNK:-256}" --chunk-contexts 0,256,512,768 --sweep-tiles ;;
     attn_prefix) stage attn_prefix 180 python3 benchmarks/attention_bench.py --only decode --decode-batches 64 --contexts 1280,2304 --shared-prefix 0,2000 --sweep-splits ;;
     attn_ptiles) stage attn_ptiles 300 python3 benchmarks/attention_bench.py --only prefill --prefill-tokens 512,1024 --prefill-batch 1,14 --chunk-tokens 512 --contexts 1024 --sweep-tiles --baseline ;;
     attn_dtiles) stage attn_dtiles 300 python3 benchmarks/attention_bench.py --only decode --decode-batches 1,64,256 --contexts 2304,8192 --shared-prefix 0,2000 --sweep-decode-tiles ;;
@@ -145,6 +153,7 @@ for st in "$@"; do
     mixedbench_shared) stage mixedbench_shared 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --shared-only ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
+    lat1_nofuse) TOKENMILL_FUSED_ROPE_CACHE=0 stage lat1_nofuse 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_nofuse.json"; addjson lat1_nofuse "$LOGS/lat1_nofuse.json" ;;
     lat1_cublas) TOKENMILL_SKINNY_GEMM=0 stage lat1_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_cublas.json"; addjson lat1_cublas "$LOGS/lat1_cublas.json" ;;
     lat32_cublas) TOKENMILL_SKINNY_GEMM=0 stage lat32_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32_cublas.json"; addjson lat32_cublas "$LOGS/lat32_cublas.json" ;;
     skinny)   stage skinny 200 python3 benchmarks/skinny_gemm_bench.py ;;

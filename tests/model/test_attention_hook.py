@@ -21,16 +21,18 @@ def _mixed_steps(runner: PagedRunner) -> torch.Tensor:
 
 
 def test_split_forward_equals_the_plain_one(smollm2_model):
-    """Each layer's attention as the piecewise graphs run it — K/V written where the piece
-    ends, queries handed over in a separate buffer, output into a static buffer whose
-    padding rows hold garbage — gives the plain forward's logits exactly."""
+    """Each layer's attention as the piecewise graphs run it — RoPE applied and K/V written
+    where the piece ends, queries handed over in a separate buffer, output into a static
+    buffer whose padding rows hold garbage — gives the plain forward's logits exactly."""
     model, mc = smollm2_model
     reference = _mixed_steps(PagedRunner(model, mc.hf_config, num_blocks=32))
     layers = []
 
-    def split(layer, query, key, value, metadata):
+    def split(layer, query, key, value, metadata, positions):
         layers.append(layer.layer_idx)
-        layer.write_kv(key, value, metadata.slot_mapping, metadata.num_actual_tokens)
+        query = layer.store_kv(
+            query, key, value, metadata.slot_mapping, metadata.num_actual_tokens, positions
+        )
         static_query = query.clone()
         out = torch.full_like(query, float("nan"))
         return layer.attend(static_query, metadata, out=out)

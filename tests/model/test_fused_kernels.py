@@ -69,3 +69,65 @@ def test_rotary_inplace(neox, rotary_dim, heads):
     torch.testing.assert_close(q.cpu(), ref_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k.cpu(), ref_k, rtol=1e-5, atol=1e-5)
     assert torch.equal(v_dev.cpu(), v)  # the values beside q and k are left alone
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [32, 16])
+@pytest.mark.parametrize("heads", [(4, 2), (9, 3)])
+def test_rotary_and_cache(neox, rotary_dim, heads):
+    """One kernel equals RoPE then the K/V write: the query rotated in place on every row,
+    the rotated key and the value in their slots for the first ``num_tokens`` tokens with a
+    slot (padding rows and slot -1 write nothing), ``k`` itself untouched."""
+    torch.manual_seed(0)
+    num_q, num_k = heads
+    d, block_size, num_blocks = 32, 5, 6
+    rope = RotaryEmbedding(d, rotary_dim, 64, 10000.0, is_neox_style=neox)
+    pos = torch.tensor([0, 5, 63, 17, 2, 9])
+    slots = torch.tensor([7, 0, -1, 29, 12, 3])  # row 5 is padding past num_tokens
+    num_tokens = 5
+    sizes = [num_q * d, num_k * d, num_k * d]
+    qkv = torch.randn(6, sum(sizes))
+    q, k, v = qkv.split(sizes, dim=-1)
+    ref_q, ref_k = rope(pos, q.clone(), k.clone())
+    ref_cache = torch.randn(2, num_blocks, block_size, num_k, d)
+    cache = ref_cache.clone().to(DEV)
+    for i in range(num_tokens):
+        if slots[i] >= 0:
+            b, o = divmod(int(slots[i]), block_size)
+            ref_cache[0, b, o] = ref_k[i].view(num_k, d)
+            ref_cache[1, b, o] = v[i].view(num_k, d)
+    qkv_dev = qkv.to(DEV)
+    q_dev, k_dev, v_dev = qkv_dev.split(sizes, dim=-1)
+    fused_kernels.rotary_and_cache(
+        pos.to(DEV), q_dev, k_dev, v_dev, rope.cos_sin_cache.to(DEV), d, rotary_dim, neox,
+        cache, slots.to(DEV), num_tokens,
+    )  # fmt: skip
+    torch.testing.assert_close(q_dev.cpu(), ref_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.cpu(), ref_cache, rtol=1e-5, atol=1e-5)
+    assert torch.equal(k_dev.cpu(), k) and torch.equal(v_dev.cpu(), v)
+
+
+def test_rotary_and_cache_bf16_matches_the_two_kernels():
+    """In bf16 the fused write rounds the rotated key as the unfused pair does (to the key's
+    dtype, then the cache's); the compiler may contract the products into FMAs differently,
+    so keys may differ in their last bit."""
+    from tokenmill.model.attention.triton_cache_write import reshape_and_cache
+
+    torch.manual_seed(1)
+    d, num_q, num_k, block_size = 64, 8, 2, 16
+    rope = RotaryEmbedding(d, d, 128, 500000.0)
+    pos = torch.arange(40, 60)
+    slots = torch.randperm(64)[:20]
+    qkv = torch.randn(20, (num_q + 2 * num_k) * d).to(DEV, torch.bfloat16)
+    table = rope.cos_sin_cache.to(DEV)
+    caches = [torch.zeros(2, 4, block_size, num_k, d, dtype=torch.bfloat16, device=DEV)]
+    caches.append(caches[0].clone())
+    q1, k1, v1 = qkv.clone().split([num_q * d, num_k * d, num_k * d], dim=-1)
+    fused_kernels.rotary_and_cache(
+        pos.to(DEV), q1, k1, v1, table, d, d, True, caches[0], slots.to(DEV), 20
+    )
+    q2, k2, v2 = qkv.clone().split([num_q * d, num_k * d, num_k * d], dim=-1)
+    fused_kernels.rotary_inplace(pos.to(DEV), q2, k2, table, d, d, True)
+    reshape_and_cache(k2, v2, caches[1], slots.to(DEV), 20)
+    assert torch.equal(q1, q2)
+    torch.testing.assert_close(caches[0], caches[1], rtol=2**-7, atol=2**-7)

@@ -143,15 +143,15 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         slots = metadata.slot_mapping
         calls: list[tuple[Attention, torch.Tensor, torch.Tensor]] = []
 
-        def hand_off(layer: Attention, query, key, value, md) -> torch.Tensor:
-            # Recorded into the piece that ends here: the K/V write and the query hand-off.
-            layer.write_kv(key, value, slots, size)
+        def hand_off(layer: Attention, query, key, value, md, positions) -> torch.Tensor:
+            # Recorded into the piece that ends here: RoPE, the K/V write, the query hand-off.
+            query = layer.store_kv(query, key, value, slots, size, positions)
             self._buffer("query", query)[:size].copy_(query)
             return self._buffer("attn_out", query)[:size]
 
-        def record(layer: Attention, query, key, value, md) -> torch.Tensor:
+        def record(layer: Attention, query, key, value, md, positions) -> torch.Tensor:
             calls.append((layer, self._buffer("query", query), self._buffer("attn_out", query)))
-            return hand_off(layer, query, key, value, md)
+            return hand_off(layer, query, key, value, md, positions)
 
         with attention_hook(record):
             for _ in range(2):  # warm up: Triton compiles, cuBLAS workspaces, static buffers
@@ -169,9 +169,9 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         pieces: list[torch.cuda.CUDAGraph] = []
         graph = torch.cuda.CUDAGraph()
 
-        def split(layer: Attention, query, key, value, md) -> torch.Tensor:
+        def split(layer: Attention, query, key, value, md, positions) -> torch.Tensor:
             nonlocal graph
-            out = hand_off(layer, query, key, value, md)
+            out = hand_off(layer, query, key, value, md, positions)
             graph.capture_end()
             pieces.append(graph)
             graph = torch.cuda.CUDAGraph()

@@ -8,15 +8,23 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.model.layers import fused_kernels
+from tokenmill.model.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
     """Paged attention for one layer.
 
-    ``forward(q [T, H*D], k [T, Hkv*D], v [T, Hkv*D], metadata) -> [T, H*D]``. The model
-    runner binds ``kv_cache`` (``[2, num_blocks, block_size, Hkv, D]``) before the first
-    forward (see ``bind_kv_caches``).
+    ``forward(q [T, H*D], k [T, Hkv*D], v [T, Hkv*D], metadata, positions) -> [T, H*D]``.
+    The model runner binds ``kv_cache`` (``[2, num_blocks, block_size, Hkv, D]``) before the
+    first forward (see ``bind_kv_caches``).
+
+    A layer given its model's rotary embedding applies it to ``q`` and ``k`` itself, from
+    ``positions`` (``[T]`` int): on CUDA the rotation and the KV-cache write are then one
+    kernel (``fused_kernels.rotary_and_cache``), one launch and one pass over the keys less
+    per layer. Without one, ``q`` and ``k`` arrive rotated (or need no rotation).
 
     Args:
         num_heads, head_dim, num_kv_heads: head layout on this rank.
@@ -25,6 +33,7 @@ class Attention(nn.Module):
         backend: the attention backend class.
         sliding_window: window in tokens for local-attention layers, else None.
         logits_soft_cap: attention-score soft cap, else None.
+        rotary_emb: the rotary embedding to apply to ``q`` and ``k``, else None.
     """
 
     def __init__(
@@ -37,6 +46,7 @@ class Attention(nn.Module):
         backend: type[AttentionBackend],
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -47,6 +57,8 @@ class Attention(nn.Module):
         self.impl = backend.get_impl_cls()(
             num_heads, head_dim, scale, num_kv_heads, sliding_window, logits_soft_cap
         )
+        self.rotary_emb = rotary_emb
+        self.fuse_rope_cache = envs.fused_rope_cache()
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
@@ -55,17 +67,47 @@ class Attention(nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         metadata: AttentionMetadata,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if _attention_hook is not None:
-            return _attention_hook(self, query, key, value, metadata)
-        return self.impl.forward(query, key, value, self._cache(), metadata)
+            return _attention_hook(self, query, key, value, metadata, positions)
+        query = self.store_kv(
+            query, key, value, metadata.slot_mapping, metadata.num_actual_tokens, positions
+        )
+        return self.attend(query, metadata)
 
-    def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int
-    ) -> None:
-        """Store the first ``num_tokens`` tokens' K/V in the layer's cache (negative slots
-        skipped); see ``AttentionImpl.write_kv``."""
+    def store_kv(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_tokens: int,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Rotate ``query`` and ``key`` by the layer's rotary embedding (if it has one), then
+        store the first ``num_tokens`` tokens' K/V in the layer's cache (negative slots
+        skipped; see ``AttentionImpl.write_kv``).
+
+        Returns:
+            The query to attend with: rotated (in place on CUDA), or ``query`` itself.
+
+        Raises:
+            ValueError: the layer has a rotary embedding and ``positions`` is None.
+        """
+        rope = self.rotary_emb
+        if rope is not None:
+            if positions is None:
+                raise ValueError(f"layer {self.layer_idx} applies RoPE and needs positions")
+            if self.fuse_rope_cache and rope.runs_fused(query):
+                fused_kernels.rotary_and_cache(
+                    positions, query, key, value, rope.cos_sin_cache, rope.head_dim,
+                    rope.rotary_dim, rope.is_neox_style, self._cache(), slot_mapping, num_tokens,
+                )  # fmt: skip
+                return query
+            query, key = rope(positions, query, key)
         self.impl.write_kv(key, value, self._cache(), slot_mapping, num_tokens)
+        return query
 
     def attend(
         self, query: torch.Tensor, metadata: AttentionMetadata, out: torch.Tensor | None = None
@@ -79,17 +121,19 @@ class Attention(nn.Module):
         return self.kv_cache
 
 
-# What every Attention layer calls instead of its backend while ``attention_hook`` is active.
+# What every Attention layer calls instead of its backend while ``attention_hook`` is active:
+# ``hook(layer, query, key, value, metadata, positions)``.
 AttentionHook = Callable[
-    [Attention, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor
+    [Attention, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None],
+    torch.Tensor,
 ]
 _attention_hook: AttentionHook | None = None
 
 
 @contextmanager
 def attention_hook(hook: AttentionHook) -> Iterator[None]:
-    """Route every ``Attention.forward`` through ``hook(layer, query, key, value, metadata)``
-    for the duration of the block; its return value is the layer's output.
+    """Route every ``Attention.forward`` through ``hook(layer, query, key, value, metadata,
+    positions)`` for the duration of the block; its return value is the layer's output.
 
     The piecewise CUDA graphs use this to split a forward pass at its attention calls.
     Not re-entrant, and global to the process (one model runs per process and thread).

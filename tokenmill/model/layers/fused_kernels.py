@@ -1,5 +1,6 @@
 """Fused element-wise Triton kernels for the CUDA path: RMSNorm with the residual add,
-SiLU-and-mul, and rotary embedding applied in place.
+SiLU-and-mul, rotary embedding applied in place, and rotary embedding fused with the
+KV-cache write.
 
 Unfused, each of these is several torch kernels that read and write the activations again
 (the rotary embedding alone is ~10 passes over q and k in float32); fused, each is one pass.
@@ -103,6 +104,58 @@ if HAS_TRITON:
             k_ptr + token * k_stride, head_dim, num_k_heads, cos, sin, K_HEADS, HALF, NEOX
         )
 
+    # A step's token count changes every step: specialized, each new value mod 16 would
+    # compile the kernel again in the middle of serving.
+    @triton.jit(do_not_specialize=["num_tokens"])
+    def _rotary_cache_kernel(
+        q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+        num_tokens, q_stride, k_stride, v_stride, cos_sin_stride,
+        stride_cb, stride_cs, stride_ch,
+        num_q_heads, num_k_heads, head_dim,
+        HALF: tl.constexpr, NEOX: tl.constexpr, Q_HEADS: tl.constexpr,
+        K_HEADS: tl.constexpr, D_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ):
+        # One program per token: rotate its query heads in place, then write its rotated
+        # key and its value straight into the cache slot (the rotated key is not written
+        # back to ``k``: only the cache reads it).
+        token = tl.program_id(0).to(tl.int64)
+        pos = tl.load(pos_ptr + token).to(tl.int64)
+        cs_row = cos_sin_ptr + pos * cos_sin_stride
+        i = tl.arange(0, HALF)
+        cos = tl.load(cs_row + i)[None, :]
+        sin = tl.load(cs_row + HALF + i)[None, :]
+        _rotate_heads(
+            q_ptr + token * q_stride, head_dim, num_q_heads, cos, sin, Q_HEADS, HALF, NEOX
+        )
+        if token >= num_tokens:
+            return
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot < 0:
+            return
+        h = tl.arange(0, K_HEADS)[:, None]
+        d = tl.arange(0, D_P)[None, :]
+        mask = (h < num_k_heads) & (d < head_dim)
+        rotates = d < 2 * HALF
+        # Each rotated element pairs with a partner in its head: out = x cos + sign x' sin.
+        if NEOX:
+            partner = tl.where(d < HALF, d + HALF, d - HALF)
+            freq = d % HALF
+            sign = tl.where(d < HALF, -1.0, 1.0)
+        else:
+            partner = d ^ 1
+            freq = d // 2
+            sign = tl.where(d % 2 == 0, -1.0, 1.0)
+        k_row = k_ptr + token * k_stride + h * head_dim
+        k = tl.load(k_row + d, mask=mask, other=0.0).to(tl.float32)
+        k_pair = tl.load(k_row + partner, mask=mask & rotates, other=0.0).to(tl.float32)
+        c = tl.load(cs_row + freq, mask=rotates, other=1.0)
+        s = tl.load(cs_row + HALF + freq, mask=rotates, other=0.0)
+        k = tl.where(rotates, k * c + sign * k_pair * s, k).to(k_ptr.dtype.element_ty)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        v = tl.load(v_ptr + token * v_stride + h * head_dim + d, mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
 
 def rms_norm(
     x: torch.Tensor,
@@ -166,4 +219,60 @@ def rotary_inplace(
         q, k, positions, cos_sin_cache, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
         num_q, num_k, head_dim, HALF=half, NEOX=is_neox_style,
         Q_HEADS=next_power_of_2(num_q), K_HEADS=next_power_of_2(num_k),
+    )  # fmt: skip
+
+
+def rotary_and_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+    rotary_dim: int,
+    is_neox_style: bool,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_tokens: int,
+) -> None:
+    """Rotate ``q [T, Hq*D]`` in place and write the rotated ``k [T, Hk*D]`` and ``v`` into
+    their slots of the paged cache, in one launch; ``k`` itself is left unrotated.
+
+    Equal to ``rotary_inplace`` followed by ``reshape_and_cache`` (the rotated key is cast
+    to ``k``'s dtype, then to the cache's, as that pair does), minus a pass over the keys
+    and one launch per layer.
+
+    Args:
+        positions: ``[T]`` int positions; every row of ``q`` is rotated.
+        cos_sin_cache: float32 ``cos | sin`` table ``[max_pos, rotary_dim]``.
+        kv_cache: ``[2, num_blocks, block_size, Hk, D]``, last dim contiguous.
+        slot_mapping: ``[>= num_tokens]`` int, ``block_id * block_size + offset``; tokens
+            with a negative slot (padding) are not written.
+        num_tokens: the leading tokens whose K/V are written.
+
+    Raises:
+        ValueError: ``rotary_dim / 2`` is not a power of two, or a layout the kernel
+            cannot address.
+    """
+    t = positions.shape[0]
+    if t == 0:
+        return
+    half = rotary_dim // 2
+    if half & (half - 1):
+        raise ValueError(f"fused rotary needs a power-of-two rotary_dim/2, got {half}")
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    if cache_head_dim != head_dim or k.shape[1] != num_kv_heads * head_dim:
+        raise ValueError(f"K width {k.shape[1]} != {num_kv_heads} x {head_dim} of the cache")
+    for name, x in (("q", q), ("k", k), ("v", v), ("kv_cache", kv_cache)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_q = q.shape[1] // head_dim
+    _rotary_cache_kernel[(t,)](
+        q, k, v, positions, cos_sin_cache, slot_mapping, k_cache, v_cache,
+        num_tokens, q.stride(0), k.stride(0), v.stride(0), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_q, num_kv_heads, head_dim, HALF=half, NEOX=is_neox_style,
+        Q_HEADS=next_power_of_2(num_q), K_HEADS=next_power_of_2(num_kv_heads),
+        D_P=next_power_of_2(head_dim), BLOCK_SIZE=block_size,
     )  # fmt: skip

@@ -174,10 +174,16 @@ class RotaryEmbedding(nn.Module):
             return out.to(x.dtype)
         return torch.cat([out.to(x.dtype), x[..., self.rotary_dim :]], dim=-1)
 
+    def runs_fused(self, q: torch.Tensor) -> bool:
+        """Whether ``q``'s rotation runs as a fused Triton kernel (CUDA, and a power-of-two
+        half rotary dimension)."""
+        half = self.rotary_dim // 2
+        return fused_kernels.use_fused(q) and not half & (half - 1)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if fused_kernels.use_fused(q) and not (self.rotary_dim // 2) & (self.rotary_dim // 2 - 1):
+        if self.runs_fused(q):
             fused_kernels.rotary_inplace(
                 positions, q, k, self.cos_sin_cache, self.head_dim, self.rotary_dim,
                 self.is_neox_style,

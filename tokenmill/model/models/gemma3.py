@@ -90,7 +90,6 @@ class Gemma3Attention(nn.Module):
         eps = config.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, eps, offset=1.0)
-        self.rotary_emb = rotary_emb
         self.attn = Attention(
             self.qkv_proj.num_heads,
             self.head_dim,
@@ -99,6 +98,7 @@ class Gemma3Attention(nn.Module):
             layer_idx,
             backend,
             sliding_window=sliding_window,
+            rotary_emb=rotary_emb,
             # NOTE: no attention soft cap: Gemma 3 replaced it by QK-norm, and transformers
             # and llama.cpp ignore ``attn_logit_softcapping`` for Gemma 3 even when set.
         )
@@ -110,8 +110,7 @@ class Gemma3Attention(nn.Module):
         t = hidden.shape[0]
         q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)
         k = self.k_norm(k.reshape(t, -1, self.head_dim)).view(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, metadata))
+        return self.o_proj(self.attn(q, k, v, metadata, positions))
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -98,14 +98,14 @@ class LlamaAttention(nn.Module):
             layer_idx,
             backend,
             sliding_window=layer_sliding_window(config, layer_idx),
+            rotary_emb=self.rotary_emb,
         )
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, metadata))
+        return self.o_proj(self.attn(q, k, v, metadata, positions))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

@@ -51,8 +51,7 @@ class Qwen3Attention(LlamaAttention):
         t = hidden.shape[0]
         q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)
         k = self.k_norm(k.reshape(t, -1, self.head_dim)).view(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, metadata))
+        return self.o_proj(self.attn(q, k, v, metadata, positions))
 
 
 class Qwen3DecoderLayer(PreNormDecoderLayer):
