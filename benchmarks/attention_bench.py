@@ -51,10 +51,6 @@ from tokenmill.model.layers.rotary import RotaryEmbedding
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TILE_SWEEP = [
     TileConfig(128, 64, 8, 3),
-    TileConfig(128, 64, 8, 3, heaviest_first=True),
-    TileConfig(64, 128, 4, 2, heaviest_first=True),
-    TileConfig(64, 64, 4, 2, heaviest_first=True),
-    TileConfig(128, 128, 8, 2, heaviest_first=True),
     TileConfig(64, 64, 4, 2),
     TileConfig(32, 64, 4, 3),
     TileConfig(64, 64, 8, 3),
@@ -329,7 +325,6 @@ def run_prefill(args: argparse.Namespace) -> None:
                     times = bench(p.attend)
                 tag = (
                     f"  tiles m={cfg.block_m} n={cfg.block_n} w={cfg.num_warps} s={cfg.num_stages}"
-                    + (" heaviest first" if cfg.heaviest_first else "")
                 )
                 report(tag, times, p.bytes_moved(), p.flops(), args)
         if args.baseline:

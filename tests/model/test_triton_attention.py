@@ -189,15 +189,10 @@ def small_tiles(monkeypatch):
     use_tiles(monkeypatch, TileConfig(16, 16, 4, 1), TileConfig(16, 16, 4, 1))
 
 
-# The fp32 tiles (16 x 16), the bf16/fp16 ones the GPU runs at head_dim <= 128, and those of
-# whole-step graphs of short chunks (query blocks started heaviest first).
+# The fp32 tiles (16 x 16) and the bf16/fp16 ones the GPU runs at head_dim <= 128.
 TILE_SHAPES = {
     "fp32": (TileConfig(16, 16, 4, 1), TileConfig(16, 16, 4, 2)),
     "half": (TileConfig(128, 64, 8, 3), TileConfig(16, 64, 4, 3)),
-    "heaviest_first": (
-        TileConfig(64, 128, 4, 2, heaviest_first=True),
-        TileConfig(16, 64, 4, 3),
-    ),
 }
 
 
@@ -383,9 +378,8 @@ def test_padded_decode_batch_of_a_cuda_graph(monkeypatch, splits):
     ],
 )
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("heaviest_first", [False, True])
 def test_uniform_grids_of_a_padded_mixed_batch(
-    monkeypatch, splits, heaviest_first, q_lens, ctx, leading
+    monkeypatch, small_tiles, splits, q_lens, ctx, leading
 ):
     """A mixed batch as a whole-step CUDA graph of 64 tokens runs it: the prompt kernel
     takes the requests after the leading decodes from the device ``prefill_range`` and
@@ -393,8 +387,6 @@ def test_uniform_grids_of_a_padded_mixed_batch(
     requests of no context while padding tokens last, then with empty ones; host copies
     wrong on purpose (the kernels must not read them)."""
     monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
-    small = TileConfig(16, 16, 4, 1)
-    use_tiles(monkeypatch, dataclasses.replace(small, heaviest_first=heaviest_first), small)
     real = make_batch(q_lens, ctx)
     md = real.metadata
     n, r, tokens, reqs = md.num_actual_tokens, md.num_reqs, 64, 40

@@ -456,7 +456,6 @@ class TritonAttentionImpl(AttentionImpl):
                 "num_splits": num_splits, "stride_ot": out.stride(0),
                 **_operand_strides(query, kv_cache, metadata, workspace or (out, out)),
                 "GROUP_P": group_p, "BLOCK_Q": block_q, "BLOCK_N": cfg.block_n,
-                "HEAVIEST_FIRST": cfg.heaviest_first,
                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **args,
             },  # fmt: skip
         )

@@ -470,7 +470,6 @@ def varlen_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UNIFORM: tl.constexpr,
-    HEAVIEST_FIRST: tl.constexpr,
 ):
     """Program (query block, KV head, split): ``BLOCK_Q`` consecutive query tokens of one
     sequence times the ``GROUP`` heads of one KV head, ``BLOCK_Q * GROUP_P`` rows in all,
@@ -490,14 +489,8 @@ def varlen_attention_kernel(
     ``prefill_range[1]`` from ``prefill_range[0]`` on (device int32), in place of
     ``num_seqs`` from ``req_offset``, and those with one query token are left to the
     decode kernel.
-
-    ``HEAVIEST_FIRST`` numbers the query blocks from the last: a prompt's last blocks see the
-    most keys, and started first they no longer make a tail of their own at the end of the
-    launch.
     """
     pid = tl.program_id(0)
-    if HEAVIEST_FIRST:
-        pid = tl.num_programs(0) - 1 - pid
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if UNIFORM:

@@ -40,15 +40,12 @@ class TileConfig:
         block_n: keys per tile.
         num_warps: warps per program.
         num_stages: software-pipelining depth of the key loop.
-        heaviest_first: the prompt kernel starts the query blocks with the most keys (the
-            last of each prompt) first, so that the short ones fill the last wave.
     """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    heaviest_first: bool = False
 
 
 def varlen_tile_config(head_dim_padded: int, dtype: torch.dtype) -> TileConfig:
