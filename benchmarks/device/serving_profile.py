@@ -2,7 +2,7 @@
 
 usage: python3 benchmarks/device/serving_profile.py MODEL_DIR [--pacing N]
     [--concurrency 64] [--input-len 1024] [--output-len 256] [--warm-requests 128]
-    [--window-steps 300] [--sweep PACING:QUEUE_LIMIT:MAX_NUM_SEQS[:FILL] ...]
+    [--window-steps 300] [--sweep PACING:QUEUE_LIMIT:MAX_NUM_SEQS ...]
 
 The engine core of ``tokenmill serve`` (the server's configuration, ``--load-format dummy``)
 runs ``--concurrency`` random-token requests at a time, each replaced by a new one as it
@@ -20,8 +20,7 @@ finishes, as ``vllm bench serve --max-concurrency`` drives a server. After
 
 With ``--sweep``, one engine runs each scheduling policy in turn (prefill pacing tokens,
 the queued tokens past which pacing stops, the most running requests; 0 keeps the
-server's value; an optional fourth field 0 stops filling paced steps to the sizes of their
-CUDA graphs), each after ``--warm-requests`` finish under it, with a timing window of
+server's value), each after ``--warm-requests`` finish under it, with a timing window of
 twice ``--window-steps`` and no profiles: a way to compare admission policies on the GPU
 in seconds each.
 
@@ -217,23 +216,17 @@ def host_window(loop: ClosedLoop, steps: int, label: str) -> None:
 
 
 def set_policy(core: EngineCore, spec: str, server_max_num_seqs: int) -> str:
-    """Apply a ``PACING:QUEUE_LIMIT:MAX_NUM_SEQS[:FILL]`` policy to the running scheduler (0
-    takes the server's queue limit and ``server_max_num_seqs``; pacing 0 turns pacing off;
-    ``FILL`` 0 stops filling paced steps to their graph sizes); returns the policy's
-    label."""
-    fields = [int(x) for x in spec.split(":")]
-    pacing, queue_limit, max_num_seqs = fields[:3]
-    fill = fields[3] if len(fields) > 3 else 1
+    """Apply a ``PACING:QUEUE_LIMIT:MAX_NUM_SEQS`` policy to the running scheduler (0 takes
+    the server's queue limit and ``server_max_num_seqs``; pacing 0 turns pacing off);
+    returns the policy's label."""
+    pacing, queue_limit, max_num_seqs = (int(x) for x in spec.split(":"))
     sched = core.scheduler
     if pacing:
-        sizes = core.executor.step_token_sizes() if fill else None
-        sched.pacing = PrefillPacing(
-            pacing, sched.max_num_batched_tokens, queue_limit or None, step_sizes=sizes
-        )
+        sched.pacing = PrefillPacing(pacing, sched.max_num_batched_tokens, queue_limit or None)
     else:
         sched.pacing = None
     sched.max_num_seqs = max_num_seqs or server_max_num_seqs
-    return f"p{pacing}q{queue_limit}s{max_num_seqs}" + ("" if fill else "nofill")
+    return f"p{pacing}q{queue_limit}s{max_num_seqs}"
 
 
 def main() -> None:
@@ -246,7 +239,7 @@ def main() -> None:
     parser.add_argument("--warm-requests", type=int, default=128)
     parser.add_argument("--window-steps", type=int, default=300)
     parser.add_argument("--no-host", action="store_true", help="skip the cProfile window")
-    parser.add_argument("--sweep", nargs="+", default=[], metavar="P:Q:S[:F]")
+    parser.add_argument("--sweep", nargs="+", default=[], metavar="P:Q:S")
     args = parser.parse_args()
     engine_args = EngineArgs(
         model=args.model, load_format="dummy", prefill_pacing_tokens=args.pacing

@@ -89,43 +89,6 @@ def test_the_sum_of_the_queue_stops_once_the_excess_fills_a_step():
         PrefillPacing(256, budget_tokens=0)
 
 
-def test_a_paced_step_fills_the_graph_it_is_padded_to():
-    """With 60 decodes a 256-token allowance would make a 316-token step, padded to 320:
-    the allowance becomes 260. A step that ends on a size, or that no graph holds, keeps
-    the allowance; none exceeds the token budget."""
-    sizes = [256, 272, 288, 304, 320, 352, 384]
-    pacing = PrefillPacing(256, budget_tokens=8192, step_sizes=sizes)
-    kv = SimpleNamespace(num_cached_prefix_tokens=lambda request: 0)
-    waiting = [SimpleNamespace(num_tokens=300)]
-
-    def allowance(num_decoding: int, p: PrefillPacing = pacing) -> int | None:
-        running = [SimpleNamespace(num_prompt_tokens=10, num_computed_tokens=11)] * num_decoding
-        return p.allowance(running, waiting, kv)
-
-    assert allowance(60) == 260
-    assert allowance(64) == 256  # 320 exactly
-    assert allowance(1) == 271  # 257 tokens run the 272-token graph
-    assert allowance(200) == 256  # 456: past the largest graph, unpadded
-    assert allowance(0) is None  # no decodes: the whole budget
-    small_budget = PrefillPacing(256, budget_tokens=258, step_sizes=sizes)
-    assert allowance(60, small_budget) == 258
-
-
-def test_the_scheduler_fills_paced_steps_to_the_step_sizes():
-    sched = make_scheduler(
-        budget=32, max_num_seqs=8, num_blocks=64, pacing=6, step_token_sizes=[4, 8, 16, 32]
-    )
-    worker = worker_for(sched)
-    _decoding(sched, worker)
-    sched.add_request(make_request("a", 10, first_token=0))
-    sched.add_request(make_request("b", 8, first_token=100))
-    plans = [step(sched, worker)[0].num_scheduled_tokens for _ in range(3)]
-    # One decode + 6 prompt tokens = 7, padded to 8: 7 prompt tokens per step.
-    assert plans == [{"d": 1, "a": 7}, {"d": 1, "a": 3, "b": 4}, {"d": 1, "a": 1, "b": 4}]
-    tokens, _ = run_to_finish(sched, worker, max_steps=200)
-    assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks
-
-
 def test_paced_requests_finish_and_free_every_block():
     sched = make_scheduler(budget=16, max_num_seqs=8, max_model_len=64, num_blocks=64, pacing=3)
     worker = worker_for(sched)

@@ -147,7 +147,6 @@ def make_scheduler(
     caching: bool = True,
     headroom: bool = False,
     pacing: int = 0,
-    step_token_sizes: list[int] | None = None,
 ) -> Scheduler:
     """A scheduler over a small cache; admission headroom off unless asked for, so plans
     admit whatever fits (the mechanics these tests pin down)."""
@@ -164,7 +163,6 @@ def make_scheduler(
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks=num_blocks,
-        step_token_sizes=step_token_sizes,
     )
 
 

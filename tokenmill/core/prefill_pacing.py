@@ -56,19 +56,11 @@ set): one budget TTFT p50 480 ms, TPOT p50 11.77 ms, 18.55 req/s; two budgets 61
 11.99 ms, 20.54 req/s (the same as 8 budgets). Served to vLLM's client in the same session:
 TTFT p50 97 ms, TPOT p50 11.60 ms, 4,907 output tok/s (vLLM 0.24: 637 ms, 10.71 ms, 4,718).
 
-A paced step's prompt allowance is rounded up so that the step fills the CUDA graph it
-will replay: a step of ``n`` tokens runs the graph of the smallest captured size ``>= n``
-(16-token steps between 256 and 512 tokens), and the padding rows cost the same compute as
-real tokens (~28 us per token for Llama-3.1-8B on an H200 past 256 tokens). With 60
-decodes, a 256-token allowance becomes 260 (a 320-token graph) instead of computing 4
-padding tokens.
-
 Torch-free, like the rest of core/.
 """
 
 from __future__ import annotations
 
-import bisect
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -97,20 +89,13 @@ class PrefillPacing:
         budget_tokens: the step's token budget (``max_num_batched_tokens``).
         queue_limit_tokens: the queued prefill work (tokens) up to which pacing applies;
             default ``QUEUE_LIMIT_BUDGETS`` times ``budget_tokens``.
-        step_sizes: the token counts a step with prompt tokens is padded to (its CUDA
-            graphs' sizes, ascending); a paced allowance is rounded up to fill the padding.
-            None or empty: no rounding.
 
     Raises:
         ValueError: a non-positive argument.
     """
 
     def __init__(
-        self,
-        pacing_tokens: int,
-        budget_tokens: int,
-        queue_limit_tokens: int | None = None,
-        step_sizes: list[int] | None = None,
+        self, pacing_tokens: int, budget_tokens: int, queue_limit_tokens: int | None = None
     ) -> None:
         if queue_limit_tokens is None:
             queue_limit_tokens = QUEUE_LIMIT_BUDGETS * budget_tokens
@@ -120,9 +105,7 @@ class PrefillPacing:
                 f"queue_limit_tokens ({queue_limit_tokens}) must be positive"
             )
         self.pacing_tokens = pacing_tokens
-        self.budget_tokens = budget_tokens
         self.queue_limit_tokens = queue_limit_tokens
-        self.step_sizes = sorted(step_sizes or [])
         # From this much queued work on, the part beyond the limit fills a step by itself.
         self.unpaced_tokens = queue_limit_tokens + budget_tokens
 
@@ -138,13 +121,13 @@ class PrefillPacing:
             kv: the block tables, to discount the prompt tokens a prefix-cache hit covers.
         """
         queued = 0
-        num_decoding = 0
+        decoding = False
         for request in running:
             if is_prefilling(request):
                 queued += request.num_prompt_tokens - request.num_computed_tokens
             else:
-                num_decoding += 1
-        if not num_decoding:
+                decoding = True
+        if not decoding:
             return None
         # Only the part of the queue beyond the limit is urgent: it is computed at once,
         # the rest at the pacing rate. Once that part alone fills a step, the sum can stop.
@@ -154,15 +137,4 @@ class PrefillPacing:
             queued += request.num_tokens - kv.num_cached_prefix_tokens(request)
             if queued >= self.unpaced_tokens:
                 return None
-        return self._fill_step(
-            max(self.pacing_tokens, queued - self.queue_limit_tokens), num_decoding
-        )
-
-    def _fill_step(self, allowance: int, num_decoding: int) -> int:
-        """``allowance`` raised so that, beside ``num_decoding`` one-token decodes, the step
-        ends at the size it is padded to anyway. A decode the step leaves out (async
-        scheduling skips one whose last token is in flight) only makes the step smaller."""
-        i = bisect.bisect_left(self.step_sizes, num_decoding + allowance)
-        if i == len(self.step_sizes):
-            return allowance
-        return min(self.step_sizes[i] - num_decoding, self.budget_tokens)
+        return max(self.pacing_tokens, queued - self.queue_limit_tokens)

@@ -94,8 +94,6 @@ class Scheduler:
         cache_config: block size and prefix caching.
         num_blocks: KV blocks available (as sized by the worker).
         log_stats: count prefix-cache hits and attach ``SchedulerStats`` to each output.
-        step_token_sizes: the token counts the worker pads a step with prompt tokens to (its
-            CUDA graphs' sizes); paced steps are filled to them (``PrefillPacing``).
 
     Attributes:
         requests: every live (waiting or running) request, by id.
@@ -118,18 +116,13 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         log_stats: bool = True,
-        step_token_sizes: list[int] | None = None,
     ) -> None:
-        self._init_config(scheduler_config, cache_config, log_stats, step_token_sizes)
+        self._init_config(scheduler_config, cache_config, log_stats)
         self._init_queues()
         self._init_kv_cache(cache_config, num_blocks)
 
     def _init_config(
-        self,
-        scheduler_config: SchedulerConfig,
-        cache_config: CacheConfig,
-        log_stats: bool,
-        step_token_sizes: list[int] | None,
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, log_stats: bool
     ) -> None:
         self.scheduler_config = scheduler_config
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -146,11 +139,7 @@ class Scheduler:
                 "chunked prefill"
             )
         self.pacing = (
-            PrefillPacing(
-                pacing_tokens, self.max_num_batched_tokens, step_sizes=step_token_sizes
-            )
-            if pacing_tokens
-            else None
+            PrefillPacing(pacing_tokens, self.max_num_batched_tokens) if pacing_tokens else None
         )
         self.block_size = cache_config.block_size
         self.log_stats = log_stats

@@ -27,11 +27,6 @@ class Executor(abc.ABC):
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache and warm up (CUDA graphs)."""
 
-    def step_token_sizes(self) -> list[int]:
-        """Token counts a step with prompt tokens is padded to (its CUDA graphs' sizes,
-        ascending), once the cache is initialized; empty when steps run unpadded."""
-        return []
-
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the driver worker's output."""

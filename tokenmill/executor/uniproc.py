@@ -25,9 +25,6 @@ class UniProcExecutor(Executor):
         self.worker.initialize_cache(num_blocks)
         self.worker.warm_up()
 
-    def step_token_sizes(self) -> list[int]:
-        return self.worker.step_token_sizes()
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 

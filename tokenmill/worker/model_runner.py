@@ -264,14 +264,6 @@ class ModelRunner:
         self.cuda_graphs = CUDAGraphRunner(self, pool=pool)
         self.cuda_graphs.capture()
 
-    def step_token_sizes(self) -> list[int]:
-        """Token counts a step with prompt tokens is padded to: the sizes of the graphs it
-        replays (whole-step, else piecewise), ascending; empty before capture or without
-        graphs (CPU, ``--enforce-eager``). A step of ``n`` tokens computes the smallest
-        size ``>= n``."""
-        graphs = self.mixed_graphs or self.piecewise_graphs
-        return list(graphs.sizes) if graphs is not None and graphs.graphs else []
-
     # ---- one step ----------------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -131,11 +131,6 @@ class Worker:
         if capture is not None and not self.config.enforce_eager:
             capture()
 
-    def step_token_sizes(self) -> list[int]:
-        """See ``ModelRunner.step_token_sizes``."""
-        assert self.model_runner is not None
-        return self.model_runner.step_token_sizes()
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None
         return self.model_runner.execute_model(scheduler_output)
