@@ -179,8 +179,8 @@ MIXED_CTX = [40, 17, 0, 50]
 
 
 def use_tiles(monkeypatch, varlen: TileConfig, decode: TileConfig) -> None:
-    monkeypatch.setattr(triton_backend, "varlen_tile_config", lambda d, dtype: varlen)
-    monkeypatch.setattr(triton_backend, "decode_tile_config", lambda d, dtype: decode)
+    monkeypatch.setattr(triton_backend, "varlen_tile_config", lambda *args: varlen)
+    monkeypatch.setattr(triton_backend, "decode_tile_config", lambda *args: decode)
 
 
 @pytest.fixture
@@ -189,11 +189,21 @@ def small_tiles(monkeypatch):
     use_tiles(monkeypatch, TileConfig(16, 16, 4, 1), TileConfig(16, 16, 4, 1))
 
 
-# The fp32 tiles (16 x 16) and the bf16/fp16 ones the GPU runs at head_dim <= 128.
+# The fp32 tiles (16 x 16), the bf16/fp16 ones the GPU runs at head_dim <= 128, and those
+# of short whole-step graphs.
 TILE_SHAPES = {
     "fp32": (TileConfig(16, 16, 4, 1), TileConfig(16, 16, 4, 2)),
     "half": (TileConfig(128, 64, 8, 3), TileConfig(16, 64, 4, 3)),
+    "half_short": (TileConfig(64, 128, 4, 2), TileConfig(16, 64, 4, 3)),
 }
+
+
+def test_short_whole_step_graphs_take_the_short_chunk_tiles():
+    bf16, config = torch.bfloat16, triton_backend.varlen_tile_config
+    assert config(128, bf16) == config(128, bf16, 1024) == TileConfig(128, 64, 8, 3)
+    assert config(128, bf16, 336) == TileConfig(64, 128, 4, 2)
+    assert config(256, bf16, 336) == TileConfig(64, 32, 8, 2)
+    assert config(128, torch.float32, 336) == TileConfig(16, 16, 4, 1)
 
 
 def test_backend_is_selected_for_cuda():

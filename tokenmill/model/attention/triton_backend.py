@@ -436,7 +436,8 @@ class TritonAttentionImpl(AttentionImpl):
     ) -> _Launches:
         """The prompt path's grid, key splits and kernel arguments for this step."""
         args = self._common_args(query, kv_cache)
-        cfg = varlen_tile_config(args["D_P"], query.dtype)
+        uniform_tokens = plan.prefill_tokens if plan.uniform else None
+        cfg = varlen_tile_config(args["D_P"], query.dtype, uniform_tokens)
         group_p = _pow2(args["GROUP"])
         block_q = max(1, cfg.block_m // group_p)
         # Uniform grids know no context lengths: one split (measured on Llama-3.1-8B: a

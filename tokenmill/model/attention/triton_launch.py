@@ -28,6 +28,9 @@ VARLEN_MAX_SPLITS = 16
 # Uniform grids: the prompt kernel's grid has room for this many requests after the leading
 # decodes (each may end in a partial query block). A paced serving step has one or two.
 UNIFORM_MAX_PREFILLS = 8
+# Uniform grids up to this many tokens (a paced serving step: decodes + a short chunk) take
+# the prompt kernel's short-chunk tiles (see ``varlen_tile_config``).
+UNIFORM_SHORT_TOKENS = 384
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,9 @@ class TileConfig:
     num_stages: int
 
 
-def varlen_tile_config(head_dim_padded: int, dtype: torch.dtype) -> TileConfig:
+def varlen_tile_config(
+    head_dim_padded: int, dtype: torch.dtype, uniform_tokens: int | None = None
+) -> TileConfig:
     """Tiles of the prompt-chunk kernel for a power-of-two head size.
 
     128 x 64 tiles with 8 warps (two warpgroups of ``wgmma``) keep the Q tile, scores and
@@ -56,11 +61,21 @@ def varlen_tile_config(head_dim_padded: int, dtype: torch.dtype) -> TileConfig:
     memory; head_dim 256 halves both tiles. fp32 runs its dot products on FMA units (exact,
     slow: a correctness path) and only 16 x 16 tiles fit its registers without spilling.
     Chosen from sm_90 compiles (no spills at head sizes 64..256, with and without window and
-    soft cap); to be tuned with ``benchmarks/attention_bench.py --sweep-tiles``.
+    soft cap) and ``benchmarks/attention_bench.py --sweep-tiles``.
+
+    A whole-step graph of at most ``UNIFORM_SHORT_TOKENS`` tokens (``uniform_tokens``: the
+    padded step; uniform grids have one key split) takes 64 x 128 tiles with 4 warps: twice
+    the programs over a short chunk's query blocks, each with wider key tiles. Llama-3.1-8B
+    on an H200 (RESULTS.md, tenth set), a 256-token chunk after 0 / 256 / 512 / 768 cached
+    tokens: 15.7 / 22.8 / 28.4 / 34.1 us per layer against 17.1 / 27.0 / 34.8 / 42.8. A
+    fresh 1,024-token prompt is slower with them (84 against 67 us), and so are the
+    non-uniform launches, which split a short chunk's keys instead.
     """
     if dtype == torch.float32:
         return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     if head_dim_padded <= 128:
+        if uniform_tokens is not None and uniform_tokens <= UNIFORM_SHORT_TOKENS:
+            return TileConfig(block_m=64, block_n=128, num_warps=4, num_stages=2)
         return TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
