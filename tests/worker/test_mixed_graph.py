@@ -27,6 +27,9 @@ def _runner(max_num_reqs: int, max_num_tokens: int = 256) -> SimpleNamespace:
         prefill_range=_Buffer((2,), torch.int32, torch.device("cpu")),
     )
     runner.pad_token_inputs = lambda n, padded: ModelRunner.pad_token_inputs(runner, n, padded)
+    runner.buffer_metadata = lambda *args, **fields: ModelRunner.buffer_metadata(
+        runner, *args, **fields
+    )
     return runner
 
 

@@ -45,9 +45,7 @@ class PaddedGraphs:
             concurrently with these; a new one at capture when None.
     """
 
-    def __init__(
-        self, runner: ModelRunner, sizes: list[int], pool: tuple[int, int] | None
-    ) -> None:
+    def __init__(self, runner: ModelRunner, sizes: list[int], pool: tuple[int, int] | None) -> None:
         self.runner = runner
         self.sizes = sorted(sizes)
         self.pool = pool
@@ -103,7 +101,49 @@ class PaddedGraphs:
         return graph, output
 
 
-class CUDAGraphRunner(PaddedGraphs):
+class WholePassGraphs(PaddedGraphs):
+    """One graph of the model's whole forward pass per padded size, over the runner's
+    persistent buffers, all in one memory pool.
+
+    Subclasses give the inert metadata a size is captured with (``capture_metadata``: every
+    row padding) and pad a real batch the same way before ``replay``.
+    """
+
+    # The log line's description of what was captured: ``{lo}`` and ``{hi}`` are the sizes.
+    what = "CUDA graphs (sizes {lo}..{hi})"
+
+    def __init__(self, runner: ModelRunner, sizes: list[int], pool: tuple[int, int] | None) -> None:
+        super().__init__(runner, sizes, pool)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
+
+    def capture_metadata(self, size: int) -> Any:
+        """The metadata of a batch of ``size`` padding rows (the runner's buffers filled
+        to match), which the graph of ``size`` is captured with."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size, largest first, sharing one memory pool."""
+        start = time.perf_counter()
+        stream = torch.cuda.Stream()
+        for size in reversed(self.sizes):
+            metadata = self.capture_metadata(size)
+            self.graphs[size], self.outputs[size] = self.capture_pass(size, metadata, stream)
+        torch.cuda.synchronize()
+        what = self.what.format(lo=self.sizes[0], hi=self.sizes[-1])
+        logger.info("Captured %d %s in %.1f s", len(self.graphs), what, time.perf_counter() - start)
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Replay the graph of ``size`` over the buffers as they are (padded by the caller);
+        returns its output, hidden states ``[size, H]`` (a static buffer)."""
+        self.graphs[size].replay()
+        self.num_replays += 1
+        return self.outputs[size]
+
+
+class CUDAGraphRunner(WholePassGraphs):
     """Captures and replays the decode forward pass of ``runner.model``.
 
     Args:
@@ -112,32 +152,18 @@ class CUDAGraphRunner(PaddedGraphs):
         pool: as for ``PaddedGraphs``.
     """
 
+    what = "CUDA graphs (decode batch sizes {lo}..{hi})"
+
     def __init__(
         self,
         runner: ModelRunner,
         capture_sizes: list[int] | None = None,
         pool: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__(
-            runner, capture_sizes or default_capture_sizes(runner.max_num_reqs), pool
-        )
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        super().__init__(runner, capture_sizes or default_capture_sizes(runner.max_num_reqs), pool)
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture one graph per size, largest first, sharing one memory pool."""
-        start = time.perf_counter()
-        stream = torch.cuda.Stream()
-        for size in reversed(self.sizes):
-            # Inert inputs for capture: every row a padding request.
-            metadata = self.runner.pad_decode_batch(0, size)
-            self.graphs[size], self.outputs[size] = self.capture_pass(size, metadata, stream)
-        torch.cuda.synchronize()
-        logger.info(
-            "Captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s",
-            len(self.graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - start,
-        )
+    def capture_metadata(self, size: int) -> Any:
+        return self.runner.pad_decode_batch(0, size)
 
     def run(self, num_reqs: int) -> torch.Tensor:
         """Replay for a decode batch of ``num_reqs`` whose inputs are already in the
@@ -145,5 +171,4 @@ class CUDAGraphRunner(PaddedGraphs):
         padding)."""
         size = self.padded_size(num_reqs)
         self.runner.pad_decode_batch(num_reqs, size)
-        self.graphs[size].replay()
-        return self.outputs[size]
+        return self.replay(size)

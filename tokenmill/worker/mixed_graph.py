@@ -19,23 +19,19 @@ piecewise graphs, as do steps with cascade attention.
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.model.attention.backend import AttentionMetadata
-from tokenmill.worker.cuda_graph import PaddedGraphs
+from tokenmill.worker.cuda_graph import WholePassGraphs
 from tokenmill.worker.piecewise_graph import default_piecewise_sizes
 
 if TYPE_CHECKING:
     from tokenmill.worker.model_runner import ModelRunner
 
-logger = logging.getLogger(__name__)
 
-
-class MixedCUDAGraphRunner(PaddedGraphs):
+class MixedCUDAGraphRunner(WholePassGraphs):
     """Captures and replays the forward pass of steps of any layout, per padded token count.
 
     Args:
@@ -44,6 +40,8 @@ class MixedCUDAGraphRunner(PaddedGraphs):
         capture_sizes: token counts to capture (default: the piecewise graphs' sizes).
         pool: as for ``PaddedGraphs``.
     """
+
+    what = "whole-step CUDA graphs for mixed batches ({lo}..{hi} tokens)"
 
     def __init__(
         self,
@@ -54,9 +52,6 @@ class MixedCUDAGraphRunner(PaddedGraphs):
         super().__init__(
             runner, capture_sizes or default_piecewise_sizes(runner.max_num_tokens), pool
         )
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.num_replays = 0
 
     def request_rows(self, size: int) -> int:
         """Request rows of the graph of ``size`` tokens (a step has at most one per token)."""
@@ -83,13 +78,9 @@ class MixedCUDAGraphRunner(PaddedGraphs):
         ends = runner.query_start_loc.device[num_reqs + 1 : rows + 1]
         torch.arange(num_tokens + 1, num_tokens + 1 + len(ends), out=ends)
         ends.clamp_(max=size)
-        return AttentionMetadata(
-            num_actual_tokens=size,
-            num_reqs=rows,
-            query_start_loc=runner.query_start_loc.device[: rows + 1],
-            seq_lens=runner.seq_lens.device[:rows],
-            block_table=runner.block_table.device[:rows],
-            slot_mapping=runner.slot_mapping.device[:size],
+        return runner.buffer_metadata(
+            size,
+            rows,
             max_query_len=size,
             max_seq_len=runner.max_model_len,
             # Not read with uniform grids; well-formed for any code that checks shapes.
@@ -99,20 +90,8 @@ class MixedCUDAGraphRunner(PaddedGraphs):
             prefill_range=prefill_range.device,
         )
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture one graph per size, largest first, into the shared pool."""
-        start = time.perf_counter()
-        stream = torch.cuda.Stream()
-        for size in reversed(self.sizes):
-            # Inert inputs: every request a padding request.
-            metadata = self.pad_batch(0, 0, size)
-            self.graphs[size], self.outputs[size] = self.capture_pass(size, metadata, stream)
-        torch.cuda.synchronize()
-        logger.info(
-            "Captured %d whole-step CUDA graphs for mixed batches (%d..%d tokens) in %.1f s",
-            len(self.graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - start,
-        )  # fmt: skip
+    def capture_metadata(self, size: int) -> AttentionMetadata:
+        return self.pad_batch(0, 0, size)  # every request a padding request
 
     def run(self, num_tokens: int, num_reqs: int, num_decodes: int) -> torch.Tensor:
         """Replay for a step of ``num_tokens`` tokens and ``num_reqs`` requests, the first
@@ -121,6 +100,4 @@ class MixedCUDAGraphRunner(PaddedGraphs):
         padding)."""
         size = self.padded_size(num_tokens)
         self.pad_batch(num_tokens, num_reqs, size, num_decodes)
-        self.graphs[size].replay()
-        self.num_replays += 1
-        return self.outputs[size]
+        return self.replay(size)

@@ -329,13 +329,9 @@ class ModelRunner:
                 self.block_table.np, seq_lens, num_decodes, self.block_size,
                 replaces_graph=num_decodes == num_reqs and self._has_decode_graph(num_reqs),
             )  # fmt: skip
-        metadata = AttentionMetadata(
-            num_actual_tokens=n,
-            num_reqs=num_reqs,
-            query_start_loc=self.query_start_loc.device[: num_reqs + 1],
-            seq_lens=self.seq_lens.device[:num_reqs],
-            block_table=self.block_table.device[:num_reqs],
-            slot_mapping=self.slot_mapping.device[:n],
+        metadata = self.buffer_metadata(
+            n,
+            num_reqs,
             max_query_len=int(num_sched.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=self.query_start_loc.host[: num_reqs + 1].clone(),
@@ -430,13 +426,9 @@ class ModelRunner:
         ``num_tokens`` of its ``seq_len`` positions; filling the device buffers is the
         caller's business."""
         qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
-        return AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            num_reqs=1,
-            query_start_loc=self.query_start_loc.device[:2],
-            seq_lens=self.seq_lens.device[:1],
-            block_table=self.block_table.device[:1],
-            slot_mapping=self.slot_mapping.device[:num_tokens],
+        return self.buffer_metadata(
+            num_tokens,
+            1,
             max_query_len=num_tokens,
             max_seq_len=seq_len,
             query_start_loc_cpu=qsl,
@@ -445,19 +437,28 @@ class ModelRunner:
 
     def decode_metadata(self, batch_size: int) -> AttentionMetadata:
         """Metadata over the persistent buffers for a decode batch of ``batch_size``."""
-        qsl_cpu = torch.arange(batch_size + 1, dtype=torch.int32)
-        return AttentionMetadata(
-            num_actual_tokens=batch_size,
-            num_reqs=batch_size,
-            query_start_loc=self.query_start_loc.device[: batch_size + 1],
-            seq_lens=self.seq_lens.device[:batch_size],
-            block_table=self.block_table.device[:batch_size],
-            slot_mapping=self.slot_mapping.device[:batch_size],
+        return self.buffer_metadata(
+            batch_size,
+            batch_size,
             max_query_len=1,
             max_seq_len=self.max_model_len,
-            query_start_loc_cpu=qsl_cpu,
+            query_start_loc_cpu=torch.arange(batch_size + 1, dtype=torch.int32),
             seq_lens_cpu=self.seq_lens.host[:batch_size].clone(),
             num_decodes=batch_size,
+        )
+
+    def buffer_metadata(self, num_tokens: int, num_reqs: int, **fields) -> AttentionMetadata:
+        """``AttentionMetadata`` whose device tensors are views of the persistent buffers:
+        the first ``num_reqs`` rows of the request buffers (query starts, context lengths,
+        block table) and the first ``num_tokens`` slots; ``fields`` gives the rest."""
+        return AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            num_reqs=num_reqs,
+            query_start_loc=self.query_start_loc.device[: num_reqs + 1],
+            seq_lens=self.seq_lens.device[:num_reqs],
+            block_table=self.block_table.device[:num_reqs],
+            slot_mapping=self.slot_mapping.device[:num_tokens],
+            **fields,
         )
 
     @torch.inference_mode()
