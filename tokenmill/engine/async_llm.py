@@ -202,6 +202,10 @@ class AsyncLLM:
                 if self._timed and outputs.timestamp:
                     FRONT_END_TIMINGS.record("engine->front end", time.time() - outputs.timestamp)
                 self._process_outputs(outputs)
+                # Let the streams this step woke send its tokens before the next step is
+                # read: a message already queued is returned without suspending, and its
+                # tokens would merge with these in every stream (two tokens per chunk).
+                await asyncio.sleep(0)
             elif kind == MSG_UTILITY:
                 name, result = msgspec.msgpack.decode(payload)
                 waiters = self._utility_waiters.get(name)
