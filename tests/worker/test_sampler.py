@@ -503,3 +503,23 @@ def test_bad_word_bans_match_the_end_of_the_output() -> None:
     assert [t.tolist() for t in meta.banned_tokens] == [[1, 1], [7, 5]]
     logits = apply_logits_processors(torch.zeros(2, 10), meta)
     assert torch.isinf(logits[1, [5, 7]]).all() and not torch.isinf(logits[0]).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_ban_that_leaves_no_token_is_lifted(device: str) -> None:
+    """Allowed tokens 5 and 7, where each completes a bad word after the output so far: the
+    row samples among its allowed tokens (never token 0). A row the bans leave a token keeps
+    them."""
+    params = SamplingParams(allowed_token_ids=[5, 7], temperature=0.0)
+    params.bad_words_token_ids = [[3, 5], [3, 7]]
+    rows = [SamplingRow(params, [1], [3]), SamplingRow(params, [1], [4])]
+    meta = build_sampling_metadata(rows, 10, torch.device(device))
+    logits = torch.arange(10, dtype=torch.float32).expand(2, -1).to(device)
+    processed = apply_logits_processors(logits, meta).cpu()
+    assert torch.isfinite(processed[0, [5, 7]]).all()
+    sampled = Sampler()(logits, meta).sampled_token_ids.tolist()
+    assert sampled == [7, 7]
+    blocked = SamplingParams(allowed_token_ids=[5, 7], temperature=0.0)
+    blocked.bad_words_token_ids = [[3, 7]]
+    meta = build_sampling_metadata([SamplingRow(blocked, [1], [3])], 10, torch.device(device))
+    assert Sampler()(logits[:1], meta).sampled_token_ids.tolist() == [5]

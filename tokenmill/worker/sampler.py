@@ -9,7 +9,8 @@ Order of operations:
 1. Logprobs returned to users are those of the model's raw distribution: ``log_softmax`` of the
    logits in float32 before any processing (vLLM's default ``--logprobs-mode raw_logprobs``).
 2. Processing, on float32 logits: allowed_token_ids mask, logit_bias (added), min_tokens (stop
-   and EOS ids set to -inf), bad words (the token that would complete one set to -inf),
+   and EOS ids set to -inf), bad words (the token that would complete one set to -inf; both
+   bans are lifted in a row they would leave with no token at all),
    repetition penalty (CTRL, Keskar et al. 2019, arXiv:1909.05858: over prompt and output
    tokens, positive logits divided, negative ones multiplied), frequency and presence
    penalties (OpenAI API reference: over output tokens only,
@@ -227,7 +228,12 @@ def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) ->
         rows, tokens = metadata.banned_tokens
         # NOTE: a device-side fill; a Python scalar as the value would be a host copy.
         neg_inf = torch.full(rows.shape, _NEG_INF, dtype=logits.dtype, device=logits.device)
-        logits = logits.index_put((rows, tokens), neg_inf)
+        banned = logits.index_put((rows, tokens), neg_inf)
+        # A row whose every allowed token is banned (allowed_token_ids that each complete a
+        # bad word after this output) keeps its tokens unbanned: a ban that left nothing to
+        # sample would yield token 0, outside allowed_token_ids.
+        nothing_left = torch.isneginf(banned).all(dim=-1, keepdim=True)
+        logits = torch.where(nothing_left, logits, banned)
     if metadata.repetition_penalties is not None:
         logits = apply_repetition_penalty(
             logits,
