@@ -1,5 +1,5 @@
-"""The front end's output loop: each step's tokens reach their streams before the next step
-is read, so a stream sends one chunk per step rather than merging steps."""
+"""The front end's output loop: a stream reading its collector takes each step's tokens
+before the next step is read, so it sends one chunk per step rather than merging steps."""
 
 from __future__ import annotations
 

@@ -202,9 +202,12 @@ class AsyncLLM:
                 if self._timed and outputs.timestamp:
                     FRONT_END_TIMINGS.record("engine->front end", time.time() - outputs.timestamp)
                 self._process_outputs(outputs)
-                # Let the streams this step woke send its tokens before the next step is
-                # read: a message already queued is returned without suspending, and its
-                # tokens would merge with these in every stream (two tokens per chunk).
+                # Give the streams this step woke a turn of the event loop before the next
+                # step is read: a message already queued is returned without suspending, and
+                # its tokens would merge with these in each stream's collector (two tokens
+                # per chunk). A stream reading its collector directly takes its tokens in
+                # that turn; one interleaving several prompts (``merge_streams``) needs more
+                # turns and may still merge steps.
                 await asyncio.sleep(0)
             elif kind == MSG_UTILITY:
                 name, result = msgspec.msgpack.decode(payload)

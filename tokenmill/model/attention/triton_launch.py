@@ -67,8 +67,8 @@ def varlen_tile_config(
     padded step; uniform grids have one key split) takes 64 x 128 tiles with 4 warps: twice
     the programs over a short chunk's query blocks, each with wider key tiles. Llama-3.1-8B
     on an H200 (RESULTS.md, tenth set), a 256-token chunk after 0 / 256 / 512 / 768 cached
-    tokens: 15.7 / 22.8 / 28.4 / 34.1 us per layer against 17.1 / 27.0 / 34.8 / 42.8. A
-    fresh 1,024-token prompt is slower with them (84 against 67 us), and so are the
+    tokens: 15.7 / 22.9 / 28.7 / 34.0 us per layer against 17.1 / 27.0 / 34.8 / 42.8. A
+    fresh 1,024-token prompt is slower with them (87 against 67 us), and so are the
     non-uniform launches, which split a short chunk's keys instead.
     """
     if dtype == torch.float32:

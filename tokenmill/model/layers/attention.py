@@ -22,9 +22,11 @@ class Attention(nn.Module):
     first forward (see ``bind_kv_caches``).
 
     A layer given its model's rotary embedding applies it to ``q`` and ``k`` itself, from
-    ``positions`` (``[T]`` int): on CUDA the rotation and the KV-cache write are then one
-    kernel (``fused_kernels.rotary_and_cache``), one launch and one pass over the keys less
-    per layer. Without one, ``q`` and ``k`` arrive rotated (or need no rotation).
+    ``positions`` (``[T]`` int): where the rotation runs fused (CUDA, a power-of-two half
+    rotary dimension, ``TOKENMILL_FUSED_ROPE_CACHE`` not 0) the rotation and the KV-cache
+    write are one kernel (``fused_kernels.rotary_and_cache``), one launch and one pass over
+    the keys less per layer; elsewhere the torch rotation, then the backend's write. Without
+    one, ``q`` and ``k`` arrive rotated (or need no rotation).
 
     Args:
         num_heads, head_dim, num_kv_heads: head layout on this rank.
@@ -90,7 +92,8 @@ class Attention(nn.Module):
         skipped; see ``AttentionImpl.write_kv``).
 
         Returns:
-            The query to attend with: rotated (in place on CUDA), or ``query`` itself.
+            The query to attend with: ``query`` rotated in place (fused path), a new rotated
+            tensor (torch path), or ``query`` itself (no rotary embedding).
 
         Raises:
             ValueError: the layer has a rotary embedding and ``positions`` is None.

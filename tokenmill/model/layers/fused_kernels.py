@@ -104,8 +104,9 @@ if HAS_TRITON:
             k_ptr + token * k_stride, head_dim, num_k_heads, cos, sin, K_HEADS, HALF, NEOX
         )
 
-    # A step's token count changes every step: specialized, each new value mod 16 would
-    # compile the kernel again in the middle of serving.
+    # A step's token count changes every step; Triton specializes integers on being 1 and
+    # on divisibility by 16, so a count that changed either would compile another variant
+    # in the middle of serving.
     @triton.jit(do_not_specialize=["num_tokens"])
     def _rotary_cache_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
@@ -239,8 +240,9 @@ def rotary_and_cache(
     their slots of the paged cache, in one launch; ``k`` itself is left unrotated.
 
     Equal to ``rotary_inplace`` followed by ``reshape_and_cache`` (the rotated key is cast
-    to ``k``'s dtype, then to the cache's, as that pair does), minus a pass over the keys
-    and one launch per layer.
+    to ``k``'s dtype, then to the cache's, as that pair does) up to the last bit of the keys
+    (the compiler may contract the products into FMAs differently), minus a pass over the
+    keys and one launch per layer.
 
     Args:
         positions: ``[T]`` int positions; every row of ``q`` is rotated.
