@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from tokenmill.core.engine_io import EngineCoreRequest, FinishReason
 from tokenmill.sampling_params import SamplingParams
@@ -88,6 +89,9 @@ class Request:
         self.eos_and_stop_ids = sampling_params.all_stop_token_ids
         # Its sampling reads host-side history, so its steps cannot overlap (async mode).
         self.needs_sync_step = sampling_params.uses_full_sampler
+        # Structured outputs: its grammar's matcher (structured_output.RequestGrammar),
+        # set by the engine core.
+        self.grammar: Any = None
         # Timestamps (time.time()) for queue-time and TTFT accounting.
         self.first_scheduled_time: float | None = None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json as json_module
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,73 @@ GENERATION_CONFIG_FIELDS = {
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output's form (vLLM's ``StructuredOutputsParams``): exactly one of
+    the fields. The sampler then only draws tokens the grammar allows, and the request
+    finishes when the grammar is complete (xgrammar: Dong et al. 2024, arXiv:2411.15100).
+
+    Args:
+        json: a JSON schema (dict or its JSON text) the output must satisfy.
+        regex: a regular expression the whole output must match.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (GBNF, llama.cpp's dialect) with a ``root`` rule.
+        json_object: any JSON object (OpenAI's ``response_format: json_object``).
+
+    Raises:
+        SamplingParamsError: not exactly one field given, or a field of the wrong type.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar and "
+                f"json_object; got {given or 'none'}.",
+                "structured_outputs",
+            )
+        if isinstance(self.json, dict):
+            self.json = json_module.dumps(self.json)
+        ok = {
+            "json": isinstance(self.json, str),
+            "regex": isinstance(self.regex, str),
+            "grammar": isinstance(self.grammar, str),
+            "choice": isinstance(self.choice, list)
+            and len(self.choice) > 0
+            and all(isinstance(c, str) for c in self.choice),
+            "json_object": self.json_object is True,
+        }
+        if not ok[given[0]]:
+            raise SamplingParamsError(
+                f"structured_outputs.{given[0]} has the wrong type: json takes a schema "
+                "(object or text), regex and grammar a string, choice a non-empty list of "
+                "strings, json_object true.",
+                "structured_outputs",
+            )
+
+    def kind_and_spec(self) -> tuple[str, str]:
+        """``(kind, spec)``: the field given and its value as text (a cache key)."""
+        if self.json is not None:
+            return "json", str(self.json)
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json_module.dumps(self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", ""
+
+
+@dataclass
 class SamplingParams:
     """Sampling parameters of one request.
 
@@ -117,6 +185,8 @@ class SamplingParams:
         bad_words: words that may not be generated: the token that would complete one is
             never sampled (each word as tokenized alone and after a space; the engine fills
             ``bad_words_token_ids``).
+        structured_outputs: a constraint on the output's form (JSON schema, regex, choice,
+            grammar); see ``StructuredOutputsParams``.
         truncate_prompt_tokens: keep only the prompt's last this many tokens (vLLM's left
             truncation); -1 keeps as many as leave room for ``max_tokens`` (or for one
             token when it is None). At most the context length minus one.
@@ -150,6 +220,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the model (eos ids, bad words' token ids); not set by users.
@@ -328,8 +399,8 @@ class SamplingParams:
     @property
     def uses_full_sampler(self) -> bool:
         """True if decoding needs the token history or logprobs on the host: penalties,
-        logit bias, allowed tokens, bad words, min_tokens, a seed, logprobs or prompt
-        logprobs. Plain
+        logit bias, allowed tokens, bad words, structured outputs, min_tokens, a seed,
+        logprobs or prompt logprobs. Plain
         temperature/top-k/top-p/min-p sampling does not (the fast path)."""
         return bool(
             self.presence_penalty
@@ -338,6 +409,7 @@ class SamplingParams:
             or self.logit_bias
             or self.allowed_token_ids is not None
             or self.bad_words
+            or self.structured_outputs is not None
             or self.min_tokens
             or self.seed is not None
             or self.logprobs is not None

@@ -8,12 +8,19 @@ ZMQ sockets for the server. This module stays importable without torch: the exec
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
 from tokenmill.config import ConfigError, EngineConfig
-from tokenmill.core.engine_io import EngineCoreOutputs, EngineCoreRequest
+from tokenmill.core.engine_io import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.request import Request, RequestStatus
@@ -56,6 +63,7 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Async scheduling: the step in flight (its plan and its output handle).
         self._pending: tuple[SchedulerOutput, Any] | None = None
+        self._failed: list[EngineCoreOutput] = []  # requests refused here, to report
         sc = config.scheduler_config
         logger.info(
             "Scheduler: %d tokens and %d requests per step, chunked prefill %s, prefill pacing "
@@ -66,6 +74,9 @@ class EngineCore:
             "on" if sc.async_scheduling else "off",
         )  # fmt: skip
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
+        # Structured outputs' compiler (the tokenizer and its vocabulary table: ~1 s), built
+        # beside the loop so that the first such request does not stall the running ones.
+        self._grammars = _in_background(self._build_grammar_compiler)
 
     def _init_kv_cache(self) -> int:
         cc, mc, sc = (
@@ -101,17 +112,61 @@ class EngineCore:
     # ---- requests ----------------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request (validated by the front end; the scheduler re-checks lengths)."""
-        self.scheduler.add_request(
-            Request.from_engine_core_request(request, self.config.model_config.max_model_len)
-        )
+        """Queue a request (validated by the front end; the scheduler re-checks lengths).
+
+        A request with structured outputs gets its grammar's matcher here; one whose
+        constraint does not compile finishes at once, aborted (the front end checks the
+        constraints, so this is rare).
+        """
+        req = Request.from_engine_core_request(request, self.config.model_config.max_model_len)
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            try:
+                req.grammar = self._grammar_compiler().compile(constraint)
+            except Exception as e:  # the request fails, not the engine
+                logger.warning("request %s aborted: %s", req.request_id, e)
+                self._failed.append(
+                    EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.ABORT)
+                )
+                return
+        self.scheduler.add_request(req)
+
+    def _build_grammar_compiler(self) -> Any:
+        from tokenmill.structured_output import GrammarCompiler
+        from tokenmill.tokenizer import get_tokenizer
+
+        mc = self.config.model_config
+        tokenizer = get_tokenizer(mc.model, mc.tokenizer if mc.tokenizer != mc.model else None)
+        return GrammarCompiler(tokenizer, mc.vocab_size)
+
+    def _grammar_compiler(self) -> Any:
+        """The structured-output compiler (waits for its construction the first time).
+
+        Raises:
+            Exception: what building it raised (no tokenizer, no xgrammar).
+        """
+        return self._grammars.result()
+
+    def _fill_grammar_bitmasks(self, so: SchedulerOutput) -> None:
+        """The next-token bitmasks of the requests with structured outputs that sample in
+        ``so`` (their whole context computed by it), from their grammars' current state."""
+        requests = self.scheduler.requests
+        for req_id in so.num_scheduled_tokens:
+            request = requests[req_id]
+            grammar = request.grammar
+            if grammar is not None and request.num_computed_tokens >= request.num_tokens:
+                so.grammar_bitmasks[req_id] = grammar.token_bitmask()
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish requests at once and free their KV blocks (unknown ids are ignored)."""
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._pending is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._pending is not None
+            or bool(self._failed)
+        )
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -122,8 +177,12 @@ class EngineCore:
         host schedules and processes outputs while the device computes, and the outputs
         returned are those of the previous step.
         """
-        if self.async_scheduling:
-            return self._step_async()
+        outputs = self._step_async() if self.async_scheduling else self._step_sync()
+        if self._failed:
+            outputs.outputs[:0], self._failed = self._failed, []
+        return outputs
+
+    def _step_sync(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Still tell the worker about finished requests so it drops their state.
@@ -133,6 +192,7 @@ class EngineCore:
             if self.log_stats:
                 outputs.scheduler_stats = self.scheduler.make_stats()
             return outputs
+        self._fill_grammar_bitmasks(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.time()
@@ -155,6 +215,7 @@ class EngineCore:
             # Its sampling needs every earlier token on the host: run it in step.
             if pending is not None:
                 outputs = self._collect(pending)
+            self._fill_grammar_bitmasks(so)
             runner_output = self.executor.execute_model(so)
             return _merge(outputs, self.scheduler.update_from_output(so, runner_output))
         handle = self.executor.execute_model_async(so)
@@ -174,6 +235,20 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _in_background(build: Callable[[], Any]) -> Future:
+    """``build()`` run on a daemon thread; its result (or exception) in the future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(build())
+        except BaseException as e:  # reported to whoever asks for the result
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="tokenmill-grammars", daemon=True).start()
+    return future
 
 
 def _merge(first: EngineCoreOutputs, second: EngineCoreOutputs) -> EngineCoreOutputs:

@@ -548,10 +548,20 @@ class Scheduler:
         return kept
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        """The finished status ``token_id`` (just appended) puts the request in, if any."""
+        """The finished status ``token_id`` (just appended) puts the request in, if any.
+
+        A request with structured outputs also advances its grammar: it stops once the
+        grammar is complete, and is aborted by a token the grammar does not allow (which
+        the sampler's mask rules out)."""
         params = request.sampling_params
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept(token_id):
+            logger.warning("request %s: token %d breaks its grammar", request.request_id, token_id)
+            return RequestStatus.FINISHED_ABORTED
         if token_id in request.eos_and_stop_ids and request.num_output_tokens >= params.min_tokens:
             request.stop_reason = token_id if token_id in (params.stop_token_ids or ()) else None
+            return RequestStatus.FINISHED_STOPPED
+        if grammar is not None and grammar.is_complete:
             return RequestStatus.FINISHED_STOPPED
         if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED

@@ -8,6 +8,7 @@ of requests that finished. The worker keeps each request's state and applies thi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -67,6 +68,9 @@ class SchedulerOutput:
         finished_req_ids: requests that finished or were aborted since the last step,
             or were preempted: the worker drops their state.
         num_common_prefix_blocks: reserved for cascade attention (0 = unused).
+        grammar_bitmasks: request id -> ``[ceil(V / 32)]`` int32 bitmask of the tokens its
+            grammar allows next, for the requests with structured outputs that sample
+            this step (filled by the engine core just before the step runs).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -75,6 +79,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     num_common_prefix_blocks: int = 0
+    grammar_bitmasks: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -268,6 +268,10 @@ class InputProcessor:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         limit = self.max_logprobs if self.max_logprobs >= 0 else self.vocab_size
         params.verify_for_model(self.vocab_size, limit)
+        if params.structured_outputs is not None:
+            from tokenmill.structured_output import validate
+
+            validate(params.structured_outputs)
         if params.allowed_token_ids is not None:
             # Tokens never sampled at the first step: one-token bad words, and stop tokens
             # under min_tokens.

@@ -509,7 +509,7 @@ class ModelRunner:
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             sample_batch_rows = inputs.batch_rows[inputs.sample_rows]
-            metadata = self._sampling_metadata(inputs, sample_batch_rows)
+            metadata = self._sampling_metadata(inputs, sample_batch_rows, so.grammar_bitmasks)
             out = self.sampler(logits, metadata)
             token_ids = out.sampled_token_ids.tolist()  # the step's one sync
             req_ids = inputs.req_ids
@@ -532,20 +532,31 @@ class ModelRunner:
         for req_id, c in zip(inputs.req_ids, new_computed.tolist(), strict=False):
             batch.requests[req_id].num_computed_tokens = c
 
-    def _sampling_metadata(self, inputs: StepInputs, rows: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(
+        self,
+        inputs: StepInputs,
+        rows: np.ndarray,
+        grammar_bitmasks: dict[str, np.ndarray] | None = None,
+    ) -> SamplingMetadata:
         """The sampler's metadata: a numpy gather of per-row parameters when every row is
-        plain (temperature/top-k/top-p/min-p only), else the general per-row builder."""
+        plain (temperature/top-k/top-p/min-p only), else the general per-row builder (with
+        the grammar bitmasks of requests with structured outputs)."""
         b = self.input_batch
         if not b.simple_sampling[rows].all():
-            states = [b.requests[inputs.req_ids[i]] for i in inputs.sample_rows]
-            return build_sampling_metadata(
-                [
-                    SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids)
-                    for s in states
-                ],
-                self.vocab_size,
-                self.device,
-            )
+            bitmasks = grammar_bitmasks or {}
+            sampling_rows = []
+            for i in inputs.sample_rows:
+                req_id = inputs.req_ids[i]
+                s = b.requests[req_id]
+                sampling_rows.append(
+                    SamplingRow(
+                        s.sampling_params,
+                        s.prompt_token_ids,
+                        s.output_token_ids,
+                        bitmasks.get(req_id),
+                    )
+                )
+            return build_sampling_metadata(sampling_rows, self.vocab_size, self.device)
         d, v = self.device, self.vocab_size
         greedy = b.greedy[rows]
         all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())

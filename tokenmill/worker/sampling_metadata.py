@@ -27,11 +27,15 @@ class SamplingRow:
         params: the request's sampling parameters.
         prompt_token_ids: the prompt, as token ids.
         output_token_ids: tokens generated so far, before this step.
+        token_bitmask: ``[ceil(V / 32)]`` int32, bit ``t % 32`` of word ``t // 32`` set
+            where token ``t`` may come next (the request's grammar; structured outputs),
+            else None.
     """
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    token_bitmask: np.ndarray | None = None
 
 
 @dataclass
@@ -58,7 +62,8 @@ class SamplingMetadata:
             sampled this step: stop/EOS tokens while the row has fewer than ``min_tokens``
             outputs, and the last token of each bad word whose other tokens end the output.
         logit_bias: (row indices [N] int64, token ids [N] int64, values [N] float32).
-        allowed_token_mask: [B, V] bool, True where a token may be sampled.
+        allowed_token_mask: [B, V] bool, True where a token may be sampled (allowed_token_ids
+            and the grammar of structured outputs).
         seeds: row index -> seed of this step's noise, for rows with ``SamplingParams.seed``
             (already mixed with the number of output tokens, see ``step_seed``).
         num_logprobs: per row, the number of top logprobs asked for (``-1``: the whole
@@ -228,6 +233,26 @@ def _add_masks(
         mask[_longs(allowed_rows, device)] = False
         mask[_longs(allowed_row_of_token, device), _longs(allowed_tokens, device)] = True
         meta.allowed_token_mask = mask
+    grammar_rows = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+    if grammar_rows:
+        mask = grammar_token_mask([rows[i].token_bitmask for i in grammar_rows], vocab_size, device)
+        allowed = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)
+        allowed[_longs(grammar_rows, device)] = mask
+        if meta.allowed_token_mask is not None:
+            allowed &= meta.allowed_token_mask
+        meta.allowed_token_mask = allowed
+
+
+def grammar_token_mask(
+    bitmasks: Sequence[np.ndarray], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """``[G, V]`` bool from ``G`` token bitmasks (``[W]`` int32 each, ``W * 32 >= V``: bit
+    ``t % 32`` of word ``t // 32`` set where token ``t`` is allowed), unpacked on the
+    device so that only the packed words (V / 8 bytes a row) are copied there."""
+    words = torch.from_numpy(np.stack(bitmasks).astype(np.int32, copy=False)).to(device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1
+    return bits.view(len(bitmasks), -1)[:, :vocab_size].bool()
 
 
 def bad_word_bans(bad_words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:

@@ -64,25 +64,24 @@ class SamplingFields(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
-    # Accepted so that they can be rejected with a clear message (not implemented):
-    # ignored, they would silently change what a client asked for.
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (see serving_engine.structured_outputs_of).
     response_format: dict[str, Any] | None = None
-    use_beam_search: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
-    prompt_embeds: Any = None
+    structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    structured_outputs: Any = None
+    # Accepted so that they can be rejected with a clear message (not implemented):
+    # ignored, they would silently change what a client asked for.
+    use_beam_search: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    prompt_embeds: Any = None
     logits_processors: Any = None
 
 
 # vLLM's request fields that tokenmill does not implement yet (400 when given).
-UNIMPLEMENTED_FIELDS = (
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "structured_outputs", "logits_processors", "prompt_embeds",
-)  # fmt: skip
+UNIMPLEMENTED_FIELDS = ("logits_processors", "prompt_embeds")
 
 
 # ---- chat completions ------------------------------------------------------------------------

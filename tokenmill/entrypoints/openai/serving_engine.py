@@ -33,7 +33,13 @@ from tokenmill.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from tokenmill.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
+from tokenmill.structured_output import validate as validate_structured_outputs
 from tokenmill.tokenizer import ChatTemplateError, get_backend_tokenizer
 
 if TYPE_CHECKING:
@@ -249,6 +255,7 @@ class OpenAIServing:
                 logit_bias=parse_logit_bias(request.logit_bias),
                 allowed_token_ids=request.allowed_token_ids,
                 bad_words=request.bad_words,
+                structured_outputs=structured_outputs_of(request),
                 output_kind=RequestOutputKind.DELTA
                 if request.stream
                 else RequestOutputKind.FINAL_ONLY,
@@ -356,19 +363,78 @@ class OpenAIServing:
         return len(running)
 
 
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever field the client used: OpenAI's
+    ``response_format`` (``json_object``, or ``json_schema`` with its ``schema``), vLLM's
+    ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``)
+    or vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar``. None for plain text.
+
+    Raises:
+        OpenAIError: 400 naming the field: more than one given, an unknown type or key, a
+            value of the wrong type, or a schema, regex or grammar that does not compile.
+    """
+    given: list[tuple[str, dict[str, Any]]] = []
+    fmt = request.response_format
+    if fmt is not None:
+        kind = fmt.get("type", "text") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request(
+                    "response_format json_schema needs json_schema.schema, a JSON schema "
+                    "object.",
+                    "response_format",
+                )
+            given.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise bad_request(
+                "response_format type must be 'text', 'json_object' or 'json_schema'.",
+                "response_format",
+            )
+    if request.structured_outputs is not None:
+        if not isinstance(request.structured_outputs, dict):
+            raise bad_request("structured_outputs must be an object.", "structured_outputs")
+        given.append(("structured_outputs", request.structured_outputs))
+    for name, key in _GUIDED_FIELDS.items():
+        value = getattr(request, name)
+        if value is not None:
+            given.append((name, {key: value}))
+    if not given:
+        return None
+    if len(given) > 1:
+        names = ", ".join(name for name, _ in given)
+        raise bad_request(f"give one output constraint, not several ({names}).", given[1][0])
+    name, fields = given[0]
+    unknown = set(fields) - {"json", "regex", "choice", "grammar", "json_object"}
+    if unknown:
+        raise bad_request(f"{name}: unknown keys {sorted(unknown)}.", name)
+    try:
+        params = StructuredOutputsParams(**fields)
+        validate_structured_outputs(params)
+    except SamplingParamsError as e:
+        raise bad_request(str(e).replace("structured_outputs", name, 1), name) from None
+    return params
+
+
 def check_implemented(request: SamplingFields) -> None:
     """Reject the request fields tokenmill accepts only to refuse them.
 
     Raises:
-        OpenAIError: 400 naming the first such field given (``response_format`` other than
-            ``text``, or one of ``UNIMPLEMENTED_FIELDS``).
+        OpenAIError: 400 naming the first such field given (one of
+            ``UNIMPLEMENTED_FIELDS``).
     """
-    fmt = (request.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise bad_request(
-            f"tokenmill does not implement response_format {fmt!r} yet (only 'text').",
-            "response_format",
-        )
     for name in UNIMPLEMENTED_FIELDS:
         if getattr(request, name) is not None:
             raise bad_request(f"tokenmill does not implement {name} yet.", name)

@@ -1,0 +1,161 @@
+"""Structured outputs in the engine: constraints kept under chunked prefill and async
+scheduling beside plain requests; the parameters' checks; the grammar bitmask in the
+sampler's mask; the scheduler's stop and abort on a grammar's verdict."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tests.core.test_scheduler import make_request, make_scheduler, step, worker_for
+from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+from tokenmill.core.engine_io import EngineCoreRequest, FinishReason
+from tokenmill.request import RequestStatus
+from tokenmill.sampling_params import SamplingParamsError
+from tokenmill.structured_output import choice_grammar, validate
+from tokenmill.worker.sampling_metadata import SamplingRow, build_sampling_metadata
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf_path):
+    """Chunked prompts (32 tokens per step) and async scheduling, as a GPU server runs."""
+    return LLM(
+        smollm2_gguf_path,
+        kv_cache_memory=128 << 20,
+        max_model_len=512,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        async_scheduling=True,
+    )
+
+
+LONG = "Here is a long introduction to make the prompt span several chunks of tokens. " * 3
+
+
+@pytest.mark.slow
+def test_constraints_hold_beside_plain_requests(llm):
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [LONG + "Code:", LONG + "Answer:", "The capital of France is", "Say yes or no:"]
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=20,
+            structured_outputs=StructuredOutputsParams(regex="[a-z]{4}"),
+        ),
+        plain,
+        plain,
+        SamplingParams(
+            temperature=0.8,
+            seed=1,
+            max_tokens=20,
+            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+        ),
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert re.fullmatch("[a-z]{4}", outs[0].outputs[0].text)
+    assert outs[3].outputs[0].text in ("yes", "no")
+    assert [o.outputs[0].finish_reason for o in (outs[0], outs[3])] == ["stop", "stop"]
+    alone = llm.generate(prompts[1:3], plain, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[1:3]] == [o.outputs[0].token_ids for o in alone]
+
+
+@pytest.mark.slow
+def test_json_schema_output_parses(llm):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+    }
+    params = SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    out = llm.generate("The capital of France as JSON:", params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert isinstance(json.loads(out.text)["city"], str)
+
+
+@pytest.mark.slow
+def test_a_constraint_that_does_not_compile_aborts_its_request_only(llm):
+    """Past the front end's check (here: sent to the engine core directly), a constraint
+    that does not compile aborts its request, reported by the next step; the engine goes
+    on serving."""
+    core = llm.llm_engine.engine_core
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(a"))
+    core.add_request(EngineCoreRequest("bad", [1, 2, 3], params, time.time()))
+    assert core.has_unfinished_requests()
+    outputs = core.step().outputs
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", FinishReason.ABORT)]
+    assert not core.has_unfinished_requests()
+    out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_params_take_exactly_one_constraint():
+    assert StructuredOutputsParams(json={"type": "object"}).json == '{"type": "object"}'
+    with pytest.raises(SamplingParamsError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(SamplingParamsError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(SamplingParamsError, match="wrong type"):
+        StructuredOutputsParams(choice="yes")
+    with pytest.raises(SamplingParamsError, match="invalid regular expression"):
+        validate(StructuredOutputsParams(regex="(a"))
+    with pytest.raises(SamplingParamsError, match="invalid JSON schema"):
+        validate(StructuredOutputsParams(json='{"type": 5}'))
+    validate(StructuredOutputsParams(choice=['say "hi"', "back\\slash", "日本"]))
+    assert choice_grammar(["a", 'b"']) == 'root ::= "a" | "b\\""'
+    assert SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")).uses_full_sampler
+
+
+def test_grammar_bitmask_joins_the_allowed_token_mask():
+    vocab = 40
+    words = [0, 0]
+    for t in (1, 5, 31, 33, 39):  # bit t % 32 of word t // 32 (31: the sign bit)
+        words[t // 32] |= 1 << (t % 32)
+    bits = np.array(words, dtype=np.uint32).view(np.int32)
+    grammar_only = SamplingRow(SamplingParams(), [1], [], bits)
+    both = SamplingRow(SamplingParams(allowed_token_ids=[5, 6, 39]), [1], [], bits)
+    rows = [grammar_only, SamplingRow(SamplingParams(), [1], []), both]
+    mask = build_sampling_metadata(rows, vocab, torch.device("cpu")).allowed_token_mask
+    assert torch.nonzero(mask[0]).flatten().tolist() == [1, 5, 31, 33, 39]
+    assert bool(mask[1].all())
+    assert torch.nonzero(mask[2]).flatten().tolist() == [5, 39]
+
+
+class _Grammar:
+    """Accepts every token (or none); complete after ``length`` of them."""
+
+    def __init__(self, accepts: bool, length: int) -> None:
+        self.accepts, self.length, self.count = accepts, length, 0
+
+    def accept(self, token_id: int) -> bool:
+        self.count += 1
+        return self.accepts
+
+    @property
+    def is_complete(self) -> bool:
+        return self.count >= self.length
+
+
+@pytest.mark.parametrize(
+    ("accepts", "status", "num_tokens"),
+    [(True, RequestStatus.FINISHED_STOPPED, 2), (False, RequestStatus.FINISHED_ABORTED, 1)],
+)
+def test_the_grammar_ends_the_request(accepts, status, num_tokens):
+    """Complete after two tokens: stopped there; a token it refuses: aborted. Either way
+    every block is freed."""
+    sched = make_scheduler()
+    worker = worker_for(sched)
+    request = make_request("g", 4, max_tokens=10, first_token=900)
+    request.grammar = _Grammar(accepts, length=2)
+    sched.add_request(request)
+    for _ in range(4):
+        step(sched, worker)
+    assert request.status == status
+    assert request.num_output_tokens == num_tokens
+    assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks
