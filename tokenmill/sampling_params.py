@@ -92,6 +92,8 @@ class StructuredOutputsParams:
         choice: the output is exactly one of these strings.
         grammar: an EBNF grammar (GBNF, llama.cpp's dialect) with a ``root`` rule.
         json_object: any JSON object (OpenAI's ``response_format: json_object``).
+        disable_any_whitespace: JSON without whitespace between its tokens (by default any
+            whitespace may appear there, as JSON allows).
 
     Raises:
         SamplingParamsError: not exactly one field given, or a field of the wrong type.
@@ -102,6 +104,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [
@@ -115,7 +118,7 @@ class StructuredOutputsParams:
                 f"json_object; got {given or 'none'}.",
                 "structured_outputs",
             )
-        if isinstance(self.json, dict):
+        if isinstance(self.json, dict | bool):  # a schema may be true or false
             self.json = json_module.dumps(self.json)
         ok = {
             "json": isinstance(self.json, str),
@@ -126,6 +129,11 @@ class StructuredOutputsParams:
             and all(isinstance(c, str) for c in self.choice),
             "json_object": self.json_object is True,
         }
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise SamplingParamsError(
+                "structured_outputs.disable_any_whitespace must be true or false.",
+                "structured_outputs",
+            )
         if not ok[given[0]]:
             raise SamplingParamsError(
                 f"structured_outputs.{given[0]} has the wrong type: json takes a schema "
@@ -228,6 +236,13 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown key
+                raise SamplingParamsError(
+                    f"structured_outputs: {e}", "structured_outputs"
+                ) from None
         if self.best_of is None:
             self.best_of = self.n
         if isinstance(self.stop, str):

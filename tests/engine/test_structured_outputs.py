@@ -95,6 +95,42 @@ def test_a_constraint_that_does_not_compile_aborts_its_request_only(llm):
     assert len(out.outputs[0].token_ids) == 3
 
 
+@pytest.mark.slow
+def test_json_without_free_whitespace(llm):
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=40,
+        structured_outputs={"json": {"type": "object"}, "disable_any_whitespace": True},
+    )
+    out = llm.generate("A JSON object:", params, use_tqdm=False)[0].outputs[0]
+    assert isinstance(params.structured_outputs, StructuredOutputsParams)
+    # One space after each ',' and ':' (xgrammar's separators), none elsewhere.
+    value = json.loads(out.text) if out.finish_reason == "stop" else None
+    assert out.finish_reason != "stop" or out.text == json.dumps(value, ensure_ascii=False)
+    assert "\n" not in out.text
+
+
+def test_constraints_out_of_bounds_or_unenforced_are_refused():
+    refused = [
+        ({"json": {"allOf": [{"type": "integer"}]}}, "'allOf' is not supported"),
+        ({"json": {"properties": {"a": {}}, "required": ["a", "b"]}}, "requires 'b'"),
+        ({"json": {"enum": list(range(300))}}, "enum values"),
+        ({"json": '{"items":' * 40 + "{}" + "}" * 40}, "levels deep"),
+        ({"regex": "a" * 5000}, "4096"),
+        ({"grammar": 'root ::= "a"' + " " * 20000}, "16384"),
+        ({"choice": [str(i) for i in range(300)]}, "at most 256"),
+    ]
+    for fields, match in refused:
+        with pytest.raises(SamplingParamsError, match=match):
+            validate(StructuredOutputsParams(**fields))
+    # Property names that are also keywords are names, not keywords.
+    schema = {"properties": {"if": {"type": "string"}, "not": {"enum": [{"not": 1}]}}}
+    validate(StructuredOutputsParams(json=schema))
+    validate(StructuredOutputsParams(json=True))
+    with pytest.raises(SamplingParamsError, match="unexpected keyword"):
+        SamplingParams(structured_outputs={"xml": "<a/>"})
+
+
 def test_params_take_exactly_one_constraint():
     assert StructuredOutputsParams(json={"type": "object"}).json == '{"type": "object"}'
     with pytest.raises(SamplingParamsError, match="exactly one"):

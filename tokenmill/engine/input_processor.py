@@ -272,6 +272,13 @@ class InputProcessor:
             from tokenmill.structured_output import validate
 
             validate(params.structured_outputs)
+            if params.allowed_token_ids is not None:
+                # Two masks whose intersection can empty out mid-output: no token left.
+                raise InvalidRequestError(
+                    "allowed_token_ids cannot be combined with an output constraint "
+                    "(structured outputs).",
+                    "allowed_token_ids",
+                )
         if params.allowed_token_ids is not None:
             # Tokens never sampled at the first step: one-token bad words, and stop tokens
             # under min_tokens.

@@ -363,6 +363,7 @@ class OpenAIServing:
         return len(running)
 
 
+_CONSTRAINT_KEYS = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
 _GUIDED_FIELDS = {
     "guided_json": "json",
     "guided_regex": "regex",
@@ -393,8 +394,7 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise bad_request(
-                    "response_format json_schema needs json_schema.schema, a JSON schema "
-                    "object.",
+                    "response_format json_schema needs json_schema.schema, a JSON schema object.",
                     "response_format",
                 )
             given.append(("response_format", {"json": schema}))
@@ -417,14 +417,17 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
         names = ", ".join(name for name, _ in given)
         raise bad_request(f"give one output constraint, not several ({names}).", given[1][0])
     name, fields = given[0]
-    unknown = set(fields) - {"json", "regex", "choice", "grammar", "json_object"}
+    unknown = set(fields) - _CONSTRAINT_KEYS
     if unknown:
         raise bad_request(f"{name}: unknown keys {sorted(unknown)}.", name)
     try:
         params = StructuredOutputsParams(**fields)
         validate_structured_outputs(params)
     except SamplingParamsError as e:
-        raise bad_request(str(e).replace("structured_outputs", name, 1), name) from None
+        message = str(e)
+        if name in _GUIDED_FIELDS:  # "structured_outputs.regex ..." is "guided_regex ..."
+            message = message.replace(f"structured_outputs.{_GUIDED_FIELDS[name]}", name, 1)
+        raise bad_request(message.replace("structured_outputs", name, 1), name) from None
     return params
 
 
