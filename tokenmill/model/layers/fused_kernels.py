@@ -158,6 +158,18 @@ if HAS_TRITON:
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def _rotary_half(rotary_dim: int) -> int:
+    """Half the rotary dimension, which the fused kernels' tiles need to be a power of two.
+
+    Raises:
+        ValueError: it is not.
+    """
+    half = rotary_dim // 2
+    if half & (half - 1):
+        raise ValueError(f"fused rotary needs a power-of-two rotary_dim/2, got {half}")
+    return half
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -212,9 +224,7 @@ def rotary_inplace(
     t = positions.shape[0]
     if t == 0:
         return
-    half = rotary_dim // 2
-    if half & (half - 1):
-        raise ValueError(f"fused rotary needs a power-of-two rotary_dim/2, got {half}")
+    half = _rotary_half(rotary_dim)
     num_q, num_k = q.shape[1] // head_dim, k.shape[1] // head_dim
     _rotary_kernel[(t,)](
         q, k, positions, cos_sin_cache, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
@@ -259,9 +269,7 @@ def rotary_and_cache(
     t = positions.shape[0]
     if t == 0:
         return
-    half = rotary_dim // 2
-    if half & (half - 1):
-        raise ValueError(f"fused rotary needs a power-of-two rotary_dim/2, got {half}")
+    half = _rotary_half(rotary_dim)
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
     if cache_head_dim != head_dim or k.shape[1] != num_kv_heads * head_dim:
         raise ValueError(f"K width {k.shape[1]} != {num_kv_heads} x {head_dim} of the cache")
