@@ -217,3 +217,30 @@ def test_cascade_attention_equals_plain_in_float32(smollm2_random, monkeypatch):
     assert sum(1 for p in seen if p) >= 20  # the 23 decode-only steps, at least
     assert max(seen) == 400 // 16 * 16 and not any(seen_plain)
     assert cascade == plain
+
+
+def test_structured_outputs_on_cuda(smollm2_random):
+    """Constraints hold with the grammar mask applied on the device, beside plain requests
+    that keep running asynchronously (random weights: the text is arbitrary, its form is
+    not)."""
+    import re
+
+    from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+
+    _, path = smollm2_random
+    llm = LLM(path, kv_cache_memory=2 << 30, max_model_len=1024, max_num_seqs=8,
+              max_num_batched_tokens=64, async_scheduling=True)  # fmt: skip
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    choice = StructuredOutputsParams(choice=["alpha", "beta", "gamma"])
+    regex = StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}")
+    params = [
+        plain,
+        SamplingParams(temperature=0.8, seed=1, max_tokens=16, structured_outputs=choice),
+        SamplingParams(temperature=0, max_tokens=16, structured_outputs=regex),
+        plain,
+    ]
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[1].outputs[0].text in ("alpha", "beta", "gamma")
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", outs[2].outputs[0].text)
+    assert [o.outputs[0].finish_reason for o in outs[1:3]] == ["stop", "stop"]
