@@ -142,18 +142,6 @@ class StructuredOutputsParams:
                 "structured_outputs",
             )
 
-    def kind_and_spec(self) -> tuple[str, str]:
-        """``(kind, spec)``: the field given and its value as text (a cache key)."""
-        if self.json is not None:
-            return "json", str(self.json)
-        if self.regex is not None:
-            return "regex", self.regex
-        if self.choice is not None:
-            return "choice", json_module.dumps(self.choice)
-        if self.grammar is not None:
-            return "grammar", self.grammar
-        return "json_object", ""
-
 
 @dataclass
 class SamplingParams:

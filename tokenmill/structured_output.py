@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
 from functools import lru_cache
 from typing import Any
 
@@ -68,16 +67,17 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 def _source(params: StructuredOutputsParams) -> tuple[str, str]:
-    """(kind xgrammar compiles: json, regex or ebnf; its text)."""
-    kind, spec = params.kind_and_spec()
-    if kind == "choice":
-        return "ebnf", choice_grammar(params.choice or [])
-    if kind == "grammar":
-        return "ebnf", spec
-    if kind == "json_object":
-        # OpenAI's JSON mode: an object (xgrammar's built-in JSON grammar takes any value).
-        return "json", '{"type": "object"}'
-    return kind, spec
+    """(kind xgrammar compiles: json, regex or ebnf; its text, also the cache key)."""
+    if params.json is not None:
+        return "json", str(params.json)
+    if params.regex is not None:
+        return "regex", params.regex
+    if params.choice is not None:
+        return "ebnf", choice_grammar(params.choice)
+    if params.grammar is not None:
+        return "ebnf", params.grammar
+    # OpenAI's JSON mode: an object (xgrammar's built-in JSON grammar takes any value).
+    return "json", '{"type": "object"}'
 
 
 @lru_cache(maxsize=256)
@@ -135,16 +135,23 @@ def _check_schema(node: Any, depth: int = 0) -> int:
     return values
 
 
+# Cached like the compile check: the server checks a request's constraint, then the input
+# processor does again.
+@lru_cache(maxsize=256)
+def _check_schema_text(text: str) -> None:
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise _refuse(f"the JSON schema is longer than {MAX_SCHEMA_CHARS} characters.")
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise _refuse(f"invalid JSON schema: {e}") from None
+    if _check_schema(schema) > MAX_ENUM_VALUES:
+        raise _refuse(f"the JSON schema lists more than {MAX_ENUM_VALUES} enum values.")
+
+
 def _check_size(params: StructuredOutputsParams) -> None:
     if params.json is not None:
-        if len(str(params.json)) > MAX_SCHEMA_CHARS:
-            raise _refuse(f"the JSON schema is longer than {MAX_SCHEMA_CHARS} characters.")
-        try:
-            schema = json.loads(str(params.json))
-        except ValueError as e:
-            raise _refuse(f"invalid JSON schema: {e}") from None
-        if _check_schema(schema) > MAX_ENUM_VALUES:
-            raise _refuse(f"the JSON schema lists more than {MAX_ENUM_VALUES} enum values.")
+        _check_schema_text(str(params.json))
     if params.regex is not None and len(params.regex) > MAX_REGEX_CHARS:
         raise _refuse(f"the regex is longer than {MAX_REGEX_CHARS} characters.")
     if params.grammar is not None and len(params.grammar) > MAX_GRAMMAR_CHARS:
@@ -196,7 +203,6 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgr.GrammarCompiler(self._info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
-        self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams) -> RequestGrammar:
         """A fresh matcher for ``params``.
@@ -206,15 +212,14 @@ class GrammarCompiler:
         """
         kind, spec = _source(params)
         try:
-            with self._lock:
-                if kind == "json":
-                    compiled = self._compiler.compile_json_schema(
-                        spec, any_whitespace=not params.disable_any_whitespace
-                    )
-                elif kind == "regex":
-                    compiled = self._compiler.compile_regex(spec)
-                else:
-                    compiled = self._compiler.compile_grammar(spec)
+            if kind == "json":
+                compiled = self._compiler.compile_json_schema(
+                    spec, any_whitespace=not params.disable_any_whitespace
+                )
+            elif kind == "regex":
+                compiled = self._compiler.compile_regex(spec)
+            else:
+                compiled = self._compiler.compile_grammar(spec)
         except Exception as e:
             raise _refuse(f"the constraint does not compile: {_reason(e)}") from None
         return RequestGrammar(compiled, self.vocab_size)

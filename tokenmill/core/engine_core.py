@@ -75,7 +75,8 @@ class EngineCore:
         )  # fmt: skip
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
         # Structured outputs' compiler (the tokenizer and its vocabulary table: ~1 s), built
-        # beside the loop so that the first such request does not stall the running ones.
+        # beside the loop so that the first such request does not stall the running ones;
+        # a request waits for it, or fails with what building it raised.
         self._grammars = _in_background(self._build_grammar_compiler)
 
     def _init_kv_cache(self) -> int:
@@ -122,7 +123,7 @@ class EngineCore:
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:
             try:
-                req.grammar = self._grammar_compiler().compile(constraint)
+                req.grammar = self._grammars.result().compile(constraint)
             except Exception as e:  # the request fails, not the engine
                 logger.warning("request %s aborted: %s", req.request_id, e)
                 self._failed.append(
@@ -138,14 +139,6 @@ class EngineCore:
         mc = self.config.model_config
         tokenizer = get_tokenizer(mc.model, mc.tokenizer if mc.tokenizer != mc.model else None)
         return GrammarCompiler(tokenizer, mc.vocab_size)
-
-    def _grammar_compiler(self) -> Any:
-        """The structured-output compiler (waits for its construction the first time).
-
-        Raises:
-            Exception: what building it raised (no tokenizer, no xgrammar).
-        """
-        return self._grammars.result()
 
     def _fill_grammar_bitmasks(self, so: SchedulerOutput) -> None:
         """The next-token bitmasks of the requests with structured outputs that sample in
