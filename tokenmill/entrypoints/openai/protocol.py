@@ -65,7 +65,7 @@ class SamplingFields(OpenAIBaseModel):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
-    # guided_* fields (see serving_engine.structured_outputs_of).
+    # guided_* fields (see structured_outputs.structured_outputs_of).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
