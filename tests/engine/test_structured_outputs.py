@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from tests.core.test_scheduler import make_request, make_scheduler, step, worker_for
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
 from tokenmill.core.engine_io import EngineCoreRequest, FinishReason
+from tokenmill.core.grammar_compilation import GrammarCompilation
 from tokenmill.request import RequestStatus
 from tokenmill.sampling_params import SamplingParamsError
 from tokenmill.structured_output import choice_grammar, validate
@@ -79,20 +81,81 @@ def test_json_schema_output_parses(llm):
     assert isinstance(json.loads(out.text)["city"], str)
 
 
+def step_until_outputs(core, max_steps: int = 500):
+    """The first outputs of ``core``'s steps (grammars compile beside the loop)."""
+    for _ in range(max_steps):
+        outputs = core.step().outputs
+        if outputs:
+            return outputs
+    raise AssertionError(f"no output in {max_steps} steps")
+
+
 @pytest.mark.slow
 def test_a_constraint_that_does_not_compile_aborts_its_request_only(llm):
     """Past the front end's check (here: sent to the engine core directly), a constraint
-    that does not compile aborts its request, reported by the next step; the engine goes
+    that does not compile aborts its request, reported by a later step; the engine goes
     on serving."""
     core = llm.llm_engine.engine_core
     params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(a"))
     core.add_request(EngineCoreRequest("bad", [1, 2, 3], params, time.time()))
     assert core.has_unfinished_requests()
-    outputs = core.step().outputs
+    outputs = step_until_outputs(core)
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", FinishReason.ABORT)]
     assert not core.has_unfinished_requests()
     out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
+
+
+class GatedCompiler:
+    """A grammar compiler whose compilations wait for ``gate`` (a slow schema)."""
+
+    def __init__(self, compiler, gate: threading.Event) -> None:
+        self.compiler, self.gate = compiler, gate
+
+    def compile(self, constraint):
+        assert self.gate.wait(30), "the test never opened the gate"
+        return self.compiler.compile(constraint)
+
+
+@pytest.mark.slow
+def test_a_compiling_grammar_does_not_hold_up_other_requests(llm):
+    """While a constraint compiles, plain requests are scheduled and finish; the
+    constrained one runs once its grammar is ready. Aborting a request that is still
+    compiling drops it."""
+    core = llm.llm_engine.engine_core
+    real = core._grammars._compiler.result()
+    gate = threading.Event()
+    core._grammars.shutdown()
+    core._grammars = GrammarCompilation(lambda: GatedCompiler(real, gate))
+    try:
+        choice = StructuredOutputsParams(choice=["yes", "no"])
+        constrained = SamplingParams(temperature=0, max_tokens=5, structured_outputs=choice)
+        plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        now = time.time()
+        core.add_request(EngineCoreRequest("slow", [1, 2, 3], constrained, now))
+        core.add_request(EngineCoreRequest("dropped", [1, 2, 3], constrained, now))
+        core.add_request(EngineCoreRequest("plain", [4, 5, 6], plain, now))
+        with pytest.raises(ValueError, match="already in use"):
+            core.add_request(EngineCoreRequest("slow", [1], constrained, now))
+        finished = {}
+        for _ in range(50):
+            for o in core.step().outputs:
+                if o.finish_reason is not None:
+                    finished[o.request_id] = o.finish_reason
+            if "plain" in finished:
+                break
+        assert finished == {"plain": FinishReason.LENGTH}
+        core.abort_requests(["dropped"])
+        gate.set()
+        out = step_until_outputs(core)
+        while core.has_unfinished_requests():
+            out += core.step().outputs
+        assert {o.request_id for o in out} == {"slow"}
+        ids = [t for o in out for t in o.new_token_ids]
+        text = llm.get_tokenizer().decode(ids, skip_special_tokens=True)
+        assert text in ("yes", "no")
+    finally:
+        gate.set()
 
 
 @pytest.mark.slow

@@ -8,10 +8,8 @@ ZMQ sockets for the server. This module stays importable without torch: the exec
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from typing import Any
 
 from tokenmill.config import ConfigError, EngineConfig
@@ -21,11 +19,15 @@ from tokenmill.core.engine_io import (
     EngineCoreRequest,
     FinishReason,
 )
+from tokenmill.core.grammar_compilation import GrammarCompilation
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+# The longest an idle engine waits for a grammar before looking at its input again (s).
+GRAMMAR_WAIT_S = 0.01
 
 
 def _default_executor(config: EngineConfig):
@@ -74,10 +76,9 @@ class EngineCore:
             "on" if sc.async_scheduling else "off",
         )  # fmt: skip
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
-        # Structured outputs' compiler (the tokenizer and its vocabulary table: ~1 s), built
-        # beside the loop so that the first such request does not stall the running ones;
-        # a request waits for it, or fails with what building it raised.
-        self._grammars = _in_background(self._build_grammar_compiler)
+        # Structured outputs' grammars are compiled beside the loop (so is the compiler,
+        # ~1 s), so that a new constraint does not stall the running requests.
+        self._grammars = GrammarCompilation(self._build_grammar_compiler)
 
     def _init_kv_cache(self) -> int:
         cc, mc, sc = (
@@ -115,22 +116,32 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request (validated by the front end; the scheduler re-checks lengths).
 
-        A request with structured outputs gets its grammar's matcher here; one whose
-        constraint does not compile finishes at once, aborted (the front end checks the
-        constraints, so this is rare).
+        A request with structured outputs is held back until its grammar compiles
+        (``core/grammar_compilation.py``); one whose constraint does not compile finishes
+        aborted (the front end checks the constraints, so this is rare).
+
+        Raises:
+            ValueError: the scheduler refuses the request (``Scheduler.check_request``).
         """
         req = Request.from_engine_core_request(request, self.config.model_config.max_model_len)
-        constraint = request.sampling_params.structured_outputs
-        if constraint is not None:
-            try:
-                req.grammar = self._grammars.result().compile(constraint)
-            except Exception as e:  # the request fails, not the engine
-                logger.warning("request %s aborted: %s", req.request_id, e)
-                self._failed.append(
-                    EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.ABORT)
-                )
-                return
-        self.scheduler.add_request(req)
+        if req.request_id in self._grammars:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if request.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(req)
+            return
+        self.scheduler.check_request(req)
+        self._grammars.submit(req)
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammars are ready; report those that failed."""
+        ready, failed = self._grammars.take_ready()
+        for req in ready:
+            self.scheduler.add_request(req)
+        for req, error in failed:
+            logger.warning("request %s aborted: %s", req.request_id, error)
+            self._failed.append(
+                EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.ABORT)
+            )
 
     def _build_grammar_compiler(self) -> Any:
         from tokenmill.structured_output import GrammarCompiler
@@ -152,13 +163,16 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish requests at once and free their KV blocks (unknown ids are ignored)."""
-        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        request_ids = list(request_ids)
+        self._grammars.discard(request_ids)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return (
             self.scheduler.has_unfinished_requests()
             or self._pending is not None
             or bool(self._failed)
+            or len(self._grammars) > 0
         )
 
     # ---- the loop ----------------------------------------------------------------------
@@ -170,9 +184,17 @@ class EngineCore:
         host schedules and processes outputs while the device computes, and the outputs
         returned are those of the previous step.
         """
+        if len(self._grammars):
+            if not self.scheduler.has_unfinished_requests() and self._pending is None:
+                # Nothing else to run: wait for a grammar rather than spin.
+                self._grammars.wait_any(GRAMMAR_WAIT_S)
+            self._admit_compiled()
         outputs = self._step_async() if self.async_scheduling else self._step_sync()
         if self._failed:
             outputs.outputs[:0], self._failed = self._failed, []
+        if outputs.scheduler_stats is not None:
+            # Requests whose grammars compile are waiting too (vLLM's WAITING_FOR_FSM).
+            outputs.scheduler_stats.num_waiting_reqs += len(self._grammars)
         return outputs
 
     def _step_sync(self) -> EngineCoreOutputs:
@@ -227,21 +249,8 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self._grammars.shutdown()
         self.executor.shutdown()
-
-
-def _in_background(build: Callable[[], Any]) -> Future:
-    """``build()`` run on a daemon thread; its result (or exception) in the future."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(build())
-        except BaseException as e:  # reported to whoever asks for the result
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="tokenmill-grammars", daemon=True).start()
-    return future
 
 
 def _merge(first: EngineCoreOutputs, second: EngineCoreOutputs) -> EngineCoreOutputs:

@@ -204,6 +204,16 @@ class Scheduler:
         """Queue a request to be scheduled.
 
         Raises:
+            ValueError: as ``check_request``.
+        """
+        self.check_request(request)
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise if ``request`` could never be scheduled.
+
+        Raises:
             ValueError: the id is already live, the prompt is empty, longer than
                 ``max_model_len``, or needs more blocks than the whole KV cache has
                 (the message gives the numbers).
@@ -226,8 +236,6 @@ class Scheduler:
                 f"KV blocks of {self.block_size} tokens, but the KV cache has only "
                 f"{self.num_blocks} blocks ({self.num_blocks * self.block_size} tokens)"
             )
-        self.requests[req_id] = request
-        self.waiting.add_request(request)
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus
