@@ -175,7 +175,7 @@ def test_stream_reader_survives_any_split(piece):
     stream = _events(
         [
             {"choices": [{"index": 0, "text": "Hel"}]},
-            {"choices": [{"index": 0, "text": ""}]},  # no text: not a token arrival
+            {"choices": [{"index": 0, "text": ""}]},  # no text: still a token arrival
             {"choices": [{"index": 0, "text": "lo"}]},
             {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}]},
             {"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 3}},
@@ -184,10 +184,11 @@ def test_stream_reader_survives_any_split(piece):
     record = _feed(stream, piece)
     assert record.generated_text == "Hello!"
     assert (record.prompt_tokens, record.output_tokens, record.usage_reported) == (11, 3, True)
-    assert record.ttft_s is not None and len(record.itl_s) == 2
+    assert record.ttft_s is not None and len(record.itl_s) == 3
 
 
-def test_stream_reader_chat_ignores_the_role_chunk():
+def test_stream_reader_chat_counts_the_role_chunk_as_the_first_arrival():
+    """As vLLM's client: the role-only chunk (sent with the first token) starts TTFT."""
     stream = _events(
         [
             {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
@@ -196,7 +197,7 @@ def test_stream_reader_chat_ignores_the_role_chunk():
         ]
     )
     record = _feed(stream, piece=10_000_000, chat=True)
-    assert record.generated_text == "AB" and len(record.itl_s) == 1
+    assert record.generated_text == "AB" and len(record.itl_s) == 2
     assert not record.usage_reported
 
 

@@ -126,7 +126,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--temperature",
         type=float,
         default=None,
-        help="Sampling temperature (default: 0.0, greedy).",
+        help="Sampling temperature (default: the server's; 0 for greedy).",
     )
     sampling.add_argument("--top-p", type=float, default=None)
     sampling.add_argument("--top-k", type=int, default=None)
@@ -205,8 +205,10 @@ def _endpoint(args: argparse.Namespace) -> tuple[str, bool]:
 
 
 def _sampling_fields(args: argparse.Namespace) -> dict[str, Any]:
-    fields: dict[str, Any] = {"temperature": 0.0 if args.temperature is None else args.temperature}
-    for name in ("top_p", "top_k", "min_p"):
+    # As vLLM's client (0.11 on): no temperature unless given, so the server's default
+    # (the model's generation config, else 1.0) samples; --temperature 0 is greedy.
+    fields: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "top_k", "min_p"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
     if args.ignore_eos:

@@ -158,6 +158,11 @@ def _one_line(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
+def _has_choice(event: dict[str, Any]) -> bool:
+    choices = event.get("choices")
+    return bool(choices) and isinstance(choices[0], dict)
+
+
 def _chunk_text(event: dict[str, Any], chat: bool) -> tuple[str, bool]:
     """The text a stream event carries and whether it ends a choice."""
     choices = event.get("choices") or []
@@ -216,14 +221,18 @@ class StreamReader:
             self.record.prompt_tokens = usage.get("prompt_tokens")
             self.record.output_tokens = usage.get("completion_tokens")
             self.record.usage_reported = True
+        if not _has_choice(event):
+            return
+        # Every chunk of a choice is a token arrival, with text or not (a token whose text
+        # the detokenizer holds back, a special token): vLLM's client counts them alike.
+        if self.record.ttft_s is None:
+            self.record.ttft_s = now - self.start
+        else:
+            self.record.itl_s.append(now - self.last_chunk)
+        self.last_chunk = now
         text, finished = _chunk_text(event, self.chat)
         self.complete |= finished
         if text:
-            if self.record.ttft_s is None:
-                self.record.ttft_s = now - self.start
-            else:
-                self.record.itl_s.append(now - self.last_chunk)
-            self.last_chunk = now
             self.texts.append(text)
 
 

@@ -2,10 +2,12 @@
 
 Definitions (those of ``vllm bench serve``, so that numbers from both tools compare):
 
-- TTFT: time from sending a request to receiving its first generated text.
+- TTFT: time from sending a request to receiving its first chunk of a generated choice.
 - TPOT: per request, ``(e2e latency - TTFT) / (output tokens - 1)``: the mean time per
   output token after the first; requests with one output token have none.
-- ITL: the gaps between consecutive streamed chunks that carry text, over all requests.
+- ITL: the gaps between consecutive streamed chunks of a choice, over all requests (a chunk
+  counts whether or not it carries text: a token whose text the detokenizer holds back is
+  still a token arrival).
 - E2E latency (``e2el``): time from sending a request to the end of its response.
 - Goodput: completed requests per second that met every ``--goodput`` target (ms).
 
@@ -46,9 +48,9 @@ class RequestRecord:
         success: the response finished without error.
         error: why it failed (one line), else None.
         start_s: send time, seconds after the benchmark started.
-        ttft_s: time to the first text chunk (s).
+        ttft_s: time to the first chunk of a choice (s).
         latency_s: time to the end of the response or to the failure (s).
-        itl_s: gaps between text chunks (s), one fewer than the chunks.
+        itl_s: gaps between chunks of a choice (s), one fewer than the chunks.
         prompt_tokens: prompt tokens (the server's usage when reported).
         output_tokens: generated tokens (the server's usage when reported, else counted
             with the tokenizer from the text).
