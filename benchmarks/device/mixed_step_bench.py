@@ -1,7 +1,7 @@
 """Is a mixed (decode + prompt chunk) step bound by the host or by the GPU?
 
 usage: python3 benchmarks/device/mixed_step_bench.py MODEL_DIR [--shared-only | --kernels |
-    --serving]
+    --serving | --curve]
 
 For batches of ``D`` decode requests (context ``ctx``) plus one prompt chunk of ``P`` tokens
 after ``pctx`` cached tokens, prints per forward pass (model only, no LM head):
@@ -23,6 +23,8 @@ the piecewise (and eager) pass with cascade attention reading it once per step.
 ``--kernels`` instead prints, for the ``KERNEL_CASES`` batches, the GPU time per pass of each
 kernel (torch.profiler over whole-graph replays): where a mixed step's time goes.
 ``--serving`` runs the ``SERVING_CASES`` batches both ways (timings, then kernel tables).
+``--curve`` times only the exact-layout and whole-step graphs of the ``SERVING_CASES``
+batches: a step's cost against its token count, for many cases in one run.
 """
 
 from __future__ import annotations
@@ -158,11 +160,26 @@ def main() -> None:
             kernel_table(model, case, *build_batch(runner, *case, gen))
         return
     serving = "--serving" in sys.argv[2:]
-    for decodes, ctx, chunk, cached, *shared in SERVING_CASES if serving else CASES:
+    curve = "--curve" in sys.argv[2:]
+    for decodes, ctx, chunk, cached, *shared in SERVING_CASES if serving or curve else CASES:
         shared = shared[0] if shared else 0
         if shared_only and not shared:
             continue
         ids, pos, md = build_batch(runner, decodes, ctx, chunk, cached, gen, shared)
+        if curve:
+            graph = capture_whole(model, ids, pos, md)
+            whole = per_pass_ms(graph.replay)
+            del graph
+            line = (
+                f"CURVE decodes={decodes} ctx={ctx} chunk={chunk} cached={cached} "
+                f"tokens={md.num_actual_tokens}: graph {whole:.3f} ms"
+            )
+            if runner.mixed_graphs is not None and runner.mixed_graphs.can_run(
+                md.num_actual_tokens
+            ):
+                line += mixed_timing(runner, runner.mixed_graphs, ids, pos, md)
+            print(line, flush=True)
+            continue
         eager_pass = lambda ids=ids, pos=pos, md=md: model(ids, pos, md)  # noqa: E731
         eager, launch = per_pass_ms(eager_pass), launch_ms(eager_pass)
         graph = capture_whole(model, ids, pos, md)
@@ -228,8 +245,11 @@ def kernel_table(model, case, ids, pos, md, passes: int = 5) -> None:
 
     totals, counts = kernel_totals(prof, 70)
     totals = {name: us / passes for name, us in totals.items()}
-    print(f"KERNELS decodes/ctx/chunk/cached={case}: {sum(totals.values()) / 1e3:.2f} ms "
-          "of kernels per pass", flush=True)
+    print(
+        f"KERNELS decodes/ctx/chunk/cached={case}: {sum(totals.values()) / 1e3:.2f} ms "
+        "of kernels per pass",
+        flush=True,
+    )
     for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:12]:
         print(f"KERNELS   {us:9.1f} us  x{counts[name] // passes:<4d} {name}", flush=True)
 

@@ -1,10 +1,14 @@
 """How close a prompt step's products come to the card's compute peak.
 
 usage: python3 benchmarks/device/prefill_gemm_bench.py [--ms 512,2048,8192]
+    [--blas cublas,cublaslt] [--quiet]
 
 Times ``F.linear`` (cuBLAS) at Llama-3.1-8B's four layer shapes for M prompt tokens, each
 call on the next of several weight copies (so no weight is found in L2), replayed from a
 CUDA graph, and prints TFLOP/s per shape and the time of one layer's products per token.
+``--blas`` repeats the sweep under each of torch's BLAS back ends for CUDA
+(``torch.backends.cuda.preferred_blas_library``); ``--quiet`` prints only the per-M sums
+(the 32 layers' products of one step, ms), for sweeps over many M.
 The card's 8192-cubed bf16 GEMM runs at ~788 TFLOP/s (../ANCHORS figures).
 """
 
@@ -15,8 +19,12 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
-          "down": (4096, 14336)}
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
 
 
 def time_graph(fn, replays: int = 5) -> float:
@@ -46,12 +54,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ms", default="512,2048,8192")
     parser.add_argument("--copies", type=int, default=4)
+    parser.add_argument("--blas", default="cublas")
+    parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args()
+    for blas in args.blas.split(","):
+        torch.backends.cuda.preferred_blas_library(blas)
+        sweep(blas, [int(v) for v in args.ms.split(",")], args.copies, args.quiet)
+
+
+def sweep(blas: str, ms: list[int], copies: int, quiet: bool) -> None:
+    """Times the four layer shapes at each M under BLAS back end ``blas``."""
     dtype = torch.bfloat16
-    for m in (int(v) for v in args.ms.split(",")):
+    for m in ms:
         per_token_layer = 0.0
+        shapes_ms = []
         for name, (n, k) in SHAPES.items():
-            weights = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(args.copies)]
+            weights = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(copies)]
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             out = torch.empty(m, n, device="cuda", dtype=dtype)
             rounds = 4
@@ -70,11 +88,17 @@ def main() -> None:
             assert error < 1e-2, f"{name} M={m}: relative error {error:.2e}"
             tflops = 2 * m * n * k / seconds / 1e12
             per_token_layer += seconds / m
-            print(f"PGEMM M={m:5d} {name:8s} N={n:5d} K={k:5d}: {seconds * 1e3:7.3f} ms "
-                  f"{tflops:6.1f} TFLOP/s")
+            shapes_ms.append(f"{name} {seconds * 1e6:.1f}")
+            if not quiet:
+                print(
+                    f"PGEMM {blas} M={m:5d} {name:8s} N={n:5d} K={k:5d}: "
+                    f"{seconds * 1e3:7.3f} ms {tflops:6.1f} TFLOP/s"
+                )
             del weights, x, out
-        print(f"PGEMM M={m:5d} one layer's products: {per_token_layer * 1e6:.3f} us/token, "
-              f"32 layers {32 * per_token_layer * 1e6:.2f} us/token")
+        print(
+            f"PGEMM {blas} M={m:5d} 32 layers' products {32 * per_token_layer * m * 1e3:.3f} ms"
+            f" ({32 * per_token_layer * 1e6:.2f} us/token; us: {', '.join(shapes_ms)})"
+        )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@
 #   serve      tokenmill serve M8 + bench serve random 1024/256 c=64, then shared prefix
 #   vllm_*     the same stage run by vLLM's CLI (vllm_tp_long, vllm_lat1, ...)
 #   stepbench  one decode step's GPU time (decode_step_bench.py)
+#   pgemm_curve  the products of one step (32 layers, cuBLAS and cuBLASLt) against M tokens
+#   mixedcurve  a mixed step's graph time against its tokens (CURVE_CASES="D,ctx,chunk,cached ...")
 #   mixedbench eager vs captured mixed (decode + prompt chunk) steps (mixed_step_bench.py);
 #              mixedbench_shared: only the batches whose decodes share a prefix (cascade)
 #   skinny skinny_sweep moe   kernel benchmarks: skinny GEMM vs cuBLAS, fused MoE vs torch
@@ -29,6 +31,7 @@
 #              the same with piecewise graphs for mixed steps (TOKENMILL_MIXED_STEP_GRAPHS=0)
 #   spsweep    one engine core under the same closed loop, one timing window per admission
 #              policy (SWEEP="PACING:QUEUE_LIMIT:MAX_NUM_SEQS ..."; serving_profile.py --sweep)
+#   gputests_so  the engine's GPU tests of structured outputs and whole-step graphs
 #   diag_args  serving with per-request detail for a server given DIAG_ARGS (label DIAG_LABEL)
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
@@ -42,6 +45,12 @@ say() { echo "$*" | tee -a "$SUM"; }
 source .carry/peer-vllm/tools/device_setup.sh .carry/peer-vllm/parts > "$LOGS/setup.log" 2>&1
 cat "$LOGS/setup.log" >> "$SUM"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# tokenmill's pinned xgrammar and its apache-tvm-ffi (the bundle carries vLLM's older ones),
+# for tokenmill's tests only.
+XGP="$PYTHONPATH"
+if ls .carry/tools/xgrammar-*.whl .carry/tools/apache_tvm_ffi-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/xg .carry/tools/xgrammar-*.whl .carry/tools/apache_tvm_ffi-*.whl >> "$LOGS/setup.log" 2>&1 && XGP="/tmp/xg:$PYTHONPATH"
+fi
 TM=(python3 -m tokenmill.entrypoints.cli.main)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 stage() {  # stage NAME TIMEOUT CMD...
@@ -54,7 +63,7 @@ stage() {  # stage NAME TIMEOUT CMD...
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^LM head|^PROFILE|preempt" "$LOGS/$name.log" \
+  grep -aE "^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|preempt" "$LOGS/$name.log" \
     | grep -v "warnings.warn" | tail -${TAIL_LINES:-25} | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
@@ -128,11 +137,11 @@ serve_diag() {
 TPA=(--load-format dummy --dataset-name random)
 for st in "$@"; do
   case "$st" in
-    gputests) stage gputests 240 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 ;;
+    gputests) PYTHONPATH="$XGP" stage gputests 360 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
     gputests_mixed) stage gputests_mixed 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "mixed_step_graphs or split_decode" -p no:cacheprovider --timeout 120 ;;
     gputests_sampler) stage gputests_sampler 200 python3 -m pytest -q tests/worker/test_sampler.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 150 ;;
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
-    gputests_engine) stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
+    gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
     attn_rope) stage attn_rope 120 python3 benchmarks/attention_bench.py --only cache --prefill-tokens 1,64,272,1024 ;;
     attn_chunk) stage attn_chunk 240 python3 benchmarks/attention_bench.py --only prefill --prefill-tokens 1024 --chunk-tokens "${CHUNK:-256}" --chunk-contexts 0,256,512,768 --sweep-tiles ;;
@@ -150,6 +159,7 @@ for st in "$@"; do
     mixedbench) stage mixedbench 300 python3 benchmarks/device/mixed_step_bench.py "$M8" ;;
     mixedkernels) stage mixedkernels 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --kernels ;;
     mixedserving) stage mixedserving 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --serving ;;
+    mixedcurve) TOKENMILL_BENCH_CASES="${CURVE_CASES:-}" stage mixedcurve 240 python3 benchmarks/device/mixed_step_bench.py "$M8" --curve ;;
     mixedbench_shared) stage mixedbench_shared 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --shared-only ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
@@ -164,7 +174,8 @@ for st in "$@"; do
     kprof_long) stage kprof_long 200 python3 benchmarks/device/kernel_profile.py "$M8" 300 1024 256 ;;
     kprof_prefill) stage kprof_prefill 200 python3 benchmarks/device/kernel_profile.py "$M8" 192 1024 1 ;;
     kprof_lat1) stage kprof_lat1 200 python3 benchmarks/device/kernel_profile.py "$M8" 1 32 256 ;;
-    pgemm)    stage pgemm 150 python3 benchmarks/device/prefill_gemm_bench.py --ms "${PGEMM_MS:-512,2048,8192}" ;;
+    pgemm)    stage pgemm 150 python3 benchmarks/device/prefill_gemm_bench.py --ms "${PGEMM_MS:-512,2048,8192}" --blas "${PGEMM_BLAS:-cublas}" ;;
+    pgemm_curve) stage pgemm_curve 240 python3 benchmarks/device/prefill_gemm_bench.py --quiet --ms "${PGEMM_MS:-1,2,4,8,16,32,64,128,192,224,240,256,272,288,304,320,352,384,416,448,512,576,640}" --blas cublas,cublaslt ;;
     serve)    serve_pair tm ;;
     diag_default) serve_diag default ;;
     diag_vllm) serve_diag vllm ;;
@@ -178,6 +189,7 @@ for st in "$@"; do
     spsweep) stage spsweep 400 python3 benchmarks/device/serving_profile.py "$M8" --warm-requests 96 --sweep ${SWEEP:-256:0:0 256:65536:0 0:0:0} ;;
     diag_args) serve_diag "${DIAG_LABEL:-args}" $DIAG_ARGS ;;
     diag_nocascade) serve_diag nocascade --disable-cascade-attn ;;
+    gputests_so) PYTHONPATH="$XGP" stage gputests_so 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "structured or mixed_step_graphs" -p no:cacheprovider --timeout 120 ;;
     vllm_serve) serve_pair vllm ;;
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;
     vllm_tp_short) stage vllm_tp_short 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/vllm_tp_short.json"; addjson vllm_tp_short "$LOGS/vllm_tp_short.json" ;;
