@@ -11,6 +11,7 @@ import torch
 
 from tests.model.paged import PagedRunner
 from tests.model.test_qwen3_parity import TINY, mixed_batch_logits, save_random_model
+from tests.model.tolerance import assert_logits_close
 
 # Four layers: local, local, global, local; a window far shorter than the test sequences.
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
@@ -77,7 +78,7 @@ def test_mixed_batch_matches_transformers(saved_model):
     hf, path = saved_model
     logits, expected = mixed_batch_logits(hf, path)
     assert logits.shape == expected.shape
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    assert_logits_close(logits, expected)
 
 
 def test_layer_types_windows_and_rope_bases(saved_model):
@@ -209,7 +210,7 @@ def test_gguf_weights_and_logits_match_transformers(gemma3_model, gemma3_hf):
     logits = PagedRunner(model, model_config.hf_config, num_blocks=16).step(dict(ids), ids)
     with torch.no_grad():
         expected = torch.cat([gemma3_hf(torch.tensor([v])).logits[0] for v in ids.values()])
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    assert_logits_close(logits, expected)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.model.paged import PagedRunner
+from tests.model.tolerance import assert_logits_close
 from tokenmill.config import LoadConfig
 from tokenmill.engine_args import EngineArgs
 from tokenmill.model.attention.torch_ref import TorchAttentionBackend
@@ -80,4 +81,4 @@ def test_mixed_batch_matches_transformers(saved_model):
         ref = {k: hf(torch.tensor([v])).logits[0] for k, v in seqs.items()}
     expected = torch.cat([ref["fresh"], ref["decode"][30:], ref["chunk"][37:]])
     assert logits.shape == expected.shape
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    assert_logits_close(logits, expected)

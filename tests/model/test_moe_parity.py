@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.model.test_qwen3_parity import TINY, mixed_batch_logits, save_random_model
+from tests.model.tolerance import assert_logits_close
 from tokenmill.config import LoadConfig
 from tokenmill.engine_args import EngineArgs
 from tokenmill.model.attention.torch_ref import TorchAttentionBackend
@@ -59,7 +60,7 @@ def test_mixed_batch_matches_transformers(saved_model):
     hf, path = saved_model
     logits, expected = mixed_batch_logits(hf, path)
     assert logits.shape == expected.shape
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    assert_logits_close(logits, expected)
 
 
 def test_experts_are_stacked_per_layer(saved_model):

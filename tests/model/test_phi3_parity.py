@@ -8,9 +8,9 @@ import json
 import os
 
 import pytest
-import torch
 
 from tests.model.test_qwen3_parity import TINY, mixed_batch_logits, save_random_model
+from tests.model.tolerance import assert_logits_close
 
 HEAD_DIM = TINY["hidden_size"] // TINY["num_attention_heads"]
 # Phi3Config's default special-token ids (32000) lie outside the tiny vocabulary.
@@ -91,4 +91,4 @@ def test_mixed_batch_matches_transformers(saved_model):
     name, hf, path = saved_model
     logits, expected = mixed_batch_logits(hf, path, **CASES[name])
     assert logits.shape == expected.shape
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    assert_logits_close(logits, expected)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.model.paged import PagedRunner
+from tests.model.tolerance import assert_logits_close
 from tokenmill.config import LoadConfig
 from tokenmill.engine_args import EngineArgs
 from tokenmill.model.attention.torch_ref import TorchAttentionBackend
@@ -107,7 +108,7 @@ def test_mixed_batch_matches_transformers(saved_model):
     hf, path = saved_model
     logits, expected = mixed_batch_logits(hf, path)
     assert logits.shape == expected.shape
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    assert_logits_close(logits, expected)
 
 
 def test_sliding_layers_follow_max_window_layers(saved_model):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.model.paged import PagedRunner
+from tests.model.tolerance import assert_logits_close
 
 PROMPTS = [
     "The capital of France is",
@@ -23,7 +24,7 @@ def test_logits_match_transformers(smollm2_model, smollm2_hf, smollm2_tokenizer)
     logits = runner.step(dict(ids), ids)
     with torch.no_grad():
         expected = torch.cat([smollm2_hf(torch.tensor([v])).logits[0] for v in ids.values()])
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    assert_logits_close(logits, expected)
 
 
 def test_greedy_continuation_matches_transformers(smollm2_model, smollm2_hf, smollm2_tokenizer):
