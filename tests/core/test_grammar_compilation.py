@@ -95,3 +95,30 @@ def _wait_until_done(compilation: GrammarCompilation, count: int) -> None:
             return
         time.sleep(0.005)
     pytest.fail(f"{count} compilations did not finish")
+
+
+def test_an_aborted_request_whose_compile_has_not_started_is_never_compiled():
+    compiler = FakeCompiler()
+    compilation = GrammarCompilation(lambda: compiler, max_workers=1)
+    try:
+        compilation.submit(constrained("busy", "x"))  # holds the one thread
+        compilation.submit(constrained("gone", "never"))
+        compilation.discard(["gone"])
+        compiler.open("x")
+        _wait_until_done(compilation, 1)
+        time.sleep(0.05)  # the thread has taken the next job by now
+        assert "never" not in compiler.gates  # its compile did not start
+        ready, _ = compilation.take_ready()
+        assert [r.request_id for r in ready] == ["busy"]
+    finally:
+        compilation.shutdown()
+
+
+def test_compile_threads_never_hold_up_the_process_exit():
+    compiler = FakeCompiler()
+    compilation = GrammarCompilation(lambda: compiler, max_workers=2)
+    compilation.submit(constrained("stuck", "held"))  # its gate never opens in time
+    workers = list(compilation._workers)
+    compilation.shutdown()
+    assert len(compilation) == 0 and workers and all(w.daemon for w in workers)
+    compiler.open("held")

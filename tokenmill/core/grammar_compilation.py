@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from tokenmill.request import Request
@@ -33,13 +34,18 @@ class GrammarCompilation:
         build_compiler: builds the ``GrammarCompiler`` (loads the tokenizer and its
             vocabulary table, ~1 s); run once, on a thread of its own, at construction.
         max_workers: compile threads (default: half the CPUs, 1 to 4).
+
+    The threads are daemons: xgrammar's compile cannot be interrupted, and an engine that
+    stops (or a request aborted mid-compile) must not wait for one. A request aborted
+    before its compile starts is never compiled.
     """
 
     def __init__(self, build_compiler: Callable[[], Any], max_workers: int | None = None) -> None:
         self._compiler = _in_background(build_compiler)
         if max_workers is None:
             max_workers = min(4, max(1, (os.cpu_count() or 2) // 2))
-        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: queue.SimpleQueue[tuple[Future, Any] | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
         self._max_workers = max_workers
         # Insertion order is arrival order: ready requests are admitted in it.
         self._pending: dict[str, tuple[Request, Future]] = {}
@@ -52,11 +58,26 @@ class GrammarCompilation:
 
     def submit(self, request: Request) -> None:
         """Start compiling ``request``'s constraint (``sampling_params.structured_outputs``)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._max_workers, "tokenmill-grammar")
-        constraint = request.sampling_params.structured_outputs
-        future = self._pool.submit(lambda: self._compiler.result().compile(constraint))
+        if not self._workers:
+            for i in range(self._max_workers):
+                worker = threading.Thread(
+                    target=self._work, name=f"tokenmill-grammar-{i}", daemon=True
+                )
+                worker.start()
+                self._workers.append(worker)
+        future: Future = Future()
+        self._jobs.put((future, request.sampling_params.structured_outputs))
         self._pending[request.request_id] = (request, future)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, constraint = job
+            if not future.set_running_or_notify_cancel():
+                continue  # aborted before its turn
+            try:
+                future.set_result(self._compiler.result().compile(constraint))
+            except BaseException as e:  # the request fails, not the thread
+                future.set_exception(e)
 
     def take_ready(self) -> tuple[list[Request], list[tuple[Request, Exception]]]:
         """Requests whose compilation ended, in arrival order: those with their grammar set,
@@ -81,14 +102,21 @@ class GrammarCompilation:
             wait([f for _, f in self._pending.values()], timeout_s, FIRST_COMPLETED)
 
     def discard(self, request_ids: Iterable[str]) -> None:
-        """Forget requests (aborted while compiling); their compilations finish unused."""
+        """Forget requests (aborted while compiling): a compile not yet started is skipped,
+        one under way finishes unused."""
         for req_id in request_ids:
-            self._pending.pop(req_id, None)
+            pending = self._pending.pop(req_id, None)
+            if pending is not None:
+                pending[1].cancel()
 
     def shutdown(self) -> None:
+        """Drop every pending request and stop the threads once their compile ends."""
+        for _, future in self._pending.values():
+            future.cancel()
         self._pending.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in self._workers:
+            self._jobs.put(None)
+        self._workers = []
 
 
 def _in_background(build: Callable[[], Any]) -> Future:
