@@ -36,6 +36,11 @@ MAX_ENUM_VALUES = 256
 MAX_REGEX_CHARS = 4096
 MAX_GRAMMAR_CHARS = 16384
 MAX_CHOICES = 256
+# Regex repetition counts ({m,n}) in a regex or a schema's patterns: xgrammar expands them,
+# and a schema pattern's cost grows with the square of the count (``[a-z]{0,2000}`` 0.15 s,
+# ``{0,9998}`` ~5 s to check).
+MAX_REPEAT = 1024
+MAX_REPEAT_TOTAL = 4096
 # Compiled grammars xgrammar keeps for reuse (each distinct schema takes ~1-5 MB).
 GRAMMAR_CACHE_BYTES = 256 << 20
 # JSON Schema keywords xgrammar 0.2.9 does not enforce: a schema using one is refused rather
@@ -98,26 +103,88 @@ def _refuse(message: str) -> SamplingParamsError:
 # Keywords whose value maps names to subschemas, and keywords whose value is data.
 _SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties"})
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required"})
+# Keywords that constrain nothing (OpenAPI's discriminator names the tag that already
+# tells a oneOf's branches apart), and the definitions a $ref points into.
+_ANNOTATIONS = frozenset(
+    {
+        "title", "description", "default", "examples", "$comment", "$schema", "$id",
+        "deprecated", "readOnly", "writeOnly", "discriminator", "$defs", "definitions",
+    }
+)  # fmt: skip
+# Counts that must be non-negative integers.
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+# Keywords xgrammar enforces only alone: it ignores the rest of the node beside them.
+_EXCLUSIVE = ("enum", "const", "$ref", "anyOf", "oneOf")
+_REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
 
 
-def _check_schema(node: Any, depth: int = 0) -> int:
+def _repeat_total(pattern: str) -> int:
+    """The sum of ``pattern``'s repetition counts (each count's larger bound).
+
+    Raises:
+        SamplingParamsError: one count is above ``MAX_REPEAT``.
+    """
+    total = 0
+    for match in _REPEAT.finditer(pattern):
+        count = max(int(match.group(1)), int(match.group(2) or 0))
+        if count > MAX_REPEAT:
+            raise _refuse(f"a regex repetition count is above {MAX_REPEAT} ({count}).")
+        total += count
+    return total
+
+
+def _check_exclusive(node: dict) -> None:
+    """Refuse keywords that xgrammar would ignore beside an exclusive one, counts that are
+    not non-negative integers, and lengths beside a pattern or format."""
+    for key in _EXCLUSIVE:
+        if key not in node:
+            continue
+        # {"type": "string", "enum": [...]}: the values carry their type.
+        alone = {key, "type"} if key in ("enum", "const") else {key}
+        others = sorted(set(node) - _ANNOTATIONS - alone)
+        if others:
+            raise _refuse(
+                f"the JSON schema keyword {key!r} beside {others[0]!r} is not supported "
+                "(only the first would be enforced)."
+            )
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise _refuse(f"the JSON schema's $ref {ref!r} is not local (only '#...' is supported).")
+    for key in _COUNTS:
+        value = node.get(key)
+        if key in node and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise _refuse(f"the JSON schema's {key} must be a non-negative integer.")
+    lengths = [k for k in ("minLength", "maxLength") if k in node]
+    shaped = [k for k in ("pattern", "format") if k in node]
+    if lengths and shaped:
+        raise _refuse(
+            f"the JSON schema keyword {lengths[0]!r} beside {shaped[0]!r} is not supported "
+            "(the length would not be enforced)."
+        )
+
+
+def _check_schema(node: Any, depth: int = 0) -> tuple[int, int]:
     """Refuse what xgrammar would not enforce and what would take long to compile; returns
-    the number of enum/const values under ``node``."""
+    the number of enum/const values under ``node`` and the sum of its patterns' repetition
+    counts."""
     if depth > MAX_SCHEMA_DEPTH:
         raise _refuse(f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep.")
     if isinstance(node, list):  # anyOf, oneOf, prefixItems: lists of subschemas
-        return sum(_check_schema(item, depth + 1) for item in node)
+        sums = [_check_schema(item, depth + 1) for item in node]
+        return sum(v for v, _ in sums), sum(r for _, r in sums)
     if not isinstance(node, dict):
-        return 0
+        return 0, 0
     unsupported = UNSUPPORTED_SCHEMA_KEYWORDS.intersection(node)
     if unsupported:
         raise _refuse(
             f"the JSON schema keyword {sorted(unsupported)[0]!r} is not supported (its "
             "outputs could break it)."
         )
+    _check_exclusive(node)
     required, properties = node.get("required"), node.get("properties")
-    if isinstance(required, list) and isinstance(properties, dict):
-        missing = [r for r in required if r not in properties]
+    if isinstance(required, list) and required:
+        described = properties if isinstance(properties, dict) else {}
+        missing = [r for r in required if r not in described]
         if missing:
             raise _refuse(
                 f"the JSON schema requires {missing[0]!r}, which its properties do not "
@@ -125,14 +192,18 @@ def _check_schema(node: Any, depth: int = 0) -> int:
             )
     values = len(node["enum"]) if isinstance(node.get("enum"), list) else 0
     values += "const" in node
+    repeats = _repeat_total(node["pattern"]) if isinstance(node.get("pattern"), str) else 0
+    if isinstance(node.get("patternProperties"), dict):
+        repeats += sum(_repeat_total(p) for p in node["patternProperties"])
     for key, value in node.items():
         if key in _DATA_KEYWORDS:
             continue
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            values += sum(_check_schema(sub, depth + 1) for sub in value.values())
-        elif isinstance(value, dict | list):
-            values += _check_schema(value, depth + 1)
-    return values
+        subs = value.values() if key in _SCHEMA_MAPS and isinstance(value, dict) else [value]
+        for sub in subs:
+            if isinstance(sub, dict | list):
+                v, r = _check_schema(sub, depth + 1)
+                values, repeats = values + v, repeats + r
+    return values, repeats
 
 
 # Cached like the compile check: the server checks a request's constraint, then the input
@@ -143,17 +214,29 @@ def _check_schema_text(text: str) -> None:
         raise _refuse(f"the JSON schema is longer than {MAX_SCHEMA_CHARS} characters.")
     try:
         schema = json.loads(text)
+    except RecursionError:  # json.loads gives up around a thousand levels
+        raise _refuse(
+            f"the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep."
+        ) from None
     except ValueError as e:
         raise _refuse(f"invalid JSON schema: {e}") from None
-    if _check_schema(schema) > MAX_ENUM_VALUES:
+    values, repeats = _check_schema(schema)
+    if values > MAX_ENUM_VALUES:
         raise _refuse(f"the JSON schema lists more than {MAX_ENUM_VALUES} enum values.")
+    if repeats > MAX_REPEAT_TOTAL:
+        raise _refuse(
+            f"the JSON schema's patterns repeat more than {MAX_REPEAT_TOTAL} times in all."
+        )
 
 
 def _check_size(params: StructuredOutputsParams) -> None:
     if params.json is not None:
         _check_schema_text(str(params.json))
-    if params.regex is not None and len(params.regex) > MAX_REGEX_CHARS:
-        raise _refuse(f"the regex is longer than {MAX_REGEX_CHARS} characters.")
+    if params.regex is not None:
+        if len(params.regex) > MAX_REGEX_CHARS:
+            raise _refuse(f"the regex is longer than {MAX_REGEX_CHARS} characters.")
+        if _repeat_total(params.regex) > MAX_REPEAT_TOTAL:
+            raise _refuse(f"the regex repeats more than {MAX_REPEAT_TOTAL} times in all.")
     if params.grammar is not None and len(params.grammar) > MAX_GRAMMAR_CHARS:
         raise _refuse(f"the grammar is longer than {MAX_GRAMMAR_CHARS} characters.")
     if params.choice is not None and (

@@ -101,6 +101,7 @@ def test_a_constraint_that_does_not_compile_aborts_its_request_only(llm):
     assert core.has_unfinished_requests()
     outputs = step_until_outputs(core)
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", FinishReason.ABORT)]
+    assert outputs[0].stop_reason.startswith("structured_outputs: the constraint does not")
     assert not core.has_unfinished_requests()
     out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3
@@ -182,6 +183,22 @@ def test_constraints_out_of_bounds_or_unenforced_are_refused():
         ({"regex": "a" * 5000}, "4096"),
         ({"grammar": 'root ::= "a"' + " " * 20000}, "16384"),
         ({"choice": [str(i) for i in range(300)]}, "at most 256"),
+        # What xgrammar would not enforce (outputs checked against its matcher).
+        ({"json": {"type": "object", "required": ["a"]}}, "requires 'a'"),
+        ({"json": {"type": "string", "pattern": "a{3}", "maxLength": 1}}, "'maxLength' beside"),
+        ({"json": {"type": "string", "format": "date", "minLength": 2}}, "'minLength' beside"),
+        ({"json": {"enum": ["a"], "const": "b"}}, "'const' is not supported|'enum' beside"),
+        ({"json": {"type": "integer", "enum": [1, 50], "maximum": 10}}, "'enum' beside"),
+        ({"json": {"type": "object", "anyOf": [{"type": "object"}]}}, "'anyOf' beside 'type'"),
+        ({"json": {"$ref": "#/$defs/a", "minimum": 1, "$defs": {"a": {}}}}, "'\\$ref' beside"),
+        ({"json": {"$ref": "https://example.com/s.json"}}, "not local"),
+        # What xgrammar would accept and then fail to compile, or compile slowly.
+        ({"json": {"type": "string", "minLength": -5}}, "non-negative integer"),
+        ({"json": {"type": "array", "maxItems": 1.5}}, "non-negative integer"),
+        ({"json": {"type": "string", "pattern": "[a-z]{0,9998}"}}, "above 1024"),
+        ({"json": {"properties": {str(i): {"pattern": "a{0,1000}"} for i in range(5)}}}, "4096"),
+        ({"regex": "[a-z]{5,2000}"}, "above 1024"),
+        ({"json": "[" * 1100 + "]" * 1100}, "levels deep"),
     ]
     for fields, match in refused:
         with pytest.raises(SamplingParamsError, match=match):
@@ -190,6 +207,16 @@ def test_constraints_out_of_bounds_or_unenforced_are_refused():
     schema = {"properties": {"if": {"type": "string"}, "not": {"enum": [{"not": 1}]}}}
     validate(StructuredOutputsParams(json=schema))
     validate(StructuredOutputsParams(json=True))
+    # What schema generators emit stays accepted: typed enums, described refs, nullable
+    # unions, discriminated unions, escaped braces.
+    for schema in (
+        {"type": "string", "enum": ["a", "b"], "title": "T"},
+        {"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "description": "d"},
+        {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+        {"oneOf": [{"const": 1}, {"const": 2}], "discriminator": {"propertyName": "k"}},
+        {"type": "string", "pattern": "\\{[0-9]{1,3}\\}", "description": "x"},
+    ):
+        validate(StructuredOutputsParams(json=schema))
     with pytest.raises(SamplingParamsError, match="unexpected keyword"):
         SamplingParams(structured_outputs={"xml": "<a/>"})
 

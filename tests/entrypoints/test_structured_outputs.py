@@ -96,3 +96,22 @@ def test_sampled_outputs_keep_to_the_constraint(default_server):
         },
     ).json()
     assert {c["text"] for c in result["choices"]} <= {"red", "green", "blue"}
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"regex": "[^\\s\\S]"},  # admits no output: its first token breaks it
+        {"json": {"type": "string", "minLength": -5}},  # refused before the engine
+    ],
+)
+def test_a_constraint_that_fails_is_a_bad_request(default_server, constraint):
+    response = default_server.post(
+        "/v1/completions", {"prompt": "Hi", "max_tokens": 5, "structured_outputs": constraint}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "structured_outputs"
+    assert error["message"].startswith("structured_outputs:")
+    ok = default_server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200

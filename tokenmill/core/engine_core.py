@@ -14,6 +14,7 @@ from typing import Any
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.engine_io import (
+    CONSTRAINT_FAILURE_PREFIX,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -139,8 +140,14 @@ class EngineCore:
             self.scheduler.add_request(req)
         for req, error in failed:
             logger.warning("request %s aborted: %s", req.request_id, error)
+            # The reason travels as the stop reason: the server answers it with a 400.
+            reason = str(error)
+            if not reason.startswith(CONSTRAINT_FAILURE_PREFIX):
+                reason = f"{CONSTRAINT_FAILURE_PREFIX} the constraint failed to compile: {reason}"
             self._failed.append(
-                EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.ABORT)
+                EngineCoreOutput(
+                    req.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=reason
+                )
             )
 
     def _build_grammar_compiler(self) -> Any:

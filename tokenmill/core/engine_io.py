@@ -65,6 +65,11 @@ class LogprobsLists:
         )
 
 
+# The stop reason of a request aborted because its structured-output constraint failed (did
+# not compile, or admitted no further token): the rest of the reason is the user's message.
+CONSTRAINT_FAILURE_PREFIX = "structured_outputs:"
+
+
 @dataclass
 class EngineCoreOutput:
     """What one step produced for one request.

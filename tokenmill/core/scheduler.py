@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenmill.core.admission import AdmissionHeadroom
-from tokenmill.core.engine_io import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from tokenmill.core.engine_io import (
+    CONSTRAINT_FAILURE_PREFIX,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    SchedulerStats,
+)
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.prefill_pacing import PrefillPacing, is_prefilling
@@ -565,6 +570,11 @@ class Scheduler:
         grammar = request.grammar
         if grammar is not None and not grammar.accept(token_id):
             logger.warning("request %s: token %d breaks its grammar", request.request_id, token_id)
+            # The sampler only lifts the grammar's mask when it allows no token at all.
+            request.stop_reason = (
+                f"{CONSTRAINT_FAILURE_PREFIX} the constraint admits no token after "
+                f"{request.num_output_tokens - 1} generated (it may admit no output at all)."
+            )
             return RequestStatus.FINISHED_ABORTED
         if token_id in request.eos_and_stop_ids and request.num_output_tokens >= params.min_tokens:
             request.stop_reason = token_id if token_id in (params.stop_token_ids or ()) else None

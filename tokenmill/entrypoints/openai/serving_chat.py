@@ -299,7 +299,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _check_not_aborted(self, output: CompletionOutput) -> None:
         if output.finish_reason == "abort":
-            raise self.aborted_error()
+            raise self.aborted_error(output.stop_reason)
 
     def _full_response(
         self, request_id: str, final: RequestOutput, num_top: int

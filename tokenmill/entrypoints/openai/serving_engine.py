@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from fastapi.responses import Response
 
+from tokenmill.core.engine_io import CONSTRAINT_FAILURE_PREFIX
 from tokenmill.engine.async_llm import EngineDeadError
 from tokenmill.engine.input_processor import InvalidRequestError, truncate_prompt
 from tokenmill.entrypoints.openai.errors import (
@@ -329,9 +330,12 @@ class OpenAIServing:
             self._running.discard(request_id)
             await stream.aclose()
 
-    def aborted_error(self) -> OpenAIError:
-        """The error for a request that ended with finish_reason "abort": the engine died
-        (503), the server is shutting down (503), or it was aborted otherwise (500)."""
+    def aborted_error(self, stop_reason: int | str | None = None) -> OpenAIError:
+        """The error for a request that ended with finish_reason "abort": its structured-output
+        constraint failed (400, the engine's reason), the engine died (503), the server is
+        shutting down (503), or it was aborted otherwise (500)."""
+        if isinstance(stop_reason, str) and stop_reason.startswith(CONSTRAINT_FAILURE_PREFIX):
+            return bad_request(stop_reason, "structured_outputs")
         if self.engine.errored:
             return engine_dead(self.engine.dead_error or "unknown error")
         if self._closed:
