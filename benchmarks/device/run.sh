@@ -33,6 +33,7 @@
 #              policy (SWEEP="PACING:QUEUE_LIMIT:MAX_NUM_SEQS ..."; serving_profile.py --sweep)
 #   gputests_so  the engine's GPU tests of structured outputs and whole-step graphs
 #   diag_args  serving with per-request detail for a server given DIAG_ARGS (label DIAG_LABEL)
+#   sampler    the sampler's GPU time per call against the softmax route (sampler_bench.py)
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -63,7 +64,7 @@ stage() {  # stage NAME TIMEOUT CMD...
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|preempt" "$LOGS/$name.log" \
+  grep -aE "^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|preempt" "$LOGS/$name.log" \
     | grep -v "warnings.warn" | tail -${TAIL_LINES:-25} | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
@@ -161,6 +162,7 @@ for st in "$@"; do
     mixedserving) stage mixedserving 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --serving ;;
     mixedcurve) TOKENMILL_BENCH_CASES="${CURVE_CASES:-}" stage mixedcurve 240 python3 benchmarks/device/mixed_step_bench.py "$M8" --curve ;;
     mixedbench_shared) stage mixedbench_shared 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --shared-only ;;
+    sampler) TAIL_LINES=40 stage sampler 150 python3 benchmarks/device/sampler_bench.py ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     lat1_nofuse) TOKENMILL_FUSED_ROPE_CACHE=0 stage lat1_nofuse 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_nofuse.json"; addjson lat1_nofuse "$LOGS/lat1_nofuse.json" ;;

@@ -15,6 +15,7 @@ from tokenmill.worker.sampler import (
     apply_logits_processors,
     apply_top_k_top_p,
     compute_prompt_logprobs,
+    wide_argmax,
 )
 from tokenmill.worker.sampling_metadata import (
     SamplingMetadata,
@@ -148,6 +149,22 @@ def test_half_precision_input_same_draws_and_left_untouched() -> None:
         draws.append(Sampler()(x, _meta(params)).sampled_token_ids)
     assert torch.equal(draws[0], draws[1])
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [49152, 128256, 262144, 50257])
+def test_wide_argmax_is_argmax_ties_included(device: str, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(5, vocab, generator=gen)
+    x[1] = 0.0  # all tied: index 0
+    x[2, 7], x[2, vocab - 3] = 99.0, 99.0  # a tie across chunks: the first
+    x[3, :] = float("-inf")
+    x[3, vocab - 1] = -1.0  # the only finite entry is the last
+    x[4, 1000:1010] = 50.0  # a tie inside one chunk
+    x = x.to(device)
+    got = wide_argmax(x, force=True)
+    assert got.tolist() == x.argmax(dim=-1).tolist()
+    assert got.tolist()[1:] == [0, 7, vocab - 1, 1000]
 
 
 # ---------------------------------------------------------------- random sampling

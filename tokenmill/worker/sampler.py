@@ -24,7 +24,8 @@ Order of operations:
    because ``E_i / p_i ~ Exp(p_i)`` and the minimum of independent exponentials is the i-th
    with probability ``p_i / sum(p)``; it is the Gumbel-max trick (Gumbel 1954; Maddison et al.
    2014, "A* Sampling") with ``-log E`` as the Gumbel noise, and needs no sync, unlike
-   ``torch.multinomial``.
+   ``torch.multinomial``. It runs in log space, ``argmax(logit_i - log E_i)``: the softmax's
+   normalisation does not move the argmax, so no softmax runs.
 5. Seeds: a row with ``SamplingParams.seed`` draws its noise from a generator seeded by
    ``step_seed(seed, num_output_tokens)``; other rows share torch's default generator.
 6. Logprobs for the rows that asked (see ``LogprobsTensors``).
@@ -32,6 +33,7 @@ Order of operations:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -156,11 +158,11 @@ class Sampler(torch.nn.Module):
         owned = owned or processed is not logits
         logits = processed
         if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = wide_argmax(logits)
         else:
             # Before the random path scales and overwrites ``logits``; dividing by a positive
             # temperature would not change the argmax anyway.
-            greedy = logits.argmax(dim=-1) if metadata.greedy_mask is not None else None
+            greedy = wide_argmax(logits) if metadata.greedy_mask is not None else None
             sampled = self._sample_random(logits, metadata, in_place=owned)
             if greedy is not None:
                 sampled = torch.where(metadata.greedy_mask, greedy, sampled)
@@ -174,7 +176,7 @@ class Sampler(torch.nn.Module):
     ) -> torch.Tensor:
         """[B] int64 tokens drawn from the truncated, temperature-scaled distribution.
 
-        With ``in_place`` the float32 ``logits`` are scaled and then overwritten by the noise.
+        With ``in_place`` the float32 ``logits`` are scaled and then noised in place.
         """
         temperature = metadata.temperature[:, None]
         logits = logits.div_(temperature) if in_place else logits / temperature
@@ -184,11 +186,10 @@ class Sampler(torch.nn.Module):
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
         elif metadata.top_k is not None:
             logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
-        probs = torch.softmax(logits, dim=-1)
-        # The scaled logits are dead once softmax has read them: their memory takes the noise.
-        buffer = logits if in_place else torch.empty_like(probs)
-        noise = self._exponential_noise(buffer, metadata.seeds)
-        return probs.div_(noise).argmax(dim=-1)
+        # ``logits`` is this method's own tensor by now (scaled in place on the caller's
+        # float32 copy, or a new one), so the Gumbel noise is added in place.
+        noise = self._exponential_noise(torch.empty_like(logits), metadata.seeds)
+        return wide_argmax(logits.sub_(noise.log_()))
 
     def _exponential_noise(self, out: torch.Tensor, seeds: dict[int, int] | None) -> torch.Tensor:
         """Fill ``out`` ([B, V] float32) with Exp(1) noise; seeded rows get their own stream
@@ -207,6 +208,35 @@ class Sampler(torch.nn.Module):
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device)
         return self._generators[device]
+
+
+# Rows at most this many and this wide take the two-stage argmax on CUDA (see wide_argmax).
+WIDE_ARGMAX_MAX_ROWS = 64
+WIDE_ARGMAX_MIN_VOCAB = 16384
+WIDE_ARGMAX_CHUNKS = 256
+
+
+def wide_argmax(x: torch.Tensor, force: bool = False) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for [B, V] float32, in two stages on CUDA for few wide rows.
+
+    torch's row reduction gives a lone 128k-wide row (batch-1 decode) few thread blocks:
+    ~27 us on an H200 (RESULTS.md, kernel profile of batch-1 decode), where the maxima of
+    up to 256 chunks, then their argmax, parallelise. Both stages keep the first index of a
+    tie, as ``torch.argmax`` does, so the index is the same. Many or narrow rows, and other
+    devices unless ``force`` (tests), use ``torch.argmax``.
+
+    Returns:
+        [B] int64 indices.
+    """
+    rows, vocab = x.shape
+    chunks = math.gcd(vocab, WIDE_ARGMAX_CHUNKS)
+    wide = rows <= WIDE_ARGMAX_MAX_ROWS and vocab >= WIDE_ARGMAX_MIN_VOCAB and chunks >= 16
+    if not (force or (wide and x.device.type == "cuda")) or chunks < 2:
+        return x.argmax(dim=-1)
+    width = vocab // chunks
+    chunk_max, chunk_arg = x.view(rows, chunks, width).max(dim=-1)
+    best = chunk_max.argmax(dim=-1, keepdim=True)
+    return (best * width + chunk_arg.gather(1, best)).squeeze(1)
 
 
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

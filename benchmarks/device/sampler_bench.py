@@ -1,0 +1,56 @@
+"""GPU time of the sampler alone, against the softmax route it replaced.
+
+usage: python3 benchmarks/device/sampler_bench.py [VOCAB]
+For B rows of ``VOCAB`` (default 128,256, Llama-3's) bf16 logits: ``Sampler.forward`` at
+temperature 1 (the exponential race in log space) and greedy (the two-stage argmax), and
+the same draws by the earlier route (softmax, divide by the noise, one-stage argmax). Each
+case runs in a CUDA graph (as the decode graph's sampler would see it) and once eagerly.
+Prints ``SAMPLER`` lines in microseconds per call.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.sampler import Sampler
+from tokenmill.worker.sampling_metadata import SamplingRow, build_sampling_metadata
+
+
+def _metadata(rows: int, vocab: int, temperature: float):
+    params = SamplingParams(temperature=temperature, max_tokens=16)
+    batch = [SamplingRow(params, [1, 2, 3], []) for _ in range(rows)]
+    return build_sampling_metadata(batch, vocab, torch.device("cuda"))
+
+
+def _softmax_route(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    noise = torch.empty_like(probs).exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def main() -> None:
+    vocab = int(sys.argv[1]) if len(sys.argv) > 1 else 128256
+    sampler = Sampler()
+    for rows in (1, 8, 32, 256):
+        logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
+        random = _metadata(rows, vocab, 1.0)
+        greedy = _metadata(rows, vocab, 0.0)
+        cases = {
+            "random": lambda x=logits, m=random: sampler(x, m),
+            "random_softmax_route": lambda x=logits, m=random: _softmax_route(x, m.temperature),
+            "greedy": lambda x=logits, m=greedy: sampler(x, m),
+            "greedy_one_stage": lambda x=logits: x.float().argmax(dim=-1),
+        }
+        for name, fn in cases.items():
+            fn()
+            torch.cuda.synchronize()
+            t = do_bench_cudagraph(fn, rep=50, return_mode="median")
+            print(f"SAMPLER rows={rows:4d} vocab={vocab} {name:22s} {t * 1e3:8.1f} us (graph)")
+
+
+if __name__ == "__main__":
+    main()
