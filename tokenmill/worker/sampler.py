@@ -211,7 +211,7 @@ class Sampler(torch.nn.Module):
 
 
 # Rows at most this many and this wide take the two-stage argmax on CUDA (see wide_argmax).
-WIDE_ARGMAX_MAX_ROWS = 64
+WIDE_ARGMAX_MAX_ROWS = 8
 WIDE_ARGMAX_MIN_VOCAB = 16384
 WIDE_ARGMAX_CHUNKS = 256
 
