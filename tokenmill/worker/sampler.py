@@ -234,7 +234,7 @@ def wide_argmax(x: torch.Tensor, force: bool = False) -> torch.Tensor:
     if not (force or (wide and x.device.type == "cuda")) or chunks < 2:
         return x.argmax(dim=-1)
     width = vocab // chunks
-    chunk_max, chunk_arg = x.view(rows, chunks, width).max(dim=-1)
+    chunk_max, chunk_arg = x.reshape(rows, chunks, width).max(dim=-1)
     best = chunk_max.argmax(dim=-1, keepdim=True)
     return (best * width + chunk_arg.gather(1, best)).squeeze(1)
 
