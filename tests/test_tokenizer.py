@@ -100,8 +100,13 @@ def test_missing_paths_raise(tmp_path):
     not_gguf.write_bytes(b"x")
     with pytest.raises(ModelLoadError, match="not a .gguf"):
         get_tokenizer(str(not_gguf))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="holds no tokenizer .*pass --tokenizer") as e:
+        get_tokenizer(str(tmp_path))  # a model folder without tokenizer files
+    assert "\n" not in str(e.value)
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="cannot load a tokenizer"):
-        get_tokenizer(str(tmp_path))  # a folder without tokenizer files
+        get_tokenizer(str(tmp_path))
 
 
 def test_chat_template_renders_tokens(smollm2_tokenizer):

@@ -71,6 +71,11 @@ def get_tokenizer(model: str, tokenizer: str | None = None) -> PreTrainedTokeniz
             raise ModelLoadError(f"tokenizer path {source} is a file but not a .gguf file")
         tok = _load_gguf_tokenizer(source)
     else:
+        if not any(os.path.exists(os.path.join(source, f)) for f in TOKENIZER_FILES):
+            raise ModelLoadError(
+                f"{source} holds no tokenizer ({', '.join(TOKENIZER_FILES)}); pass "
+                "--tokenizer with a tokenizer folder or a .gguf file"
+            )
         tok = _from_pretrained(source)
     if not getattr(tok, "is_fast", False) or get_backend_tokenizer(tok) is None:
         raise ModelLoadError(
@@ -78,6 +83,16 @@ def get_tokenizer(model: str, tokenizer: str | None = None) -> PreTrainedTokeniz
             f"(tokenizer.json)"
         )
     return tok
+
+
+# A folder with none of these has no tokenizer for transformers to load.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+)
 
 
 def _from_pretrained(path: str, **kwargs: Any) -> PreTrainedTokenizerBase:
