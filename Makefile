@@ -11,4 +11,4 @@ test:
 	scripts/test.sh
 
 lint:
-	.venv/bin/python -m ruff check tokenmill tests
+	.venv/bin/python -m ruff check tokenmill tests benchmarks

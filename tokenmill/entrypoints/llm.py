@@ -15,7 +15,7 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine_args import EngineArgs
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
-from tokenmill.tokenizer import apply_chat_template, load_chat_template
+from tokenmill.tokenizer import encode_prompt, load_chat_template, render_chat_template
 
 # vLLM keyword names that map onto a differently named EngineArgs field.
 _KWARG_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
@@ -179,15 +179,12 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         template = load_chat_template(chat_template) if chat_template else None
         tokenizer = self.get_tokenizer()
-        prompts: list[PromptInput] = [
-            {
-                "prompt_token_ids": apply_chat_template(
-                    tokenizer, conv, chat_template=template,
-                    add_generation_prompt=add_generation_prompt,
-                )
-            }
-            for conv in conversations  # type: ignore[union-attr]
-        ]
+        prompts: list[PromptInput] = []
+        for conv in conversations:  # type: ignore[union-attr]
+            # The rendered text rides along, so outputs carry it as ``prompt`` (as vLLM's).
+            text = render_chat_template(tokenizer, conv, template, add_generation_prompt)
+            ids = encode_prompt(tokenizer, text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
