@@ -118,12 +118,41 @@ _EXCLUSIVE = ("enum", "const", "$ref", "anyOf", "oneOf")
 _REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
 
 
-def _repeat_total(pattern: str) -> int:
-    """The sum of ``pattern``'s repetition counts (each count's larger bound).
+# Letters xgrammar's regex converter knows after a backslash. Any other letter (\A, \Z,
+# \z, \G, ...) it matches as the letter itself with only a log warning; \b, \B and \p fail
+# to compile, which refuses them anyway.
+_KNOWN_ESCAPE_LETTERS = frozenset("bBdDwWsSnrtfvecxup")
+_ESCAPE = re.compile(r"\\(.)", re.DOTALL)
+# Lookahead and lookbehind: refused in a regex, silently dropped from a schema's pattern.
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+
+
+def _check_regex_syntax(pattern: str) -> None:
+    """Refuse regex constructs xgrammar would not enforce: escapes it would take literally
+    and lookarounds.
 
     Raises:
-        SamplingParamsError: one count is above ``MAX_REPEAT``.
+        SamplingParamsError: ``pattern`` uses one.
     """
+    for match in _ESCAPE.finditer(pattern):
+        letter = match.group(1)
+        if letter.isascii() and letter.isalpha() and letter not in _KNOWN_ESCAPE_LETTERS:
+            raise _refuse(
+                f"the regex escape '\\{letter}' is not supported (it would match "
+                f"{letter!r} itself)."
+            )
+    if _LOOKAROUND.search(_ESCAPE.sub("", pattern)):
+        raise _refuse("regex lookahead and lookbehind are not supported.")
+
+
+def _repeat_total(pattern: str) -> int:
+    """The sum of ``pattern``'s repetition counts (each count's larger bound), once its
+    syntax passed ``_check_regex_syntax``.
+
+    Raises:
+        SamplingParamsError: one count is above ``MAX_REPEAT``, or the syntax is refused.
+    """
+    _check_regex_syntax(pattern)
     total = 0
     for match in _REPEAT.finditer(pattern):
         count = max(int(match.group(1)), int(match.group(2) or 0))
@@ -181,6 +210,9 @@ def _check_schema(node: Any, depth: int = 0) -> tuple[int, int]:
             "outputs could break it)."
         )
     _check_exclusive(node)
+    for key in ("anyOf", "oneOf"):
+        if node.get(key) == []:
+            raise _refuse(f"the JSON schema's {key!r} is empty: it admits no value.")
     required, properties = node.get("required"), node.get("properties")
     if isinstance(required, list) and required:
         described = properties if isinstance(properties, dict) else {}
@@ -229,7 +261,20 @@ def _check_schema_text(text: str) -> None:
         )
 
 
+def _check_unicode(params: StructuredOutputsParams) -> None:
+    texts = [params.regex, params.grammar, *(params.choice or ())]
+    if isinstance(params.json, str):
+        texts.append(params.json)
+    for text in texts:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _refuse("the constraint is not valid Unicode (a lone surrogate).") from None
+
+
 def _check_size(params: StructuredOutputsParams) -> None:
+    _check_unicode(params)
     if params.json is not None:
         _check_schema_text(str(params.json))
     if params.regex is not None:

@@ -199,6 +199,14 @@ def test_constraints_out_of_bounds_or_unenforced_are_refused():
         ({"json": {"properties": {str(i): {"pattern": "a{0,1000}"} for i in range(5)}}}, "4096"),
         ({"regex": "[a-z]{5,2000}"}, "above 1024"),
         ({"json": "[" * 1100 + "]" * 1100}, "levels deep"),
+        # What xgrammar would take literally, drop, or find empty.
+        ({"regex": "\\Aabc\\Z"}, "escape '\\\\A'"),
+        ({"json": {"type": "string", "pattern": "^(?!abc)[a-c]{3}$"}}, "lookahead"),
+        ({"json": {"patternProperties": {"(?<=a)b": {}}}}, "lookahead"),
+        ({"json": {"anyOf": []}}, "'anyOf' is empty"),
+        ({"json": {"oneOf": []}}, "'oneOf' is empty"),
+        ({"choice": ["\ud800"]}, "lone surrogate"),
+        ({"regex": "a\ud800"}, "lone surrogate"),
     ]
     for fields, match in refused:
         with pytest.raises(SamplingParamsError, match=match):
@@ -215,6 +223,7 @@ def test_constraints_out_of_bounds_or_unenforced_are_refused():
         {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
         {"oneOf": [{"const": 1}, {"const": 2}], "discriminator": {"propertyName": "k"}},
         {"type": "string", "pattern": "\\{[0-9]{1,3}\\}", "description": "x"},
+        {"type": "string", "pattern": "\\d+\\.\\w\\s\\\\A", "description": "known escapes"},
     ):
         validate(StructuredOutputsParams(json=schema))
     with pytest.raises(SamplingParamsError, match="unexpected keyword"):

@@ -410,6 +410,14 @@ CASES = [
         "davinci",
     ),
     ("completions: suffix", COMPLETIONS, {"prompt": "x", "suffix": "y"}, 400, "suffix", "suffix"),
+    (
+        "completions: too many sequences",
+        COMPLETIONS,
+        {"prompt": [[1, 2, 3]] * 33, "n": 128, "max_tokens": 1},
+        400,
+        "prompt",
+        "at most 4096 sequences",
+    ),
     ("tokenize: neither prompt nor messages", "/tokenize", {}, 400, "prompt", "prompt"),
     (
         "detokenize: token out of vocabulary",

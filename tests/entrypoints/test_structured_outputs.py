@@ -103,11 +103,13 @@ def test_sampled_outputs_keep_to_the_constraint(default_server):
     [
         {"regex": "[^\\s\\S]"},  # admits no output: its first token breaks it
         {"json": {"type": "string", "minLength": -5}},  # refused before the engine
+        {"choice": ["\ud800"]},  # not encodable for the engine: refused before it
     ],
 )
 def test_a_constraint_that_fails_is_a_bad_request(default_server, constraint):
-    response = default_server.post(
-        "/v1/completions", {"prompt": "Hi", "max_tokens": 5, "structured_outputs": constraint}
+    body = {"prompt": "Hi", "max_tokens": 5, "structured_outputs": constraint}
+    response = default_server.post(  # ASCII JSON: a lone surrogate travels as an escape
+        "/v1/completions", content=json.dumps(body), headers={"Content-Type": "application/json"}
     )
     assert response.status_code == 400, response.text
     error = response.json()["error"]

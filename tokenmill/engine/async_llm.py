@@ -309,7 +309,10 @@ class AsyncLLM:
         finished = False
         try:
             for message in messages:
-                self._input_sock.send_multipart([MSG_ADD, message])
+                # Awaited one by one: each unawaited send leaves a future in pyzmq's queue,
+                # whose clean-up scans that queue, so a burst of thousands (many prompts
+                # times n) cost the event loop quadratic time.
+                await self._input_sock.send_multipart([MSG_ADD, message])
             while not finished:
                 out = await collector.get()
                 finished = out.finished

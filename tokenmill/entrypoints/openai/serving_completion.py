@@ -39,12 +39,16 @@ from tokenmill.entrypoints.openai.serving_engine import (
     to_openai_error,
 )
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling_params import MAX_N
 from tokenmill.tokenizer import decode_token_texts
 
 if TYPE_CHECKING:
     from tokenmill.engine.async_llm import AsyncLLM
 
 SSE_DONE = "data: [DONE]\n\n"
+# The most sequences one completions request may start (its prompts times max(n, best_of)):
+# each is an engine request, and 2,000 prompts x n=128 held the front end for minutes.
+MAX_SEQUENCES_PER_REQUEST = 4096
 
 # One prompt as given: its text (None for token ids) and its token ids.
 Prompt = tuple[str | None, list[int]]
@@ -220,6 +224,17 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _check_supported(self, request: CompletionRequest) -> None:
         check_implemented(request)
+        prompt = request.prompt
+        single = isinstance(prompt, str) or all(isinstance(p, int) for p in prompt)
+        num_prompts = 1 if single else len(prompt)
+        copies = max(request.n or 1, request.best_of or 1)
+        # (n or best_of above MAX_N get their own error from the sampling parameters.)
+        if copies <= MAX_N and num_prompts * copies > MAX_SEQUENCES_PER_REQUEST:
+            raise bad_request(
+                f"a request may ask for at most {MAX_SEQUENCES_PER_REQUEST} sequences (prompts "
+                f"x max(n, best_of)); this one asks for {num_prompts} x {copies}.",
+                "prompt",
+            )
         if request.suffix:
             raise bad_request("tokenmill does not implement suffix (insertion) yet.", "suffix")
         if request.stream and request.best_of is not None and request.best_of > (request.n or 1):
