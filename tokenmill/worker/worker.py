@@ -72,7 +72,8 @@ class Worker:
         default (4 GiB).
 
         Raises:
-            ConfigError: no memory is left for the KV cache.
+            ConfigError: no memory is left for the KV cache, or the CPU's KV cache would
+                not fit the memory available.
         """
         runner = self.model_runner
         assert runner is not None
@@ -84,6 +85,8 @@ class Worker:
             budget = self._profile_cuda_budget()
         else:
             budget = cc.cpu_kv_cache_memory
+        if self.device.type == "cpu":
+            _check_host_memory(budget)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ConfigError(
@@ -139,3 +142,28 @@ class Worker:
         """Launch a step; returns a handle whose ``get()`` gives its ModelRunnerOutput."""
         assert self.model_runner is not None
         return self.model_runner.execute_model_async(scheduler_output)
+
+
+def available_host_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux ``MemAvailable``), or None
+    where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_host_memory(kv_bytes: int) -> None:
+    """Refuse a CPU KV cache larger than the memory available now: its pages are only
+    taken as blocks fill (``lazily_zeroed_cpu_tensor``), so an oversized cache would start
+    and then be killed for memory under load."""
+    available = available_host_memory()
+    if available is not None and kv_bytes > available:
+        raise ConfigError(
+            f"the KV cache would take {kv_bytes / GiB:.2f} GiB, but only "
+            f"{available / GiB:.2f} GiB of memory is available; lower --kv-cache-memory"
+        )
