@@ -118,11 +118,13 @@ _EXCLUSIVE = ("enum", "const", "$ref", "anyOf", "oneOf")
 _REPEAT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
 
 
-# Letters xgrammar's regex converter knows after a backslash. Any other letter (\A, \Z,
-# \z, \G, ...) it matches as the letter itself with only a log warning; \b, \B and \p fail
-# to compile, which refuses them anyway.
-_KNOWN_ESCAPE_LETTERS = frozenset("bBdDwWsSnrtfvecxup")
+# Letters xgrammar 0.2.9's regex converter knows after a backslash (each tried alone and with
+# its arguments: \cA, \x41, \u0041, \U0001F600). Any other letter (\A, \Z, \z, \G, \h, ...)
+# it matches as the letter itself with only a log warning; \b, \B, \k, \p and \P fail to
+# compile, which refuses them anyway.
+_KNOWN_ESCAPE_LETTERS = frozenset("acdefnrstuvwxDSUW" + "bBkpP")
 _ESCAPE = re.compile(r"\\(.)", re.DOTALL)
+_CHAR_CLASS = re.compile(r"\[\^?\]?[^\]]*\]")
 # Lookahead and lookbehind: refused in a regex, silently dropped from a schema's pattern.
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 
@@ -141,7 +143,10 @@ def _check_regex_syntax(pattern: str) -> None:
                 f"the regex escape '\\{letter}' is not supported (it would match "
                 f"{letter!r} itself)."
             )
-    if _LOOKAROUND.search(_ESCAPE.sub("", pattern)):
+    # Escapes and character classes become one neutral character each, so that neither
+    # "(\\s?=" nor "[(?=]" reads as a lookaround.
+    plain = _CHAR_CLASS.sub("_", _ESCAPE.sub("_", pattern))
+    if _LOOKAROUND.search(plain):
         raise _refuse("regex lookahead and lookbehind are not supported.")
 
 
@@ -168,9 +173,19 @@ def _check_exclusive(node: dict) -> None:
     for key in _EXCLUSIVE:
         if key not in node:
             continue
-        # {"type": "string", "enum": [...]}: the values carry their type.
+        # {"type": "string", "enum": [...]}: the values carry their type; a const that is
+        # one of the enum's values is what xgrammar enforces (pydantic < 2.8 wrote both).
         alone = {key, "type"} if key in ("enum", "const") else {key}
-        others = sorted(set(node) - _ANNOTATIONS - alone)
+        enum = node.get("enum")
+        if key in ("enum", "const") and isinstance(enum, list) and node.get("const") in enum:
+            alone |= {"enum", "const"}
+        # Vendor extensions and OpenAPI's nullable only widen what the schema admits:
+        # outputs that ignore them still conform.
+        others = sorted(
+            k
+            for k in set(node) - _ANNOTATIONS - alone
+            if k != "nullable" and not k.startswith("x-")
+        )
         if others:
             raise _refuse(
                 f"the JSON schema keyword {key!r} beside {others[0]!r} is not supported "
@@ -228,8 +243,8 @@ def _check_schema(node: Any, depth: int = 0) -> tuple[int, int]:
     if isinstance(node.get("patternProperties"), dict):
         repeats += sum(_repeat_total(p) for p in node["patternProperties"])
     for key, value in node.items():
-        if key in _DATA_KEYWORDS:
-            continue
+        if key in _DATA_KEYWORDS or (key in _ANNOTATIONS and key not in _SCHEMA_MAPS):
+            continue  # data, not subschemas (discriminator's mapping, examples, ...)
         subs = value.values() if key in _SCHEMA_MAPS and isinstance(value, dict) else [value]
         for sub in subs:
             if isinstance(sub, dict | list):

@@ -224,6 +224,14 @@ def test_constraints_out_of_bounds_or_unenforced_are_refused():
         {"oneOf": [{"const": 1}, {"const": 2}], "discriminator": {"propertyName": "k"}},
         {"type": "string", "pattern": "\\{[0-9]{1,3}\\}", "description": "x"},
         {"type": "string", "pattern": "\\d+\\.\\w\\s\\\\A", "description": "known escapes"},
+        {"type": "string", "pattern": "key(\\s?=\\s?)[(?=]\\a\\U0001F600\\x41"},  # no lookaround
+        {"type": "string", "const": "a", "enum": ["a"], "title": "pydantic < 2.8"},
+        {"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "nullable": True},
+        {"anyOf": [{"type": "string"}], "x-order": 1},
+        {
+            "oneOf": [{"properties": {"k": {"const": "enum"}}, "required": ["k"]}],
+            "discriminator": {"propertyName": "k", "mapping": {"enum": "#/x", "string": "#/y"}},
+        },
     ):
         validate(StructuredOutputsParams(json=schema))
     with pytest.raises(SamplingParamsError, match="unexpected keyword"):
