@@ -174,6 +174,20 @@ def test_plain_sampling_matches_softmax() -> None:
     _assert_matches(_draw_counts(SamplingParams()), _reference())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_equal_top_tokens_are_drawn_evenly_at_a_tiny_temperature(device: str) -> None:
+    # Large logits at T = 1e-5 scale to ~3e6, where float32 could round the noise away and
+    # hand ties to the lower token id; the drawn pair must stay a fair coin.
+    logits = torch.full((V,), 20.0)
+    logits[3] = logits[11] = 31.123457
+    torch.manual_seed(0)
+    meta = _meta([SamplingParams(temperature=1e-5)] * NUM_DRAWS, device=device)
+    out = Sampler()(logits.to(device).expand(NUM_DRAWS, -1), meta).sampled_token_ids
+    counts = torch.bincount(out, minlength=V).cpu()
+    assert counts[3] + counts[11] == NUM_DRAWS
+    assert stats.binomtest(int(counts[3]), NUM_DRAWS, 0.5).pvalue > 1e-3, counts
+
+
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
 def test_temperature_reshapes_distribution(temperature: float) -> None:
     counts = _draw_counts(SamplingParams(temperature=temperature))

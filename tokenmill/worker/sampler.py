@@ -178,8 +178,12 @@ class Sampler(torch.nn.Module):
 
         With ``in_place`` the float32 ``logits`` are scaled and then noised in place.
         """
-        temperature = metadata.temperature[:, None]
-        logits = logits.div_(temperature) if in_place else logits / temperature
+        # The row's maximum comes off first, as in a softmax: at temperature 1e-5, logits
+        # near 30 scale to ~3e6, where float32 steps by 0.25 and the Gumbel noise added
+        # below would be rounded to that step (ties going to the lower token id).
+        peak = wide_amax(logits)
+        logits = logits.sub_(peak) if in_place else logits - peak
+        logits = logits.div_(metadata.temperature[:, None])
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         if metadata.top_p is not None:
@@ -200,8 +204,8 @@ class Sampler(torch.nn.Module):
             for row, seed in seeds.items():
                 generator.manual_seed(seed)
                 noise[row].exponential_(generator=generator)
-        # NOTE: some torch versions can return an exact 0 from exponential_; 0 would turn
-        # p/E into inf or nan. The smallest normal float keeps p/E finite for every p <= 1.
+        # NOTE: some torch versions can return an exact 0 from exponential_, whose log is
+        # -inf; the smallest normal float keeps every log E finite (about -87.3).
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -214,6 +218,19 @@ class Sampler(torch.nn.Module):
 WIDE_ARGMAX_MAX_ROWS = 8
 WIDE_ARGMAX_MIN_VOCAB = 16384
 WIDE_ARGMAX_CHUNKS = 256
+
+
+def wide_amax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's maximum, ``[B, 1]``; 0 for a row that is all -inf (subtracting it then
+    leaves the row as it is). In two stages for few wide rows on CUDA, as ``wide_argmax``."""
+    rows, vocab = x.shape
+    chunks = math.gcd(vocab, WIDE_ARGMAX_CHUNKS)
+    wide = rows <= WIDE_ARGMAX_MAX_ROWS and vocab >= WIDE_ARGMAX_MIN_VOCAB and chunks >= 16
+    if wide and x.device.type == "cuda":
+        peak = x.reshape(rows, chunks, vocab // chunks).amax(dim=-1).amax(dim=-1, keepdim=True)
+    else:
+        peak = x.amax(dim=-1, keepdim=True)
+    return peak.masked_fill(torch.isneginf(peak), 0.0)
 
 
 def wide_argmax(x: torch.Tensor, force: bool = False) -> torch.Tensor:
