@@ -71,7 +71,7 @@ def get_tokenizer(model: str, tokenizer: str | None = None) -> PreTrainedTokeniz
             raise ModelLoadError(f"tokenizer path {source} is a file but not a .gguf file")
         tok = _load_gguf_tokenizer(source)
     else:
-        if not any(os.path.exists(os.path.join(source, f)) for f in TOKENIZER_FILES):
+        if not _has_tokenizer_files(source):
             raise ModelLoadError(
                 f"{source} holds no tokenizer ({', '.join(TOKENIZER_FILES)}); pass "
                 "--tokenizer with a tokenizer folder or a .gguf file"
@@ -85,7 +85,8 @@ def get_tokenizer(model: str, tokenizer: str | None = None) -> PreTrainedTokeniz
     return tok
 
 
-# A folder with none of these has no tokenizer for transformers to load.
+# A folder with none of these (nor a sentencepiece ``*.model`` or a ``*.tiktoken`` file)
+# has no tokenizer for transformers to load.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -93,6 +94,14 @@ TOKENIZER_FILES = (
     "vocab.json",
     "vocab.txt",
 )
+
+
+def _has_tokenizer_files(folder: str) -> bool:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return True  # let transformers report what is wrong with the folder
+    return any(n in TOKENIZER_FILES or n.endswith((".model", ".tiktoken")) for n in names)
 
 
 def _from_pretrained(path: str, **kwargs: Any) -> PreTrainedTokenizerBase:

@@ -145,16 +145,29 @@ class Worker:
 
 
 def available_host_memory() -> int | None:
-    """Bytes of memory available to new allocations (Linux ``MemAvailable``), or None
-    where the system does not say."""
+    """Bytes of memory available to new allocations: Linux's ``MemAvailable``, or less
+    where this process's cgroup (v2: ``memory.max`` - ``memory.current``, a container's
+    limit) leaves less; None where the system says neither."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        if limit != "max":
+            left = max(0, int(limit) - current)
+            available = left if available is None else min(available, left)
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 def _check_host_memory(kv_bytes: int) -> None:
