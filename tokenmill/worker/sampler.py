@@ -16,8 +16,9 @@ Order of operations:
    penalties (OpenAI API reference: over output tokens only,
    ``logit -= frequency * count + presence * (count > 0)``).
 3. Greedy rows: argmax of the processed logits.
-4. Random rows: subtract the row's maximum and divide by temperature; min-p (drop tokens whose probability is below
-   ``min_p`` times the largest; Nguyen et al. 2024, arXiv:2407.01082); top-k; top-p (nucleus
+4. Random rows: subtract the row's maximum and divide by temperature; min-p (drop tokens
+   whose probability is below ``min_p`` times the largest; Nguyen et al. 2024,
+   arXiv:2407.01082); top-k; top-p (nucleus
    sampling, Holtzman et al. 2019, arXiv:1904.09751: the smallest set of most likely tokens
    whose probability reaches ``top_p``); then one draw per row by the exponential race:
    ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)`` i.i.d. picks token i with probability p_i,
