@@ -221,16 +221,27 @@ WIDE_ARGMAX_MIN_VOCAB = 16384
 WIDE_ARGMAX_CHUNKS = 256
 
 
-def wide_amax(x: torch.Tensor) -> torch.Tensor:
-    """Each row's maximum, ``[B, 1]``; 0 for a row that is all -inf (subtracting it then
-    leaves the row as it is). In two stages for few wide rows on CUDA, as ``wide_argmax``."""
+def _row_chunks(x: torch.Tensor, force: bool = False) -> int | None:
+    """How many equal chunks the two-stage reductions cut each row of ``x`` ([B, V]) into,
+    or None where one-stage torch reductions are used: more than ``WIDE_ARGMAX_MAX_ROWS``
+    rows, rows narrower than ``WIDE_ARGMAX_MIN_VOCAB`` or without 16 equal chunks, or a
+    device other than CUDA (``force``: any shape with at least 2 chunks, for tests)."""
     rows, vocab = x.shape
     chunks = math.gcd(vocab, WIDE_ARGMAX_CHUNKS)
     wide = rows <= WIDE_ARGMAX_MAX_ROWS and vocab >= WIDE_ARGMAX_MIN_VOCAB and chunks >= 16
-    if wide and x.device.type == "cuda":
-        peak = x.reshape(rows, chunks, vocab // chunks).amax(dim=-1).amax(dim=-1, keepdim=True)
-    else:
+    if (force or (wide and x.device.type == "cuda")) and chunks >= 2:
+        return chunks
+    return None
+
+
+def wide_amax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's maximum, ``[B, 1]``; 0 for a row that is all -inf (subtracting it then
+    leaves the row as it is). In two stages for few wide rows on CUDA, as ``wide_argmax``."""
+    chunks = _row_chunks(x)
+    if chunks is None:
         peak = x.amax(dim=-1, keepdim=True)
+    else:
+        peak = x.reshape(x.shape[0], chunks, -1).amax(dim=-1).amax(dim=-1, keepdim=True)
     return peak.masked_fill(torch.isneginf(peak), 0.0)
 
 
@@ -246,13 +257,11 @@ def wide_argmax(x: torch.Tensor, force: bool = False) -> torch.Tensor:
     Returns:
         [B] int64 indices.
     """
-    rows, vocab = x.shape
-    chunks = math.gcd(vocab, WIDE_ARGMAX_CHUNKS)
-    wide = rows <= WIDE_ARGMAX_MAX_ROWS and vocab >= WIDE_ARGMAX_MIN_VOCAB and chunks >= 16
-    if not (force or (wide and x.device.type == "cuda")) or chunks < 2:
+    chunks = _row_chunks(x, force)
+    if chunks is None:
         return x.argmax(dim=-1)
-    width = vocab // chunks
-    chunk_max, chunk_arg = x.reshape(rows, chunks, width).max(dim=-1)
+    width = x.shape[1] // chunks
+    chunk_max, chunk_arg = x.reshape(x.shape[0], chunks, width).max(dim=-1)
     best = chunk_max.argmax(dim=-1, keepdim=True)
     return (best * width + chunk_arg.gather(1, best)).squeeze(1)
 
