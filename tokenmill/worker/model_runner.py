@@ -29,7 +29,7 @@ from tokenmill.model.layers.attention import Attention, bind_kv_caches
 from tokenmill.model.loader.model_loader import get_model, torch_dtype
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
-from tokenmill.worker.host_memory import lazily_zeroed_cpu_tensor
+from tokenmill.worker.host_memory import zeroed_tensor
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
 from tokenmill.worker.sampling_metadata import (
@@ -240,16 +240,10 @@ class ModelRunner:
         shape = self.attn_backend.get_kv_cache_shape(
             num_blocks, self.block_size, mc.get_num_kv_heads(), mc.get_head_dim()
         )
-        if self.device.type == "cpu":
-            self.kv_caches = [
-                lazily_zeroed_cpu_tensor(tuple(shape), self.dtype)
-                for _ in range(mc.get_num_layers())
-            ]
-        else:
-            self.kv_caches = [
-                torch.zeros(shape, dtype=self.dtype, device=self.device)
-                for _ in range(mc.get_num_layers())
-            ]
+        self.kv_caches = [
+            zeroed_tensor(tuple(shape), self.dtype, self.device)
+            for _ in range(mc.get_num_layers())
+        ]
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
 

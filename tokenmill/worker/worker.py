@@ -10,12 +10,11 @@ from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.worker.host_memory import GiB, check_host_memory
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.start_up_passes import profile_run, warm_up_attention
 
 logger = logging.getLogger(__name__)
-
-GiB = 1 << 30
 
 
 class Worker:
@@ -86,7 +85,7 @@ class Worker:
         else:
             budget = cc.cpu_kv_cache_memory
         if self.device.type == "cpu":
-            _check_host_memory(budget)
+            check_host_memory(budget)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ConfigError(
@@ -142,41 +141,3 @@ class Worker:
         """Launch a step; returns a handle whose ``get()`` gives its ModelRunnerOutput."""
         assert self.model_runner is not None
         return self.model_runner.execute_model_async(scheduler_output)
-
-
-def available_host_memory() -> int | None:
-    """Bytes of memory available to new allocations: Linux's ``MemAvailable``, or less
-    where this process's cgroup (v2: ``memory.max`` - ``memory.current``, a container's
-    limit) leaves less; None where the system says neither."""
-    available = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            current = int(f.read().strip())
-        if limit != "max":
-            left = max(0, int(limit) - current)
-            available = left if available is None else min(available, left)
-    except (OSError, ValueError):
-        pass
-    return available
-
-
-def _check_host_memory(kv_bytes: int) -> None:
-    """Refuse a CPU KV cache larger than the memory available now: its pages are only
-    taken as blocks fill (``lazily_zeroed_cpu_tensor``), so an oversized cache would start
-    and then be killed for memory under load."""
-    available = available_host_memory()
-    if available is not None and kv_bytes > available:
-        raise ConfigError(
-            f"the KV cache would take {kv_bytes / GiB:.2f} GiB, but only "
-            f"{available / GiB:.2f} GiB of memory is available; lower --kv-cache-memory"
-        )
