@@ -150,12 +150,14 @@ def _check_regex_syntax(pattern: str) -> None:
         raise _refuse("regex lookahead and lookbehind are not supported.")
 
 
-def _repeat_total(pattern: str) -> int:
-    """The sum of ``pattern``'s repetition counts (each count's larger bound), once its
-    syntax passed ``_check_regex_syntax``.
+def _check_pattern(pattern: str) -> int:
+    """Check a regex (the ``regex`` constraint, or a schema's ``pattern`` or
+    ``patternProperties`` key) and return the sum of its repetition counts (each count's
+    larger bound), which the caller bounds in total.
 
     Raises:
-        SamplingParamsError: one count is above ``MAX_REPEAT``, or the syntax is refused.
+        SamplingParamsError: its syntax is refused (``_check_regex_syntax``), or one count
+            is above ``MAX_REPEAT``.
     """
     _check_regex_syntax(pattern)
     total = 0
@@ -239,9 +241,9 @@ def _check_schema(node: Any, depth: int = 0) -> tuple[int, int]:
             )
     values = len(node["enum"]) if isinstance(node.get("enum"), list) else 0
     values += "const" in node
-    repeats = _repeat_total(node["pattern"]) if isinstance(node.get("pattern"), str) else 0
+    repeats = _check_pattern(node["pattern"]) if isinstance(node.get("pattern"), str) else 0
     if isinstance(node.get("patternProperties"), dict):
-        repeats += sum(_repeat_total(p) for p in node["patternProperties"])
+        repeats += sum(_check_pattern(p) for p in node["patternProperties"])
     for key, value in node.items():
         if key in _DATA_KEYWORDS or (key in _ANNOTATIONS and key not in _SCHEMA_MAPS):
             continue  # data, not subschemas (discriminator's mapping, examples, ...)
@@ -295,7 +297,7 @@ def _check_size(params: StructuredOutputsParams) -> None:
     if params.regex is not None:
         if len(params.regex) > MAX_REGEX_CHARS:
             raise _refuse(f"the regex is longer than {MAX_REGEX_CHARS} characters.")
-        if _repeat_total(params.regex) > MAX_REPEAT_TOTAL:
+        if _check_pattern(params.regex) > MAX_REPEAT_TOTAL:
             raise _refuse(f"the regex repeats more than {MAX_REPEAT_TOTAL} times in all.")
     if params.grammar is not None and len(params.grammar) > MAX_GRAMMAR_CHARS:
         raise _refuse(f"the grammar is longer than {MAX_GRAMMAR_CHARS} characters.")
