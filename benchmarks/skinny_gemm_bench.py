@@ -11,6 +11,10 @@ For each weight shape ``[N, K]`` and each M (rows of x), two times per implement
 Rates are bytes moved (W + x + y, each once) over the graph time, against ``--peak-tbps``
 (an H200 copies ~4.25 TB/s). Each kernel output is checked against ``F.linear`` first.
 
+``--pdl`` adds a third implementation, the kernel as a programmatic dependent launch (each
+call's programs start while the previous call finishes and load their first weight tiles
+before they wait), and makes ``--sweep`` time that one.
+
 ``--sweep`` tunes each (shape, M) by coordinate descent over ``FMA_SPACE`` / ``DOT_SPACE``
 (one parameter at a time, from the current configuration, ``--rounds`` passes), timing
 candidates with the graph method, and prints the best as lines that paste into
@@ -45,9 +49,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FMA_SPACE = {
     "block_n": [4, 8, 16, 32],
     "block_k": [128, 256, 512, 1024],
-    "split_k": [1, 2, 4, 8, 16],
+    # Not only powers of two: the grid's last wave is what a small product loses.
+    "split_k": [1, 2, 3, 4, 6, 8, 12, 16],
     "num_warps": [2, 4, 8],
-    "num_stages": [1, 3],
 }
 DOT_SPACE = {
     "block_n": [16, 32, 64, 128],
@@ -57,6 +61,7 @@ DOT_SPACE = {
     "num_stages": [2, 3, 4, 5],
 }
 REPLAYS = 10
+PDL = False  # --pdl
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,6 +73,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=32, help="calls per CUDA graph")
     p.add_argument("--sweep", action="store_true", help="tune each shape's configuration")
     p.add_argument("--rounds", type=int, default=2, help="coordinate-descent passes")
+    p.add_argument("--fma-only", action="store_true", help="sweep the CUDA-core loop only")
+    p.add_argument(
+        "--pdl", action="store_true", help="also time dependent launches; --sweep times those"
+    )
     return p.parse_args()
 
 
@@ -125,8 +134,10 @@ def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def kernel(cfg: SkinnyConfig | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    return lambda x, w: skinny_linear(x, w, config=cfg)
+def kernel(
+    cfg: SkinnyConfig | None, pdl: bool = False
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return lambda x, w: skinny_linear(x, w, config=cfg, pdl=pdl)
 
 
 def rate(p: Problem, ms: float, peak: float) -> str:
@@ -140,7 +151,10 @@ def compare(name: str, p: Problem, args: argparse.Namespace) -> None:
     cfg = sg.launch_config(m, p.n, p.k, torch.cuda.get_device_properties(0).multi_processor_count)
     p.check(kernel(cfg))
     graph_us = {}
-    for impl, fn in (("cuBLAS", cublas), ("skinny", kernel(cfg))):
+    impls = [("cuBLAS", cublas), ("skinny", kernel(cfg))]
+    if PDL:
+        impls.append(("pdl", kernel(cfg, pdl=True)))
+    for impl, fn in impls:
         single, graph = p.single_ms(fn), p.graph_ms(fn)
         graph_us[impl] = graph * 1e3
         print(
@@ -148,7 +162,8 @@ def compare(name: str, p: Problem, args: argparse.Namespace) -> None:
             f"{rate(p, single, args.peak_tbps)}  graph {graph * 1e3:7.1f} us "
             f"{rate(p, graph, args.peak_tbps)}" + (f"  {cfg}" if impl == "skinny" else "")
         )
-    print(f"{'':<14} speed-up in graph: x{graph_us['cuBLAS'] / graph_us['skinny']:.2f}")
+    print(f"{'':<14} speed-up in graph: x{graph_us['cuBLAS'] / graph_us['skinny']:.2f}"
+          + (f", with PDL x{graph_us['cuBLAS'] / graph_us['pdl']:.2f}" if PDL else ""))  # fmt: skip
 
 
 SMEM_BYTES = 227 * 1024  # shared memory one program may use on an H100/H200
@@ -172,8 +187,8 @@ def try_config(p: Problem, cfg: SkinnyConfig) -> float:
     if not plausible(cfg, p.x.shape[0]):
         return math.inf
     try:
-        p.check(kernel(cfg))
-        return p.graph_ms(kernel(cfg))
+        p.check(kernel(cfg, PDL))
+        return p.graph_ms(kernel(cfg, PDL))
     except Exception as e:  # noqa: BLE001 (out of shared memory, registers, wrong result)
         print(f"    skip {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
         return math.inf
@@ -202,7 +217,9 @@ def sweep(name: str, p: Problem, args: argparse.Namespace) -> str:
     m = p.x.shape[0]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     starts = [sg.launch_config(m, p.n, p.k, sms)]
-    if m <= sg.FMA_MAX_M:  # both main loops can run: descend from each
+    if args.fma_only:
+        starts = [sg.default_config(1, p.n, p.k, sms)]
+    elif m <= sg.FMA_MAX_M:  # both main loops can run: descend from each
         if starts[0].use_dot:  # CUDA cores, 16 elements per thread per row of x
             fma = sg.default_config(sg.FMA_DEFAULT_MAX_M, p.n, p.k, sms)
             starts.append(dataclasses.replace(fma, block_n=8 if m > 2 else 16))
@@ -219,7 +236,9 @@ def sweep(name: str, p: Problem, args: argparse.Namespace) -> str:
 
 
 def main() -> None:
+    global PDL
     args = parse_args()
+    PDL = args.pdl
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     torch.manual_seed(0)

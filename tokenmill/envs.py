@@ -53,11 +53,27 @@ def log_step_stats() -> bool:
     return os.environ.get("TOKENMILL_LOG_STEP_STATS", "") not in ("", "0")
 
 
-def skinny_gemm() -> bool:
-    """TOKENMILL_SKINNY_GEMM=0/1: the split-K Triton kernel for linear layers of decode-sized
-    batches (<= 32 rows) on CUDA, instead of cuBLAS (default: off; on an H200 cuBLAS inside
-    a CUDA graph is faster at Llama-3.1-8B's shapes, see benchmarks/RESULTS.md)."""
-    return os.environ.get("TOKENMILL_SKINNY_GEMM", "0") not in ("", "0")
+def skinny_gemm() -> str:
+    """TOKENMILL_SKINNY_GEMM: which linear layers of decode-sized batches (<= 32 rows) on
+    CUDA run the split-K Triton kernel instead of cuBLAS. ``auto`` (default): the shapes
+    with a configuration measured faster than cuBLAS on this GPU model
+    (``skinny_gemm.TUNED_CONFIGS``: batch-1 decode of Llama-3.1-8B on an H200, see
+    benchmarks/RESULTS.md); ``1``: every eligible shape; ``0``: none.
+
+    Raises:
+        ValueError: any other value.
+    """
+    value = os.environ.get("TOKENMILL_SKINNY_GEMM", "auto").strip().lower() or "auto"
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"TOKENMILL_SKINNY_GEMM must be auto, 0 or 1, got {value!r}")
+    return value
+
+
+def fused_sampler() -> bool:
+    """TOKENMILL_FUSED_SAMPLER=0: sample on CUDA through the torch route (shift, scale,
+    noise, argmax as separate kernels over float32 copies) instead of the fused Gumbel-max
+    kernel (``worker/gumbel_sampling.py``; on by default, off to compare)."""
+    return os.environ.get("TOKENMILL_FUSED_SAMPLER", "1") not in ("", "0")
 
 
 def mixed_step_graphs() -> bool:

@@ -145,3 +145,37 @@ def test_use_skinny_gemm_on_cuda():
     assert not use_skinny_gemm(torch.empty(MAX_M + 1, 4096, dtype=torch.bfloat16, device=DEVICE), w)
     assert not use_skinny_gemm(torch.empty(8, 4096, device=DEVICE), w.float())
     assert not use_skinny_gemm(torch.empty(8, 4096, dtype=torch.bfloat16), w)
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_pdl_chain_in_a_graph_keeps_each_product_after_the_one_it_reads(use_dot):
+    """A chain of programmatic dependent launches, captured and replayed: each product
+    reads the previous one's output, so a product that read ``x`` before its predecessor
+    finished would differ from the eager, ordered chain."""
+    from tokenmill.model.layers import skinny_gemm as sg
+
+    k = 4096
+    weights = [_operands(1, k, k, torch.bfloat16, seed=s)[1] for s in range(6)]
+    m = 4 if use_dot else 1  # the default configurations' two main loops
+    cfg = sg.default_config(m, k, k)
+    assert cfg.use_dot == use_dot
+    x = _operands(m, 1, k, torch.bfloat16, seed=7)[0]
+
+    def chain(pdl: bool) -> torch.Tensor:
+        y = x
+        for w in weights:
+            y = sg.skinny_linear(y, w, config=cfg, pdl=pdl)
+            y = y / y.float().abs().amax().clamp_min(1e-3).to(y.dtype)  # a non-PDL kernel
+            y = sg.skinny_linear(y, w, config=cfg, pdl=pdl)  # PDL after PDL
+        return y
+
+    ref = chain(pdl=False)
+    chain(pdl=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(pdl=True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)

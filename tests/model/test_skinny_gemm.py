@@ -191,3 +191,52 @@ def test_tuned_table_takes_precedence(monkeypatch):
     assert sg.launch_config(5, 4096, 4096, 132) is tuned  # M=5 falls in bucket 8
     assert sg.launch_config(8, 4096, 4096, 114) == sg.default_config(8, 4096, 4096, 114)
     assert sg.launch_config(16, 4096, 4096, 132) == sg.default_config(16, 4096, 4096, 132)
+
+
+def test_tuned_configs_launch():
+    """Every tuned entry is a configuration the kernel accepts at its M bucket."""
+    for (bucket, n, k), cfg in sg.TUNED_CONFIGS.items():
+        assert bucket == sg.m_bucket(bucket)
+        assert cfg.use_dot or bucket <= sg.FMA_MAX_M
+        plan = sg._launch_plan(bucket, n, k, cfg)
+        assert plan.splits * plan.k_per_split >= k
+
+
+def test_has_tuned_config_only_on_the_gpu_it_was_measured_on():
+    x, w = torch.empty(1, 4096), torch.empty(6144, 4096)
+    assert (1, 6144, 4096) in sg.TUNED_CONFIGS
+    assert not sg.has_tuned_config(x, w)  # CPU tensors
+
+
+@pytest.mark.parametrize("value,expected", [(None, "auto"), ("", "auto"), ("AUTO", "auto"),
+                                            ("0", "0"), ("1", "1")])  # fmt: skip
+def test_skinny_gemm_setting(monkeypatch, value, expected):
+    from tokenmill import envs
+
+    if value is None:
+        monkeypatch.delenv("TOKENMILL_SKINNY_GEMM", raising=False)
+    else:
+        monkeypatch.setenv("TOKENMILL_SKINNY_GEMM", value)
+    assert envs.skinny_gemm() == expected
+
+
+def test_skinny_gemm_setting_rejects_other_values(monkeypatch):
+    from tokenmill import envs
+
+    monkeypatch.setenv("TOKENMILL_SKINNY_GEMM", "yes")
+    with pytest.raises(ValueError, match="auto, 0 or 1"):
+        envs.skinny_gemm()
+
+
+@pytest.mark.parametrize("mode,tuned,used", [("auto", True, True), ("auto", False, False),
+                                             ("1", False, True), ("0", True, False)])  # fmt: skip
+def test_dense_routes_by_setting(monkeypatch, mode, tuned, used):
+    from tokenmill.model.layers import linear
+
+    monkeypatch.setattr(linear, "_SKINNY_GEMM", mode)
+    monkeypatch.setattr(sg, "use_skinny_gemm", lambda x, w: True)
+    monkeypatch.setattr(sg, "has_tuned_config", lambda x, w: tuned)
+    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b: "skinny")
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    out = linear.dense(x, w)
+    assert (out == "skinny") if used else torch.allclose(out, F.linear(x, w))

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.layers.linear import default_weight_loader
+from tokenmill.model.layers.linear import default_weight_loader, dense
 
 
 class VocabEmbedding(nn.Module):
@@ -48,7 +48,7 @@ class LMHead(VocabEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden_states, self.weight)
+        logits = dense(hidden_states, self.weight)
         if self.soft_cap:
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
         return logits

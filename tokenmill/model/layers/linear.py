@@ -26,15 +26,17 @@ _SKINNY_GEMM = envs.skinny_gemm()
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x W^T (+ b)``: ``F.linear``, or for decode-sized batches on CUDA the split-K
-    kernel of ``skinny_gemm``, which streams the weight closer to the memory bandwidth.
+    kernel of ``skinny_gemm`` where it streams the weight faster than cuBLAS
+    (``TOKENMILL_SKINNY_GEMM``, ``envs.skinny_gemm``).
 
     Shapes: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``.
     """
     if (
-        _SKINNY_GEMM
+        _SKINNY_GEMM != "0"
         and x.dim() == 2
         and x.shape[0] <= skinny_gemm.MAX_M
         and skinny_gemm.use_skinny_gemm(x, weight)
+        and (_SKINNY_GEMM == "1" or skinny_gemm.has_tuned_config(x, weight))
     ):
         return skinny_gemm.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)

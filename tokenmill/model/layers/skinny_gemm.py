@@ -38,6 +38,13 @@ calls it serial split-K). Two main loops:
 Weights are loaded with ``evict_first`` (read once: first to leave L2) and ``x`` with
 ``evict_last`` (every program reads it).
 
+**Dependent launches.** On sm_90+ each launch is a programmatic dependent launch: its
+programs may be scheduled while the previous kernel's last programs run, issue their first
+weight loads, and wait for that kernel's completion (``griddepcontrol.wait``) before they
+read ``x``; each program also lets the next launch start early. A product of a few tens of
+MB loses 2-4 us to its launch, ramp and tail at ~4.25 TB/s, 15-25% of it; dependent launches
+measured 0.5-1.5 us back per product (``benchmarks/skinny_gemm_bench.py --pdl``).
+
 **CUDA graphs.** No host sync and no device-to-host read. The partial workspace is allocated
 per call; under capture it comes from the graph's memory pool, which keeps it for replays.
 The counters live in one zero-initialised buffer per device that each launch leaves at zero;
@@ -116,9 +123,19 @@ class SkinnyConfig:
 
 
 # Measured best configurations on an H200 (132 SMs), keyed by (M bucket, N, K) with the M
-# bucket the next power of two of M; filled from ``benchmarks/skinny_gemm_bench.py --sweep``,
-# whose output lines paste in here. Shapes not listed use ``default_config``.
-TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
+# bucket the next power of two of M; from ``benchmarks/skinny_gemm_bench.py --pdl --sweep
+# --fma-only`` (in-graph time per call as a dependent launch, weights cycled past the L2;
+# cuBLAS in the same run). Shapes not listed use ``default_config``, and under
+# ``TOKENMILL_SKINNY_GEMM=auto`` only the listed shapes leave cuBLAS.
+TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
+    # Llama-3.1-8B at batch 1 (2026-12-01): qkv 14.3 us (cuBLAS 16.1), o_proj 10.5 (12.8),
+    # down 29.7 (30.4), gate_up 54.4 (55.2); the LM head's default tiles 243.6 (248.7).
+    (1, 6144, 4096): SkinnyConfig(32, 256, 2, 4, 1, False),
+    (1, 4096, 4096): SkinnyConfig(4, 256, 2, 4, 1, False),
+    (1, 4096, 14336): SkinnyConfig(4, 256, 2, 4, 1, False),
+    (1, 28672, 4096): SkinnyConfig(8, 256, 1, 4, 1, False),
+    (1, 128256, 4096): SkinnyConfig(16, 256, 1, 4, 1, False),
+}
 
 
 def m_bucket(m: int) -> int:
@@ -163,6 +180,16 @@ def launch_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> Ski
         if tuned is not None:
             return tuned
     return default_config(m, n, k, num_sms)
+
+
+def has_tuned_config(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``TUNED_CONFIGS`` holds a configuration for ``x [M, K] @ weight[N, K]^T`` on
+    x's device (CUDA with ``DEFAULT_NUM_SMS`` multiprocessors, the GPU it was measured on)."""
+    return (
+        x.is_cuda
+        and _num_sms(x.device) == DEFAULT_NUM_SMS
+        and (m_bucket(x.shape[0]), weight.shape[0], weight.shape[1]) in TUNED_CONFIGS
+    )
 
 
 def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -217,6 +244,7 @@ def skinny_linear(
     *,
     config: SkinnyConfig | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """``y = x W^T (+ b)`` with fp32 accumulation, one kernel launch.
 
@@ -228,6 +256,12 @@ def skinny_linear(
         config: launch configuration (default: ``launch_config`` for this shape).
         out: ``[M, N]`` of x's dtype, contiguous along N, to write into (default: a new
             tensor).
+        pdl: launch as a programmatic dependent launch (CUDA Programming Guide,
+            "Programmatic Dependent Launch and Synchronization"): the kernel may start while
+            the previous kernel of the stream finishes, issues its first weight loads, and
+            waits (``griddepcontrol.wait``) before it reads ``x`` or writes anything, so it
+            is safe after any kernel that does not write ``weight``. Default: on CUDA
+            devices of compute capability 9.0 and up.
 
     Returns:
         ``out``, or a new contiguous ``[M, N]`` tensor of x's dtype.
@@ -245,6 +279,7 @@ def skinny_linear(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} contiguous along N")
+    pdl = _supports_pdl(x.device) if pdl is None else pdl and _supports_pdl(x.device)
     locks = _device_locks(x.device)
     splits, k_per_split = plan.splits, plan.k_per_split
     if splits > 1 and (locks is None or plan.n_blocks > LOCK_SLOTS):
@@ -258,8 +293,8 @@ def skinny_linear(
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), splits, k_per_split,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=plan.block_m, USE_DOT=cfg.use_dot,
         USE_SPLIT=splits > 1, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 
@@ -325,6 +360,19 @@ def _device_locks(device: torch.device) -> torch.Tensor | None:
 
 
 @functools.cache
+def _cuda_capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _supports_pdl(device: torch.device) -> bool:
+    """Grid dependency control needs sm_90+ (the interpreter has none)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability_major(index) >= 9
+
+
+@functools.cache
 def _cuda_num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -350,7 +398,7 @@ if HAS_TRITON:
     def _fma_mainloop(
         x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-        EVEN_K: tl.constexpr,
+        EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         """Partial sums ``[BLOCK_N, BLOCK_M]`` (fp32) on CUDA cores, BLOCK_M <= 4.
 
@@ -371,6 +419,8 @@ if HAS_TRITON:
         x3 = x0 + tl.minimum(3, M - 1) * stride_xm
         ok = offs_k < K
         w = _load_tile(w_ptrs, ok, EVEN_K, "evict_first")
+        if USE_PDL:  # the weight is ours; x may still be being written by the previous kernel
+            tl.extra.cuda.gdc_wait()
         v0 = _load_tile(x0, ok, EVEN_K, "evict_last")
         v1 = _load_tile(x1, ok, EVEN_K, "evict_last")
         v2 = _load_tile(x2, ok, EVEN_K, "evict_last")
@@ -488,7 +538,7 @@ if HAS_TRITON:
         M, N, K, stride_xm, stride_wn, stride_om, splits, k_per_split,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
         USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         """``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``; grid ``(cdiv(N, BLOCK_N) * splits,)``.
 
@@ -500,7 +550,13 @@ if HAS_TRITON:
         pid_k = pid % splits
         k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
         num_tiles = tl.cdiv(tl.minimum(k_per_split, K - k_start), BLOCK_K)
+        if USE_PDL:
+            # Let the next kernel's programs take free slots as ours retire; it waits for
+            # our completion before it reads what we write.
+            tl.extra.cuda.gdc_launch_dependents()
         if USE_DOT:
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
             acc = _dot_mainloop(
                 x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
                 BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, DOT_PRECISION,
@@ -508,7 +564,7 @@ if HAS_TRITON:
         else:
             acc = _fma_mainloop(
                 x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
-                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K,
+                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, USE_PDL,
             )  # fmt: skip
         if USE_SPLIT:
             _split_k_combine(acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits,
