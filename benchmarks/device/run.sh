@@ -6,7 +6,7 @@
 # are tokenmill's server dependencies there, and its model folders are the M8/M135 configs.
 # Stages:
 #   gputests   pytest tests/gpu and the Triton/fused-kernel tests on CUDA; gputests_sampler
-#              the sampler's tests (their CUDA cases) and the engine's GPU tests
+#              the sampler tests (their CUDA cases), the engine and skinny-GEMM GPU tests
 #   attn       benchmarks/attention_bench.py (kernel timings); attn_rope the KV write with and
 #              without RoPE fused in; attn_chunk[_uniform] prompt-chunk tile sweeps (CHUNK
 #              tokens after 0..768 cached; _uniform as whole-step graphs launch them)
@@ -21,7 +21,8 @@
 #   mixedcurve  a mixed step's graph time against its tokens (CURVE_CASES="D,ctx,chunk,cached ...")
 #   mixedbench eager vs captured mixed (decode + prompt chunk) steps (mixed_step_bench.py);
 #              mixedbench_shared: only the batches whose decodes share a prefix (cascade)
-#   skinny skinny_sweep moe   kernel benchmarks: skinny GEMM vs cuBLAS, fused MoE vs torch
+#   skinny skinny_sweep moe   kernel benchmarks: skinny GEMM vs cuBLAS, fused MoE vs torch;
+#              skinny_pdl / skinny_sweep_pdl the same with programmatic dependent launches
 #   *_cublas   lat1/lat32/stepbench with TOKENMILL_SKINNY_GEMM=0 (cuBLAS for every product)
 #   diag_default diag_vllm diag_pace512 ...   serving with per-request detail, /metrics and
 #              step logs (LOADS="random prefix" picks the loads)
@@ -140,7 +141,7 @@ for st in "$@"; do
   case "$st" in
     gputests) PYTHONPATH="$XGP" stage gputests 360 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
     gputests_mixed) stage gputests_mixed 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "mixed_step_graphs or split_decode" -p no:cacheprovider --timeout 120 ;;
-    gputests_sampler) stage gputests_sampler 200 python3 -m pytest -q tests/worker/test_sampler.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 150 ;;
+    gputests_sampler) PYTHONPATH="$XGP" stage gputests_sampler 240 python3 -m pytest -q tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/gpu/test_engine_gpu.py tests/gpu/test_skinny_gemm_gpu.py -p no:cacheprovider --timeout 150 ;;
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
     gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
@@ -169,6 +170,8 @@ for st in "$@"; do
     lat1_cublas) TOKENMILL_SKINNY_GEMM=0 stage lat1_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_cublas.json"; addjson lat1_cublas "$LOGS/lat1_cublas.json" ;;
     lat32_cublas) TOKENMILL_SKINNY_GEMM=0 stage lat32_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32_cublas.json"; addjson lat32_cublas "$LOGS/lat32_cublas.json" ;;
     skinny)   stage skinny 200 python3 benchmarks/skinny_gemm_bench.py ;;
+    skinny_pdl) stage skinny_pdl 200 python3 benchmarks/skinny_gemm_bench.py --pdl --ms "${SWEEP_MS:-1,4,16}" --shapes qkv,o_proj,gate_up,down,lm_head ;;
+    skinny_sweep_pdl) stage skinny_sweep_pdl 400 python3 benchmarks/skinny_gemm_bench.py --pdl --sweep --fma-only --ms "${SWEEP_MS:-1}" --shapes ${SWEEP_SHAPES:-qkv,o_proj,down,gate_up} --rounds 2 ;;
     skinny_sweep) stage skinny_sweep 400 python3 benchmarks/skinny_gemm_bench.py --sweep --ms "${SWEEP_MS:-1}" --shapes qkv,o_proj,gate_up,down --rounds 1 ;;
     moe)      stage moe 150 python3 benchmarks/moe_bench.py ;;
     moetest)  stage moetest 150 python3 -m pytest -q tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider --timeout 120 ;;
@@ -196,6 +199,7 @@ for st in "$@"; do
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;
     vllm_tp_short) stage vllm_tp_short 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/vllm_tp_short.json"; addjson vllm_tp_short "$LOGS/vllm_tp_short.json" ;;
     vllm_tp_small) stage vllm_tp_small 300 vllm bench throughput --model "$M135" "${TPA[@]}" --random-input-len 256 --random-output-len 256 --num-prompts 2000 --output-json "$LOGS/vllm_tp_small.json"; addjson vllm_tp_small "$LOGS/vllm_tp_small.json" ;;
+    vllm_lat32) stage vllm_lat32 300 vllm bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/vllm_lat32.json"; addjson vllm_lat32 "$LOGS/vllm_lat32.json" ;;
     vllm_lat1) stage vllm_lat1 300 vllm bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/vllm_lat1.json"; addjson vllm_lat1 "$LOGS/vllm_lat1.json" ;;
     *) say "unknown stage $st" ;;
   esac

@@ -1,11 +1,12 @@
-"""GPU time of the sampler alone, against the softmax route it replaced.
+"""GPU time of the sampler alone: the fused Gumbel-max kernel against the torch routes.
 
 usage: python3 benchmarks/device/sampler_bench.py [VOCAB]
 For B rows of ``VOCAB`` (default 128,256, Llama-3's) bf16 logits: ``Sampler.forward`` at
-temperature 1 (the exponential race in log space) and greedy (the two-stage argmax), and
-the same draws by the earlier route (softmax, divide by the noise, one-stage argmax). Each
-case runs in a CUDA graph (as the decode graph's sampler would see it) and once eagerly.
-Prints ``SAMPLER`` lines in microseconds per call.
+temperature 1 and greedy through the fused kernel (``gumbel_sampling.py``), the same calls
+through the torch route (metadata without the kernel's fields: shift, scale, noise and
+argmax as separate kernels), top-p 0.9 through the fused route, and the softmax route
+(softmax, divide by the noise, one-stage argmax). Each case runs in a CUDA graph. Prints
+``SAMPLER`` lines in microseconds per call.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from tokenmill.worker.sampler import Sampler
 from tokenmill.worker.sampling_metadata import SamplingRow, build_sampling_metadata
 
 
-def _metadata(rows: int, vocab: int, temperature: float):
-    params = SamplingParams(temperature=temperature, max_tokens=16)
+def _metadata(rows: int, vocab: int, temperature: float, fused: bool = True, **kwargs):
+    params = SamplingParams(temperature=temperature, max_tokens=16, **kwargs)
     batch = [SamplingRow(params, [1, 2, 3], []) for _ in range(rows)]
-    return build_sampling_metadata(batch, vocab, torch.device("cuda"))
+    meta = build_sampling_metadata(batch, vocab, torch.device("cuda"))
+    if not fused:
+        meta.gumbel_seeds = meta.gumbel_temperature = None
+    return meta
 
 
 def _softmax_route(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -38,12 +42,17 @@ def main() -> None:
     for rows in (1, 8, 32, 256):
         logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
         random = _metadata(rows, vocab, 1.0)
+        random_torch = _metadata(rows, vocab, 1.0, fused=False)
+        top_p = _metadata(rows, vocab, 1.0, top_p=0.9)
         greedy = _metadata(rows, vocab, 0.0)
+        greedy_torch = _metadata(rows, vocab, 0.0, fused=False)
         cases = {
             "random": lambda x=logits, m=random: sampler(x, m),
+            "random_torch_route": lambda x=logits, m=random_torch: sampler(x, m),
             "random_softmax_route": lambda x=logits, m=random: _softmax_route(x, m.temperature),
+            "top_p_0.9": lambda x=logits, m=top_p: sampler(x, m),
             "greedy": lambda x=logits, m=greedy: sampler(x, m),
-            "greedy_one_stage": lambda x=logits: x.float().argmax(dim=-1),
+            "greedy_torch_route": lambda x=logits, m=greedy_torch: sampler(x, m),
         }
         for name, fn in cases.items():
             fn()

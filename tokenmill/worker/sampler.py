@@ -30,6 +30,13 @@ Order of operations:
 5. Seeds: a row with ``SamplingParams.seed`` draws its noise from a generator seeded by
    ``step_seed(seed, num_output_tokens)``; other rows share torch's default generator.
 6. Logprobs for the rows that asked (see ``LogprobsTensors``).
+
+On CUDA, steps 3-5 are one fused kernel (``gumbel_sampling.py``; ``SamplingMetadata``'s
+``gumbel_seeds`` is then set): the tokens that truncation drops are set to -inf in the
+processed logits, and every row, greedy ones included, is drawn by the Gumbel-max trick in
+float64, reading the logits in their own dtype when no processor ran. A seeded row keeps its
+per-step seed as the kernel's Philox key: its draws do not depend on the batch, but differ
+from those of the torch route (CPU, or ``TOKENMILL_FUSED_SAMPLER=0``).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.core.engine_io import LogprobsLists
+from tokenmill.worker.gumbel_sampling import gumbel_argmax
 from tokenmill.worker.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -147,6 +155,8 @@ class Sampler(torch.nn.Module):
         Returns:
             SamplerOutput with [B] int64 tokens and, if asked for, the raw logprobs.
         """
+        if metadata.gumbel_seeds is not None:
+            return self._forward_gumbel(logits, metadata)
         # Below, in-place steps only touch float32 copies made here, never the caller's
         # tensor: at max_num_seqs rows each [B, V] float32 copy is hundreds of MiB, and the
         # sampler's peak is part of the memory the KV cache must leave free.
@@ -172,16 +182,37 @@ class Sampler(torch.nn.Module):
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, logprobs)
 
-    def _sample_random(
+    def _forward_gumbel(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """``forward`` through the fused kernel: processors and truncation (when a row uses
+        them) turn tokens into -inf at the logits' own scale, then one draw per row.
+
+        A truncated row is drawn from its unscaled logits with the dropped tokens at -inf,
+        so a row that drops nothing gets exactly the draw it would get in a batch without
+        truncation: a seeded row's tokens do not depend on the rest of the batch.
+        """
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if _has_processors(metadata):
+            logits = apply_logits_processors(logits.float(), metadata)
+        if metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None:
+            copy = logits.dtype != torch.float32  # .float() made a new tensor: scale it in place
+            scaled = self._scaled_truncated(logits.float(), metadata, in_place=copy)
+            logits = logits.masked_fill(torch.isneginf(scaled), _NEG_INF)
+        sampled = gumbel_argmax(logits, metadata.gumbel_temperature, metadata.gumbel_seeds)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled, logprobs)
+
+    def _scaled_truncated(
         self, logits: torch.Tensor, metadata: SamplingMetadata, in_place: bool = False
     ) -> torch.Tensor:
-        """[B] int64 tokens drawn from the truncated, temperature-scaled distribution.
-
-        With ``in_place`` the float32 ``logits`` are scaled and then noised in place.
-        """
+        """[B, V] float32 ``(logits - row max) / temperature`` with the tokens min-p, top-k
+        and top-p drop at -inf; with ``in_place`` the float32 ``logits`` are overwritten."""
         # The row's maximum comes off first, as in a softmax: at temperature 1e-5, logits
         # near 30 scale to ~3e6, where float32 steps by 0.25 and the Gumbel noise added
-        # below would be rounded to that step (ties going to the lower token id).
+        # after would be rounded to that step (ties going to the lower token id).
         peak = wide_amax(logits)
         logits = logits.sub_(peak) if in_place else logits - peak
         logits = logits.div_(metadata.temperature[:, None])
@@ -191,6 +222,16 @@ class Sampler(torch.nn.Module):
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
         elif metadata.top_k is not None:
             logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
+        return logits
+
+    def _sample_random(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, in_place: bool = False
+    ) -> torch.Tensor:
+        """[B] int64 tokens drawn from the truncated, temperature-scaled distribution.
+
+        With ``in_place`` the float32 ``logits`` are scaled and then noised in place.
+        """
+        logits = self._scaled_truncated(logits, metadata, in_place)
         # ``logits`` is this method's own tensor by now (scaled in place on the caller's
         # float32 copy, or a new one), so the Gumbel noise is added in place.
         noise = self._exponential_noise(torch.empty_like(logits), metadata.seeds)
@@ -264,6 +305,17 @@ def wide_argmax(x: torch.Tensor, force: bool = False) -> torch.Tensor:
     chunk_max, chunk_arg = x.reshape(x.shape[0], chunks, width).max(dim=-1)
     best = chunk_max.argmax(dim=-1, keepdim=True)
     return (best * width + chunk_arg.gather(1, best)).squeeze(1)
+
+
+def _has_processors(metadata: SamplingMetadata) -> bool:
+    """Whether ``apply_logits_processors`` would change anything."""
+    return (
+        metadata.allowed_token_mask is not None
+        or metadata.logit_bias is not None
+        or metadata.banned_tokens is not None
+        or metadata.repetition_penalties is not None
+        or metadata.frequency_penalties is not None
+    )
 
 
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

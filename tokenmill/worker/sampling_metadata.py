@@ -14,7 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenmill import envs
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker import gumbel_sampling
+
+# Read once, as the other kernel switches.
+_FUSED_SAMPLER = envs.fused_sampler()
 
 _MASK64 = (1 << 64) - 1
 
@@ -66,6 +71,10 @@ class SamplingMetadata:
             and the grammar of structured outputs).
         seeds: row index -> seed of this step's noise, for rows with ``SamplingParams.seed``
             (already mixed with the number of output tokens, see ``step_seed``).
+        gumbel_temperature: [B] float32, 0 for greedy rows; with ``gumbel_seeds``, set when
+            the batch samples through ``gumbel_sampling.gumbel_argmax`` (on CUDA).
+        gumbel_seeds: [B] int64 Philox keys: ``seeds``' value for seeded rows, a fresh draw
+            from torch's default CPU generator for the others.
         num_logprobs: per row, the number of top logprobs asked for (``-1``: the whole
             vocabulary), or None when the row asked for none.
         max_num_logprobs: the K of the batch's logprobs tensors (``-1`` resolved to V), or None
@@ -89,6 +98,8 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     allowed_token_mask: torch.Tensor | None = None
     seeds: dict[int, int] | None = None
+    gumbel_temperature: torch.Tensor | None = None
+    gumbel_seeds: torch.Tensor | None = None
     num_logprobs: list[int | None] | None = None
     max_num_logprobs: int | None = None
 
@@ -151,7 +162,22 @@ def build_sampling_metadata(
         meta.max_num_logprobs = max(
             vocab_size if n == -1 else n for n in num_logprobs if n is not None
         )
+    if _FUSED_SAMPLER and device.type == "cuda" and gumbel_sampling.HAS_TRITON:
+        _add_gumbel(meta, params, greedy, device)
     return meta
+
+
+def _add_gumbel(
+    meta: SamplingMetadata, params: list[SamplingParams], greedy: list[bool], device: torch.device
+) -> None:
+    """The fused kernel's per-row temperature and Philox keys."""
+    keys = torch.randint(0, 2**62, (len(params),), dtype=torch.int64)
+    for row, seed in (meta.seeds or {}).items():
+        keys[row] = seed
+    meta.gumbel_seeds = keys.to(device)
+    meta.gumbel_temperature = _floats(
+        [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], device
+    )
 
 
 def _floats(values: list[float], device: torch.device) -> torch.Tensor:
