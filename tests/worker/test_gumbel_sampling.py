@@ -19,7 +19,8 @@ from tokenmill.worker.gumbel_sampling import chunk_plan, gumbel_argmax  # noqa: 
 from tokenmill.worker.sampler import Sampler  # noqa: E402
 from tokenmill.worker.sampling_metadata import (  # noqa: E402
     SamplingRow,
-    _add_gumbel,
+    add_gumbel_inputs,
+    build_plain_sampling_metadata,
     build_sampling_metadata,
 )
 
@@ -101,7 +102,8 @@ def _meta(params: list[SamplingParams]):
     rows = [SamplingRow(p, [1], []) for p in params]
     meta = build_sampling_metadata(rows, 12, torch.device(DEV))
     if meta.gumbel_seeds is None:
-        _add_gumbel(meta, params, [p.sampling_type_greedy for p in params], torch.device(DEV))
+        t = np.array([0.0 if p.sampling_type_greedy else p.temperature for p in params])
+        add_gumbel_inputs(meta, t, meta.seeds, torch.device(DEV))
     return meta
 
 
@@ -131,6 +133,19 @@ def test_sampler_truncation_and_processors_hold_on_the_fused_route():
     assert set(out[:, 1].tolist()) <= set((probs >= 0.5 * probs.max()).nonzero()[:, 0].tolist())
     assert set(out[:, 2].tolist()) <= {2, 6}
     assert set(out[:, 3].tolist()) == {10}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_plain_rows_take_the_fused_route():
+    """The model runner's numpy metadata for plain rows carries the kernel's fields too."""
+    meta = build_plain_sampling_metadata(
+        np.array([True, False, False]), np.array([0.0, 0.7, 1.2], np.float32),
+        np.zeros(3, np.int64), np.ones(3, np.float32), np.zeros(3, np.float32), 12,
+        torch.device("cuda"),
+    )  # fmt: skip
+    assert meta.gumbel_temperature.tolist() == pytest.approx([0.0, 0.7, 1.2])
+    assert meta.gumbel_seeds.shape == (3,)
+    assert meta.greedy_mask.tolist() == [True, False, False]
 
 
 def test_metadata_has_the_fused_fields_on_cuda_only():

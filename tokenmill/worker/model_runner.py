@@ -35,6 +35,7 @@ from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
 from tokenmill.worker.sampling_metadata import (
     SamplingMetadata,
     SamplingRow,
+    build_plain_sampling_metadata,
     build_sampling_metadata,
 )
 
@@ -559,30 +560,10 @@ class ModelRunner:
                     )
                 )
             return build_sampling_metadata(sampling_rows, self.vocab_size, self.device)
-        d, v = self.device, self.vocab_size
-        greedy = b.greedy[rows]
-        all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
-        temperature = np.where(greedy, np.float32(1.0), b.temperature[rows])
-        meta = SamplingMetadata(
-            temperature=torch.from_numpy(temperature).to(d, non_blocking=True),
-            all_greedy=all_greedy,
-            all_random=all_random,
-        )
-        if not (all_greedy or all_random):
-            meta.greedy_mask = torch.from_numpy(greedy).to(d, non_blocking=True)
-        if not all_greedy:
-            top_k = b.top_k[rows]
-            top_k = np.where((top_k <= 0) | (top_k >= v), v, top_k)
-            if (top_k < v).any():
-                meta.top_k = torch.from_numpy(top_k).to(d, non_blocking=True)
-                meta.max_top_k = int(top_k.max())
-            top_p = b.top_p[rows]
-            if (top_p < 1.0).any():
-                meta.top_p = torch.from_numpy(top_p).to(d, non_blocking=True)
-            min_p = b.min_p[rows]
-            if (min_p > 0.0).any():
-                meta.min_p = torch.from_numpy(min_p).to(d, non_blocking=True)
-        return meta
+        return build_plain_sampling_metadata(
+            b.greedy[rows], b.temperature[rows], b.top_k[rows], b.top_p[rows], b.min_p[rows],
+            self.vocab_size, self.device,
+        )  # fmt: skip
 
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden: torch.Tensor

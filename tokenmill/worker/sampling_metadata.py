@@ -162,22 +162,82 @@ def build_sampling_metadata(
         meta.max_num_logprobs = max(
             vocab_size if n == -1 else n for n in num_logprobs if n is not None
         )
-    if _FUSED_SAMPLER and device.type == "cuda" and gumbel_sampling.HAS_TRITON:
-        _add_gumbel(meta, params, greedy, device)
+    if uses_fused_sampler(device):
+        pairs = zip(params, greedy, strict=True)
+        temperature = np.array([0.0 if g else p.temperature for p, g in pairs])
+        add_gumbel_inputs(meta, temperature, meta.seeds, device)
     return meta
 
 
-def _add_gumbel(
-    meta: SamplingMetadata, params: list[SamplingParams], greedy: list[bool], device: torch.device
-) -> None:
-    """The fused kernel's per-row temperature and Philox keys."""
-    keys = torch.randint(0, 2**62, (len(params),), dtype=torch.int64)
-    for row, seed in (meta.seeds or {}).items():
-        keys[row] = seed
-    meta.gumbel_seeds = keys.to(device)
-    meta.gumbel_temperature = _floats(
-        [0.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)], device
+def build_plain_sampling_metadata(
+    greedy: np.ndarray,
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    min_p: np.ndarray,
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingMetadata:
+    """``build_sampling_metadata`` for rows that use temperature, top-k, top-p and min-p
+    only, from per-row numpy arrays (one gather each, no per-row Python).
+
+    Args:
+        greedy: [B] bool; temperature, top_p, min_p: [B] float32; top_k: [B] int64, values
+            <= 0 or >= ``vocab_size`` meaning no top-k.
+    """
+    d, v = device, vocab_size
+    all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
+    meta = SamplingMetadata(
+        temperature=_device(np.where(greedy, np.float32(1.0), temperature), d),
+        all_greedy=all_greedy,
+        all_random=all_random,
     )
+    if not (all_greedy or all_random):
+        meta.greedy_mask = _device(greedy, d)
+    if not all_greedy:
+        top_k = np.where((top_k <= 0) | (top_k >= v), v, top_k)
+        if (top_k < v).any():
+            meta.top_k = _device(top_k, d)
+            meta.max_top_k = int(top_k.max())
+        if (top_p < 1.0).any():
+            meta.top_p = _device(top_p, d)
+        if (min_p > 0.0).any():
+            meta.min_p = _device(min_p, d)
+    if uses_fused_sampler(d):
+        add_gumbel_inputs(meta, np.where(greedy, 0.0, temperature), None, d)
+    return meta
+
+
+def _device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    # Non-blocking from pageable memory: the driver stages the bytes before it returns, and
+    # the plain (async) path must not wait for the GPU here.
+    return torch.from_numpy(values).to(device, non_blocking=True)
+
+
+def uses_fused_sampler(device: torch.device) -> bool:
+    """Whether batches on ``device`` sample through ``gumbel_sampling.gumbel_argmax``: on
+    CUDA with Triton, unless ``TOKENMILL_FUSED_SAMPLER=0``."""
+    return _FUSED_SAMPLER and device.type == "cuda" and gumbel_sampling.HAS_TRITON
+
+
+def add_gumbel_inputs(
+    meta: SamplingMetadata,
+    temperature: np.ndarray,
+    seeds: dict[int, int] | None,
+    device: torch.device,
+) -> None:
+    """Set the fused kernel's fields of ``meta``.
+
+    Args:
+        temperature: [B] per-row temperature, 0 for greedy rows.
+        seeds: row -> this step's seed (``step_seed``) for seeded rows; the other rows get
+            fresh keys from torch's default CPU generator.
+    """
+    keys = torch.randint(0, 2**62, (len(temperature),), dtype=torch.int64)
+    for row, seed in (seeds or {}).items():
+        keys[row] = seed
+    meta.gumbel_seeds = keys.to(device, non_blocking=True)  # staged, as in _device
+    meta.gumbel_temperature = _device(temperature.astype(np.float32), device)
 
 
 def _floats(values: list[float], device: torch.device) -> torch.Tensor:
