@@ -5,7 +5,8 @@
 # scripts in .carry/peer-vllm/tools: the bundle's wheels (fastapi, uvicorn, pyzmq, msgspec)
 # are tokenmill's server dependencies there, and its model folders are the M8/M135 configs.
 # Stages:
-#   gputests   pytest tests/gpu and the Triton/fused-kernel tests on CUDA; gputests_sampler
+#   gputests   pytest tests/gpu and the Triton/fused-kernel tests on CUDA; gputests_all also
+#              the skinny-GEMM and sampler tests' CUDA cases; gputests_sampler
 #              the sampler tests (their CUDA cases), the engine and skinny-GEMM GPU tests
 #   attn       benchmarks/attention_bench.py (kernel timings); attn_rope the KV write with and
 #              without RoPE fused in; attn_chunk[_uniform] prompt-chunk tile sweeps (CHUNK
@@ -140,6 +141,7 @@ TPA=(--load-format dummy --dataset-name random)
 for st in "$@"; do
   case "$st" in
     gputests) PYTHONPATH="$XGP" stage gputests 360 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
+    gputests_all) PYTHONPATH="$XGP" stage gputests_all 330 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py tests/model/test_skinny_gemm.py tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_mixed) stage gputests_mixed 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "mixed_step_graphs or split_decode" -p no:cacheprovider --timeout 120 ;;
     gputests_sampler) PYTHONPATH="$XGP" stage gputests_sampler 240 python3 -m pytest -q tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/gpu/test_engine_gpu.py tests/gpu/test_skinny_gemm_gpu.py -p no:cacheprovider --timeout 150 ;;
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
