@@ -55,18 +55,23 @@ def log_step_stats() -> bool:
 
 def skinny_gemm() -> str:
     """TOKENMILL_SKINNY_GEMM: which linear layers of decode-sized batches (<= 32 rows) on
-    CUDA run the split-K Triton kernel instead of cuBLAS. ``auto`` (default): the shapes
-    with a configuration measured faster than cuBLAS on this GPU model
-    (``skinny_gemm.TUNED_CONFIGS``: batch-1 decode of Llama-3.1-8B on an H200, see
-    benchmarks/RESULTS.md); ``1``: every eligible shape; ``0``: none.
+    CUDA run the split-K Triton kernel instead of cuBLAS, as ``"auto"``, ``"0"`` or ``"1"``.
+    ``auto`` (default, also when empty): the shapes with a configuration measured faster
+    than cuBLAS on this GPU model (``skinny_gemm.TUNED_CONFIGS``: batch-1 decode of
+    Llama-3.1-8B on an H200, see benchmarks/RESULTS.md); ``1`` (or true/yes/on): every
+    eligible shape; ``0`` (or false/no/off): none.
 
     Raises:
         ValueError: any other value.
     """
-    value = os.environ.get("TOKENMILL_SKINNY_GEMM", "auto").strip().lower() or "auto"
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"TOKENMILL_SKINNY_GEMM must be auto, 0 or 1, got {value!r}")
-    return value
+    value = os.environ.get("TOKENMILL_SKINNY_GEMM", "").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("1", "true", "yes", "on"):
+        return "1"
+    if value in ("0", "false", "no", "off"):
+        return "0"
+    raise ValueError(f"TOKENMILL_SKINNY_GEMM must be auto, 0 or 1, got {value!r}")
 
 
 def fused_sampler() -> bool:

@@ -209,7 +209,8 @@ def test_has_tuned_config_only_on_the_gpu_it_was_measured_on():
 
 
 @pytest.mark.parametrize("value,expected", [(None, "auto"), ("", "auto"), ("AUTO", "auto"),
-                                            ("0", "0"), ("1", "1")])  # fmt: skip
+                                            ("0", "0"), ("off", "0"), ("1", "1"),
+                                            ("true", "1")])  # fmt: skip
 def test_skinny_gemm_setting(monkeypatch, value, expected):
     from tokenmill import envs
 
@@ -223,7 +224,7 @@ def test_skinny_gemm_setting(monkeypatch, value, expected):
 def test_skinny_gemm_setting_rejects_other_values(monkeypatch):
     from tokenmill import envs
 
-    monkeypatch.setenv("TOKENMILL_SKINNY_GEMM", "yes")
+    monkeypatch.setenv("TOKENMILL_SKINNY_GEMM", "fast")
     with pytest.raises(ValueError, match="auto, 0 or 1"):
         envs.skinny_gemm()
 

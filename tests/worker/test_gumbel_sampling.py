@@ -91,6 +91,15 @@ def test_two_equal_top_tokens_are_a_fair_coin_at_a_tiny_temperature():
     assert stats.binomtest(int((got == 3).sum()), DRAWS, 0.5).pvalue > 1e-3
 
 
+def test_a_row_with_one_allowed_token_draws_it_whatever_the_noise():
+    # These keys put a draw within 128 of 2**32 on column 1, where 1 - v in float32 is 0:
+    # the noise must stay finite, or the row's only finite column would lose to column 0.
+    keys = torch.tensor([2472697, 38904183, 113483383, 12345])
+    x = torch.full((4, 8), float("-inf"))
+    x[:, 1] = 5.0
+    assert _draw(x, 1.0, keys).tolist() == [1, 1, 1, 1]
+
+
 def test_masked_tokens_are_never_drawn():
     logits = LOGITS.expand(DRAWS // 4, -1).clone()
     logits[:, ::2] = float("-inf")

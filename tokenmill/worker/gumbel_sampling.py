@@ -18,12 +18,15 @@ Precision: the score is formed in float64. In float32, ``l + t * g`` at ``t = 1e
 ``l ~ 30`` would round the noise to a few units in the last place (ties, then the lower id
 wins); no row maximum is needed first, so each row's chunks run in parallel.
 
-Noise: each row has its own 64-bit Philox key (``seeds``), and element ``i`` of the row uses
-counter ``i // 4``'s ``i % 4``-th output (within blocks of ``4 * QUARTER`` columns), so a
-row's draw depends only on its key and its logits, not on the batch around it.
+Noise: each row has its own 64-bit Philox key (``seeds``). Column ``i`` of a row uses output
+``(i % BLOCK) // QUARTER`` of counter ``QUARTER * (i // BLOCK) + i % QUARTER``, whatever
+the chunking, so a row's draw depends only on its key and its logits, not on the batch
+around it. NaN logits never win (``torch.argmax`` would pick them).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -43,11 +46,14 @@ BLOCK = 4 * QUARTER
 # Programs to aim for across the batch (~4 per SM of an H200), so that few rows still fill
 # the chip; every program covers at least one BLOCK.
 TARGET_PROGRAMS = 528
+# Chunks per row never exceed TARGET_PROGRAMS: the reduction's one block size, so that a
+# batch size never compiles a new variant in the middle of serving.
+MAX_CHUNKS = 1024
 
 
 def chunk_plan(rows: int, vocab: int) -> tuple[int, int]:
-    """``(chunks, chunk_cols)``: each row is cut into ``chunks`` slices of ``chunk_cols``
-    columns (a multiple of ``BLOCK``; the last slice may be shorter)."""
+    """``(chunks, chunk_cols)``: each row is cut into ``chunks <= TARGET_PROGRAMS`` slices of
+    ``chunk_cols`` columns (a multiple of ``BLOCK``; the last slice may be shorter)."""
     want = max(1, min(cdiv(TARGET_PROGRAMS, rows), cdiv(vocab, BLOCK)))
     chunk_cols = cdiv(cdiv(vocab, want), BLOCK) * BLOCK
     return cdiv(vocab, chunk_cols), chunk_cols
@@ -73,6 +79,8 @@ def gumbel_argmax(
     """
     if not HAS_TRITON:
         raise ValueError("gumbel_argmax needs Triton")
+    if not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("gumbel_argmax runs on CUDA tensors (or under TRITON_INTERPRET=1)")
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [B, V] and contiguous along V, got {tuple(logits.shape)}")
     rows, vocab = logits.shape
@@ -88,7 +96,7 @@ def gumbel_argmax(
         chunks, QUARTER=QUARTER, num_warps=4,
     )  # fmt: skip
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _reduce_kernel[(rows,)](best, best_idx, out, chunks, CHUNKS_P=triton.next_power_of_2(chunks))
+    _reduce_kernel[(rows,)](best, best_idx, out, chunks, CHUNKS_P=MAX_CHUNKS)
     return out
 
 
@@ -98,13 +106,15 @@ if HAS_TRITON:
     def _gumbel(x):
         """Gumbel noise ``-log E`` from uint32 draws ``x``, with ``E = -log(1 - v) ~ Exp(1)``
         and ``v = (x + 1/2) / 2**32``. The winning columns are those with the smallest E,
-        where ``-log(u)`` of a float32 ``u`` near 1 would keep only a few significant bits
-        (and round to 0, an infinite score, at ``u = 1``); E is taken from ``v`` instead, by
-        ``v + v**2/2 + v**3/3`` below 2**-7 (relative error < 2**-23) and ``-log(1 - v)``
-        above."""
+        where ``-log(u)`` of a float32 ``u`` near 1 would keep only a few significant bits;
+        E comes from ``v`` instead: ``v + v**2/2 + v**3/3`` below 2**-7 (relative error
+        < 2**-23), and above it ``-log(w)`` with ``w = 1 - v`` formed from the complement
+        ``2**32 - 1 - x``, exact and never 0 (``1 - v`` in float32 would round to 0 for the top 128
+        draws, an infinite E and a column that could never win, even a row's only one)."""
         v = (x.to(tl.float32) + 0.5) * 2.3283064365386963e-10
-        e = tl.where(v < 0.0078125, v + v * v * (0.5 + v * 0.3333333333333333), -tl.log(1.0 - v))
-        return -tl.log(e)  # -inf where v rounds to 1: that column never wins
+        w = ((4294967295 - x.to(tl.int64)).to(tl.float32) + 0.5) * 2.3283064365386963e-10
+        e = tl.where(v < 0.0078125, v + v * v * (0.5 + v * 0.3333333333333333), -tl.log(w))
+        return -tl.log(e)
 
     @triton.jit
     def _score(logit, x, t):
@@ -122,7 +132,7 @@ if HAS_TRITON:
         better = s > best
         return tl.where(better, s, best), tl.where(better, col, best_col)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["chunks"])
     def _chunk_kernel(
         logits_ptr, temp_ptr, seed_ptr, best_ptr, best_idx_ptr,
         vocab, stride_row, chunk_cols, chunks, QUARTER: tl.constexpr,
@@ -164,7 +174,7 @@ if HAS_TRITON:
         tl.store(best_ptr + row * chunks + chunk, top)
         tl.store(best_idx_ptr + row * chunks + chunk, col)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["chunks"])
     def _reduce_kernel(best_ptr, best_idx_ptr, out_ptr, chunks, CHUNKS_P: tl.constexpr):
         """Grid ``(B,)``: the row's winner over its chunks (ties: the lowest chunk)."""
         row = tl.program_id(0)

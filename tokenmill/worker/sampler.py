@@ -193,12 +193,17 @@ class Sampler(torch.nn.Module):
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        owned = False  # whether ``logits`` is a tensor of this method's own
         if _has_processors(metadata):
-            logits = apply_logits_processors(logits.float(), metadata)
+            logits, owned = apply_logits_processors(logits.float(), metadata), True
         if metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None:
-            copy = logits.dtype != torch.float32  # .float() made a new tensor: scale it in place
-            scaled = self._scaled_truncated(logits.float(), metadata, in_place=copy)
-            logits = logits.masked_fill(torch.isneginf(scaled), _NEG_INF)
+            copy = logits.dtype != torch.float32  # .float() makes a new tensor: scale it in place
+            dropped = torch.isneginf(self._scaled_truncated(logits.float(), metadata, copy))
+            logits = (
+                logits.masked_fill_(dropped, _NEG_INF)
+                if owned
+                else logits.masked_fill(dropped, _NEG_INF)
+            )
         sampled = gumbel_argmax(logits, metadata.gumbel_temperature, metadata.gumbel_seeds)
         logprobs = None
         if raw_logprobs is not None:

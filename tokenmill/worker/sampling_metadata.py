@@ -209,8 +209,9 @@ def build_plain_sampling_metadata(
 
 
 def _device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    # Non-blocking from pageable memory: the driver stages the bytes before it returns, and
-    # the plain (async) path must not wait for the GPU here.
+    # NOTE: non-blocking from pageable memory: the driver copies the bytes to its staging
+    # memory before it returns, and may wait for the stream first (CUDA's "API
+    # synchronization behavior"); the runner's pinned buffers would rule that out.
     return torch.from_numpy(values).to(device, non_blocking=True)
 
 
@@ -233,10 +234,15 @@ def add_gumbel_inputs(
         seeds: row -> this step's seed (``step_seed``) for seeded rows; the other rows get
             fresh keys from torch's default CPU generator.
     """
-    keys = torch.randint(0, 2**62, (len(temperature),), dtype=torch.int64)
+    rows = len(temperature)
+    if meta.all_greedy:  # no noise: nothing to copy from the host
+        meta.gumbel_seeds = torch.zeros(rows, dtype=torch.int64, device=device)
+        meta.gumbel_temperature = torch.zeros(rows, dtype=torch.float32, device=device)
+        return
+    keys = torch.randint(0, 2**62, (rows,), dtype=torch.int64).numpy()
     for row, seed in (seeds or {}).items():
         keys[row] = seed
-    meta.gumbel_seeds = keys.to(device, non_blocking=True)  # staged, as in _device
+    meta.gumbel_seeds = _device(keys, device)
     meta.gumbel_temperature = _device(temperature.astype(np.float32), device)
 
 

@@ -15,7 +15,8 @@ import torch
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.layers.attention import bind_kv_caches, unbind_kv_caches
 from tokenmill.worker.cascade import CASCADE_MIN_DECODES, CASCADE_MIN_PREFIX_TOKENS
-from tokenmill.worker.sampling_metadata import SamplingMetadata
+from tokenmill.worker.gumbel_sampling import gumbel_argmax
+from tokenmill.worker.sampling_metadata import SamplingMetadata, uses_fused_sampler
 
 if TYPE_CHECKING:
     from tokenmill.worker.model_runner import ModelRunner
@@ -90,6 +91,21 @@ def profile_run(runner: ModelRunner) -> int:
         unbind_kv_caches(runner.model)
         if saved:
             bind_kv_caches(runner.model, saved)
+
+
+@torch.inference_mode()
+def warm_up_sampler(runner: ModelRunner) -> None:
+    """Compile the fused sampling kernels for the logits' two dtypes (the model's, and
+    float32 after logits processors); their other arguments are not specialised, so no
+    batch size compiles another variant later. CUDA with the fused sampler only."""
+    if not uses_fused_sampler(runner.device):
+        return
+    rows = 1
+    for dtype in {runner.dtype, torch.float32}:
+        logits = torch.zeros(rows, runner.vocab_size, dtype=dtype, device=runner.device)
+        t = torch.ones(rows, dtype=torch.float32, device=runner.device)
+        gumbel_argmax(logits, t, torch.zeros(rows, dtype=torch.int64, device=runner.device))
+    torch.cuda.synchronize(runner.device)
 
 
 @torch.inference_mode()

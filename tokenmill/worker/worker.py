@@ -12,7 +12,7 @@ from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.worker.host_memory import GiB, check_host_memory
 from tokenmill.worker.model_runner import ModelRunner
-from tokenmill.worker.start_up_passes import profile_run, warm_up_attention
+from tokenmill.worker.start_up_passes import profile_run, warm_up_attention, warm_up_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ class Worker:
         graphs)."""
         assert self.model_runner is not None
         warm_up_attention(self.model_runner)
+        warm_up_sampler(self.model_runner)
         capture = getattr(self.model_runner, "capture_cuda_graphs", None)
         if capture is not None and not self.config.enforce_eager:
             capture()

@@ -97,6 +97,8 @@ PARTIAL_TRAFFIC_BUDGET = 0.1
 LOCK_SLOTS = 1 << 14
 # SMs of an H200; used when tensors are not on CUDA (interpreter) and to key TUNED_CONFIGS.
 DEFAULT_NUM_SMS = 132
+# The GPU TUNED_CONFIGS was measured on (a substring of torch.cuda.get_device_name()).
+TUNED_GPU = "H200"
 
 
 @dataclass(frozen=True)
@@ -184,12 +186,23 @@ def launch_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> Ski
 
 def has_tuned_config(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``TUNED_CONFIGS`` holds a configuration for ``x [M, K] @ weight[N, K]^T`` on
-    x's device (CUDA with ``DEFAULT_NUM_SMS`` multiprocessors, the GPU it was measured on)."""
+    x's device: an H200 (``TUNED_GPU`` in its name, ``DEFAULT_NUM_SMS`` multiprocessors), the
+    GPU the table was measured on."""
     return (
         x.is_cuda
-        and _num_sms(x.device) == DEFAULT_NUM_SMS
+        and _is_tuned_gpu(x.device)
         and (m_bucket(x.shape[0]), weight.shape[0], weight.shape[1]) in TUNED_CONFIGS
     )
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _is_tuned_gpu(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return TUNED_GPU in _cuda_name(index) and _num_sms(device) == DEFAULT_NUM_SMS
 
 
 def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
