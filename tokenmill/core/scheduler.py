@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenmill.core.admission import AdmissionHeadroom
@@ -29,9 +28,10 @@ from tokenmill.core.engine_io import (
 )
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.prefill_pacing import PrefillPacing, is_prefilling
+from tokenmill.core.prefill_pacing import PrefillPacing
 from tokenmill.core.request_queue import create_request_queue
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.core.step_plan import StepPlan
 from tokenmill.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -39,56 +39,6 @@ if TYPE_CHECKING:
     from tokenmill.config import CacheConfig, SchedulerConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _StepPlan:
-    """What one ``schedule()`` call has decided so far."""
-
-    token_budget: int
-    # Prompt tokens this step may still compute, a limit on top of the token budget
-    # (None: no such limit); see tokenmill.core.prefill_pacing.
-    prefill_budget: int | None = None
-    # request id -> tokens this step; insertion order is the batch order.
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    # Running requests scheduled again, with the block ids they gained this step.
-    running_reqs: list[Request] = field(default_factory=list)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-    # Requests the worker has not seen (first time, or resumed after preemption).
-    new_reqs: list[Request] = field(default_factory=list)
-    preempted_ids: set[str] = field(default_factory=set)
-
-    def add_running(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
-        self.running_reqs.append(request)
-        self.new_block_ids[request.request_id] = new_block_ids
-        self._add(request, num_tokens)
-
-    def add_new(self, request: Request, num_tokens: int) -> None:
-        self.new_reqs.append(request)
-        self._add(request, num_tokens)
-
-    def budget_for(self, request: Request) -> int:
-        """Tokens ``request`` may get this step: prompt tokens also count against the
-        prefill allowance."""
-        if self.prefill_budget is not None and is_prefilling(request):
-            return min(self.token_budget, self.prefill_budget)
-        return self.token_budget
-
-    def unschedule(self, request: Request) -> None:
-        """Undo a running request's part of this step (it is being preempted)."""
-        num_tokens = self.num_scheduled_tokens.pop(request.request_id)
-        self.token_budget += num_tokens
-        if self.prefill_budget is not None and is_prefilling(request):
-            self.prefill_budget += num_tokens
-        self.running_reqs.remove(request)
-        del self.new_block_ids[request.request_id]
-
-    def _add(self, request: Request, num_tokens: int) -> None:
-        assert num_tokens > 0 and request.request_id not in self.num_scheduled_tokens
-        self.num_scheduled_tokens[request.request_id] = num_tokens
-        self.token_budget -= num_tokens
-        if self.prefill_budget is not None and is_prefilling(request):
-            self.prefill_budget -= num_tokens
 
 
 class Scheduler:
@@ -302,7 +252,7 @@ class Scheduler:
         Returns:
             The step's SchedulerOutput (possibly empty, carrying only finished ids).
         """
-        plan = _StepPlan(
+        plan = StepPlan(
             token_budget=self.max_num_batched_tokens,
             prefill_budget=(
                 None
@@ -315,7 +265,7 @@ class Scheduler:
             self._schedule_waiting(plan)
         return self._make_output(plan)
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         for request in list(self.running):
             if plan.token_budget <= 0:
                 break
@@ -342,7 +292,7 @@ class Scheduler:
         return num_tokens >= self.max_context_len
 
     def _allocate_or_preempt(
-        self, request: Request, num_new_tokens: int, plan: _StepPlan
+        self, request: Request, num_new_tokens: int, plan: StepPlan
     ) -> list[int] | None:
         """Allocate blocks for a running request, preempting others until it fits.
 
@@ -366,7 +316,7 @@ class Scheduler:
             return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Preempt by recompute: drop all of the request's KV and queue it again."""
         self.running.remove(request)
         if request.request_id in plan.num_scheduled_tokens:
@@ -385,7 +335,7 @@ class Scheduler:
         self.waiting.prepend_request(request)
         plan.preempted_ids.add(request.request_id)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
         reserved: int | None = None  # headroom for the running requests, once computed
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
@@ -441,7 +391,7 @@ class Scheduler:
             return 0
         return max(0, min(num_new, self.max_model_len - num_computed))
 
-    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         kv = self.kv_cache_manager
         new_reqs = [
             NewRequestData(
