@@ -131,3 +131,13 @@ def test_rotary_and_cache_bf16_matches_the_two_kernels():
     reshape_and_cache(k2, v2, caches[1], slots.to(DEV), 20)
     assert torch.equal(q1, q2)
     torch.testing.assert_close(caches[0], caches[1], rtol=2**-7, atol=2**-7)
+
+
+def test_dependent_launches_stay_off_where_they_cannot_run(monkeypatch):
+    """CPU tensors (and Triton's interpreter) never get grid dependency control, whatever
+    TOKENMILL_PDL says; the kernels then take USE_PDL=False."""
+    from tokenmill.model.layers import pdl
+
+    monkeypatch.setattr(pdl, "_ENABLED", True)
+    assert not pdl.enabled(torch.device("cpu"))
+    assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": False}

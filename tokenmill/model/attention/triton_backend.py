@@ -94,6 +94,7 @@ from tokenmill.model.attention.triton_launch import (  # noqa: F401 (patched and
     varlen_tile_config,
 )
 from tokenmill.model.host_ints import cdiv, next_power_of_2
+from tokenmill.model.layers import pdl
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
@@ -387,6 +388,7 @@ class TritonAttentionImpl(AttentionImpl):
                 "num_splits": num_splits, "stride_ot": out.stride(0),
                 "GROUP_P": _pow2(args["GROUP"], 16), "BLOCK_N": cfg.block_n,
                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **strides, **args,
+                **pdl.launch_options(query.device),
             },  # fmt: skip
         )
         if prefix_len:
@@ -402,8 +404,9 @@ class TritonAttentionImpl(AttentionImpl):
         if total_splits > 1 and not merge_splits:
             launch.reduce_grid = (plan.num_decodes, self.num_heads)
             launch.reduce_kwargs = {
-                "req_offset": 0, **self._reduce_args(out, workspace, total_splits, MAX_SPLITS)
-            }
+                "req_offset": 0, **self._reduce_args(out, workspace, total_splits, MAX_SPLITS),
+                **pdl.launch_options(query.device),
+            }  # fmt: skip
         return launch
 
     def _varlen(

@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tokenmill.model.layers.pdl import wait_for_prior_grid
+
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 # NOTE: the running maximum starts finite so that rows whose keys are all masked so far give
 # exp2(-inf - (-1e30)) = 0 instead of exp2(-inf + inf) = NaN.
@@ -154,6 +156,7 @@ def decode_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Flash-decoding: program (request, KV head, split) attends one query token's
     ``GROUP`` heads over its split of the context's keys from ``kv_start`` on.
@@ -169,6 +172,7 @@ def decode_attention_kernel(
     and 1) for ``decode_reduce_kernel``. A request with ``seq_len == 0`` (padding) yields
     zeros; one whose query length is not 1 is left alone.
     """
+    wait_for_prior_grid(USE_PDL)
     r = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -275,8 +279,10 @@ def decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     D_P: tl.constexpr,
     S_P: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (request, head): merge a decode token's splits into its output row."""
+    wait_for_prior_grid(USE_PDL)
     r = tl.program_id(0)
     req = req_offset + r
     q_start = tl.load(query_start_loc_ptr + req)

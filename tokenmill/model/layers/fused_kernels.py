@@ -13,10 +13,13 @@ from __future__ import annotations
 import torch
 
 from tokenmill.model.host_ints import cdiv, next_power_of_2
+from tokenmill.model.layers import pdl
 
 try:
     import triton
     import triton.language as tl
+
+    from tokenmill.model.layers.pdl import wait_for_prior_grid
 
     HAS_TRITON = True
 except ImportError:  # CPU-only installs
@@ -34,8 +37,9 @@ if HAS_TRITON:
     def _rms_norm_kernel(
         x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
         n_cols, x_stride, res_stride, out_stride, eps, offset,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
     ):
+        wait_for_prior_grid(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -53,7 +57,10 @@ if HAS_TRITON:
         tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(
+        x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+    ):
+        wait_for_prior_grid(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < d
@@ -115,10 +122,12 @@ if HAS_TRITON:
         num_q_heads, num_k_heads, head_dim,
         HALF: tl.constexpr, NEOX: tl.constexpr, Q_HEADS: tl.constexpr,
         K_HEADS: tl.constexpr, D_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):
         # One program per token: rotate its query heads in place, then write its rotated
         # key and its value straight into the cache slot (the rotated key is not written
         # back to ``k``: only the cache reads it).
+        wait_for_prior_grid(USE_PDL)
         token = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + token).to(tl.int64)
         cs_row = cos_sin_ptr + pos * cos_sin_stride
@@ -191,7 +200,8 @@ def rms_norm(
             x2, res, weight, out, res_out, n_cols, x2.stride(0), res.stride(0), out.stride(0),
             eps, offset, HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(n_cols),
             num_warps=min(16, max(1, next_power_of_2(n_cols) // 256)),
-        )
+            **pdl.launch_options(x.device),
+        )  # fmt: skip
     if residual is None:
         return out.view_as(x)
     return out.view_as(x), res_out.view_as(x)
@@ -205,7 +215,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = 1024
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], cdiv(d, block))](
-            x2, out, d, x2.stride(0), out.stride(0), BLOCK=block
+            x2, out, d, x2.stride(0), out.stride(0), BLOCK=block, **pdl.launch_options(x.device)
         )
     return out.view(*x.shape[:-1], d)
 
@@ -284,5 +294,5 @@ def rotary_and_cache(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_q, num_kv_heads, head_dim, HALF=half, NEOX=is_neox_style,
         Q_HEADS=next_power_of_2(num_q), K_HEADS=next_power_of_2(num_kv_heads),
-        D_P=next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        D_P=next_power_of_2(head_dim), BLOCK_SIZE=block_size, **pdl.launch_options(q.device),
     )  # fmt: skip

@@ -1,0 +1,70 @@
+"""Programmatic dependent launches (PDL) for the Triton kernels of a step.
+
+A kernel launched this way may be scheduled while the previous kernel of its stream is
+still running; it waits for that kernel's completion and memory flush (PTX
+``griddepcontrol.wait``) before it touches anything, and lets the next launch be scheduled
+early (``griddepcontrol.launch_dependents``). In a chain of small kernels, as a batch-1
+decode step is (about ten per layer, 1-5 us each), this hides each launch's latency behind
+the previous kernel. CUDA Programming Guide, "Programmatic Dependent Launch and
+Synchronization"; sm_90 and up.
+
+Because every such kernel waits before its first load or store, the chain keeps stream
+order: a kernel that completed implies its predecessor completed. Kernels launched without
+PDL (cuBLAS, torch) simply start after their predecessor, as always.
+
+``TOKENMILL_PDL=1`` turns it on for the normalisation, activation, rotary/KV-write and
+decode-attention kernels (off by default until measured on the GPU; the skinny GEMM's own
+dependent launches are on regardless, see ``skinny_gemm.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tokenmill import envs
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs
+    HAS_TRITON = False
+
+# Read once: graphs captured at start must match the eager steps.
+_ENABLED = envs.pdl()
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch as dependent launches: ``TOKENMILL_PDL=1`` and a
+    CUDA device of compute capability 9.0 or more (never under Triton's interpreter)."""
+    if not (_ENABLED and HAS_TRITON and device.type == "cuda"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability_major(index) >= 9
+
+
+def launch_options(device: torch.device) -> dict[str, bool]:
+    """Keyword arguments for a Triton launch on ``device``: the kernel's ``USE_PDL``
+    constexpr and, when on, Triton's ``launch_pdl`` launch option."""
+    if enabled(device):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def wait_for_prior_grid(USE_PDL: tl.constexpr):
+        """The first statement of a kernel that may be a dependent launch: let the next
+        launch be scheduled, then wait for the previous kernel's results."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
