@@ -240,3 +240,26 @@ def test_content_parts_and_system_message(default_server):
     )
     assert result.status_code == 200, result.text
     assert result.json()["choices"][0]["message"]["content"]
+
+
+def test_chat_prompt_logprobs_and_best_of(default_server):
+    """vLLM's chat extras: prompt_logprobs at the response's top level (one entry per
+    rendered prompt token, the first None) and best_of; neither with stream."""
+    body = {"messages": PARIS, "temperature": 0, "max_tokens": 2, "prompt_logprobs": 1}
+    result = default_server.post("/v1/chat/completions", body).json()
+    entries = result["prompt_logprobs"]
+    assert len(entries) == result["usage"]["prompt_tokens"] and entries[0] is None
+    assert all(1 <= len(e) <= 2 for e in entries[1:])
+    plain = default_server.post("/v1/chat/completions", {**body, "prompt_logprobs": None}).json()
+    assert plain.get("prompt_logprobs") is None
+    assert plain["choices"][0]["message"] == result["choices"][0]["message"]
+
+    best = {"messages": PARIS, "temperature": 1.0, "max_tokens": 3, "n": 2, "best_of": 3}
+    assert len(default_server.post("/v1/chat/completions", best).json()["choices"]) == 2
+    streamed = [({"best_of": 3, "n": 1}, "best_of"), ({"prompt_logprobs": 1}, "prompt_logprobs")]
+    for extra, param in streamed:
+        response = default_server.post(
+            "/v1/chat/completions", {"messages": PARIS, "stream": True, **extra}
+        )
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == param

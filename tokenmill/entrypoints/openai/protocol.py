@@ -123,6 +123,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class ChatCompletionLogProb(BaseModel):
@@ -179,6 +181,9 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    # vLLM's extension, as in completions: per prompt position, {token id: {"logprob",
+    # "rank", "decoded_token"}}, None for the first.
+    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -38,6 +38,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     check_implemented,
     clamp_logprob,
     first_output,
+    prompt_logprobs_json,
     to_openai_error,
 )
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
@@ -142,7 +143,12 @@ class OpenAIServingChat(OpenAIServing):
         prompt_ids = self.truncate_prompt(prompt_ids, request, max_tokens)
         self.check_prompt_length(len(prompt_ids), "messages")
         params = self.build_sampling_params(
-            request, len(prompt_ids), max_tokens, self._num_logprobs(request)
+            request,
+            len(prompt_ids),
+            max_tokens,
+            self._num_logprobs(request),
+            prompt_logprobs=request.prompt_logprobs,
+            best_of=request.best_of,
         )
         request_id = random_id("chatcmpl")
         if self.request_logger is not None:
@@ -164,6 +170,10 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:
             raise to_openai_error(e) from None
         response = self._full_response(request_id, final, num_top)
+        if request.prompt_logprobs is not None:
+            response.prompt_logprobs = prompt_logprobs_json(
+                final.prompt_token_ids, final.prompt_logprobs
+            )
         self.log_finish(
             request_id, [c.finish_reason for c in response.choices], response.usage, start
         )
@@ -187,6 +197,11 @@ class OpenAIServingChat(OpenAIServing):
             # "required" or a named function asks for a tool call, which cannot be served.
             raise bad_request("tokenmill does not implement tool calling yet.", "tool_choice")
         check_implemented(request)
+        if request.stream and request.best_of is not None and request.best_of > (request.n or 1):
+            raise bad_request("best_of cannot be used with stream.", "best_of")
+        if request.stream and request.prompt_logprobs is not None:
+            # vLLM's chat answers the same: its streamed chunks have no place for them.
+            raise bad_request("prompt_logprobs cannot be used with stream.", "prompt_logprobs")
         if request.continue_final_message and request.add_generation_prompt:
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true.",

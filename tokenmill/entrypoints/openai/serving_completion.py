@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -36,6 +36,8 @@ from tokenmill.entrypoints.openai.serving_engine import (
     clamp_logprob,
     first_output,
     merge_streams,
+    per_prompt_position,
+    prompt_logprobs_json,
     to_openai_error,
 )
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
@@ -106,38 +108,6 @@ def completion_logprobs(
         tokens=tokens,
         top_logprobs=top_logprobs,
     )
-
-
-def per_prompt_position(
-    prompt_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None
-) -> list[dict[int, Logprob] | None]:
-    """The engine's prompt logprobs with one entry per prompt token: the first token has
-    none, and a one-token prompt gets none at all."""
-    entries = list(prompt_logprobs or [])
-    return [None] * (len(prompt_ids) - len(entries)) + entries
-
-
-def prompt_logprobs_json(
-    prompt_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None
-) -> list[dict[int, dict[str, Any]] | None]:
-    """vLLM's ``prompt_logprobs`` field: per prompt position, ``{token id: {"logprob",
-    "rank", "decoded_token"}}`` for the prompt's token and the top alternatives, None where
-    there is no logprob (see ``per_prompt_position``). Logprobs are clamped to finite
-    values."""
-    entries = per_prompt_position(prompt_ids, prompt_logprobs)
-    return [
-        None
-        if entry is None
-        else {
-            token_id: {
-                "logprob": clamp_logprob(lp.logprob),
-                "rank": lp.rank,
-                "decoded_token": lp.decoded_token,
-            }
-            for token_id, lp in entry.items()
-        }
-        for entry in entries
-    ]
 
 
 class OpenAIServingCompletion(OpenAIServing):

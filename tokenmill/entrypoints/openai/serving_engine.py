@@ -34,7 +34,7 @@ from tokenmill.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from tokenmill.entrypoints.openai.structured_outputs import structured_outputs_of
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from tokenmill.tokenizer import ChatTemplateError, get_backend_tokenizer
 
@@ -559,3 +559,35 @@ class TokenBytes:
             if match:
                 return [int(match.group(1), 16)]
         return list(text.encode("utf-8"))
+
+
+def per_prompt_position(
+    prompt_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None
+) -> list[dict[int, Logprob] | None]:
+    """The engine's prompt logprobs with one entry per prompt token: the first token has
+    none, and a one-token prompt gets none at all."""
+    entries = list(prompt_logprobs or [])
+    return [None] * (len(prompt_ids) - len(entries)) + entries
+
+
+def prompt_logprobs_json(
+    prompt_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None
+) -> list[dict[int, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` field: per prompt position, ``{token id: {"logprob",
+    "rank", "decoded_token"}}`` for the prompt's token and the top alternatives, None where
+    there is no logprob (see ``per_prompt_position``). Logprobs are clamped to finite
+    values."""
+    entries = per_prompt_position(prompt_ids, prompt_logprobs)
+    return [
+        None
+        if entry is None
+        else {
+            token_id: {
+                "logprob": clamp_logprob(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]
