@@ -250,3 +250,27 @@ def test_bad_words_are_never_generated(default_server):
     again = default_server.post("/v1/completions", {**body, "bad_words": [word]}).json()
     tokens = again["choices"][0]["logprobs"]["tokens"]
     assert word not in [t.strip() for t in tokens], (word, tokens)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_zero_scores_the_prompt(default_server, stream):
+    """OpenAI's and vLLM's legacy way to score a prompt: the echoed prompt with its
+    logprobs, nothing generated; max_tokens 0 without echo stays a 400."""
+    body = {"prompt": PROMPT, "echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}
+    ids = default_server.post("/tokenize", {"prompt": PROMPT}).json()["tokens"]
+    if stream:
+        events = sse_events(default_server, "/v1/completions", {**body, "stream": True})
+        chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+        assert "".join(c["text"] for c in chunks) == PROMPT
+        logprobs = chunks[0]["logprobs"]
+        assert chunks[-1]["finish_reason"] == "length"
+    else:
+        result = default_server.post("/v1/completions", body).json()
+        choice = result["choices"][0]
+        assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+        assert result["usage"]["completion_tokens"] == 0
+        logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) and logprobs["token_logprobs"][0] is None
+    assert all(math.isfinite(v) and v <= 0 for v in logprobs["token_logprobs"][1:])
+    plain = default_server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 0})
+    assert plain.status_code == 400 and plain.json()["error"]["param"] == "max_tokens"

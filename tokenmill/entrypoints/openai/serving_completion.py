@@ -154,7 +154,8 @@ class OpenAIServingCompletion(OpenAIServing):
             params = self.build_sampling_params(
                 request,
                 len(ids),
-                request.max_tokens,
+                # Echo with max_tokens 0 scores the prompt: one token is generated, not sent.
+                1 if _echo_only(request) else request.max_tokens,
                 request.logprobs,
                 # An explicit prompt_logprobs wins; echo with logprobs falls back to logprobs.
                 prompt_logprobs=(
@@ -324,6 +325,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_tokens += len(final.prompt_token_ids)
             cached += final.num_cached_tokens
             for c in final.outputs:
+                c = _without_generation(c) if _echo_only(request) else c
                 completion_tokens += len(c.token_ids)
                 choice, _ = self._choice(
                     request,
@@ -390,6 +392,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if prompt_logprobs[p] is None:
                     prompt_logprobs[p] = output.prompt_logprobs
                 for c in output.outputs:
+                    c = _without_generation(c) if _echo_only(request) else c
                     k = p * n + c.index
                     completion_tokens[k] += len(c.token_ids)
                     finish_reasons[k] = c.finish_reason
@@ -415,6 +418,20 @@ class OpenAIServingCompletion(OpenAIServing):
             for stream in streams:
                 await stream.aclose()  # type: ignore[attr-defined]
         yield SSE_DONE
+
+
+def _echo_only(request: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens: 0``: the prompt (and its logprobs) and nothing generated,
+    as OpenAI's legacy completions and vLLM answer (evaluation harnesses score prompts so)."""
+    return bool(request.echo) and request.max_tokens == 0
+
+
+def _without_generation(c: CompletionOutput) -> CompletionOutput:
+    """``c`` with its generated tokens dropped; a finished one ends at the length limit."""
+    reason = c.finish_reason if c.finish_reason in (None, "abort") else "length"
+    logprobs = None if c.logprobs is None else []
+    stop = c.stop_reason if reason == "abort" else None
+    return CompletionOutput(c.index, "", [], None, logprobs, reason, stop)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> UsageInfo:
