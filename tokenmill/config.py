@@ -41,7 +41,8 @@ class ModelConfig:
     Attributes:
         model: path of a Hugging Face model folder or a single ``.gguf`` file.
         tokenizer: path of the tokenizer (defaults to ``model``).
-        served_model_name: the name clients use in the API.
+        served_model_name: the name clients use in the API, and that responses carry.
+        served_model_aliases: further names requests may use (``--served-model-name a b``).
         hf_config: the model's config.json (or GGUF metadata mapped onto its keys).
         generation_config: the model's generation_config.json (may be empty).
         dtype: weights and activations dtype.
@@ -64,6 +65,12 @@ class ModelConfig:
     max_logprobs: int = 20
     chat_template: str | None = None
     pooler_config: PoolerConfig | None = None
+    served_model_aliases: tuple[str, ...] = ()
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name the API answers to, the one responses carry first."""
+        return (self.served_model_name, *self.served_model_aliases)
 
     @property
     def architecture(self) -> str:

@@ -101,6 +101,32 @@ def _flag(help: str, **kw: Any) -> Any:
     return field(default=default, metadata=meta)
 
 
+def human_readable_int(text: str) -> int:
+    """An int, or one with a size suffix as vLLM reads ``--max-model-len``: ``k``/``m``/``g``
+    multiply by 10**3/6/9 (a decimal is allowed: ``25.6k``), ``K``/``M``/``G`` by
+    2**10/20/30 (whole numbers only).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    value = text.strip()
+    decimal = {"k": 10**3, "m": 10**6, "g": 10**9}
+    binary = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        if value and value[-1] in decimal:
+            number = float(value[:-1]) * decimal[value[-1]]
+            if number != int(number):
+                raise ValueError
+            return int(number)
+        if value and value[-1] in binary:
+            return int(value[:-1]) * binary[value[-1]]
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid int value: {text!r} (an integer, or one like 1k or 1K)"
+        ) from None
+
+
 @dataclass
 class EngineArgs:
     """Engine flags (vLLM names). ``None`` means "resolved from the model or the device"."""
@@ -110,9 +136,11 @@ class EngineArgs:
         "SmolLM2-135M-Instruct.",
     )
     tokenizer: str | None = _flag("Tokenizer folder or .gguf file (default: the model).")
-    served_model_name: str | None = _flag(
-        "Name clients use for the model (default: the model path's base name; "
-        "SmolLM2-135M-Instruct for the embedded default model)."
+    served_model_name: str | list[str] | None = _flag(
+        "Name(s) clients use for the model: requests may name any of them, responses carry "
+        "the first (default: the model path's base name; SmolLM2-135M-Instruct for the "
+        "embedded default model).",
+        nargs="+",
     )
     dtype: str = _flag(
         "Weights/activations dtype; auto = bfloat16 on CUDA, float32 on CPU.",
@@ -120,8 +148,9 @@ class EngineArgs:
         choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
     )
     max_model_len: int | None = _flag(
-        "Longest context (prompt + output tokens). Default: the model's; -1: the largest "
-        "that fits the KV cache."
+        "Longest context (prompt + output tokens), also as 1k (1,000) or 1K (1,024). Default: "
+        "the model's; -1: the largest that fits the KV cache.",
+        type=human_readable_int,
     )
     seed: int = _flag("Seed of the engine's random state.", default=0)
     load_format: str = _flag(
@@ -363,11 +392,13 @@ class EngineArgs:
                 f"--max-model-len {max_model_len} is larger than the model's maximum context "
                 f"length of {model_len} tokens (from its config)"
             )
-        served = self.served_model_name or _default_served_name(model)
+        served = self.served_model_name or [_default_served_name(model)]
+        served = [served] if isinstance(served, str) else list(dict.fromkeys(served))
         return ModelConfig(
             model=model,
             tokenizer=os.path.expanduser(self.tokenizer) if self.tokenizer else model,
-            served_model_name=served,
+            served_model_name=served[0],
+            served_model_aliases=tuple(served[1:]),
             hf_config=hf_config,
             generation_config=generation_config,
             dtype=dtype,  # type: ignore[arg-type]

@@ -35,7 +35,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_flag_defaults_are_vllms():
     args = _args()
-    assert args.dataset_name == "random"
+    assert args.dataset_name is None  # random, or sharegpt when a --dataset-path is given
     assert (args.num_prompts, args.seed) == (1000, 0)
     assert (args.random_input_len, args.random_output_len) == (1024, 128)
     assert (args.random_range_ratio, args.random_prefix_len) == (0.0, 0)
@@ -162,6 +162,15 @@ def test_sharegpt(tmp_path, tok):
     # too long for the model: skipped
     longest = max(r.prompt_len + r.expected_output_len for r in reqs)
     assert len(sharegpt_requests(tok, path, 3, max_model_len=longest - 1, oversample=False)) == 2
+
+
+def test_a_dataset_path_alone_means_sharegpt(tmp_path, tok):
+    path, _ = _sharegpt_file(tmp_path, tok)
+    got = sample_requests(_args("--dataset-path", path, "--num-prompts", "2"), tok, True)
+    assert got == sharegpt_requests(tok, path, 2, need_text=True)
+    assert len(sample_requests(_args("--num-prompts", "2"), tok, True)) == 2  # random
+    with pytest.raises(BenchmarkError, match="sharegpt only"):
+        sample_requests(_args("--dataset-name", "random", "--dataset-path", path), tok, True)
 
 
 def test_sharegpt_errors(tmp_path, tok):

@@ -47,6 +47,8 @@ def test_unimplemented_vllm_flags_are_rejected(capsys, flag):
         ["serve", "a", "--model", "b"],
         ["serve", "--chat-template", "/no/such/template.jinja"],
         ["serve", "--max-log-len", "-1"],
+        ["serve", "--kv-cache-dtype", "fp8"],
+        ["serve", "--max-model-len", "1.5K"],
     ],
 )
 def test_bad_flags_fail_in_one_line(capsys, argv):
@@ -76,6 +78,23 @@ def test_serve_flags_and_defaults():
     )
     assert (args.model_tag, args.max_num_seqs, args.enable_prefix_caching) == ("m", 4, False)
     assert args.allowed_origins == ["http://a"] and args.kv_cache_memory == "1GiB"
+    args = build_parser().parse_args(["serve", "m", "--served-model-name", "a", "b"])
+    assert (args.model_tag, args.served_model_name) == ("m", ["a", "b"])
+    args = build_parser().parse_args(
+        ["serve", "--max-model-len", "2k", "--kv-cache-dtype", "auto", "--enable-log-requests"]
+    )
+    assert (args.max_model_len, args.disable_log_requests) == (2000, False)
+    assert build_parser().parse_args(["serve", "--max-model-len", "1K"]).max_model_len == 1024
+
+
+def test_several_served_names_resolve_to_one_model(tiny_model_dir):
+    from tokenmill.engine_args import EngineArgs
+
+    args = EngineArgs(model=tiny_model_dir, served_model_name=["a", "b", "a"], load_format="dummy")
+    config = args.create_engine_config().model_config
+    assert (config.served_model_name, config.served_model_names) == ("a", ("a", "b"))
+    one = EngineArgs(model=tiny_model_dir, served_model_name="solo", load_format="dummy")
+    assert one.create_engine_config().model_config.served_model_names == ("solo",)
 
 
 def test_api_key_from_environment(monkeypatch):

@@ -66,7 +66,8 @@ def test_bind_listeners_binds_and_a_busy_port_raises():
     try:
         assert len(listeners) == 1
         port = listeners[0].getsockname()[1]
-        listeners[0].listen()
+        # Already listening: a second server on the port fails at once (not after its
+        # model loaded, when it would have failed to listen).
         with pytest.raises(OSError):
             bind_listeners("127.0.0.1", port)
     finally:

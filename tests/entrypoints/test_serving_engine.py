@@ -30,7 +30,10 @@ class FakeEngine:
     def __init__(self, tokens: int = 3) -> None:
         self.tokens = tokens
         self.model_config = SimpleNamespace(
-            served_model_name="fake", max_model_len=MAX_MODEL_LEN, generation_config={}
+            served_model_name="fake",
+            served_model_names=("fake", "alias"),
+            max_model_len=MAX_MODEL_LEN,
+            generation_config={},
         )
         self.config = SimpleNamespace(scheduler_config=SimpleNamespace(scheduling_policy="fcfs"))
         self.input_processor = SimpleNamespace(default_sampling_params=SamplingParams)
@@ -102,6 +105,16 @@ def test_abort_running_ends_every_stream_and_refuses_new_requests():
     assert aborted == 2 and sorted(engine_aborted) == ["a", "b"]
     assert rest == [["abort"], ["abort"]]  # each stream ended, none hangs
     assert refused.status == 503 and "shutting down" in refused.message
+
+
+def test_any_served_name_is_accepted():
+    serving = make_serving()
+    serving.check_model(None)
+    serving.check_model("fake")
+    serving.check_model("alias")
+    with pytest.raises(OpenAIError) as info:
+        serving.check_model("other")
+    assert info.value.status == 404
 
 
 def test_aborted_error_says_why():

@@ -76,11 +76,13 @@ def add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) ->
     group = parser.add_argument_group("dataset")
     group.add_argument(
         "--dataset-name",
-        default="random",
+        default=None,
         choices=DATASET_NAMES,
-        help="Workload to run. (default: random)",
+        help="Workload to run. (default: sharegpt with --dataset-path, else random)",
     )
-    group.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt).")
+    group.add_argument(
+        "--dataset-path", default=None, help="ShareGPT JSON file (read by sharegpt only)."
+    )
     group.add_argument(
         "--num-prompts", type=int, default=1000, help="Requests to run. (default: 1000)"
     )
@@ -172,7 +174,11 @@ def sample_requests(
     """
     if args.num_prompts < 1:
         raise BenchmarkError(f"--num-prompts must be at least 1, got {args.num_prompts}")
-    name = args.dataset_name
+    name = args.dataset_name or ("sharegpt" if args.dataset_path else "random")
+    if args.dataset_path and name != "sharegpt":
+        raise BenchmarkError(
+            f"--dataset-path is read by --dataset-name sharegpt only, not {name}: drop one"
+        )
     if name == "sharegpt":
         if not args.dataset_path:
             raise BenchmarkError("--dataset-name sharegpt needs --dataset-path FILE.json")

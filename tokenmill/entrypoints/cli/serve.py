@@ -47,7 +47,6 @@ UNIMPLEMENTED_FLAGS = (
     "--distributed-executor-backend",
     "--cpu-offload-gb",
     "--swap-space",
-    "--kv-cache-dtype",
     "--limit-mm-per-prompt",
     "--mm-processor-kwargs",
     "--enable-sleep-mode",
@@ -65,6 +64,25 @@ UNIMPLEMENTED_FLAGS = (
     "--api-server-count",
     "--headless",
 )
+
+
+class _KVCacheDtype(argparse.Action):
+    """vLLM's ``--kv-cache-dtype``: ``auto`` (the model's dtype) is what tokenmill does; any
+    other value is rejected (one line, exit 2)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if values != "auto":
+            parser.exit(
+                2,
+                f"{parser.prog}: error: tokenmill does not implement --kv-cache-dtype {values} "
+                "yet (the cache keeps the model's dtype: auto)\n",
+            )
 
 
 class _Unimplemented(argparse.Action):
@@ -150,6 +168,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="Do not log a line per request at arrival and finish.",
     )
     group.add_argument(
+        "--enable-log-requests",
+        dest="disable_log_requests",
+        action="store_false",
+        help="Log a line per request at arrival and finish (the default).",
+    )
+    group.add_argument(
         "--max-log-len",
         type=int,
         default=None,
@@ -221,18 +245,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(parser, positional_model=True)
     for flag in UNIMPLEMENTED_FLAGS:
         parser.add_argument(flag, action=_Unimplemented)
+    parser.add_argument("--kv-cache-dtype", action=_KVCacheDtype, help=argparse.SUPPRESS)
     parser.add_argument("-dp", action=_Unimplemented)
     parser.set_defaults(dispatch=run)
     return parser
 
 
+# uvicorn's default backlog.
+BACKLOG = 2048
+
+
 def bind_listeners(host: str, port: int) -> list[socket.socket]:
-    """TCP sockets bound to ``port`` on every address ``host`` resolves to (not listening yet).
+    """TCP sockets bound to ``port`` on every address ``host`` resolves to, listening.
 
     Binding before the engine starts makes a busy port fail at once, not after the model has
     loaded; uvicorn then serves on these sockets. As asyncio's ``create_server``: sockets
     have SO_REUSEADDR (a restart need not wait out TIME_WAIT), IPv6 ones are IPv6-only, and
-    an address family the machine has disabled is skipped.
+    an address family the machine has disabled is skipped. They listen at once: with
+    SO_REUSEADDR, Linux lets a second socket bind a port that is bound but not listening, so
+    two servers started together would both load their models and one would then fail to
+    listen, unseen. Connections made while the model loads wait in the backlog.
 
     Raises:
         OSError: ``host`` does not resolve, or the port is in use or not permitted.
@@ -261,6 +293,7 @@ def bind_listeners(host: str, port: int) -> list[socket.socket]:
                 skipped = e
                 continue
             listeners.append(sock)
+            sock.listen(BACKLOG)
     except OSError:
         for sock in listeners:
             sock.close()

@@ -122,24 +122,28 @@ async def metrics(raw_request: Request) -> Response:
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _model_card(raw_request: Request) -> ModelCard:
+def _model_cards(raw_request: Request) -> list[ModelCard]:
+    """One card per served name (``--served-model-name a b``), the responses' name first."""
     mc = raw_request.app.state.engine.model_config
-    return ModelCard(id=mc.served_model_name, root=mc.model, max_model_len=mc.max_model_len)
+    return [
+        ModelCard(id=name, root=mc.model, max_model_len=mc.max_model_len)
+        for name in mc.served_model_names
+    ]
 
 
 @router.get("/v1/models", responses=_ERROR_RESPONSES)
 async def list_models(raw_request: Request) -> Response:
-    card = _model_card(raw_request)
-    return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+    cards = _model_cards(raw_request)
+    return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
 
 @router.get("/v1/models/{model:path}", responses=_ERROR_RESPONSES)
 async def retrieve_model(model: str, raw_request: Request) -> Response:
-    """The served model's card; 404 (model_not_found) for any other id."""
-    card = _model_card(raw_request)
-    if model != card.id:
-        raise model_not_found(model)
-    return Response(card.model_dump_json(), media_type="application/json")
+    """The card of one of the served names; 404 (model_not_found) for any other id."""
+    for card in _model_cards(raw_request):
+        if card.id == model:
+            return Response(card.model_dump_json(), media_type="application/json")
+    raise model_not_found(model)
 
 
 @router.post("/v1/chat/completions", responses=_ERROR_RESPONSES)

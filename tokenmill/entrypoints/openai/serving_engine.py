@@ -157,8 +157,8 @@ class OpenAIServing:
         self._closed = False
 
     def check_model(self, model: str | None) -> None:
-        """Raises a 404 OpenAIError unless ``model`` is None or the served model's name."""
-        if model is not None and model != self.model_name:
+        """Raises a 404 OpenAIError unless ``model`` is None or one of the served names."""
+        if model is not None and model not in self.model_config.served_model_names:
             raise model_not_found(model)
 
     def truncate_prompt(
