@@ -66,32 +66,18 @@ UNIMPLEMENTED_FLAGS = (
 )
 
 
-class _KVCacheDtype(argparse.Action):
-    """vLLM's ``--kv-cache-dtype``: ``auto`` (the model's dtype) is what tokenmill does; any
-    other value is rejected (one line, exit 2)."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        if values != "auto":
-            parser.exit(
-                2,
-                f"{parser.prog}: error: tokenmill does not implement --kv-cache-dtype {values} "
-                "yet (the cache keeps the model's dtype: auto)\n",
-            )
-
-
 class _Unimplemented(argparse.Action):
-    """Rejects a known vLLM flag that tokenmill does not implement (one line, exit 2)."""
+    """Rejects a known vLLM flag that tokenmill does not implement (one line, exit 2), or
+    only the values it does not: ``accepted`` are the values that mean what tokenmill does
+    anyway (``--kv-cache-dtype auto``: the cache keeps the model's dtype)."""
 
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+    def __init__(
+        self, option_strings: list[str], dest: str, accepted: tuple[str, ...] = (), **kwargs: Any
+    ) -> None:
         super().__init__(
             option_strings, dest, nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS
         )
+        self.accepted = accepted
 
     def __call__(
         self,
@@ -100,7 +86,11 @@ class _Unimplemented(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        parser.exit(2, f"{parser.prog}: error: tokenmill does not implement {option_string} yet\n")
+        if self.accepted and len(values) == 1 and values[0] in self.accepted:
+            return
+        shown = f"{option_string} {' '.join(values)}" if self.accepted else option_string
+        also = f" (only {', '.join(self.accepted)})" if self.accepted else ""
+        parser.exit(2, f"{parser.prog}: error: tokenmill does not implement {shown} yet{also}\n")
 
 
 def _json_list(value: str) -> list[str]:
@@ -245,7 +235,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(parser, positional_model=True)
     for flag in UNIMPLEMENTED_FLAGS:
         parser.add_argument(flag, action=_Unimplemented)
-    parser.add_argument("--kv-cache-dtype", action=_KVCacheDtype, help=argparse.SUPPRESS)
+    parser.add_argument("--kv-cache-dtype", action=_Unimplemented, accepted=("auto",))
     parser.add_argument("-dp", action=_Unimplemented)
     parser.set_defaults(dispatch=run)
     return parser
