@@ -58,6 +58,8 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
     priority: int = 0
     # vLLM's extensions (see SamplingParams): sample only among these token ids; never
     # complete these words; keep only the prompt's last this many tokens.
@@ -123,8 +125,6 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    best_of: int | None = None
-    prompt_logprobs: int | None = None
 
 
 class ChatCompletionLogProb(BaseModel):
@@ -220,12 +220,10 @@ class CompletionRequest(SamplingFields):
     """
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: int | None = None
     echo: bool | None = False
     logprobs: int | None = None
     max_tokens: int | None = 16
     suffix: str | None = None
-    prompt_logprobs: int | None = None
 
 
 class CompletionLogProbs(BaseModel):

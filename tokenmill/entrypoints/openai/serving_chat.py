@@ -197,8 +197,6 @@ class OpenAIServingChat(OpenAIServing):
             # "required" or a named function asks for a tool call, which cannot be served.
             raise bad_request("tokenmill does not implement tool calling yet.", "tool_choice")
         check_implemented(request)
-        if request.stream and request.best_of is not None and request.best_of > (request.n or 1):
-            raise bad_request("best_of cannot be used with stream.", "best_of")
         if request.stream and request.prompt_logprobs is not None:
             # vLLM's chat answers the same: its streamed chunks have no place for them.
             raise bad_request("prompt_logprobs cannot be used with stream.", "prompt_logprobs")

@@ -208,8 +208,6 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         if request.suffix:
             raise bad_request("tokenmill does not implement suffix (insertion) yet.", "suffix")
-        if request.stream and request.best_of is not None and request.best_of > (request.n or 1):
-            raise bad_request("best_of cannot be used with stream.", "best_of")
 
     async def _prompts(self, request: CompletionRequest) -> list[Prompt]:
         prompt = request.prompt

@@ -282,10 +282,18 @@ class OpenAIServing:
         )
 
     def check_stream_options(self, request: SamplingFields) -> None:
+        """The fields that depend on ``stream``: ``stream_options`` needs it; ``best_of``
+        above ``n`` cannot have it (the best are known only at the end).
+
+        Raises:
+            OpenAIError: 400 naming the field.
+        """
         if request.stream_options is not None and not request.stream:
             raise bad_request(
                 "stream_options may only be set when stream is true.", "stream_options"
             )
+        if request.stream and request.best_of is not None and request.best_of > (request.n or 1):
+            raise bad_request("best_of cannot be used with stream.", "best_of")
 
     def log_arrival(
         self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams

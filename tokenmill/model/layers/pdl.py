@@ -42,13 +42,19 @@ def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch as dependent launches: ``TOKENMILL_PDL=1`` and a
-    CUDA device of compute capability 9.0 or more (never under Triton's interpreter)."""
-    if not (_ENABLED and HAS_TRITON and device.type == "cuda"):
+def supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be dependent launches: a CUDA device of compute
+    capability 9.0 or more with Triton (never under Triton's interpreter: CPU tensors)."""
+    if not (HAS_TRITON and device.type == "cuda"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability_major(index) >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether the step's small kernels on ``device`` launch as dependent launches:
+    ``TOKENMILL_PDL=1`` where ``supported``."""
+    return _ENABLED and supported(device)
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.model.host_ints import cdiv
+from tokenmill.model.layers.pdl import supported as supports_pdl
 
 try:
     import triton
@@ -292,7 +293,7 @@ def skinny_linear(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be [{m}, {n}] {x.dtype} contiguous along N")
-    pdl = _supports_pdl(x.device) if pdl is None else pdl and _supports_pdl(x.device)
+    pdl = supports_pdl(x.device) if pdl is None else pdl and supports_pdl(x.device)
     locks = _device_locks(x.device)
     splits, k_per_split = plan.splits, plan.k_per_split
     if splits > 1 and (locks is None or plan.n_blocks > LOCK_SLOTS):
@@ -370,19 +371,6 @@ def _device_locks(device: torch.device) -> torch.Tensor | None:
         if device.type == "cuda":  # once: later launches may come from other streams
             torch.cuda.current_stream(device).synchronize()
     return locks
-
-
-@functools.cache
-def _cuda_capability_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
-def _supports_pdl(device: torch.device) -> bool:
-    """Grid dependency control needs sm_90+ (the interpreter has none)."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_capability_major(index) >= 9
 
 
 @functools.cache
