@@ -75,10 +75,40 @@ def skinny_gemm() -> str:
 
 
 def pdl() -> bool:
-    """TOKENMILL_PDL=1: launch the step's normalisation, activation, rotary/KV-write and
-    decode-attention Triton kernels as programmatic dependent launches on sm_90+
-    (``model/layers/pdl.py``; off by default)."""
-    return os.environ.get("TOKENMILL_PDL", "0") not in ("", "0")
+    """TOKENMILL_PDL=0: launch the step's normalisation, activation, rotary/KV-write and
+    decode-attention Triton kernels as ordinary launches instead of programmatic dependent
+    launches on sm_90+ (``model/layers/pdl.py``; on by default, off to compare)."""
+    value = os.environ.get("TOKENMILL_PDL", "").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def skinny_fused_gate() -> bool:
+    """TOKENMILL_SKINNY_FUSED_GATE=0: where a merged gate/up projection runs the skinny GEMM,
+    apply SiLU-and-mul as a second kernel instead of in the product's epilogue (on by
+    default; off to compare)."""
+    value = os.environ.get("TOKENMILL_SKINNY_FUSED_GATE", "").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def skinny_prefetch() -> int:
+    """TOKENMILL_SKINNY_PREFETCH: weight tiles (of each program's K-slice, after the first)
+    that a skinny GEMM launched as a dependent launch asks L2 to fetch before it waits for
+    the previous kernel (``skinny_gemm.py``); 0 turns it off, ``all`` fetches the whole
+    slice. Default: ``skinny_gemm.DEFAULT_PREFETCH_TILES``.
+
+    Raises:
+        ValueError: not a non-negative integer or ``all``.
+    """
+    value = os.environ.get("TOKENMILL_SKINNY_PREFETCH", "").strip().lower()
+    if value == "":
+        return -1
+    if value == "all":
+        return 1 << 20
+    if not value.isdigit():
+        raise ValueError(
+            f"TOKENMILL_SKINNY_PREFETCH must be a number of tiles or 'all', got {value!r}"
+        )
+    return int(value)
 
 
 def fused_sampler() -> bool:

@@ -179,3 +179,49 @@ def test_pdl_chain_in_a_graph_keeps_each_product_after_the_one_it_reads(use_dot)
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["qkv", "o_proj", "down", "gate_up"])
+@pytest.mark.parametrize("tiles", [1, 4, 1 << 20])
+def test_l2_prefetch_changes_no_result(monkeypatch, name, tiles):
+    """The weight prefetch before ``griddepcontrol.wait`` is a cache hint: at each depth
+    the tuned batch-1 products give bit for bit what they give without it, eager and in a
+    captured chain of dependent launches."""
+    from tokenmill.model.layers import skinny_gemm as sg
+
+    n, k = LLAMA_8B[name]
+    w = _operands(1, n, k, torch.bfloat16, seed=3)[1]
+    x = _operands(1, 1, k, torch.bfloat16, seed=4)[0]
+    cfg = sg.launch_config(1, n, k)
+    monkeypatch.setattr(sg, "PREFETCH_TILES", 0)
+    ref = sg.skinny_linear(x, w, config=cfg, pdl=True)
+    monkeypatch.setattr(sg, "PREFETCH_TILES", tiles)
+    torch.testing.assert_close(sg.skinny_linear(x, w, config=cfg, pdl=True), ref, atol=0, rtol=0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x * 1  # a non-PDL kernel before, as a norm would be
+        out = sg.skinny_linear(y, w, config=cfg, pdl=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+def test_llama_mlp_with_the_gate_in_the_epilogue(monkeypatch):
+    """Llama-3.1-8B's MLP at batch 1: the gated product (SiLU-and-mul in the gate/up
+    product's epilogue) gives what the product, then the SiLU-and-mul kernel, gives."""
+    from tokenmill.model.layers import linear
+    from tokenmill.model.models.llama import LlamaMLP
+
+    mlp = LlamaMLP(4096, 14336, "silu", bias=False).to(DEVICE, torch.bfloat16)
+    for p in mlp.parameters():
+        p.data.normal_(0, 4096**-0.5)
+    x = _operands(1, 1, 4096, torch.bfloat16, seed=9)[0]
+    assert linear._skinny_route(x, mlp.gate_up_proj.weight)
+    monkeypatch.setattr(linear, "_FUSED_GATE", False)
+    ref = mlp(x)
+    monkeypatch.setattr(linear, "_FUSED_GATE", True)
+    got = mlp(x)
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+    mismatched = (got != ref).float().mean().item()
+    assert mismatched < 0.01, mismatched  # same roundings: nearly all bit-identical
