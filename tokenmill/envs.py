@@ -125,6 +125,13 @@ def mixed_step_graphs() -> bool:
     return os.environ.get("TOKENMILL_MIXED_STEP_GRAPHS", "1") not in ("", "0")
 
 
+def decode_merge_in_kernel() -> bool:
+    """TOKENMILL_DECODE_MERGE_IN_KERNEL=0: merge a split decode attention's partials in a
+    second kernel instead of in the split that finishes last (on by default; off to
+    compare)."""
+    return os.environ.get("TOKENMILL_DECODE_MERGE_IN_KERNEL", "1") not in ("", "0")
+
+
 def fused_rope_cache() -> bool:
     """TOKENMILL_FUSED_ROPE_CACHE=0: apply the rotary embedding and write the KV cache in two
     launches per layer instead of one (on by default; off to compare)."""

@@ -69,6 +69,7 @@ import torch
 
 from tokenmill import envs
 from tokenmill.model.host_ints import cdiv
+from tokenmill.model.layers import split_counters
 from tokenmill.model.layers.pdl import supported as supports_pdl
 
 try:
@@ -100,9 +101,9 @@ TARGET_PROGRAMS_PER_SM = 4
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLIT_K = 16
 PARTIAL_TRAFFIC_BUDGET = 0.1
-# Split-K counters per device (int32): column blocks of one launch must fit; launches with
-# more column blocks already fill the chip without splitting.
-LOCK_SLOTS = 1 << 14
+# Split-K counters per device (int32, ``split_counters``): column blocks of one launch must
+# fit; launches with more column blocks already fill the chip without splitting.
+LOCK_SLOTS = split_counters.SLOTS
 # Weight tiles a dependent launch asks L2 for before it waits (TOKENMILL_SKINNY_PREFETCH
 # overrides it; 0: none).
 DEFAULT_PREFETCH_TILES = 0
@@ -383,21 +384,12 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError("skinny_linear runs on CUDA tensors (or under TRITON_INTERPRET=1)")
 
 
-_LOCKS: dict[torch.device, torch.Tensor] = {}
+# The split-K counters (``split_counters``), by device.
+_LOCKS = split_counters.COUNTERS
 
 
 def _device_locks(device: torch.device) -> torch.Tensor | None:
-    """The device's split-K counters, created by its first call outside graph capture; None
-    (run without split-K) when a graph is being captured before that: a zero-fill recorded
-    into one graph would not run before another graph's replay."""
-    locks = _LOCKS.get(device)
-    if locks is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        locks = _LOCKS[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
-        if device.type == "cuda":  # once: later launches may come from other streams
-            torch.cuda.current_stream(device).synchronize()
-    return locks
+    return split_counters.device_counters(device)
 
 
 @functools.cache
