@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill import envs
 from tokenmill.model.attention import triton_kernels as kernels
 from tokenmill.model.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
 from tokenmill.model.attention.triton_cache_write import reshape_and_cache
@@ -94,7 +95,6 @@ from tokenmill.model.attention.triton_launch import (  # noqa: F401 (patched and
     num_varlen_splits,
     varlen_tile_config,
 )
-from tokenmill import envs
 from tokenmill.model.host_ints import cdiv, next_power_of_2
 from tokenmill.model.layers import pdl, split_counters
 
