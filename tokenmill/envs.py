@@ -82,35 +82,6 @@ def pdl() -> bool:
     return value not in ("0", "false", "no", "off")
 
 
-def skinny_fused_gate() -> bool:
-    """TOKENMILL_SKINNY_FUSED_GATE=0: where a merged gate/up projection runs the skinny GEMM,
-    apply SiLU-and-mul as a second kernel instead of in the product's epilogue (on by
-    default; off to compare)."""
-    value = os.environ.get("TOKENMILL_SKINNY_FUSED_GATE", "").strip().lower()
-    return value not in ("0", "false", "no", "off")
-
-
-def skinny_prefetch() -> int:
-    """TOKENMILL_SKINNY_PREFETCH: weight tiles (of each program's K-slice, after the first)
-    that a skinny GEMM launched as a dependent launch asks L2 to fetch before it waits for
-    the previous kernel (``skinny_gemm.py``); 0 turns it off, ``all`` fetches the whole
-    slice. Default: ``skinny_gemm.DEFAULT_PREFETCH_TILES``.
-
-    Raises:
-        ValueError: not a non-negative integer or ``all``.
-    """
-    value = os.environ.get("TOKENMILL_SKINNY_PREFETCH", "").strip().lower()
-    if value == "":
-        return -1
-    if value == "all":
-        return 1 << 20
-    if not value.isdigit():
-        raise ValueError(
-            f"TOKENMILL_SKINNY_PREFETCH must be a number of tiles or 'all', got {value!r}"
-        )
-    return int(value)
-
-
 def fused_sampler() -> bool:
     """TOKENMILL_FUSED_SAMPLER=0: sample on CUDA through the torch route (shift, scale,
     noise, argmax as separate kernels over float32 copies) instead of the fused Gumbel-max
@@ -123,13 +94,6 @@ def mixed_step_graphs() -> bool:
     graphs (attention eager between pieces) instead of whole-step graphs (default: on where
     the attention backend supports them; ``worker/mixed_graph.py``)."""
     return os.environ.get("TOKENMILL_MIXED_STEP_GRAPHS", "1") not in ("", "0")
-
-
-def decode_merge_in_kernel() -> bool:
-    """TOKENMILL_DECODE_MERGE_IN_KERNEL=0: merge a split decode attention's partials in a
-    second kernel instead of in the split that finishes last (on by default; off to
-    compare)."""
-    return os.environ.get("TOKENMILL_DECODE_MERGE_IN_KERNEL", "1") not in ("", "0")
 
 
 def fused_rope_cache() -> bool:

@@ -16,12 +16,7 @@
 #   gputests_pdl lat1_pdl lat32_pdl serve_pdl   the same with TOKENMILL_PDL=1 (dependent
 #              launches for the norm, activation, rotary/KV-write and decode-attention kernels;
 #              the default now); lat1_nopdl: lat1 with TOKENMILL_PDL=0
-#   lat1_pfN   lat1 with TOKENMILL_SKINNY_PREFETCH=N (N tiles, or all); lat1_nogate: lat1 with
-#              SiLU-and-mul as its own kernel (TOKENMILL_SKINNY_FUSED_GATE=0)
-#   gputests_skinny  the skinny GEMM's tests on CUDA (but the long Llama-shape sweep);
-#              gputests_new: its GPU tests with the attention, engine and fused-kernel ones
-#   lat1_nomerge  lat1 with a second kernel merging decode splits
-#              (TOKENMILL_DECODE_MERGE_IN_KERNEL=0)
+#   gputests_skinny  the skinny GEMM's tests on CUDA (but the long Llama-shape sweep)
 #   lat1 lat32 tokenmill bench latency, M8, 32 in / 256 out, batch 1 / 32
 #   tp_long tp_short tp_small   tokenmill bench throughput (as ANCHORS.md)
 #   serve      tokenmill serve M8 + bench serve random 1024/256 c=64, then shared prefix
@@ -181,10 +176,6 @@ for st in "$@"; do
     lat1_pdl) TOKENMILL_PDL=1 stage lat1_pdl 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_pdl.json"; addjson lat1_pdl "$LOGS/lat1_pdl.json" ;;
     lat32_pdl) TOKENMILL_PDL=1 stage lat32_pdl 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32_pdl.json"; addjson lat32_pdl "$LOGS/lat32_pdl.json" ;;
     serve_pdl) export TOKENMILL_PDL=1; serve_pair tm; unset TOKENMILL_PDL ;;
-    lat1_pf*) TOKENMILL_SKINNY_PREFETCH="${st#lat1_pf}" stage "$st" 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 6 --output-json "$LOGS/$st.json"; addjson "$st" "$LOGS/$st.json" ;;
-    lat1_nogate) TOKENMILL_SKINNY_FUSED_GATE=0 stage lat1_nogate 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 6 --output-json "$LOGS/lat1_nogate.json"; addjson lat1_nogate "$LOGS/lat1_nogate.json" ;;
-    lat1_nomerge) TOKENMILL_DECODE_MERGE_IN_KERNEL=0 stage lat1_nomerge 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 6 --output-json "$LOGS/lat1_nomerge.json"; addjson lat1_nomerge "$LOGS/lat1_nomerge.json" ;;
-    gputests_new) PYTHONPATH="$XGP" stage gputests_new 240 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 150 -k "not test_llama_shapes_bf16" --durations=5 ;;
     lat1_nopdl) TOKENMILL_PDL=0 stage lat1_nopdl 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 6 --output-json "$LOGS/lat1_nopdl.json"; addjson lat1_nopdl "$LOGS/lat1_nopdl.json" ;;
     gputests_skinny) PYTHONPATH="$XGP" stage gputests_skinny 200 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/model/test_skinny_gemm.py -p no:cacheprovider --timeout 150 -k "not test_llama_shapes_bf16" ;;
     lat1_nofuse) TOKENMILL_FUSED_ROPE_CACHE=0 stage lat1_nofuse 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_nofuse.json"; addjson lat1_nofuse "$LOGS/lat1_nofuse.json" ;;

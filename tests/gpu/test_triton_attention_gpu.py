@@ -299,29 +299,3 @@ def shared_prefix(b: Batch, num_decodes: int, blocks: int) -> Batch:
     bs = b.kv_cache.shape[2]
     md = dataclasses.replace(b.metadata, block_table=table, common_prefix_len=blocks * bs)
     return dataclasses.replace(b, metadata=md)
-
-
-def test_last_split_merge_equals_the_reduction_kernel(monkeypatch):
-    """Decode splits merged by the split that finishes last, against the separate
-    reduction: the same bits, and the arrival counters left at zero for the next launch."""
-    from tokenmill.model.attention import triton_backend
-    from tokenmill.model.attention.triton_backend import TritonAttentionImpl
-    from tokenmill.model.layers import split_counters
-
-    b = make_batch(
-        [1] * 3, [5000, 300, 33], num_heads=32, num_kv_heads=8, head_dim=128,
-        dtype=torch.bfloat16, num_decodes=3,
-    )  # fmt: skip
-    sms = triton_backend.device_num_sms(torch.device(DEVICE))
-    assert triton_backend.num_decode_splits(3, 8, b.metadata.max_seq_len, sms) > 1
-
-    def attend() -> torch.Tensor:
-        impl = TritonAttentionImpl(32, 128, 128**-0.5, 8)
-        cache = torch.nan_to_num(b.kv_cache, nan=0.0)
-        return impl.forward(b.query, b.key, b.value, cache, dataclasses.replace(b.metadata))
-
-    merged = attend()
-    assert int(split_counters.COUNTERS[merged.device].abs().sum()) == 0
-    monkeypatch.setattr(triton_backend, "_MERGE_IN_KERNEL", False)
-    assert torch.equal(merged, attend())
-    check(b)

@@ -229,27 +229,6 @@ def test_skinny_gemm_setting_rejects_other_values(monkeypatch):
         envs.skinny_gemm()
 
 
-@pytest.mark.parametrize("value,expected", [(None, -1), ("", -1), ("0", 0), ("4", 4),
-                                            ("ALL", 1 << 20)])  # fmt: skip
-def test_skinny_prefetch_setting(monkeypatch, value, expected):
-    from tokenmill import envs
-
-    if value is None:
-        monkeypatch.delenv("TOKENMILL_SKINNY_PREFETCH", raising=False)
-    else:
-        monkeypatch.setenv("TOKENMILL_SKINNY_PREFETCH", value)
-    assert envs.skinny_prefetch() == expected
-
-
-@pytest.mark.parametrize("value", ["-1", "some", "2.5"])
-def test_skinny_prefetch_setting_rejects_other_values(monkeypatch, value):
-    from tokenmill import envs
-
-    monkeypatch.setenv("TOKENMILL_SKINNY_PREFETCH", value)
-    with pytest.raises(ValueError, match="number of tiles or 'all'"):
-        envs.skinny_prefetch()
-
-
 @pytest.mark.parametrize("value,expected", [(None, True), ("1", True), ("0", False),
                                             ("off", False), ("", True)])  # fmt: skip
 def test_pdl_setting(monkeypatch, value, expected):
@@ -275,58 +254,3 @@ def test_dense_routes_by_setting(monkeypatch, mode, tuned, used):
     out = linear.dense(x, w)
     assert (out == "skinny") if used else torch.allclose(out, F.linear(x, w))
 
-
-@needs_kernels
-@pytest.mark.parametrize("m,cfg", [(1, FMA), (3, FMA), (2, DOT)], ids=["fma-1", "fma-3", "dot-2"])
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_gated_equals_product_then_silu_and_mul(m, cfg, split_k):
-    """The gated epilogue gives what the plain product followed by SiLU-and-mul gives, with
-    N / 2 = 50 outputs ragged against the 8 or 16 outputs of a gated column block."""
-    x, w, _ = _operands(m, 100, 300, seed=20 + m + split_k)
-    cfg = replace(cfg, split_k=split_k)
-    out = torch.full((m, 50), float("nan"), device=DEV)
-    got = skinny_linear(x.to(DEV), w.to(DEV), config=cfg, gated=True, out=out).cpu()
-    full = _run(x, w, config=cfg)
-    torch.testing.assert_close(got, F.silu(full[:, :50]) * full[:, 50:], rtol=1e-6, atol=1e-6)
-
-
-def test_gated_rejects_what_it_cannot_compute():
-    x, w, b = _operands(1, 64, 128)
-    with pytest.raises(ValueError, match="gated products take no bias"):
-        skinny_linear(x, w, b, config=FMA, gated=True)
-    with pytest.raises(ValueError, match="even N"):
-        skinny_linear(x, w[:63], config=FMA, gated=True)
-    with pytest.raises(ValueError, match="even block_n"):
-        skinny_linear(x, w, config=replace(FMA, block_n=3), gated=True)
-
-
-@pytest.mark.parametrize("routed,fused,bias,expected", [
-    (True, True, False, "gated"), (True, False, False, "plain"), (True, True, True, "plain"),
-    (False, True, False, "plain"),
-])  # fmt: skip
-def test_merged_gate_up_fuses_the_activation_only_where_the_kernel_runs(
-    monkeypatch, routed, fused, bias, expected
-):
-    from tokenmill.model.layers import linear
-
-    layer = linear.MergedColumnParallelLinear(8, [4, 4], bias=bias)
-    torch.nn.init.normal_(layer.weight)
-    if bias:
-        torch.nn.init.normal_(layer.bias)
-    monkeypatch.setattr(linear, "_FUSED_GATE", fused)
-    monkeypatch.setattr(linear, "_skinny_route", lambda x, w: routed)
-    calls = []
-
-    def fake_skinny(x, w, b=None, gated=False):
-        calls.append("gated" if gated else "plain")
-        return F.linear(x, w, b)
-
-    monkeypatch.setattr(sg, "skinny_linear", fake_skinny)
-    x = torch.randn(1, 8)
-    out = layer.forward_silu_and_mul(x)
-    full = F.linear(x, layer.weight, layer.bias)
-    if expected == "gated":
-        assert calls == ["gated"]
-    else:
-        assert calls == (["plain"] if routed else [])
-        torch.testing.assert_close(out, F.silu(full[:, :4]) * full[:, 4:])

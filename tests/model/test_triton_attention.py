@@ -434,38 +434,6 @@ def test_requests_without_tokens_are_skipped():
     check(b)
 
 
-@pytest.mark.parametrize("splits", [2, 5])
-def test_last_split_merges_as_the_reduction_kernel_does(monkeypatch, splits):
-    """The split of a (request, KV head) that finishes last merges the partials: bit for bit
-    what the separate reduction gives, no reduction launched, counters left at zero."""
-    from tokenmill.model.layers import split_counters
-
-    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
-    b = make_batch([1] * 3, [300, 2, 47], num_heads=4, num_kv_heads=2, num_decodes=3)
-    reductions = []
-    reduce_kernel = kernels.decode_reduce_kernel
-    monkeypatch.setattr(kernels, "decode_reduce_kernel", _Recorder(reduce_kernel, reductions))
-    merged, _ = run_triton(b)
-    assert reductions == []
-    assert int(split_counters.COUNTERS[torch.device("cpu")].abs().sum()) == 0
-    monkeypatch.setattr(triton_backend, "_MERGE_IN_KERNEL", False)
-    separate, _ = run_triton(b)
-    assert len(reductions) == 1
-    assert torch.equal(merged, separate)
-    torch.testing.assert_close(merged, run_reference(b)[0], atol=1e-4, rtol=1e-4)
-
-
-class _Recorder:
-    """A kernel whose launches are counted."""
-
-    def __init__(self, kernel, launches: list):
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        self.launches.append(grid)
-        return self.kernel[grid]
-
-
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_requests_without_tokens_write_nothing(monkeypatch, splits):
     # All queries have length <= 1, so every request goes to the decode kernel; the empty

@@ -10,9 +10,8 @@ heads, head_dim 128):
   byte with GQA 4 against the chip's ~190. One program per (request, KV head) gives only
   ``num_reqs * Hkv`` programs: 8 at batch 1, far too few to keep 132 SMs' loads in flight.
   Flash-Decoding (Dao, Haziza, Massa, Sizov 2023) splits each context over ``num_splits``
-  programs, each streaming a contiguous run of key tiles; the split of a (request, KV head)
-  that finishes last merges the partials by their log-sum-exp (``decode_reduce_kernel``
-  does it in a second launch with a shared prefix, or ``TOKENMILL_DECODE_MERGE_IN_KERNEL=0``);
+  programs, each streaming a contiguous
+  run of key tiles, then ``decode_reduce_kernel`` merges the partials by their log-sum-exp;
   the extra traffic is ``num_reqs * H * num_splits * D * 4`` bytes, negligible beside the KV
   reads. With enough (request, KV head) pairs the split count drops to 1 and the kernel
   writes the output directly (no second launch). The M dimension of the dot products is the
@@ -77,7 +76,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill import envs
 from tokenmill.model.attention import triton_kernels as kernels
 from tokenmill.model.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
 from tokenmill.model.attention.triton_cache_write import reshape_and_cache
@@ -96,10 +94,7 @@ from tokenmill.model.attention.triton_launch import (  # noqa: F401 (patched and
     varlen_tile_config,
 )
 from tokenmill.model.host_ints import cdiv, next_power_of_2
-from tokenmill.model.layers import pdl, split_counters
-
-# Read once: graphs captured at start must match the eager steps.
-_MERGE_IN_KERNEL = envs.decode_merge_in_kernel()
+from tokenmill.model.layers import pdl
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
@@ -383,16 +378,8 @@ class TritonAttentionImpl(AttentionImpl):
         workspace = self._workspace(plan, plan.num_decodes, total_splits, query.device)
         strides = _operand_strides(query, kv_cache, metadata, workspace or (out, out))
         # With one decode split the decode kernel merges the prefix partials itself (the
-        # prefix kernel runs first) and no reduction is launched; without a prefix, the
-        # split that finishes last merges the others.
+        # prefix kernel runs first) and no reduction is launched.
         merge_splits = prefix_splits if num_splits == 1 else 0
-        counters = split_counters.device_counters(query.device) if _MERGE_IN_KERNEL else None
-        merge_last = (
-            num_splits > 1
-            and not prefix_splits
-            and counters is not None
-            and plan.num_decodes * self.num_kv_heads <= split_counters.SLOTS
-        )
         launch = _Launches(
             workspace=workspace,
             grid=(plan.num_decodes, self.num_kv_heads, num_splits),
@@ -401,8 +388,7 @@ class TritonAttentionImpl(AttentionImpl):
                 "num_splits": num_splits, "stride_ot": out.stride(0),
                 "GROUP_P": _pow2(args["GROUP"], 16), "BLOCK_N": cfg.block_n,
                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **strides, **args,
-                "lock_ptr": counters if merge_last else out, "MERGE_LAST": merge_last,
-                "S_P": _pow2(MAX_SPLITS), **pdl.launch_options(query.device),
+                **pdl.launch_options(query.device),
             },  # fmt: skip
         )
         if prefix_len:
@@ -415,7 +401,7 @@ class TritonAttentionImpl(AttentionImpl):
                 "num_warps": pcfg.num_warps, "num_stages": pcfg.num_stages,
                 **strides, **prefix_args,
             }  # fmt: skip
-        if total_splits > 1 and not merge_splits and not merge_last:
+        if total_splits > 1 and not merge_splits:
             launch.reduce_grid = (plan.num_decodes, self.num_heads)
             launch.reduce_kwargs = {
                 "req_offset": 0, **self._reduce_args(out, workspace, total_splits, MAX_SPLITS),

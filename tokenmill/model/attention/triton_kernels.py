@@ -147,7 +147,6 @@ def decode_attention_kernel(
     stride_ph,
     stride_lr,
     stride_lh,
-    lock_ptr,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -158,8 +157,6 @@ def decode_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
-    MERGE_LAST: tl.constexpr,
-    S_P: tl.constexpr,
 ):
     """Flash-decoding: program (request, KV head, split) attends one query token's
     ``GROUP`` heads over its split of the context's keys from ``kv_start`` on.
@@ -172,11 +169,8 @@ def decode_attention_kernel(
     wrote before this launch (at split slots ``1 ..``) are merged in here. Otherwise each
     split writes its normalized partial output ``[D]`` and log2-sum-exp to
     ``part_out[r, head, split]`` / ``part_lse[r, head, split]`` (split strides ``HEAD_DIM``
-    and 1) for ``decode_reduce_kernel``; with ``MERGE_LAST`` (``kv_start == 0``) the
-    request's split that finishes last merges them itself, counted in ``lock_ptr[r *
-    num_kv_heads + kv_head]`` (``split_counters``; left at zero), and no reduction is
-    launched. A request with ``seq_len == 0`` (padding) yields zeros; one whose query
-    length is not 1 is left alone.
+    and 1) for ``decode_reduce_kernel``. A request with ``seq_len == 0`` (padding) yields
+    zeros; one whose query length is not 1 is left alone.
     """
     wait_for_prior_grid(USE_PDL)
     r = tl.program_id(0)
@@ -237,58 +231,32 @@ def decode_attention_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
         part = r.to(tl.int64) * stride_pr + head * stride_ph + split * HEAD_DIM
+        tl.store(part_out_ptr + part[:, None] + d[None, :], out, mask=qo_mask)
         lse = m_i + tl.log2(l_i)  # -inf for an empty split
         lse_ptrs = part_lse_ptr + r * stride_lr + head * stride_lh + split
-        if MERGE_LAST:
-            # .cg: to L2, where the merging program (on any SM) reads them.
-            tl.store(part_out_ptr + part[:, None] + d[None, :], out, mask=qo_mask,
-                     cache_modifier=".cg")  # fmt: skip
-            tl.store(lse_ptrs, lse, mask=g < GROUP, cache_modifier=".cg")
-            # Every thread's stores precede the counter update (bar.sync), a release at GPU
-            # scope; the last arriver's acquire orders its loads after all of them.
-            tl.debug_barrier()
-            counter = lock_ptr + r * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                for gi in range(GROUP):
-                    _merge_splits(
-                        out_ptr, q_start, stride_ot, part_out_ptr, part_lse_ptr, r,
-                        kv_head * GROUP + gi, num_splits, stride_pr, stride_ph, stride_lr,
-                        stride_lh, HEAD_DIM, D_P, S_P, True,
-                    )  # fmt: skip
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        else:
-            tl.store(part_out_ptr + part[:, None] + d[None, :], out, mask=qo_mask)
-            tl.store(lse_ptrs, lse, mask=g < GROUP)
+        tl.store(lse_ptrs, lse, mask=g < GROUP)
 
 
 @triton.jit
 def _merge_splits(
     out_ptr, out_row, stride_ot, part_out_ptr, part_lse_ptr, r, head, num_splits,
     stride_pr, stride_ph, stride_lr, stride_lh,
-    HEAD_DIM: tl.constexpr, D_P: tl.constexpr, S_P: tl.constexpr, FROM_L2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_P: tl.constexpr, S_P: tl.constexpr,
 ):
     """Partial row ``r``, head ``head``: merge the splits' partial outputs, each weighted by
     ``exp2(lse_s - max lse)`` (the log-sum-exp merge of flash-decoding), into output row
-    ``out_row``. ``FROM_L2``: read the partials past L1 (written by other programs of this
-    launch)."""
+    ``out_row``."""
     s = tl.arange(0, S_P)
     d = tl.arange(0, D_P)
     lse_ptrs = part_lse_ptr + r * stride_lr + head * stride_lh + s
-    if FROM_L2:
-        lse = tl.load(lse_ptrs, mask=s < num_splits, other=float("-inf"), cache_modifier=".cg")
-    else:
-        lse = tl.load(lse_ptrs, mask=s < num_splits, other=float("-inf"))
+    lse = tl.load(lse_ptrs, mask=s < num_splits, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     total = tl.sum(w, 0)
     mask = (s < num_splits)[:, None] & (d < HEAD_DIM)[None, :]
     base = r.to(tl.int64) * stride_pr + head * stride_ph
-    part_ptrs = part_out_ptr + base + s[:, None] * HEAD_DIM + d[None, :]
-    if FROM_L2:
-        parts = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        parts = tl.load(part_ptrs, mask=mask, other=0.0)
+    parts = tl.load(part_out_ptr + base + s[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     o_ptrs = out_ptr + out_row.to(tl.int64) * stride_ot + head * HEAD_DIM + d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -322,7 +290,7 @@ def decode_reduce_kernel(
         return
     _merge_splits(
         out_ptr, q_start, stride_ot, part_out_ptr, part_lse_ptr, r, tl.program_id(1),
-        num_splits, stride_pr, stride_ph, stride_lr, stride_lh, HEAD_DIM, D_P, S_P, False,
+        num_splits, stride_pr, stride_ph, stride_lr, stride_lh, HEAD_DIM, D_P, S_P,
     )  # fmt: skip
 
 
@@ -444,7 +412,7 @@ def varlen_reduce_kernel(
     t = tl.program_id(0)
     _merge_splits(
         out_ptr, row_offset + t, stride_ot, part_out_ptr, part_lse_ptr, t, tl.program_id(1),
-        num_splits, stride_pr, stride_ph, stride_lr, stride_lh, HEAD_DIM, D_P, S_P, False,
+        num_splits, stride_pr, stride_ph, stride_lr, stride_lh, HEAD_DIM, D_P, S_P,
     )  # fmt: skip
 
 

@@ -19,22 +19,9 @@ from tokenmill.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from tokenmill.model.layers import skinny_gemm
-from tokenmill.model.layers.activation import SiluAndMul
 
 # Read once: the choice must not change between CUDA-graph capture and eager steps.
 _SKINNY_GEMM = envs.skinny_gemm()
-_FUSED_GATE = envs.skinny_fused_gate()
-
-
-def _skinny_route(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``dense(x, weight)`` runs the skinny kernel (see ``dense``)."""
-    return (
-        _SKINNY_GEMM != "0"
-        and x.dim() == 2
-        and x.shape[0] <= skinny_gemm.MAX_M
-        and skinny_gemm.use_skinny_gemm(x, weight)
-        and (_SKINNY_GEMM == "1" or skinny_gemm.has_tuned_config(x, weight))
-    )
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,7 +31,13 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
     Shapes: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``.
     """
-    if _skinny_route(x, weight):
+    if (
+        _SKINNY_GEMM != "0"
+        and x.dim() == 2
+        and x.shape[0] <= skinny_gemm.MAX_M
+        and skinny_gemm.use_skinny_gemm(x, weight)
+        and (_SKINNY_GEMM == "1" or skinny_gemm.has_tuned_config(x, weight))
+    ):
         return skinny_gemm.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -143,22 +136,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         target = param.data.narrow(0, offset, per_rank)
         check_shape(f"{getattr(param, '_tm_name', '?')}[{i}]", target.shape, loaded.shape)
         target.copy_(loaded)
-
-    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``SiluAndMul()(self(x))`` for a ``[gate, up]`` projection: ``[T, input_size] ->
-        [T, output_size / 2 / tp]``. Where the product runs the skinny kernel (decode-sized
-        batches on CUDA, ``dense``), the activation is that kernel's epilogue and the
-        ``[T, 2 d]`` product is never written (``TOKENMILL_SKINNY_FUSED_GATE=0``: two
-        kernels)."""
-        if (
-            _FUSED_GATE
-            and self.bias is None
-            and len(self.output_sizes) == 2
-            and self.output_sizes[0] == self.output_sizes[1]
-            and _skinny_route(x, self.weight)
-        ):
-            return skinny_gemm.skinny_linear(x, self.weight, gated=True)
-        return SiluAndMul()(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

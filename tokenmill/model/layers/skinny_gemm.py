@@ -44,12 +44,6 @@ weight loads, and wait for that kernel's completion (``griddepcontrol.wait``) be
 read ``x``; each program also lets the next launch start early. A product of a few tens of
 MB loses 2-4 us to its launch, ramp and tail at ~4.25 TB/s, 15-25% of it; dependent launches
 measured 0.5-1.5 us back per product (``benchmarks/skinny_gemm_bench.py --pdl``).
-Before that wait, a program may also ask L2 for the next ``prefetch_tiles`` weight tiles of
-its K-slice (``cp.async.bulk.prefetch.L2``, one request per weight row; PTX ISA 8.0,
-sm_90): in a batch-1 step the small kernels between two products (norm, rotary and KV
-write, attention, activation; 1-5 us each) leave DRAM idle, and the programs already
-resident can fill L2 with the weight meanwhile. ``TOKENMILL_SKINNY_PREFETCH`` sets the
-depth (``envs.skinny_prefetch``).
 
 **CUDA graphs.** No host sync and no device-to-host read. The partial workspace is allocated
 per call; under capture it comes from the graph's memory pool, which keeps it for replays.
@@ -67,9 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill import envs
 from tokenmill.model.host_ints import cdiv
-from tokenmill.model.layers import split_counters
 from tokenmill.model.layers.pdl import supported as supports_pdl
 
 try:
@@ -101,19 +93,13 @@ TARGET_PROGRAMS_PER_SM = 4
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLIT_K = 16
 PARTIAL_TRAFFIC_BUDGET = 0.1
-# Split-K counters per device (int32, ``split_counters``): column blocks of one launch must
-# fit; launches with more column blocks already fill the chip without splitting.
-LOCK_SLOTS = split_counters.SLOTS
-# Weight tiles a dependent launch asks L2 for before it waits (TOKENMILL_SKINNY_PREFETCH
-# overrides it; 0: none).
-DEFAULT_PREFETCH_TILES = 0
+# Split-K counters per device (int32): column blocks of one launch must fit; launches with
+# more column blocks already fill the chip without splitting.
+LOCK_SLOTS = 1 << 14
 # SMs of an H200; used when tensors are not on CUDA (interpreter) and to key TUNED_CONFIGS.
 DEFAULT_NUM_SMS = 132
 # The GPU TUNED_CONFIGS was measured on (a substring of torch.cuda.get_device_name()).
 TUNED_GPU = "H200"
-# Read once: graphs captured at start must match the eager steps.
-_PREFETCH = envs.skinny_prefetch()
-PREFETCH_TILES = DEFAULT_PREFETCH_TILES if _PREFETCH < 0 else _PREFETCH
 
 
 @dataclass(frozen=True)
@@ -273,10 +259,8 @@ def skinny_linear(
     config: SkinnyConfig | None = None,
     out: torch.Tensor | None = None,
     pdl: bool | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
-    """``y = x W^T (+ b)`` with fp32 accumulation, one kernel launch; or, ``gated``, the
-    SwiGLU gate of the product (Shazeer 2020) in the same launch.
+    """``y = x W^T (+ b)`` with fp32 accumulation, one kernel launch.
 
     Args:
         x: ``[M, K]``, float16/bfloat16 (float32 too under the Triton interpreter); rows may
@@ -292,32 +276,23 @@ def skinny_linear(
             waits (``griddepcontrol.wait``) before it reads ``x`` or writes anything, so it
             is safe after any kernel that does not write ``weight``. Default: on CUDA
             devices of compute capability 9.0 and up.
-        gated: ``weight`` is ``[gate; up]`` (``N / 2`` rows each, as a merged gate/up
-            projection stores them) and the result is ``silu(x gate^T) * (x up^T)``, ``[M,
-            N / 2]``; both products are rounded to x's dtype before the activation, as the
-            product followed by ``SiluAndMul`` rounds them.
 
     Returns:
-        ``out``, or a new contiguous ``[M, N]`` (gated: ``[M, N / 2]``) tensor of x's dtype.
+        ``out``, or a new contiguous ``[M, N]`` tensor of x's dtype.
 
     Raises:
         ValueError: shapes, dtypes, devices or strides the kernel cannot address, a
             CUDA-core ``config`` with more than ``FMA_MAX_M`` rows, a tensor-core one with
-            ``block_n < 16``, or tensors off CUDA without ``TRITON_INTERPRET=1``; gated, a
-            bias, an odd N or an odd ``block_n``.
+            ``block_n < 16``, or tensors off CUDA without ``TRITON_INTERPRET=1``.
     """
     _check_operands(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     cfg = config or launch_config(m, n, k, _num_sms(x.device))
     plan = _launch_plan(m, n, k, cfg)
-    n_out = n // 2 if gated else n
-    if gated and (bias is not None or n % 2 or cfg.block_n % 2):
-        raise ValueError(f"gated products take no bias, an even N and an even block_n; got "
-                         f"bias={bias is not None}, N={n}, block_n={cfg.block_n}")  # fmt: skip
     if out is None:
-        out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n_out) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be [{m}, {n_out}] {x.dtype} contiguous along N")
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] {x.dtype} contiguous along N")
     pdl = supports_pdl(x.device) if pdl is None else pdl and supports_pdl(x.device)
     locks = _device_locks(x.device)
     splits, k_per_split = plan.splits, plan.k_per_split
@@ -333,10 +308,7 @@ def skinny_linear(
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=plan.block_m, USE_DOT=cfg.use_dot,
         USE_SPLIT=splits > 1, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        PREFETCH_TILES=PREFETCH_TILES if pdl and not cfg.use_dot else 0,
-        PREFETCH_CHUNKS=max(1, 32 * cfg.num_warps // cfg.block_n), W_BYTES=weight.element_size(),
-        GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if pdl else {}),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 
@@ -384,12 +356,21 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError("skinny_linear runs on CUDA tensors (or under TRITON_INTERPRET=1)")
 
 
-# The split-K counters (``split_counters``), by device.
-_LOCKS = split_counters.COUNTERS
+_LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
 def _device_locks(device: torch.device) -> torch.Tensor | None:
-    return split_counters.device_counters(device)
+    """The device's split-K counters, created by its first call outside graph capture; None
+    (run without split-K) when a graph is being captured before that: a zero-fill recorded
+    into one graph would not run before another graph's replay."""
+    locks = _LOCKS.get(device)
+    if locks is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        locks = _LOCKS[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
+        if device.type == "cuda":  # once: later launches may come from other streams
+            torch.cuda.current_stream(device).synchronize()
+    return locks
 
 
 @functools.cache
@@ -406,43 +387,6 @@ def _num_sms(device: torch.device) -> int:
 if HAS_TRITON:
 
     @triton.jit
-    def _prefetch_slice(
-        w_ptr, rows, stride_wn, k_from, k_end, max_elems,
-        CHUNKS: tl.constexpr, W_BYTES: tl.constexpr,
-    ):  # fmt: skip
-        """Ask L2 for weight elements ``[k_from, min(k_end, k_from + max_elems))`` of
-        ``rows`` ([BLOCK_N] row indices): each row's range in ``CHUNKS`` 16-byte aligned
-        pieces, one bulk prefetch each, so that a [BLOCK_N, CHUNKS] tile holds one request
-        per thread rather than copies of one request in every thread. PTX only (not under
-        the interpreter)."""
-        VEC: tl.constexpr = 16 // W_BYTES  # elements per 16 bytes
-        n = tl.maximum(tl.minimum(max_elems, k_end - k_from), 0)
-        chunk = tl.cdiv(tl.cdiv(n, CHUNKS), VEC) * VEC
-        start = tl.arange(0, CHUNKS)[None, :] * chunk
-        n_bytes = (tl.minimum(chunk, n - start) * W_BYTES).to(tl.int32)
-        ptrs = w_ptr + rows[:, None] * stride_wn + (k_from + start)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, n_bytes], dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-
-    @triton.jit
-    def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
-        """The ``[BLOCK_N]`` weight rows (int64) of column block ``pid_n``. Gated, the weight
-        is ``[gate; up]`` (N / 2 rows each) and the block interleaves them: tile rows 2j and
-        2j + 1 are gate and up rows of output ``pid_n * BLOCK_N / 2 + j``. Rows past the end
-        repeat the last one, so that weight loads need no row mask."""
-        r = tl.arange(0, BLOCK_N)
-        if GATED:
-            half = N // 2
-            j = tl.minimum(pid_n * (BLOCK_N // 2) + r // 2, half - 1)
-            rows = j + (r % 2) * half
-        else:
-            rows = tl.minimum(pid_n * BLOCK_N + r, N - 1)
-        return rows.to(tl.int64)
-
-    @triton.jit
     def _load_tile(ptrs, k_ok, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
         # k_ok: [1, BLOCK_K] or [BLOCK_K] mask of in-range K; unused when K is whole tiles.
         if EVEN_K:
@@ -455,8 +399,7 @@ if HAS_TRITON:
     def _fma_mainloop(
         x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-        EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr,
-        PREFETCH_CHUNKS: tl.constexpr, W_BYTES: tl.constexpr, GATED: tl.constexpr,
+        EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         """Partial sums ``[BLOCK_N, BLOCK_M]`` (fp32) on CUDA cores, BLOCK_M <= 4.
 
@@ -465,7 +408,7 @@ if HAS_TRITON:
         feed ``tl.dot``).
         """
         # Rows past N re-read row N-1 so that the weight loads need no row mask.
-        rows = _weight_rows(pid_n, N, BLOCK_N, GATED)
+        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
         offs_k = (k_start + tl.arange(0, BLOCK_K))[None, :]
         w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k
         # Rows of x as [1, BLOCK_K] tiles take the weight tile's register layout (a 1-D load
@@ -477,10 +420,6 @@ if HAS_TRITON:
         x3 = x0 + tl.minimum(3, M - 1) * stride_xm
         ok = offs_k < K
         w = _load_tile(w_ptrs, ok, EVEN_K, "evict_first")
-        if PREFETCH_TILES > 0:
-            _prefetch_slice(w_ptr, rows, stride_wn, k_start + BLOCK_K,
-                            tl.minimum(k_start + num_tiles * BLOCK_K, K),
-                            PREFETCH_TILES * BLOCK_K, PREFETCH_CHUNKS, W_BYTES)  # fmt: skip
         if USE_PDL:  # the weight is ours; x may still be being written by the previous kernel
             tl.extra.cuda.gdc_wait()
         v0 = _load_tile(x0, ok, EVEN_K, "evict_last")
@@ -535,10 +474,10 @@ if HAS_TRITON:
     def _dot_mainloop(
         x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GATED: tl.constexpr,
+        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
         """Partial sums ``[BLOCK_N, BLOCK_M]`` (fp32) on tensor cores: ``W_tile @ x_tile^T``."""
-        rows = _weight_rows(pid_n, N, BLOCK_N, GATED)
+        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
         offs_m = tl.minimum(tl.arange(0, BLOCK_M), M - 1)
         offs_k = k_start + tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
@@ -557,35 +496,20 @@ if HAS_TRITON:
     def _store_output(
         acc, out_ptr, bias_ptr, pid_n, M, N, stride_om,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
-        GATED: tl.constexpr,
     ):  # fmt: skip
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
-        if GATED:
-            # Rows 2j, 2j + 1 of the tile are output j's gate and up (``_weight_rows``); each
-            # is rounded to the output dtype first, as the product then SiLU-and-mul would.
-            pairs = tl.permute(tl.reshape(acc, [BLOCK_N // 2, 2, BLOCK_M]), [0, 2, 1])
-            gate, up = tl.split(pairs)
-            gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)
-            up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
-            y = gate / (1.0 + tl.exp(-gate)) * up
-            offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-            mask = (offs_n[:, None] < N // 2) & (offs_m[None, :] < M)
-            tl.store(ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            if HAS_BIAS:
-                b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-                acc += b.to(tl.float32)[:, None]
-            ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-            mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc += b.to(tl.float32)[:, None]
+        ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _split_k_combine(
         acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits, M, N, stride_om,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
-        GATED: tl.constexpr,
     ):  # fmt: skip
         """Publish this split's partial tile; the last split of the column block sums all
         of them in split order and writes the output."""
@@ -607,7 +531,7 @@ if HAS_TRITON:
             # Leave the counter at zero for the next launch (kernel boundaries order it).
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             _store_output(total, out_ptr, bias_ptr, pid_n, M, N, stride_om,
-                          BLOCK_N, BLOCK_M, HAS_BIAS, GATED)  # fmt: skip
+                          BLOCK_N, BLOCK_M, HAS_BIAS)  # fmt: skip
 
     @triton.jit
     def _skinny_gemm_kernel(
@@ -616,12 +540,8 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
         USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-        PREFETCH_TILES: tl.constexpr, PREFETCH_CHUNKS: tl.constexpr, W_BYTES: tl.constexpr,
-        GATED: tl.constexpr,
     ):  # fmt: skip
-        """``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``, or gated ``out[M, N / 2] =
-        silu(x @ gate^T) * (x @ up^T)`` for ``w = [gate; up]``; grid
-        ``(cdiv(N, BLOCK_N) * splits,)``.
+        """``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``; grid ``(cdiv(N, BLOCK_N) * splits,)``.
 
         The splits of one column block are adjacent program ids, so they run at the same
         time and their combine happens early rather than in a tail at the end.
@@ -640,17 +560,16 @@ if HAS_TRITON:
                 tl.extra.cuda.gdc_wait()
             acc = _dot_mainloop(
                 x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
-                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, DOT_PRECISION, GATED,
+                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, DOT_PRECISION,
             )  # fmt: skip
         else:
             acc = _fma_mainloop(
                 x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
-                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, USE_PDL, PREFETCH_TILES, PREFETCH_CHUNKS,
-                W_BYTES, GATED,
+                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, USE_PDL,
             )  # fmt: skip
         if USE_SPLIT:
             _split_k_combine(acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits,
-                             M, N, stride_om, BLOCK_N, BLOCK_M, HAS_BIAS, GATED)  # fmt: skip
+                             M, N, stride_om, BLOCK_N, BLOCK_M, HAS_BIAS)  # fmt: skip
         else:
             _store_output(acc, out_ptr, bias_ptr, pid_n, M, N, stride_om,
-                          BLOCK_N, BLOCK_M, HAS_BIAS, GATED)  # fmt: skip
+                          BLOCK_N, BLOCK_M, HAS_BIAS)  # fmt: skip

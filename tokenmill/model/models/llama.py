@@ -11,7 +11,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
-from tokenmill.model.layers.activation import SiluAndMul, get_act_and_mul
+from tokenmill.model.layers.activation import get_act_and_mul
 from tokenmill.model.layers.attention import Attention
 from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.linear import (
@@ -59,8 +59,6 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.act_fn, SiluAndMul):  # the product may apply it in its epilogue
-            return self.down_proj(self.gate_up_proj.forward_silu_and_mul(x))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
