@@ -89,6 +89,15 @@ def fused_sampler() -> bool:
     return os.environ.get("TOKENMILL_FUSED_SAMPLER", "1") not in ("", "0")
 
 
+def sort_free_top_p() -> bool:
+    """TOKENMILL_SORT_FREE_TOP_P=1: on CUDA, find each row's top-p cut-off by a radix select
+    over the logits (``worker/top_p_select.py``) instead of sorting the vocabulary (off by
+    default until measured on a GPU)."""
+    return os.environ.get("TOKENMILL_SORT_FREE_TOP_P", "0").strip().lower() in (
+        "1", "true", "yes", "on",
+    )
+
+
 def mixed_step_graphs() -> bool:
     """TOKENMILL_MIXED_STEP_GRAPHS=0: replay steps with prompt tokens through the piecewise
     graphs (attention eager between pieces) instead of whole-step graphs (default: on where

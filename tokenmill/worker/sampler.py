@@ -47,11 +47,15 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill import envs
 from tokenmill.core.engine_io import LogprobsLists
+from tokenmill.worker import top_p_select
 from tokenmill.worker.gumbel_sampling import gumbel_argmax
 from tokenmill.worker.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
+# Read once: graphs captured at start must match the eager steps.
+_SORT_FREE_TOP_P = envs.sort_free_top_p()
 
 
 @dataclass
@@ -223,7 +227,10 @@ class Sampler(torch.nn.Module):
         logits = logits.div_(metadata.temperature[:, None])
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
-        if metadata.top_p is not None:
+        if metadata.top_p is not None and metadata.top_k is None and _sort_free(logits):
+            threshold = top_p_select.top_p_threshold(logits, metadata.top_p)
+            logits = logits.masked_fill_(logits < threshold[:, None], _NEG_INF)
+        elif metadata.top_p is not None:
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
         elif metadata.top_k is not None:
             logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
@@ -265,6 +272,12 @@ class Sampler(torch.nn.Module):
 WIDE_ARGMAX_MAX_ROWS = 8
 WIDE_ARGMAX_MIN_VOCAB = 16384
 WIDE_ARGMAX_CHUNKS = 256
+
+
+def _sort_free(logits: torch.Tensor) -> bool:
+    """Whether top-p takes the radix select (``top_p_select.py``) rather than a sort:
+    CUDA logits with ``TOKENMILL_SORT_FREE_TOP_P=1``."""
+    return _SORT_FREE_TOP_P and top_p_select.HAS_TRITON and logits.is_cuda
 
 
 def _row_chunks(x: torch.Tensor, force: bool = False) -> int | None:
