@@ -229,18 +229,6 @@ def test_skinny_gemm_setting_rejects_other_values(monkeypatch):
         envs.skinny_gemm()
 
 
-@pytest.mark.parametrize("value,expected", [(None, True), ("1", True), ("0", False),
-                                            ("off", False), ("", True)])  # fmt: skip
-def test_pdl_setting(monkeypatch, value, expected):
-    from tokenmill import envs
-
-    if value is None:
-        monkeypatch.delenv("TOKENMILL_PDL", raising=False)
-    else:
-        monkeypatch.setenv("TOKENMILL_PDL", value)
-    assert envs.pdl() is expected
-
-
 @pytest.mark.parametrize("mode,tuned,used", [("auto", True, True), ("auto", False, False),
                                              ("1", False, True), ("0", True, False)])  # fmt: skip
 def test_dense_routes_by_setting(monkeypatch, mode, tuned, used):

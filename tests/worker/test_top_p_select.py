@@ -80,18 +80,6 @@ def test_no_rows():
     assert empty.shape == (0,)
 
 
-@pytest.mark.parametrize("value,expected", [(None, False), ("0", False), ("1", True),
-                                            ("on", True)])  # fmt: skip
-def test_setting(monkeypatch, value, expected):
-    from tokenmill import envs
-
-    if value is None:
-        monkeypatch.delenv("TOKENMILL_SORT_FREE_TOP_P", raising=False)
-    else:
-        monkeypatch.setenv("TOKENMILL_SORT_FREE_TOP_P", value)
-    assert envs.sort_free_top_p() is expected
-
-
 def test_rejects_what_it_cannot_take():
     with pytest.raises(ValueError, match="float32 contiguous"):
         top_p_threshold(torch.zeros(2, 8, dtype=torch.float16), torch.ones(2))
