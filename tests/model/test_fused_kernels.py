@@ -141,3 +141,15 @@ def test_dependent_launches_stay_off_where_they_cannot_run(monkeypatch):
     monkeypatch.setattr(pdl, "_ENABLED", True)
     assert not pdl.enabled(torch.device("cpu"))
     assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": False}
+
+
+def test_dependent_launches_are_never_asked_of_rocm(monkeypatch):
+    """A ROCm device is ``cuda`` to torch and an MI300 reports capability (9, 4); Triton's
+    grid dependency control exists only for NVIDIA GPUs."""
+    from tokenmill.model.layers import pdl
+
+    monkeypatch.setattr(pdl, "_capability_major", lambda index: 9)
+    monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
+    assert not pdl.supported(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert pdl.supported(torch.device("cuda", 0)) == pdl.HAS_TRITON

@@ -44,9 +44,10 @@ def _capability_major(index: int) -> int:
 
 
 def supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can be dependent launches: a CUDA device of compute
-    capability 9.0 or more with Triton (never under Triton's interpreter: CPU tensors)."""
-    if not (HAS_TRITON and device.type == "cuda"):
+    """Whether kernels on ``device`` can be dependent launches: an NVIDIA GPU of compute
+    capability 9.0 or more with Triton (never under Triton's interpreter: CPU tensors; never
+    on ROCm, whose devices are also ``cuda`` to torch and report gfx9 as capability 9)."""
+    if not (HAS_TRITON and device.type == "cuda") or torch.version.hip is not None:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability_major(index) >= 9
