@@ -13,12 +13,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tokenmill.core.engine_io import SchedulerStats
 from tokenmill.engine.output_processor import FinishedRequestStats, IterationStats
 from tokenmill.entrypoints.openai.errors import OpenAIError, model_not_found
-from tokenmill.entrypoints.openai.serving_chat import chat_logprobs
-from tokenmill.entrypoints.openai.serving_completion import completion_logprobs
-from tokenmill.entrypoints.openai.serving_engine import (
+from tokenmill.entrypoints.openai.logprobs import (
     MIN_LOGPROB,
     TokenBytes,
     clamp_logprob,
+)
+from tokenmill.entrypoints.openai.serving_chat import chat_logprobs
+from tokenmill.entrypoints.openai.serving_completion import completion_logprobs
+from tokenmill.entrypoints.openai.serving_engine import (
     merge_streams,
     parse_logit_bias,
 )

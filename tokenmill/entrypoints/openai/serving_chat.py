@@ -16,6 +16,11 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.logprobs import (
+    TokenBytes,
+    clamp_logprob,
+    prompt_logprobs_json,
+)
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionLogProb,
@@ -34,11 +39,8 @@ from tokenmill.entrypoints.openai.protocol import (
 from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
     RequestLogger,
-    TokenBytes,
     check_implemented,
-    clamp_logprob,
     first_output,
-    prompt_logprobs_json,
     to_openai_error,
 )
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput

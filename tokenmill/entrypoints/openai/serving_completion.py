@@ -19,6 +19,11 @@ from fastapi.responses import Response, StreamingResponse
 from tokenmill import envs
 from tokenmill.engine.stage_timings import FRONT_END_TIMINGS
 from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.logprobs import (
+    clamp_logprob,
+    per_prompt_position,
+    prompt_logprobs_json,
+)
 from tokenmill.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -33,11 +38,8 @@ from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
     RequestLogger,
     check_implemented,
-    clamp_logprob,
     first_output,
     merge_streams,
-    per_prompt_position,
-    prompt_logprobs_json,
     to_openai_error,
 )
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
