@@ -53,6 +53,11 @@ def log_step_stats() -> bool:
     return os.environ.get("TOKENMILL_LOG_STEP_STATS", "") not in ("", "0")
 
 
+# Spellings of on and off that the kernel switches below accept (lower-cased, stripped).
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
 def skinny_gemm() -> str:
     """TOKENMILL_SKINNY_GEMM: which linear layers of decode-sized batches (<= 32 rows) on
     CUDA run the split-K Triton kernel instead of cuBLAS, as ``"auto"``, ``"0"`` or ``"1"``.
@@ -67,9 +72,9 @@ def skinny_gemm() -> str:
     value = os.environ.get("TOKENMILL_SKINNY_GEMM", "").strip().lower()
     if value in ("", "auto"):
         return "auto"
-    if value in ("1", "true", "yes", "on"):
+    if value in _ON:
         return "1"
-    if value in ("0", "false", "no", "off"):
+    if value in _OFF:
         return "0"
     raise ValueError(f"TOKENMILL_SKINNY_GEMM must be auto, 0 or 1, got {value!r}")
 
@@ -78,8 +83,7 @@ def pdl() -> bool:
     """TOKENMILL_PDL=0: launch the step's normalisation, activation, rotary/KV-write and
     decode-attention Triton kernels as ordinary launches instead of programmatic dependent
     launches on sm_90+ (``model/layers/pdl.py``; on by default, off to compare)."""
-    value = os.environ.get("TOKENMILL_PDL", "").strip().lower()
-    return value not in ("0", "false", "no", "off")
+    return os.environ.get("TOKENMILL_PDL", "").strip().lower() not in _OFF
 
 
 def fused_sampler() -> bool:
@@ -93,9 +97,7 @@ def sort_free_top_p() -> bool:
     """TOKENMILL_SORT_FREE_TOP_P=1: on CUDA, find each row's top-p cut-off by a radix select
     over the logits (``worker/top_p_select.py``) instead of sorting the vocabulary (off by
     default until measured on a GPU)."""
-    return os.environ.get("TOKENMILL_SORT_FREE_TOP_P", "0").strip().lower() in (
-        "1", "true", "yes", "on",
-    )
+    return os.environ.get("TOKENMILL_SORT_FREE_TOP_P", "").strip().lower() in _ON
 
 
 def mixed_step_graphs() -> bool:

@@ -17,3 +17,16 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def row_slices(
+    rows: int, cols: int, block: int, target_programs: int, max_slices: int
+) -> tuple[int, int]:
+    """``(slices, slice_cols)`` for a ``(rows, slices)`` grid over a ``[rows, cols]`` tensor:
+    each row cut into at most ``max_slices`` slices of ``slice_cols`` columns (a multiple of
+    ``block``; the last slice may be shorter), so that the grid makes about
+    ``target_programs`` programs and every program covers at least one block. ``rows > 0``.
+    """
+    want = max(1, min(cdiv(target_programs, rows), cdiv(cols, block), max_slices))
+    slice_cols = cdiv(cdiv(cols, want), block) * block
+    return cdiv(cols, slice_cols), slice_cols

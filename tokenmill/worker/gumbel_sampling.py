@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from tokenmill.model.host_ints import cdiv
+from tokenmill.model.host_ints import row_slices
 
 try:
     import triton
@@ -54,9 +54,7 @@ MAX_CHUNKS = 1024
 def chunk_plan(rows: int, vocab: int) -> tuple[int, int]:
     """``(chunks, chunk_cols)``: each row is cut into ``chunks <= TARGET_PROGRAMS`` slices of
     ``chunk_cols`` columns (a multiple of ``BLOCK``; the last slice may be shorter)."""
-    want = max(1, min(cdiv(TARGET_PROGRAMS, rows), cdiv(vocab, BLOCK)))
-    chunk_cols = cdiv(cdiv(vocab, want), BLOCK) * BLOCK
-    return cdiv(vocab, chunk_cols), chunk_cols
+    return row_slices(rows, vocab, BLOCK, TARGET_PROGRAMS, MAX_CHUNKS)
 
 
 def gumbel_argmax(

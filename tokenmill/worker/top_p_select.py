@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from tokenmill.model.host_ints import cdiv
+from tokenmill.model.host_ints import row_slices
 
 try:
     import triton
@@ -57,9 +57,7 @@ def chunk_plan(rows: int, vocab: int) -> tuple[int, int]:
     """``(chunks, chunk_cols)``: each row cut into at most ``MAX_CHUNKS`` slices of
     ``chunk_cols`` columns (a multiple of ``BLOCK``) so that the batch makes about
     ``TARGET_PROGRAMS`` programs."""
-    want = max(1, min(cdiv(TARGET_PROGRAMS, rows), cdiv(vocab, BLOCK), MAX_CHUNKS))
-    chunk_cols = cdiv(cdiv(vocab, want), BLOCK) * BLOCK
-    return cdiv(vocab, chunk_cols), chunk_cols
+    return row_slices(rows, vocab, BLOCK, TARGET_PROGRAMS, MAX_CHUNKS)
 
 
 def top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
