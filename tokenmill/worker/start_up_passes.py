@@ -14,6 +14,7 @@ import torch
 
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.layers.attention import bind_kv_caches, unbind_kv_caches
+from tokenmill.worker import sampler, top_p_select
 from tokenmill.worker.cascade import CASCADE_MIN_DECODES, CASCADE_MIN_PREFIX_TOKENS
 from tokenmill.worker.gumbel_sampling import gumbel_argmax
 from tokenmill.worker.sampling_metadata import SamplingMetadata, uses_fused_sampler
@@ -96,15 +97,18 @@ def profile_run(runner: ModelRunner) -> int:
 @torch.inference_mode()
 def warm_up_sampler(runner: ModelRunner) -> None:
     """Compile the fused sampling kernels for the logits' two dtypes (the model's, and
-    float32 after logits processors); their other arguments are not specialised, so no
-    batch size compiles another variant later. CUDA with the fused sampler only."""
+    float32 after logits processors), and the top-p radix select when it is on; their other
+    arguments are not specialised, so no batch size compiles another variant later. CUDA
+    with the fused sampler only."""
     if not uses_fused_sampler(runner.device):
         return
     rows = 1
+    t = torch.ones(rows, dtype=torch.float32, device=runner.device)
     for dtype in {runner.dtype, torch.float32}:
         logits = torch.zeros(rows, runner.vocab_size, dtype=dtype, device=runner.device)
-        t = torch.ones(rows, dtype=torch.float32, device=runner.device)
         gumbel_argmax(logits, t, torch.zeros(rows, dtype=torch.int64, device=runner.device))
+    if sampler._sort_free(logits):
+        top_p_select.top_p_threshold(logits.float(), t * 0.5)
     torch.cuda.synchronize(runner.device)
 
 
