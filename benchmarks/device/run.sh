@@ -13,9 +13,8 @@
 #              tokens after 0..768 cached; _uniform as whole-step graphs launch them)
 #   gputests_engine  the engine's GPU tests, fused kernels, attention hook and sampler
 #   lat1_nofuse      lat1 with RoPE and the KV write as two kernels (TOKENMILL_FUSED_ROPE_CACHE=0)
-#   gputests_pdl lat1_pdl lat32_pdl serve_pdl   the same with TOKENMILL_PDL=1 (dependent
-#              launches for the norm, activation, rotary/KV-write and decode-attention kernels;
-#              the default now); lat1_nopdl: lat1 with TOKENMILL_PDL=0
+#   lat1_nopdl lat1 with TOKENMILL_PDL=0 (the norm, activation, rotary/KV-write and
+#              decode-attention kernels as ordinary launches, not dependent ones)
 #   gputests_skinny  the skinny GEMM's tests on CUDA (but the long Llama-shape sweep)
 #   lat1 lat32 tokenmill bench latency, M8, 32 in / 256 out, batch 1 / 32
 #   tp_long tp_short tp_small   tokenmill bench throughput (as ANCHORS.md)
@@ -174,10 +173,6 @@ for st in "$@"; do
     sampler) TAIL_LINES=40 stage sampler 150 python3 benchmarks/device/sampler_bench.py ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
-    gputests_pdl) TOKENMILL_PDL=1 PYTHONPATH="$XGP" stage gputests_pdl 300 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/gpu/test_triton_attention_gpu.py tests/model/test_fused_kernels.py tests/model/test_triton_attention.py -p no:cacheprovider --timeout 200 ;;
-    lat1_pdl) TOKENMILL_PDL=1 stage lat1_pdl 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_pdl.json"; addjson lat1_pdl "$LOGS/lat1_pdl.json" ;;
-    lat32_pdl) TOKENMILL_PDL=1 stage lat32_pdl 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32_pdl.json"; addjson lat32_pdl "$LOGS/lat32_pdl.json" ;;
-    serve_pdl) export TOKENMILL_PDL=1; serve_pair tm; unset TOKENMILL_PDL ;;
     lat1_nopdl) TOKENMILL_PDL=0 stage lat1_nopdl 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 6 --output-json "$LOGS/lat1_nopdl.json"; addjson lat1_nopdl "$LOGS/lat1_nopdl.json" ;;
     gputests_skinny) PYTHONPATH="$XGP" stage gputests_skinny 200 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/model/test_skinny_gemm.py -p no:cacheprovider --timeout 150 -k "not test_llama_shapes_bf16" ;;
     lat1_nofuse) TOKENMILL_FUSED_ROPE_CACHE=0 stage lat1_nofuse 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_nofuse.json"; addjson lat1_nofuse "$LOGS/lat1_nofuse.json" ;;
