@@ -52,10 +52,11 @@ capturable):
 - decode path: ``num_reqs``, ``num_decodes`` (else ``max_query_len``, and
   ``query_start_loc_cpu`` when a batch mixes decodes and prompts), ``max_seq_len`` (split
   count only) and ``common_prefix_len`` (cascade: grids and split counts; such steps are
-  never captured whole). Device: ``query_start_loc``, ``seq_lens``, ``block_table``. The grid is
-  ``(num_decodes, Hkv, num_splits)`` with ``num_splits`` from ``(num_decodes, Hkv,
-  max_seq_len, SM count)``; splits are dealt from the device ``seq_lens``, so a captured graph
-  replays correctly for any lengths that fit the block table, whatever its split count.
+  never captured whole). Device: ``query_start_loc``, ``seq_lens``, ``block_table``. The
+  grid is ``(num_decodes * num_splits * Hkv,)`` programs, the request slowest, with
+  ``num_splits`` from ``(num_decodes, Hkv, max_seq_len, SM count)``; splits are dealt from
+  the device ``seq_lens``, so a captured graph replays correctly for any lengths that fit
+  the block table, whatever its split count.
   Capture with ``max_seq_len = max_model_len`` so that long contexts get enough splits.
   Padding requests (``seq_len == 0``, slot -1) produce zeros; requests with ``query_len == 0``
   are not touched.
@@ -130,7 +131,7 @@ class _Launches:
     workspace: tuple[torch.Tensor, torch.Tensor] | None  # split partials; None: one split
     grid: tuple[int, int, int]
     kwargs: dict
-    reduce_grid: tuple[int, int] | None = None
+    reduce_grid: tuple[int, ...] | None = None
     reduce_kwargs: dict = field(default_factory=dict)
     prefix_grid: tuple[int, int, int] | None = None  # cascade attention's shared prefix
     prefix_kwargs: dict = field(default_factory=dict)
@@ -382,11 +383,12 @@ class TritonAttentionImpl(AttentionImpl):
         merge_splits = prefix_splits if num_splits == 1 else 0
         launch = _Launches(
             workspace=workspace,
-            grid=(plan.num_decodes, self.num_kv_heads, num_splits),
+            grid=(plan.num_decodes * num_splits * self.num_kv_heads, 1, 1),
             kwargs={
                 "req_offset": 0, "kv_start": prefix_len, "merge_splits": merge_splits,
                 "num_splits": num_splits, "stride_ot": out.stride(0),
-                "GROUP_P": _pow2(args["GROUP"], 16), "BLOCK_N": cfg.block_n,
+                "NUM_KV_HEADS": self.num_kv_heads, "GROUP_P": _pow2(args["GROUP"], 16),
+                "BLOCK_N": cfg.block_n,
                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **strides, **args,
                 **pdl.launch_options(query.device),
             },  # fmt: skip
@@ -402,9 +404,10 @@ class TritonAttentionImpl(AttentionImpl):
                 **strides, **prefix_args,
             }  # fmt: skip
         if total_splits > 1 and not merge_splits:
-            launch.reduce_grid = (plan.num_decodes, self.num_heads)
+            launch.reduce_grid = (plan.num_decodes * self.num_heads,)
             launch.reduce_kwargs = {
-                "req_offset": 0, **self._reduce_args(out, workspace, total_splits, MAX_SPLITS),
+                "req_offset": 0, "NUM_HEADS": self.num_heads,
+                **self._reduce_args(out, workspace, total_splits, MAX_SPLITS),
                 **pdl.launch_options(query.device),
             }  # fmt: skip
         return launch
@@ -453,13 +456,17 @@ class TritonAttentionImpl(AttentionImpl):
         programs = plan.prefill_tokens // block_q + plan.num_prefills  # see _find_seq
         launch = _Launches(
             workspace=workspace,
-            grid=(programs, self.num_kv_heads, num_splits),
+            grid=(
+                (programs * num_splits * self.num_kv_heads, 1, 1)
+                if plan.uniform else (programs, self.num_kv_heads, num_splits)
+            ),
             kwargs={
                 "req_offset": 0 if plan.uniform else plan.num_decodes,
                 "num_seqs": plan.num_prefills, "UNIFORM": plan.uniform,
                 "num_splits": num_splits, "stride_ot": out.stride(0),
                 **_operand_strides(query, kv_cache, metadata, workspace or (out, out)),
-                "GROUP_P": group_p, "BLOCK_Q": block_q, "BLOCK_N": cfg.block_n,
+                "NUM_KV_HEADS": self.num_kv_heads, "GROUP_P": group_p, "BLOCK_Q": block_q,
+                "BLOCK_N": cfg.block_n,
                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **args,
             },  # fmt: skip
         )

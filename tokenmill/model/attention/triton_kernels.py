@@ -147,6 +147,7 @@ def decode_attention_kernel(
     stride_ph,
     stride_lr,
     stride_lh,
+    NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -158,7 +159,8 @@ def decode_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Flash-decoding: program (request, KV head, split) attends one query token's
+    """Flash-decoding: program ``(r * num_splits + split) * NUM_KV_HEADS + kv_head`` attends
+    one query token's
     ``GROUP`` heads over its split of the context's keys from ``kv_start`` on.
 
     The key tiles are dealt evenly to ``num_splits`` programs from the device ``seq_lens``,
@@ -173,9 +175,13 @@ def decode_attention_kernel(
     zeros; one whose query length is not 1 is left alone.
     """
     wait_for_prior_grid(USE_PDL)
-    r = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    # One grid axis, the request slowest: with uniform grids (whole-step graphs) the rows
+    # past the step's decodes exit at once, and in this order they are dispatched after
+    # every real program instead of between them, where each would hold a slot first.
+    pid = tl.program_id(0)
+    kv_head = pid % NUM_KV_HEADS
+    split = (pid // NUM_KV_HEADS) % num_splits
+    r = pid // (NUM_KV_HEADS * num_splits)
     req = req_offset + r
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -276,20 +282,23 @@ def decode_reduce_kernel(
     stride_ph,
     stride_lr,
     stride_lh,
+    NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_P: tl.constexpr,
     S_P: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program (request, head): merge a decode token's splits into its output row."""
+    """Program ``r * NUM_HEADS + head``: merge a decode token's splits into its output row
+    (the request slowest, as in ``decode_attention_kernel``)."""
     wait_for_prior_grid(USE_PDL)
-    r = tl.program_id(0)
+    pid = tl.program_id(0)
+    r = pid // NUM_HEADS
     req = req_offset + r
     q_start = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
         return
     _merge_splits(
-        out_ptr, q_start, stride_ot, part_out_ptr, part_lse_ptr, r, tl.program_id(1),
+        out_ptr, q_start, stride_ot, part_out_ptr, part_lse_ptr, r, pid % NUM_HEADS,
         num_splits, stride_pr, stride_ph, stride_lr, stride_lh, HEAD_DIM, D_P, S_P,
     )  # fmt: skip
 
@@ -465,6 +474,7 @@ def varlen_attention_kernel(
     stride_ph,
     stride_lr,
     stride_lh,
+    NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -479,7 +489,9 @@ def varlen_attention_kernel(
 ):
     """Program (query block, KV head, split): ``BLOCK_Q`` consecutive query tokens of one
     sequence times the ``GROUP`` heads of one KV head, ``BLOCK_Q * GROUP_P`` rows in all,
-    over the ``split``-th of ``num_splits`` contiguous runs of its key tiles.
+    over the ``split``-th of ``num_splits`` contiguous runs of its key tiles. (With
+    ``UNIFORM`` the grid has one axis: ``(query block * num_splits + split) * NUM_KV_HEADS
+    + KV head``.)
 
     The tokens are the last ``q_len`` positions of a ``seq_len``-token context, so token
     ``t`` of the chunk sits at position ``seq_len - q_len + t`` and sees keys up to it (and
@@ -496,9 +508,18 @@ def varlen_attention_kernel(
     ``num_seqs`` from ``req_offset``, and those with one query token are left to the
     decode kernel.
     """
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    if UNIFORM:
+        # One grid axis, the query block slowest: uniform grids size the grid for every
+        # token of the step, the programs past its prompt tokens exit at once, and in this
+        # order they are dispatched after the real ones rather than between them.
+        kv_head = tl.program_id(0) % NUM_KV_HEADS
+        split = (tl.program_id(0) // NUM_KV_HEADS) % num_splits
+        pid = tl.program_id(0) // (NUM_KV_HEADS * num_splits)
+    else:
+        # A KV head's query blocks in order: they share its keys in L2.
+        pid = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
     if UNIFORM:
         req_offset = tl.load(prefill_range_ptr)
         num_seqs = tl.load(prefill_range_ptr + 1)
