@@ -51,10 +51,10 @@ def test_omp_num_threads_is_honoured(cores, monkeypatch):
         ("TOKENMILL_PDL", envs.pdl, "1", True),
         ("TOKENMILL_PDL", envs.pdl, "0", False),
         ("TOKENMILL_PDL", envs.pdl, "off", False),
-        ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, None, False),  # off by default
+        ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, None, True),  # on by default
         ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "0", False),
+        ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "false", False),
         ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "1", True),
-        ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "on", True),
     ],
 )
 def test_kernel_switches(monkeypatch, variable, read, value, expected):

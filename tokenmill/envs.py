@@ -94,10 +94,10 @@ def fused_sampler() -> bool:
 
 
 def sort_free_top_p() -> bool:
-    """TOKENMILL_SORT_FREE_TOP_P=1: on CUDA, find each row's top-p cut-off by a radix select
-    over the logits (``worker/top_p_select.py``) instead of sorting the vocabulary (off by
-    default until measured on a GPU)."""
-    return os.environ.get("TOKENMILL_SORT_FREE_TOP_P", "").strip().lower() in _ON
+    """TOKENMILL_SORT_FREE_TOP_P=0: on CUDA, find each row's top-p cut-off by sorting the
+    vocabulary instead of the radix select over the logits (``worker/top_p_select.py``; on
+    by default, off to compare)."""
+    return os.environ.get("TOKENMILL_SORT_FREE_TOP_P", "").strip().lower() not in _OFF
 
 
 def mixed_step_graphs() -> bool:

@@ -4,10 +4,11 @@ usage: python3 benchmarks/device/sampler_bench.py [VOCAB]
 For B rows of ``VOCAB`` (default 128,256, Llama-3's) bf16 logits: ``Sampler.forward`` at
 temperature 1 and greedy through the fused kernel (``gumbel_sampling.py``), the same calls
 through the torch route (metadata without the kernel's fields: shift, scale, noise and
-argmax as separate kernels), top-p 0.9 through the fused route with the sort and with the
-radix select of ``top_p_select.py`` (``top_p_0.9_radix``), and the softmax route
-(softmax, divide by the noise, one-stage argmax). Each case runs in a CUDA graph. Prints
-``SAMPLER`` lines in microseconds per call.
+argmax as separate kernels), top-p 0.9 through the fused route with the sort
+(``top_p_0.9_sort``) and with the radix select of ``top_p_select.py``
+(``top_p_0.9_radix``), and the softmax route (softmax, divide by the noise, one-stage
+argmax). Each case runs in a CUDA graph. Prints ``SAMPLER`` lines in microseconds per
+call.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _softmax_route(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Ten
     return probs.div_(noise).argmax(dim=-1)
 
 
-def _sort_free(sampler: Sampler, logits: torch.Tensor, meta):
-    saved, sampler_module._SORT_FREE_TOP_P = sampler_module._SORT_FREE_TOP_P, True
+def _top_p(sampler: Sampler, logits: torch.Tensor, meta, sort_free: bool):
+    saved, sampler_module._SORT_FREE_TOP_P = sampler_module._SORT_FREE_TOP_P, sort_free
     try:
         return sampler(logits, meta)
     finally:
@@ -60,8 +61,8 @@ def main() -> None:
             "random": lambda x=logits, m=random: sampler(x, m),
             "random_torch_route": lambda x=logits, m=random_torch: sampler(x, m),
             "random_softmax_route": lambda x=logits, m=random: _softmax_route(x, m.temperature),
-            "top_p_0.9": lambda x=logits, m=top_p: sampler(x, m),
-            "top_p_0.9_radix": lambda x=logits, m=top_p: _sort_free(sampler, x, m),
+            "top_p_0.9_sort": lambda x=logits, m=top_p: _top_p(sampler, x, m, False),
+            "top_p_0.9_radix": lambda x=logits, m=top_p: _top_p(sampler, x, m, True),
             "greedy": lambda x=logits, m=greedy: sampler(x, m),
             "greedy_torch_route": lambda x=logits, m=greedy_torch: sampler(x, m),
         }

@@ -276,7 +276,7 @@ WIDE_ARGMAX_CHUNKS = 256
 
 def _sort_free(logits: torch.Tensor) -> bool:
     """Whether top-p takes the radix select (``top_p_select.py``) rather than a sort:
-    CUDA logits with ``TOKENMILL_SORT_FREE_TOP_P=1``."""
+    CUDA logits unless ``TOKENMILL_SORT_FREE_TOP_P=0``."""
     return _SORT_FREE_TOP_P and top_p_select.HAS_TRITON and logits.is_cuda
 
 

@@ -128,7 +128,9 @@ if HAS_TRITON:
         prefix = tl.load(key_ptr + row).to(tl.uint32)
         d = tl.arange(0, DIGITS).to(tl.uint32)
         cand = prefix | (d << shift.to(tl.uint32))
-        acc = tl.zeros([DIGITS], dtype=tl.float32)
+        # Per-lane sums, reduced across lanes once after the loop: a cross-lane reduction
+        # of each candidate in every iteration made the pass compute-bound.
+        acc = tl.zeros([DIGITS, BLOCK], dtype=tl.float32)
         start = chunk * chunk_cols
         end = tl.minimum(start + chunk_cols, vocab)
         cols = tl.arange(0, BLOCK)
@@ -138,8 +140,9 @@ if HAS_TRITON:
             w = tl.exp(x)
             keys = _ordered_key(x)
             hit = keys[None, :] >= cand[:, None]
-            acc += tl.sum(tl.where(hit, w[None, :], 0.0), axis=1)
-        tl.store(part_ptr + (row * tl.num_programs(1) + chunk) * DIGITS + d, acc)
+            acc += tl.where(hit, w[None, :], 0.0)
+        mass = tl.sum(acc, axis=1)
+        tl.store(part_ptr + (row * tl.num_programs(1) + chunk) * DIGITS + d, mass)
 
     @triton.jit(do_not_specialize=["chunks", "shift"])
     def _select_kernel(
