@@ -18,7 +18,10 @@ keys that extend the bits found so far by one hex digit, in one read of the row,
 the largest digit whose mass still reaches ``p``. A pass is two launches: ``(B, chunks)``
 programs sum the candidates' masses over slices of their row, one program per row adds the
 slices up and extends its key. Nothing leaves the GPU, so the step stays capturable in a
-CUDA graph.
+CUDA graph. Measured on an H200 (``benchmarks/device/sampler_bench.py``, 128,256 tokens,
+the whole sampler call in a CUDA graph): 63 / 98 / 242 / 1,689 us for 1 / 8 / 32 / 256 rows
+against the sort route's 134 / 401 / 767 / 4,184. The mass pass is bound by its 16
+comparisons per token, not by reading the row.
 
 Ties: tokens whose logit equals the cut-off are all kept (the sort route keeps those the
 sort placed first). Logits rounded to bf16 tie often: on 128k-token rows that keeps ~1-7%
