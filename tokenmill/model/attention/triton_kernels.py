@@ -160,8 +160,8 @@ def decode_attention_kernel(
     USE_PDL: tl.constexpr,
 ):
     """Flash-decoding: program ``(r * num_splits + split) * NUM_KV_HEADS + kv_head`` attends
-    one query token's
-    ``GROUP`` heads over its split of the context's keys from ``kv_start`` on.
+    one query token's ``GROUP`` heads over its split of the context's keys from
+    ``kv_start`` on.
 
     The key tiles are dealt evenly to ``num_splits`` programs from the device ``seq_lens``,
     so the grid does not depend on context lengths. ``kv_start > 0`` leaves the keys below
