@@ -38,6 +38,7 @@
 #              policy (SWEEP="PACING:QUEUE_LIMIT:MAX_NUM_SEQS ..."; serving_profile.py --sweep)
 #   gputests_so  the engine's GPU tests of structured outputs and whole-step graphs
 #   diag_args  serving with per-request detail for a server given DIAG_ARGS (label DIAG_LABEL)
+#   seqs_sweep the random load served with --max-num-seqs N for each N in SEQS (default 60)
 #   sampler    the sampler's GPU time per call against the softmax route (sampler_bench.py)
 #   gputests_topp  the sampler and engine GPU tests with TOKENMILL_SORT_FREE_TOP_P=0 (top-p
 #              by sorting); gputests_topp_unit the sampler tests (the default radix select)
@@ -206,6 +207,7 @@ for st in "$@"; do
     sprofpw_pace[0-9]*) TOKENMILL_MIXED_STEP_GRAPHS=0 stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprofpw_pace}" ;;
     spsweep) stage spsweep 400 python3 benchmarks/device/serving_profile.py "$M8" --warm-requests 96 --sweep ${SWEEP:-256:0:0 256:65536:0 0:0:0} ;;
     diag_args) serve_diag "${DIAG_LABEL:-args}" $DIAG_ARGS ;;
+    seqs_sweep) for n in ${SEQS:-60}; do LOADS=random serve_diag "seqs$n" --max-num-seqs "$n"; done ;;
     diag_nocascade) serve_diag nocascade --disable-cascade-attn ;;
     gputests_so) PYTHONPATH="$XGP" stage gputests_so 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "structured or mixed_step_graphs" -p no:cacheprovider --timeout 120 ;;
     vllm_serve) serve_pair vllm ;;
