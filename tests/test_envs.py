@@ -55,6 +55,8 @@ def test_omp_num_threads_is_honoured(cores, monkeypatch):
         ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "0", False),
         ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "false", False),
         ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "1", True),
+        ("TOKENMILL_SHORT_DECODE_GRAPHS", envs.short_decode_graphs, None, False),  # off
+        ("TOKENMILL_SHORT_DECODE_GRAPHS", envs.short_decode_graphs, "1", True),
     ],
 )
 def test_kernel_switches(monkeypatch, variable, read, value, expected):

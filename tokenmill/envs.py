@@ -100,6 +100,14 @@ def sort_free_top_p() -> bool:
     return os.environ.get("TOKENMILL_SORT_FREE_TOP_P", "").strip().lower() not in _OFF
 
 
+def short_decode_graphs() -> bool:
+    """TOKENMILL_SHORT_DECODE_GRAPHS=1: also capture decode graphs for batches of at most
+    ``cuda_graph.SHORT_DECODE_MAX_BATCH`` requests whose contexts all fit one key split
+    (``cuda_graph.SHORT_DECODE_CONTEXT`` tokens), which launch no split reduction (off by
+    default until measured on a GPU)."""
+    return os.environ.get("TOKENMILL_SHORT_DECODE_GRAPHS", "").strip().lower() in _ON
+
+
 def mixed_step_graphs() -> bool:
     """TOKENMILL_MIXED_STEP_GRAPHS=0: replay steps with prompt tokens through the piecewise
     graphs (attention eager between pieces) instead of whole-step graphs (default: on where

@@ -160,6 +160,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.cuda_graphs = None  # a CUDAGraphRunner once captured
+        self.short_decode_graphs = None  # one for short contexts (TOKENMILL_SHORT_DECODE_GRAPHS)
         self.piecewise_graphs = None  # a PiecewiseCUDAGraphRunner once captured
         self.mixed_graphs = None  # a MixedCUDAGraphRunner once captured
         # Tests set these (ascending sizes) on CPU to run batches padded like CUDA-graph
@@ -253,7 +254,11 @@ class ModelRunner:
         decode-only batches, in one memory pool (CUDA only)."""
         if self.device.type != "cuda":
             return
-        from tokenmill.worker.cuda_graph import CUDAGraphRunner
+        from tokenmill.worker.cuda_graph import (
+            SHORT_DECODE_CONTEXT,
+            SHORT_DECODE_MAX_BATCH,
+            CUDAGraphRunner,
+        )
         from tokenmill.worker.piecewise_graph import PiecewiseCUDAGraphRunner
 
         pool = torch.cuda.graph_pool_handle()
@@ -266,6 +271,12 @@ class ModelRunner:
             self.mixed_graphs.capture()
         self.cuda_graphs = CUDAGraphRunner(self, pool=pool)
         self.cuda_graphs.capture()
+        if envs.short_decode_graphs() and self.max_model_len > SHORT_DECODE_CONTEXT:
+            sizes = [s for s in self.cuda_graphs.sizes if s <= SHORT_DECODE_MAX_BATCH]
+            self.short_decode_graphs = CUDAGraphRunner(
+                self, sizes, pool=pool, max_seq_len=SHORT_DECODE_CONTEXT
+            )
+            self.short_decode_graphs.capture()
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -374,6 +385,13 @@ class ModelRunner:
         num_reqs = inputs.metadata.num_reqs
         # A step with cascade attention runs attention eagerly (piecewise graphs).
         if inputs.is_decode_only and not inputs.metadata.common_prefix_len:
+            short = self.short_decode_graphs
+            if (
+                short is not None
+                and short.can_run(num_reqs)
+                and inputs.metadata.max_seq_len <= short.max_seq_len
+            ):
+                return short.run(num_reqs)
             if self._has_decode_graph(num_reqs):
                 return self.cuda_graphs.run(num_reqs)
             if self.pad_decode_batches_to:
@@ -414,15 +432,18 @@ class ModelRunner:
         self.positions.device[num_tokens:padded].zero_()
         self.slot_mapping.device[num_tokens:padded].fill_(-1)
 
-    def pad_decode_batch(self, num_reqs: int, padded: int) -> AttentionMetadata:
+    def pad_decode_batch(
+        self, num_reqs: int, padded: int, max_seq_len: int | None = None
+    ) -> AttentionMetadata:
         """Fill rows ``num_reqs..padded`` of the device buffers with inert padding requests
         (one token each, slot -1 so nothing is written, context length 0) and return the
-        metadata of the padded batch, as a captured CUDA graph sees it."""
+        metadata of the padded batch, as a captured CUDA graph sees it (``max_seq_len`` as
+        for ``decode_metadata``)."""
         self.pad_token_inputs(num_reqs, padded)
         self.seq_lens.device[num_reqs:padded].zero_()
         qsl = self.query_start_loc.device
         torch.arange(num_reqs + 1, padded + 1, out=qsl[num_reqs + 1 : padded + 1])
-        return self.decode_metadata(padded)
+        return self.decode_metadata(padded, max_seq_len)
 
     def single_request_metadata(self, num_tokens: int, seq_len: int) -> AttentionMetadata:
         """Metadata over the persistent buffers for one request computing the last
@@ -438,13 +459,14 @@ class ModelRunner:
             seq_lens_cpu=torch.tensor([seq_len], dtype=torch.int32),
         )
 
-    def decode_metadata(self, batch_size: int) -> AttentionMetadata:
-        """Metadata over the persistent buffers for a decode batch of ``batch_size``."""
+    def decode_metadata(self, batch_size: int, max_seq_len: int | None = None) -> AttentionMetadata:
+        """Metadata over the persistent buffers for a decode batch of ``batch_size``, planned
+        for contexts up to ``max_seq_len`` tokens (default ``max_model_len``)."""
         return self.buffer_metadata(
             batch_size,
             batch_size,
             max_query_len=1,
-            max_seq_len=self.max_model_len,
+            max_seq_len=max_seq_len or self.max_model_len,
             query_start_loc_cpu=torch.arange(batch_size + 1, dtype=torch.int32),
             seq_lens_cpu=self.seq_lens.host[:batch_size].clone(),
             num_decodes=batch_size,
