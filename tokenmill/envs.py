@@ -108,6 +108,14 @@ def short_decode_graphs() -> bool:
     return os.environ.get("TOKENMILL_SHORT_DECODE_GRAPHS", "").strip().lower() in _ON
 
 
+def rope_in_decode_attention() -> bool:
+    """TOKENMILL_ROPE_IN_DECODE_ATTENTION=1: in decode-only steps on CUDA, rotate the query
+    and key and write the new K/V inside the decode attention kernel instead of a separate
+    rotary/KV-write launch per layer (``TritonAttentionImpl.attend_decode_rotary``; off by
+    default until measured on a GPU)."""
+    return os.environ.get("TOKENMILL_ROPE_IN_DECODE_ATTENTION", "").strip().lower() in _ON
+
+
 def mixed_step_graphs() -> bool:
     """TOKENMILL_MIXED_STEP_GRAPHS=0: replay steps with prompt tokens through the piecewise
     graphs (attention eager between pieces) instead of whole-step graphs (default: on where

@@ -15,6 +15,9 @@
 #   lat1_nofuse      lat1 with RoPE and the KV write as two kernels (TOKENMILL_FUSED_ROPE_CACHE=0)
 #   lat1_short lat1 with TOKENMILL_SHORT_DECODE_GRAPHS=1 (one-split decode graphs for short
 #              contexts at small batch)
+#   lat1_ropeattn lat1 with TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 (RoPE and the KV write in
+#              the decode kernel); lat1_both with that and the short-context graphs;
+#              gputests_trials the GPU tests of both switches and the decode kernel
 #   lat1_nopdl lat1 with TOKENMILL_PDL=0 (the norm, activation, rotary/KV-write and
 #              decode-attention kernels as ordinary launches, not dependent ones)
 #   gputests_skinny  the skinny GEMM's tests on CUDA (but the long Llama-shape sweep)
@@ -181,6 +184,9 @@ for st in "$@"; do
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     lat1_short) TOKENMILL_SHORT_DECODE_GRAPHS=1 stage lat1_short 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_short.json"; addjson lat1_short "$LOGS/lat1_short.json" ;;
+    lat1_ropeattn) TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 stage lat1_ropeattn 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_ropeattn.json"; addjson lat1_ropeattn "$LOGS/lat1_ropeattn.json" ;;
+    lat1_both) TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 TOKENMILL_SHORT_DECODE_GRAPHS=1 stage lat1_both 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_both.json"; addjson lat1_both "$LOGS/lat1_both.json" ;;
+    gputests_trials) PYTHONPATH="$XGP" stage gputests_trials 300 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/gpu/test_triton_attention_gpu.py -k "short_context or rope_in_decode or decode" -p no:cacheprovider --timeout 200 ;;
     lat1_nopdl) TOKENMILL_PDL=0 stage lat1_nopdl 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 6 --output-json "$LOGS/lat1_nopdl.json"; addjson lat1_nopdl "$LOGS/lat1_nopdl.json" ;;
     gputests_skinny) PYTHONPATH="$XGP" stage gputests_skinny 200 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/model/test_skinny_gemm.py -p no:cacheprovider --timeout 150 -k "not test_llama_shapes_bf16" ;;
     lat1_nofuse) TOKENMILL_FUSED_ROPE_CACHE=0 stage lat1_nofuse 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_nofuse.json"; addjson lat1_nofuse "$LOGS/lat1_nofuse.json" ;;

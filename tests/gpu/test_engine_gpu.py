@@ -130,6 +130,23 @@ def test_short_context_decode_graphs_equal_eager_in_float32(smollm2_random, monk
     assert tokens[False] == tokens[True]
 
 
+def test_rope_in_decode_attention_equals_the_separate_kernels_in_float32(
+    smollm2_random, monkeypatch
+):
+    """With TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 decode steps rotate and write their K/V
+    inside the decode kernel: the same greedy tokens as the separate rotary/KV-write
+    kernel, in CUDA graphs and eagerly."""
+    _, path = smollm2_random
+    prompts = _prompts(8)
+    tokens = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv("TOKENMILL_ROPE_IN_DECODE_ATTENTION", fused)
+        for eager in (False, True):
+            tokens[fused, eager] = _generate(path, prompts, dtype="float32", enforce_eager=eager)
+    assert tokens["1", False] == tokens["0", False]
+    assert tokens["1", True] == tokens["0", True]
+
+
 def test_split_decode_graphs_survive_a_released_cache(smollm2_random):
     """A batch-1 decode graph splits each request's keys (its workspace is allocated by the
     warm-up passes, outside the graph's pool): it must still replay correctly after the

@@ -536,3 +536,87 @@ def test_prefix_split_heuristic():
     assert triton_backend.num_prefix_splits(64, 32, 8, 2000, 132) == 8
     assert triton_backend.num_prefix_splits(64, 32, 8, 256, 132) == 1
     assert triton_backend.num_prefix_splits(1024, 32, 8, 8000, 132) == 1
+
+
+def _rotary_table(positions: int, rotary_dim: int, seed: int = 3) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.rand(positions, rotary_dim // 2, generator=gen) * 6.0
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def _rotate(x: torch.Tensor, pos: torch.Tensor, table, heads, head_dim, rotary_dim, neox):
+    """The reference rotation of ``x [T, heads * head_dim]`` at ``pos [T]``."""
+    half = rotary_dim // 2
+    x = x.view(x.shape[0], heads, head_dim).clone()
+    cos = table[pos, :half][:, None, :]
+    sin = table[pos, half:][:, None, :]
+    rot = x[..., :rotary_dim]
+    if neox:
+        a, b = rot[..., :half].clone(), rot[..., half:].clone()
+        rot[..., :half], rot[..., half:] = a * cos - b * sin, b * cos + a * sin
+    else:
+        a, b = rot[..., 0::2].clone(), rot[..., 1::2].clone()
+        rot[..., 0::2], rot[..., 1::2] = a * cos - b * sin, b * cos + a * sin
+    return x.view(x.shape[0], -1)
+
+
+@pytest.mark.parametrize(
+    "neox, rotary_dim, window",
+    [(True, 16, None), (False, 16, None), (True, 8, None), (True, 16, 20)],
+)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_with_rope_in_the_kernel(monkeypatch, small_tiles, splits, neox, rotary_dim, window):
+    """``attend_decode_rotary`` (rotation and K/V write inside the decode kernel) gives the
+    output and cache of rotating, writing, then attending; padding rows write nothing."""
+    from tokenmill.model.attention.backend import DecodeRotary
+
+    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
+    real = make_batch([1] * 3, [50, 9, 31], num_decodes=3, seed=5)
+    md = real.metadata
+    pad = 2  # padding rows as a CUDA graph's: one token, slot -1, context 0
+    qsl = torch.arange(md.num_reqs + pad + 1, dtype=torch.int32)
+    sl = torch.cat([md.seq_lens, torch.zeros(pad, dtype=torch.int32)])
+    padded = dataclasses.replace(
+        md, num_actual_tokens=md.num_reqs + pad, num_reqs=md.num_reqs + pad,
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=sl,
+        seq_lens_cpu=sl.clone(), num_decodes=md.num_reqs + pad,
+        block_table=torch.cat([md.block_table, torch.zeros_like(md.block_table[:pad])]),
+        slot_mapping=torch.cat([md.slot_mapping, torch.full((pad,), -1)]),
+    )  # fmt: skip
+    grow = lambda x: torch.cat([x, torch.randn(pad, x.shape[1])])  # noqa: E731
+    query, key, value = grow(real.query), grow(real.key), grow(real.value)
+    table = _rotary_table(128, rotary_dim)
+    impl = TritonAttentionImpl(real.num_heads, real.head_dim, real.head_dim**-0.5,
+                               real.num_kv_heads, window, None)  # fmt: skip
+    cache = real.kv_cache.clone()
+    out = torch.full((query.shape[0], real.num_heads * real.head_dim), float("nan"))
+    before = query.clone(), key.clone()
+    got = impl.attend_decode_rotary(
+        query, key, value, cache, padded, DecodeRotary(table, rotary_dim, neox), out=out
+    )
+    assert got is out
+    assert torch.equal(query, before[0]) and torch.equal(key, before[1])  # left unrotated
+
+    pos = (md.seq_lens - 1).long()
+    d = real.head_dim
+    rotated = dataclasses.replace(
+        real,
+        query=_rotate(real.query, pos, table, real.num_heads, d, rotary_dim, neox),
+        key=_rotate(real.key, pos, table, real.num_kv_heads, d, rotary_dim, neox),
+    )
+    ref_out, ref_cache = run_reference(rotated, sliding_window=window)
+    torch.testing.assert_close(out[:3], ref_out, atol=1e-4, rtol=1e-4)
+    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+    torch.testing.assert_close(cache, ref_cache, atol=1e-6, rtol=1e-6, equal_nan=True)
+
+
+def test_decode_with_rope_refuses_prompt_tokens():
+    from tokenmill.model.attention.backend import DecodeRotary
+
+    b = make_batch(MIXED_Q, MIXED_CTX)
+    impl = TritonAttentionImpl(b.num_heads, b.head_dim, 1.0, b.num_kv_heads)
+    with pytest.raises(ValueError, match="decode-only"):
+        impl.attend_decode_rotary(
+            b.query, b.key, b.value, b.kv_cache, b.metadata,
+            DecodeRotary(_rotary_table(128, 16), 16, True),
+        )  # fmt: skip

@@ -70,6 +70,25 @@ class AttentionMetadata:
     prefill_range: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class DecodeRotary:
+    """The rotary embedding a decode launch applies itself (``attend_decode_rotary``).
+
+    Attributes:
+        cos_sin_cache: float32 ``[max_pos, rotary_dim]``, ``cos | sin`` per position.
+        rotary_dim: dimensions rotated (the first ones of each head); ``rotary_dim / 2`` a
+            power of two.
+        is_neox_style: rotate the two halves (else adjacent pairs).
+    """
+
+    cos_sin_cache: torch.Tensor
+    rotary_dim: int
+    is_neox_style: bool
+
+    def layout_key(self) -> tuple:
+        return (self.cos_sin_cache.stride(0), self.rotary_dim, self.is_neox_style)
+
+
 class AttentionImpl(abc.ABC):
     """One layer's attention over the paged KV cache.
 

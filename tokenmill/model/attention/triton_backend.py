@@ -78,7 +78,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.model.attention import triton_kernels as kernels
-from tokenmill.model.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+from tokenmill.model.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    DecodeRotary,
+)
 from tokenmill.model.attention.triton_cache_write import reshape_and_cache
 from tokenmill.model.attention.triton_launch import (  # noqa: F401 (patched and read here)
     DEFAULT_NUM_SMS,
@@ -173,6 +178,22 @@ def _step_plan(metadata: AttentionMetadata) -> _StepPlan:
     return plan
 
 
+def _rope_args(rope: tuple[int, int, DecodeRotary] | None) -> dict:
+    """The decode kernel's rotary arguments other than its tensors (zeros without ROPE)."""
+    if rope is None:
+        return {"stride_kt": 0, "stride_vt": 0, "stride_cos": 0, "ROPE": False, "HALF": 1,
+                "NEOX": True}  # fmt: skip
+    stride_k, stride_v, rotary = rope
+    half = rotary.rotary_dim // 2
+    if half < 1 or half & (half - 1):
+        raise ValueError(f"rotary_dim / 2 must be a power of two, got {rotary.rotary_dim}")
+    return {
+        "stride_kt": stride_k, "stride_vt": stride_v,
+        "stride_cos": rotary.cos_sin_cache.stride(0), "ROPE": True, "HALF": half,
+        "NEOX": rotary.is_neox_style,
+    }  # fmt: skip
+
+
 def _split_strides(part_out: torch.Tensor, part_lse: torch.Tensor) -> dict[str, int]:
     """Row and head strides of a split workspace (or of ``out`` standing in for one)."""
     return {
@@ -248,6 +269,49 @@ class TritonAttentionImpl(AttentionImpl):
             self._varlen(out, query, kv_cache, metadata, plan)
         return out
 
+    def attend_decode_rotary(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        rotary: DecodeRotary,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Rotate, write this step's K/V and attend, for a batch of decodes only, in the
+        decode kernel's launch (no separate rotary/KV-write kernel): ``query`` and ``key``
+        arrive unrotated, each token at position ``seq_len - 1``.
+
+        Args:
+            query: ``[num_reqs, num_heads * head_dim]``, unrotated (left as it is).
+            key, value: ``[num_reqs, num_kv_heads * head_dim]``, unrotated.
+            kv_cache, out: as for ``attend``.
+            metadata: a decode-only batch (``max_query_len == 1``) without a shared prefix
+                or uniform grids; padding rows have slot -1 and context length 0.
+            rotary: the rotary table and layout.
+
+        Raises:
+            ValueError: a batch that is not decode-only, or layouts the kernel cannot
+                address.
+        """
+        if metadata.max_query_len != 1 or metadata.common_prefix_len or metadata.uniform_grids:
+            raise ValueError("attend_decode_rotary takes decode-only batches without cascade")
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if x.stride(-1) != 1:
+                raise ValueError(f"{name} must be contiguous in its last dimension")
+        if rotary.cos_sin_cache.dtype != torch.float32 or rotary.cos_sin_cache.stride(1) != 1:
+            raise ValueError("the rotary table must be float32, contiguous along its rows")
+        width = self.num_heads * self.head_dim
+        if out is None:
+            out = torch.empty(query.shape[0], width, dtype=query.dtype, device=query.device)
+        elif out.shape != (query.shape[0], width) or out.stride(-1) != 1:
+            raise ValueError(f"out must be [{query.shape[0]}, {width}], rows contiguous")
+        plan = _step_plan(metadata)
+        if plan.num_decodes:
+            self._decode(out, query, kv_cache, metadata, plan, (key, value, rotary))
+        return out
+
     def _common_args(self, query: torch.Tensor, kv_cache: torch.Tensor) -> dict:
         group = self.num_heads // self.num_kv_heads
         return {
@@ -305,8 +369,19 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         plan: _StepPlan,
+        new_kv: tuple[torch.Tensor, torch.Tensor, DecodeRotary] | None = None,
     ) -> None:
-        launch = self._launches("decode", out, query, kv_cache, metadata, plan)
+        if new_kv is None:
+            launch = self._launches("decode", out, query, kv_cache, metadata, plan)
+            # Not read without ROPE: any tensors of a fixed dtype (no other variant compiles).
+            rope_ptrs = (query, query, query, metadata.slot_mapping)
+        else:
+            key, value, rotary = new_kv
+            launch = self._launches(
+                "decode", out, query, kv_cache, metadata, plan,
+                rope=(key.stride(0), value.stride(0), rotary),
+            )  # fmt: skip
+            rope_ptrs = (key, value, rotary.cos_sin_cache, metadata.slot_mapping)
         part_out, part_lse = launch.workspace or (out, out)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if launch.prefix_grid:
@@ -316,7 +391,9 @@ class TritonAttentionImpl(AttentionImpl):
             )  # fmt: skip
         kernels.decode_attention_kernel[launch.grid](
             out, part_out, part_lse, query, k_cache, v_cache, metadata.block_table,
-            metadata.seq_lens, metadata.query_start_loc, **launch.kwargs,
+            metadata.seq_lens, metadata.query_start_loc, k_new_ptr=rope_ptrs[0],
+            v_new_ptr=rope_ptrs[1], cos_sin_ptr=rope_ptrs[2], slot_ptr=rope_ptrs[3],
+            **launch.kwargs,
         )  # fmt: skip
         if launch.reduce_grid:
             kernels.decode_reduce_kernel[launch.reduce_grid](
@@ -331,17 +408,26 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         plan: _StepPlan,
+        rope: tuple[int, int, DecodeRotary] | None = None,
     ) -> _Launches:
         """``path``'s launches for this step, worked out by its first layer of this shape.
 
         Every layer of a step with the same shapes launches the same grids with the same
         scalars; working them out takes tens of microseconds of Python per layer, while
-        the GPU waits for the launches."""
-        key = (path, self.launch_key, query.dtype, query.stride(0), out.stride(0), kv_cache.shape)
+        the GPU waits for the launches. ``rope``: (key row stride, value row stride, the
+        rotary layout) of a decode launch that rotates and writes the new K/V itself."""
+        rope_key = None if rope is None else (rope[0], rope[1], rope[2].layout_key())
+        key = (
+            path, self.launch_key, query.dtype, query.stride(0), out.stride(0), kv_cache.shape,
+            rope_key,
+        )  # fmt: skip
         launch = plan.launches.get(key)
         if launch is None:
-            build = self._decode_launches if path == "decode" else self._varlen_launches
-            launch = plan.launches[key] = build(out, query, kv_cache, metadata, plan)
+            if path == "decode":
+                launch = self._decode_launches(out, query, kv_cache, metadata, plan, rope)
+            else:
+                launch = self._varlen_launches(out, query, kv_cache, metadata, plan)
+            plan.launches[key] = launch
         return launch
 
     def _decode_launches(
@@ -351,6 +437,7 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         plan: _StepPlan,
+        rope: tuple[int, int, DecodeRotary] | None = None,
     ) -> _Launches:
         """The decode path's grids, split counts and kernel arguments for this step."""
         args = self._common_args(query, kv_cache)
@@ -364,6 +451,8 @@ class TritonAttentionImpl(AttentionImpl):
             prefix_len = 0
         prefix_splits = block_q = 0
         pcfg = varlen_tile_config(args["D_P"], query.dtype)
+        if rope is not None:
+            prefix_len = 0  # checked by attend_decode_rotary: no shared prefix
         if prefix_len and plan.num_decodes > 1:
             block_q = max(1, pcfg.block_m // _pow2(args["GROUP"]))
             prefix_splits = num_prefix_splits(
@@ -390,7 +479,7 @@ class TritonAttentionImpl(AttentionImpl):
                 "NUM_KV_HEADS": self.num_kv_heads, "GROUP_P": _pow2(args["GROUP"], 16),
                 "BLOCK_N": cfg.block_n,
                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **strides, **args,
-                **pdl.launch_options(query.device),
+                **_rope_args(rope), **pdl.launch_options(query.device),
             },  # fmt: skip
         )
         if prefix_len:

@@ -109,6 +109,67 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _rotary_pairs(cos_sin_ptr, stride_cos, seq_len, D_P: tl.constexpr, HALF: tl.constexpr,
+                  NEOX: tl.constexpr):  # fmt: skip
+    """For a decode token at position ``seq_len - 1``: per dimension ``[D_P]``, its rotary
+    partner, cos, signed sin and whether it rotates (``out = x cos + sign x' sin``)."""
+    d = tl.arange(0, D_P)
+    row = cos_sin_ptr + tl.maximum(seq_len - 1, 0).to(tl.int64) * stride_cos
+    rotates = d < 2 * HALF
+    if NEOX:
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+        freq = d % HALF
+        sign = tl.where(d < HALF, -1.0, 1.0)
+    else:
+        partner = d ^ 1
+        freq = d // 2
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+    cos = tl.load(row + freq, mask=rotates, other=1.0)
+    sin = tl.load(row + HALF + freq, mask=rotates, other=0.0) * sign
+    return partner, cos, sin, rotates
+
+
+@triton.jit
+def _rotate_decode_query(
+    q, q_rows, qo_mask, cos_sin_ptr, stride_cos, seq_len,
+    HEAD_DIM: tl.constexpr, D_P: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
+):  # fmt: skip
+    """``q [GROUP_P, D_P]`` (loaded from ``q_rows + d``) rotated, in q's dtype."""
+    partner, cos, sin, rotates = _rotary_pairs(cos_sin_ptr, stride_cos, seq_len, D_P, HALF, NEOX)
+    pair = tl.load(q_rows + partner[None, :], mask=qo_mask & rotates[None, :], other=0.0)
+    rotated = q.to(tl.float32) * cos[None, :] + pair.to(tl.float32) * sin[None, :]
+    return tl.where(rotates[None, :], rotated, q.to(tl.float32)).to(q.dtype)
+
+
+@triton.jit
+def _write_decode_kv(
+    k_row, v_row, k_cache_ptr, v_cache_ptr, slot_ptr, cos_sin_ptr, stride_cos, seq_len,
+    kv_head, stride_cb, stride_cs, stride_ch,
+    HEAD_DIM: tl.constexpr, D_P: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Rotate one KV head's new key (``k_row + d``) and write it and the new value into the
+    token's slot; a negative slot (padding) writes nothing. The key is rounded to its own
+    dtype, then to the cache's, as the separate rotary kernel and cache write do."""
+    slot = tl.load(slot_ptr).to(tl.int64)
+    if slot >= 0:
+        partner, cos, sin, rotates = _rotary_pairs(
+            cos_sin_ptr, stride_cos, seq_len, D_P, HALF, NEOX
+        )
+        d = tl.arange(0, D_P)
+        valid = d < HEAD_DIM
+        k = tl.load(k_row + d, mask=valid, other=0.0)
+        pair = tl.load(k_row + partner, mask=valid & rotates, other=0.0)
+        rotated = k.to(tl.float32) * cos + pair.to(tl.float32) * sin
+        k = tl.where(rotates, rotated, k.to(tl.float32)).to(k.dtype)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        dst += kv_head * stride_ch + d
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=valid)
+        v = tl.load(v_row + d, mask=valid, other=0.0)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=valid)
+
+
 # NOTE: every integer that changes from step to step is a runtime argument excluded from
 # Triton's specialization (on 1 and on divisibility by 16): a new value must never trigger a
 # compile in the middle of serving (each one stalls the engine for most of a second). These
@@ -147,6 +208,13 @@ def decode_attention_kernel(
     stride_ph,
     stride_lr,
     stride_lh,
+    k_new_ptr,
+    v_new_ptr,
+    cos_sin_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_vt,
+    stride_cos,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
@@ -158,6 +226,9 @@ def decode_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ROPE: tl.constexpr,
+    HALF: tl.constexpr,
+    NEOX: tl.constexpr,
 ):
     """Flash-decoding: program ``(r * num_splits + split) * NUM_KV_HEADS + kv_head`` attends
     one query token's ``GROUP`` heads over its split of the context's keys from
@@ -173,6 +244,15 @@ def decode_attention_kernel(
     ``part_out[r, head, split]`` / ``part_lse[r, head, split]`` (split strides ``HEAD_DIM``
     and 1) for ``decode_reduce_kernel``. A request with ``seq_len == 0`` (padding) yields
     zeros; one whose query length is not 1 is left alone.
+
+    ``ROPE``: ``q`` arrives unrotated, and this step's keys and values are not in the cache
+    yet. Each program rotates its query heads in registers by the rotary table's row
+    ``seq_len - 1`` (``cos_sin_ptr``: ``cos | sin`` of ``HALF`` frequencies each; the
+    first ``2 * HALF`` dimensions rotate, as halves with ``NEOX``, else as adjacent
+    pairs), rounded to the query's dtype as the separate rotary kernel stores it. The
+    program whose split holds the last key also rotates the new key (``k_new_ptr``, rows
+    ``stride_kt``) and writes it and the new value (``v_new_ptr``) into the token's slot
+    (``slot_ptr``; negative slots are not written) before it reads its tiles.
     """
     wait_for_prior_grid(USE_PDL)
     # One grid axis, the request slowest: with uniform grids (whole-step graphs) the rows
@@ -208,6 +288,22 @@ def decode_attention_kernel(
     tiles_per_split = tl.cdiv(tiles, num_splits)
     start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    if ROPE:
+        q = _rotate_decode_query(
+            q, q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * HEAD_DIM, qo_mask,
+            cos_sin_ptr, stride_cos, seq_len, HEAD_DIM, D_P, HALF, NEOX,
+        )  # fmt: skip
+        owner = ((seq_len - 1 - lo) // BLOCK_N) // tl.maximum(tiles_per_split, 1)
+        if (split == owner) & (seq_len > 0):
+            _write_decode_kv(
+                k_new_ptr + q_start.to(tl.int64) * stride_kt + kv_head * HEAD_DIM,
+                v_new_ptr + q_start.to(tl.int64) * stride_vt + kv_head * HEAD_DIM,
+                k_cache_ptr, v_cache_ptr, slot_ptr + q_start, cos_sin_ptr, stride_cos,
+                seq_len, kv_head, stride_cb, stride_cs, stride_ch, HEAD_DIM, D_P, HALF, NEOX,
+                BLOCK_SIZE,
+            )  # fmt: skip
+        # The writes above reach every thread of this program before its key loads.
+        tl.debug_barrier()
 
     acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)
     m_i = tl.zeros([GROUP_P], dtype=tl.float32) + M_INIT

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tokenmill import envs
-from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata, DecodeRotary
 from tokenmill.model.layers import fused_kernels
 from tokenmill.model.layers.rotary import RotaryEmbedding
 
@@ -61,6 +61,11 @@ class Attention(nn.Module):
         )
         self.rotary_emb = rotary_emb
         self.fuse_rope_cache = envs.fused_rope_cache()
+        self.rope_in_decode = (
+            self.fuse_rope_cache
+            and envs.rope_in_decode_attention()
+            and hasattr(self.impl, "attend_decode_rotary")
+        )
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
@@ -73,6 +78,20 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if _attention_hook is not None:
             return _attention_hook(self, query, key, value, metadata, positions)
+        rope = self.rotary_emb
+        if (
+            self.rope_in_decode
+            and rope is not None
+            and metadata.max_query_len == 1
+            and not metadata.common_prefix_len
+            and not metadata.uniform_grids
+            and rope.runs_fused(query)
+        ):
+            # Decode-only step: the decode kernel rotates and writes the new K/V itself.
+            rotary = DecodeRotary(rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style)
+            return self.impl.attend_decode_rotary(
+                query, key, value, self._cache(), metadata, rotary
+            )
         query = self.store_kv(
             query, key, value, metadata.slot_mapping, metadata.num_actual_tokens, positions
         )
