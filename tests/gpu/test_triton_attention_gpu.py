@@ -299,3 +299,43 @@ def shared_prefix(b: Batch, num_decodes: int, blocks: int) -> Batch:
     bs = b.kv_cache.shape[2]
     md = dataclasses.replace(b.metadata, block_table=table, common_prefix_len=blocks * bs)
     return dataclasses.replace(b, metadata=md)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+# Planned for 256 tokens: one key split per (request, KV head), whatever the lengths; for
+# 4,096: five, and a reduction.
+@pytest.mark.parametrize("max_seq_len", [256, 4096])
+def test_decode_with_rope_in_the_kernel(dtype, max_seq_len):
+    """``attend_decode_rotary`` on the GPU tiles (64-key tiles, pipelined stages, tensor-core
+    dot products): the cache it leaves equals the separate rotary/KV-write kernel's bit for
+    bit (up to FMA contraction of the rotation: one bf16/fp16 step), and the output matches
+    rotate-write-attend. Covers the write -> barrier -> read order inside one program."""
+    from tokenmill.model.attention.backend import DecodeRotary
+    from tokenmill.model.attention.triton_backend import TritonAttentionImpl
+    from tokenmill.model.layers import fused_kernels
+
+    b = make_batch([1] * 6, [700, 63, 64, 129, 1, 300], num_heads=32, num_kv_heads=8,
+                   head_dim=128, dtype=dtype, num_decodes=6, max_seq_len=max_seq_len)  # fmt: skip
+    md = b.metadata
+    gen = torch.Generator().manual_seed(7)
+    angles = torch.rand(2048, 64, generator=gen) * 6.0
+    table = torch.cat([angles.cos(), angles.sin()], dim=-1).to(DEVICE)
+    impl = TritonAttentionImpl(32, 128, 128**-0.5, 8)
+
+    cache = b.kv_cache.clone()
+    out = impl.attend_decode_rotary(
+        b.query, b.key, b.value, cache, dataclasses.replace(md), DecodeRotary(table, 128, True)
+    )
+
+    q, k = b.query.clone(), b.key.clone()
+    expected_cache = b.kv_cache.clone()
+    positions = (md.seq_lens - 1).long()
+    fused_kernels.rotary_and_cache(
+        positions, q, k, b.value, table, 128, 128, True, expected_cache, md.slot_mapping, 6
+    )
+    expected = impl.attend(q, expected_cache, dataclasses.replace(md))
+    written = ~expected_cache.isnan()
+    step = torch.finfo(dtype).eps * 8  # |k| <= ~4 after rotation
+    assert (cache.isnan() == expected_cache.isnan()).all()
+    assert (cache[written].float() - expected_cache[written].float()).abs().max() <= step
+    assert (out.float() - expected.float()).abs().max() <= ATOL

@@ -297,7 +297,7 @@ class TritonAttentionImpl(AttentionImpl):
         """
         if metadata.max_query_len != 1 or metadata.common_prefix_len or metadata.uniform_grids:
             raise ValueError("attend_decode_rotary takes decode-only batches without cascade")
-        for name, x in (("query", query), ("key", key), ("value", value)):
+        for name, x in (("query", query), ("key", key), ("value", value), ("kv_cache", kv_cache)):
             if x.stride(-1) != 1:
                 raise ValueError(f"{name} must be contiguous in its last dimension")
         if rotary.cos_sin_cache.dtype != torch.float32 or rotary.cos_sin_cache.stride(1) != 1:
