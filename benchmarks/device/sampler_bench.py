@@ -6,9 +6,9 @@ temperature 1 and greedy through the fused kernel (``gumbel_sampling.py``), the 
 through the torch route (metadata without the kernel's fields: shift, scale, noise and
 argmax as separate kernels), top-p 0.9 through the fused route with the sort
 (``top_p_0.9_sort``) and with the radix select of ``top_p_select.py``
-(``top_p_0.9_radix``), and the softmax route (softmax, divide by the noise, one-stage
-argmax). Each case runs in a CUDA graph. Prints ``SAMPLER`` lines in microseconds per
-call.
+(``top_p_0.9_radix``; ``_prefetch``: its mass pass loading the next block ahead), and the
+softmax route (softmax, divide by the noise, one-stage argmax). Each case runs in a CUDA
+graph. Prints ``SAMPLER`` lines in microseconds per call.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from triton.testing import do_bench_cudagraph
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import sampler as sampler_module
+from tokenmill.worker import top_p_select
 from tokenmill.worker.sampler import Sampler
 from tokenmill.worker.sampling_metadata import SamplingRow, build_sampling_metadata
 
@@ -39,12 +40,13 @@ def _softmax_route(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Ten
     return probs.div_(noise).argmax(dim=-1)
 
 
-def _top_p(sampler: Sampler, logits: torch.Tensor, meta, sort_free: bool):
-    saved, sampler_module._SORT_FREE_TOP_P = sampler_module._SORT_FREE_TOP_P, sort_free
+def _top_p(sampler: Sampler, logits: torch.Tensor, meta, sort_free: bool, prefetch: bool = False):
+    saved = sampler_module._SORT_FREE_TOP_P, top_p_select.PREFETCH
+    sampler_module._SORT_FREE_TOP_P, top_p_select.PREFETCH = sort_free, prefetch
     try:
         return sampler(logits, meta)
     finally:
-        sampler_module._SORT_FREE_TOP_P = saved
+        sampler_module._SORT_FREE_TOP_P, top_p_select.PREFETCH = saved
 
 
 def main() -> None:
@@ -63,6 +65,7 @@ def main() -> None:
             "random_softmax_route": lambda x=logits, m=random: _softmax_route(x, m.temperature),
             "top_p_0.9_sort": lambda x=logits, m=top_p: _top_p(sampler, x, m, False),
             "top_p_0.9_radix": lambda x=logits, m=top_p: _top_p(sampler, x, m, True),
+            "top_p_0.9_radix_prefetch": lambda x=logits, m=top_p: _top_p(sampler, x, m, True, True),
             "greedy": lambda x=logits, m=greedy: sampler(x, m),
             "greedy_torch_route": lambda x=logits, m=greedy_torch: sampler(x, m),
         }
@@ -70,7 +73,7 @@ def main() -> None:
             fn()
             torch.cuda.synchronize()
             t = do_bench_cudagraph(fn, rep=50, return_mode="median")
-            print(f"SAMPLER rows={rows:4d} vocab={vocab} {name:22s} {t * 1e3:8.1f} us (graph)")
+            print(f"SAMPLER rows={rows:4d} vocab={vocab} {name:24s} {t * 1e3:8.1f} us (graph)")
 
 
 if __name__ == "__main__":

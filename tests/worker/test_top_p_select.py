@@ -47,11 +47,14 @@ def _assert_same_kept(x: torch.Tensor, top_p: torch.Tensor, margin: float = 1e-5
     assert not (differ & ~close).any(), differ.nonzero()[:5]
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("rows,vocab", [(1, 3000), (7, 1000), (300, 517)])
-def test_keeps_what_the_sort_route_keeps(rows, vocab):
+def test_keeps_what_the_sort_route_keeps(monkeypatch, rows, vocab, prefetch):
     """Several slices per row (1 and 7 rows) and one (300 rows); a vocabulary that is not a
     multiple of the block; probabilities from nearly flat to peaked; top_p from 1e-6 (the
-    top token only) to 1.0 (everything, also the tokens whose exp underflows)."""
+    top token only) to 1.0 (everything, also the tokens whose exp underflows); the mass
+    pass with and without its next-block prefetch."""
+    monkeypatch.setattr(top_p_select, "PREFETCH", prefetch)
     x = _scaled(rows, vocab, scale=torch.linspace(0.5, 8, rows)[:, None], seed=rows)
     x[0, : vocab // 3] = float("-inf")  # already dropped by min-p or a processor
     x[0] -= x[0].max()
@@ -116,8 +119,10 @@ def test_sampler_takes_it_for_top_p_without_top_k(monkeypatch):
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the vocabulary of Llama-3 on CUDA")
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("rows", [1, 64, 256])
-def test_llama3_vocabulary_on_cuda(rows):
+def test_llama3_vocabulary_on_cuda(monkeypatch, rows, prefetch):
+    monkeypatch.setattr(top_p_select, "PREFETCH", prefetch)
     x = _scaled(rows, 128256, scale=4.0, seed=rows)
     top_p = torch.rand(rows, generator=torch.Generator().manual_seed(1)).clamp(0.05, 1.0).to(DEV)
     _assert_same_kept(x, top_p)

@@ -54,6 +54,10 @@ PASSES = 32 // DIGIT_BITS
 BLOCK = 512
 TARGET_PROGRAMS = 528
 MAX_CHUNKS = 256
+# Load the next block of the row before summing the current one (one block of loads in
+# flight per program while it computes). Off until measured against the plain loop
+# (``benchmarks/device/sampler_bench.py``: ``top_p_0.9_radix_prefetch``).
+PREFETCH = False
 
 
 def chunk_plan(rows: int, vocab: int) -> tuple[int, int]:
@@ -101,7 +105,7 @@ def top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         shift = 32 - DIGIT_BITS * (i + 1)
         _mass_kernel[(rows, chunks)](
             logits, key, partial, vocab, logits.stride(0), chunk_cols, shift,
-            BLOCK=BLOCK, DIGITS=DIGITS, num_warps=4,
+            BLOCK=BLOCK, DIGITS=DIGITS, PREFETCH=PREFETCH, num_warps=4,
         )  # fmt: skip
         _select_kernel[(rows,)](
             partial, key, total, top_p, threshold, chunks, shift, FIRST=i == 0,
@@ -122,7 +126,7 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["vocab", "stride", "chunk_cols", "shift"])
     def _mass_kernel(
         x_ptr, key_ptr, part_ptr, vocab, stride, chunk_cols, shift,
-        BLOCK: tl.constexpr, DIGITS: tl.constexpr,
+        BLOCK: tl.constexpr, DIGITS: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """Program (row, chunk): the probability mass (unnormalised, ``exp(x)``) of the
         chunk's tokens at or above each of the 16 candidate keys ``key | d << shift``."""
@@ -137,9 +141,17 @@ if HAS_TRITON:
         start = chunk * chunk_cols
         end = tl.minimum(start + chunk_cols, vocab)
         cols = tl.arange(0, BLOCK)
+        row_ptr = x_ptr + row * stride
+        if PREFETCH:
+            x_next = tl.load(row_ptr + start + cols, mask=start + cols < end, other=float("-inf"))
         for off in range(start, end, BLOCK):
             idx = off + cols
-            x = tl.load(x_ptr + row * stride + idx, mask=idx < end, other=float("-inf"))
+            if PREFETCH:
+                x = x_next
+                ahead = idx + BLOCK
+                x_next = tl.load(row_ptr + ahead, mask=ahead < end, other=float("-inf"))
+            else:
+                x = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf"))
             w = tl.exp(x)
             keys = _ordered_key(x)
             hit = keys[None, :] >= cand[:, None]
