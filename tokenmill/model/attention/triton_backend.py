@@ -1,5 +1,5 @@
-"""Paged attention on CUDA with Triton kernels (``triton_kernels.py``; tile shapes and
-key-split counts in ``triton_launch.py``).
+"""Paged attention on CUDA with Triton kernels (``triton_decode.py``, ``triton_kernels.py``;
+tile shapes and key-split counts in ``triton_launch.py``).
 
 Kernel structure, and why (H200: 132 SMs, 60 MB L2; ceilings seen through PyTorch on the lent
 machines: ~4.3 TB/s device copy, ~790 TFLOP/s dense bf16. Llama-3.1-8B: 32 query heads, 8 KV
@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.model.attention import triton_decode
 from tokenmill.model.attention import triton_kernels as kernels
 from tokenmill.model.attention.backend import (
     AttentionBackend,
@@ -389,14 +390,14 @@ class TritonAttentionImpl(AttentionImpl):
                 part_out, part_lse, query, k_cache, v_cache, metadata.block_table,
                 metadata.query_start_loc, **launch.prefix_kwargs,
             )  # fmt: skip
-        kernels.decode_attention_kernel[launch.grid](
+        triton_decode.decode_attention_kernel[launch.grid](
             out, part_out, part_lse, query, k_cache, v_cache, metadata.block_table,
             metadata.seq_lens, metadata.query_start_loc, k_new_ptr=rope_ptrs[0],
             v_new_ptr=rope_ptrs[1], cos_sin_ptr=rope_ptrs[2], slot_ptr=rope_ptrs[3],
             **launch.kwargs,
         )  # fmt: skip
         if launch.reduce_grid:
-            kernels.decode_reduce_kernel[launch.reduce_grid](
+            triton_decode.decode_reduce_kernel[launch.reduce_grid](
                 out, part_out, part_lse, metadata.query_start_loc, **launch.reduce_kwargs
             )
 

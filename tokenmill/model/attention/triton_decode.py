@@ -1,0 +1,276 @@
+"""Triton kernels of the decode path of paged attention: the split-K (flash-decoding)
+decode kernel, optionally rotating the query and writing the new K/V itself, and the
+log-sum-exp reduction of its splits.
+
+The tile loop, the split merge and the online-softmax conventions are shared with the
+prompt kernels in ``triton_kernels.py``; launch logic lives in ``triton_backend.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tokenmill.model.attention.triton_kernels import (
+    M_INIT,
+    SPLIT_RUNTIME_INTS,
+    attend_tiles,
+    merge_splits,
+)
+from tokenmill.model.layers.pdl import wait_for_prior_grid
+
+
+@triton.jit
+def _rotary_pairs(cos_sin_ptr, stride_cos, seq_len, D_P: tl.constexpr, HALF: tl.constexpr,
+                  NEOX: tl.constexpr):  # fmt: skip
+    """For a decode token at position ``seq_len - 1``: per dimension ``[D_P]``, its rotary
+    partner, cos, signed sin and whether it rotates (``out = x cos + sign x' sin``)."""
+    d = tl.arange(0, D_P)
+    row = cos_sin_ptr + tl.maximum(seq_len - 1, 0).to(tl.int64) * stride_cos
+    rotates = d < 2 * HALF
+    if NEOX:
+        partner = tl.where(d < HALF, d + HALF, d - HALF)
+        freq = d % HALF
+        sign = tl.where(d < HALF, -1.0, 1.0)
+    else:
+        partner = d ^ 1
+        freq = d // 2
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+    cos = tl.load(row + freq, mask=rotates, other=1.0)
+    sin = tl.load(row + HALF + freq, mask=rotates, other=0.0) * sign
+    return partner, cos, sin, rotates
+
+
+@triton.jit
+def _rotate_decode_query(
+    q, q_rows, qo_mask, cos_sin_ptr, stride_cos, seq_len,
+    HEAD_DIM: tl.constexpr, D_P: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
+):  # fmt: skip
+    """``q [GROUP_P, D_P]`` (loaded from ``q_rows + d``) rotated, in q's dtype."""
+    partner, cos, sin, rotates = _rotary_pairs(cos_sin_ptr, stride_cos, seq_len, D_P, HALF, NEOX)
+    pair = tl.load(q_rows + partner[None, :], mask=qo_mask & rotates[None, :], other=0.0)
+    rotated = q.to(tl.float32) * cos[None, :] + pair.to(tl.float32) * sin[None, :]
+    return tl.where(rotates[None, :], rotated, q.to(tl.float32)).to(q.dtype)
+
+
+@triton.jit
+def _write_decode_kv(
+    k_row, v_row, k_cache_ptr, v_cache_ptr, slot_ptr, cos_sin_ptr, stride_cos, seq_len,
+    kv_head, stride_cb, stride_cs, stride_ch,
+    HEAD_DIM: tl.constexpr, D_P: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Rotate one KV head's new key (``k_row + d``) and write it and the new value into the
+    token's slot; a negative slot (padding) writes nothing. The key is rounded to its own
+    dtype, then to the cache's, as the separate rotary kernel and cache write do."""
+    slot = tl.load(slot_ptr).to(tl.int64)
+    if slot >= 0:
+        partner, cos, sin, rotates = _rotary_pairs(
+            cos_sin_ptr, stride_cos, seq_len, D_P, HALF, NEOX
+        )
+        d = tl.arange(0, D_P)
+        valid = d < HEAD_DIM
+        k = tl.load(k_row + d, mask=valid, other=0.0)
+        pair = tl.load(k_row + partner, mask=valid & rotates, other=0.0)
+        rotated = k.to(tl.float32) * cos + pair.to(tl.float32) * sin
+        k = tl.where(rotates, rotated, k.to(tl.float32)).to(k.dtype)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        dst += kv_head * stride_ch + d
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=valid)
+        v = tl.load(v_row + d, mask=valid, other=0.0)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit(
+    do_not_specialize=["req_offset", "kv_start", "merge_splits", "window"] + SPLIT_RUNTIME_INTS
+)
+def decode_attention_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    req_offset,
+    kv_start,
+    merge_splits,
+    sm_scale,
+    soft_cap,
+    window,
+    num_splits,
+    stride_qt,
+    stride_ot,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_pr,
+    stride_ph,
+    stride_lr,
+    stride_lh,
+    k_new_ptr,
+    v_new_ptr,
+    cos_sin_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_vt,
+    stride_cos,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    ROPE: tl.constexpr,
+    HALF: tl.constexpr,
+    NEOX: tl.constexpr,
+):
+    """Flash-decoding: program ``(r * num_splits + split) * NUM_KV_HEADS + kv_head`` attends
+    one query token's ``GROUP`` heads over its split of the context's keys from
+    ``kv_start`` on.
+
+    The key tiles are dealt evenly to ``num_splits`` programs from the device ``seq_lens``,
+    so the grid does not depend on context lengths. ``kv_start > 0`` leaves the keys below
+    it to ``shared_prefix_kernel`` (cascade attention). With one split, the result goes
+    straight to ``out`` when it covers every key: ``kv_start == 0``, or the
+    ``merge_splits`` partials of the keys below ``kv_start`` that ``shared_prefix_kernel``
+    wrote before this launch (at split slots ``1 ..``) are merged in here. Otherwise each
+    split writes its normalized partial output ``[D]`` and log2-sum-exp to
+    ``part_out[r, head, split]`` / ``part_lse[r, head, split]`` (split strides ``HEAD_DIM``
+    and 1) for ``decode_reduce_kernel``. A request with ``seq_len == 0`` (padding) yields
+    zeros; one whose query length is not 1 is left alone.
+
+    ``ROPE``: ``q`` arrives unrotated, and this step's keys and values are not in the cache
+    yet. Each program rotates its query heads in registers by the rotary table's row
+    ``seq_len - 1`` (``cos_sin_ptr``: ``cos | sin`` of ``HALF`` frequencies each; the
+    first ``2 * HALF`` dimensions rotate, as halves with ``NEOX``, else as adjacent
+    pairs), rounded to the query's dtype as the separate rotary kernel stores it. The
+    program whose split holds the last key also rotates the new key (``k_new_ptr``, rows
+    ``stride_kt``) and writes it and the new value (``v_new_ptr``) into the token's slot
+    (``slot_ptr``; negative slots are not written) before it reads its tiles.
+    """
+    wait_for_prior_grid(USE_PDL)
+    # One grid axis, the request slowest: with uniform grids (whole-step graphs) the rows
+    # past the step's decodes exit at once, and in this order they are dispatched after
+    # every real program instead of between them, where each would hold a slot first.
+    pid = tl.program_id(0)
+    kv_head = pid % NUM_KV_HEADS
+    split = (pid // NUM_KV_HEADS) % num_splits
+    r = pid // (NUM_KV_HEADS * num_splits)
+    req = req_offset + r
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    if q_len != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    g = tl.arange(0, GROUP_P)
+    d = tl.arange(0, D_P)
+    head = kv_head * GROUP + g
+    qo_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * HEAD_DIM + d[None, :],
+        mask=qo_mask,
+        other=0.0,
+    )
+    q_pos = tl.zeros([GROUP_P], dtype=tl.int32) + (seq_len - 1)
+
+    kv_lo = kv_start
+    if USE_WINDOW:
+        kv_lo = tl.maximum(seq_len - window, kv_start)
+    lo = kv_lo // BLOCK_N * BLOCK_N
+    tiles = tl.cdiv(seq_len - lo, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, num_splits)
+    start = lo + split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    if ROPE:
+        q = _rotate_decode_query(
+            q, q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * HEAD_DIM, qo_mask,
+            cos_sin_ptr, stride_cos, seq_len, HEAD_DIM, D_P, HALF, NEOX,
+        )  # fmt: skip
+        owner = ((seq_len - 1 - lo) // BLOCK_N) // tl.maximum(tiles_per_split, 1)
+        if (split == owner) & (seq_len > 0):
+            _write_decode_kv(
+                k_new_ptr + q_start.to(tl.int64) * stride_kt + kv_head * HEAD_DIM,
+                v_new_ptr + q_start.to(tl.int64) * stride_vt + kv_head * HEAD_DIM,
+                k_cache_ptr, v_cache_ptr, slot_ptr + q_start, cos_sin_ptr, stride_cos,
+                seq_len, kv_head, stride_cb, stride_cs, stride_ch, HEAD_DIM, D_P, HALF, NEOX,
+                BLOCK_SIZE,
+            )  # fmt: skip
+        # The writes above reach every thread of this program before its key loads.
+        tl.debug_barrier()
+
+    acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)
+    m_i = tl.zeros([GROUP_P], dtype=tl.float32) + M_INIT
+    l_i = tl.zeros([GROUP_P], dtype=tl.float32)
+    acc, m_i, l_i = attend_tiles(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr,
+        block_table_ptr + req.to(tl.int64) * stride_bt, kv_head * stride_ch, kv_lo,
+        seq_len, window, sm_scale, soft_cap, start, end, stride_cb, stride_cs,
+        True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    for s in range(merge_splits):
+        # A partial (normalized output o, log2-sum-exp lse) is the state (acc = o * 2^lse,
+        # l = 2^lse) relative to a zero maximum; fold it in like one more key tile.
+        slot = r.to(tl.int64) * stride_pr + head * stride_ph + (1 + s) * HEAD_DIM
+        o_s = tl.load(part_out_ptr + slot[:, None] + d[None, :], mask=qo_mask, other=0.0)
+        lse_ptrs = part_lse_ptr + r * stride_lr + head * stride_lh + 1 + s
+        lse_s = tl.load(lse_ptrs, mask=g < GROUP, other=float("-inf"))
+        m_new = tl.maximum(m_i, lse_s)
+        alpha = tl.exp2(m_i - m_new)
+        beta = tl.exp2(lse_s - m_new)
+        acc = acc * alpha[:, None] + o_s * beta[:, None]
+        l_i = l_i * alpha + beta
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if num_splits == 1 and (kv_start == 0 or merge_splits > 0):
+        o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
+    else:
+        part = r.to(tl.int64) * stride_pr + head * stride_ph + split * HEAD_DIM
+        tl.store(part_out_ptr + part[:, None] + d[None, :], out, mask=qo_mask)
+        lse = m_i + tl.log2(l_i)  # -inf for an empty split
+        lse_ptrs = part_lse_ptr + r * stride_lr + head * stride_lh + split
+        tl.store(lse_ptrs, lse, mask=g < GROUP)
+
+
+@triton.jit(do_not_specialize=["req_offset"] + SPLIT_RUNTIME_INTS)
+def decode_reduce_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    req_offset,
+    num_splits,
+    stride_ot,
+    stride_pr,
+    stride_ph,
+    stride_lr,
+    stride_lh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P: tl.constexpr,
+    S_P: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Program ``r * NUM_HEADS + head``: merge a decode token's splits into its output row
+    (the request slowest, as in ``decode_attention_kernel``)."""
+    wait_for_prior_grid(USE_PDL)
+    pid = tl.program_id(0)
+    r = pid // NUM_HEADS
+    req = req_offset + r
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+        return
+    merge_splits(
+        out_ptr, q_start, stride_ot, part_out_ptr, part_lse_ptr, r, pid % NUM_HEADS,
+        num_splits, stride_pr, stride_ph, stride_lr, stride_lh, HEAD_DIM, D_P, S_P,
+    )  # fmt: skip
