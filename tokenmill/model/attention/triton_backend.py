@@ -258,16 +258,21 @@ class TritonAttentionImpl(AttentionImpl):
             query = query.contiguous()
         if kv_cache.stride(-1) != 1:
             raise ValueError("kv_cache must be contiguous in its last dimension")
-        width = self.num_heads * self.head_dim
-        if out is None:
-            out = torch.empty(query.shape[0], width, dtype=query.dtype, device=query.device)
-        elif out.shape != (query.shape[0], width) or out.stride(-1) != 1:
-            raise ValueError(f"out must be [{query.shape[0]}, {width}], rows contiguous")
+        out = self._output(query, out)
         plan = _step_plan(metadata)
         if plan.num_decodes:
             self._decode(out, query, kv_cache, metadata, plan)
         if plan.num_prefills:
             self._varlen(out, query, kv_cache, metadata, plan)
+        return out
+
+    def _output(self, query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``out``, checked, or a new ``[T, num_heads * head_dim]`` tensor of query's dtype."""
+        width = self.num_heads * self.head_dim
+        if out is None:
+            return torch.empty(query.shape[0], width, dtype=query.dtype, device=query.device)
+        if out.shape != (query.shape[0], width) or out.stride(-1) != 1:
+            raise ValueError(f"out must be [{query.shape[0]}, {width}], rows contiguous")
         return out
 
     def attend_decode_rotary(
@@ -303,11 +308,7 @@ class TritonAttentionImpl(AttentionImpl):
                 raise ValueError(f"{name} must be contiguous in its last dimension")
         if rotary.cos_sin_cache.dtype != torch.float32 or rotary.cos_sin_cache.stride(1) != 1:
             raise ValueError("the rotary table must be float32, contiguous along its rows")
-        width = self.num_heads * self.head_dim
-        if out is None:
-            out = torch.empty(query.shape[0], width, dtype=query.dtype, device=query.device)
-        elif out.shape != (query.shape[0], width) or out.stride(-1) != 1:
-            raise ValueError(f"out must be [{query.shape[0]}, {width}], rows contiguous")
+        out = self._output(query, out)
         plan = _step_plan(metadata)
         if plan.num_decodes:
             self._decode(out, query, kv_cache, metadata, plan, (key, value, rotary))

@@ -17,28 +17,16 @@ from tokenmill.model.attention.triton_kernels import (
     attend_tiles,
     merge_splits,
 )
+from tokenmill.model.layers.fused_kernels import rotary_pairs
 from tokenmill.model.layers.pdl import wait_for_prior_grid
 
 
 @triton.jit
 def _rotary_pairs(cos_sin_ptr, stride_cos, seq_len, D_P: tl.constexpr, HALF: tl.constexpr,
                   NEOX: tl.constexpr):  # fmt: skip
-    """For a decode token at position ``seq_len - 1``: per dimension ``[D_P]``, its rotary
-    partner, cos, signed sin and whether it rotates (``out = x cos + sign x' sin``)."""
-    d = tl.arange(0, D_P)
+    """``rotary_pairs`` for a decode token, at position ``seq_len - 1``."""
     row = cos_sin_ptr + tl.maximum(seq_len - 1, 0).to(tl.int64) * stride_cos
-    rotates = d < 2 * HALF
-    if NEOX:
-        partner = tl.where(d < HALF, d + HALF, d - HALF)
-        freq = d % HALF
-        sign = tl.where(d < HALF, -1.0, 1.0)
-    else:
-        partner = d ^ 1
-        freq = d // 2
-        sign = tl.where(d % 2 == 0, -1.0, 1.0)
-    cos = tl.load(row + freq, mask=rotates, other=1.0)
-    sin = tl.load(row + HALF + freq, mask=rotates, other=0.0) * sign
-    return partner, cos, sin, rotates
+    return rotary_pairs(row, D_P, HALF, NEOX)
 
 
 @triton.jit

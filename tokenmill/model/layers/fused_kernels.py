@@ -111,6 +111,26 @@ if HAS_TRITON:
             k_ptr + token * k_stride, head_dim, num_k_heads, cos, sin, K_HEADS, HALF, NEOX
         )
 
+    @triton.jit
+    def rotary_pairs(cs_row, D_P: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr):
+        """For one position's ``cos | sin`` row: per dimension ``[D_P]`` of a head, its
+        rotary partner, cos, signed sin and whether it rotates, so that the rotated head is
+        ``x * cos + x[partner] * sin`` where it rotates (the first ``2 * HALF``
+        dimensions: halves with ``NEOX``, else adjacent pairs) and ``x`` elsewhere."""
+        d = tl.arange(0, D_P)
+        rotates = d < 2 * HALF
+        if NEOX:
+            partner = tl.where(d < HALF, d + HALF, d - HALF)
+            freq = d % HALF
+            sign = tl.where(d < HALF, -1.0, 1.0)
+        else:
+            partner = d ^ 1
+            freq = d // 2
+            sign = tl.where(d % 2 == 0, -1.0, 1.0)
+        cos = tl.load(cs_row + freq, mask=rotates, other=1.0)
+        sin = tl.load(cs_row + HALF + freq, mask=rotates, other=0.0) * sign
+        return partner, cos, sin, rotates
+
     # A step's token count changes every step; Triton specializes integers on being 1 and
     # on divisibility by 16, so a count that changed either would compile another variant
     # in the middle of serving.
@@ -145,22 +165,14 @@ if HAS_TRITON:
         h = tl.arange(0, K_HEADS)[:, None]
         d = tl.arange(0, D_P)[None, :]
         mask = (h < num_k_heads) & (d < head_dim)
-        rotates = d < 2 * HALF
-        # Each rotated element pairs with a partner in its head: out = x cos + sign x' sin.
-        if NEOX:
-            partner = tl.where(d < HALF, d + HALF, d - HALF)
-            freq = d % HALF
-            sign = tl.where(d < HALF, -1.0, 1.0)
-        else:
-            partner = d ^ 1
-            freq = d // 2
-            sign = tl.where(d % 2 == 0, -1.0, 1.0)
+        # Each rotated element pairs with a partner in its head: out = x cos + x' (sign sin).
+        partner, c, s, rotates = rotary_pairs(cs_row, D_P, HALF, NEOX)
         k_row = k_ptr + token * k_stride + h * head_dim
         k = tl.load(k_row + d, mask=mask, other=0.0).to(tl.float32)
-        k_pair = tl.load(k_row + partner, mask=mask & rotates, other=0.0).to(tl.float32)
-        c = tl.load(cs_row + freq, mask=rotates, other=1.0)
-        s = tl.load(cs_row + HALF + freq, mask=rotates, other=0.0)
-        k = tl.where(rotates, k * c + sign * k_pair * s, k).to(k_ptr.dtype.element_ty)
+        pair_mask = mask & rotates[None, :]
+        k_pair = tl.load(k_row + partner[None, :], mask=pair_mask, other=0.0).to(tl.float32)
+        rotated = k * c[None, :] + k_pair * s[None, :]
+        k = tl.where(rotates[None, :], rotated, k).to(k_ptr.dtype.element_ty)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         v = tl.load(v_ptr + token * v_stride + h * head_dim + d, mask=mask)
