@@ -177,8 +177,10 @@ class CUDAGraphRunner(WholePassGraphs):
         super().__init__(runner, capture_sizes or default_capture_sizes(runner.max_num_reqs), pool)
         self.max_seq_len = max_seq_len
         if max_seq_len is not None:
-            limit = f", contexts <= {max_seq_len})"
-            self.what = self.what.removesuffix(")") + limit
+            # ``{lo}`` and ``{hi}`` stay placeholders for ``capture``'s log line.
+            self.what = (
+                f"CUDA graphs (decode batch sizes {{lo}}..{{hi}}, contexts <= {max_seq_len})"
+            )
 
     def capture_metadata(self, size: int) -> Any:
         return self.runner.pad_decode_batch(0, size, self.max_seq_len)

@@ -102,6 +102,7 @@ from tokenmill.model.attention.triton_launch import (  # noqa: F401 (patched and
 )
 from tokenmill.model.host_ints import cdiv, next_power_of_2
 from tokenmill.model.layers import pdl
+from tokenmill.model.layers.fused_kernels import rotary_half
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
@@ -185,9 +186,7 @@ def _rope_args(rope: tuple[int, int, DecodeRotary] | None) -> dict:
         return {"stride_kt": 0, "stride_vt": 0, "stride_cos": 0, "ROPE": False, "HALF": 1,
                 "NEOX": True}  # fmt: skip
     stride_k, stride_v, rotary = rope
-    half = rotary.rotary_dim // 2
-    if half < 1 or half & (half - 1):
-        raise ValueError(f"rotary_dim / 2 must be a power of two, got {rotary.rotary_dim}")
+    half = rotary_half(rotary.rotary_dim)
     return {
         "stride_kt": stride_k, "stride_vt": stride_v,
         "stride_cos": rotary.cos_sin_cache.stride(0), "ROPE": True, "HALF": half,
@@ -376,14 +375,14 @@ class TritonAttentionImpl(AttentionImpl):
         if new_kv is None:
             launch = self._launches("decode", out, query, kv_cache, metadata, plan)
             # Not read without ROPE: any tensors of a fixed dtype (no other variant compiles).
-            rope_ptrs = (query, query, query, metadata.slot_mapping)
+            key = value = table = query
         else:
             key, value, rotary = new_kv
+            table = rotary.cos_sin_cache
             launch = self._launches(
                 "decode", out, query, kv_cache, metadata, plan,
                 rope=(key.stride(0), value.stride(0), rotary),
             )  # fmt: skip
-            rope_ptrs = (key, value, rotary.cos_sin_cache, metadata.slot_mapping)
         part_out, part_lse = launch.workspace or (out, out)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if launch.prefix_grid:
@@ -393,9 +392,8 @@ class TritonAttentionImpl(AttentionImpl):
             )  # fmt: skip
         triton_decode.decode_attention_kernel[launch.grid](
             out, part_out, part_lse, query, k_cache, v_cache, metadata.block_table,
-            metadata.seq_lens, metadata.query_start_loc, k_new_ptr=rope_ptrs[0],
-            v_new_ptr=rope_ptrs[1], cos_sin_ptr=rope_ptrs[2], slot_ptr=rope_ptrs[3],
-            **launch.kwargs,
+            metadata.seq_lens, metadata.query_start_loc, k_new_ptr=key, v_new_ptr=value,
+            cos_sin_ptr=table, slot_ptr=metadata.slot_mapping, **launch.kwargs,
         )  # fmt: skip
         if launch.reduce_grid:
             triton_decode.decode_reduce_kernel[launch.reduce_grid](
@@ -449,12 +447,11 @@ class TritonAttentionImpl(AttentionImpl):
         # ``shared_prefix_kernel``; the decode kernel reads only the keys after it. Windows
         # would hide part of the prefix from some requests, so they keep the plain path.
         prefix_len = metadata.common_prefix_len
-        if self.sliding_window is not None or plan.uniform:
+        # (attend_decode_rotary refuses batches with a shared prefix.)
+        if self.sliding_window is not None or plan.uniform or rope is not None:
             prefix_len = 0
         prefix_splits = block_q = 0
         pcfg = varlen_tile_config(args["D_P"], query.dtype)
-        if rope is not None:
-            prefix_len = 0  # checked by attend_decode_rotary: no shared prefix
         if prefix_len and plan.num_decodes > 1:
             block_q = max(1, pcfg.block_m // _pow2(args["GROUP"]))
             prefix_splits = num_prefix_splits(

@@ -179,14 +179,15 @@ if HAS_TRITON:
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _rotary_half(rotary_dim: int) -> int:
-    """Half the rotary dimension, which the fused kernels' tiles need to be a power of two.
+def rotary_half(rotary_dim: int) -> int:
+    """Half the rotary dimension, which the fused kernels' tiles (and the decode kernel's
+    rotary path) need to be a power of two.
 
     Raises:
-        ValueError: it is not.
+        ValueError: it is not (or is 0).
     """
     half = rotary_dim // 2
-    if half & (half - 1):
+    if half < 1 or half & (half - 1):
         raise ValueError(f"fused rotary needs a power-of-two rotary_dim/2, got {half}")
     return half
 
@@ -246,7 +247,7 @@ def rotary_inplace(
     t = positions.shape[0]
     if t == 0:
         return
-    half = _rotary_half(rotary_dim)
+    half = rotary_half(rotary_dim)
     num_q, num_k = q.shape[1] // head_dim, k.shape[1] // head_dim
     _rotary_kernel[(t,)](
         q, k, positions, cos_sin_cache, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
@@ -291,7 +292,7 @@ def rotary_and_cache(
     t = positions.shape[0]
     if t == 0:
         return
-    half = _rotary_half(rotary_dim)
+    half = rotary_half(rotary_dim)
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
     if cache_head_dim != head_dim or k.shape[1] != num_kv_heads * head_dim:
         raise ValueError(f"K width {k.shape[1]} != {num_kv_heads} x {head_dim} of the cache")
