@@ -1,201 +1,40 @@
 """The Triton attention kernels against the torch reference, run by Triton's interpreter
-(``TRITON_INTERPRET=1``) on CPU in float32.
-
-Every batch uses scattered block ids, spare block-table columns holding other valid ids and
-sequence lengths that are not multiples of the block size. Cache slots no request has written
-hold NaN (as a ``torch.empty`` cache may), so a kernel that reads past a sequence's end fails;
-the reference sees them as zeros. Outputs are poisoned with NaN before each run, so a real
-token's row that a kernel forgets to write fails too.
+on CPU in float32 (batches and runners in ``triton_attention_cases.py``; the decode
+kernel's rotary path in ``test_triton_decode_rope.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
-if torch.cuda.is_available():
-    # NOTE: the interpreter switch is process-wide and read when kernels are defined; with a
-    # GPU present the kernels must compile for it, and the GPU test file covers them.
-    pytest.skip("CUDA present: tests/gpu/test_triton_attention_gpu.py", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-triton = pytest.importorskip("triton")
-
-from triton.runtime import interpreter  # noqa: E402
-
-from tokenmill.model.attention import triton_backend  # noqa: E402
-from tokenmill.model.attention import triton_kernels as kernels  # noqa: E402
-from tokenmill.model.attention.backend import AttentionMetadata  # noqa: E402
-from tokenmill.model.attention.selector import get_attn_backend  # noqa: E402
-from tokenmill.model.attention.torch_ref import (  # noqa: E402
-    TorchAttentionImpl,
-    write_to_kv_cache,
+from tests.model.triton_attention_cases import (  # first: switches the interpreter on
+    MIXED_CTX,
+    MIXED_Q,
+    TILE_SHAPES,
+    Batch,
+    assert_same_cache,
+    check,
+    make_batch,
+    padded_decode_batch,
+    run_reference,
+    run_triton,
+    use_tiles,
 )
-from tokenmill.model.attention.triton_backend import (  # noqa: E402
+from tokenmill.model.attention import triton_backend
+from tokenmill.model.attention.selector import get_attn_backend
+from tokenmill.model.attention.torch_ref import TorchAttentionImpl, write_to_kv_cache
+from tokenmill.model.attention.triton_backend import (
     TileConfig,
     TritonAttentionBackend,
     TritonAttentionImpl,
     reshape_and_cache,
 )
 
-if not isinstance(kernels.varlen_attention_kernel, interpreter.InterpretedFunction):
-    pytest.skip("Triton kernels were defined before TRITON_INTERPRET=1", allow_module_level=True)
-
 # An empty split's log-sum-exp is log2(0) = -inf by design.
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")
-
-
-@dataclasses.dataclass
-class Batch:
-    query: torch.Tensor  # [T, H * D]
-    key: torch.Tensor  # [T, Hkv * D]
-    value: torch.Tensor
-    kv_cache: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]; NaN where never written
-    metadata: AttentionMetadata
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-
-
-def make_batch(
-    q_lens: list[int],
-    ctx_lens: list[int],
-    *,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 16,
-    block_size: int = 16,
-    extra_tokens: int = 0,
-    num_decodes: int = 0,
-    max_seq_len: int | None = None,
-    query_scale: float = 1.0,
-    seed: int = 0,
-) -> Batch:
-    """Requests with ``q_lens[i]`` new tokens after ``ctx_lens[i]`` cached ones (random K/V
-    in the cache; every other slot NaN).
-
-    ``extra_tokens`` rows past ``num_actual_tokens`` carry valid-looking slots in a block no
-    request owns: they must not be written.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens, strict=True)]
-    needed = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(needed) + 3
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    stray_block = free.pop()
-    tables = [[free.pop() for _ in range(n)] for n in needed]
-    width = max(needed, default=0) + 1
-    rows = [
-        t + torch.randint(num_blocks, (width - len(t),), generator=gen).tolist() for t in tables
-    ]
-    slots = [
-        table[p // block_size] * block_size + p % block_size
-        for table, s, q in zip(tables, seq_lens, q_lens, strict=True)
-        for p in range(s - q, s)
-    ]
-    n = len(slots)
-    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    for table, c in zip(tables, ctx_lens, strict=True):
-        cached = [table[p // block_size] * block_size + p % block_size for p in range(c)]
-        flat[:, cached] = torch.randn(2, c, num_kv_heads, head_dim, generator=gen)
-    slots += [stray_block * block_size + i % block_size for i in range(extra_tokens)]
-    t = len(slots)
-    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    sl = torch.tensor(seq_lens, dtype=torch.int32)
-    metadata = AttentionMetadata(
-        num_actual_tokens=n,
-        num_reqs=len(q_lens),
-        query_start_loc=qsl,
-        seq_lens=sl,
-        block_table=torch.tensor(rows, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(q_lens),
-        max_seq_len=max_seq_len or max(seq_lens),
-        query_start_loc_cpu=qsl.clone(),
-        seq_lens_cpu=sl.clone(),
-        num_decodes=num_decodes,
-    )
-    return Batch(
-        query=torch.randn(t, num_heads * head_dim, generator=gen) * query_scale,
-        key=torch.randn(t, num_kv_heads * head_dim, generator=gen),
-        value=torch.randn(t, num_kv_heads * head_dim, generator=gen),
-        kv_cache=kv_cache,
-        metadata=metadata,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-    )
-
-
-def run_triton(
-    b: Batch, sliding_window: int | None = None, soft_cap: float | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cache write + attention through the Triton impl; output poisoned with NaN first."""
-    impl = TritonAttentionImpl(
-        b.num_heads, b.head_dim, b.head_dim**-0.5, b.num_kv_heads, sliding_window, soft_cap
-    )
-    cache = b.kv_cache.clone()
-    md = dataclasses.replace(b.metadata)
-    reshape_and_cache(b.key, b.value, cache, md.slot_mapping, md.num_actual_tokens)
-    out = torch.full((b.query.shape[0], b.num_heads * b.head_dim), float("nan"))
-    assert impl.attend(b.query, cache, md, out=out) is out
-    return out, cache
-
-
-def run_reference(
-    b: Batch, sliding_window: int | None = None, soft_cap: float | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference's output (on the cache with NaN read as 0) and the cache it
-    leaves (NaN kept where nothing was written)."""
-    impl = TorchAttentionImpl(
-        b.num_heads, b.head_dim, b.head_dim**-0.5, b.num_kv_heads, sliding_window, soft_cap
-    )
-    md = dataclasses.replace(b.metadata)
-    out = impl.forward(b.query, b.key, b.value, torch.nan_to_num(b.kv_cache, nan=0.0), md)
-    cache = b.kv_cache.clone()
-    n = md.num_actual_tokens
-    write_to_kv_cache(b.key[:n], b.value[:n], cache, md.slot_mapping[:n])
-    return out, cache
-
-
-def assert_same_cache(cache: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(cache, expected, atol=0, rtol=0, equal_nan=True)
-
-
-def check(b: Batch, sliding_window: int | None = None, soft_cap: float | None = None) -> None:
-    out, cache = run_triton(b, sliding_window, soft_cap)
-    ref_out, ref_cache = run_reference(b, sliding_window, soft_cap)
-    n = b.metadata.num_actual_tokens
-    torch.testing.assert_close(out[:n], ref_out[:n], atol=1e-4, rtol=1e-4)
-    assert_same_cache(cache, ref_cache)
-
-
-# Two decodes, a fresh prompt, a chunk after cached context.
-MIXED_Q = [1, 1, 37, 21]
-MIXED_CTX = [40, 17, 0, 50]
-
-
-def use_tiles(monkeypatch, varlen: TileConfig, decode: TileConfig) -> None:
-    monkeypatch.setattr(triton_backend, "varlen_tile_config", lambda *args: varlen)
-    monkeypatch.setattr(triton_backend, "decode_tile_config", lambda *args: decode)
-
-
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """16 x 16 tiles: many query blocks and key tiles per request on small shapes."""
-    use_tiles(monkeypatch, TileConfig(16, 16, 4, 1), TileConfig(16, 16, 4, 1))
-
-
-# The fp32 tiles (16 x 16), the bf16/fp16 ones the GPU runs at head_dim <= 128, and those
-# of short whole-step graphs.
-TILE_SHAPES = {
-    "fp32": (TileConfig(16, 16, 4, 1), TileConfig(16, 16, 4, 2)),
-    "half": (TileConfig(128, 64, 8, 3), TileConfig(16, 64, 4, 3)),
-    "half_short": (TileConfig(64, 128, 4, 2), TileConfig(16, 64, 4, 3)),
-}
 
 
 def test_short_whole_step_graphs_take_the_short_chunk_tiles():
@@ -353,27 +192,7 @@ def test_padded_decode_batch_of_a_cuda_graph(monkeypatch, splits):
     # 3 real decodes padded to 6: padding requests have seq_len 0, one token, slot -1.
     monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
     real = make_batch([1] * 3, [50, 9, 31], num_decodes=3)
-    md = real.metadata
-    pad = 3
-    qsl = torch.arange(md.num_reqs + pad + 1, dtype=torch.int32)
-    sl = torch.cat([md.seq_lens, torch.zeros(pad, dtype=torch.int32)])
-    padded = dataclasses.replace(
-        md,
-        num_actual_tokens=md.num_reqs + pad,
-        num_reqs=md.num_reqs + pad,
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl.clone(),
-        seq_lens=sl,
-        seq_lens_cpu=sl.clone(),
-        block_table=torch.cat([md.block_table, torch.zeros_like(md.block_table[:pad])]),
-        slot_mapping=torch.cat([md.slot_mapping, torch.full((pad,), -1)]),
-        num_decodes=md.num_reqs + pad,
-    )
-    grow = lambda x: torch.cat([x, torch.randn(pad, x.shape[1])])  # noqa: E731
-    b = dataclasses.replace(
-        real, query=grow(real.query), key=grow(real.key), value=grow(real.value), metadata=padded
-    )
-    out, cache = run_triton(b)
+    out, cache = run_triton(padded_decode_batch(real, 3))
     ref_out, ref_cache = run_reference(real)
     torch.testing.assert_close(out[:3], ref_out, atol=1e-4, rtol=1e-4)
     assert torch.equal(out[3:], torch.zeros_like(out[3:]))
@@ -536,87 +355,3 @@ def test_prefix_split_heuristic():
     assert triton_backend.num_prefix_splits(64, 32, 8, 2000, 132) == 8
     assert triton_backend.num_prefix_splits(64, 32, 8, 256, 132) == 1
     assert triton_backend.num_prefix_splits(1024, 32, 8, 8000, 132) == 1
-
-
-def _rotary_table(positions: int, rotary_dim: int, seed: int = 3) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    angles = torch.rand(positions, rotary_dim // 2, generator=gen) * 6.0
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
-
-
-def _rotate(x: torch.Tensor, pos: torch.Tensor, table, heads, head_dim, rotary_dim, neox):
-    """The reference rotation of ``x [T, heads * head_dim]`` at ``pos [T]``."""
-    half = rotary_dim // 2
-    x = x.view(x.shape[0], heads, head_dim).clone()
-    cos = table[pos, :half][:, None, :]
-    sin = table[pos, half:][:, None, :]
-    rot = x[..., :rotary_dim]
-    if neox:
-        a, b = rot[..., :half].clone(), rot[..., half:].clone()
-        rot[..., :half], rot[..., half:] = a * cos - b * sin, b * cos + a * sin
-    else:
-        a, b = rot[..., 0::2].clone(), rot[..., 1::2].clone()
-        rot[..., 0::2], rot[..., 1::2] = a * cos - b * sin, b * cos + a * sin
-    return x.view(x.shape[0], -1)
-
-
-@pytest.mark.parametrize(
-    "neox, rotary_dim, window",
-    [(True, 16, None), (False, 16, None), (True, 8, None), (True, 16, 20)],
-)
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_with_rope_in_the_kernel(monkeypatch, small_tiles, splits, neox, rotary_dim, window):
-    """``attend_decode_rotary`` (rotation and K/V write inside the decode kernel) gives the
-    output and cache of rotating, writing, then attending; padding rows write nothing."""
-    from tokenmill.model.attention.backend import DecodeRotary
-
-    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
-    real = make_batch([1] * 3, [50, 9, 31], num_decodes=3, seed=5)
-    md = real.metadata
-    pad = 2  # padding rows as a CUDA graph's: one token, slot -1, context 0
-    qsl = torch.arange(md.num_reqs + pad + 1, dtype=torch.int32)
-    sl = torch.cat([md.seq_lens, torch.zeros(pad, dtype=torch.int32)])
-    padded = dataclasses.replace(
-        md, num_actual_tokens=md.num_reqs + pad, num_reqs=md.num_reqs + pad,
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=sl,
-        seq_lens_cpu=sl.clone(), num_decodes=md.num_reqs + pad,
-        block_table=torch.cat([md.block_table, torch.zeros_like(md.block_table[:pad])]),
-        slot_mapping=torch.cat([md.slot_mapping, torch.full((pad,), -1)]),
-    )  # fmt: skip
-    grow = lambda x: torch.cat([x, torch.randn(pad, x.shape[1])])  # noqa: E731
-    query, key, value = grow(real.query), grow(real.key), grow(real.value)
-    table = _rotary_table(128, rotary_dim)
-    impl = TritonAttentionImpl(real.num_heads, real.head_dim, real.head_dim**-0.5,
-                               real.num_kv_heads, window, None)  # fmt: skip
-    cache = real.kv_cache.clone()
-    out = torch.full((query.shape[0], real.num_heads * real.head_dim), float("nan"))
-    before = query.clone(), key.clone()
-    got = impl.attend_decode_rotary(
-        query, key, value, cache, padded, DecodeRotary(table, rotary_dim, neox), out=out
-    )
-    assert got is out
-    assert torch.equal(query, before[0]) and torch.equal(key, before[1])  # left unrotated
-
-    pos = (md.seq_lens - 1).long()
-    d = real.head_dim
-    rotated = dataclasses.replace(
-        real,
-        query=_rotate(real.query, pos, table, real.num_heads, d, rotary_dim, neox),
-        key=_rotate(real.key, pos, table, real.num_kv_heads, d, rotary_dim, neox),
-    )
-    ref_out, ref_cache = run_reference(rotated, sliding_window=window)
-    torch.testing.assert_close(out[:3], ref_out, atol=1e-4, rtol=1e-4)
-    assert torch.equal(out[3:], torch.zeros_like(out[3:]))
-    torch.testing.assert_close(cache, ref_cache, atol=1e-6, rtol=1e-6, equal_nan=True)
-
-
-def test_decode_with_rope_refuses_prompt_tokens():
-    from tokenmill.model.attention.backend import DecodeRotary
-
-    b = make_batch(MIXED_Q, MIXED_CTX)
-    impl = TritonAttentionImpl(b.num_heads, b.head_dim, 1.0, b.num_kv_heads)
-    with pytest.raises(ValueError, match="decode-only"):
-        impl.attend_decode_rotary(
-            b.query, b.key, b.value, b.kv_cache, b.metadata,
-            DecodeRotary(_rotary_table(128, 16), 16, True),
-        )  # fmt: skip
