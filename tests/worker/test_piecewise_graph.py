@@ -1,9 +1,12 @@
 """Piecewise CUDA graphs: which padded sizes exist and which steps they serve (the capture
-and replay themselves run in tests/gpu/test_engine_gpu.py)."""
+and replay themselves run in tests/gpu/test_engine_gpu.py), and the garbage collector
+paused around captures."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+
+import pytest
 
 from tokenmill.worker.piecewise_graph import (
     MAX_PIECEWISE_TOKENS,
@@ -34,3 +37,24 @@ def test_steps_pad_to_the_next_size_and_larger_ones_run_eagerly():
     assert pieces.sizes[-1] == 600
     assert [pieces.padded_size(n) for n in (1, 9, 33, 300, 513, 600)] == [8, 16, 64, 304, 544, 600]
     assert pieces.can_run(600) and not pieces.can_run(601)
+
+
+def test_garbage_collection_paused_during_capture_and_restored():
+    import gc
+
+    from tokenmill.worker.cuda_graph import garbage_collection_paused
+
+    assert gc.isenabled()
+    with garbage_collection_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with garbage_collection_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # left as the caller had it
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError), garbage_collection_paused():
+        raise RuntimeError("a failed capture")
+    assert gc.isenabled()

@@ -11,8 +11,11 @@ nothing read).
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +33,28 @@ logger = logging.getLogger(__name__)
 # longest one, and at batch 1 merge up to 33 splits per head in a second launch.
 SHORT_DECODE_MAX_BATCH = 8
 SHORT_DECODE_CONTEXT = 256
+
+
+@contextmanager
+def garbage_collection_paused() -> Iterator[None]:
+    """Collect garbage now, then keep Python's collector off until the block ends.
+
+    In torch's default ("global") capture mode, some CUDA calls made from any thread while
+    a stream is being captured invalidate the capture, and a collection may make such
+    calls when it frees an earlier engine's objects (pinned host memory, CUDA events): the
+    capture then fails with ``cudaErrorStreamCaptureInvalidated`` ("operation failed due
+    to a previous error during capture"). Seen once on an H200 in ``tests/gpu``, where
+    engines are created and dropped in one process, and not reproduced in three runs of
+    the same test; a collection is the likely cause, and this rules it out.
+    """
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def default_capture_sizes(max_num_seqs: int, max_size: int = 512) -> list[int]:

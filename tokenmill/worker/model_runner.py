@@ -254,6 +254,12 @@ class ModelRunner:
         decode-only batches, in one memory pool (CUDA only)."""
         if self.device.type != "cuda":
             return
+        from tokenmill.worker.cuda_graph import garbage_collection_paused
+
+        with garbage_collection_paused():
+            self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self) -> None:
         from tokenmill.worker.cuda_graph import (
             SHORT_DECODE_CONTEXT,
             SHORT_DECODE_MAX_BATCH,
