@@ -254,35 +254,31 @@ class ModelRunner:
         decode-only batches, in one memory pool (CUDA only)."""
         if self.device.type != "cuda":
             return
-        from tokenmill.worker.cuda_graph import garbage_collection_paused
-
-        with garbage_collection_paused():
-            self._capture_cuda_graphs()
-
-    def _capture_cuda_graphs(self) -> None:
         from tokenmill.worker.cuda_graph import (
             SHORT_DECODE_CONTEXT,
             SHORT_DECODE_MAX_BATCH,
             CUDAGraphRunner,
+            garbage_collection_paused,
         )
         from tokenmill.worker.piecewise_graph import PiecewiseCUDAGraphRunner
 
-        pool = torch.cuda.graph_pool_handle()
-        self.piecewise_graphs = PiecewiseCUDAGraphRunner(self, pool=pool)
-        self.piecewise_graphs.capture()
-        if self.attn_backend.supports_uniform_grids and envs.mixed_step_graphs():
-            from tokenmill.worker.mixed_graph import MixedCUDAGraphRunner
+        with garbage_collection_paused():
+            pool = torch.cuda.graph_pool_handle()
+            self.piecewise_graphs = PiecewiseCUDAGraphRunner(self, pool=pool)
+            self.piecewise_graphs.capture()
+            if self.attn_backend.supports_uniform_grids and envs.mixed_step_graphs():
+                from tokenmill.worker.mixed_graph import MixedCUDAGraphRunner
 
-            self.mixed_graphs = MixedCUDAGraphRunner(self, pool=pool)
-            self.mixed_graphs.capture()
-        self.cuda_graphs = CUDAGraphRunner(self, pool=pool)
-        self.cuda_graphs.capture()
-        if envs.short_decode_graphs() and self.max_model_len > SHORT_DECODE_CONTEXT:
-            sizes = [s for s in self.cuda_graphs.sizes if s <= SHORT_DECODE_MAX_BATCH]
-            self.short_decode_graphs = CUDAGraphRunner(
-                self, sizes, pool=pool, max_seq_len=SHORT_DECODE_CONTEXT
-            )
-            self.short_decode_graphs.capture()
+                self.mixed_graphs = MixedCUDAGraphRunner(self, pool=pool)
+                self.mixed_graphs.capture()
+            self.cuda_graphs = CUDAGraphRunner(self, pool=pool)
+            self.cuda_graphs.capture()
+            if envs.short_decode_graphs() and self.max_model_len > SHORT_DECODE_CONTEXT:
+                sizes = [s for s in self.cuda_graphs.sizes if s <= SHORT_DECODE_MAX_BATCH]
+                self.short_decode_graphs = CUDAGraphRunner(
+                    self, sizes, pool=pool, max_seq_len=SHORT_DECODE_CONTEXT
+                )
+                self.short_decode_graphs.capture()
 
     # ---- one step ----------------------------------------------------------------------
 
