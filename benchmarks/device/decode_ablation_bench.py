@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes: the captured forward pass with kernels left out.
 
-usage: python3 benchmarks/device/decode_ablation_bench.py MODEL_DIR [CONTEXT]
+usage: python3 benchmarks/device/decode_ablation_bench.py MODEL_DIR [CONTEXT] [--sweep]
 
 Captures the decode forward pass at batch 1 once as the engine does, then once per variant
 with some kernels replaced by pass-throughs (RMSNorms, SiLU-and-mul, RoPE with the KV write,
@@ -12,6 +12,11 @@ are. Also times the short-context graphs (one key split, no reduction) and RoPE 
 decode kernel, which compute the same function as the full pass. The decode switches
 (``TOKENMILL_ROPE_IN_DECODE_ATTENTION``, ``TOKENMILL_SHORT_DECODE_GRAPHS``) are set per
 variant here, whatever their defaults.
+
+``--sweep`` instead times the same graph with other launch configurations of the kernels
+whose cost depends on where they sit in the chain: the output projection's skinny-GEMM
+tiles (its programs issue their first weight tile before they wait for attention, so
+larger first tiles overlap more of it) and the decode attention's key tiles and split cap.
 
 Prints ``ABL <variant>: <us> us per replay (<delta> against full)`` lines.
 """
@@ -25,7 +30,9 @@ import torch
 from triton.testing import do_bench
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.model.layers import fused_kernels
+from tokenmill.model.attention import triton_backend
+from tokenmill.model.attention.triton_launch import TileConfig
+from tokenmill.model.layers import fused_kernels, skinny_gemm
 from tokenmill.model.layers.attention import Attention
 from tokenmill.worker.cuda_graph import CUDAGraphRunner
 
@@ -64,9 +71,43 @@ PATCHES: dict[str, list[tuple[object, str, object]]] = {
 }
 
 
+def sweep_variants() -> list:
+    """The ``--sweep`` variants: output-projection and QKV tiles, then decode key tiles and
+    split caps."""
+    o_key = (1, 4096, 4096)
+    tuned = dict(skinny_gemm.TUNED_CONFIGS)
+    variants: list = [("full", [], None, False, []), ("full_again", [], None, False, [])]
+    o_configs = [(4, 512, 2, 4), (4, 1024, 2, 4), (4, 2048, 2, 4), (2, 2048, 2, 4),
+                 (8, 512, 2, 4), (16, 256, 2, 4), (8, 1024, 1, 8), (4, 4096, 1, 8)]  # fmt: skip
+    for n, k, split, warps in o_configs:
+        table = {**tuned, o_key: skinny_gemm.SkinnyConfig(n, k, split, warps, 1, False)}
+        patch = [(skinny_gemm, "TUNED_CONFIGS", table)]
+        variants.append((f"o_proj {n}x{k} split {split} w{warps}", [], None, False, patch))
+    qkv_key = (1, 6144, 4096)
+    for n, k, split, warps in [(16, 512, 2, 4), (8, 1024, 2, 4), (16, 1024, 1, 8)]:
+        table = {**tuned, qkv_key: skinny_gemm.SkinnyConfig(n, k, split, warps, 1, False)}
+        patch = [(skinny_gemm, "TUNED_CONFIGS", table)]
+        variants.append((f"qkv {n}x{k} split {split} w{warps}", [], None, False, patch))
+    tiles, splits = triton_backend.decode_tile_config, triton_backend.num_decode_splits
+    for block_n, cap in [(32, 64), (16, 64), (64, 4), (32, 8), (16, 16), (32, 4), (16, 8)]:
+
+        def tile(d_p, dtype, block_n=block_n):
+            cfg = tiles(d_p, dtype)
+            return TileConfig(cfg.block_m, block_n, cfg.num_warps, cfg.num_stages)
+
+        def split_count(*args, cap=cap, **kwargs):
+            return min(cap, splits(*args, **kwargs))
+
+        patch = [(triton_backend, "decode_tile_config", tile),
+                 (triton_backend, "num_decode_splits", split_count)]  # fmt: skip
+        variants.append((f"decode {block_n} keys, <= {cap} splits", [], None, False, patch))
+    return variants
+
+
 def main() -> None:
     model = sys.argv[1]
-    context = int(sys.argv[2]) if len(sys.argv) > 2 else 160
+    args = [a for a in sys.argv[2:] if not a.startswith("--")]
+    context = int(args[0]) if args else 160
     llm = LLM(model, load_format="dummy", max_num_seqs=32)
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -77,8 +118,10 @@ def main() -> None:
         llm.generate([{"prompt_token_ids": [7] * context}], params, use_tqdm=False)
 
     def timed(removed: list[str], max_seq_len: int | None = None,
-              rope_in_decode: bool = False) -> float:  # fmt: skip
+              rope_in_decode: bool = False, extra: list | None = None) -> float:  # fmt: skip
         with ExitStack() as stack:
+            for obj, name, value in extra or []:
+                stack.enter_context(patched(obj, name, value))
             for part in removed:
                 for obj, name, value in PATCHES[part]:
                     stack.enter_context(patched(obj, name, value))
@@ -93,23 +136,27 @@ def main() -> None:
         return t
 
     refill()
-    # (name, kernels removed, max_seq_len the graph is planned for, RoPE in the decode kernel)
-    variants: list[tuple[str, list[str], int | None, bool]] = [
-        ("full", [], None, False),
-        ("full_again", [], None, False),
-        ("short_graph", [], 256, False),
-        ("rope_in_decode", [], None, True),
-        ("rope_in_decode+short", [], 256, True),
-        ("-norm", ["norm"], None, False),
-        ("-act", ["act"], None, False),
-        ("-rope", ["rope"], None, False),
-        ("-attn", ["attn"], None, False),
-        ("-rope-attn", ["rope", "attn"], None, False),
-        ("products only", ["norm", "act", "rope", "attn"], None, False),
-    ]
+    if "--sweep" in sys.argv:
+        variants = sweep_variants()
+    else:
+        # (name, kernels removed, max_seq_len the graph is planned for, RoPE in the decode
+        # kernel, other patches)
+        variants = [
+            ("full", [], None, False, []),
+            ("full_again", [], None, False, []),
+            ("short_graph", [], 256, False, []),
+            ("rope_in_decode", [], None, True, []),
+            ("rope_in_decode+short", [], 256, True, []),
+            ("-norm", ["norm"], None, False, []),
+            ("-act", ["act"], None, False, []),
+            ("-rope", ["rope"], None, False, []),
+            ("-attn", ["attn"], None, False, []),
+            ("-rope-attn", ["rope", "attn"], None, False, []),
+            ("products only", ["norm", "act", "rope", "attn"], None, False, []),
+        ]
     results: dict[str, float] = {}
-    for name, removed, max_seq_len, rope_in_decode in variants:
-        results[name] = timed(removed, max_seq_len, rope_in_decode)
+    for name, removed, max_seq_len, rope_in_decode, extra in variants:
+        results[name] = timed(removed, max_seq_len, rope_in_decode, extra)
         base = results.get("full", results[name])
         print(f"ABL {name:22s}: {results[name]:8.1f} us per replay "
               f"({results[name] - base:+7.1f} against full)", flush=True)  # fmt: skip

@@ -21,12 +21,14 @@
 #   lat1_nopdl lat1 with TOKENMILL_PDL=0 (the norm, activation, rotary/KV-write and
 #              decode-attention kernels as ordinary launches, not dependent ones)
 #   gputests_skinny  the skinny GEMM's tests on CUDA (but the long Llama-shape sweep)
-#   lat1 lat32 tokenmill bench latency, M8, 32 in / 256 out, batch 1 / 32
+#   lat1 lat32 tokenmill bench latency, M8, 32 in / 256 out, batch 1 / 32; lat1@VAR=VALUE
+#              (or lat32@..., several joined by +) the same with those variables set
 #   tp_long tp_short tp_small   tokenmill bench throughput (as ANCHORS.md)
 #   serve      tokenmill serve M8 + bench serve random 1024/256 c=64, then shared prefix
 #   vllm_*     the same stage run by vLLM's CLI (vllm_tp_long, vllm_lat1, ...)
 #   stepbench  one decode step's GPU time (decode_step_bench.py)
-#   ablation   the batch-1 decode graph with kernels left out (decode_ablation_bench.py)
+#   ablation   the batch-1 decode graph with kernels left out (decode_ablation_bench.py);
+#              ablation_sweep the same graph under other output-projection and decode tiles
 #   pgemm_curve  the products of one step (32 layers, cuBLAS and cuBLASLt) against M tokens
 #   mixedcurve  a mixed step's graph time against its tokens (CURVE_CASES="D,ctx,chunk,cached ...")
 #   mixedbench eager vs captured mixed (decode + prompt chunk) steps (mixed_step_bench.py);
@@ -49,6 +51,7 @@
 #   gputests_topp  the sampler and engine GPU tests with TOKENMILL_SORT_FREE_TOP_P=0 (top-p
 #              by sorting); gputests_topp_unit the sampler tests (the default radix select)
 #   gputests_attn  the attention kernels' and the engine's GPU tests
+#   gputests_prefetch  the L2 prefetch's tests on CUDA
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -160,6 +163,7 @@ for st in "$@"; do
     gputests_topp_unit) stage gputests_topp_unit 200 python3 -m pytest -q tests/worker/test_top_p_select.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 150 ;;
     gputests_topp) TOKENMILL_SORT_FREE_TOP_P=0 PYTHONPATH="$XGP" stage gputests_topp 240 python3 -m pytest -q tests/worker/test_top_p_select.py tests/worker/test_sampler.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 150 ;;
     gputests_sampler) PYTHONPATH="$XGP" stage gputests_sampler 240 python3 -m pytest -q tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/worker/test_top_p_select.py tests/gpu/test_engine_gpu.py tests/gpu/test_skinny_gemm_gpu.py -p no:cacheprovider --timeout 150 ;;
+    gputests_prefetch) stage gputests_prefetch 120 python3 -m pytest -q tests/gpu/test_l2_prefetch_gpu.py tests/model/test_l2_prefetch.py -p no:cacheprovider --timeout 100 ;;
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
     gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
@@ -169,6 +173,9 @@ for st in "$@"; do
     attn_prefix) stage attn_prefix 180 python3 benchmarks/attention_bench.py --only decode --decode-batches 64 --contexts 1280,2304 --shared-prefix 0,2000 --sweep-splits ;;
     attn_ptiles) stage attn_ptiles 300 python3 benchmarks/attention_bench.py --only prefill --prefill-tokens 512,1024 --prefill-batch 1,14 --chunk-tokens 512 --contexts 1024 --sweep-tiles --baseline ;;
     attn_dtiles) stage attn_dtiles 300 python3 benchmarks/attention_bench.py --only decode --decode-batches 1,64,256 --contexts 2304,8192 --shared-prefix 0,2000 --sweep-decode-tiles ;;
+    lat1@*|lat32@*)  # lat1@VAR=VALUE[+VAR=VALUE...]: the latency run with those variables set
+      base=${st%%@*}; bs=1; [ "$base" = lat32 ] && bs=32; assign=${st#*@}; tag=$(echo "$st" | tr -c 'A-Za-z0-9_\n' '_')
+      stage "$st" 240 env ${assign//+/ } "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size $bs --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/$tag.json"; addjson "$st" "$LOGS/$tag.json" ;;
     lat1)     stage lat1 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1.json"; addjson lat1 "$LOGS/lat1.json" ;;
     lat32)    stage lat32 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32.json"; addjson lat32 "$LOGS/lat32.json" ;;
     tp_long)  stage tp_long 400 "${TM[@]}" bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/tp_long.json"; addjson tp_long "$LOGS/tp_long.json" ;;
@@ -183,6 +190,7 @@ for st in "$@"; do
     mixedbench_shared) stage mixedbench_shared 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --shared-only ;;
     sampler) TAIL_LINES=40 stage sampler 150 python3 benchmarks/device/sampler_bench.py ;;
     ablation) stage ablation 240 python3 benchmarks/device/decode_ablation_bench.py "$M8" ;;
+    ablation_sweep) TAIL_LINES=40 stage ablation_sweep 300 python3 benchmarks/device/decode_ablation_bench.py "$M8" "${CONTEXT:-160}" --sweep ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     lat1_short) TOKENMILL_SHORT_DECODE_GRAPHS=1 stage lat1_short 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_short.json"; addjson lat1_short "$LOGS/lat1_short.json" ;;
