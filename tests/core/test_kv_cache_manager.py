@@ -316,3 +316,20 @@ def test_free_unknown_request_is_ignored():
     kv.free(make_request("ghost", [1, 2, 3]))
     assert kv.num_free_blocks == NUM_BLOCKS
     assert kv.get_block_ids("ghost") == []
+
+
+def test_reads_step_kv_marks_hits_on_blocks_filled_in_the_same_step():
+    kv = make_manager()
+    kv.begin_step()
+    a = make_request("a", list(range(10)))
+    admit(kv, a)  # fills blocks 0 and 1 in this step
+    b = make_request("b", list(range(9)))
+    assert not kv.reads_step_kv
+    admit(kv, b)  # hits them before they are written
+    assert kv.reads_step_kv
+    kv.begin_step()
+    assert not kv.reads_step_kv
+    c = make_request("c", list(range(9)))
+    admit(kv, c)  # the same hits, now on blocks an earlier step wrote
+    assert not kv.reads_step_kv
+    kv.check_integrity()

@@ -78,22 +78,31 @@ class FakeWorker:
         self.salts = salts or {}
         self.vocab_size = vocab_size
         self.states: dict[str, _WorkerRequest] = {}
+        # Reads of KV that another request wrote in the same step (flagged steps only).
+        self.num_same_step_reads = 0
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_diff(so)
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         batch = [(self.states[r], n) for r, n in so.num_scheduled_tokens.items()]
         # Every layer writes the KV of all scheduled tokens before attention reads.
-        for state, n in batch:
+        written: dict[int, int] = {}  # slot -> batch index of the request writing it
+        for i, (state, n) in enumerate(batch):
             assert n > 0 and state.num_computed_tokens + n <= len(state.token_ids)
             assert len(state.block_ids) * self.block_size >= state.num_computed_tokens + n
             fps = state.prefix_fingerprints()
             for pos in range(state.num_computed_tokens, state.num_computed_tokens + n):
                 self.kv[self._slot(state, pos)] = fps[pos]
-        for state, n in batch:
+                written[self._slot(state, pos)] = i
+        for i, (state, n) in enumerate(batch):
             fps = state.prefix_fingerprints()
             for pos in range(state.num_computed_tokens + n):
-                assert self.kv[self._slot(state, pos)] == fps[pos], f"wrong KV at {pos}"
+                slot = self._slot(state, pos)
+                assert self.kv[slot] == fps[pos], f"wrong KV at {pos}"
+                # Kernels that read earlier tokens' KV ahead of the step's writes rely on it.
+                if written.get(slot, i) != i:
+                    assert so.reads_step_kv, f"reads KV written in the step, unflagged, at {pos}"
+                    self.num_same_step_reads += 1
         req_ids = list(so.num_scheduled_tokens)
         sampled = []
         for req_id, (state, n) in zip(req_ids, batch, strict=True):
@@ -451,6 +460,35 @@ def test_same_step_prefix_hit_for_parallel_samples():
     assert so.num_scheduled_tokens == {"s0": 10, "s1": 2, "s2": 2}
     assert [n.block_ids for n in so.scheduled_new_reqs] == [[0, 1, 2], [0, 1, 3], [0, 1, 4]]
     assert [b.ref_cnt for b in sched.kv_cache_manager.block_pool.blocks[:5]] == [3, 3, 1, 1, 1]
+    # s1 and s2 read blocks 0 and 1, which s0 writes in this step.
+    assert so.reads_step_kv and worker.num_same_step_reads > 0
+    so, _ = step(sched, worker)  # decodes: every block read was written by an earlier step
+    assert not so.reads_step_kv
+
+
+def test_prefix_hit_on_an_earlier_step_is_not_a_same_step_read():
+    sched = make_scheduler(budget=64)
+    worker = worker_for(sched)
+    sched.add_request(make_request("a", 10))
+    so, _ = step(sched, worker)
+    assert not so.reads_step_kv
+    sched.add_request(make_request("b", 10))  # hits a's blocks 0 and 1, written last step
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 2}
+    assert not so.reads_step_kv and worker.num_same_step_reads == 0
+
+
+def test_decode_that_fills_a_block_another_request_hits_in_the_same_step():
+    sched = make_scheduler(budget=64)
+    worker = worker_for(sched, script={"a": [3, 4, 5, 6]})
+    sched.add_request(make_request("a", 7))  # tokens 0..6, then samples 3: block 1 is full
+    step(sched, worker)
+    # b's prompt is a's context so far plus one token: its hits include block 1, whose
+    # last slot a's decode writes in this step.
+    sched.add_request(Request("b", list(range(7)) + [3, 9], SamplingParams(max_tokens=2)))
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert so.reads_step_kv and worker.num_same_step_reads == 1
 
 
 def test_reset_prefix_cache_and_counts():

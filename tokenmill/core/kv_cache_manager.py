@@ -14,7 +14,10 @@ writes the KV of all scheduled tokens into the cache before its attention reads 
 the hitting request reads, at each layer, KV that the same layer has just written. This is
 also how the ``n`` sequences of a parallel-sampling request share their prompt: the front
 end submits them as separate requests with the same prompt, the first computes the prompt
-blocks and the others hit them, in the same step or later.
+blocks and the others hit them, in the same step or later. Such a same-step hit is
+recorded (``reads_step_kv``, cleared by ``begin_step``): kernels that read earlier tokens'
+KV before the step's KV write has finished (the decode attention kernel as a dependent
+launch) are only sound without one.
 """
 
 from __future__ import annotations
@@ -82,6 +85,17 @@ class KVCacheManager:
         # request id -> leading blocks already passed to BlockPool.cache_full_blocks.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # Ids of the blocks entered into the prefix cache since ``begin_step``: the step
+        # being planned writes their (last) KV.
+        self._blocks_filled_this_step: set[int] = set()
+        self.reads_step_kv = False
+
+    def begin_step(self) -> None:
+        """Start planning a step: forget which blocks the previous step fills, and clear
+        ``reads_step_kv`` (set once a request admitted in this step hits one of the blocks
+        this step fills, whose KV it would read before or while it is written)."""
+        self._blocks_filled_this_step.clear()
+        self.reads_step_kv = False
 
     @property
     def num_blocks(self) -> int:
@@ -187,6 +201,9 @@ class KVCacheManager:
         num_free_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
         if num_new_blocks + num_free_hits > self.block_pool.get_num_free_blocks():
             return None
+        if hit_blocks and self._blocks_filled_this_step:
+            filled = self._blocks_filled_this_step
+            self.reads_step_kv |= any(b.block_id in filled for b in hit_blocks)
         # Touch the hits before taking new blocks, so that those cannot evict them.
         self.block_pool.touch(hit_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
@@ -316,4 +333,5 @@ class KVCacheManager:
         if num_full > num_cached:
             update_block_hashes(request, self.block_size)
             self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full)
+            self._blocks_filled_this_step.update(b.block_id for b in blocks[num_cached:num_full])
         self.num_cached_blocks[req_id] = max(num_cached, num_full)

@@ -252,6 +252,7 @@ class Scheduler:
         Returns:
             The step's SchedulerOutput (possibly empty, carrying only finished ids).
         """
+        self.kv_cache_manager.begin_step()
         plan = StepPlan(
             token_budget=self.max_num_batched_tokens,
             prefill_budget=(
@@ -417,6 +418,7 @@ class Scheduler:
             num_scheduled_tokens=dict(plan.num_scheduled_tokens),
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
+            reads_step_kv=kv.reads_step_kv,
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]

@@ -71,6 +71,10 @@ class SchedulerOutput:
         grammar_bitmasks: request id -> ``[ceil(V / 32)]`` int32 bitmask of the tokens its
             grammar allows next, for the requests with structured outputs that sample
             this step (filled by the engine core just before the step runs).
+        reads_step_kv: a request admitted this step hit a prefix-cache block that another
+            request fills in this step, so it reads KV the step itself writes
+            (``KVCacheManager.reads_step_kv``); the worker then runs the step with kernels
+            that read the KV cache only after the step's KV writes.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -80,6 +84,7 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     num_common_prefix_blocks: int = 0
     grammar_bitmasks: dict[str, Any] = field(default_factory=dict)
+    reads_step_kv: bool = False
 
     @property
     def is_empty(self) -> bool:
