@@ -57,8 +57,8 @@ def test_omp_num_threads_is_honoured(cores, monkeypatch):
         ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "1", True),
         ("TOKENMILL_SHORT_DECODE_GRAPHS", envs.short_decode_graphs, None, False),  # off
         ("TOKENMILL_SHORT_DECODE_GRAPHS", envs.short_decode_graphs, "1", True),
-        ("TOKENMILL_ROPE_IN_DECODE_ATTENTION", envs.rope_in_decode_attention, None, False),
-        ("TOKENMILL_ROPE_IN_DECODE_ATTENTION", envs.rope_in_decode_attention, "1", True),
+        ("TOKENMILL_ROPE_IN_DECODE_ATTENTION", envs.rope_in_decode_attention, None, True),
+        ("TOKENMILL_ROPE_IN_DECODE_ATTENTION", envs.rope_in_decode_attention, "0", False),
     ],
 )
 def test_kernel_switches(monkeypatch, variable, read, value, expected):

@@ -109,11 +109,12 @@ def short_decode_graphs() -> bool:
 
 
 def rope_in_decode_attention() -> bool:
-    """TOKENMILL_ROPE_IN_DECODE_ATTENTION=1: in decode-only steps on CUDA, rotate the query
-    and key and write the new K/V inside the decode attention kernel instead of a separate
-    rotary/KV-write launch per layer (``TritonAttentionImpl.attend_decode_rotary``; off by
-    default until measured on a GPU)."""
-    return os.environ.get("TOKENMILL_ROPE_IN_DECODE_ATTENTION", "").strip().lower() in _ON
+    """TOKENMILL_ROPE_IN_DECODE_ATTENTION=0: in decode-only steps on CUDA, rotate the query
+    and key and write the new K/V in a separate rotary/KV-write launch per layer instead of
+    inside the decode attention kernel (``TritonAttentionImpl.attend_decode_rotary``; on by
+    default: Llama-3.1-8B at batch 1 on an H200, 75 us less per step, RESULTS.md fifteenth
+    set)."""
+    return os.environ.get("TOKENMILL_ROPE_IN_DECODE_ATTENTION", "").strip().lower() not in _OFF
 
 
 def mixed_step_graphs() -> bool:

@@ -133,9 +133,9 @@ def test_short_context_decode_graphs_equal_eager_in_float32(smollm2_random, monk
 def test_rope_in_decode_attention_equals_the_separate_kernels_in_float32(
     smollm2_random, monkeypatch
 ):
-    """With TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 decode steps rotate and write their K/V
-    inside the decode kernel: the same greedy tokens as the separate rotary/KV-write
-    kernel, in CUDA graphs and eagerly."""
+    """With TOKENMILL_ROPE_IN_DECODE_ATTENTION on (the default) decode steps rotate and
+    write their K/V inside the decode kernel: the same greedy tokens as the separate
+    rotary/KV-write kernel (=0), in CUDA graphs and eagerly."""
     _, path = smollm2_random
     prompts = _prompts(8)
     tokens = {}
@@ -145,6 +145,93 @@ def test_rope_in_decode_attention_equals_the_separate_kernels_in_float32(
             tokens[fused, eager] = _generate(path, prompts, dtype="float32", enforce_eager=eager)
     assert tokens["1", False] == tokens["0", False]
     assert tokens["1", True] == tokens["0", True]
+
+
+def _record_same_step_reads(monkeypatch) -> list[bool]:
+    """Patch the scheduler to record each step's ``reads_step_kv``."""
+    from tokenmill.core.scheduler import Scheduler
+
+    flags: list[bool] = []
+    make_output = Scheduler._make_output
+
+    def recording(self, plan):
+        so = make_output(self, plan)
+        flags.append(so.reads_step_kv)
+        return so
+
+    monkeypatch.setattr(Scheduler, "_make_output", recording)
+    return flags
+
+
+def test_parallel_samples_reading_blocks_their_step_writes_in_float32(smollm2_random, monkeypatch):
+    """n = 4 greedy samples of a 33-token prompt: three of them hit the two prompt blocks the
+    first one writes in the same step and compute one token each (a flagged step: the
+    decode kernel must not read those blocks ahead of the KV write). Every sample equals
+    the prompt's greedy tokens alone, with CUDA graphs and eagerly."""
+    from tokenmill import LLM, SamplingParams
+
+    _, path = smollm2_random
+    flags = _record_same_step_reads(monkeypatch)
+    prompt = _prompts(8)[7][:33]
+    for eager in (False, True):
+        llm = LLM(path, dtype="float32", kv_cache_memory=2 << 30, max_model_len=1024,
+                  max_num_seqs=8, enforce_eager=eager)  # fmt: skip
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        single = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        llm.reset_prefix_cache()
+        flags.clear()
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+            n=4, temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)  # fmt: skip
+        assert flags[0]
+        assert [c.token_ids for c in out[0].outputs] == [single[0].outputs[0].token_ids] * 4
+        del llm
+        torch.cuda.empty_cache()
+
+
+def test_decode_step_reading_a_block_filled_by_another_decode_in_float32(
+    smollm2_random, monkeypatch
+):
+    """A decode fills a block (position 31 of its context) in the step that admits a
+    request whose prompt is that context plus one token: the new request hits the block
+    and computes one token, in a decode-only step whose batch-2 graph would read the
+    block ahead of the write. The step is flagged, and both requests generate what they
+    generate alone without prefix caching."""
+    from tokenmill import LLM, SamplingParams
+
+    _, path = smollm2_random
+    prompt_a = _prompts(8)[6][:30]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kwargs = dict(dtype="float32", kv_cache_memory=2 << 30, max_model_len=1024,
+                  max_num_seqs=8, async_scheduling=False)  # fmt: skip
+    ref = LLM(path, enable_prefix_caching=False, **kwargs)
+    tokens_a = ref.generate({"prompt_token_ids": prompt_a}, params, use_tqdm=False)
+    tokens_a = tokens_a[0].outputs[0].token_ids
+    prompt_b = prompt_a + tokens_a[:2] + [11]
+    tokens_b = ref.generate({"prompt_token_ids": prompt_b}, params, use_tqdm=False)
+    tokens_b = tokens_b[0].outputs[0].token_ids
+    del ref
+    torch.cuda.empty_cache()
+
+    flags = _record_same_step_reads(monkeypatch)
+    llm = LLM(path, **kwargs)
+    engine = llm.llm_engine
+    flags.clear()
+    engine.add_request("a", {"prompt_token_ids": prompt_a}, params)
+    engine.step()  # a's prompt: positions 0..29, samples tokens_a[0]
+    engine.step()  # position 30, samples tokens_a[1]
+    engine.add_request("b", {"prompt_token_ids": prompt_b}, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    assert flags[2], "the step computing a's position 31 admits b on a same-step hit"
+    assert not any(flags[3:])
+    assert outputs == {"a": tokens_a, "b": tokens_b}
+    runner = engine.engine_core.executor.worker.model_runner
+    assert runner.cuda_graphs.num_replays > 0
+    del llm, engine, runner
+    torch.cuda.empty_cache()
 
 
 def test_split_decode_graphs_survive_a_released_cache(smollm2_random):

@@ -59,3 +59,47 @@ def test_cascade_attention_needs_backend_flag_and_a_full_attention_layer(
     assert _runner(tmp_path, **kwargs).cascade_attn is expected
     monkeypatch.setattr(TorchAttentionBackend, "supports_cascade", False)
     assert _runner(tmp_path / "plain").cascade_attn is False
+
+
+class _WholeStepGraphs:
+    """Stands in for captured whole-step graphs (decode or mixed): runs any size."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def can_run(self, n: int) -> bool:
+        return True
+
+    def run(self, *args) -> str:
+        return self.name
+
+
+@pytest.mark.parametrize("max_query_len", [1, 3])
+def test_steps_that_read_kv_written_in_the_step_skip_whole_step_graphs(
+    tmp_path, monkeypatch, max_query_len
+):
+    """The captured decode and mixed graphs hold decode kernels that read earlier tokens'
+    KV before the step's KV writes finish; a step flagged ``reads_step_kv`` runs outside
+    them, with its own metadata (so its kernels wait first)."""
+    import dataclasses
+
+    import numpy as np
+
+    from tokenmill.worker.model_runner import StepInputs
+
+    runner = _runner(tmp_path)
+    runner.cuda_graphs = _WholeStepGraphs("decode graph")
+    runner.mixed_graphs = _WholeStepGraphs("mixed graph")
+    runner.model = lambda ids, positions, metadata: ("eager", metadata.reads_step_kv)
+    monkeypatch.setattr(runner.attn_backend, "uniform_max_prefills", 8)
+    metadata = dataclasses.replace(
+        runner.decode_metadata(2), max_query_len=max_query_len, num_decodes=1
+    )
+
+    def run(reads_step_kv: bool):
+        md = dataclasses.replace(metadata, reads_step_kv=reads_step_kv)
+        none = np.zeros(2, dtype=np.int64)
+        return runner._run_model(StepInputs(["a", "b"], 2, md, [], None, none, none, none))
+
+    assert run(False) == ("decode graph" if max_query_len == 1 else "mixed graph")
+    assert run(True) == ("eager", True)

@@ -354,6 +354,7 @@ class ModelRunner:
             seq_lens_cpu=self.seq_lens.host[:num_reqs].clone(),
             num_decodes=num_decodes,
             common_prefix_len=prefix_len,
+            reads_step_kv=so.reads_step_kv,
         )
         return StepInputs(
             req_ids,
@@ -385,8 +386,10 @@ class ModelRunner:
         """Hidden states ``[>= num_tokens, H]`` of the step (a graph's output is padded)."""
         assert self.model is not None
         num_reqs = inputs.metadata.num_reqs
-        # A step with cascade attention runs attention eagerly (piecewise graphs).
-        if inputs.is_decode_only and not inputs.metadata.common_prefix_len:
+        # Steps with cascade attention, or whose attention must not read the cache before
+        # the step's KV writes (the captured decode kernels do), run attention eagerly.
+        whole_step_ok = not inputs.metadata.reads_step_kv
+        if inputs.is_decode_only and not inputs.metadata.common_prefix_len and whole_step_ok:
             short = self.short_decode_graphs
             if (
                 short is not None
@@ -411,6 +414,7 @@ class ModelRunner:
             and self.mixed_graphs.can_run(n)
             and num_reqs - num_decodes <= self.attn_backend.uniform_max_prefills
             and not inputs.metadata.common_prefix_len
+            and whole_step_ok
         ):
             return self.mixed_graphs.run(n, num_reqs, num_decodes)
         if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(n):

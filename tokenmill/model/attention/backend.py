@@ -52,6 +52,12 @@ class AttentionMetadata:
         prefill_range: with ``uniform_grids``, ``[2]`` int32 on the device: the first
             request that is not one of the leading decodes, and how many follow it (at most
             the backend's ``uniform_max_prefills``).
+        reads_step_kv: some request reads KV that this step writes for another request (a
+            prefix-cache hit, made when it was admitted this step, on a block that another
+            request fills in this step; ``SchedulerOutput.reads_step_kv``). Kernels then
+            must not read the cache before the step's KV writes have completed; without
+            it, every cache slot a request reads other than its own new ones was written
+            by an earlier step.
     """
 
     num_actual_tokens: int
@@ -68,6 +74,7 @@ class AttentionMetadata:
     common_prefix_len: int = 0
     uniform_grids: bool = False
     prefill_range: torch.Tensor | None = None
+    reads_step_kv: bool = False
 
 
 @dataclass(frozen=True)

@@ -292,16 +292,26 @@ class TritonAttentionImpl(AttentionImpl):
             query: ``[num_reqs, num_heads * head_dim]``, unrotated (left as it is).
             key, value: ``[num_reqs, num_kv_heads * head_dim]``, unrotated.
             kv_cache, out: as for ``attend``.
-            metadata: a decode-only batch (``max_query_len == 1``) without a shared prefix
-                or uniform grids; padding rows have slot -1 and context length 0.
+            metadata: a decode-only batch (``max_query_len == 1``) without a shared prefix,
+                uniform grids or ``reads_step_kv`` (a row would read a slot another row's
+                program writes in the same launch); padding rows have slot -1 and context
+                length 0.
             rotary: the rotary table and layout.
 
         Raises:
             ValueError: a batch that is not decode-only, or layouts the kernel cannot
                 address.
         """
-        if metadata.max_query_len != 1 or metadata.common_prefix_len or metadata.uniform_grids:
-            raise ValueError("attend_decode_rotary takes decode-only batches without cascade")
+        if (
+            metadata.max_query_len != 1
+            or metadata.common_prefix_len
+            or metadata.uniform_grids
+            or metadata.reads_step_kv
+        ):
+            raise ValueError(
+                "attend_decode_rotary takes decode-only batches without cascade, uniform "
+                "grids or reads of KV written in the step"
+            )
         for name, x in (("query", query), ("key", key), ("value", value), ("kv_cache", kv_cache)):
             if x.stride(-1) != 1:
                 raise ValueError(f"{name} must be contiguous in its last dimension")
@@ -476,7 +486,7 @@ class TritonAttentionImpl(AttentionImpl):
                 "req_offset": 0, "kv_start": prefix_len, "merge_splits": merge_splits,
                 "num_splits": num_splits, "stride_ot": out.stride(0),
                 "NUM_KV_HEADS": self.num_kv_heads, "GROUP_P": _pow2(args["GROUP"], 16),
-                "BLOCK_N": cfg.block_n,
+                "BLOCK_N": cfg.block_n, "EARLY_LOADS": not metadata.reads_step_kv,
                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **strides, **args,
                 **_rope_args(rope), **pdl.launch_options(query.device),
             },  # fmt: skip

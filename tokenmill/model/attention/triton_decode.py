@@ -12,13 +12,18 @@ import triton
 import triton.language as tl
 
 from tokenmill.model.attention.triton_kernels import (
+    LOG2E,
     M_INIT,
     SPLIT_RUNTIME_INTS,
+    _tanh,
     attend_tiles,
     merge_splits,
+    softmax_step,
+    tile_rows,
+    tile_scores,
 )
 from tokenmill.model.layers.fused_kernels import rotary_pairs
-from tokenmill.model.layers.pdl import wait_for_prior_grid
+from tokenmill.model.layers.pdl import allow_next_grid, wait_for_prior_results
 
 
 @triton.jit
@@ -44,29 +49,46 @@ def _rotate_decode_query(
 @triton.jit
 def _write_decode_kv(
     k_row, v_row, k_cache_ptr, v_cache_ptr, slot_ptr, cos_sin_ptr, stride_cos, seq_len,
-    kv_head, stride_cb, stride_cs, stride_ch,
+    kv_head, stride_cb, stride_cs, stride_ch, active,
     HEAD_DIM: tl.constexpr, D_P: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
     """Rotate one KV head's new key (``k_row + d``) and write it and the new value into the
-    token's slot; a negative slot (padding) writes nothing. The key is rounded to its own
-    dtype, then to the cache's, as the separate rotary kernel and cache write do."""
-    slot = tl.load(slot_ptr).to(tl.int64)
-    if slot >= 0:
-        partner, cos, sin, rotates = _rotary_pairs(
-            cos_sin_ptr, stride_cos, seq_len, D_P, HALF, NEOX
-        )
-        d = tl.arange(0, D_P)
-        valid = d < HEAD_DIM
-        k = tl.load(k_row + d, mask=valid, other=0.0)
-        pair = tl.load(k_row + partner, mask=valid & rotates, other=0.0)
-        rotated = k.to(tl.float32) * cos + pair.to(tl.float32) * sin
-        k = tl.where(rotates, rotated, k.to(tl.float32)).to(k.dtype)
-        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-        dst += kv_head * stride_ch + d
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=valid)
-        v = tl.load(v_row + d, mask=valid, other=0.0)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=valid)
+    token's slot; a negative slot (padding) writes nothing, nor does a program that is not
+    ``active`` (which loads nothing either). The key is rounded to its own dtype, then to
+    the cache's, as the separate rotary kernel and cache write do. Returns ``(k, v)``
+    ``[D_P]`` as written, in the cache's dtype (zeros where not ``active``)."""
+    slot = tl.load(slot_ptr, mask=active, other=-1).to(tl.int64)
+    partner, cos, sin, rotates = _rotary_pairs(cos_sin_ptr, stride_cos, seq_len, D_P, HALF, NEOX)
+    d = tl.arange(0, D_P)
+    valid = (d < HEAD_DIM) & active
+    k = tl.load(k_row + d, mask=valid, other=0.0)
+    pair = tl.load(k_row + partner, mask=valid & rotates, other=0.0)
+    rotated = k.to(tl.float32) * cos + pair.to(tl.float32) * sin
+    k = tl.where(rotates, rotated, k.to(tl.float32)).to(k.dtype).to(k_cache_ptr.dtype.element_ty)
+    v = tl.load(v_row + d, mask=valid, other=0.0).to(v_cache_ptr.dtype.element_ty)
+    dst = (tl.maximum(slot, 0) // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    dst += kv_head * stride_ch + d
+    tl.store(k_cache_ptr + dst, k, mask=valid & (slot >= 0))
+    tl.store(v_cache_ptr + dst, v, mask=valid & (slot >= 0))
+    return k, v
+
+
+@triton.jit
+def _fold_key(acc, m_i, l_i, q, k, v, sm_scale, soft_cap, USE_SOFTCAP: tl.constexpr):
+    """Fold one key ``k [D_P]`` and its value ``v [D_P]``, visible to every query row, into
+    the online softmax state; the value is weighed in its own dtype, as ``attend_tiles``
+    casts its weights for ``tl.dot``."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1)
+    if USE_SOFTCAP:
+        s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * LOG2E
+    else:
+        s = s * (sm_scale * LOG2E)
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new).to(v.dtype).to(tl.float32)
+    acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
+    return acc, m_new, l_i * alpha + tl.exp2(s - m_new)
 
 
 @triton.jit(
@@ -120,6 +142,7 @@ def decode_attention_kernel(
     ROPE: tl.constexpr,
     HALF: tl.constexpr,
     NEOX: tl.constexpr,
+    EARLY_LOADS: tl.constexpr,
 ):
     """Flash-decoding: program ``(r * num_splits + split) * NUM_KV_HEADS + kv_head`` attends
     one query token's ``GROUP`` heads over its split of the context's keys from
@@ -143,9 +166,20 @@ def decode_attention_kernel(
     pairs), rounded to the query's dtype as the separate rotary kernel stores it. The
     program whose split holds the last key also rotates the new key (``k_new_ptr``, rows
     ``stride_kt``) and writes it and the new value (``v_new_ptr``) into the token's slot
-    (``slot_ptr``; negative slots are not written) before it reads its tiles.
+    (``slot_ptr``; negative slots are not written).
+
+    As a dependent launch (``USE_PDL``) each program reads the batch layout, its block-table
+    entries and its first tile of earlier keys before it waits for the previous kernel, so
+    that those loads' latency overlaps it. The step's own key, which the previous kernel
+    (or, with ``ROPE``, this one) writes, is left out of the tiles and folded in last by
+    the split that holds it. That is sound only when no row reads a slot that the step
+    writes for another row, which a prefix-cache hit on a block filled in the same step
+    can make happen (``AttentionMetadata.reads_step_kv``): with ``EARLY_LOADS`` off every
+    program waits first.
     """
-    wait_for_prior_grid(USE_PDL)
+    allow_next_grid(USE_PDL)
+    if not EARLY_LOADS:
+        wait_for_prior_results(USE_PDL)
     # One grid axis, the request slowest: with uniform grids (whole-step graphs) the rows
     # past the step's decodes exit at once, and in this order they are dispatched after
     # every real program instead of between them, where each would hold a slot first.
@@ -154,23 +188,18 @@ def decode_attention_kernel(
     split = (pid // NUM_KV_HEADS) % num_splits
     r = pid // (NUM_KV_HEADS * num_splits)
     req = req_offset + r
+    # Until the wait below, only what the step's earlier kernels do not write: the batch
+    # layout, the block table and the keys before this step's (written by earlier steps).
+    # At a few tiles per program these loads are most of the kernel's latency, and here
+    # they overlap the previous kernels (the QKV product, the rotary/KV write).
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     if q_len != 1:
+        # Every program waits before it exits, so that this grid completes after the
+        # previous one (``pdl.py``: completion must imply the predecessor's).
+        wait_for_prior_results(USE_PDL)
         return
     seq_len = tl.load(seq_lens_ptr + req)
-
-    g = tl.arange(0, GROUP_P)
-    d = tl.arange(0, D_P)
-    head = kv_head * GROUP + g
-    qo_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(
-        q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * HEAD_DIM + d[None, :],
-        mask=qo_mask,
-        other=0.0,
-    )
-    q_pos = tl.zeros([GROUP_P], dtype=tl.int32) + (seq_len - 1)
-
     kv_lo = kv_start
     if USE_WINDOW:
         kv_lo = tl.maximum(seq_len - window, kv_start)
@@ -179,32 +208,70 @@ def decode_attention_kernel(
     tiles_per_split = tl.cdiv(tiles, num_splits)
     start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    # The step's own key (position seq_len - 1) is folded in apart, after the wait, by the
+    # split that holds it (``owner``); the tiles cover the keys before it.
+    last = seq_len - 1
+    owner = ((last - lo) // BLOCK_N) // tl.maximum(tiles_per_split, 1)
+    has_new_key = (split == owner) & (seq_len > 0) & (last >= kv_lo)
+    block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
+    g = tl.arange(0, GROUP_P)
+    d = tl.arange(0, D_P)
+    j = start + tl.arange(0, BLOCK_N)
+    first_valid = (j >= kv_lo) & (j < tl.minimum(end, last))
+    row = tile_rows(block_row_ptr, kv_head * stride_ch, j, first_valid, stride_cb, stride_cs,
+                    True, BLOCK_SIZE)  # fmt: skip
+    k0 = tl.load(k_cache_ptr + row[None, :] + d[:, None],
+                 mask=first_valid[None, :] & (d < HEAD_DIM)[:, None], other=0.0)  # fmt: skip
+    v0 = tl.load(v_cache_ptr + row[:, None] + d[None, :],
+                 mask=first_valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
+    new_block = tl.load(block_row_ptr + tl.maximum(last, 0) // BLOCK_SIZE, mask=has_new_key,
+                        other=0)  # fmt: skip
+    new_row = new_block.to(tl.int64) * stride_cb + (last % BLOCK_SIZE) * stride_cs
+    new_row += kv_head * stride_ch
+    wait_for_prior_results(USE_PDL)
+
+    head = kv_head * GROUP + g
+    qo_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(
+        q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * HEAD_DIM + d[None, :],
+        mask=qo_mask,
+        other=0.0,
+    )
+    q_pos = tl.zeros([GROUP_P], dtype=tl.int32) + last
     if ROPE:
         q = _rotate_decode_query(
             q, q_ptr + q_start.to(tl.int64) * stride_qt + head[:, None] * HEAD_DIM, qo_mask,
             cos_sin_ptr, stride_cos, seq_len, HEAD_DIM, D_P, HALF, NEOX,
         )  # fmt: skip
-        owner = ((seq_len - 1 - lo) // BLOCK_N) // tl.maximum(tiles_per_split, 1)
-        if (split == owner) & (seq_len > 0):
-            _write_decode_kv(
-                k_new_ptr + q_start.to(tl.int64) * stride_kt + kv_head * HEAD_DIM,
-                v_new_ptr + q_start.to(tl.int64) * stride_vt + kv_head * HEAD_DIM,
-                k_cache_ptr, v_cache_ptr, slot_ptr + q_start, cos_sin_ptr, stride_cos,
-                seq_len, kv_head, stride_cb, stride_cs, stride_ch, HEAD_DIM, D_P, HALF, NEOX,
-                BLOCK_SIZE,
-            )  # fmt: skip
-        # The writes above reach every thread of this program before its key loads.
-        tl.debug_barrier()
+        k_new, v_new = _write_decode_kv(
+            k_new_ptr + q_start.to(tl.int64) * stride_kt + kv_head * HEAD_DIM,
+            v_new_ptr + q_start.to(tl.int64) * stride_vt + kv_head * HEAD_DIM,
+            k_cache_ptr, v_cache_ptr, slot_ptr + q_start, cos_sin_ptr, stride_cos,
+            seq_len, kv_head, stride_cb, stride_cs, stride_ch, has_new_key, HEAD_DIM, D_P,
+            HALF, NEOX, BLOCK_SIZE,
+        )  # fmt: skip
+    else:
+        # Written by the previous kernel (the rotary/KV write): read after the wait.
+        new_mask = (d < HEAD_DIM) & has_new_key
+        k_new = tl.load(k_cache_ptr + new_row + d, mask=new_mask, other=0.0)
+        v_new = tl.load(v_cache_ptr + new_row + d, mask=new_mask, other=0.0)
 
     acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)
     m_i = tl.zeros([GROUP_P], dtype=tl.float32) + M_INIT
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
+    s0 = tile_scores(q, k0, j, q_pos, first_valid, window, sm_scale, soft_cap,
+                     True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION)  # fmt: skip
+    m_i, l_i, alpha, p = softmax_step(m_i, l_i, s0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v0.dtype), v0, input_precision=DOT_PRECISION)
     acc, m_i, l_i = attend_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr,
-        block_table_ptr + req.to(tl.int64) * stride_bt, kv_head * stride_ch, kv_lo,
-        seq_len, window, sm_scale, soft_cap, start, end, stride_cb, stride_cs,
-        True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr,
+        kv_head * stride_ch, kv_lo, last, window, sm_scale, soft_cap, start + BLOCK_N, end,
+        stride_cb, stride_cs, True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE,
+        BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
+    if has_new_key:
+        acc, m_i, l_i = _fold_key(acc, m_i, l_i, q, k_new, v_new, sm_scale, soft_cap,
+                                  USE_SOFTCAP)  # fmt: skip
     for s in range(merge_splits):
         # A partial (normalized output o, log2-sum-exp lse) is the state (acc = o * 2^lse,
         # l = 2^lse) relative to a zero maximum; fold it in like one more key tile.
@@ -251,12 +318,15 @@ def decode_reduce_kernel(
 ):
     """Program ``r * NUM_HEADS + head``: merge a decode token's splits into its output row
     (the request slowest, as in ``decode_attention_kernel``)."""
-    wait_for_prior_grid(USE_PDL)
+    allow_next_grid(USE_PDL)
     pid = tl.program_id(0)
     r = pid // NUM_HEADS
     req = req_offset + r
+    # The batch layout is written before the step's first kernel: read it before the wait.
     q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+    q_end = tl.load(query_start_loc_ptr + req + 1)
+    wait_for_prior_results(USE_PDL)
+    if q_end - q_start != 1:
         return
     merge_splits(
         out_ptr, q_start, stride_ot, part_out_ptr, part_lse_ptr, r, pid % NUM_HEADS,

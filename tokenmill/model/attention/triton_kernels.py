@@ -37,6 +37,50 @@ def _tanh(x):
 
 
 @triton.jit
+def tile_rows(block_row_ptr, kv_head_offset, j, kv_valid, stride_cb, stride_cs,
+              MASKED: tl.constexpr, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """Cache offsets ``[BLOCK_N]`` (int64) of keys ``j`` of one KV head, through the block
+    table row ``block_row_ptr``; with ``MASKED`` only keys where ``kv_valid`` is set are
+    looked up (the others point at block 0)."""
+    if MASKED:
+        block = tl.load(block_row_ptr + j // BLOCK_SIZE, mask=kv_valid, other=0)
+    else:
+        block = tl.load(block_row_ptr + j // BLOCK_SIZE)
+    return block.to(tl.int64) * stride_cb + (j % BLOCK_SIZE) * stride_cs + kv_head_offset
+
+
+@triton.jit
+def tile_scores(
+    q, k, j, q_pos, kv_valid, window, sm_scale, soft_cap,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Scores ``[M, BLOCK_N]`` of ``q [M, D_P]`` against ``k [D_P, BLOCK_N]`` in the log2
+    domain, soft-capped if asked, with the causal, sequence-end and window masks (-inf)."""
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)
+    if USE_SOFTCAP:
+        s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * LOG2E
+    else:
+        s = s * (sm_scale * LOG2E)
+    if MASKED:
+        visible = (j[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+        if USE_WINDOW:
+            visible = visible & (j[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def softmax_step(m_i, l_i, s):
+    """One online-softmax step over scores ``s [M, N]``: ``(m_new, l_new, alpha, p)``, where
+    ``alpha [M]`` rescales the accumulator and ``p [M, N]`` weighs the tile's values."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
+
+
+@triton.jit
 def attend_tiles(
     acc,
     m_i,
@@ -76,35 +120,22 @@ def attend_tiles(
     d_valid = d < HEAD_DIM
     for j0 in range(start, end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
+        kv_valid = (j >= kv_lo) & (j < seq_len)
         if MASKED:
-            kv_valid = (j >= kv_lo) & (j < seq_len)
-            block = tl.load(block_row_ptr + j // BLOCK_SIZE, mask=kv_valid, other=0)
             kt_mask = kv_valid[None, :] & d_valid[:, None]
             v_mask = kv_valid[:, None] & d_valid[None, :]
         else:
-            block = tl.load(block_row_ptr + j // BLOCK_SIZE)
             kt_mask = d_valid[:, None]
             v_mask = d_valid[None, :]
-        row = block.to(tl.int64) * stride_cb + (j % BLOCK_SIZE) * stride_cs + kv_head_offset
+        row = tile_rows(block_row_ptr, kv_head_offset, j, kv_valid, stride_cb, stride_cs,
+                        MASKED, BLOCK_SIZE)  # fmt: skip
         # K is read transposed, [D_P, BLOCK_N], so q @ k needs no shuffle.
         k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=kt_mask, other=0.0)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION)
-        if USE_SOFTCAP:
-            s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * LOG2E
-        else:
-            s = s * (sm_scale * LOG2E)
-        if MASKED:
-            visible = (j[None, :] <= q_pos[:, None]) & kv_valid[None, :]
-            if USE_WINDOW:
-                visible = visible & (j[None, :] > q_pos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        s = tile_scores(q, k, j, q_pos, kv_valid, window, sm_scale, soft_cap,
+                        MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION)  # fmt: skip
+        m_i, l_i, alpha, p = softmax_step(m_i, l_i, s)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=v_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
     return acc, m_i, l_i
 
 

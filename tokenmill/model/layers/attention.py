@@ -85,6 +85,7 @@ class Attention(nn.Module):
             and metadata.max_query_len == 1
             and not metadata.common_prefix_len
             and not metadata.uniform_grids
+            and not metadata.reads_step_kv
             and rope.runs_fused(query)
         ):
             # Decode-only step: the decode kernel rotates and writes the new K/V itself.

@@ -8,9 +8,13 @@ decode step is (about ten per layer, 1-5 us each), this hides each launch's late
 the previous kernel. CUDA Programming Guide, "Programmatic Dependent Launch and
 Synchronization"; sm_90 and up.
 
-Because every such kernel waits before its first load or store, the chain keeps stream
-order: a kernel that completed implies its predecessor completed. Kernels launched without
-PDL (cuBLAS, torch) simply start after their predecessor, as always.
+Because every such kernel waits before its first store, and before any load of what an
+earlier kernel of the step writes, the chain keeps stream order: a kernel that completed
+implies its predecessor completed. Only the decode attention kernel loads anything before
+its wait: the batch layout, the block table and earlier tokens' KV, which the host and
+earlier steps wrote (``allow_next_grid`` / ``wait_for_prior_results``; a step in which a
+request reads KV that the same step writes turns that off). Kernels launched without PDL
+(cuBLAS, torch) simply start after their predecessor, as always.
 
 The normalisation, activation, rotary/KV-write and decode-attention kernels launch this
 way by default (batch-1 decode of Llama-3.1-8B on an H200: 4.18 against 4.34 ms per token,
@@ -75,4 +79,22 @@ if HAS_TRITON:
         launch be scheduled, then wait for the previous kernel's results."""
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+
+    @triton.jit
+    def allow_next_grid(USE_PDL: tl.constexpr):
+        """Let the next launch be scheduled now. A kernel that reads, before
+        ``wait_for_prior_results``, what no kernel of the step writes (the block table, the
+        sequence lengths, earlier tokens' cache rows: all written before the step's first
+        kernel) starts with this instead of ``wait_for_prior_grid``."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def wait_for_prior_results(USE_PDL: tl.constexpr):
+        """Wait for the previous kernel's completion and memory flush; every load of what
+        an earlier kernel of the step wrote, and every store, comes after this, and so does
+        every program's exit: a grid whose programs all left without waiting could complete
+        before its predecessor, and the next kernel's wait would not cover that one."""
+        if USE_PDL:
             tl.extra.cuda.gdc_wait()
