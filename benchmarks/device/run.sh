@@ -16,7 +16,8 @@
 #   lat1_short lat1 with TOKENMILL_SHORT_DECODE_GRAPHS=1 (one-split decode graphs for short
 #              contexts at small batch)
 #   lat1_ropeattn lat1 with TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 (RoPE and the KV write in
-#              the decode kernel); lat1_both with that and the short-context graphs;
+#              the decode kernel, the default since the sixteenth set); lat1_both with that
+#              and the short-context graphs;
 #              gputests_trials the GPU tests of both switches and the decode kernel
 #   lat1_nopdl lat1 with TOKENMILL_PDL=0 (the norm, activation, rotary/KV-write and
 #              decode-attention kernels as ordinary launches, not dependent ones)
