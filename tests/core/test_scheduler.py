@@ -466,6 +466,30 @@ def test_same_step_prefix_hit_for_parallel_samples():
     assert not so.reads_step_kv
 
 
+def test_async_block_cached_a_step_after_its_write_is_not_a_same_step_read():
+    """Under async scheduling a decode's block is cached once its last token reaches the
+    host, a step after the step that wrote it: a hit on it then reads KV of an earlier step."""
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64,
+                        async_scheduling=True, admission_headroom=False),
+        CacheConfig(block_size=4, enable_prefix_caching=True),
+        num_blocks=32,
+    )  # fmt: skip
+    worker = worker_for(sched)
+    sched.add_request(make_request("a", 7, max_tokens=8))
+    so1 = sched.schedule()  # a's prompt, positions 0..6; samples position 7
+    out1 = worker.execute(so1)
+    so2 = sched.schedule()  # a writes position 7 (block 1 is full) with its token on the device
+    out2 = worker.execute(so2)
+    sched.update_from_output(so1, out1)  # the token of position 7 reaches the host
+    sched.add_request(Request("b", sched.requests["a"].all_token_ids + [9], SamplingParams()))
+    so3 = sched.schedule()  # a's block 1 enters the cache only now; b hits it
+    assert so3.num_scheduled_tokens == {"a": 1, "b": 1}
+    worker.execute(so3)
+    assert not so3.reads_step_kv and worker.num_same_step_reads == 0
+    sched.update_from_output(so2, out2)
+
+
 def test_prefix_hit_on_an_earlier_step_is_not_a_same_step_read():
     sched = make_scheduler(budget=64)
     worker = worker_for(sched)

@@ -333,5 +333,10 @@ class KVCacheManager:
         if num_full > num_cached:
             update_block_hashes(request, self.block_size)
             self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full)
-            self._blocks_filled_this_step.update(b.block_id for b in blocks[num_cached:num_full])
+            # Blocks whose last slot is below num_computed_tokens were written by earlier
+            # steps (under async scheduling a block is cached once its last token reaches
+            # the host, which can be a step after the step that wrote its KV).
+            first_written = max(num_cached, request.num_computed_tokens // self.block_size)
+            filled = blocks[first_written:num_full]
+            self._blocks_filled_this_step.update(b.block_id for b in filled)
         self.num_cached_blocks[req_id] = max(num_cached, num_full)
