@@ -1,10 +1,12 @@
 """Property-based tests of the scheduler and KV cache manager (hypothesis).
 
 Random arrivals (prompt lengths, shared prefixes, cache salts, output limits, priorities)
-under random scheduler settings (prefill pacing included),
+under random scheduler settings (prefill pacing and async scheduling included, the latter
+planning each step before the previous step's output is applied, as the engine core does),
 steps run by the fake worker, and aborts (between steps and between a step's plan and its
 output) must never leak or double-free a block, exceed the token budget or the sequence
-cap, schedule a non-positive token count, or let a request read KV that is not its own;
+cap, schedule a non-positive token count, let a request read KV that is not its own, or
+read KV written in the same step by another request without flagging the step;
 every accepted request gets exactly its tokens and one finish; under fcfs every request
 finishes within a bound of steps.
 """
@@ -21,7 +23,9 @@ from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.engine_io import FinishReason
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.kv_cache_utils import hash_block_tokens
+from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -56,6 +60,7 @@ class Config:
     caching: bool
     headroom: bool
     pacing: int
+    async_sched: bool
 
 
 @st.composite
@@ -79,6 +84,7 @@ def configs(draw) -> Config:
         caching=draw(st.booleans()),
         headroom=draw(st.booleans()),
         pacing=draw(st.sampled_from([0, 0, 1, 3, 8])) if chunked else 0,
+        async_sched=draw(st.booleans()),
     )
 
 
@@ -116,6 +122,7 @@ class Harness:
                 long_prefill_token_threshold=config.threshold,
                 admission_headroom=config.headroom,
                 prefill_pacing_tokens=config.pacing,
+                async_scheduling=config.async_sched,
             ),
             CacheConfig(block_size=config.block_size, enable_prefix_caching=config.caching),
             num_blocks=config.num_blocks,
@@ -129,6 +136,8 @@ class Harness:
         self.emitted: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, list[FinishReason]] = {}
         self.clock = 0.0
+        # Async scheduling: the step whose output is not applied yet, and that output.
+        self.pending: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
 
     def add(self, arrival: Arrival) -> None:
         req_id = f"r{len(self.requests)}"
@@ -176,13 +185,31 @@ class Harness:
                 request = self.requests[new.req_id]
                 assert new.num_computed_tokens + counts[new.req_id] == request.num_tokens
         sched.kv_cache_manager.check_integrity()
+        # As the engine core: a step runs ahead of the previous one's output unless it is
+        # empty or one of its requests needs every earlier token on the host.
+        ahead = cfg.async_sched and bool(counts)
+        ahead = ahead and not any(sched.requests[r].needs_sync_step for r in counts)
         if abort_index is not None:
             self.abort(abort_index)
+        pending, self.pending = self.pending, None
+        if pending is not None and not ahead:
+            self.apply(*pending)
+            pending = None
         runner_output = self.worker.execute(so)
         for req_id in counts:
             if req_id in sched.requests:  # the worker's block table matches the manager's
                 blocks = sched.kv_cache_manager.get_block_ids(req_id)
                 assert self.worker.states[req_id].block_ids == blocks
+        if pending is not None:
+            self.apply(*pending)
+        if ahead:
+            self.pending = (so, runner_output)
+        else:
+            self.apply(so, runner_output)
+
+    def apply(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """The step's output reaches the scheduler: tokens emitted, finishes recorded."""
+        sched = self.sched
         out = sched.update_from_output(so, runner_output)
         for o in out.outputs:
             self.emitted.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -193,7 +220,7 @@ class Harness:
 
     def drain(self, max_steps: int) -> int:
         steps = 0
-        while self.sched.has_unfinished_requests():
+        while self.sched.has_unfinished_requests() or self.pending is not None:
             assert steps < max_steps, f"not finished after {max_steps} steps"
             self.step()
             steps += 1
