@@ -386,10 +386,11 @@ class ModelRunner:
         """Hidden states ``[>= num_tokens, H]`` of the step (a graph's output is padded)."""
         assert self.model is not None
         num_reqs = inputs.metadata.num_reqs
-        # Steps with cascade attention, or whose attention must not read the cache before
-        # the step's KV writes (the captured decode kernels do), run attention eagerly.
-        whole_step_ok = not inputs.metadata.reads_step_kv
-        if inputs.is_decode_only and not inputs.metadata.common_prefix_len and whole_step_ok:
+        # Steps with cascade attention (uniform grids know no shared prefix), or whose
+        # attention must not read the cache before the step's KV writes (the captured
+        # decode kernels do), run attention eagerly: piecewise graphs.
+        whole_step_ok = not (inputs.metadata.common_prefix_len or inputs.metadata.reads_step_kv)
+        if inputs.is_decode_only and whole_step_ok:
             short = self.short_decode_graphs
             if (
                 short is not None
@@ -407,13 +408,11 @@ class ModelRunner:
                         self.input_ids.device[:padded], self.positions.device[:padded], metadata
                     )
         n = inputs.num_tokens
-        # Cascade steps keep the piecewise graphs: uniform grids know no shared prefix.
         num_decodes = inputs.metadata.num_decodes
         if (
             self.mixed_graphs is not None
             and self.mixed_graphs.can_run(n)
             and num_reqs - num_decodes <= self.attn_backend.uniform_max_prefills
-            and not inputs.metadata.common_prefix_len
             and whole_step_ok
         ):
             return self.mixed_graphs.run(n, num_reqs, num_decodes)
