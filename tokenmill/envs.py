@@ -35,6 +35,15 @@ def _num_usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+def compile_threads() -> int:
+    """TOKENMILL_COMPILE_THREADS: threads that compile Triton kernels during start-up
+    (``tokenmill.worker.parallel_compile``); 0 or 1 compiles each kernel at its first launch.
+
+    Default: the usable cores, at most 16.
+    """
+    return _int("TOKENMILL_COMPILE_THREADS", min(16, _num_usable_cores()))
+
+
 def cache_dir() -> str:
     """TOKENMILL_CACHE_DIR: where converted tokenizers are cached (~/.cache/tokenmill)."""
     return os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(

@@ -105,6 +105,19 @@ def test_cuda_graphs_equal_eager_and_batch_independent_in_float32(smollm2_random
     assert graphs == again
 
 
+def test_start_up_compiling_ahead_changes_nothing_in_float32(smollm2_random, monkeypatch):
+    """Start-up's passes run first only to compile their kernels in parallel
+    (``parallel_compile``): the engine then generates what it generates with every kernel
+    compiled at its first launch (TOKENMILL_COMPILE_THREADS=1), batched or alone."""
+    _, path = smollm2_random
+    prompts = _prompts(8)
+    tokens = {}
+    for threads in ("1", "8"):
+        monkeypatch.setenv("TOKENMILL_COMPILE_THREADS", threads)
+        tokens[threads] = _generate(path, prompts, dtype="float32")
+    assert tokens["1"] == tokens["8"]
+
+
 def test_short_context_decode_graphs_equal_eager_in_float32(smollm2_random, monkeypatch):
     """With TOKENMILL_SHORT_DECODE_GRAPHS=1, batches of up to 8 requests with short contexts
     replay graphs with one key split (no reduction launch): the same greedy tokens as eager

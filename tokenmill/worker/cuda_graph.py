@@ -106,6 +106,11 @@ class PaddedGraphs:
             raise ValueError(f"{n} is past the largest captured size {self.sizes[-1]}")
         return size
 
+    def compile_pass(self) -> None:
+        """Run the warm-up forward pass of every size once, as ``capture`` does before it
+        captures; under ``parallel_compile.compile_only`` that only compiles its kernels."""
+        raise NotImplementedError
+
     def _shared_pool(self) -> tuple[int, int]:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -156,6 +161,15 @@ class WholePassGraphs(PaddedGraphs):
         """The metadata of a batch of ``size`` padding rows (the runner's buffers filled
         to match), which the graph of ``size`` is captured with."""
         raise NotImplementedError
+
+    @torch.inference_mode()
+    def compile_pass(self) -> None:
+        model = self.runner.model
+        assert model is not None
+        for size in reversed(self.sizes):
+            metadata = self.capture_metadata(size)
+            model(self.runner.input_ids.device[:size], self.runner.positions.device[:size],
+                  metadata)  # fmt: skip
 
     @torch.inference_mode()
     def capture(self) -> None:

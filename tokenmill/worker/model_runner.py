@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
@@ -163,6 +162,7 @@ class ModelRunner:
         self.short_decode_graphs = None  # one for short contexts (TOKENMILL_SHORT_DECODE_GRAPHS)
         self.piecewise_graphs = None  # a PiecewiseCUDAGraphRunner once captured
         self.mixed_graphs = None  # a MixedCUDAGraphRunner once captured
+        self._graph_plan: list | None = None  # the four above that start-up captures
         # Tests set these (ascending sizes) on CPU to run batches padded like CUDA-graph
         # batches: decode-only batches as the decode graphs do, others as the piecewise
         # graphs do.
@@ -249,36 +249,25 @@ class ModelRunner:
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
 
-    def capture_cuda_graphs(self) -> None:
-        """Capture piecewise graphs for steps with prompt tokens, then whole-pass graphs for
-        decode-only batches, in one memory pool (CUDA only)."""
+    def plan_cuda_graphs(self) -> list:
+        """The CUDA graph sets start-up captures, created uncaptured and set on the runner
+        (``tokenmill.worker.graph_capture``); none off CUDA. Planned once."""
         if self.device.type != "cuda":
-            return
-        from tokenmill.worker.cuda_graph import (
-            SHORT_DECODE_CONTEXT,
-            SHORT_DECODE_MAX_BATCH,
-            CUDAGraphRunner,
-            garbage_collection_paused,
-        )
-        from tokenmill.worker.piecewise_graph import PiecewiseCUDAGraphRunner
+            return []
+        if self._graph_plan is None:
+            from tokenmill.worker.graph_capture import plan_graphs
 
-        with garbage_collection_paused():
-            pool = torch.cuda.graph_pool_handle()
-            self.piecewise_graphs = PiecewiseCUDAGraphRunner(self, pool=pool)
-            self.piecewise_graphs.capture()
-            if self.attn_backend.supports_uniform_grids and envs.mixed_step_graphs():
-                from tokenmill.worker.mixed_graph import MixedCUDAGraphRunner
+            self._graph_plan = plan_graphs(self)
+        return self._graph_plan
 
-                self.mixed_graphs = MixedCUDAGraphRunner(self, pool=pool)
-                self.mixed_graphs.capture()
-            self.cuda_graphs = CUDAGraphRunner(self, pool=pool)
-            self.cuda_graphs.capture()
-            if envs.short_decode_graphs() and self.max_model_len > SHORT_DECODE_CONTEXT:
-                sizes = [s for s in self.cuda_graphs.sizes if s <= SHORT_DECODE_MAX_BATCH]
-                self.short_decode_graphs = CUDAGraphRunner(
-                    self, sizes, pool=pool, max_seq_len=SHORT_DECODE_CONTEXT
-                )
-                self.short_decode_graphs.capture()
+    def capture_cuda_graphs(self) -> None:
+        """Capture the planned graph sets: piecewise graphs for steps with prompt tokens,
+        then whole-pass graphs for mixed and decode-only batches, in one memory pool."""
+        graphs = self.plan_cuda_graphs()
+        if graphs:
+            from tokenmill.worker.graph_capture import capture_graphs
+
+            capture_graphs(graphs)
 
     # ---- one step ----------------------------------------------------------------------
 

@@ -135,19 +135,36 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
             time.perf_counter() - start,
         )
 
+    @torch.inference_mode()
+    def compile_pass(self) -> None:
+        model = self.runner.model
+        assert model is not None
+        self.runner.slot_mapping.device.fill_(-1)
+        for size in reversed(self.sizes):
+            metadata = self.runner.single_request_metadata(size, size)
+            with attention_hook(self._hand_off(size, metadata.slot_mapping)):
+                model(self.runner.input_ids.device[:size], self.runner.positions.device[:size],
+                      metadata)  # fmt: skip
+
+    def _hand_off(self, size: int, slots: torch.Tensor):
+        """The attention hook that ends a piece: RoPE, the K/V write into ``slots`` and the
+        query hand-off to the static buffer, recorded into the piece; returns the static
+        output buffer that the eager attention call will fill."""
+
+        def hand_off(layer: Attention, query, key, value, md, positions) -> torch.Tensor:
+            query = layer.store_kv(query, key, value, slots, size, positions)
+            self._buffer("query", query)[:size].copy_(query)
+            return self._buffer("attn_out", query)[:size]
+
+        return hand_off
+
     def _capture_size(self, model: torch.nn.Module, size: int, pool: tuple[int, int]) -> None:
         ids = self.runner.input_ids.device[:size]
         pos = self.runner.positions.device[:size]
         # Attention does not run during capture; the metadata only has to be well formed.
         metadata = self.runner.single_request_metadata(size, size)
-        slots = metadata.slot_mapping
         calls: list[tuple[Attention, torch.Tensor, torch.Tensor]] = []
-
-        def hand_off(layer: Attention, query, key, value, md, positions) -> torch.Tensor:
-            # Recorded into the piece that ends here: RoPE, the K/V write, the query hand-off.
-            query = layer.store_kv(query, key, value, slots, size, positions)
-            self._buffer("query", query)[:size].copy_(query)
-            return self._buffer("attn_out", query)[:size]
+        hand_off = self._hand_off(size, metadata.slot_mapping)
 
         def record(layer: Attention, query, key, value, md, positions) -> torch.Tensor:
             calls.append((layer, self._buffer("query", query), self._buffer("attn_out", query)))

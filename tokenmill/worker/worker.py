@@ -12,6 +12,7 @@ from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.worker.host_memory import GiB, check_host_memory
 from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.parallel_compile import compile_first
 from tokenmill.worker.start_up_passes import profile_run, warm_up_attention, warm_up_sampler
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class Worker:
         assert runner is not None
         torch.cuda.synchronize()
         _, total = torch.cuda.mem_get_info(self.device)
+        compile_first(self.device, lambda: profile_run(runner))
         peak = profile_run(runner)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -126,13 +128,23 @@ class Worker:
 
     def warm_up(self) -> None:
         """Compile/capture what the device needs before serving (kernel variants, CUDA
-        graphs)."""
-        assert self.model_runner is not None
-        warm_up_attention(self.model_runner)
-        warm_up_sampler(self.model_runner)
-        capture = getattr(self.model_runner, "capture_cuda_graphs", None)
-        if capture is not None and not self.config.enforce_eager:
-            capture()
+        graphs). The passes run twice where Triton compiles in parallel: first only to
+        compile their kernels (``tokenmill.worker.parallel_compile``)."""
+        runner = self.model_runner
+        assert runner is not None
+        graphs = [] if self.config.enforce_eager else runner.plan_cuda_graphs()
+
+        def passes() -> None:
+            warm_up_attention(runner)
+            warm_up_sampler(runner)
+            for g in graphs:
+                g.compile_pass()
+
+        compile_first(self.device, passes)
+        warm_up_attention(runner)
+        warm_up_sampler(runner)
+        if graphs:
+            runner.capture_cuda_graphs()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None
