@@ -202,6 +202,7 @@ def run_engine_core(
         format="%(levelname)s %(asctime)s [engine %(name)s] %(message)s",
         datefmt="%m-%d %H:%M:%S",
     )
+    logger.info("Engine core process started (pid %d)", os.getpid())
     proc: EngineCoreProc | None = None
 
     def stop(signum, frame):  # noqa: ARG001

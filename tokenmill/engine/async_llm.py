@@ -87,17 +87,28 @@ class AsyncLLM:
         self.model_config = config.model_config
         self.stat_loggers = list(stat_loggers or [])
         mc = config.model_config
-        self.tokenizer = get_tokenizer(mc.model, mc.tokenizer if mc.tokenizer != mc.model else None)
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._utility_waiters: dict[str, list[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
         self.dead_error: str | None = None
         self._closed = False
         self._timed = envs.log_step_stats()
-        self._start_engine(start_timeout_s)
-        self.input_processor = InputProcessor(mc, self.tokenizer, mc.max_logprobs)
-        self.output_processor = OutputProcessor(self.tokenizer, log_stats=bool(self.stat_loggers))
-        self.async_tokenizer = AsyncTokenizer(self.tokenizer, max_model_len=mc.max_model_len)
+        # The engine process starts first: the tokenizer loads while it does.
+        self._spawn_engine()
+        try:
+            self.tokenizer = get_tokenizer(
+                mc.model, mc.tokenizer if mc.tokenizer != mc.model else None
+            )
+            self.input_processor = InputProcessor(mc, self.tokenizer, mc.max_logprobs)
+            self.output_processor = OutputProcessor(
+                self.tokenizer, log_stats=bool(self.stat_loggers)
+            )
+            self.async_tokenizer = AsyncTokenizer(self.tokenizer, max_model_len=mc.max_model_len)
+        except BaseException:
+            self.engine_proc.kill()
+            self.engine_proc.join(2)
+            raise
+        self._wait_for_engine(start_timeout_s)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -105,7 +116,7 @@ class AsyncLLM:
 
     # ---- engine process ----------------------------------------------------------------
 
-    def _start_engine(self, timeout_s: float) -> None:
+    def _spawn_engine(self) -> None:
         self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")
         tag = uuid.uuid4().hex[:8]
         input_address = f"ipc://{self._ipc_dir}/in-{tag}"
@@ -131,6 +142,15 @@ class AsyncLLM:
         )
         self.engine_proc.start()
         child_conn.close()
+        self._ready_conn = parent_conn
+
+    def _wait_for_engine(self, timeout_s: float) -> None:
+        """Wait for the engine process's start-up report; take the settings it fitted.
+
+        Raises:
+            EngineDeadError: the process exited, failed, or did not report in ``timeout_s``.
+        """
+        parent_conn = self._ready_conn
         deadline = time.monotonic() + timeout_s
         while not parent_conn.poll(0.2):
             if not self.engine_proc.is_alive():

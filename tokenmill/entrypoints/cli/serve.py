@@ -18,10 +18,12 @@ import sys
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from tokenmill import envs
+from tokenmill import __version__, envs
 from tokenmill.config import ConfigError
 from tokenmill.engine_args import EngineArgs
 from tokenmill.model.loader.hf_config import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -355,6 +357,7 @@ def run(args: argparse.Namespace) -> int:
         config = EngineArgs.from_cli_args(args).create_engine_config("server")
         if chat_template is not None:
             config.model_config.chat_template = chat_template
+        logger.info("tokenmill %s serve: starting for %s", __version__, args.model)
         from tokenmill.entrypoints.openai.server import run_server
 
         run_event_loop(run_server(args, config, chat_template, listeners))
