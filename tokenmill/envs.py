@@ -137,11 +137,3 @@ def fused_rope_cache() -> bool:
     """TOKENMILL_FUSED_ROPE_CACHE=0: apply the rotary embedding and write the KV cache in two
     launches per layer instead of one (on by default; off to compare)."""
     return os.environ.get("TOKENMILL_FUSED_ROPE_CACHE", "1") not in ("", "0")
-
-
-def product_prologues() -> bool:
-    """TOKENMILL_PRODUCT_PROLOGUES=0: at decode batches of one or two rows on CUDA, run the
-    RMSNorm before the QKV and gate/up products and the SiLU-and-mul before the down
-    product as separate kernels instead of inside those products' skinny-GEMM launches
-    (``skinny_gemm.rms_norm_linear``, ``silu_and_mul_linear``; on by default)."""
-    return os.environ.get("TOKENMILL_PRODUCT_PROLOGUES", "").strip().lower() not in _OFF

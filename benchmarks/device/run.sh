@@ -56,7 +56,6 @@
 #   cold_parallel[N] cold_serial[N]  tokenmill serve M8 with an empty Triton cache to /health,
 #              start-up compiling in parallel (the default) or each kernel at first launch
 #   gputests_compile  the parallel compile's GPU tests and engine tests around it
-#   gputests_prologue  the skinny GEMM's norm and gate prologues on CUDA, and engine tests
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -235,7 +234,6 @@ for st in "$@"; do
     serve)    serve_pair tm ;;
     cold_parallel*) cold_start "${st#cold_}" ;;
     cold_serial*) cold_start "${st#cold_}" TOKENMILL_COMPILE_THREADS=1 ;;
-    gputests_prologue) stage gputests_prologue 300 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/model/test_skinny_prologues.py tests/gpu/test_engine_gpu.py -k "prologue or cuda_graphs_equal or rope_in_decode" -p no:cacheprovider --timeout 250 ;;
     gputests_compile) stage gputests_compile 240 python3 -m pytest -q tests/gpu/test_parallel_compile_gpu.py tests/gpu/test_engine_gpu.py -k "compile or cuda_graphs_equal or rope_in_decode" -p no:cacheprovider --timeout 200 ;;
     diag_default) serve_diag default ;;
     diag_vllm) serve_diag vllm ;;

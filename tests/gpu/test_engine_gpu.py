@@ -79,36 +79,6 @@ def test_bf16_logits_match_cpu_float32(smollm2_random):
     assert agree > 0.95, f"argmax agreement {agree:.3f}"
 
 
-def test_bf16_decode_logits_with_product_prologues_match_separate_kernels(
-    smollm2_random, monkeypatch
-):
-    """A bf16 decode step of one request with the norms and the gate computed inside the
-    skinny products (forced on for SmolLM2's shapes, which have no tuned tiles) gives the
-    logits of the separate kernels within bf16 rounding."""
-    from tests.model.paged import PagedRunner
-    from tokenmill.config import LoadConfig
-    from tokenmill.engine_args import EngineArgs
-    from tokenmill.model.attention.selector import get_attn_backend
-    from tokenmill.model.layers import linear
-    from tokenmill.model.loader.model_loader import get_model
-
-    _, path = smollm2_random
-    cfg = EngineArgs(model=path, dtype="bfloat16", device="cuda").create_engine_config()
-    model = get_model(cfg.model_config, LoadConfig(), torch.device("cuda"),
-                      get_attn_backend("cuda"))  # fmt: skip
-    monkeypatch.setattr(linear, "_SKINNY_GEMM", "1")
-    prompt = _prompts(4)[3]
-    logits = {}
-    for fused in (False, True):
-        monkeypatch.setattr(linear, "_PROLOGUES", fused)
-        runner = PagedRunner(model, cfg.model_config.hf_config, num_blocks=16)
-        runner.step({0: prompt}, {0: prompt})
-        first = runner.step({0: [11]}, {0: prompt + [11]}).float()
-        logits[fused] = torch.cat([first, runner.step({0: [12]}, {0: prompt + [11, 12]}).float()])
-    rel = (logits[True] - logits[False]).abs().max() / logits[False].abs().max()
-    assert rel < 2e-2, f"max difference {rel:.4f} of the largest logit"
-
-
 def _generate(path, prompts, **kwargs):
     from tokenmill import LLM, SamplingParams
 

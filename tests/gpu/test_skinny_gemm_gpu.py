@@ -179,32 +179,3 @@ def test_pdl_chain_in_a_graph_keeps_each_product_after_the_one_it_reads(use_dot)
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, ref, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("shape", ["qkv", "gate_up", "down"])
-@pytest.mark.parametrize("m", [1, 2])
-def test_llama_prologues_bf16_match_the_separate_kernels(shape, m):
-    """At Llama-3.1-8B's decode shapes, under their tuned tiles: the norm prologue gives the
-    separate fused norm kernel's residual bit for bit and its product within bf16 rounding
-    (the sum of squares reduces in another order); the gate prologue gives the separate
-    gate kernel followed by the product bit for bit."""
-    from tokenmill.model.layers import fused_kernels
-    from tokenmill.model.layers import skinny_gemm as sg
-
-    n, k = LLAMA_8B[shape]
-    w = _operands(1, n, k, torch.bfloat16, seed=2)[1]
-    assert sg.takes_prologue(m, w)
-    if shape == "down":
-        gate_up = _operands(m, 1, 2 * k, torch.bfloat16, seed=3)[0] * 2
-        got = sg.silu_and_mul_linear(gate_up, w)
-        want = sg.skinny_linear(fused_kernels.silu_and_mul(gate_up), w)
-        assert torch.equal(got, want)
-        return
-    hidden, residual = (_operands(m, 1, k, torch.bfloat16, seed=s)[0] for s in (4, 5))
-    norm_w = (1 + 0.1 * _operands(1, 1, k, torch.bfloat16, seed=6)[0][0]).contiguous()
-    got, new_residual = sg.rms_norm_linear(hidden, residual, norm_w, 1e-5, w)
-    normed, want_residual = fused_kernels.rms_norm(hidden, norm_w, 1e-5, residual)
-    assert torch.equal(new_residual, want_residual)
-    want = sg.skinny_linear(normed, w)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got.float(), _reference(normed, w), rtol=2e-2, atol=2e-2)

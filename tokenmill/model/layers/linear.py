@@ -22,7 +22,6 @@ from tokenmill.model.layers import skinny_gemm
 
 # Read once: the choice must not change between CUDA-graph capture and eager steps.
 _SKINNY_GEMM = envs.skinny_gemm()
-_PROLOGUES = envs.product_prologues()
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,21 +40,6 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     ):
         return skinny_gemm.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def takes_prologue(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``dense(x, weight)`` would run the skinny kernel's CUDA-core main loop, which
-    can compute x from the previous kernel's outputs (``skinny_gemm.rms_norm_linear``,
-    ``silu_and_mul_linear``); off with ``TOKENMILL_PRODUCT_PROLOGUES=0``."""
-    return (
-        _PROLOGUES
-        and _SKINNY_GEMM != "0"
-        and x.dim() == 2
-        and x.shape[0] <= skinny_gemm.PROLOGUE_MAX_M
-        and skinny_gemm.use_skinny_gemm(x, weight)
-        and (_SKINNY_GEMM == "1" or skinny_gemm.has_tuned_config(x, weight))
-        and skinny_gemm.takes_prologue(x.shape[0], weight)
-    )
 
 
 class WeightShapeError(ValueError):
@@ -121,27 +105,6 @@ class ColumnParallelLinear(LinearBase):
         self.full_output_size = output_size
         super().__init__(input_size, _divide(output_size, get_tensor_model_parallel_world_size(),
                                              "output size"), bias)
-
-    def forward_after_rms_norm(
-        self, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(normed), new_residual)`` for ``normed, new_residual = norm(hidden,
-        residual)`` (an ``RMSNorm``): at decode sizes on CUDA one skinny-GEMM launch that
-        normalises its input as it reads it (``skinny_gemm.rms_norm_linear``), else the
-        norm then the product. Shapes ``[T, in]`` -> ``([T, out / tp], [T, in])``."""
-        if (
-            takes_prologue(hidden, self.weight)
-            and hidden.is_contiguous()
-            and residual.is_contiguous()
-            and residual.shape == hidden.shape
-            and norm.weight.dtype == hidden.dtype
-        ):
-            return skinny_gemm.rms_norm_linear(
-                hidden, residual, norm.weight, norm.eps, self.weight, self.bias,
-                norm_offset=norm.offset,
-            )  # fmt: skip
-        normed, residual = norm(hidden, residual)
-        return self(normed), residual
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         shard = param.shape[0]
@@ -250,25 +213,7 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(dense(x, self.weight))
-
-    def forward_after_silu_and_mul(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """``self(act(gate_up))`` for ``act`` a ``SiluAndMul``: at decode sizes on CUDA one
-        skinny-GEMM launch that computes the gate as it reads its input
-        (``skinny_gemm.silu_and_mul_linear``), else the gate then the product. Shapes
-        ``[T, 2 * in / tp]`` -> ``[T, out]``."""
-        k = self.weight.shape[1]
-        if (
-            gate_up.dim() == 2
-            and gate_up.shape[-1] == 2 * k
-            and gate_up.is_contiguous()
-            and takes_prologue(gate_up[:, :k], self.weight)
-        ):
-            return self._reduce(skinny_gemm.silu_and_mul_linear(gate_up, self.weight))
-        return self(act(gate_up))
-
-    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
-        """The partial products summed over ranks, then the bias."""
+        y = dense(x, self.weight)
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:

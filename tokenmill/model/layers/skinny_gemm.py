@@ -61,11 +61,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.model.host_ints import cdiv, next_power_of_2
+from tokenmill.model.host_ints import cdiv
 from tokenmill.model.layers.pdl import supported as supports_pdl
 
 try:
-    from tokenmill.model.layers.skinny_gemm_kernels import _skinny_gemm_kernel
+    import triton
+    import triton.language as tl
 
     HAS_TRITON = True
 except ImportError:  # CPU-only installs
@@ -285,118 +286,9 @@ def skinny_linear(
             ``block_n < 16``, or tensors off CUDA without ``TRITON_INTERPRET=1``.
     """
     _check_operands(x, weight, bias)
-    return _launch(x, weight, bias, config, out, pdl)
-
-
-# Rows up to which a product can compute its input in a prologue (``rms_norm_linear``,
-# ``silu_and_mul_linear``): the CUDA-core main loop's default range.
-PROLOGUE_MAX_M = FMA_DEFAULT_MAX_M
-
-
-def takes_prologue(m: int, weight: torch.Tensor) -> bool:
-    """Whether a product of ``m`` rows with ``weight [N, K]`` runs the CUDA-core main loop
-    by default on weight's device, the one that takes a prologue."""
-    n, k = weight.shape
-    return m <= PROLOGUE_MAX_M and not launch_config(m, n, k, _num_sms(weight.device)).use_dot
-
-
-def rms_norm_linear(
-    hidden: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    norm_offset: float = 0.0,
-    config: SkinnyConfig | None = None,
-    pdl: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(RMSNorm(hidden + residual) W^T (+ b), hidden + residual)`` in one launch.
-
-    The separate norm kernel before a decode-sized product costs a launch and a round trip
-    through memory while the HBM idles (~1-2 us each on an H200); here each program of the
-    product reduces its rows of ``hidden + residual`` over all of K itself after its first
-    weight loads (16 KB per 4,096-wide row, from L2) and normalises each input tile as it
-    reads it; program 0 also writes the new residual. The norm is computed as
-    ``fused_kernels.rms_norm`` computes it (fp32, the sum rounded to the activations'
-    dtype, the output rounded once), but its sum of squares is reduced in another order,
-    so the normalised input may differ from that kernel's in the last bit.
-
-    Args:
-        hidden, residual: ``[M, K]``, M <= ``PROLOGUE_MAX_M``, of weight's dtype, contiguous.
-        norm_weight: ``[K]``; ``norm_offset`` is added to it (1.0 for Gemma's ``w - 1``).
-        eps: added to the mean square.
-        weight, bias, config, pdl: as for ``skinny_linear``; ``config`` must be CUDA-core.
-
-    Returns:
-        ``(y [M, N], hidden + residual [M, K])``, new tensors.
-
-    Raises:
-        ValueError: as ``skinny_linear``, or operands the prologue cannot take (more rows,
-            a tensor-core config, mismatched or strided residual/norm weight).
-    """
-    _check_operands(hidden, weight, bias)
-    m, k = hidden.shape
-    if residual.shape != hidden.shape or residual.dtype != hidden.dtype:
-        raise ValueError(f"residual must match hidden {tuple(hidden.shape)} {hidden.dtype}")
-    if not (hidden.is_contiguous() and residual.is_contiguous()):
-        raise ValueError("hidden and residual must be contiguous")
-    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
-        raise ValueError(f"norm_weight must be a contiguous [{k}] vector")
-    residual_out = torch.empty_like(residual)
-    extra = (residual, norm_weight, residual_out, float(eps), float(norm_offset))
-    y = _launch(hidden, weight, bias, config, None, pdl, prologue=1, extra=extra)
-    return y, residual_out
-
-
-def silu_and_mul_linear(
-    gate_up: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    config: SkinnyConfig | None = None,
-    pdl: bool | None = None,
-) -> torch.Tensor:
-    """``(silu(gate_up[:, :K]) * gate_up[:, K:]) W^T (+ b)`` in one launch, the SwiGLU gate
-    computed as the product reads its input (as ``fused_kernels.silu_and_mul`` computes it,
-    bit for bit) instead of by a separate kernel.
-
-    Args:
-        gate_up: ``[M, 2K]``, M <= ``PROLOGUE_MAX_M``, of weight's dtype, contiguous.
-        weight: ``[N, K]``; bias, config, pdl as for ``skinny_linear`` (config CUDA-core).
-
-    Returns:
-        A new ``[M, N]`` tensor.
-
-    Raises:
-        ValueError: as ``skinny_linear``, or operands the prologue cannot take.
-    """
-    k = weight.shape[1] if weight.dim() == 2 else -1
-    if gate_up.dim() != 2 or gate_up.shape[1] != 2 * k or not gate_up.is_contiguous():
-        raise ValueError(f"gate_up must be a contiguous [M, {2 * k}] tensor, got "
-                         f"{tuple(gate_up.shape)}")  # fmt: skip
-    gate = gate_up[:, :k]  # the x the kernel addresses; up lies K elements after it
-    _check_operands(gate, weight, bias)
-    return _launch(gate, weight, bias, config, None, pdl, prologue=2)
-
-
-def _launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: SkinnyConfig | None,
-    out: torch.Tensor | None,
-    pdl: bool | None,
-    prologue: int = 0,
-    extra: tuple | None = None,
-) -> torch.Tensor:
     (m, k), n = x.shape, weight.shape[0]
     cfg = config or launch_config(m, n, k, _num_sms(x.device))
     plan = _launch_plan(m, n, k, cfg)
-    if prologue and (cfg.use_dot or m > PROLOGUE_MAX_M):
-        raise ValueError(f"a prologue needs the CUDA-core loop and at most {PROLOGUE_MAX_M} "
-                         f"rows, got {m} rows and {cfg}")  # fmt: skip
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
@@ -410,15 +302,12 @@ def _launch(
         partials = torch.empty(plan.partial_elems, dtype=torch.float32, device=x.device)
     else:
         locks = partials = out  # never touched without split-K
-    residual, norm_weight, residual_out, eps, norm_offset = extra or (out, out, out, 0.0, 0.0)
     _skinny_gemm_kernel[(plan.n_blocks * splits,)](
-        x, weight, bias if bias is not None else out, out, partials, locks, residual,
-        norm_weight, residual_out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        residual.stride(0), splits, k_per_split, eps, norm_offset,
+        x, weight, bias if bias is not None else out, out, partials, locks,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), splits, k_per_split,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=plan.block_m, USE_DOT=cfg.use_dot,
         USE_SPLIT=splits > 1, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        PROLOGUE=prologue, K_P=next_power_of_2(k) if prologue == 1 else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
@@ -493,3 +382,194 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_NUM_SMS
     return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _load_tile(ptrs, k_ok, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
+        # k_ok: [1, BLOCK_K] or [BLOCK_K] mask of in-range K; unused when K is whole tiles.
+        if EVEN_K:
+            tile = tl.load(ptrs, eviction_policy=EVICT)
+        else:
+            tile = tl.load(ptrs, mask=k_ok, other=0.0, eviction_policy=EVICT)
+        return tile
+
+    @triton.jit
+    def _fma_mainloop(
+        x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+        EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    ):  # fmt: skip
+        """Partial sums ``[BLOCK_N, BLOCK_M]`` (fp32) on CUDA cores, BLOCK_M <= 4.
+
+        Tile ``i + 1`` is loaded into registers before tile ``i`` is multiplied, so each
+        program has two tiles of loads in flight (Triton's pipeliner stages only loads that
+        feed ``tl.dot``).
+        """
+        # Rows past N re-read row N-1 so that the weight loads need no row mask.
+        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        offs_k = (k_start + tl.arange(0, BLOCK_K))[None, :]
+        w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k
+        # Rows of x as [1, BLOCK_K] tiles take the weight tile's register layout (a 1-D load
+        # would be re-laid out through shared memory every iteration). Rows past M repeat
+        # row M-1; their outputs are never stored.
+        x0 = x_ptr + offs_k + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+        x1 = x0 + tl.minimum(1, M - 1) * stride_xm
+        x2 = x0 + tl.minimum(2, M - 1) * stride_xm
+        x3 = x0 + tl.minimum(3, M - 1) * stride_xm
+        ok = offs_k < K
+        w = _load_tile(w_ptrs, ok, EVEN_K, "evict_first")
+        if USE_PDL:  # the weight is ours; x may still be being written by the previous kernel
+            tl.extra.cuda.gdc_wait()
+        v0 = _load_tile(x0, ok, EVEN_K, "evict_last")
+        v1 = _load_tile(x1, ok, EVEN_K, "evict_last")
+        v2 = _load_tile(x2, ok, EVEN_K, "evict_last")
+        v3 = _load_tile(x3, ok, EVEN_K, "evict_last")
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for i in range(num_tiles):
+            more = i + 1 < num_tiles  # the last prefetch is masked off entirely
+            if EVEN_K:
+                ok_next = more
+            else:
+                ok_next = (offs_k + (i + 1) * BLOCK_K < K) & more
+            w_ptrs += BLOCK_K
+            w_next = tl.load(w_ptrs, mask=ok_next, other=0.0, eviction_policy="evict_first")
+            x0 += BLOCK_K
+            v0_next = tl.load(x0, mask=ok_next, other=0.0, eviction_policy="evict_last")
+            if BLOCK_M > 1:
+                x1 += BLOCK_K
+                v1_next = tl.load(x1, mask=ok_next, other=0.0, eviction_policy="evict_last")
+            if BLOCK_M > 2:
+                x2 += BLOCK_K
+                x3 += BLOCK_K
+                v2_next = tl.load(x2, mask=ok_next, other=0.0, eviction_policy="evict_last")
+                v3_next = tl.load(x3, mask=ok_next, other=0.0, eviction_policy="evict_last")
+            wf = w.to(tl.float32)
+            acc0 += wf * v0.to(tl.float32)
+            w = w_next
+            v0 = v0_next
+            if BLOCK_M > 1:
+                acc1 += wf * v1.to(tl.float32)
+                v1 = v1_next
+            if BLOCK_M > 2:
+                acc2 += wf * v2.to(tl.float32)
+                acc3 += wf * v3.to(tl.float32)
+                v2 = v2_next
+                v3 = v3_next
+        # One cross-lane reduction per row, after the loop; rows become columns of the tile.
+        cols = tl.arange(0, BLOCK_M)[None, :]
+        acc = tl.where(cols == 0, tl.sum(acc0, axis=1)[:, None], 0.0)
+        if BLOCK_M > 1:
+            acc = tl.where(cols == 1, tl.sum(acc1, axis=1)[:, None], acc)
+        if BLOCK_M > 2:
+            acc = tl.where(cols == 2, tl.sum(acc2, axis=1)[:, None], acc)
+            acc = tl.where(cols == 3, tl.sum(acc3, axis=1)[:, None], acc)
+        return acc
+
+    @triton.jit
+    def _dot_mainloop(
+        x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """Partial sums ``[BLOCK_N, BLOCK_M]`` (fp32) on tensor cores: ``W_tile @ x_tile^T``."""
+        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        offs_m = tl.minimum(tl.arange(0, BLOCK_M), M - 1)
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for i in range(num_tiles):
+            k_ok = (offs_k + i * BLOCK_K < K)[None, :]
+            w = _load_tile(w_ptrs, k_ok, EVEN_K, "evict_first")
+            xt = _load_tile(x_ptrs, k_ok, EVEN_K, "evict_last")
+            acc = tl.dot(w, tl.trans(xt), acc, input_precision=DOT_PRECISION)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        return acc
+
+    @triton.jit
+    def _store_output(
+        acc, out_ptr, bias_ptr, pid_n, M, N, stride_om,
+        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ):  # fmt: skip
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc += b.to(tl.float32)[:, None]
+        ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _split_k_combine(
+        acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits, M, N, stride_om,
+        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ):  # fmt: skip
+        """Publish this split's partial tile; the last split of the column block sums all
+        of them in split order and writes the output."""
+        TILE: tl.constexpr = BLOCK_N * BLOCK_M
+        cols = tl.arange(0, BLOCK_M)[None, :]
+        idx = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + cols
+        live = (idx >= 0) & (cols < M)  # padded rows of x are neither written nor read
+        tiles = part_ptr + pid_n.to(tl.int64) * splits * TILE + idx
+        # .cg: partials go to L2, the one level every SM sees coherently.
+        tl.store(tiles + pid_k * TILE, acc, mask=live, cache_modifier=".cg")
+        # Every thread's partial store precedes the counter update (bar.sync), which is a
+        # release at GPU scope; the reader's acquire orders its partial loads after it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(0, splits):
+                total += tl.load(tiles + s * TILE, mask=live, other=0.0, cache_modifier=".cg")
+            # Leave the counter at zero for the next launch (kernel boundaries order it).
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            _store_output(total, out_ptr, bias_ptr, pid_n, M, N, stride_om,
+                          BLOCK_N, BLOCK_M, HAS_BIAS)  # fmt: skip
+
+    @triton.jit
+    def _skinny_gemm_kernel(
+        x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+        M, N, K, stride_xm, stride_wn, stride_om, splits, k_per_split,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+        USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    ):  # fmt: skip
+        """``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``; grid ``(cdiv(N, BLOCK_N) * splits,)``.
+
+        The splits of one column block are adjacent program ids, so they run at the same
+        time and their combine happens early rather than in a tail at the end.
+        """
+        pid = tl.program_id(0)
+        pid_n = pid // splits
+        pid_k = pid % splits
+        k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
+        num_tiles = tl.cdiv(tl.minimum(k_per_split, K - k_start), BLOCK_K)
+        if USE_PDL:
+            # Let the next kernel's programs take free slots as ours retire; it waits for
+            # our completion before it reads what we write.
+            tl.extra.cuda.gdc_launch_dependents()
+        if USE_DOT:
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
+            acc = _dot_mainloop(
+                x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
+                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, DOT_PRECISION,
+            )  # fmt: skip
+        else:
+            acc = _fma_mainloop(
+                x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
+                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, USE_PDL,
+            )  # fmt: skip
+        if USE_SPLIT:
+            _split_k_combine(acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits,
+                             M, N, stride_om, BLOCK_N, BLOCK_M, HAS_BIAS)  # fmt: skip
+        else:
+            _store_output(acc, out_ptr, bias_ptr, pid_n, M, N, stride_om,
+                          BLOCK_N, BLOCK_M, HAS_BIAS)  # fmt: skip

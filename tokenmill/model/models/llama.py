@@ -11,7 +11,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
-from tokenmill.model.layers.activation import SiluAndMul, get_act_and_mul
+from tokenmill.model.layers.activation import get_act_and_mul
 from tokenmill.model.layers.attention import Attention
 from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.linear import (
@@ -104,13 +104,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden), metadata)
-
-    def attend(
-        self, positions: torch.Tensor, qkv: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        """Attention and the output projection from projected ``qkv [T, q + 2 kv]``."""
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, metadata, positions))
 
 
@@ -137,30 +131,6 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             config.get("hidden_act", "silu"),
             bias=config.get("mlp_bias", False),
         )
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``PreNormDecoderLayer.forward``, with each norm handed to the product after it
-        and the gate to the down product, which at decode sizes on CUDA compute them as
-        they read their inputs (``linear.takes_prologue``): three launches fewer a layer."""
-        if residual is None:
-            return super().forward(positions, hidden, residual, metadata)
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = attn.qkv_proj.forward_after_rms_norm(
-            hidden, residual, self.input_layernorm
-        )
-        hidden = attn.attend(positions, qkv, metadata)
-        gate_up, residual = mlp.gate_up_proj.forward_after_rms_norm(
-            hidden, residual, self.post_attention_layernorm
-        )
-        if isinstance(mlp.act_fn, SiluAndMul):
-            return mlp.down_proj.forward_after_silu_and_mul(gate_up, mlp.act_fn), residual
-        return mlp.down_proj(mlp.act_fn(gate_up)), residual
 
 
 class LlamaModel(DecoderModel):
