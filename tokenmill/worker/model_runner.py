@@ -26,6 +26,7 @@ from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.layers.attention import Attention, bind_kv_caches
 from tokenmill.model.loader.model_loader import get_model, torch_dtype
+from tokenmill.worker import graph_capture
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.host_memory import zeroed_tensor
@@ -158,11 +159,11 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
-        self.cuda_graphs = None  # a CUDAGraphRunner once captured
-        self.short_decode_graphs = None  # one for short contexts (TOKENMILL_SHORT_DECODE_GRAPHS)
-        self.piecewise_graphs = None  # a PiecewiseCUDAGraphRunner once captured
-        self.mixed_graphs = None  # a MixedCUDAGraphRunner once captured
-        self._graph_plan: list | None = None  # the four above that start-up captures
+        # The CUDA graph sets, None until planned (``graph_capture.plan_graphs``): decode
+        # graphs, short-context ones, piecewise graphs, whole-step mixed-batch graphs.
+        self.cuda_graphs = self.short_decode_graphs = None
+        self.piecewise_graphs = self.mixed_graphs = None
+        self._graph_plan: list | None = None  # those that start-up captures, in order
         # Tests set these (ascending sizes) on CPU to run batches padded like CUDA-graph
         # batches: decode-only batches as the decode graphs do, others as the piecewise
         # graphs do.
@@ -192,17 +193,10 @@ class ModelRunner:
             torch.zeros(r, dtype=torch.int64, pin_memory=d.type == "cuda") for _ in range(2)
         ]
         self._buffers = [
-            self.input_ids,
-            self.positions,
-            self.slot_mapping,
-            self.query_start_loc,
-            self.seq_lens,
-            self.block_table,
-            self.logits_indices,
-            self.prefill_range,
-            self.pending_dst,
-            self.pending_src,
-        ]
+            self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
+            self.seq_lens, self.block_table, self.logits_indices, self.prefill_range,
+            self.pending_dst, self.pending_src,
+        ]  # fmt: skip
         self._parity = 0
         self._prev_sampled: torch.Tensor | None = None
         self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
@@ -255,9 +249,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return []
         if self._graph_plan is None:
-            from tokenmill.worker.graph_capture import plan_graphs
-
-            self._graph_plan = plan_graphs(self)
+            self._graph_plan = graph_capture.plan_graphs(self)
         return self._graph_plan
 
     def capture_cuda_graphs(self) -> None:
@@ -265,9 +257,7 @@ class ModelRunner:
         then whole-pass graphs for mixed and decode-only batches, in one memory pool."""
         graphs = self.plan_cuda_graphs()
         if graphs:
-            from tokenmill.worker.graph_capture import capture_graphs
-
-            capture_graphs(graphs)
+            graph_capture.capture_graphs(graphs)
 
     # ---- one step ----------------------------------------------------------------------
 
