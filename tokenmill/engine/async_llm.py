@@ -107,8 +107,13 @@ class AsyncLLM:
         except BaseException:
             self.engine_proc.kill()
             self.engine_proc.join(2)
+            self._release_ipc()
             raise
-        self._wait_for_engine(start_timeout_s)
+        try:
+            self._wait_for_engine(start_timeout_s)
+        except BaseException:
+            self._release_ipc()
+            raise
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -404,9 +409,14 @@ class AsyncLLM:
             if self.engine_proc.is_alive():
                 self.engine_proc.kill()
                 self.engine_proc.join(2)
+        self._release_ipc()
+
+    def _release_ipc(self) -> None:
+        """Close the engine sockets and the start-up pipe; remove the socket files."""
         self._input_sock.close(linger=0)
         self._output_sock.close(linger=0)
         self._zmq.term()
+        self._ready_conn.close()
         for name in os.listdir(self._ipc_dir):
             try:
                 os.unlink(os.path.join(self._ipc_dir, name))
