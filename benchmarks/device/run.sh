@@ -234,7 +234,7 @@ for st in "$@"; do
     serve)    serve_pair tm ;;
     cold_parallel*) cold_start "${st#cold_}" ;;
     cold_serial*) cold_start "${st#cold_}" TOKENMILL_COMPILE_THREADS=1 ;;
-    gputests_compile) stage gputests_compile 240 python3 -m pytest -q tests/gpu/test_parallel_compile_gpu.py tests/gpu/test_engine_gpu.py -k "compile or cuda_graphs_equal or rope_in_decode" -p no:cacheprovider --timeout 200 ;;
+    gputests_compile) stage gputests_compile 240 python3 -m pytest -q tests/gpu/test_parallel_compile_gpu.py tests/gpu/test_engine_gpu.py -k "compil or cuda_graphs_equal or rope_in_decode" -p no:cacheprovider --timeout 200 ;;
     diag_default) serve_diag default ;;
     diag_vllm) serve_diag vllm ;;
     gputests_attn) stage gputests_attn 200 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 150 ;;
