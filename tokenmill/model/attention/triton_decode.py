@@ -12,12 +12,11 @@ import triton
 import triton.language as tl
 
 from tokenmill.model.attention.triton_kernels import (
-    LOG2E,
     M_INIT,
     SPLIT_RUNTIME_INTS,
-    _tanh,
     attend_tiles,
     merge_splits,
+    scaled_scores,
     softmax_step,
     tile_rows,
     tile_scores,
@@ -79,16 +78,12 @@ def _fold_key(acc, m_i, l_i, q, k, v, sm_scale, soft_cap, USE_SOFTCAP: tl.conste
     """Fold one key ``k [D_P]`` and its value ``v [D_P]``, visible to every query row, into
     the online softmax state; the value is weighed in its own dtype, as ``attend_tiles``
     casts its weights for ``tl.dot``."""
-    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1)
-    if USE_SOFTCAP:
-        s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * LOG2E
-    else:
-        s = s * (sm_scale * LOG2E)
-    m_new = tl.maximum(m_i, s)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new).to(v.dtype).to(tl.float32)
-    acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
-    return acc, m_new, l_i * alpha + tl.exp2(s - m_new)
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1)[:, None]
+    m_new, l_new, alpha, p = softmax_step(
+        m_i, l_i, scaled_scores(s, sm_scale, soft_cap, USE_SOFTCAP)
+    )
+    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32) * v.to(tl.float32)[None, :]
+    return acc, m_new, l_new
 
 
 @triton.jit(

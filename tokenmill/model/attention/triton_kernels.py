@@ -50,6 +50,17 @@ def tile_rows(block_row_ptr, kv_head_offset, j, kv_valid, stride_cb, stride_cs,
 
 
 @triton.jit
+def scaled_scores(s, sm_scale, soft_cap, USE_SOFTCAP: tl.constexpr):
+    """Raw scores ``q . k`` (fp32) scaled into the log2 domain, soft-capped if asked
+    (Gemma 2: ``cap * tanh(s * scale / cap)``)."""
+    if USE_SOFTCAP:
+        s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * LOG2E
+    else:
+        s = s * (sm_scale * LOG2E)
+    return s
+
+
+@triton.jit
 def tile_scores(
     q, k, j, q_pos, kv_valid, window, sm_scale, soft_cap,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
@@ -57,11 +68,8 @@ def tile_scores(
 ):  # fmt: skip
     """Scores ``[M, BLOCK_N]`` of ``q [M, D_P]`` against ``k [D_P, BLOCK_N]`` in the log2
     domain, soft-capped if asked, with the causal, sequence-end and window masks (-inf)."""
-    s = tl.dot(q, k, input_precision=DOT_PRECISION)
-    if USE_SOFTCAP:
-        s = soft_cap * _tanh(s * (sm_scale / soft_cap)) * LOG2E
-    else:
-        s = s * (sm_scale * LOG2E)
+    s = scaled_scores(tl.dot(q, k, input_precision=DOT_PRECISION), sm_scale, soft_cap,
+                      USE_SOFTCAP)  # fmt: skip
     if MASKED:
         visible = (j[None, :] <= q_pos[:, None]) & kv_valid[None, :]
         if USE_WINDOW:
