@@ -10,6 +10,8 @@ import threading
 import pytest
 import torch
 
+from tokenmill.model.host_ints import cdiv
+
 pytestmark = pytest.mark.gpu
 
 
@@ -37,7 +39,7 @@ def test_launches_compile_without_running_then_run(monkeypatch):
     with compile_only(out.device) as deferred:
         assert deferred
         for block in (64, 128, 256):  # three variants, compiled concurrently
-            fill[(triton_cdiv(1000, block),)](out, 1.0, 1000, BLOCK=block)
+            fill[(cdiv(1000, block),)](out, 1.0, 1000, BLOCK=block)
         # Another thread's launch is not the start-up pass's: it runs.
         worker = threading.Thread(target=lambda: fill[(8,)](other, 2.0, 1000, BLOCK=128))
         worker.start()
@@ -49,11 +51,7 @@ def test_launches_compile_without_running_then_run(monkeypatch):
     assert compiled == 3
     for block in (64, 128, 256):
         out.zero_()
-        fill[(triton_cdiv(1000, block),)](out, float(block), 1000, BLOCK=block)
+        fill[(cdiv(1000, block),)](out, float(block), 1000, BLOCK=block)
         torch.cuda.synchronize()
         assert torch.all(out == float(block))
     assert sum(len(c[0]) for c in fill.device_caches.values()) == 3  # nothing recompiled
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -102,7 +102,7 @@ def compile_only(device: torch.device) -> Iterator[bool]:
             yield True
             waited = time.perf_counter()
             # Every compile ends before the mode finalizes them; none raises out of it.
-            errors = [f.exception() for f in pool.futures if f.exception() is not None]
+            errors = [e for e in map(Future.exception, pool.futures) if e is not None]
             if errors:
                 # The mode would re-raise the first failure from its exit (Triton < 3.7)
                 # and stop finalizing there: finalize the rest ourselves, then drop it.
