@@ -106,3 +106,16 @@ def test_latency_too_long_for_the_context():
     )
     with pytest.raises(BenchmarkError, match="exceed max_model_len 512"):
         run_latency(llm, input_len=500, output_len=100, batch_size=1, num_iters=1)
+
+
+def test_latency_turns_prefix_caching_off_unless_asked():
+    """Every timed run repeats the same prompts: with prefix caching they would hit the
+    cache after the first and time only their last token (vLLM's latency bench turns it
+    off for the same reason)."""
+    from tokenmill.entrypoints.cli.bench import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["latency"]).enable_prefix_caching is False
+    on = parser.parse_args(["latency", "--enable-prefix-caching"])
+    assert on.enable_prefix_caching is True
+    assert parser.parse_args(["throughput"]).enable_prefix_caching is True

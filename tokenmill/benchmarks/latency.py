@@ -4,7 +4,8 @@ One batch of ``--batch-size`` random prompts of ``--input-len`` tokens generates
 ``--output-len`` tokens each (``ignore_eos``, temperature 1.0, top_p 1.0), ``--num-iters``
 times after ``--num-iters-warmup`` untimed runs — the workload of ``vllm bench latency``,
 with its printed lines and ``--output-json`` keys (``avg_latency``, ``latencies``,
-``percentiles``).
+``percentiles``), and, like it, with prefix caching off unless ``--enable-prefix-caching``
+is passed.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--output-json", default=None, help="Write the results to this file.")
     EngineArgs.add_cli_args(parser)
+    # Every run repeats the same prompts: with the cache on, runs after the first would hit
+    # it and time only each prompt's last token. vLLM's latency bench turns it off too.
+    parser.set_defaults(enable_prefix_caching=False)
 
 
 def _check_args(args: argparse.Namespace) -> None:
