@@ -26,6 +26,8 @@
 #              (or lat32@..., several joined by +) the same with those variables set
 #   tp_long tp_short tp_small   tokenmill bench throughput (as ANCHORS.md)
 #   serve      tokenmill serve M8 + bench serve random 1024/256 c=64, then shared prefix
+#   pstep      one prompt-only step: tokenmill bench latency, M8, 8 prompts of 1,024 tokens,
+#              one output token (vllm_pstep: the same with vLLM's CLI)
 #   vllm_*     the same stage run by vLLM's CLI (vllm_tp_long, vllm_lat1, ...)
 #   stepbench  one decode step's GPU time (decode_step_bench.py)
 #   ablation   the batch-1 decode graph with kernels left out (decode_ablation_bench.py);
@@ -55,6 +57,7 @@
 #   gputests_prefetch  the L2 prefetch's tests on CUDA
 #   cold_parallel[N] cold_serial[N]  tokenmill serve M8 with an empty Triton cache to /health,
 #              start-up compiling in parallel (the default) or each kernel at first launch
+#   warm_parallel[N] warm_serial[N]  the same with Triton's cache as earlier stages left it
 #   gputests_compile  the parallel compile's GPU tests and engine tests around it
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
@@ -134,13 +137,14 @@ serve_pair() {  # serve_pair ENGINE(tm|vllm) extra server args...
 cold_start() {
   local label=$1; shift
   local dir; dir=$(mktemp -d /tmp/tritoncache.XXXX)
+  [ "${label#warm_}" != "$label" ] && dir="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
   env TRITON_CACHE_DIR="$dir" "$@" setsid "${TM[@]}" serve "$M8" --load-format dummy --port 8000 --served-model-name "$M8" > "$LOGS/cold_$label.log" 2>&1 &
   local pid=$!
   local ready; ready=$(wait_health $pid)
   say "STAGE cold_$label ready after ${ready}s (t=$(( $(date +%s) - T0 ))s; $*)"
   grep -aE "Compiled|ready in|CUDA graphs|Memory:|Error|Traceback" "$LOGS/cold_$label.log" | sed 's/^/  | /' | tee -a "$SUM"
   echo "{\"stage\":\"cold_$label\",\"ready_s\":\"$ready\"}" >> "$OUT/results.jsonl"
-  stop_server $pid; rm -rf "$dir"
+  stop_server $pid; [ "${label#warm_}" = "$label" ] && rm -rf "$dir"
 }
 # serve_diag LABEL [server args...]: tokenmill serve with vLLM's client on both serving loads;
 # keeps per-request detail, /metrics before and after each load, the server's step log and,
@@ -234,6 +238,8 @@ for st in "$@"; do
     serve)    serve_pair tm ;;
     cold_parallel*) cold_start "${st#cold_}" ;;
     cold_serial*) cold_start "${st#cold_}" TOKENMILL_COMPILE_THREADS=1 ;;
+    warm_parallel*) cold_start "$st" ;;
+    warm_serial*) cold_start "$st" TOKENMILL_COMPILE_THREADS=1 ;;
     gputests_compile) stage gputests_compile 240 python3 -m pytest -q tests/gpu/test_parallel_compile_gpu.py tests/gpu/test_engine_gpu.py -k "compil or cuda_graphs_equal or rope_in_decode" -p no:cacheprovider --timeout 200 ;;
     diag_default) serve_diag default ;;
     diag_vllm) serve_diag vllm ;;
@@ -253,6 +259,8 @@ for st in "$@"; do
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;
     vllm_tp_short) stage vllm_tp_short 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/vllm_tp_short.json"; addjson vllm_tp_short "$LOGS/vllm_tp_short.json" ;;
     vllm_tp_small) stage vllm_tp_small 300 vllm bench throughput --model "$M135" "${TPA[@]}" --random-input-len 256 --random-output-len 256 --num-prompts 2000 --output-json "$LOGS/vllm_tp_small.json"; addjson vllm_tp_small "$LOGS/vllm_tp_small.json" ;;
+    pstep)    stage pstep 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 1024 --output-len 1 --batch-size 8 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/pstep.json"; addjson pstep "$LOGS/pstep.json" ;;
+    vllm_pstep) stage vllm_pstep 300 vllm bench latency --model "$M8" --load-format dummy --input-len 1024 --output-len 1 --batch-size 8 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/vllm_pstep.json"; addjson vllm_pstep "$LOGS/vllm_pstep.json" ;;
     vllm_lat32) stage vllm_lat32 300 vllm bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/vllm_lat32.json"; addjson vllm_lat32 "$LOGS/vllm_lat32.json" ;;
     vllm_lat1) stage vllm_lat1 300 vllm bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/vllm_lat1.json"; addjson vllm_lat1 "$LOGS/vllm_lat1.json" ;;
     *) say "unknown stage $st" ;;
