@@ -232,9 +232,16 @@ class EngineArgs:
     # ---- CLI -------------------------------------------------------------------------
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-        """Add one flag per field (``--max-num-seqs`` for ``max_num_seqs``)."""
+    def add_cli_args(
+        cls,
+        parser: argparse.ArgumentParser,
+        positional_model: bool = False,
+        defaults: dict[str, Any] | None = None,
+    ) -> None:
+        """Add one flag per field (``--max-num-seqs`` for ``max_num_seqs``); ``defaults``
+        replaces some fields' defaults for this command (value and help text)."""
         group = parser.add_argument_group("engine")
+        defaults = defaults or {}
         for f in dataclasses.fields(cls):
             meta = dict(f.metadata)
             if not meta:
@@ -242,14 +249,13 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             names = [flag, *meta.pop("aliases", [])]
             help_text = meta.pop("help")
-            if f.default is not None and f.default is not dataclasses.MISSING:
-                help_text += f" (default: {f.default})"
-            kwargs: dict[str, Any] = {"dest": f.name, "help": help_text, **meta}
+            default = defaults.get(f.name, f.default)
+            if default is not None and default is not dataclasses.MISSING:
+                help_text += f" (default: {default})"
+            kwargs: dict[str, Any] = {"dest": f.name, "help": help_text, "default": default, **meta}
             if f.type in ("bool", bool, "bool | None"):
                 kwargs["action"] = argparse.BooleanOptionalAction
-                kwargs["default"] = f.default
             else:
-                kwargs["default"] = f.default
                 kwargs.setdefault("type", _arg_type(f.type))
             if f.name == "model" and positional_model:
                 continue

@@ -119,3 +119,5 @@ def test_latency_turns_prefix_caching_off_unless_asked():
     on = parser.parse_args(["latency", "--enable-prefix-caching"])
     assert on.enable_prefix_caching is True
     assert parser.parse_args(["throughput"]).enable_prefix_caching is True
+    latency = parser._subparsers._group_actions[0].choices["latency"]
+    assert "(automatic prefix caching). (default: False)" in " ".join(latency.format_help().split())

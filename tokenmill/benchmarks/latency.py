@@ -52,10 +52,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Return token ids only (leaves detokenization out).",
     )
     group.add_argument("--output-json", default=None, help="Write the results to this file.")
-    EngineArgs.add_cli_args(parser)
     # Every run repeats the same prompts: with the cache on, runs after the first would hit
     # it and time only each prompt's last token. vLLM's latency bench turns it off too.
-    parser.set_defaults(enable_prefix_caching=False)
+    EngineArgs.add_cli_args(parser, defaults={"enable_prefix_caching": False})
 
 
 def _check_args(args: argparse.Namespace) -> None:
