@@ -132,19 +132,21 @@ serve_pair() {  # serve_pair ENGINE(tm|vllm) extra server args...
   grep -aE "Engine steps|event loop lag" "$LOGS/${eng}_server.log" | tail -40 > "$OUT/${eng}_server_steps.log" 2>/dev/null
   stop_server $pid
 }
-# cold_start LABEL [VAR=VALUE...]: tokenmill serve M8 with an empty Triton cache (as on a fresh
-# machine or after an upgrade) and those variables set, timed to a healthy /health, stopped.
-cold_start() {
+# start_up STAGE [VAR=VALUE...]: tokenmill serve M8 with those variables set, timed to a healthy
+# /health, stopped. A cold_* stage starts on an empty Triton cache (as on a fresh machine or
+# after an upgrade); a warm_* stage on the cache earlier stages left.
+start_up() {
   local label=$1; shift
-  local dir; dir=$(mktemp -d /tmp/tritoncache.XXXX)
-  [ "${label#warm_}" != "$label" ] && dir="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
-  env TRITON_CACHE_DIR="$dir" "$@" setsid "${TM[@]}" serve "$M8" --load-format dummy --port 8000 --served-model-name "$M8" > "$LOGS/cold_$label.log" 2>&1 &
+  local dir="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+  [ "${label#cold_}" != "$label" ] && dir=$(mktemp -d /tmp/tritoncache.XXXX)
+  env TRITON_CACHE_DIR="$dir" "$@" setsid "${TM[@]}" serve "$M8" --load-format dummy --port 8000 --served-model-name "$M8" > "$LOGS/$label.log" 2>&1 &
   local pid=$!
   local ready; ready=$(wait_health $pid)
-  say "STAGE cold_$label ready after ${ready}s (t=$(( $(date +%s) - T0 ))s; $*)"
-  grep -aE "Compiled|ready in|CUDA graphs|Memory:|Error|Traceback" "$LOGS/cold_$label.log" | sed 's/^/  | /' | tee -a "$SUM"
-  echo "{\"stage\":\"cold_$label\",\"ready_s\":\"$ready\"}" >> "$OUT/results.jsonl"
-  stop_server $pid; [ "${label#warm_}" = "$label" ] && rm -rf "$dir"
+  say "STAGE $label ready after ${ready}s (t=$(( $(date +%s) - T0 ))s; $*)"
+  grep -aE "Compiled|ready in|CUDA graphs|Memory:|Error|Traceback" "$LOGS/$label.log" | sed 's/^/  | /' | tee -a "$SUM"
+  echo "{\"stage\":\"$label\",\"ready_s\":\"$ready\"}" >> "$OUT/results.jsonl"
+  stop_server $pid
+  if [ "${label#cold_}" != "$label" ]; then rm -rf "$dir"; fi
 }
 # serve_diag LABEL [server args...]: tokenmill serve with vLLM's client on both serving loads;
 # keeps per-request detail, /metrics before and after each load, the server's step log and,
@@ -236,10 +238,8 @@ for st in "$@"; do
     pgemm)    stage pgemm 150 python3 benchmarks/device/prefill_gemm_bench.py --ms "${PGEMM_MS:-512,2048,8192}" --blas "${PGEMM_BLAS:-cublas}" ;;
     pgemm_curve) stage pgemm_curve 240 python3 benchmarks/device/prefill_gemm_bench.py --quiet --ms "${PGEMM_MS:-1,2,4,8,16,32,64,128,192,224,240,256,272,288,304,320,352,384,416,448,512,576,640}" --blas cublas,cublaslt ;;
     serve)    serve_pair tm ;;
-    cold_parallel*) cold_start "${st#cold_}" ;;
-    cold_serial*) cold_start "${st#cold_}" TOKENMILL_COMPILE_THREADS=1 ;;
-    warm_parallel*) cold_start "$st" ;;
-    warm_serial*) cold_start "$st" TOKENMILL_COMPILE_THREADS=1 ;;
+    cold_parallel*|warm_parallel*) start_up "$st" ;;
+    cold_serial*|warm_serial*) start_up "$st" TOKENMILL_COMPILE_THREADS=1 ;;
     gputests_compile) stage gputests_compile 240 python3 -m pytest -q tests/gpu/test_parallel_compile_gpu.py tests/gpu/test_engine_gpu.py -k "compil or cuda_graphs_equal or rope_in_decode" -p no:cacheprovider --timeout 200 ;;
     diag_default) serve_diag default ;;
     diag_vllm) serve_diag vllm ;;
