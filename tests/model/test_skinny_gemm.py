@@ -63,6 +63,21 @@ def test_matches_reference_fp32(m, cfg, split_k):
 
 
 @needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize(
+    "k,split_k", [(300, 3), (128, 1), (256, 2)], ids=["ragged", "whole", "even"]
+)
+def test_one_tile_slices_match_reference(m, k, split_k):
+    """Every program's K-slice is one tile (the CUDA-core loop's ``ONE_TILE`` path): split
+    over 3 with the last slice short, unsplit, and split evenly."""
+    x, w, b = _operands(m, 100, k, seed=7 * m + k)
+    cfg = replace(FMA, block_k=128, split_k=split_k)
+    assert sg.split_plan(k, cfg.block_k, split_k)[1] == cfg.block_k
+    got = _run(x, w, b, config=cfg)
+    torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
 @pytest.mark.parametrize("cfg", [FMA, DOT], ids=["fma", "dot"])
 def test_fp16_even_k_without_bias(cfg):
     """K a multiple of the tile (no K masks), fp16 in and out, no bias."""

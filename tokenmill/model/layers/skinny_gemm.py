@@ -128,13 +128,19 @@ class SkinnyConfig:
 # Measured best configurations on an H200 (132 SMs), keyed by (M bucket, N, K) with the M
 # bucket the next power of two of M; from ``benchmarks/skinny_gemm_bench.py --pdl --sweep
 # --fma-only`` (in-graph time per call as a dependent launch, weights cycled past the L2;
-# cuBLAS in the same run). Shapes not listed use ``default_config``, and under
+# cuBLAS in the same run), and for the products that follow a latency-bound kernel, from
+# ``benchmarks/device/decode_ablation_bench.py --sweep-one-tile`` (the batch-1 decode graph
+# as the engine captures it). Shapes not listed use ``default_config``, and under
 # ``TOKENMILL_SKINNY_GEMM=auto`` only the listed shapes leave cuBLAS.
 TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     # Llama-3.1-8B at batch 1 (2026-12-01): qkv 14.3 us (cuBLAS 16.1), o_proj 10.5 (12.8),
     # down 29.7 (30.4), gate_up 54.4 (55.2); the LM head's default tiles 243.6 (248.7).
-    (1, 6144, 4096): SkinnyConfig(32, 256, 2, 4, 1, False),
-    (1, 4096, 4096): SkinnyConfig(4, 256, 2, 4, 1, False),
+    # QKV after the input norm and the output projection after attention (2026-12-02):
+    # whole rows in one tile, no split-K, so each program's weight is loaded before it
+    # waits and no combine ends the product; 47.8 and 36.8 us less per decode step than
+    # 32 x 256 and 4 x 256 tiles split in two (RESULTS.md, nineteenth set).
+    (1, 6144, 4096): SkinnyConfig(2, 4096, 1, 8, 1, False),
+    (1, 4096, 4096): SkinnyConfig(4, 4096, 1, 4, 1, False),
     (1, 4096, 14336): SkinnyConfig(4, 256, 2, 4, 1, False),
     (1, 28672, 4096): SkinnyConfig(8, 256, 1, 4, 1, False),
     (1, 128256, 4096): SkinnyConfig(16, 256, 1, 4, 1, False),
@@ -308,6 +314,7 @@ def skinny_linear(
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=plan.block_m, USE_DOT=cfg.use_dot,
         USE_SPLIT=splits > 1, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        ONE_TILE=k_per_split == cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
@@ -399,13 +406,16 @@ if HAS_TRITON:
     def _fma_mainloop(
         x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-        EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+        EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, ONE_TILE: tl.constexpr,
     ):  # fmt: skip
         """Partial sums ``[BLOCK_N, BLOCK_M]`` (fp32) on CUDA cores, BLOCK_M <= 4.
 
         Tile ``i + 1`` is loaded into registers before tile ``i`` is multiplied, so each
         program has two tiles of loads in flight (Triton's pipeliner stages only loads that
-        feed ``tl.dot``).
+        feed ``tl.dot``). ``ONE_TILE`` (every program's K-slice is one tile): the whole
+        slice is loaded before the wait and reduced at once, with neither a prefetch
+        buffer nor a ``[BLOCK_N, BLOCK_K]`` accumulator, so that a large slice fits in
+        registers and all of it is read while the previous kernel runs.
         """
         # Rows past N re-read row N-1 so that the weight loads need no row mask.
         rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
@@ -422,6 +432,20 @@ if HAS_TRITON:
         w = _load_tile(w_ptrs, ok, EVEN_K, "evict_first")
         if USE_PDL:  # the weight is ours; x may still be being written by the previous kernel
             tl.extra.cuda.gdc_wait()
+        cols = tl.arange(0, BLOCK_M)[None, :]
+        if ONE_TILE:
+            wf = w.to(tl.float32)
+            v = _load_tile(x0, ok, EVEN_K, "evict_last")
+            acc = tl.where(cols == 0, tl.sum(wf * v.to(tl.float32), axis=1)[:, None], 0.0)
+            if BLOCK_M > 1:
+                v = _load_tile(x1, ok, EVEN_K, "evict_last")
+                acc = tl.where(cols == 1, tl.sum(wf * v.to(tl.float32), axis=1)[:, None], acc)
+            if BLOCK_M > 2:
+                v = _load_tile(x2, ok, EVEN_K, "evict_last")
+                acc = tl.where(cols == 2, tl.sum(wf * v.to(tl.float32), axis=1)[:, None], acc)
+                v = _load_tile(x3, ok, EVEN_K, "evict_last")
+                acc = tl.where(cols == 3, tl.sum(wf * v.to(tl.float32), axis=1)[:, None], acc)
+            return acc
         v0 = _load_tile(x0, ok, EVEN_K, "evict_last")
         v1 = _load_tile(x1, ok, EVEN_K, "evict_last")
         v2 = _load_tile(x2, ok, EVEN_K, "evict_last")
@@ -461,7 +485,6 @@ if HAS_TRITON:
                 v2 = v2_next
                 v3 = v3_next
         # One cross-lane reduction per row, after the loop; rows become columns of the tile.
-        cols = tl.arange(0, BLOCK_M)[None, :]
         acc = tl.where(cols == 0, tl.sum(acc0, axis=1)[:, None], 0.0)
         if BLOCK_M > 1:
             acc = tl.where(cols == 1, tl.sum(acc1, axis=1)[:, None], acc)
@@ -540,6 +563,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
         USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+        ONE_TILE: tl.constexpr,
     ):  # fmt: skip
         """``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``; grid ``(cdiv(N, BLOCK_N) * splits,)``.
 
@@ -565,7 +589,7 @@ if HAS_TRITON:
         else:
             acc = _fma_mainloop(
                 x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
-                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, USE_PDL,
+                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, USE_PDL, ONE_TILE,
             )  # fmt: skip
         if USE_SPLIT:
             _split_k_combine(acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits,
