@@ -126,6 +126,13 @@ def rope_in_decode_attention() -> bool:
     return os.environ.get("TOKENMILL_ROPE_IN_DECODE_ATTENTION", "").strip().lower() not in _OFF
 
 
+def decode_split_self_merge() -> bool:
+    """TOKENMILL_DECODE_SPLIT_SELF_MERGE=0: merge the decode kernel's key splits in a
+    separate reduction launch per layer instead of in the last split to finish (on by
+    default; ``triton_decode.decode_attention_kernel``, ``MERGE_S``)."""
+    return os.environ.get("TOKENMILL_DECODE_SPLIT_SELF_MERGE", "").strip().lower() not in _OFF
+
+
 def mixed_step_graphs() -> bool:
     """TOKENMILL_MIXED_STEP_GRAPHS=0: replay steps with prompt tokens through the piecewise
     graphs (attention eager between pieces) instead of whole-step graphs (default: on where

@@ -139,6 +139,40 @@ def test_decode_split_counts(monkeypatch, splits):
     check(b)
 
 
+class _LaunchCounter:
+    """Stands in for a kernel and counts its launches."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("self_merge", [True, False], ids=["self-merge", "reduction"])
+def test_decode_splits_merge_themselves_or_in_a_reduction(monkeypatch, self_merge):
+    """12 splits: 10 of them hold keys of the 600-token context (more than one merge load),
+    1 and 3 the others'; one padding row. The counters are left at zero, so a repeated
+    launch (a graph replay) merges again."""
+    from tokenmill.model.attention import triton_decode
+
+    monkeypatch.setenv("TOKENMILL_DECODE_SPLIT_SELF_MERGE", "1" if self_merge else "0")
+    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: 12)
+    reduce = _LaunchCounter(triton_decode.decode_reduce_kernel)
+    monkeypatch.setattr(triton_decode, "decode_reduce_kernel", reduce)
+    real = make_batch([1] * 3, [600, 2, 47], num_heads=8, num_kv_heads=2, num_decodes=3)
+    ref_out, ref_cache = run_reference(real)
+    for _ in range(2):
+        out, cache = run_triton(padded_decode_batch(real, 1))
+        torch.testing.assert_close(out[:3], ref_out, atol=1e-4, rtol=1e-4)
+        assert torch.equal(out[3:], torch.zeros_like(out[3:]))
+        assert_same_cache(cache, ref_cache)
+    assert reduce.launches == (0 if self_merge else 2)
+    if self_merge:
+        assert not triton_backend._MERGE_COUNTERS[torch.device("cpu")].any()
+
+
 def test_short_chunks_after_long_context_split_their_keys():
     # Two decodes, then a 5-token turn after 700 cached tokens and a 3-token one after 257.
     b = make_batch([1, 1, 5, 3], [300, 40, 700, 257], num_heads=8, num_kv_heads=2,
@@ -328,9 +362,11 @@ def test_cascade_attention_over_a_shared_prefix(monkeypatch, tiles, prefix_block
     check(b, sliding_window=100)
 
 
+@pytest.mark.parametrize("self_merge", ["1", "0"], ids=["self-merge", "reduction"])
 @pytest.mark.parametrize("splits", [(1, 1), (3, 5), (2, 16)])
-def test_cascade_split_counts(monkeypatch, splits):
+def test_cascade_split_counts(monkeypatch, splits, self_merge):
     # Empty splits on both sides: 5 suffix splits of ~30 keys, 16 splits of a 48-key prefix.
+    monkeypatch.setenv("TOKENMILL_DECODE_SPLIT_SELF_MERGE", self_merge)
     decode_splits, prefix_splits = splits
     monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: decode_splits)
     monkeypatch.setattr(triton_backend, "num_prefix_splits", lambda *args: prefix_splits)

@@ -11,10 +11,14 @@ heads, head_dim 128):
   ``num_reqs * Hkv`` programs: 8 at batch 1, far too few to keep 132 SMs' loads in flight.
   Flash-Decoding (Dao, Haziza, Massa, Sizov 2023) splits each context over ``num_splits``
   programs, each streaming a contiguous
-  run of key tiles, then ``decode_reduce_kernel`` merges the partials by their log-sum-exp;
-  the extra traffic is ``num_reqs * H * num_splits * D * 4`` bytes, negligible beside the KV
-  reads. With enough (request, KV head) pairs the split count drops to 1 and the kernel
-  writes the output directly (no second launch). The M dimension of the dot products is the
+  run of key tiles, and the last split of each (request, KV head) to finish, found with an
+  atomic counter, merges the partials by their log-sum-exp (``decode_reduce_kernel``, a
+  second launch, with ``TOKENMILL_DECODE_SPLIT_SELF_MERGE=0``); the extra traffic is
+  ``num_reqs * H * num_splits * D * 4`` bytes, negligible beside the KV reads. A captured
+  graph plans its splits for the longest context it may see, so at short contexts most
+  splits are empty: they write nothing and the merge reads only the others. With enough
+  (request, KV head) pairs the split count drops to 1 and the kernel writes the output
+  directly. The M dimension of the dot products is the
   GQA group padded to 16 (``tl.dot``'s minimum), so no rows go to absent query tokens.
 - **Prompt chunks** (any mix of fresh prompts, chunks after cached context, and stray
   ``query_len == 1`` requests) are compute-bound: a tile of ``BLOCK_Q`` query tokens x the
@@ -31,11 +35,11 @@ heads, head_dim 128):
   that the decode requests hold the same first blocks (``metadata.common_prefix_len``, a
   prompt prefix found by prefix caching), ``shared_prefix_kernel`` reads those keys once
   for all of them, ``BLOCK_Q`` decode tokens x ``GROUP`` heads per ``tl.dot`` as in the
-  varlen kernel, and the decode kernel reads only each request's keys after the prefix; the
-  decode reduction merges both kernels' partials by their log-sum-exp. 64 requests after a
-  shared 2,000-token prefix otherwise read its keys 64 times per step (through L2 at best).
-  With one decode split the decode kernel merges the prefix partials itself, so a cascade
-  layer costs one launch more than a plain one, not two.
+  varlen kernel, and the decode kernel reads only each request's keys after the prefix;
+  the decode kernel's merge (or the reduction) takes both kernels' partials by their
+  log-sum-exp. 64 requests after a shared 2,000-token prefix otherwise read its keys 64
+  times per step (through L2 at best). So a cascade layer costs one launch more than a
+  plain one.
   Layers with a sliding window keep the plain path.
 
 The varlen kernel alone is correct for every batch; the decode kernel is the fast path for the
@@ -77,6 +81,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill import envs
 from tokenmill.model.attention import triton_decode
 from tokenmill.model.attention import triton_kernels as kernels
 from tokenmill.model.attention.backend import (
@@ -192,6 +197,29 @@ def _rope_args(rope: tuple[int, int, DecodeRotary] | None) -> dict:
         "stride_cos": rotary.cos_sin_cache.stride(0), "ROPE": True, "HALF": half,
         "NEOX": rotary.is_neox_style,
     }  # fmt: skip
+
+
+# Counters of the decode splits that merge themselves (int32, one per (decode, KV head));
+# larger batches have enough (decode, KV head) pairs to run one split, or use the reduction.
+MERGE_COUNTER_SLOTS = 1 << 16
+# Splits a merging program reads per load (its [group, splits, head_dim] fp32 tile).
+MERGE_SPLITS_PER_LOAD = 8
+_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device) -> torch.Tensor | None:
+    """The device's split counters, created zeroed by its first call outside graph capture;
+    None while a graph is captured before that (a zero-fill recorded into one graph would
+    not run before another graph's replay): the step then launches the reduction."""
+    counters = _MERGE_COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = torch.zeros(MERGE_COUNTER_SLOTS, dtype=torch.int32, device=device)
+        _MERGE_COUNTERS[device] = counters
+        if device.type == "cuda":  # once: later launches may come from other streams
+            torch.cuda.current_stream(device).synchronize()
+    return counters
 
 
 def _split_strides(part_out: torch.Tensor, part_lse: torch.Tensor) -> dict[str, int]:
@@ -477,8 +505,17 @@ class TritonAttentionImpl(AttentionImpl):
         workspace = self._workspace(plan, plan.num_decodes, total_splits, query.device)
         strides = _operand_strides(query, kv_cache, metadata, workspace or (out, out))
         # With one decode split the decode kernel merges the prefix partials itself (the
-        # prefix kernel runs first) and no reduction is launched.
-        merge_splits = prefix_splits if num_splits == 1 else 0
+        # prefix kernel runs first) and no reduction is launched; with several, the last
+        # split of each (request, KV head) merges them all, or a reduction does. One
+        # kernel variant for every split count: the merging one wherever it can run.
+        counters = None
+        if (
+            plan.num_decodes * self.num_kv_heads <= MERGE_COUNTER_SLOTS
+            and envs.decode_split_self_merge()
+        ):
+            counters = _merge_counters(query.device)
+        merge_s = MERGE_SPLITS_PER_LOAD if counters is not None else 0
+        merge_splits = prefix_splits if num_splits == 1 or merge_s else 0
         launch = _Launches(
             workspace=workspace,
             grid=(plan.num_decodes * num_splits * self.num_kv_heads, 1, 1),
@@ -487,6 +524,8 @@ class TritonAttentionImpl(AttentionImpl):
                 "num_splits": num_splits, "stride_ot": out.stride(0),
                 "NUM_KV_HEADS": self.num_kv_heads, "GROUP_P": _pow2(args["GROUP"], 16),
                 "BLOCK_N": cfg.block_n, "EARLY_LOADS": not metadata.reads_step_kv,
+                "counter_ptr": counters if counters is not None else out,
+                "MERGE_S": merge_s, "MERGE_G": _pow2(args["GROUP"]),
                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **strides, **args,
                 **_rope_args(rope), **pdl.launch_options(query.device),
             },  # fmt: skip
@@ -501,7 +540,7 @@ class TritonAttentionImpl(AttentionImpl):
                 "num_warps": pcfg.num_warps, "num_stages": pcfg.num_stages,
                 **strides, **prefix_args,
             }  # fmt: skip
-        if total_splits > 1 and not merge_splits:
+        if num_splits > 1 and not merge_s:
             launch.reduce_grid = (plan.num_decodes * self.num_heads,)
             launch.reduce_kwargs = {
                 "req_offset": 0, "NUM_HEADS": self.num_heads,

@@ -86,6 +86,64 @@ def _fold_key(acc, m_i, l_i, q, k, v, sm_scale, soft_cap, USE_SOFTCAP: tl.conste
     return acc, m_new, l_new
 
 
+@triton.jit
+def _fold_partials(
+    acc, m_i, l_i, lse_rows, part_rows, lo, hi, head_ok,
+    HEAD_DIM: tl.constexpr, D_P: tl.constexpr, MERGE_S: tl.constexpr,
+):  # fmt: skip
+    """Fold split slots ``lo .. hi - 1`` of a group's partials (``lse_rows``/``part_rows``:
+    each head's first slot) into the online-softmax state, ``MERGE_S`` slots per load, from
+    L2 (``.cg``): the splits that wrote them ran on other SMs."""
+    d = tl.arange(0, D_P)
+    sp = tl.arange(0, MERGE_S)
+    for s0 in range(lo, hi, MERGE_S):
+        valid = head_ok[:, None] & ((s0 + sp) < hi)[None, :]
+        lse = tl.load(lse_rows[:, None] + (s0 + sp)[None, :], mask=valid, other=float("-inf"),
+                      cache_modifier=".cg")  # fmt: skip
+        parts = tl.load(
+            part_rows[:, None, None] + ((s0 + sp) * HEAD_DIM)[None, :, None] + d[None, None, :],
+            mask=valid[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(lse, 1))
+        alpha = tl.exp2(m_i - m_new)
+        w = tl.exp2(lse - m_new[:, None])
+        acc = acc * alpha[:, None] + tl.sum(parts * w[:, :, None], 1)
+        l_i = l_i * alpha + tl.sum(w, 1)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _merge_group_splits(
+    out_ptr, out_row, stride_ot, part_out_ptr, part_lse_ptr, r, kv_head, active,
+    prefix_base, prefix_splits, stride_pr, stride_ph, stride_lr, stride_lh,
+    GROUP: tl.constexpr, MERGE_G: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
+    MERGE_S: tl.constexpr,
+):  # fmt: skip
+    """Merge one (row, KV head)'s partials of its ``GROUP`` query heads by their
+    log-sum-exp, as ``merge_splits`` does per head: split slots ``0 .. active - 1`` and the
+    shared prefix's ``prefix_base ..`` (``prefix_splits`` of them); write the output row."""
+    g = tl.arange(0, MERGE_G)
+    d = tl.arange(0, D_P)
+    head = kv_head * GROUP + g
+    lse_rows = part_lse_ptr + r * stride_lr + head * stride_lh
+    part_rows = part_out_ptr + r.to(tl.int64) * stride_pr + head * stride_ph
+    acc = tl.zeros([MERGE_G, D_P], dtype=tl.float32)
+    m_i = tl.zeros([MERGE_G], dtype=tl.float32) + M_INIT
+    l_i = tl.zeros([MERGE_G], dtype=tl.float32)
+    acc, m_i, l_i = _fold_partials(acc, m_i, l_i, lse_rows, part_rows, 0, active, g < GROUP,
+                                   HEAD_DIM, D_P, MERGE_S)  # fmt: skip
+    acc, m_i, l_i = _fold_partials(
+        acc, m_i, l_i, lse_rows, part_rows, prefix_base, prefix_base + prefix_splits, g < GROUP,
+        HEAD_DIM, D_P, MERGE_S,
+    )  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + out_row.to(tl.int64) * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
+             mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :])  # fmt: skip
+
+
 @triton.jit(
     do_not_specialize=["req_offset", "kv_start", "merge_splits", "window"] + SPLIT_RUNTIME_INTS
 )
@@ -99,6 +157,7 @@ def decode_attention_kernel(
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    counter_ptr,
     req_offset,
     kv_start,
     merge_splits,
@@ -138,6 +197,8 @@ def decode_attention_kernel(
     HALF: tl.constexpr,
     NEOX: tl.constexpr,
     EARLY_LOADS: tl.constexpr,
+    MERGE_S: tl.constexpr,
+    MERGE_G: tl.constexpr,
 ):
     """Flash-decoding: program ``(r * num_splits + split) * NUM_KV_HEADS + kv_head`` attends
     one query token's ``GROUP`` heads over its split of the context's keys from
@@ -153,6 +214,17 @@ def decode_attention_kernel(
     ``part_out[r, head, split]`` / ``part_lse[r, head, split]`` (split strides ``HEAD_DIM``
     and 1) for ``decode_reduce_kernel``. A request with ``seq_len == 0`` (padding) yields
     zeros; one whose query length is not 1 is left alone.
+
+    ``MERGE_S > 0`` with several splits: the splits merge themselves, with no reduction
+    launch. Only the splits that hold keys (and the first) write a partial; each then
+    counts itself in ``counter_ptr[r * NUM_KV_HEADS + kv_head]`` (int32, zero before the
+    launch), and the last to arrive resets the counter and merges the partials of its
+    ``GROUP`` heads (``MERGE_G``: GROUP rounded up to a power of two), ``MERGE_S`` splits
+    per load, with the ``merge_splits`` partials of the shared prefix at split slots
+    ``num_splits ..``: CUDA's "last block" reduction (threadFenceReduction sample), as the
+    skinny GEMM's split-K combine does. At short contexts most splits are empty, so the
+    merge reads a few partials, where the reduction launch waits for every split and
+    reads them all.
 
     ``ROPE``: ``q`` arrives unrotated, and this step's keys and values are not in the cache
     yet. Each program rotates its query heads in registers by the rotary table's row
@@ -201,6 +273,9 @@ def decode_attention_kernel(
     lo = kv_lo // BLOCK_N * BLOCK_N
     tiles = tl.cdiv(seq_len - lo, BLOCK_N)
     tiles_per_split = tl.cdiv(tiles, num_splits)
+    # Splits that hold keys; the first one always counts, so that padding rows (no keys)
+    # get their zeros from the merge.
+    active = tl.maximum(tl.cdiv(tiles, tl.maximum(tiles_per_split, 1)), 1)
     start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     # The step's own key (position seq_len - 1) is folded in apart, after the wait, by the
@@ -267,7 +342,7 @@ def decode_attention_kernel(
     if has_new_key:
         acc, m_i, l_i = _fold_key(acc, m_i, l_i, q, k_new, v_new, sm_scale, soft_cap,
                                   USE_SOFTCAP)  # fmt: skip
-    for s in range(merge_splits):
+    for s in range(tl.where(num_splits == 1, merge_splits, 0)):
         # A partial (normalized output o, log2-sum-exp lse) is the state (acc = o * 2^lse,
         # l = 2^lse) relative to a zero maximum; fold it in like one more key tile.
         slot = r.to(tl.int64) * stride_pr + head * stride_ph + (1 + s) * HEAD_DIM
@@ -284,12 +359,28 @@ def decode_attention_kernel(
     if num_splits == 1 and (kv_start == 0 or merge_splits > 0):
         o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
-    else:
+    elif MERGE_S == 0 or split < active:
         part = r.to(tl.int64) * stride_pr + head * stride_ph + split * HEAD_DIM
-        tl.store(part_out_ptr + part[:, None] + d[None, :], out, mask=qo_mask)
+        # .cg: with MERGE_S the partials are read on another SM in this launch.
+        tl.store(part_out_ptr + part[:, None] + d[None, :], out, mask=qo_mask,
+                 cache_modifier=".cg")  # fmt: skip
         lse = m_i + tl.log2(l_i)  # -inf for an empty split
         lse_ptrs = part_lse_ptr + r * stride_lr + head * stride_lh + split
-        tl.store(lse_ptrs, lse, mask=g < GROUP)
+        tl.store(lse_ptrs, lse, mask=g < GROUP, cache_modifier=".cg")
+        if MERGE_S > 0:
+            # Every thread's stores precede the counter update (bar.sync), a release at GPU
+            # scope; the last split's acquire orders its loads of the partials after it.
+            tl.debug_barrier()
+            count = counter_ptr + r * NUM_KV_HEADS + kv_head
+            arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+            if arrived == active - 1:
+                # Left at zero for the next launch (kernel boundaries order it).
+                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
+                _merge_group_splits(
+                    out_ptr, q_start, stride_ot, part_out_ptr, part_lse_ptr, r, kv_head,
+                    active, num_splits, merge_splits, stride_pr, stride_ph, stride_lr,
+                    stride_lh, GROUP, MERGE_G, HEAD_DIM, D_P, MERGE_S,
+                )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["req_offset"] + SPLIT_RUNTIME_INTS)
