@@ -1,22 +1,27 @@
 """Where a batch-1 decode step's time goes: the captured forward pass with kernels left out.
 
-usage: python3 benchmarks/device/decode_ablation_bench.py MODEL_DIR [CONTEXT] [--sweep]
+usage: python3 benchmarks/device/decode_ablation_bench.py MODEL_DIR [CONTEXT]
+       [--sweep | --sweep-one-tile]
 
 Captures the decode forward pass at batch 1 once as the engine does, then once per variant
 with some kernels replaced by pass-throughs (RMSNorms, SiLU-and-mul, RoPE with the KV write,
-attention), and times each graph's replay over a real decode state (a request of CONTEXT
-tokens, default 160, just decoded). A variant's time below the full pass's is what those
-kernels cost inside the chain of dependent launches, gaps included: the most a fusion that
-removes them can win. The outputs of the ablated variants are meaningless; only their times
-are. Also times the short-context graphs (one key split, no reduction) and RoPE in the
-decode kernel, which compute the same function as the full pass. The decode switches
-(``TOKENMILL_ROPE_IN_DECODE_ATTENTION``, ``TOKENMILL_SHORT_DECODE_GRAPHS``) are set per
-variant here, whatever their defaults.
+attention, the decode splits' reduction), and times each graph's replay over a real decode
+state (a request of CONTEXT tokens, default 160, just decoded). A variant's time below the
+full pass's is what those kernels cost inside the chain of dependent launches, gaps
+included: the most a fusion that removes them can win. The outputs of the ablated variants
+are meaningless; only their times are. Also times the short-context graphs (one key split,
+no reduction) and RoPE in the decode kernel, which compute the same function as the full
+pass. The decode switches (``TOKENMILL_ROPE_IN_DECODE_ATTENTION``,
+``TOKENMILL_SHORT_DECODE_GRAPHS``) are set per variant here, whatever their defaults.
 
 ``--sweep`` instead times the same graph with other launch configurations of the kernels
 whose cost depends on where they sit in the chain: the output projection's skinny-GEMM
 tiles (its programs issue their first weight tile before they wait for attention, so
 larger first tiles overlap more of it) and the decode attention's key tiles and split cap.
+
+``--sweep-one-tile`` times the QKV and output projections on the tiles they had before
+they took whole rows in one tile (which a program loads before it waits, and which need
+no split-K combine), and the down projection without split-K.
 
 Prints ``ABL <variant>: <us> us per replay (<delta> against full)`` lines.
 """
@@ -29,7 +34,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from triton.testing import do_bench
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, envs
 from tokenmill.model.attention import triton_backend
 from tokenmill.model.attention.triton_launch import TileConfig
 from tokenmill.model.layers import fused_kernels, skinny_gemm
@@ -63,11 +68,21 @@ def _no_attend(self, query, metadata, out=None):
     return query
 
 
+_decode_launches = triton_backend.TritonAttentionImpl._decode_launches
+
+
+def _no_reduce(self, *args, **kwargs):
+    launch = _decode_launches(self, *args, **kwargs)
+    launch.reduce_grid = None
+    return launch
+
+
 PATCHES: dict[str, list[tuple[object, str, object]]] = {
     "norm": [(fused_kernels, "rms_norm", _no_norm)],
     "act": [(fused_kernels, "silu_and_mul", _no_act)],
     "rope": [(fused_kernels, "rotary_and_cache", _no_rope)],
     "attn": [(Attention, "attend", _no_attend)],
+    "reduce": [(triton_backend.TritonAttentionImpl, "_decode_launches", _no_reduce)],
 }
 
 
@@ -104,6 +119,30 @@ def sweep_variants() -> list:
     return variants
 
 
+def one_tile_variants() -> list:
+    """The ``--sweep-one-tile`` variants, RoPE in the decode kernel as the engine runs it:
+    the QKV and output projections back on their earlier tiles (split in two, several
+    tiles per program), and the down projection without split-K."""
+    tuned = dict(skinny_gemm.TUNED_CONFIGS)
+    qkv, o_proj, down = (1, 6144, 4096), (1, 4096, 4096), (1, 4096, 14336)
+    cfg = skinny_gemm.SkinnyConfig
+    earlier = {qkv: cfg(32, 256, 2, 4, 1, False), o_proj: cfg(4, 256, 2, 4, 1, False)}
+    tables = [
+        ("full", {}),
+        ("full_again", {}),
+        ("earlier qkv and o_proj tiles", earlier),
+        ("earlier qkv tiles", {qkv: earlier[qkv]}),
+        ("earlier o_proj tiles", {o_proj: earlier[o_proj]}),
+    ]
+    for n, k, split, warps in [(4, 256, 1, 4), (8, 256, 1, 4), (4, 512, 1, 8), (2, 1024, 1, 4)]:
+        tables.append((f"down {n}x{k} split {split} w{warps}",
+                       {down: cfg(n, k, split, warps, 1, False)}))  # fmt: skip
+    return [
+        (name, [], None, True, [(skinny_gemm, "TUNED_CONFIGS", {**tuned, **table})])
+        for name, table in tables
+    ]
+
+
 def main() -> None:
     model = sys.argv[1]
     args = [a for a in sys.argv[2:] if not a.startswith("--")]
@@ -138,6 +177,8 @@ def main() -> None:
     refill()
     if "--sweep" in sys.argv:
         variants = sweep_variants()
+    elif "--sweep-one-tile" in sys.argv:
+        variants = one_tile_variants()
     else:
         # (name, kernels removed, max_seq_len the graph is planned for, RoPE in the decode
         # kernel, other patches)
@@ -151,6 +192,10 @@ def main() -> None:
             ("-act", ["act"], None, False, []),
             ("-rope", ["rope"], None, False, []),
             ("-attn", ["attn"], None, False, []),
+            ("-split reduction", ["reduce"], None, False, []),
+            ("rope_in_decode-reduction", ["reduce"], None, True, []),
+            ("rope_in_decode, reduction launch", [], None, True,
+             [(envs, "decode_split_self_merge", lambda: False)]),
             ("-rope-attn", ["rope", "attn"], None, False, []),
             ("products only", ["norm", "act", "rope", "attn"], None, False, []),
         ]

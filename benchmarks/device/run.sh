@@ -18,7 +18,9 @@
 #   lat1_ropeattn lat1 with TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 (RoPE and the KV write in
 #              the decode kernel, the default since the sixteenth set); lat1_both with that
 #              and the short-context graphs;
-#              gputests_trials the GPU tests of both switches and the decode kernel
+#              gputests_trials the GPU tests of both switches and the decode kernel;
+#              gputests_decode the attention kernels' GPU tests and the engine's decode,
+#              graph and prefix tests
 #   lat1_nopdl lat1 with TOKENMILL_PDL=0 (the norm, activation, rotary/KV-write and
 #              decode-attention kernels as ordinary launches, not dependent ones)
 #   gputests_skinny  the skinny GEMM's tests on CUDA (but the long Llama-shape sweep)
@@ -31,7 +33,8 @@
 #   vllm_*     the same stage run by vLLM's CLI (vllm_tp_long, vllm_lat1, ...)
 #   stepbench  one decode step's GPU time (decode_step_bench.py)
 #   ablation   the batch-1 decode graph with kernels left out (decode_ablation_bench.py);
-#              ablation_sweep the same graph under other output-projection and decode tiles
+#              ablation_sweep the same graph under other output-projection and decode tiles;
+#              ablation_onetile under products whose K-slices are one tile each
 #   pgemm_curve  the products of one step (32 layers, cuBLAS and cuBLASLt) against M tokens
 #   mixedcurve  a mixed step's graph time against its tokens (CURVE_CASES="D,ctx,chunk,cached ...")
 #   mixedbench eager vs captured mixed (decode + prompt chunk) steps (mixed_step_bench.py);
@@ -213,12 +216,14 @@ for st in "$@"; do
     mixedbench_shared) stage mixedbench_shared 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --shared-only ;;
     sampler) TAIL_LINES=40 stage sampler 150 python3 benchmarks/device/sampler_bench.py ;;
     ablation) stage ablation 240 python3 benchmarks/device/decode_ablation_bench.py "$M8" ;;
+    ablation_onetile) TAIL_LINES=40 stage ablation_onetile 300 python3 benchmarks/device/decode_ablation_bench.py "$M8" "${CONTEXT:-160}" --sweep-one-tile ;;
     ablation_sweep) TAIL_LINES=40 stage ablation_sweep 300 python3 benchmarks/device/decode_ablation_bench.py "$M8" "${CONTEXT:-160}" --sweep ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     lat1_short) TOKENMILL_SHORT_DECODE_GRAPHS=1 stage lat1_short 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_short.json"; addjson lat1_short "$LOGS/lat1_short.json" ;;
     lat1_ropeattn) TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 stage lat1_ropeattn 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_ropeattn.json"; addjson lat1_ropeattn "$LOGS/lat1_ropeattn.json" ;;
     lat1_both) TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 TOKENMILL_SHORT_DECODE_GRAPHS=1 stage lat1_both 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_both.json"; addjson lat1_both "$LOGS/lat1_both.json" ;;
+    gputests_decode) PYTHONPATH="$XGP" stage gputests_decode 240 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -k "attention_gpu or decode or cuda_graphs_equal or short_context or cascade or prefix" -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_trials) PYTHONPATH="$XGP" stage gputests_trials 300 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/gpu/test_triton_attention_gpu.py -k "short_context or rope_in_decode or decode" -p no:cacheprovider --timeout 200 ;;
     lat1_nopdl) TOKENMILL_PDL=0 stage lat1_nopdl 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 6 --output-json "$LOGS/lat1_nopdl.json"; addjson lat1_nopdl "$LOGS/lat1_nopdl.json" ;;
     gputests_skinny) PYTHONPATH="$XGP" stage gputests_skinny 200 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/model/test_skinny_gemm.py -p no:cacheprovider --timeout 150 -k "not test_llama_shapes_bf16" ;;
