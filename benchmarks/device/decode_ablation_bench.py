@@ -21,7 +21,7 @@ larger first tiles overlap more of it) and the decode attention's key tiles and 
 
 ``--sweep-one-tile`` times the QKV and output projections on the tiles they had before
 they took whole rows in one tile (which a program loads before it waits, and which need
-no split-K combine), and the down projection without split-K.
+no split-K combine), and the down projection on its split tiles and other unsplit ones.
 
 Prints ``ABL <variant>: <us> us per replay (<delta> against full)`` lines.
 """
@@ -121,20 +121,25 @@ def sweep_variants() -> list:
 
 def one_tile_variants() -> list:
     """The ``--sweep-one-tile`` variants, RoPE in the decode kernel as the engine runs it:
-    the QKV and output projections back on their earlier tiles (split in two, several
-    tiles per program), and the down projection without split-K."""
+    the QKV, output and down projections back on their earlier tiles (split in two,
+    several tiles per program), and other unsplit tiles of the down projection."""
     tuned = dict(skinny_gemm.TUNED_CONFIGS)
     qkv, o_proj, down = (1, 6144, 4096), (1, 4096, 4096), (1, 4096, 14336)
     cfg = skinny_gemm.SkinnyConfig
-    earlier = {qkv: cfg(32, 256, 2, 4, 1, False), o_proj: cfg(4, 256, 2, 4, 1, False)}
+    earlier = {
+        qkv: cfg(32, 256, 2, 4, 1, False),
+        o_proj: cfg(4, 256, 2, 4, 1, False),
+        down: cfg(4, 256, 2, 4, 1, False),
+    }
     tables = [
         ("full", {}),
         ("full_again", {}),
-        ("earlier qkv and o_proj tiles", earlier),
+        ("earlier qkv, o_proj and down tiles", earlier),
         ("earlier qkv tiles", {qkv: earlier[qkv]}),
         ("earlier o_proj tiles", {o_proj: earlier[o_proj]}),
+        ("earlier down tiles", {down: earlier[down]}),
     ]
-    for n, k, split, warps in [(4, 256, 1, 4), (8, 256, 1, 4), (4, 512, 1, 8), (2, 1024, 1, 4)]:
+    for n, k, split, warps in [(2, 1024, 1, 4), (4, 1024, 1, 8), (8, 512, 1, 8)]:
         tables.append((f"down {n}x{k} split {split} w{warps}",
                        {down: cfg(n, k, split, warps, 1, False)}))  # fmt: skip
     return [

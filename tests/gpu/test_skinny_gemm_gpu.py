@@ -119,10 +119,10 @@ def test_cuda_graph_replay_with_new_inputs():
 def test_capture_before_the_counters_exist_falls_back_to_one_split():
     from tokenmill.model.layers import skinny_gemm as sg
 
-    x, w, _ = _operands(1, 4096, 4096, torch.bfloat16)
-    out = torch.empty(1, 4096, dtype=torch.bfloat16, device=DEVICE)
-    assert sg.launch_config(1, 4096, 4096).split_k > 1
-    unsplit = dataclasses.replace(sg.launch_config(1, 4096, 4096), split_k=1)
+    x, w, _ = _operands(2, 4096, 4096, torch.bfloat16)
+    out = torch.empty(2, 4096, dtype=torch.bfloat16, device=DEVICE)
+    assert sg.launch_config(2, 4096, 4096).split_k > 1
+    unsplit = dataclasses.replace(sg.launch_config(2, 4096, 4096), split_k=1)
     sg.skinny_linear(x, w, out=out, config=unsplit)  # compile outside capture
     torch.cuda.synchronize()
     saved = sg._LOCKS.pop(x.device)

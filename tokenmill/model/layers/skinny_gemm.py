@@ -135,13 +135,15 @@ class SkinnyConfig:
 TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     # Llama-3.1-8B at batch 1 (2026-12-01): qkv 14.3 us (cuBLAS 16.1), o_proj 10.5 (12.8),
     # down 29.7 (30.4), gate_up 54.4 (55.2); the LM head's default tiles 243.6 (248.7).
-    # QKV after the input norm and the output projection after attention (2026-12-02):
-    # whole rows in one tile, no split-K, so each program's weight is loaded before it
-    # waits and no combine ends the product; 47.8 and 36.8 us less per decode step than
-    # 32 x 256 and 4 x 256 tiles split in two (RESULTS.md, nineteenth set).
+    # Timed inside the batch-1 decode graph (2026-12-02), where a product's first programs
+    # load their weight while the kernel before it runs: QKV and the output projection
+    # with whole rows in one tile and no split-K (each program's weight is loaded before
+    # it waits, and no combine ends the product), 69.2 and 54.9 us less per step than
+    # 32 x 256 and 4 x 256 tiles split in two; the down projection unsplit, 18.7 us less
+    # (RESULTS.md, nineteenth set).
     (1, 6144, 4096): SkinnyConfig(2, 4096, 1, 8, 1, False),
     (1, 4096, 4096): SkinnyConfig(4, 4096, 1, 4, 1, False),
-    (1, 4096, 14336): SkinnyConfig(4, 256, 2, 4, 1, False),
+    (1, 4096, 14336): SkinnyConfig(4, 512, 1, 8, 1, False),
     (1, 28672, 4096): SkinnyConfig(8, 256, 1, 4, 1, False),
     (1, 128256, 4096): SkinnyConfig(16, 256, 1, 4, 1, False),
 }
