@@ -126,6 +126,14 @@ def rope_in_decode_attention() -> bool:
     return os.environ.get("TOKENMILL_ROPE_IN_DECODE_ATTENTION", "").strip().lower() not in _OFF
 
 
+def gated_product() -> bool:
+    """TOKENMILL_GATED_PRODUCT=1: where the gate/up product of a SiLU-gated MLP runs the
+    skinny GEMM (decode-sized batches on CUDA), apply SiLU-and-mul in its epilogue instead
+    of a separate launch (``skinny_gemm.skinny_linear(gated=True)``). Off by default until
+    it is measured on a GPU."""
+    return os.environ.get("TOKENMILL_GATED_PRODUCT", "").strip().lower() in _ON
+
+
 def decode_split_self_merge() -> bool:
     """TOKENMILL_DECODE_SPLIT_SELF_MERGE=0: merge the decode kernel's key splits in a
     separate reduction launch per layer instead of in the last split to finish (on by

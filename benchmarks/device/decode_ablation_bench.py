@@ -11,7 +11,8 @@ full pass's is what those kernels cost inside the chain of dependent launches, g
 included: the most a fusion that removes them can win. The outputs of the ablated variants
 are meaningless; only their times are. Also times the short-context graphs (one key split,
 no reduction) and RoPE in the decode kernel, which compute the same function as the full
-pass. The decode switches (``TOKENMILL_ROPE_IN_DECODE_ATTENTION``,
+pass, and SiLU-and-mul in the gate/up product's epilogue (``TOKENMILL_GATED_PRODUCT``).
+The decode switches (``TOKENMILL_ROPE_IN_DECODE_ATTENTION``,
 ``TOKENMILL_SHORT_DECODE_GRAPHS``) are set per variant here, whatever their defaults.
 
 ``--sweep`` instead times the same graph with other launch configurations of the kernels
@@ -39,6 +40,7 @@ from tokenmill.model.attention import triton_backend
 from tokenmill.model.attention.triton_launch import TileConfig
 from tokenmill.model.layers import fused_kernels, skinny_gemm
 from tokenmill.model.layers.attention import Attention
+from tokenmill.model.models.llama import LlamaMLP
 from tokenmill.worker.cuda_graph import CUDAGraphRunner
 
 
@@ -156,6 +158,7 @@ def main() -> None:
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
+    gated = [(m, "gated_product", True) for m in runner.model.modules() if isinstance(m, LlamaMLP)]
 
     def refill() -> None:
         # Leaves the runner's buffers holding a batch-1 decode at ``context + 1`` tokens.
@@ -201,6 +204,7 @@ def main() -> None:
             ("rope_in_decode-reduction", ["reduce"], None, True, []),
             ("rope_in_decode, reduction launch", [], None, True,
              [(envs, "decode_split_self_merge", lambda: False)]),
+            ("rope_in_decode, gated gate/up", [], None, True, gated),
             ("-rope-attn", ["rope", "attn"], None, False, []),
             ("products only", ["norm", "act", "rope", "attn"], None, False, []),
         ]

@@ -160,6 +160,24 @@ def test_rope_in_decode_attention_equals_the_separate_kernels_in_float32(
     assert tokens["1", True] == tokens["0", True]
 
 
+def test_gated_product_equals_the_separate_gate_in_bf16(smollm2_random, monkeypatch):
+    """TOKENMILL_GATED_PRODUCT=1 with the skinny GEMM on every eligible shape: the gate/up
+    product applies SiLU-and-mul in its epilogue at decode-sized batches, bit-equal to the
+    separate kernels, so greedy bf16 tokens are the same, in CUDA graphs and eagerly."""
+    from tokenmill.model.layers import linear
+
+    _, path = smollm2_random
+    prompts = _prompts(8)
+    monkeypatch.setattr(linear, "_SKINNY_GEMM", "1")
+    tokens = {}
+    for gated in ("0", "1"):
+        monkeypatch.setenv("TOKENMILL_GATED_PRODUCT", gated)
+        for eager in (False, True):
+            tokens[gated, eager] = _generate(path, prompts, dtype="bfloat16", enforce_eager=eager)
+    assert tokens["1", False] == tokens["0", False]
+    assert tokens["1", True] == tokens["0", True]
+
+
 def _record_same_step_reads(monkeypatch) -> list[bool]:
     """Patch the scheduler to record each step's ``reads_step_kv``."""
     from tokenmill.core.scheduler import Scheduler

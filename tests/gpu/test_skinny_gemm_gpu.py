@@ -179,3 +179,14 @@ def test_pdl_chain_in_a_graph_keeps_each_product_after_the_one_it_reads(use_dot)
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 16])
+def test_gated_gate_up_equals_the_product_then_silu_and_mul(m):
+    """At Llama-3.1-8B's gate/up shape the gated launch is bit-equal to the product followed
+    by ``silu_and_mul``'s kernel: the same sums, rounded alike, the same gate arithmetic."""
+    from tokenmill.model.layers.fused_kernels import silu_and_mul
+    from tokenmill.model.layers.skinny_gemm import skinny_linear
+
+    x, w, _ = _operands(m, *LLAMA_8B["gate_up"], torch.bfloat16, seed=m)
+    assert torch.equal(skinny_linear(x, w, gated=True), silu_and_mul(skinny_linear(x, w)))

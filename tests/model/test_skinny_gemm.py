@@ -77,6 +77,60 @@ def test_one_tile_slices_match_reference(m, k, split_k):
     torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+def _gated_reference(x, w, b=None) -> torch.Tensor:
+    """silu(gate) * up of ``x [gate; up]^T``, each product rounded to x's dtype first."""
+    y = F.linear(x.double(), w.double(), None if b is None else b.double()).to(x.dtype).double()
+    h = y.shape[1] // 2
+    return F.silu(y[:, :h]) * y[:, h:]
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "m,cfg",
+    [(1, FMA), (3, FMA), (1, replace(FMA, block_k=512)), (2, DOT), (17, DOT)],
+    ids=["fma-1", "fma-3", "fma-1-one-tile", "dot-2", "dot-17"],
+)
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_gated_product_matches_silu_of_the_product(m, cfg, split_k):
+    """``gated=True``: the SwiGLU gate of a ``[gate; up]`` product, N/2 = 100 outputs (not a
+    multiple of the half tile), ragged K, with bias, split or not."""
+    x, w, b = _operands(m, 200, 300, seed=5 * m + split_k)
+    got = _run_gated(x, w, b, config=replace(cfg, split_k=split_k))
+    torch.testing.assert_close(got.double(), _gated_reference(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def _run_gated(x, w, b=None, **kwargs) -> torch.Tensor:
+    out = torch.full((x.shape[0], w.shape[0] // 2), float("nan"), dtype=x.dtype, device=DEV)
+    got = skinny_linear(x.to(DEV), w.to(DEV), None if b is None else b.to(DEV), out=out,
+                        gated=True, **kwargs)  # fmt: skip
+    assert got is out
+    return got.cpu()
+
+
+@needs_kernels
+@pytest.mark.parametrize("cfg", [FMA, DOT], ids=["fma", "dot"])
+def test_gated_product_rounds_like_the_separate_kernels(cfg):
+    """bf16: the same sums as the plain product, rounded to bf16, gated in fp32 as
+    ``silu_and_mul``'s kernel computes it, then rounded again: bit-equal on the GPU. The
+    interpreter truncates to bf16 instead of rounding, so there one bf16 step may differ."""
+    x, w, b = _operands(2, 64, 256, torch.bfloat16, seed=9)
+    cfg = replace(cfg, split_k=2)
+    y = _run(x, w, b, config=cfg).float()
+    gate, up = y[:, :32], y[:, 32:]
+    expected = (gate / (1.0 + torch.exp(-gate)) * up).to(torch.bfloat16)
+    rtol = 0.0 if DEV == "cuda" else 2.0**-7
+    got = _run_gated(x, w, b, config=cfg)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=rtol, atol=0)
+
+
+def test_gated_product_needs_even_halves():
+    x, w, _ = _operands(1, 101, 64)
+    with pytest.raises(ValueError, match="even N"):
+        sg._launch_plan(1, 101, 64, FMA, True)
+    with pytest.raises(ValueError, match="even N"):
+        sg._launch_plan(1, 100, 64, replace(FMA, block_n=5), True)
+
+
 @needs_kernels
 @pytest.mark.parametrize("cfg", [FMA, DOT], ids=["fma", "dot"])
 def test_fp16_even_k_without_bias(cfg):

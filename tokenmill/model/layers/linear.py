@@ -31,15 +31,37 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
     Shapes: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``.
     """
-    if (
+    if _runs_skinny(x, weight):
+        return skinny_gemm.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _runs_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
         _SKINNY_GEMM != "0"
         and x.dim() == 2
         and x.shape[0] <= skinny_gemm.MAX_M
         and skinny_gemm.use_skinny_gemm(x, weight)
         and (_SKINNY_GEMM == "1" or skinny_gemm.has_tuned_config(x, weight))
-    ):
-        return skinny_gemm.skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    )
+
+
+def gated_dense(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``silu(y[:, :N/2]) * y[:, N/2:]`` of ``y = x W^T (+ b)`` in one skinny-GEMM launch,
+    where ``dense`` would run this product through the skinny GEMM and its tiles have an
+    even ``block_n``; None elsewhere (the caller runs the product and the gate apart).
+
+    Shapes: ``x [M, K]``, ``weight [N, K]`` (gate rows over up rows), ``bias [N]`` ->
+    ``[M, N/2]``.
+    """
+    if weight.shape[0] % 2 or not _runs_skinny(x, weight):
+        return None
+    (m, k), n = x.shape, weight.shape[0]
+    if skinny_gemm.launch_config(m, n, k, skinny_gemm._num_sms(x.device)).block_n % 2:
+        return None
+    return skinny_gemm.skinny_linear(x, weight, bias, gated=True)
 
 
 class WeightShapeError(ValueError):

@@ -267,8 +267,10 @@ def skinny_linear(
     config: SkinnyConfig | None = None,
     out: torch.Tensor | None = None,
     pdl: bool | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """``y = x W^T (+ b)`` with fp32 accumulation, one kernel launch.
+    """``y = x W^T (+ b)`` with fp32 accumulation, one kernel launch; with ``gated``, the
+    SwiGLU gate of it, ``silu(y[:, :N/2]) * y[:, N/2:]`` (Shazeer 2020), in the same launch.
 
     Args:
         x: ``[M, K]``, float16/bfloat16 (float32 too under the Triton interpreter); rows may
@@ -276,31 +278,38 @@ def skinny_linear(
         weight: ``[N, K]`` of x's dtype, contiguous along K.
         bias: ``[N]`` or None; added in fp32 before the cast.
         config: launch configuration (default: ``launch_config`` for this shape).
-        out: ``[M, N]`` of x's dtype, contiguous along N, to write into (default: a new
-            tensor).
+        out: ``[M, N]`` (``[M, N/2]`` gated) of x's dtype, contiguous along N, to write
+            into (default: a new tensor).
         pdl: launch as a programmatic dependent launch (CUDA Programming Guide,
             "Programmatic Dependent Launch and Synchronization"): the kernel may start while
             the previous kernel of the stream finishes, issues its first weight loads, and
             waits (``griddepcontrol.wait``) before it reads ``x`` or writes anything, so it
             is safe after any kernel that does not write ``weight``. Default: on CUDA
             devices of compute capability 9.0 and up.
+        gated: ``weight`` is a gate projection over an up projection (``[gate; up]``, as
+            ``MergedColumnParallelLinear`` holds them). Each program computes ``BLOCK_N / 2``
+            outputs from their gate and up rows and writes the gated values, each of ``y``
+            rounded to x's dtype first as the separate product would store it; the gate is
+            computed in fp32 as ``fused_kernels.silu_and_mul`` computes it.
 
     Returns:
-        ``out``, or a new contiguous ``[M, N]`` tensor of x's dtype.
+        ``out``, or a new contiguous ``[M, N]`` (``[M, N/2]`` gated) tensor of x's dtype.
 
     Raises:
         ValueError: shapes, dtypes, devices or strides the kernel cannot address, a
             CUDA-core ``config`` with more than ``FMA_MAX_M`` rows, a tensor-core one with
-            ``block_n < 16``, or tensors off CUDA without ``TRITON_INTERPRET=1``.
+            ``block_n < 16``, an odd N or ``block_n`` when gated, or tensors off CUDA
+            without ``TRITON_INTERPRET=1``.
     """
     _check_operands(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     cfg = config or launch_config(m, n, k, _num_sms(x.device))
-    plan = _launch_plan(m, n, k, cfg)
+    plan = _launch_plan(m, n, k, cfg, gated)
+    width = n // 2 if gated else n
     if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] {x.dtype} contiguous along N")
+        out = torch.empty((m, width), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, width) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [{m}, {width}] {x.dtype} contiguous along N")
     pdl = supports_pdl(x.device) if pdl is None else pdl and supports_pdl(x.device)
     locks = _device_locks(x.device)
     splits, k_per_split = plan.splits, plan.k_per_split
@@ -316,7 +325,7 @@ def skinny_linear(
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=plan.block_m, USE_DOT=cfg.use_dot,
         USE_SPLIT=splits > 1, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        ONE_TILE=k_per_split == cfg.block_k,
+        ONE_TILE=k_per_split == cfg.block_k, GATED=gated,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
@@ -327,20 +336,22 @@ class _LaunchPlan:
     block_m: int  # rows of x per program, padded
     splits: int  # K-slices actually launched
     k_per_split: int  # elements of K per slice, a multiple of block_k
-    n_blocks: int  # column blocks of BLOCK_N outputs
+    n_blocks: int  # column blocks of BLOCK_N outputs (BLOCK_N / 2 gated)
     partial_elems: int  # fp32 elements of the split-K workspace
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(m: int, n: int, k: int, cfg: SkinnyConfig) -> _LaunchPlan:
+def _launch_plan(m: int, n: int, k: int, cfg: SkinnyConfig, gated: bool = False) -> _LaunchPlan:
     """Host arithmetic of a launch, cached: in eager decode the CPU issues every layer."""
+    if gated and (n % 2 or cfg.block_n % 2):
+        raise ValueError(f"a gated product needs an even N and block_n, got {n} and {cfg.block_n}")
     if not cfg.use_dot and m > FMA_MAX_M:
         raise ValueError(f"the CUDA-core main loop takes at most {FMA_MAX_M} rows, got {m}")
     if cfg.use_dot and cfg.block_n < 16:
         raise ValueError(f"tl.dot needs block_n >= 16, got {cfg.block_n}")
     bm = block_m(m, cfg.use_dot)
     splits, k_per_split = split_plan(k, cfg.block_k, cfg.split_k)
-    n_blocks = cdiv(n, cfg.block_n)
+    n_blocks = cdiv(n // 2, cfg.block_n // 2) if gated else cdiv(n, cfg.block_n)
     return _LaunchPlan(bm, splits, k_per_split, n_blocks, n_blocks * splits * cfg.block_n * bm)
 
 
@@ -405,10 +416,25 @@ if HAS_TRITON:
         return tile
 
     @triton.jit
+    def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+        """The ``BLOCK_N`` weight rows of column block ``pid_n`` (int64). Gated: its
+        ``BLOCK_N / 2`` gate rows, then the up rows ``N / 2`` further. Rows past the end
+        re-read the last one, so that loads need no row mask."""
+        r = tl.arange(0, BLOCK_N)
+        if GATED:
+            HALF: tl.constexpr = BLOCK_N // 2
+            j = tl.minimum(pid_n * HALF + r % HALF, N // 2 - 1)
+            rows = j + (r // HALF) * (N // 2)
+        else:
+            rows = tl.minimum(pid_n * BLOCK_N + r, N - 1)
+        return rows.to(tl.int64)
+
+    @triton.jit
     def _fma_mainloop(
         x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
         EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, ONE_TILE: tl.constexpr,
+        GATED: tl.constexpr,
     ):  # fmt: skip
         """Partial sums ``[BLOCK_N, BLOCK_M]`` (fp32) on CUDA cores, BLOCK_M <= 4.
 
@@ -419,8 +445,7 @@ if HAS_TRITON:
         buffer nor a ``[BLOCK_N, BLOCK_K]`` accumulator, so that a large slice fits in
         registers and all of it is read while the previous kernel runs.
         """
-        # Rows past N re-read row N-1 so that the weight loads need no row mask.
-        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        rows = _weight_rows(pid_n, N, BLOCK_N, GATED)
         offs_k = (k_start + tl.arange(0, BLOCK_K))[None, :]
         w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k
         # Rows of x as [1, BLOCK_K] tiles take the weight tile's register layout (a 1-D load
@@ -499,10 +524,10 @@ if HAS_TRITON:
     def _dot_mainloop(
         x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GATED: tl.constexpr,
     ):  # fmt: skip
         """Partial sums ``[BLOCK_N, BLOCK_M]`` (fp32) on tensor cores: ``W_tile @ x_tile^T``."""
-        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        rows = _weight_rows(pid_n, N, BLOCK_N, GATED)
         offs_m = tl.minimum(tl.arange(0, BLOCK_M), M - 1)
         offs_k = k_start + tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
@@ -521,9 +546,25 @@ if HAS_TRITON:
     def _store_output(
         acc, out_ptr, bias_ptr, pid_n, M, N, stride_om,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+        GATED: tl.constexpr,
     ):  # fmt: skip
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
+        if GATED:
+            HALF: tl.constexpr = BLOCK_N // 2
+            if HAS_BIAS:
+                b = tl.load(bias_ptr + _weight_rows(pid_n, N, BLOCK_N, True))
+                acc += b.to(tl.float32)[:, None]
+            # Rounded as the product would store it, then gated in fp32 as
+            # ``fused_kernels.silu_and_mul`` does.
+            y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            gate, up = tl.split(tl.permute(tl.reshape(y, [2, HALF, BLOCK_M]), (1, 2, 0)))
+            h = gate / (1.0 + tl.exp(-gate)) * up
+            offs_h = pid_n * HALF + tl.arange(0, HALF)
+            ptrs = out_ptr + offs_m[None, :] * stride_om + offs_h[:, None]
+            mask = (offs_h[:, None] < N // 2) & (offs_m[None, :] < M)
+            tl.store(ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)
+            return
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
             acc += b.to(tl.float32)[:, None]
@@ -535,6 +576,7 @@ if HAS_TRITON:
     def _split_k_combine(
         acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits, M, N, stride_om,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+        GATED: tl.constexpr,
     ):  # fmt: skip
         """Publish this split's partial tile; the last split of the column block sums all
         of them in split order and writes the output."""
@@ -556,7 +598,7 @@ if HAS_TRITON:
             # Leave the counter at zero for the next launch (kernel boundaries order it).
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
             _store_output(total, out_ptr, bias_ptr, pid_n, M, N, stride_om,
-                          BLOCK_N, BLOCK_M, HAS_BIAS)  # fmt: skip
+                          BLOCK_N, BLOCK_M, HAS_BIAS, GATED)  # fmt: skip
 
     @triton.jit
     def _skinny_gemm_kernel(
@@ -565,9 +607,11 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
         USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-        ONE_TILE: tl.constexpr,
+        ONE_TILE: tl.constexpr, GATED: tl.constexpr,
     ):  # fmt: skip
         """``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``; grid ``(cdiv(N, BLOCK_N) * splits,)``.
+        ``GATED``: ``out[M, N/2]``, the SwiGLU gate of it; grid ``(cdiv(N/2, BLOCK_N/2) *
+        splits,)``.
 
         The splits of one column block are adjacent program ids, so they run at the same
         time and their combine happens early rather than in a tail at the end.
@@ -586,16 +630,16 @@ if HAS_TRITON:
                 tl.extra.cuda.gdc_wait()
             acc = _dot_mainloop(
                 x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
-                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, DOT_PRECISION,
+                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, DOT_PRECISION, GATED,
             )  # fmt: skip
         else:
             acc = _fma_mainloop(
                 x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
-                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, USE_PDL, ONE_TILE,
+                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, USE_PDL, ONE_TILE, GATED,
             )  # fmt: skip
         if USE_SPLIT:
             _split_k_combine(acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits,
-                             M, N, stride_om, BLOCK_N, BLOCK_M, HAS_BIAS)  # fmt: skip
+                             M, N, stride_om, BLOCK_N, BLOCK_M, HAS_BIAS, GATED)  # fmt: skip
         else:
             _store_output(acc, out_ptr, bias_ptr, pid_n, M, N, stride_om,
-                          BLOCK_N, BLOCK_M, HAS_BIAS)  # fmt: skip
+                          BLOCK_N, BLOCK_M, HAS_BIAS, GATED)  # fmt: skip
