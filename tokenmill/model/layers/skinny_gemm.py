@@ -563,14 +563,14 @@ if HAS_TRITON:
             ptrs = out_ptr + offs_m[None, :] * stride_om + offs_h[:, None]
             mask = (offs_h[:, None] < N // 2) & (offs_m[None, :] < M)
             tl.store(ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)
-            return
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            acc += b.to(tl.float32)[:, None]
-        ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            if HAS_BIAS:
+                b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+                acc += b.to(tl.float32)[:, None]
+            ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+            mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _split_k_combine(
