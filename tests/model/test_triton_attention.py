@@ -150,13 +150,18 @@ class _LaunchCounter:
         return self.kernel[grid]
 
 
-@pytest.mark.parametrize("self_merge", [True, False], ids=["self-merge", "reduction"])
-def test_decode_splits_merge_themselves_or_in_a_reduction(monkeypatch, self_merge):
-    """12 splits: 10 of them hold keys of the 600-token context (more than one merge load),
-    1 and 3 the others'; one padding row. The counters are left at zero, so a repeated
-    launch (a graph replay) merges again."""
+@pytest.mark.parametrize(
+    "self_merge,tile",
+    [(True, 4096), (True, 128), (False, 4096)],
+    ids=["self-merge", "self-merge-2-per-load", "reduction"],
+)
+def test_decode_splits_merge_themselves_or_in_a_reduction(monkeypatch, self_merge, tile):
+    """12 splits: 10 of them hold keys of the 600-token context (more than one merge load;
+    five with a merge tile of 128 elements), 1 and 3 the others'; one padding row. The
+    counters are left at zero, so a repeated launch (a graph replay) merges again."""
     from tokenmill.model.attention import triton_decode
 
+    monkeypatch.setattr(triton_backend, "MERGE_TILE_ELEMS", tile)
     monkeypatch.setenv("TOKENMILL_DECODE_SPLIT_SELF_MERGE", "1" if self_merge else "0")
     monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: 12)
     reduce = _LaunchCounter(triton_decode.decode_reduce_kernel)
@@ -171,6 +176,16 @@ def test_decode_splits_merge_themselves_or_in_a_reduction(monkeypatch, self_merg
     assert reduce.launches == (0 if self_merge else 2)
     if self_merge:
         assert not triton_backend._MERGE_COUNTERS[torch.device("cpu")].any()
+
+
+def test_merge_loads_stay_within_their_register_budget():
+    """At most 8 splits per merge load, and a [group, splits, head_dim] tile of at most
+    MERGE_TILE_ELEMS: larger groups and heads read fewer splits per load, never none."""
+    per_load = triton_backend._merge_splits_per_load
+    assert per_load(4, 128) == 8  # Llama-3.1-8B
+    assert per_load(8, 128) == 4
+    assert per_load(8, 256) == 2
+    assert per_load(32, 128) == per_load(64, 256) == 1
 
 
 def test_short_chunks_after_long_context_split_their_keys():

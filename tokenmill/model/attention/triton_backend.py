@@ -202,15 +202,26 @@ def _rope_args(rope: tuple[int, int, DecodeRotary] | None) -> dict:
 # Counters of the decode splits that merge themselves (int32, one per (decode, KV head));
 # larger batches have enough (decode, KV head) pairs to run one split, or use the reduction.
 MERGE_COUNTER_SLOTS = 1 << 16
-# Splits a merging program reads per load (its [group, splits, head_dim] fp32 tile).
+# Splits a merging program reads per load: at most 8, and its [group, splits, head_dim]
+# fp32 tile at most MERGE_TILE_ELEMS (32 registers a thread at 4 warps). Every decode
+# variant carries the merge, so a larger tile would cost occupancy at every batch size
+# (groups of 8 at head_dim 128 went from 160 to 222 registers with 8 splits per load).
 MERGE_SPLITS_PER_LOAD = 8
+MERGE_TILE_ELEMS = 4096
 _MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_splits_per_load(group_padded: int, head_dim_padded: int) -> int:
+    """``MERGE_S`` of the decode kernel for this group and head size (powers of two)."""
+    return max(1, min(MERGE_SPLITS_PER_LOAD, MERGE_TILE_ELEMS // (group_padded * head_dim_padded)))
 
 
 def _merge_counters(device: torch.device) -> torch.Tensor | None:
     """The device's split counters, created zeroed by its first call outside graph capture;
     None while a graph is captured before that (a zero-fill recorded into one graph would
-    not run before another graph's replay): the step then launches the reduction."""
+    not run before another graph's replay): the step then launches the reduction. Every
+    layer and graph of the device shares them, so decode attention launches on one device
+    must not run concurrently (one stream at a time), as for the skinny GEMM's counters."""
     counters = _MERGE_COUNTERS.get(device)
     if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -514,7 +525,8 @@ class TritonAttentionImpl(AttentionImpl):
             and envs.decode_split_self_merge()
         ):
             counters = _merge_counters(query.device)
-        merge_s = MERGE_SPLITS_PER_LOAD if counters is not None else 0
+        merge_g = _pow2(args["GROUP"])
+        merge_s = _merge_splits_per_load(merge_g, args["D_P"]) if counters is not None else 0
         merge_splits = prefix_splits if num_splits == 1 or merge_s else 0
         launch = _Launches(
             workspace=workspace,
@@ -525,7 +537,7 @@ class TritonAttentionImpl(AttentionImpl):
                 "NUM_KV_HEADS": self.num_kv_heads, "GROUP_P": _pow2(args["GROUP"], 16),
                 "BLOCK_N": cfg.block_n, "EARLY_LOADS": not metadata.reads_step_kv,
                 "counter_ptr": counters if counters is not None else out,
-                "MERGE_S": merge_s, "MERGE_G": _pow2(args["GROUP"]),
+                "MERGE_S": merge_s, "MERGE_G": merge_g,
                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **strides, **args,
                 **_rope_args(rope), **pdl.launch_options(query.device),
             },  # fmt: skip

@@ -212,19 +212,20 @@ def decode_attention_kernel(
     wrote before this launch (at split slots ``1 ..``) are merged in here. Otherwise each
     split writes its normalized partial output ``[D]`` and log2-sum-exp to
     ``part_out[r, head, split]`` / ``part_lse[r, head, split]`` (split strides ``HEAD_DIM``
-    and 1) for ``decode_reduce_kernel``. A request with ``seq_len == 0`` (padding) yields
-    zeros; one whose query length is not 1 is left alone.
+    and 1), merged by the last split (``MERGE_S``, below) or by ``decode_reduce_kernel``.
+    A request with ``seq_len == 0`` (padding) yields zeros; one whose query length is not 1
+    is left alone.
 
     ``MERGE_S > 0`` with several splits: the splits merge themselves, with no reduction
     launch. Only the splits that hold keys (and the first) write a partial; each then
     counts itself in ``counter_ptr[r * NUM_KV_HEADS + kv_head]`` (int32, zero before the
-    launch), and the last to arrive resets the counter and merges the partials of its
-    ``GROUP`` heads (``MERGE_G``: GROUP rounded up to a power of two), ``MERGE_S`` splits
-    per load, with the ``merge_splits`` partials of the shared prefix at split slots
-    ``num_splits ..``: CUDA's "last block" reduction (threadFenceReduction sample), as the
-    skinny GEMM's split-K combine does. At short contexts most splits are empty, so the
-    merge reads a few partials, where the reduction launch waits for every split and
-    reads them all.
+    launch, shared by every launch on the device: one stream at a time), and the last to
+    arrive resets the counter and merges the partials of its ``GROUP`` heads (``MERGE_G``:
+    GROUP rounded up to a power of two), ``MERGE_S`` splits per load, with the
+    ``merge_splits`` partials of the shared prefix at split slots ``num_splits ..``: CUDA's
+    "last block" reduction (threadFenceReduction sample), as the skinny GEMM's split-K
+    combine does. At short contexts most splits are empty, so the merge reads a few
+    partials, where the reduction launch waits for every split and reads them all.
 
     ``ROPE``: ``q`` arrives unrotated, and this step's keys and values are not in the cache
     yet. Each program rotates its query heads in registers by the rotary table's row
