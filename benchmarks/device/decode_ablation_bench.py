@@ -22,7 +22,8 @@ larger first tiles overlap more of it) and the decode attention's key tiles and 
 
 ``--sweep-one-tile`` times the QKV and output projections on the tiles they had before
 they took whole rows in one tile (which a program loads before it waits, and which need
-no split-K combine), and the down projection on its split tiles and other unsplit ones.
+no split-K combine), the down projection on its split tiles and other unsplit ones, and
+the LM head (eagerly) with whole rows per program.
 
 Prints ``ABL <variant>: <us> us per replay (<delta> against full)`` lines.
 """
@@ -215,9 +216,16 @@ def main() -> None:
         print(f"ABL {name:22s}: {results[name]:8.1f} us per replay "
               f"({results[name] - base:+7.1f} against full)", flush=True)  # fmt: skip
     hidden = torch.randn(1, runner.model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
-    t = do_bench(lambda: runner.model.compute_logits(hidden), warmup=20, rep=200,
-                 return_mode="median") * 1e3  # fmt: skip
-    print(f"ABL LM head (eager)        : {t:8.1f} us", flush=True)
+    heads = [("", {})]
+    if "--sweep-one-tile" in sys.argv:
+        key = (1, runner.model.config.vocab_size, runner.model.config.hidden_size)
+        for n, k, w in [(4, 4096, 4), (2, 4096, 8), (8, 4096, 8), (16, 512, 8)]:
+            heads.append((f" {n}x{k} w{w}", {key: skinny_gemm.SkinnyConfig(n, k, 1, w, 1, False)}))
+    for label, table in heads:
+        with patched(skinny_gemm, "TUNED_CONFIGS", {**skinny_gemm.TUNED_CONFIGS, **table}):
+            t = do_bench(lambda: runner.model.compute_logits(hidden), warmup=20, rep=200,
+                         return_mode="median") * 1e3  # fmt: skip
+        print(f"ABL LM head (eager){label:7s}: {t:8.1f} us", flush=True)
 
 
 if __name__ == "__main__":
