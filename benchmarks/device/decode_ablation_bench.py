@@ -15,10 +15,8 @@ pass, and SiLU-and-mul in the gate/up product's epilogue (``TOKENMILL_GATED_PROD
 The decode switches (``TOKENMILL_ROPE_IN_DECODE_ATTENTION``,
 ``TOKENMILL_SHORT_DECODE_GRAPHS``) are set per variant here, whatever their defaults.
 
-``--sweep`` instead times the same graph with other launch configurations of the kernels
-whose cost depends on where they sit in the chain: the output projection's skinny-GEMM
-tiles (its programs issue their first weight tile before they wait for attention, so
-larger first tiles overlap more of it) and the decode attention's key tiles and split cap.
+``--sweep`` instead times the same graph with other key tiles and split caps of the decode
+attention kernel (RoPE in it, as the engine runs it).
 
 ``--sweep-one-tile`` times the QKV and output projections on the tiles they had before
 they took whole rows in one tile (which a program loads before it waits, and which need
@@ -90,22 +88,9 @@ PATCHES: dict[str, list[tuple[object, str, object]]] = {
 
 
 def sweep_variants() -> list:
-    """The ``--sweep`` variants: output-projection and QKV tiles, then decode key tiles and
-    split caps."""
-    o_key = (1, 4096, 4096)
-    tuned = dict(skinny_gemm.TUNED_CONFIGS)
-    variants: list = [("full", [], None, False, []), ("full_again", [], None, False, [])]
-    o_configs = [(4, 512, 2, 4), (4, 1024, 2, 4), (4, 2048, 2, 4), (2, 2048, 2, 4),
-                 (8, 512, 2, 4), (16, 256, 2, 4), (8, 1024, 1, 8), (4, 4096, 1, 8)]  # fmt: skip
-    for n, k, split, warps in o_configs:
-        table = {**tuned, o_key: skinny_gemm.SkinnyConfig(n, k, split, warps, 1, False)}
-        patch = [(skinny_gemm, "TUNED_CONFIGS", table)]
-        variants.append((f"o_proj {n}x{k} split {split} w{warps}", [], None, False, patch))
-    qkv_key = (1, 6144, 4096)
-    for n, k, split, warps in [(16, 512, 2, 4), (8, 1024, 2, 4), (16, 1024, 1, 8)]:
-        table = {**tuned, qkv_key: skinny_gemm.SkinnyConfig(n, k, split, warps, 1, False)}
-        patch = [(skinny_gemm, "TUNED_CONFIGS", table)]
-        variants.append((f"qkv {n}x{k} split {split} w{warps}", [], None, False, patch))
+    """The ``--sweep`` variants, RoPE in the decode kernel as the engine runs it: decode key
+    tiles and split caps. (The products' tiles: ``one_tile_variants``.)"""
+    variants: list = [("full", [], None, True, []), ("full_again", [], None, True, [])]
     tiles, splits = triton_backend.decode_tile_config, triton_backend.num_decode_splits
     for block_n, cap in [(32, 64), (16, 64), (64, 4), (32, 8), (16, 16), (32, 4), (16, 8)]:
 
@@ -118,7 +103,7 @@ def sweep_variants() -> list:
 
         patch = [(triton_backend, "decode_tile_config", tile),
                  (triton_backend, "num_decode_splits", split_count)]  # fmt: skip
-        variants.append((f"decode {block_n} keys, <= {cap} splits", [], None, False, patch))
+        variants.append((f"decode {block_n} keys, <= {cap} splits", [], None, True, patch))
     return variants
 
 

@@ -34,7 +34,7 @@
 #   vllm_*     the same stage run by vLLM's CLI (vllm_tp_long, vllm_lat1, ...)
 #   stepbench  one decode step's GPU time (decode_step_bench.py)
 #   ablation   the batch-1 decode graph with kernels left out (decode_ablation_bench.py);
-#              ablation_sweep the same graph under other output-projection and decode tiles;
+#              ablation_sweep the same graph under other decode key tiles and split caps;
 #              ablation_onetile under products whose K-slices are one tile each
 #   pgemm_curve  the products of one step (32 layers, cuBLAS and cuBLASLt) against M tokens
 #   mixedcurve  a mixed step's graph time against its tokens (CURVE_CASES="D,ctx,chunk,cached ...")
