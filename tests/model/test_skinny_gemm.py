@@ -87,8 +87,10 @@ def _gated_reference(x, w, b=None) -> torch.Tensor:
 @needs_kernels
 @pytest.mark.parametrize(
     "m,cfg",
-    [(1, FMA), (3, FMA), (1, replace(FMA, block_k=512)), (2, DOT), (17, DOT)],
-    ids=["fma-1", "fma-3", "fma-1-one-tile", "dot-2", "dot-17"],
+    [(1, FMA), (3, FMA), (1, replace(FMA, block_k=512)), (4, replace(FMA, block_n=2)),
+     (2, replace(FMA, block_n=4)), (2, DOT), (17, DOT), (32, DOT)],
+    ids=["fma-1", "fma-3", "fma-1-one-tile", "fma-4-half-1", "fma-2-half-2", "dot-2", "dot-17",
+         "dot-32"],
 )
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_gated_product_matches_silu_of_the_product(m, cfg, split_k):
@@ -124,7 +126,6 @@ def test_gated_product_rounds_like_the_separate_kernels(cfg):
 
 
 def test_gated_product_needs_even_halves():
-    x, w, _ = _operands(1, 101, 64)
     with pytest.raises(ValueError, match="even N"):
         sg._launch_plan(1, 101, 64, FMA, True)
     with pytest.raises(ValueError, match="even N"):
