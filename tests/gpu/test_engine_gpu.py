@@ -149,13 +149,20 @@ def test_rope_in_decode_attention_equals_the_separate_kernels_in_float32(
     """With TOKENMILL_ROPE_IN_DECODE_ATTENTION on (the default) decode steps rotate and
     write their K/V inside the decode kernel: the same greedy tokens as the separate
     rotary/KV-write kernel (=0), in CUDA graphs and eagerly."""
+    _assert_switch_keeps_tokens(
+        smollm2_random, monkeypatch, "TOKENMILL_ROPE_IN_DECODE_ATTENTION", "float32"
+    )
+
+
+def _assert_switch_keeps_tokens(smollm2_random, monkeypatch, variable: str, dtype: str) -> None:
+    """Greedy tokens with ``variable`` off and on are the same, in CUDA graphs and eagerly."""
     _, path = smollm2_random
     prompts = _prompts(8)
     tokens = {}
-    for fused in ("0", "1"):
-        monkeypatch.setenv("TOKENMILL_ROPE_IN_DECODE_ATTENTION", fused)
+    for value in ("0", "1"):
+        monkeypatch.setenv(variable, value)
         for eager in (False, True):
-            tokens[fused, eager] = _generate(path, prompts, dtype="float32", enforce_eager=eager)
+            tokens[value, eager] = _generate(path, prompts, dtype=dtype, enforce_eager=eager)
     assert tokens["1", False] == tokens["0", False]
     assert tokens["1", True] == tokens["0", True]
 
@@ -166,16 +173,8 @@ def test_gated_product_equals_the_separate_gate_in_bf16(smollm2_random, monkeypa
     separate kernels, so greedy bf16 tokens are the same, in CUDA graphs and eagerly."""
     from tokenmill.model.layers import linear
 
-    _, path = smollm2_random
-    prompts = _prompts(8)
     monkeypatch.setattr(linear, "_SKINNY_GEMM", "1")
-    tokens = {}
-    for gated in ("0", "1"):
-        monkeypatch.setenv("TOKENMILL_GATED_PRODUCT", gated)
-        for eager in (False, True):
-            tokens[gated, eager] = _generate(path, prompts, dtype="bfloat16", enforce_eager=eager)
-    assert tokens["1", False] == tokens["0", False]
-    assert tokens["1", True] == tokens["0", True]
+    _assert_switch_keeps_tokens(smollm2_random, monkeypatch, "TOKENMILL_GATED_PRODUCT", "bfloat16")
 
 
 def _record_same_step_reads(monkeypatch) -> list[bool]:
