@@ -18,7 +18,7 @@ before they wait), and makes ``--sweep`` time that one.
 ``--sweep`` tunes each (shape, M) by coordinate descent over ``FMA_SPACE`` / ``DOT_SPACE``
 (one parameter at a time, from the current configuration, ``--rounds`` passes), timing
 candidates with the graph method, and prints the best as lines that paste into
-``TUNED_CONFIGS`` in ``tokenmill/model/layers/skinny_gemm.py``.
+``TUNED_CONFIGS`` in ``tokenmill/model/layers/skinny_gemm_configs.py``.
 
 Usage: python benchmarks/skinny_gemm_bench.py [--shapes qkv,o_proj] [--ms 1,8] [--sweep]
 """

@@ -71,7 +71,7 @@ def skinny_gemm() -> str:
     """TOKENMILL_SKINNY_GEMM: which linear layers of decode-sized batches (<= 32 rows) on
     CUDA run the split-K Triton kernel instead of cuBLAS, as ``"auto"``, ``"0"`` or ``"1"``.
     ``auto`` (default, also when empty): the shapes with a configuration measured faster
-    than cuBLAS on this GPU model (``skinny_gemm.TUNED_CONFIGS``: batch-1 decode of
+    than cuBLAS on this GPU model (``skinny_gemm_configs.TUNED_CONFIGS``: batch-1 decode of
     Llama-3.1-8B on an H200, see benchmarks/RESULTS.md); ``1`` (or true/yes/on): every
     eligible shape; ``0`` (or false/no/off): none.
 

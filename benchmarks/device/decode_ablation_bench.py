@@ -37,8 +37,9 @@ from triton.testing import do_bench
 from tokenmill import LLM, SamplingParams, envs
 from tokenmill.model.attention import triton_backend
 from tokenmill.model.attention.triton_launch import TileConfig
-from tokenmill.model.layers import fused_kernels, skinny_gemm
+from tokenmill.model.layers import fused_kernels, skinny_gemm_configs
 from tokenmill.model.layers.attention import Attention
+from tokenmill.model.layers.skinny_gemm_configs import SkinnyConfig
 from tokenmill.model.models.llama import LlamaMLP
 from tokenmill.worker.cuda_graph import CUDAGraphRunner
 
@@ -111,9 +112,9 @@ def one_tile_variants() -> list:
     """The ``--sweep-one-tile`` variants, RoPE in the decode kernel as the engine runs it:
     the QKV, output and down projections back on their earlier tiles (split in two,
     several tiles per program), and other unsplit tiles of the down projection."""
-    tuned = dict(skinny_gemm.TUNED_CONFIGS)
+    tuned = dict(skinny_gemm_configs.TUNED_CONFIGS)
     qkv, o_proj, down = (1, 6144, 4096), (1, 4096, 4096), (1, 4096, 14336)
-    cfg = skinny_gemm.SkinnyConfig
+    cfg = SkinnyConfig
     earlier = {
         qkv: cfg(32, 256, 2, 4, 1, False),
         o_proj: cfg(4, 256, 2, 4, 1, False),
@@ -131,7 +132,7 @@ def one_tile_variants() -> list:
         tables.append((f"down {n}x{k} split {split} w{warps}",
                        {down: cfg(n, k, split, warps, 1, False)}))  # fmt: skip
     return [
-        (name, [], None, True, [(skinny_gemm, "TUNED_CONFIGS", {**tuned, **table})])
+        (name, [], None, True, [(skinny_gemm_configs, "TUNED_CONFIGS", {**tuned, **table})])
         for name, table in tables
     ]
 
@@ -205,9 +206,10 @@ def main() -> None:
     if "--sweep-one-tile" in sys.argv:
         key = (1, runner.model.config.vocab_size, runner.model.config.hidden_size)
         for n, k, w in [(4, 4096, 4), (2, 4096, 8), (8, 4096, 8), (16, 512, 8)]:
-            heads.append((f" {n}x{k} w{w}", {key: skinny_gemm.SkinnyConfig(n, k, 1, w, 1, False)}))
+            heads.append((f" {n}x{k} w{w}", {key: SkinnyConfig(n, k, 1, w, 1, False)}))
+    tuned = skinny_gemm_configs.TUNED_CONFIGS
     for label, table in heads:
-        with patched(skinny_gemm, "TUNED_CONFIGS", {**skinny_gemm.TUNED_CONFIGS, **table}):
+        with patched(skinny_gemm_configs, "TUNED_CONFIGS", {**tuned, **table}):
             t = do_bench(lambda: runner.model.compute_logits(hidden), warmup=20, rep=200,
                          return_mode="median") * 1e3  # fmt: skip
         print(f"ABL LM head (eager){label:7s}: {t:8.1f} us", flush=True)

@@ -23,7 +23,7 @@ from tests.model.triton_attention_cases import (  # first: switches the interpre
     run_triton,
     use_tiles,
 )
-from tokenmill.model.attention import triton_backend
+from tokenmill.model.attention import triton_backend, triton_launch
 from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.attention.torch_ref import TorchAttentionImpl, write_to_kv_cache
 from tokenmill.model.attention.triton_backend import (
@@ -161,7 +161,7 @@ def test_decode_splits_merge_themselves_or_in_a_reduction(monkeypatch, self_merg
     counters are left at zero, so a repeated launch (a graph replay) merges again."""
     from tokenmill.model.attention import triton_decode
 
-    monkeypatch.setattr(triton_backend, "MERGE_TILE_ELEMS", tile)
+    monkeypatch.setattr(triton_launch, "MERGE_TILE_ELEMS", tile)
     monkeypatch.setenv("TOKENMILL_DECODE_SPLIT_SELF_MERGE", "1" if self_merge else "0")
     monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: 12)
     reduce = _LaunchCounter(triton_decode.decode_reduce_kernel)
@@ -181,7 +181,7 @@ def test_decode_splits_merge_themselves_or_in_a_reduction(monkeypatch, self_merg
 def test_merge_loads_stay_within_their_register_budget():
     """At most 8 splits per merge load, and a [group, splits, head_dim] tile of at most
     MERGE_TILE_ELEMS: larger groups and heads read fewer splits per load, never none."""
-    per_load = triton_backend._merge_splits_per_load
+    per_load = triton_launch.merge_splits_per_load
     assert per_load(4, 128) == 8  # Llama-3.1-8B
     assert per_load(8, 128) == 4
     assert per_load(8, 256) == 2

@@ -94,12 +94,14 @@ from tokenmill.model.attention.triton_cache_write import reshape_and_cache
 from tokenmill.model.attention.triton_launch import (  # noqa: F401 (patched and read here)
     DEFAULT_NUM_SMS,
     MAX_SPLITS,
+    MERGE_COUNTER_SLOTS,
     MIN_SPLIT_TOKENS,
     UNIFORM_MAX_PREFILLS,
     VARLEN_MAX_SPLITS,
     TileConfig,
     decode_tile_config,
     device_num_sms,
+    merge_splits_per_load,
     num_decode_splits,
     num_prefix_splits,
     num_varlen_splits,
@@ -107,6 +109,7 @@ from tokenmill.model.attention.triton_launch import (  # noqa: F401 (patched and
 )
 from tokenmill.model.host_ints import cdiv, next_power_of_2
 from tokenmill.model.layers import pdl
+from tokenmill.model.layers.device_counters import DeviceCounters
 from tokenmill.model.layers.fused_kernels import rotary_half
 
 
@@ -199,38 +202,9 @@ def _rope_args(rope: tuple[int, int, DecodeRotary] | None) -> dict:
     }  # fmt: skip
 
 
-# Counters of the decode splits that merge themselves (int32, one per (decode, KV head));
-# larger batches have enough (decode, KV head) pairs to run one split, or use the reduction.
-MERGE_COUNTER_SLOTS = 1 << 16
-# Splits a merging program reads per load: at most 8, and its [group, splits, head_dim]
-# fp32 tile at most MERGE_TILE_ELEMS (32 registers a thread at 4 warps). Every decode
-# variant carries the merge, so a larger tile would cost occupancy at every batch size
-# (groups of 8 at head_dim 128 went from 160 to 222 registers with 8 splits per load).
-MERGE_SPLITS_PER_LOAD = 8
-MERGE_TILE_ELEMS = 4096
-_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_splits_per_load(group_padded: int, head_dim_padded: int) -> int:
-    """``MERGE_S`` of the decode kernel for this group and head size (powers of two)."""
-    return max(1, min(MERGE_SPLITS_PER_LOAD, MERGE_TILE_ELEMS // (group_padded * head_dim_padded)))
-
-
-def _merge_counters(device: torch.device) -> torch.Tensor | None:
-    """The device's split counters, created zeroed by its first call outside graph capture;
-    None while a graph is captured before that (a zero-fill recorded into one graph would
-    not run before another graph's replay): the step then launches the reduction. Every
-    layer and graph of the device shares them, so decode attention launches on one device
-    must not run concurrently (one stream at a time), as for the skinny GEMM's counters."""
-    counters = _MERGE_COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = torch.zeros(MERGE_COUNTER_SLOTS, dtype=torch.int32, device=device)
-        _MERGE_COUNTERS[device] = counters
-        if device.type == "cuda":  # once: later launches may come from other streams
-            torch.cuda.current_stream(device).synchronize()
-    return counters
+# The decode splits' merge counters, one per (decode, KV head) (``device_counters.py``);
+# a step planned while a graph is captured before they exist launches the reduction.
+_MERGE_COUNTERS = DeviceCounters()
 
 
 def _split_strides(part_out: torch.Tensor, part_lse: torch.Tensor) -> dict[str, int]:
@@ -524,9 +498,9 @@ class TritonAttentionImpl(AttentionImpl):
             plan.num_decodes * self.num_kv_heads <= MERGE_COUNTER_SLOTS
             and envs.decode_split_self_merge()
         ):
-            counters = _merge_counters(query.device)
+            counters = _MERGE_COUNTERS.get_or_create(query.device, MERGE_COUNTER_SLOTS)
         merge_g = _pow2(args["GROUP"])
-        merge_s = _merge_splits_per_load(merge_g, args["D_P"]) if counters is not None else 0
+        merge_s = merge_splits_per_load(merge_g, args["D_P"]) if counters is not None else 0
         merge_splits = prefix_splits if num_splits == 1 or merge_s else 0
         launch = _Launches(
             workspace=workspace,

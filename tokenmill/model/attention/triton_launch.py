@@ -22,6 +22,15 @@ DEFAULT_NUM_SMS = 132
 DECODE_PROGRAMS_PER_SM = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+# Decode splits that merge themselves: counters for this many (decode, KV head) pairs
+# (larger batches have enough pairs to run one split, or use the reduction launch); at most
+# MERGE_SPLITS_PER_LOAD splits per merge load, and its [group, splits, head_dim] fp32 tile
+# at most MERGE_TILE_ELEMS (32 registers a thread at 4 warps). Every decode variant carries
+# the merge, so a larger tile would cost occupancy at every batch size (groups of 8 at
+# head_dim 128 went from 160 to 222 registers with 8 splits per load).
+MERGE_COUNTER_SLOTS = 1 << 16
+MERGE_SPLITS_PER_LOAD = 8
+MERGE_TILE_ELEMS = 4096
 # Prompt-chunk KV splits: at most this many, and only while the chunks' query blocks leave
 # SMs idle (see ``num_varlen_splits``).
 VARLEN_MAX_SPLITS = 16
@@ -101,6 +110,11 @@ def num_decode_splits(
     wanted = (DECODE_PROGRAMS_PER_SM * num_sms) // pairs
     useful = cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
     return max(1, min(wanted, useful, max_splits))
+
+
+def merge_splits_per_load(group_padded: int, head_dim_padded: int) -> int:
+    """``MERGE_S`` of the decode kernel for this group and head size (powers of two)."""
+    return max(1, min(MERGE_SPLITS_PER_LOAD, MERGE_TILE_ELEMS // (group_padded * head_dim_padded)))
 
 
 def num_prefix_splits(

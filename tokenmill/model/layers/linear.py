@@ -59,7 +59,7 @@ def gated_dense(
     if weight.shape[0] % 2 or not _runs_skinny(x, weight):
         return None
     (m, k), n = x.shape, weight.shape[0]
-    config = skinny_gemm.launch_config(m, n, k, skinny_gemm._num_sms(x.device))
+    config = skinny_gemm.launch_config(m, n, k, skinny_gemm.num_sms(x.device))
     if config.block_n % 2:
         return None
     return skinny_gemm.skinny_linear(x, weight, bias, config=config, gated=True)
