@@ -134,14 +134,6 @@ def gated_product() -> bool:
     return os.environ.get("TOKENMILL_GATED_PRODUCT", "").strip().lower() in _ON
 
 
-def norm_in_product() -> bool:
-    """TOKENMILL_NORM_IN_PRODUCT=1: a Llama-family layer's RMSNorms (with their residual
-    adds) run inside the product that follows them (QKV, gate/up) where that product runs
-    the skinny GEMM with programs holding whole rows (decode-sized batches on CUDA;
-    ``linear.normed_dense``), saving the norms' launches. Off by default until measured."""
-    return os.environ.get("TOKENMILL_NORM_IN_PRODUCT", "").strip().lower() in _ON
-
-
 def decode_split_self_merge() -> bool:
     """TOKENMILL_DECODE_SPLIT_SELF_MERGE=0: merge the decode kernel's key splits in a
     separate reduction launch per layer instead of in the last split to finish (on by

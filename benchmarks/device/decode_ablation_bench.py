@@ -11,9 +11,7 @@ full pass's is what those kernels cost inside the chain of dependent launches, g
 included: the most a fusion that removes them can win. The outputs of the ablated variants
 are meaningless; only their times are. Also times the short-context graphs (one key split,
 no reduction) and RoPE in the decode kernel, which compute the same function as the full
-pass, SiLU-and-mul in the gate/up product's epilogue (``TOKENMILL_GATED_PRODUCT``), and
-the RMSNorms inside the products after them (``TOKENMILL_NORM_IN_PRODUCT``) with the
-gate/up product on whole-row tiles, which it needs to take its norm.
+pass, and SiLU-and-mul in the gate/up product's epilogue (``TOKENMILL_GATED_PRODUCT``).
 The decode switches (``TOKENMILL_ROPE_IN_DECODE_ATTENTION``,
 ``TOKENMILL_SHORT_DECODE_GRAPHS``) are set per variant here, whatever their defaults.
 
@@ -42,7 +40,7 @@ from tokenmill.model.attention.triton_launch import TileConfig
 from tokenmill.model.layers import fused_kernels, skinny_gemm_configs
 from tokenmill.model.layers.attention import Attention
 from tokenmill.model.layers.skinny_gemm_configs import SkinnyConfig
-from tokenmill.model.models.llama import LlamaDecoderLayer, LlamaMLP
+from tokenmill.model.models.llama import LlamaMLP
 from tokenmill.worker.cuda_graph import CUDAGraphRunner
 
 
@@ -148,15 +146,6 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
     gated = [(m, "gated_product", True) for m in runner.model.modules() if isinstance(m, LlamaMLP)]
-    folded = [
-        (m, "fold_norms", True) for m in runner.model.modules() if isinstance(m, LlamaDecoderLayer)
-    ]
-    gate_up = (1, 2 * runner.model.config.intermediate_size, runner.model.config.hidden_size)
-
-    def gate_up_tiles(n: int, k: int, warps: int) -> list:
-        tile = SkinnyConfig(n, k, 1, warps, 1, False)
-        table = {**skinny_gemm_configs.TUNED_CONFIGS, gate_up: tile}
-        return [(skinny_gemm_configs, "TUNED_CONFIGS", table)]
 
     def refill() -> None:
         # Leaves the runner's buffers holding a batch-1 decode at ``context + 1`` tokens.
@@ -203,14 +192,6 @@ def main() -> None:
             ("rope_in_decode, reduction launch", [], None, True,
              [(envs, "decode_split_self_merge", lambda: False)]),
             ("rope_in_decode, gated gate/up", [], None, True, gated),
-            ("rope_in_decode, norms folded", [], None, True, folded),
-            ("rope_in_decode, gate/up 2x4096 w8", [], None, True, gate_up_tiles(2, 4096, 8)),
-            ("rope_in_decode, gate/up 2x4096 w8, norms folded", [], None, True,
-             folded + gate_up_tiles(2, 4096, 8)),
-            ("rope_in_decode, gate/up 4x4096 w8, norms folded", [], None, True,
-             folded + gate_up_tiles(4, 4096, 8)),
-            ("rope_in_decode, gate/up 1x4096 w4, norms folded", [], None, True,
-             folded + gate_up_tiles(1, 4096, 4)),
             ("-rope-attn", ["rope", "attn"], None, False, []),
             ("products only", ["norm", "act", "rope", "attn"], None, False, []),
         ]

@@ -177,57 +177,6 @@ def test_gated_product_equals_the_separate_gate_in_bf16(smollm2_random, monkeypa
     _assert_switch_keeps_tokens(smollm2_random, monkeypatch, "TOKENMILL_GATED_PRODUCT", "bfloat16")
 
 
-def test_norms_folded_into_products_in_bf16(smollm2_random, monkeypatch):
-    """TOKENMILL_NORM_IN_PRODUCT=1, with whole-row skinny tiles for SmolLM2's QKV and
-    gate/up products at 1-4 rows: decode steps run the norms inside the products, CUDA
-    graphs and eager steps give the same tokens, and the first decode step's logprobs are
-    within bf16 rounding of the separate norm kernels' (the mean square is summed in
-    another order, so bit-equality is not expected)."""
-    from tokenmill import LLM, SamplingParams
-    from tokenmill.model.layers import linear, skinny_gemm
-    from tokenmill.model.layers.skinny_gemm import SkinnyConfig
-    from tokenmill.model.models import decoder
-
-    monkeypatch.setattr(linear, "_SKINNY_GEMM", "1")
-    launch = skinny_gemm.launch_config
-    whole = SkinnyConfig(2, 1024, 1, 8, 1, False)
-
-    def config(m, n, k, num_sms=132):
-        return whole if m <= 4 and k == 576 and n in (960, 3072) else launch(m, n, k, num_sms)
-
-    monkeypatch.setattr(skinny_gemm, "launch_config", config)
-    folded = []
-    normed_dense = decoder.normed_dense
-
-    def counted(*args, **kwargs):
-        out = normed_dense(*args, **kwargs)
-        folded.append(out is not None)
-        return out
-
-    monkeypatch.setattr(decoder, "normed_dense", counted)
-    _, path = smollm2_random
-    prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    runs = {}
-    for fold in ("0", "1"):
-        monkeypatch.setenv("TOKENMILL_NORM_IN_PRODUCT", fold)
-        for eager in (False, True):
-            llm = LLM(path, dtype="bfloat16", kv_cache_memory=2 << 30, max_model_len=1024,
-                      max_num_seqs=8, enforce_eager=eager)  # fmt: skip
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            runs[fold, eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-            del llm
-            torch.cuda.empty_cache()
-    assert any(folded)
-    assert [t for t, _ in runs["1", False]] == [t for t, _ in runs["1", True]]
-    for (tokens, on), (tokens_off, off) in zip(runs["1", True], runs["0", True], strict=True):
-        assert tokens[0] == tokens_off[0]  # the prompt step has more rows than fold
-        common = on[1].keys() & off[1].keys()
-        assert common
-        for token in common:
-            assert abs(on[1][token].logprob - off[1][token].logprob) < 0.05
-
-
 def _record_same_step_reads(monkeypatch) -> list[bool]:
     """Patch the scheduler to record each step's ``reads_step_kv``."""
     from tokenmill.core.scheduler import Scheduler

@@ -8,8 +8,6 @@ checkpoint tensor is loaded into its slice by ``weight_loader(param, tensor, sha
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -65,40 +63,6 @@ def gated_dense(
     if config.block_n % 2:
         return None
     return skinny_gemm.skinny_linear(x, weight, bias, config=config, gated=True)
-
-
-def normed_dense(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm: skinny_gemm.InputNorm,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(y, h)`` with ``h = x + residual`` (``x`` when residual is None) and ``y =
-    RMSNorm(h) W^T (+ b)`` in one skinny-GEMM launch (``skinny_gemm.InputNorm``; its
-    ``residual`` fields are filled in here), where ``dense`` would run this product through
-    the skinny GEMM with programs that hold whole rows of ``x``; None elsewhere (the caller
-    runs the norm and the product apart).
-
-    Shapes: ``x``, ``residual`` ``[M, K]``; ``weight [N, K]``; ``bias [N]`` -> ``[M, N]``,
-    ``[M, K]``.
-    """
-    if not _runs_skinny(x, weight) or norm.weight.device != x.device:
-        return None
-    if residual is not None and (
-        residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()
-    ):
-        return None
-    (m, k), n = x.shape, weight.shape[0]
-    config = skinny_gemm.launch_config(m, n, k, skinny_gemm.num_sms(x.device))
-    if not skinny_gemm.holds_whole_rows(m, k, config):
-        return None
-    if residual is None:
-        y = skinny_gemm.skinny_linear(x, weight, bias, config=config, norm=norm)
-        return y, x
-    h = torch.empty_like(residual)
-    norm = replace(norm, residual=residual, residual_out=h)
-    return skinny_gemm.skinny_linear(x, weight, bias, config=config, norm=norm), h
 
 
 class WeightShapeError(ValueError):

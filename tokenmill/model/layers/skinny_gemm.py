@@ -141,7 +141,6 @@ def skinny_linear(
     out: torch.Tensor | None = None,
     pdl: bool | None = None,
     gated: bool = False,
-    norm: InputNorm | None = None,
 ) -> torch.Tensor:
     """``y = x W^T (+ b)`` with fp32 accumulation, one kernel launch; with ``gated``, the
     SwiGLU gate of it, ``silu(y[:, :N/2]) * y[:, N/2:]`` (Shazeer 2020), in the same launch.
@@ -165,8 +164,6 @@ def skinny_linear(
             outputs from their gate and up rows and writes the gated values, each of ``y``
             rounded to x's dtype first as the separate product would store it; the gate is
             computed in fp32 as ``fused_kernels.silu_and_mul`` computes it.
-        norm: multiply ``RMSNorm(x + residual)`` instead of ``x`` (``InputNorm``), with a
-            configuration whose programs hold whole rows of ``x`` (``holds_whole_rows``).
 
     Returns:
         ``out``, or a new contiguous ``[M, N]`` (``[M, N/2]`` gated) tensor of x's dtype.
@@ -174,16 +171,13 @@ def skinny_linear(
     Raises:
         ValueError: shapes, dtypes, devices or strides the kernel cannot address, a
             CUDA-core ``config`` with more than ``FMA_MAX_M`` rows, a tensor-core one with
-            ``block_n < 16``, an odd N or ``block_n`` when gated, tensors off CUDA
-            without ``TRITON_INTERPRET=1``, or a ``norm`` the configuration cannot fold in
-            or whose tensors do not match ``x``.
+            ``block_n < 16``, an odd N or ``block_n`` when gated, or tensors off CUDA
+            without ``TRITON_INTERPRET=1``.
     """
     _check_operands(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     cfg = config or launch_config(m, n, k, num_sms(x.device))
     plan = _launch_plan(m, n, k, cfg, gated)
-    if norm is not None:
-        _check_norm(norm, x, cfg)
     width = n // 2 if gated else n
     if out is None:
         out = torch.empty((m, width), dtype=x.dtype, device=x.device)
@@ -198,18 +192,13 @@ def skinny_linear(
         partials = torch.empty(plan.partial_elems, dtype=torch.float32, device=x.device)
     else:
         locks = partials = out  # never touched without split-K
-    res = x if norm is None or norm.residual is None else norm.residual
     _skinny_gemm_kernel[(plan.n_blocks * splits,)](
         x, weight, bias if bias is not None else out, out, partials, locks,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), splits, k_per_split,
-        x if norm is None else norm.weight, res,
-        res if norm is None or norm.residual_out is None else norm.residual_out,
-        res.stride(0), 0.0 if norm is None else norm.eps, 0.0 if norm is None else norm.offset,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=plan.block_m, USE_DOT=cfg.use_dot,
         USE_SPLIT=splits > 1, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        ONE_TILE=k_per_split == cfg.block_k, GATED=gated, NORM=norm is not None,
-        HAS_RESIDUAL=norm is not None and norm.residual is not None,
+        ONE_TILE=k_per_split == cfg.block_k, GATED=gated,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
@@ -222,55 +211,6 @@ class _LaunchPlan:
     k_per_split: int  # elements of K per slice, a multiple of block_k
     n_blocks: int  # column blocks of BLOCK_N outputs (BLOCK_N / 2 gated)
     partial_elems: int  # fp32 elements of the split-K workspace
-
-
-@dataclass(frozen=True)
-class InputNorm:
-    """An RMSNorm (Zhang & Sennrich 2019) folded into a product's input: the product
-    multiplies ``RMSNorm(x + residual) * (weight + offset)``, computed as
-    ``fused_kernels.rms_norm`` computes it (fp32, ``x + residual`` rounded to x's dtype
-    first, the normed values rounded to it before the product), and stores ``x + residual``
-    into ``residual_out``. Every program computes the norm of the rows it holds; the first
-    program stores the new residual.
-
-    Attributes:
-        weight: ``[K]`` norm weight (any float dtype).
-        eps: added to the mean square.
-        offset: added to the weight (1.0 for Gemma's ``weight - 1`` storage).
-        residual: ``[M, K]`` of x's dtype, contiguous, or None (norm ``x`` itself).
-        residual_out: ``[M, K]`` like ``residual``, not aliasing it; None without it.
-    """
-
-    weight: torch.Tensor
-    eps: float
-    offset: float = 0.0
-    residual: torch.Tensor | None = None
-    residual_out: torch.Tensor | None = None
-
-
-def holds_whole_rows(m: int, k: int, cfg: SkinnyConfig) -> bool:
-    """Whether every program of this launch holds whole rows of ``x`` (the CUDA-core loop,
-    one K-tile, no split), so that it can fold an ``InputNorm`` into its input."""
-    return not cfg.use_dot and m <= FMA_MAX_M and cfg.block_k >= k
-
-
-def _check_norm(norm: InputNorm, x: torch.Tensor, cfg: SkinnyConfig) -> None:
-    (m, k) = x.shape
-    if not holds_whole_rows(m, k, cfg):
-        raise ValueError(f"a norm needs programs that hold whole rows of x: {cfg} at M={m}, K={k}")
-    if norm.weight.shape != (k,) or norm.weight.stride(0) != 1:
-        raise ValueError(f"the norm weight must be a contiguous [{k}] vector")
-    if (norm.residual is None) != (norm.residual_out is None):
-        raise ValueError("residual and residual_out go together")
-    for t in (norm.residual, norm.residual_out):
-        if t is not None and (t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous()
-                              or t.device != x.device):
-            raise ValueError(f"residuals must be contiguous {tuple(x.shape)} {x.dtype} on "
-                             f"{x.device}")
-    if norm.residual is not None and norm.residual.data_ptr() == norm.residual_out.data_ptr():
-        raise ValueError("residual_out must not alias residual: other programs still read it")
-    if norm.weight.device != x.device:
-        raise ValueError("the norm weight is on another device than x")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -340,45 +280,11 @@ if HAS_TRITON:
         return rows.to(tl.int64)
 
     @triton.jit
-    def _one_tile_row(
-        x_ptr, r_ptr, g, row, M, K, stride_xm, stride_rm, offs, ok, eps, norm_offset,
-        BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr,
-    ):  # fmt: skip
-        """Row ``row`` of the product's input as a ``[BLOCK_N, BLOCK_K]`` fp32 tile (each of
-        its rows the whole row of x). ``NORM``: ``RMSNorm(x + residual) * g`` rounded to x's
-        dtype, in ``fused_kernels.rms_norm``'s arithmetic. Rows past M repeat row M-1."""
-        m = tl.minimum(row, M - 1)
-        v = _load_tile(x_ptr + m * stride_xm + offs, ok, EVEN_K, "evict_last").to(tl.float32)
-        if NORM:
-            dtype = x_ptr.dtype.element_ty
-            if HAS_RESIDUAL:
-                r = _load_tile(r_ptr + m * stride_rm + offs, ok, EVEN_K, "evict_last")
-                v = (v + r.to(tl.float32)).to(dtype).to(tl.float32)
-            var = tl.sum(v * v, axis=1)[:, None] / K
-            v = (v * tl.rsqrt(var + eps) * (g.to(tl.float32) + norm_offset)).to(dtype)
-            v = v.to(tl.float32)
-        return v
-
-    @triton.jit
-    def _store_residual(x_ptr, r_ptr, rout_ptr, M, K, stride_xm, stride_rm, BLOCK_K: tl.constexpr):
-        """``rout = x + r`` for the M rows (K <= BLOCK_K), rounded to x's dtype: the input
-        norm's new residual, stored by one program after its product, when the tile's
-        registers are free."""
-        k = tl.arange(0, BLOCK_K)
-        ok = k < K
-        for m in range(0, M):
-            x = tl.load(x_ptr + m * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
-            r = tl.load(r_ptr + m * stride_rm + k, mask=ok, other=0.0).to(tl.float32)
-            tl.store(rout_ptr + m * stride_rm + k, (x + r).to(rout_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
     def _fma_mainloop(
         x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
-        g_ptr, r_ptr, stride_rm, eps, norm_offset,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
         EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, ONE_TILE: tl.constexpr,
-        GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+        GATED: tl.constexpr,
     ):  # fmt: skip
         """Partial sums ``[BLOCK_N, BLOCK_M]`` (fp32) on CUDA cores, BLOCK_M <= 4.
 
@@ -387,9 +293,7 @@ if HAS_TRITON:
         feed ``tl.dot``). ``ONE_TILE`` (every program's K-slice is one tile): the whole
         slice is loaded before the wait and reduced at once, with neither a prefetch
         buffer nor a ``[BLOCK_N, BLOCK_K]`` accumulator, so that a large slice fits in
-        registers and all of it is read while the previous kernel runs. Only there may
-        ``NORM`` fold an RMSNorm into the input (``_one_tile_row``): each program holds
-        whole rows.
+        registers and all of it is read while the previous kernel runs.
         """
         rows = _weight_rows(pid_n, N, BLOCK_N, GATED)
         offs_k = (k_start + tl.arange(0, BLOCK_K))[None, :]
@@ -397,28 +301,27 @@ if HAS_TRITON:
         # Rows of x as [1, BLOCK_K] tiles take the weight tile's register layout (a 1-D load
         # would be re-laid out through shared memory every iteration). Rows past M repeat
         # row M-1; their outputs are never stored.
-        offs = offs_k + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
-        x0 = x_ptr + offs
+        x0 = x_ptr + offs_k + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
         x1 = x0 + tl.minimum(1, M - 1) * stride_xm
         x2 = x0 + tl.minimum(2, M - 1) * stride_xm
         x3 = x0 + tl.minimum(3, M - 1) * stride_xm
         ok = offs_k < K
         w = _load_tile(w_ptrs, ok, EVEN_K, "evict_first")
-        g = eps  # the norm weight (ours, like w: loaded before the wait)
-        if NORM:
-            g = _load_tile(g_ptr + offs, ok, EVEN_K, "evict_last")
         if USE_PDL:  # the weight is ours; x may still be being written by the previous kernel
             tl.extra.cuda.gdc_wait()
         cols = tl.arange(0, BLOCK_M)[None, :]
         if ONE_TILE:
             wf = w.to(tl.float32)
-            v = _one_tile_row(x_ptr, r_ptr, g, 0, M, K, stride_xm, stride_rm, offs, ok, eps,
-                              norm_offset, BLOCK_N, EVEN_K, NORM, HAS_RESIDUAL)  # fmt: skip
-            acc = tl.where(cols == 0, tl.sum(wf * v, axis=1)[:, None], 0.0)
-            for row in tl.static_range(1, BLOCK_M):
-                v = _one_tile_row(x_ptr, r_ptr, g, row, M, K, stride_xm, stride_rm, offs, ok, eps,
-                                  norm_offset, BLOCK_N, EVEN_K, NORM, HAS_RESIDUAL)  # fmt: skip
-                acc = tl.where(cols == row, tl.sum(wf * v, axis=1)[:, None], acc)
+            v = _load_tile(x0, ok, EVEN_K, "evict_last")
+            acc = tl.where(cols == 0, tl.sum(wf * v.to(tl.float32), axis=1)[:, None], 0.0)
+            if BLOCK_M > 1:
+                v = _load_tile(x1, ok, EVEN_K, "evict_last")
+                acc = tl.where(cols == 1, tl.sum(wf * v.to(tl.float32), axis=1)[:, None], acc)
+            if BLOCK_M > 2:
+                v = _load_tile(x2, ok, EVEN_K, "evict_last")
+                acc = tl.where(cols == 2, tl.sum(wf * v.to(tl.float32), axis=1)[:, None], acc)
+                v = _load_tile(x3, ok, EVEN_K, "evict_last")
+                acc = tl.where(cols == 3, tl.sum(wf * v.to(tl.float32), axis=1)[:, None], acc)
             return acc
         v0 = _load_tile(x0, ok, EVEN_K, "evict_last")
         v1 = _load_tile(x1, ok, EVEN_K, "evict_last")
@@ -551,17 +454,14 @@ if HAS_TRITON:
     def _skinny_gemm_kernel(
         x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
         M, N, K, stride_xm, stride_wn, stride_om, splits, k_per_split,
-        g_ptr, r_ptr, rout_ptr, stride_rm, eps, norm_offset,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
         USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-        ONE_TILE: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr,
+        ONE_TILE: tl.constexpr, GATED: tl.constexpr,
     ):  # fmt: skip
         """``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``; grid ``(cdiv(N, BLOCK_N) * splits,)``.
         ``GATED``: ``out[M, N/2]``, the SwiGLU gate of it; grid ``(cdiv(N/2, BLOCK_N/2) *
-        splits,)``. ``NORM`` (``ONE_TILE`` only): x is ``RMSNorm(x + r) * g`` (``r`` at
-        ``r_ptr`` with ``HAS_RESIDUAL``; program 0 stores ``x + r`` at ``rout_ptr`` last).
+        splits,)``.
 
         The splits of one column block are adjacent program ids, so they run at the same
         time and their combine happens early rather than in a tail at the end.
@@ -585,8 +485,7 @@ if HAS_TRITON:
         else:
             acc = _fma_mainloop(
                 x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
-                g_ptr, r_ptr, stride_rm, eps, norm_offset,
-                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, USE_PDL, ONE_TILE, GATED, NORM, HAS_RESIDUAL,
+                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, USE_PDL, ONE_TILE, GATED,
             )  # fmt: skip
         if USE_SPLIT:
             _split_k_combine(acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits,
@@ -594,6 +493,3 @@ if HAS_TRITON:
         else:
             _store_output(acc, out_ptr, bias_ptr, pid_n, M, N, stride_om,
                           BLOCK_N, BLOCK_M, HAS_BIAS, GATED)  # fmt: skip
-        if NORM and HAS_RESIDUAL:
-            if pid == 0:
-                _store_residual(x_ptr, r_ptr, rout_ptr, M, K, stride_xm, stride_rm, BLOCK_K)

@@ -78,8 +78,7 @@ TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     (1, 4096, 4096): SkinnyConfig(4, 4096, 1, 4, 1, False),
     (1, 4096, 14336): SkinnyConfig(4, 512, 1, 8, 1, False),
     (1, 28672, 4096): SkinnyConfig(8, 256, 1, 4, 1, False),
-    # The LM head on whole rows too: 252.6 us against 263.0 (eagerly, 2026-12-02).
-    (1, 128256, 4096): SkinnyConfig(4, 4096, 1, 4, 1, False),
+    (1, 128256, 4096): SkinnyConfig(16, 256, 1, 4, 1, False),
 }
 
 

@@ -16,9 +16,6 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
-from tokenmill.model.layers.linear import LinearBase, normed_dense
-from tokenmill.model.layers.norm import RMSNorm
-from tokenmill.model.layers.skinny_gemm import InputNorm
 from tokenmill.model.loader.weights import load_model_weights
 
 
@@ -31,27 +28,6 @@ def open_residual(
     if residual is None:
         return norm(hidden), hidden
     return norm(hidden, residual)
-
-
-def norm_then_linear(
-    norm: nn.Module,
-    layer: nn.Module,
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    fold: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(layer(norm(hidden + residual)), hidden + residual)``: ``open_residual``, then the
-    layer. With ``fold``, an RMSNorm before a plain linear layer runs inside the layer's
-    product where ``linear.normed_dense`` can (decode-sized batches on CUDA), which saves
-    the norm's launch. Shapes: hidden and residual ``[T, H]`` -> ``[T, N]``, ``[T, H]``.
-    """
-    if fold and type(norm) is RMSNorm and type(layer).forward is LinearBase.forward:
-        folded = InputNorm(norm.weight, norm.eps, norm.offset)
-        fused = normed_dense(hidden, residual, folded, layer.weight, layer.bias)
-        if fused is not None:
-            return fused
-    hidden, residual = open_residual(norm, hidden, residual)
-    return layer(hidden), residual
 
 
 class PreNormDecoderLayer(nn.Module):

@@ -28,7 +28,6 @@ from tokenmill.model.models.decoder import (
     DecoderForCausalLM,
     DecoderModel,
     PreNormDecoderLayer,
-    norm_then_linear,
 )
 
 
@@ -68,11 +67,7 @@ class LlamaMLP(nn.Module):
             gated = gated_dense(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if gated is not None:
                 return self.down_proj(gated)
-        return self.from_gate_up(self.gate_up_proj(x))
-
-    def from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The rest after the gate/up product: ``[T, 2I] -> [T, H]``."""
-        return self.down_proj(self.act_fn(gate_up))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -117,13 +112,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        return self.from_qkv(positions, self.qkv_proj(hidden), metadata)
-
-    def from_qkv(
-        self, positions: torch.Tensor, qkv: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        """The rest after the QKV product: ``[T, (Hq + 2 Hkv) D] -> [T, H]``."""
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, metadata, positions))
 
 
@@ -150,30 +139,6 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             config.get("hidden_act", "silu"),
             bias=config.get("mlp_bias", False),
         )
-        # Read once: the choice must not change between CUDA-graph capture and eager steps.
-        self.fold_norms = envs.norm_in_product()
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.fold_norms:
-            return super().forward(positions, hidden, residual, metadata)
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = norm_then_linear(
-            self.input_layernorm, attn.qkv_proj, hidden, residual, fold=True
-        )
-        hidden = attn.from_qkv(positions, qkv, metadata)
-        if mlp.gated_product:
-            hidden, residual = self.post_attention_layernorm(hidden, residual)
-            return mlp(hidden), residual
-        gate_up, residual = norm_then_linear(
-            self.post_attention_layernorm, mlp.gate_up_proj, hidden, residual, fold=True
-        )
-        return mlp.from_gate_up(gate_up), residual
 
 
 class LlamaModel(DecoderModel):
