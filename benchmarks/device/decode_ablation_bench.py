@@ -11,7 +11,8 @@ full pass's is what those kernels cost inside the chain of dependent launches, g
 included: the most a fusion that removes them can win. The outputs of the ablated variants
 are meaningless; only their times are. Also times the short-context graphs (one key split,
 no reduction) and RoPE in the decode kernel, which compute the same function as the full
-pass, and SiLU-and-mul in the gate/up product's epilogue (``TOKENMILL_GATED_PRODUCT``).
+pass, and SiLU-and-mul as a launch of its own rather than in the gate/up product's
+epilogue (``TOKENMILL_GATED_PRODUCT=0``).
 The decode switches (``TOKENMILL_ROPE_IN_DECODE_ATTENTION``,
 ``TOKENMILL_SHORT_DECODE_GRAPHS``) are set per variant here, whatever their defaults.
 
@@ -145,7 +146,10 @@ def main() -> None:
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
-    gated = [(m, "gated_product", True) for m in runner.model.modules() if isinstance(m, LlamaMLP)]
+    # The gate/up product applies SiLU-and-mul in its epilogue by default; "-act" and the
+    # separate-launch variant turn that off.
+    mlps = [m for m in runner.model.modules() if isinstance(m, LlamaMLP)]
+    ungated = [(m, "gated_product", False) for m in mlps]
 
     def refill() -> None:
         # Leaves the runner's buffers holding a batch-1 decode at ``context + 1`` tokens.
@@ -184,14 +188,14 @@ def main() -> None:
             ("rope_in_decode", [], None, True, []),
             ("rope_in_decode+short", [], 256, True, []),
             ("-norm", ["norm"], None, False, []),
-            ("-act", ["act"], None, False, []),
+            ("-act", ["act"], None, False, ungated),
             ("-rope", ["rope"], None, False, []),
             ("-attn", ["attn"], None, False, []),
             ("-split reduction", ["reduce"], None, False, []),
             ("rope_in_decode-reduction", ["reduce"], None, True, []),
             ("rope_in_decode, reduction launch", [], None, True,
              [(envs, "decode_split_self_merge", lambda: False)]),
-            ("rope_in_decode, gated gate/up", [], None, True, gated),
+            ("rope_in_decode, separate SiLU-and-mul", [], None, True, ungated),
             ("-rope-attn", ["rope", "attn"], None, False, []),
             ("products only", ["norm", "act", "rope", "attn"], None, False, []),
         ]
