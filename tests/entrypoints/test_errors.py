@@ -457,6 +457,16 @@ def test_server_still_serves_after_bad_requests(default_server):
     assert default_server.get("/health").status_code == 200
 
 
+def test_body_without_a_json_content_type_says_so(default_server):
+    """``curl -d '{...}'`` sends a form content type: the body reaches validation as text."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    response = default_server.post(
+        CHAT, content=body, headers={"Content-Type": "application/x-www-form-urlencoded"}
+    )
+    assert response.status_code == 400, response.text
+    assert "application/json" in response.json()["error"]["message"]
+
+
 def test_context_overflow_message_gives_the_numbers(default_server):
     num_prompt = default_server.post("/tokenize", {"messages": MSG}).json()["count"]
     response = default_server.post(CHAT, {"messages": MSG, "max_tokens": 2040})

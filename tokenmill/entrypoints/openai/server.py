@@ -250,6 +250,11 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return bad_request(f"The request body is not valid JSON: {detail}".rstrip(": "))
+    if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), str | bytes):
+        # FastAPI parses a body as JSON only under a JSON content type (curl -d sends a form).
+        return bad_request(
+            "The request body must be a JSON object sent with Content-Type: application/json."
+        )
     messages = []
     param = None
     for error in errors[:3]:
