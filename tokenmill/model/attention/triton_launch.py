@@ -8,15 +8,16 @@ and tests patch them there (``attention_bench.py --sweep-tiles``, ``--sweep-spli
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.model.host_ints import cdiv
 
-# SMs of an H200 (and H100 SXM); used when the tensors are not on CUDA (interpreter).
-DEFAULT_NUM_SMS = 132
+# Re-exported: triton_backend reads both from here.
+from tokenmill.model.layers.sm_count import DEFAULT_NUM_SMS  # noqa: F401
+from tokenmill.model.layers.sm_count import num_sms as device_num_sms  # noqa: F401
+
 # Decode split heuristics: aim for this many resident programs per SM, never give a split
 # fewer than MIN_SPLIT_TOKENS keys, and cap the reduction's width.
 DECODE_PROGRAMS_PER_SM = 2
@@ -157,15 +158,3 @@ def num_varlen_splits(
     busy = max(cdiv(num_tokens, block_q), num_seqs) * num_kv_heads
     useful = cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
     return max(1, min(num_sms // max(1, busy), useful, VARLEN_MAX_SPLITS))
-
-
-@functools.cache
-def _cuda_num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (``DEFAULT_NUM_SMS`` off CUDA)."""
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.model.host_ints import cdiv
+from tokenmill.model.layers.sm_count import DEFAULT_NUM_SMS, num_sms  # noqa: F401 (re-exported)
 
 # Rows the CUDA-core main loop can take (one register accumulator per row; more would
 # spill), and up to which the default configuration uses it: from 3 rows the accumulators
@@ -29,8 +30,6 @@ TARGET_PROGRAMS_PER_SM = 4
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLIT_K = 16
 PARTIAL_TRAFFIC_BUDGET = 0.1
-# SMs of an H200; used when tensors are not on CUDA (interpreter) and to key TUNED_CONFIGS.
-DEFAULT_NUM_SMS = 132
 # The GPU TUNED_CONFIGS was measured on (a substring of torch.cuda.get_device_name()).
 TUNED_GPU = "H200"
 
@@ -164,15 +163,3 @@ def block_m(m: int, use_dot: bool) -> int:
     """Rows of ``x`` per program, padded: a power of two, >= 16 for ``tl.dot``."""
     p = m_bucket(m)
     return max(16, p) if use_dot else p
-
-
-@functools.cache
-def _cuda_num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """The device's SM count (``DEFAULT_NUM_SMS`` off CUDA)."""
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
