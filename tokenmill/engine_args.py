@@ -197,6 +197,14 @@ class EngineArgs:
         "prefill and CUDA graphs, else 0.",
         default=None,
     )
+    prefill_pacing_mode: str = _flag(
+        "What --prefill-pacing-tokens counts. prompt: the prompt tokens of a paced step, "
+        "beside its decodes (the lowest TTFT). step: all of a paced step's tokens, its "
+        "decodes first (Sarathi-Serve's token budget: faster decoding under load, prompts "
+        "wait longer); see benchmarks/RESULTS.md for the trade on an H200.",
+        default="prompt",
+        choices=["prompt", "step"],
+    )
     async_scheduling: bool | None = _flag(
         "Overlap scheduling and output processing of the next step with the device's work "
         "on this one. Default: on for CUDA, off on CPU (where nothing runs asynchronously).",
@@ -337,6 +345,10 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be non-negative, got {value}")
+        if self.prefill_pacing_mode not in ("prompt", "step"):
+            raise ConfigError(
+                f"--prefill-pacing-mode must be prompt or step, got {self.prefill_pacing_mode!r}"
+            )
         if self.prefill_pacing_tokens and not self.enable_chunked_prefill:
             raise ConfigError(
                 "--prefill-pacing-tokens needs chunked prefill: without it a prompt is "
@@ -433,6 +445,12 @@ class EngineArgs:
                     f"{model_config.max_model_len}: without chunked prefill a whole prompt must "
                     "fit in one step's budget"
                 )
+        pacing_tokens = self._prefill_pacing_tokens(device, server)
+        if self.prefill_pacing_mode == "step" and not pacing_tokens:
+            raise ConfigError(
+                "--prefill-pacing-mode step needs prefill pacing: pass --prefill-pacing-tokens N "
+                "(it is on by default only for servers on CUDA with CUDA graphs)"
+            )
         return SchedulerConfig(
             max_num_batched_tokens=max_tokens,
             max_num_seqs=max_seqs,
@@ -443,7 +461,8 @@ class EngineArgs:
             async_scheduling=(
                 device == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
-            prefill_pacing_tokens=self._prefill_pacing_tokens(device, server),
+            prefill_pacing_tokens=pacing_tokens,
+            prefill_pacing_mode=self.prefill_pacing_mode,  # type: ignore[arg-type]
         )
 
     def _prefill_pacing_tokens(self, device: str, server: bool) -> int:

@@ -60,6 +60,7 @@ class Config:
     caching: bool
     headroom: bool
     pacing: int
+    pacing_mode: str
     async_sched: bool
 
 
@@ -84,6 +85,7 @@ def configs(draw) -> Config:
         caching=draw(st.booleans()),
         headroom=draw(st.booleans()),
         pacing=draw(st.sampled_from([0, 0, 1, 3, 8])) if chunked else 0,
+        pacing_mode=draw(st.sampled_from(["prompt", "step"])),
         async_sched=draw(st.booleans()),
     )
 
@@ -122,6 +124,7 @@ class Harness:
                 long_prefill_token_threshold=config.threshold,
                 admission_headroom=config.headroom,
                 prefill_pacing_tokens=config.pacing,
+                prefill_pacing_mode=config.pacing_mode,
                 async_scheduling=config.async_sched,
             ),
             CacheConfig(block_size=config.block_size, enable_prefix_caching=config.caching),

@@ -1,5 +1,5 @@
 """Prefill pacing: exact plans for a short queue while requests decode, a deep queue, no
-decodes, prefix-cache hits, and the engine flag."""
+decodes, prefix-cache hits, steps paced with their decodes counted, and the engine flags."""
 
 from __future__ import annotations
 
@@ -35,6 +35,33 @@ def test_short_queue_is_paced_while_a_request_decodes():
         {"d": 1, "a": 1, "b": 6},
         {"d": 1, "a": 1, "b": 1},
     ]
+
+
+def test_step_mode_fills_each_paced_step_up_to_the_pacing_tokens_with_its_decodes():
+    sched = make_scheduler(budget=32, max_num_seqs=8, num_blocks=64, pacing=8, pacing_mode="step")
+    worker = worker_for(sched)
+    for i in range(3):
+        sched.add_request(make_request(f"d{i}", 4, max_tokens=40, first_token=900 + 10 * i))
+    step(sched, worker)  # three prompts, nobody decoding yet: the whole budget
+    sched.add_request(make_request("a", 12, first_token=0))
+    plans = [step(sched, worker)[0].num_scheduled_tokens for _ in range(3)]
+    decodes = {"d0": 1, "d1": 1, "d2": 1}
+    # 8 tokens a step: the 3 decodes, then 5 of a's prompt; a decodes once it is done.
+    assert plans == [{**decodes, "a": 5}, {**decodes, "a": 5}, {**decodes, "a": 2}]
+    assert sched.requests["a"].num_output_tokens == 1
+
+
+def test_step_mode_keeps_a_floor_of_prompt_tokens_when_decodes_fill_the_step():
+    pacing = PrefillPacing(256, budget_tokens=8192, count_decodes=True)
+    kv = SimpleNamespace(num_cached_prefix_tokens=lambda request: 0)
+    decoding = [SimpleNamespace(num_prompt_tokens=10, num_computed_tokens=11)]
+    waiting = [SimpleNamespace(num_tokens=1024)]
+    assert pacing.allowance(decoding * 51, waiting, kv) == 205
+    assert pacing.allowance(decoding * 300, waiting, kv) == 64  # a quarter of 256
+    # A deep queue still gets its excess at once, as in the prompt mode.
+    deep = [SimpleNamespace(num_tokens=20000)]
+    assert pacing.allowance(decoding * 51, deep, kv) == 20000 - 2 * 8192
+    assert PrefillPacing(6, budget_tokens=32, count_decodes=True).prompt_floor == 1
 
 
 def test_no_decoding_request_uses_the_whole_budget():
@@ -120,6 +147,14 @@ def test_engine_flag(tmp_path):
         EngineArgs(
             model=model, prefill_pacing_tokens=512, enable_chunked_prefill=False
         ).create_engine_config()
+    step = EngineArgs(model=model, prefill_pacing_tokens=256, prefill_pacing_mode="step")
+    assert step.create_engine_config("server").scheduler_config.prefill_pacing_mode == "step"
+    # Step mode counts the pacing tokens: with pacing off (a CPU server's default) it
+    # would do nothing, so it is refused rather than accepted and ignored.
+    with pytest.raises(ConfigError, match="--prefill-pacing-mode step needs prefill pacing"):
+        EngineArgs(model=model, prefill_pacing_mode="step").create_engine_config("server")
+    with pytest.raises(ConfigError, match="must be prompt or step"):
+        EngineArgs(model=model, prefill_pacing_mode="tokens").create_engine_config()
 
 
 def test_servers_on_cuda_pace_by_default(tmp_path, monkeypatch):

@@ -156,6 +156,7 @@ def make_scheduler(
     caching: bool = True,
     headroom: bool = False,
     pacing: int = 0,
+    pacing_mode: str = "prompt",
 ) -> Scheduler:
     """A scheduler over a small cache; admission headroom off unless asked for, so plans
     admit whatever fits (the mechanics these tests pin down)."""
@@ -169,6 +170,7 @@ def make_scheduler(
             long_prefill_token_threshold=threshold,
             admission_headroom=headroom,
             prefill_pacing_tokens=pacing,
+            prefill_pacing_mode=pacing_mode,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         num_blocks=num_blocks,

@@ -73,7 +73,9 @@ class EngineCore:
             "%s, async scheduling %s",
             sc.max_num_batched_tokens, sc.max_num_seqs,
             "on" if sc.enable_chunked_prefill else "off",
-            f"{sc.prefill_pacing_tokens} tokens" if sc.prefill_pacing_tokens else "off",
+            f"{sc.prefill_pacing_tokens} {sc.prefill_pacing_mode} tokens"
+            if sc.prefill_pacing_tokens
+            else "off",
             "on" if sc.async_scheduling else "off",
         )  # fmt: skip
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)

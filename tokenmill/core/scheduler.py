@@ -94,7 +94,13 @@ class Scheduler:
                 "chunked prefill"
             )
         self.pacing = (
-            PrefillPacing(pacing_tokens, self.max_num_batched_tokens) if pacing_tokens else None
+            PrefillPacing(
+                pacing_tokens,
+                self.max_num_batched_tokens,
+                count_decodes=scheduler_config.prefill_pacing_mode == "step",
+            )
+            if pacing_tokens
+            else None
         )
         self.block_size = cache_config.block_size
         self.log_stats = log_stats
