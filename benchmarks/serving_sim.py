@@ -20,6 +20,8 @@ The figures are a model's, for comparing policies; only the GPU measures.
 
 Usage:
     python benchmarks/serving_sim.py --load prefix --prefill-pacing-tokens 0 512 1024
+    python benchmarks/serving_sim.py --load random --measured --prefill-pacing-tokens 256 \
+        --prefill-pacing-mode step
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class SimConfig:
     load: str = "prefix"
     budget: int = 8192
     pacing: int = 0
+    pacing_mode: str = "prompt"
     concurrency: int = 64
     num_prompts: int = 500
     tokenizer_workers: int = 8
@@ -154,6 +157,7 @@ def simulate(cfg: SimConfig) -> dict[str, float]:
             max_model_len=8192,
             async_scheduling=True,
             prefill_pacing_tokens=cfg.pacing,
+            prefill_pacing_mode=cfg.pacing_mode,  # type: ignore[arg-type]
         ),
         CacheConfig(block_size=16, enable_prefix_caching=True),
         num_blocks=55000,
@@ -238,6 +242,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--load", choices=sorted(LOADS), nargs="+", default=sorted(LOADS))
     parser.add_argument("--prefill-pacing-tokens", type=int, nargs="+", default=[0, 512, 1024])
+    parser.add_argument("--prefill-pacing-mode", choices=["prompt", "step"], default="prompt")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-concurrency", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=500)
@@ -260,6 +265,7 @@ def main() -> None:
             for seed in range(args.seeds):
                 cfg = SimConfig(
                     load=load, budget=args.max_num_batched_tokens, pacing=pacing,
+                    pacing_mode=args.prefill_pacing_mode,
                     concurrency=args.max_concurrency, num_prompts=args.num_prompts,
                     tokenizer_workers=args.tokenizer_workers, tokenize_ms=args.tokenize_ms,
                     prefill_ms_per_token=args.prefill_ms_per_token, roofline=args.roofline,

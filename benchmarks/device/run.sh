@@ -50,8 +50,10 @@
 #              kernels and host functions per step (serving_profile.py); sprofpw_pace256
 #              the same with piecewise graphs for mixed steps (TOKENMILL_MIXED_STEP_GRAPHS=0)
 #   spsweep    one engine core under the same closed loop, one timing window per admission
-#              policy (SWEEP="PACING:QUEUE_LIMIT:MAX_NUM_SEQS ..."; serving_profile.py --sweep)
+#              policy (SWEEP="PACING:QUEUE_LIMIT:MAX_NUM_SEQS[:STEP_TOKENS] ...";
+#              serving_profile.py --sweep)
 #   gputests_so  the engine's GPU tests of structured outputs and whole-step graphs
+#   diag_stepN serving with per-request detail, --prefill-pacing-mode step --prefill-pacing-tokens N
 #   diag_args  serving with per-request detail for a server given DIAG_ARGS (label DIAG_LABEL)
 #   seqs_sweep the random load served with --max-num-seqs N for each N in SEQS (default 60)
 #   sampler    the sampler's GPU time per call against the softmax route (sampler_bench.py)
@@ -183,7 +185,7 @@ serve_diag() {
 TPA=(--load-format dummy --dataset-name random)
 for st in "$@"; do
   case "$st" in
-    gputests) PYTHONPATH="$XGP" stage gputests 360 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
+    gputests) PYTHONPATH="$XGP" stage gputests 480 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
     gputests_all) PYTHONPATH="$XGP" stage gputests_all 330 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py tests/model/test_skinny_gemm.py tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/worker/test_top_p_select.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_mixed) stage gputests_mixed 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "mixed_step_graphs or split_decode" -p no:cacheprovider --timeout 120 ;;
     gputests_attn) PYTHONPATH="$XGP" stage gputests_attn 300 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
@@ -255,6 +257,7 @@ for st in "$@"; do
     diag_b2048) serve_diag b2048 --max-num-batched-tokens 2048 ;;
     diag_sync) serve_diag sync --no-async-scheduling ;;
     diag_pace[0-9]*) serve_diag "pace${st#diag_pace}" --prefill-pacing-tokens "${st#diag_pace}" ;;
+    diag_step[0-9]*) serve_diag "$st" --prefill-pacing-mode step --prefill-pacing-tokens "${st#diag_step}" ;;
     sprof_pace[0-9]*) stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprof_pace}" ;;
     sprofpw_pace[0-9]*) TOKENMILL_MIXED_STEP_GRAPHS=0 stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprofpw_pace}" ;;
     spsweep) stage spsweep 400 python3 benchmarks/device/serving_profile.py "$M8" --warm-requests 96 --sweep ${SWEEP:-256:0:0 256:65536:0 0:0:0} ;;

@@ -216,17 +216,24 @@ def host_window(loop: ClosedLoop, steps: int, label: str) -> None:
 
 
 def set_policy(core: EngineCore, spec: str, server_max_num_seqs: int) -> str:
-    """Apply a ``PACING:QUEUE_LIMIT:MAX_NUM_SEQS`` policy to the running scheduler (0 takes
-    the server's queue limit and ``server_max_num_seqs``; pacing 0 turns pacing off);
+    """Apply a ``PACING:QUEUE_LIMIT:MAX_NUM_SEQS[:STEP_TOKENS]`` policy to the running
+    scheduler (0 takes the server's queue limit and ``server_max_num_seqs``; pacing 0 turns
+    pacing off; STEP_TOKENS > 0 paces to that many tokens per step, decodes included, as
+    ``--prefill-pacing-mode step`` does);
     returns the policy's label."""
-    pacing, queue_limit, max_num_seqs = (int(x) for x in spec.split(":"))
+    pacing, queue_limit, max_num_seqs, *rest = (int(x) for x in spec.split(":"))
+    step_tokens = rest[0] if rest else 0
     sched = core.scheduler
-    if pacing:
+    if step_tokens:
+        sched.pacing = PrefillPacing(
+            step_tokens, sched.max_num_batched_tokens, queue_limit or None, count_decodes=True
+        )
+    elif pacing:
         sched.pacing = PrefillPacing(pacing, sched.max_num_batched_tokens, queue_limit or None)
     else:
         sched.pacing = None
     sched.max_num_seqs = max_num_seqs or server_max_num_seqs
-    return f"p{pacing}q{queue_limit}s{max_num_seqs}"
+    return f"p{pacing}q{queue_limit}s{max_num_seqs}" + (f"t{step_tokens}" if step_tokens else "")
 
 
 def main() -> None:
