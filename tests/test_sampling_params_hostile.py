@@ -28,6 +28,11 @@ from tokenmill.sampling_params import SamplingParams, SamplingParamsError
         (dict(n=2, best_of=129), "best_of"),
         (dict(temperature=1e39), "temperature"),  # inf once stored as float32
         (dict(stop=["a\ud800"]), "stop"),  # a lone surrogate cannot be matched as text
+        # Every step's text is matched against each stop string, on the event loop.
+        (dict(stop=["x"] * 1025), "stop"),
+        (dict(stop=["x" * 20000, "y" * 20000]), "stop"),
+        # Bad words are tokenized on the event loop: 10 MB of them froze it for 11 s.
+        (dict(bad_words=["x" * 100000] * 100), "bad_words"),
     ],
 )
 def test_rejected_with_the_field_named(kwargs, param):

@@ -160,6 +160,15 @@ def test_load_chat_template_file_or_text(tmp_path):
     assert load_chat_template(text) == text
     with pytest.raises(ChatTemplateError, match="neither an existing file"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+    # A syntax error fails at start-up, not as a 400 on every chat request.
+    broken = "{% for m in messages %}{{ m.content }}{% endfor %"
+    with pytest.raises(ChatTemplateError, match="not valid Jinja: line 1"):
+        load_chat_template(broken)
+    path.write_text(broken)
+    with pytest.raises(ChatTemplateError, match="not valid Jinja"):
+        load_chat_template(str(path))
+    # transformers' own tags compile.
+    assert load_chat_template("{% generation %}{{ x }}{% endgeneration %}")
 
 
 def test_decode_helpers(smollm2_tokenizer):

@@ -445,6 +445,7 @@ class EngineArgs:
                     f"{model_config.max_model_len}: without chunked prefill a whole prompt must "
                     "fit in one step's budget"
                 )
+        _check_token_table_fits(max_seqs, model_config.max_model_len)
         pacing_tokens = self._prefill_pacing_tokens(device, server)
         if self.prefill_pacing_mode == "step" and not pacing_tokens:
             raise ConfigError(
@@ -474,6 +475,27 @@ class EngineArgs:
             server and device == "cuda" and self.enable_chunked_prefill and not self.enforce_eager
         )
         return SERVING_PACING_TOKENS if paced else 0
+
+
+def _check_token_table_fits(max_num_seqs: int, max_model_len: int) -> None:
+    """The worker keeps every running request's token ids in a host table of
+    ``max_num_seqs x max_model_len`` int32 (``worker/input_batch.py``): refuse, before the
+    model loads, a table larger than the machine's memory.
+
+    Raises:
+        ConfigError: the table would not fit.
+    """
+    table_bytes = 4 * max_num_seqs * max_model_len
+    try:
+        memory_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # no sysconf (not POSIX): unchecked
+        return
+    if table_bytes > memory_bytes:
+        raise ConfigError(
+            f"--max-num-seqs {max_num_seqs} with --max-model-len {max_model_len} needs a "
+            f"{table_bytes / 2**30:,.1f} GiB table of token ids in host memory, more than "
+            f"this machine's {memory_bytes / 2**30:,.1f} GiB: lower one of them"
+        )
 
 
 def _default_served_name(model: str) -> str:

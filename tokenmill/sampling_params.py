@@ -47,9 +47,15 @@ MAX_LOGPROBS_DEFAULT = 20
 # The most sequences one request may ask for (n, best_of): OpenAI's limit on ``n``. Each
 # copy is a request of its own; an unbounded count would let one request exhaust memory.
 MAX_N = 128
-# Most words in ``bad_words``: each is tokenized (twice) on the server's event loop when the
-# request arrives, and matched against every request's output at every step.
+# Most words in ``bad_words``, and most characters in all of them: each is tokenized (twice)
+# on the server's event loop when the request arrives (~1.5 us per character, so the bound
+# keeps that under ~0.1 s), and matched against the request's output at every step.
 MAX_BAD_WORDS = 1024
+MAX_BAD_WORDS_CHARS = 32768
+# Most stop strings, and most characters in all of them: every step's new text is matched
+# against each (~1 us per string per step on the event loop).
+MAX_STOP_STRINGS = 1024
+MAX_STOP_CHARS = 32768
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -325,6 +331,12 @@ class SamplingParams:
             "stop strings must be non-empty strings of valid Unicode (no lone surrogates).",
         )
         check(
+            len(self.stop) <= MAX_STOP_STRINGS and sum(map(len, self.stop)) <= MAX_STOP_CHARS,
+            "stop",
+            f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
+            f"characters in all, got {len(self.stop)} of {sum(map(len, self.stop))}.",
+        )
+        check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             "stop_token_ids must be non-negative integers.",
@@ -351,6 +363,13 @@ class SamplingParams:
                 ),
                 "bad_words",
                 "bad_words must be a list of non-blank strings of valid Unicode.",
+            )
+            num_chars = sum(map(len, self.bad_words))
+            check(
+                num_chars <= MAX_BAD_WORDS_CHARS,
+                "bad_words",
+                f"bad_words may hold at most {MAX_BAD_WORDS_CHARS} characters in all, got "
+                f"{num_chars}.",
             )
         k = self.truncate_prompt_tokens
         check(

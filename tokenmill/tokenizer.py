@@ -226,23 +226,44 @@ def encode_prompt(
 
 
 def load_chat_template(value: str) -> str:
-    """A chat template given as a file path or as the Jinja text itself.
+    """A chat template given as a file path or as the Jinja text itself, checked to compile
+    as transformers compiles it for rendering (so a typo fails at start-up, not on every
+    chat request).
 
     Raises:
-        ChatTemplateError: ``value`` is neither a readable file nor Jinja text.
+        ChatTemplateError: ``value`` is neither a readable file nor Jinja text, or its
+            Jinja does not compile.
     """
     if os.path.isfile(value):
         try:
             with open(value, encoding="utf-8") as f:
-                return f.read()
+                template = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise ChatTemplateError(f"cannot read chat template file {value}: {e}") from e
-    if "{{" in value or "{%" in value:
-        return value
-    raise ChatTemplateError(
-        f"chat template {value!r} is neither an existing file nor a Jinja template "
-        f"(no '{{{{' or '{{%' in it)"
-    )
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise ChatTemplateError(
+            f"chat template {value!r} is neither an existing file nor a Jinja template "
+            f"(no '{{{{' or '{{%' in it)"
+        )
+    _check_chat_template_syntax(template)
+    return template
+
+
+def _check_chat_template_syntax(template: str) -> None:
+    import jinja2
+
+    try:  # transformers' own environment (its extensions, e.g. the generation tag)
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # pragma: no cover - a transformers without it renders unchecked
+        return
+    try:
+        _compile_jinja_template(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(
+            f"the chat template is not valid Jinja: line {e.lineno}: {e.message}"
+        ) from None
 
 
 def _flatten_content(content: Any, index: int) -> Any:

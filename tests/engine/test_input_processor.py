@@ -57,6 +57,15 @@ def test_text_prompt_is_tokenized(processor, smollm2_tokenizer):
     assert core.sampling_params.n == 1
 
 
+@pytest.mark.parametrize("priority", [2**63, -(2**63) - 1, 2**70])
+def test_a_priority_beyond_64_bits_is_the_requests_error(processor, priority):
+    # The engine's messages carry it as int64: msgspec's OverflowError was a 500.
+    with pytest.raises(InvalidRequestError) as e:
+        processor.process("r1", "Hello", SamplingParams(), priority=priority)
+    assert e.value.param == "priority"
+    processor.process("r2", "Hello", SamplingParams(), priority=-(2**63))
+
+
 def test_prompt_forms(processor, smollm2_tokenizer):
     ids = smollm2_tokenizer.encode("Hello world")
     for prompt in (ids, {"prompt_token_ids": ids}, {"prompt": "Hello world"}):

@@ -126,6 +126,27 @@ def test_startup_errors_fail_in_one_line(tiny_model_dir, argv, words):
     assert lines[0].startswith("tokenmill serve: error:") and words in lines[0]
 
 
+def test_a_max_num_seqs_beyond_host_memory_is_refused_before_loading(tiny_model_dir):
+    # The worker's token table is max_num_seqs x max_model_len int32s: 2.9 PiB failed as a
+    # MemoryError traceback after the model had loaded.
+    args = EngineArgs(model=tiny_model_dir, max_num_seqs=99_999_999_999, load_format="dummy")
+    with pytest.raises(ConfigError, match="table of token ids in host memory"):
+        args.create_engine_config("server")
+
+
+def test_bench_throughput_checks_its_dataset_flags_before_the_engine(monkeypatch, capsys):
+    from tokenmill.benchmarks import throughput
+    from tokenmill.entrypoints.cli.bench import main as bench_main
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(throughput, "make_llm", no_engine)
+    argv = ["throughput", "--model", "/no/such/model", "--num-prompts", "0"]
+    assert bench_main(argv) == 2
+    assert "--num-prompts must be at least 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [

@@ -244,6 +244,22 @@ CASES = [
         "invalid JSON schema",
     ),
     (
+        "response_format without a type",
+        CHAT,
+        {"messages": MSG, "response_format": {}},
+        400,
+        "response_format",
+        "type",
+    ),
+    (
+        "min_tokens when echo scores the prompt (max_tokens 0)",
+        COMPLETIONS,
+        {"prompt": "hello world", "max_tokens": 0, "echo": True, "min_tokens": 3},
+        400,
+        "min_tokens",
+        "max_tokens 0",
+    ),
+    (
         "response_format unknown type",
         CHAT,
         {"messages": MSG, "response_format": {"type": "xml"}},

@@ -155,6 +155,26 @@ def add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) ->
     )
 
 
+def check_dataset_flags(args: argparse.Namespace) -> str:
+    """Check the dataset flags that need no tokenizer (so a benchmark can refuse them before
+    it loads a model); returns the dataset's name.
+
+    Raises:
+        BenchmarkError: no prompts, or a dataset file given to a dataset that reads none
+            (or missing where one is needed).
+    """
+    if args.num_prompts < 1:
+        raise BenchmarkError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    name = args.dataset_name or ("sharegpt" if args.dataset_path else "random")
+    if args.dataset_path and name != "sharegpt":
+        raise BenchmarkError(
+            f"--dataset-path is read by --dataset-name sharegpt only, not {name}: drop one"
+        )
+    if name == "sharegpt" and not args.dataset_path:
+        raise BenchmarkError("--dataset-name sharegpt needs --dataset-path FILE.json")
+    return name
+
+
 def sample_requests(
     args: argparse.Namespace,
     tokenizer: PreTrainedTokenizerBase,
@@ -172,16 +192,8 @@ def sample_requests(
     Raises:
         BenchmarkError: invalid lengths or counts, or an unreadable dataset file.
     """
-    if args.num_prompts < 1:
-        raise BenchmarkError(f"--num-prompts must be at least 1, got {args.num_prompts}")
-    name = args.dataset_name or ("sharegpt" if args.dataset_path else "random")
-    if args.dataset_path and name != "sharegpt":
-        raise BenchmarkError(
-            f"--dataset-path is read by --dataset-name sharegpt only, not {name}: drop one"
-        )
+    name = check_dataset_flags(args)
     if name == "sharegpt":
-        if not args.dataset_path:
-            raise BenchmarkError("--dataset-name sharegpt needs --dataset-path FILE.json")
         return sharegpt_requests(
             tokenizer,
             args.dataset_path,

@@ -16,7 +16,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.benchmarks.common import BenchmarkError, flags_of, write_json
-from tokenmill.benchmarks.datasets import SampleRequest, add_dataset_args, sample_requests
+from tokenmill.benchmarks.datasets import (
+    SampleRequest,
+    add_dataset_args,
+    check_dataset_flags,
+    sample_requests,
+)
 from tokenmill.engine_args import EngineArgs
 
 if TYPE_CHECKING:
@@ -151,6 +156,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     """
     if args.n < 1:
         raise BenchmarkError(f"--n must be at least 1, got {args.n}")
+    check_dataset_flags(args)
     engine_args = EngineArgs.from_cli_args(args)
     llm = make_llm(engine_args)
     try:

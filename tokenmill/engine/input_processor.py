@@ -16,6 +16,8 @@ from tokenmill.engine.parallel_sampling import child_request_id, make_child_para
 from tokenmill.sampling_params import SamplingParams, SamplingParamsError
 from tokenmill.tokenizer import encode_prompt
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -132,13 +134,18 @@ class InputProcessor:
             The ProcessedRequest.
 
         Raises:
-            InvalidRequestError: empty prompt, token ids outside the vocabulary, prompt or
-                prompt + max_tokens longer than the context, stop strings without
-                detokenization, allowed_token_ids that are all banned (one-token bad words, stop
-                tokens under min_tokens).
+            InvalidRequestError: a priority outside 64-bit integers, an empty prompt,
+                token ids outside the vocabulary, prompt or prompt + max_tokens longer than
+                the context, stop strings without detokenization, allowed_token_ids that
+                are all banned (one-token bad words, stop tokens under min_tokens).
             SamplingParamsError: more logprobs than allowed, or token ids in the sampling
                 parameters outside the vocabulary.
         """
+        if not (isinstance(priority, int) and _INT64_MIN <= priority <= _INT64_MAX):
+            # The engine's messages carry it as a 64-bit integer.
+            raise InvalidRequestError(
+                f"priority must be a 64-bit signed integer, got {priority!r}.", "priority"
+            )
         text, prompt_ids, cache_salt = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             kept = truncate_prompt(

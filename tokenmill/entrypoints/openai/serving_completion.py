@@ -210,6 +210,13 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         if request.suffix:
             raise bad_request("tokenmill does not implement suffix (insertion) yet.", "suffix")
+        if _echo_only(request) and request.min_tokens:
+            # (Scoring the prompt samples one token internally, which must not leak here.)
+            raise bad_request(
+                f"min_tokens must be 0 with max_tokens 0 (echo returns the prompt and "
+                f"generates nothing), got {request.min_tokens}.",
+                "min_tokens",
+            )
 
     async def _prompts(self, request: CompletionRequest) -> list[Prompt]:
         prompt = request.prompt

@@ -33,7 +33,7 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
     given: list[tuple[str, dict[str, Any]]] = []
     fmt = request.response_format
     if fmt is not None:
-        kind = fmt.get("type", "text") if isinstance(fmt, dict) else None
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind == "json_object":
             given.append(("response_format", {"json_object": True}))
         elif kind == "json_schema":
