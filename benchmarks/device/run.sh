@@ -48,7 +48,8 @@
 #   attn_prefix attn_dtiles   decode attention with a shared prefix; decode tile sweep
 #   sprof_pace256 ...   the server's engine core under a closed loop: step times, GPU busy,
 #              kernels and host functions per step (serving_profile.py); sprofpw_pace256
-#              the same with piecewise graphs for mixed steps (TOKENMILL_MIXED_STEP_GRAPHS=0)
+#              the same with piecewise graphs for mixed steps (TOKENMILL_MIXED_STEP_GRAPHS=0);
+#              sprof_stepN the same paced in step mode (N tokens a step, decodes included)
 #   spsweep    one engine core under the same closed loop, one timing window per admission
 #              policy (SWEEP="PACING:QUEUE_LIMIT:MAX_NUM_SEQS[:STEP_TOKENS] ...";
 #              serving_profile.py --sweep)
@@ -259,6 +260,7 @@ for st in "$@"; do
     diag_pace[0-9]*) serve_diag "pace${st#diag_pace}" --prefill-pacing-tokens "${st#diag_pace}" ;;
     diag_step[0-9]*) serve_diag "$st" --prefill-pacing-mode step --prefill-pacing-tokens "${st#diag_step}" ;;
     sprof_pace[0-9]*) stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprof_pace}" ;;
+    sprof_step[0-9]*) TAIL_LINES=60 stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprof_step}" --pacing-mode step --no-host ;;
     sprofpw_pace[0-9]*) TOKENMILL_MIXED_STEP_GRAPHS=0 stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprofpw_pace}" ;;
     spsweep) stage spsweep 400 python3 benchmarks/device/serving_profile.py "$M8" --warm-requests 96 --sweep ${SWEEP:-256:0:0 256:65536:0 0:0:0} ;;
     diag_args) serve_diag "${DIAG_LABEL:-args}" $DIAG_ARGS ;;

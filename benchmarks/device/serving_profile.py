@@ -1,6 +1,6 @@
 """Where a served step's time goes: the engine core under a closed-loop load, no HTTP.
 
-usage: python3 benchmarks/device/serving_profile.py MODEL_DIR [--pacing N]
+usage: python3 benchmarks/device/serving_profile.py MODEL_DIR [--pacing N] [--pacing-mode M]
     [--concurrency 64] [--input-len 1024] [--output-len 256] [--warm-requests 128]
     [--window-steps 300] [--sweep PACING:QUEUE_LIMIT:MAX_NUM_SEQS ...]
 
@@ -240,6 +240,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
     parser.add_argument("--pacing", type=int, default=256)
+    parser.add_argument("--pacing-mode", choices=["prompt", "step"], default="prompt")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=256)
@@ -249,11 +250,14 @@ def main() -> None:
     parser.add_argument("--sweep", nargs="+", default=[], metavar="P:Q:S")
     args = parser.parse_args()
     engine_args = EngineArgs(
-        model=args.model, load_format="dummy", prefill_pacing_tokens=args.pacing
+        model=args.model,
+        load_format="dummy",
+        prefill_pacing_tokens=args.pacing,
+        prefill_pacing_mode=args.pacing_mode,
     )
     core = EngineCore(engine_args.create_engine_config("server"))
     loop = ClosedLoop(core, args, core.config.model_config.vocab_size)
-    label = f"pace{args.pacing}"
+    label = f"pace{args.pacing}" + ("step" if args.pacing_mode == "step" else "")
     if args.sweep:
         server_max_num_seqs = core.scheduler.max_num_seqs
         for spec in args.sweep:
