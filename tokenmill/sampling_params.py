@@ -15,7 +15,8 @@ from typing import Any
 
 # Temperatures below this are greedy decoding (vLLM uses the same epsilon).
 SAMPLING_EPS = 1e-5
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# The range of int64, the type the engine's messages carry seeds and priorities in.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _INT32_MAX = 2**31 - 1
 _FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32
 _FLOAT_FIELDS = (
@@ -330,11 +331,12 @@ class SamplingParams:
             "stop",
             "stop strings must be non-empty strings of valid Unicode (no lone surrogates).",
         )
+        num_stop_chars = sum(map(len, self.stop))
         check(
-            len(self.stop) <= MAX_STOP_STRINGS and sum(map(len, self.stop)) <= MAX_STOP_CHARS,
+            len(self.stop) <= MAX_STOP_STRINGS and num_stop_chars <= MAX_STOP_CHARS,
             "stop",
             f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} "
-            f"characters in all, got {len(self.stop)} of {sum(map(len, self.stop))}.",
+            f"characters in all, got {len(self.stop)} of {num_stop_chars}.",
         )
         check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
@@ -378,7 +380,7 @@ class SamplingParams:
             f"truncate_prompt_tokens must be -1 or at least 1, got {k!r}.",
         )
         check(
-            self.seed is None or _INT64_MIN <= self.seed <= _INT64_MAX - (self.best_of - 1),
+            self.seed is None or INT64_MIN <= self.seed <= INT64_MAX - (self.best_of - 1),
             "seed",
             f"seed must be a 64-bit signed integer (with room for seed + n - 1), "
             f"got {self.seed!r}.",

@@ -13,10 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.core.engine_io import EngineCoreRequest
 from tokenmill.engine.parallel_sampling import child_request_id, make_child_params, needs_fan_out
-from tokenmill.sampling_params import SamplingParams, SamplingParamsError
+from tokenmill.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 from tokenmill.tokenizer import encode_prompt
-
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -141,7 +139,7 @@ class InputProcessor:
             SamplingParamsError: more logprobs than allowed, or token ids in the sampling
                 parameters outside the vocabulary.
         """
-        if not (isinstance(priority, int) and _INT64_MIN <= priority <= _INT64_MAX):
+        if not (isinstance(priority, int) and INT64_MIN <= priority <= INT64_MAX):
             # The engine's messages carry it as a 64-bit integer.
             raise InvalidRequestError(
                 f"priority must be a 64-bit signed integer, got {priority!r}.", "priority"
