@@ -77,8 +77,6 @@ capturable):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from tokenmill import envs
@@ -107,6 +105,7 @@ from tokenmill.model.attention.triton_launch import (  # noqa: F401 (patched and
     num_varlen_splits,
     varlen_tile_config,
 )
+from tokenmill.model.attention.triton_step_plan import Launches, StepPlan, step_plan
 from tokenmill.model.host_ints import cdiv, next_power_of_2
 from tokenmill.model.layers import pdl
 from tokenmill.model.layers.device_counters import DeviceCounters
@@ -120,72 +119,6 @@ def _pow2(n: int, minimum: int = 1) -> int:
 def _dot_precision(dtype: torch.dtype) -> str:
     # NOTE: fp32 inputs would otherwise run through TF32 (10-bit mantissa) on the GPU.
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-@dataclass
-class _StepPlan:
-    """How one step's batch splits between the two kernels (same for every layer)."""
-
-    num_decodes: int  # leading requests served by the decode kernel
-    num_prefills: int  # the rest, served by the varlen kernel
-    prefill_start: int  # the first query token of those requests
-    prefill_tokens: int  # their query tokens
-    prefill_max_seq_len: int  # their longest context
-    # Uniform grids: both kernels run over every request, each skipping the other's.
-    uniform: bool = False
-    workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    launches: dict[tuple, _Launches] = field(default_factory=dict)
-
-
-@dataclass
-class _Launches:
-    """One path's kernel launches (decode or prompt) for one step and one layer shape: the
-    grids, and the arguments other than the layer's own tensors and the step's metadata
-    tensors. A ``None`` grid is not launched."""
-
-    workspace: tuple[torch.Tensor, torch.Tensor] | None  # split partials; None: one split
-    grid: tuple[int, int, int]
-    kwargs: dict
-    reduce_grid: tuple[int, ...] | None = None
-    reduce_kwargs: dict = field(default_factory=dict)
-    prefix_grid: tuple[int, int, int] | None = None  # cascade attention's shared prefix
-    prefix_kwargs: dict = field(default_factory=dict)
-
-
-def _leading_decodes(metadata: AttentionMetadata) -> int:
-    if metadata.num_decodes:
-        return metadata.num_decodes
-    if metadata.max_query_len <= 1:
-        return metadata.num_reqs
-    q_lens = metadata.query_start_loc_cpu[1 : metadata.num_reqs + 1]
-    q_lens = q_lens - metadata.query_start_loc_cpu[: metadata.num_reqs]
-    not_decode = torch.nonzero(q_lens != 1)
-    return int(not_decode[0, 0]) if len(not_decode) else metadata.num_reqs
-
-
-def _step_plan(metadata: AttentionMetadata) -> _StepPlan:
-    """The batch split, computed from host fields once per step and kept on ``metadata``."""
-    plan = getattr(metadata, "_triton_plan", None)
-    if plan is not None:
-        return plan
-    if metadata.uniform_grids:
-        n, tokens = metadata.num_reqs, metadata.num_actual_tokens
-        plan = _StepPlan(n, min(n, UNIFORM_MAX_PREFILLS), 0, tokens, 0, uniform=True)
-        metadata._triton_plan = plan  # type: ignore[attr-defined]
-        return plan
-    num_decodes = _leading_decodes(metadata)
-    num_prefills = metadata.num_reqs - num_decodes
-    prefill_start = prefill_tokens = prefill_max_seq_len = 0
-    if num_prefills:
-        qsl = metadata.query_start_loc_cpu
-        prefill_start = int(qsl[num_decodes])
-        prefill_tokens = int(qsl[metadata.num_reqs]) - prefill_start
-        prefill_max_seq_len = int(metadata.seq_lens_cpu[num_decodes : metadata.num_reqs].max())
-    plan = _StepPlan(
-        num_decodes, num_prefills, prefill_start, prefill_tokens, prefill_max_seq_len
-    )
-    metadata._triton_plan = plan  # type: ignore[attr-defined]
-    return plan
 
 
 def _rope_args(rope: tuple[int, int, DecodeRotary] | None) -> dict:
@@ -271,7 +204,7 @@ class TritonAttentionImpl(AttentionImpl):
         if kv_cache.stride(-1) != 1:
             raise ValueError("kv_cache must be contiguous in its last dimension")
         out = self._output(query, out)
-        plan = _step_plan(metadata)
+        plan = step_plan(metadata)
         if plan.num_decodes:
             self._decode(out, query, kv_cache, metadata, plan)
         if plan.num_prefills:
@@ -331,7 +264,7 @@ class TritonAttentionImpl(AttentionImpl):
         if rotary.cos_sin_cache.dtype != torch.float32 or rotary.cos_sin_cache.stride(1) != 1:
             raise ValueError("the rotary table must be float32, contiguous along its rows")
         out = self._output(query, out)
-        plan = _step_plan(metadata)
+        plan = step_plan(metadata)
         if plan.num_decodes:
             self._decode(out, query, kv_cache, metadata, plan, (key, value, rotary))
         return out
@@ -352,7 +285,7 @@ class TritonAttentionImpl(AttentionImpl):
         }
 
     def _workspace(
-        self, plan: _StepPlan, rows: int, num_splits: int, device: torch.device
+        self, plan: StepPlan, rows: int, num_splits: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Partial outputs ``[rows, H, S, D]`` and log2-sum-exps ``[rows, H, S]`` (fp32) for
         ``rows`` decodes or prompt tokens, shared by all layers of the step (layers run one
@@ -392,7 +325,7 @@ class TritonAttentionImpl(AttentionImpl):
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        plan: _StepPlan,
+        plan: StepPlan,
         new_kv: tuple[torch.Tensor, torch.Tensor, DecodeRotary] | None = None,
     ) -> None:
         if new_kv is None:
@@ -430,9 +363,9 @@ class TritonAttentionImpl(AttentionImpl):
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        plan: _StepPlan,
+        plan: StepPlan,
         rope: tuple[int, int, DecodeRotary] | None = None,
-    ) -> _Launches:
+    ) -> Launches:
         """``path``'s launches for this step, worked out by its first layer of this shape.
 
         Every layer of a step with the same shapes launches the same grids with the same
@@ -459,9 +392,9 @@ class TritonAttentionImpl(AttentionImpl):
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        plan: _StepPlan,
+        plan: StepPlan,
         rope: tuple[int, int, DecodeRotary] | None = None,
-    ) -> _Launches:
+    ) -> Launches:
         """The decode path's grids, split counts and kernel arguments for this step."""
         args = self._common_args(query, kv_cache)
         cfg = decode_tile_config(args["D_P"], query.dtype)
@@ -502,7 +435,7 @@ class TritonAttentionImpl(AttentionImpl):
         merge_g = _pow2(args["GROUP"])
         merge_s = merge_splits_per_load(merge_g, args["D_P"]) if counters is not None else 0
         merge_splits = prefix_splits if num_splits == 1 or merge_s else 0
-        launch = _Launches(
+        launch = Launches(
             workspace=workspace,
             grid=(plan.num_decodes * num_splits * self.num_kv_heads, 1, 1),
             kwargs={
@@ -541,7 +474,7 @@ class TritonAttentionImpl(AttentionImpl):
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        plan: _StepPlan,
+        plan: StepPlan,
     ) -> None:
         launch = self._launches("varlen", out, query, kv_cache, metadata, plan)
         part_out, part_lse = launch.workspace or (out, out)
@@ -561,8 +494,8 @@ class TritonAttentionImpl(AttentionImpl):
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        plan: _StepPlan,
-    ) -> _Launches:
+        plan: StepPlan,
+    ) -> Launches:
         """The prompt path's grid, key splits and kernel arguments for this step."""
         args = self._common_args(query, kv_cache)
         uniform_tokens = plan.prefill_tokens if plan.uniform else None
@@ -577,7 +510,7 @@ class TritonAttentionImpl(AttentionImpl):
         )  # fmt: skip
         workspace = self._workspace(plan, plan.prefill_tokens, num_splits, query.device)
         programs = plan.prefill_tokens // block_q + plan.num_prefills  # see _find_seq
-        launch = _Launches(
+        launch = Launches(
             workspace=workspace,
             grid=(
                 (programs * num_splits * self.num_kv_heads, 1, 1)
