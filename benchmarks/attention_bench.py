@@ -71,6 +71,12 @@ DECODE_TILE_SWEEP = [
 ]
 
 
+def tiles(text: str) -> list[TileConfig]:
+    """Decode tile shapes from ``KEYS:WARPS:STAGES[,...]``."""
+    shapes = [[int(x) for x in item.split(":")] for item in text.split(",")]
+    return [TileConfig(16, n, w, st) for n, w, st in shapes]
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
@@ -103,9 +109,41 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 matrix ceiling")
     p.add_argument("--baseline", action="store_true", help="also time torch SDPA, unpaged")
     p.add_argument("--sweep-splits", action="store_true", help="time each decode split count")
+    p.add_argument(
+        "--split-counts",
+        type=ints,
+        default=[1, 2, 4, 8, 16, 32, 64],
+        help="decode split counts that --sweep-splits times",
+    )
+    p.add_argument(
+        "--context-spread",
+        type=int,
+        default=0,
+        help="decode: contexts spread evenly over [ctx, ctx + N) tokens, as requests at "
+        "different points of their output are",
+    )
+    p.add_argument(
+        "--decode-rows",
+        type=int,
+        default=0,
+        help="decode: pad each batch with empty requests to this many rows and launch it "
+        "with uniform grids, as a whole-step graph does (0: off)",
+    )
     p.add_argument("--sweep-tiles", action="store_true", help="time prefill tile shapes")
     p.add_argument(
         "--sweep-decode-tiles", action="store_true", help="time decode tile shapes (keys, warps)"
+    )
+    p.add_argument(
+        "--decode-tiles",
+        type=tiles,
+        default=DECODE_TILE_SWEEP,
+        help="decode tile shapes that --sweep-decode-tiles times, as KEYS:WARPS:STAGES,...",
+    )
+    p.add_argument(
+        "--decode-tile",
+        type=lambda s: tiles(s)[0],
+        default=None,
+        help="KEYS:WARPS:STAGES: run every decode case (and split sweep) with this tile",
     )
     p.add_argument("--only", choices=["decode", "prefill", "cache"], default=None)
     p.add_argument(
@@ -134,7 +172,7 @@ class Problem:
         h, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
         seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
         needed = [triton.cdiv(s, bs) for s in seq_lens]
-        shared = min(shared_prefix // bs, min(needed) - 1)
+        shared = max(0, min(shared_prefix // bs, min(needed) - 1))
         num_blocks = shared + sum(n - shared for n in needed)
         perm = torch.randperm(num_blocks, device=dev, dtype=torch.int32)
         width = max(needed)
@@ -161,6 +199,14 @@ class Problem:
             query_start_loc_cpu=qsl, seq_lens_cpu=sl,
             num_decodes=sum(1 for q in q_lens if q == 1) if max(q_lens) == 1 else 0,
         )  # fmt: skip
+        if getattr(args, "decode_rows", 0) and max(q_lens) == 1:
+            # As a whole-step graph launches its decodes: over every request row, the rows
+            # past the batch's decodes empty, and the prompt kernel's range empty too.
+            self.metadata.uniform_grids = True
+            self.metadata.num_decodes = 0
+            self.metadata.prefill_range = torch.tensor(
+                [len(q_lens), 0], dtype=torch.int32, device=dev
+            )
         if getattr(args, "uniform", False) and max(q_lens) > 1:
             # As a whole-step graph launches it: every request after the (no) leading
             # decodes is a prompt, found through the device prefill range.
@@ -278,19 +324,26 @@ def run_decode(args: argparse.Namespace) -> None:
     for batch in args.decode_batches:
         for ctx in args.contexts:
             for shared in args.shared_prefix:
-                p = Problem(args, [1] * batch, [ctx - 1] * batch, shared_prefix=shared)
-                splits = triton_backend.num_decode_splits(batch, args.num_kv_heads, ctx, sms)
+                ctx_lens = [ctx - 1 + i * args.context_spread // batch for i in range(batch)]
+                pad = max(0, args.decode_rows - batch)
+                p = Problem(args, [1] * batch + [0] * pad, ctx_lens + [0] * pad, shared)
+                rows = batch + pad if pad else batch
+                splits = triton_backend.num_decode_splits(rows, args.num_kv_heads, ctx, sms)
                 name = f"decode b={batch} ctx={ctx} splits={splits}"
+                if args.context_spread:
+                    name += f"+{args.context_spread}"
+                if pad:
+                    name += f" rows={rows}"
                 if shared:
                     name += f" shared={shared}"
                 report(name, bench(p.attend), p.bytes_moved(), p.flops(), args)
             if args.sweep_decode_tiles:
-                for cfg in DECODE_TILE_SWEEP:
+                for cfg in args.decode_tiles:
                     with patched("decode_tile_config", lambda *_, cfg=cfg: cfg, p):
                         times = bench(p.attend)
                     report(f"  {cfg}", times, p.bytes_moved(), p.flops(), args)
             if args.sweep_splits:
-                for s in (1, 2, 4, 8, 16, 32, 64):
+                for s in args.split_counts:
                     with patched("num_decode_splits", lambda *_, s=s: s, p):
                         times = bench(p.attend)
                     report(f"  splits={s}", times, p.bytes_moved(), p.flops(), args)
@@ -369,6 +422,18 @@ def run_cache_write(args: argparse.Namespace) -> None:
         report(f"rope + cache write fused tokens={tokens}", bench(rope_and_write), nbytes, 0, args)
 
 
+def print_compiled(kernel: object) -> None:
+    """Registers, spills and shared memory of each compiled variant of a Triton kernel: they
+    set how many programs an SM holds."""
+    for caches in getattr(kernel, "device_caches", {}).values():
+        for compiled in caches[0].values():
+            md = compiled.metadata
+            print(
+                f"compiled {md.name}: warps {md.num_warps} stages {md.num_stages} "
+                f"regs {compiled.n_regs} spills {compiled.n_spills} shared {md.shared} B"
+            )
+
+
 def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
@@ -376,8 +441,12 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"ceilings: {args.peak_gbps:.0f} GB/s, {args.peak_tflops:.0f} TFLOP/s ({args.dtype})")
+    if args.decode_tile is not None:
+        triton_backend.decode_tile_config = lambda *_: args.decode_tile
+        print(f"decode tiles: {args.decode_tile}")
     if args.only in (None, "decode"):
         run_decode(args)
+        print_compiled(triton_backend.triton_decode.decode_attention_kernel)
     if args.only in (None, "prefill"):
         run_prefill(args)
     if args.only in (None, "cache"):

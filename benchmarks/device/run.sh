@@ -46,10 +46,16 @@
 #   diag_default diag_vllm diag_pace512 ...   serving with per-request detail, /metrics and
 #              step logs (LOADS="random prefix" picks the loads)
 #   attn_prefix attn_dtiles   decode attention with a shared prefix; decode tile sweep
+#   attn_dtiles2 decode tile candidates (DTILES) at serving batches, long contexts and a
+#              shared prefix; the split sweep under the tile DTILE
+#   attn_serving decode attention at serving batches and contexts, tiles as chosen
+#   attn_waves decode attention at serving batches (contexts 1,024..1,280): split counts
+#              (SPLITS), the same as whole-step graphs launch it (256 rows), tile shapes
 #   sprof_pace256 ...   the server's engine core under a closed loop: step times, GPU busy,
 #              kernels and host functions per step (serving_profile.py); sprofpw_pace256
 #              the same with piecewise graphs for mixed steps (TOKENMILL_MIXED_STEP_GRAPHS=0);
-#              sprof_stepN the same paced in step mode (N tokens a step, decodes included)
+#              sprof_stepN the same paced in step mode (N tokens a step, decodes included);
+#              sprofdt_stepN that with the decode attention tile DTILE (KEYS:WARPS:STAGES)
 #   spsweep    one engine core under the same closed loop, one timing window per admission
 #              policy (SWEEP="PACING:QUEUE_LIMIT:MAX_NUM_SEQS[:STEP_TOKENS] ...";
 #              serving_profile.py --sweep)
@@ -60,7 +66,8 @@
 #   sampler    the sampler's GPU time per call against the softmax route (sampler_bench.py)
 #   gputests_topp  the sampler and engine GPU tests with TOKENMILL_SORT_FREE_TOP_P=0 (top-p
 #              by sorting); gputests_topp_unit the sampler tests (the default radix select)
-#   gputests_attn  the attention kernels' and the engine's GPU tests
+#   gputests_attn  the attention kernels' and the engine's GPU tests; gputests_k the GPU
+#              tests that pytest's -k "$K" selects
 #   gputests_prefetch  the L2 prefetch's tests on CUDA
 #   cold_parallel[N] cold_serial[N]  tokenmill serve M8 with an empty Triton cache to /health,
 #              start-up compiling in parallel (the default) or each kernel at first launch
@@ -189,6 +196,7 @@ for st in "$@"; do
     gputests) PYTHONPATH="$XGP" stage gputests 480 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
     gputests_all) PYTHONPATH="$XGP" stage gputests_all 330 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py tests/model/test_skinny_gemm.py tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/worker/test_top_p_select.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_mixed) stage gputests_mixed 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "mixed_step_graphs or split_decode" -p no:cacheprovider --timeout 120 ;;
+    gputests_k) PYTHONPATH="$XGP" stage gputests_k 300 python3 -m pytest -q tests/gpu -k "$K" -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_attn) PYTHONPATH="$XGP" stage gputests_attn 300 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_topp_unit) stage gputests_topp_unit 200 python3 -m pytest -q tests/worker/test_top_p_select.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 150 ;;
     gputests_topp) TOKENMILL_SORT_FREE_TOP_P=0 PYTHONPATH="$XGP" stage gputests_topp 240 python3 -m pytest -q tests/worker/test_top_p_select.py tests/worker/test_sampler.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 150 ;;
@@ -202,6 +210,23 @@ for st in "$@"; do
     attn_chunk_uniform) stage attn_chunk_uniform 240 python3 benchmarks/attention_bench.py --only prefill --uniform --prefill-tokens 1024 --chunk-tokens "${CHUNK:-256}" --chunk-contexts 0,256,512,768 --sweep-tiles ;;
     attn_prefix) stage attn_prefix 180 python3 benchmarks/attention_bench.py --only decode --decode-batches 64 --contexts 1280,2304 --shared-prefix 0,2000 --sweep-splits ;;
     attn_ptiles) stage attn_ptiles 300 python3 benchmarks/attention_bench.py --only prefill --prefill-tokens 512,1024 --prefill-batch 1,14 --chunk-tokens 512 --contexts 1024 --sweep-tiles --baseline ;;
+    attn_waves)  # decode attention at serving batch sizes: split counts, padded rows, tiles
+      stage attn_waves 200 python3 benchmarks/attention_bench.py --only decode --decode-batches 24,32,40,51,64,96,128 --contexts 1024 --context-spread 256 --sweep-splits --split-counts "${SPLITS:-1,2,3,4,5,6,8}"
+      stage attn_waves_rows 120 python3 benchmarks/attention_bench.py --only decode --decode-batches 40,51,64 --contexts 1024 --context-spread 256 --decode-rows 256 --sweep-splits --split-counts "${SPLITS:-1,2,3,4,5,6,8}"
+      stage attn_waves_tiles 150 python3 benchmarks/attention_bench.py --only decode --decode-batches 51 --contexts 1024 --context-spread 256 --sweep-decode-tiles ;;
+    attn_serving) stage attn_serving 120 python3 benchmarks/attention_bench.py --only decode --decode-batches 1,8,16,24,32,40,48,56,64,72,80,96,112,128,160,192,256 --contexts 512,1024,2048 --context-spread 256 ;;
+    attn_dtiles3)  # decode tile candidates (DTILES) over a fine batch grid at three contexts
+      DT="${DTILES:-64:4:3,64:2:3,128:4:2,32:1:4}"
+      for c in 512 1024 2048; do
+        stage attn_dtiles3_$c 150 python3 benchmarks/attention_bench.py --only decode --decode-batches 8,16,24,32,40,48,56,64,72,80,96,112,128,160,192,256 --contexts $c --context-spread 256 --sweep-decode-tiles --decode-tiles "$DT"
+      done
+      stage attn_dtiles3_rows 100 python3 benchmarks/attention_bench.py --only decode --decode-batches 40,51,64 --contexts 1024 --context-spread 256 --decode-rows 256 --decode-tile "${DTILE:-64:2:3}" ;;
+    attn_dtiles2)  # decode tile candidates (DTILES) over batches and contexts; splits under DTILE
+      DT="${DTILES:-64:4:3,64:2:3,64:2:2,64:2:4,64:1:3,32:2:3,32:1:4,128:2:2,128:4:2}"
+      stage attn_dtiles2_serving 200 python3 benchmarks/attention_bench.py --only decode --decode-batches 1,4,16,32,51,64,96,128,256 --contexts 1024 --context-spread 256 --sweep-decode-tiles --decode-tiles "$DT"
+      stage attn_dtiles2_long 150 python3 benchmarks/attention_bench.py --only decode --decode-batches 1,8,32 --contexts 4096,16384 --sweep-decode-tiles --decode-tiles "$DT"
+      stage attn_dtiles2_prefix 100 python3 benchmarks/attention_bench.py --only decode --decode-batches 64 --contexts 2304 --shared-prefix 2000 --sweep-decode-tiles --decode-tiles "$DT"
+      stage attn_dtiles2_splits 150 python3 benchmarks/attention_bench.py --only decode --decode-batches 16,24,32,40,51,64,96,128 --contexts 1024 --context-spread 256 --decode-tile "${DTILE:-64:2:3}" --sweep-splits --split-counts 1,2,3,4,6 ;;
     attn_dtiles) stage attn_dtiles 300 python3 benchmarks/attention_bench.py --only decode --decode-batches 1,64,256 --contexts 2304,8192 --shared-prefix 0,2000 --sweep-decode-tiles ;;
     lat1@*|lat32@*)  # lat1@VAR=VALUE[+VAR=VALUE...]: the latency run with those variables set
       base=${st%%@*}; bs=1; [ "$base" = lat32 ] && bs=32; assign=${st#*@}; tag=$(echo "$st" | tr -c 'A-Za-z0-9_\n' '_')
@@ -261,6 +286,7 @@ for st in "$@"; do
     diag_step[0-9]*) serve_diag "$st" --prefill-pacing-mode step --prefill-pacing-tokens "${st#diag_step}" ;;
     sprof_pace[0-9]*) stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprof_pace}" ;;
     sprof_step[0-9]*) TAIL_LINES=60 stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprof_step}" --pacing-mode step --no-host ;;
+    sprofdt_step[0-9]*) TAIL_LINES=60 stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprofdt_step}" --pacing-mode step --no-host --decode-tile "${DTILE:-64:2:3}" ;;
     sprofpw_pace[0-9]*) TOKENMILL_MIXED_STEP_GRAPHS=0 stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprofpw_pace}" ;;
     spsweep) stage spsweep 400 python3 benchmarks/device/serving_profile.py "$M8" --warm-requests 96 --sweep ${SWEEP:-256:0:0 256:65536:0 0:0:0} ;;
     diag_args) serve_diag "${DIAG_LABEL:-args}" $DIAG_ARGS ;;

@@ -46,6 +46,8 @@ from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.engine_io import EngineCoreRequest
 from tokenmill.core.prefill_pacing import PrefillPacing
 from tokenmill.engine_args import EngineArgs
+from tokenmill.model.attention import triton_backend
+from tokenmill.model.attention.triton_launch import TileConfig
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -248,7 +250,17 @@ def main() -> None:
     parser.add_argument("--window-steps", type=int, default=300)
     parser.add_argument("--no-host", action="store_true", help="skip the cProfile window")
     parser.add_argument("--sweep", nargs="+", default=[], metavar="P:Q:S")
+    parser.add_argument(
+        "--decode-tile",
+        default=None,
+        metavar="KEYS:WARPS:STAGES",
+        help="the decode attention kernel's tile for every launch (the heuristic's otherwise)",
+    )
     args = parser.parse_args()
+    if args.decode_tile:
+        keys, warps, stages = (int(x) for x in args.decode_tile.split(":"))
+        tile = TileConfig(block_m=16, block_n=keys, num_warps=warps, num_stages=stages)
+        triton_backend.decode_tile_config = lambda *_: tile
     engine_args = EngineArgs(
         model=args.model,
         load_format="dummy",
