@@ -141,6 +141,13 @@ def decode_split_self_merge() -> bool:
     return os.environ.get("TOKENMILL_DECODE_SPLIT_SELF_MERGE", "").strip().lower() not in _OFF
 
 
+def decode_tiles_by_waves() -> bool:
+    """TOKENMILL_DECODE_TILES_BY_WAVES=0: the decode attention kernel keeps its 4-warp tile
+    at every batch size instead of the tile whose single wave of resident programs holds
+    its grid (on by default; ``triton_launch.decode_tile_config``)."""
+    return os.environ.get("TOKENMILL_DECODE_TILES_BY_WAVES", "").strip().lower() not in _OFF
+
+
 def mixed_step_graphs() -> bool:
     """TOKENMILL_MIXED_STEP_GRAPHS=0: replay steps with prompt tokens through the piecewise
     graphs (attention eager between pieces) instead of whole-step graphs (default: on where

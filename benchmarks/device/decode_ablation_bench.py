@@ -96,8 +96,8 @@ def sweep_variants() -> list:
     tiles, splits = triton_backend.decode_tile_config, triton_backend.num_decode_splits
     for block_n, cap in [(32, 64), (16, 64), (64, 4), (32, 8), (16, 16), (32, 4), (16, 8)]:
 
-        def tile(d_p, dtype, block_n=block_n):
-            cfg = tiles(d_p, dtype)
+        def tile(*args, block_n=block_n, **kwargs):
+            cfg = tiles(*args, **kwargs)
             return TileConfig(cfg.block_m, block_n, cfg.num_warps, cfg.num_stages)
 
         def split_count(*args, cap=cap, **kwargs):

@@ -5,8 +5,9 @@ Guarantees (stated here, tested below):
 - The same request in the same batch gives the same tokens on every run (bf16 included).
 - In float32, greedy output does not depend on batch composition or on CUDA graphs.
 - In bfloat16, batch-size independence is NOT guaranteed: GEMM libraries pick different
-  tilings (and reduction orders) for different batch sizes, so logits differ in the last
-  bits and a near-tie can flip a greedy choice; outputs stay within bf16 rounding.
+  tilings (and reduction orders) for different batch sizes, as the decode attention kernel
+  picks its key tile and splits, so logits differ in the last bits and a near-tie can flip
+  a greedy choice; outputs stay within bf16 rounding.
 
 The model is SmolLM2-135M's architecture with random weights (transformers' initialisation):
 the real GGUF file (98 MB) cannot travel to the GPU machine. Set ``M135`` to a folder with

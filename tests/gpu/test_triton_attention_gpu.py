@@ -187,6 +187,25 @@ def test_large_decode_batch():
     check(b)
 
 
+@pytest.mark.parametrize("tile", [0, 1, 2], ids=["4-warps", "2-warps", "1-warp"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_tiles_of_every_wave(monkeypatch, tile, splits):
+    """Each decode tile the wave rule picks at head_dim 128, on 72 decodes of varied
+    contexts, whole or split in three (empty splits at the shortest contexts)."""
+    from tokenmill.model.attention import triton_backend, triton_launch
+
+    cfg = triton_launch.DECODE_TILES_D128[tile][1]
+    monkeypatch.setattr(triton_backend, "decode_tile_config", lambda *args: cfg)
+    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
+    ctx = torch.randint(1, 3000, (72,), generator=torch.Generator().manual_seed(2)).tolist()
+    b = make_batch(
+        [1] * 72, ctx, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+        num_decodes=72,
+    )  # fmt: skip
+    check(b)
+    check(b, sliding_window=700, soft_cap=30.0)
+
+
 def test_decode_cuda_graph_replays_with_new_lengths():
     """Capture one decode step for 8 requests, then replay it with other contexts."""
     from tokenmill.model.attention.triton_backend import TritonAttentionImpl
@@ -305,15 +324,22 @@ def shared_prefix(b: Batch, num_decodes: int, blocks: int) -> Batch:
 # Planned for 256 tokens: one key split per (request, KV head), whatever the lengths; for
 # 4,096: five, and a reduction.
 @pytest.mark.parametrize("max_seq_len", [256, 4096])
-def test_decode_with_rope_in_the_kernel(dtype, max_seq_len):
+# The decode tiles of the wave rule with RoPE (``triton_launch.DECODE_TILES_D128_ROPE``);
+# None: its pick.
+@pytest.mark.parametrize("tile", [None, 0, 1], ids=["chosen", "4-warps", "2-warps"])
+def test_decode_with_rope_in_the_kernel(monkeypatch, dtype, max_seq_len, tile):
     """``attend_decode_rotary`` on the GPU tiles (64-key tiles, pipelined stages, tensor-core
     dot products): the cache it leaves equals the separate rotary/KV-write kernel's bit for
     bit (up to FMA contraction of the rotation: one bf16/fp16 step), and the output matches
     rotate-write-attend. Covers the write -> barrier -> read order inside one program."""
+    from tokenmill.model.attention import triton_backend, triton_launch
     from tokenmill.model.attention.backend import DecodeRotary
     from tokenmill.model.attention.triton_backend import TritonAttentionImpl
     from tokenmill.model.layers import fused_kernels
 
+    if tile is not None:
+        cfg = triton_launch.DECODE_TILES_D128_ROPE[tile][1]
+        monkeypatch.setattr(triton_backend, "decode_tile_config", lambda *args: cfg)
     b = make_batch([1] * 6, [700, 63, 64, 129, 1, 300], num_heads=32, num_kv_heads=8,
                    head_dim=128, dtype=dtype, num_decodes=6, max_seq_len=max_seq_len)  # fmt: skip
     md = b.metadata

@@ -62,6 +62,24 @@ def test_decode_with_rope_in_the_kernel(monkeypatch, small_tiles, splits, neox, 
     torch.testing.assert_close(cache, ref_cache, atol=1e-6, rtol=1e-6, equal_nan=True)
 
 
+def test_decode_with_rope_asks_for_the_rotary_kernel_tiles(monkeypatch, small_tiles):
+    """The rotary kernel holds more registers, so its launch asks for its own tiles."""
+    asked = []
+    small = triton_backend.decode_tile_config  # the small_tiles stand-in
+
+    def config(*args):
+        asked.append(args[5])
+        return small(*args)
+
+    monkeypatch.setattr(triton_backend, "decode_tile_config", config)
+    b = make_batch([1] * 3, [50, 9, 31], head_dim=HEAD_DIM, num_decodes=3)
+    impl = TritonAttentionImpl(b.num_heads, HEAD_DIM, HEAD_DIM**-0.5, b.num_kv_heads)
+    rope = _rope(HEAD_DIM, True)
+    rotary = DecodeRotary(rope.cos_sin_cache, HEAD_DIM, True)
+    impl.attend_decode_rotary(b.query, b.key, b.value, b.kv_cache.clone(), b.metadata, rotary)
+    assert asked == [True]
+
+
 def test_decode_with_rope_refuses_prompt_tokens():
     b = make_batch(MIXED_Q, MIXED_CTX, head_dim=HEAD_DIM)
     impl = TritonAttentionImpl(b.num_heads, HEAD_DIM, 1.0, b.num_kv_heads)

@@ -180,12 +180,14 @@ def use_tiles(monkeypatch, varlen: TileConfig, decode: TileConfig) -> None:
     monkeypatch.setattr(triton_backend, "decode_tile_config", lambda *args: decode)
 
 
-# The fp32 tiles (16 x 16), the bf16/fp16 ones the GPU runs at head_dim <= 128, and those
-# of short whole-step graphs.
+# The fp32 tiles (16 x 16), the bf16/fp16 ones the GPU runs at head_dim <= 128, those of
+# short whole-step graphs, and the 32-key decode tile of grids that one warp a program fits
+# in one wave.
 TILE_SHAPES = {
     "fp32": (TileConfig(16, 16, 4, 1), TileConfig(16, 16, 4, 2)),
     "half": (TileConfig(128, 64, 8, 3), TileConfig(16, 64, 4, 3)),
     "half_short": (TileConfig(64, 128, 4, 2), TileConfig(16, 64, 4, 3)),
+    "half_decode32": (TileConfig(128, 64, 8, 3), TileConfig(16, 32, 1, 4)),
 }
 
 

@@ -20,6 +20,8 @@ heads, head_dim 128):
   (request, KV head) pairs the split count drops to 1 and the kernel writes the output
   directly. The M dimension of the dot products is the
   GQA group padded to 16 (``tl.dot``'s minimum), so no rows go to absent query tokens.
+  Its time is the waves of resident programs it takes, so its key tile and warps are
+  those whose single wave holds the grid (``triton_launch.decode_tile_config``).
 - **Prompt chunks** (any mix of fresh prompts, chunks after cached context, and stray
   ``query_len == 1`` requests) are compute-bound: a tile of ``BLOCK_Q`` query tokens x the
   ``GROUP`` heads of one KV head (128 rows for head_dim <= 128) reuses each K/V tile 128
@@ -397,7 +399,6 @@ class TritonAttentionImpl(AttentionImpl):
     ) -> Launches:
         """The decode path's grids, split counts and kernel arguments for this step."""
         args = self._common_args(query, kv_cache)
-        cfg = decode_tile_config(args["D_P"], query.dtype)
         num_sms = device_num_sms(query.device)
         # Cascade attention: the decodes' shared prefix is read once by
         # ``shared_prefix_kernel``; the decode kernel reads only the keys after it. Windows
@@ -420,6 +421,10 @@ class TritonAttentionImpl(AttentionImpl):
             MAX_SPLITS - prefix_splits,
         )  # fmt: skip
         total_splits = num_splits + prefix_splits
+        cfg = decode_tile_config(
+            args["D_P"], query.dtype, plan.num_decodes * num_splits * self.num_kv_heads,
+            num_sms, plan.uniform, rope is not None,
+        )  # fmt: skip
         workspace = self._workspace(plan, plan.num_decodes, total_splits, query.device)
         strides = _operand_strides(query, kv_cache, metadata, workspace or (out, out))
         # With one decode split the decode kernel merges the prefix partials itself (the

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill import envs
 from tokenmill.model.host_ints import cdiv
 
 # Re-exported: triton_backend reads both from here.
-from tokenmill.model.layers.sm_count import DEFAULT_NUM_SMS  # noqa: F401
+from tokenmill.model.layers.sm_count import DEFAULT_NUM_SMS
 from tokenmill.model.layers.sm_count import num_sms as device_num_sms  # noqa: F401
 
 # Decode split heuristics: aim for this many resident programs per SM, never give a split
@@ -90,11 +91,67 @@ def varlen_tile_config(
     return TileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
 
-def decode_tile_config(head_dim_padded: int, dtype: torch.dtype) -> TileConfig:
-    """Tiles of the decode kernel: 64 keys per tile (32 at head_dim 256), 4 warps; fp32
-    (FMA dot products) 16 keys per tile."""
+# Decode tiles at head_dim 128 in 16 bits, each with the programs an SM holds at once. The
+# kernel is register-bound (an SM has 64 Ki registers). sm_90 compiles (the H200's, and
+# ptxas 12.8 from CPU, agree): 164 registers a thread at 4 warps, 240 at 2 and 255 at 1
+# (32 bytes spilled), over 39 / 39 / 21 KiB of shared memory: 3, 4 and 8 programs per SM.
+# With RoPE and the KV write in the kernel (``attend_decode_rotary``): 202 at 4 warps (2 per
+# SM) and 255 at 2 (32 bytes spilled; 4 per SM); 1 warp spills 96 bytes, so it is left out.
+DECODE_TILES_D128 = (
+    (3, TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)),
+    (4, TileConfig(block_m=16, block_n=64, num_warps=2, num_stages=3)),
+    (8, TileConfig(block_m=16, block_n=32, num_warps=1, num_stages=4)),
+)
+DECODE_TILES_D128_ROPE = (
+    (2, DECODE_TILES_D128[0][1]),
+    (4, DECODE_TILES_D128[1][1]),
+)
+# Past every tile's single wave, and in uniform grids (whole-step graphs, whose decode
+# count is known only on the device): 2 warps, the fastest in waves of more programs.
+DECODE_TILE_MANY_WAVES = DECODE_TILES_D128[1][1]
+
+
+def decode_tile_config(
+    head_dim_padded: int,
+    dtype: torch.dtype,
+    num_programs: int | None = None,
+    num_sms: int = DEFAULT_NUM_SMS,
+    uniform: bool = False,
+    rope: bool = False,
+) -> TileConfig:
+    """Tiles of the decode kernel for a launch of ``num_programs`` programs.
+
+    Decode attention streams each context once, so its time is the waves of resident
+    programs it takes: one program more than the SMs hold costs a second wave of almost a
+    whole program's time. Llama-3.1-8B on an H200 (RESULTS.md, twenty-second set), contexts
+    of 1,024-1,280: 48 decodes (384 programs) take 73 us at 4 warps, 56 take 109 us; 2
+    warps hold 56 in one wave (81 us), and 1 warp holds 72-128 in one (111-158 us, against
+    116-179 us at 4 warps). So at head_dim 128 (16-bit) the first tile of
+    ``DECODE_TILES_D128`` (``DECODE_TILES_D128_ROPE`` for the kernel that also rotates and
+    writes the new K/V) whose single wave holds the grid is taken: fewer warps leave each
+    program fewer loads in flight, so 4 warps are fastest while every tile fits. Past them
+    all, and for uniform grids, ``DECODE_TILE_MANY_WAVES``. ``TOKENMILL_DECODE_TILES_BY_WAVES
+    =0`` keeps the 4-warp tile. Other head sizes: 64 keys per tile (32 at head_dim 256),
+    4 warps; fp32 (FMA dot products) 16 keys per tile.
+
+    Args:
+        head_dim_padded: the head size rounded up to a power of two.
+        dtype: the query's dtype.
+        num_programs: the decode grid's programs (requests x splits x KV heads); None
+            takes the 4-warp tile.
+        num_sms: streaming multiprocessors.
+        uniform: the grid covers every request row of a whole-step graph.
+        rope: the launch rotates the query and key and writes the new K/V itself.
+    """
     if dtype == torch.float32:
         return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+    by_waves = uniform or num_programs is not None
+    if head_dim_padded == 128 and by_waves and envs.decode_tiles_by_waves():
+        if not uniform:
+            for per_sm, tile in DECODE_TILES_D128_ROPE if rope else DECODE_TILES_D128:
+                if num_programs <= per_sm * num_sms:
+                    return tile
+        return DECODE_TILE_MANY_WAVES
     block_n = 64 if head_dim_padded <= 128 else 32
     return TileConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=3)
 
