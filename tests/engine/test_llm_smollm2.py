@@ -249,6 +249,24 @@ def test_attention_warm_up_passes_write_nothing(llm, pass_name):
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
 
 
+def test_plain_decode_warm_up_passes_write_nothing(llm):
+    """The start-up passes that compile the decode kernel's tiles on CUDA (decode steps of
+    1-token contexts at chosen batch sizes) leave the KV cache and later outputs as they
+    were; the backend on CPU asks for none."""
+    import torch
+
+    from tokenmill.worker import start_up_passes
+
+    prompts = _prompts(3)
+    reference = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    before = [c.clone() for c in runner.kv_caches]
+    assert not start_up_passes.plain_decode_passes(runner)
+    assert start_up_passes.plain_decode_passes(runner, sizes=[1, 5])
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference
+
+
 def test_async_scheduling_matches_sync(llm, smollm2_gguf_path):
     """Overlapped scheduling (one step in flight) changes no token: natural EOS stops,
     stop strings, preemption in a tiny cache, and seeded requests (run in step) mixed in."""

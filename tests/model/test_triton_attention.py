@@ -70,6 +70,17 @@ def test_decode_tiles_follow_the_waves_of_their_grid(monkeypatch):
     assert config(128, bf16, 64 * 8, 132) == config(128, bf16, 8, 132, uniform=True) == four
 
 
+def test_start_up_warms_the_decode_tiles_at_their_first_batch_sizes():
+    """One decode count per tile that steps of 1-token contexts reach (132 SMs, 8 KV
+    heads: 4 warps from 1, 2 from 50, 1 from 67, 2 again past 132); a single one for head
+    sizes with one tile, and none past the runner's decodes."""
+    sizes = TritonAttentionBackend.decode_warm_up_sizes
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert sizes(8, 128, bf16, 1024, cpu) == [1, 50, 67]
+    assert sizes(8, 128, bf16, 60, cpu) == [1, 50]
+    assert sizes(8, 64, bf16, 1024, cpu) == sizes(8, 128, torch.float32, 1024, cpu) == [1]
+
+
 def test_decode_tile_is_chosen_for_the_grid_it_launches(monkeypatch):
     """The backend asks for the tile of its decode grid: requests x splits x KV heads, and
     whether the grid is uniform."""

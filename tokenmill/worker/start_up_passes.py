@@ -124,6 +124,7 @@ def warm_up_attention(runner: ModelRunner) -> None:
     ran = short_chunk_pass(runner)
     if runner.cascade_attn:
         ran = shared_prefix_pass(runner) or ran
+    ran = plain_decode_passes(runner) or ran
     if ran:
         torch.cuda.synchronize(runner.device)
 
@@ -150,6 +151,40 @@ def short_chunk_pass(runner: ModelRunner) -> bool:
     torch.arange(num_blocks, out=runner.block_table.device[0, :num_blocks])
     runner.model(runner.input_ids.device[:chunk], runner.positions.device[:chunk], metadata)
     return True
+
+
+@torch.inference_mode()
+def plain_decode_passes(runner: ModelRunner, sizes: list[int] | None = None) -> bool:
+    """Eager decode steps of 1-token contexts through the plain decode kernel (the one that
+    steps outside the graphs run: with prompt chunks, or cascade), one per decode count in
+    ``sizes`` (default: the backend's ``decode_warm_up_sizes``, where its kernel variant
+    changes). They write nothing to the cache (slot -1) and leave the input buffers as
+    any step may. Returns False when there was nothing to run."""
+    if runner.model is None or not runner.kv_caches:
+        return False
+    if sizes is None:
+        _, _, _, num_kv_heads, head_dim = runner.kv_caches[0].shape
+        max_decodes = min(runner.max_num_reqs, runner.max_num_tokens)
+        sizes = runner.attn_backend.decode_warm_up_sizes(
+            num_kv_heads, head_dim, runner.dtype, max_decodes, runner.device
+        )
+    for n in sizes:
+        runner.input_ids.device[:n].zero_()
+        runner.positions.device[:n].zero_()
+        runner.slot_mapping.device[:n].fill_(-1)
+        runner.seq_lens.device[:n].fill_(1)
+        torch.arange(n + 1, out=runner.query_start_loc.device[: n + 1])
+        runner.block_table.device[:n, :1].zero_()
+        # A query length of 2 as the longest keeps the layers off the decode-only kernel
+        # that rotates and writes the new K/V itself (the graphs compile that one); every
+        # request is still one of the ``n`` leading decodes.
+        metadata = dataclasses.replace(
+            runner.decode_metadata(n, max_seq_len=1),
+            max_query_len=2,
+            seq_lens_cpu=torch.ones(n, dtype=torch.int32),
+        )
+        runner.model(runner.input_ids.device[:n], runner.positions.device[:n], metadata)
+    return bool(sizes)
 
 
 @torch.inference_mode()

@@ -217,6 +217,16 @@ class AttentionBackend(abc.ABC):
     def get_impl_cls() -> type[AttentionImpl]: ...
 
     @staticmethod
+    def decode_warm_up_sizes(
+        num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_decodes: int,
+        device: torch.device,
+    ) -> list[int]:  # fmt: skip
+        """Decode counts (at most ``max_decodes``) at which decode steps of 1-token contexts
+        launch every decode kernel variant that the backend picks by batch size, so that
+        start-up can compile them all; empty where nothing depends on it."""
+        return []
+
+    @staticmethod
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
     ) -> tuple[int, ...]:

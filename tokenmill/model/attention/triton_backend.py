@@ -551,3 +551,17 @@ class TritonAttentionBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TritonAttentionImpl
+
+    @staticmethod
+    def decode_warm_up_sizes(
+        num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_decodes: int,
+        device: torch.device,
+    ) -> list[int]:  # fmt: skip
+        """The smallest decode count for each decode tile (``decode_tile_config``) that a
+        step of 1-token contexts (one key split) launches."""
+        num_sms = device_num_sms(device)
+        first: dict[TileConfig, int] = {}
+        for n in range(1, max_decodes + 1):
+            tile = decode_tile_config(_pow2(head_dim, 16), dtype, n * num_kv_heads, num_sms)
+            first.setdefault(tile, n)
+        return sorted(first.values())
