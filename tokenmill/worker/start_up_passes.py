@@ -116,15 +116,20 @@ def warm_up_sampler(runner: ModelRunner) -> None:
 def warm_up_attention(runner: ModelRunner) -> None:
     """Compile the attention variants that neither the profiling pass (a full-budget
     prompt step) nor the graph captures run: the prompt kernel's key splits and their
-    merge, used when a short chunk follows a long context, and the cascade attention
-    kernel, used when decoding requests share a prompt prefix. A compile in the middle of
-    serving would stall every request for most of a second. CUDA only."""
+    merge, used when a short chunk follows a long context; the cascade attention kernel,
+    used when decoding requests share a prompt prefix; and the decode kernel's tiles at
+    the decode counts that pick them (``decode_warm_up_sizes``), for steps outside the
+    graphs. A compile in the middle of serving would stall every request for most of a
+    second. CUDA only."""
     if runner.device.type != "cuda":
         return
     ran = short_chunk_pass(runner)
+    sizes = decode_warm_up_sizes(runner)
     if runner.cascade_attn:
-        ran = shared_prefix_pass(runner) or ran
-    ran = plain_decode_passes(runner) or ran
+        # The decode kernel of a cascade step writes split partials: its own variants.
+        for n in [CASCADE_MIN_DECODES] + [n for n in sizes if n > CASCADE_MIN_DECODES]:
+            ran = shared_prefix_pass(runner, n) or ran
+    ran = plain_decode_passes(runner, sizes) or ran
     if ran:
         torch.cuda.synchronize(runner.device)
 
@@ -153,6 +158,22 @@ def short_chunk_pass(runner: ModelRunner) -> bool:
     return True
 
 
+def decode_warm_up_sizes(runner: ModelRunner) -> list[int]:
+    """The decode counts at which the attention backend's decode kernel variants first
+    appear for this model (``AttentionBackend.decode_warm_up_sizes``); none without a
+    KV cache."""
+    if not runner.kv_caches:
+        return []
+    _, _, _, num_kv_heads, head_dim = runner.kv_caches[0].shape
+    return runner.attn_backend.decode_warm_up_sizes(
+        num_kv_heads,
+        head_dim,
+        runner.dtype,
+        min(runner.max_num_reqs, runner.max_num_tokens),
+        runner.device,
+    )
+
+
 @torch.inference_mode()
 def plain_decode_passes(runner: ModelRunner, sizes: list[int] | None = None) -> bool:
     """Eager decode steps of 1-token contexts through the plain decode kernel (the one that
@@ -163,11 +184,7 @@ def plain_decode_passes(runner: ModelRunner, sizes: list[int] | None = None) -> 
     if runner.model is None or not runner.kv_caches:
         return False
     if sizes is None:
-        _, _, _, num_kv_heads, head_dim = runner.kv_caches[0].shape
-        max_decodes = min(runner.max_num_reqs, runner.max_num_tokens)
-        sizes = runner.attn_backend.decode_warm_up_sizes(
-            num_kv_heads, head_dim, runner.dtype, max_decodes, runner.device
-        )
+        sizes = decode_warm_up_sizes(runner)
     for n in sizes:
         runner.input_ids.device[:n].zero_()
         runner.positions.device[:n].zero_()
@@ -188,18 +205,18 @@ def plain_decode_passes(runner: ModelRunner, sizes: list[int] | None = None) -> 
 
 
 @torch.inference_mode()
-def shared_prefix_pass(runner: ModelRunner) -> bool:
-    """An eager decode step of ``CASCADE_MIN_DECODES`` requests whose contexts share their
-    first blocks (block ids 0..), with cascade attention over the shared ones; writes
-    nothing to the cache (slot -1) and leaves the input buffers as any step may. Returns
-    False when the cache or the model length is too small for one."""
+def shared_prefix_pass(runner: ModelRunner, num_decodes: int = CASCADE_MIN_DECODES) -> bool:
+    """An eager decode step of ``num_decodes`` requests whose contexts share their first
+    blocks (block ids 0..), with cascade attention over the shared ones; writes nothing to
+    the cache (slot -1) and leaves the input buffers as any step may. Returns False when
+    the cache or the model length is too small for one."""
     if runner.model is None or not runner.kv_caches:
         return False
     bs = runner.block_size
     ctx = min(runner.max_model_len, 2 * CASCADE_MIN_PREFIX_TOKENS + 1)
     ctx = min(ctx, runner.kv_caches[0].shape[1] * bs)
     prefix = (ctx - 1) // bs * bs
-    n = min(CASCADE_MIN_DECODES, runner.max_num_reqs)
+    n = min(num_decodes, runner.max_num_reqs, runner.max_num_tokens)
     if prefix < CASCADE_MIN_PREFIX_TOKENS or n < 2:
         return False
     num_blocks = -(-ctx // bs)
