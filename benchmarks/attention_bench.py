@@ -328,10 +328,10 @@ def run_decode(args: argparse.Namespace) -> None:
                 pad = max(0, args.decode_rows - batch)
                 p = Problem(args, [1] * batch + [0] * pad, ctx_lens + [0] * pad, shared)
                 rows = batch + pad if pad else batch
-                splits = triton_backend.num_decode_splits(rows, args.num_kv_heads, ctx, sms)
-                name = f"decode b={batch} ctx={ctx} splits={splits}"
-                if args.context_spread:
-                    name += f"+{args.context_spread}"
+                max_len = p.metadata.max_seq_len
+                splits = triton_backend.num_decode_splits(rows, args.num_kv_heads, max_len, sms)
+                spread = f"+{args.context_spread}" if args.context_spread else ""
+                name = f"decode b={batch} ctx={ctx}{spread} splits={splits}"
                 if pad:
                     name += f" rows={rows}"
                 if shared:
