@@ -49,7 +49,8 @@ def test_decode_tiles_follow_the_waves_of_their_grid(monkeypatch):
     """At head_dim 128 (16-bit) the decode tile is the first whose single wave of resident
     programs holds the grid (132 SMs: 396 programs at 4 warps, 528 at 2, 1,056 at 1; with
     RoPE in the kernel 264 at 4 warps, 528 at 2, no 1-warp tile), 2 warps past them all and
-    for whole-step graphs; other shapes keep their one tile, as does the switch's off."""
+    for whole-step graphs; other shapes (and groups of more than 16 query heads) keep their
+    one tile, as does the switch's off."""
     bf16, config = torch.bfloat16, triton_backend.decode_tile_config
     four, two, one = (tile for _, tile in triton_launch.DECODE_TILES_D128)
     assert (four.num_warps, two.num_warps, one.num_warps) == (4, 2, 1)
@@ -63,6 +64,7 @@ def test_decode_tiles_follow_the_waves_of_their_grid(monkeypatch):
     assert config(128, bf16, 264, 132, rope=True) == four
     assert config(128, bf16, 265, 132, rope=True) == config(128, bf16, 72 * 8, 132, rope=True)
     assert config(128, bf16, 265, 132, rope=True) == two
+    assert config(128, bf16, 72 * 8, 132, group_padded=32) == four
     assert config(64, bf16, 72 * 8, 132) == TileConfig(16, 64, 4, 3)
     assert config(256, bf16, 72 * 8, 132) == TileConfig(16, 32, 4, 3)
     assert config(128, torch.float32, 72 * 8, 132) == TileConfig(16, 16, 4, 2)
@@ -94,7 +96,7 @@ def test_decode_tile_is_chosen_for_the_grid_it_launches(monkeypatch):
     monkeypatch.setattr(triton_backend, "decode_tile_config", config)
     monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: 3)
     check(make_batch([1] * 5, [40, 3, 17, 90, 1], num_heads=8, num_kv_heads=2, num_decodes=5))
-    assert asked == [(5 * 3 * 2, triton_backend.DEFAULT_NUM_SMS, False, False)]
+    assert asked == [(5 * 3 * 2, triton_backend.DEFAULT_NUM_SMS, False, False, 16)]
 
 
 def test_backend_is_selected_for_cuda():

@@ -118,6 +118,7 @@ def decode_tile_config(
     num_sms: int = DEFAULT_NUM_SMS,
     uniform: bool = False,
     rope: bool = False,
+    group_padded: int = 16,
 ) -> TileConfig:
     """Tiles of the decode kernel for a launch of ``num_programs`` programs.
 
@@ -142,11 +143,14 @@ def decode_tile_config(
         num_sms: streaming multiprocessors.
         uniform: the grid covers every request row of a whole-step graph.
         rope: the launch rotates the query and key and writes the new K/V itself.
+        group_padded: query heads per KV head, padded as the kernel's dot products take
+            them (``GROUP_P``); the register counts above are at 16 (groups of up to 16),
+            and larger groups keep the 4-warp tile.
     """
     if dtype == torch.float32:
         return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
     by_waves = uniform or num_programs is not None
-    if head_dim_padded == 128 and by_waves and envs.decode_tiles_by_waves():
+    if head_dim_padded == 128 and group_padded == 16 and by_waves and envs.decode_tiles_by_waves():
         if not uniform:
             for per_sm, tile in DECODE_TILES_D128_ROPE if rope else DECODE_TILES_D128:
                 if num_programs <= per_sm * num_sms:
