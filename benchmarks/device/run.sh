@@ -93,8 +93,8 @@ if ls .carry/tools/xgrammar-*.whl .carry/tools/apache_tvm_ffi-*.whl >/dev/null 2
 fi
 TM=(python3 -m tokenmill.entrypoints.cli.main)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
-stage() {  # stage NAME TIMEOUT CMD...
-  local name=$1 to=$2; shift 2
+stage() {  # stage NAME TIMEOUT CMD... (NAME gets $SFX, the STAGE@VARS label)
+  local name=$1${SFX:-} to=$2; shift 2
   local l; l=$(left)
   if [ "$l" -lt 20 ]; then say "STAGE $name skipped (${l}s left)"; return 99; fi
   [ "$to" -gt "$l" ] && to=$l
@@ -108,7 +108,7 @@ stage() {  # stage NAME TIMEOUT CMD...
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
 }
-addjson() { [ -f "$2" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[2])); d={k:v for k,v in d.items() if not isinstance(v,(list,dict)) or len(v)<=8}; print(json.dumps({'stage':sys.argv[1],'result':d}))" "$1" "$2" >> "$OUT/results.jsonl"; }
+addjson() { [ -f "$2" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[2])); d={k:v for k,v in d.items() if not isinstance(v,(list,dict)) or len(v)<=8}; print(json.dumps({'stage':sys.argv[1],'result':d}))" "$1${SFX:-}" "$2" >> "$OUT/results.jsonl" && case "$2" in "$LOGS"/*) rm -f "$2" ;; esac; }
 wait_health() {
   local pid=$1 t=$(date +%s.%N)
   for _ in $(seq 1 600); do
@@ -191,7 +191,8 @@ serve_diag() {
   stop_server $pid
 }
 TPA=(--load-format dummy --dataset-name random)
-for st in "$@"; do
+run_stage() {  # run_stage NAME: one stage of the list below
+  local st=$1
   case "$st" in
     gputests) PYTHONPATH="$XGP" stage gputests 480 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
     gputests_all) PYTHONPATH="$XGP" stage gputests_all 330 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py tests/model/test_skinny_gemm.py tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/worker/test_top_p_select.py -p no:cacheprovider --timeout 200 --durations=5 ;;
@@ -303,6 +304,19 @@ for st in "$@"; do
     vllm_lat1) stage vllm_lat1 300 vllm bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/vllm_lat1.json"; addjson vllm_lat1 "$LOGS/vllm_lat1.json" ;;
     *) say "unknown stage $st" ;;
   esac
+}
+# STAGE@VAR=VALUE[+VAR=VALUE...] runs STAGE with those variables set; its logs and results
+# are labelled STAGE@VAR=VALUE... so it can run beside the plain stage.
+for st in "$@"; do
+  if [ "${st#*@}" != "$st" ]; then
+    (
+      IFS=+ read -ra kvs <<< "${st#*@}"
+      for kv in "${kvs[@]}"; do export "${kv?}"; done
+      SFX="@${st#*@}" run_stage "${st%%@*}"
+    )
+  else
+    run_stage "$st"
+  fi
 done
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
 # few files come back from the machine: one archive for the serving diagnostics
