@@ -74,8 +74,9 @@ capturable):
   requests after the leading decodes from the device ``prefill_range``, with
   ``num_actual_tokens // BLOCK_Q + UNIFORM_MAX_PREFILLS`` programs per KV head and a key
   split count fixed by the step's size (``num_uniform_varlen_splits``; the splits merge
-  themselves), and skips one-token queries. (Over every request, its early-exiting programs cost more than
-  the graph saves: they hold the prompt kernel's shared memory, so they run in waves.)
+  themselves), and skips one-token queries. (Over every request, its early-exiting
+  programs cost more than the graph saves: they hold the prompt kernel's shared memory, so
+  they run in waves.)
 """
 
 from __future__ import annotations

@@ -333,6 +333,42 @@ def varlen_reduce_kernel(
     )  # fmt: skip
 
 
+# Rows a self-merging prompt program merges at a time: [rows, D_P] fp32 tiles small enough
+# that the merge adds no registers to the key loop's (a whole 64-row block spilled).
+MERGE_ROWS: tl.constexpr = tl.constexpr(16)
+
+
+@triton.jit
+def _merge_block_splits(
+    out_ptr, part_out_ptr, part_lse_ptr, t0, q_start, q_block, q_len, kv_head, active,
+    stride_ot, stride_pr, stride_ph, stride_lr, stride_lh,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):  # fmt: skip
+    """Merge the ``active`` split partials of one (query block, KV head) of the prompt kernel
+    into ``out``, ``MERGE_ROWS`` rows at a time (``t0``: the request's first workspace
+    row; ``q_start``: its first output row)."""
+    d = tl.arange(0, D_P)
+    for r0 in range(0, BLOCK_Q * GROUP_P, MERGE_ROWS):
+        rows = r0 + tl.arange(0, MERGE_ROWS)
+        tok = q_block * BLOCK_Q + rows // GROUP_P
+        head = kv_head * GROUP + rows % GROUP_P
+        row_valid = (tok < q_len) & (rows % GROUP_P < GROUP)
+        t = (t0 + tok).to(tl.int64)
+        acc = tl.zeros([MERGE_ROWS, D_P], dtype=tl.float32)
+        m_i = tl.zeros([MERGE_ROWS], dtype=tl.float32) + M_INIT
+        l_i = tl.zeros([MERGE_ROWS], dtype=tl.float32)
+        acc, m_i, l_i = fold_partials(
+            acc, m_i, l_i, part_lse_ptr + t * stride_lr + head * stride_lh,
+            part_out_ptr + t * stride_pr + head * stride_ph, 0, active, row_valid,
+            HEAD_DIM, D_P, 1,
+        )  # fmt: skip
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * HEAD_DIM
+        tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None] & (d < HEAD_DIM)[None, :])  # fmt: skip
+
+
 @triton.jit
 def _find_seq(query_start_loc_ptr, req_offset, num_seqs, pid, BLOCK_Q: tl.constexpr):
     """The sequence whose query blocks include program ``pid``.
@@ -534,15 +570,11 @@ def varlen_attention_kernel(
             arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
             if arrived == active - 1:
                 tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-                acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
-                m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + M_INIT
-                l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-                acc, m_i, l_i = fold_partials(acc, m_i, l_i, lse_rows, part_rows, 0, active,
-                                              row_valid, HEAD_DIM, D_P, 1)  # fmt: skip
-                out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-                o_ptrs = (out_ptr + qo_rows[:, None] * stride_ot + head[:, None] * HEAD_DIM
-                          + d[None, :])  # fmt: skip
-                tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
+                _merge_block_splits(
+                    out_ptr, part_out_ptr, part_lse_ptr, q_start - first_token, q_start,
+                    q_block, q_len, kv_head, active, stride_ot, stride_pr, stride_ph,
+                    stride_lr, stride_lh, GROUP, GROUP_P, HEAD_DIM, D_P, BLOCK_Q,
+                )  # fmt: skip
         else:
             tl.store(part_rows[:, None] + split * HEAD_DIM + d[None, :], out, mask=qo_mask)
             tl.store(lse_rows + split, lse, mask=row_valid)
