@@ -148,20 +148,6 @@ def decode_tiles_by_waves() -> bool:
     return os.environ.get("TOKENMILL_DECODE_TILES_BY_WAVES", "").strip().lower() not in _OFF
 
 
-def uniform_prompt_splits() -> int | None:
-    """TOKENMILL_UNIFORM_PROMPT_SPLITS=N: key splits of the prompt kernel in whole-step
-    graphs of short mixed steps, in place of the measured default
-    (``triton_launch.num_uniform_varlen_splits``); unset: the default."""
-    value = os.environ.get("TOKENMILL_UNIFORM_PROMPT_SPLITS", "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(
-            f"TOKENMILL_UNIFORM_PROMPT_SPLITS must be a positive integer, got {value!r}"
-        )
-    return int(value)
-
-
 def mixed_step_graphs() -> bool:
     """TOKENMILL_MIXED_STEP_GRAPHS=0: replay steps with prompt tokens through the piecewise
     graphs (attention eager between pieces) instead of whole-step graphs (default: on where

@@ -49,9 +49,6 @@
 #   attn_dtiles2 decode tile candidates (DTILES) at serving batches, long contexts and a
 #              shared prefix; the split sweep under the tile DTILE
 #   attn_serving decode attention at serving batches and contexts, tiles as chosen
-#   attn_psplits the prompt kernel as whole-step graphs launch it, at each key split count
-#              (PSPLITS) under each tile (PTILES): step-mode chunks of 208 tokens and
-#              prompt-mode chunks of 256 after cached contexts
 #   attn_waves decode attention at serving batches (contexts 1,024..1,280): split counts
 #              (SPLITS), the same as whole-step graphs launch it (256 rows), tile shapes
 #   sprof_pace256 ...   the server's engine core under a closed loop: step times, GPU busy,
@@ -218,8 +215,6 @@ run_stage() {  # run_stage NAME: one stage of the list below
       stage attn_waves 200 python3 benchmarks/attention_bench.py --only decode --decode-batches 24,32,40,51,64,96,128 --contexts 1024 --context-spread 256 --sweep-splits --split-counts "${SPLITS:-1,2,3,4,5,6,8}"
       stage attn_waves_rows 120 python3 benchmarks/attention_bench.py --only decode --decode-batches 40,51,64 --contexts 1024 --context-spread 256 --decode-rows 256 --sweep-splits --split-counts "${SPLITS:-1,2,3,4,5,6,8}"
       stage attn_waves_tiles 150 python3 benchmarks/attention_bench.py --only decode --decode-batches 51 --contexts 1024 --context-spread 256 --sweep-decode-tiles ;;
-    attn_psplits)  # prompt-kernel key splits under uniform grids: paced chunks after cached context
-      stage attn_psplits 300 bash -c 'A=(python3 benchmarks/attention_bench.py --only prefill --uniform --sweep-tiles --prompt-tiles "${PTILES:-64:128:4:2,64:64:4:2,32:64:4:2,64:32:4:3}" --prompt-splits "${PSPLITS:-1,2,4}"); "${A[@]}" --prefill-tokens 208 --chunk-tokens 208 --chunk-contexts 208,416,624,816 && "${A[@]}" --prefill-tokens 64,1024 --chunk-tokens 256 --chunk-contexts 256,768,2000' ;;
     attn_serving) stage attn_serving 120 python3 benchmarks/attention_bench.py --only decode --decode-batches 1,8,16,24,32,40,48,56,64,72,80,96,112,128,160,192,256 --contexts 512,1024,2048 --context-spread 256 ;;
     attn_dtiles3)  # decode tile candidates (DTILES) over a fine batch grid at three contexts
       DT="${DTILES:-64:4:3,64:2:3,128:4:2,32:1:4}"

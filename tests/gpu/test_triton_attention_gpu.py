@@ -206,31 +206,6 @@ def test_decode_tiles_of_every_wave(monkeypatch, tile, splits):
     check(b, sliding_window=700, soft_cap=30.0)
 
 
-@pytest.mark.parametrize("tile", ["short", "default"])
-@pytest.mark.parametrize("splits", [1, 2, 4])
-def test_uniform_prompt_splits_merge_themselves(monkeypatch, tile, splits):
-    """A paced serving step as a whole-step graph launches it (uniform grids): 6 decodes,
-    a 205-token chunk after 819 cached tokens and a fresh 40-token prompt (whose query
-    blocks hold fewer key tiles than splits), the prompt kernel's keys split and merged by
-    the last split to finish; twice, as a graph replays it (the counters reset)."""
-    from tokenmill.model.attention import triton_backend, triton_launch
-
-    cfg = triton_launch.varlen_tile_config(128, torch.bfloat16, 256 if tile == "short" else None)
-    monkeypatch.setattr(triton_backend, "varlen_tile_config", lambda *args: cfg)
-    monkeypatch.setattr(triton_backend, "num_uniform_varlen_splits", lambda t: splits)
-    ctx = [1100, 37, 900, 1200, 5, 640, 819, 0]
-    b = make_batch(
-        [1] * 6 + [205, 40], ctx, num_heads=32, num_kv_heads=8, head_dim=128,
-        dtype=torch.bfloat16,
-    )  # fmt: skip
-    b.metadata.uniform_grids = True
-    b.metadata.prefill_range = torch.tensor([6, 2], dtype=torch.int32, device=DEVICE)
-    for _ in range(2):
-        check(b)
-    counters = triton_backend._VARLEN_MERGE_COUNTERS.get(torch.device(DEVICE, 0))
-    assert splits == 1 or (counters is not None and not counters.any())
-
-
 def test_decode_cuda_graph_replays_with_new_lengths():
     """Capture one decode step for 8 requests, then replay it with other contexts."""
     from tokenmill.model.attention.triton_backend import TritonAttentionImpl

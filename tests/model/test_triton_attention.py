@@ -24,7 +24,6 @@ from tests.model.triton_attention_cases import (  # first: switches the interpre
     use_tiles,
 )
 from tokenmill.model.attention import triton_backend, triton_launch
-from tokenmill.model.attention import triton_kernels as kernels
 from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.attention.torch_ref import TorchAttentionImpl, write_to_kv_cache
 from tokenmill.model.attention.triton_backend import (
@@ -270,28 +269,6 @@ def test_prompt_split_counts(monkeypatch, small_tiles, splits, window):
     check(b, sliding_window=window)
 
 
-@pytest.mark.parametrize("self_merge", [True, False], ids=["self-merge", "reduction"])
-def test_prompt_splits_merge_themselves_or_in_a_reduction(monkeypatch, small_tiles, self_merge):
-    """7 uneven splits over a 5-token turn after 700 cached tokens and a fresh 30-token
-    prompt (whose early query blocks hold fewer key tiles than splits): merged by the last
-    split to finish, or by the reduction launch where no counters can be had. The counters
-    are left at zero, so a repeated launch (a graph replay) merges again."""
-    monkeypatch.setattr(triton_backend, "num_varlen_splits", lambda *args: 7)
-    if not self_merge:
-        monkeypatch.setattr(triton_backend, "VARLEN_MERGE_COUNTER_SLOTS", 0)
-    reduce = _LaunchCounter(kernels.varlen_reduce_kernel)
-    monkeypatch.setattr(kernels, "varlen_reduce_kernel", reduce)
-    b = make_batch([1, 5, 30], [60, 700, 0], num_heads=8, num_kv_heads=2, num_decodes=1)
-    ref_out, ref_cache = run_reference(b)
-    for _ in range(2):
-        out, cache = run_triton(b)
-        torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
-        assert_same_cache(cache, ref_cache)
-    assert reduce.launches == (0 if self_merge else 2)
-    if self_merge:
-        assert not triton_backend._VARLEN_MERGE_COUNTERS[torch.device("cpu")].any()
-
-
 def test_decode_grid_sized_for_longest_model_context():
     # A CUDA graph captured with max_seq_len = max_model_len replays with short contexts:
     # the split count then exceeds what the lengths need and most splits are empty.
@@ -333,18 +310,15 @@ def test_padded_decode_batch_of_a_cuda_graph(monkeypatch, splits):
     ],
 )
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("prompt_splits", [1, 3])
 def test_uniform_grids_of_a_padded_mixed_batch(
-    monkeypatch, small_tiles, splits, prompt_splits, q_lens, ctx, leading
+    monkeypatch, small_tiles, splits, q_lens, ctx, leading
 ):
     """A mixed batch as a whole-step CUDA graph of 64 tokens runs it: the prompt kernel
     takes the requests after the leading decodes from the device ``prefill_range`` and
     leaves one-token queries among them to the decode kernel; padded with one-token
     requests of no context while padding tokens last, then with empty ones; host copies
-    wrong on purpose (the kernels must not read them). With ``prompt_splits`` the prompt
-    kernel's splits merge themselves (rows of the fresh 9-token prompt hold one key tile)."""
+    wrong on purpose (the kernels must not read them)."""
     monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
-    monkeypatch.setattr(triton_backend, "num_uniform_varlen_splits", lambda t: prompt_splits)
     real = make_batch(q_lens, ctx)
     md = real.metadata
     n, r, tokens, reqs = md.num_actual_tokens, md.num_reqs, 64, 40
@@ -374,35 +348,6 @@ def test_uniform_grids_of_a_padded_mixed_batch(
     ref_out, ref_cache = run_reference(real)
     torch.testing.assert_close(out[:n], ref_out, atol=1e-4, rtol=1e-4)
     assert_same_cache(cache, ref_cache)
-    assert not triton_backend._VARLEN_MERGE_COUNTERS.get(torch.device("cpu"), torch.zeros(1)).any()
-
-
-def test_uniform_grids_keep_one_prompt_split_without_merge_counters(monkeypatch):
-    """A uniform grid cannot launch the reduction (it does not know which rows are prompt
-    rows), so without the counters the prompt kernel keeps one split."""
-    monkeypatch.setattr(triton_backend, "num_uniform_varlen_splits", lambda t: 4)
-    md = make_batch([1, 9], [30, 40]).metadata
-    md.uniform_grids, md.prefill_range = True, torch.tensor([1, 1], dtype=torch.int32)
-    impl = TritonAttentionImpl(4, 16, 0.25, 2)
-    query, kv = torch.zeros(10, 64), torch.zeros(2, 8, 16, 2, 16)
-    plan = triton_backend.step_plan(md)
-    assert impl._varlen_launches(query, query, kv, md, plan).kwargs["num_splits"] == 4
-    monkeypatch.setattr(triton_backend, "VARLEN_MERGE_COUNTER_SLOTS", 0)
-    launch = impl._varlen_launches(query, query, kv, md, dataclasses.replace(plan, launches={}))
-    assert launch.kwargs["num_splits"] == 1 and launch.workspace is None
-    assert launch.reduce_grid is None
-
-
-def test_short_whole_step_graphs_split_their_prompt_keys(monkeypatch):
-    monkeypatch.delenv("TOKENMILL_UNIFORM_PROMPT_SPLITS", raising=False)
-    splits = triton_launch.num_uniform_varlen_splits
-    assert splits(triton_launch.UNIFORM_SHORT_TOKENS) == triton_launch.UNIFORM_SHORT_SPLITS
-    assert splits(triton_launch.UNIFORM_SHORT_TOKENS + 16) == 1
-    monkeypatch.setenv("TOKENMILL_UNIFORM_PROMPT_SPLITS", "3")
-    assert splits(256) == 3 and splits(1024) == 1
-    monkeypatch.setenv("TOKENMILL_UNIFORM_PROMPT_SPLITS", "0")
-    with pytest.raises(ValueError, match="TOKENMILL_UNIFORM_PROMPT_SPLITS"):
-        splits(256)
 
 
 def test_requests_without_tokens_are_skipped():

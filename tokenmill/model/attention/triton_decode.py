@@ -15,7 +15,6 @@ from tokenmill.model.attention.triton_kernels import (
     M_INIT,
     SPLIT_RUNTIME_INTS,
     attend_tiles,
-    fold_partials,
     merge_splits,
     scaled_scores,
     softmax_step,
@@ -88,6 +87,34 @@ def _fold_key(acc, m_i, l_i, q, k, v, sm_scale, soft_cap, USE_SOFTCAP: tl.conste
 
 
 @triton.jit
+def _fold_partials(
+    acc, m_i, l_i, lse_rows, part_rows, lo, hi, head_ok,
+    HEAD_DIM: tl.constexpr, D_P: tl.constexpr, MERGE_S: tl.constexpr,
+):  # fmt: skip
+    """Fold split slots ``lo .. hi - 1`` of a group's partials (``lse_rows``/``part_rows``:
+    each head's first slot) into the online-softmax state, ``MERGE_S`` slots per load, from
+    L2 (``.cg``): the splits that wrote them ran on other SMs."""
+    d = tl.arange(0, D_P)
+    sp = tl.arange(0, MERGE_S)
+    for s0 in range(lo, hi, MERGE_S):
+        valid = head_ok[:, None] & ((s0 + sp) < hi)[None, :]
+        lse = tl.load(lse_rows[:, None] + (s0 + sp)[None, :], mask=valid, other=float("-inf"),
+                      cache_modifier=".cg")  # fmt: skip
+        parts = tl.load(
+            part_rows[:, None, None] + ((s0 + sp) * HEAD_DIM)[None, :, None] + d[None, None, :],
+            mask=valid[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(lse, 1))
+        alpha = tl.exp2(m_i - m_new)
+        w = tl.exp2(lse - m_new[:, None])
+        acc = acc * alpha[:, None] + tl.sum(parts * w[:, :, None], 1)
+        l_i = l_i * alpha + tl.sum(w, 1)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _merge_group_splits(
     out_ptr, out_row, stride_ot, part_out_ptr, part_lse_ptr, r, kv_head, active,
     prefix_base, prefix_splits, stride_pr, stride_ph, stride_lr, stride_lh,
@@ -105,9 +132,9 @@ def _merge_group_splits(
     acc = tl.zeros([MERGE_G, D_P], dtype=tl.float32)
     m_i = tl.zeros([MERGE_G], dtype=tl.float32) + M_INIT
     l_i = tl.zeros([MERGE_G], dtype=tl.float32)
-    acc, m_i, l_i = fold_partials(acc, m_i, l_i, lse_rows, part_rows, 0, active, g < GROUP,
+    acc, m_i, l_i = _fold_partials(acc, m_i, l_i, lse_rows, part_rows, 0, active, g < GROUP,
                                    HEAD_DIM, D_P, MERGE_S)  # fmt: skip
-    acc, m_i, l_i = fold_partials(
+    acc, m_i, l_i = _fold_partials(
         acc, m_i, l_i, lse_rows, part_rows, prefix_base, prefix_base + prefix_splits, g < GROUP,
         HEAD_DIM, D_P, MERGE_S,
     )  # fmt: skip

@@ -156,35 +156,6 @@ SPLIT_RUNTIME_INTS = ["num_splits", "stride_pr", "stride_ph", "stride_lr", "stri
 
 
 @triton.jit
-def fold_partials(
-    acc, m_i, l_i, lse_rows, part_rows, lo, hi, head_ok,
-    HEAD_DIM: tl.constexpr, D_P: tl.constexpr, MERGE_S: tl.constexpr,
-):  # fmt: skip
-    """Fold split slots ``lo .. hi - 1`` of some rows' partials (``lse_rows``/``part_rows``
-    ``[R]``: each row's first slot; rows where ``head_ok`` is unset load nothing) into the
-    online-softmax state ``acc [R, D_P]``, ``m_i``/``l_i`` ``[R]``, ``MERGE_S`` slots per
-    load, from L2 (``.cg``): the splits that wrote them ran on other SMs."""
-    d = tl.arange(0, D_P)
-    sp = tl.arange(0, MERGE_S)
-    for s0 in range(lo, hi, MERGE_S):
-        valid = head_ok[:, None] & ((s0 + sp) < hi)[None, :]
-        lse = tl.load(lse_rows[:, None] + (s0 + sp)[None, :], mask=valid, other=float("-inf"),
-                      cache_modifier=".cg")  # fmt: skip
-        parts = tl.load(
-            part_rows[:, None, None] + ((s0 + sp) * HEAD_DIM)[None, :, None] + d[None, None, :],
-            mask=valid[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0,
-            cache_modifier=".cg",
-        )  # fmt: skip
-        m_new = tl.maximum(m_i, tl.max(lse, 1))
-        alpha = tl.exp2(m_i - m_new)
-        w = tl.exp2(lse - m_new[:, None])
-        acc = acc * alpha[:, None] + tl.sum(parts * w[:, :, None], 1)
-        l_i = l_i * alpha + tl.sum(w, 1)
-        m_i = m_new
-    return acc, m_i, l_i
-
-
-@triton.jit
 def merge_splits(
     out_ptr, out_row, stride_ot, part_out_ptr, part_lse_ptr, r, head, num_splits,
     stride_pr, stride_ph, stride_lr, stride_lh,
@@ -333,42 +304,6 @@ def varlen_reduce_kernel(
     )  # fmt: skip
 
 
-# Rows a self-merging prompt program merges at a time: [rows, D_P] fp32 tiles small enough
-# that the merge adds no registers to the key loop's (a whole 64-row block spilled).
-MERGE_ROWS: tl.constexpr = tl.constexpr(16)
-
-
-@triton.jit
-def _merge_block_splits(
-    out_ptr, part_out_ptr, part_lse_ptr, t0, q_start, q_block, q_len, kv_head, active,
-    stride_ot, stride_pr, stride_ph, stride_lr, stride_lh,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-):  # fmt: skip
-    """Merge the ``active`` split partials of one (query block, KV head) of the prompt kernel
-    into ``out``, ``MERGE_ROWS`` rows at a time (``t0``: the request's first workspace
-    row; ``q_start``: its first output row)."""
-    d = tl.arange(0, D_P)
-    for r0 in range(0, BLOCK_Q * GROUP_P, MERGE_ROWS):
-        rows = r0 + tl.arange(0, MERGE_ROWS)
-        tok = q_block * BLOCK_Q + rows // GROUP_P
-        head = kv_head * GROUP + rows % GROUP_P
-        row_valid = (tok < q_len) & (rows % GROUP_P < GROUP)
-        t = (t0 + tok).to(tl.int64)
-        acc = tl.zeros([MERGE_ROWS, D_P], dtype=tl.float32)
-        m_i = tl.zeros([MERGE_ROWS], dtype=tl.float32) + M_INIT
-        l_i = tl.zeros([MERGE_ROWS], dtype=tl.float32)
-        acc, m_i, l_i = fold_partials(
-            acc, m_i, l_i, part_lse_ptr + t * stride_lr + head * stride_lh,
-            part_out_ptr + t * stride_pr + head * stride_ph, 0, active, row_valid,
-            HEAD_DIM, D_P, 1,
-        )  # fmt: skip
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_rows = (q_start + tok).to(tl.int64) * stride_ot + head * HEAD_DIM
-        tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_valid[:, None] & (d < HEAD_DIM)[None, :])  # fmt: skip
-
-
 @triton.jit
 def _find_seq(query_start_loc_ptr, req_offset, num_seqs, pid, BLOCK_Q: tl.constexpr):
     """The sequence whose query blocks include program ``pid``.
@@ -402,7 +337,6 @@ def varlen_attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     prefill_range_ptr,
-    counter_ptr,
     req_offset,
     num_seqs,
     sm_scale,
@@ -431,7 +365,6 @@ def varlen_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UNIFORM: tl.constexpr,
-    MERGE: tl.constexpr,
 ):
     """Program (query block, KV head, split): ``BLOCK_Q`` consecutive query tokens of one
     sequence times the ``GROUP`` heads of one KV head, ``BLOCK_Q * GROUP_P`` rows in all,
@@ -447,11 +380,7 @@ def varlen_attention_kernel(
     most of the chip idle), each split writes its normalized partial output and log2-sum-exp
     to ``part_out[t, head, split]`` / ``part_lse[t, head, split]`` (``t`` counted from the
     first query token of ``req_offset``; split strides ``HEAD_DIM`` and 1) for
-    ``varlen_reduce_kernel``, or, with ``MERGE``, the splits merge themselves: only those
-    that hold key tiles run; each counts itself in ``counter_ptr[query block * NUM_KV_HEADS
-    + KV head]`` (int32, zero before the launch and left at zero) and the last to arrive
-    merges the block's partials into ``out``, in split order (CUDA's "last block"
-    reduction, as the decode kernel's splits merge).
+    ``varlen_reduce_kernel``.
 
     ``UNIFORM`` (a batch launched with uniform grids): the requests are
     ``prefill_range[1]`` from ``prefill_range[0]`` on (device int32), in place of
@@ -516,15 +445,9 @@ def varlen_attention_kernel(
     mid_lo = tl.minimum(tl.maximum(full_lo, lo), end)
     mid_hi = tl.maximum(full_end, mid_lo)  # full_end <= end
     # This split's run of key tiles, [split_lo, split_hi); each segment below is cut to it.
-    tiles = tl.cdiv(end - lo, BLOCK_N)
-    tiles_per_split = tl.cdiv(tiles, num_splits)
+    tiles_per_split = tl.cdiv(tl.cdiv(end - lo, BLOCK_N), num_splits)
     split_lo = lo + split * tiles_per_split * BLOCK_N
     split_hi = split_lo + tiles_per_split * BLOCK_N
-    # The splits that hold key tiles (the first always counts).
-    active = tl.maximum(tl.cdiv(tiles, tl.maximum(tiles_per_split, 1)), 1)
-    if MERGE:
-        if split >= active:
-            return
 
     acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + M_INIT
@@ -555,26 +478,7 @@ def varlen_attention_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
         t = (q_start - first_token + tok).to(tl.int64)
-        part_rows = part_out_ptr + t * stride_pr + head * stride_ph
-        lse_rows = part_lse_ptr + t * stride_lr + head * stride_lh
+        part = t * stride_pr + head * stride_ph + split * HEAD_DIM
+        tl.store(part_out_ptr + part[:, None] + d[None, :], out, mask=qo_mask)
         lse = m_i + tl.log2(l_i)  # -inf where a row sees no key of this split
-        if MERGE:
-            # .cg: the partials are read on another SM in this launch.
-            tl.store(part_rows[:, None] + split * HEAD_DIM + d[None, :], out, mask=qo_mask,
-                     cache_modifier=".cg")  # fmt: skip
-            tl.store(lse_rows + split, lse, mask=row_valid, cache_modifier=".cg")
-            # Every thread's stores precede the counter update (bar.sync), a release at GPU
-            # scope; the last split's acquire orders its loads of the partials after it.
-            tl.debug_barrier()
-            count = counter_ptr + pid * NUM_KV_HEADS + kv_head
-            arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
-            if arrived == active - 1:
-                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-                _merge_block_splits(
-                    out_ptr, part_out_ptr, part_lse_ptr, q_start - first_token, q_start,
-                    q_block, q_len, kv_head, active, stride_ot, stride_pr, stride_ph,
-                    stride_lr, stride_lh, GROUP, GROUP_P, HEAD_DIM, D_P, BLOCK_Q,
-                )  # fmt: skip
-        else:
-            tl.store(part_rows[:, None] + split * HEAD_DIM + d[None, :], out, mask=qo_mask)
-            tl.store(lse_rows + split, lse, mask=row_valid)
+        tl.store(part_lse_ptr + t * stride_lr + head * stride_lh + split, lse, mask=row_valid)

@@ -40,14 +40,8 @@ VARLEN_MAX_SPLITS = 16
 # decodes (each may end in a partial query block). A paced serving step has one or two.
 UNIFORM_MAX_PREFILLS = 8
 # Uniform grids up to this many tokens (a paced serving step: decodes + a short chunk) take
-# the prompt kernel's short-chunk tiles (see ``varlen_tile_config``) and
-# ``UNIFORM_SHORT_SPLITS`` key splits (see ``num_uniform_varlen_splits``).
+# the prompt kernel's short-chunk tiles (see ``varlen_tile_config``).
 UNIFORM_SHORT_TOKENS = 384
-UNIFORM_SHORT_SPLITS = 1
-# Prompt-kernel splits that merge themselves: counters for this many (query block, KV head)
-# pairs (``varlen_attention_kernel``, ``MERGE``); past them the reduction launch merges
-# (non-uniform grids) or the grid keeps one split (uniform grids).
-VARLEN_MERGE_COUNTER_SLOTS = 1 << 12
 
 
 @dataclass(frozen=True)
@@ -81,7 +75,7 @@ def varlen_tile_config(
     soft cap) and ``benchmarks/attention_bench.py --sweep-tiles``.
 
     A whole-step graph of at most ``UNIFORM_SHORT_TOKENS`` tokens (``uniform_tokens``: the
-    padded step) takes 64 x 128 tiles with 4 warps: twice
+    padded step; uniform grids have one key split) takes 64 x 128 tiles with 4 warps: twice
     the programs over a short chunk's query blocks, each with wider key tiles. Llama-3.1-8B
     on an H200 (RESULTS.md, tenth set), a 256-token chunk after 0 / 256 / 512 / 768 cached
     tokens: 15.7 / 22.9 / 28.7 / 34.0 us per layer against 17.1 / 27.0 / 34.8 / 42.8. A
@@ -225,19 +219,3 @@ def num_varlen_splits(
     busy = max(cdiv(num_tokens, block_q), num_seqs) * num_kv_heads
     useful = cdiv(max(1, max_seq_len), MIN_SPLIT_TOKENS)
     return max(1, min(num_sms // max(1, busy), useful, VARLEN_MAX_SPLITS))
-
-
-def num_uniform_varlen_splits(uniform_tokens: int) -> int:
-    """Key splits of the prompt kernel in a uniform grid (a whole-step graph) of
-    ``uniform_tokens`` tokens.
-
-    Its split count is fixed at capture, when the contexts are unknown, and each program
-    deals its keys to the splits from the device ``seq_lens``; splits beyond a short
-    context's key tiles exit at once. Short steps (at most ``UNIFORM_SHORT_TOKENS``: a paced
-    serving step of decodes and one chunk) take ``UNIFORM_SHORT_SPLITS``, longer ones one.
-    ``TOKENMILL_UNIFORM_PROMPT_SPLITS`` overrides the short steps' count.
-    """
-    if uniform_tokens > UNIFORM_SHORT_TOKENS:
-        return 1
-    override = envs.uniform_prompt_splits()
-    return min(VARLEN_MAX_SPLITS, override if override is not None else UNIFORM_SHORT_SPLITS)
