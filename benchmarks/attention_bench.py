@@ -22,7 +22,9 @@ shape again with its first 2,000 tokens in blocks shared by every request (prefi
 the rate is then over the logical K/V, so it shows how much the shared reads come from L2.
 ``--uniform`` runs the prompt kernel as a whole-step graph of a mixed batch does (uniform
 grids: one key split, programs found from the device tensors); ``--chunk-contexts 0,256``
-times ``--chunk-tokens`` chunks after those cached contexts.
+times ``--chunk-tokens`` chunks after those cached contexts; ``--prompt-splits 1,2,4`` times
+the prompt kernel at each key split count (under each of ``--prompt-tiles`` with
+``--sweep-tiles``; not with ``--uniform``).
 
 Usage: python benchmarks/attention_bench.py [--dtype bf16] [--baseline] [--sweep-splits]
 """
@@ -75,6 +77,11 @@ def tiles(text: str) -> list[TileConfig]:
     """Decode tile shapes from ``KEYS:WARPS:STAGES[,...]``."""
     shapes = [[int(x) for x in item.split(":")] for item in text.split(",")]
     return [TileConfig(16, n, w, st) for n, w, st in shapes]
+
+
+def prompt_tiles(text: str) -> list[TileConfig]:
+    """Prompt tile shapes from ``M:N:WARPS:STAGES[,...]``."""
+    return [TileConfig(*(int(x) for x in item.split(":"))) for item in text.split(",")]
 
 
 def parse_args() -> argparse.Namespace:
@@ -130,6 +137,20 @@ def parse_args() -> argparse.Namespace:
         "with uniform grids, as a whole-step graph does (0: off)",
     )
     p.add_argument("--sweep-tiles", action="store_true", help="time prefill tile shapes")
+    p.add_argument(
+        "--prompt-tiles",
+        type=prompt_tiles,
+        default=None,
+        help="prefill tile shapes that --sweep-tiles times, as M:N:WARPS:STAGES,... "
+        "(default: the built-in sweep)",
+    )
+    p.add_argument(
+        "--prompt-splits",
+        type=ints,
+        default=None,
+        help="prefill: time each of these key split counts (with --sweep-tiles, under each "
+        "tile); uniform grids take one split, so not with --uniform",
+    )
     p.add_argument(
         "--sweep-decode-tiles", action="store_true", help="time decode tile shapes (keys, warps)"
     )
@@ -360,6 +381,8 @@ def run_decode(args: argparse.Namespace) -> None:
 
 
 def run_prefill(args: argparse.Namespace) -> None:
+    if args.uniform and args.prompt_splits:
+        raise SystemExit("--prompt-splits: uniform grids take one key split; drop --uniform")
     print(f"\n== prefill, {args.num_heads}/{args.num_kv_heads} heads, D={args.head_dim}")
     shapes = [(t, 0, b) for t in args.prefill_tokens for b in args.prefill_batch]
     chunk_contexts = args.chunk_contexts
@@ -372,14 +395,24 @@ def run_prefill(args: argparse.Namespace) -> None:
         if args.uniform:
             name += " uniform"
         report(name, bench(p.attend), p.bytes_moved(), p.flops(), args)
-        if args.sweep_tiles:
-            for cfg in TILE_SWEEP:
-                with patched("varlen_tile_config", lambda *_, cfg=cfg: cfg, p):
+        tile_list = (args.prompt_tiles or TILE_SWEEP) if args.sweep_tiles else [None]
+        for cfg in tile_list:
+            for splits in args.prompt_splits or [None]:
+                if cfg is None and splits is None:
+                    continue
+                tag = "  "
+                with contextlib.ExitStack() as stack:
+                    if cfg is not None:
+                        stack.enter_context(patched("varlen_tile_config", lambda *_, c=cfg: c, p))
+                        tag += (
+                            f"tiles m={cfg.block_m} n={cfg.block_n} w={cfg.num_warps} "
+                            f"s={cfg.num_stages} "
+                        )
+                    if splits is not None:
+                        stack.enter_context(patched("num_varlen_splits", lambda *_, n=splits: n, p))
+                        tag += f"splits={splits}"
                     times = bench(p.attend)
-                tag = (
-                    f"  tiles m={cfg.block_m} n={cfg.block_n} w={cfg.num_warps} s={cfg.num_stages}"
-                )
-                report(tag, times, p.bytes_moved(), p.flops(), args)
+                report(tag.rstrip(), times, p.bytes_moved(), p.flops(), args)
         if args.baseline:
             report(
                 "  torch sdpa (unpaged)", bench(sdpa_baseline(p)), p.bytes_moved(), p.flops(), args
