@@ -159,9 +159,9 @@ class SchedulerConfig:
         prefill_pacing_tokens: if > 0 (and chunked prefill is on), the most prompt tokens
             a step computes while other requests decode, of the queued prompt work up to
             two steps' budget (``tokenmill.core.prefill_pacing``).
-        prefill_pacing_mode: what ``prefill_pacing_tokens`` counts: ``prompt`` (the prompt
-            tokens of a paced step, beside its decodes) or ``step`` (all of a paced step's
-            tokens, its decodes first).
+        prefill_pacing_mode: what ``prefill_pacing_tokens`` counts: ``step`` (all of a
+            paced step's tokens, its decodes first) or ``prompt`` (the prompt tokens of a
+            paced step, beside its decodes).
     """
 
     max_num_batched_tokens: int
@@ -173,7 +173,7 @@ class SchedulerConfig:
     async_scheduling: bool = False
     admission_headroom: bool = True
     prefill_pacing_tokens: int = 0
-    prefill_pacing_mode: Literal["prompt", "step"] = "prompt"
+    prefill_pacing_mode: Literal["prompt", "step"] = "step"
 
 
 @dataclass

@@ -189,20 +189,21 @@ class EngineArgs:
         "If > 0, a prompt chunk takes at most this many tokens of a step.", default=0
     )
     prefill_pacing_tokens: int | None = _flag(
-        "If > 0, while requests decode, compute at most this many tokens per step of the "
-        "queued prompts, up to two steps' budget of them (the excess is computed at once): "
-        "lower TTFT and more throughput under load, at some cost in TPOT; 0 turns it off "
+        "If > 0, while requests decode, steps compute at most this many tokens (see "
+        "--prefill-pacing-mode) of the queued prompts, up to two steps' budget of them (the "
+        "excess is computed at once), so prompts never stall the decodes; 0 turns it off "
         "(full-budget steps). Needs "
         f"chunked prefill. Default: {SERVING_PACING_TOKENS} when serving on CUDA with chunked "
         "prefill and CUDA graphs, else 0.",
         default=None,
     )
-    prefill_pacing_mode: str = _flag(
-        "What --prefill-pacing-tokens counts. prompt: the prompt tokens of a paced step, "
-        "beside its decodes (the lowest TTFT). step: all of a paced step's tokens, its "
-        "decodes first (Sarathi-Serve's token budget: faster decoding under load, prompts "
-        "wait longer); see benchmarks/RESULTS.md for the trade on an H200.",
-        default="prompt",
+    prefill_pacing_mode: str | None = _flag(
+        "What --prefill-pacing-tokens counts. step: all of a paced step's tokens, its "
+        "decodes first (Sarathi-Serve's token budget: the fastest decoding under load; the "
+        "default). prompt: the prompt tokens of a paced step, beside its decodes (a lower "
+        "TTFT and a little more throughput under load, for a higher TPOT); see "
+        "benchmarks/RESULTS.md for the trade on an H200.",
+        default=None,
         choices=["prompt", "step"],
     )
     async_scheduling: bool | None = _flag(
@@ -345,7 +346,7 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be non-negative, got {value}")
-        if self.prefill_pacing_mode not in ("prompt", "step"):
+        if self.prefill_pacing_mode not in (None, "prompt", "step"):
             raise ConfigError(
                 f"--prefill-pacing-mode must be prompt or step, got {self.prefill_pacing_mode!r}"
             )
@@ -447,10 +448,11 @@ class EngineArgs:
                 )
         _check_token_table_fits(max_seqs, model_config.max_model_len)
         pacing_tokens = self._prefill_pacing_tokens(device, server)
-        if self.prefill_pacing_mode == "step" and not pacing_tokens:
+        if self.prefill_pacing_mode is not None and not pacing_tokens:
             raise ConfigError(
-                "--prefill-pacing-mode step needs prefill pacing: pass --prefill-pacing-tokens N "
-                "(it is on by default only for servers on CUDA with CUDA graphs)"
+                f"--prefill-pacing-mode {self.prefill_pacing_mode} needs prefill pacing: pass "
+                "--prefill-pacing-tokens N (it is on by default only for servers on CUDA with "
+                "CUDA graphs)"
             )
         return SchedulerConfig(
             max_num_batched_tokens=max_tokens,
@@ -463,7 +465,7 @@ class EngineArgs:
                 device == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
             prefill_pacing_tokens=pacing_tokens,
-            prefill_pacing_mode=self.prefill_pacing_mode,  # type: ignore[arg-type]
+            prefill_pacing_mode=self.prefill_pacing_mode or "step",  # type: ignore[arg-type]
         )
 
     def _prefill_pacing_tokens(self, device: str, server: bool) -> int:

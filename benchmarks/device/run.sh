@@ -44,7 +44,8 @@
 #              skinny_pdl / skinny_sweep_pdl the same with programmatic dependent launches
 #   *_cublas   lat1/lat32/stepbench with TOKENMILL_SKINNY_GEMM=0 (cuBLAS for every product)
 #   diag_default diag_vllm diag_pace512 ...   serving with per-request detail, /metrics and
-#              step logs (LOADS="random prefix" picks the loads)
+#              step logs (LOADS="random prefix" picks the loads); diag_paceN paces prompt
+#              tokens (--prefill-pacing-mode prompt), diag_default takes the server's defaults
 #   attn_prefix attn_dtiles   decode attention with a shared prefix; decode tile sweep
 #   attn_dtiles2 decode tile candidates (DTILES) at serving batches, long contexts and a
 #              shared prefix; the split sweep under the tile DTILE
@@ -283,7 +284,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     diag_b4096) serve_diag b4096 --max-num-batched-tokens 4096 ;;
     diag_b2048) serve_diag b2048 --max-num-batched-tokens 2048 ;;
     diag_sync) serve_diag sync --no-async-scheduling ;;
-    diag_pace[0-9]*) serve_diag "pace${st#diag_pace}" --prefill-pacing-tokens "${st#diag_pace}" ;;
+    diag_pace[0-9]*) serve_diag "pace${st#diag_pace}" --prefill-pacing-mode prompt --prefill-pacing-tokens "${st#diag_pace}" ;;
     diag_step[0-9]*) serve_diag "$st" --prefill-pacing-mode step --prefill-pacing-tokens "${st#diag_step}" ;;
     sprof_pace[0-9]*) stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprof_pace}" ;;
     sprof_step[0-9]*) TAIL_LINES=60 stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprof_step}" --pacing-mode step --no-host ;;

@@ -265,7 +265,7 @@ def main() -> None:
         model=args.model,
         load_format="dummy",
         prefill_pacing_tokens=args.pacing,
-        prefill_pacing_mode=args.pacing_mode,
+        prefill_pacing_mode=args.pacing_mode if args.pacing else None,
     )
     core = EngineCore(engine_args.create_engine_config("server"))
     loop = ClosedLoop(core, args, core.config.model_config.vocab_size)

@@ -147,12 +147,16 @@ def test_engine_flag(tmp_path):
         EngineArgs(
             model=model, prefill_pacing_tokens=512, enable_chunked_prefill=False
         ).create_engine_config()
-    step = EngineArgs(model=model, prefill_pacing_tokens=256, prefill_pacing_mode="step")
-    assert step.create_engine_config("server").scheduler_config.prefill_pacing_mode == "step"
-    # Step mode counts the pacing tokens: with pacing off (a CPU server's default) it
-    # would do nothing, so it is refused rather than accepted and ignored.
-    with pytest.raises(ConfigError, match="--prefill-pacing-mode step needs prefill pacing"):
-        EngineArgs(model=model, prefill_pacing_mode="step").create_engine_config("server")
+    for mode in ("step", "prompt"):
+        args = EngineArgs(model=model, prefill_pacing_tokens=256, prefill_pacing_mode=mode)
+        assert args.create_engine_config("server").scheduler_config.prefill_pacing_mode == mode
+    # Paced steps count their decodes unless told otherwise.
+    assert config.scheduler_config.prefill_pacing_mode == "step"
+    # A mode says what the pacing tokens count: with pacing off (a CPU server's default)
+    # it would do nothing, so it is refused rather than accepted and ignored.
+    for mode in ("step", "prompt"):
+        with pytest.raises(ConfigError, match=f"--prefill-pacing-mode {mode} needs prefill pacing"):
+            EngineArgs(model=model, prefill_pacing_mode=mode).create_engine_config("server")
     with pytest.raises(ConfigError, match="must be prompt or step"):
         EngineArgs(model=model, prefill_pacing_mode="tokens").create_engine_config()
 
@@ -167,6 +171,8 @@ def test_servers_on_cuda_pace_by_default(tmp_path, monkeypatch):
         return args.create_engine_config(usage).scheduler_config.prefill_pacing_tokens
 
     assert pacing() == SERVING_PACING_TOKENS == 256
+    server = EngineArgs(model=model).create_engine_config("server").scheduler_config
+    assert server.prefill_pacing_mode == "step"  # the step's tokens, decodes included
     assert pacing("llm") == 0  # offline runs are about throughput
     assert pacing(prefill_pacing_tokens=0) == 0
     assert pacing(prefill_pacing_tokens=1024) == 1024
