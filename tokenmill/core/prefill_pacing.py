@@ -69,8 +69,12 @@ machines, each beside vLLM 0.24 (RESULTS.md, twenty-first set): TTFT p50 688 and
 TPOT p50 10.61 and 10.82 ms, against 140 and 214 ms, 11.82 and 11.90 ms counting prompt
 tokens, and vLLM's 668 and 748 ms, 10.92 and 10.63 ms; output throughput 2% below
 counting prompt tokens, 0.99-1.00x vLLM's. It is vLLM's operating point without its
-full-budget steps (ITL p99 13.5 against 185 ms); counting prompt tokens stays the default
-for its 3-5x lower TTFT and its 2% more throughput.
+full-budget steps (ITL p99 13.5 against 185 ms). Once the decode attention took the tile
+whose single wave holds its grid (twenty-second and twenty-third sets), it gave 677 / 10.43
+ms beside vLLM's 682 / 10.88 ms on one machine and 672 / 10.34 ms on another: below vLLM on
+both medians, which counting prompt tokens never is on TPOT (7-12% above). So servers count
+decodes by default; ``--prefill-pacing-mode prompt`` counts prompt tokens, for a 3x lower
+TTFT and 2-7% more throughput at that higher TPOT.
 
 Torch-free, like the rest of core/.
 """
