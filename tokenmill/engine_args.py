@@ -191,10 +191,10 @@ class EngineArgs:
     prefill_pacing_tokens: int | None = _flag(
         "If > 0, while requests decode, steps compute at most this many tokens (see "
         "--prefill-pacing-mode) of the queued prompts, up to two steps' budget of them (the "
-        "excess is computed at once), so prompts never stall the decodes; 0 turns it off "
-        "(full-budget steps). Needs "
-        f"chunked prefill. Default: {SERVING_PACING_TOKENS} when serving on CUDA with chunked "
-        "prefill and CUDA graphs, else 0.",
+        "excess is computed at once), so a short queue of prompts does not stall the "
+        "decodes; 0 turns it off (full-budget steps). Needs chunked prefill. Default: "
+        f"{SERVING_PACING_TOKENS} when serving on CUDA with chunked prefill and CUDA graphs, "
+        "else 0.",
         default=None,
     )
     prefill_pacing_mode: str | None = _flag(
