@@ -168,6 +168,10 @@ start_up() {
 # if .carry/tools has a py-spy wheel, a profile of the API server during the random load.
 serve_diag() {
   local label=$1; shift
+  # A server that would come up with too little time left for its first load is not
+  # started (vLLM's takes 85-145 s to become healthy, tokenmill's 17-37 s).
+  local need=150; [ "${label#vllm}" != "$label" ] && need=260
+  if [ "$(left)" -lt "$need" ]; then say "STAGE ${label}_server skipped ($(left)s left, needs ${need}s)"; return 99; fi
   local D="$OUT/serve_diag"; mkdir -p "$D"
   if [ -z "${PYSPY:-}" ] && ls .carry/tools/py_spy-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .carry/tools/py_spy-*.whl >/dev/null 2>&1
