@@ -27,6 +27,7 @@ from tokenmill.config import (
     SchedulerConfig,
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
+from tokenmill.sampling_params import INT64_MAX, INT64_MIN
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def parse_bytes(value: str | int) -> int:
     if not match:
         try:
             return int(float(value))
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: inf, 1e400
             raise ValueError(
                 f"not a size in bytes: {value!r} (e.g. 4GiB, 512MB, 1000000)"
             ) from None
@@ -338,6 +339,13 @@ class EngineArgs:
                 f"--quantization {self.quantization}: no quantization method is implemented yet "
                 "(GGUF files are dequantized at load time)"
             )
+        if not INT64_MIN <= self.seed <= INT64_MAX:
+            raise ConfigError(f"--seed must be a 64-bit signed integer, got {self.seed}")
+        names = self.served_model_name
+        if names is not None and any(
+            not n.strip() for n in ([names] if isinstance(names, str) else names)
+        ):
+            raise ConfigError("--served-model-name: a served model name cannot be empty")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -49,6 +49,8 @@ def test_unimplemented_vllm_flags_are_rejected(capsys, flag):
         ["serve", "--max-log-len", "-1"],
         ["serve", "--kv-cache-dtype", "fp8"],
         ["serve", "--max-model-len", "1.5K"],
+        ["serve", "--kv-cache-memory", "inf"],  # was an OverflowError traceback
+        ["serve", "--kv-cache-memory", "1e400"],
     ],
 )
 def test_bad_flags_fail_in_one_line(capsys, argv):
@@ -145,6 +147,9 @@ def test_bench_throughput_checks_its_dataset_flags_before_the_engine(monkeypatch
     argv = ["throughput", "--model", "/no/such/model", "--num-prompts", "0"]
     assert bench_main(argv) == 2
     assert "--num-prompts must be at least 1" in capsys.readouterr().err
+    argv = ["throughput", "--model", "/no/such/model", "--random-input-len", "-1"]
+    assert bench_main(argv) == 2
+    assert "--random-input-len and --random-prefix-len must be" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -153,6 +158,10 @@ def test_bench_throughput_checks_its_dataset_flags_before_the_engine(monkeypatch
         ({"max_model_len": 0}, "--max-model-len must be positive"),
         ({"gpu_memory_utilization": 1.5}, "--gpu-memory-utilization must be in"),
         ({"kv_cache_memory": "0"}, "--kv-cache-memory must be positive"),
+        # torch.manual_seed failed on it in the engine process, after the model loaded.
+        ({"seed": 2**80}, "--seed must be a 64-bit signed integer"),
+        ({"served_model_name": [""]}, "a served model name cannot be empty"),
+        ({"served_model_name": "  "}, "a served model name cannot be empty"),
     ],
 )
 def test_flag_ranges_are_checked_before_the_model_is_read(kwargs, words):

@@ -160,8 +160,8 @@ def check_dataset_flags(args: argparse.Namespace) -> str:
     it loads a model); returns the dataset's name.
 
     Raises:
-        BenchmarkError: no prompts, or a dataset file given to a dataset that reads none
-            (or missing where one is needed).
+        BenchmarkError: no prompts, a dataset file given to a dataset that reads none (or
+            missing where one is needed), or the ``random`` dataset's lengths out of range.
     """
     if args.num_prompts < 1:
         raise BenchmarkError(f"--num-prompts must be at least 1, got {args.num_prompts}")
@@ -172,7 +172,31 @@ def check_dataset_flags(args: argparse.Namespace) -> str:
         )
     if name == "sharegpt" and not args.dataset_path:
         raise BenchmarkError("--dataset-name sharegpt needs --dataset-path FILE.json")
+    if name == "random":
+        check_random_lengths(
+            args.random_input_len, args.random_output_len, args.random_range_ratio,
+            args.random_prefix_len,
+        )  # fmt: skip
     return name
+
+
+def check_random_lengths(
+    input_len: int, output_len: int, range_ratio: float, prefix_len: int
+) -> None:
+    """The ``random`` dataset's lengths (tokens) and range ratio.
+
+    Raises:
+        BenchmarkError: a negative length, ``input_len + prefix_len < 1``,
+            ``output_len < 1``, or ``range_ratio`` outside [0, 1).
+    """
+    if input_len < 0 or prefix_len < 0:
+        raise BenchmarkError("--random-input-len and --random-prefix-len must be non-negative")
+    if input_len + prefix_len < 1:
+        raise BenchmarkError("a prompt needs at least one token (--random-input-len)")
+    if output_len < 1:
+        raise BenchmarkError(f"--random-output-len must be at least 1, got {output_len}")
+    if not 0.0 <= range_ratio < 1.0:
+        raise BenchmarkError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
 
 
 def sample_requests(
@@ -333,14 +357,7 @@ def random_requests(
         BenchmarkError: a negative length, ``input_len + prefix_len < 1``,
             ``output_len < 1``, or ``range_ratio`` outside [0, 1).
     """
-    if input_len < 0 or prefix_len < 0:
-        raise BenchmarkError("--random-input-len and --random-prefix-len must be non-negative")
-    if input_len + prefix_len < 1:
-        raise BenchmarkError("a prompt needs at least one token (--random-input-len)")
-    if output_len < 1:
-        raise BenchmarkError(f"--random-output-len must be at least 1, got {output_len}")
-    if not 0.0 <= range_ratio < 1.0:
-        raise BenchmarkError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    check_random_lengths(input_len, output_len, range_ratio, prefix_len)
     rng = np.random.default_rng(seed)
     pool = token_pool(tokenizer)
     in_low, in_high = _length_range(input_len, range_ratio, 1 if prefix_len == 0 else 0)
