@@ -121,6 +121,11 @@ class ChatCompletionRequest(SamplingFields):
     # Accepted so that they can be rejected with a clear message (not implemented).
     tools: list[Any] | None = None
     tool_choice: Any = None
+    functions: Any = None  # OpenAI's legacy tool calling
+    function_call: Any = None
+    echo: Any = None  # vLLM's: prepend the last message to the answer
+    # Refused: the server's template (--chat-template, or the model's) applies.
+    chat_template: Any = None
     # Extra fields (vLLM's).
     add_generation_prompt: bool = True
     continue_final_message: bool = False

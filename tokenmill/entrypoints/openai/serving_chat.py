@@ -198,6 +198,17 @@ class OpenAIServingChat(OpenAIServing):
         if choice not in (None, "none", "auto"):
             # "required" or a named function asks for a tool call, which cannot be served.
             raise bad_request("tokenmill does not implement tool calling yet.", "tool_choice")
+        for name in ("functions", "function_call"):
+            if getattr(request, name) is not None:
+                raise bad_request("tokenmill does not implement tool calling yet.", name)
+        if request.echo:
+            raise bad_request("tokenmill does not implement echo for chat yet.", "echo")
+        if request.chat_template is not None:
+            raise bad_request(
+                "a chat template in the request is not accepted: the server's template "
+                "(--chat-template, or the model's) applies.",
+                "chat_template",
+            )
         check_implemented(request)
         if request.stream and request.prompt_logprobs is not None:
             # vLLM's chat answers the same: its streamed chunks have no place for them.
