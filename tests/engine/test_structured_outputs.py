@@ -107,6 +107,30 @@ def test_a_constraint_that_does_not_compile_aborts_its_request_only(llm):
     assert len(out.outputs[0].token_ids) == 3
 
 
+@pytest.mark.slow
+def test_a_constraint_whose_masks_are_too_costly_aborts_its_request_only(llm, monkeypatch):
+    """The compile worker fills a grammar's first token mask and refuses a constraint that
+    takes longer than MAX_FIRST_MASK_S (an ambiguous regex: 19.7 s a mask, on the engine
+    loop, stalled every stream); here the bound is 0, so any constraint is too costly."""
+    from tokenmill import structured_output
+
+    monkeypatch.setattr(structured_output, "MAX_FIRST_MASK_S", 0.0)
+    core = llm.llm_engine.engine_core
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    core.add_request(EngineCoreRequest("costly", [1, 2, 3], params, time.time()))
+    outputs = step_until_outputs(core)
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("costly", FinishReason.ABORT)]
+    assert "too costly to follow" in outputs[0].stop_reason
+    assert not core.has_unfinished_requests()
+    monkeypatch.undo()
+    out = llm.generate(
+        "Hi",
+        SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="[ab]+")),
+        use_tqdm=False,
+    )[0]
+    assert re.fullmatch("[ab]+", out.outputs[0].text)
+
+
 class GatedCompiler:
     """A grammar compiler whose compilations wait for ``gate`` (a slow schema)."""
 
