@@ -125,6 +125,10 @@ def test_compare_errors(tmp_path, capsys):
     throughput = _write(tmp_path, "tp.json", {"elapsed_time": 2.0, "tokens_per_second": 9.0})
     assert bench_main(["compare", throughput, good]) == 2
     assert "share no metric" in capsys.readouterr().err
+    # One file without a metric printed an empty table and exited 0.
+    empty = _write(tmp_path, "empty.json", {"note": "no metric here"})
+    assert bench_main(["compare", empty]) == 2
+    assert "holds no metric" in capsys.readouterr().err
 
 
 def test_rows_and_samples_from_either_format():

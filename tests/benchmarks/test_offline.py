@@ -108,6 +108,29 @@ def test_latency_too_long_for_the_context():
         run_latency(llm, input_len=500, output_len=100, batch_size=1, num_iters=1)
 
 
+def test_throughput_refuses_prompts_that_fill_the_context(monkeypatch, capsys):
+    """Prompts of max_model_len tokens or more leave no room for an output: refused in one
+    line (a warning said their outputs stop at the context length, then the engine failed).
+    The engine is shut down all the same."""
+    from types import SimpleNamespace
+
+    from tokenmill.benchmarks import throughput
+
+    shutdowns = []
+    engine = SimpleNamespace(
+        config=SimpleNamespace(model_config=SimpleNamespace(max_model_len=512)),
+        shutdown=lambda: shutdowns.append(1),
+    )
+    llm = SimpleNamespace(llm_engine=engine, get_tokenizer=lambda: None)
+    monkeypatch.setattr(throughput, "make_llm", lambda *a, **k: llm)
+    fake = [SimpleNamespace(prompt_len=600, expected_output_len=1)]
+    monkeypatch.setattr(throughput, "sample_requests", lambda *a, **k: fake)
+    argv = ["throughput", "--model", "m", "--random-input-len", "600", "--num-prompts", "1"]
+    assert bench_main(argv) == 2
+    assert "1 prompts have max_model_len=512 tokens or more" in capsys.readouterr().err
+    assert shutdowns == [1]
+
+
 def test_latency_turns_prefix_caching_off_unless_asked(capsys):
     """Every timed run repeats the same prompts: with prefix caching they would hit the
     cache after the first and time only their last token (vLLM's latency bench turns it

@@ -159,8 +159,8 @@ def main(args: argparse.Namespace) -> str:
     """Run ``tokenmill bench compare``; prints and returns the table.
 
     Raises:
-        BenchmarkError: an unreadable file, ``--labels`` of the wrong length, or files that
-            share no metric (results of different benchmarks).
+        BenchmarkError: an unreadable file, ``--labels`` of the wrong length, files that
+            share no metric (results of different benchmarks), or one file with none.
     """
     results = [read_json(path) for path in args.results]
     if args.labels is not None and len(args.labels) != len(results):
@@ -170,6 +170,11 @@ def main(args: argparse.Namespace) -> str:
         all(isinstance(f.get(key), (int, float)) for f in flats)
         for key, _, _ in comparison_rows(results)
     )
+    if len(results) == 1 and not shared:
+        raise BenchmarkError(
+            f"{args.results[0]} holds no metric of bench serve, bench throughput or bench "
+            "latency"
+        )
     if len(results) > 1 and not shared:
         raise BenchmarkError(
             "the result files share no metric: compare results of one benchmark (bench "

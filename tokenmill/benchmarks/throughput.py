@@ -164,6 +164,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         requests = sample_requests(
             args, llm.get_tokenizer(), need_text=False, max_model_len=max_model_len
         )
+        no_room = sum(r.prompt_len >= max_model_len for r in requests)
+        if no_room:
+            raise BenchmarkError(
+                f"{no_room} prompts have max_model_len={max_model_len} tokens or more, which "
+                "leaves no room for an output: shorten them (--random-input-len) or raise "
+                "--max-model-len"
+            )
         too_long = sum(r.prompt_len + r.expected_output_len > max_model_len for r in requests)
         if too_long:
             logger.warning(
