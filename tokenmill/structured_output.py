@@ -360,7 +360,8 @@ class GrammarCompiler:
         """A fresh matcher for ``params``.
 
         Raises:
-            SamplingParamsError: the constraint does not compile.
+            SamplingParamsError: the constraint does not compile, or its first token mask
+                takes more than ``MAX_FIRST_MASK_S`` to fill.
         """
         kind, spec = _source(params)
         try:
@@ -401,10 +402,11 @@ class RequestGrammar:
 
     def prepare_first_mask(self) -> float:
         """Fill the mask of the grammar's start now (off the engine loop), for the first
-        ``token_bitmask``; returns the seconds it took."""
-        start = time.perf_counter()
+        ``token_bitmask``; returns the CPU seconds this thread spent on it (not wall time,
+        which a busy machine or a wait for the GIL would inflate)."""
+        start = time.thread_time()
         self._first_mask = self.token_bitmask()
-        return time.perf_counter() - start
+        return time.thread_time() - start
 
     def token_bitmask(self) -> np.ndarray:
         """``[ceil(V / 32)]`` int32: bit ``t % 32`` of word ``t // 32`` set where token
