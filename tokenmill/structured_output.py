@@ -4,9 +4,9 @@ xgrammar (Dong et al. 2024, "XGrammar: Flexible and Efficient Structured Generat
 for Large Language Models", arXiv:2411.15100) compiles a JSON schema, a regular expression
 or an EBNF grammar against the tokenizer's vocabulary; a matcher then gives, token by token,
 the bitmask of the tokens the grammar allows next. The engine core keeps one matcher per
-request: it fills the request's bitmask before each step that samples it (the sampler
-masks the other tokens) and feeds the sampled token back; the request finishes when the
-grammar is complete.
+request: it fills the request's bitmask before each step that samples it (on worker threads
+within a time bound, ``core/grammar_masks.py``; the sampler masks the other tokens) and
+feeds the sampled token back; the request finishes when the grammar is complete.
 
 Such requests run synchronous steps (``SamplingParams.uses_full_sampler``): the bitmask of a
 step depends on the token sampled by the step before.
@@ -44,12 +44,13 @@ MAX_REPEAT = 1024
 MAX_REPEAT_TOTAL = 4096
 # Compiled grammars xgrammar keeps for reuse (each distinct schema takes ~1-5 MB).
 GRAMMAR_CACHE_BYTES = 256 << 20
-# The longest a constraint's first token mask may take (s). The masks are filled on the
-# engine loop each step, so an ambiguous pattern stalls every stream: ``((a|b)*(c|d)*)*``
-# repeated 270 times (4,050 characters, compiled in 40 ms) took 19.7 s per mask on CPU, 60
-# times 0.34 s; ordinary schemas, regexes and grammars take under 1 ms (SmolLM2's 49,152
-# tokens). The compile worker fills the first mask and refuses the constraint past this.
-MAX_FIRST_MASK_S = 0.05
+# The most CPU time one token mask may take (s). Every step that samples a request fills
+# its mask, and the step waits for it, so an ambiguous pattern stalls every stream:
+# ``((a|b)*(c|d)*)*`` repeated 270 times (4,050 characters, compiled in 40 ms) took 19.7 s
+# per mask on CPU, 60 times 0.34 s; ordinary schemas, regexes and grammars take under 1 ms
+# (SmolLM2's 49,152 tokens). The compile worker fills the first mask and refuses the
+# constraint past this; a later mask past it aborts the request (core/grammar_masks.py).
+MAX_MASK_S = 0.05
 # JSON Schema keywords xgrammar 0.2.9 does not enforce: a schema using one is refused rather
 # than served with outputs that may break it.
 UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
@@ -361,7 +362,7 @@ class GrammarCompiler:
 
         Raises:
             SamplingParamsError: the constraint does not compile, or its first token mask
-                takes more than ``MAX_FIRST_MASK_S`` to fill.
+                takes more than ``MAX_MASK_S`` of CPU time to fill.
         """
         kind, spec = _source(params)
         try:
@@ -377,10 +378,10 @@ class GrammarCompiler:
             raise _refuse(f"the constraint does not compile: {_reason(e)}") from None
         grammar = RequestGrammar(compiled, self.vocab_size)
         seconds = grammar.prepare_first_mask()
-        if seconds > MAX_FIRST_MASK_S:
+        if seconds > MAX_MASK_S:
             raise _refuse(
                 f"the constraint is too costly to follow: its first token mask took "
-                f"{1e3 * seconds:,.0f} ms (at most {1e3 * MAX_FIRST_MASK_S:,.0f} ms; an "
+                f"{1e3 * seconds:,.0f} ms (at most {1e3 * MAX_MASK_S:,.0f} ms; an "
                 "ambiguous pattern such as nested repetitions makes every mask slow)."
             )
         return grammar
@@ -392,6 +393,10 @@ class RequestGrammar:
     Args:
         compiled: an xgrammar ``CompiledGrammar``.
         vocab_size: logit columns.
+
+    Attributes:
+        failure: why the engine gave the grammar up (``fail``), or None. A grammar given up
+            is not used again: a thread may still be filling its mask.
     """
 
     def __init__(self, compiled: Any, vocab_size: int) -> None:
@@ -399,6 +404,12 @@ class RequestGrammar:
         self._matcher = xgr.GrammarMatcher(compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self._first_mask: np.ndarray | None = None
+        self.failure: str | None = None
+
+    def fail(self, reason: str) -> None:
+        """Give the grammar up: its request finishes aborted with ``reason``, and the
+        matcher is not touched again."""
+        self.failure = reason
 
     def prepare_first_mask(self) -> float:
         """Fill the mask of the grammar's start now (off the engine loop), for the first
@@ -418,8 +429,10 @@ class RequestGrammar:
         return self._bitmask[0].numpy().copy()
 
     def accept(self, token_id: int) -> bool:
-        """Advance by a sampled token; False if the grammar does not allow it (the request
-        then cannot go on)."""
+        """Advance by a sampled token; False if the grammar does not allow it, or was given
+        up (the request then cannot go on)."""
+        if self.failure is not None:
+            return False
         self._first_mask = None
         return bool(self._matcher.accept_token(token_id))
 
@@ -427,4 +440,4 @@ class RequestGrammar:
     def is_complete(self) -> bool:
         """True once the output is a whole sentence of the grammar and it was ended (the
         stop token accepted, or nothing can follow)."""
-        return bool(self._matcher.is_terminated())
+        return self.failure is None and bool(self._matcher.is_terminated())

@@ -110,11 +110,11 @@ def test_a_constraint_that_does_not_compile_aborts_its_request_only(llm):
 @pytest.mark.slow
 def test_a_constraint_whose_masks_are_too_costly_aborts_its_request_only(llm, monkeypatch):
     """The compile worker fills a grammar's first token mask and refuses a constraint that
-    takes longer than MAX_FIRST_MASK_S (an ambiguous regex: 19.7 s a mask, on the engine
-    loop, stalled every stream); here the bound is 0, so any constraint is too costly."""
+    takes longer than MAX_MASK_S (an ambiguous regex: 19.7 s a mask, on the engine loop,
+    stalled every stream); here the bound is 0, so any constraint is too costly."""
     from tokenmill import structured_output
 
-    monkeypatch.setattr(structured_output, "MAX_FIRST_MASK_S", 0.0)
+    monkeypatch.setattr(structured_output, "MAX_MASK_S", 0.0)
     core = llm.llm_engine.engine_core
     params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
     core.add_request(EngineCoreRequest("costly", [1, 2, 3], params, time.time()))
@@ -129,6 +129,37 @@ def test_a_constraint_whose_masks_are_too_costly_aborts_its_request_only(llm, mo
         use_tqdm=False,
     )[0]
     assert re.fullmatch("[ab]+", out.outputs[0].text)
+
+
+@pytest.mark.slow
+def test_a_constraint_whose_later_masks_are_too_costly_aborts_its_request_only(llm):
+    """``z{3}`` then an ambiguous pattern: the first masks are cheap, so the compile worker
+    lets it through, but the mask after the z's takes ~0.5 s of CPU (22.9 s with 270
+    copies). The mask filler gives the request up there; the plain request beside it runs
+    to its end."""
+    core = llm.llm_engine.engine_core
+    regex = "z{3}" + "((a|b)*(c|d)*)*" * 80
+    constrained = SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    core.add_request(EngineCoreRequest("costly", [1, 2, 3], constrained, time.time()))
+    core.add_request(EngineCoreRequest("plain", [4, 5, 6], plain, time.time()))
+    outputs = []
+    for _ in range(500):
+        outputs += core.step().outputs
+        if not core.has_unfinished_requests():
+            break
+    tokens = {"costly": [], "plain": []}
+    finished = {}
+    for o in outputs:
+        tokens[o.request_id] += o.new_token_ids
+        if o.finish_reason is not None:
+            finished[o.request_id] = o
+    assert finished["costly"].finish_reason == FinishReason.ABORT
+    assert "too costly to follow" in finished["costly"].stop_reason
+    assert llm.get_tokenizer().decode(tokens["costly"]) == "zzz"
+    assert finished["plain"].finish_reason == FinishReason.LENGTH and len(tokens["plain"]) == 8
 
 
 class GatedCompiler:
@@ -299,6 +330,7 @@ class _Grammar:
 
     def __init__(self, accepts: bool, length: int) -> None:
         self.accepts, self.length, self.count = accepts, length, 0
+        self.failure: str | None = None
 
     def accept(self, token_id: int) -> bool:
         self.count += 1
@@ -325,4 +357,22 @@ def test_the_grammar_ends_the_request(accepts, status, num_tokens):
         step(sched, worker)
     assert request.status == status
     assert request.num_output_tokens == num_tokens
+    assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks
+
+
+def test_a_grammar_given_up_aborts_its_request_without_the_unmasked_token():
+    """The mask filler gave the grammar up: the token drawn without its mask is dropped, the
+    request finishes aborted with the reason, and its blocks are freed."""
+    sched = make_scheduler()
+    worker = worker_for(sched)
+    request = make_request("g", 4, max_tokens=10, first_token=900)
+    request.grammar = _Grammar(True, length=10)
+    sched.add_request(request)
+    step(sched, worker)
+    assert request.num_output_tokens == 1 and request.grammar.count == 1
+    request.grammar.failure = "the constraint is too costly to follow: ..."
+    step(sched, worker)
+    assert request.status == RequestStatus.FINISHED_ABORTED
+    assert request.num_output_tokens == 1 and request.grammar.count == 1
+    assert request.stop_reason == "structured_outputs: the constraint is too costly to follow: ..."
     assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks

@@ -21,6 +21,7 @@ from tokenmill.core.engine_io import (
     FinishReason,
 )
 from tokenmill.core.grammar_compilation import GrammarCompilation
+from tokenmill.core.grammar_masks import GrammarMaskFiller
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.request import Request, RequestStatus
@@ -82,6 +83,7 @@ class EngineCore:
         # Structured outputs' grammars are compiled beside the loop (so is the compiler,
         # ~1 s), so that a new constraint does not stall the running requests.
         self._grammars = GrammarCompilation(self._build_grammar_compiler)
+        self._grammar_masks = GrammarMaskFiller()
 
     def _init_kv_cache(self) -> int:
         cc, mc, sc = (
@@ -162,13 +164,22 @@ class EngineCore:
 
     def _fill_grammar_bitmasks(self, so: SchedulerOutput) -> None:
         """The next-token bitmasks of the requests with structured outputs that sample in
-        ``so`` (their whole context computed by it), from their grammars' current state."""
+        ``so`` (their whole context computed by it), from their grammars' current state.
+
+        A grammar whose mask takes too long (``core/grammar_masks.py``) is given up: its
+        request samples without a mask, and ``update_from_output`` drops that token and
+        finishes the request aborted with the reason.
+        """
         requests = self.scheduler.requests
+        grammars = {}
         for req_id in so.num_scheduled_tokens:
             request = requests[req_id]
-            grammar = request.grammar
-            if grammar is not None and request.num_computed_tokens >= request.num_tokens:
-                so.grammar_bitmasks[req_id] = grammar.token_bitmask()
+            if request.grammar is not None and request.num_computed_tokens >= request.num_tokens:
+                grammars[req_id] = request.grammar
+        masks, given_up = self._grammar_masks.fill(grammars)
+        so.grammar_bitmasks.update(masks)
+        for req_id, reason in given_up.items():
+            grammars[req_id].fail(reason)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish requests at once and free their KV blocks (unknown ids are ignored)."""
@@ -259,6 +270,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self._grammars.shutdown()
+        self._grammar_masks.shutdown()
         self.executor.shutdown()
 
 

@@ -509,6 +509,12 @@ class Scheduler:
             The tokens kept (those after a stop are dropped).
         """
         kept: list[int] = []
+        grammar = request.grammar
+        if token_ids and grammar is not None and grammar.failure is not None:
+            # Given up while its mask was filled: the token was drawn without the mask.
+            request.stop_reason = f"{CONSTRAINT_FAILURE_PREFIX} {grammar.failure}"
+            request.status = RequestStatus.FINISHED_ABORTED
+            return kept
         for token_id in token_ids:
             request.append_output_token_ids([token_id])
             kept.append(token_id)
