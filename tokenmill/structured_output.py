@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
+from tokenmill.core.grammar_masks import GrammarMaskFiller
 from tokenmill.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -356,13 +356,15 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self._compiler = xgr.GrammarCompiler(self._info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+        self._first_masks = GrammarMaskFiller()
 
     def compile(self, params: StructuredOutputsParams) -> RequestGrammar:
         """A fresh matcher for ``params``.
 
         Raises:
             SamplingParamsError: the constraint does not compile, or its first token mask
-                takes more than ``MAX_MASK_S`` of CPU time to fill.
+                takes more than ``MAX_MASK_S`` of CPU time or ``MAX_MASK_WALL_S`` of wall
+                time to fill (``core/grammar_masks.py``).
         """
         kind, spec = _source(params)
         try:
@@ -377,13 +379,13 @@ class GrammarCompiler:
         except Exception as e:
             raise _refuse(f"the constraint does not compile: {_reason(e)}") from None
         grammar = RequestGrammar(compiled, self.vocab_size)
-        seconds = grammar.prepare_first_mask()
-        if seconds > MAX_MASK_S:
-            raise _refuse(
-                f"the constraint is too costly to follow: its first token mask took "
-                f"{1e3 * seconds:,.0f} ms (at most {1e3 * MAX_MASK_S:,.0f} ms; an "
-                "ambiguous pattern such as nested repetitions makes every mask slow)."
-            )
+        # Filled here, beside the engine loop, for the request's first step; a mask past
+        # the bounds refuses the constraint within MAX_MASK_WALL_S, and this compile thread
+        # is free for the next request while the mask's own thread finishes it unused.
+        masks, given_up = self._first_masks.fill({"first": grammar})
+        if given_up:
+            raise _refuse(given_up["first"])
+        grammar.keep_first_mask(masks["first"])
         return grammar
 
 
@@ -411,13 +413,10 @@ class RequestGrammar:
         matcher is not touched again."""
         self.failure = reason
 
-    def prepare_first_mask(self) -> float:
-        """Fill the mask of the grammar's start now (off the engine loop), for the first
-        ``token_bitmask``; returns the CPU seconds this thread spent on it (not wall time,
-        which a busy machine or a wait for the GIL would inflate)."""
-        start = time.thread_time()
-        self._first_mask = self.token_bitmask()
-        return time.thread_time() - start
+    def keep_first_mask(self, mask: np.ndarray) -> None:
+        """Keep ``mask``, filled at the grammar's start (off the engine loop), for the first
+        ``token_bitmask``."""
+        self._first_mask = mask
 
     def token_bitmask(self) -> np.ndarray:
         """``[ceil(V / 32)]`` int32: bit ``t % 32`` of word ``t // 32`` set where token

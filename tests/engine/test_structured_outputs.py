@@ -129,6 +129,10 @@ def test_a_constraint_whose_masks_are_too_costly_aborts_its_request_only(llm, mo
         use_tqdm=False,
     )[0]
     assert re.fullmatch("[ab]+", out.outputs[0].text)
+    # An ambiguous pattern, costly from its first mask (~0.5 s of CPU): refused at compile.
+    compiler = core._grammars._compiler.result()
+    with pytest.raises(SamplingParamsError, match="too costly to follow"):
+        compiler.compile(StructuredOutputsParams(regex="((a|b)*(c|d)*)*" * 80))
 
 
 @pytest.mark.slow
