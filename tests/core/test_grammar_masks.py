@@ -1,10 +1,13 @@
-"""Token masks filled beside the engine loop: every mask within the bounds comes back, and a
-mask past the wall-time or CPU-time bound, or one that raises, gives its request up alone."""
+"""Token masks filled beside the engine loop: every mask within the bounds comes back; a mask
+past the wall-time or CPU-time bound, or one that raises, gives its request up alone; the
+threads still finishing given-up fills are capped; a filler shut down refuses new fills."""
 
 from __future__ import annotations
 
 import threading
 import time
+
+import pytest
 
 from tokenmill import structured_output
 from tokenmill.core.grammar_masks import GrammarMaskFiller
@@ -76,3 +79,36 @@ def test_a_mask_past_the_cpu_bound_or_raising_gives_up_its_request(monkeypatch):
         assert given_up["broken"] == "the token mask failed: bitmask shape mismatch"
     finally:
         filler.shutdown()
+
+
+def test_threads_given_up_beyond_the_cap_are_not_replaced_until_one_ends():
+    """Costly constraints sent together take at most max_workers + max_retired threads: past
+    that, masks wait for a given-up fill to end instead of starting another thread."""
+    gates = [threading.Event(), threading.Event()]
+    filler = GrammarMaskFiller(max_workers=1, max_wall_s=0.05, max_retired=1)
+    try:
+        for i, gate in enumerate(gates):
+            masks, given_up = filler.fill({f"stuck{i}": FakeGrammar("never", gate=gate)})
+            assert masks == {} and list(given_up) == [f"stuck{i}"]
+        result = {}
+        waiting = threading.Thread(
+            target=lambda: result.update(filler.fill({"a": FakeGrammar("ma")})[0])
+        )
+        waiting.start()
+        waiting.join(0.3)
+        assert waiting.is_alive() and result == {}
+        gates[0].set()
+        waiting.join(10)
+        assert result == {"a": "ma"}
+    finally:
+        for gate in gates:
+            gate.set()
+        filler.shutdown()
+
+
+def test_a_filler_shut_down_refuses_new_fills():
+    filler = GrammarMaskFiller(max_workers=1)
+    assert filler.fill({"a": FakeGrammar("ma")}) == ({"a": "ma"}, {})
+    filler.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        filler.fill({"b": FakeGrammar("mb")})

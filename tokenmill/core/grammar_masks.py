@@ -12,7 +12,9 @@ they also fill in parallel), and the loop waits at most ``MAX_MASK_WALL_S`` for 
 them. A request whose mask takes longer, or more than ``MAX_MASK_S`` of its thread's CPU
 time, is given up: it finishes aborted, with the reason, and the others get their masks. A
 fill cannot be interrupted: the thread of one given up finishes it unused and then exits,
-and a new thread takes its place.
+and a new thread takes its place, unless ``max_retired`` such threads still run. Then the
+live threads are not replaced until one of those ends, so that costly constraints sent
+together cannot take more than ``max_workers + max_retired`` cores; the masks wait instead.
 
 Torch-free, like the rest of core/.
 """
@@ -79,16 +81,28 @@ class GrammarMaskFiller:
         max_workers: fill threads (default: half the CPUs, 1 to 4). Threads start with the
             first ``fill``; they are daemons, so a stuck fill never holds up an exit.
         max_wall_s: the longest ``fill`` waits for one mask (s).
+        max_retired: threads still finishing a fill given up, beyond which the threads
+            whose fills are given up are not replaced (default: ``max_workers``).
+
+    Several threads may call ``fill`` at once.
     """
 
-    def __init__(self, max_workers: int | None = None, max_wall_s: float = MAX_MASK_WALL_S):
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        max_wall_s: float = MAX_MASK_WALL_S,
+        max_retired: int | None = None,
+    ) -> None:
         if max_workers is None:
             max_workers = min(4, max(1, (os.cpu_count() or 2) // 2))
         self._max_workers = max_workers
         self._max_wall_s = max_wall_s
+        self._max_retired = max_workers if max_retired is None else max_retired
         self._jobs: queue.SimpleQueue[_Fill | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._workers: list[_Worker] = []
+        self._retired_running = 0
+        self._closed = False
 
     def fill(self, grammars: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         """The next-token masks of ``grammars`` (request id -> ``RequestGrammar``).
@@ -99,16 +113,20 @@ class GrammarMaskFiller:
             over ``max_wall_s`` of wall time or ``max_mask_cpu_s()`` of CPU time, or
             raised). A grammar given up must not be used again: a thread may still be
             filling its mask.
+
+        Raises:
+            RuntimeError: called after ``shutdown``.
         """
         if not grammars:
             return {}, {}
         batch = _Batch(len(grammars))
         fills = [_Fill(req_id, grammar, batch) for req_id, grammar in grammars.items()]
         with self._cond:
+            if self._closed:
+                raise RuntimeError("the grammar mask filler is shut down")
             self._start_workers()
-        for f in fills:
-            self._jobs.put(f)
-        with self._cond:
+            for f in fills:  # under the lock: ahead of any shutdown's stop marks
+                self._jobs.put(f)
             # Woken when the last fill ends, else every quarter of the bound to give up the
             # fills past it (so each is given up within 1.25 times the bound of its start).
             while batch.pending:
@@ -153,11 +171,17 @@ class GrammarMaskFiller:
         assert f.worker is not None
         f.worker.retired = True
         self._workers.remove(f.worker)
+        self._retired_running += 1
         self._start_workers()
 
     def _start_workers(self) -> None:
-        """Called under ``_cond``: bring the live threads up to ``max_workers``."""
-        while len(self._workers) < self._max_workers:
+        """Called under ``_cond``: bring the live threads up to ``max_workers``, as far as
+        the threads still finishing given-up fills leave room."""
+        cap = self._max_workers + self._max_retired
+        while (
+            len(self._workers) < self._max_workers
+            and len(self._workers) + self._retired_running < cap
+        ):
             worker = _Worker()
             worker.thread = threading.Thread(
                 target=self._work, args=(worker,), name="tokenmill-grammar-mask", daemon=True
@@ -172,7 +196,7 @@ class GrammarMaskFiller:
             start = time.thread_time()
             try:
                 mask, error = f.grammar.token_bitmask(), None
-            except Exception as e:  # the request fails, not the thread
+            except BaseException as e:  # the request fails, not the thread
                 mask, error = None, e
             cpu_s = time.thread_time() - start
             with self._cond:
@@ -181,10 +205,16 @@ class GrammarMaskFiller:
                     f.batch.pending -= 1
                     if not f.batch.pending:
                         self._cond.notify_all()
+                elif worker.retired:
+                    # Its place may have been left empty while it ran: fill it now.
+                    self._retired_running -= 1
+                    self._start_workers()
 
     def shutdown(self) -> None:
-        """Stop the threads once their current fill ends."""
+        """Stop the threads once their current fill ends; a ``fill`` under way still gets
+        its masks. A thread that replaces one given up takes that one's stop mark, and one
+        started when a given-up fill ends takes one of those left for it."""
         with self._cond:
-            workers, self._workers = self._workers, []
-        for _ in workers:
-            self._jobs.put(None)
+            self._closed = True
+            for _ in range(len(self._workers) + self._retired_running):
+                self._jobs.put(None)  # behind every fill already queued
