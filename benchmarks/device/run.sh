@@ -74,6 +74,8 @@
 #              start-up compiling in parallel (the default) or each kernel at first launch
 #   warm_parallel[N] warm_serial[N]  the same with Triton's cache as earlier stages left it
 #   gputests_compile  the parallel compile's GPU tests and engine tests around it
+#   timeline_lat1 timeline_lat32  a decode step on the GPU's clock at batch 1 / 32 (32 in, 256
+#              out): kernels, copies and the idle gaps between them (step_timeline.py)
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -276,6 +278,8 @@ run_stage() {  # run_stage NAME: one stage of the list below
     kprof_long) stage kprof_long 200 python3 benchmarks/device/kernel_profile.py "$M8" 300 1024 256 ;;
     kprof_prefill) stage kprof_prefill 200 python3 benchmarks/device/kernel_profile.py "$M8" 192 1024 1 ;;
     kprof_lat1) stage kprof_lat1 200 python3 benchmarks/device/kernel_profile.py "$M8" 1 32 256 ;;
+    timeline_lat1) stage timeline_lat1 200 python3 benchmarks/device/step_timeline.py "$M8" 1 32 256 ;;
+    timeline_lat32) stage timeline_lat32 200 python3 benchmarks/device/step_timeline.py "$M8" 32 32 256 ;;
     pgemm)    stage pgemm 150 python3 benchmarks/device/prefill_gemm_bench.py --ms "${PGEMM_MS:-512,2048,8192}" --blas "${PGEMM_BLAS:-cublas}" ;;
     pgemm_curve) stage pgemm_curve 240 python3 benchmarks/device/prefill_gemm_bench.py --quiet --ms "${PGEMM_MS:-1,2,4,8,16,32,64,128,192,224,240,256,272,288,304,320,352,384,416,448,512,576,640}" --blas cublas,cublaslt ;;
     serve)    serve_pair tm ;;

@@ -1,0 +1,127 @@
+"""Where a decode step's time goes on the GPU's own clock: kernels, copies and the idle gaps
+between them, from a CUPTI trace (torch.profiler) of an offline run.
+
+usage: python3 benchmarks/device/step_timeline.py MODEL_DIR [NUM_PROMPTS] [IN] [OUT]
+(default: 1 prompt of 32 tokens, 256 out: ``bench latency``'s batch-1 recipe).
+
+Steps are cut at the copy of the sampled tokens to the host (one per step). Over the
+decode steps of the run (the first ten and the last two left out) it prints the median
+step's span, busy and idle time; each event name's time per step; and the gaps before
+events that open a gap of over 0.5 us, grouped by the events on either side, so that the
+idle time is attributed to a place in the step (after the graph, around the host-to-device
+copies, before the sampler, ...).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+from profile_step import offline_workload  # this folder is on sys.path as the script's own
+from torch.profiler import ProfilerActivity, profile
+
+GAP_US = 0.5
+STEP_END = "Memcpy DtoH"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One kernel, copy or memset on the GPU: name and microseconds on the GPU clock."""
+
+    name: str
+    start: float
+    end: float
+
+
+def gpu_events(prof, width: int = 70) -> list[Event]:
+    """The GPU activity of a finished ``torch.profiler.profile``, by start time."""
+    events = [
+        Event(e.name[:width], e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return sorted(events, key=lambda e: e.start)
+
+
+def split_steps(events: list[Event]) -> list[list[Event]]:
+    """Events grouped into steps, each ending with its copy of sampled tokens to the host."""
+    steps: list[list[Event]] = [[]]
+    for e in events:
+        steps[-1].append(e)
+        if e.name.startswith(STEP_END):
+            steps.append([])
+    return [s for s in steps if s and s[-1].name.startswith(STEP_END)]
+
+
+def busy_us(events: list[Event], lo: float, hi: float) -> float:
+    """Microseconds in [lo, hi] covered by at least one event (events may overlap)."""
+    total, cur_start, cur_end = 0.0, None, None
+    for e in events:
+        s, t = max(e.start, lo), min(e.end, hi)
+        if t <= s:
+            continue
+        if cur_end is None or s > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = s, t
+        else:
+            cur_end = max(cur_end, t)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def summarize(steps: list[list[Event]], skip_first: int = 10, skip_last: int = 2) -> str:
+    """The report described in the module docstring, for steps[skip_first:-skip_last]."""
+    if len(steps) <= skip_first + skip_last + 1:
+        return f"TIMELINE only {len(steps)} steps traced"
+    mid = range(skip_first, len(steps) - skip_last)
+    spans, busies = [], []
+    per_name: dict[str, float] = {}
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for i in mid:
+        prev_end = steps[i - 1][-1].end
+        step = steps[i]
+        span = step[-1].end - prev_end
+        spans.append(span)
+        busies.append(busy_us(step, prev_end, step[-1].end))
+        reach, before = prev_end, steps[i - 1][-1].name
+        for e in step:
+            per_name[e.name] = per_name.get(e.name, 0.0) + (e.end - e.start)
+            if e.start - reach > GAP_US:
+                gaps.setdefault((before, e.name), []).append(e.start - reach)
+            if e.end > reach:
+                reach, before = e.end, e.name
+    n = len(spans)
+    span, busy = statistics.median(spans), statistics.median(busies)
+    lines = [
+        f"TIMELINE {n} steps: median span {span:.1f} us, busy {busy:.1f} us, "
+        f"idle {span - busy:.1f} us ({100 * (span - busy) / span:.2f}%)",
+        "TIMELINE time per step by event (us, mean):",
+    ]
+    for name, us in sorted(per_name.items(), key=lambda kv: -kv[1])[:25]:
+        lines.append(f"TIMELINE   {us / n:9.1f}  {name}")
+    lines.append(
+        f"TIMELINE gaps over {GAP_US} us (us per step, mean; count per step): after -> before"
+    )
+    ranked = sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:25]
+    for (after, before), values in ranked:
+        lines.append(
+            f"TIMELINE   {sum(values) / n:8.2f}  x{len(values) / n:5.2f}  {after} -> {before}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    llm, prompts, params, n, in_len, out_len = offline_workload(sys.argv, 1, 32, 256, 4)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    print(f"TIMELINE {n} prompts {in_len}/{out_len}")
+    print(summarize(split_steps(gpu_events(prof))))
+
+
+if __name__ == "__main__":
+    main()
