@@ -69,3 +69,45 @@ def test_text_too_long_for_any_context_is_rejected_without_tokenizing(smollm2_to
     finally:
         tok.shutdown()
     assert ids == smollm2_tokenizer.encode("a" * limit)
+
+
+def test_a_conversation_too_large_for_the_context_is_refused_before_rendering(smollm2_tokenizer):
+    """More messages than the context has tokens, or more characters than any text of it can
+    hold, are refused without calling the renderer; the rest is rendered on a pool thread,
+    and what the renderer raises reaches the caller."""
+    import threading
+
+    from tokenmill.engine.async_tokenizer import max_prompt_chars
+    from tokenmill.engine.input_processor import InvalidRequestError
+
+    limit = max_prompt_chars(smollm2_tokenizer, 16)
+    calls: list[str] = []
+
+    def render() -> str:
+        calls.append(threading.current_thread().name)
+        return "rendered"
+
+    def broken() -> str:
+        raise ValueError("template failed")
+
+    async def run():
+        tok = AsyncTokenizer(smollm2_tokenizer, max_model_len=16)
+        try:
+            return await asyncio.gather(
+                tok.render(render, 17, 10, "messages"),
+                tok.render(render, 16, limit + 1, "messages"),
+                tok.render(render, 16, limit, "messages"),
+                tok.render(broken, 1, 1, "messages"),
+                return_exceptions=True,
+            )
+        finally:
+            tok.shutdown()
+
+    too_many, too_long, fits, failed = asyncio.run(run())
+    assert isinstance(too_many, InvalidRequestError) and too_many.param == "messages"
+    assert "17 messages" in str(too_many) and "16 tokens" in str(too_many)
+    assert isinstance(too_long, InvalidRequestError) and f"{limit + 1:,} characters" in str(
+        too_long
+    )
+    assert fits == "rendered" and isinstance(failed, ValueError)
+    assert len(calls) == 1 and calls[0].startswith("tokenmill-tokenizer")

@@ -16,7 +16,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -385,6 +385,17 @@ class AsyncLLM:
             InvalidRequestError: the text cannot be tokenized (``param`` names its field).
         """
         return await self.async_tokenizer.encode(text, add_special_tokens, param)
+
+    async def render_chat(
+        self, render: Callable[[], str], num_messages: int, num_chars: int, param: str
+    ) -> str:
+        """A chat template's rendering, off the event loop and bounded (see
+        ``AsyncTokenizer.render``).
+
+        Raises:
+            InvalidRequestError: the conversation cannot fit the context.
+        """
+        return await self.async_tokenizer.render(render, num_messages, num_chars, param)
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()

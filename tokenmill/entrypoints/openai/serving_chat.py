@@ -246,8 +246,19 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def render_prompt_async(self, messages: list[Any], request: Any = None) -> list[int]:
-        """``render_prompt`` with the tokenizing off the event loop (see AsyncTokenizer)."""
-        text = self.render_text(messages, request)
+        """``render_prompt`` with the rendering and the tokenizing off the event loop (see
+        AsyncTokenizer), a conversation too large for the context refused before either.
+
+        Raises:
+            OpenAIError: see ``render_text``; InvalidRequestError: the conversation cannot
+                fit the context.
+        """
+        text = await self.engine.render_chat(
+            lambda: self.render_text(messages, request),
+            len(messages),
+            sum(_content_chars(m.content) for m in messages),
+            "messages",
+        )
         return await self.engine.encode(text, add_special_tokens=False, param="messages")
 
     def render_text(self, messages: list[Any], request: Any = None) -> str:
@@ -420,3 +431,12 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             await stream.aclose()
         yield SSE_DONE
+
+
+def _content_chars(content: Any) -> int:
+    """Characters of a message's content: a string, text parts, or none."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(getattr(part, "text", None) or "") for part in content)
+    return 0
