@@ -85,6 +85,35 @@ def test_usage_in_stream_only_with_include_usage(default_server):
     )
 
 
+def test_continuous_usage_counts_each_choice_on_its_own(default_server):
+    """With continuous_usage_stats every chunk carries its own choice's counts (its prompt's
+    tokens, its tokens so far), as vLLM reports them; the final chunk the request's totals."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat = {"messages": PARIS, "max_tokens": 3, "n": 2, "seed": 1, "ignore_eos": True}
+    completions = {"prompt": ["a", "b c d e"], "max_tokens": 3, "n": 2, "ignore_eos": True}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completions)):
+        events = sse_events(
+            default_server, path, {**body, "stream": True, "stream_options": options}
+        )
+        *chunks, last = [e for e in events if e != "[DONE]"]
+        counts: dict[int, int] = {}
+        prompts: dict[int, int] = {}
+        for chunk in chunks:
+            [choice] = chunk["choices"]
+            usage = chunk["usage"]
+            counts[choice["index"]] = usage["completion_tokens"]
+            prompts.setdefault(choice["index"], usage["prompt_tokens"])
+            assert usage["prompt_tokens"] == prompts[choice["index"]]
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        num_choices = 2 if path.endswith("chat/completions") else 4
+        assert counts == {i: 3 for i in range(num_choices)}
+        assert last["choices"] == []
+        assert last["usage"]["completion_tokens"] == 3 * num_choices
+        if path == "/v1/completions":  # choices 0-1 are the first prompt's, 2-3 the second's
+            assert prompts[0] == prompts[1] < prompts[2] == prompts[3]
+            assert last["usage"]["prompt_tokens"] == prompts[0] + prompts[2]
+
+
 def test_n_choices_stream_interleaved_by_index(default_server):
     body = {
         "messages": PARIS,

@@ -398,7 +398,8 @@ class OpenAIServingChat(OpenAIServing):
                         ChatCompletionStreamChoice(
                             index=i, delta=role, logprobs=None, finish_reason=None
                         )
-                    ]
+                    ],
+                    self._usage(prompt_tokens, 0, cached) if continuous_usage else None,
                 )
             output: RequestOutput | None = first
             while output is not None:
@@ -418,8 +419,8 @@ class OpenAIServingChat(OpenAIServing):
                     if c.finish_reason is not None:
                         choice.stop_reason = c.stop_reason
                     usage = None
-                    if continuous_usage:
-                        usage = self._usage(prompt_tokens, sum(completion_tokens), cached)
+                    if continuous_usage:  # this choice's own counts, as vLLM reports them
+                        usage = self._usage(prompt_tokens, completion_tokens[c.index], cached)
                     yield sse([choice], usage)
                 output = await anext(stream, None)
             usage = self._usage(prompt_tokens, sum(completion_tokens), cached)

@@ -409,8 +409,12 @@ class OpenAIServingCompletion(OpenAIServing):
                         bool(request.echo) and first, offsets[k], first=first,
                     )  # fmt: skip
                     usage = None
-                    if continuous_usage:
-                        usage = _usage(prompt_tokens, sum(completion_tokens), cached)
+                    if continuous_usage:  # this choice's own counts, as vLLM reports them
+                        usage = _usage(
+                            len(firsts[p].prompt_token_ids),
+                            completion_tokens[k],
+                            firsts[p].num_cached_tokens,
+                        )
                     if timed:
                         FRONT_END_TIMINGS.record("handler->first chunk", time.monotonic() - start)
                         timed = False
