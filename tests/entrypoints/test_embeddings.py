@@ -170,3 +170,5 @@ def test_embeddings_on_a_generative_model_is_400(no_template_server):
     response = no_template_server.post("/v1/embeddings", {"input": "hello"})
     assert response.status_code == 400
     assert "not an embedding model" in response.json()["error"]["message"]
+    unknown = no_template_server.post("/v1/embeddings", {"input": "hello", "model": "nope"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"

@@ -169,6 +169,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
 async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
     serving: OpenAIServingEmbedding | None = raw_request.app.state.serving_embedding
     if serving is None:
+        _tokenizing_serving(raw_request).check_model(request.model)  # an unknown one: 404
         name = raw_request.app.state.engine.model_config.served_model_name
         raise bad_request(
             f"The model `{name}` generates text; it is not an embedding model.", "model"
