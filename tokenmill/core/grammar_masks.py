@@ -15,6 +15,8 @@ fill cannot be interrupted: the thread of one given up finishes it unused and th
 and a new thread takes its place, unless ``max_retired`` such threads still run. Then the
 live threads are not replaced until one of those ends, so that costly constraints sent
 together cannot take more than ``max_workers + max_retired`` cores; the masks wait instead.
+A constraint's first mask goes through a filler of its own as it compiles
+(``GrammarCompiler.compile``), so a costly one is refused before it reaches the loop.
 
 Torch-free, like the rest of core/.
 """
@@ -39,7 +41,7 @@ MAX_MASK_WALL_S = 0.25
 
 def max_mask_cpu_s() -> float:
     """The most CPU time one mask may take (s): ``structured_output.MAX_MASK_S``, read at
-    each fill so that it is the bound the compile worker also applies to a first mask."""
+    each fill, so that a change to it (tests lower it) applies at once."""
     from tokenmill import structured_output
 
     return structured_output.MAX_MASK_S
