@@ -507,15 +507,6 @@ def test_body_without_a_json_content_type_says_so(default_server):
     assert "application/json" in response.json()["error"]["message"]
 
 
-def test_context_overflow_message_gives_the_numbers(default_server):
-    num_prompt = default_server.post("/tokenize", {"messages": MSG}).json()["count"]
-    response = default_server.post(CHAT, {"messages": MSG, "max_tokens": 2040})
-    message = response.json()["error"]["message"]
-    assert response.status_code == 400
-    for number in (2048, num_prompt + 2040, num_prompt, 2040):
-        assert str(number) in message
-
-
 def test_unknown_route_and_method(default_server):
     missing = default_server.get("/v1/nothing")
     assert missing.status_code == 404 and "error" in missing.json()
@@ -577,27 +568,3 @@ def test_untokenizable_prompt_names_the_field(default_server):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "prompt" and "Unicode" in error["message"]
-
-
-def test_a_conversation_too_large_for_the_context_is_refused_before_rendering(default_server):
-    """More messages than the context (2,048 tokens) holds, or more characters than any text
-    of it can be: a 400 before the template runs (600,000 messages took 13 s to render on the
-    event loop, and every stream waited)."""
-    many = [{"role": "user", "content": "hi"}] * 2049
-    for path, body in (
-        (CHAT, {"messages": many, "max_tokens": 1}),
-        ("/tokenize", {"messages": many}),
-    ):
-        response = default_server.post(path, body)
-        assert response.status_code == 400, response.text
-        error = response.json()["error"]
-        assert error["param"] == "messages" and "2,049 messages" in error["message"]
-    long = [
-        {"role": "system", "content": "a" * 200_000},
-        {"role": "user", "content": "b" * 200_000},
-    ]
-    response = default_server.post(CHAT, {"messages": long, "max_tokens": 1})
-    assert (
-        response.status_code == 400 and "400,000 characters" in response.json()["error"]["message"]
-    )
-    assert default_server.post(CHAT, {"messages": MSG, "max_tokens": 2}).status_code == 200
