@@ -170,15 +170,13 @@ def main(args: argparse.Namespace) -> str:
         all(isinstance(f.get(key), (int, float)) for f in flats)
         for key, _, _ in comparison_rows(results)
     )
-    if len(results) == 1 and not shared:
+    if not shared:
+        benchmarks = "bench serve, bench throughput or bench latency"
         raise BenchmarkError(
-            f"{args.results[0]} holds no metric of bench serve, bench throughput or bench "
-            "latency"
-        )
-    if len(results) > 1 and not shared:
-        raise BenchmarkError(
-            "the result files share no metric: compare results of one benchmark (bench "
-            "serve, bench throughput or bench latency) with each other"
+            f"{args.results[0]} holds no metric of {benchmarks}"
+            if len(results) == 1
+            else "the result files share no metric: compare results of one benchmark "
+            f"({benchmarks}) with each other"
         )
     labels = (
         list(args.labels)

@@ -72,7 +72,6 @@ class _Fill:
 
 @dataclass(eq=False)
 class _Worker:
-    thread: threading.Thread | None = None
     retired: bool = False  # its fill was given up: it exits once that fill returns
 
 
@@ -147,18 +146,12 @@ class GrammarMaskFiller:
         max_cpu = max_mask_cpu_s()
         for f in fills:
             if f.given_up:
-                given_up[f.req_id] = (
-                    f"the constraint is too costly to follow: a token mask took over "
-                    f"{1e3 * self._max_wall_s:,.0f} ms (an ambiguous pattern, such as nested "
-                    "repetitions, makes masks slow)."
-                )
+                given_up[f.req_id] = _too_costly(f"over {1e3 * self._max_wall_s:,.0f} ms")
             elif f.error is not None:
                 given_up[f.req_id] = f"the token mask failed: {f.error}"
             elif f.cpu_s > max_cpu:
-                given_up[f.req_id] = (
-                    f"the constraint is too costly to follow: a token mask took "
-                    f"{1e3 * f.cpu_s:,.0f} ms of CPU time (at most {1e3 * max_cpu:,.0f} ms; an "
-                    "ambiguous pattern, such as nested repetitions, makes masks slow)."
+                given_up[f.req_id] = _too_costly(
+                    f"{1e3 * f.cpu_s:,.0f} ms of CPU time", f"at most {1e3 * max_cpu:,.0f} ms; "
                 )
             else:
                 masks[f.req_id] = f.mask
@@ -185,11 +178,10 @@ class GrammarMaskFiller:
             and len(self._workers) + self._retired_running < cap
         ):
             worker = _Worker()
-            worker.thread = threading.Thread(
-                target=self._work, args=(worker,), name="tokenmill-grammar-mask", daemon=True
-            )
             self._workers.append(worker)
-            worker.thread.start()
+            threading.Thread(
+                target=self._work, args=(worker,), name="tokenmill-grammar-mask", daemon=True
+            ).start()
 
     def _work(self, worker: _Worker) -> None:
         while not worker.retired and (f := self._jobs.get()) is not None:
@@ -220,3 +212,11 @@ class GrammarMaskFiller:
             self._closed = True
             for _ in range(len(self._workers) + self._retired_running):
                 self._jobs.put(None)  # behind every fill already queued
+
+
+def _too_costly(took: str, bound: str = "") -> str:
+    """The reason a request is given up: its mask ``took`` that long, past ``bound``."""
+    return (
+        f"the constraint is too costly to follow: a token mask took {took} ({bound}an "
+        "ambiguous pattern, such as nested repetitions, makes masks slow)."
+    )

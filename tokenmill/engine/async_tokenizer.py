@@ -76,12 +76,7 @@ class AsyncTokenizer:
     ) -> list[int]:
         """The token ids of ``text``; ``param`` names the request field it came from, for
         the error of a text that cannot be tokenized."""
-        if self.max_chars is not None and len(text) > self.max_chars:
-            raise InvalidRequestError(
-                f"the prompt is {len(text):,} characters long: more than any text of "
-                f"{self.max_model_len:,} tokens (this model's context) can be",
-                param,
-            )
+        self._check_chars(len(text), f"the prompt is {len(text):,} characters long", param)
         loop = asyncio.get_running_loop()
         encode = self._encode
         try:
@@ -113,13 +108,17 @@ class AsyncTokenizer:
                 f"context of {self.max_model_len:,} tokens can hold",
                 param,
             )
+        self._check_chars(num_chars, f"the messages hold {num_chars:,} characters", param)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, render)
+
+    def _check_chars(self, num_chars: int, what: str, param: str | None) -> None:
+        """Refuse ``num_chars`` characters past ``max_chars``; ``what`` says whose they are."""
         if self.max_chars is not None and num_chars > self.max_chars:
             raise InvalidRequestError(
-                f"the messages hold {num_chars:,} characters: more than any text of "
-                f"{self.max_model_len:,} tokens (this model's context) can be",
+                f"{what}: more than any text of {self.max_model_len:,} tokens (this model's "
+                "context) can be",
                 param,
             )
-        return await asyncio.get_running_loop().run_in_executor(self._executor, render)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._backend is None:
