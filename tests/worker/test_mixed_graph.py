@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from tokenmill.worker.mixed_graph import MixedCUDAGraphRunner
-from tokenmill.worker.model_runner import ModelRunner, _Buffer
+from tokenmill.worker.model_runner import ModelRunner
 
 
 def _runner(max_num_reqs: int, max_num_tokens: int = 256) -> SimpleNamespace:
@@ -24,7 +24,7 @@ def _runner(max_num_reqs: int, max_num_tokens: int = 256) -> SimpleNamespace:
         query_start_loc=SimpleNamespace(device=torch.zeros(max_num_reqs + 1, dtype=torch.int32)),
         seq_lens=SimpleNamespace(device=torch.full((max_num_reqs,), 9, dtype=torch.int32)),
         block_table=SimpleNamespace(device=torch.zeros(max_num_reqs, 4, dtype=torch.int32)),
-        prefill_range=_Buffer((2,), torch.int32, torch.device("cpu")),
+        prefill_range=SimpleNamespace(device=torch.tensor([2, 1], dtype=torch.int32)),
     )
     runner.pad_token_inputs = lambda n, padded: ModelRunner.pad_token_inputs(runner, n, padded)
     runner.buffer_metadata = lambda *args, **fields: ModelRunner.buffer_metadata(
@@ -38,8 +38,8 @@ def test_a_step_pads_with_one_token_requests_then_empty_ones():
     graphs = MixedCUDAGraphRunner(runner)  # type: ignore[arg-type]
     # 3 requests, 29 tokens: 1 + 1 + 27; the graph of 32 tokens has 32 request rows.
     runner.query_start_loc.device[:4] = torch.tensor([0, 1, 2, 29])
-    md = graphs.pad_batch(29, 3, 32, num_decodes=2)
-    assert md.prefill_range.tolist() == [2, 1]  # the prompt chunk after two decodes
+    md = graphs.pad_batch(29, 3, 32)
+    assert md.prefill_range is runner.prefill_range.device  # as the runner staged it
     assert md.uniform_grids and md.num_actual_tokens == 32 and md.num_reqs == 32
     qsl = md.query_start_loc.tolist()
     assert qsl[:4] == [0, 1, 2, 29]

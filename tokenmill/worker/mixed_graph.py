@@ -57,22 +57,17 @@ class MixedCUDAGraphRunner(WholePassGraphs):
         """Request rows of the graph of ``size`` tokens (a step has at most one per token)."""
         return min(size, self.runner.max_num_reqs)
 
-    def pad_batch(
-        self, num_tokens: int, num_reqs: int, size: int, num_decodes: int = 0
-    ) -> AttentionMetadata:
+    def pad_batch(self, num_tokens: int, num_reqs: int, size: int) -> AttentionMetadata:
         """Pad the step in the runner's buffers to the graph of ``size`` tokens and return
         the metadata that graph is captured with (uniform grids over its request rows).
 
         Tokens ``num_tokens..size`` become inert padding tokens; requests past ``num_reqs``
         take one of them each while any are left, then none, with a context of 0. The
-        requests after the ``num_decodes`` leading decodes (at most the backend's
-        ``uniform_max_prefills``) go to the device ``prefill_range``.
+        device ``prefill_range`` (the requests after the leading decodes, at most the
+        backend's ``uniform_max_prefills``) is the step's, as the runner staged it.
         """
         runner = self.runner
         rows = self.request_rows(size)
-        prefill_range = runner.prefill_range
-        prefill_range.np[:] = (num_decodes, num_reqs - num_decodes)
-        prefill_range.copy_to_device(2)
         runner.pad_token_inputs(num_tokens, size)
         runner.seq_lens.device[num_reqs:rows].zero_()
         ends = runner.query_start_loc.device[num_reqs + 1 : rows + 1]
@@ -87,17 +82,18 @@ class MixedCUDAGraphRunner(WholePassGraphs):
             query_start_loc_cpu=torch.zeros(rows + 1, dtype=torch.int32),
             seq_lens_cpu=torch.zeros(rows, dtype=torch.int32),
             uniform_grids=True,
-            prefill_range=prefill_range.device,
+            prefill_range=runner.prefill_range.device,
         )
 
     def capture_metadata(self, size: int) -> AttentionMetadata:
+        self.runner.prefill_range.device.zero_()  # no decodes, no prompt requests
         return self.pad_batch(0, 0, size)  # every request a padding request
 
-    def run(self, num_tokens: int, num_reqs: int, num_decodes: int) -> torch.Tensor:
-        """Replay for a step of ``num_tokens`` tokens and ``num_reqs`` requests, the first
-        ``num_decodes`` of them decodes, whose inputs are in the runner's buffers; returns
+    def run(self, num_tokens: int, num_reqs: int) -> torch.Tensor:
+        """Replay for a step of ``num_tokens`` tokens and ``num_reqs`` requests whose inputs
+        (``prefill_range`` included) are in the runner's buffers; returns
         hidden states ``[padded, H]`` (a static buffer; rows past ``num_tokens`` are
         padding)."""
         size = self.padded_size(num_tokens)
-        self.pad_batch(num_tokens, num_reqs, size, num_decodes)
+        self.pad_batch(num_tokens, num_reqs, size)
         return self.replay(size)

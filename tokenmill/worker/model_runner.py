@@ -2,8 +2,9 @@
 
 The only place where scheduler decisions become tensors. Per step it applies the scheduler's
 diff to the persistent InputBatch, builds the flat batch with vectorised numpy (positions,
-token ids, slot mapping, block table) in host staging buffers (pinned on CUDA), copies them
-into persistent device buffers, runs the model (replaying a whole-step CUDA graph for
+token ids, slot mapping, block table, the sampler's parameters), packs it into one pinned
+buffer copied to the device in one call and scattered into persistent device buffers by one
+kernel (``step_staging.py``), runs the model (replaying a whole-step CUDA graph for
 decode-only batches, piecewise graphs around eager attention for steps with prompt tokens:
 ``cuda_graph.py``, ``piecewise_graph.py``), and samples the requests whose context is
 complete (a request still prefilling its prompt in chunks samples nothing). The one
@@ -13,11 +14,13 @@ host-device sync of a step is reading the sampled token ids.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
@@ -38,6 +41,7 @@ from tokenmill.worker.sampling_metadata import (
     build_plain_sampling_metadata,
     build_sampling_metadata,
 )
+from tokenmill.worker.step_staging import DeviceArena, StepStaging
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,8 @@ class StepInputs:
         num_scheduled: ``[num_reqs]`` tokens per request (host).
         num_computed: ``[num_reqs]`` tokens cached before this step (host).
         batch_rows: ``[num_reqs]`` InputBatch rows of the requests (host).
+        sampling_metadata: the sampler's parameters, staged with the step's inputs, when
+            every sampling request samples on the plain path; else None (built later).
     """
 
     req_ids: list[str]
@@ -66,6 +72,7 @@ class StepInputs:
     num_scheduled: np.ndarray
     num_computed: np.ndarray
     batch_rows: np.ndarray
+    sampling_metadata: SamplingMetadata | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -79,31 +86,13 @@ def _leading_ones(num_scheduled: np.ndarray) -> int:
 
 
 class _Buffer:
-    """A persistent device tensor with host staging twins (pinned on CUDA).
+    """A persistent device tensor (a view of the runner's device arena) and the host array
+    a step fills before it is staged (``StepStaging.put_into``)."""
 
-    Two host copies alternate between steps: with async scheduling the host prepares step
-    n+1 while step n's copies may not have run yet, so it must not write the same memory.
-    """
-
-    def __init__(self, size: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self.device = torch.zeros(size, dtype=dtype, device=device)
-        if device.type == "cuda":
-            self._hosts = [torch.zeros(size, dtype=dtype, pin_memory=True) for _ in range(2)]
-        else:
-            self._hosts = [self.device]  # on CPU the device tensor is its own staging buffer
-        self._nps = [h.numpy() for h in self._hosts]
-        self.select(0)
-
-    def select(self, parity: int) -> None:
-        """Use staging copy ``parity`` (0 or 1) for this step."""
-        i = parity % len(self._hosts)
-        self.host, self.np = self._hosts[i], self._nps[i]
-
-    def copy_to_device(self, n: int) -> torch.Tensor:
-        """Copy the first ``n`` entries (rows) host -> device; returns the device slice."""
-        if self.host is not self.device:
-            self.device[:n].copy_(self.host[:n], non_blocking=True)
-        return self.device[:n]
+    def __init__(self, device: torch.Tensor) -> None:
+        self.device = device
+        dtype = {torch.int64: np.int64, torch.int32: np.int32}[device.dtype]
+        self.np = np.zeros(tuple(device.shape), dtype=dtype)
 
 
 class AsyncModelRunnerOutput:
@@ -176,29 +165,38 @@ class ModelRunner:
 
     def _init_buffers(self) -> None:
         # Persistent buffers: steps write into them in place, so CUDA graphs captured over
-        # them stay valid and nothing is allocated per step.
+        # them stay valid and nothing is allocated per step. They share one device arena so
+        # that one kernel scatters a step's staged inputs into all of them.
         d, n, r = self.device, self.max_num_tokens, self.max_num_reqs
-        self.input_ids = _Buffer((n,), torch.int64, d)
-        self.positions = _Buffer((n,), torch.int64, d)
-        self.slot_mapping = _Buffer((n,), torch.int64, d)
-        self.query_start_loc = _Buffer((r + 1,), torch.int32, d)
-        self.seq_lens = _Buffer((r,), torch.int32, d)
-        self.block_table = _Buffer((r, self.max_blocks_per_req), torch.int32, d)
-        self.logits_indices = _Buffer((r,), torch.int64, d)
-        self.prefill_range = _Buffer((2,), torch.int32, d)  # whole-step graphs of mixed steps
-        # Async scheduling: where last step's sampled tokens go in this step's input ids.
-        self.pending_dst = _Buffer((r,), torch.int64, d)
-        self.pending_src = _Buffer((r,), torch.int64, d)
+        i64, i32 = torch.int64, torch.int32
+        arena = DeviceArena(
+            [
+                ((n,), i64),  # input ids
+                ((n,), i64),  # positions
+                ((n,), i64),  # slot mapping
+                ((r + 1,), i32),  # query start locations
+                ((r,), i32),  # context lengths
+                ((r, self.max_blocks_per_req), i32),  # block table
+                ((2,), i32),  # whole-step graphs of mixed steps: the prompt requests
+            ],
+            d,
+        )
+        (
+            self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
+            self.seq_lens, self.block_table, self.prefill_range,
+        ) = (_Buffer(t) for t in arena.buffers)  # fmt: skip
+        # The most a step stages: its token arrays, request arrays, block-table rows, the
+        # sampling rows and up to eight per-row sampling arrays of 8 bytes.
+        capacity = 3 * n * 8 + (3 * r + 3) * 4 + r * self.max_blocks_per_req * 4 + 9 * r * 8
+        self.staging = StepStaging(capacity, arena, d)
         self.sampled_host = [
             torch.zeros(r, dtype=torch.int64, pin_memory=d.type == "cuda") for _ in range(2)
         ]
-        self._buffers = [
-            self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
-            self.seq_lens, self.block_table, self.logits_indices, self.prefill_range,
-            self.pending_dst, self.pending_src,
-        ]  # fmt: skip
         self._parity = 0
         self._prev_sampled: torch.Tensor | None = None
+        self._copy_stream = (
+            torch.cuda.Stream() if d.type == "cuda" and envs.sampled_copy_stream() else None
+        )
         self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
 
     # ---- set-up ------------------------------------------------------------------------
@@ -276,14 +274,14 @@ class ModelRunner:
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         self._parity ^= 1
-        for buf in self._buffers:
-            buf.select(self._parity)
+        staging = self.staging
+        staging.begin()
         batch = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
         num_reqs = len(req_ids)
         rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=num_reqs)
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
-        num_tokens = int(num_sched.sum())
+        num_tokens = n = int(num_sched.sum())
         cu = self.query_start_loc.np[: num_reqs + 1]
         cu[0] = 0
         np.cumsum(num_sched, out=cu[1:])
@@ -293,35 +291,38 @@ class ModelRunner:
         positions = self.positions.np[:num_tokens]
         np.add(computed[req_idx], self._arange[:num_tokens] - starts[req_idx], out=positions)
         token_rows = rows[req_idx]
-        self.input_ids.np[:num_tokens] = batch.token_ids[token_rows, positions]
+        input_ids = self.input_ids.np[:num_tokens]
+        input_ids[:] = batch.token_ids[token_rows, positions]
+        prev_sampled = self._stage_pending_tokens(rows, starts, input_ids)
         block_ids = batch.block_table[token_rows, positions // self.block_size]
         slots = self.slot_mapping.np[:num_tokens]
         np.add(block_ids.astype(np.int64) * self.block_size, positions % self.block_size, out=slots)
         seq_lens = computed + num_sched
         self.seq_lens.np[:num_reqs] = seq_lens
         max_blocks = int(-(-int(seq_lens.max()) // self.block_size))
-        self.block_table.np[:num_reqs, :max_blocks] = batch.block_table[rows, :max_blocks]
+        block_table = batch.block_table[rows, :max_blocks]
         # A request samples once its whole context is computed this step.
         sample_rows = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
-        num_samples = len(sample_rows)
-        self.logits_indices.np[:num_samples] = cu[1:][sample_rows] - 1
-
-        n = num_tokens
-        self.input_ids.copy_to_device(n)
-        self._fill_pending_tokens(rows, starts)
-        self.positions.copy_to_device(n)
-        self.slot_mapping.copy_to_device(n)
-        self.query_start_loc.copy_to_device(num_reqs + 1)
-        self.seq_lens.copy_to_device(num_reqs)
-        if self.block_table.host is not self.block_table.device:
-            self.block_table.device[:num_reqs, :max_blocks].copy_(
-                self.block_table.host[:num_reqs, :max_blocks], non_blocking=True
-            )
         num_decodes = _leading_ones(num_sched)
+        self.prefill_range.np[:] = (num_decodes, num_reqs - num_decodes)
+
+        staging.put_tokens(input_ids, self.input_ids.device[:n])
+        staging.put_into(positions, self.positions.device[:n])
+        staging.put_into(slots, self.slot_mapping.device[:n])
+        staging.put_into(cu, self.query_start_loc.device[: num_reqs + 1])
+        staging.put_into(self.seq_lens.np[:num_reqs], self.seq_lens.device[:num_reqs])
+        staging.put_into(block_table, self.block_table.device[:num_reqs, :max_blocks])
+        staging.put_into(self.prefill_range.np, self.prefill_range.device)
+        logits_indices = staging.put(cu[1:][sample_rows].astype(np.int64) - 1)
+        sampling_metadata = None
+        if len(sample_rows) and batch.simple_sampling[rows[sample_rows]].all():
+            sampling_metadata = self._plain_sampling_metadata(rows[sample_rows], staging.put)
+        staging.flush(prev_sampled)
+
         prefix_len = 0
         if self.cascade_attn:
             prefix_len = common_prefix_len(
-                self.block_table.np, seq_lens, num_decodes, self.block_size,
+                block_table, seq_lens, num_decodes, self.block_size,
                 replaces_graph=num_decodes == num_reqs and self._has_decode_graph(num_reqs),
             )  # fmt: skip
         metadata = self.buffer_metadata(
@@ -329,8 +330,8 @@ class ModelRunner:
             num_reqs,
             max_query_len=int(num_sched.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=self.query_start_loc.host[: num_reqs + 1].clone(),
-            seq_lens_cpu=self.seq_lens.host[:num_reqs].clone(),
+            query_start_loc_cpu=torch.from_numpy(cu.copy()),
+            seq_lens_cpu=torch.from_numpy(self.seq_lens.np[:num_reqs].copy()),
             num_decodes=num_decodes,
             common_prefix_len=prefix_len,
             reads_step_kv=so.reads_step_kv,
@@ -340,26 +341,27 @@ class ModelRunner:
             n,
             metadata,
             sample_rows.tolist(),
-            self.logits_indices.copy_to_device(num_samples),
+            logits_indices,
             num_sched,
             computed,
             rows,
+            sampling_metadata,
         )
 
-    def _fill_pending_tokens(self, rows: np.ndarray, starts: np.ndarray) -> None:
+    def _stage_pending_tokens(
+        self, rows: np.ndarray, starts: np.ndarray, input_ids: np.ndarray
+    ) -> torch.Tensor | None:
         """Async scheduling: a request whose last sampled token is still only on the device
-        takes it from there, as the input of its (single) scheduled token."""
+        takes it from there, as the input of its (single) scheduled token: its input id is
+        staged as ``-(i + 1)`` for entry ``i`` of the previous step's sampled tokens, which
+        are returned (None when no request takes one)."""
         src = self.input_batch.pending_idx[rows]
         self.input_batch.pending_idx[rows] = -1  # consumed by this step
         has = src >= 0
         if self._prev_sampled is None or not has.any():
-            return
-        k = int(has.sum())
-        self.pending_dst.np[:k] = starts[has]
-        self.pending_src.np[:k] = src[has]
-        dst = self.pending_dst.copy_to_device(k)
-        idx = self.pending_src.copy_to_device(k)
-        self.input_ids.device.index_copy_(0, dst, self._prev_sampled.index_select(0, idx))
+            return None
+        input_ids[starts[has]] = -(src[has] + 1)
+        return self._prev_sampled
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states ``[>= num_tokens, H]`` of the step (a graph's output is padded)."""
@@ -394,7 +396,7 @@ class ModelRunner:
             and num_reqs - num_decodes <= self.attn_backend.uniform_max_prefills
             and whole_step_ok
         ):
-            return self.mixed_graphs.run(n, num_reqs, num_decodes)
+            return self.mixed_graphs.run(n, num_reqs)
         if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(n):
             return self.piecewise_graphs.run(n, inputs.metadata)
         if self.pad_token_batches_to:
@@ -452,7 +454,7 @@ class ModelRunner:
             max_query_len=1,
             max_seq_len=max_seq_len or self.max_model_len,
             query_start_loc_cpu=torch.arange(batch_size + 1, dtype=torch.int32),
-            seq_lens_cpu=self.seq_lens.host[:batch_size].clone(),
+            seq_lens_cpu=torch.from_numpy(self.seq_lens.np[:batch_size].copy()),
             num_decodes=batch_size,
         )
 
@@ -486,15 +488,13 @@ class ModelRunner:
         host = self.sampled_host[self._parity][: len(inputs.sample_rows)]
         event = None
         if inputs.sample_rows:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
             rows = inputs.batch_rows[inputs.sample_rows]
-            sampled = self.sampler(logits, self._sampling_metadata(inputs, rows)).sampled_token_ids
+            metadata = inputs.sampling_metadata or self._sampling_metadata(inputs, rows)
+            sampled = self.sampler(logits, metadata).sampled_token_ids
             batch.pending_idx[rows] = np.arange(len(rows))
             self._prev_sampled = sampled
-            host.copy_(sampled, non_blocking=True)
-            if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
+            event = self._copy_sampled(sampled, host)
         self._advance_computed(inputs)
         return AsyncModelRunnerOutput(self, inputs, host, event)
 
@@ -516,9 +516,11 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
         if inputs.sample_rows:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
             sample_batch_rows = inputs.batch_rows[inputs.sample_rows]
-            metadata = self._sampling_metadata(inputs, sample_batch_rows, so.grammar_bitmasks)
+            metadata = inputs.sampling_metadata or self._sampling_metadata(
+                inputs, sample_batch_rows, so.grammar_bitmasks
+            )
             out = self.sampler(logits, metadata)
             token_ids = out.sampled_token_ids.tolist()  # the step's one sync
             req_ids = inputs.req_ids
@@ -534,6 +536,34 @@ class ModelRunner:
         self._advance_computed(inputs)
         return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs)
 
+    def _copy_sampled(self, sampled: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event | None:
+        """Start copying ``sampled`` to the pinned ``host`` tensor; returns the event that
+        marks its end on CUDA (None elsewhere, where the copy is done on return)."""
+        if self.device.type != "cuda":
+            host.copy_(sampled)
+            return None
+        stream = self._copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+            sampled.record_stream(stream)  # its memory is not reused before the copy
+            with torch.cuda.stream(stream):
+                host.copy_(sampled, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            return event
+        host.copy_(sampled, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    @staticmethod
+    def _sample_hidden(hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """The hidden states of the step's sampling tokens: a view when every token samples
+        (then each request has one token, and the indices are 0..n-1), else a gather."""
+        if len(inputs.sample_rows) == inputs.num_tokens:
+            return hidden[: inputs.num_tokens]
+        return hidden[inputs.logits_indices]
+
     def _advance_computed(self, inputs: StepInputs) -> None:
         batch = self.input_batch
         new_computed = inputs.num_computed + inputs.num_scheduled
@@ -541,15 +571,27 @@ class ModelRunner:
         for req_id, c in zip(inputs.req_ids, new_computed.tolist(), strict=False):
             batch.requests[req_id].num_computed_tokens = c
 
+    def _plain_sampling_metadata(
+        self, rows: np.ndarray, to_device: Callable[[np.ndarray], torch.Tensor] | None = None
+    ) -> SamplingMetadata:
+        """The sampler's metadata for InputBatch ``rows`` that all sample on the plain path
+        (temperature/top-k/top-p/min-p only): a numpy gather of per-row parameters, put on
+        the device by ``to_device`` (default: a copy per array)."""
+        b = self.input_batch
+        return build_plain_sampling_metadata(
+            b.greedy[rows], b.temperature[rows], b.top_k[rows], b.top_p[rows], b.min_p[rows],
+            self.vocab_size, self.device, to_device,
+        )  # fmt: skip
+
     def _sampling_metadata(
         self,
         inputs: StepInputs,
         rows: np.ndarray,
         grammar_bitmasks: dict[str, np.ndarray] | None = None,
     ) -> SamplingMetadata:
-        """The sampler's metadata: a numpy gather of per-row parameters when every row is
-        plain (temperature/top-k/top-p/min-p only), else the general per-row builder (with
-        the grammar bitmasks of requests with structured outputs)."""
+        """The sampler's metadata: ``_plain_sampling_metadata`` when every row is plain,
+        else the general per-row builder (with the grammar bitmasks of requests with
+        structured outputs)."""
         b = self.input_batch
         if not b.simple_sampling[rows].all():
             bitmasks = grammar_bitmasks or {}
@@ -566,10 +608,7 @@ class ModelRunner:
                     )
                 )
             return build_sampling_metadata(sampling_rows, self.vocab_size, self.device)
-        return build_plain_sampling_metadata(
-            b.greedy[rows], b.temperature[rows], b.top_k[rows], b.top_p[rows], b.min_p[rows],
-            self.vocab_size, self.device,
-        )  # fmt: skip
+        return self._plain_sampling_metadata(rows)
 
     def _prompt_logprobs(
         self, inputs: StepInputs, hidden: torch.Tensor

@@ -8,7 +8,7 @@ branches on Python flags only (no host-device syncs) and an all-greedy batch cos
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,6 +177,7 @@ def build_plain_sampling_metadata(
     min_p: np.ndarray,
     vocab_size: int,
     device: torch.device,
+    to_device: Callable[[np.ndarray], torch.Tensor] | None = None,
 ) -> SamplingMetadata:
     """``build_sampling_metadata`` for rows that use temperature, top-k, top-p and min-p
     only, from per-row numpy arrays (one gather each, no per-row Python).
@@ -184,27 +185,30 @@ def build_plain_sampling_metadata(
     Args:
         greedy: [B] bool; temperature, top_p, min_p: [B] float32; top_k: [B] int64, values
             <= 0 or >= ``vocab_size`` meaning no top-k.
+        to_device: puts a host array on ``device`` (the model runner's one copy per step,
+            ``step_staging.StepStaging.put``); default its own copy per array.
     """
-    d, v = device, vocab_size
+    v = vocab_size
+    put = to_device or (lambda values: _device(values, device))
     all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
     meta = SamplingMetadata(
-        temperature=_device(np.where(greedy, np.float32(1.0), temperature), d),
+        temperature=put(np.where(greedy, np.float32(1.0), temperature).astype(np.float32)),
         all_greedy=all_greedy,
         all_random=all_random,
     )
     if not (all_greedy or all_random):
-        meta.greedy_mask = _device(greedy, d)
+        meta.greedy_mask = put(greedy)
     if not all_greedy:
         top_k = np.where((top_k <= 0) | (top_k >= v), v, top_k)
         if (top_k < v).any():
-            meta.top_k = _device(top_k, d)
+            meta.top_k = put(top_k.astype(np.int64))
             meta.max_top_k = int(top_k.max())
         if (top_p < 1.0).any():
-            meta.top_p = _device(top_p, d)
+            meta.top_p = put(top_p)
         if (min_p > 0.0).any():
-            meta.min_p = _device(min_p, d)
-    if uses_fused_sampler(d):
-        add_gumbel_inputs(meta, np.where(greedy, 0.0, temperature), None, d)
+            meta.min_p = put(min_p)
+    if uses_fused_sampler(device):
+        add_gumbel_inputs(meta, np.where(greedy, 0.0, temperature), None, device, to_device)
     return meta
 
 
@@ -226,6 +230,7 @@ def add_gumbel_inputs(
     temperature: np.ndarray,
     seeds: dict[int, int] | None,
     device: torch.device,
+    to_device: Callable[[np.ndarray], torch.Tensor] | None = None,
 ) -> None:
     """Set the fused kernel's fields of ``meta``.
 
@@ -233,17 +238,23 @@ def add_gumbel_inputs(
         temperature: [B] per-row temperature, 0 for greedy rows.
         seeds: row -> this step's seed (``step_seed``) for seeded rows; the other rows get
             fresh keys from torch's default CPU generator.
+        to_device: as for ``build_plain_sampling_metadata``.
     """
     rows = len(temperature)
-    if meta.all_greedy:  # no noise: nothing to copy from the host
+    if meta.all_greedy and to_device is None:  # no noise: nothing to copy from the host
         meta.gumbel_seeds = torch.zeros(rows, dtype=torch.int64, device=device)
         meta.gumbel_temperature = torch.zeros(rows, dtype=torch.float32, device=device)
+        return
+    put = to_device or (lambda values: _device(values, device))
+    if meta.all_greedy:  # zeros staged with the step's inputs cost no launch of their own
+        meta.gumbel_seeds = put(np.zeros(rows, dtype=np.int64))
+        meta.gumbel_temperature = put(np.zeros(rows, dtype=np.float32))
         return
     keys = torch.randint(0, 2**62, (rows,), dtype=torch.int64).numpy()
     for row, seed in (seeds or {}).items():
         keys[row] = seed
-    meta.gumbel_seeds = _device(keys, device)
-    meta.gumbel_temperature = _device(temperature.astype(np.float32), device)
+    meta.gumbel_seeds = put(keys)
+    meta.gumbel_temperature = put(temperature.astype(np.float32))
 
 
 def _floats(values: list[float], device: torch.device) -> torch.Tensor:
