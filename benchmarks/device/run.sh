@@ -11,6 +11,8 @@
 #   attn       benchmarks/attention_bench.py (kernel timings); attn_rope the KV write with and
 #              without RoPE fused in; attn_chunk[_uniform] prompt-chunk tile sweeps (CHUNK
 #              tokens after 0..768 cached; _uniform as whole-step graphs launch them)
+#   gputests_staging  the step-input staging tests on CUDA and the engine's GPU tests;
+#              stagingtest the staging tests alone
 #   gputests_engine  the engine's GPU tests, fused kernels, attention hook and sampler
 #   lat1_nofuse      lat1 with RoPE and the KV write as two kernels (TOKENMILL_FUSED_ROPE_CACHE=0)
 #   lat1_short lat1 with TOKENMILL_SHORT_DECODE_GRAPHS=1 (one-split decode graphs for short
@@ -25,6 +27,8 @@
 #              decode-attention kernels as ordinary launches, not dependent ones)
 #   gputests_skinny  the skinny GEMM's tests on CUDA (but the long Llama-shape sweep;
 #              gputests_skinny_full with it)
+#   base_lat1 base_lat32  the same on the tree in .carry/base (a base commit's git archive of
+#              tokenmill/ and benchmarks/), to compare two commits on one machine
 #   lat1 lat32 tokenmill bench latency, M8, 32 in / 256 out, batch 1 / 32; lat1@VAR=VALUE
 #              (or lat32@..., several joined by +) the same with those variables set
 #   tp_long tp_short tp_small   tokenmill bench throughput (as ANCHORS.md)
@@ -106,7 +110,7 @@ stage() {  # stage NAME TIMEOUT CMD... (NAME gets $SFX, the STAGE@VARS label)
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|preempt" "$LOGS/$name.log" \
+  grep -aE "^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|preempt" "$LOGS/$name.log" \
     | grep -v "warnings.warn" | tail -${TAIL_LINES:-25} | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
@@ -211,6 +215,8 @@ run_stage() {  # run_stage NAME: one stage of the list below
     gputests_sampler) PYTHONPATH="$XGP" stage gputests_sampler 240 python3 -m pytest -q tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/worker/test_top_p_select.py tests/gpu/test_engine_gpu.py tests/gpu/test_skinny_gemm_gpu.py -p no:cacheprovider --timeout 150 ;;
     gputests_prefetch) stage gputests_prefetch 120 python3 -m pytest -q tests/gpu/test_l2_prefetch_gpu.py tests/model/test_l2_prefetch.py -p no:cacheprovider --timeout 100 ;;
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
+    stagingtest) stage stagingtest 90 python3 -m pytest -q tests/worker/test_step_staging.py -p no:cacheprovider ;;
+    gputests_staging) PYTHONPATH="$XGP" stage gputests_staging 300 python3 -m pytest -q tests/worker/test_step_staging.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
     attn_rope) stage attn_rope 120 python3 benchmarks/attention_bench.py --only cache --prefill-tokens 1,64,272,1024 ;;
@@ -239,6 +245,10 @@ run_stage() {  # run_stage NAME: one stage of the list below
     lat1@*|lat32@*)  # lat1@VAR=VALUE[+VAR=VALUE...]: the latency run with those variables set
       base=${st%%@*}; bs=1; [ "$base" = lat32 ] && bs=32; assign=${st#*@}; tag=$(echo "$st" | tr -c 'A-Za-z0-9_\n' '_')
       stage "$st" 240 env ${assign//+/ } "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size $bs --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/$tag.json"; addjson "$st" "$LOGS/$tag.json" ;;
+    base_lat1|base_lat32)  # the latency run on the tree in .carry/base (git archive of a base commit)
+      bs=1; [ "$st" = base_lat32 ] && bs=32
+      say "STAGE $st runs $(PYTHONPATH="$PWD/.carry/base" python3 -P -c 'import tokenmill; print(tokenmill.__file__)')"
+      stage "$st" 240 env PYTHONPATH="$PWD/.carry/base" python3 -P -m tokenmill.entrypoints.cli.main bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size $bs --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/$st.json"; addjson "$st" "$LOGS/$st.json" ;;
     lat1)     stage lat1 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1.json"; addjson lat1 "$LOGS/lat1.json" ;;
     lat32)    stage lat32 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32.json"; addjson lat32 "$LOGS/lat32.json" ;;
     tp_long)  stage tp_long 400 "${TM[@]}" bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/tp_long.json"; addjson tp_long "$LOGS/tp_long.json" ;;
@@ -278,8 +288,8 @@ run_stage() {  # run_stage NAME: one stage of the list below
     kprof_long) stage kprof_long 200 python3 benchmarks/device/kernel_profile.py "$M8" 300 1024 256 ;;
     kprof_prefill) stage kprof_prefill 200 python3 benchmarks/device/kernel_profile.py "$M8" 192 1024 1 ;;
     kprof_lat1) stage kprof_lat1 200 python3 benchmarks/device/kernel_profile.py "$M8" 1 32 256 ;;
-    timeline_lat1) stage timeline_lat1 200 python3 benchmarks/device/step_timeline.py "$M8" 1 32 256 ;;
-    timeline_lat32) stage timeline_lat32 200 python3 benchmarks/device/step_timeline.py "$M8" 32 32 256 ;;
+    timeline_lat1) TAIL_LINES=100 stage timeline_lat1 200 python3 benchmarks/device/step_timeline.py "$M8" 1 32 256 ;;
+    timeline_lat32) TAIL_LINES=100 stage timeline_lat32 200 python3 benchmarks/device/step_timeline.py "$M8" 32 32 256 ;;
     pgemm)    stage pgemm 150 python3 benchmarks/device/prefill_gemm_bench.py --ms "${PGEMM_MS:-512,2048,8192}" --blas "${PGEMM_BLAS:-cublas}" ;;
     pgemm_curve) stage pgemm_curve 240 python3 benchmarks/device/prefill_gemm_bench.py --quiet --ms "${PGEMM_MS:-1,2,4,8,16,32,64,128,192,224,240,256,272,288,304,320,352,384,416,448,512,576,640}" --blas cublas,cublaslt ;;
     serve)    serve_pair tm ;;

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from profile_step import offline_workload  # this folder is on sys.path as the script's own
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 GAP_US = 0.5
 STEP_END = "Memcpy DtoH"
@@ -111,16 +111,57 @@ def summarize(steps: list[list[Event]], skip_first: int = 10, skip_last: int = 2
         lines.append(
             f"TIMELINE   {sum(values) / n:8.2f}  x{len(values) / n:5.2f}  {after} -> {before}"
         )
+    lines.extend(step_edges(steps[mid[len(mid) // 2]], steps[mid[len(mid) // 2] - 1][-1].end))
     return "\n".join(lines)
+
+
+def step_edges(step: list[Event], prev_end: float, head: int = 12, tail: int = 24) -> list[str]:
+    """The first ``head`` and last ``tail`` events of one step: start (us after the previous
+    step's end), duration and the idle gap before each, to show the step's seams."""
+    lines = [f"TIMELINE one step's edges ({len(step)} events): start  dur  gap  name"]
+    reach = prev_end
+    for i, e in enumerate(step):
+        gap = max(0.0, e.start - reach)
+        reach = max(reach, e.end)
+        if i < head or i >= len(step) - tail:
+            lines.append(
+                f"TIMELINE   {e.start - prev_end:8.1f} {e.end - e.start:7.1f} {gap:6.1f}  {e.name}"
+            )
+        elif i == head:
+            lines.append("TIMELINE   ...")
+    return lines
+
+
+def run_edges(prof, steps: list[list[Event]], name: str = "tm_generate") -> str:
+    """Where the host's ``generate`` call spends time outside the GPU's steps: from its
+    start to the first GPU event, the first three steps' spans, the last two, and from the
+    last GPU event to its return (us, on the profiler's common clock)."""
+    host = [e for e in prof.events() if e.name == name]
+    if not host or not steps:
+        return "TIMELINE no host range recorded"
+    start, end = host[0].time_range.start, host[0].time_range.end
+    first, last = steps[0][0].start, steps[-1][-1].end
+    spans = [steps[0][-1].end - first]
+    spans += [steps[i][-1].end - steps[i - 1][-1].end for i in range(1, len(steps))]
+    head = ", ".join(f"{x:.1f}" for x in spans[:3])
+    tail = ", ".join(f"{x:.1f}" for x in spans[-2:])
+    return (
+        f"TIMELINE generate {end - start:.1f} us: {first - start:.1f} before the first GPU "
+        f"event, {last - first:.1f} from it to the last step's end, {end - last:.1f} after; "
+        f"{len(steps)} steps, first spans {head}, last {tail}"
+    )
 
 
 def main() -> None:
     llm, prompts, params, n, in_len, out_len = offline_workload(sys.argv, 1, 32, 256, 4)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("tm_generate"):
+            llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
     print(f"TIMELINE {n} prompts {in_len}/{out_len}")
-    print(summarize(split_steps(gpu_events(prof))))
+    steps = split_steps(gpu_events(prof))
+    print(summarize(steps))
+    print(run_edges(prof, steps))
 
 
 if __name__ == "__main__":
