@@ -103,3 +103,11 @@ def test_steps_that_read_kv_written_in_the_step_skip_whole_step_graphs(
 
     assert run(False) == ("decode graph" if max_query_len == 1 else "mixed graph")
     assert run(True) == ("eager", True)
+
+
+def test_padding_rows_of_a_decode_batch_report_no_context(tmp_path):
+    runner = _runner(tmp_path)
+    runner.seq_lens.np[:4] = [50, 60, 70, 80]  # left over from an earlier, larger step
+    metadata = runner.pad_decode_batch(1, 4)
+    assert metadata.seq_lens_cpu.tolist() == [50, 0, 0, 0]
+    assert runner.seq_lens.device[1:4].eq(0).all()

@@ -110,3 +110,21 @@ def test_misuse_is_refused():
         staging.put_into(np.zeros(1, dtype=np.int32), lens[:1])
     with pytest.raises(ValueError, match="4- or 8-byte"):
         DeviceArena([((4,), torch.bfloat16)], CPU)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_packing_waits_for_the_copy_out_of_its_pinned_buffer():
+    """Steps that sample nothing leave the host free to run ahead of a busy GPU: packing step
+    n + 2 must not overwrite the pinned bytes that step n's queued copy has yet to read."""
+    d = torch.device("cuda")
+    arena = DeviceArena([((4096,), torch.int32)], d)
+    staging = StepStaging(64_000, arena, d)
+    snapshots = []
+    for k in range(6):
+        staging.begin()
+        staging.put_into(np.full(4096, k, dtype=np.int32), arena.buffers[0])
+        staging.flush(None)
+        snapshots.append(arena.buffers[0].clone())
+        torch.cuda._sleep(200_000_000)  # keep the compute stream busy, the host ahead
+    assert [int(x[0]) for x in snapshots] == list(range(6))
+    assert all(bool(x.eq(k).all()) for k, x in enumerate(snapshots))

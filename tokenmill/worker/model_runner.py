@@ -89,10 +89,10 @@ class _Buffer:
     """A persistent device tensor (a view of the runner's device arena) and the host array
     a step fills before it is staged (``StepStaging.put_into``)."""
 
-    def __init__(self, device: torch.Tensor) -> None:
+    def __init__(self, device: torch.Tensor, host: bool = True) -> None:
         self.device = device
         dtype = {torch.int64: np.int64, torch.int32: np.int32}[device.dtype]
-        self.np = np.zeros(tuple(device.shape), dtype=dtype)
+        self.np = np.zeros(tuple(device.shape) if host else (0,), dtype=dtype)
 
 
 class AsyncModelRunnerOutput:
@@ -181,10 +181,12 @@ class ModelRunner:
             ],
             d,
         )
-        (
-            self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
-            self.seq_lens, self.block_table, self.prefill_range,
-        ) = (_Buffer(t) for t in arena.buffers)  # fmt: skip
+        bufs = arena.buffers
+        self.input_ids, self.positions, self.slot_mapping = (_Buffer(t) for t in bufs[:3])
+        self.query_start_loc, self.seq_lens = _Buffer(bufs[3]), _Buffer(bufs[4])
+        # A step stages its block-table rows straight from the InputBatch's table.
+        self.block_table = _Buffer(bufs[5], host=False)
+        self.prefill_range = _Buffer(bufs[6])
         # The most a step stages: its token arrays, request arrays, block-table rows, the
         # sampling rows and up to eight per-row sampling arrays of 8 bytes.
         capacity = 3 * n * 8 + (3 * r + 3) * 4 + r * self.max_blocks_per_req * 4 + 9 * r * 8
@@ -427,6 +429,7 @@ class ModelRunner:
         for ``decode_metadata``)."""
         self.pad_token_inputs(num_reqs, padded)
         self.seq_lens.device[num_reqs:padded].zero_()
+        self.seq_lens.np[num_reqs:padded] = 0  # what ``decode_metadata`` reports
         qsl = self.query_start_loc.device
         torch.arange(num_reqs + 1, padded + 1, out=qsl[num_reqs + 1 : padded + 1])
         return self.decode_metadata(padded, max_seq_len)

@@ -85,7 +85,9 @@ class StepStaging:
     """Packs one step's host arrays for one copy to the device (see the module docstring).
 
     Two pinned host buffers alternate between steps: under async scheduling the host packs
-    step n+1 while step n's copy may not have run yet. The device buffers alternate too: on
+    step n+1 while step n's copy may not have run yet; before it packs into a buffer it waits
+    for that buffer's last copy (two steps back) to end, which steps that sample nothing
+    (prompt chunks) would not otherwise guarantee. The device buffers alternate too: on
     CUDA the copy runs on a side stream, ahead of the compute stream, which waits for it
     only before the scatter; a copy into a device buffer waits for the compute stream to
     pass the step that last read it (two steps back). Off CUDA everything is in order.
@@ -114,8 +116,10 @@ class StepStaging:
         self._staged = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2)]
         self.staged = self._staged[0]
         self._copy_stream = torch.cuda.Stream(device=device) if cuda else None
-        # Per device buffer: the compute stream's event after the last step that read it.
+        # Per device buffer: the compute stream's event after the last step that read it;
+        # per pinned buffer: the end of its last copy.
         self._read: list[torch.cuda.Event | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
         if use_kernel is None:
             use_kernel = cuda and HAS_TRITON
         self._use_kernel = use_kernel
@@ -125,8 +129,12 @@ class StepStaging:
         self._max_elems = 0
 
     def begin(self) -> None:
-        """Start packing a new step (into the other pinned and device buffers)."""
+        """Start packing a new step (into the other pinned and device buffers); waits for
+        the last copy out of that pinned buffer, normally long done."""
         self._parity ^= 1
+        copied = self._copied[self._parity]
+        if copied is not None:
+            copied.synchronize()
         self.staged = self._staged[self._parity]
         self._cursor = HEADER_BYTES
         self._segments = []
@@ -145,7 +153,9 @@ class StepStaging:
 
     def put(self, values: np.ndarray) -> torch.Tensor:
         """Stage ``values``; returns the device tensor (same dtype and shape) they will be
-        in once ``flush`` has been called. Valid until the next step's ``flush``."""
+        in once ``flush`` has been called. Read it only from work queued on the compute
+        stream before the next step's ``flush``: the copy two steps later overwrites it once
+        that work is done."""
         off = self._append(values)
         dtype = _torch_dtype(values.dtype)
         view = self.staged[off : off + values.nbytes]
@@ -213,7 +223,9 @@ class StepStaging:
                 self.staged.view(torch.int32), self.arena.words, sampled, BLOCK=UNPACK_BLOCK
             )
         else:
-            unpack_reference(self.staged.view(torch.int32), self.arena.words, sampled, n)
+            unpack_reference(
+                self.staged.view(torch.int32), self.arena.words, sampled, self._segments
+            )
 
     def _copy(self, used: int) -> None:
         """Copy the first ``used`` staged bytes to this step's device buffer; on CUDA on the
@@ -235,23 +247,25 @@ class StepStaging:
             dev.copy_(host, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
+        self._copied[self._parity] = copied
         compute.wait_event(copied)
 
 
 def unpack_reference(
-    staged: torch.Tensor, arena: torch.Tensor, sampled: torch.Tensor, num_segments: int
+    staged: torch.Tensor,
+    arena: torch.Tensor,
+    sampled: torch.Tensor,
+    segments: list[tuple[int, int, int, int, int, int]],
 ) -> None:
-    """What the unpack kernel does, in torch: ``staged`` and ``arena`` are int32 word
-    tensors, ``sampled`` int64; ``num_segments`` descriptors head ``staged``."""
-    desc = staged[: num_segments * DESC_WORDS].view(num_segments, DESC_WORDS).tolist()
-    for kind, src, dst, rows, width, stride in desc:
+    """What the unpack kernel does, in torch ops that never wait for the device: ``staged``
+    and ``arena`` are int32 word tensors, ``sampled`` int64, ``segments`` the descriptors
+    (as the header holds them)."""
+    last = sampled.shape[0] - 1
+    for kind, src, dst, rows, width, stride in segments:
         if kind == TOKENS:
             ids = staged[src : src + 2 * width].view(torch.int64)
-            fed = ids < 0
-            if bool(fed.any()):
-                ids = ids.clone()
-                ids[fed] = sampled[-ids[fed] - 1]
-            arena[dst : dst + 2 * width].view(torch.int64).copy_(ids)
+            fed = sampled[(-ids - 1).clamp(0, last)]
+            arena[dst : dst + 2 * width].view(torch.int64).copy_(torch.where(ids < 0, fed, ids))
             continue
         values = staged[src : src + rows * width].view(rows, width)
         target = arena.as_strided((rows, width), (stride, 1), arena.storage_offset() + dst)
