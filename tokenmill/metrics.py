@@ -143,6 +143,11 @@ class PrometheusStatLogger:
         )
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (to be recomputed).")
+        self.constraint_failures = counter(
+            "structured_output_failures",
+            "Requests ended for their structured-output constraint: it failed to compile, or "
+            "a token mask took too long.",
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self._success = Counter(
@@ -182,6 +187,7 @@ class PrometheusStatLogger:
             self.prefix_queries.inc(scheduler_stats.prefix_cache_queries)
             self.prefix_hits.inc(scheduler_stats.prefix_cache_hits)
             self.preemptions.inc(scheduler_stats.num_preemptions)
+            self.constraint_failures.inc(scheduler_stats.num_constraint_failures)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)

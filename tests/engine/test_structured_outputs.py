@@ -81,12 +81,15 @@ def test_json_schema_output_parses(llm):
     assert isinstance(json.loads(out.text)["city"], str)
 
 
-def step_until_outputs(core, max_steps: int = 500):
-    """The first outputs of ``core``'s steps (grammars compile beside the loop)."""
+def step_until_outputs(core, max_steps: int = 500, failures: list[int] | None = None):
+    """The first outputs of ``core``'s steps (grammars compile beside the loop); each step's
+    count of requests ended for their constraint goes to ``failures``."""
     for _ in range(max_steps):
-        outputs = core.step().outputs
-        if outputs:
-            return outputs
+        step = core.step()
+        if failures is not None and step.scheduler_stats is not None:
+            failures.append(step.scheduler_stats.num_constraint_failures)
+        if step.outputs:
+            return step.outputs
     raise AssertionError(f"no output in {max_steps} steps")
 
 
@@ -99,8 +102,10 @@ def test_a_constraint_that_does_not_compile_aborts_its_request_only(llm):
     params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(a"))
     core.add_request(EngineCoreRequest("bad", [1, 2, 3], params, time.time()))
     assert core.has_unfinished_requests()
-    outputs = step_until_outputs(core)
+    failures: list[int] = []
+    outputs = step_until_outputs(core, failures=failures)
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", FinishReason.ABORT)]
+    assert sum(failures) == 1  # the metric tokenmill:structured_output_failures counts it
     assert outputs[0].stop_reason.startswith("structured_outputs: the constraint does not")
     assert not core.has_unfinished_requests()
     out = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
@@ -149,9 +154,12 @@ def test_a_constraint_whose_later_masks_are_too_costly_aborts_its_request_only(l
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     core.add_request(EngineCoreRequest("costly", [1, 2, 3], constrained, time.time()))
     core.add_request(EngineCoreRequest("plain", [4, 5, 6], plain, time.time()))
-    outputs = []
+    outputs, failures = [], 0
     for _ in range(500):
-        outputs += core.step().outputs
+        step = core.step()
+        outputs += step.outputs
+        if step.scheduler_stats is not None:
+            failures += step.scheduler_stats.num_constraint_failures
         if not core.has_unfinished_requests():
             break
     tokens = {"costly": [], "plain": []}
@@ -163,6 +171,7 @@ def test_a_constraint_whose_later_masks_are_too_costly_aborts_its_request_only(l
     assert finished["costly"].finish_reason == FinishReason.ABORT
     assert "too costly to follow" in finished["costly"].stop_reason
     assert llm.get_tokenizer().decode(tokens["costly"]) == "zzz"
+    assert failures == 1
     assert finished["plain"].finish_reason == FinishReason.LENGTH and len(tokens["plain"]) == 8
 
 

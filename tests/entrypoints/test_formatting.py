@@ -143,6 +143,7 @@ def _step(running: int, usage: float, finished: list[str]) -> tuple:
         prefix_cache_queries=32,
         prefix_cache_hits=16,
         num_preemptions=1,
+        num_constraint_failures=1,
     )
     it = IterationStats(
         iteration_timestamp=0.0,
@@ -177,6 +178,7 @@ def test_prometheus_stat_logger():
     assert value('tokenmill:prefix_cache_queries_total{model_name="m"}') == 64
     assert value('tokenmill:prefix_cache_hits_total{model_name="m"}') == 32
     assert value('tokenmill:num_preemptions_total{model_name="m"}') == 2
+    assert value('tokenmill:structured_output_failures_total{model_name="m"}') == 2
     assert value('tokenmill:prompt_tokens_total{model_name="m"}') == 20
     assert value('tokenmill:generation_tokens_total{model_name="m"}') == 6
     assert value('tokenmill:request_success_total{finished_reason="stop",model_name="m"}') == 2

@@ -68,6 +68,7 @@ class EngineCore:
         # Async scheduling: the step in flight (its plan and its output handle).
         self._pending: tuple[SchedulerOutput, Any] | None = None
         self._failed: list[EngineCoreOutput] = []  # requests refused here, to report
+        self._num_constraint_failures = 0  # of those, not yet in a SchedulerStats
         sc = config.scheduler_config
         logger.info(
             "Scheduler: %d tokens and %d requests per step, chunked prefill %s, prefill pacing "
@@ -153,6 +154,7 @@ class EngineCore:
                     req.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=reason
                 )
             )
+            self._num_constraint_failures += 1
 
     def _build_grammar_compiler(self) -> Any:
         from tokenmill.structured_output import GrammarCompiler
@@ -215,6 +217,8 @@ class EngineCore:
         if outputs.scheduler_stats is not None:
             # Requests whose grammars compile are waiting too (vLLM's WAITING_FOR_FSM).
             outputs.scheduler_stats.num_waiting_reqs += len(self._grammars)
+            outputs.scheduler_stats.num_constraint_failures += self._num_constraint_failures
+            self._num_constraint_failures = 0
         return outputs
 
     def _step_sync(self) -> EngineCoreOutputs:

@@ -112,6 +112,9 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
+    # requests ended for their structured-output constraint: it failed to compile, or one
+    # of its token masks took too long (``core/grammar_masks.py``)
+    num_constraint_failures: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
 

@@ -128,6 +128,7 @@ class Scheduler:
         # request id -> first-schedule time not yet reported in an EngineCoreOutputs.
         self._first_scheduled: dict[str, float] = {}
         self._num_preemptions = 0
+        self._num_constraint_failures = 0
 
     def _init_kv_cache(self, cache_config: CacheConfig, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -514,6 +515,7 @@ class Scheduler:
             # Given up while its mask was filled: the token was drawn without the mask.
             request.stop_reason = f"{CONSTRAINT_FAILURE_PREFIX} {grammar.failure}"
             request.status = RequestStatus.FINISHED_ABORTED
+            self._num_constraint_failures += 1
             return kept
         for token_id in token_ids:
             request.append_output_token_ids([token_id])
@@ -569,8 +571,9 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_preemptions=self._num_preemptions,
+            num_constraint_failures=self._num_constraint_failures,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
         )
-        self._num_preemptions = 0
+        self._num_preemptions = self._num_constraint_failures = 0
         return stats

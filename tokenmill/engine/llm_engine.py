@@ -30,11 +30,13 @@ class EngineCounters:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
+    num_constraint_failures: int = 0  # requests ended for their structured-output constraint
 
     def add(self, stats: SchedulerStats) -> None:
         self.prefix_cache_queries += stats.prefix_cache_queries
         self.prefix_cache_hits += stats.prefix_cache_hits
         self.num_preemptions += stats.num_preemptions
+        self.num_constraint_failures += stats.num_constraint_failures
 
 
 class LLMEngine:
