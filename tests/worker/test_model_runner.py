@@ -85,7 +85,7 @@ def test_steps_that_read_kv_written_in_the_step_skip_whole_step_graphs(
 
     import numpy as np
 
-    from tokenmill.worker.model_runner import StepInputs
+    from tokenmill.worker.step_io import StepInputs
 
     runner = _runner(tmp_path)
     runner.cuda_graphs = _WholeStepGraphs("decode graph")

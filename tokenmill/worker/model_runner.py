@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,48 +40,10 @@ from tokenmill.worker.sampling_metadata import (
     build_plain_sampling_metadata,
     build_sampling_metadata,
 )
+from tokenmill.worker.step_io import AsyncModelRunnerOutput, StepInputs, leading_ones
 from tokenmill.worker.step_staging import DeviceArena, StepStaging
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepInputs:
-    """One step's batch, ready for the model.
-
-    Attributes:
-        req_ids: scheduled requests in batch order.
-        num_tokens: scheduled tokens (the real ones; device buffers may be padded).
-        metadata: attention metadata.
-        sample_rows: batch indices of the requests that sample a token this step.
-        logits_indices: ``[len(sample_rows)]`` int64 on the device: each sampling
-            request's last token.
-        num_scheduled: ``[num_reqs]`` tokens per request (host).
-        num_computed: ``[num_reqs]`` tokens cached before this step (host).
-        batch_rows: ``[num_reqs]`` InputBatch rows of the requests (host).
-        sampling_metadata: the sampler's parameters, staged with the step's inputs, when
-            every sampling request samples on the plain path; else None (built later).
-    """
-
-    req_ids: list[str]
-    num_tokens: int
-    metadata: AttentionMetadata
-    sample_rows: list[int]
-    logits_indices: torch.Tensor
-    num_scheduled: np.ndarray
-    num_computed: np.ndarray
-    batch_rows: np.ndarray
-    sampling_metadata: SamplingMetadata | None = None
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.metadata.max_query_len == 1
-
-
-def _leading_ones(num_scheduled: np.ndarray) -> int:
-    """How many leading requests compute one token (the decode kernel's share)."""
-    not_one = np.flatnonzero(num_scheduled != 1)
-    return int(not_one[0]) if len(not_one) else len(num_scheduled)
 
 
 class _Buffer:
@@ -93,40 +54,6 @@ class _Buffer:
         self.device = device
         dtype = {torch.int64: np.int64, torch.int32: np.int32}[device.dtype]
         self.np = np.zeros(tuple(device.shape) if host else (0,), dtype=dtype)
-
-
-class AsyncModelRunnerOutput:
-    """A step whose sampled tokens are still being copied to the host.
-
-    ``get()`` waits for the copy, records the tokens in the worker's batch and returns the
-    ModelRunnerOutput. Outputs must be collected in step order.
-    """
-
-    def __init__(
-        self,
-        runner: ModelRunner,
-        inputs: StepInputs,
-        host_tokens: torch.Tensor,
-        event: torch.cuda.Event | None,
-    ) -> None:
-        self.runner = runner
-        self.inputs = inputs
-        self.host_tokens = host_tokens
-        self.event = event
-
-    def get(self) -> ModelRunnerOutput:
-        if self.event is not None:
-            self.event.synchronize()
-        inputs = self.inputs
-        token_ids = self.host_tokens.tolist()
-        sampled: list[list[int]] = [[] for _ in inputs.req_ids]
-        batch = self.runner.input_batch
-        for i, tok in zip(inputs.sample_rows, token_ids, strict=False):
-            req_id = inputs.req_ids[i]
-            sampled[i] = [tok]
-            if req_id in batch.row_of:  # it may have finished or been preempted meanwhile
-                batch.append_token(req_id, tok)
-        return ModelRunnerOutput(inputs.req_ids, sampled)
 
 
 class ModelRunner:
@@ -305,7 +232,7 @@ class ModelRunner:
         block_table = batch.block_table[rows, :max_blocks]
         # A request samples once its whole context is computed this step.
         sample_rows = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
-        num_decodes = _leading_ones(num_sched)
+        num_decodes = leading_ones(num_sched)
         self.prefill_range.np[:] = (num_decodes, num_reqs - num_decodes)
 
         staging.put_tokens(input_ids, self.input_ids.device[:n])
@@ -499,7 +426,7 @@ class ModelRunner:
             self._prev_sampled = sampled
             event = self._copy_sampled(sampled, host)
         self._advance_computed(inputs)
-        return AsyncModelRunnerOutput(self, inputs, host, event)
+        return AsyncModelRunnerOutput(self.input_batch, inputs, host, event)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -546,17 +473,15 @@ class ModelRunner:
             host.copy_(sampled)
             return None
         stream = self._copy_stream
-        if stream is not None:
+        if stream is None:
+            stream = torch.cuda.current_stream()
+        else:
             stream.wait_stream(torch.cuda.current_stream())
             sampled.record_stream(stream)  # its memory is not reused before the copy
-            with torch.cuda.stream(stream):
-                host.copy_(sampled, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-            return event
-        host.copy_(sampled, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        with torch.cuda.stream(stream):
+            host.copy_(sampled, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
         return event
 
     @staticmethod

@@ -247,12 +247,11 @@ def add_gumbel_inputs(
         return
     put = to_device or (lambda values: _device(values, device))
     if meta.all_greedy:  # zeros staged with the step's inputs cost no launch of their own
-        meta.gumbel_seeds = put(np.zeros(rows, dtype=np.int64))
-        meta.gumbel_temperature = put(np.zeros(rows, dtype=np.float32))
-        return
-    keys = torch.randint(0, 2**62, (rows,), dtype=torch.int64).numpy()
-    for row, seed in (seeds or {}).items():
-        keys[row] = seed
+        keys = np.zeros(rows, dtype=np.int64)
+    else:
+        keys = torch.randint(0, 2**62, (rows,), dtype=torch.int64).numpy()
+        for row, seed in (seeds or {}).items():
+            keys[row] = seed
     meta.gumbel_seeds = put(keys)
     meta.gumbel_temperature = put(temperature.astype(np.float32))
 

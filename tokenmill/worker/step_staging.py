@@ -126,7 +126,6 @@ class StepStaging:
         self._parity = 0
         self._cursor = HEADER_BYTES
         self._segments: list[tuple[int, int, int, int, int, int]] = []
-        self._max_elems = 0
 
     def begin(self) -> None:
         """Start packing a new step (into the other pinned and device buffers); waits for
@@ -138,7 +137,6 @@ class StepStaging:
         self.staged = self._staged[self._parity]
         self._cursor = HEADER_BYTES
         self._segments = []
-        self._max_elems = 0
 
     def _append(self, values: np.ndarray) -> int:
         """Copy ``values`` into the pinned buffer; returns its byte offset."""
@@ -197,7 +195,6 @@ class StepStaging:
         if len(self._segments) == MAX_SEGMENTS:
             raise RuntimeError(f"more than {MAX_SEGMENTS} arrays scattered in one step")
         self._segments.append((kind, src, dst, rows, width, stride))
-        self._max_elems = max(self._max_elems, rows * width)
 
     def flush(self, sampled: torch.Tensor | None = None) -> None:
         """Copy the staged bytes to the device and scatter the ``put_into`` arrays.
@@ -218,7 +215,8 @@ class StepStaging:
         if sampled is None:
             sampled = self.arena.words.view(torch.int64)[:1]  # never read: no entry is < 0
         if self._use_kernel:
-            chunks = -(-self._max_elems // UNPACK_BLOCK)
+            longest = max(rows * width for _, _, _, rows, width, _ in self._segments)
+            chunks = -(-longest // UNPACK_BLOCK)
             _unpack_kernel[(n, chunks)](
                 self.staged.view(torch.int32), self.arena.words, sampled, BLOCK=UNPACK_BLOCK
             )

@@ -1,0 +1,88 @@
+"""What one step of the model runner hands on: its prepared inputs (``StepInputs``) and,
+under async scheduling, its output still on its way to the host (``AsyncModelRunnerOutput``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.model.attention.backend import AttentionMetadata
+from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.sampling_metadata import SamplingMetadata
+
+
+@dataclass
+class StepInputs:
+    """One step's batch, ready for the model.
+
+    Attributes:
+        req_ids: scheduled requests in batch order.
+        num_tokens: scheduled tokens (the real ones; device buffers may be padded).
+        metadata: attention metadata.
+        sample_rows: batch indices of the requests that sample a token this step.
+        logits_indices: ``[len(sample_rows)]`` int64 on the device: each sampling
+            request's last token.
+        num_scheduled: ``[num_reqs]`` tokens per request (host).
+        num_computed: ``[num_reqs]`` tokens cached before this step (host).
+        batch_rows: ``[num_reqs]`` InputBatch rows of the requests (host).
+        sampling_metadata: the sampler's parameters, staged with the step's inputs, when
+            every sampling request samples on the plain path; else None (built later).
+    """
+
+    req_ids: list[str]
+    num_tokens: int
+    metadata: AttentionMetadata
+    sample_rows: list[int]
+    logits_indices: torch.Tensor
+    num_scheduled: np.ndarray
+    num_computed: np.ndarray
+    batch_rows: np.ndarray
+    sampling_metadata: SamplingMetadata | None = None
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.metadata.max_query_len == 1
+
+
+def leading_ones(num_scheduled: np.ndarray) -> int:
+    """How many leading requests compute one token (the decode kernel's share)."""
+    not_one = np.flatnonzero(num_scheduled != 1)
+    return int(not_one[0]) if len(not_one) else len(num_scheduled)
+
+
+class AsyncModelRunnerOutput:
+    """A step whose sampled tokens are still being copied to the host.
+
+    ``get()`` waits for the copy, records the tokens in the worker's batch and returns the
+    ModelRunnerOutput. Outputs must be collected in step order.
+    """
+
+    def __init__(
+        self,
+        batch: InputBatch,
+        inputs: StepInputs,
+        host_tokens: torch.Tensor,
+        event: torch.cuda.Event | None,
+    ) -> None:
+        self.batch = batch
+        self.inputs = inputs
+        self.host_tokens = host_tokens
+        self.event = event
+
+    def get(self) -> ModelRunnerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        inputs = self.inputs
+        token_ids = self.host_tokens.tolist()
+        sampled: list[list[int]] = [[] for _ in inputs.req_ids]
+        batch = self.batch
+        for i, tok in zip(inputs.sample_rows, token_ids, strict=False):
+            req_id = inputs.req_ids[i]
+            sampled[i] = [tok]
+            if req_id in batch.row_of:  # it may have finished or been preempted meanwhile
+                batch.append_token(req_id, tok)
+        return ModelRunnerOutput(inputs.req_ids, sampled)
