@@ -127,6 +127,25 @@ def test_aborted_error_says_why():
     assert serving.aborted_error().code == "engine_dead"
 
 
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"guided_choice": ["a", "b"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "text"}, "guided_json": {}}, "guided_json"),
+    ],
+)
+def test_a_constraint_given_up_in_the_engine_names_the_clients_field(fields, param):
+    reason = "structured_outputs: the constraint admits no token after 3 tokens"
+    request = CompletionRequest(model="m", prompt="Hi", **fields)
+    error = make_serving().aborted_error(reason, request)
+    assert error.status == 400 and error.param == param
+    assert error.message.startswith(f"{param}:")
+
+
 def test_abort_running_with_nothing_running_aborts_nothing():
     engine = FakeEngine()
     assert make_serving(engine).abort_running() == 0 and engine.aborted == []

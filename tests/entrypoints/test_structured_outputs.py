@@ -117,3 +117,18 @@ def test_a_constraint_that_fails_is_a_bad_request(default_server, constraint):
     assert error["message"].startswith("structured_outputs:")
     ok = default_server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_constraint_that_fails_in_the_engine_names_the_clients_field(default_server, path):
+    # Accepted (the regex compiles), then given up in the engine: its first token breaks it.
+    body = {"max_tokens": 5, "guided_regex": "[^\\s\\S]"}
+    if path == "/v1/completions":
+        body["prompt"] = "Hi"
+    else:
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    response = default_server.post(path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "guided_regex"
+    assert error["message"].startswith("guided_regex:")

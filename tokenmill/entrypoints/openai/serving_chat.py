@@ -171,7 +171,7 @@ class OpenAIServingChat(OpenAIServing):
                 final = out
         except Exception as e:
             raise to_openai_error(e) from None
-        response = self._full_response(request_id, final, num_top)
+        response = self._full_response(request, request_id, final, num_top)
         if request.prompt_logprobs is not None:
             response.prompt_logprobs = prompt_logprobs_json(
                 final.prompt_token_ids, final.prompt_logprobs
@@ -334,16 +334,16 @@ class OpenAIServingChat(OpenAIServing):
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
-    def _check_not_aborted(self, output: CompletionOutput) -> None:
+    def _check_not_aborted(self, output: CompletionOutput, request: ChatCompletionRequest) -> None:
         if output.finish_reason == "abort":
-            raise self.aborted_error(output.stop_reason)
+            raise self.aborted_error(output.stop_reason, request)
 
     def _full_response(
-        self, request_id: str, final: RequestOutput, num_top: int
+        self, request: ChatCompletionRequest, request_id: str, final: RequestOutput, num_top: int
     ) -> ChatCompletionResponse:
         choices = []
         for output in final.outputs:
-            self._check_not_aborted(output)
+            self._check_not_aborted(output, request)
             choices.append(
                 ChatCompletionChoice(
                     index=output.index,
@@ -404,7 +404,7 @@ class OpenAIServingChat(OpenAIServing):
             output: RequestOutput | None = first
             while output is not None:
                 for c in output.outputs:
-                    self._check_not_aborted(c)
+                    self._check_not_aborted(c, request)
                     completion_tokens[c.index] += len(c.token_ids)
                     finish_reasons[c.index] = c.finish_reason
                     logprobs = self._logprobs(c, num_top)

@@ -288,7 +288,7 @@ class OpenAIServingCompletion(OpenAIServing):
             first: the choice's first chunk, which carries ``prompt_logprobs`` if asked for.
         """
         if c.finish_reason == "abort":
-            raise self.aborted_error(c.stop_reason)
+            raise self.aborted_error(c.stop_reason, request)
         num_top = request.logprobs or 0
         prefix = self._prompt_text(prompt) if echo else ""
         logprobs = None

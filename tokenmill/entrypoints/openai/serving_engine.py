@@ -32,7 +32,10 @@ from tokenmill.entrypoints.openai.protocol import (
     SamplingFields,
     UsageInfo,
 )
-from tokenmill.entrypoints.openai.structured_outputs import structured_outputs_of
+from tokenmill.entrypoints.openai.structured_outputs import (
+    constraint_field,
+    structured_outputs_of,
+)
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from tokenmill.tokenizer import ChatTemplateError
@@ -333,12 +336,16 @@ class OpenAIServing:
             self._running.discard(request_id)
             await stream.aclose()
 
-    def aborted_error(self, stop_reason: int | str | None = None) -> OpenAIError:
+    def aborted_error(
+        self, stop_reason: int | str | None = None, request: SamplingFields | None = None
+    ) -> OpenAIError:
         """The error for a request that ended with finish_reason "abort": its structured-output
-        constraint failed (400, the engine's reason), the engine died (503), the server is
-        shutting down (503), or it was aborted otherwise (500)."""
+        constraint failed (400, the engine's reason, naming the field of ``request`` that
+        carried the constraint), the engine died (503), the server is shutting down (503), or
+        it was aborted otherwise (500)."""
         if isinstance(stop_reason, str) and stop_reason.startswith(CONSTRAINT_FAILURE_PREFIX):
-            return bad_request(stop_reason, "structured_outputs")
+            field = "structured_outputs" if request is None else constraint_field(request)
+            return bad_request(stop_reason.replace("structured_outputs", field, 1), field)
         if self.engine.errored:
             return engine_dead(self.engine.dead_error or "unknown error")
         if self._closed:

@@ -19,6 +19,19 @@ _GUIDED_FIELDS = {
 }
 
 
+def constraint_field(request: SamplingFields) -> str:
+    """The request field that carries its output constraint (``response_format``,
+    ``structured_outputs`` or one of the ``guided_*`` fields), for errors found after the
+    request was accepted; ``structured_outputs`` when it has none."""
+    fmt = request.response_format
+    if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+        return "response_format"
+    for name in _GUIDED_FIELDS:
+        if getattr(request, name) is not None:
+            return name
+    return "structured_outputs"
+
+
 def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | None:
     """The request's output constraint, from whichever field the client used: OpenAI's
     ``response_format`` (``json_object``, or ``json_schema`` with its ``schema``), vLLM's
