@@ -56,6 +56,16 @@ def api_key() -> str | None:
     return os.environ.get("TOKENMILL_API_KEY") or None
 
 
+def max_request_body_bytes() -> int:
+    """TOKENMILL_MAX_REQUEST_BODY_BYTES: the largest request body the server accepts, in
+    bytes; larger ones get a 413. 0 turns the limit off.
+
+    Default: 128 MiB, far above any one request's tokens (a 128k-token prompt as text or as
+    token ids is about 1 MB) and below what a body read whole and parsed may cost in memory.
+    """
+    return _int("TOKENMILL_MAX_REQUEST_BODY_BYTES", 128 << 20)
+
+
 def log_step_stats() -> bool:
     """TOKENMILL_LOG_STEP_STATS=1: every 5 s the engine logs step durations, sizes and any
     Triton kernels compiled; the server logs its event-loop lag and front-end stage times."""

@@ -1,0 +1,74 @@
+"""The request body cap: a 413 in OpenAI's error format, from a declared Content-Length or
+from a chunked body as it crosses the cap, and nothing refused below it."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import BaseModel
+
+from tokenmill.entrypoints.openai.body_limit import BodySizeLimitMiddleware
+from tokenmill.entrypoints.openai.server import _add_error_handlers
+
+LIMIT = 1000
+
+
+class Echo(BaseModel):
+    text: str
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(body: Echo) -> dict:
+        return {"length": len(body.text)}
+
+    _add_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=LIMIT)
+    return TestClient(app)
+
+
+def body_of(size: int) -> bytes:
+    """A JSON body of exactly ``size`` bytes."""
+    overhead = len(b'{"text": ""}')
+    return b'{"text": "' + b"x" * (size - overhead) + b'"}'
+
+
+def chunks(data: bytes, size: int = 100):
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+def assert_too_large(response) -> None:
+    assert response.status_code == 413, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert str(LIMIT) in error["message"]
+
+
+def test_a_body_at_the_limit_is_served(client):
+    response = client.post(
+        "/echo", content=body_of(LIMIT), headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 200 and response.json() == {"length": LIMIT - 12}
+
+
+def test_a_declared_length_over_the_limit_is_refused_before_reading(client):
+    response = client.post(
+        "/echo", content=body_of(LIMIT + 1), headers={"Content-Type": "application/json"}
+    )
+    assert_too_large(response)
+
+
+def test_a_chunked_body_is_refused_as_it_crosses_the_limit(client):
+    headers = {"Content-Type": "application/json"}
+    assert client.post("/echo", content=chunks(body_of(LIMIT)), headers=headers).status_code == 200
+    assert_too_large(client.post("/echo", content=chunks(body_of(3 * LIMIT)), headers=headers))
+
+
+def test_the_limit_must_be_positive():
+    with pytest.raises(ValueError, match="positive"):
+        BodySizeLimitMiddleware(FastAPI(), 0)

@@ -1,0 +1,86 @@
+"""A cap on request body size: a 413 in OpenAI's error format instead of a body read whole.
+
+Starlette reads a request's body into memory before FastAPI parses it, and the parsed JSON
+takes several times the body's bytes again, so one client sending a body of gigabytes could
+exhaust the server's memory for everyone. A body past the cap is refused as soon as that is
+known: from its ``Content-Length`` before any of it is read, or, for a chunked body, at the
+chunk that crosses the cap (the bytes before it are dropped, not parsed). Off with
+``TOKENMILL_MAX_REQUEST_BODY_BYTES=0``.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenmill.entrypoints.openai.errors import error_body, error_type
+
+
+class BodySizeLimitMiddleware:
+    """Refuses HTTP requests whose body is over ``max_bytes`` with a 413.
+
+    A declared ``Content-Length`` over the cap is answered here, before the app runs. A
+    chunked body raises ``HTTPException(413)`` from ``receive`` at the chunk that crosses
+    the cap, which FastAPI's body parsing passes on to the app's HTTP error handler.
+
+    Args:
+        app: the ASGI app to wrap.
+        max_bytes: the largest body accepted, in bytes (> 0).
+
+    Raises:
+        ValueError: ``max_bytes`` is not positive.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.app = app
+        self.max_bytes = max_bytes
+        self.message = (
+            f"The request body is larger than the server's limit of {max_bytes} bytes "
+            "(TOKENMILL_MAX_REQUEST_BODY_BYTES)."
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+            body = error_body(self.message, error_type(status))
+            # The client may still be sending: close the connection rather than read the rest.
+            response = JSONResponse(body, status_code=status, headers=_CLOSE)
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(
+                        HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self.message, headers=_CLOSE
+                    )
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+_CLOSE = {"Connection": "close"}
+
+
+def _content_length(scope: Scope) -> int | None:
+    """The request's ``Content-Length`` in bytes, None when absent or not a number."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
