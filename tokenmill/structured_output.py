@@ -27,8 +27,9 @@ from tokenmill.sampling_params import SamplingParamsError, StructuredOutputsPara
 
 logger = logging.getLogger(__name__)
 
-# Bounds on a constraint, so that its compile takes milliseconds: the engine compiles it on
-# its loop (and the server checks it on its event loop). Measured on CPU with xgrammar
+# Bounds on a constraint's size, which keep compiles short (the server also checks each one
+# on its event loop); an ambiguous pattern within them can still compile slowly, which
+# ``core/grammar_compilation.py`` bounds in time. Measured on CPU with xgrammar
 # 0.2.9: 20,000 choices took 7.6 s, a schema nested 400 levels deep 3.4 s, a one-million
 # character regex 98 s.
 MAX_SCHEMA_CHARS = 32768
@@ -138,8 +139,8 @@ _LOOKAROUND = re.compile(r"\(\?<?[=!]")
 
 
 def _check_regex_syntax(pattern: str) -> None:
-    """Refuse regex constructs xgrammar would not enforce: escapes it would take literally
-    and lookarounds.
+    """Refuse regex constructs xgrammar would not enforce: escapes it would take literally,
+    lookarounds, and anchors other than a leading ``^`` and a trailing ``$``.
 
     Raises:
         SamplingParamsError: ``pattern`` uses one.
@@ -156,6 +157,32 @@ def _check_regex_syntax(pattern: str) -> None:
     plain = _CHAR_CLASS.sub("_", _ESCAPE.sub("_", pattern))
     if _LOOKAROUND.search(plain):
         raise _refuse("regex lookahead and lookbehind are not supported.")
+    # xgrammar matches the whole output and drops anchors with a log warning: at the ends of
+    # the regex or of its top-level alternatives that is what they mean; elsewhere ("a$b",
+    # "(^a|b)c") dropping them changes what the regex matches.
+    for branch in _top_level_branches(plain):
+        inner = branch.removeprefix("^").removesuffix("$")
+        if "^" in inner or "$" in inner:
+            raise _refuse(
+                "'^' and '$' are supported only at the start and the end of a regex (or of its "
+                "top-level alternatives)."
+            )
+
+
+def _top_level_branches(plain: str) -> list[str]:
+    """``plain`` (escapes and character classes neutralised) split at its ``|`` outside
+    parentheses."""
+    branches, depth, start = [], 0, 0
+    for i, ch in enumerate(plain):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth = max(0, depth - 1)
+        elif ch == "|" and depth == 0:
+            branches.append(plain[start:i])
+            start = i + 1
+    branches.append(plain[start:])
+    return branches
 
 
 def _check_pattern(pattern: str) -> int:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tests.core.test_scheduler import make_request
-from tokenmill.core.grammar_compilation import GrammarCompilation
+from tokenmill.core.grammar_compilation import CompileTimeout, GrammarCompilation
 from tokenmill.sampling_params import StructuredOutputsParams
 
 
@@ -120,5 +120,66 @@ def test_compile_threads_never_hold_up_the_process_exit():
     compilation.submit(constrained("stuck", "held"))  # its gate never opens in time
     workers = list(compilation._workers)
     compilation.shutdown()
-    assert len(compilation) == 0 and workers and all(w.daemon for w in workers)
+    assert len(compilation) == 0 and workers and all(w.thread.daemon for w in workers)
     compiler.open("held")
+
+
+def _wait_until(condition, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail("the condition did not hold in time")
+        time.sleep(0.005)
+
+
+def test_a_compile_past_its_time_limit_fails_and_its_thread_is_replaced():
+    compiler = FakeCompiler()
+    compilation = GrammarCompilation(lambda: compiler, max_workers=1, max_compile_s=0.05)
+    try:
+        compilation.submit(constrained("slow", "held"))  # its gate opens only at the end
+        _wait_until(lambda: compilation._workers and compilation._workers[0].job is not None)
+        compilation.submit(constrained("next", "x"))
+        compiler.open("x")
+        time.sleep(0.1)
+        ready, failed = compilation.take_ready()  # "slow" is overdue: a new thread starts
+        [(request, error)] = failed
+        assert request.request_id == "slow" and isinstance(error, CompileTimeout)
+        assert str(error).startswith("structured_outputs: the constraint took more than")
+        # The replacement compiles the next request while the overdue one is still stuck.
+        if not ready:
+            _wait_until_done(compilation, 1)
+            ready, failed = compilation.take_ready()
+            assert failed == []
+        assert [r.request_id for r in ready] == ["next"]
+    finally:
+        compiler.open("held")
+        compilation.shutdown()
+
+
+def test_overdue_threads_are_replaced_only_up_to_the_thread_count():
+    compiler = FakeCompiler()
+    compilation = GrammarCompilation(lambda: compiler, max_workers=1, max_compile_s=0.02)
+    try:
+        for i in range(2):  # each holds its thread past the limit
+            compilation.submit(constrained(f"slow{i}", f"held{i}"))
+            _wait_until(lambda: compilation._workers and compilation._workers[0].job is not None)
+            time.sleep(0.05)
+            _, failed = compilation.take_ready()
+            assert [r.request_id for r, _ in failed] == [f"slow{i}"]
+        # One thread's worth overdue beside it at most: no new thread until one ends.
+        assert compilation._workers == [] and len(compilation._overdue) == 2
+        compilation.submit(constrained("after", "y"))
+        compiler.open("y")
+        time.sleep(0.05)
+        assert compilation.take_ready() == ([], []) and compilation._workers == []
+        compiler.open("held0")
+        _wait_until(lambda: not compilation._overdue[0].thread.is_alive())
+        ready, _ = compilation.take_ready()  # starts a thread again
+        if not ready:
+            _wait_until_done(compilation, 1)
+            ready, _ = compilation.take_ready()
+        assert [r.request_id for r in ready] == ["after"]
+    finally:
+        for i in range(2):
+            compiler.open(f"held{i}")
+        compilation.shutdown()

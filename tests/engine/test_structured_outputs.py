@@ -269,6 +269,9 @@ def test_constraints_out_of_bounds_or_unenforced_are_refused():
         ({"json": "[" * 1100 + "]" * 1100}, "levels deep"),
         # What xgrammar would take literally, drop, or find empty.
         ({"regex": "\\Aabc\\Z"}, "escape '\\\\A'"),
+        ({"regex": "a$b"}, "only at the start and the end"),
+        ({"regex": "(^a|b)c"}, "only at the start and the end"),
+        ({"json": {"type": "string", "pattern": "a^b"}}, "only at the start and the end"),
         ({"json": {"type": "string", "pattern": "^(?!abc)[a-c]{3}$"}}, "lookahead"),
         ({"json": {"patternProperties": {"(?<=a)b": {}}}}, "lookahead"),
         ({"json": {"anyOf": []}}, "'anyOf' is empty"),
@@ -293,6 +296,8 @@ def test_constraints_out_of_bounds_or_unenforced_are_refused():
         {"type": "string", "pattern": "\\{[0-9]{1,3}\\}", "description": "x"},
         {"type": "string", "pattern": "\\d+\\.\\w\\s\\\\A", "description": "known escapes"},
         {"type": "string", "pattern": "key(\\s?=\\s?)[(?=]\\a\\U0001F600\\x41"},  # no lookaround
+        {"type": "string", "pattern": "^[$^]\\$\\^a$"},  # anchors at the ends, others literal
+        {"type": "string", "pattern": "^[0-9]{3}$|^N/A$"},  # anchored alternatives
         {"type": "string", "const": "a", "enum": ["a"], "title": "pydantic < 2.8"},
         {"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "nullable": True},
         {"anyOf": [{"type": "string"}], "x-order": 1},
