@@ -183,3 +183,26 @@ def test_overdue_threads_are_replaced_only_up_to_the_thread_count():
         for i in range(2):
             compiler.open(f"held{i}")
         compilation.shutdown()
+
+
+def test_the_time_limit_does_not_count_the_compiler_build():
+    built = threading.Event()
+    compiler = FakeCompiler()
+
+    def slow_build():
+        assert built.wait(10)
+        return compiler
+
+    compilation = GrammarCompilation(slow_build, max_workers=1, max_compile_s=0.02)
+    try:
+        compilation.submit(constrained("early", "x"))
+        time.sleep(0.1)  # past the limit while the compiler is still being built
+        assert compilation.take_ready() == ([], [])
+        built.set()
+        compiler.open("x")
+        _wait_until_done(compilation, 1)
+        ready, failed = compilation.take_ready()
+        assert [r.request_id for r in ready] == ["early"] and failed == []
+    finally:
+        built.set()
+        compilation.shutdown()

@@ -112,9 +112,15 @@ class GrammarCompilation:
             future, constraint = job
             if not future.set_running_or_notify_cancel():
                 continue  # aborted before its turn
+            try:
+                # Built once at start-up (seconds for a large vocabulary): not compile time.
+                compiler = self._compiler.result()
+            except BaseException as e:
+                future.set_exception(e)
+                continue
             worker.job = (future, time.monotonic())
             try:
-                future.set_result(self._compiler.result().compile(constraint))
+                future.set_result(compiler.compile(constraint))
             except BaseException as e:  # the request fails, not the thread
                 future.set_exception(e)
             worker.job = None
