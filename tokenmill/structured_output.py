@@ -345,9 +345,12 @@ def _check_size(params: StructuredOutputsParams) -> None:
 
 
 def _reason(error: Exception) -> str:
-    """xgrammar's message without its log prefix (``[time] file.cc:line: ``)."""
+    """xgrammar's message without its log prefix (``[time] file.cc:line: ``), its assertion
+    text (``Check failed: (...) is false: ``) and its echo of the whole input."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)
+    text = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)
+    text = re.sub(r"^Check failed: \(.*?\) is false:\s*", "", text)
+    return text.split(". The JSON string is:", 1)[0]
 
 
 def validate(params: StructuredOutputsParams) -> None:

@@ -394,3 +394,12 @@ def test_a_grammar_given_up_aborts_its_request_without_the_unmasked_token():
     assert request.num_output_tokens == 1 and request.grammar.count == 1
     assert request.stop_reason == "structured_outputs: the constraint is too costly to follow: ..."
     assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks
+
+
+def test_compile_errors_read_without_the_grammar_engines_internals():
+    schema_text = '{"type": "string", "enum": ["\\ud800"]}'  # an escape JSON parsers refuse
+    with pytest.raises(SamplingParamsError) as info:
+        validate(StructuredOutputsParams(json=schema_text))
+    message = str(info.value)
+    assert message.startswith("structured_outputs: invalid JSON schema: ")
+    assert "Check failed" not in message and "The JSON string is" not in message
