@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
+from tokenmill.core.engine_io import CONSTRAINT_FAILURE_PREFIX
 from tokenmill.request import Request
 
 logger = logging.getLogger(__name__)
@@ -193,9 +194,9 @@ class CompileTimeout(Exception):
 
     def __init__(self, limit_s: float) -> None:
         super().__init__(
-            f"structured_outputs: the constraint took more than {limit_s:g} s to compile (an "
-            "ambiguous pattern, such as many optional or repeated parts in a row, makes "
-            "compiling slow)."
+            f"{CONSTRAINT_FAILURE_PREFIX} the constraint took more than {limit_s:g} s to "
+            "compile (an ambiguous pattern, such as many optional or repeated parts in a row, "
+            "makes compiling slow)."
         )
 
 

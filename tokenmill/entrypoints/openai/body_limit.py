@@ -12,11 +12,21 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenmill.entrypoints.openai.errors import error_body, error_type
+from tokenmill import envs
+from tokenmill.entrypoints.openai.errors import OpenAIError
+
+
+def add_body_size_limit(app: FastAPI) -> None:
+    """Wrap ``app`` in the limit ``TOKENMILL_MAX_REQUEST_BODY_BYTES`` sets (none at 0). Add it
+    after any authentication middleware, so that it runs first: an unauthenticated client
+    must not get a large body read either."""
+    max_bytes = envs.max_request_body_bytes()
+    if max_bytes > 0:
+        app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_bytes)
 
 
 class BodySizeLimitMiddleware:
@@ -50,10 +60,9 @@ class BodySizeLimitMiddleware:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
-            body = error_body(self.message, error_type(status))
+            response = OpenAIError(self.message, HTTPStatus.REQUEST_ENTITY_TOO_LARGE).to_response()
             # The client may still be sending: close the connection rather than read the rest.
-            response = JSONResponse(body, status_code=status, headers=_CLOSE)
+            response.headers.update(_CLOSE)
             await response(scope, receive, send)
             return
         received = 0

@@ -41,12 +41,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
 from tokenmill.engine.embedding_engine import AsyncEmbeddingEngine
 from tokenmill.engine.input_processor import InvalidRequestError
-from tokenmill.entrypoints.openai.body_limit import BodySizeLimitMiddleware
+from tokenmill.entrypoints.openai.body_limit import add_body_size_limit
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -373,10 +372,7 @@ def build_app(
     api_key = getattr(args, "api_key", None)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    max_body = envs.max_request_body_bytes()
-    if max_body > 0:
-        # Outside the key check: an unauthenticated client must not get a large body read.
-        app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body)
+    add_body_size_limit(app)  # outside the key check
     # Added last, so it is the outermost layer: preflight answers never need a key.
     app.add_middleware(
         CORSMiddleware,

@@ -33,6 +33,7 @@ from tokenmill.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from tokenmill.entrypoints.openai.structured_outputs import (
+    constraint_error,
     constraint_field,
     structured_outputs_of,
 )
@@ -345,7 +346,7 @@ class OpenAIServing:
         it was aborted otherwise (500)."""
         if isinstance(stop_reason, str) and stop_reason.startswith(CONSTRAINT_FAILURE_PREFIX):
             field = "structured_outputs" if request is None else constraint_field(request)
-            return bad_request(stop_reason.replace("structured_outputs", field, 1), field)
+            return constraint_error(stop_reason, field)
         if self.engine.errored:
             return engine_dead(self.engine.dead_error or "unknown error")
         if self._closed:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request
 from tokenmill.entrypoints.openai.protocol import SamplingFields
 from tokenmill.sampling_params import SamplingParamsError, StructuredOutputsParams
 from tokenmill.structured_output import validate as validate_structured_outputs
@@ -84,8 +84,14 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
         params = StructuredOutputsParams(**fields)
         validate_structured_outputs(params)
     except SamplingParamsError as e:
-        message = str(e)
-        if name in _GUIDED_FIELDS:  # "structured_outputs.regex ..." is "guided_regex ..."
-            message = message.replace(f"structured_outputs.{_GUIDED_FIELDS[name]}", name, 1)
-        raise bad_request(message.replace("structured_outputs", name, 1), name) from None
+        raise constraint_error(str(e), name) from None
     return params
+
+
+def constraint_error(message: str, field: str) -> OpenAIError:
+    """A 400 for an error about a request's constraint, checked here or given up by the
+    engine: ``message`` names it ``structured_outputs``, as the engine does; the error names
+    ``field``, the one the client used."""
+    if field in _GUIDED_FIELDS:  # "structured_outputs.regex ..." is "guided_regex ..."
+        message = message.replace(f"structured_outputs.{_GUIDED_FIELDS[field]}", field, 1)
+    return bad_request(message.replace("structured_outputs", field, 1), field)
