@@ -59,8 +59,6 @@ def test_omp_num_threads_is_honoured(cores, monkeypatch):
         ("TOKENMILL_SHORT_DECODE_GRAPHS", envs.short_decode_graphs, "1", True),
         ("TOKENMILL_ROPE_IN_DECODE_ATTENTION", envs.rope_in_decode_attention, None, True),
         ("TOKENMILL_ROPE_IN_DECODE_ATTENTION", envs.rope_in_decode_attention, "0", False),
-        ("TOKENMILL_NORMS_IN_PRODUCTS", envs.norms_in_products, None, True),
-        ("TOKENMILL_NORMS_IN_PRODUCTS", envs.norms_in_products, "0", False),
     ],
 )
 def test_kernel_switches(monkeypatch, variable, read, value, expected):

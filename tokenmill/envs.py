@@ -152,15 +152,6 @@ def gated_product() -> bool:
     return os.environ.get("TOKENMILL_GATED_PRODUCT", "").strip().lower() not in _OFF
 
 
-def norms_in_products() -> bool:
-    """TOKENMILL_NORMS_IN_PRODUCTS=0: where every product of a Llama-family layer runs the
-    skinny GEMM with whole rows (batch-1 decode on an H200), launch the two RMSNorms of each
-    layer with their residual adds as kernels of their own, instead of normalising in the
-    QKV and gate/up products and adding the residual in the output and down products
-    (``skinny_gemm.skinny_linear``'s ``norm_weight`` and ``residual``; on by default)."""
-    return os.environ.get("TOKENMILL_NORMS_IN_PRODUCTS", "").strip().lower() not in _OFF
-
-
 def decode_split_self_merge() -> bool:
     """TOKENMILL_DECODE_SPLIT_SELF_MERGE=0: merge the decode kernel's key splits in a
     separate reduction launch per layer instead of in the last split to finish (on by

@@ -71,8 +71,6 @@
 #   sampler    the sampler's GPU time per call against the softmax route (sampler_bench.py)
 #   gputests_topp  the sampler and engine GPU tests with TOKENMILL_SORT_FREE_TOP_P=0 (top-p
 #              by sorting); gputests_topp_unit the sampler tests (the default radix select)
-#   gputests_streams  the residual stream through the skinny products: kernel and engine
-#              tests on CUDA
 #   gputests_attn  the attention kernels' and the engine's GPU tests; gputests_k the GPU
 #              tests that pytest's -k "$K" selects
 #   gputests_prefetch  the L2 prefetch's tests on CUDA
@@ -210,7 +208,6 @@ run_stage() {  # run_stage NAME: one stage of the list below
     gputests) PYTHONPATH="$XGP" stage gputests 480 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
     gputests_all) PYTHONPATH="$XGP" stage gputests_all 330 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py tests/model/test_skinny_gemm.py tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/worker/test_top_p_select.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_mixed) stage gputests_mixed 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "mixed_step_graphs or split_decode" -p no:cacheprovider --timeout 120 ;;
-    gputests_streams) stage gputests_streams 240 python3 -m pytest -q tests/gpu/test_norms_in_products_gpu.py tests/model/test_skinny_gemm_stream.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_k) PYTHONPATH="$XGP" stage gputests_k 300 python3 -m pytest -q tests/gpu -k "$K" -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_attn) PYTHONPATH="$XGP" stage gputests_attn 300 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_topp_unit) stage gputests_topp_unit 200 python3 -m pytest -q tests/worker/test_top_p_select.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 150 ;;

@@ -82,31 +82,3 @@ def test_mixed_batch_matches_transformers(saved_model):
     expected = torch.cat([ref["fresh"], ref["decode"][30:], ref["chunk"][37:]])
     assert logits.shape == expected.shape
     assert_logits_close(logits, expected)
-
-
-def test_residual_stream_through_the_products_changes_nothing(saved_model, monkeypatch):
-    """Layers that pass the residual stream through their products (the norm in the QKV and
-    gate/up products, the residual add in the output and down products; on CUDA, one
-    launch each) compute what the norm kernels compute. On CPU the products fall back to
-    the separate operations, so the logits are bit-equal to the usual path's; the layers'
-    ``(stream, None)`` hand-over and the final norm are what this checks."""
-    from tokenmill.model.models.llama import LlamaDecoderLayer
-
-    hf, path = saved_model
-    cfg = EngineArgs(model=path, dtype="float32", device="cpu").create_engine_config()
-    gen = torch.Generator().manual_seed(2)
-    seqs = {"a": torch.randint(0, 320, (21,), generator=gen).tolist()}
-    logits = {}
-    for streams in (False, True):
-        monkeypatch.setattr(
-            LlamaDecoderLayer, "streams_in_products", lambda self, h, on=streams: on
-        )
-        model = get_model(
-            cfg.model_config, LoadConfig(), torch.device("cpu"), TorchAttentionBackend
-        )
-        runner = PagedRunner(model, cfg.model_config.hf_config, num_blocks=32)
-        prefill = runner.step({"a": seqs["a"][:20]}, seqs)
-        logits[streams] = torch.cat([prefill, runner.step({"a": seqs["a"][20:]}, seqs)])
-    assert torch.equal(logits[True], logits[False])
-    with torch.no_grad():
-        assert_logits_close(logits[True], hf(torch.tensor([seqs["a"]])).logits[0])

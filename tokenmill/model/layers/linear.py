@@ -8,8 +8,6 @@ checkpoint tensor is loaded into its slice by ``weight_loader(param, tensor, sha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,85 +20,20 @@ from tokenmill.distributed.parallel_state import (
 )
 from tokenmill.model.layers import skinny_gemm
 
-if TYPE_CHECKING:
-    from tokenmill.model.layers.norm import RMSNorm
-
 # Read once: the choice must not change between CUDA-graph capture and eager steps.
 _SKINNY_GEMM = envs.skinny_gemm()
 
 
-def dense(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    norm: RMSNorm | None = None,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x W^T (+ b)``: ``F.linear``, or for decode-sized batches on CUDA the split-K
     kernel of ``skinny_gemm`` where it streams the weight faster than cuBLAS
     (``TOKENMILL_SKINNY_GEMM``, ``envs.skinny_gemm``).
 
-    ``norm`` and ``residual`` pass a pre-norm residual stream through the product:
-    ``norm(x) W^T (+ b) (+ residual)``, the product rounded to x's dtype before the residual
-    is added. Where the skinny kernel runs the product (with whole rows of x per program
-    for ``norm``, ``skinny_gemm.whole_row_config``) they are part of its launch; elsewhere
-    they run as the norm's own kernel and a torch add, with the same rounding (the mean
-    square's summation order aside).
-
-    Shapes: ``x [..., K]``, ``weight [N, K]``, ``bias [N]``, ``residual [..., N]`` ->
-    ``[..., N]``; ``norm`` an ``RMSNorm`` over K.
+    Shapes: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``.
     """
-    runs_skinny = _runs_skinny(x, weight)
-    if norm is None and residual is None:
-        if runs_skinny:
-            return skinny_gemm.skinny_linear(x, weight, bias)
-        return F.linear(x, weight, bias)
-    config = _stream_config(x, weight, norm, residual) if runs_skinny else None
-    if config is not None:
-        args = _stream_args(norm, residual)
-        return skinny_gemm.skinny_linear(x, weight, bias, config=config, **args)
-    if norm is not None:
-        x = norm(x)
-    y = dense(x, weight, bias)
-    return y if residual is None else y + residual
-
-
-def _stream_config(
-    x: torch.Tensor, weight: torch.Tensor, norm: RMSNorm | None, residual: torch.Tensor | None
-) -> skinny_gemm.SkinnyConfig | None:
-    """The skinny launch configuration that can take ``norm`` and ``residual`` into the
-    product of ``x`` and ``weight`` (a skinny-eligible pair), or None."""
-    (m, k), n = x.shape, weight.shape[0]
-    config = skinny_gemm.launch_config(m, n, k, skinny_gemm.num_sms(x.device))
-    if norm is not None and not skinny_gemm.whole_row_config(m, k, config):
-        return None
-    if residual is not None and (residual.shape != (m, n) or residual.dtype != x.dtype
-                                 or residual.stride(-1) != 1):  # fmt: skip
-        return None
-    return config
-
-
-def _stream_args(norm: RMSNorm | None, residual: torch.Tensor | None) -> dict:
-    if norm is None:
-        return {"residual": residual}
-    return {"residual": residual, "norm_weight": norm.weight, "norm_eps": norm.eps,
-            "norm_offset": norm.offset}  # fmt: skip
-
-
-def streams_in_product(
-    m: int, weight: torch.Tensor, dtype: torch.dtype, device: torch.device, *, norm: bool
-) -> bool:
-    """Whether ``dense`` (``gated_dense`` for a gate/up weight) takes a norm (``norm``) or
-    a residual add into the launch of the product of a contiguous ``[m, K]`` x of
-    ``dtype`` on ``device`` with ``weight [N, K]``: where a model's layers can pass their
-    residual stream through their products."""
-    x = torch.empty((m, weight.shape[1]), dtype=dtype, device=device)
-    if not _runs_skinny(x, weight):
-        return False
-    config = skinny_gemm.launch_config(m, weight.shape[0], weight.shape[1],
-                                       skinny_gemm.num_sms(device))  # fmt: skip
-    return not norm or skinny_gemm.whole_row_config(m, weight.shape[1], config)
+    if _runs_skinny(x, weight):
+        return skinny_gemm.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _runs_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -114,17 +47,11 @@ def _runs_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gated_dense(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    norm: RMSNorm | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """``silu(y[:, :N/2]) * y[:, N/2:]`` of ``y = x W^T (+ b)`` in one skinny-GEMM launch,
     where ``dense`` would run this product through the skinny GEMM and its tiles have an
     even ``block_n``; None elsewhere (the caller runs the product and the gate apart).
-    ``norm``: of ``y = norm(x) W^T (+ b)``, the RMSNorm in the same launch (``dense``);
-    None where its tiles do not take whole rows of x.
 
     Shapes: ``x [M, K]``, ``weight [N, K]`` (gate rows over up rows), ``bias [N]`` ->
     ``[M, N/2]``.
@@ -133,10 +60,9 @@ def gated_dense(
         return None
     (m, k), n = x.shape, weight.shape[0]
     config = skinny_gemm.launch_config(m, n, k, skinny_gemm.num_sms(x.device))
-    if config.block_n % 2 or (norm is not None and _stream_config(x, weight, norm, None) is None):
+    if config.block_n % 2:
         return None
-    return skinny_gemm.skinny_linear(x, weight, bias, config=config, gated=True,
-                                     **_stream_args(norm, None))  # fmt: skip
+    return skinny_gemm.skinny_linear(x, weight, bias, config=config, gated=True)
 
 
 class WeightShapeError(ValueError):
@@ -184,9 +110,8 @@ class LinearBase(nn.Module):
     ) -> None:
         default_weight_loader(param, loaded)
 
-    def forward(self, x: torch.Tensor, *, norm: RMSNorm | None = None) -> torch.Tensor:
-        """``norm(x) W^T (+ b)`` with ``norm`` (an RMSNorm, see ``dense``), else ``x W^T (+ b)``."""
-        return dense(x, self.weight, self.bias, norm=norm)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -310,14 +235,10 @@ class RowParallelLinear(LinearBase):
             loaded = loaded.narrow(1, self.tp_rank * shard, shard)
         default_weight_loader(param, loaded)
 
-    def forward(self, x: torch.Tensor, *, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``x W^T (+ b)``, plus ``residual [T, output_size]`` when given (the product
-        rounded first; in the product's launch where ``dense`` can, on one rank, no bias)."""
-        if self.tp_size == 1 and self.bias is None:
-            return dense(x, self.weight, residual=residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = dense(x, self.weight)
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
-        return y if residual is None else y + residual
+        return y

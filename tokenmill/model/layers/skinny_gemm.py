@@ -141,17 +141,9 @@ def skinny_linear(
     out: torch.Tensor | None = None,
     pdl: bool | None = None,
     gated: bool = False,
-    residual: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    norm_eps: float = 1e-6,
-    norm_offset: float = 0.0,
 ) -> torch.Tensor:
     """``y = x W^T (+ b)`` with fp32 accumulation, one kernel launch; with ``gated``, the
     SwiGLU gate of it, ``silu(y[:, :N/2]) * y[:, N/2:]`` (Shazeer 2020), in the same launch.
-    A pre-norm transformer's residual stream can pass through the product on either side:
-    ``norm_weight`` normalises ``x`` on the way in (RMSNorm, Zhang & Sennrich 2019) and
-    ``residual`` is added on the way out, so that the norm kernel between a layer's
-    products (``fused_kernels.rms_norm`` with its residual add) is not launched.
 
     Args:
         x: ``[M, K]``, float16/bfloat16 (float32 too under the Triton interpreter); rows may
@@ -172,17 +164,6 @@ def skinny_linear(
             outputs from their gate and up rows and writes the gated values, each of ``y``
             rounded to x's dtype first as the separate product would store it; the gate is
             computed in fp32 as ``fused_kernels.silu_and_mul`` computes it.
-        residual: ``[M, N]`` of x's dtype, contiguous along N, or None: the output is
-            ``y + residual``, with ``y`` rounded to x's dtype first, as the product would
-            store it before ``fused_kernels.rms_norm`` adds the residual (not with
-            ``gated``).
-        norm_weight: ``[K]`` RMSNorm weight, or None: the product is of
-            ``rms_norm(x) = x / sqrt(mean(x^2) + norm_eps) * (norm_weight + norm_offset)``,
-            computed in fp32 from x's rows and rounded to x's dtype as
-            ``fused_kernels.rms_norm`` stores it. Each program normalises whole rows, so
-            the launch must take K in one tile: ``whole_row_config``.
-        norm_eps: added to the mean square.
-        norm_offset: added to ``norm_weight`` (1.0 for Gemma's ``weight - 1`` storage).
 
     Returns:
         ``out``, or a new contiguous ``[M, N]`` (``[M, N/2]`` gated) tensor of x's dtype.
@@ -190,16 +171,13 @@ def skinny_linear(
     Raises:
         ValueError: shapes, dtypes, devices or strides the kernel cannot address, a
             CUDA-core ``config`` with more than ``FMA_MAX_M`` rows, a tensor-core one with
-            ``block_n < 16``, an odd N or ``block_n`` when gated, a ``residual`` or
-            ``norm_weight`` of the wrong shape, dtype or layout, a ``residual`` with
-            ``gated``, a ``norm_weight`` with a configuration that is not
-            ``whole_row_config``, or tensors off CUDA without ``TRITON_INTERPRET=1``.
+            ``block_n < 16``, an odd N or ``block_n`` when gated, or tensors off CUDA
+            without ``TRITON_INTERPRET=1``.
     """
     _check_operands(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     cfg = config or launch_config(m, n, k, num_sms(x.device))
     plan = _launch_plan(m, n, k, cfg, gated)
-    _check_stream_operands(x, n, cfg, gated, residual, norm_weight)
     width = n // 2 if gated else n
     if out is None:
         out = torch.empty((m, width), dtype=x.dtype, device=x.device)
@@ -216,16 +194,11 @@ def skinny_linear(
         locks = partials = out  # never touched without split-K
     _skinny_gemm_kernel[(plan.n_blocks * splits,)](
         x, weight, bias if bias is not None else out, out, partials, locks,
-        residual if residual is not None else out,
-        norm_weight if norm_weight is not None else out,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        residual.stride(0) if residual is not None else 0, splits, k_per_split,
-        float(norm_eps), float(norm_offset),
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), splits, k_per_split,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=plan.block_m, USE_DOT=cfg.use_dot,
         USE_SPLIT=splits > 1, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        ONE_TILE=k_per_split == cfg.block_k, GATED=gated, ADD_RES=residual is not None,
-        NORM_X=norm_weight is not None,
+        ONE_TILE=k_per_split == cfg.block_k, GATED=gated,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
@@ -253,32 +226,6 @@ def _launch_plan(m: int, n: int, k: int, cfg: SkinnyConfig, gated: bool = False)
     splits, k_per_split = split_plan(k, cfg.block_k, cfg.split_k)
     n_blocks = cdiv(n // 2, cfg.block_n // 2) if gated else cdiv(n, cfg.block_n)
     return _LaunchPlan(bm, splits, k_per_split, n_blocks, n_blocks * splits * cfg.block_n * bm)
-
-
-def whole_row_config(m: int, k: int, cfg: SkinnyConfig) -> bool:
-    """Whether ``cfg`` gives each program whole rows of ``x [m, k]`` (the CUDA-core main
-    loop, one unsplit tile of at least K), which normalising ``x`` in the product needs."""
-    return not cfg.use_dot and m <= FMA_MAX_M and cfg.block_k >= k
-
-
-def _check_stream_operands(
-    x: torch.Tensor, n: int, cfg: SkinnyConfig, gated: bool,
-    residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
-) -> None:  # fmt: skip
-    (m, k) = x.shape
-    if residual is not None:
-        if gated:
-            raise ValueError("a gated product cannot add a residual")
-        if (residual.shape != (m, n) or residual.dtype != x.dtype or residual.stride(1) != 1
-                or residual.device != x.device):  # fmt: skip
-            raise ValueError(f"residual must be [{m}, {n}] {x.dtype} contiguous along N "
-                             f"on {x.device}")  # fmt: skip
-    if norm_weight is not None:
-        if (norm_weight.shape != (k,) or norm_weight.stride(0) != 1
-                or norm_weight.device != x.device):  # fmt: skip
-            raise ValueError(f"norm_weight must be a contiguous [{k}] vector on {x.device}")
-        if not whole_row_config(m, k, cfg):
-            raise ValueError(f"normalising x needs whole rows per program, got {cfg}")
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -333,47 +280,21 @@ if HAS_TRITON:
         return rows.to(tl.int64)
 
     @triton.jit
-    def _load_residual(res_ptr, pid_n, M, N, stride_rm, BLOCK_N: tl.constexpr,
-                       BLOCK_M: tl.constexpr):  # fmt: skip
-        """The residual under this program's outputs, as the ``[BLOCK_N, BLOCK_M]`` tile."""
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
-        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-        return tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask,
-                       other=0.0)  # fmt: skip
-
-    @triton.jit
-    def _rms_normalize(v, nw, K, eps, offset):
-        """Rows of ``v`` (``[BLOCK_N, BLOCK_K]`` tiles of whole rows of x, zero past K)
-        normalised and scaled by ``nw + offset`` in fp32, then rounded to x's dtype as
-        ``fused_kernels.rms_norm`` stores them; returned in fp32. ``nw`` stays in its
-        storage dtype until here, in half the registers."""
-        vf = v.to(tl.float32)
-        var = tl.sum(vf * vf, axis=1) / K
-        w = nw.to(tl.float32) + offset
-        return (vf * tl.rsqrt(var + eps)[:, None] * w).to(v.dtype).to(tl.float32)
-
-    @triton.jit
     def _fma_mainloop(
-        x_ptr, w_ptr, res_ptr, nw_ptr, M, N, K, stride_xm, stride_wn, stride_rm, pid_n,
-        k_start, num_tiles, eps, offset,
+        x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
         EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, ONE_TILE: tl.constexpr,
-        GATED: tl.constexpr, ADD_RES: tl.constexpr, NORM_X: tl.constexpr,
+        GATED: tl.constexpr,
     ):  # fmt: skip
-        """Partial sums ``[BLOCK_N, BLOCK_M]`` (fp32) on CUDA cores, BLOCK_M <= 4, and the
-        residual tile under them (``ADD_RES``; zeros otherwise).
+        """Partial sums ``[BLOCK_N, BLOCK_M]`` (fp32) on CUDA cores, BLOCK_M <= 4.
 
         Tile ``i + 1`` is loaded into registers before tile ``i`` is multiplied, so each
         program has two tiles of loads in flight (Triton's pipeliner stages only loads that
         feed ``tl.dot``). ``ONE_TILE`` (every program's K-slice is one tile): the whole
         slice is loaded before the wait and reduced at once, with neither a prefetch
         buffer nor a ``[BLOCK_N, BLOCK_K]`` accumulator, so that a large slice fits in
-        registers and all of it is read while the previous kernel runs. ``NORM_X`` (with
-        ``ONE_TILE``, the slice being all of K): each row of x is normalised as loaded.
-        The residual is read right after the wait, so that its latency overlaps x's.
+        registers and all of it is read while the previous kernel runs.
         """
-        tl.static_assert(ONE_TILE or not NORM_X, "normalising x needs whole rows")
         rows = _weight_rows(pid_n, N, BLOCK_N, GATED)
         offs_k = (k_start + tl.arange(0, BLOCK_K))[None, :]
         w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k
@@ -388,37 +309,20 @@ if HAS_TRITON:
         w = _load_tile(w_ptrs, ok, EVEN_K, "evict_first")
         if USE_PDL:  # the weight is ours; x may still be being written by the previous kernel
             tl.extra.cuda.gdc_wait()
-        nw = w
-        if NORM_X:
-            # Read with x, after the wait: held across it, the norm weight would take as
-            # many registers as the weight tile and halve the programs an SM holds.
-            nw = _load_tile(nw_ptr + offs_k + tl.zeros([BLOCK_N, 1], dtype=tl.int32), ok,
-                            EVEN_K, "evict_last")  # fmt: skip
-        res = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        if ADD_RES:
-            res = _load_residual(res_ptr, pid_n, M, N, stride_rm, BLOCK_N, BLOCK_M).to(tl.float32)
         cols = tl.arange(0, BLOCK_M)[None, :]
         if ONE_TILE:
             wf = w.to(tl.float32)
             v = _load_tile(x0, ok, EVEN_K, "evict_last")
-            if NORM_X:
-                v = _rms_normalize(v, nw, K, eps, offset)
             acc = tl.where(cols == 0, tl.sum(wf * v.to(tl.float32), axis=1)[:, None], 0.0)
             if BLOCK_M > 1:
                 v = _load_tile(x1, ok, EVEN_K, "evict_last")
-                if NORM_X:
-                    v = _rms_normalize(v, nw, K, eps, offset)
                 acc = tl.where(cols == 1, tl.sum(wf * v.to(tl.float32), axis=1)[:, None], acc)
             if BLOCK_M > 2:
                 v = _load_tile(x2, ok, EVEN_K, "evict_last")
-                if NORM_X:
-                    v = _rms_normalize(v, nw, K, eps, offset)
                 acc = tl.where(cols == 2, tl.sum(wf * v.to(tl.float32), axis=1)[:, None], acc)
                 v = _load_tile(x3, ok, EVEN_K, "evict_last")
-                if NORM_X:
-                    v = _rms_normalize(v, nw, K, eps, offset)
                 acc = tl.where(cols == 3, tl.sum(wf * v.to(tl.float32), axis=1)[:, None], acc)
-            return acc, res
+            return acc
         v0 = _load_tile(x0, ok, EVEN_K, "evict_last")
         v1 = _load_tile(x1, ok, EVEN_K, "evict_last")
         v2 = _load_tile(x2, ok, EVEN_K, "evict_last")
@@ -464,7 +368,7 @@ if HAS_TRITON:
         if BLOCK_M > 2:
             acc = tl.where(cols == 2, tl.sum(acc2, axis=1)[:, None], acc)
             acc = tl.where(cols == 3, tl.sum(acc3, axis=1)[:, None], acc)
-        return acc, res
+        return acc
 
     @triton.jit
     def _dot_mainloop(
@@ -490,9 +394,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _store_output(
-        acc, res, out_ptr, bias_ptr, pid_n, M, N, stride_om,
+        acc, out_ptr, bias_ptr, pid_n, M, N, stride_om,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
-        GATED: tl.constexpr, ADD_RES: tl.constexpr,
+        GATED: tl.constexpr,
     ):  # fmt: skip
         offs_m = tl.arange(0, BLOCK_M)
         if GATED:
@@ -514,19 +418,15 @@ if HAS_TRITON:
             if HAS_BIAS:
                 b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
                 acc += b.to(tl.float32)[:, None]
-            if ADD_RES:
-                # Rounded as the product would store it, then added in fp32 as
-                # ``fused_kernels.rms_norm`` adds the residual.
-                acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + res
             ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
             mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
             tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _split_k_combine(
-        acc, res, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits, M, N,
-        stride_om, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
-        GATED: tl.constexpr, ADD_RES: tl.constexpr,
+        acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits, M, N, stride_om,
+        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+        GATED: tl.constexpr,
     ):  # fmt: skip
         """Publish this split's partial tile; the last split of the column block sums all
         of them in split order and writes the output."""
@@ -547,23 +447,21 @@ if HAS_TRITON:
                 total += tl.load(tiles + s * TILE, mask=live, other=0.0, cache_modifier=".cg")
             # Leave the counter at zero for the next launch (kernel boundaries order it).
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-            _store_output(total, res, out_ptr, bias_ptr, pid_n, M, N, stride_om,
-                          BLOCK_N, BLOCK_M, HAS_BIAS, GATED, ADD_RES)  # fmt: skip
+            _store_output(total, out_ptr, bias_ptr, pid_n, M, N, stride_om,
+                          BLOCK_N, BLOCK_M, HAS_BIAS, GATED)  # fmt: skip
 
     @triton.jit
     def _skinny_gemm_kernel(
-        x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, res_ptr, nw_ptr,
-        M, N, K, stride_xm, stride_wn, stride_om, stride_rm, splits, k_per_split, eps, offset,
+        x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+        M, N, K, stride_xm, stride_wn, stride_om, splits, k_per_split,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
         USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-        ONE_TILE: tl.constexpr, GATED: tl.constexpr, ADD_RES: tl.constexpr,
-        NORM_X: tl.constexpr,
+        ONE_TILE: tl.constexpr, GATED: tl.constexpr,
     ):  # fmt: skip
         """``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``; grid ``(cdiv(N, BLOCK_N) * splits,)``.
         ``GATED``: ``out[M, N/2]``, the SwiGLU gate of it; grid ``(cdiv(N/2, BLOCK_N/2) *
-        splits,)``. ``ADD_RES``: plus ``res[M, N]``; ``NORM_X``: of ``rms_norm(x)`` with
-        weight ``nw[K] + offset`` (CUDA cores, one tile of K).
+        splits,)``.
 
         The splits of one column block are adjacent program ids, so they run at the same
         time and their combine happens early rather than in a tail at the end.
@@ -578,27 +476,20 @@ if HAS_TRITON:
             # our completion before it reads what we write.
             tl.extra.cuda.gdc_launch_dependents()
         if USE_DOT:
-            tl.static_assert(not NORM_X, "normalising x needs the CUDA-core loop")
             if USE_PDL:
                 tl.extra.cuda.gdc_wait()
-            res = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            if ADD_RES:
-                res = _load_residual(res_ptr, pid_n, M, N, stride_rm, BLOCK_N,
-                                     BLOCK_M).to(tl.float32)  # fmt: skip
             acc = _dot_mainloop(
                 x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
                 BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, DOT_PRECISION, GATED,
             )  # fmt: skip
         else:
-            acc, res = _fma_mainloop(
-                x_ptr, w_ptr, res_ptr, nw_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
-                pid_n, k_start, num_tiles, eps, offset, BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K,
-                USE_PDL, ONE_TILE, GATED, ADD_RES, NORM_X,
+            acc = _fma_mainloop(
+                x_ptr, w_ptr, M, N, K, stride_xm, stride_wn, pid_n, k_start, num_tiles,
+                BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, USE_PDL, ONE_TILE, GATED,
             )  # fmt: skip
         if USE_SPLIT:
-            _split_k_combine(acc, res, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k,
-                             splits, M, N, stride_om, BLOCK_N, BLOCK_M, HAS_BIAS, GATED,
-                             ADD_RES)  # fmt: skip
+            _split_k_combine(acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits,
+                             M, N, stride_om, BLOCK_N, BLOCK_M, HAS_BIAS, GATED)  # fmt: skip
         else:
-            _store_output(acc, res, out_ptr, bias_ptr, pid_n, M, N, stride_om,
-                          BLOCK_N, BLOCK_M, HAS_BIAS, GATED, ADD_RES)  # fmt: skip
+            _store_output(acc, out_ptr, bias_ptr, pid_n, M, N, stride_om,
+                          BLOCK_N, BLOCK_M, HAS_BIAS, GATED)  # fmt: skip

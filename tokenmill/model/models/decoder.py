@@ -63,9 +63,7 @@ class DecoderModel(nn.Module):
 
     Subclasses set ``embed_tokens``, ``layers`` (each called as ``layer(positions, hidden,
     residual, metadata) -> (hidden, residual)``) and ``norm`` (an RMSNorm that adds the
-    residual first). ``residual=None`` means ``hidden`` is the whole residual stream: the
-    first layer's input (the embeddings), and the output of a layer that added its
-    residual inside its products (``LlamaDecoderLayer.streams_in_products``).
+    residual first).
     """
 
     embed_tokens: VocabEmbedding
@@ -83,7 +81,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, metadata)
-        hidden, _ = open_residual(self.norm, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
         return hidden
 
 

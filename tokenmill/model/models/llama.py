@@ -20,7 +20,6 @@ from tokenmill.model.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     gated_dense,
-    streams_in_product,
 )
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import get_rope
@@ -63,21 +62,12 @@ class LlamaMLP(nn.Module):
         # Read once: the choice must not change between CUDA-graph capture and eager steps.
         self.gated_product = isinstance(self.act_fn, SiluAndMul) and envs.gated_product()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        norm: RMSNorm | None = None,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``down(act(gate(x')) * up(x')) (+ residual)`` with ``x' = norm(x)`` when ``norm``
-        is given: the residual stream through the products (``linear.dense``)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated_product:
-            gated = gated_dense(x, self.gate_up_proj.weight, self.gate_up_proj.bias, norm=norm)
+            gated = gated_dense(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if gated is not None:
-                return self.down_proj(gated, residual=residual)
-        hidden = self.gate_up_proj(x, norm=norm)
-        return self.down_proj(self.act_fn(hidden), residual=residual)
+                return self.down_proj(gated)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -120,19 +110,10 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        metadata: AttentionMetadata,
-        *,
-        norm: RMSNorm | None = None,
-        residual: torch.Tensor | None = None,
+        self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """Attention over ``norm(hidden)`` when ``norm`` is given, plus ``residual`` when
-        given: the residual stream through the products (``linear.dense``)."""
-        qkv = self.qkv_proj(hidden, norm=norm)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return self.o_proj(self.attn(q, k, v, metadata, positions), residual=residual)
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attn(q, k, v, metadata, positions))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
@@ -157,48 +138,6 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
             config.intermediate_size,
             config.get("hidden_act", "silu"),
             bias=config.get("mlp_bias", False),
-        )
-        # Read once: the choice must not change between CUDA-graph capture and eager steps.
-        self.norms_in_products = envs.norms_in_products()
-        self._streams: dict[tuple[int, torch.dtype, torch.device], bool] = {}
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As ``PreNormDecoderLayer``; where every product of the layer can take the norm
-        before it or the residual add after it into its launch (``streams_in_products``),
-        a layer given the whole stream (``residual=None``) passes it through them and
-        returns ``(stream, None)``, with no norm kernel of its own."""
-        if residual is None and self.streams_in_products(hidden):
-            attn = self.self_attn(positions, hidden, metadata, norm=self.input_layernorm,
-                                  residual=hidden)  # fmt: skip
-            return self.mlp(attn, norm=self.post_attention_layernorm, residual=attn), None
-        return super().forward(positions, hidden, residual, metadata)
-
-    def streams_in_products(self, hidden: torch.Tensor) -> bool:
-        """Whether this layer's four products take its two norms and residual adds into
-        their launches for a ``hidden [T, H]`` of this many rows, dtype and device
-        (``TOKENMILL_NORMS_IN_PRODUCTS``; on an H200, batch-1 decode of Llama-3.1-8B)."""
-        if not self.norms_in_products or hidden.dim() != 2 or not hidden.is_cuda:
-            return False
-        key = (hidden.shape[0], hidden.dtype, hidden.device)
-        if key not in self._streams:
-            self._streams[key] = self._products_take_stream(*key)
-        return self._streams[key]
-
-    def _products_take_stream(self, m: int, dtype: torch.dtype, device: torch.device) -> bool:
-        attn, mlp = self.self_attn, self.mlp
-        return (
-            mlp.gated_product
-            and all(p.tp_size == 1 and p.bias is None for p in (attn.o_proj, mlp.down_proj))
-            and streams_in_product(m, attn.qkv_proj.weight, dtype, device, norm=True)
-            and streams_in_product(m, mlp.gate_up_proj.weight, dtype, device, norm=True)
-            and streams_in_product(m, attn.o_proj.weight, dtype, device, norm=False)
-            and streams_in_product(m, mlp.down_proj.weight, dtype, device, norm=False)
         )
 
 
