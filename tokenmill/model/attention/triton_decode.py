@@ -277,13 +277,6 @@ def decode_attention_kernel(
     # Splits that hold keys; the first one always counts, so that padding rows (no keys)
     # get their zeros from the merge.
     active = tl.maximum(tl.cdiv(tiles, tl.maximum(tiles_per_split, 1)), 1)
-    if MERGE_S > 0 and split >= active:
-        # A split past the context writes nothing when the splits merge themselves: it
-        # leaves at once, without waiting, so that its registers (most of an SM's at two
-        # programs per SM) go to the next kernel's programs, which load their weights
-        # while this grid's busy splits run. Split 0 of the same row waits, so the grid
-        # still completes after its predecessor.
-        return
     start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     # The step's own key (position seq_len - 1) is folded in apart, after the wait, by the

@@ -13,9 +13,8 @@ earlier kernel of the step writes, the chain keeps stream order: a kernel that c
 implies its predecessor completed. Only the decode attention kernel loads anything before
 its wait: the batch layout, the block table and earlier tokens' KV, which the host and
 earlier steps wrote (``allow_next_grid`` / ``wait_for_prior_results``; a step in which a
-request reads KV that the same step writes turns that off); and its key splits past a
-context exit without waiting, since the first split of the same row always waits. Kernels
-launched without PDL (cuBLAS, torch) simply start after their predecessor, as always.
+request reads KV that the same step writes turns that off). Kernels launched without PDL
+(cuBLAS, torch) simply start after their predecessor, as always.
 
 The normalisation, activation, rotary/KV-write and decode-attention kernels launch this
 way by default (batch-1 decode of Llama-3.1-8B on an H200: 4.18 against 4.34 ms per token,
@@ -95,8 +94,7 @@ if HAS_TRITON:
     def wait_for_prior_results(USE_PDL: tl.constexpr):
         """Wait for the previous kernel's completion and memory flush; every load of what
         an earlier kernel of the step wrote, and every store, comes after this, and so does
-        every program's exit unless another program of the grid is sure to wait: a grid
-        whose programs all left without waiting could complete before its predecessor, and
-        the next kernel's wait would not cover that one."""
+        every program's exit: a grid whose programs all left without waiting could complete
+        before its predecessor, and the next kernel's wait would not cover that one."""
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
