@@ -79,7 +79,10 @@
 #   warm_parallel[N] warm_serial[N]  the same with Triton's cache as earlier stages left it
 #   gputests_compile  the parallel compile's GPU tests and engine tests around it
 #   timeline_lat1 timeline_lat32  a decode step on the GPU's clock at batch 1 / 32 (32 in, 256
-#              out): kernels, copies and the idle gaps between them (step_timeline.py)
+#              out): kernels, copies and the idle gaps between them, and what the first step
+#              and the host before it do (step_timeline.py)
+#   first_token  cProfile of a one-token generate (32-token prompt): the host's share of a
+#              request's first step (first_token_profile.py)
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -110,7 +113,7 @@ stage() {  # stage NAME TIMEOUT CMD... (NAME gets $SFX, the STAGE@VARS label)
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|preempt" "$LOGS/$name.log" \
+  grep -aE "^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|preempt" "$LOGS/$name.log" \
     | grep -v "warnings.warn" | tail -${TAIL_LINES:-25} | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
@@ -288,6 +291,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     kprof_long) stage kprof_long 200 python3 benchmarks/device/kernel_profile.py "$M8" 300 1024 256 ;;
     kprof_prefill) stage kprof_prefill 200 python3 benchmarks/device/kernel_profile.py "$M8" 192 1024 1 ;;
     kprof_lat1) stage kprof_lat1 200 python3 benchmarks/device/kernel_profile.py "$M8" 1 32 256 ;;
+    first_token) TAIL_LINES=60 stage first_token 150 python3 benchmarks/device/first_token_profile.py "$M8" 32 5 ;;
     timeline_lat1) TAIL_LINES=100 stage timeline_lat1 200 python3 benchmarks/device/step_timeline.py "$M8" 1 32 256 ;;
     timeline_lat32) TAIL_LINES=100 stage timeline_lat32 200 python3 benchmarks/device/step_timeline.py "$M8" 32 32 256 ;;
     pgemm)    stage pgemm 150 python3 benchmarks/device/prefill_gemm_bench.py --ms "${PGEMM_MS:-512,2048,8192}" --blas "${PGEMM_BLAS:-cublas}" ;;

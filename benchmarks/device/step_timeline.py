@@ -152,6 +152,34 @@ def run_edges(prof, steps: list[list[Event]], name: str = "tm_generate") -> str:
     )
 
 
+def first_step(prof, steps: list[list[Event]], name: str = "tm_generate", top: int = 15) -> str:
+    """What the request's first step does: its GPU events by name (count, us), and the
+    host's profiled calls (CUDA runtime and aten ops, by name: count, us) from the start of
+    ``generate`` to the first GPU event and from there to the first step's end."""
+    host = [e for e in prof.events() if e.name == name]
+    if not host or not steps:
+        return "TIMELINE no host range recorded"
+    start, first, end = host[0].time_range.start, steps[0][0].start, steps[0][-1].end
+    lines = [f"TIMELINE first step: {len(steps[0])} GPU events, span {end - first:.1f} us, "
+             f"busy {busy_us(steps[0], first, end):.1f} us"]  # fmt: skip
+    lines += _by_name(((e.name, e.end - e.start) for e in steps[0]), "GPU", top)
+    cpu = [e for e in prof.events()
+           if e.device_type == torch.autograd.DeviceType.CPU and e.name != name]  # fmt: skip
+    for label, lo, hi in (("host before it", start, first), ("host during it", first, end)):
+        inside = ((e.name[:70], e.time_range.end - e.time_range.start) for e in cpu
+                  if lo <= e.time_range.start < hi)  # fmt: skip
+        lines += _by_name(inside, label, top)
+    return "\n".join(lines)
+
+
+def _by_name(pairs, label: str, top: int) -> list[str]:
+    total: dict[str, list[float]] = {}
+    for key, us in pairs:
+        total.setdefault(key, []).append(us)
+    ranked = sorted(total.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [f"TIMELINE   {label}: {sum(v):9.1f} us x{len(v):4d}  {k}" for k, v in ranked]
+
+
 def main() -> None:
     llm, prompts, params, n, in_len, out_len = offline_workload(sys.argv, 1, 32, 256, 4)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -162,6 +190,7 @@ def main() -> None:
     steps = split_steps(gpu_events(prof))
     print(summarize(steps))
     print(run_edges(prof, steps))
+    print(first_step(prof, steps))
 
 
 if __name__ == "__main__":
