@@ -81,6 +81,8 @@
 #   timeline_lat1 timeline_lat32  a decode step on the GPU's clock at batch 1 / 32 (32 in, 256
 #              out): kernels, copies and the idle gaps between them, and what the first step
 #              and the host before it do (step_timeline.py)
+#   ncu_lat1   Nsight Compute sections of consecutive norm, product and decode-attention kernels
+#              of a batch-1 decode (batch1_generate.py; each kernel replayed alone, so no overlap)
 #   first_token  cProfile of a one-token generate (32-token prompt): the host's share of a
 #              request's first step (first_token_profile.py)
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
@@ -291,6 +293,10 @@ run_stage() {  # run_stage NAME: one stage of the list below
     kprof_long) stage kprof_long 200 python3 benchmarks/device/kernel_profile.py "$M8" 300 1024 256 ;;
     kprof_prefill) stage kprof_prefill 200 python3 benchmarks/device/kernel_profile.py "$M8" 192 1024 1 ;;
     kprof_lat1) stage kprof_lat1 200 python3 benchmarks/device/kernel_profile.py "$M8" 1 32 256 ;;
+    ncu_lat1)  # Nsight Compute on a batch-1 decode's kernels, each replayed alone (NCU_SKIP, NCU_COUNT)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      TAIL_LINES=10 stage ncu_lat1 400 "$NCU" --clock-control none --kernel-name regex:'decode_attention_kernel|_rms_norm_kernel|_skinny_gemm_kernel' --launch-skip "${NCU_SKIP:-20000}" --launch-count "${NCU_COUNT:-14}" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/device/batch1_generate.py "$M8" 300
+      cp "$LOGS/ncu_lat1.log" "$OUT/" ;;
     first_token) TAIL_LINES=60 stage first_token 150 python3 benchmarks/device/first_token_profile.py "$M8" 32 5 ;;
     timeline_lat1) TAIL_LINES=100 stage timeline_lat1 200 python3 benchmarks/device/step_timeline.py "$M8" 1 32 256 ;;
     timeline_lat32) TAIL_LINES=100 stage timeline_lat32 200 python3 benchmarks/device/step_timeline.py "$M8" 32 32 256 ;;
