@@ -295,7 +295,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     kprof_lat1) stage kprof_lat1 200 python3 benchmarks/device/kernel_profile.py "$M8" 1 32 256 ;;
     ncu_lat1)  # Nsight Compute on a batch-1 decode's kernels, each replayed alone (NCU_SKIP, NCU_COUNT)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-      TAIL_LINES=10 stage ncu_lat1 400 "$NCU" --clock-control none --kernel-name regex:'decode_attention_kernel|_rms_norm_kernel|_skinny_gemm_kernel' --launch-skip "${NCU_SKIP:-20000}" --launch-count "${NCU_COUNT:-14}" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/device/batch1_generate.py "$M8" 300
+      TAIL_LINES=10 stage ncu_lat1 400 "$NCU" --clock-control none --kernel-name regex:'decode_attention_kernel|_rms_norm_kernel|_skinny_gemm_kernel' --launch-skip "${NCU_SKIP:-20000}" --launch-count "${NCU_COUNT:-14}" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats python3 benchmarks/device/batch1_generate.py "$M8" 300
       cp "$LOGS/ncu_lat1.log" "$OUT/" ;;
     first_token) TAIL_LINES=60 stage first_token 150 python3 benchmarks/device/first_token_profile.py "$M8" 32 5 ;;
     timeline_lat1) TAIL_LINES=100 stage timeline_lat1 200 python3 benchmarks/device/step_timeline.py "$M8" 1 32 256 ;;
