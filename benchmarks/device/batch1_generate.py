@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
+from profile_step import offline_workload  # this folder is on sys.path as the script's own
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import SamplingParams
 
 
 def main() -> None:
     out_len = int(sys.argv[2]) if len(sys.argv) > 2 else 300
-    llm = LLM(sys.argv[1], load_format="dummy", kv_cache_memory=3 << 30, max_model_len=16384)
-    vocab = llm.llm_engine.config.model_config.vocab_size
-    prompt = {"prompt_token_ids": np.random.default_rng(0).integers(0, vocab - 1000, 32).tolist()}
+    argv = [sys.argv[0], sys.argv[1], "1", "32", str(out_len)]
+    llm, prompts, _, _, _, _ = offline_workload(
+        argv, 1, 32, out_len, warm_up=0, kv_cache_memory=3 << 30, max_model_len=16384
+    )
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    out = llm.generate(prompt, params, use_tqdm=False)
+    out = llm.generate(prompts[0], params, use_tqdm=False)
     print(f"BATCH1 generated {len(out[0].outputs[0].token_ids)} tokens")
 
 

@@ -14,18 +14,17 @@ import pstats
 import sys
 import time
 
-import numpy as np
+from profile_step import offline_workload  # this folder is on sys.path as the script's own
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import SamplingParams
 
 
 def main() -> None:
     in_len = int(sys.argv[2]) if len(sys.argv) > 2 else 32
     runs = int(sys.argv[3]) if len(sys.argv) > 3 else 5
-    llm = LLM(sys.argv[1], load_format="dummy")
-    rng = np.random.default_rng(0)
-    vocab = llm.llm_engine.config.model_config.vocab_size
-    prompt = {"prompt_token_ids": rng.integers(0, vocab - 1000, in_len).tolist()}
+    argv = [sys.argv[0], sys.argv[1], "1", str(in_len), "1"]
+    llm, prompts, _, _, _, _ = offline_workload(argv, 1, in_len, 1, warm_up=0)
+    prompt = prompts[0]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for _ in range(3):
         llm.generate(prompt, params, use_tqdm=False)

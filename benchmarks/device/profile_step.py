@@ -18,22 +18,28 @@ from tokenmill import LLM, SamplingParams
 
 
 def offline_workload(
-    argv: list[str], default_n: int, default_in: int, default_out: int, warm_up: int = 32
+    argv: list[str],
+    default_n: int,
+    default_in: int,
+    default_out: int,
+    warm_up: int = 32,
+    **llm_kwargs,
 ) -> tuple[LLM, list[dict], SamplingParams, int, int, int]:
-    """``MODEL_DIR [NUM_PROMPTS] [IN] [OUT]`` from ``argv``: a dummy-weight LLM warmed up on
-    ``warm_up`` prompts, random token prompts and ``ignore_eos`` sampling parameters (as
-    ``tokenmill bench throughput``'s random dataset)."""
+    """``MODEL_DIR [NUM_PROMPTS] [IN] [OUT]`` from ``argv``: a dummy-weight LLM (built with
+    ``llm_kwargs`` too) warmed up on ``warm_up`` prompts, random token prompts and
+    ``ignore_eos`` sampling parameters (as ``tokenmill bench throughput``'s random dataset)."""
     n = int(argv[2]) if len(argv) > 2 else default_n
     in_len = int(argv[3]) if len(argv) > 3 else default_in
     out_len = int(argv[4]) if len(argv) > 4 else default_out
-    llm = LLM(argv[1], load_format="dummy")
+    llm = LLM(argv[1], load_format="dummy", **llm_kwargs)
     rng = np.random.default_rng(0)
     vocab = llm.llm_engine.config.model_config.vocab_size
     prompts = [
         {"prompt_token_ids": rng.integers(0, vocab - 1000, in_len).tolist()} for _ in range(n)
     ]
     params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=out_len)
-    llm.generate(prompts[:warm_up], params, use_tqdm=False)
+    if warm_up:
+        llm.generate(prompts[:warm_up], params, use_tqdm=False)
     return llm, prompts, params, n, in_len, out_len
 
 

@@ -24,6 +24,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 GAP_US = 0.5
 STEP_END = "Memcpy DtoH"
+# The host range around ``generate``; the profiler also lists it on the GPU's timeline,
+# where it is not GPU work.
+RANGE = "tm_generate"
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ def gpu_events(prof, width: int = 70) -> list[Event]:
     events = [
         Event(e.name[:width], e.time_range.start, e.time_range.end)
         for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name != RANGE
     ]
     return sorted(events, key=lambda e: e.start)
 
@@ -132,14 +135,20 @@ def step_edges(step: list[Event], prev_end: float, head: int = 12, tail: int = 2
     return lines
 
 
-def run_edges(prof, steps: list[list[Event]], name: str = "tm_generate") -> str:
+def _host_range(prof) -> tuple[float, float] | None:
+    """Start and end (us) of the host's ``RANGE``, or None if it was not recorded."""
+    host = [e for e in prof.events() if e.name == RANGE]
+    return (host[0].time_range.start, host[0].time_range.end) if host else None
+
+
+def run_edges(prof, steps: list[list[Event]]) -> str:
     """Where the host's ``generate`` call spends time outside the GPU's steps: from its
     start to the first GPU event, the first three steps' spans, the last two, and from the
     last GPU event to its return (us, on the profiler's common clock)."""
-    host = [e for e in prof.events() if e.name == name]
-    if not host or not steps:
+    host = _host_range(prof)
+    if host is None or not steps:
         return "TIMELINE no host range recorded"
-    start, end = host[0].time_range.start, host[0].time_range.end
+    start, end = host
     first, last = steps[0][0].start, steps[-1][-1].end
     spans = [steps[0][-1].end - first]
     spans += [steps[i][-1].end - steps[i - 1][-1].end for i in range(1, len(steps))]
@@ -152,19 +161,19 @@ def run_edges(prof, steps: list[list[Event]], name: str = "tm_generate") -> str:
     )
 
 
-def first_step(prof, steps: list[list[Event]], name: str = "tm_generate", top: int = 15) -> str:
+def first_step(prof, steps: list[list[Event]], top: int = 15) -> str:
     """What the request's first step does: its GPU events by name (count, us), and the
     host's profiled calls (CUDA runtime and aten ops, by name: count, us) from the start of
     ``generate`` to the first GPU event and from there to the first step's end."""
-    host = [e for e in prof.events() if e.name == name]
-    if not host or not steps:
+    host = _host_range(prof)
+    if host is None or not steps:
         return "TIMELINE no host range recorded"
-    start, first, end = host[0].time_range.start, steps[0][0].start, steps[0][-1].end
+    start, first, end = host[0], steps[0][0].start, steps[0][-1].end
     lines = [f"TIMELINE first step: {len(steps[0])} GPU events, span {end - first:.1f} us, "
              f"busy {busy_us(steps[0], first, end):.1f} us"]  # fmt: skip
     lines += _by_name(((e.name, e.end - e.start) for e in steps[0]), "GPU", top)
     cpu = [e for e in prof.events()
-           if e.device_type == torch.autograd.DeviceType.CPU and e.name != name]  # fmt: skip
+           if e.device_type == torch.autograd.DeviceType.CPU and e.name != RANGE]  # fmt: skip
     for label, lo, hi in (("host before it", start, first), ("host during it", first, end)):
         inside = ((e.name[:70], e.time_range.end - e.time_range.start) for e in cpu
                   if lo <= e.time_range.start < hi)  # fmt: skip
@@ -183,7 +192,7 @@ def _by_name(pairs, label: str, top: int) -> list[str]:
 def main() -> None:
     llm, prompts, params, n, in_len, out_len = offline_workload(sys.argv, 1, 32, 256, 4)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with record_function("tm_generate"):
+        with record_function(RANGE):
             llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
     print(f"TIMELINE {n} prompts {in_len}/{out_len}")
