@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's time goes: the captured forward pass with kernels left out.
 
 usage: python3 benchmarks/device/decode_ablation_bench.py MODEL_DIR [CONTEXT]
-       [--sweep | --sweep-one-tile]
+       [--sweep | --sweep-wide | --sweep-decode-tiles | --sweep-one-tile] [--batch N]
 
 Captures the decode forward pass at batch 1 once as the engine does, then once per variant
 with some kernels replaced by pass-throughs (RMSNorms, SiLU-and-mul, RoPE with the KV write,
@@ -18,6 +18,13 @@ The decode switches (``TOKENMILL_ROPE_IN_DECODE_ATTENTION``,
 
 ``--sweep`` instead times the same graph with other key tiles and split caps of the decode
 attention kernel (RoPE in it, as the engine runs it).
+
+``--sweep-wide`` times the short-context graph (one key split) with the whole-context
+decode tile and other wide tiles (``whole_context_variants``).
+
+``--sweep-decode-tiles`` times the graph under other decode key tiles, warps and stages
+at the engine's split counts (``decode_tile_variants``); with ``--batch N`` any sweep
+captures and replays the decode of N requests instead of one.
 
 ``--sweep-one-tile`` times the QKV and output projections on the tiles they had before
 they took whole rows in one tile (which a program loads before it waits, and which need
@@ -109,6 +116,59 @@ def sweep_variants() -> list:
     return variants
 
 
+def whole_context_variants() -> list:
+    """The ``--sweep-wide`` variants, RoPE in the decode kernel as the engine runs it: the
+    short-context graph (one key split, planned for 256 tokens) with its default tile and
+    with wide tiles, among them one 256-key tile that a program loads whole before it waits
+    (``benchmarks/trials/decode_whole_context_tile.patch``); the graph of the full context
+    with 32-key tiles for comparison."""
+    splits = triton_backend.num_decode_splits
+    variants: list = [
+        ("full", [], None, True, []),
+        ("full_again", [], None, True, []),
+        ("short graph", [], 256, True, []),
+    ]
+    for block_n, warps, stages, cap, max_seq_len in [
+        (256, 8, 1, 1, 256), (256, 16, 1, 1, 256), (128, 8, 1, 1, 256), (128, 8, 1, 2, 256),
+        (32, 4, 3, 64, None),
+    ]:  # fmt: skip
+        fixed = TileConfig(16, block_n, warps, stages)
+
+        def tile(*args, cfg=fixed, **kwargs):
+            return cfg
+
+        def split_count(*args, cap=cap, short=max_seq_len is not None, **kwargs):
+            # The short graph plans one split; the cap there is the split count.
+            return cap if short else min(cap, splits(*args, **kwargs))
+
+        patch = [(triton_backend, "decode_tile_config", tile),
+                 (triton_backend, "num_decode_splits", split_count)]  # fmt: skip
+        graph = "short graph" if max_seq_len else "full graph"
+        name = f"{graph}, {block_n} keys {warps} warps, {cap} splits"
+        variants.append((name, [], max_seq_len, True, patch))
+    return variants
+
+
+def decode_tile_variants() -> list:
+    """The ``--sweep-decode-tiles`` variants, RoPE in the decode kernel as the engine runs
+    it, with the engine's split counts: decode key tiles, warps and stages (registers a
+    thread from an sm_90 compile: 202 at 64 keys, 4 warps, 3 stages; 143 at 32 keys)."""
+    variants: list = [("full", [], None, True, []), ("full_again", [], None, True, [])]
+    for block_n, warps, stages in [
+        (64, 4, 3), (32, 4, 3), (32, 4, 2), (16, 4, 3), (32, 8, 2), (32, 2, 2), (16, 2, 3),
+        (64, 4, 2),
+    ]:  # fmt: skip
+        fixed = TileConfig(16, block_n, warps, stages)
+
+        def tile(*args, cfg=fixed, **kwargs):
+            return cfg
+
+        patch = [(triton_backend, "decode_tile_config", tile)]
+        variants.append((f"decode {block_n} keys {warps} warps {stages} stages", [], None,
+                         True, patch))  # fmt: skip
+    return variants
+
+
 def one_tile_variants() -> list:
     """The ``--sweep-one-tile`` variants, RoPE in the decode kernel as the engine runs it:
     the QKV, output and down projections back on their earlier tiles (split in two,
@@ -140,6 +200,10 @@ def one_tile_variants() -> list:
 
 def main() -> None:
     model = sys.argv[1]
+    batch = 1
+    if "--batch" in sys.argv:
+        batch = int(sys.argv[sys.argv.index("--batch") + 1])
+        del sys.argv[sys.argv.index("--batch") : sys.argv.index("--batch") + 2]
     args = [a for a in sys.argv[2:] if not a.startswith("--")]
     context = int(args[0]) if args else 160
     llm = LLM(model, load_format="dummy", max_num_seqs=32)
@@ -152,8 +216,10 @@ def main() -> None:
     ungated = [(m, "gated_product", False) for m in mlps]
 
     def refill() -> None:
-        # Leaves the runner's buffers holding a batch-1 decode at ``context + 1`` tokens.
-        llm.generate([{"prompt_token_ids": [7] * context}], params, use_tqdm=False)
+        # Leaves the runner's buffers holding a decode of ``batch`` requests at
+        # ``context + 1`` tokens.
+        prompts = [{"prompt_token_ids": [7 + i] * context} for i in range(batch)]
+        llm.generate(prompts, params, use_tqdm=False)
 
     def timed(removed: list[str], max_seq_len: int | None = None,
               rope_in_decode: bool = False, extra: list | None = None) -> float:  # fmt: skip
@@ -165,10 +231,10 @@ def main() -> None:
                     stack.enter_context(patched(obj, name, value))
             for layer in layers:
                 stack.enter_context(patched(layer, "rope_in_decode", rope_in_decode))
-            graphs = CUDAGraphRunner(runner, [1], max_seq_len=max_seq_len)
+            graphs = CUDAGraphRunner(runner, [batch], max_seq_len=max_seq_len)
             graphs.capture()
         refill()
-        graph = graphs.graphs[1]
+        graph = graphs.graphs[batch]
         t = do_bench(graph.replay, warmup=20, rep=300, return_mode="median") * 1e3
         del graphs
         return t
@@ -176,6 +242,10 @@ def main() -> None:
     refill()
     if "--sweep" in sys.argv:
         variants = sweep_variants()
+    elif "--sweep-wide" in sys.argv:
+        variants = whole_context_variants()
+    elif "--sweep-decode-tiles" in sys.argv:
+        variants = decode_tile_variants()
     elif "--sweep-one-tile" in sys.argv:
         variants = one_tile_variants()
     else:

@@ -29,7 +29,7 @@
 #              gputests_skinny_full with it)
 #   base_lat1 base_lat32  the same on the tree in .carry/base (a base commit's git archive of
 #              tokenmill/ and benchmarks/), to compare two commits on one machine
-#   lat1 lat32 tokenmill bench latency, M8, 32 in / 256 out, batch 1 / 32; lat1@VAR=VALUE
+#   lat1 lat8 lat32 tokenmill bench latency, M8, 32 in / 256 out, batch 1 / 8 / 32; lat1@VAR=VALUE
 #              (or lat32@..., several joined by +) the same with those variables set
 #   tp_long tp_short tp_small   tokenmill bench throughput (as ANCHORS.md)
 #   serve      tokenmill serve M8 + bench serve random 1024/256 c=64, then shared prefix
@@ -39,6 +39,9 @@
 #   stepbench  one decode step's GPU time (decode_step_bench.py)
 #   ablation   the batch-1 decode graph with kernels left out (decode_ablation_bench.py);
 #              ablation_sweep the same graph under other decode key tiles and split caps;
+#              ablation_wide the short-context graph under the whole-context decode tile
+#              and other wide tiles (CONTEXT tokens, default 160); ablation_dtiles the
+#              graph of BATCH decodes (default 1) under other decode tiles, warps, stages;
 #              ablation_onetile under products whose K-slices are one tile each
 #   pgemm_curve  the products of one step (32 layers, cuBLAS and cuBLASLt) against M tokens
 #   mixedcurve  a mixed step's graph time against its tokens (CURVE_CASES="D,ctx,chunk,cached ...")
@@ -255,6 +258,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
       say "STAGE $st runs $(PYTHONPATH="$PWD/.carry/base" python3 -P -c 'import tokenmill; print(tokenmill.__file__)')"
       stage "$st" 240 env PYTHONPATH="$PWD/.carry/base" python3 -P -m tokenmill.entrypoints.cli.main bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size $bs --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/$st.json"; addjson "$st" "$LOGS/$st.json" ;;
     lat1)     stage lat1 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1.json"; addjson lat1 "$LOGS/lat1.json" ;;
+    lat8)     stage lat8 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 8 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat8.json"; addjson lat8 "$LOGS/lat8.json" ;;
     lat32)    stage lat32 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32.json"; addjson lat32 "$LOGS/lat32.json" ;;
     tp_long)  stage tp_long 400 "${TM[@]}" bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/tp_long.json"; addjson tp_long "$LOGS/tp_long.json" ;;
     tp_short) stage tp_short 400 "${TM[@]}" bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/tp_short.json"; addjson tp_short "$LOGS/tp_short.json" ;;
@@ -269,6 +273,8 @@ run_stage() {  # run_stage NAME: one stage of the list below
     sampler) TAIL_LINES=40 stage sampler 150 python3 benchmarks/device/sampler_bench.py ;;
     ablation) stage ablation 240 python3 benchmarks/device/decode_ablation_bench.py "$M8" ;;
     ablation_onetile) TAIL_LINES=40 stage ablation_onetile 300 python3 benchmarks/device/decode_ablation_bench.py "$M8" "${CONTEXT:-160}" --sweep-one-tile ;;
+    ablation_wide) TAIL_LINES=40 stage ablation_wide 300 python3 benchmarks/device/decode_ablation_bench.py "$M8" "${CONTEXT:-160}" --sweep-wide ;;
+    ablation_dtiles) TAIL_LINES=40 stage ablation_dtiles 300 python3 benchmarks/device/decode_ablation_bench.py "$M8" "${CONTEXT:-160}" --sweep-decode-tiles --batch "${BATCH:-1}" ;;
     ablation_sweep) TAIL_LINES=40 stage ablation_sweep 300 python3 benchmarks/device/decode_ablation_bench.py "$M8" "${CONTEXT:-160}" --sweep ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
     stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
