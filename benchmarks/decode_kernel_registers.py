@@ -6,8 +6,8 @@ registers over threads x registers a thread) decides how many waves a decode gri
 which ``triton_launch.decode_tile_config`` follows. This compiles the variants the engine
 launches at head_dim 128, bf16 (Llama-3.1-8B's shapes): the plain kernel and the one that
 rotates and writes the new K/V (``attend_decode_rotary``), at each tile of
-``DECODE_TILES_D128``, with the ptxas that ships with Triton, and reads the cubin's
-resource usage with its cuobjdump. Nothing is launched.
+``DECODE_TILES_D128`` and at ``DECODE_TILE_MANY_SPLITS_ROPE``, with the ptxas that ships
+with Triton, and reads the cubin's resource usage with its cuobjdump. Nothing is launched.
 
 Usage: python benchmarks/decode_kernel_registers.py
 """
@@ -47,7 +47,10 @@ driver.set_active(_CompileOnlyDriver())
 
 from tokenmill.model.attention import triton_backend, triton_decode  # noqa: E402
 from tokenmill.model.attention.backend import AttentionMetadata, DecodeRotary  # noqa: E402
-from tokenmill.model.attention.triton_launch import DECODE_TILES_D128  # noqa: E402
+from tokenmill.model.attention.triton_launch import (  # noqa: E402
+    DECODE_TILE_MANY_SPLITS_ROPE,
+    DECODE_TILES_D128,
+)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BATCH = 32, 8, 128, 16, 8
 
@@ -81,7 +84,7 @@ def main() -> None:
     triton_decode.decode_attention_kernel = compiled
     bf16 = torch.bfloat16
     qsl = torch.arange(BATCH + 1, dtype=torch.int32)
-    for _, tile in DECODE_TILES_D128:
+    for tile in [tile for _, tile in DECODE_TILES_D128] + [DECODE_TILE_MANY_SPLITS_ROPE]:
         triton_backend.decode_tile_config = lambda *_, tile=tile: tile
         for rope in (False, True):
             md = AttentionMetadata(

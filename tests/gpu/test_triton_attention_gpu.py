@@ -324,20 +324,26 @@ def shared_prefix(b: Batch, num_decodes: int, blocks: int) -> Batch:
 # Planned for 256 tokens: one key split per (request, KV head), whatever the lengths; for
 # 4,096: five, and a reduction.
 @pytest.mark.parametrize("max_seq_len", [256, 4096])
-# The decode tiles of the wave rule with RoPE (``triton_launch.DECODE_TILES_D128_ROPE``);
-# None: its pick.
-@pytest.mark.parametrize("tile", [None, 0, 1], ids=["chosen", "4-warps", "2-warps"])
+# The decode tiles of the wave rule with RoPE (``triton_launch.DECODE_TILES_D128_ROPE``)
+# and of many splits; None: the rule's pick.
+@pytest.mark.parametrize(
+    "tile", [None, 0, 1, "many"], ids=["chosen", "4-warps", "2-warps", "many-splits"]
+)
 def test_decode_with_rope_in_the_kernel(monkeypatch, dtype, max_seq_len, tile):
-    """``attend_decode_rotary`` on the GPU tiles (64-key tiles, pipelined stages, tensor-core
-    dot products): the cache it leaves equals the separate rotary/KV-write kernel's bit for
-    bit (up to FMA contraction of the rotation: one bf16/fp16 step), and the output matches
-    rotate-write-attend. Covers the write -> barrier -> read order inside one program."""
+    """``attend_decode_rotary`` on the GPU tiles (32- and 64-key tiles, pipelined stages,
+    tensor-core dot products): the cache it leaves equals the separate rotary/KV-write
+    kernel's bit for bit (up to FMA contraction of the rotation: one bf16/fp16 step), and
+    the output matches rotate-write-attend. Covers the write -> barrier -> read order
+    inside one program."""
     from tokenmill.model.attention import triton_backend, triton_launch
     from tokenmill.model.attention.backend import DecodeRotary
     from tokenmill.model.attention.triton_backend import TritonAttentionImpl
     from tokenmill.model.layers import fused_kernels
 
-    if tile is not None:
+    if tile == "many":
+        cfg = triton_launch.DECODE_TILE_MANY_SPLITS_ROPE
+        monkeypatch.setattr(triton_backend, "decode_tile_config", lambda *args: cfg)
+    elif tile is not None:
         cfg = triton_launch.DECODE_TILES_D128_ROPE[tile][1]
         monkeypatch.setattr(triton_backend, "decode_tile_config", lambda *args: cfg)
     b = make_batch([1] * 6, [700, 63, 64, 129, 1, 300], num_heads=32, num_kv_heads=8,

@@ -96,7 +96,24 @@ def test_decode_tile_is_chosen_for_the_grid_it_launches(monkeypatch):
     monkeypatch.setattr(triton_backend, "decode_tile_config", config)
     monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: 3)
     check(make_batch([1] * 5, [40, 3, 17, 90, 1], num_heads=8, num_kv_heads=2, num_decodes=5))
-    assert asked == [(5 * 3 * 2, triton_backend.DEFAULT_NUM_SMS, False, False, 16)]
+    assert asked == [(5 * 3 * 2, triton_backend.DEFAULT_NUM_SMS, False, False, 16, 3)]
+
+
+def test_rotating_decode_over_many_splits_takes_32_key_tiles():
+    """With RoPE in the kernel, a first-wave grid of at least 32 key splits per (request,
+    KV head) (batch 1 with 8 KV heads: 33) takes 32-key tiles at 4 warps; fewer splits,
+    the kernel without RoPE, a second wave and whole-step graphs keep the wave rule's."""
+    bf16, config = torch.bfloat16, triton_backend.decode_tile_config
+    many = triton_launch.DECODE_TILE_MANY_SPLITS_ROPE
+    four = triton_launch.DECODE_TILES_D128_ROPE[0][1]
+    assert (many.block_n, many.num_warps) == (32, 4)
+    assert config(128, bf16, 33 * 8, 132, False, True, 16, 33) == many
+    assert config(128, bf16, 64 * 4, 132, False, True, 16, 64) == many
+    assert config(128, bf16, 16 * 16, 132, False, True, 16, 16) == four
+    assert config(128, bf16, 33 * 8, 132, False, False, 16, 33) != many
+    assert config(128, bf16, 33 * 9, 132, False, True, 16, 33) != many
+    assert config(128, bf16, 33 * 8, 132, True, True, 16, 33) != many
+    assert config(64, bf16, 33 * 8, 132, False, True, 16, 33) != many
 
 
 def test_backend_is_selected_for_cuda():

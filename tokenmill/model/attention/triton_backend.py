@@ -423,7 +423,7 @@ class TritonAttentionImpl(AttentionImpl):
         total_splits = num_splits + prefix_splits
         cfg = decode_tile_config(
             args["D_P"], query.dtype, plan.num_decodes * num_splits * self.num_kv_heads,
-            num_sms, plan.uniform, rope is not None, _pow2(args["GROUP"], 16),
+            num_sms, plan.uniform, rope is not None, _pow2(args["GROUP"], 16), num_splits,
         )  # fmt: skip
         workspace = self._workspace(plan, plan.num_decodes, total_splits, query.device)
         strides = _operand_strides(query, kv_cache, metadata, workspace or (out, out))

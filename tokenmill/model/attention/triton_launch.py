@@ -106,6 +106,14 @@ DECODE_TILES_D128_ROPE = (
     (2, DECODE_TILES_D128[0][1]),
     (4, DECODE_TILES_D128[1][1]),
 )
+# With RoPE in the kernel, a first-wave grid whose contexts are spread over at least
+# DECODE_MANY_SPLITS key splits (batch 1 with 8 KV heads: 33) takes 32-key tiles at 4
+# warps (143 registers), where each split holds a few keys. Llama-3.1-8B's batch-1 decode
+# graph on an H200, against 64-key tiles (RESULTS.md, twenty-eighth set): 51 us less per
+# step at 160 tokens of context, 14 us less at 4,000, 26 us more at 1,000. At batch 8 and
+# 32 (4 splits, 1) the 32-key tiles were 66-384 us slower.
+DECODE_MANY_SPLITS = 32
+DECODE_TILE_MANY_SPLITS_ROPE = TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=3)
 # Past every tile's single wave, and in uniform grids (whole-step graphs, whose decode
 # count is known only on the device): 2 warps, the fastest in waves of more programs.
 DECODE_TILE_MANY_WAVES = DECODE_TILES_D128[1][1]
@@ -119,6 +127,7 @@ def decode_tile_config(
     uniform: bool = False,
     rope: bool = False,
     group_padded: int = 16,
+    num_splits: int = 1,
 ) -> TileConfig:
     """Tiles of the decode kernel for a launch of ``num_programs`` programs.
 
@@ -132,8 +141,10 @@ def decode_tile_config(
     writes the new K/V) whose single wave holds the grid is taken: fewer warps leave each
     program fewer loads in flight, so 4 warps are fastest while every tile fits. Past them
     all, and for uniform grids, ``DECODE_TILE_MANY_WAVES``. ``TOKENMILL_DECODE_TILES_BY_WAVES
-    =0`` keeps the 4-warp tile. Other head sizes: 64 keys per tile (32 at head_dim 256),
-    4 warps; fp32 (FMA dot products) 16 keys per tile.
+    =0`` keeps the 4-warp tile. The rotating kernel's first wave takes
+    ``DECODE_TILE_MANY_SPLITS_ROPE`` at ``DECODE_MANY_SPLITS`` splits or more. Other head
+    sizes: 64 keys per tile (32 at head_dim 256), 4 warps; fp32 (FMA dot products) 16 keys
+    per tile.
 
     Args:
         head_dim_padded: the head size rounded up to a power of two.
@@ -146,12 +157,16 @@ def decode_tile_config(
         group_padded: query heads per KV head, padded as the kernel's dot products take
             them (``GROUP_P``); the register counts above are at 16 (groups of up to 16),
             and larger groups keep the 4-warp tile.
+        num_splits: key splits per (request, KV head) of the launch.
     """
     if dtype == torch.float32:
         return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
     by_waves = uniform or num_programs is not None
     if head_dim_padded == 128 and group_padded == 16 and by_waves and envs.decode_tiles_by_waves():
         if not uniform:
+            first_wave = DECODE_TILES_D128_ROPE[0][0] * num_sms
+            if rope and num_splits >= DECODE_MANY_SPLITS and num_programs <= first_wave:
+                return DECODE_TILE_MANY_SPLITS_ROPE
             for per_sm, tile in DECODE_TILES_D128_ROPE if rope else DECODE_TILES_D128:
                 if num_programs <= per_sm * num_sms:
                     return tile
