@@ -111,7 +111,7 @@ DECODE_TILES_D128_ROPE = (
 # warps (143 registers), where each split holds a few keys. Llama-3.1-8B's batch-1 decode
 # graph on an H200, against 64-key tiles (RESULTS.md, twenty-eighth set): 51 us less per
 # step at 160 tokens of context, 14 us less at 4,000, 26 us more at 1,000. At batch 8 and
-# 32 (4 splits, 1) the 32-key tiles were 66-384 us slower.
+# 32 (4 splits, 1) the 32-key tiles were 33-384 us slower.
 DECODE_MANY_SPLITS = 32
 DECODE_TILE_MANY_SPLITS_ROPE = TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=3)
 # Past every tile's single wave, and in uniform grids (whole-step graphs, whose decode
