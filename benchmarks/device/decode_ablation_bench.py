@@ -116,6 +116,12 @@ def sweep_variants() -> list:
     return variants
 
 
+def fixed_decode_tile(block_n: int, warps: int, stages: int) -> tuple[object, str, object]:
+    """A patch that gives every decode launch this tile (16 query rows)."""
+    cfg = TileConfig(16, block_n, warps, stages)
+    return (triton_backend, "decode_tile_config", lambda *args, **kwargs: cfg)
+
+
 def whole_context_variants() -> list:
     """The ``--sweep-wide`` variants, RoPE in the decode kernel as the engine runs it: the
     short-context graph (one key split, planned for 256 tokens) with its default tile and
@@ -132,16 +138,12 @@ def whole_context_variants() -> list:
         (256, 8, 1, 1, 256), (256, 16, 1, 1, 256), (128, 8, 1, 1, 256), (128, 8, 1, 2, 256),
         (32, 4, 3, 64, None),
     ]:  # fmt: skip
-        fixed = TileConfig(16, block_n, warps, stages)
-
-        def tile(*args, cfg=fixed, **kwargs):
-            return cfg
 
         def split_count(*args, cap=cap, short=max_seq_len is not None, **kwargs):
             # The short graph plans one split; the cap there is the split count.
             return cap if short else min(cap, splits(*args, **kwargs))
 
-        patch = [(triton_backend, "decode_tile_config", tile),
+        patch = [fixed_decode_tile(block_n, warps, stages),
                  (triton_backend, "num_decode_splits", split_count)]  # fmt: skip
         graph = "short graph" if max_seq_len else "full graph"
         name = f"{graph}, {block_n} keys {warps} warps, {cap} splits"
@@ -158,12 +160,7 @@ def decode_tile_variants() -> list:
         (64, 4, 3), (32, 4, 3), (32, 4, 2), (16, 4, 3), (32, 8, 2), (32, 2, 2), (16, 2, 3),
         (64, 4, 2),
     ]:  # fmt: skip
-        fixed = TileConfig(16, block_n, warps, stages)
-
-        def tile(*args, cfg=fixed, **kwargs):
-            return cfg
-
-        patch = [(triton_backend, "decode_tile_config", tile)]
+        patch = [fixed_decode_tile(block_n, warps, stages)]
         variants.append((f"decode {block_n} keys {warps} warps {stages} stages", [], None,
                          True, patch))  # fmt: skip
     return variants
@@ -202,8 +199,9 @@ def main() -> None:
     model = sys.argv[1]
     batch = 1
     if "--batch" in sys.argv:
-        batch = int(sys.argv[sys.argv.index("--batch") + 1])
-        del sys.argv[sys.argv.index("--batch") : sys.argv.index("--batch") + 2]
+        i = sys.argv.index("--batch")
+        batch = int(sys.argv[i + 1])
+        del sys.argv[i : i + 2]
     args = [a for a in sys.argv[2:] if not a.startswith("--")]
     context = int(args[0]) if args else 160
     llm = LLM(model, load_format="dummy", max_num_seqs=32)

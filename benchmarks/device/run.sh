@@ -250,16 +250,12 @@ run_stage() {  # run_stage NAME: one stage of the list below
       stage attn_dtiles2_prefix 100 python3 benchmarks/attention_bench.py --only decode --decode-batches 64 --contexts 2304 --shared-prefix 2000 --sweep-decode-tiles --decode-tiles "$DT"
       stage attn_dtiles2_splits 150 python3 benchmarks/attention_bench.py --only decode --decode-batches 16,24,32,40,51,64,96,128 --contexts 1024 --context-spread 256 --decode-tile "${DTILE:-64:2:3}" --sweep-splits --split-counts 1,2,3,4,6 ;;
     attn_dtiles) stage attn_dtiles 300 python3 benchmarks/attention_bench.py --only decode --decode-batches 1,64,256 --contexts 2304,8192 --shared-prefix 0,2000 --sweep-decode-tiles ;;
-    lat1@*|lat32@*)  # lat1@VAR=VALUE[+VAR=VALUE...]: the latency run with those variables set
-      base=${st%%@*}; bs=1; [ "$base" = lat32 ] && bs=32; assign=${st#*@}; tag=$(echo "$st" | tr -c 'A-Za-z0-9_\n' '_')
-      stage "$st" 240 env ${assign//+/ } "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size $bs --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/$tag.json"; addjson "$st" "$LOGS/$tag.json" ;;
     base_lat1|base_lat32)  # the latency run on the tree in .carry/base (git archive of a base commit)
       bs=1; [ "$st" = base_lat32 ] && bs=32
       say "STAGE $st runs $(PYTHONPATH="$PWD/.carry/base" python3 -P -c 'import tokenmill; print(tokenmill.__file__)')"
       stage "$st" 240 env PYTHONPATH="$PWD/.carry/base" python3 -P -m tokenmill.entrypoints.cli.main bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size $bs --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/$st.json"; addjson "$st" "$LOGS/$st.json" ;;
-    lat1)     stage lat1 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1.json"; addjson lat1 "$LOGS/lat1.json" ;;
-    lat8)     stage lat8 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 8 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat8.json"; addjson lat8 "$LOGS/lat8.json" ;;
-    lat32)    stage lat32 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32.json"; addjson lat32 "$LOGS/lat32.json" ;;
+    lat1|lat8|lat32)  # batch 1 / 8 / 32
+      stage "$st" 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size "${st#lat}" --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/$st.json"; addjson "$st" "$LOGS/$st.json" ;;
     tp_long)  stage tp_long 400 "${TM[@]}" bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/tp_long.json"; addjson tp_long "$LOGS/tp_long.json" ;;
     tp_short) stage tp_short 400 "${TM[@]}" bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/tp_short.json"; addjson tp_short "$LOGS/tp_short.json" ;;
     tp_small) stage tp_small 300 "${TM[@]}" bench throughput --model "$M135" "${TPA[@]}" --random-input-len 256 --random-output-len 256 --num-prompts 2000 --output-json "$LOGS/tp_small.json"; addjson tp_small "$LOGS/tp_small.json" ;;
