@@ -251,25 +251,7 @@ class EngineArgs:
         """Add one flag per field (``--max-num-seqs`` for ``max_num_seqs``); ``defaults``
         replaces some fields' defaults for this command (value and help text)."""
         group = parser.add_argument_group("engine")
-        defaults = defaults or {}
-        for f in dataclasses.fields(cls):
-            meta = dict(f.metadata)
-            if not meta:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            names = [flag, *meta.pop("aliases", [])]
-            help_text = meta.pop("help")
-            default = defaults.get(f.name, f.default)
-            if default is not None and default is not dataclasses.MISSING:
-                help_text += f" (default: {default})"
-            kwargs: dict[str, Any] = {"dest": f.name, "help": help_text, "default": default, **meta}
-            if f.type in ("bool", bool, "bool | None"):
-                kwargs["action"] = argparse.BooleanOptionalAction
-            else:
-                kwargs.setdefault("type", _arg_type(f.type))
-            if f.name == "model" and positional_model:
-                continue
-            group.add_argument(*names, **kwargs)
+        add_dataclass_flags(group, cls, defaults, skip={"model"} if positional_model else ())
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -506,6 +488,34 @@ def _check_token_table_fits(max_num_seqs: int, max_model_len: int) -> None:
             f"{table_bytes / 2**30:,.1f} GiB table of token ids in host memory, more than "
             f"this machine's {memory_bytes / 2**30:,.1f} GiB: lower one of them"
         )
+
+
+def add_dataclass_flags(
+    group: Any,
+    cls: type,
+    defaults: dict[str, Any] | None = None,
+    skip: Any = (),
+) -> None:
+    """Add one flag per field of a dataclass whose fields carry ``_flag`` metadata
+    (``--max-num-seqs`` for ``max_num_seqs``; booleans get ``--no-`` forms); ``defaults``
+    replaces some fields' defaults (value and help text); ``skip`` names fields left out."""
+    defaults = defaults or {}
+    for f in dataclasses.fields(cls):
+        meta = dict(f.metadata)
+        if not meta or f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag, *meta.pop("aliases", [])]
+        help_text = meta.pop("help")
+        default = defaults.get(f.name, f.default)
+        if default is not None and default is not dataclasses.MISSING:
+            help_text += f" (default: {default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "help": help_text, "default": default, **meta}
+        if f.type in ("bool", bool, "bool | None"):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs.setdefault("type", _arg_type(f.type))
+        group.add_argument(*names, **kwargs)
 
 
 def _default_served_name(model: str) -> str:

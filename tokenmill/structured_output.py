@@ -24,6 +24,7 @@ import numpy as np
 
 from tokenmill.core.grammar_masks import GrammarMaskFiller
 from tokenmill.sampling_params import SamplingParamsError, StructuredOutputsParams
+from tokenmill.structured_output_gate import AfterReasoningGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -416,6 +417,8 @@ class GrammarCompiler:
         if given_up:
             raise _refuse(given_up["first"])
         grammar.keep_first_mask(masks["first"])
+        if params.reasoning_end_token_ids:
+            return AfterReasoningGrammar(grammar, params.reasoning_end_token_ids, self.vocab_size)
         return grammar
 
 

@@ -15,6 +15,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenmill.entrypoints.openai.protocol_tools import (
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ToolCall,
+    ToolCallParam,
+)
+
 
 def random_id(prefix: str) -> str:
     """A unique id such as ``chatcmpl-3f2a...`` (32 hex digits)."""
@@ -99,11 +107,16 @@ class ContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """A message of the conversation; content is a string or a list of text parts."""
+    """A message of the conversation; content is a string or a list of text parts. An
+    assistant message may carry the ``tool_calls`` it made (and its ``reasoning_content``);
+    a ``tool`` message answers the call ``tool_call_id``."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -118,9 +131,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = (
+        None
+    )
+    parallel_tool_calls: bool | None = True
     # Accepted so that they can be rejected with a clear message (not implemented).
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: Any = None  # OpenAI's legacy tool calling
     function_call: Any = None
     echo: Any = None  # vLLM's: prepend the last message to the answer
@@ -154,6 +170,9 @@ class ChatCompletionMessage(BaseModel):
     role: str
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    # The thinking before the answer, split off by --reasoning-parser (vLLM's field).
+    reasoning_content: str | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -194,6 +213,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -39,12 +38,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
 from tokenmill.engine.embedding_engine import AsyncEmbeddingEngine
 from tokenmill.engine.input_processor import InvalidRequestError
+from tokenmill.entrypoints.anthropic.router import add_messages_api
+from tokenmill.entrypoints.openai.auth import APIKeyMiddleware
 from tokenmill.entrypoints.openai.body_limit import add_body_size_limit
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
@@ -66,6 +66,7 @@ from tokenmill.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from tokenmill.entrypoints.openai.responses_router import add_responses_api
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_embedding import (
@@ -89,8 +90,6 @@ ABORTED_RESPONSE_GRACE_S = 5
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # On a second stop signal, how long aborted streams get to send their error event (seconds).
 ABORT_FLUSH_S = 0.2
-# Routes that answer without an API key (probes and scrapers).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 router = APIRouter()
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -305,49 +304,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, on_unexpected)
 
 
-# ---- auth --------------------------------------------------------------------------------------
-
-
-class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on every route but OPEN_PATHS.
-
-    The key is compared in constant time (``hmac.compare_digest``), so response timing does
-    not leak how much of a guess was right. CORS preflight (OPTIONS) requests pass.
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root) :] or "/"
-        if path in OPEN_PATHS or self._authorized(scope):
-            await self.app(scope, receive, send)
-            return
-        body = error_body(
-            "Invalid or missing API key: send it as 'Authorization: Bearer <key>'.",
-            "invalid_request_error",
-            code="invalid_api_key",
-        )
-        response = JSONResponse(body, status_code=HTTPStatus.UNAUTHORIZED)
-        await response(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        header = b""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                header = value
-                break
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
-
-
 # ---- app ---------------------------------------------------------------------------------------
 
 
@@ -392,9 +348,15 @@ def build_app(
         state.serving_embedding = OpenAIServingEmbedding(engine, request_logger)
         return app
     state.serving_chat = OpenAIServingChat(
-        engine, request_logger, chat_template, getattr(args, "response_role", "assistant")
+        engine,
+        request_logger,
+        chat_template,
+        getattr(args, "response_role", "assistant"),
+        getattr(args, "tool_settings", None),
     )
     state.serving_completion = OpenAIServingCompletion(engine, request_logger)
+    add_responses_api(app, state.serving_chat, getattr(args, "max_stored_responses", None))
+    add_messages_api(app, state.serving_chat)
     return app
 
 

@@ -1,0 +1,83 @@
+"""Routes of Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens.
+
+The body is read and checked here rather than by FastAPI, so that every error, a malformed
+body included, answers in Anthropic's shape (``errors.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from tokenmill.entrypoints.anthropic.errors import anthropic_error_body, error_response
+from tokenmill.entrypoints.anthropic.protocol import MessagesRequest
+from tokenmill.entrypoints.anthropic.serving_messages import AnthropicServingMessages
+from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request
+from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenmill.entrypoints.openai.serving_engine import cancel_on_disconnect, to_openai_error
+
+router = APIRouter()
+
+
+async def _parse(raw_request: Request) -> MessagesRequest:
+    """The request body as a MessagesRequest.
+
+    Raises:
+        OpenAIError: 400 for a body that is not JSON or not a Messages request (naming the
+            first field at fault, e.g. a missing ``max_tokens``).
+    """
+    try:
+        body = json.loads(await raw_request.body())
+    except ValueError as e:
+        raise bad_request(f"The request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    try:
+        return MessagesRequest.model_validate(body)
+    except ValidationError as e:
+        error = e.errors()[0]
+        loc = ".".join(str(p) for p in error.get("loc", ()))
+        raise bad_request(f"{loc}: {error.get('msg')}", loc or None) from None
+
+
+async def _answer(
+    raw_request: Request, handler: Callable[[MessagesRequest], Awaitable[Any]], watch: bool
+) -> Response:
+    """Read the body, run ``handler`` on it (cancelled if the client leaves, when
+    ``watch``); every error in Anthropic's shape."""
+    try:
+        request = await _parse(raw_request)  # before the disconnect watch reads the socket
+        if watch:
+            result = await cancel_on_disconnect(raw_request, handler(request))
+        else:
+            result = await handler(request)
+    except Exception as e:
+        error = e if isinstance(e, OpenAIError) else to_openai_error(e)
+        return error_response(error)
+    return result if isinstance(result, Response) else JSONResponse(result)
+
+
+@router.post("/v1/messages")
+async def create_message(raw_request: Request) -> Response:
+    serving: AnthropicServingMessages = raw_request.app.state.serving_messages
+    return await _answer(raw_request, serving.create, watch=True)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_message_tokens(raw_request: Request) -> Response:
+    serving: AnthropicServingMessages = raw_request.app.state.serving_messages
+    return await _answer(raw_request, serving.count_tokens, watch=False)
+
+
+def add_messages_api(app: FastAPI, chat: OpenAIServingChat) -> None:
+    """Serve Anthropic's Messages API on ``app`` through the chat handler ``chat``."""
+    app.state.serving_messages = AnthropicServingMessages(chat)
+    app.include_router(router)
+
+
+__all__ = ["add_messages_api", "anthropic_error_body"]
