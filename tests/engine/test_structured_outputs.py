@@ -403,3 +403,27 @@ def test_compile_errors_read_without_the_grammar_engines_internals():
     message = str(info.value)
     assert message.startswith("structured_outputs: invalid JSON schema: ")
     assert "Check failed" not in message and "The JSON string is" not in message
+
+
+@pytest.mark.slow
+def test_a_constraint_after_reasoning_applies_from_the_token_after_its_end(llm):
+    """With ``reasoning_end_token_ids`` the output is free until those tokens (a thinking
+    model's ``</think>``), then constrained: here the end is the first two tokens SmolLM2
+    writes anyway, and a regex holds for what follows."""
+    prompt = "The capital of France is"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    end = list(free[0].outputs[0].token_ids[:2])
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=20,
+        structured_outputs=StructuredOutputsParams(regex="[0-9]{3}", reasoning_end_token_ids=end),
+    )
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids[:2]) == end
+    answer = llm.get_tokenizer().decode(list(out.token_ids[2:]), skip_special_tokens=True)
+    assert re.fullmatch("[0-9]{3}", answer) and out.finish_reason == "stop"
+    # The end never comes: the output stays free (and is the unconstrained one).
+    never = StructuredOutputsParams(regex="[0-9]{3}", reasoning_end_token_ids=[0, 0, 0])
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=never)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free[0].outputs[0].token_ids

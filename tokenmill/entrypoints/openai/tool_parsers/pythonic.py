@@ -79,13 +79,16 @@ def _arguments(call_text: str) -> str:
 
 @ToolParserManager.register_module("pythonic")
 class PythonicToolParser(MarkupToolParser):
-    """Reads ``[f(a=1), g(b="x")]``; each call is sent whole once its ``)`` arrives."""
+    """Reads ``[f(a=1), g(b="x")]``; each call is sent whole (name and arguments) once its
+    ``)`` arrives, so a call that turns out malformed was never sent."""
 
     def parse(self, text: str, final: bool, request: ChatCompletionRequest) -> ParsedToolOutput:
         body = text
         i = skip_ws(body, 0)
         if body.startswith(START, i):
             i = skip_ws(body, i + len(START))
+            if i >= len(body) and not final:  # calls follow the tag
+                return ParsedToolOutput()
         elif START.startswith(body[i:]) and not final:
             return ParsedToolOutput()
         if i >= len(body) or body[i] != "[":
@@ -110,13 +113,11 @@ class PythonicToolParser(MarkupToolParser):
                 return  # the name goes on
             if text[name_end] != "(" or name_end == i:
                 raise MalformedJSON("expected a function call")
-            call = PartialToolCall(name=text[i:name_end])
-            parsed.calls.append(call)
             end = _python_value_end(text, name_end)
             if end is None:
-                return
-            call.arguments = _arguments(text[i:end])
-            call.complete = True
+                return  # the call is sent whole, once it has been read
+            call = PartialToolCall(text[i:name_end], _arguments(text[i:end]), complete=True)
+            parsed.calls.append(call)
             i = skip_ws(text, end)
             if i >= n:
                 return
