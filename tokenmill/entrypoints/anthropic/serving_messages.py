@@ -20,9 +20,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.entrypoints.anthropic.errors import error_event
 from tokenmill.entrypoints.anthropic.protocol import MessagesRequest, to_chat_request
+from tokenmill.entrypoints.openai.errors import OpenAIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionMessage
 from tokenmill.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_engine import to_openai_error
+from tokenmill.entrypoints.openai.serving_responses import rename_param
 
 
 def _stop_reason(
@@ -71,7 +73,12 @@ class AnthropicServingMessages:
                 the engine is dead (the route answers them in Anthropic's shape).
         """
         chat_request = to_chat_request(request)
-        run = await self.chat.start_chat(chat_request)
+        try:
+            run = await self.chat.start_chat(chat_request)
+        except OpenAIError as e:
+            raise rename_param(
+                e, {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+            ) from None
         message_id = f"msg_{uuid.uuid4().hex}"
         if request.stream:
             return StreamingResponse(

@@ -6,8 +6,8 @@ which come back as output items. Streams send the Responses API's events: ``resp
 ``response.in_progress``, per item ``response.output_item.added`` / ``.done`` with its
 deltas (``response.reasoning_text.delta``, ``response.output_text.delta``,
 ``response.function_call_arguments.delta``) and their ``.done`` events, then
-``response.completed`` (``response.incomplete`` when cut by ``max_output_tokens``,
-``response.failed`` on an error). With ``store`` (the default) the response and its
+``response.completed`` (its status ``incomplete`` when cut by ``max_output_tokens``), or
+``response.failed`` on an error. With ``store`` (the default) the response and its
 conversation are kept (``responses_store.py``) for ``previous_response_id``.
 """
 
@@ -44,6 +44,17 @@ def not_found(response_id: str, param: str | None = None) -> OpenAIError:
     )
 
 
+def rename_param(error: OpenAIError, names: dict[str, str]) -> OpenAIError:
+    """``error`` naming the field the client sent: the chat request's field (its first
+    component) becomes this API's name for it."""
+    if error.param:
+        head = error.param.split(".", 1)[0]
+        if head in names:
+            error.param = names[head]
+            error.message = error.message.replace(head, names[head], 1)
+    return error
+
+
 class OpenAIServingResponses:
     """Serves the Responses API on top of the chat handler.
 
@@ -74,7 +85,11 @@ class OpenAIServingResponses:
         messages = input_messages(request)
         chat_request = to_chat_request(request, history, messages)
         conversation = history + messages
-        run = await self.chat.start_chat(chat_request)
+        try:
+            run = await self.chat.start_chat(chat_request)
+        except OpenAIError as e:
+            names = {"messages": "input", "max_completion_tokens": "max_output_tokens"}
+            raise rename_param(e, names) from None
         body = out.envelope(request, out.item_id("resp"), self.chat.model_name)
         if request.stream:
             events = self._events(request, run, body, conversation)
@@ -151,8 +166,9 @@ class OpenAIServingResponses:
         body["usage"] = out.usage(chat_usage, self._num_tokens(events.reasoning_text))
         out.finish(body, finish_reason)
         self._keep(request, body, conversation)
-        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-        yield events.emit(kind, response=body)
+        # NOTE: response.completed also ends an incomplete response (its status says so), as
+        # vLLM sends it: the SDKs' stream helpers wait for that event.
+        yield events.emit("response.completed", response=body)
 
 
 class _EventWriter:
