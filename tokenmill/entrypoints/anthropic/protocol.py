@@ -45,6 +45,12 @@ class MessagesRequest(BaseModel):
     mcp_servers: Any = None
 
 
+class CountTokensRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages request without ``max_tokens``."""
+
+    max_tokens: int = 1
+
+
 def _text(content: Any, field: str) -> str:
     """Text content: a string or text blocks joined."""
     if isinstance(content, str):

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from tokenmill.entrypoints.anthropic.errors import anthropic_error_body, error_response
-from tokenmill.entrypoints.anthropic.protocol import MessagesRequest
+from tokenmill.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from tokenmill.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -24,7 +24,7 @@ from tokenmill.entrypoints.openai.serving_engine import cancel_on_disconnect, to
 router = APIRouter()
 
 
-async def _parse(raw_request: Request) -> MessagesRequest:
+async def _parse(raw_request: Request, model: type[MessagesRequest]) -> MessagesRequest:
     """The request body as a MessagesRequest.
 
     Raises:
@@ -38,7 +38,7 @@ async def _parse(raw_request: Request) -> MessagesRequest:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
     try:
-        return MessagesRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as e:
         error = e.errors()[0]
         loc = ".".join(str(p) for p in error.get("loc", ()))
@@ -46,12 +46,15 @@ async def _parse(raw_request: Request) -> MessagesRequest:
 
 
 async def _answer(
-    raw_request: Request, handler: Callable[[MessagesRequest], Awaitable[Any]], watch: bool
+    raw_request: Request,
+    handler: Callable[[Any], Awaitable[Any]],
+    watch: bool,
+    model: type[MessagesRequest] = MessagesRequest,
 ) -> Response:
     """Read the body, run ``handler`` on it (cancelled if the client leaves, when
     ``watch``); every error in Anthropic's shape."""
     try:
-        request = await _parse(raw_request)  # before the disconnect watch reads the socket
+        request = await _parse(raw_request, model)  # before the disconnect watch reads the socket
         if watch:
             result = await cancel_on_disconnect(raw_request, handler(request))
         else:
@@ -71,7 +74,7 @@ async def create_message(raw_request: Request) -> Response:
 @router.post("/v1/messages/count_tokens")
 async def count_message_tokens(raw_request: Request) -> Response:
     serving: AnthropicServingMessages = raw_request.app.state.serving_messages
-    return await _answer(raw_request, serving.count_tokens, watch=False)
+    return await _answer(raw_request, serving.count_tokens, False, CountTokensRequest)
 
 
 def add_messages_api(app: FastAPI, chat: OpenAIServingChat) -> None:
