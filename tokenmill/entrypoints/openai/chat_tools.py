@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from pydantic import ValidationError
+
 from tokenmill.entrypoints.openai.errors import bad_request
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.entrypoints.openai.protocol_tools import ChatCompletionNamedToolChoiceParam
@@ -90,6 +92,7 @@ def plan_tool_calls(request: ChatCompletionRequest, settings: ToolSettings) -> T
                 f"tools.{i}.function.parameters",
             )
     parallel = request.parallel_tool_calls is not False
+    choice = _tool_choice(choice)
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
@@ -126,6 +129,24 @@ def plan_tool_calls(request: ChatCompletionRequest, settings: ToolSettings) -> T
         parallel=parallel,
         constraint=_compiled(required_schema(request, parallel), "tools"),
     )
+
+
+def _tool_choice(choice: Any) -> str | ChatCompletionNamedToolChoiceParam | None:
+    """``tool_choice`` checked: None, a mode, or a named function.
+
+    Raises:
+        OpenAIError: 400 naming ``tool_choice`` for anything else.
+    """
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice
+    try:
+        return ChatCompletionNamedToolChoiceParam.model_validate(choice)
+    except ValidationError:
+        raise bad_request(
+            "tool_choice must be 'none', 'auto', 'required' or a function, as "
+            '{"type": "function", "function": {"name": ...}}.',
+            "tool_choice",
+        ) from None
 
 
 def required_schema(request: ChatCompletionRequest, parallel: bool) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.entrypoints.openai.protocol_tools import (
-    ChatCompletionNamedToolChoiceParam,
     ChatCompletionToolsParam,
     DeltaToolCall,
     ToolCall,
@@ -132,9 +131,9 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: list[ChatCompletionToolsParam] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None = (
-        None
-    )
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}: checked
+    # by chat_tools.plan_tool_calls, whose 400 says which forms there are.
+    tool_choice: Any = None
     parallel_tool_calls: bool | None = True
     # Accepted so that they can be rejected with a clear message (not implemented).
     functions: Any = None  # OpenAI's legacy tool calling
