@@ -298,7 +298,9 @@ def apply_chat_template(
     template already wrote any BOS / role tokens, and adding them again would double the
     BOS on tokenizers that prepend one.
     """
-    text = render_chat_template(tokenizer, messages, chat_template, add_generation_prompt, **kwargs)
+    text = render_chat_template(
+        tokenizer, messages, chat_template, add_generation_prompt, **kwargs
+    )
     return encode_prompt(tokenizer, text, add_special_tokens=False)
 
 

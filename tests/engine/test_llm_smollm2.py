@@ -202,10 +202,9 @@ def test_chat_answers_paris(llm):
     assert out.outputs[0].finish_reason == "stop"
     # The rendered conversation is the output's prompt, and its tokens are the prompt's.
     assert out.prompt.endswith("<|im_start|>assistant\n") and "France?" in out.prompt
-    assert (
-        out.prompt_token_ids
-        == llm.get_tokenizer()(out.prompt, add_special_tokens=False)["input_ids"]
-    )
+    assert out.prompt_token_ids == llm.get_tokenizer()(out.prompt, add_special_tokens=False)[
+        "input_ids"
+    ]
 
 
 @pytest.mark.parametrize(

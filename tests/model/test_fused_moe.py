@@ -66,9 +66,8 @@ def test_raw_routing_keeps_full_softmax_probabilities():
 def test_torch_path_equals_per_token_loop(tokens, top_k):
     x, w13, w2, weights, ids = _problem(tokens, 32, 48, 6, top_k)
     out = fused_experts_torch(x, w13, w2, weights, ids)
-    torch.testing.assert_close(
-        out.double(), _per_token_reference(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5
-    )
+    torch.testing.assert_close(out.double(), _per_token_reference(x, w13, w2, weights, ids),
+                               atol=1e-5, rtol=1e-5)
 
 
 # ---- token alignment ----------------------------------------------------------------------
@@ -169,9 +168,8 @@ def test_fused_moe_loads_per_expert_tensors_and_runs():
     assert torch.equal(moe.w2.weight, w2)
     x, logits = torch.randn(5, hidden), torch.randn(5, experts)
     weights, ids = select_experts(logits, 2, True)
-    torch.testing.assert_close(
-        moe(x, logits), fused_experts_torch(x, moe.w13.weight, w2, weights, ids)
-    )
+    torch.testing.assert_close(moe(x, logits), fused_experts_torch(x, moe.w13.weight, w2,
+                                                                   weights, ids))
 
 
 def test_fused_moe_rejects_bad_shards():

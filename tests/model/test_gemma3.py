@@ -185,17 +185,9 @@ def test_gguf_config_matches_transformers(gemma3_model, gemma3_hf):
     ours, ref = gemma3_model[1].hf_config, gemma3_hf.config
     assert ours.architectures == ["Gemma3ForCausalLM"]
     assert gemma3_layer_types(ours) == ref.layer_types
-    for key in (
-        "sliding_window",
-        "head_dim",
-        "query_pre_attn_scalar",
-        "hidden_activation",
-        "num_key_value_heads",
-        "final_logit_softcapping",
-        "attn_logit_softcapping",
-        "tie_word_embeddings",
-        "vocab_size",
-    ):
+    for key in ("sliding_window", "head_dim", "query_pre_attn_scalar", "hidden_activation",
+                "num_key_value_heads", "final_logit_softcapping", "attn_logit_softcapping",
+                "tie_word_embeddings", "vocab_size"):
         assert ours.get(key) == getattr(ref, key), key
     for layer_type, params in ref.rope_parameters.items():
         assert gemma3_rope(ours, layer_type) == (params["rope_theta"], None)
@@ -209,12 +201,9 @@ def test_gguf_weights_and_logits_match_transformers(gemma3_model, gemma3_hf):
     model, model_config = gemma3_model
     ours = dict(model.named_parameters())
     ref = dict(gemma3_hf.named_parameters())
-    for name in (
-        "model.norm.weight",
-        "model.layers.0.input_layernorm.weight",
-        "model.layers.5.post_feedforward_layernorm.weight",
-        "model.layers.3.self_attn.k_norm.weight",
-    ):
+    for name in ("model.norm.weight", "model.layers.0.input_layernorm.weight",
+                 "model.layers.5.post_feedforward_layernorm.weight",
+                 "model.layers.3.self_attn.k_norm.weight"):
         torch.testing.assert_close(ours[name], ref[name], atol=0, rtol=0)
     tokenizer = get_tokenizer(model_config.model)
     ids = {p: tokenizer(p)["input_ids"] for p in PROMPTS}
@@ -246,9 +235,7 @@ def test_gguf_greedy_continuation_matches_transformers(gemma3_model, gemma3_hf):
         prompt = torch.tensor([ids[: prompt_lens[p]]])
         with torch.no_grad():
             expected = gemma3_hf.generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                max_new_tokens=32,
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32,
                 do_sample=False,
             )[0].tolist()
         # transformers stops at EOS; up to there (EOS included) the tokens must be equal.

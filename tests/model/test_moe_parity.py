@@ -34,23 +34,13 @@ def _configs():
         ),
         # Layer 1 dense (mlp_only_layers); top-k weights renormalised.
         "qwen3-moe-norm": Qwen3MoeConfig(
-            **MOE,
-            head_dim=24,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=48,
-            norm_topk_prob=True,
-            mlp_only_layers=[1],
-            tie_word_embeddings=True,
+            **MOE, head_dim=24, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+            norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=True,
         ),
         # Every second layer sparse; raw softmax probabilities as weights.
         "qwen3-moe-raw": Qwen3MoeConfig(
-            **MOE,
-            num_experts=8,
-            num_experts_per_tok=3,
-            moe_intermediate_size=48,
-            norm_topk_prob=False,
-            decoder_sparse_step=2,
+            **MOE, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+            norm_topk_prob=False, decoder_sparse_step=2,
         ),
     }
 

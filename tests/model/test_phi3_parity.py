@@ -53,9 +53,7 @@ def _rewrite_as_legacy_config(path: str) -> None:
     rope = data.pop("rope_parameters")
     data["rope_theta"] = rope["rope_theta"]
     data["rope_scaling"] = {
-        "type": "su",
-        "short_factor": rope["short_factor"],
-        "long_factor": rope["long_factor"],
+        "type": "su", "short_factor": rope["short_factor"], "long_factor": rope["long_factor"]
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(data, f)

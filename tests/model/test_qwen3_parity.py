@@ -143,11 +143,7 @@ def test_llm_greedy_equals_transformers_generate(tmp_path, smollm2_gguf_path):
         ids = torch.tensor([prompt])
         with torch.no_grad():
             expected = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=8,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )[0, len(prompt):].tolist()
         assert list(out.outputs[0].token_ids) == expected

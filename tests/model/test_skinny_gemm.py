@@ -87,26 +87,10 @@ def _gated_reference(x, w, b=None) -> torch.Tensor:
 @needs_kernels
 @pytest.mark.parametrize(
     "m,cfg",
-    [
-        (1, FMA),
-        (3, FMA),
-        (1, replace(FMA, block_k=512)),
-        (4, replace(FMA, block_n=2)),
-        (2, replace(FMA, block_n=4)),
-        (2, DOT),
-        (17, DOT),
-        (32, DOT),
-    ],
-    ids=[
-        "fma-1",
-        "fma-3",
-        "fma-1-one-tile",
-        "fma-4-half-1",
-        "fma-2-half-2",
-        "dot-2",
-        "dot-17",
-        "dot-32",
-    ],
+    [(1, FMA), (3, FMA), (1, replace(FMA, block_k=512)), (4, replace(FMA, block_n=2)),
+     (2, replace(FMA, block_n=4)), (2, DOT), (17, DOT), (32, DOT)],
+    ids=["fma-1", "fma-3", "fma-1-one-tile", "fma-4-half-1", "fma-2-half-2", "dot-2", "dot-17",
+         "dot-32"],
 )
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_gated_product_matches_silu_of_the_product(m, cfg, split_k):
@@ -327,3 +311,4 @@ def test_dense_routes_by_setting(monkeypatch, mode, tuned, used):
     x, w = torch.randn(1, 8), torch.randn(4, 8)
     out = linear.dense(x, w)
     assert (out == "skinny") if used else torch.allclose(out, F.linear(x, w))
+

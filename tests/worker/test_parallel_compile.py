@@ -50,7 +50,7 @@ def test_thread_count_from_the_environment(monkeypatch, value, expected):
     assert envs.compile_threads() == expected
 
 
-SCENARIO = r"""
+SCENARIO = r'''
 import collections, threading, torch
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -148,7 +148,7 @@ t.join()
 assert seen == [True, False], seen
 assert JITFunction.run is launch
 print("OK")
-"""
+'''
 
 
 def test_deferral_survives_a_failed_compile_and_never_nests(tmp_path):

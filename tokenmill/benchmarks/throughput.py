@@ -119,8 +119,7 @@ def run_throughput(
     if counters is not None:
         logger.info(
             "Engine counters during the run: %d preemptions, %d prefix-cache hit tokens",
-            counters.num_preemptions - before[0],
-            counters.prefix_cache_hits - before[1],
+            counters.num_preemptions - before[0], counters.prefix_cache_hits - before[1],
         )
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)

@@ -69,12 +69,8 @@ class _StepLog:
             logger.info(
                 "Engine steps: %d in %.1f s, mean %.2f ms, p50 %.2f ms, max %.2f ms, "
                 "%.1f request outputs per step; kernels compiled: %s",
-                len(d),
-                time.monotonic() - self.last,
-                1e3 * sum(d) / len(d),
-                1e3 * d[len(d) // 2],
-                1e3 * d[-1],
-                self.outputs / len(d),
+                len(d), time.monotonic() - self.last, 1e3 * sum(d) / len(d),
+                1e3 * d[len(d) // 2], 1e3 * d[-1], self.outputs / len(d),
                 ", ".join(self.compiled) or "none",
             )
             self.durations, self.outputs, self.last = [], 0, time.monotonic()

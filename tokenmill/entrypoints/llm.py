@@ -202,12 +202,8 @@ class LLM:
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self._generation_engine()
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(
-            total=len(request_ids),
-            desc="Processed prompts",
-            dynamic_ncols=True,
-            disable=not use_tqdm,
-        )
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
+                   disable=not use_tqdm)
         start = time.perf_counter()
         prompt_tokens = output_tokens = 0
         while engine.has_unfinished_requests():

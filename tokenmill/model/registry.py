@@ -35,7 +35,9 @@ def supported_architectures() -> list[str]:
     return sorted([*_MODELS, *_POOLING_MODELS])
 
 
-def register_model(architecture: str, module: str, class_name: str, pooling: bool = False) -> None:
+def register_model(
+    architecture: str, module: str, class_name: str, pooling: bool = False
+) -> None:
     """Add an architecture (module relative to ``tokenmill.model.models``); ``pooling``
     marks an embedding model."""
     (_POOLING_MODELS if pooling else _MODELS)[architecture] = (module, class_name)

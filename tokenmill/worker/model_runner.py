@@ -164,7 +164,8 @@ class ModelRunner:
             num_blocks, self.block_size, mc.get_num_kv_heads(), mc.get_head_dim()
         )
         self.kv_caches = [
-            zeroed_tensor(tuple(shape), self.dtype, self.device) for _ in range(mc.get_num_layers())
+            zeroed_tensor(tuple(shape), self.dtype, self.device)
+            for _ in range(mc.get_num_layers())
         ]
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)

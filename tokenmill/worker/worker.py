@@ -117,11 +117,7 @@ class Worker:
         logger.info(
             "Memory: %.2f GiB total, %.2f GiB in use before start-up; the engine added %.2f GiB "
             "(model %.2f GiB), activation peak %.2f GiB; %.2f GiB for the KV cache",
-            total / GiB,
-            self._baseline_used / GiB,
-            used / GiB,
-            weights / GiB,
-            peak / GiB,
+            total / GiB, self._baseline_used / GiB, used / GiB, weights / GiB, peak / GiB,
             budget / GiB,
         )
         return budget

@@ -359,7 +359,9 @@ def run(args: argparse.Namespace) -> int:
         config = EngineArgs.from_cli_args(args).create_engine_config("server")
         if chat_template is not None:
             config.model_config.chat_template = chat_template
-        logger.info("tokenmill %s serve: starting for %s", __version__, config.model_config.model)
+        logger.info(
+            "tokenmill %s serve: starting for %s", __version__, config.model_config.model
+        )
         from tokenmill.entrypoints.openai.server import run_server
 
         run_event_loop(run_server(args, config, chat_template, listeners))

@@ -444,24 +444,14 @@ class TritonAttentionImpl(AttentionImpl):
             workspace=workspace,
             grid=(plan.num_decodes * num_splits * self.num_kv_heads, 1, 1),
             kwargs={
-                "req_offset": 0,
-                "kv_start": prefix_len,
-                "merge_splits": merge_splits,
-                "num_splits": num_splits,
-                "stride_ot": out.stride(0),
-                "NUM_KV_HEADS": self.num_kv_heads,
-                "GROUP_P": _pow2(args["GROUP"], 16),
-                "BLOCK_N": cfg.block_n,
-                "EARLY_LOADS": not metadata.reads_step_kv,
+                "req_offset": 0, "kv_start": prefix_len, "merge_splits": merge_splits,
+                "num_splits": num_splits, "stride_ot": out.stride(0),
+                "NUM_KV_HEADS": self.num_kv_heads, "GROUP_P": _pow2(args["GROUP"], 16),
+                "BLOCK_N": cfg.block_n, "EARLY_LOADS": not metadata.reads_step_kv,
                 "counter_ptr": counters if counters is not None else out,
-                "MERGE_S": merge_s,
-                "MERGE_G": merge_g,
-                "num_warps": cfg.num_warps,
-                "num_stages": cfg.num_stages,
-                **strides,
-                **args,
-                **_rope_args(rope),
-                **pdl.launch_options(query.device),
+                "MERGE_S": merge_s, "MERGE_G": merge_g,
+                "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **strides, **args,
+                **_rope_args(rope), **pdl.launch_options(query.device),
             },  # fmt: skip
         )
         if prefix_len:
@@ -529,23 +519,16 @@ class TritonAttentionImpl(AttentionImpl):
             workspace=workspace,
             grid=(
                 (programs * num_splits * self.num_kv_heads, 1, 1)
-                if plan.uniform
-                else (programs, self.num_kv_heads, num_splits)
+                if plan.uniform else (programs, self.num_kv_heads, num_splits)
             ),
             kwargs={
                 "req_offset": 0 if plan.uniform else plan.num_decodes,
-                "num_seqs": plan.num_prefills,
-                "UNIFORM": plan.uniform,
-                "num_splits": num_splits,
-                "stride_ot": out.stride(0),
+                "num_seqs": plan.num_prefills, "UNIFORM": plan.uniform,
+                "num_splits": num_splits, "stride_ot": out.stride(0),
                 **_operand_strides(query, kv_cache, metadata, workspace or (out, out)),
-                "NUM_KV_HEADS": self.num_kv_heads,
-                "GROUP_P": group_p,
-                "BLOCK_Q": block_q,
+                "NUM_KV_HEADS": self.num_kv_heads, "GROUP_P": group_p, "BLOCK_Q": block_q,
                 "BLOCK_N": cfg.block_n,
-                "num_warps": cfg.num_warps,
-                "num_stages": cfg.num_stages,
-                **args,
+                "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **args,
             },  # fmt: skip
         )
         if num_splits > 1:

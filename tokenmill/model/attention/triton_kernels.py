@@ -157,21 +157,9 @@ SPLIT_RUNTIME_INTS = ["num_splits", "stride_pr", "stride_ph", "stride_lr", "stri
 
 @triton.jit
 def merge_splits(
-    out_ptr,
-    out_row,
-    stride_ot,
-    part_out_ptr,
-    part_lse_ptr,
-    r,
-    head,
-    num_splits,
-    stride_pr,
-    stride_ph,
-    stride_lr,
-    stride_lh,
-    HEAD_DIM: tl.constexpr,
-    D_P: tl.constexpr,
-    S_P: tl.constexpr,
+    out_ptr, out_row, stride_ot, part_out_ptr, part_lse_ptr, r, head, num_splits,
+    stride_pr, stride_ph, stride_lr, stride_lh,
+    HEAD_DIM: tl.constexpr, D_P: tl.constexpr, S_P: tl.constexpr,
 ):
     """Partial row ``r``, head ``head``: merge the splits' partial outputs, each weighted by
     ``exp2(lse_s - max lse)`` (the log-sum-exp merge of flash-decoding), into output row
@@ -192,8 +180,10 @@ def merge_splits(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+
 @triton.jit(
-    do_not_specialize=["req_offset", "num_decodes", "prefix_len", "split_base"] + SPLIT_RUNTIME_INTS
+    do_not_specialize=["req_offset", "num_decodes", "prefix_len", "split_base"]
+    + SPLIT_RUNTIME_INTS
 )
 def shared_prefix_kernel(
     part_out_ptr,

@@ -35,20 +35,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr,
-        residual_ptr,
-        weight_ptr,
-        out_ptr,
-        residual_out_ptr,
-        n_cols,
-        x_stride,
-        res_stride,
-        out_stride,
-        eps,
-        offset,
-        HAS_RESIDUAL: tl.constexpr,
-        BLOCK: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+        n_cols, x_stride, res_stride, out_stride, eps, offset,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         wait_for_prior_grid(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -59,11 +48,8 @@ if HAS_TRITON:
             r = tl.load(residual_ptr + row * res_stride + cols, mask=mask, other=0.0)
             x = x + r.to(tl.float32)
             # The new residual is stored in the activations' dtype, as the torch path does.
-            tl.store(
-                residual_out_ptr + row * res_stride + cols,
-                x.to(residual_out_ptr.dtype.element_ty),
-                mask=mask,
-            )
+            tl.store(residual_out_ptr + row * res_stride + cols,
+                     x.to(residual_out_ptr.dtype.element_ty), mask=mask)
             x = x.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
         var = tl.sum(x * x, axis=0) / n_cols
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
@@ -85,14 +71,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _rotate_heads(
-        base,
-        row_stride,
-        num_heads,
-        cos,
-        sin,
-        HEADS: tl.constexpr,
-        HALF: tl.constexpr,
-        NEOX: tl.constexpr,
+        base, row_stride, num_heads, cos, sin,
+        HEADS: tl.constexpr, HALF: tl.constexpr, NEOX: tl.constexpr,
     ):
         # One token's heads as a [HEADS, HALF] tile: rows past ``num_heads`` are masked.
         h = tl.arange(0, HEADS)[:, None]
@@ -111,20 +91,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _rotary_kernel(
-        q_ptr,
-        k_ptr,
-        pos_ptr,
-        cache_ptr,
-        q_stride,
-        k_stride,
-        cache_stride,
-        num_q_heads,
-        num_k_heads,
-        head_dim,
-        HALF: tl.constexpr,
-        NEOX: tl.constexpr,
-        Q_HEADS: tl.constexpr,
-        K_HEADS: tl.constexpr,
+        q_ptr, k_ptr, pos_ptr, cache_ptr,
+        q_stride, k_stride, cache_stride,
+        num_q_heads, num_k_heads, head_dim,
+        HALF: tl.constexpr, NEOX: tl.constexpr,
+        Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
     ):
         # One program per token, all its heads at once: a program per (token, head) moved
         # 256 bytes each and ran at a fifth of the memory bandwidth.
@@ -165,31 +136,12 @@ if HAS_TRITON:
     # in the middle of serving.
     @triton.jit(do_not_specialize=["num_tokens"])
     def _rotary_cache_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        pos_ptr,
-        cos_sin_ptr,
-        slot_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        num_tokens,
-        q_stride,
-        k_stride,
-        v_stride,
-        cos_sin_stride,
-        stride_cb,
-        stride_cs,
-        stride_ch,
-        num_q_heads,
-        num_k_heads,
-        head_dim,
-        HALF: tl.constexpr,
-        NEOX: tl.constexpr,
-        Q_HEADS: tl.constexpr,
-        K_HEADS: tl.constexpr,
-        D_P: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
+        q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
+        num_tokens, q_stride, k_stride, v_stride, cos_sin_stride,
+        stride_cb, stride_cs, stride_ch,
+        num_q_heads, num_k_heads, head_dim,
+        HALF: tl.constexpr, NEOX: tl.constexpr, Q_HEADS: tl.constexpr,
+        K_HEADS: tl.constexpr, D_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         USE_PDL: tl.constexpr,
     ):
         # One program per token: rotate its query heads in place, then write its rotated

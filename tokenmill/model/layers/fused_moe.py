@@ -277,21 +277,9 @@ def _launch_moe_gemm(
     tiles = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["GROUP_M"]
     grid = (cdiv(max_padded, tiles[0]) * cdiv(n, tiles[1]),)
     _moe_gemm_kernel[grid](
-        a,
-        b,
-        c,
-        topk_weights,
-        sorted_slots,
-        block_experts,
-        num_padded,
-        n,
-        k,
-        num_slots,
-        max_padded,
-        a.stride(0),
-        b.stride(0),
-        b.stride(1),
-        c.stride(0),
+        a, b, c, topk_weights, sorted_slots, block_experts, num_padded,
+        n, k, num_slots, max_padded,
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         A_ROW_DIV=a_row_div,
         GATED=gated,
         MUL_WEIGHT=not gated,
@@ -444,9 +432,8 @@ class FusedMoE(nn.Module):
         if self.tp_size > 1:
             loaded = loaded.narrow(0, self.tp_rank * i, i)
         target = param.data[expert].narrow(0, 0 if part == "gate" else i, i)
-        check_shape(
-            f"{getattr(param, '_tm_name', '?')}[{expert}, {part}]", target.shape, loaded.shape
-        )
+        check_shape(f"{getattr(param, '_tm_name', '?')}[{expert}, {part}]", target.shape,
+                    loaded.shape)
         target.copy_(loaded)
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
@@ -460,9 +447,8 @@ class FusedMoE(nn.Module):
 
     def _parse_shard(self, shard_id: Any, parts: tuple[str, ...]) -> tuple[int, str]:
         if not isinstance(shard_id, tuple) or shard_id[1] not in parts:
-            raise ValueError(
-                f"expert weights need a shard id (expert, one of {parts}), got {shard_id!r}"
-            )
+            raise ValueError(f"expert weights need a shard id (expert, one of {parts}), "
+                             f"got {shard_id!r}")
         if not 0 <= shard_id[0] < self.num_experts:
             raise ValueError(f"expert id {shard_id[0]} out of range [0, {self.num_experts})")
         return int(shard_id[0]), shard_id[1]

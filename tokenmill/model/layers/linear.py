@@ -126,11 +126,8 @@ class ColumnParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         self.full_output_size = output_size
-        super().__init__(
-            input_size,
-            _divide(output_size, get_tensor_model_parallel_world_size(), "output size"),
-            bias,
-        )
+        super().__init__(input_size, _divide(output_size, get_tensor_model_parallel_world_size(),
+                                             "output size"), bias)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         shard = param.shape[0]

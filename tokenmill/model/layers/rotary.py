@@ -185,12 +185,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.runs_fused(q):
             fused_kernels.rotary_inplace(
-                positions,
-                q,
-                k,
-                self.cos_sin_cache,
-                self.head_dim,
-                self.rotary_dim,
+                positions, q, k, self.cos_sin_cache, self.head_dim, self.rotary_dim,
                 self.is_neox_style,
             )
             return q, k
@@ -223,24 +218,13 @@ def get_rope(
     """
     device = torch.empty(0).device  # the default device the model is being built on
     key = (
-        head_dim,
-        rotary_dim or head_dim,
-        max_position,
-        float(base),
-        is_neox_style,
-        json.dumps(scaling, sort_keys=True),
-        max_model_len,
-        str(device),
+        head_dim, rotary_dim or head_dim, max_position, float(base), is_neox_style,
+        json.dumps(scaling, sort_keys=True), max_model_len, str(device),
     )
     rope = _ROPE_CACHE.get(key)
     if rope is None:
         rope = RotaryEmbedding(
-            head_dim,
-            rotary_dim or head_dim,
-            max_position,
-            base,
-            is_neox_style,
-            scaling,
+            head_dim, rotary_dim or head_dim, max_position, base, is_neox_style, scaling,
             max_model_len,
         )
         _ROPE_CACHE[key] = rope

@@ -103,8 +103,6 @@ MIN_WEIGHT_BYTES = 1 << 20
 # Split-K counters per device (int32): column blocks of one launch must fit; launches with
 # more column blocks already fill the chip without splitting.
 LOCK_SLOTS = 1 << 14
-
-
 def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``skinny_linear(x, weight, ...)`` should replace ``F.linear`` here.
 

@@ -150,7 +150,8 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     arch = _gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
-            f"GGUF file {path} has architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
+            f"GGUF file {path} has architecture {arch!r}; supported: "
+            f"{sorted(GGUF_ARCHITECTURES)}"
         )
     hf_arch, model_type = GGUF_ARCHITECTURES[arch]
     data: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type}

@@ -88,9 +88,8 @@ def load_model_weights(
         )
 
 
-def initialize_dummy_weights(
-    model: nn.Module, seed: int = 0, low: float = -1e-3, high: float = 1e-3
-) -> None:
+def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3,
+                             high: float = 1e-3) -> None:
     """Fill every parameter with uniform random values from ``seed`` (no file is read).
 
     For benchmarks: speed does not depend on weight values. Small values keep activations

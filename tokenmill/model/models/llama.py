@@ -177,7 +177,9 @@ class LlamaForCausalLM(DecoderForCausalLM):
     def __init__(self, model_config: ModelConfig, backend: type[AttentionBackend]) -> None:
         super().__init__(model_config)
         qkv_bias, o_bias = self.attention_biases(self.config)
-        self.attach(LlamaModel(self.config, model_config.max_model_len, backend, qkv_bias, o_bias))
+        self.attach(
+            LlamaModel(self.config, model_config.max_model_len, backend, qkv_bias, o_bias)
+        )
 
     @staticmethod
     def attention_biases(config: HFConfig) -> tuple[bool, bool]:
