@@ -4,6 +4,11 @@ Streaming answers are server-sent events: a first chunk per choice carrying the 
 new text (never a broken UTF-8 character: the detokenizer holds incomplete ones back), the
 finish reason on a choice's last chunk, an optional usage chunk with no choices
 (``stream_options.include_usage``), then ``data: [DONE]``.
+
+With tools (``chat_tools.py``) or ``--reasoning-parser``, each choice's output goes through its
+parsers (``chat_output.py``): deltas then carry ``reasoning_content`` and ``tool_calls``
+pieces, and whole answers ``message.reasoning_content`` and ``message.tool_calls``. The
+Responses and Messages APIs reuse ``start_chat``, ``full_response`` and ``stream_chunks``.
 """
 
 from __future__ import annotations

@@ -42,6 +42,16 @@ class ToolParser(ABC):
 
     def __init__(self, tokenizer: Any) -> None:
         self.model_tokenizer = tokenizer
+        # The streaming state vLLM's parsers keep, for plugins written against it.
+        self.prev_tool_call_arr: list[dict[str, Any]] = []
+        self.current_tool_id = -1
+        self.current_tool_name_sent = False
+        self.streamed_args_for_tool: list[str] = []
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """The tokenizer's token -> id map (for parsers that look for marker tokens)."""
+        return self.model_tokenizer.get_vocab()
 
     def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
         """Change the request before it is served, e.g. keep the special tokens that mark

@@ -9,6 +9,7 @@ as it is known.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 _WS = " \t\r\n"
@@ -28,19 +29,18 @@ def skip_ws(text: str, i: int) -> int:
     return i
 
 
+# The rest of a JSON string after its opening quote, through its closing quote (escapes
+# skipped), and the characters that matter inside an object or array: regexes run in C,
+# which keeps re-reading a long argument at every streamed token cheap.
+_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_STRUCTURE = re.compile(r'[{}\[\]"]')
+_LITERAL = re.compile(r"[0-9+\-.eEtrufalsn]*")
+
+
 def _string_end(text: str, i: int) -> int | None:
     """Past the closing quote of the string opening at ``text[i]``; None if unterminated."""
-    j = i + 1
-    n = len(text)
-    while j < n:
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+    match = _STRING_REST.match(text, i + 1)
+    return match.end() if match else None
 
 
 def value_end(text: str, i: int) -> int | None:
@@ -59,7 +59,8 @@ def value_end(text: str, i: int) -> int | None:
     if c in _CLOSERS:
         stack = [_CLOSERS[c]]
         j = i + 1
-        while j < n:
+        while (match := _STRUCTURE.search(text, j)) is not None:
+            j = match.start()
             c = text[j]
             if c == '"':
                 end = _string_end(text, j)
@@ -69,17 +70,14 @@ def value_end(text: str, i: int) -> int | None:
                 continue
             if c in _CLOSERS:
                 stack.append(_CLOSERS[c])
-            elif c in "}]":
-                if c != stack.pop():
-                    raise MalformedJSON(f"unmatched {c!r} at {j}")
-                if not stack:
-                    return j + 1
+            elif c != stack.pop():
+                raise MalformedJSON(f"unmatched {c!r} at {j}")
+            elif not stack:
+                return j + 1
             j += 1
         return None
     if c in _LITERAL_CHARS:
-        j = i
-        while j < n and text[j] in _LITERAL_CHARS:
-            j += 1
+        j = _LITERAL.match(text, i).end()
         return j if j < n else None
     raise MalformedJSON(f"no JSON value starts with {c!r}")
 

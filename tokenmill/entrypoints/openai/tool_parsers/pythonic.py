@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from typing import TYPE_CHECKING
 
 from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParserManager
@@ -30,6 +31,10 @@ _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 _CLOSERS = {"(": ")", "[": "]", "{": "}"}
 
 
+_BRACKETS = re.compile(r"[()\[\]{}'\"]")
+_STRING_REST = {q: re.compile(rf"[^{q}\\]*(?:\\.[^{q}\\]*)*{q}", re.S) for q in "'\""}
+
+
 def _python_value_end(text: str, i: int) -> int | None:
     """Past the bracket that closes the one opening at ``text[i]`` (Python strings, with
     either quote, skipped); None if the text ends first.
@@ -39,22 +44,21 @@ def _python_value_end(text: str, i: int) -> int | None:
     """
     stack = [_CLOSERS[text[i]]]
     j = i + 1
-    n = len(text)
-    while j < n:
+    while (match := _BRACKETS.search(text, j)) is not None:
+        j = match.start()
         c = text[j]
         if c in "'\"":
-            j += 1
-            while j < n and text[j] != c:
-                j += 2 if text[j] == "\\" else 1
-            if j >= n:
+            rest = _STRING_REST[c].match(text, j + 1)
+            if rest is None:
                 return None
-        elif c in _CLOSERS:
+            j = rest.end()
+            continue
+        if c in _CLOSERS:
             stack.append(_CLOSERS[c])
-        elif c in ")]}":
-            if c != stack.pop():
-                raise MalformedJSON(f"unmatched {c!r}")
-            if not stack:
-                return j + 1
+        elif c != stack.pop():
+            raise MalformedJSON(f"unmatched {c!r}")
+        elif not stack:
+            return j + 1
         j += 1
     return None
 
