@@ -12,6 +12,7 @@ and ``content_block_stop``, then ``message_delta`` (stop reason, output tokens) 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,6 +26,8 @@ from tokenmill.entrypoints.openai.protocol import ChatCompletionMessage
 from tokenmill.entrypoints.openai.serving_chat import ChatRun, OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_engine import to_openai_error
 from tokenmill.entrypoints.openai.serving_responses import rename_param
+
+logger = logging.getLogger(__name__)
 
 
 def _stop_reason(
@@ -48,7 +51,13 @@ def content_blocks(message: ChatCompletionMessage) -> list[dict[str, Any]]:
     if message.content:
         blocks.append({"type": "text", "text": message.content})
     for call in message.tool_calls:
-        arguments = json.loads(call.function.arguments)
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:  # a plugin parser's malformed arguments: an object all the same
+            arguments = None
+        if not isinstance(arguments, dict):
+            logger.warning("tool call %s: arguments are not a JSON object", call.id)
+            arguments = {}
         blocks.append(
             {"type": "tool_use", "id": call.id, "name": call.function.name, "input": arguments}
         )
