@@ -14,6 +14,7 @@ import pytest
 
 from tests.entrypoints.conftest import API_KEY
 from tests.entrypoints.test_chat_completions import MODEL
+from tests.entrypoints.test_load import _settle, assert_idle
 from tests.entrypoints.test_tool_calling import WEATHER
 
 pytestmark = pytest.mark.slow
@@ -223,3 +224,27 @@ def test_the_api_key_as_x_api_key(template_server):
         template_server.url + "/v1/models", headers={"x-api-key": "wrong"}, timeout=60
     )
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/responses", {"input": "Tell me a very long story.", "max_output_tokens": 1500}),
+        (
+            "/v1/messages",
+            {"model": MODEL, "max_tokens": 1500,
+             "messages": [{"role": "user", "content": "Tell me a very long story."}]},
+        ),
+    ],
+)
+def test_a_client_leaving_a_stream_aborts_its_request(default_server, path, body):
+    """Both APIs' streams stop their generation when the client goes away (KV blocks freed)."""
+    with httpx.stream(
+        "POST", default_server.url + path, json={**body, "stream": True}, timeout=120.0
+    ) as response:
+        assert response.status_code == 200
+        for i, _ in enumerate(response.iter_lines()):
+            if i == 12:
+                break  # leaving the block closes the connection
+    _settle(default_server)
+    assert_idle(default_server)

@@ -146,10 +146,10 @@ class AnthropicServingMessages:
         writer = _BlockWriter()
         start = self._message(message_id, [], None, None)
         start["usage"] = self._usage(run, 0)
-        yield _event("message_start", message=start)
-        yield _event("ping")
         finish_reason, stop_reason, output_tokens = None, None, 0
         try:
+            yield _event("message_start", message=start)
+            yield _event("ping")
             async for chunk in self.chat.stream_chunks(run):
                 if chunk.usage is not None:
                     output_tokens = chunk.usage.completion_tokens
@@ -163,6 +163,8 @@ class AnthropicServingMessages:
         except Exception as e:  # the stream has begun: an error event ends it
             yield error_event(to_openai_error(e))
             return
+        finally:  # a client gone before the first chunk: abort the request all the same
+            await run.stream.aclose()
         for event in writer.close():
             yield event
         reason, sequence = _stop_reason(

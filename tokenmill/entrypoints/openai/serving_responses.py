@@ -142,11 +142,11 @@ class OpenAIServingResponses:
         conversation: list[dict[str, Any]],
     ) -> AsyncIterator[str]:
         events = _EventWriter(body)
-        yield events.emit("response.created", response=dict(body))
-        yield events.emit("response.in_progress", response=dict(body))
         finish_reason = None
         chat_usage: UsageInfo | None = None
         try:
+            yield events.emit("response.created", response=dict(body))
+            yield events.emit("response.in_progress", response=dict(body))
             async for chunk in self.chat.stream_chunks(run):
                 chat_usage = chunk.usage or chat_usage
                 for event in events.chunk(chunk):
@@ -161,6 +161,8 @@ class OpenAIServingResponses:
             body["error"] = {"code": error.code or error.err_type, "message": error.message}
             yield events.emit("response.failed", response=body)
             return
+        finally:  # a client gone before the first chunk: abort the request all the same
+            await run.stream.aclose()
         for event in events.close_item():
             yield event
         body["usage"] = out.usage(chat_usage, self._num_tokens(events.reasoning_text))
