@@ -115,6 +115,23 @@ def test_function_call_round_trip(default_server):
     assert replay.output_text == follow_up.output_text
 
 
+def test_text_format_json_schema(default_server):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    response = default_server.openai().responses.create(
+        model=MODEL,
+        input="Name a city as JSON.",
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema}},
+        max_output_tokens=30,
+        temperature=0,
+    )
+    assert set(json.loads(response.output_text)) == {"city"}
+
+
 def test_streamed_events(default_server):
     client = default_server.openai()
     with client.responses.stream(
@@ -142,11 +159,14 @@ def test_streamed_events(default_server):
         assert text == stream.get_final_response().output_text
 
 
-def test_openai_agents_sdk_calls_a_function_tool(default_server):
-    """One turn of an Agents SDK agent: the model calls the tool, the tool's output ends it."""
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_openai_agents_sdk_calls_a_function_tool(default_server, api):
+    """One turn of an Agents SDK agent, on the Responses API or on chat completions: the
+    model calls the tool, the tool's output ends it."""
     from agents import (
         Agent,
         ModelSettings,
+        OpenAIChatCompletionsModel,
         OpenAIResponsesModel,
         Runner,
         function_tool,
@@ -168,7 +188,9 @@ def test_openai_agents_sdk_calls_a_function_tool(default_server):
             name="weather",
             instructions="Use the tool.",
             tools=[get_weather],
-            model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+            model=(OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel)(
+                model=MODEL, openai_client=client
+            ),
             model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60),
             tool_use_behavior="stop_on_first_tool",
         )
