@@ -121,7 +121,7 @@ class ChoiceParser:
                 previous,
                 self._content,
                 answer,
-                [],
+                self._token_ids[: len(self._token_ids) - len(delta_ids)],
                 self._token_ids,
                 list(delta_ids),
                 self.request,
