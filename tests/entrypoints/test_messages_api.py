@@ -138,6 +138,7 @@ def test_count_tokens(default_server):
     "body,field",
     [
         ({"model": MODEL, "messages": ASK}, "max_tokens"),
+        ({"model": MODEL, "messages": ASK, "max_tokens": "5"}, "max_tokens"),
         (
             {
                 "model": MODEL,

@@ -23,9 +23,9 @@ _UNSERVED = ("container", "mcp_servers")
 
 
 class MessagesRequest(BaseModel):
-    """POST /v1/messages (Anthropic's request)."""
+    """POST /v1/messages (Anthropic's request); strict types (``"5"`` is not a number)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str
     max_tokens: int

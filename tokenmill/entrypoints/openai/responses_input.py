@@ -24,9 +24,10 @@ _UNSERVED = ("background", "conversation", "prompt", "top_logprobs", "max_tool_c
 
 
 class ResponsesRequest(BaseModel):
-    """POST /v1/responses (OpenAI's Responses API), plus vLLM's ``chat_template_kwargs``."""
+    """POST /v1/responses (OpenAI's Responses API), plus vLLM's ``chat_template_kwargs``;
+    strict types, as the chat request (``"5"`` is not a number)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
     input: str | list[dict[str, Any]]
