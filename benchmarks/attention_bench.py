@@ -47,7 +47,7 @@ from tokenmill.model.attention.triton_backend import (
     TritonAttentionImpl,
     reshape_and_cache,
 )
-from tokenmill.model.layers import fused_kernels
+from tokenmill.kernels import rotary as fused_kernels
 from tokenmill.model.layers.rotary import RotaryEmbedding
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -45,12 +45,13 @@ class _CompileOnlyDriver:
 
 driver.set_active(_CompileOnlyDriver())
 
-from tokenmill.model.attention import triton_backend, triton_decode  # noqa: E402
-from tokenmill.model.attention.backend import AttentionMetadata, DecodeRotary  # noqa: E402
-from tokenmill.model.attention.triton_launch import (  # noqa: E402
+from tokenmill.kernels.attention.launch import (  # noqa: E402
     DECODE_TILE_MANY_SPLITS_ROPE,
     DECODE_TILES_D128,
 )
+from tokenmill.kernels.attention import decode as triton_decode  # noqa: E402
+from tokenmill.model.attention import triton_backend  # noqa: E402
+from tokenmill.model.attention.backend import AttentionMetadata, DecodeRotary  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BATCH = 32, 8, 128, 16, 8
 

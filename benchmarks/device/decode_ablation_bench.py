@@ -43,11 +43,11 @@ import torch
 from triton.testing import do_bench
 
 from tokenmill import LLM, SamplingParams, envs
+from tokenmill.kernels.attention.launch import TileConfig
+from tokenmill.kernels.gemm.skinny_configs import SkinnyConfig
 from tokenmill.model.attention import triton_backend
-from tokenmill.model.attention.triton_launch import TileConfig
 from tokenmill.model.layers import fused_kernels, skinny_gemm_configs
 from tokenmill.model.layers.attention import Attention
-from tokenmill.model.layers.skinny_gemm_configs import SkinnyConfig
 from tokenmill.model.models.llama import LlamaMLP
 from tokenmill.worker.cuda_graph import CUDAGraphRunner
 

@@ -18,9 +18,9 @@ import sys
 import torch
 from triton.testing import do_bench_cudagraph
 
+from tokenmill.kernels.sampling import top_p as top_p_select
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import sampler as sampler_module
-from tokenmill.worker import top_p_select
 from tokenmill.worker.sampler import Sampler
 from tokenmill.worker.sampling_metadata import SamplingRow, build_sampling_metadata
 

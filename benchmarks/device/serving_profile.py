@@ -46,8 +46,8 @@ from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.engine_io import EngineCoreRequest
 from tokenmill.core.prefill_pacing import PrefillPacing
 from tokenmill.engine_args import EngineArgs
+from tokenmill.kernels.attention.launch import TileConfig
 from tokenmill.model.attention import triton_backend
-from tokenmill.model.attention.triton_launch import TileConfig
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -192,7 +192,8 @@ def test_large_decode_batch():
 def test_decode_tiles_of_every_wave(monkeypatch, tile, splits):
     """Each decode tile the wave rule picks at head_dim 128, on 72 decodes of varied
     contexts, whole or split in three (empty splits at the shortest contexts)."""
-    from tokenmill.model.attention import triton_backend, triton_launch
+    from tokenmill.kernels.attention import launch as triton_launch
+    from tokenmill.model.attention import triton_backend
 
     cfg = triton_launch.DECODE_TILES_D128[tile][1]
     monkeypatch.setattr(triton_backend, "decode_tile_config", lambda *args: cfg)
@@ -335,10 +336,11 @@ def test_decode_with_rope_in_the_kernel(monkeypatch, dtype, max_seq_len, tile):
     kernel's bit for bit (up to FMA contraction of the rotation: one bf16/fp16 step), and
     the output matches rotate-write-attend. Covers the write -> barrier -> read order
     inside one program."""
-    from tokenmill.model.attention import triton_backend, triton_launch
+    from tokenmill.kernels import rotary as fused_rotary
+    from tokenmill.kernels.attention import launch as triton_launch
+    from tokenmill.model.attention import triton_backend
     from tokenmill.model.attention.backend import DecodeRotary
     from tokenmill.model.attention.triton_backend import TritonAttentionImpl
-    from tokenmill.model.layers import fused_kernels
 
     if tile == "many":
         cfg = triton_launch.DECODE_TILE_MANY_SPLITS_ROPE
@@ -362,7 +364,7 @@ def test_decode_with_rope_in_the_kernel(monkeypatch, dtype, max_seq_len, tile):
     q, k = b.query.clone(), b.key.clone()
     expected_cache = b.kv_cache.clone()
     positions = (md.seq_lens - 1).long()
-    fused_kernels.rotary_and_cache(
+    fused_rotary.rotary_and_cache(
         positions, q, k, b.value, table, 128, 128, True, expected_cache, md.slot_mapping, 6
     )
     expected = impl.attend(q, expected_cache, dataclasses.replace(md))

@@ -23,7 +23,8 @@ from tests.model.triton_attention_cases import (  # first: switches the interpre
     run_triton,
     use_tiles,
 )
-from tokenmill.model.attention import triton_backend, triton_launch
+from tokenmill.kernels.attention import launch as triton_launch
+from tokenmill.model.attention import triton_backend
 from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.attention.torch_ref import TorchAttentionImpl, write_to_kv_cache
 from tokenmill.model.attention.triton_backend import (
@@ -230,7 +231,7 @@ def test_decode_splits_merge_themselves_or_in_a_reduction(monkeypatch, self_merg
     """12 splits: 10 of them hold keys of the 600-token context (more than one merge load;
     five with a merge tile of 128 elements), 1 and 3 the others'; one padding row. The
     counters are left at zero, so a repeated launch (a graph replay) merges again."""
-    from tokenmill.model.attention import triton_decode
+    from tokenmill.kernels.attention import decode as triton_decode
 
     monkeypatch.setattr(triton_launch, "MERGE_TILE_ELEMS", tile)
     monkeypatch.setenv("TOKENMILL_DECODE_SPLIT_SELF_MERGE", "1" if self_merge else "0")

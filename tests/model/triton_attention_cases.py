@@ -27,8 +27,8 @@ triton = pytest.importorskip("triton")
 
 from triton.runtime import interpreter  # noqa: E402
 
+from tokenmill.kernels.attention import prefill as kernels  # noqa: E402
 from tokenmill.model.attention import triton_backend  # noqa: E402
-from tokenmill.model.attention import triton_kernels as kernels  # noqa: E402
 from tokenmill.model.attention.backend import AttentionMetadata  # noqa: E402
 from tokenmill.model.attention.torch_ref import (  # noqa: E402
     TorchAttentionImpl,

@@ -49,8 +49,8 @@ import torch
 
 from tokenmill import envs
 from tokenmill.core.engine_io import LogprobsLists
-from tokenmill.worker import top_p_select
-from tokenmill.worker.gumbel_sampling import gumbel_argmax
+from tokenmill.kernels.sampling import top_p as top_p_select
+from tokenmill.kernels.sampling.gumbel import gumbel_argmax
 from tokenmill.worker.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")

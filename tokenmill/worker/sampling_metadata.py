@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from tokenmill import envs
+from tokenmill.kernels.sampling import gumbel as gumbel_sampling
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker import gumbel_sampling
 
 # Read once, as the other kernel switches.
 _FUSED_SAMPLER = envs.fused_sampler()

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tokenmill.kernels.sampling import top_p as top_p_select
+from tokenmill.kernels.sampling.gumbel import gumbel_argmax
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.layers.attention import bind_kv_caches, unbind_kv_caches
-from tokenmill.worker import sampler, top_p_select
+from tokenmill.worker import sampler
 from tokenmill.worker.cascade import CASCADE_MIN_DECODES, CASCADE_MIN_PREFIX_TOKENS
-from tokenmill.worker.gumbel_sampling import gumbel_argmax
 from tokenmill.worker.sampling_metadata import SamplingMetadata, uses_fused_sampler
 
 if TYPE_CHECKING:

@@ -82,16 +82,12 @@ from __future__ import annotations
 import torch
 
 from tokenmill import envs
-from tokenmill.model.attention import triton_decode
-from tokenmill.model.attention import triton_kernels as kernels
-from tokenmill.model.attention.backend import (
-    AttentionBackend,
-    AttentionImpl,
-    AttentionMetadata,
-    DecodeRotary,
-)
-from tokenmill.model.attention.triton_cache_write import reshape_and_cache
-from tokenmill.model.attention.triton_launch import (  # noqa: F401 (patched and read here)
+from tokenmill.kernels import pdl
+from tokenmill.kernels.attention import decode as triton_decode
+from tokenmill.kernels.attention import prefill as kernels
+from tokenmill.kernels.attention.batch_split import Launches, StepPlan, step_plan
+from tokenmill.kernels.attention.cache_write import reshape_and_cache
+from tokenmill.kernels.attention.launch import (  # noqa: F401 (patched and read here)
     DEFAULT_NUM_SMS,
     MAX_SPLITS,
     MERGE_COUNTER_SLOTS,
@@ -107,11 +103,15 @@ from tokenmill.model.attention.triton_launch import (  # noqa: F401 (patched and
     num_varlen_splits,
     varlen_tile_config,
 )
-from tokenmill.model.attention.triton_step_plan import Launches, StepPlan, step_plan
-from tokenmill.model.host_ints import cdiv, next_power_of_2
-from tokenmill.model.layers import pdl
-from tokenmill.model.layers.device_counters import DeviceCounters
-from tokenmill.model.layers.fused_kernels import rotary_half
+from tokenmill.kernels.device import DeviceCounters
+from tokenmill.kernels.rotary import rotary_half
+from tokenmill.math_utils import cdiv, next_power_of_2
+from tokenmill.model.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    DecodeRotary,
+)
 
 
 def _pow2(n: int, minimum: int = 1) -> int:

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from tokenmill import envs
+from tokenmill.kernels.rotary import rotary_and_cache
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata, DecodeRotary
-from tokenmill.model.layers import fused_kernels
 from tokenmill.model.layers.rotary import RotaryEmbedding
 
 
@@ -24,7 +24,7 @@ class Attention(nn.Module):
     A layer given its model's rotary embedding applies it to ``q`` and ``k`` itself, from
     ``positions`` (``[T]`` int): where the rotation runs fused (CUDA, a power-of-two half
     rotary dimension, ``TOKENMILL_FUSED_ROPE_CACHE`` not 0) the rotation and the KV-cache
-    write are one kernel (``fused_kernels.rotary_and_cache``), one launch and one pass over
+    write are one kernel (``kernels.rotary.rotary_and_cache``), one launch and one pass over
     the keys less per layer; elsewhere the torch rotation, then the backend's write. Without
     one, ``q`` and ``k`` arrive rotated (or need no rotation).
 
@@ -123,7 +123,7 @@ class Attention(nn.Module):
             if positions is None:
                 raise ValueError(f"layer {self.layer_idx} applies RoPE and needs positions")
             if self.fuse_rope_cache and rope.runs_fused(query):
-                fused_kernels.rotary_and_cache(
+                rotary_and_cache(
                     positions, query, key, value, rope.cos_sin_cache, rope.head_dim,
                     rope.rotary_dim, rope.is_neox_style, self._cache(), slot_mapping, num_tokens,
                 )  # fmt: skip

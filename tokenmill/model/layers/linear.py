@@ -18,7 +18,7 @@ from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from tokenmill.model.layers import skinny_gemm
+from tokenmill.kernels.gemm import skinny as skinny_gemm
 
 # Read once: the choice must not change between CUDA-graph capture and eager steps.
 _SKINNY_GEMM = envs.skinny_gemm()

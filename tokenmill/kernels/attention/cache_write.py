@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.model.host_ints import next_power_of_2
+from tokenmill.math_utils import next_power_of_2
 
 
 @triton.jit

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.model.host_ints import cdiv, next_power_of_2
+from tokenmill.math_utils import cdiv, next_power_of_2
 
 triton = pytest.importorskip("triton")
 

@@ -26,11 +26,10 @@ around it. NaN logits never win (``torch.argmax`` would pick them).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from tokenmill.model.host_ints import row_slices
+from tokenmill.kernels.device import triton_can_run
+from tokenmill.math_utils import row_slices
 
 try:
     import triton
@@ -77,7 +76,7 @@ def gumbel_argmax(
     """
     if not HAS_TRITON:
         raise ValueError("gumbel_argmax needs Triton")
-    if not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_can_run(logits):
         raise ValueError("gumbel_argmax runs on CUDA tensors (or under TRITON_INTERPRET=1)")
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [B, V] and contiguous along V, got {tuple(logits.shape)}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tokenmill.model.attention.triton_kernels import (
+from tokenmill.kernels.attention.common import (
     M_INIT,
     SPLIT_RUNTIME_INTS,
     attend_tiles,
@@ -21,8 +21,8 @@ from tokenmill.model.attention.triton_kernels import (
     tile_rows,
     tile_scores,
 )
-from tokenmill.model.layers.fused_kernels import rotary_pairs
-from tokenmill.model.layers.pdl import allow_next_grid, wait_for_prior_results
+from tokenmill.kernels.pdl import allow_next_grid, wait_for_prior_results
+from tokenmill.kernels.rotary import rotary_pairs
 
 
 @triton.jit

@@ -1,73 +1,23 @@
-"""Fused element-wise Triton kernels for the CUDA path: RMSNorm with the residual add,
-SiLU-and-mul, rotary embedding applied in place, and rotary embedding fused with the
-KV-cache write.
+"""Rotary embedding (RoPE, Su et al. 2021) in Triton: applied in place, or fused with the
+KV-cache write; ``rotary_pairs`` is shared with the decode attention kernel.
 
-Unfused, each of these is several torch kernels that read and write the activations again
-(the rotary embedding alone is ~10 passes over q and k in float32); fused, each is one pass.
-The torch implementations in norm.py, activation.py and rotary.py stay the CPU path and
-the reference these kernels are tested against.
+Unfused, the rotation is ~10 torch passes over q and k in float32; here it is one. The
+torch code of ``model/layers/rotary.py`` is the CPU path and these kernels' reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tokenmill.model.host_ints import cdiv, next_power_of_2
-from tokenmill.model.layers import pdl
+from tokenmill.kernels import pdl
+from tokenmill.kernels.device import HAS_TRITON
+from tokenmill.math_utils import next_power_of_2
 
-try:
+if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from tokenmill.model.layers.pdl import wait_for_prior_grid
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs
-    HAS_TRITON = False
-
-
-def use_fused(x: torch.Tensor) -> bool:
-    """Fused kernels run on CUDA tensors when Triton is available."""
-    return HAS_TRITON and x.is_cuda
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _rms_norm_kernel(
-        x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-        n_cols, x_stride, res_stride, out_stride, eps, offset,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-    ):
-        wait_for_prior_grid(USE_PDL)
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(residual_ptr + row * res_stride + cols, mask=mask, other=0.0)
-            x = x + r.to(tl.float32)
-            # The new residual is stored in the activations' dtype, as the torch path does.
-            tl.store(residual_out_ptr + row * res_stride + cols,
-                     x.to(residual_out_ptr.dtype.element_ty), mask=mask)
-            x = x.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
-        var = tl.sum(x * x, axis=0) / n_cols
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
-        y = x * tl.rsqrt(var + eps) * w
-        tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _silu_and_mul_kernel(
-        x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
-    ):
-        wait_for_prior_grid(USE_PDL)
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < d
-        gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    from tokenmill.kernels.pdl import wait_for_prior_grid
 
     @triton.jit
     def _rotate_heads(
@@ -190,47 +140,6 @@ def rotary_half(rotary_dim: int) -> int:
     if half < 1 or half & (half - 1):
         raise ValueError(f"fused rotary needs a power-of-two rotary_dim/2, got {half}")
     return half
-
-
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    residual: torch.Tensor | None = None,
-    offset: float = 0.0,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Fused ``RMSNorm(x + residual)``; see ``RMSNorm``. Shapes ``[T, H]``, rows contiguous.
-
-    Returns ``normed`` or ``(normed, x + residual)``; the inputs are not modified.
-    """
-    x2 = x.reshape(-1, x.shape[-1])
-    n_rows, n_cols = x2.shape
-    out = torch.empty_like(x2)
-    res_out = torch.empty_like(x2) if residual is not None else out
-    res = residual.reshape(-1, n_cols) if residual is not None else x2
-    if n_rows:
-        _rms_norm_kernel[(n_rows,)](
-            x2, res, weight, out, res_out, n_cols, x2.stride(0), res.stride(0), out.stride(0),
-            eps, offset, HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(n_cols),
-            num_warps=min(16, max(1, next_power_of_2(n_cols) // 256)),
-            **pdl.launch_options(x.device),
-        )  # fmt: skip
-    if residual is None:
-        return out.view_as(x)
-    return out.view_as(x), res_out.view_as(x)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Fused SwiGLU gate: ``[T, 2d] -> [T, d]``."""
-    x2 = x.reshape(-1, x.shape[-1])
-    d = x2.shape[-1] // 2
-    out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
-    block = 1024
-    if x2.shape[0]:
-        _silu_and_mul_kernel[(x2.shape[0], cdiv(d, block))](
-            x2, out, d, x2.stride(0), out.stride(0), BLOCK=block, **pdl.launch_options(x.device)
-        )
-    return out.view(*x.shape[:-1], d)
 
 
 def rotary_inplace(

@@ -56,15 +56,12 @@ not run concurrently: keep skinny products of one device on one stream at a time
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
-from tokenmill.model.host_ints import cdiv
-from tokenmill.model.layers.device_counters import DeviceCounters
-from tokenmill.model.layers.pdl import supported as supports_pdl
-from tokenmill.model.layers.skinny_gemm_configs import (  # noqa: F401 (re-exported)
+from tokenmill.kernels.device import DeviceCounters, triton_can_run
+from tokenmill.kernels.gemm.skinny_configs import (  # noqa: F401 (re-exported)
     DEFAULT_NUM_SMS,
     FMA_DEFAULT_MAX_M,
     FMA_MAX_M,
@@ -83,6 +80,8 @@ from tokenmill.model.layers.skinny_gemm_configs import (  # noqa: F401 (re-expor
     num_sms,
     split_plan,
 )
+from tokenmill.kernels.pdl import supported as supports_pdl
+from tokenmill.math_utils import cdiv
 
 try:
     import triton
@@ -245,7 +244,7 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     devices = {t.device for t in (x, weight, bias) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"operands on several devices: {sorted(map(str, devices))}")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_can_run(x):
         raise ValueError("skinny_linear runs on CUDA tensors (or under TRITON_INTERPRET=1)")
 
 

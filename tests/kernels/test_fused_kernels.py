@@ -9,7 +9,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from tokenmill.model.layers import fused_kernels  # noqa: E402
+from tokenmill.kernels import activation, rotary  # noqa: E402
+from tokenmill.kernels import norm as norm_kernels  # noqa: E402
 from tokenmill.model.layers.activation import SiluAndMul  # noqa: E402
 from tokenmill.model.layers.norm import RMSNorm  # noqa: E402
 from tokenmill.model.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -31,7 +32,7 @@ def test_rms_norm(residual, offset):
     x = torch.randn(7, 96)
     r = torch.randn(7, 96) if residual else None
     ref = norm(x, r) if residual else norm(x)
-    got = fused_kernels.rms_norm(
+    got = norm_kernels.rms_norm(
         x.to(DEV), norm.weight.to(DEV), 1e-5, r.to(DEV) if residual else None, offset
     )
     got = tuple(g.cpu() for g in got) if residual else got.cpu()
@@ -45,7 +46,7 @@ def test_rms_norm(residual, offset):
 def test_silu_and_mul():
     torch.manual_seed(0)
     x = torch.randn(5, 2 * 1100)
-    got = fused_kernels.silu_and_mul(x.to(DEV)).cpu()
+    got = activation.silu_and_mul(x.to(DEV)).cpu()
     torch.testing.assert_close(got, SiluAndMul()(x), rtol=1e-5, atol=1e-6)
 
 
@@ -63,7 +64,7 @@ def test_rotary_inplace(neox, rotary_dim, heads):
     ref_q, ref_k = rope(pos, q.clone(), k.clone())
     qkv_dev = qkv.to(DEV)
     q, k, v_dev = qkv_dev.split(sizes, dim=-1)
-    fused_kernels.rotary_inplace(
+    rotary.rotary_inplace(
         pos.to(DEV), q, k, rope.cos_sin_cache.to(DEV), 32, rotary_dim, neox
     )
     torch.testing.assert_close(q.cpu(), ref_q, rtol=1e-5, atol=1e-5)
@@ -98,7 +99,7 @@ def test_rotary_and_cache(neox, rotary_dim, heads):
             ref_cache[1, b, o] = v[i].view(num_k, d)
     qkv_dev = qkv.to(DEV)
     q_dev, k_dev, v_dev = qkv_dev.split(sizes, dim=-1)
-    fused_kernels.rotary_and_cache(
+    rotary.rotary_and_cache(
         pos.to(DEV), q_dev, k_dev, v_dev, rope.cos_sin_cache.to(DEV), d, rotary_dim, neox,
         cache, slots.to(DEV), num_tokens,
     )  # fmt: skip
@@ -111,7 +112,7 @@ def test_rotary_and_cache_bf16_matches_the_two_kernels():
     """In bf16 the fused write rounds the rotated key as the unfused pair does (to the key's
     dtype, then the cache's); the compiler may contract the products into FMAs differently,
     so keys may differ in their last bit."""
-    from tokenmill.model.attention.triton_cache_write import reshape_and_cache
+    from tokenmill.kernels.attention.cache_write import reshape_and_cache
 
     torch.manual_seed(1)
     d, num_q, num_k, block_size = 64, 8, 2, 16
@@ -123,11 +124,11 @@ def test_rotary_and_cache_bf16_matches_the_two_kernels():
     caches = [torch.zeros(2, 4, block_size, num_k, d, dtype=torch.bfloat16, device=DEV)]
     caches.append(caches[0].clone())
     q1, k1, v1 = qkv.clone().split([num_q * d, num_k * d, num_k * d], dim=-1)
-    fused_kernels.rotary_and_cache(
+    rotary.rotary_and_cache(
         pos.to(DEV), q1, k1, v1, table, d, d, True, caches[0], slots.to(DEV), 20
     )
     q2, k2, v2 = qkv.clone().split([num_q * d, num_k * d, num_k * d], dim=-1)
-    fused_kernels.rotary_inplace(pos.to(DEV), q2, k2, table, d, d, True)
+    rotary.rotary_inplace(pos.to(DEV), q2, k2, table, d, d, True)
     reshape_and_cache(k2, v2, caches[1], slots.to(DEV), 20)
     assert torch.equal(q1, q2)
     torch.testing.assert_close(caches[0], caches[1], rtol=2**-7, atol=2**-7)
@@ -136,7 +137,7 @@ def test_rotary_and_cache_bf16_matches_the_two_kernels():
 def test_dependent_launches_stay_off_where_they_cannot_run(monkeypatch):
     """CPU tensors (and Triton's interpreter) never get grid dependency control, whatever
     TOKENMILL_PDL says; the kernels then take USE_PDL=False."""
-    from tokenmill.model.layers import pdl
+    from tokenmill.kernels import pdl
 
     monkeypatch.setattr(pdl, "_ENABLED", True)
     assert not pdl.enabled(torch.device("cpu"))
@@ -146,7 +147,7 @@ def test_dependent_launches_stay_off_where_they_cannot_run(monkeypatch):
 def test_dependent_launches_are_never_asked_of_rocm(monkeypatch):
     """A ROCm device is ``cuda`` to torch and an MI300 reports capability (9, 4); Triton's
     grid dependency control exists only for NVIDIA GPUs."""
-    from tokenmill.model.layers import pdl
+    from tokenmill.kernels import pdl
 
     monkeypatch.setattr(pdl, "_capability_major", lambda index: 9)
     monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from tokenmill.model.layers import skinny_gemm as sg  # noqa: E402
-from tokenmill.model.layers.skinny_gemm import SkinnyConfig, skinny_linear  # noqa: E402
+from tokenmill.kernels.gemm import skinny as sg  # noqa: E402
+from tokenmill.kernels.gemm.skinny import SkinnyConfig, skinny_linear  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.kernels.attention.launch import UNIFORM_MAX_PREFILLS
 from tokenmill.model.attention.backend import AttentionMetadata
-from tokenmill.model.attention.triton_launch import UNIFORM_MAX_PREFILLS
 
 
 @dataclass

@@ -32,11 +32,10 @@ rounding of ``p`` may land on the other side.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from tokenmill.model.host_ints import row_slices
+from tokenmill.kernels.device import triton_can_run
+from tokenmill.math_utils import row_slices
 
 try:
     import triton
@@ -90,7 +89,7 @@ def top_p_threshold(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
                          f"{tuple(logits.shape)} {logits.dtype}")  # fmt: skip
     if top_p.shape != (logits.shape[0],) or top_p.dtype != torch.float32:
         raise ValueError(f"top_p must be [{logits.shape[0]}] float32")
-    if not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_can_run(logits):
         raise ValueError("top_p_threshold runs on CUDA tensors (or under TRITON_INTERPRET=1)")
     rows, vocab = logits.shape
     device = logits.device

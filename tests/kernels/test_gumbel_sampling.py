@@ -13,9 +13,9 @@ from scipy import stats
 
 pytest.importorskip("triton")
 
+from tokenmill.kernels.sampling import gumbel as gumbel_sampling  # noqa: E402
+from tokenmill.kernels.sampling.gumbel import chunk_plan, gumbel_argmax  # noqa: E402
 from tokenmill.sampling_params import SamplingParams  # noqa: E402
-from tokenmill.worker import gumbel_sampling  # noqa: E402
-from tokenmill.worker.gumbel_sampling import chunk_plan, gumbel_argmax  # noqa: E402
 from tokenmill.worker.sampler import Sampler  # noqa: E402
 from tokenmill.worker.sampling_metadata import (  # noqa: E402
     SamplingRow,

@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("triton")
 
+from tokenmill.kernels.sampling import top_p as top_p_select  # noqa: E402
+from tokenmill.kernels.sampling.top_p import chunk_plan, top_p_threshold  # noqa: E402
 from tokenmill.worker import sampler as sampler_module  # noqa: E402
-from tokenmill.worker import top_p_select  # noqa: E402
 from tokenmill.worker.sampler import Sampler, apply_top_k_top_p  # noqa: E402
 from tokenmill.worker.sampling_metadata import SamplingMetadata  # noqa: E402
-from tokenmill.worker.top_p_select import chunk_plan, top_p_threshold  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

@@ -1,9 +1,9 @@
-"""Integer helpers for sizing kernel launches on the host.
+"""Integer helpers: block counts, powers of two, launch grids (plain Python, no torch).
 
-``triton.cdiv`` and ``triton.next_power_of_2`` are Triton "constexpr functions": each call
-unwraps its arguments through Triton's machinery, ~2.6 us in Triton 3.6 against ~0.03 us
-for the plain expression. Attention computes several per layer and step while the GPU waits
-for the launches, so host code uses these instead (kernels keep ``tl.cdiv``).
+Kernel launchers use these rather than ``triton.cdiv`` and ``triton.next_power_of_2``,
+Triton "constexpr functions" whose every call unwraps its arguments through Triton's
+machinery (~2.6 us against ~0.03 us for the plain expression, several per layer and step
+while the GPU waits for the launches); kernels keep ``tl.cdiv``.
 """
 
 from __future__ import annotations

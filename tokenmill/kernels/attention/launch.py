@@ -13,11 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill import envs
-from tokenmill.model.host_ints import cdiv
-
-# Re-exported: triton_backend reads both from here.
-from tokenmill.model.layers.sm_count import DEFAULT_NUM_SMS
-from tokenmill.model.layers.sm_count import num_sms as device_num_sms  # noqa: F401
+from tokenmill.kernels.device import DEFAULT_NUM_SMS
+from tokenmill.kernels.device import num_sms as device_num_sms  # noqa: F401 (re-exported)
+from tokenmill.math_utils import cdiv
 
 # Decode split heuristics: aim for this many resident programs per SM, never give a split
 # fewer than MIN_SPLIT_TOKENS keys, and cap the reduction's width.

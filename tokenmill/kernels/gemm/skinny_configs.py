@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.model.host_ints import cdiv
-from tokenmill.model.layers.sm_count import DEFAULT_NUM_SMS, num_sms  # noqa: F401 (re-exported)
+from tokenmill.kernels.device import DEFAULT_NUM_SMS, num_sms  # noqa: F401 (re-exported)
+from tokenmill.math_utils import cdiv
 
 # Rows the CUDA-core main loop can take (one register accumulator per row; more would
 # spill), and up to which the default configuration uses it: from 3 rows the accumulators

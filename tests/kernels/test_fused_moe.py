@@ -1,6 +1,6 @@
 """MoE routing and expert computation: the torch path against a per-token loop, the Triton
-grouped-GEMM kernel against the torch path (Triton's interpreter on CPU), the token-by-expert
-alignment, and loading per-expert tensors into the stacked weights."""
+grouped-GEMM kernel against the torch path (Triton's interpreter on CPU), and the
+token-by-expert alignment."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.layers.fused_moe import (
-    FusedMoE,
+from tokenmill.kernels.moe.fused_moe import (
     align_tokens_by_expert,
     fused_experts_torch,
     select_experts,
@@ -117,7 +116,7 @@ SMALL_TILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, n
 )
 def test_triton_kernel_equals_torch_path(tokens, hidden, inter, experts, top_k, config):
     pytest.importorskip("triton")
-    from tokenmill.model.layers.fused_moe import fused_experts_triton
+    from tokenmill.kernels.moe.fused_moe import fused_experts_triton
 
     x, w13, w2, weights, ids = _problem(tokens, hidden, inter, experts, top_k, seed=tokens)
     expected = fused_experts_torch(x, w13, w2, weights, ids)
@@ -131,7 +130,7 @@ def test_triton_kernel_equals_torch_path(tokens, hidden, inter, experts, top_k, 
 def test_triton_kernel_with_the_gpu_tile_configs(slots_per_expert):
     """The bf16 tile shapes (large tiles, masked edges) computed in float32."""
     pytest.importorskip("triton")
-    from tokenmill.model.layers.fused_moe import fused_experts_triton, moe_tile_config
+    from tokenmill.kernels.moe.fused_moe import fused_experts_triton, moe_tile_config
 
     config = moe_tile_config(slots_per_expert * 4, 4, torch.bfloat16)
     x, w13, w2, weights, ids = _problem(19, 48, 80, 4, 2, seed=3)
@@ -144,47 +143,10 @@ def test_triton_kernel_with_the_gpu_tile_configs(slots_per_expert):
 @needs_triton
 def test_triton_kernel_with_no_tokens():
     pytest.importorskip("triton")
-    from tokenmill.model.layers.fused_moe import fused_experts_triton
+    from tokenmill.kernels.moe.fused_moe import fused_experts_triton
 
     x, w13, w2, weights, ids = _problem(0, 32, 48, 4, 2)
     assert fused_experts_triton(x, w13, w2, weights, ids).shape == (0, 32)
 
 
 # ---- the layer and its weight loading -------------------------------------------------------
-
-
-def test_fused_moe_loads_per_expert_tensors_and_runs():
-    torch.manual_seed(0)
-    experts, hidden, inter = 4, 16, 24
-    moe = FusedMoE(experts, 2, hidden, inter, renormalize=True)
-    w1 = torch.randn(experts, inter, hidden)
-    w3 = torch.randn(experts, inter, hidden)
-    w2 = torch.randn(experts, hidden, inter)
-    for e in range(experts):
-        moe.w13.weight.weight_loader(moe.w13.weight, w1[e], (e, "gate"))
-        moe.w13.weight.weight_loader(moe.w13.weight, w3[e], (e, "up"))
-        moe.w2.weight.weight_loader(moe.w2.weight, w2[e], (e, "down"))
-    assert torch.equal(moe.w13.weight, torch.cat([w1, w3], dim=1))
-    assert torch.equal(moe.w2.weight, w2)
-    x, logits = torch.randn(5, hidden), torch.randn(5, experts)
-    weights, ids = select_experts(logits, 2, True)
-    torch.testing.assert_close(moe(x, logits), fused_experts_torch(x, moe.w13.weight, w2,
-                                                                   weights, ids))
-
-
-def test_fused_moe_rejects_bad_shards():
-    moe = FusedMoE(4, 2, 16, 24, renormalize=True)
-    loader = moe.w13.weight.weight_loader
-    with pytest.raises(ValueError, match="expert id 4"):
-        loader(moe.w13.weight, torch.zeros(24, 16), (4, "gate"))
-    with pytest.raises(ValueError, match="shard id"):
-        loader(moe.w13.weight, torch.zeros(24, 16), None)
-    with pytest.raises(ValueError, match="shape"):
-        loader(moe.w13.weight, torch.zeros(48, 16), (0, "up"))
-
-
-def test_expert_params_mapping_names():
-    mapping = FusedMoE.expert_params_mapping(2, "w1", "w3", "w2")
-    assert ("experts.w13", "experts.1.w3", (1, "up")) in mapping
-    assert ("experts.w2", "experts.0.w2", (0, "down")) in mapping
-    assert len(mapping) == 6
