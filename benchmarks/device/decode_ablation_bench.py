@@ -43,10 +43,13 @@ import torch
 from triton.testing import do_bench
 
 from tokenmill import LLM, SamplingParams, envs
+from tokenmill.kernels.attention import paged
 from tokenmill.kernels.attention.launch import TileConfig
+from tokenmill.kernels.gemm import skinny_configs as skinny_gemm_configs
 from tokenmill.kernels.gemm.skinny_configs import SkinnyConfig
-from tokenmill.model.attention import triton_backend
-from tokenmill.model.layers import fused_kernels, skinny_gemm_configs
+from tokenmill.model.layers import activation as activation_layer
+from tokenmill.model.layers import attention as attention_layer
+from tokenmill.model.layers import norm as norm_layer
 from tokenmill.model.layers.attention import Attention
 from tokenmill.model.models.llama import LlamaMLP
 from tokenmill.worker.cuda_graph import CUDAGraphRunner
@@ -78,7 +81,7 @@ def _no_attend(self, query, metadata, out=None):
     return query
 
 
-_decode_launches = triton_backend.TritonAttentionImpl._decode_launches
+_decode_launches = paged.PagedAttention._decode_launches
 
 
 def _no_reduce(self, *args, **kwargs):
@@ -88,11 +91,11 @@ def _no_reduce(self, *args, **kwargs):
 
 
 PATCHES: dict[str, list[tuple[object, str, object]]] = {
-    "norm": [(fused_kernels, "rms_norm", _no_norm)],
-    "act": [(fused_kernels, "silu_and_mul", _no_act)],
-    "rope": [(fused_kernels, "rotary_and_cache", _no_rope)],
+    "norm": [(norm_layer, "rms_norm", _no_norm)],
+    "act": [(activation_layer, "silu_and_mul", _no_act)],
+    "rope": [(attention_layer, "rotary_and_cache", _no_rope)],
     "attn": [(Attention, "attend", _no_attend)],
-    "reduce": [(triton_backend.TritonAttentionImpl, "_decode_launches", _no_reduce)],
+    "reduce": [(paged.PagedAttention, "_decode_launches", _no_reduce)],
 }
 
 
@@ -100,7 +103,7 @@ def sweep_variants() -> list:
     """The ``--sweep`` variants, RoPE in the decode kernel as the engine runs it: decode key
     tiles and split caps. (The products' tiles: ``one_tile_variants``.)"""
     variants: list = [("full", [], None, True, []), ("full_again", [], None, True, [])]
-    tiles, splits = triton_backend.decode_tile_config, triton_backend.num_decode_splits
+    tiles, splits = paged.decode_tile_config, paged.num_decode_splits
     for block_n, cap in [(32, 64), (16, 64), (64, 4), (32, 8), (16, 16), (32, 4), (16, 8)]:
 
         def tile(*args, block_n=block_n, **kwargs):
@@ -110,8 +113,8 @@ def sweep_variants() -> list:
         def split_count(*args, cap=cap, **kwargs):
             return min(cap, splits(*args, **kwargs))
 
-        patch = [(triton_backend, "decode_tile_config", tile),
-                 (triton_backend, "num_decode_splits", split_count)]  # fmt: skip
+        patch = [(paged, "decode_tile_config", tile),
+                 (paged, "num_decode_splits", split_count)]  # fmt: skip
         variants.append((f"decode {block_n} keys, <= {cap} splits", [], None, True, patch))
     return variants
 
@@ -119,7 +122,7 @@ def sweep_variants() -> list:
 def fixed_decode_tile(block_n: int, warps: int, stages: int) -> tuple[object, str, object]:
     """A patch that gives every decode launch this tile (16 query rows)."""
     cfg = TileConfig(16, block_n, warps, stages)
-    return (triton_backend, "decode_tile_config", lambda *args, **kwargs: cfg)
+    return (paged, "decode_tile_config", lambda *args, **kwargs: cfg)
 
 
 def whole_context_variants() -> list:
@@ -128,7 +131,7 @@ def whole_context_variants() -> list:
     with wide tiles, among them one 256-key tile that a program loads whole before it waits
     (``benchmarks/trials/decode_whole_context_tile.patch``); the graph of the full context
     with 32-key tiles for comparison."""
-    splits = triton_backend.num_decode_splits
+    splits = paged.num_decode_splits
     variants: list = [
         ("full", [], None, True, []),
         ("full_again", [], None, True, []),
@@ -144,7 +147,7 @@ def whole_context_variants() -> list:
             return cap if short else min(cap, splits(*args, **kwargs))
 
         patch = [fixed_decode_tile(block_n, warps, stages),
-                 (triton_backend, "num_decode_splits", split_count)]  # fmt: skip
+                 (paged, "num_decode_splits", split_count)]  # fmt: skip
         graph = "short graph" if max_seq_len else "full graph"
         name = f"{graph}, {block_n} keys {warps} warps, {cap} splits"
         variants.append((name, [], max_seq_len, True, patch))

@@ -37,7 +37,7 @@ import time
 import torch
 
 from tokenmill import LLM
-from tokenmill.model.attention import triton_backend
+from tokenmill.kernels.attention import paged
 from tokenmill.model.attention.backend import AttentionMetadata
 
 # (decodes, decode context, prompt chunk tokens, cached tokens before the chunk[, prefix
@@ -205,12 +205,12 @@ def main() -> None:
                 print(line, flush=True)
                 continue
             # The same with the prompt kernel's keys never split (its one-split path).
-            split_rule = triton_backend.num_varlen_splits
-            triton_backend.num_varlen_splits = lambda *args: 1
+            split_rule = paged.num_varlen_splits
+            paged.num_varlen_splits = lambda *args: 1
             try:
                 line += "; one key split:" + piecewise_timing(runner, pieces, ids, pos, md)
             finally:
-                triton_backend.num_varlen_splits = split_rule
+                paged.num_varlen_splits = split_rule
         print(line, flush=True)
     if serving:
         for case in SERVING_CASES:

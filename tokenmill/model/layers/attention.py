@@ -64,7 +64,7 @@ class Attention(nn.Module):
         self.rope_in_decode = (
             self.fuse_rope_cache
             and envs.rope_in_decode_attention()
-            and hasattr(self.impl, "attend_decode_rotary")
+            and backend.supports_decode_rotary
         )
         self.kv_cache: torch.Tensor | None = None
 
