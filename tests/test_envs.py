@@ -46,11 +46,6 @@ def test_omp_num_threads_is_honoured(cores, monkeypatch):
 @pytest.mark.parametrize(
     ("variable", "read", "value", "expected"),
     [
-        ("TOKENMILL_PDL", envs.pdl, None, True),  # on by default
-        ("TOKENMILL_PDL", envs.pdl, "", True),
-        ("TOKENMILL_PDL", envs.pdl, "1", True),
-        ("TOKENMILL_PDL", envs.pdl, "0", False),
-        ("TOKENMILL_PDL", envs.pdl, "off", False),
         ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, None, True),  # on by default
         ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "0", False),
         ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "false", False),

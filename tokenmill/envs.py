@@ -98,13 +98,6 @@ def skinny_gemm() -> str:
     raise ValueError(f"TOKENMILL_SKINNY_GEMM must be auto, 0 or 1, got {value!r}")
 
 
-def pdl() -> bool:
-    """TOKENMILL_PDL=0: launch the step's normalisation, activation, rotary/KV-write and
-    decode-attention Triton kernels as ordinary launches instead of programmatic dependent
-    launches on sm_90+ (``model/layers/pdl.py``; on by default, off to compare)."""
-    return os.environ.get("TOKENMILL_PDL", "").strip().lower() not in _OFF
-
-
 def fused_sampler() -> bool:
     """TOKENMILL_FUSED_SAMPLER=0: sample on CUDA through the torch route (shift, scale,
     noise, argmax as separate kernels over float32 copies) instead of the fused Gumbel-max

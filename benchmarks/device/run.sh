@@ -23,8 +23,6 @@
 #              gputests_trials the GPU tests of both switches and the decode kernel;
 #              gputests_decode the attention kernels' GPU tests and the engine's decode,
 #              graph and prefix tests
-#   lat1_nopdl lat1 with TOKENMILL_PDL=0 (the norm, activation, rotary/KV-write and
-#              decode-attention kernels as ordinary launches, not dependent ones)
 #   gputests_skinny  the skinny GEMM's tests on CUDA (but the long Llama-shape sweep;
 #              gputests_skinny_full with it)
 #   base_lat1 base_lat32  the same on the tree in .carry/base (a base commit's git archive of
@@ -279,7 +277,6 @@ run_stage() {  # run_stage NAME: one stage of the list below
     lat1_both) TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 TOKENMILL_SHORT_DECODE_GRAPHS=1 stage lat1_both 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_both.json"; addjson lat1_both "$LOGS/lat1_both.json" ;;
     gputests_decode) PYTHONPATH="$XGP" stage gputests_decode 240 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -k "attention_gpu or decode or cuda_graphs_equal or short_context or cascade or prefix" -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_trials) PYTHONPATH="$XGP" stage gputests_trials 300 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/gpu/test_triton_attention_gpu.py -k "short_context or rope_in_decode or decode" -p no:cacheprovider --timeout 200 ;;
-    lat1_nopdl) TOKENMILL_PDL=0 stage lat1_nopdl 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 6 --output-json "$LOGS/lat1_nopdl.json"; addjson lat1_nopdl "$LOGS/lat1_nopdl.json" ;;
     gputests_skinny_full) stage gputests_skinny_full 200 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/model/test_skinny_gemm.py -p no:cacheprovider --timeout 150 ;;
     gputests_skinny) PYTHONPATH="$XGP" stage gputests_skinny 200 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/model/test_skinny_gemm.py -p no:cacheprovider --timeout 150 -k "not test_llama_shapes_bf16" ;;
     lat1_nofuse) TOKENMILL_FUSED_ROPE_CACHE=0 stage lat1_nofuse 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_nofuse.json"; addjson lat1_nofuse "$LOGS/lat1_nofuse.json" ;;

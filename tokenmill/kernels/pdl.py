@@ -17,9 +17,7 @@ request reads KV that the same step writes turns that off). Kernels launched wit
 (cuBLAS, torch) simply start after their predecessor, as always.
 
 The normalisation, activation, rotary/KV-write and decode-attention kernels launch this
-way by default (batch-1 decode of Llama-3.1-8B on an H200: 4.18 against 4.34 ms per token,
-benchmarks/RESULTS.md); ``TOKENMILL_PDL=0`` turns it off to compare. The skinny GEMM's own
-dependent launches are on regardless, see ``skinny_gemm.py``.
+way wherever the device supports it, as the skinny GEMM does (``gemm/skinny.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +26,6 @@ import functools
 
 import torch
 
-from tokenmill import envs
-
 try:
     import triton
     import triton.language as tl
@@ -37,9 +33,6 @@ try:
     HAS_TRITON = True
 except ImportError:  # CPU-only installs
     HAS_TRITON = False
-
-# Read once: graphs captured at start must match the eager steps.
-_ENABLED = envs.pdl()
 
 
 @functools.cache
@@ -57,16 +50,10 @@ def supported(device: torch.device) -> bool:
     return _capability_major(index) >= 9
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether the step's small kernels on ``device`` launch as dependent launches:
-    where ``supported``, unless ``TOKENMILL_PDL=0``."""
-    return _ENABLED and supported(device)
-
-
 def launch_options(device: torch.device) -> dict[str, bool]:
     """Keyword arguments for a Triton launch on ``device``: the kernel's ``USE_PDL``
-    constexpr and, when on, Triton's ``launch_pdl`` launch option."""
-    if enabled(device):
+    constexpr and, where ``supported``, Triton's ``launch_pdl`` launch option."""
+    if supported(device):
         return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
 
