@@ -98,13 +98,6 @@ def skinny_gemm() -> str:
     raise ValueError(f"TOKENMILL_SKINNY_GEMM must be auto, 0 or 1, got {value!r}")
 
 
-def fused_sampler() -> bool:
-    """TOKENMILL_FUSED_SAMPLER=0: sample on CUDA through the torch route (shift, scale,
-    noise, argmax as separate kernels over float32 copies) instead of the fused Gumbel-max
-    kernel (``worker/gumbel_sampling.py``; on by default, off to compare)."""
-    return os.environ.get("TOKENMILL_FUSED_SAMPLER", "1") not in ("", "0")
-
-
 def sampled_copy_stream() -> bool:
     """TOKENMILL_SAMPLED_COPY_STREAM=0: copy each async step's sampled tokens to the host on
     the compute stream instead of a side stream (on by default: the next step's work then

@@ -31,12 +31,12 @@ Order of operations:
    ``step_seed(seed, num_output_tokens)``; other rows share torch's default generator.
 6. Logprobs for the rows that asked (see ``LogprobsTensors``).
 
-On CUDA, steps 3-5 are one fused kernel (``gumbel_sampling.py``; ``SamplingMetadata``'s
+On CUDA, steps 3-5 are one fused kernel (``kernels/sampling/gumbel.py``; ``SamplingMetadata``'s
 ``gumbel_seeds`` is then set): the tokens that truncation drops are set to -inf in the
 processed logits, and every row, greedy ones included, is drawn by the Gumbel-max trick in
 float64, reading the logits in their own dtype when no processor ran. A seeded row keeps its
 per-step seed as the kernel's Philox key: its draws do not depend on the batch, but differ
-from those of the torch route (CPU, or ``TOKENMILL_FUSED_SAMPLER=0``).
+from those of the torch route (CPU).
 """
 
 from __future__ import annotations
