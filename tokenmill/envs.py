@@ -98,14 +98,6 @@ def skinny_gemm() -> str:
     raise ValueError(f"TOKENMILL_SKINNY_GEMM must be auto, 0 or 1, got {value!r}")
 
 
-def sampled_copy_stream() -> bool:
-    """TOKENMILL_SAMPLED_COPY_STREAM=0: copy each async step's sampled tokens to the host on
-    the compute stream instead of a side stream (on by default: the next step's work then
-    does not queue behind that copy; Llama-3.1-8B at batch 1 on an H200, 0.2% less time per
-    token, RESULTS.md twenty-fifth set)."""
-    return os.environ.get("TOKENMILL_SAMPLED_COPY_STREAM", "").strip().lower() not in _OFF
-
-
 def sort_free_top_p() -> bool:
     """TOKENMILL_SORT_FREE_TOP_P=0: on CUDA, find each row's top-p cut-off by sorting the
     vocabulary instead of the radix select over the logits (``worker/top_p_select.py``; on

@@ -19,7 +19,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
@@ -123,9 +122,9 @@ class ModelRunner:
         ]
         self._parity = 0
         self._prev_sampled: torch.Tensor | None = None
-        self._copy_stream = (
-            torch.cuda.Stream() if d.type == "cuda" and envs.sampled_copy_stream() else None
-        )
+        # The sampled tokens go to the host on a side stream, so the next step's work does
+        # not queue behind that copy.
+        self._copy_stream = torch.cuda.Stream() if d.type == "cuda" else None
         self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
 
     # ---- set-up ------------------------------------------------------------------------
@@ -473,11 +472,9 @@ class ModelRunner:
             host.copy_(sampled)
             return None
         stream = self._copy_stream
-        if stream is None:
-            stream = torch.cuda.current_stream()
-        else:
-            stream.wait_stream(torch.cuda.current_stream())
-            sampled.record_stream(stream)  # its memory is not reused before the copy
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream())
+        sampled.record_stream(stream)  # its memory is not reused before the copy
         with torch.cuda.stream(stream):
             host.copy_(sampled, non_blocking=True)
             event = torch.cuda.Event()
