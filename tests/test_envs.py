@@ -46,10 +46,6 @@ def test_omp_num_threads_is_honoured(cores, monkeypatch):
 @pytest.mark.parametrize(
     ("variable", "read", "value", "expected"),
     [
-        ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, None, True),  # on by default
-        ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "0", False),
-        ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "false", False),
-        ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "1", True),
         ("TOKENMILL_SHORT_DECODE_GRAPHS", envs.short_decode_graphs, None, False),  # off
         ("TOKENMILL_SHORT_DECODE_GRAPHS", envs.short_decode_graphs, "1", True),
         ("TOKENMILL_ROPE_IN_DECODE_ATTENTION", envs.rope_in_decode_attention, None, True),

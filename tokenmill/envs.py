@@ -98,13 +98,6 @@ def skinny_gemm() -> str:
     raise ValueError(f"TOKENMILL_SKINNY_GEMM must be auto, 0 or 1, got {value!r}")
 
 
-def sort_free_top_p() -> bool:
-    """TOKENMILL_SORT_FREE_TOP_P=0: on CUDA, find each row's top-p cut-off by sorting the
-    vocabulary instead of the radix select over the logits (``worker/top_p_select.py``; on
-    by default, off to compare)."""
-    return os.environ.get("TOKENMILL_SORT_FREE_TOP_P", "").strip().lower() not in _OFF
-
-
 def short_decode_graphs() -> bool:
     """TOKENMILL_SHORT_DECODE_GRAPHS=1: also capture decode graphs for batches of at most
     ``cuda_graph.SHORT_DECODE_MAX_BATCH`` requests whose contexts all fit one key split

@@ -70,8 +70,7 @@
 #   diag_args  serving with per-request detail for a server given DIAG_ARGS (label DIAG_LABEL)
 #   seqs_sweep the random load served with --max-num-seqs N for each N in SEQS (default 60)
 #   sampler    the sampler's GPU time per call against the softmax route (sampler_bench.py)
-#   gputests_topp  the sampler and engine GPU tests with TOKENMILL_SORT_FREE_TOP_P=0 (top-p
-#              by sorting); gputests_topp_unit the sampler tests (the default radix select)
+#   gputests_topp_unit the top-p and sampler tests on CUDA
 #   gputests_attn  the attention kernels' and the engine's GPU tests; gputests_k the GPU
 #              tests that pytest's -k "$K" selects
 #   gputests_prefetch  the L2 prefetch's tests on CUDA
@@ -212,13 +211,12 @@ run_stage() {  # run_stage NAME: one stage of the list below
   local st=$1
   case "$st" in
     gputests) PYTHONPATH="$XGP" stage gputests 480 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
-    gputests_all) PYTHONPATH="$XGP" stage gputests_all 330 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py tests/model/test_skinny_gemm.py tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/worker/test_top_p_select.py -p no:cacheprovider --timeout 200 --durations=5 ;;
+    gputests_all) PYTHONPATH="$XGP" stage gputests_all 330 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py tests/model/test_skinny_gemm.py tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/kernels/test_top_p_select.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_mixed) stage gputests_mixed 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "mixed_step_graphs or split_decode" -p no:cacheprovider --timeout 120 ;;
     gputests_k) PYTHONPATH="$XGP" stage gputests_k 300 python3 -m pytest -q tests/gpu -k "$K" -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_attn) PYTHONPATH="$XGP" stage gputests_attn 300 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
-    gputests_topp_unit) stage gputests_topp_unit 200 python3 -m pytest -q tests/worker/test_top_p_select.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 150 ;;
-    gputests_topp) TOKENMILL_SORT_FREE_TOP_P=0 PYTHONPATH="$XGP" stage gputests_topp 240 python3 -m pytest -q tests/worker/test_top_p_select.py tests/worker/test_sampler.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 150 ;;
-    gputests_sampler) PYTHONPATH="$XGP" stage gputests_sampler 240 python3 -m pytest -q tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/worker/test_top_p_select.py tests/gpu/test_engine_gpu.py tests/gpu/test_skinny_gemm_gpu.py -p no:cacheprovider --timeout 150 ;;
+    gputests_topp_unit) stage gputests_topp_unit 200 python3 -m pytest -q tests/kernels/test_top_p_select.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 150 ;;
+    gputests_sampler) PYTHONPATH="$XGP" stage gputests_sampler 240 python3 -m pytest -q tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/kernels/test_top_p_select.py tests/gpu/test_engine_gpu.py tests/gpu/test_skinny_gemm_gpu.py -p no:cacheprovider --timeout 150 ;;
     gputests_prefetch) stage gputests_prefetch 120 python3 -m pytest -q tests/gpu/test_l2_prefetch_gpu.py tests/model/test_l2_prefetch.py -p no:cacheprovider --timeout 100 ;;
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
     stagingtest) stage stagingtest 90 python3 -m pytest -q tests/worker/test_step_staging.py -p no:cacheprovider ;;

@@ -47,15 +47,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill import envs
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.kernels.sampling import top_p as top_p_select
 from tokenmill.kernels.sampling.gumbel import gumbel_argmax
 from tokenmill.worker.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
-# Read once: graphs captured at start must match the eager steps.
-_SORT_FREE_TOP_P = envs.sort_free_top_p()
 
 
 @dataclass
@@ -275,9 +272,9 @@ WIDE_ARGMAX_CHUNKS = 256
 
 
 def _sort_free(logits: torch.Tensor) -> bool:
-    """Whether top-p takes the radix select (``top_p_select.py``) rather than a sort:
-    CUDA logits unless ``TOKENMILL_SORT_FREE_TOP_P=0``."""
-    return _SORT_FREE_TOP_P and top_p_select.HAS_TRITON and logits.is_cuda
+    """Whether top-p takes the radix select (``kernels/sampling/top_p.py``) rather than a sort:
+    CUDA logits with Triton."""
+    return top_p_select.HAS_TRITON and logits.is_cuda
 
 
 def _row_chunks(x: torch.Tensor, force: bool = False) -> int | None:
