@@ -46,8 +46,6 @@ def test_omp_num_threads_is_honoured(cores, monkeypatch):
 @pytest.mark.parametrize(
     ("variable", "read", "value", "expected"),
     [
-        ("TOKENMILL_SHORT_DECODE_GRAPHS", envs.short_decode_graphs, None, False),  # off
-        ("TOKENMILL_SHORT_DECODE_GRAPHS", envs.short_decode_graphs, "1", True),
         ("TOKENMILL_ROPE_IN_DECODE_ATTENTION", envs.rope_in_decode_attention, None, True),
         ("TOKENMILL_ROPE_IN_DECODE_ATTENTION", envs.rope_in_decode_attention, "0", False),
     ],

@@ -98,14 +98,6 @@ def skinny_gemm() -> str:
     raise ValueError(f"TOKENMILL_SKINNY_GEMM must be auto, 0 or 1, got {value!r}")
 
 
-def short_decode_graphs() -> bool:
-    """TOKENMILL_SHORT_DECODE_GRAPHS=1: also capture decode graphs for batches of at most
-    ``cuda_graph.SHORT_DECODE_MAX_BATCH`` requests whose contexts all fit one key split
-    (``cuda_graph.SHORT_DECODE_CONTEXT`` tokens), which launch no split reduction (off by
-    default until measured on a GPU)."""
-    return os.environ.get("TOKENMILL_SHORT_DECODE_GRAPHS", "").strip().lower() in _ON
-
-
 def rope_in_decode_attention() -> bool:
     """TOKENMILL_ROPE_IN_DECODE_ATTENTION=0: in decode-only steps on CUDA, rotate the query
     and key and write the new K/V in a separate rotary/KV-write launch per layer instead of

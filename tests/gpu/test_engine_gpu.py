@@ -119,31 +119,6 @@ def test_start_up_compiling_ahead_changes_nothing_in_float32(smollm2_random, mon
     assert tokens["1"] == tokens["8"]
 
 
-def test_short_context_decode_graphs_equal_eager_in_float32(smollm2_random, monkeypatch):
-    """With TOKENMILL_SHORT_DECODE_GRAPHS=1, batches of up to 8 requests with short contexts
-    replay graphs with one key split (no reduction launch): the same greedy tokens as eager
-    steps, and those graphs are the ones replayed."""
-    from tokenmill import LLM, SamplingParams
-
-    _, path = smollm2_random
-    prompts = _prompts(8)  # 5..54 tokens + 24 generated: every context within 256
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    tokens = {}
-    for eager in (False, True):
-        monkeypatch.setenv("TOKENMILL_SHORT_DECODE_GRAPHS", "1")
-        llm = LLM(path, dtype="float32", kv_cache_memory=2 << 30, max_model_len=1024,
-                  max_num_seqs=8, enforce_eager=eager)  # fmt: skip
-        out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        alone = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
-        tokens[eager] = [o.outputs[0].token_ids for o in out] + [alone[0].outputs[0].token_ids]
-        runner = llm.llm_engine.engine_core.executor.worker.model_runner
-        if not eager:
-            assert runner.short_decode_graphs.num_replays > 0
-        del llm, runner
-        torch.cuda.empty_cache()
-    assert tokens[False] == tokens[True]
-
-
 def test_rope_in_decode_attention_equals_the_separate_kernels_in_float32(
     smollm2_random, monkeypatch
 ):

@@ -25,15 +25,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Short-context decode graphs (``TOKENMILL_SHORT_DECODE_GRAPHS=1``): batches of at most this
-# many requests, every context at most this many tokens, replay graphs captured for that
-# context, where the decode kernel takes one key split per (request, KV head) and no
-# reduction is launched (``triton_launch.num_decode_splits`` gives one split up to
-# ``MIN_SPLIT_TOKENS`` keys). The graphs of ``max_model_len`` split every context for the
-# longest one, and at batch 1 merge up to 33 splits per head in a second launch.
-SHORT_DECODE_MAX_BATCH = 8
-SHORT_DECODE_CONTEXT = 256
-
 
 @contextmanager
 def garbage_collection_paused() -> Iterator[None]:
@@ -198,10 +189,6 @@ class CUDAGraphRunner(WholePassGraphs):
         runner: the model runner whose buffers the graphs read and write.
         capture_sizes: batch sizes to capture (default: ``default_capture_sizes``).
         pool: as for ``PaddedGraphs``.
-        max_seq_len: the longest context (tokens) the attention backend plans the graphs'
-            launches for (key-split counts); default the runner's ``max_model_len``. Any
-            context that fits the block table replays correctly; only the split count, and
-            so the speed, depends on it.
     """
 
     what = "CUDA graphs (decode batch sizes {lo}..{hi})"
@@ -211,23 +198,16 @@ class CUDAGraphRunner(WholePassGraphs):
         runner: ModelRunner,
         capture_sizes: list[int] | None = None,
         pool: tuple[int, int] | None = None,
-        max_seq_len: int | None = None,
     ) -> None:
         super().__init__(runner, capture_sizes or default_capture_sizes(runner.max_num_reqs), pool)
-        self.max_seq_len = max_seq_len
-        if max_seq_len is not None:
-            # ``{lo}`` and ``{hi}`` stay placeholders for ``capture``'s log line.
-            self.what = (
-                f"CUDA graphs (decode batch sizes {{lo}}..{{hi}}, contexts <= {max_seq_len})"
-            )
 
     def capture_metadata(self, size: int) -> Any:
-        return self.runner.pad_decode_batch(0, size, self.max_seq_len)
+        return self.runner.pad_decode_batch(0, size)
 
     def run(self, num_reqs: int) -> torch.Tensor:
         """Replay for a decode batch of ``num_reqs`` whose inputs are already in the
         runner's buffers; returns hidden states ``[padded, H]`` (rows past ``num_reqs`` are
         padding)."""
         size = self.padded_size(num_reqs)
-        self.runner.pad_decode_batch(num_reqs, size, self.max_seq_len)
+        self.runner.pad_decode_batch(num_reqs, size)
         return self.replay(size)

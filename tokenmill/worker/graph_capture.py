@@ -3,8 +3,7 @@
 - piecewise graphs for steps with prompt tokens (``piecewise_graph.py``);
 - whole-step graphs for mixed batches where the attention backend has uniform grids and
   ``TOKENMILL_MIXED_STEP_GRAPHS`` is not off (``mixed_graph.py``);
-- whole-pass decode graphs per padded batch size (``cuda_graph.py``), and with
-  ``TOKENMILL_SHORT_DECODE_GRAPHS=1`` a second set planned for short contexts.
+- whole-pass decode graphs per padded batch size (``cuda_graph.py``).
 
 All share one memory pool: no two of them replay at once.
 """
@@ -17,8 +16,6 @@ import torch
 
 from tokenmill import envs
 from tokenmill.worker.cuda_graph import (
-    SHORT_DECODE_CONTEXT,
-    SHORT_DECODE_MAX_BATCH,
     CUDAGraphRunner,
     PaddedGraphs,
     garbage_collection_paused,
@@ -31,7 +28,7 @@ if TYPE_CHECKING:
 
 def plan_graphs(runner: ModelRunner) -> list[PaddedGraphs]:
     """Create the runner's graph sets, uncaptured, and set them on it (``piecewise_graphs``,
-    ``mixed_graphs``, ``cuda_graphs``, ``short_decode_graphs``); an uncaptured set runs
+    ``mixed_graphs``, ``cuda_graphs``); an uncaptured set runs
     nothing (``can_run`` is False). Returns them in capture order."""
     pool = torch.cuda.graph_pool_handle()
     runner.piecewise_graphs = PiecewiseCUDAGraphRunner(runner, pool=pool)
@@ -43,12 +40,6 @@ def plan_graphs(runner: ModelRunner) -> list[PaddedGraphs]:
         graphs.append(runner.mixed_graphs)
     runner.cuda_graphs = CUDAGraphRunner(runner, pool=pool)
     graphs.append(runner.cuda_graphs)
-    if envs.short_decode_graphs() and runner.max_model_len > SHORT_DECODE_CONTEXT:
-        sizes = [s for s in runner.cuda_graphs.sizes if s <= SHORT_DECODE_MAX_BATCH]
-        runner.short_decode_graphs = CUDAGraphRunner(
-            runner, sizes, pool=pool, max_seq_len=SHORT_DECODE_CONTEXT
-        )
-        graphs.append(runner.short_decode_graphs)
     return graphs
 
 

@@ -75,8 +75,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         # The CUDA graph sets, None until planned (``graph_capture.plan_graphs``): decode
-        # graphs, short-context ones, piecewise graphs, whole-step mixed-batch graphs.
-        self.cuda_graphs = self.short_decode_graphs = None
+        # graphs, piecewise graphs, whole-step mixed-batch graphs.
+        self.cuda_graphs = None
         self.piecewise_graphs = self.mixed_graphs = None
         self._graph_plan: list | None = None  # those that start-up captures, in order
         # Tests set these (ascending sizes) on CPU to run batches padded like CUDA-graph
@@ -300,13 +300,6 @@ class ModelRunner:
         # decode kernels do), run attention eagerly: piecewise graphs.
         whole_step_ok = not (inputs.metadata.common_prefix_len or inputs.metadata.reads_step_kv)
         if inputs.is_decode_only and whole_step_ok:
-            short = self.short_decode_graphs
-            if (
-                short is not None
-                and short.can_run(num_reqs)
-                and inputs.metadata.max_seq_len <= short.max_seq_len
-            ):
-                return short.run(num_reqs)
             if self._has_decode_graph(num_reqs):
                 return self.cuda_graphs.run(num_reqs)
             if self.pad_decode_batches_to:
@@ -346,19 +339,17 @@ class ModelRunner:
         self.positions.device[num_tokens:padded].zero_()
         self.slot_mapping.device[num_tokens:padded].fill_(-1)
 
-    def pad_decode_batch(
-        self, num_reqs: int, padded: int, max_seq_len: int | None = None
-    ) -> AttentionMetadata:
+    def pad_decode_batch(self, num_reqs: int, padded: int) -> AttentionMetadata:
         """Fill rows ``num_reqs..padded`` of the device buffers with inert padding requests
         (one token each, slot -1 so nothing is written, context length 0) and return the
-        metadata of the padded batch, as a captured CUDA graph sees it (``max_seq_len`` as
-        for ``decode_metadata``)."""
+        metadata of the padded batch, as a captured CUDA graph sees it (planned for
+        contexts up to ``max_model_len``)."""
         self.pad_token_inputs(num_reqs, padded)
         self.seq_lens.device[num_reqs:padded].zero_()
         self.seq_lens.np[num_reqs:padded] = 0  # what ``decode_metadata`` reports
         qsl = self.query_start_loc.device
         torch.arange(num_reqs + 1, padded + 1, out=qsl[num_reqs + 1 : padded + 1])
-        return self.decode_metadata(padded, max_seq_len)
+        return self.decode_metadata(padded)
 
     def single_request_metadata(self, num_tokens: int, seq_len: int) -> AttentionMetadata:
         """Metadata over the persistent buffers for one request computing the last
