@@ -1,5 +1,4 @@
-"""tokenmill.envs: the CPU worker's thread count leaves a core to the server's front end;
-the kernel switches' defaults and spellings."""
+"""tokenmill.envs: the CPU worker's thread count leaves a core to the server's front end."""
 
 from __future__ import annotations
 
@@ -41,18 +40,3 @@ def test_omp_num_threads_is_honoured(cores, monkeypatch):
     cores(16)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert envs.cpu_threads() == 0  # leave torch's default, which reads OMP_NUM_THREADS
-
-
-@pytest.mark.parametrize(
-    ("variable", "read", "value", "expected"),
-    [
-        ("TOKENMILL_ROPE_IN_DECODE_ATTENTION", envs.rope_in_decode_attention, None, True),
-        ("TOKENMILL_ROPE_IN_DECODE_ATTENTION", envs.rope_in_decode_attention, "0", False),
-    ],
-)
-def test_kernel_switches(monkeypatch, variable, read, value, expected):
-    if value is None:
-        monkeypatch.delenv(variable, raising=False)
-    else:
-        monkeypatch.setenv(variable, value)
-    assert read() is expected

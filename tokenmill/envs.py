@@ -98,15 +98,6 @@ def skinny_gemm() -> str:
     raise ValueError(f"TOKENMILL_SKINNY_GEMM must be auto, 0 or 1, got {value!r}")
 
 
-def rope_in_decode_attention() -> bool:
-    """TOKENMILL_ROPE_IN_DECODE_ATTENTION=0: in decode-only steps on CUDA, rotate the query
-    and key and write the new K/V in a separate rotary/KV-write launch per layer instead of
-    inside the decode attention kernel (``TritonAttentionImpl.attend_decode_rotary``; on by
-    default: Llama-3.1-8B at batch 1 on an H200, 75 us less per step, RESULTS.md fifteenth
-    set)."""
-    return os.environ.get("TOKENMILL_ROPE_IN_DECODE_ATTENTION", "").strip().lower() not in _OFF
-
-
 def gated_product() -> bool:
     """TOKENMILL_GATED_PRODUCT=0: where the gate/up product of a SiLU-gated MLP runs the
     skinny GEMM (decode-sized batches on CUDA), apply SiLU-and-mul in a separate launch
@@ -134,9 +125,3 @@ def mixed_step_graphs() -> bool:
     graphs (attention eager between pieces) instead of whole-step graphs (default: on where
     the attention backend supports them; ``worker/mixed_graph.py``)."""
     return os.environ.get("TOKENMILL_MIXED_STEP_GRAPHS", "1") not in ("", "0")
-
-
-def fused_rope_cache() -> bool:
-    """TOKENMILL_FUSED_ROPE_CACHE=0: apply the rotary embedding and write the KV cache in two
-    launches per layer instead of one (on by default; off to compare)."""
-    return os.environ.get("TOKENMILL_FUSED_ROPE_CACHE", "1") not in ("", "0")

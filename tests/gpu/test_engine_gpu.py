@@ -122,25 +122,30 @@ def test_start_up_compiling_ahead_changes_nothing_in_float32(smollm2_random, mon
 def test_rope_in_decode_attention_equals_the_separate_kernels_in_float32(
     smollm2_random, monkeypatch
 ):
-    """With TOKENMILL_ROPE_IN_DECODE_ATTENTION on (the default) decode steps rotate and
-    write their K/V inside the decode kernel: the same greedy tokens as the separate
-    rotary/KV-write kernel (=0), in CUDA graphs and eagerly."""
-    _assert_switch_keeps_tokens(
-        smollm2_random, monkeypatch, "TOKENMILL_ROPE_IN_DECODE_ATTENTION", "float32"
-    )
+    """Decode steps rotate and write their K/V inside the decode kernel: the same greedy
+    tokens as the separate rotary/KV-write kernel (which a backend without
+    ``supports_decode_rotary`` launches), in CUDA graphs and eagerly."""
+    from tokenmill.model.attention.triton_backend import TritonAttentionBackend
+
+    def use(monkeypatch, on: bool) -> None:
+        monkeypatch.setattr(TritonAttentionBackend, "supports_decode_rotary", on)
+
+    _assert_variants_keep_tokens(smollm2_random, monkeypatch, use, "float32")
 
 
-def _assert_switch_keeps_tokens(smollm2_random, monkeypatch, variable: str, dtype: str) -> None:
-    """Greedy tokens with ``variable`` off and on are the same, in CUDA graphs and eagerly."""
+def _assert_variants_keep_tokens(smollm2_random, monkeypatch, use, dtype: str, **kwargs) -> None:
+    """Greedy tokens with ``use(monkeypatch, False)`` and with ``use(monkeypatch, True)``
+    are the same, in CUDA graphs and eagerly."""
     _, path = smollm2_random
     prompts = _prompts(8)
     tokens = {}
-    for value in ("0", "1"):
-        monkeypatch.setenv(variable, value)
+    for on in (False, True):
+        use(monkeypatch, on)
         for eager in (False, True):
-            tokens[value, eager] = _generate(path, prompts, dtype=dtype, enforce_eager=eager)
-    assert tokens["1", False] == tokens["0", False]
-    assert tokens["1", True] == tokens["0", True]
+            tokens[on, eager] = _generate(path, prompts, dtype=dtype, enforce_eager=eager,
+                                          **kwargs)  # fmt: skip
+    assert tokens[True, False] == tokens[False, False]
+    assert tokens[True, True] == tokens[False, True]
 
 
 def test_gated_product_equals_the_separate_gate_in_bf16(smollm2_random, monkeypatch):
@@ -150,7 +155,10 @@ def test_gated_product_equals_the_separate_gate_in_bf16(smollm2_random, monkeypa
     from tokenmill.model.layers import linear
 
     monkeypatch.setattr(linear, "_SKINNY_GEMM", "1")
-    _assert_switch_keeps_tokens(smollm2_random, monkeypatch, "TOKENMILL_GATED_PRODUCT", "bfloat16")
+    def use(monkeypatch, on: bool) -> None:
+        monkeypatch.setenv("TOKENMILL_GATED_PRODUCT", "1" if on else "0")
+
+    _assert_variants_keep_tokens(smollm2_random, monkeypatch, use, "bfloat16")
 
 
 def _record_same_step_reads(monkeypatch) -> list[bool]:
