@@ -106,20 +106,6 @@ def gated_product() -> bool:
     return os.environ.get("TOKENMILL_GATED_PRODUCT", "").strip().lower() not in _OFF
 
 
-def decode_split_self_merge() -> bool:
-    """TOKENMILL_DECODE_SPLIT_SELF_MERGE=0: merge the decode kernel's key splits in a
-    separate reduction launch per layer instead of in the last split to finish (on by
-    default; ``triton_decode.decode_attention_kernel``, ``MERGE_S``)."""
-    return os.environ.get("TOKENMILL_DECODE_SPLIT_SELF_MERGE", "").strip().lower() not in _OFF
-
-
-def decode_tiles_by_waves() -> bool:
-    """TOKENMILL_DECODE_TILES_BY_WAVES=0: the decode attention kernel keeps its 4-warp tile
-    at every batch size instead of the tile whose single wave of resident programs holds
-    its grid (on by default; ``triton_launch.decode_tile_config``)."""
-    return os.environ.get("TOKENMILL_DECODE_TILES_BY_WAVES", "").strip().lower() not in _OFF
-
-
 def mixed_step_graphs() -> bool:
     """TOKENMILL_MIXED_STEP_GRAPHS=0: replay steps with prompt tokens through the piecewise
     graphs (attention eager between pieces) instead of whole-step graphs (default: on where

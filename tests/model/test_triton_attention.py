@@ -66,8 +66,6 @@ def test_decode_tiles_follow_the_waves_of_their_grid(monkeypatch):
     assert config(64, bf16, 72 * 8, 132) == TileConfig(16, 64, 4, 3)
     assert config(256, bf16, 72 * 8, 132) == TileConfig(16, 32, 4, 3)
     assert config(128, torch.float32, 72 * 8, 132) == TileConfig(16, 16, 4, 2)
-    monkeypatch.setenv("TOKENMILL_DECODE_TILES_BY_WAVES", "0")
-    assert config(128, bf16, 64 * 8, 132) == config(128, bf16, 8, 132, uniform=True) == four
 
 
 def test_start_up_warms_the_decode_tiles_at_their_first_batch_sizes():
@@ -231,7 +229,8 @@ def test_decode_splits_merge_themselves_or_in_a_reduction(monkeypatch, self_merg
     from tokenmill.kernels.attention import decode as triton_decode
 
     monkeypatch.setattr(triton_launch, "MERGE_TILE_ELEMS", tile)
-    monkeypatch.setenv("TOKENMILL_DECODE_SPLIT_SELF_MERGE", "1" if self_merge else "0")
+    if not self_merge:  # no counter slots: the splits are merged by a reduction launch
+        monkeypatch.setattr(paged, "MERGE_COUNTER_SLOTS", 0)
     monkeypatch.setattr(paged, "num_decode_splits", lambda *args: 12)
     reduce = _LaunchCounter(triton_decode.decode_reduce_kernel)
     monkeypatch.setattr(triton_decode, "decode_reduce_kernel", reduce)
@@ -446,11 +445,12 @@ def test_cascade_attention_over_a_shared_prefix(monkeypatch, tiles, prefix_block
     check(b, sliding_window=100)
 
 
-@pytest.mark.parametrize("self_merge", ["1", "0"], ids=["self-merge", "reduction"])
+@pytest.mark.parametrize("self_merge", [True, False], ids=["self-merge", "reduction"])
 @pytest.mark.parametrize("splits", [(1, 1), (3, 5), (2, 16)])
 def test_cascade_split_counts(monkeypatch, splits, self_merge):
     # Empty splits on both sides: 5 suffix splits of ~30 keys, 16 splits of a 48-key prefix.
-    monkeypatch.setenv("TOKENMILL_DECODE_SPLIT_SELF_MERGE", self_merge)
+    if not self_merge:
+        monkeypatch.setattr(paged, "MERGE_COUNTER_SLOTS", 0)
     decode_splits, prefix_splits = splits
     monkeypatch.setattr(paged, "num_decode_splits", lambda *args: decode_splits)
     monkeypatch.setattr(paged, "num_prefix_splits", lambda *args: prefix_splits)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill import envs
 from tokenmill.kernels.device import DEFAULT_NUM_SMS
 from tokenmill.kernels.device import num_sms as device_num_sms  # noqa: F401 (re-exported)
 from tokenmill.math_utils import cdiv
@@ -138,8 +137,7 @@ def decode_tile_config(
     ``DECODE_TILES_D128`` (``DECODE_TILES_D128_ROPE`` for the kernel that also rotates and
     writes the new K/V) whose single wave holds the grid is taken: fewer warps leave each
     program fewer loads in flight, so 4 warps are fastest while every tile fits. Past them
-    all, and for uniform grids, ``DECODE_TILE_MANY_WAVES``. ``TOKENMILL_DECODE_TILES_BY_WAVES
-    =0`` keeps the 4-warp tile. The rotating kernel's first wave takes
+    all, and for uniform grids, ``DECODE_TILE_MANY_WAVES``. The rotating kernel's first wave takes
     ``DECODE_TILE_MANY_SPLITS_ROPE`` at ``DECODE_MANY_SPLITS`` splits or more. Other head
     sizes: 64 keys per tile (32 at head_dim 256), 4 warps; fp32 (FMA dot products) 16 keys
     per tile.
@@ -160,7 +158,7 @@ def decode_tile_config(
     if dtype == torch.float32:
         return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
     by_waves = uniform or num_programs is not None
-    if head_dim_padded == 128 and group_padded == 16 and by_waves and envs.decode_tiles_by_waves():
+    if head_dim_padded == 128 and group_padded == 16 and by_waves:
         if not uniform:
             first_wave = DECODE_TILES_D128_ROPE[0][0] * num_sms
             if rope and num_splits >= DECODE_MANY_SPLITS and num_programs <= first_wave:

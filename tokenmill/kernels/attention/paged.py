@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill import envs
 from tokenmill.kernels import pdl
 from tokenmill.kernels.attention import decode as decode_kernels
 from tokenmill.kernels.attention import prefill as prefill_kernels
@@ -414,10 +413,7 @@ class PagedAttention:
         # split of each (request, KV head) merges them all, or a reduction does. One
         # kernel variant for every split count: the merging one wherever it can run.
         counters = None
-        if (
-            split.num_decodes * self.num_kv_heads <= MERGE_COUNTER_SLOTS
-            and envs.decode_split_self_merge()
-        ):
+        if split.num_decodes * self.num_kv_heads <= MERGE_COUNTER_SLOTS:
             counters = _MERGE_COUNTERS.get_or_create(query.device, MERGE_COUNTER_SLOTS)
         merge_g = _pow2(args["GROUP"])
         merge_s = merge_splits_per_load(merge_g, args["D_P"]) if counters is not None else 0

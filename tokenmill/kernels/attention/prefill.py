@@ -65,7 +65,7 @@ def shared_prefix_kernel(
     partial outputs and log2-sum-exps to ``part_out[r, head, split_base + split]`` /
     ``part_lse[...]`` (``r`` counted from ``req_offset``), merged with the decode kernel's
     splits of the keys from ``prefix_len`` on by the decode kernel's last split (or by
-    ``decode_reduce_kernel``, with ``TOKENMILL_DECODE_SPLIT_SELF_MERGE=0``). Cascade
+    ``decode_reduce_kernel`` where the launch has no merge counters). Cascade
     inference: Juravsky et al., "Hydragen" (2024); Ye et al., FlashInfer (2025).
     """
     q_block = tl.program_id(0)
