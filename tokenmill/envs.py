@@ -104,10 +104,3 @@ def gated_product() -> bool:
     instead of in the product's epilogue (``skinny_gemm.skinny_linear(gated=True)``, on by
     default: 38 us less per batch-1 decode step of Llama-3.1-8B on an H200)."""
     return os.environ.get("TOKENMILL_GATED_PRODUCT", "").strip().lower() not in _OFF
-
-
-def mixed_step_graphs() -> bool:
-    """TOKENMILL_MIXED_STEP_GRAPHS=0: replay steps with prompt tokens through the piecewise
-    graphs (attention eager between pieces) instead of whole-step graphs (default: on where
-    the attention backend supports them; ``worker/mixed_graph.py``)."""
-    return os.environ.get("TOKENMILL_MIXED_STEP_GRAPHS", "1") not in ("", "0")

@@ -275,12 +275,13 @@ def test_split_decode_graphs_survive_a_released_cache(smollm2_random):
 @pytest.mark.parametrize("whole_step", [True, False])
 def test_mixed_step_graphs_equal_eager_in_float32(smollm2_random, monkeypatch, whole_step):
     """A 64-token budget mixes prompt chunks with decodes in most steps: those replay the
-    whole-step graphs of mixed batches (uniform attention grids), or with those off the
-    piecewise graphs (attention eager between them), and greedy tokens equal eager
-    execution's, alone or batched."""
+    whole-step graphs of mixed batches (uniform attention grids), or on a backend without
+    uniform grids the piecewise graphs (attention eager between them), and greedy tokens
+    equal eager execution's, alone or batched."""
     from tokenmill import LLM, SamplingParams
+    from tokenmill.model.attention.triton_backend import TritonAttentionBackend
 
-    monkeypatch.setenv("TOKENMILL_MIXED_STEP_GRAPHS", "1" if whole_step else "0")
+    monkeypatch.setattr(TritonAttentionBackend, "supports_uniform_grids", whole_step)
     _, path = smollm2_random
     prompts = _prompts(8)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

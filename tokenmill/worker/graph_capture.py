@@ -1,8 +1,8 @@
 """The CUDA graph sets a model runner captures at start-up, in capture order.
 
 - piecewise graphs for steps with prompt tokens (``piecewise_graph.py``);
-- whole-step graphs for mixed batches where the attention backend has uniform grids and
-  ``TOKENMILL_MIXED_STEP_GRAPHS`` is not off (``mixed_graph.py``);
+- whole-step graphs for mixed batches where the attention backend has uniform grids
+  (``mixed_graph.py``);
 - whole-pass decode graphs per padded batch size (``cuda_graph.py``).
 
 All share one memory pool: no two of them replay at once.
@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill import envs
 from tokenmill.worker.cuda_graph import (
     CUDAGraphRunner,
     PaddedGraphs,
@@ -33,7 +32,7 @@ def plan_graphs(runner: ModelRunner) -> list[PaddedGraphs]:
     pool = torch.cuda.graph_pool_handle()
     runner.piecewise_graphs = PiecewiseCUDAGraphRunner(runner, pool=pool)
     graphs: list[PaddedGraphs] = [runner.piecewise_graphs]
-    if runner.attn_backend.supports_uniform_grids and envs.mixed_step_graphs():
+    if runner.attn_backend.supports_uniform_grids:
         from tokenmill.worker.mixed_graph import MixedCUDAGraphRunner
 
         runner.mixed_graphs = MixedCUDAGraphRunner(runner, pool=pool)
