@@ -70,37 +70,3 @@ def log_step_stats() -> bool:
     """TOKENMILL_LOG_STEP_STATS=1: every 5 s the engine logs step durations, sizes and any
     Triton kernels compiled; the server logs its event-loop lag and front-end stage times."""
     return os.environ.get("TOKENMILL_LOG_STEP_STATS", "") not in ("", "0")
-
-
-# Spellings of on and off that the kernel switches below accept (lower-cased, stripped).
-_ON = ("1", "true", "yes", "on")
-_OFF = ("0", "false", "no", "off")
-
-
-def skinny_gemm() -> str:
-    """TOKENMILL_SKINNY_GEMM: which linear layers of decode-sized batches (<= 32 rows) on
-    CUDA run the split-K Triton kernel instead of cuBLAS, as ``"auto"``, ``"0"`` or ``"1"``.
-    ``auto`` (default, also when empty): the shapes with a configuration measured faster
-    than cuBLAS on this GPU model (``skinny_gemm_configs.TUNED_CONFIGS``: batch-1 decode of
-    Llama-3.1-8B on an H200, see benchmarks/RESULTS.md); ``1`` (or true/yes/on): every
-    eligible shape; ``0`` (or false/no/off): none.
-
-    Raises:
-        ValueError: any other value.
-    """
-    value = os.environ.get("TOKENMILL_SKINNY_GEMM", "").strip().lower()
-    if value in ("", "auto"):
-        return "auto"
-    if value in _ON:
-        return "1"
-    if value in _OFF:
-        return "0"
-    raise ValueError(f"TOKENMILL_SKINNY_GEMM must be auto, 0 or 1, got {value!r}")
-
-
-def gated_product() -> bool:
-    """TOKENMILL_GATED_PRODUCT=0: where the gate/up product of a SiLU-gated MLP runs the
-    skinny GEMM (decode-sized batches on CUDA), apply SiLU-and-mul in a separate launch
-    instead of in the product's epilogue (``skinny_gemm.skinny_linear(gated=True)``, on by
-    default: 38 us less per batch-1 decode step of Llama-3.1-8B on an H200)."""
-    return os.environ.get("TOKENMILL_GATED_PRODUCT", "").strip().lower() not in _OFF

@@ -47,7 +47,8 @@
 #              mixedbench_shared: only the batches whose decodes share a prefix (cascade)
 #   skinny skinny_sweep moe   kernel benchmarks: skinny GEMM vs cuBLAS, fused MoE vs torch;
 #              skinny_pdl / skinny_sweep_pdl the same with programmatic dependent launches
-#   *_cublas   lat1/lat32/stepbench with TOKENMILL_SKINNY_GEMM=0 (cuBLAS for every product)
+#   *_cublas   lat1/lat32/stepbench with --kernel-config '{"skinny_gemm": "off"}' (cuBLAS for
+#              every product)
 #   diag_default diag_vllm diag_pace512 ...   serving with per-request detail, /metrics and
 #              step logs (LOADS="random prefix" picks the loads); diag_paceN paces prompt
 #              tokens (--prefill-pacing-mode prompt), diag_default takes the server's defaults
@@ -104,6 +105,7 @@ if ls .carry/tools/xgrammar-*.whl .carry/tools/apache_tvm_ffi-*.whl >/dev/null 2
   python3 -m pip install -q --no-index --no-deps --target /tmp/xg .carry/tools/xgrammar-*.whl .carry/tools/apache_tvm_ffi-*.whl >> "$LOGS/setup.log" 2>&1 && XGP="/tmp/xg:$PYTHONPATH"
 fi
 TM=(python3 -m tokenmill.entrypoints.cli.main)
+CUBLAS='{"skinny_gemm": "off"}'  # --kernel-config: cuBLAS for every linear layer
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 stage() {  # stage NAME TIMEOUT CMD... (NAME gets $SFX, the STAGE@VARS label)
   local name=$1${SFX:-} to=$2; shift 2
@@ -269,7 +271,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     ablation_dtiles) TAIL_LINES=40 stage ablation_dtiles 300 python3 benchmarks/device/decode_ablation_bench.py "$M8" "${CONTEXT:-160}" --sweep-decode-tiles --batch "${BATCH:-1}" ;;
     ablation_sweep) TAIL_LINES=40 stage ablation_sweep 300 python3 benchmarks/device/decode_ablation_bench.py "$M8" "${CONTEXT:-160}" --sweep ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
-    stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
+    stepbench_cublas) stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" --kernel-config "$CUBLAS" ;;
     lat1_short) TOKENMILL_SHORT_DECODE_GRAPHS=1 stage lat1_short 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_short.json"; addjson lat1_short "$LOGS/lat1_short.json" ;;
     lat1_ropeattn) TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 stage lat1_ropeattn 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_ropeattn.json"; addjson lat1_ropeattn "$LOGS/lat1_ropeattn.json" ;;
     lat1_both) TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 TOKENMILL_SHORT_DECODE_GRAPHS=1 stage lat1_both 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_both.json"; addjson lat1_both "$LOGS/lat1_both.json" ;;
@@ -278,8 +280,8 @@ run_stage() {  # run_stage NAME: one stage of the list below
     gputests_skinny_full) stage gputests_skinny_full 200 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/model/test_skinny_gemm.py -p no:cacheprovider --timeout 150 ;;
     gputests_skinny) PYTHONPATH="$XGP" stage gputests_skinny 200 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/model/test_skinny_gemm.py -p no:cacheprovider --timeout 150 -k "not test_llama_shapes_bf16" ;;
     lat1_nofuse) TOKENMILL_FUSED_ROPE_CACHE=0 stage lat1_nofuse 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_nofuse.json"; addjson lat1_nofuse "$LOGS/lat1_nofuse.json" ;;
-    lat1_cublas) TOKENMILL_SKINNY_GEMM=0 stage lat1_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_cublas.json"; addjson lat1_cublas "$LOGS/lat1_cublas.json" ;;
-    lat32_cublas) TOKENMILL_SKINNY_GEMM=0 stage lat32_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32_cublas.json"; addjson lat32_cublas "$LOGS/lat32_cublas.json" ;;
+    lat1_cublas) stage lat1_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --kernel-config "$CUBLAS" --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_cublas.json"; addjson lat1_cublas "$LOGS/lat1_cublas.json" ;;
+    lat32_cublas) stage lat32_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --kernel-config "$CUBLAS" --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32_cublas.json"; addjson lat32_cublas "$LOGS/lat32_cublas.json" ;;
     skinny)   stage skinny 200 python3 benchmarks/skinny_gemm_bench.py ;;
     skinny_pdl) stage skinny_pdl 200 python3 benchmarks/skinny_gemm_bench.py --pdl --ms "${SWEEP_MS:-1,4,16}" --shapes qkv,o_proj,gate_up,down,lm_head ;;
     skinny_sweep_pdl) stage skinny_sweep_pdl 400 python3 benchmarks/skinny_gemm_bench.py --pdl --sweep --fma-only --ms "${SWEEP_MS:-1}" --shapes ${SWEEP_SHAPES:-qkv,o_proj,down,gate_up} --rounds 2 ;;

@@ -276,39 +276,3 @@ def test_has_tuned_config_only_on_the_gpu_it_was_measured_on():
     x, w = torch.empty(1, 4096), torch.empty(6144, 4096)
     assert (1, 6144, 4096) in sg.TUNED_CONFIGS
     assert not sg.has_tuned_config(x, w)  # CPU tensors
-
-
-@pytest.mark.parametrize("value,expected", [(None, "auto"), ("", "auto"), ("AUTO", "auto"),
-                                            ("0", "0"), ("off", "0"), ("1", "1"),
-                                            ("true", "1")])  # fmt: skip
-def test_skinny_gemm_setting(monkeypatch, value, expected):
-    from tokenmill import envs
-
-    if value is None:
-        monkeypatch.delenv("TOKENMILL_SKINNY_GEMM", raising=False)
-    else:
-        monkeypatch.setenv("TOKENMILL_SKINNY_GEMM", value)
-    assert envs.skinny_gemm() == expected
-
-
-def test_skinny_gemm_setting_rejects_other_values(monkeypatch):
-    from tokenmill import envs
-
-    monkeypatch.setenv("TOKENMILL_SKINNY_GEMM", "fast")
-    with pytest.raises(ValueError, match="auto, 0 or 1"):
-        envs.skinny_gemm()
-
-
-@pytest.mark.parametrize("mode,tuned,used", [("auto", True, True), ("auto", False, False),
-                                             ("1", False, True), ("0", True, False)])  # fmt: skip
-def test_dense_routes_by_setting(monkeypatch, mode, tuned, used):
-    from tokenmill.model.layers import linear
-
-    monkeypatch.setattr(linear, "_SKINNY_GEMM", mode)
-    monkeypatch.setattr(sg, "use_skinny_gemm", lambda x, w: True)
-    monkeypatch.setattr(sg, "has_tuned_config", lambda x, w: tuned)
-    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b: "skinny")
-    x, w = torch.randn(1, 8), torch.randn(4, 8)
-    out = linear.dense(x, w)
-    assert (out == "skinny") if used else torch.allclose(out, F.linear(x, w))
-

@@ -130,8 +130,9 @@ class ModelRunner:
     # ---- set-up ------------------------------------------------------------------------
 
     def load_model(self) -> None:
+        c = self.config
         self.model = get_model(
-            self.config.model_config, self.config.load_config, self.device, self.attn_backend
+            c.model_config, c.load_config, self.device, self.attn_backend, c.kernel_config
         )
         # Windowed layers keep plain attention: with a window on every layer, cascade would
         # only cost decode-only steps their whole-step graph.

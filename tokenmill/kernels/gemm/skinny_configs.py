@@ -63,7 +63,7 @@ class SkinnyConfig:
 # cuBLAS in the same run), and for the products that follow a latency-bound kernel, from
 # ``benchmarks/device/decode_ablation_bench.py --sweep-one-tile`` (the batch-1 decode graph
 # as the engine captures it). Shapes not listed use ``default_config``, and under
-# ``TOKENMILL_SKINNY_GEMM=auto`` only the listed shapes leave cuBLAS.
+# ``KernelConfig.skinny_gemm="auto"`` only the listed shapes leave cuBLAS.
 TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     # Llama-3.1-8B at batch 1 (2026-12-01): qkv 14.3 us (cuBLAS 16.1), o_proj 10.5 (12.8),
     # down 29.7 (30.4), gate_up 54.4 (55.2); the LM head's default tiles 243.6 (248.7).
