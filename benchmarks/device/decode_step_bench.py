@@ -62,7 +62,7 @@ def main() -> None:
     )
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
-    graphs = runner.cuda_graphs
+    graphs = runner.graphs.decode
     for bs in (1, 32, 256):
         llm.generate([{"prompt_token_ids": [5] * 512}] * bs, params, use_tqdm=False)
         if graphs is None or not graphs.can_run(bs):

@@ -174,10 +174,10 @@ def main() -> None:
                 f"CURVE decodes={decodes} ctx={ctx} chunk={chunk} cached={cached} "
                 f"tokens={md.num_actual_tokens}: graph {whole:.3f} ms"
             )
-            if runner.mixed_graphs is not None and runner.mixed_graphs.can_run(
+            if runner.graphs.mixed is not None and runner.graphs.mixed.can_run(
                 md.num_actual_tokens
             ):
-                line += mixed_timing(runner, runner.mixed_graphs, ids, pos, md)
+                line += mixed_timing(runner, runner.graphs.mixed, ids, pos, md)
             print(line, flush=True)
             continue
         eager_pass = lambda ids=ids, pos=pos, md=md: model(ids, pos, md)  # noqa: E731
@@ -190,10 +190,10 @@ def main() -> None:
             f"shared={shared} tokens={md.num_actual_tokens}: eager {eager:.2f} ms, "
             f"launch {launch:.2f} ms, graph {whole:.2f} ms"
         )
-        mixed = runner.mixed_graphs
+        mixed = runner.graphs.mixed
         if mixed is not None and mixed.can_run(md.num_actual_tokens) and not shared:
             line += mixed_timing(runner, mixed, ids, pos, md)
-        pieces = runner.piecewise_graphs
+        pieces = runner.graphs.piecewise
         if pieces is not None and pieces.can_run(md.num_actual_tokens):
             line += piecewise_timing(runner, pieces, ids, pos, md)
             if shared:

@@ -247,7 +247,7 @@ def test_decode_step_reading_a_block_filled_by_another_decode_in_float32(
     assert not any(flags[3:])
     assert outputs == {"a": tokens_a, "b": tokens_b}
     runner = engine.engine_core.executor.worker.model_runner
-    assert runner.cuda_graphs.num_replays > 0
+    assert runner.graphs.decode.num_replays > 0
     del llm, engine, runner
     torch.cuda.empty_cache()
 
@@ -267,7 +267,7 @@ def test_split_decode_graphs_survive_a_released_cache(smollm2_random):
                   max_num_seqs=8, enforce_eager=eager)  # fmt: skip
         runner = llm.llm_engine.engine_core.executor.worker.model_runner
         if not eager:
-            assert set(runner.cuda_graphs.metadata) == set(runner.cuda_graphs.graphs)
+            assert set(runner.graphs.decode.metadata) == set(runner.graphs.decode.graphs)
         torch.cuda.empty_cache()
         out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
         tokens[eager] = out[0].outputs[0].token_ids
@@ -303,7 +303,9 @@ def test_mixed_step_graphs_equal_eager_in_float32(smollm2_random, monkeypatch, w
         runner = llm.llm_engine.engine_core.executor.worker.model_runner
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         alone = llm.generate({"prompt_token_ids": prompts[7]}, params, use_tqdm=False)
-        graphs = runner.mixed_graphs if whole_step else runner.piecewise_graphs
+        graphs = None
+        if runner.graphs is not None:
+            graphs = runner.graphs.mixed if whole_step else runner.graphs.piecewise
         replays = graphs.num_replays if graphs else 0
         results[eager] = (
             [o.outputs[0].token_ids for o in outs],

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps, and what every graph set shares: capture per padded
+size over the model runner's persistent buffers (``GraphHost``).
 
 A decode step of a large model launches hundreds of small kernels; at small batch their
 launch overhead rivals the GPU work. The model's forward pass (to the final norm) is
@@ -16,14 +17,47 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.model.attention.backend import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+
+class DeviceBuffer(Protocol):
+    """A persistent device tensor of the runner and the host array a step fills."""
+
+    device: torch.Tensor
+    np: np.ndarray
+
+
+class GraphHost(Protocol):
+    """What graphs read of the model runner that replays them: the model, the persistent
+    input buffers they are captured over, the batch limits, and the runner's padding and
+    metadata over those buffers (``worker/model_runner.py`` documents each)."""
+
+    model: nn.Module | None
+    input_ids: DeviceBuffer
+    positions: DeviceBuffer
+    slot_mapping: DeviceBuffer
+    query_start_loc: DeviceBuffer
+    seq_lens: DeviceBuffer
+    prefill_range: DeviceBuffer
+    max_num_reqs: int
+    max_num_tokens: int
+    max_model_len: int
+
+    def pad_token_inputs(self, num_tokens: int, padded: int) -> None: ...
+
+    def pad_decode_batch(self, num_reqs: int, padded: int) -> AttentionMetadata: ...
+
+    def buffer_metadata(self, num_tokens: int, num_reqs: int, **fields) -> AttentionMetadata: ...
+
+    def single_request_metadata(self, num_tokens: int, seq_len: int) -> AttentionMetadata: ...
 
 
 @contextmanager
@@ -70,7 +104,7 @@ class PaddedGraphs:
             concurrently with these; a new one at capture when None.
     """
 
-    def __init__(self, runner: ModelRunner, sizes: list[int], pool: tuple[int, int] | None) -> None:
+    def __init__(self, runner: GraphHost, sizes: list[int], pool: tuple[int, int] | None) -> None:
         self.runner = runner
         self.sizes = sorted(sizes)
         self.pool = pool
@@ -142,7 +176,7 @@ class WholePassGraphs(PaddedGraphs):
     # The log line's description of what was captured: ``{lo}`` and ``{hi}`` are the sizes.
     what = "CUDA graphs (sizes {lo}..{hi})"
 
-    def __init__(self, runner: ModelRunner, sizes: list[int], pool: tuple[int, int] | None) -> None:
+    def __init__(self, runner: GraphHost, sizes: list[int], pool: tuple[int, int] | None) -> None:
         super().__init__(runner, sizes, pool)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -195,7 +229,7 @@ class CUDAGraphRunner(WholePassGraphs):
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: GraphHost,
         capture_sizes: list[int] | None = None,
         pool: tuple[int, int] | None = None,
     ) -> None:

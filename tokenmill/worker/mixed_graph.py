@@ -19,16 +19,11 @@ piecewise graphs, as do steps with cascade attention.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from tokenmill.model.attention.backend import AttentionMetadata
-from tokenmill.worker.cuda_graph import WholePassGraphs
+from tokenmill.worker.cuda_graph import GraphHost, WholePassGraphs
 from tokenmill.worker.piecewise_graph import default_piecewise_sizes
-
-if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import ModelRunner
 
 
 class MixedCUDAGraphRunner(WholePassGraphs):
@@ -45,7 +40,7 @@ class MixedCUDAGraphRunner(WholePassGraphs):
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: GraphHost,
         capture_sizes: list[int] | None = None,
         pool: tuple[int, int] | None = None,
     ) -> None:

@@ -26,16 +26,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.layers.attention import Attention, attention_hook
-from tokenmill.worker.cuda_graph import PaddedGraphs
-
-if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.cuda_graph import GraphHost, PaddedGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +79,7 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: GraphHost,
         capture_sizes: list[int] | None = None,
         pool: tuple[int, int] | None = None,
     ) -> None:
