@@ -15,7 +15,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
 
-from tokenmill.model.loader.hf_config import HFConfig
+from tokenmill.hf_config import HFConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]

@@ -385,7 +385,7 @@ class EngineArgs:
         return self.device
 
     def _create_model_config(self, device: str) -> ModelConfig:
-        from tokenmill.model.loader.hf_config import derive_max_model_len, load_hf_config
+        from tokenmill.hf_config import derive_max_model_len, load_hf_config
         from tokenmill.model.registry import is_pooling_model
 
         model = self.model or default_model_path()
@@ -396,7 +396,7 @@ class EngineArgs:
         if self.generation_config == "vllm":
             generation_config = {}
         elif self.generation_config != "auto":
-            from tokenmill.model.loader.hf_config import _read_json
+            from tokenmill.hf_config import _read_json
 
             path = os.path.join(self.generation_config, "generation_config.json")
             if not os.path.isfile(path):

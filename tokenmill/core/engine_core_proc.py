@@ -28,7 +28,7 @@ from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.engine_io import EngineCoreOutputs, EngineCoreRequest
 from tokenmill.gc_freeze import freeze_startup_heap
-from tokenmill.model.loader.hf_config import ModelLoadError
+from tokenmill.hf_config import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from tokenmill.config import KernelConfig, LoadConfig, ModelConfig, kernel_config_scope
+from tokenmill.hf_config import ModelLoadError
 from tokenmill.model.attention.backend import AttentionBackend
-from tokenmill.model.loader.hf_config import ModelLoadError
 from tokenmill.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.hf_config import HFConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.activation import SiluAndMul, get_act_and_mul
 from tokenmill.model.layers.attention import Attention
@@ -21,7 +22,6 @@ from tokenmill.model.layers.linear import (
 )
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import get_rope
-from tokenmill.model.loader.hf_config import HFConfig
 from tokenmill.model.models.decoder import (
     DecoderForCausalLM,
     DecoderModel,
