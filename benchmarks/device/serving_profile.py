@@ -42,9 +42,9 @@ import torch
 from kernel_profile import kernel_totals  # this folder is on sys.path as the script's own
 from torch.profiler import ProfilerActivity, profile
 
-from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.engine_io import EngineCoreRequest
 from tokenmill.core.prefill_pacing import PrefillPacing
+from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine_args import EngineArgs
 from tokenmill.kernels.attention import paged
 from tokenmill.kernels.attention.launch import TileConfig

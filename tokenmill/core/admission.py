@@ -31,7 +31,7 @@ from tokenmill.core.kv_cache_manager import cdiv
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from tokenmill.request import Request
+    from tokenmill.core.request import Request
 
 # Output tokens a request is expected to add at most: an unset max_tokens means "up to the
 # context length", far more than typical outputs, and must not freeze admission.

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_utils import KVCacheBlock, update_block_hashes
-from tokenmill.request import Request
+from tokenmill.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -87,7 +87,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from tokenmill.core.kv_cache_manager import KVCacheManager
-    from tokenmill.request import Request
+    from tokenmill.core.request import Request
 
 # The default of a server on CUDA (tokens per step; measured above).
 SERVING_PACING_TOKENS = 256

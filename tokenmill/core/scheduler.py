@@ -29,10 +29,10 @@ from tokenmill.core.engine_io import (
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.prefill_pacing import PrefillPacing
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import create_request_queue
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.core.step_plan import StepPlan
-from tokenmill.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     # Annotations only: core/ stays importable without the model-side packages.

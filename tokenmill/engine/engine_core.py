@@ -1,6 +1,6 @@
 """EngineCore: the loop of schedule -> execute -> update, in-process.
 
-``EngineCoreProc`` (core/engine_core_proc.py) runs the same loop in its own process behind
+``EngineCoreProc`` (engine/engine_core_proc.py) runs the same loop in its own process behind
 ZMQ sockets for the server. This module stays importable without torch: the executor
 (which loads torch) is created through a factory.
 """
@@ -22,9 +22,9 @@ from tokenmill.core.engine_io import (
 )
 from tokenmill.core.grammar_compilation import GrammarCompilation
 from tokenmill.core.grammar_masks import GrammarMaskFiller
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import SchedulerOutput
-from tokenmill.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -90,7 +90,7 @@ class EngineCoreProc:
     IDLE_POLL_S = 0.5
 
     def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
-        from tokenmill.core.engine_core import EngineCore
+        from tokenmill.engine.engine_core import EngineCore
 
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
