@@ -1,4 +1,10 @@
-"""Every environment variable tokenmill reads, in one place (debug switches and paths)."""
+"""Every environment variable tokenmill reads, in one place: the server's API key and body
+limit, paths, thread counts and a diagnostic log; each is documented in README.md.
+
+Choices a user makes about the engine are configuration (``tokenmill.config``, CLI flags),
+kernel choices included (``KernelConfig``); model and kernel code never reads the
+environment (``tests/test_architecture.py``).
+"""
 
 from __future__ import annotations
 
