@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from tokenmill.core.kv_cache_manager import cdiv
+from tokenmill.math_utils import cdiv
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

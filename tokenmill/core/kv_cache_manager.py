@@ -27,11 +27,7 @@ from dataclasses import dataclass
 from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_utils import KVCacheBlock, update_block_hashes
 from tokenmill.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative ints."""
-    return -(-a // b)
+from tokenmill.math_utils import cdiv
 
 
 @dataclass

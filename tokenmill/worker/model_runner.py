@@ -22,6 +22,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.layers.attention import Attention, bind_kv_caches
@@ -66,7 +67,7 @@ class ModelRunner:
         self.max_model_len = mc.max_model_len
         self.max_num_reqs = sc.max_num_seqs
         self.max_num_tokens = sc.max_num_batched_tokens
-        self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         self.vocab_size = mc.vocab_size
         self.attn_backend = get_attn_backend(device.type)
         self.cascade_attn = self.attn_backend.supports_cascade and not config.disable_cascade_attn
@@ -222,7 +223,7 @@ class ModelRunner:
         np.add(block_ids.astype(np.int64) * self.block_size, positions % self.block_size, out=slots)
         seq_lens = computed + num_sched
         self.seq_lens.np[:num_reqs] = seq_lens
-        max_blocks = int(-(-int(seq_lens.max()) // self.block_size))
+        max_blocks = cdiv(int(seq_lens.max()), self.block_size)
         block_table = batch.block_table[rows, :max_blocks]
         # A request samples once its whole context is computed this step.
         sample_rows = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]

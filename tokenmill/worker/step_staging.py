@@ -28,6 +28,7 @@ import torch
 
 from tokenmill.kernels.device import HAS_TRITON
 from tokenmill.kernels.staging import COPY, DESC_WORDS, TOKENS, unpack, unpack_reference
+from tokenmill.math_utils import cdiv
 
 MAX_SEGMENTS = 16
 HEADER_BYTES = MAX_SEGMENTS * DESC_WORDS * 4
@@ -48,7 +49,7 @@ class DeviceArena:
         for shape, dtype in specs:
             offsets.append(words)
             n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size() // 4
-            words += -(-n // (ALIGN // 4)) * (ALIGN // 4)
+            words += cdiv(n, ALIGN // 4) * (ALIGN // 4)
         self.words = torch.zeros(max(words, 1), dtype=torch.int32, device=device)
         self.buffers = [
             self.words[off : off + int(np.prod(shape)) * _word_ratio(dtype)].view(dtype).view(shape)
@@ -138,7 +139,7 @@ class StepStaging:
         if end > len(host):
             raise RuntimeError(f"step inputs of {end} bytes overflow the {len(host)}-byte staging")
         host[off:end] = values.reshape(-1).view(np.uint8)
-        self._cursor = -(-end // ALIGN) * ALIGN
+        self._cursor = cdiv(end, ALIGN) * ALIGN
         return off
 
     def put(self, values: np.ndarray) -> torch.Tensor:
