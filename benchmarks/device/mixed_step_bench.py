@@ -1,7 +1,7 @@
 """Is a mixed (decode + prompt chunk) step bound by the host or by the GPU?
 
 usage: python3 benchmarks/device/mixed_step_bench.py MODEL_DIR [--shared-only | --kernels |
-    --serving | --curve]
+    --serving | --curve] [--cases "D,CTX,CHUNK,CACHED ..."]
 
 For batches of ``D`` decode requests (context ``ctx``) plus one prompt chunk of ``P`` tokens
 after ``pctx`` cached tokens, prints per forward pass (model only, no LM head):
@@ -25,12 +25,13 @@ kernel (torch.profiler over whole-graph replays): where a mixed step's time goes
 ``--serving`` runs the ``SERVING_CASES`` batches both ways (timings, then kernel tables).
 ``--curve`` times only the exact-layout and whole-step graphs of the ``SERVING_CASES``
 batches: a step's cost against its token count, for many cases in one run.
+``--cases "60,1152,228,512 ..."`` (decodes, context, chunk, cached) replaces the
+``SERVING_CASES``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 
@@ -72,12 +73,6 @@ KERNEL_CASES = [(64, 1280, 0, 0), (64, 1280, 256, 0), (64, 1280, 512, 0), (0, 0,
 # decodes at ~1,150 tokens of context, alone or with a ~206-token chunk of a prompt that
 # has 0-768 tokens cached.
 SERVING_CASES = [(60, 1152, 0, 0), (60, 1152, 206, 0), (60, 1152, 206, 512), (60, 1152, 256, 768)]
-# TOKENMILL_BENCH_CASES="60,1152,228,512 ..." (decodes, context, chunk, cached) replaces them.
-if os.environ.get("TOKENMILL_BENCH_CASES"):
-    SERVING_CASES = [
-        tuple(int(x) for x in case.split(","))
-        for case in os.environ["TOKENMILL_BENCH_CASES"].split()
-    ]
 
 
 def build_batch(
@@ -161,7 +156,11 @@ def main() -> None:
         return
     serving = "--serving" in sys.argv[2:]
     curve = "--curve" in sys.argv[2:]
-    for decodes, ctx, chunk, cached, *shared in SERVING_CASES if serving or curve else CASES:
+    serving_cases = SERVING_CASES
+    if "--cases" in sys.argv and sys.argv[sys.argv.index("--cases") + 1].strip():
+        cases = sys.argv[sys.argv.index("--cases") + 1].split()
+        serving_cases = [tuple(int(x) for x in case.split(",")) for case in cases]
+    for decodes, ctx, chunk, cached, *shared in serving_cases if serving or curve else CASES:
         shared = shared[0] if shared else 0
         if shared_only and not shared:
             continue
