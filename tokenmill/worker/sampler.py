@@ -304,11 +304,10 @@ def wide_amax(x: torch.Tensor) -> torch.Tensor:
 def wide_argmax(x: torch.Tensor, force: bool = False) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for [B, V] float32, in two stages on CUDA for few wide rows.
 
-    torch's row reduction gives a lone 128k-wide row (batch-1 decode) few thread blocks:
-    ~27 us on an H200 (RESULTS.md, kernel profile of batch-1 decode), where the maxima of
-    up to 256 chunks, then their argmax, parallelise. Both stages keep the first index of a
-    tie, as ``torch.argmax`` does, so the index is the same. Many or narrow rows, and other
-    devices unless ``force`` (tests), use ``torch.argmax``.
+    torch's row reduction gives a lone 128k-wide row (batch-1 decode) few thread blocks,
+    where the maxima of up to 256 chunks, then their argmax, parallelise. Both stages keep
+    the first index of a tie, as ``torch.argmax`` does, so the index is the same. Many or
+    narrow rows, and other devices unless ``force`` (tests), use ``torch.argmax``.
 
     Returns:
         [B] int64 indices.

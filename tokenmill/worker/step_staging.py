@@ -2,10 +2,9 @@
 
 A step's inputs are a dozen small arrays: token ids, positions, slot mapping, query starts,
 context lengths, block-table rows, the rows that sample, the sampler's per-row parameters.
-Copied one by one, each is its own copy on the stream, and on an H200 consecutive small
-copies start 2-3 us apart: ~35 us of a batch-1 decode step of Llama-3.1-8B went to nine
-copies and the two kernels that placed the previous step's sampled tokens
-(``benchmarks/device/step_timeline.py``, RESULTS.md, twenty-fifth set).
+Copied one by one, each is its own copy on the stream, and consecutive small copies start
+microseconds apart, a visible share of a batch-1 decode step
+(``benchmarks/device/step_timeline.py``).
 
 Here the host packs the arrays back to back into one pinned buffer (``StepStaging.put``),
 which is copied with one call (``flush``). One kernel then scatters the arrays that CUDA

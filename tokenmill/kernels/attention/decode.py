@@ -3,7 +3,7 @@ decode kernel, optionally rotating the query and writing the new K/V itself, and
 log-sum-exp reduction of its splits.
 
 The tile loop, the split merge and the online-softmax conventions are shared with the
-prompt kernels in ``triton_kernels.py``; launch logic lives in ``triton_backend.py``.
+prompt kernels (``common.py``); launches are in ``paged.py``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""Launch heuristics of the Triton attention kernels: tile shapes and key-split counts.
+"""Launch tables of the paged-attention kernels: tile shapes and key-split counts.
 
 Every decision here depends on host integers only (batch shape, the longest context, the
 SM count), so a step's launches are fixed before any kernel runs and CUDA graphs can
-capture them. ``triton_backend.py`` calls these through its own namespace, so benchmarks
-and tests patch them there (``attention_bench.py --sweep-tiles``, ``--sweep-splits``).
+capture them. ``paged.py`` calls these through its own namespace, so benchmarks and tests
+patch them there (``attention_bench.py --sweep-tiles``, ``--sweep-splits``). The
+measurements behind the tables: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -73,11 +74,9 @@ def varlen_tile_config(
 
     A whole-step graph of at most ``UNIFORM_SHORT_TOKENS`` tokens (``uniform_tokens``: the
     padded step; uniform grids have one key split) takes 64 x 128 tiles with 4 warps: twice
-    the programs over a short chunk's query blocks, each with wider key tiles. Llama-3.1-8B
-    on an H200 (RESULTS.md, tenth set), a 256-token chunk after 0 / 256 / 512 / 768 cached
-    tokens: 15.7 / 22.9 / 28.7 / 34.0 us per layer against 17.1 / 27.0 / 34.8 / 42.8. A
-    fresh 1,024-token prompt is slower with them (87 against 67 us), and so are the
-    non-uniform launches, which split a short chunk's keys instead.
+    the programs over a short chunk's query blocks, each with wider key tiles (faster for a
+    short chunk after cached context; slower for a fresh long prompt, and for the
+    non-uniform launches, which split a short chunk's keys instead).
     """
     if dtype == torch.float32:
         return TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -105,10 +104,9 @@ DECODE_TILES_D128_ROPE = (
 )
 # With RoPE in the kernel, a first-wave grid whose contexts are spread over at least
 # DECODE_MANY_SPLITS key splits (batch 1 with 8 KV heads: 33) takes 32-key tiles at 4
-# warps (143 registers), where each split holds a few keys. Llama-3.1-8B's batch-1 decode
-# graph on an H200, against 64-key tiles (RESULTS.md, twenty-eighth set): 51 us less per
-# step at 160 tokens of context, 14 us less at 4,000, 26 us more at 1,000. At batch 8 and
-# 32 (4 splits, 1) the 32-key tiles were 33-384 us slower.
+# warps (143 registers), where each split holds a few keys (batch-1 decode of
+# Llama-3.1-8B: 51 us less per step at 160 tokens of context); grids of fewer splits keep
+# 64-key tiles, where 32 keys lose.
 DECODE_MANY_SPLITS = 32
 DECODE_TILE_MANY_SPLITS_ROPE = TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=3)
 # Past every tile's single wave, and in uniform grids (whole-step graphs, whose decode
@@ -130,17 +128,14 @@ def decode_tile_config(
 
     Decode attention streams each context once, so its time is the waves of resident
     programs it takes: one program more than the SMs hold costs a second wave of almost a
-    whole program's time. Llama-3.1-8B on an H200 (RESULTS.md, twenty-second set), contexts
-    of 1,024-1,280: 48 decodes (384 programs) take 73 us at 4 warps, 56 take 109 us; 2
-    warps hold 56 in one wave (81 us), and 1 warp holds 72-128 in one (111-158 us, against
-    116-179 us at 4 warps). So at head_dim 128 (16-bit) the first tile of
+    whole program's time. So at head_dim 128 (16-bit) the first tile of
     ``DECODE_TILES_D128`` (``DECODE_TILES_D128_ROPE`` for the kernel that also rotates and
     writes the new K/V) whose single wave holds the grid is taken: fewer warps leave each
     program fewer loads in flight, so 4 warps are fastest while every tile fits. Past them
-    all, and for uniform grids, ``DECODE_TILE_MANY_WAVES``. The rotating kernel's first wave takes
-    ``DECODE_TILE_MANY_SPLITS_ROPE`` at ``DECODE_MANY_SPLITS`` splits or more. Other head
-    sizes: 64 keys per tile (32 at head_dim 256), 4 warps; fp32 (FMA dot products) 16 keys
-    per tile.
+    all, and for uniform grids, ``DECODE_TILE_MANY_WAVES``. The rotating kernel's first
+    wave takes ``DECODE_TILE_MANY_SPLITS_ROPE`` at ``DECODE_MANY_SPLITS`` splits or more.
+    Other head sizes: 64 keys per tile (32 at head_dim 256), 4 warps; fp32 (FMA dot
+    products) 16 keys per tile.
 
     Args:
         head_dim_padded: the head size rounded up to a power of two.

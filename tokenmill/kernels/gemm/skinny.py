@@ -1,56 +1,40 @@
 """Skinny matrix products ``y = x W^T (+ b)`` for decode-sized batches (M <= 32 rows) on CUDA.
 
-**Bandwidth model.** With ``x [M, K]``, ``W [N, K]`` (row-major) and ``y [M, N]`` in 2-byte
-dtypes, a product moves ``2 * (N*K + M*K + M*N)`` bytes for ``2*M*N*K`` FLOPs: ``M`` FLOP per
-byte. An H200 (132 SMs, ~4.25 TB/s copy bandwidth, ~790 TFLOP/s dense bf16) turns from
-memory- to compute-bound near 186 FLOP/byte, so at ``M <= 32`` the floor is the time to
-stream ``W`` once: ``2*N*K / 4.25e12`` seconds (7.9 us for a 4096 x 4096 weight). Reaching
-it takes (i) every weight byte read exactly once, with 16-byte vector loads along K;
-(ii) enough bytes in flight to cover DRAM latency (Little's law: ~4.25 TB/s x ~0.7 us ~ 3 MB
-on the chip, ~23 KB per SM), which means tiles of 4-20 KB, several programs per SM and/or a
-multi-stage copy pipeline; (iii) enough programs that the last wave is short: about
-``TARGET_PROGRAMS_PER_SM`` programs per SM. Through ``F.linear``, cuBLAS reaches 42-66% of
-the copy bandwidth at ``N = 4096`` on an H200 (80% at N = 28672, 98% at N = 128256): the
-shapes with few output columns are the ones it leaves short of programs in flight.
+**Bandwidth model.** With ``x [M, K]``, ``W [N, K]`` and ``y [M, N]`` in 2-byte dtypes, a
+product moves ``2 * (N*K + M*K + M*N)`` bytes for ``2*M*N*K`` FLOPs: ``M`` FLOP per byte,
+far below an H200's ridge (~186 FLOP/byte), so the floor is the time to stream ``W`` once
+(``2*N*K`` bytes at ~4.25 TB/s). Reaching it takes every weight byte read once with 16-byte
+loads along K, enough bytes in flight to cover DRAM latency (Little's law: ~3 MB on the
+chip, ~23 KB per SM) and about ``TARGET_PROGRAMS_PER_SM`` programs per SM so that the last
+wave is short; cuBLAS leaves the shapes with few output columns short of programs.
 
 **Design.** One program computes ``BLOCK_N`` outputs (for all M rows) over one K-slice. When
-``N / BLOCK_N`` programs are too few to fill the chip, K is split over ``split_k`` programs,
-as Flash-Decoding (Dao, Haziza, Massa, Sizov 2023) splits a long context and as split-K GEMMs
-do for small batches (Hoque et al. 2024, "Accelerating a Triton Fused Kernel for W4A16
-Quantized Inference with SplitK work decomposition", arXiv:2402.00025). The partial sums are
-combined inside the same launch (a second reduction kernel would add a launch gap of ~1-2 us
-per layer, 10-20% of a 4096 x 4096 product): each program writes its fp32 partial tile to a
-workspace and increments a per-column-block counter; the program that arrives last sums the
-partials in split order (deterministic), adds the bias, writes ``y`` and resets the counter
-to zero (the "last block reduces" pattern of CUDA's threadFenceReduction sample; CUTLASS
-calls it serial split-K). Two main loops:
+``N / BLOCK_N`` programs are too few to fill the chip, K is split over ``split_k`` programs
+(split-K; Hoque et al. 2024, arXiv:2402.00025), combined inside the same launch: each
+program writes its fp32 partial tile to a workspace and counts itself on a per-column-block
+counter; the last to arrive sums the partials in split order (deterministic), adds the
+bias, writes ``y`` and resets the counter (CUDA's threadFenceReduction "last block"
+pattern; CUTLASS's serial split-K). Two main loops:
 
 - CUDA cores (``M <= FMA_MAX_M``; the default for ``M <= FMA_DEFAULT_MAX_M``): one fp32
   register accumulator ``[BLOCK_N, BLOCK_K]`` per row of ``x``, reduced across lanes once
-  after the K loop (no shuffles inside it), with the next weight tile loaded into registers
-  while the current one is multiplied;
+  after the K loop, the next weight tile loaded while the current one is multiplied;
 - tensor cores (any M): ``acc[BLOCK_N, BLOCK_M] += W_tile @ x_tile^T`` with ``BLOCK_M``
-  padded to 16 or 32; the weight is the ``tl.dot`` left operand so that its 64-row tiles can
-  use Hopper's ``wgmma`` ("swap AB"), and ``num_stages`` pipelines its loads through shared
-  memory (``cp.async``). Seen in an sm_90 compile of the default tiles: ``HGMMA`` fed by
-  ``LDGSTS``, and 16-byte ``LDG.E.EF.128`` weight loads in the CUDA-core loop.
+  padded to 16 or 32, the weight as the ``tl.dot`` left operand so that its 64-row tiles use
+  Hopper's ``wgmma`` ("swap AB"), ``num_stages`` pipelining its loads through shared memory.
 
-Weights are loaded with ``evict_first`` (read once: first to leave L2) and ``x`` with
-``evict_last`` (every program reads it).
+Weights are loaded with ``evict_first`` (read once) and ``x`` with ``evict_last`` (every
+program reads it).
 
 **Dependent launches.** On sm_90+ each launch is a programmatic dependent launch: its
-programs may be scheduled while the previous kernel's last programs run, issue their first
-weight loads, and wait for that kernel's completion (``griddepcontrol.wait``) before they
-read ``x``; each program also lets the next launch start early. A product of a few tens of
-MB loses 2-4 us to its launch, ramp and tail at ~4.25 TB/s, 15-25% of it; dependent launches
-measured 0.5-1.5 us back per product (``benchmarks/skinny_gemm_bench.py --pdl``).
+programs may start while the previous kernel finishes, issue their first weight loads, and
+wait for that kernel (``griddepcontrol.wait``) before they read ``x``.
 
 **CUDA graphs.** No host sync and no device-to-host read. The partial workspace is allocated
 per call; under capture it comes from the graph's memory pool, which keeps it for replays.
-The counters live in one zero-initialised buffer per device that each launch leaves at zero;
-it is created by the first call outside capture (the model runner's warm-up); a call made
-during capture before that runs without split-K. Launches that share the counters must
-not run concurrently: keep skinny products of one device on one stream at a time.
+The counters (``device.DeviceCounters``) are zero before every launch and created by the
+first call outside capture; a call made during capture before that runs without split-K.
+Launches that share the counters must not run concurrently: one stream at a time.
 """
 
 from __future__ import annotations
@@ -162,7 +146,7 @@ def skinny_linear(
             ``MergedColumnParallelLinear`` holds them). Each program computes ``BLOCK_N / 2``
             outputs from their gate and up rows and writes the gated values, each of ``y``
             rounded to x's dtype first as the separate product would store it; the gate is
-            computed in fp32 as ``fused_kernels.silu_and_mul`` computes it.
+            computed in fp32 as ``kernels.activation.silu_and_mul`` computes it.
 
     Returns:
         ``out``, or a new contiguous ``[M, N]`` (``[M, N/2]`` gated) tensor of x's dtype.
@@ -248,7 +232,7 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError("skinny_linear runs on CUDA tensors (or under TRITON_INTERPRET=1)")
 
 
-# The split-K counters (``device_counters.py``); a launch made while a graph is captured
+# The split-K counters (``device.DeviceCounters``); a launch made while a graph is captured
 # before they exist runs without split-K.
 _LOCKS = DeviceCounters()
 
@@ -404,7 +388,7 @@ if HAS_TRITON:
                 b = tl.load(bias_ptr + _weight_rows(pid_n, N, BLOCK_N, True))
                 acc += b.to(tl.float32)[:, None]
             # Rounded as the product would store it, then gated in fp32 as
-            # ``fused_kernels.silu_and_mul`` does.
+            # ``kernels.activation.silu_and_mul`` does.
             y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
             gate, up = tl.split(tl.permute(tl.reshape(y, [2, HALF, BLOCK_M]), (1, 2, 0)))
             h = gate / (1.0 + tl.exp(-gate)) * up

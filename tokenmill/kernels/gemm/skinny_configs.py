@@ -1,9 +1,9 @@
-"""Launch configurations of the skinny GEMM (``skinny_gemm.py``): the tiles measured best on
+"""Launch configurations of the skinny GEMM (``skinny.py``): the tiles measured best on
 an H200 for Llama-3.1-8B's batch-1 products, the reasoned default for other shapes, and the
 split of K into slices.
 
 Every decision depends on host integers only (M, N, K, the SM count), so a launch is fixed
-before the kernel runs and CUDA graphs can capture it. ``skinny_gemm.py`` re-exports these
+before the kernel runs and CUDA graphs can capture it. ``skinny.py`` re-exports these
 names; benchmarks that try other tiles patch ``TUNED_CONFIGS`` here.
 """
 
@@ -58,27 +58,19 @@ class SkinnyConfig:
 
 
 # Measured best configurations on an H200 (132 SMs), keyed by (M bucket, N, K) with the M
-# bucket the next power of two of M; from ``benchmarks/skinny_gemm_bench.py --pdl --sweep
-# --fma-only`` (in-graph time per call as a dependent launch, weights cycled past the L2;
-# cuBLAS in the same run), and for the products that follow a latency-bound kernel, from
-# ``benchmarks/device/decode_ablation_bench.py --sweep-one-tile`` (the batch-1 decode graph
-# as the engine captures it). Shapes not listed use ``default_config``, and under
+# bucket the next power of two of M: timed inside the batch-1 decode graph as dependent
+# launches (``benchmarks/skinny_gemm_bench.py --pdl --sweep``,
+# ``benchmarks/device/decode_ablation_bench.py --sweep-one-tile``; figures in
+# benchmarks/RESULTS.md). Shapes not listed use ``default_config``, and under
 # ``KernelConfig.skinny_gemm="auto"`` only the listed shapes leave cuBLAS.
 TUNED_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
-    # Llama-3.1-8B at batch 1 (2026-12-01): qkv 14.3 us (cuBLAS 16.1), o_proj 10.5 (12.8),
-    # down 29.7 (30.4), gate_up 54.4 (55.2); the LM head's default tiles 243.6 (248.7).
-    # Timed inside the batch-1 decode graph (2026-12-02), where a product's first programs
-    # load their weight while the kernel before it runs: QKV and the output projection
-    # with whole rows in one tile and no split-K (each program's weight is loaded before
-    # it waits, and no combine ends the product), 69.2 and 54.9 us less per step than
-    # 32 x 256 and 4 x 256 tiles split in two; the down projection unsplit, 18.7 us less
-    # (RESULTS.md, nineteenth set).
+    # Llama-3.1-8B at batch 1, none split over K (no combine ends the product): the QKV,
+    # output and gate/up projections and the LM head take whole weight rows in one tile,
+    # which a program loads before it waits for the previous kernel; the down projection
+    # 512-wide tiles.
     (1, 6144, 4096): SkinnyConfig(2, 4096, 1, 8, 1, False),
     (1, 4096, 4096): SkinnyConfig(4, 4096, 1, 4, 1, False),
     (1, 4096, 14336): SkinnyConfig(4, 512, 1, 8, 1, False),
-    # The gate/up product and the LM head on whole-row tiles too (2026-12-02): gate/up 26.0
-    # us less per step in the graph than on 8 x 256 tiles, the LM head 252.6 us against
-    # 263.0 eagerly.
     (1, 28672, 4096): SkinnyConfig(2, 4096, 1, 8, 1, False),
     (1, 128256, 4096): SkinnyConfig(4, 4096, 1, 4, 1, False),
 }

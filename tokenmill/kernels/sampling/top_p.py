@@ -2,9 +2,9 @@
 cut-off logit.
 
 Top-p (Holtzman et al. 2019) keeps the most likely tokens whose probability first reaches
-``p``. The sort route (``sampler.apply_top_k_top_p``) sorts each row of 128,256 float32
-logits, then takes a softmax and a cumulative sum of the sorted row: 4.2 ms for 256 rows on
-an H200, most of a decode step. Here the kept set is found as a threshold instead.
+``p``. The sort route (``sampler.apply_top_k_top_p``, the CPU path) sorts each row of the
+vocabulary, then takes a softmax and a cumulative sum of the sorted row; on the GPU that is
+most of a decode step at large batch. Here the kept set is found as a threshold instead.
 
 Each float32 ``x`` maps to an unsigned 32-bit key that orders like ``x`` (the sign bit set
 for non-negative floats, all bits flipped for negative ones: the radix-sort order of IEEE
@@ -18,10 +18,7 @@ keys that extend the bits found so far by one hex digit, in one read of the row,
 the largest digit whose mass still reaches ``p``. A pass is two launches: ``(B, chunks)``
 programs sum the candidates' masses over slices of their row, one program per row adds the
 slices up and extends its key. Nothing leaves the GPU, so the step stays capturable in a
-CUDA graph. Measured on an H200 (``benchmarks/device/sampler_bench.py``, 128,256 tokens,
-the whole sampler call in a CUDA graph): 63 / 98 / 242 / 1,689 us for 1 / 8 / 32 / 256 rows
-against the sort route's 134 / 401 / 767 / 4,184. The mass pass is bound by its 16
-comparisons per token, not by reading the row.
+CUDA graph (timings against the sort route: ``benchmarks/device/sampler_bench.py``).
 
 Ties: tokens whose logit equals the cut-off are all kept (the sort route keeps those the
 sort placed first). Logits rounded to bf16 tie often: on 128k-token rows that keeps ~1-7%
