@@ -8,10 +8,10 @@ probability ``softmax(l / t)_i`` because ``l + t * g = t * (l / t + g)`` has the
 ``torch.argmax``.
 
 Why a kernel: the torch route reads and writes ``[B, V]`` float32 tensors about eight times
-(copy, max, shift, scale, noise, clamp, log, add, argmax). Here the logits are read once in their own dtype, the noise is
-made in registers (Philox4x32-10, Salmon et al. 2011, "Parallel random numbers: as easy as
-1, 2, 3", four 32-bit draws per call; ``_gumbel`` turns them into noise), and only
-``[B, chunks]`` partial winners reach memory.
+(copy, max, shift, scale, noise, clamp, log, add, argmax). Here the logits are read once in
+their own dtype, the noise is made in registers (Philox4x32-10, Salmon et al. 2011,
+"Parallel random numbers: as easy as 1, 2, 3", four 32-bit draws per call; ``_gumbel``
+turns them into noise), and only ``[B, chunks]`` partial winners reach memory.
 
 Precision: the score is formed in float64. In float32, ``l + t * g`` at ``t = 1e-5`` and
 ``l ~ 30`` would round the noise to a few units in the last place (ties, then the lower id
