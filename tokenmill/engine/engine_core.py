@@ -269,6 +269,10 @@ class EngineCore:
         outputs.timestamp = time.time()
         return outputs
 
+    def check_integrity(self) -> None:
+        """Verify the KV cache's bookkeeping (``KVCacheManager.check_integrity``)."""
+        self.scheduler.kv_cache_manager.check_integrity()
+
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 

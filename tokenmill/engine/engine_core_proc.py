@@ -1,4 +1,5 @@
 """EngineCoreProc: the engine loop in its own process, talking to the front end over ZMQ.
+It runs an ``EngineCore``, or a ``PoolingEngineCore`` for an embedding model.
 
 Tokenizing, detokenizing and HTTP run in the front-end process, so they never stall the
 model loop. Messages are msgspec-msgpack encoded; each is a two-frame ZMQ message
@@ -91,13 +92,18 @@ class EngineCoreProc:
 
     def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
         from tokenmill.engine.engine_core import EngineCore
+        from tokenmill.engine.pooling_core import PoolingEngineCore
 
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
         self.input.bind(input_address)
         self.output = self.ctx.socket(zmq.PUSH)
         self.output.connect(output_address)
-        self.engine_core = EngineCore(config, log_stats=not config.disable_log_stats)
+        self.engine_core: EngineCore | PoolingEngineCore
+        if config.model_config.is_pooling_model:
+            self.engine_core = PoolingEngineCore(config)
+        else:
+            self.engine_core = EngineCore(config, log_stats=not config.disable_log_stats)
         self.running = True
         self.step_log = _StepLog() if envs.log_step_stats() else None
 
@@ -129,7 +135,7 @@ class EngineCoreProc:
         if name == "ping":
             return "pong"
         if name == "check_integrity":
-            self.engine_core.scheduler.kv_cache_manager.check_integrity()
+            self.engine_core.check_integrity()
             return True
         raise ValueError(f"unknown utility {name!r}")
 
