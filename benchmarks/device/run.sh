@@ -66,7 +66,6 @@
 #   gputests_topp_unit the top-p and sampler tests on CUDA
 #   gputests_attn  the attention kernels' and the engine's GPU tests; gputests_k the GPU
 #              tests that pytest's -k "$K" selects
-#   gputests_prefetch  the L2 prefetch's tests on CUDA
 #   cold_parallel[N] cold_serial[N]  tokenmill serve M8 with an empty Triton cache to /health,
 #              start-up compiling in parallel (the default) or each kernel at first launch
 #   warm_parallel[N] warm_serial[N]  the same with Triton's cache as earlier stages left it
@@ -211,7 +210,6 @@ run_stage() {  # run_stage NAME: one stage of the list below
     gputests_attn) PYTHONPATH="$XGP" stage gputests_attn 300 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_topp_unit) stage gputests_topp_unit 200 python3 -m pytest -q tests/kernels/test_top_p_select.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 150 ;;
     gputests_sampler) PYTHONPATH="$XGP" stage gputests_sampler 240 python3 -m pytest -q tests/worker/test_sampler.py tests/kernels/test_gumbel_sampling.py tests/kernels/test_top_p_select.py tests/gpu/test_engine_gpu.py tests/gpu/test_skinny_gemm_gpu.py -p no:cacheprovider --timeout 150 ;;
-    gputests_prefetch) stage gputests_prefetch 120 python3 -m pytest -q tests/gpu/test_l2_prefetch_gpu.py tests/model/test_l2_prefetch.py -p no:cacheprovider --timeout 100 ;;
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
     stagingtest) stage stagingtest 90 python3 -m pytest -q tests/worker/test_step_staging.py -p no:cacheprovider ;;
     gputests_staging) PYTHONPATH="$XGP" stage gputests_staging 300 python3 -m pytest -q tests/worker/test_step_staging.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
