@@ -17,7 +17,7 @@ from tests.core.test_scheduler import make_request, make_scheduler, step, worker
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
 from tokenmill.core.engine_io import EngineCoreRequest, FinishReason
 from tokenmill.core.grammar_compilation import GrammarCompilation
-from tokenmill.request import RequestStatus
+from tokenmill.core.request import RequestStatus
 from tokenmill.sampling_params import SamplingParamsError
 from tokenmill.structured_output import choice_grammar, validate
 from tokenmill.worker.sampling_metadata import SamplingRow, build_sampling_metadata

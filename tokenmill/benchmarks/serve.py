@@ -297,7 +297,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _load_tokenizer(tokenizer_id: str) -> PreTrainedTokenizerBase:
-    from tokenmill.model.loader.hf_config import ModelLoadError
+    from tokenmill.hf_config import ModelLoadError
     from tokenmill.tokenizer import get_tokenizer
 
     try:

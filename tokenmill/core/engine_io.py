@@ -30,7 +30,8 @@ class EngineCoreRequest:
     Attributes:
         request_id: unique among live requests.
         prompt_token_ids: the prompt, as token ids.
-        sampling_params: decoding parameters (``n == 1``; the front end fans out ``n > 1``).
+        sampling_params: decoding parameters (``n == 1``; the front end fans out ``n > 1``);
+            unused by an embedding model's core.
         arrival_time: ``time.time()`` when the front end accepted it (seconds).
         priority: lower runs earlier under ``--scheduling-policy priority``.
         cache_salt: mixed into the first block's hash, so that only requests with the
@@ -83,6 +84,8 @@ class EngineCoreOutput:
         stop_reason: the stop token id that ended it (stop strings are found by the
             front end, which then aborts the request in the core).
         num_cached_tokens: prompt tokens served from the prefix cache.
+        pooled: an embedding model's pooled (not yet normalized) vector of the request's
+            input, on its one and last output.
     """
 
     request_id: str
@@ -92,6 +95,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -29,7 +29,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from tokenmill.core.engine_io import CONSTRAINT_FAILURE_PREFIX
-from tokenmill.request import Request
+from tokenmill.core.request import Request
 
 logger = logging.getLogger(__name__)
 

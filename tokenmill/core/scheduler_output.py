@@ -67,7 +67,6 @@ class SchedulerOutput:
         total_num_scheduled_tokens: the sum of ``num_scheduled_tokens`` (<= token budget).
         finished_req_ids: requests that finished or were aborted since the last step,
             or were preempted: the worker drops their state.
-        num_common_prefix_blocks: reserved for cascade attention (0 = unused).
         grammar_bitmasks: request id -> ``[ceil(V / 32)]`` int32 bitmask of the tokens its
             grammar allows next, for the requests with structured outputs that sample
             this step (filled by the engine core just before the step runs).
@@ -82,7 +81,6 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
-    num_common_prefix_blocks: int = 0
     grammar_bitmasks: dict[str, Any] = field(default_factory=dict)
     reads_step_kv: bool = False
 

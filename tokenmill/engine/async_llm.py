@@ -1,6 +1,6 @@
 """AsyncLLM: the asyncio front of the engine (the server), one output stream per request.
 
-The EngineCore runs in its own process (core/engine_core_proc.py). This side tokenizes,
+The EngineCore runs in its own process (engine/engine_core_proc.py). This side tokenizes,
 submits requests over ZMQ, and one background task receives each step's outputs,
 detokenizes them and wakes the waiting request streams. A request whose consumer goes
 away (client disconnect, cancellation) is aborted in the core, freeing its KV blocks.
@@ -25,15 +25,15 @@ import zmq.asyncio
 
 from tokenmill import envs
 from tokenmill.config import EngineConfig
-from tokenmill.core.engine_core_proc import (
+from tokenmill.core.engine_io import EngineCoreOutputs, SchedulerStats
+from tokenmill.engine.async_tokenizer import AsyncTokenizer
+from tokenmill.engine.engine_core_proc import (
     MSG_ABORT,
     MSG_ADD,
     MSG_OUT,
     MSG_UTILITY,
     run_engine_core,
 )
-from tokenmill.core.engine_io import EngineCoreOutputs, SchedulerStats
-from tokenmill.engine.async_tokenizer import AsyncTokenizer
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.output_processor import IterationStats, OutputProcessor
 from tokenmill.engine.request_collector import RequestOutputCollector

@@ -132,18 +132,18 @@ class Worker:
         compile their kernels (``tokenmill.worker.parallel_compile``)."""
         runner = self.model_runner
         assert runner is not None
-        graphs = [] if self.config.enforce_eager else runner.plan_cuda_graphs()
+        graphs = None if self.config.enforce_eager else runner.plan_cuda_graphs()
 
         def passes() -> None:
             warm_up_attention(runner)
             warm_up_sampler(runner)
-            for g in graphs:
-                g.compile_pass()
+            if graphs is not None:
+                graphs.compile_passes()
 
         compile_first(self.device, passes)
         warm_up_attention(runner)
         warm_up_sampler(runner)
-        if graphs:
+        if graphs is not None:
             runner.capture_cuda_graphs()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

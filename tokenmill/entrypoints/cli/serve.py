@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from tokenmill import __version__, envs
 from tokenmill.config import ConfigError
 from tokenmill.engine_args import EngineArgs
-from tokenmill.model.loader.hf_config import ModelLoadError
+from tokenmill.hf_config import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ the engine process (``AsyncLLM``), so neither stalls the other. Routes:
 
 - POST /v1/chat/completions, /v1/completions (streaming or not), GET /v1/models
 - POST /v1/embeddings, when the model is an embedding model (then the two above answer 400);
-  its engine (AsyncEmbeddingEngine) runs forward passes in a thread of this process
+  its engine (AsyncEmbeddingEngine) runs in an engine process too
 - POST /tokenize, /detokenize
 - GET /health (200 while the engine runs, 503 once it is dead), /metrics (Prometheus), /version
 
