@@ -43,7 +43,12 @@ class OutputQueue(Protocol):
 
 @dataclass
 class FinishedRequestStats:
-    """Latency figures of one engine request that finished (seconds, token counts)."""
+    """Latency figures of one engine request that finished (seconds, token counts).
+
+    The phases follow vLLM's request metrics: queued (arrival -> first scheduled), prefill
+    (first scheduled -> first token), decode (first token -> finish) and inference (first
+    scheduled -> finish); a phase the request never reached is None.
+    """
 
     request_id: str
     finish_reason: str
@@ -51,6 +56,14 @@ class FinishedRequestStats:
     queue_time: float | None  # arrival -> first scheduled (None if never scheduled)
     num_prompt_tokens: int
     num_generation_tokens: int
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    inference_time: float | None = None
+    # mean time between the request's output tokens (decode time / (tokens - 1))
+    mean_time_per_output_token: float | None = None
+    max_tokens: int | None = None  # the request's max_tokens parameter
+    # the user request's n; set on its first engine request only, so each counts once
+    params_n: int | None = None
 
 
 @dataclass
@@ -201,6 +214,8 @@ class RequestState:
         )
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
+        self.max_tokens: int | None = params.max_tokens
+        self.params_n: int | None = None  # the user's n, on a request's first state only
         self._sent_tokens = 0
 
     @property
@@ -259,6 +274,30 @@ class _ParentState:
     metrics: RequestMetrics
     prompt_logprobs: LogprobsProcessor  # child 0's: only it computes prompt logprobs
     num_cached_tokens: int = 0
+
+
+def _finished_stats(state: RequestState, reason: str, now: float) -> FinishedRequestStats:
+    """The latency figures of ``state``, finishing at ``now`` (seconds)."""
+    m = state.metrics
+    scheduled, first = m.first_scheduled_time, m.first_token_time
+    num_tokens = len(state.token_ids)
+    decode = None if first is None else now - first
+    return FinishedRequestStats(
+        request_id=state.request_id,
+        finish_reason=reason,
+        e2e_latency=now - m.arrival_time,
+        queue_time=None if scheduled is None else scheduled - m.arrival_time,
+        num_prompt_tokens=len(state.prompt_token_ids),
+        num_generation_tokens=num_tokens,
+        prefill_time=None if scheduled is None or first is None else first - scheduled,
+        decode_time=decode,
+        inference_time=None if scheduled is None else now - scheduled,
+        mean_time_per_output_token=(
+            decode / (num_tokens - 1) if decode is not None and num_tokens > 1 else None
+        ),
+        max_tokens=state.max_tokens,
+        params_n=state.params_n,
+    )
 
 
 class OutputProcessor:
@@ -328,6 +367,8 @@ class OutputProcessor:
                 tokenizer=self.tokenizer,
                 decode=self._decode_tokens,
             )
+            state.max_tokens = req.sampling_params.max_tokens
+            state.params_n = params.n if index == 0 else None
             states.append(state)
             self.request_states[req.request_id] = state
         if parent is not None:
@@ -456,17 +497,7 @@ class OutputProcessor:
         state.metrics.finished_time = now
         if stats is None:
             return
-        scheduled = state.metrics.first_scheduled_time
-        stats.finished_requests.append(
-            FinishedRequestStats(
-                request_id=state.request_id,
-                finish_reason=reason,
-                e2e_latency=now - state.metrics.arrival_time,
-                queue_time=None if scheduled is None else scheduled - state.metrics.arrival_time,
-                num_prompt_tokens=len(state.prompt_token_ids),
-                num_generation_tokens=len(state.token_ids),
-            )
-        )
+        stats.finished_requests.append(_finished_stats(state, reason, now))
 
     @staticmethod
     def _deliver(
