@@ -8,14 +8,17 @@ header) and the backends' health and in-flight counts, and returns a ``Decision`
   rendezvous hashing (Thaler and Ravishankar, "Using Name-Based Mappings to Increase Hit
   Rates", 1998): when a backend leaves, only its sessions move. Requests without the header
   go to the least loaded backend.
-- ``prefixaware``: the prompt text is cut into blocks of ``block_chars`` characters whose
-  chained hashes (a block's hash covers every character before it, as the engine's KV block
-  hashes do) map to the backend that last served them. A request goes to the backend holding
-  its longest matching prefix, unless that backend is overloaded against the least loaded one
-  (SGLang's cache-aware rule: more than ``balance_abs_threshold`` requests more in flight
-  *and* more than ``balance_rel_threshold`` times as many); else, and without a match, to the
-  least loaded backend. Either way the request's blocks then map to the chosen backend, so a
-  conversation, whose every turn extends the last one, stays where its KV cache is.
+- ``prefixaware``: the request's prompt is a sequence of segments — each chat message, or
+  each ``block_chars`` characters of a completion prompt (``proxy.prompt_segments``) — whose
+  chained hashes (a segment's hash covers every segment before it and the model's name, as
+  the engine's KV block hashes do) map to the backend that last served them. A request goes
+  to the backend holding its longest matching prefix, unless that backend is overloaded
+  against the least loaded one (SGLang's cache-aware rule: more than
+  ``balance_abs_threshold`` requests more in flight *and* more than
+  ``balance_rel_threshold`` times as many); else, and without a match, to the least loaded
+  backend. Either way the request's segments then map to the chosen backend, so a
+  conversation, whose every turn repeats the messages of the last one, stays where its KV
+  cache is, while conversations that share nothing are spread over idle backends.
 """
 
 from __future__ import annotations
@@ -42,11 +45,14 @@ class RoutingKey:
     """What a policy may route on.
 
     Attributes:
-        text: the request's prompt as text (chat messages flattened; empty if none).
+        model: the requested model's name (prefixes of different models never match).
+        segments: the request's prompt in order: chat messages (role and content), or
+            blocks of a completion prompt's text; empty without a prompt.
         session: the session header's value, if the request carried one.
     """
 
-    text: str = ""
+    model: str = ""
+    segments: tuple[str, ...] = ()
     session: str | None = None
 
 
@@ -58,7 +64,7 @@ class Decision:
         backend: the chosen backend's URL.
         reason: ``prefix`` (longest cached prefix), ``session``, ``roundrobin`` or ``load``
             (least loaded), for metrics and logs.
-        matched_chars: characters of the prompt found in the prefix map (prefixaware).
+        matched_chars: characters of the prompt's segments found in the prefix map.
     """
 
     backend: str
@@ -105,8 +111,7 @@ class PrefixAwarePolicy(RoutingPolicy):
     """Longest cached prompt prefix, balanced against load (see the module docstring).
 
     Args:
-        block_chars: characters per hashed block.
-        max_blocks: the most block hashes remembered (least recently used ones go first).
+        max_blocks: the most segment hashes remembered (least recently used ones go first).
         balance_abs_threshold: a matched backend with more than this many requests in flight
             above the least loaded one may be passed over...
         balance_rel_threshold: ...if it also has more than this many times as many.
@@ -114,42 +119,45 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     def __init__(
         self,
-        block_chars: int = 16,
         max_blocks: int = 1 << 18,
         balance_abs_threshold: int = 16,
         balance_rel_threshold: float = 1.5,
     ) -> None:
         super().__init__()
-        if block_chars < 1 or max_blocks < 1:
-            raise ValueError("block_chars and max_blocks must be positive")
-        self.block_chars = block_chars
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be positive")
         self.max_blocks = max_blocks
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self._owner: OrderedDict[int, str] = OrderedDict()  # block hash -> backend URL
 
-    def block_hashes(self, text: str) -> list[int]:
-        """Chained hashes of the full ``block_chars`` blocks of ``text``."""
+    @staticmethod
+    def segment_hashes(key: RoutingKey) -> list[int]:
+        """Chained hashes of ``key``'s segments, the first seeded with the model's name.
+
+        NOTE: Python's ``hash`` of strings is salted per process, which is enough for a map
+        that lives in one process; a collision costs a cache miss, not a wrong answer.
+        """
         hashes: list[int] = []
-        parent = 0
-        step = self.block_chars
-        for start in range(0, len(text) - step + 1, step):
-            parent = hash((parent, text[start : start + step]))
+        parent = hash(key.model)
+        for segment in key.segments:
+            parent = hash((parent, segment))
             hashes.append(parent)
         return hashes
 
     def choose(self, key: RoutingKey, backends: Sequence[BackendView]) -> Decision:
-        hashes = self.block_hashes(key.text)
+        hashes = self.segment_hashes(key)
         by_url = {b.url: b for b in backends}
-        matched, owner = 0, None
-        for depth, block_hash in enumerate(hashes, 1):
+        matched, owner, chars = 0, None, 0
+        for block_hash, segment in zip(hashes, key.segments, strict=True):
             url = self._owner.get(block_hash)
             if url is None:
                 break
-            if url in by_url:  # (a block of a backend that left is no match)
-                matched, owner = depth, by_url[url]
+            chars += len(segment)
+            if url in by_url:  # (a segment of a backend that left is no match)
+                matched, owner = chars, by_url[url]
         if owner is not None and not self._overloaded(owner, backends):
-            decision = Decision(owner.url, "prefix", matched * self.block_chars)
+            decision = Decision(owner.url, "prefix", matched)
         else:
             decision = Decision(self.least_loaded(backends).url, "load")
         self._remember(hashes, decision.backend)
@@ -178,7 +186,6 @@ class PrefixAwarePolicy(RoutingPolicy):
 
 def make_policy(
     logic: str,
-    block_chars: int = 16,
     max_blocks: int = 1 << 18,
     balance_abs_threshold: int = 16,
     balance_rel_threshold: float = 1.5,
@@ -193,7 +200,5 @@ def make_policy(
     if logic == "session":
         return SessionPolicy()
     if logic == "prefixaware":
-        return PrefixAwarePolicy(
-            block_chars, max_blocks, balance_abs_threshold, balance_rel_threshold
-        )
+        return PrefixAwarePolicy(max_blocks, balance_abs_threshold, balance_rel_threshold)
     raise ValueError(f"unknown routing logic {logic!r}; expected one of {ROUTING_LOGICS}")

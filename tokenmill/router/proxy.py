@@ -50,6 +50,9 @@ HOP_BY_HOP = frozenset(
 # Bodies larger than this are forwarded without being read for a routing key (bytes).
 MAX_KEYED_BODY = 32 << 20
 CONNECT_TIMEOUT_S = 10.0
+# Characters per prefix segment of a completion prompt: about one KV block of 16 tokens
+# (a prefix shorter than a block gives the engine no cache hit).
+PROMPT_BLOCK_CHARS = 64
 
 
 class ConnectFailed(Exception):
@@ -70,39 +73,47 @@ def _content_text(content: Any) -> str:
     return "" if content is None else json.dumps(content, sort_keys=True)
 
 
-def prompt_text(body: Any) -> str:
-    """The text a request's KV cache depends on, in order: the model, then chat messages
-    (role and content), a completion prompt, or a Responses ``input``. Empty when the body
-    has none of them."""
+def _message(message: Any) -> str:
+    if isinstance(message, dict):
+        return f"{message.get('role', '')}\n{_content_text(message.get('content'))}"
+    return _content_text(message)
+
+
+def prompt_segments(body: Any, block_chars: int) -> tuple[str, ...]:
+    """The prompt of a request body, as the segments the prefix map hashes: each chat
+    message (OpenAI's ``messages``, Anthropic's ``system`` first, a Responses ``input``
+    list), else ``block_chars``-character blocks of a completion ``prompt`` or a text
+    ``input`` (full blocks only: the tail may still grow). Empty without a prompt."""
     if not isinstance(body, dict):
-        return ""
-    parts = [str(body.get("model", ""))]
-    if body.get("system") is not None:  # Anthropic's Messages API
-        parts.append(_content_text(body["system"]))
-    if isinstance(body.get("messages"), list):
-        for message in body["messages"]:
-            if isinstance(message, dict):
-                parts.append(f"{message.get('role', '')}\n{_content_text(message.get('content'))}")
-    elif "prompt" in body:
-        prompt = body["prompt"]
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            prompt = prompt[0]  # a batch of prompts: route on the first
-        parts.append(prompt if isinstance(prompt, str) else json.dumps(prompt))
-    elif "input" in body:
-        parts.append(_content_text(body["input"]))
-    else:
-        return ""
-    return "\n".join(parts)
+        return ()
+    if isinstance(body.get("messages"), list) or isinstance(body.get("input"), list):
+        messages = body.get("messages") or body.get("input") or []
+        system = () if body.get("system") is None else ("system\n" + _content_text(body["system"]),)
+        return system + tuple(_message(m) for m in messages)
+    text = body.get("prompt", body.get("input"))
+    if isinstance(text, list) and text and not isinstance(text[0], int):
+        text = text[0]  # a batch of prompts: route on the first
+    if text is None:
+        return ()
+    if not isinstance(text, str):
+        text = json.dumps(text)  # token ids
+    return tuple(
+        text[i : i + block_chars] for i in range(0, len(text) - block_chars + 1, block_chars)
+    )
 
 
-def routing_key(request: web.Request, body: bytes, session_header: str) -> RoutingKey:
-    text = ""
-    if body and len(body) <= MAX_KEYED_BODY and request.content_type == "application/json":
-        try:
-            text = prompt_text(json.loads(body))
-        except (ValueError, UnicodeDecodeError):
-            pass  # the backend will answer it with a 400
-    return RoutingKey(text=text, session=request.headers.get(session_header))
+def routing_key(
+    request: web.Request, body: bytes, session_header: str, block_chars: int
+) -> RoutingKey:
+    session = request.headers.get(session_header)
+    if not body or len(body) > MAX_KEYED_BODY or request.content_type != "application/json":
+        return RoutingKey(session=session)
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return RoutingKey(session=session)  # the backend will answer it with a 400
+    model = str(parsed.get("model", "")) if isinstance(parsed, dict) else ""
+    return RoutingKey(model, prompt_segments(parsed, block_chars), session)
 
 
 class Router:
@@ -112,12 +123,20 @@ class Router:
         pool: the backends.
         policy: how one is chosen.
         session_header: the header naming a session (``session`` routing).
+        block_chars: characters per prefix segment of a completion prompt.
     """
 
-    def __init__(self, pool: BackendPool, policy: RoutingPolicy, session_header: str) -> None:
+    def __init__(
+        self,
+        pool: BackendPool,
+        policy: RoutingPolicy,
+        session_header: str,
+        block_chars: int = PROMPT_BLOCK_CHARS,
+    ) -> None:
         self.pool = pool
         self.policy = policy
         self.session_header = session_header
+        self.block_chars = block_chars
         self.metrics = RouterMetrics()
         pool.on_change = self._backend_changed
         self.session: aiohttp.ClientSession | None = None
@@ -178,7 +197,7 @@ class Router:
     async def forward(self, request: web.Request) -> web.StreamResponse:
         """Route ``request`` and pass the backend's response back."""
         body = await request.read()
-        key = routing_key(request, body, self.session_header)
+        key = routing_key(request, body, self.session_header, self.block_chars)
         refused: set[str] = set()
         while True:
             candidates = [b for b in self.pool.healthy() if b.url not in refused]
@@ -187,8 +206,8 @@ class Router:
             decision = self.policy.choose(key, candidates)
             backend = self.pool.backends[decision.backend]
             self.metrics.decisions.labels(backend.url, decision.reason).inc()
-            if isinstance(self.policy, PrefixAwarePolicy) and key.text:
-                self.metrics.queried_chars.inc(len(key.text))
+            if isinstance(self.policy, PrefixAwarePolicy) and key.segments:
+                self.metrics.queried_chars.inc(sum(len(s) for s in key.segments))
                 self.metrics.matched_chars.inc(decision.matched_chars)
             try:
                 return await self._send(request, body, backend)

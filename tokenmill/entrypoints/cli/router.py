@@ -27,14 +27,20 @@ def _positive_float(value: str) -> float:
     return number
 
 
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return number
+def _int_at_least(low: int) -> Any:
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+        if number < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return number
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -80,7 +86,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--balance-abs-threshold",
-        type=int,
+        type=_int_at_least(0),
         default=16,
         help="prefixaware: a replica holding the prefix is passed over when it has more than "
         "this many requests in flight above the least loaded one... (default: 16)",
@@ -94,14 +100,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--prefix-block-chars",
         type=_positive_int,
-        default=16,
-        help="prefixaware: characters per hashed block of the prompt. (default: 16)",
+        default=64,
+        help="prefixaware: characters per hashed block of a completion prompt (chat "
+        "messages are hashed one by one). (default: 64, about one KV block of tokens)",
     )
     parser.add_argument(
         "--prefix-max-blocks",
         type=_positive_int,
         default=1 << 18,
-        help="prefixaware: most prompt blocks remembered, least recently used dropped "
+        help="prefixaware: most prompt segments remembered, least recently used dropped "
         "first. (default: 262144)",
     )
     parser.add_argument(
@@ -138,7 +145,6 @@ def run(args: argparse.Namespace) -> int:
         )
         policy = make_policy(
             args.routing_logic,
-            args.prefix_block_chars,
             args.prefix_max_blocks,
             args.balance_abs_threshold,
             args.balance_rel_threshold,
@@ -146,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tokenmill router: error: {e}", file=sys.stderr)
         return 2
-    router = Router(pool, policy, args.session_key.lower())
+    router = Router(pool, policy, args.session_key.lower(), args.prefix_block_chars)
     logger.info(
         "routing (%s) to %s on http://%s:%d",
         args.routing_logic,
