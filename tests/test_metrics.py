@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.config import CacheConfig
 from tokenmill.core.engine_io import SchedulerStats
-from tokenmill.engine.output_processor import FinishedRequestStats, IterationStats
+from tokenmill.engine.request_stats import FinishedRequestStats, IterationStats
 from tokenmill.entrypoints.dashboard.timeseries import DashboardStatLogger, percentile
 from tokenmill.metrics import TOKENMILL_ONLY, PrometheusStatLogger, VllmNamesCollector
 from tokenmill.router.metrics import RouterMetrics

@@ -48,7 +48,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
 from tokenmill.config import CacheConfig
 from tokenmill.core.engine_io import SchedulerStats
-from tokenmill.engine.output_processor import FinishedRequestStats, IterationStats
+from tokenmill.engine.request_stats import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger("tokenmill.metrics")
 

@@ -11,13 +11,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.core.engine_io import EngineCoreOutput, FinishReason, LogprobsLists
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.input_processor import ProcessedRequest
 from tokenmill.engine.parallel_sampling import ParentRequest
+from tokenmill.engine.request_stats import (  # (FinishedRequestStats: also imported from here)
+    FinishedRequestStats,  # noqa: F401
+    IterationStats,
+    finished_request_stats,
+)
 from tokenmill.outputs import (
     CompletionOutput,
     Logprob,
@@ -39,55 +44,6 @@ class OutputQueue(Protocol):
     """Where a request's outputs go when the caller consumes them as they come (streaming)."""
 
     def put(self, output: RequestOutput) -> None: ...
-
-
-@dataclass
-class FinishedRequestStats:
-    """Latency figures of one engine request that finished (seconds, token counts).
-
-    The phases follow vLLM's request metrics: queued (arrival -> first scheduled), prefill
-    (first scheduled -> first token), decode (first token -> finish) and inference (first
-    scheduled -> finish); a phase the request never reached is None.
-    """
-
-    request_id: str
-    finish_reason: str
-    e2e_latency: float  # arrival -> finish
-    queue_time: float | None  # arrival -> first scheduled (None if never scheduled)
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    prefill_time: float | None = None
-    decode_time: float | None = None
-    inference_time: float | None = None
-    # mean time between the request's output tokens (decode time / (tokens - 1))
-    mean_time_per_output_token: float | None = None
-    max_tokens: int | None = None  # the request's max_tokens parameter
-    # the user request's n; set on its first engine request only, so each counts once
-    params_n: int | None = None
-
-
-@dataclass
-class IterationStats:
-    """What one engine step produced, for logs and Prometheus metrics.
-
-    Attributes:
-        iteration_timestamp: ``time.time()`` of the step (seconds).
-        num_prompt_tokens: prompt tokens of requests whose prefill completed this step
-            (they got their first token).
-        num_generation_tokens: output tokens produced this step.
-        time_to_first_tokens: TTFT (arrival -> first token, seconds) of each request that
-            got its first token this step.
-        inter_token_latencies: ITL (seconds since the request's previous token) of each
-            request that got a later token this step.
-        finished_requests: requests that finished this step.
-    """
-
-    iteration_timestamp: float
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    time_to_first_tokens: list[float] = field(default_factory=list)
-    inter_token_latencies: list[float] = field(default_factory=list)
-    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 
 @dataclass
@@ -274,30 +230,6 @@ class _ParentState:
     metrics: RequestMetrics
     prompt_logprobs: LogprobsProcessor  # child 0's: only it computes prompt logprobs
     num_cached_tokens: int = 0
-
-
-def _finished_stats(state: RequestState, reason: str, now: float) -> FinishedRequestStats:
-    """The latency figures of ``state``, finishing at ``now`` (seconds)."""
-    m = state.metrics
-    scheduled, first = m.first_scheduled_time, m.first_token_time
-    num_tokens = len(state.token_ids)
-    decode = None if first is None else now - first
-    return FinishedRequestStats(
-        request_id=state.request_id,
-        finish_reason=reason,
-        e2e_latency=now - m.arrival_time,
-        queue_time=None if scheduled is None else scheduled - m.arrival_time,
-        num_prompt_tokens=len(state.prompt_token_ids),
-        num_generation_tokens=num_tokens,
-        prefill_time=None if scheduled is None or first is None else first - scheduled,
-        decode_time=decode,
-        inference_time=None if scheduled is None else now - scheduled,
-        mean_time_per_output_token=(
-            decode / (num_tokens - 1) if decode is not None and num_tokens > 1 else None
-        ),
-        max_tokens=state.max_tokens,
-        params_n=state.params_n,
-    )
 
 
 class OutputProcessor:
@@ -497,7 +429,18 @@ class OutputProcessor:
         state.metrics.finished_time = now
         if stats is None:
             return
-        stats.finished_requests.append(_finished_stats(state, reason, now))
+        stats.finished_requests.append(
+            finished_request_stats(
+                state.request_id,
+                reason,
+                now,
+                state.metrics,
+                len(state.prompt_token_ids),
+                len(state.token_ids),
+                state.max_tokens,
+                state.params_n,
+            )
+        )
 
     @staticmethod
     def _deliver(

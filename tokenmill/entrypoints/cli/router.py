@@ -45,8 +45,6 @@ _positive_int = _int_at_least(1)
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``router`` to the ``tokenmill`` command's subparsers."""
-    from tokenmill.router.policy import ROUTING_LOGICS
-
     parser = subparsers.add_parser(
         "router",
         help="Route OpenAI API requests across engine replicas (prefix-aware).",
@@ -70,6 +68,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default="0.0.0.0", help="(default: 0.0.0.0)")
     parser.add_argument("--port", type=port_number, default=8000, help="(default: 8000)")
+    _add_routing_args(parser)
+    parser.add_argument(
+        "--health-check-interval",
+        type=_positive_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="Seconds between checks of each backend's /health. (default: 5)",
+    )
+    parser.add_argument(
+        "--health-check-timeout",
+        type=_positive_float,
+        default=3.0,
+        metavar="SECONDS",
+        help="A backend whose /health takes longer is unhealthy. (default: 3)",
+    )
+    parser.set_defaults(dispatch=run)
+    return parser
+
+
+def _add_routing_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of the routing policies."""
+    from tokenmill.router.policy import ROUTING_LOGICS
+
     parser.add_argument(
         "--routing-logic",
         choices=ROUTING_LOGICS,
@@ -111,22 +132,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="prefixaware: most prompt segments remembered, least recently used dropped "
         "first. (default: 262144)",
     )
-    parser.add_argument(
-        "--health-check-interval",
-        type=_positive_float,
-        default=5.0,
-        metavar="SECONDS",
-        help="Seconds between checks of each backend's /health. (default: 5)",
-    )
-    parser.add_argument(
-        "--health-check-timeout",
-        type=_positive_float,
-        default=3.0,
-        metavar="SECONDS",
-        help="A backend whose /health takes longer is unhealthy. (default: 3)",
-    )
-    parser.set_defaults(dispatch=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

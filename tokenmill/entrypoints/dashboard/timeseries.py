@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.core.engine_io import SchedulerStats
-from tokenmill.engine.output_processor import IterationStats
+from tokenmill.engine.request_stats import IterationStats
 
 # Latency samples kept per bucket (a percentile of more adds little to a chart).
 MAX_SAMPLES = 2048
