@@ -22,8 +22,8 @@ prefix and a ``model_name`` label, mirroring vLLM's ``vllm:`` metrics so dashboa
 - ``tokenmill:request_time_per_output_token_seconds`` (histogram): a request's mean TPOT
 - ``tokenmill:request_prompt_tokens`` / ``request_generation_tokens`` (histograms): tokens of
   each finished request
-- ``tokenmill:iteration_tokens_total`` (histogram): prompt + generated tokens of an engine step
-  whose outputs reached the front end
+- ``tokenmill:iteration_tokens_total`` (histogram): tokens of an engine step that produced
+  output: its generated tokens plus the prompts of the requests whose first token it was
 - ``tokenmill:request_params_n`` / ``request_params_max_tokens`` (histograms): the requests'
   ``n`` and ``max_tokens``
 - ``tokenmill:cache_config_info`` (gauge, always 1): the KV cache's configuration as labels

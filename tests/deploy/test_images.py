@@ -77,7 +77,7 @@ def test_dockerignore_keeps_the_context_small():
 
 @pytest.mark.slow
 def test_entrypoint_serves_and_passes_the_healthcheck(replicas):
-    replica = replicas[0]
+    replica = next(r for r in replicas if r.proc.poll() is None)
     command = healthcheck_command(CPU_DOCKERFILE)
     assert command[0] == "python"
     script = command[-1].replace("127.0.0.1:8000", f"127.0.0.1:{replica.port}")

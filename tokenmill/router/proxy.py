@@ -45,6 +45,7 @@ HOP_BY_HOP = frozenset(
         "upgrade",
         "host",
         "content-length",
+        "expect",  # (the body is read whole before it is forwarded)
     }
 )
 # Bodies larger than this are forwarded without being read for a routing key (bytes).
