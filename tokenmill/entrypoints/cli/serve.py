@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from tokenmill import __version__, envs
 from tokenmill.config import ConfigError
 from tokenmill.engine_args import EngineArgs
+from tokenmill.entrypoints.openai.observability import add_observability_args
 from tokenmill.hf_config import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -234,6 +235,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", dest="model", default=None, help="Same as MODEL.")
     add_server_args(parser)
+    add_observability_args(parser)
     EngineArgs.add_cli_args(parser, positional_model=True)
     for flag in UNIMPLEMENTED_FLAGS:
         parser.add_argument(flag, action=_Unimplemented)

@@ -8,6 +8,7 @@ the engine process (``AsyncLLM``), so neither stalls the other. Routes:
   its engine (AsyncEmbeddingEngine) runs in an engine process too
 - POST /tokenize, /detokenize
 - GET /health (200 while the engine runs, 503 once it is dead), /metrics (Prometheus), /version
+- GET /dashboard, the live web view (``entrypoints/dashboard``; ``observability.py``)
 
 Every error answers with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
 SIGTERM or SIGINT stops accepting connections and gives running requests
@@ -45,6 +46,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
 from tokenmill.engine.embedding_engine import AsyncEmbeddingEngine
 from tokenmill.engine.input_processor import InvalidRequestError
+from tokenmill.entrypoints.dashboard.routes import is_dashboard_path
 from tokenmill.entrypoints.openai.body_limit import add_body_size_limit
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
@@ -54,6 +56,7 @@ from tokenmill.entrypoints.openai.errors import (
     error_type,
     model_not_found,
 )
+from tokenmill.entrypoints.openai.observability import install_observability, make_stat_loggers
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -78,7 +81,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     to_openai_error,
 )
 from tokenmill.gc_freeze import freeze_startup_heap
-from tokenmill.metrics import LoggingStatLogger, PrometheusStatLogger, make_registry
+from tokenmill.metrics import make_registry
 from tokenmill.version import __version__
 
 logger = logging.getLogger("tokenmill.entrypoints.openai.server")
@@ -327,7 +330,8 @@ class APIKeyMiddleware:
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :] or "/"
-        if path in OPEN_PATHS or self._authorized(scope):
+        # (the dashboard's routes check the key themselves, also as Basic credentials)
+        if path in OPEN_PATHS or is_dashboard_path(path) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         body = error_body(
@@ -388,6 +392,7 @@ def build_app(
     state.engine = engine
     state.registry = registry
     state.serving_chat = state.serving_completion = state.serving_embedding = None
+    install_observability(app, engine, args, registry)
     if isinstance(engine, AsyncEmbeddingEngine):
         state.serving_embedding = OpenAIServingEmbedding(engine, request_logger)
         return app
@@ -396,14 +401,6 @@ def build_app(
     )
     state.serving_completion = OpenAIServingCompletion(engine, request_logger)
     return app
-
-
-def make_stat_loggers(config: EngineConfig, registry: CollectorRegistry) -> list[Any]:
-    """The engine's stat loggers: Prometheus collectors and the periodic log line."""
-    if config.disable_log_stats:
-        return []
-    name = config.model_config.served_model_name
-    return [PrometheusStatLogger(name, registry), LoggingStatLogger()]
 
 
 async def run_server(
