@@ -203,7 +203,7 @@ TPA=(--load-format dummy --dataset-name random)
 run_stage() {  # run_stage NAME: one stage of the list below
   local st=$1
   case "$st" in
-    gputests) PYTHONPATH="$XGP" stage gputests 480 python3 -m pytest -q tests/gpu tests/kernels/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
+    gputests) PYTHONPATH="$XGP" stage gputests 480 python3 -m pytest -q -n 8 tests/gpu tests/kernels/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
     gputests_all) PYTHONPATH="$XGP" stage gputests_all 330 python3 -m pytest -q tests/gpu tests/kernels/test_fused_kernels.py tests/kernels/test_skinny_gemm.py tests/worker/test_sampler.py tests/kernels/test_gumbel_sampling.py tests/kernels/test_top_p_select.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_mixed) stage gputests_mixed 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "mixed_step_graphs or split_decode" -p no:cacheprovider --timeout 120 ;;
     gputests_k) PYTHONPATH="$XGP" stage gputests_k 300 python3 -m pytest -q tests/gpu -k "$K" -p no:cacheprovider --timeout 200 --durations=5 ;;
