@@ -23,7 +23,7 @@ from tokenmill.core.engine_io import (
 from tokenmill.core.grammar_compilation import GrammarCompilation
 from tokenmill.core.grammar_masks import GrammarMaskFiller
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -164,9 +164,10 @@ class EngineCore:
         tokenizer = get_tokenizer(mc.model, mc.tokenizer if mc.tokenizer != mc.model else None)
         return GrammarCompiler(tokenizer, mc.vocab_size)
 
-    def _fill_grammar_bitmasks(self, so: SchedulerOutput) -> None:
+    def _grammar_output(self, so: SchedulerOutput) -> GrammarOutput | None:
         """The next-token bitmasks of the requests with structured outputs that sample in
-        ``so`` (their whole context computed by it), from their grammars' current state.
+        ``so`` (their whole context computed by it), from their grammars' current state;
+        None when no such request samples.
 
         A grammar whose mask takes too long (``core/grammar_masks.py``) is given up: its
         request samples without a mask, and ``update_from_output`` drops that token and
@@ -178,10 +179,12 @@ class EngineCore:
             request = requests[req_id]
             if request.grammar is not None and request.num_computed_tokens >= request.num_tokens:
                 grammars[req_id] = request.grammar
+        if not grammars:
+            return None
         masks, given_up = self._grammar_masks.fill(grammars)
-        so.grammar_bitmasks.update(masks)
         for req_id, reason in given_up.items():
             grammars[req_id].fail(reason)
+        return GrammarOutput(masks)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish requests at once and free their KV blocks (unknown ids are ignored)."""
@@ -231,8 +234,8 @@ class EngineCore:
             if self.log_stats:
                 outputs.scheduler_stats = self.scheduler.make_stats()
             return outputs
-        self._fill_grammar_bitmasks(scheduler_output)
-        runner_output = self.executor.execute_model(scheduler_output)
+        grammar_output = self._grammar_output(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output, grammar_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.time()
         return outputs
@@ -254,8 +257,7 @@ class EngineCore:
             # Its sampling needs every earlier token on the host: run it in step.
             if pending is not None:
                 outputs = self._collect(pending)
-            self._fill_grammar_bitmasks(so)
-            runner_output = self.executor.execute_model(so)
+            runner_output = self.executor.execute_model(so, self._grammar_output(so))
             return _merge(outputs, self.scheduler.update_from_output(so, runner_output))
         handle = self.executor.execute_model_async(so)
         if pending is not None:
