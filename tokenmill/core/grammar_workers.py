@@ -6,9 +6,13 @@ ambiguous pattern. So the engine core hands this work to worker processes and ki
 (SIGKILL) whose job runs past its limit: the work stops at once and a fresh process takes its
 place (``core/grammar_compilation.py``, ``core/grammar_masks.py``).
 
-Workers are forked from a fork server that has imported the grammar engine once (~2-5 s, at
-the first worker), so a replacement is ready in ~0.1 s. Each worker talks to the engine over
-one pipe (pickled tuples) and exits when the pipe closes, so none outlives its engine.
+Workers are forked by a fork server of their own (``python -m tokenmill.core.grammar_workers``)
+that imports the grammar engine once (~2-5 s, at the first worker), so a replacement is ready
+in ~0.1 s. The engine sends the server one end of a socket pair per worker (SCM_RIGHTS); the
+worker talks to the engine over it (pickled tuples) and exits when it closes, as the server
+does when the engine's end of its own socket closes, so none outlives its engine. (The
+engine core runs in a daemonic process, which multiprocessing does not let start children,
+and multiprocessing's own fork server would import the user's main script in each worker.)
 
 Torch-free, like the rest of core/: the worker's code is named by a ``"module:function"``
 string and imported in the worker.
@@ -16,15 +20,14 @@ string and imported in the worker.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
-import multiprocessing
 import os
 import signal
+import socket
+import struct
+import subprocess
 import sys
-import types
-from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -32,50 +35,42 @@ logger = logging.getLogger(__name__)
 
 # What the fork server imports before forking any worker: the grammar engine (and torch,
 # which it imports), ~2-5 s once instead of at every worker's start.
-FORKSERVER_PRELOAD = ["tokenmill.grammar_runtime"]
-_context: Any = None
+PRELOAD = "tokenmill.grammar_runtime"
+_server: _ForkServer | None = None
 
 
-def _mp_context() -> Any:
-    """The fork-server context (its server starts with the first worker); spawn where there
-    is no fork server."""
-    global _context
-    if _context is None:
-        if "forkserver" in multiprocessing.get_all_start_methods():
-            _context = multiprocessing.get_context("forkserver")
-            _context.set_forkserver_preload(FORKSERVER_PRELOAD)
-        else:
-            _context = multiprocessing.get_context("spawn")
-    return _context
+class _ForkServer:
+    """The engine's handle on the fork server: ``fork()`` gives a new worker's pid."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.core.grammar_workers", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self._sock = ours
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def fork(self, worker_sock: socket.socket) -> int:
+        socket.send_fds(self._sock, [b"f"], [worker_sock.fileno()])
+        data = b""
+        while len(data) < 4:
+            chunk = self._sock.recv(4 - len(data))
+            if not chunk:
+                raise RuntimeError("the grammar fork server exited")
+            data += chunk
+        return struct.unpack("i", data)[0]
 
 
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Hide ``__main__`` while a worker starts, so that the worker does not import it again.
-
-    NOTE: multiprocessing re-runs the parent's main script in each child it starts (spawn or
-    fork server); an offline script that builds an ``LLM`` without an ``if __name__ ==
-    "__main__"`` guard would then run again in every grammar worker. The worker runs only
-    tokenmill code, which never needs the parent's main module.
-    """
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
-
-
-def _entry(target: str, conn: Connection, args: tuple, nice: int) -> None:
-    """A worker's first code: lower its priority, leave SIGINT to the engine, run ``target``."""
-    if nice:
-        try:
-            os.nice(nice)
-        except OSError:
-            pass
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    module, name = target.split(":")
-    getattr(importlib.import_module(module), name)(conn, *args)
+def _fork_server() -> _ForkServer:
+    global _server
+    if _server is None or not _server.alive():
+        _server = _ForkServer()
+    return _server
 
 
 class WorkerProcess:
@@ -93,20 +88,15 @@ class WorkerProcess:
     """
 
     def __init__(self, target: str, args: tuple = (), nice: int = 0) -> None:
-        ctx = _mp_context()
-        self.conn, child = ctx.Pipe()
-        self._process = ctx.Process(
-            target=_entry, args=(target, child, args, nice), name="tokenmill-grammar", daemon=True
-        )
-        with _main_module_hidden():
-            self._process.start()
-        child.close()
+        ours, theirs = socket.socketpair()
+        try:
+            self.pid: int | None = _fork_server().fork(theirs)
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send((target, args, nice))
         self.ready = False
         self.killed = False
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
 
     def fileno(self) -> int:
         """The pipe's descriptor (for ``multiprocessing.connection.wait``)."""
@@ -137,21 +127,62 @@ class WorkerProcess:
         return message
 
     def kill(self) -> None:
-        """Stop the worker at once (SIGKILL) and close the pipe."""
+        """Stop the worker at once (SIGKILL; the fork server reaps it) and close the pipe."""
         if self.killed:
             return
         self.killed = True
-        try:
-            self._process.kill()
-            self._process.join(1.0)
-        except (OSError, ValueError, AttributeError):
-            pass
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.conn.close()
 
-    def close(self) -> None:
-        """Ask the worker to exit; kill it if it has not within a second."""
-        if self.killed:
+
+# ---- the fork server (its own process) -----------------------------------------------------
+
+
+def _serve(control_fd: int) -> None:
+    """Fork a worker for each socket the engine sends; exit when the engine's end closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # exited workers are reaped at once
+    try:
+        importlib.import_module(PRELOAD)
+    except ImportError as e:  # each worker then fails to start, and says why
+        logger.warning("grammar fork server: %s", e)
+    control = socket.socket(fileno=control_fd)
+    while True:
+        try:
+            _, fds, _, _ = socket.recv_fds(control, 1, 1)
+        except OSError:
             return
-        self.send(None)
-        self._process.join(1.0)
-        self.kill()
+        if not fds:
+            return
+        pid = os.fork()
+        if pid == 0:
+            control.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _run_worker(fds[0])
+            os._exit(0)
+        os.close(fds[0])
+        control.sendall(struct.pack("i", pid))
+
+
+def _run_worker(fd: int) -> None:
+    """A worker's first code: read its target, lower its priority, run it."""
+    conn = Connection(fd)
+    try:
+        target, args, nice = conn.recv()
+    except (EOFError, OSError):
+        return
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
+    module, name = target.split(":")
+    getattr(importlib.import_module(module), name)(conn, *args)
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))
