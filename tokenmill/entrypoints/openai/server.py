@@ -29,8 +29,9 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -47,13 +48,16 @@ from tokenmill.entrypoints.openai.errors import (
     error_type,
     model_not_found,
 )
+from tokenmill.entrypoints.openai.openapi import answers, errors, install_openapi
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
-    ErrorResponse,
+    EmbeddingResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -86,15 +90,16 @@ logger = logging.getLogger("tokenmill.entrypoints.openai.server")
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 router = APIRouter()
-_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 503)
-}
 
 
 # ---- routes ------------------------------------------------------------------------------------
 
 
-@router.get("/health")
+@router.get(
+    "/health",
+    response_class=Response,
+    responses={200: {"description": "The engine runs (an empty body)."}, **errors(503)},
+)
 @router.head("/health", include_in_schema=False)  # one operation id in the schema, not two
 async def health(raw_request: Request) -> Response:
     """200 while the engine process runs; 503 (with the reason) once it has died."""
@@ -105,12 +110,20 @@ async def health(raw_request: Request) -> Response:
     return Response(status_code=HTTPStatus.OK)
 
 
-@router.get("/version")
+class VersionResponse(BaseModel):
+    version: str
+
+
+@router.get("/version", responses={200: {"model": VersionResponse, "description": "Success."}})
 async def version() -> JSONResponse:
     return JSONResponse({"version": __version__})
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"description": "Prometheus text format; names start with tokenmill:."}},
+)
 async def metrics(raw_request: Request) -> Response:
     """Prometheus text format."""
     registry: CollectorRegistry = raw_request.app.state.registry
@@ -126,13 +139,13 @@ def _model_cards(raw_request: Request) -> list[ModelCard]:
     ]
 
 
-@router.get("/v1/models", responses=_ERROR_RESPONSES)
+@router.get("/v1/models", responses=answers(ModelList))
 async def list_models(raw_request: Request) -> Response:
     cards = _model_cards(raw_request)
     return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
 
-@router.get("/v1/models/{model:path}", responses=_ERROR_RESPONSES)
+@router.get("/v1/models/{model:path}", responses=answers(ModelCard, 404))
 async def retrieve_model(model: str, raw_request: Request) -> Response:
     """The card of one of the served names; 404 (model_not_found) for any other id."""
     for card in _model_cards(raw_request):
@@ -141,7 +154,10 @@ async def retrieve_model(model: str, raw_request: Request) -> Response:
     raise model_not_found(model)
 
 
-@router.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
+@router.post(
+    "/v1/chat/completions",
+    responses=answers(ChatCompletionResponse, 404, 429, 503, stream=True),
+)
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     serving: OpenAIServingChat | None = raw_request.app.state.serving_chat
     if serving is None:
@@ -151,7 +167,9 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     )
 
 
-@router.post("/v1/completions", responses=_ERROR_RESPONSES)
+@router.post(
+    "/v1/completions", responses=answers(CompletionResponse, 404, 429, 503, stream=True)
+)
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
     serving: OpenAIServingCompletion | None = raw_request.app.state.serving_completion
     if serving is None:
@@ -159,7 +177,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
     return await cancel_on_disconnect(raw_request, serving.create_completion(request, raw_request))
 
 
-@router.post("/v1/embeddings", responses=_ERROR_RESPONSES)
+@router.post("/v1/embeddings", responses=answers(EmbeddingResponse, 404, 503))
 async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
     serving: OpenAIServingEmbedding | None = raw_request.app.state.serving_embedding
     if serving is None:
@@ -177,7 +195,7 @@ def _tokenizing_serving(raw_request: Request) -> OpenAIServingChat | OpenAIServi
     return state.serving_chat or state.serving_embedding
 
 
-@router.post("/tokenize", responses=_ERROR_RESPONSES)
+@router.post("/tokenize", responses=answers(TokenizeResponse, 404, 503))
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     """Token ids of a text ``prompt`` or of chat ``messages`` rendered with the template."""
     serving = _tokenizing_serving(raw_request)
@@ -213,7 +231,7 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-@router.post("/detokenize", responses=_ERROR_RESPONSES)
+@router.post("/detokenize", responses=answers(DetokenizeResponse, 404))
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
     serving = _tokenizing_serving(raw_request)
     serving.check_model(request.model)
@@ -262,10 +280,29 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         text = error.get("msg", "invalid value")
         if error.get("type") == "missing" and not path:
             text = "A JSON request body is required."
-        entry = f"{path}: {text}" if path else text
+        bound = _bound_text(error)
+        entry = f"{path} {bound}" if bound and path else f"{path}: {text}" if path else text
         if entry not in messages:
             messages.append(entry)
     return bad_request("; ".join(messages), param)
+
+
+# pydantic's bound errors, phrased as SamplingParams phrases its own checks.
+_BOUNDS = {
+    "greater_than_equal": ("ge", "greater than or equal to"),
+    "greater_than": ("gt", "greater than"),
+    "less_than_equal": ("le", "less than or equal to"),
+    "less_than": ("lt", "less than"),
+}
+
+
+def _bound_text(error: dict[str, Any]) -> str | None:
+    """``must be greater than or equal to 1, got 0.`` for a value past a field's bound."""
+    kind = _BOUNDS.get(error.get("type", ""))
+    ctx = error.get("ctx") or {}
+    if kind is None or kind[0] not in ctx:
+        return None
+    return f"must be {kind[1]} {ctx[kind[0]]}, got {error.get('input')!r}."
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -361,6 +398,7 @@ def build_app(
     """
     app = FastAPI(title="tokenmill", version=__version__)
     app.include_router(router)
+    install_openapi(app)
     _add_error_handlers(app)
     api_key = getattr(args, "api_key", None)
     if api_key:
