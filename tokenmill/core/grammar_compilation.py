@@ -22,6 +22,11 @@ The bounds, whatever arrives at once:
 - A request aborted while its constraint compiles stops that compile (its worker is killed)
   unless another request shares it.
 
+One thread of the engine process (``tokenmill-grammar-compile``, for the engine's life) hands
+constraints to idle workers, reads their answers and enforces the limits as they fall due, so
+a compile's progress does not wait for the engine's steps (seconds each under load); the
+engine takes the finished requests at its next step.
+
 Torch-free, like the rest of core/.
 """
 
@@ -29,11 +34,12 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -68,7 +74,7 @@ class _Job:
     requests: list[Request]
     arrival: float  # time.monotonic() of its first request
     worker: WorkerProcess | None = None
-    waiting_ids: set[str] = field(default_factory=set)
+    abandoned: bool = False  # every request aborted while it ran: the pump stops it
 
 
 class GrammarCompilation:
@@ -107,10 +113,20 @@ class GrammarCompilation:
         self._done: list[Request] = []
         self._failed: list[tuple[Request, Exception]] = []
         self._next_job_id = 0
+        self._closed = False
+        # Everything above is shared by the engine's thread and the pump, under this.
+        self._cond = threading.Condition()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self._pump = threading.Thread(
+            target=self._run_pump, name="tokenmill-grammar-compile", daemon=True
+        )
+        self._pump.start()
 
     def __len__(self) -> int:
         """Requests not yet handed back by ``take_ready``."""
-        return len(self._pending) + len(self._done) + len(self._failed)
+        with self._cond:
+            return len(self._pending) + len(self._done) + len(self._failed)
 
     @property
     def backend(self) -> Any:
@@ -122,20 +138,23 @@ class GrammarCompilation:
         return self._backend.result()
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._pending
+        with self._cond:
+            return request_id in self._pending
 
     # ---- requests ----------------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
         """Start compiling ``request``'s constraint (``sampling_params.structured_outputs``);
         a full queue fails it at once (reported by ``take_ready``)."""
-        if len(self._queued) + len(self._unkeyed) >= self._max_queued:
-            self._failed.append((request, CompileBusy(self._max_compile_s, queue_full=True)))
-            return
-        self._pending[request.request_id] = None
-        self._unkeyed.append((request, time.monotonic()))
-        self._key_arrivals()
-        self._dispatch()
+        with self._cond:
+            if len(self._queued) + len(self._unkeyed) >= self._max_queued:
+                error = CompileBusy(self._max_compile_s, queue_full=True)
+                self._failed.append((request, error))
+                return
+            self._pending[request.request_id] = None
+            self._unkeyed.append((request, time.monotonic()))
+            self._key_arrivals()
+        self._wake()
 
     def _key_arrivals(self) -> None:
         """Once the backend is built: each arrival joins the compile of its constraint, a new
@@ -168,51 +187,94 @@ class GrammarCompilation:
         """Requests whose compilation ended: those with their grammar set, in arrival order,
         and those that failed (their constraint does not compile, is too costly, took past
         the time limit, or found the queue full), with the error."""
-        self._key_arrivals()
-        self._collect()
-        self._expire()
-        self._dispatch()
-        done, self._done = self._done, []
-        failed, self._failed = self._failed, []
+        with self._cond:
+            self._key_arrivals()
+            done, self._done = self._done, []
+            failed, self._failed = self._failed, []
         done.sort(key=lambda r: r.arrival_time)
         return done, failed
 
     def wait_any(self, timeout_s: float) -> None:
-        """Block until a worker answers, the backend is built, or ``timeout_s`` passes."""
-        if not self._pending:
-            return
-        if not self._backend.done():
-            _wait_future(self._backend, timeout_s)
-            return
-        waiting = [w for w in self._workers if not w.ready or w in self._busy]
-        if waiting:
-            wait([w.conn for w in waiting], timeout_s)
+        """Block until a request's compilation ends or ``timeout_s`` passes."""
+        with self._cond:
+            if self._pending and not (self._done or self._failed):
+                self._cond.wait(timeout_s)
 
     def discard(self, request_ids: Iterable[str]) -> None:
         """Forget requests (aborted while compiling). A compile no other request waits for
         is dropped from the queue, or stopped (its worker killed) if under way."""
-        for req_id in request_ids:
-            if req_id not in self._pending:
-                continue
-            job = self._pending.pop(req_id)
-            if job is None:
-                self._unkeyed = [(r, t) for r, t in self._unkeyed if r.request_id != req_id]
-                continue
-            job.requests = [r for r in job.requests if r.request_id != req_id]
-            if job.requests:
-                continue
-            if self._queued.get(job.key) is job:
-                del self._queued[job.key]
-            elif job.worker is not None:
-                self._retire(job.worker)
+        with self._cond:
+            for req_id in request_ids:
+                if req_id not in self._pending:
+                    continue
+                job = self._pending.pop(req_id)
+                if job is None:
+                    self._unkeyed = [(r, t) for r, t in self._unkeyed if r.request_id != req_id]
+                    continue
+                job.requests = [r for r in job.requests if r.request_id != req_id]
+                if job.requests:
+                    continue
+                if self._queued.get(job.key) is job:
+                    del self._queued[job.key]
+                else:
+                    job.abandoned = True  # the pump kills its worker
+        self._wake()
 
     def shutdown(self) -> None:
-        """Drop every pending request and kill the workers."""
-        for worker in self._workers:
-            worker.kill()
-        self._workers, self._busy = [], {}
-        self._pending.clear()
-        self._unkeyed, self._queued, self._running = [], {}, {}
+        """Drop every pending request, kill the workers and stop the pump."""
+        with self._cond:
+            self._closed = True
+            for worker in self._workers:
+                worker.kill()
+            self._workers, self._busy = [], {}
+            self._pending.clear()
+            self._unkeyed, self._queued, self._running = [], {}, {}
+        self._wake()
+        self._pump.join(5)
+
+    # ---- the pump ----------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # full (a wake-up is pending anyway) or closed
+            pass
+
+    def _run_pump(self) -> None:
+        """Hand out constraints, read answers and enforce the limits until ``shutdown``."""
+        while True:
+            with self._cond:
+                if self._closed:
+                    self._wake_r.close()
+                    self._wake_w.close()
+                    return
+                self._key_arrivals()
+                self._collect()
+                self._expire()
+                self._dispatch()
+                if self._done or self._failed:
+                    self._cond.notify_all()
+                conns = [w.conn for w in self._workers if w in self._busy or not w.ready]
+                timeout = self._next_timeout()
+            try:
+                ready = wait([self._wake_r, *conns], timeout)
+            except (OSError, ValueError):  # a worker's pipe closed meanwhile: look again
+                continue
+            if self._wake_r in ready:
+                try:
+                    self._wake_r.recv(4096)
+                except OSError:
+                    pass
+
+    def _next_timeout(self) -> float | None:
+        """Seconds until the next limit falls due (None: nothing to time)."""
+        if self._unkeyed and not self._backend.done():
+            return 0.05  # the backend is still being built
+        jobs = [*self._running.values(), *self._queued.values()]
+        if not jobs or self._ready_at is None:
+            return None if not jobs else 0.05
+        due = min(max(j.arrival, self._ready_at) for j in jobs) + self._max_compile_s
+        return max(0.0, due - time.monotonic()) + 0.001
 
     # ---- workers -----------------------------------------------------------------------
 
@@ -278,7 +340,11 @@ class GrammarCompilation:
             self._done.append(request)
 
     def _expire(self) -> None:
-        """Fail the requests past their time limit; kill the workers compiling for them."""
+        """Fail the requests past their time limit; kill the workers compiling for them, and
+        those compiling for no request any more."""
+        for job in list(self._running.values()):
+            if job.abandoned and job.worker is not None:
+                self._retire(job.worker)
         if self._ready_at is None:
             return
         now = time.monotonic()
@@ -351,10 +417,3 @@ def _in_background(build: Callable[[], Any]) -> Future:
 
     threading.Thread(target=run, name="tokenmill-grammar-backend", daemon=True).start()
     return future
-
-
-def _wait_future(future: Future, timeout_s: float) -> None:
-    try:
-        future.exception(timeout_s)
-    except Exception:  # a timeout: the caller looks again
-        pass
