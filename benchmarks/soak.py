@@ -73,7 +73,7 @@ async def _one(session: aiohttp.ClientSession, url: str, kind: str, rng, max_tok
             text = await response.text()
             if response.status != 200:
                 return f"http_{response.status}", time.monotonic() - start
-            if '"error"' in text[-2000:] and body.get("stream"):
+            if 'data: {"error"' in text[-4000:]:  # a stream ended by an error event
                 return "stream_error", time.monotonic() - start
             return "ok", time.monotonic() - start
     except asyncio.TimeoutError:
