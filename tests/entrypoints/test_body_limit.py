@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from tokenmill.entrypoints.openai.body_limit import BodySizeLimitMiddleware
-from tokenmill.entrypoints.openai.server import _add_error_handlers
+from tokenmill.entrypoints.openai.server import add_error_handlers
 
 LIMIT = 1000
 
@@ -26,7 +26,7 @@ def client() -> TestClient:
     async def echo(body: Echo) -> dict:
         return {"length": len(body.text)}
 
-    _add_error_handlers(app)
+    add_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=LIMIT)
     return TestClient(app)
 

@@ -12,42 +12,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill import envs
+from tokenmill.config import SkinnyGemm, current_kernel_config
 from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from tokenmill.model.layers import skinny_gemm
-
-# Read once: the choice must not change between CUDA-graph capture and eager steps.
-_SKINNY_GEMM = envs.skinny_gemm()
+from tokenmill.kernels.gemm import skinny as skinny_gemm
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    skinny: SkinnyGemm = "auto",
+) -> torch.Tensor:
     """``y = x W^T (+ b)``: ``F.linear``, or for decode-sized batches on CUDA the split-K
-    kernel of ``skinny_gemm`` where it streams the weight faster than cuBLAS
-    (``TOKENMILL_SKINNY_GEMM``, ``envs.skinny_gemm``).
+    kernel of ``kernels.gemm.skinny`` where ``skinny`` (``KernelConfig.skinny_gemm``)
+    sends this product to it.
 
     Shapes: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``.
     """
-    if _runs_skinny(x, weight):
+    if _runs_skinny(x, weight, skinny):
         return skinny_gemm.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def _runs_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _runs_skinny(x: torch.Tensor, weight: torch.Tensor, skinny: SkinnyGemm) -> bool:
     return (
-        _SKINNY_GEMM != "0"
+        skinny != "off"
         and x.dim() == 2
         and x.shape[0] <= skinny_gemm.MAX_M
         and skinny_gemm.use_skinny_gemm(x, weight)
-        and (_SKINNY_GEMM == "1" or skinny_gemm.has_tuned_config(x, weight))
+        and (skinny == "all" or skinny_gemm.has_tuned_config(x, weight))
     )
 
 
 def gated_dense(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    skinny: SkinnyGemm = "auto",
 ) -> torch.Tensor | None:
     """``silu(y[:, :N/2]) * y[:, N/2:]`` of ``y = x W^T (+ b)`` in one skinny-GEMM launch,
     where ``dense`` would run this product through the skinny GEMM and its tiles have an
@@ -56,7 +61,7 @@ def gated_dense(
     Shapes: ``x [M, K]``, ``weight [N, K]`` (gate rows over up rows), ``bias [N]`` ->
     ``[M, N/2]``.
     """
-    if weight.shape[0] % 2 or not _runs_skinny(x, weight):
+    if weight.shape[0] % 2 or not _runs_skinny(x, weight, skinny):
         return None
     (m, k), n = x.shape, weight.shape[0]
     config = skinny_gemm.launch_config(m, n, k, skinny_gemm.num_sms(x.device))
@@ -89,12 +94,14 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    """``y = x W^T (+ b)`` with weight ``[out_per_rank, in_per_rank]``."""
+    """``y = x W^T (+ b)`` with weight ``[out_per_rank, in_per_rank]``; its kernel for
+    decode-sized batches is ``KernelConfig.skinny_gemm`` of the model being built."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
+        self.skinny_gemm = current_kernel_config().skinny_gemm
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -111,7 +118,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias, self.skinny_gemm)
 
 
 class ReplicatedLinear(LinearBase):
@@ -144,6 +151,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
+
+    def forward_gated(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A gate/up pair's ``silu(gate) * up`` in the product's launch, where the skinny GEMM
+        computes it (``gated_dense``); None elsewhere (the caller applies the gate).
+
+        Shapes: ``x [M, K]`` -> ``[M, N/2]``.
+        """
+        return gated_dense(x, self.weight, self.bias, self.skinny_gemm)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         if shard_id is None:  # an already-merged checkpoint tensor (e.g. Phi-3 gate_up_proj)
@@ -236,7 +251,7 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dense(x, self.weight)
+        y = dense(x, self.weight, skinny=self.skinny_gemm)
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from tokenmill.model.loader.hf_config import ModelLoadError
+from tokenmill.hf_config import ModelLoadError
 
 # llama.cpp architectures whose converter permutes Q/K rows.
 PERMUTED_QK_ARCHS = ("llama", "mistral")
