@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
 from tokenmill.engine.embedding_engine import AsyncEmbeddingEngine
+from tokenmill.entrypoints.anthropic.errors import error_response_for
 from tokenmill.entrypoints.anthropic.router import add_messages_api
 from tokenmill.entrypoints.auth import APIKeyMiddleware
 from tokenmill.entrypoints.openai.body_limit import add_body_size_limit
@@ -79,7 +80,7 @@ def build_app(
     api_key = getattr(args, "api_key", None)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    add_body_size_limit(app)  # outside the key check
+    add_body_size_limit(app, error_response_for)  # outside the key check
     # Added last, so it is the outermost layer: preflight answers never need a key.
     app.add_middleware(
         CORSMiddleware,

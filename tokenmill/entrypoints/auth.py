@@ -6,17 +6,14 @@ from __future__ import annotations
 import hmac
 from http import HTTPStatus
 
-from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.entrypoints.anthropic.errors import anthropic_error_body
+from tokenmill.entrypoints.anthropic.errors import error_response_for
 from tokenmill.entrypoints.dashboard.routes import is_dashboard_path
-from tokenmill.entrypoints.openai.errors import error_body
+from tokenmill.entrypoints.openai.errors import OpenAIError
 
 # Routes that answer without an API key (probes and scrapers).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
-# Anthropic's API: its clients send the key as x-api-key and read its error shape.
-MESSAGES_PATH = "/v1/messages"
 UNAUTHORIZED = (
     "Invalid or missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'."
 )
@@ -48,12 +45,8 @@ class APIKeyMiddleware:
         if path in OPEN_PATHS or is_dashboard_path(path) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        if path.startswith(MESSAGES_PATH):
-            body = anthropic_error_body(UNAUTHORIZED, HTTPStatus.UNAUTHORIZED)
-        else:
-            body = error_body(UNAUTHORIZED, "invalid_request_error", code="invalid_api_key")
-        response = JSONResponse(body, status_code=HTTPStatus.UNAUTHORIZED)
-        await response(scope, receive, send)
+        error = OpenAIError(UNAUTHORIZED, HTTPStatus.UNAUTHORIZED, code="invalid_api_key")
+        await error_response_for(scope, error)(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
         bearer = b""

@@ -8,8 +8,13 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.types import Scope
 
 from tokenmill.entrypoints.openai.errors import OpenAIError
+
+# The Messages API's routes: their errors take Anthropic's shape, also those answered before
+# a route runs (the API key check, the body size limit).
+MESSAGES_PATH = "/v1/messages"
 
 _TYPES = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",
@@ -46,3 +51,14 @@ def error_event(error: OpenAIError) -> str:
     """The error as a streamed ``error`` event (after the stream has begun)."""
     body, _ = from_openai_error(error)
     return f"event: error\ndata: {json.dumps(body)}\n\n"
+
+
+def error_response_for(scope: Scope, error: OpenAIError) -> JSONResponse:
+    """``error`` answered in the shape of the API that ``scope``'s path belongs to:
+    Anthropic's on the Messages API's routes, OpenAI's elsewhere."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :] or "/"
+    if path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/"):
+        return error_response(error)
+    return error.to_response()

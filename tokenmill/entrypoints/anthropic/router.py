@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.entrypoints.anthropic.errors import anthropic_error_body, error_response
 from tokenmill.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
@@ -33,6 +34,8 @@ async def _parse(raw_request: Request, model: type[MessagesRequest]) -> Messages
     """
     try:
         body = json.loads(await raw_request.body())
+    except StarletteHTTPException as e:  # the body is over the size limit (a 413)
+        raise OpenAIError(str(e.detail), e.status_code) from None
     except ValueError as e:
         raise bad_request(f"The request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
