@@ -12,12 +12,13 @@ Served: ``model``, ``max_tokens`` (required), ``messages`` with text, ``tool_use
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenmill.entrypoints.openai.errors import bad_request
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
+from tokenmill.sampling_params import MAX_STOP_STRINGS
 
 _UNSERVED = ("container", "mcp_servers")
 
@@ -28,14 +29,17 @@ class MessagesRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str
-    max_tokens: int
-    messages: list[dict[str, Any]]
+    max_tokens: Annotated[int, Field(ge=1)]
+    messages: list[dict[str, Any]] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: (
+        Annotated[list[str], Field(json_schema_extra={"maxItems": MAX_STOP_STRINGS})] | None
+    ) = None
     stream: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    # The bounds the chat request enforces on the fields they become.
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, description="-1 or 0: no top-k")] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
@@ -48,7 +52,7 @@ class MessagesRequest(BaseModel):
 class CountTokensRequest(MessagesRequest):
     """POST /v1/messages/count_tokens: a Messages request without ``max_tokens``."""
 
-    max_tokens: int = 1
+    max_tokens: Annotated[int, Field(ge=1)] = 1
 
 
 def _text(content: Any, field: str) -> str:
@@ -148,8 +152,6 @@ def chat_messages(request: MessagesRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if request.system:
         messages.append({"role": "system", "content": _text(request.system, "system")})
-    if not request.messages:
-        raise bad_request("messages: at least one message is required.", "messages")
     tool_ids: set[str] = set()
     for i, message in enumerate(request.messages):
         field = f"messages.{i}"
@@ -218,8 +220,6 @@ def to_chat_request(request: MessagesRequest) -> ChatCompletionRequest:
     for name in _UNSERVED:
         if getattr(request, name) is not None:
             raise bad_request(f"tokenmill does not implement {name}.", name)
-    if request.max_tokens < 1:
-        raise bad_request("max_tokens must be at least 1.", "max_tokens")
     tool_choice, parallel = _tool_choice(request.tool_choice)
     body: dict[str, Any] = {
         "model": request.model,
@@ -248,3 +248,63 @@ def to_chat_request(request: MessagesRequest) -> ChatCompletionRequest:
             "parameters", "input_schema"
         )
         raise bad_request(f"{loc}: {error.get('msg')}", loc.split(".")[0] or None) from None
+
+
+# ---- answers, for the OpenAPI document (serving_messages.py builds them as dicts) ------------
+
+
+class TextBlock(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ThinkingBlock(BaseModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+class ToolUseBlock(BaseModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ContentBlock = Annotated[TextBlock | ThinkingBlock | ToolUseBlock, Field(discriminator="type")]
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int
+    cache_read_input_tokens: int
+    cache_creation_input_tokens: int
+    output_tokens: int
+
+
+class MessageResponse(BaseModel):
+    """POST /v1/messages' answer: the assistant's content blocks and why it stopped."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[ContentBlock]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: MessageUsage
+
+
+class CountTokensResponse(BaseModel):
+    input_tokens: int
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every error of the Messages API: ``{"type": "error", "error": {"type", "message"}}``."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail

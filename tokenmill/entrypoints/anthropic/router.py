@@ -1,7 +1,8 @@
 """Routes of Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens.
 
 The body is read and checked here rather than by FastAPI, so that every error, a malformed
-body included, answers in Anthropic's shape (``errors.py``).
+body included, answers in Anthropic's shape (``errors.py``); the OpenAPI document describes
+the body, the answers and those errors all the same.
 """
 
 from __future__ import annotations
@@ -12,17 +13,47 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.entrypoints.anthropic.errors import anthropic_error_body, error_response
-from tokenmill.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from tokenmill.entrypoints.anthropic.protocol import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageResponse,
+    MessagesRequest,
+)
 from tokenmill.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request
+from tokenmill.entrypoints.openai.openapi import answers, event_stream
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_engine import cancel_on_disconnect, to_openai_error
 
 router = APIRouter()
+EVENTS = event_stream(
+    "With `stream: true`: Anthropic's server-sent events, each `event: <type>` and `data: ` "
+    "with its JSON, from `message_start` to `message_stop` (or an `error` event)."
+)
+
+
+def _documented(
+    request: type[BaseModel], answer: type[BaseModel], *statuses: int, stream: bool = False
+) -> dict[str, Any]:
+    """A route's arguments for the OpenAPI document: its JSON ``request`` body (read by the
+    route itself), its ``answer`` and its errors in Anthropic's shape."""
+    return {
+        "responses": answers(
+            answer, *statuses, stream=EVENTS if stream else False,
+            error_body=AnthropicErrorResponse,
+        ),
+        "openapi_extra": {
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": request.model_json_schema()}},
+            }
+        },
+    }  # fmt: skip
 
 
 async def _parse(raw_request: Request, model: type[MessagesRequest]) -> MessagesRequest:
@@ -68,13 +99,17 @@ async def _answer(
     return result if isinstance(result, Response) else JSONResponse(result)
 
 
-@router.post("/v1/messages")
+@router.post(
+    "/v1/messages", **_documented(MessagesRequest, MessageResponse, 404, 429, 503, stream=True)
+)
 async def create_message(raw_request: Request) -> Response:
     serving: AnthropicServingMessages = raw_request.app.state.serving_messages
     return await _answer(raw_request, serving.create, watch=True)
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post(
+    "/v1/messages/count_tokens", **_documented(CountTokensRequest, CountTokensResponse, 404, 503)
+)
 async def count_message_tokens(raw_request: Request) -> Response:
     serving: AnthropicServingMessages = raw_request.app.state.serving_messages
     return await _answer(raw_request, serving.count_tokens, False, CountTokensRequest)

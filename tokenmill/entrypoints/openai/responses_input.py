@@ -11,9 +11,9 @@ tools, images and files, ``background``, ``conversation``, ...) is a 400 naming 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenmill.entrypoints.openai.errors import bad_request
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
@@ -38,9 +38,10 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     store: bool | None = True
     stream: bool | None = False
-    temperature: float | None = None
-    top_p: float | None = None
-    max_output_tokens: int | None = None
+    # The bounds the chat request enforces on the fields they become.
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None

@@ -1,6 +1,9 @@
 """Response objects of the Responses API: the response envelope, its output items
 (``reasoning``, ``message``, ``function_call``) and its usage, as the OpenAI API reference
 shapes them; and the streamed events (``response.created`` ... ``response.completed``).
+
+The objects are built as dicts; the pydantic models at the end describe the same shapes in
+the OpenAPI document (tests/entrypoints/test_openapi.py checks the answers against them).
 """
 
 from __future__ import annotations
@@ -8,7 +11,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
 
 from tokenmill.entrypoints.openai.protocol import ChatCompletionMessage, UsageInfo
 from tokenmill.entrypoints.openai.responses_input import ResponsesRequest
@@ -143,3 +148,101 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def sse(event: dict[str, Any]) -> str:
     """One server-sent event: ``event: <type>`` and its JSON."""
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+# ---- the shapes above, for the OpenAPI document ----------------------------------------------
+
+
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    type: Literal["reasoning"]
+    id: str
+    summary: list[dict[str, Any]]
+    content: list[ReasoningText]
+    status: str
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class MessageItem(BaseModel):
+    type: Literal["message"]
+    id: str
+    role: Literal["assistant"]
+    status: str
+    content: list[OutputText]
+
+
+class FunctionCallItem(BaseModel):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str = Field(description="The call's arguments as JSON text.")
+    status: str
+
+
+OutputItem = Annotated[ReasoningItem | MessageItem | FunctionCallItem, Field(discriminator="type")]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int
+    cache_write_tokens: int
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A response (``envelope`` once answered): its output items, usage and the request's
+    settings."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[OutputItem]
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    instructions: str | None
+    metadata: dict[str, Any]
+    parallel_tool_calls: bool
+    temperature: float | None
+    top_p: float | None
+    max_output_tokens: int | None
+    previous_response_id: str | None
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    text: dict[str, Any]
+    reasoning: dict[str, Any]
+    truncation: str
+    store: bool
+    background: bool
+    user: str | None
+    usage: ResponseUsage | None
+
+
+class ResponseDeleted(BaseModel):
+    """DELETE /v1/responses/{id}'s answer."""
+
+    id: str
+    object: Literal["response"]
+    deleted: bool

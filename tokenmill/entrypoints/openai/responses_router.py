@@ -6,31 +6,36 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.entrypoints.openai.agent_args import DEFAULT_STORED_RESPONSES
-from tokenmill.entrypoints.openai.protocol import ErrorResponse
+from tokenmill.entrypoints.openai.openapi import answers, event_stream
 from tokenmill.entrypoints.openai.responses_input import ResponsesRequest
+from tokenmill.entrypoints.openai.responses_output import ResponseDeleted, ResponseObject
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_engine import cancel_on_disconnect
 from tokenmill.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 router = APIRouter()
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 503)}
+EVENTS = event_stream(
+    "With `stream: true`: the Responses API's server-sent events, each `event: <type>` and "
+    "`data: ` with its JSON, from `response.created` to `response.completed` (or "
+    "`response.failed`)."
+)
 
 
 def _serving(raw_request: Request) -> OpenAIServingResponses:
     return raw_request.app.state.serving_responses
 
 
-@router.post("/v1/responses", responses=_ERRORS)
+@router.post("/v1/responses", responses=answers(ResponseObject, 404, 429, 503, stream=EVENTS))
 async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
     return await cancel_on_disconnect(raw_request, _serving(raw_request).create(request))
 
 
-@router.get("/v1/responses/{response_id}", responses=_ERRORS)
+@router.get("/v1/responses/{response_id}", responses=answers(ResponseObject, 404))
 async def retrieve_response(response_id: str, raw_request: Request) -> Response:
     return JSONResponse(_serving(raw_request).get(response_id))
 
 
-@router.delete("/v1/responses/{response_id}", responses=_ERRORS)
+@router.delete("/v1/responses/{response_id}", responses=answers(ResponseDeleted, 404))
 async def delete_response(response_id: str, raw_request: Request) -> Response:
     return JSONResponse(_serving(raw_request).delete(response_id))
 
