@@ -63,7 +63,7 @@ class LlamaMLP(nn.Module):
         self.gated_product = isinstance(self.act_fn, SiluAndMul) and envs.gated_product()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated_product:
+        if self.gated_product and self.gate_up_proj.quant_method.is_unquantized:
             gated = gated_dense(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
             if gated is not None:
                 return self.down_proj(gated)
