@@ -26,6 +26,7 @@ from tokenmill.model.layers.quantization.base import (
     set_layout,
 )
 from tokenmill.model.layers.quantization.context import active_config
+from tokenmill.model.layers.quantization.tensors import as_float
 
 # Read once: the choice must not change between CUDA-graph capture and eager steps.
 _SKINNY_GEMM = envs.skinny_gemm()
@@ -84,7 +85,9 @@ def check_shape(param_name: str, expected: torch.Size, got: torch.Size) -> None:
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    """Copy a full (unsharded) tensor into ``param``, checking the shape."""
+    """Copy a full (unsharded) tensor into ``param``, checking the shape (quantized blocks
+    are dequantized first: this parameter keeps floats)."""
+    loaded = as_float(loaded)
     check_shape(getattr(param, "_tm_name", "?"), param.shape, loaded.shape)
     param.data.copy_(loaded)
 

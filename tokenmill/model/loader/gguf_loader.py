@@ -16,6 +16,8 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+from tokenmill.kernels.quant.gguf_blocks import BLOCK_TYPES
+from tokenmill.model.layers.quantization.tensors import GGUFTensor
 from tokenmill.model.loader.hf_config import ModelLoadError
 
 # llama.cpp architectures whose converter permutes Q/K rows.
@@ -49,14 +51,18 @@ def iterate_gguf(
     hf_names: Iterable[str],
     num_heads: int,
     num_kv_heads: int,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor of the GGUF file.
+    keep_quantized: bool = False,
+) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """Yield ``(hf_name, tensor)`` for every tensor of the GGUF file: float32, or with
+    ``keep_quantized`` a ``GGUFTensor`` of the file's blocks for quantized types.
 
     Args:
         path: the ``.gguf`` file.
         hf_names: the Hugging Face checkpoint names the model expects (used to invert
             llama.cpp's naming).
         num_heads, num_kv_heads: to undo the Q/K row permutation.
+        keep_quantized: keep quantized tensors in their blocks (rows are permuted as
+            blocks: a row of blocks is one output feature).
 
     Raises:
         ModelLoadError: unreadable file, or a tensor with no known Hugging Face name.
@@ -83,11 +89,15 @@ def iterate_gguf(
             if t.name in ("rope_freqs.weight",):  # llama3 rope factors: we compute them
                 continue
             raise ModelLoadError(f"{path}: tensor {t.name!r} has no Hugging Face equivalent")
-        try:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-        except Exception as e:
-            raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
-        data = np.asarray(data, dtype=np.float32)
+        quantized = keep_quantized and int(t.tensor_type) in BLOCK_TYPES
+        if quantized:
+            data = np.asarray(t.data)
+        else:
+            try:
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
+            except Exception as e:
+                raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
+            data = np.asarray(data, dtype=np.float32)
         if permute and ".q_proj." in hf_name:
             data = unpermute_qk(data, num_heads)
         elif permute and ".k_proj." in hf_name:
@@ -96,4 +106,8 @@ def iterate_gguf(
             data = data - 1.0
         if not data.flags.writeable or not data.flags.c_contiguous:
             data = np.array(data, copy=True)  # an mmap view of an unquantized tensor
-        yield hf_name, torch.from_numpy(data)
+        if quantized:
+            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions inner first
+            yield hf_name, GGUFTensor(torch.from_numpy(data), int(t.tensor_type), shape)
+        else:
+            yield hf_name, torch.from_numpy(data)

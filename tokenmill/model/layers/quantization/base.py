@@ -82,7 +82,9 @@ def copy_shard(param: torch.Tensor, loaded: torch.Tensor, s: ShardSlice, name: s
         WeightShapeError: the shapes disagree (the message names the tensor).
     """
     from tokenmill.model.layers.linear import check_shape
+    from tokenmill.model.layers.quantization.tensors import as_float
 
+    loaded = as_float(loaded)
     out_dim = getattr(param, "output_dim", 0)
     in_dim = getattr(param, "input_dim", None if param.dim() == 1 else 1)
     target = param.data
