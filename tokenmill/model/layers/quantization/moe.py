@@ -10,9 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.layers.quantization.base import QuantizationError
+from tokenmill.model.layers.quantization.base import QuantizationError, ShardSlice
 from tokenmill.model.layers.quantization.gguf import build_segments, segments_mm
-from tokenmill.model.layers.quantization.tensors import GGUFTensor
 
 
 def routed_loop(
@@ -105,4 +104,78 @@ class GGUFMoEMethod:
         return routed_loop(hidden, topk_weights, topk_ids, layer.num_experts, mlp)
 
 
-__all__ = ["GGUFMoEMethod", "GGUFTensor", "routed_loop"]
+
+class _ExpertLinear(nn.Module):
+    """One expert's product held by a linear method (not registered on the model: its
+    checkpoint tensors arrive through the MoE layer's stacked names)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], method: Any) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_partition_sizes = output_sizes
+        self.tp_size, self.tp_rank = 1, 0
+        self.quant_method = method
+        self.bias = None
+        method.create_weights(self, input_size, output_sizes, torch.get_default_dtype())
+
+
+class Int4MoEMethod:
+    """Experts of an AWQ/GPTQ/compressed-tensors checkpoint: one int4 linear per expert's
+    gate/up (merged) and down projection, computed in the routed loop."""
+
+    def __init__(self, config: Any, prefix: str) -> None:
+        self.config = config
+        self.prefix = prefix
+
+    def create_weights(self, layer: nn.Module) -> None:
+        if layer.tp_size > 1:
+            raise QuantizationError("quantized experts with tensor parallelism are not supported")
+        i, h = layer.intermediate_per_rank, layer.hidden_size
+        method = self.config.get_linear_method
+        self.w13 = [_ExpertLinear(h, [i, i], method(layer, f"{self.prefix}.{e}.w13"))
+                    for e in range(layer.num_experts)]
+        self.w2 = [_ExpertLinear(i, [h], method(layer, f"{self.prefix}.{e}.w2"))
+                   for e in range(layer.num_experts)]
+        layer.w13 = self._sink(self.w13, layer, ("gate", "up"))
+        layer.w2 = self._sink(self.w2, layer, ("down",))
+
+    def _sink(self, experts: list[_ExpertLinear], layer: nn.Module, parts: tuple[str, ...]
+              ) -> nn.Module:
+        """A module whose parameters carry the checkpoint names and route each expert's
+        tensor to that expert's layer."""
+        sink = nn.Module()
+        i = layer.intermediate_per_rank
+        for name, template in experts[0].named_parameters(recurse=False):
+            def load(param, loaded, shard_id, name=name):
+                e, part = layer._parse_shard(shard_id, parts)
+                target = experts[e]
+                if part == "down":
+                    s = ShardSlice(shard_id)
+                else:
+                    s = ShardSlice(shard_id, 0 if part == "gate" else i, i, 0)
+                target_param = getattr(target, name)
+                target_param._tm_name = getattr(param, "_tm_name", name)
+                target.quant_method.load_weight(target, target_param, loaded, s)
+
+            placeholder = nn.Parameter(torch.empty(0, dtype=template.dtype), requires_grad=False)
+            placeholder.weight_loader = load
+            sink.register_parameter(name, placeholder)
+        return sink
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        for kind, experts in (("w13", self.w13), ("w2", self.w2)):
+            for e, expert in enumerate(experts):
+                expert.quant_method.process_weights_after_loading(expert)
+                for name, t in expert.named_buffers(recurse=False):
+                    layer.register_buffer(f"{kind}_{e}_{name}", t, persistent=False)
+                for name, p in expert.named_parameters(recurse=False):
+                    layer.register_buffer(f"{kind}_{e}_{name}", p.data, persistent=False)
+
+    def apply(self, layer: nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        def mlp(e: int, x: torch.Tensor) -> torch.Tensor:
+            w13, w2 = self.w13[e], self.w2[e]
+            gate, up = w13.quant_method.apply(w13, x).chunk(2, dim=-1)
+            return w2.quant_method.apply(w2, F.silu(gate) * up)
+
+        return routed_loop(hidden, topk_weights, topk_ids, layer.num_experts, mlp)
