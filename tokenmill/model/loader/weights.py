@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill.model.layers.linear import WeightShapeError, default_weight_loader
+from tokenmill.model.layers.quantization.bitsandbytes import checkpoint_param_name
 from tokenmill.model.loader.hf_config import ModelLoadError
 
 # Checkpoint tensors that hold no weights (buffers transformers used to save).
@@ -52,10 +53,10 @@ def load_model_weights(
     for ckpt_name, tensor in weights:
         if ckpt_name in skip or ckpt_name.endswith(IGNORED_SUFFIXES):
             continue
-        name, shard_id = ckpt_name, None
+        name, shard_id = checkpoint_param_name(ckpt_name), None
         for part, ckpt_part, sid in stacked_params_mapping:
-            if f".{ckpt_part}." in ckpt_name:
-                candidate = ckpt_name.replace(f".{ckpt_part}.", f".{part}.")
+            if f".{ckpt_part}." in name:
+                candidate = name.replace(f".{ckpt_part}.", f".{part}.")
                 if candidate in params:
                     name, shard_id = candidate, sid
                     break
@@ -78,7 +79,8 @@ def load_model_weights(
     for name in params:
         got = loaded.get(name)
         if got is None:
-            missing.append(name)
+            if not getattr(params[name], "tm_optional", False):  # e.g. quantization state
+                missing.append(name)
         elif name in expected_shards and None not in got and got != expected_shards[name]:
             missing.append(f"{name} (shards {sorted(map(str, expected_shards[name] - got))})")
     if missing:
