@@ -47,9 +47,9 @@ class Int4Plane:
 
 
 def supports(group: int, n: int, k: int) -> bool:
-    """Whether the CPU kernel takes this shape: a kernel group size dividing ``K``, even
-    ``N`` and ``K``."""
-    return group in KERNEL_GROUPS and k % group == 0 and n % 2 == 0 and k % 2 == 0
+    """Whether the CPU kernel takes this shape: a kernel group size dividing ``K`` and ``N``
+    a multiple of 16 (the packing's requirement)."""
+    return group in KERNEL_GROUPS and k % group == 0 and n % 16 == 0
 
 
 def make_plane(nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
