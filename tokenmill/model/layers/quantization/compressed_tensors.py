@@ -108,10 +108,13 @@ class CompressedTensorsW4A16Method(Int4LinearMethod):
 
     def load_weight(self, layer, param, loaded, s: ShardSlice) -> None:
         if param is layer.weight_shape:
-            if int(loaded[-1]) != layer.input_size * layer.tp_size:
+            # Row-parallel layers split their input across ranks (the others hold it whole).
+            split = s.in_size is not None
+            full = layer.input_size * (layer.tp_size if split else 1)
+            if int(loaded[-1]) != full:
                 raise QuantizationError(
                     f"tensor {getattr(param, '_tm_name', '?')!r} says {int(loaded[-1])} input "
-                    f"features, the layer has {layer.input_size * layer.tp_size}"
+                    f"features, the layer has {full}"
                 )
             return
         super().load_weight(layer, param, loaded, s)

@@ -159,6 +159,9 @@ class GGUFLinearMethod(LinearMethod):
             raise QuantizationError("GGUF weights with tensor parallelism are not supported")
         start = s.dst_start or 0
         size = s.size if s.size is not None else sum(layer.output_partition_sizes)
+        if loaded.shape[-2] != size and s.size is not None:  # a part of a fused tensor
+            loaded = (loaded.rows(s.src_start, size) if isinstance(loaded, GGUFTensor)
+                      else loaded.narrow(0, s.src_start, size))
         if isinstance(loaded, GGUFTensor):
             n, k = loaded.shape[-2:]
             if loaded.data.shape[-2] != size or k != layer.input_size:

@@ -219,7 +219,9 @@ class GPTQLinearMethod(Int4LinearMethod):
         zeros = unpack_cols(layer.qzeros.data).float()  # [K/G, N]
         if self.zeros_minus_one:
             zeros = zeros + 1
-        q, perm = sort_by_group(q, layer.g_idx.data, g)
+        g_idx = layer.g_idx.data
+        # A row-parallel rank's slice starts at a later group: number its groups from 0.
+        q, perm = sort_by_group(q, g_idx - g_idx.min(), g)
         return Int4Weights(q.contiguous(), zeros.t().contiguous(),
                            layer.scales.data.float().t().contiguous(), g, perm)
 
