@@ -17,6 +17,8 @@ and masks out the values, applies the group's scale and zero in float32 and feed
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tokenmill.model.host_ints import cdiv
@@ -30,6 +32,18 @@ except ImportError:  # CPU-only installs
     HAS_TRITON = False
 
 DECODE_MAX_M = 32
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms_of(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere), read once per device."""
+    if device.type != "cuda":
+        return 1
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 if HAS_TRITON:
@@ -123,8 +137,7 @@ def int4_linear(
     m, k = x.shape
     n = qweight.shape[1]
     x = x.contiguous()
-    num_sms = (torch.cuda.get_device_properties(x.device).multi_processor_count
-               if x.is_cuda else 1)
+    num_sms = num_sms_of(x.device)
     cfg = config or launch_config(m, n, k, x.dtype, num_sms)
     split = cfg["SPLIT_K"]
     k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]

@@ -13,6 +13,9 @@ offsets computed in float32 exactly as the ``gguf`` package computes them), and
 ``dequantize`` evaluates it. The bit layouts follow ggml's ``block_q*`` structs
 (ggml/src/ggml-common.h) and the ``gguf`` package's ``quants.py``; the values equal the
 ``gguf`` package's dequantization bit for bit (tests/kernels/test_gguf_blocks.py).
+
+Everything here is device-side torch (no host round trip), so a dequantization can run
+inside a CUDA graph (token embeddings dequantize the rows they read at every step).
 """
 
 from __future__ import annotations
@@ -154,7 +157,7 @@ def _unpack_k(blocks: torch.Tensor, name: str):
         )
         dl = d * (scales & 0x0F).float()
         ml = dmin * (scales >> 4).float()
-        shifts = torch.tensor([0, 2, 4, 6], device=blocks.device, dtype=torch.uint8)
+        shifts = torch.arange(0, 8, 2, device=blocks.device, dtype=torch.uint8)
         q = (qs.reshape(nb, 2, 1, 32) >> shifts.view(1, 1, 4, 1)) & 3
         return q.reshape(nb, QK_K).to(torch.int8), dl, -ml
     if name == "Q3_K":
@@ -165,7 +168,7 @@ def _unpack_k(blocks: torch.Tensor, name: str):
         high = torch.cat([(hs >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)
         sc = ((low | (high << 4)).to(torch.int8) - 32).float()
         dl = d * sc
-        shifts = torch.tensor([0, 2, 4, 6], device=blocks.device, dtype=torch.uint8)
+        shifts = torch.arange(0, 8, 2, device=blocks.device, dtype=torch.uint8)
         ql = ((qs.reshape(nb, 2, 1, 32) >> shifts.view(1, 1, 4, 1)) & 3).reshape(nb, QK_K)
         bit = torch.arange(8, device=blocks.device, dtype=torch.uint8).view(1, 1, 8, 1)
         qh = ((hmask.reshape(nb, 1, 1, 32) >> bit) & 1).reshape(nb, QK_K) ^ 1
@@ -174,10 +177,10 @@ def _unpack_k(blocks: torch.Tensor, name: str):
         ql, qh, scales = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208]
         d = _f16(blocks[:, 208:210, None].transpose(1, 2))
         dl = d * scales.contiguous().view(torch.int8).float()
-        low = ql.reshape(nb, 2, 1, 64) >> torch.tensor([0, 4], device=blocks.device,
+        low = ql.reshape(nb, 2, 1, 64) >> torch.arange(0, 8, 4, device=blocks.device,
                                                         dtype=torch.uint8).view(1, 1, 2, 1)
         low = (low & 0x0F).reshape(nb, 8, 32)
-        shifts = torch.tensor([0, 2, 4, 6], device=blocks.device, dtype=torch.uint8)
+        shifts = torch.arange(0, 8, 2, device=blocks.device, dtype=torch.uint8)
         high = ((qh.reshape(nb, 2, 1, 32) >> shifts.view(1, 1, 4, 1)) & 3).reshape(nb, 8, 32)
         q = (low | (high << 4)).to(torch.int8) - 32
         return q.reshape(nb, QK_K), dl, None
@@ -188,12 +191,12 @@ def _unpack_k(blocks: torch.Tensor, name: str):
     scale = d * sc.float()
     offset = -(dmin * mn.float())
     if name == "Q4_K":
-        q = (blocks[:, 16:].reshape(nb, 4, 1, 32) >> torch.tensor(
-            [0, 4], device=blocks.device, dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F
+        q = (blocks[:, 16:].reshape(nb, 4, 1, 32) >> torch.arange(
+            0, 8, 4, device=blocks.device, dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F
         return q.reshape(nb, QK_K).to(torch.int8), scale, offset
     qh, qs = blocks[:, 16:48], blocks[:, 48:]
-    low = (qs.reshape(nb, 4, 1, 32) >> torch.tensor(
-        [0, 4], device=blocks.device, dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F
+    low = (qs.reshape(nb, 4, 1, 32) >> torch.arange(
+        0, 8, 4, device=blocks.device, dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F
     bit = torch.arange(8, device=blocks.device, dtype=torch.uint8).view(1, 1, 8, 1)
     high = (qh.reshape(nb, 1, 1, 32) >> bit) & 1
     q = low.reshape(nb, QK_K) | (high.reshape(nb, QK_K) << 4)

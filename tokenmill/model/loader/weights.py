@@ -99,7 +99,10 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3
     """
     generator = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
+            if not param.is_floating_point():
+                _fill_dummy_integers(name, param, seed)
+                continue
             if param.device.type == "cpu":
                 param.uniform_(low, high, generator=generator)
             else:
@@ -107,3 +110,12 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3
                 gen = torch.Generator(device=param.device).manual_seed(seed)
                 seed += 1
                 param.uniform_(low, high, generator=gen)
+
+
+def _fill_dummy_integers(name: str, param: torch.Tensor, seed: int) -> None:
+    """Quantized checkpoints' integer tensors: random bits for packed values and zero
+    points; a group index (``g_idx``) keeps the in-order groups it was created with."""
+    if name.endswith("g_idx") or param.numel() == 0:
+        return
+    gen = torch.Generator(device=param.device).manual_seed(seed)
+    param.random_(generator=gen)

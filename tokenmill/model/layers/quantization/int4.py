@@ -197,6 +197,7 @@ class GPTQLinearMethod(Int4LinearMethod):
                               output_div=8, input_div=g)
         layer.scales = _param((k // g, n), dtype, output_dim=1, input_dim=0, input_div=g)
         layer.g_idx = _param((k,), torch.int32, output_dim=None, input_dim=0)
+        layer.g_idx.data.copy_(torch.arange(k) // g)  # in order until a checkpoint says not
         layer.int4_dtype = dtype
 
     def load_weight(self, layer, param, loaded, s: ShardSlice) -> None:

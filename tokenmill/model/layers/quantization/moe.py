@@ -27,6 +27,15 @@ def routed_loop(
     """
     top_k = topk_ids.shape[1]
     out = torch.zeros_like(hidden)
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        # A graph cannot wait for the host to count each expert's tokens: every expert runs
+        # on every token, weighted by its routing weight (0 where not chosen).
+        weights = torch.zeros(hidden.shape[0], num_experts, device=hidden.device)
+        weights.scatter_(1, topk_ids, topk_weights.float())
+        for expert in range(num_experts):
+            y = expert_mlp(expert, hidden) * weights[:, expert : expert + 1]
+            out += y.to(out.dtype)
+        return out
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
