@@ -166,3 +166,41 @@ def _quant_config(fmt, group, sym, act_order) -> dict:
                                       "format": "pack-quantized"}},
         "ignore": ["lm_head"],
     }
+
+
+def quantize_folder(src: str, out: str, fmt: str, group: int, sym: bool, seed: int = 0
+                    ) -> tuple[str, str]:
+    """Quantize every projection of a saved float model (attention, MLP, per-expert MoE
+    projections; not routers, embeddings or the LM head) into ``out/quant`` in ``fmt``, and
+    write ``out/reference`` with the dequantized weights. Returns both folders."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(seed)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    quant_state, reference = {}, {}
+    for name, w in state.items():
+        leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if leaf not in LINEARS and leaf not in ("w1", "w2", "w3"):
+            quant_state[name] = reference[name] = w
+            continue
+        n, k = w.shape
+        q, scales, zeros = quantize(w.float(), group, sym, gen)
+        reference[name] = dequantized(q, scales, zeros, group)
+        quant_state.update(_pack(fmt, name[: -len(".weight")], q, scales, zeros,
+                                 torch.arange(k) // group, False, sym))
+    for sub, tensors in (("quant", quant_state), ("reference", reference)):
+        folder = os.path.join(out, sub)
+        os.makedirs(folder, exist_ok=True)
+        for f in os.listdir(src):
+            if f != "model.safetensors":
+                shutil.copy(os.path.join(src, f), folder)
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = _quant_config(fmt, group, sym, False)
+    with open(os.path.join(out, "quant", "config.json"), "w") as f:
+        json.dump(config, f)
+    return os.path.join(out, "quant"), os.path.join(out, "reference")

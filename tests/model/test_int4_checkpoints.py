@@ -102,3 +102,33 @@ def test_marlin_spelling_loads_the_same_checkpoint(tmp_path):
     folder = make_int4_checkpoint(str(tmp_path), "gptq", 32, True)
     cfg = EngineArgs(model=f"{folder}/quant", quantization="gptq_marlin").create_engine_config()
     assert cfg.model_config.quantization == "gptq"
+
+
+@pytest.mark.parametrize("kind, fmt", [("qwen3-moe", "gptq"), ("mixtral", "awq")])
+def test_moe_experts_stay_int4(tmp_path, monkeypatch, kind, fmt):
+    """Per-expert int4 tensors of an MoE checkpoint (routers unquantized, as the formats
+    leave them) against transformers on the dequantized weights."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+    from tests.model.quant_checkpoints import TINY_LLAMA, quantize_folder
+    from tests.model.test_qwen3_parity import save_random_model
+
+    common = {k: v for k, v in TINY_LLAMA.items() if k != "intermediate_size"}
+    if kind == "qwen3-moe":
+        config = Qwen3MoeConfig(**common, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=128, intermediate_size=128,
+                                norm_topk_prob=True)
+    else:
+        config = MixtralConfig(**common, intermediate_size=128, num_local_experts=4,
+                               num_experts_per_tok=2)
+    save_random_model(config, tmp_path / "float", {"gate.weight": 40.0})
+    quant, reference = quantize_folder(str(tmp_path / "float"), str(tmp_path), fmt, 32, False)
+    cfg, model, captured = _load(quant, monkeypatch)
+    assert any(m.quant_method is not None for m in model.modules()
+               if type(m).__name__ == "FusedMoE")
+    ids = list(range(3, 40))
+    logits = _logits(model, cfg, ids)
+    ref = AutoModelForCausalLM.from_pretrained(reference).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert (logits - expected).abs().max() <= BF16_RELATIVE * expected.abs().max()
