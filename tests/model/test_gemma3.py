@@ -248,8 +248,9 @@ def test_gguf_greedy_continuation_matches_transformers(gemma3_model, gemma3_hf):
         assert ids[: len(expected)] == expected, p
 
 
-# Two logits closer than this (bfloat16 products' rounding) may swap between the paths.
-NEAR_TIE = 0.05
+# Two logits closer than this may swap between the paths: bfloat16 keeps 8 bits, and Gemma
+# 3's logits (soft-capped at 30) reach ~20, so one rounding alone moves them by up to ~0.08.
+NEAR_TIE = 0.15
 
 
 @pytest.mark.slow
