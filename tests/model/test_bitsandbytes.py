@@ -79,3 +79,25 @@ def test_online_4bit_from_an_unquantized_checkpoint(float_folder):
     hf = _hf_bnb(float_folder, load_in_4bit=True, bnb_4bit_quant_type="nf4")
     logits = _logits(float_folder, quantization="bitsandbytes")
     torch.testing.assert_close(logits, _expected(hf, float_folder), rtol=1e-4, atol=1e-4)
+
+
+def test_prequantized_8bit_checkpoint(float_folder, tmp_path):
+    """LLM.int8() rows and their absmax: tokenmill multiplies the int8 weights exactly
+    (transformers' Linear8bitLt also quantizes the activations, so it agrees to ~1%)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = _hf_bnb(float_folder, load_in_8bit=True)
+    hf.save_pretrained(tmp_path / "q8")
+    ref = AutoModelForCausalLM.from_pretrained(float_folder, dtype=torch.float32).eval()
+    modules = dict(hf.named_modules())
+    with torch.no_grad():
+        for name, module in ref.named_modules():
+            layer = modules.get(name)
+            if isinstance(layer, bnb.nn.Linear8bitLt):
+                w = layer.weight.data.float() * layer.weight.SCB.float()[:, None] / 127
+                module.weight.copy_(w)
+        expected = ref(torch.tensor([IDS])).logits[0]
+        int8_logits = hf(torch.tensor([IDS])).logits[0].float()
+    logits = _logits(str(tmp_path / "q8"))
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert (logits - int8_logits).abs().max() <= 3e-2 * int8_logits.abs().max()

@@ -69,9 +69,9 @@ class BitsAndBytesLinearMethod(LinearMethod):
     def create_weights(self, layer, input_size, output_sizes, dtype) -> None:
         weight = torch.empty(sum(output_sizes), input_size, dtype=dtype)
         layer.weight = set_layout(nn.Parameter(weight, requires_grad=False))
-        state_names = [s.replace(".", "_") for s in STATE_SUFFIXES] + ["SCB"]
+        state_names = [s.replace(".", "_") for s in STATE_SUFFIXES] + ["SCB", "format"]
         for name in state_names:
-            attr = "SCB" if name == "SCB" else f"weight_{name}"
+            attr = name if name == "SCB" else f"weight_{name}"
             p = nn.Parameter(torch.empty(0), requires_grad=False)
             p.tm_optional = True  # type: ignore[attr-defined]  # pre-quantized only
             setattr(layer, attr, p)
@@ -80,6 +80,8 @@ class BitsAndBytesLinearMethod(LinearMethod):
 
     def load_weight(self, layer, param, loaded, s: ShardSlice) -> None:
         name = getattr(param, "_tm_name", "?").rsplit(".", 1)[-1]
+        if name == "weight_format":  # LLM.int8()'s row layout tag: rows are plain here
+            return
         if name == "weight" and loaded.is_floating_point():
             copy_shard(param, loaded, s, getattr(param, "_tm_name", "?"))
             return
