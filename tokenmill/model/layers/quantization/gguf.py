@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.quant import int4_cpu
-from tokenmill.kernels.quant.gguf_blocks import block_info, dequantize
+from tokenmill.kernels.quant.gguf_blocks import block_info, dequantize, unpack_blocks
 from tokenmill.model.layers.quantization.base import (
     LinearMethod,
     QuantizationConfig,
@@ -104,13 +104,13 @@ def build_segments(
 
 def _device_segment(start: int, raw: torch.Tensor, qtype: int, device: torch.device
                     ) -> GGUFSegment:
+    """Blocks in the form the device's product reads: as they are on CUDA; int4 planes on
+    the CPU where torch's kernel takes the type's groups and the shape, else as they are."""
     rows = raw.shape[0]
     if device.type != "cpu":
         return GGUFSegment(start, rows, qtype=qtype, raw=raw.to(device).contiguous())
-    from tokenmill.kernels.quant.gguf_blocks import unpack_blocks
-
-    _name, _qk, _size, group = block_info(qtype)
-    k = raw.shape[1] // block_info(qtype)[2] * block_info(qtype)[1]
+    _name, qk, size, group = block_info(qtype)
+    k = raw.shape[1] // size * qk
     if int4_cpu.supports(group, rows, k):
         u = unpack_blocks(raw, qtype)
         return GGUFSegment(start, rows, qtype=qtype,
