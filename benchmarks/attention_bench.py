@@ -8,7 +8,7 @@ block_size 16, bf16), with block ids scattered over the cache as a serving engin
 - prefill: one fresh prompt of 512..8192 tokens, and 2048-token chunks after cached contexts
   (compute-bound: reported as TFLOP/s of causal attention work against ``--peak-tflops``);
 - the KV-cache write (``reshape_and_cache``) for 512..8192 tokens, and the same write fused
-  with the rotary embedding (``fused_kernels.rotary_and_cache``) against the two kernels.
+  with the rotary embedding (``kernels.rotary.rotary_and_cache``) against the two kernels.
 
 Two times per row: ``eager``, the median of ``triton.testing.do_bench`` (L2 flushed between
 runs; includes the host's launch cost, which dominates kernels shorter than ~20 us), and
@@ -17,7 +17,7 @@ the flushes alone. Rates use the graph time, which is what a CUDA-graph decode s
 ``--baseline``
 adds torch SDPA on contiguous (unpaged) tensors, ``--sweep-splits`` times every decode split
 count, ``--sweep-tiles`` tries prefill tile shapes: both help tune the heuristics in
-``tokenmill/model/attention/triton_backend.py``. ``--shared-prefix 0,2000`` times each decode
+``tokenmill/kernels/attention/paged.py``. ``--shared-prefix 0,2000`` times each decode
 shape again with its first 2,000 tokens in blocks shared by every request (prefix caching):
 the rate is then over the logical K/V, so it shows how much the shared reads come from L2.
 ``--uniform`` runs the prompt kernel as a whole-step graph of a mixed batch does (uniform
@@ -40,14 +40,14 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from tokenmill.model.attention import triton_backend
+from tokenmill.kernels import rotary as fused_kernels
+from tokenmill.kernels.attention import decode as decode_kernels
+from tokenmill.kernels.attention import paged
+from tokenmill.kernels.attention.cache_write import reshape_and_cache
+from tokenmill.kernels.attention.launch import TileConfig
+from tokenmill.kernels.device import num_sms
 from tokenmill.model.attention.backend import AttentionMetadata
-from tokenmill.model.attention.triton_backend import (
-    TileConfig,
-    TritonAttentionImpl,
-    reshape_and_cache,
-)
-from tokenmill.model.layers import fused_kernels
+from tokenmill.model.attention.triton_backend import TritonAttentionImpl
 from tokenmill.model.layers.rotary import RotaryEmbedding
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -311,17 +311,17 @@ def report(
 
 @contextlib.contextmanager
 def patched(name: str, value: object, problem: Problem) -> Iterator[None]:
-    """Replace ``triton_backend.<name>`` while timing ``problem``. The backend works out a
+    """Replace ``kernels.attention.paged.<name>`` while timing ``problem``. The backend works out a
     step's launches once and keeps them on the step's metadata, so they are dropped on the
     way in and out: otherwise the replacement would never be consulted."""
-    saved = getattr(triton_backend, name)
-    setattr(triton_backend, name, value)
-    problem.metadata.__dict__.pop("_triton_plan", None)
+    saved = getattr(paged, name)
+    setattr(paged, name, value)
+    problem.metadata.backend_state.clear()
     try:
         yield
     finally:
-        setattr(triton_backend, name, saved)
-        problem.metadata.__dict__.pop("_triton_plan", None)
+        setattr(paged, name, saved)
+        problem.metadata.backend_state.clear()
 
 
 def sdpa_baseline(p: Problem) -> Callable[[], None]:
@@ -341,7 +341,7 @@ def run_decode(args: argparse.Namespace) -> None:
     print(
         f"\n== decode (query_len 1), {args.num_heads}/{args.num_kv_heads} heads, D={args.head_dim}"
     )
-    sms = triton_backend.device_num_sms(torch.device("cuda"))
+    sms = num_sms(torch.device("cuda"))
     for batch in args.decode_batches:
         for ctx in args.contexts:
             for shared in args.shared_prefix:
@@ -350,7 +350,7 @@ def run_decode(args: argparse.Namespace) -> None:
                 p = Problem(args, [1] * batch + [0] * pad, ctx_lens + [0] * pad, shared)
                 rows = batch + pad if pad else batch
                 max_len = p.metadata.max_seq_len
-                splits = triton_backend.num_decode_splits(rows, args.num_kv_heads, max_len, sms)
+                splits = paged.num_decode_splits(rows, args.num_kv_heads, max_len, sms)
                 spread = f"+{args.context_spread}" if args.context_spread else ""
                 name = f"decode b={batch} ctx={ctx}{spread} splits={splits}"
                 if pad:
@@ -475,11 +475,11 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"ceilings: {args.peak_gbps:.0f} GB/s, {args.peak_tflops:.0f} TFLOP/s ({args.dtype})")
     if args.decode_tile is not None:
-        triton_backend.decode_tile_config = lambda *_: args.decode_tile
+        paged.decode_tile_config = lambda *_: args.decode_tile
         print(f"decode tiles: {args.decode_tile}")
     if args.only in (None, "decode"):
         run_decode(args)
-        print_compiled(triton_backend.triton_decode.decode_attention_kernel)
+        print_compiled(decode_kernels.decode_attention_kernel)
     if args.only in (None, "prefill"):
         run_prefill(args)
     if args.only in (None, "cache"):

@@ -45,12 +45,14 @@ class _CompileOnlyDriver:
 
 driver.set_active(_CompileOnlyDriver())
 
-from tokenmill.model.attention import triton_backend, triton_decode  # noqa: E402
-from tokenmill.model.attention.backend import AttentionMetadata, DecodeRotary  # noqa: E402
-from tokenmill.model.attention.triton_launch import (  # noqa: E402
+from tokenmill.kernels.attention import decode as triton_decode  # noqa: E402
+from tokenmill.kernels.attention import paged  # noqa: E402
+from tokenmill.kernels.attention.launch import (  # noqa: E402
     DECODE_TILE_MANY_SPLITS_ROPE,
     DECODE_TILES_D128,
 )
+from tokenmill.model.attention import triton_backend  # noqa: E402
+from tokenmill.model.attention.backend import AttentionMetadata, DecodeRotary  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BATCH = 32, 8, 128, 16, 8
 
@@ -85,7 +87,7 @@ def main() -> None:
     bf16 = torch.bfloat16
     qsl = torch.arange(BATCH + 1, dtype=torch.int32)
     for tile in [tile for _, tile in DECODE_TILES_D128] + [DECODE_TILE_MANY_SPLITS_ROPE]:
-        triton_backend.decode_tile_config = lambda *_, tile=tile: tile
+        paged.decode_tile_config = lambda *_, tile=tile: tile
         for rope in (False, True):
             md = AttentionMetadata(
                 num_actual_tokens=BATCH, num_reqs=BATCH, query_start_loc=qsl,

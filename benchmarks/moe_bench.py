@@ -25,7 +25,7 @@ import sys
 import torch
 import triton.testing
 
-from tokenmill.model.layers.fused_moe import (
+from tokenmill.kernels.moe.fused_moe import (
     fused_experts_torch,
     fused_experts_triton,
     moe_tile_config,

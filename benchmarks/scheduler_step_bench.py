@@ -16,8 +16,8 @@ import time
 
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 

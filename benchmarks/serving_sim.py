@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import SchedulerOutput
-from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 # (prefix tokens, input tokens, output tokens) of the two loads of the serving benchmarks.

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from tokenmill.model.layers import skinny_gemm as sg
-from tokenmill.model.layers.skinny_gemm import SkinnyConfig, skinny_linear
+from tokenmill.kernels.gemm import skinny as sg
+from tokenmill.kernels.gemm.skinny import SkinnyConfig, skinny_linear
 
 SHAPES = {
     "qkv": (6144, 4096),

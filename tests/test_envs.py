@@ -1,5 +1,4 @@
-"""tokenmill.envs: the CPU worker's thread count leaves a core to the server's front end;
-the kernel switches' defaults and spellings."""
+"""tokenmill.envs: the CPU worker's thread count leaves a core to the server's front end."""
 
 from __future__ import annotations
 
@@ -41,29 +40,3 @@ def test_omp_num_threads_is_honoured(cores, monkeypatch):
     cores(16)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert envs.cpu_threads() == 0  # leave torch's default, which reads OMP_NUM_THREADS
-
-
-@pytest.mark.parametrize(
-    ("variable", "read", "value", "expected"),
-    [
-        ("TOKENMILL_PDL", envs.pdl, None, True),  # on by default
-        ("TOKENMILL_PDL", envs.pdl, "", True),
-        ("TOKENMILL_PDL", envs.pdl, "1", True),
-        ("TOKENMILL_PDL", envs.pdl, "0", False),
-        ("TOKENMILL_PDL", envs.pdl, "off", False),
-        ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, None, True),  # on by default
-        ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "0", False),
-        ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "false", False),
-        ("TOKENMILL_SORT_FREE_TOP_P", envs.sort_free_top_p, "1", True),
-        ("TOKENMILL_SHORT_DECODE_GRAPHS", envs.short_decode_graphs, None, False),  # off
-        ("TOKENMILL_SHORT_DECODE_GRAPHS", envs.short_decode_graphs, "1", True),
-        ("TOKENMILL_ROPE_IN_DECODE_ATTENTION", envs.rope_in_decode_attention, None, True),
-        ("TOKENMILL_ROPE_IN_DECODE_ATTENTION", envs.rope_in_decode_attention, "0", False),
-    ],
-)
-def test_kernel_switches(monkeypatch, variable, read, value, expected):
-    if value is None:
-        monkeypatch.delenv(variable, raising=False)
-    else:
-        monkeypatch.setenv(variable, value)
-    assert read() is expected

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from tokenmill import tokenizer as tokenizer_mod
-from tokenmill.model.loader.hf_config import ModelLoadError
+from tokenmill.hf_config import ModelLoadError
 from tokenmill.tokenizer import (
     ChatTemplateError,
     apply_chat_template,

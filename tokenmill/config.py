@@ -7,13 +7,19 @@ resolution (``auto`` dtype, device defaults, the model's context length).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_type_hints
 
-from tokenmill.model.loader.hf_config import HFConfig
+from tokenmill.hf_config import HFConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
+SkinnyGemm = Literal["auto", "all", "off"]
 
 
 class ConfigError(ValueError):
@@ -205,6 +211,79 @@ class DeviceConfig:
     device: Literal["cuda", "cpu"] = "cpu"
 
 
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which kernel computes a product where tokenmill has more than one (CUDA; the CPU runs
+    torch). The defaults are the measured fastest; other values are for GPUs and shapes
+    where they were not measured, and for diagnosis.
+
+    Attributes:
+        skinny_gemm: linear layers of decode-sized batches (at most 32 rows, bf16/fp16
+            weights of at least 1 MiB): ``"auto"`` runs the Triton skinny GEMM for the
+            shapes tuned on this GPU model (Llama-3.1-8B's on an H200) and cuBLAS for the
+            rest; ``"all"`` the skinny GEMM for every such product; ``"off"`` cuBLAS for
+            every product.
+    """
+
+    skinny_gemm: SkinnyGemm = "auto"
+
+    @classmethod
+    def parse(cls, value: KernelConfig | dict[str, Any] | str | None) -> KernelConfig:
+        """``--kernel-config`` (a JSON object), a dict or a KernelConfig -> KernelConfig;
+        None gives the defaults.
+
+        Raises:
+            ConfigError: not a JSON object, an unknown field or a value it cannot take.
+        """
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--kernel-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"--kernel-config must be a JSON object, got {value!r}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise ConfigError(
+                f"--kernel-config: unknown field(s) {unknown}; known: {', '.join(fields)}"
+            )
+        hints = get_type_hints(cls)
+        for name, choice in value.items():
+            allowed = get_args(hints[name])  # the field's Literal values
+            if choice not in allowed:
+                raise ConfigError(
+                    f"--kernel-config: {name} must be one of {', '.join(allowed)}, got {choice!r}"
+                )
+        return cls(**value)
+
+
+# The kernel choices of the model being built (``kernel_config_scope``); None: the defaults.
+_current_kernel_config: ContextVar[KernelConfig | None] = ContextVar(
+    "current_kernel_config", default=None
+)
+
+
+@contextmanager
+def kernel_config_scope(config: KernelConfig) -> Iterator[None]:
+    """Layers built inside the block take their kernel choices from ``config``
+    (``current_kernel_config``); the model loader wraps model construction in it, as
+    ``torch.device`` wraps it for the device."""
+    token = _current_kernel_config.set(config)
+    try:
+        yield
+    finally:
+        _current_kernel_config.reset(token)
+
+
+def current_kernel_config() -> KernelConfig:
+    """The kernel choices of the model being built; the defaults outside
+    ``kernel_config_scope``."""
+    return _current_kernel_config.get() or KernelConfig()
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs, resolved."""
@@ -215,6 +294,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     load_config: LoadConfig = field(default_factory=LoadConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    kernel_config: KernelConfig = field(default_factory=KernelConfig)
     enforce_eager: bool = False
     disable_cascade_attn: bool = False
     disable_log_stats: bool = False

@@ -21,6 +21,7 @@ from tokenmill.config import (
     ConfigError,
     DeviceConfig,
     EngineConfig,
+    KernelConfig,
     LoadConfig,
     ModelConfig,
     ParallelConfig,
@@ -221,6 +222,11 @@ class EngineArgs:
         "request. Outputs agree up to floating-point rounding either way.",
         default=False,
     )
+    kernel_config: str | dict[str, Any] | KernelConfig | None = _flag(
+        "Kernel choices, as a JSON object, e.g. '{\"skinny_gemm\": \"off\"}' (cuBLAS for "
+        "every linear layer); fields: skinny_gemm (auto, all or off). Default: the measured "
+        "fastest."
+    )
     max_logprobs: int = _flag("Most logprobs a request may ask for per position.", default=20)
     disable_log_stats: bool = _flag("Do not log engine statistics.", default=False)
     generation_config: str = _flag(
@@ -292,6 +298,7 @@ class EngineArgs:
             ModelLoadError: the model cannot be read.
         """
         kv_bytes = self._check_flags()
+        kernel_config = KernelConfig.parse(self.kernel_config)
         device = self._resolve_device()
         model_config = self._create_model_config(device)
         scheduler_config = self._create_scheduler_config(device, usage_context, model_config)
@@ -309,6 +316,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size),
             load_config=LoadConfig(self.load_format),  # type: ignore[arg-type]
             device_config=DeviceConfig(device),  # type: ignore[arg-type]
+            kernel_config=kernel_config,
             enforce_eager=self.enforce_eager or device != "cuda",
             disable_cascade_attn=self.disable_cascade_attn,
             disable_log_stats=self.disable_log_stats,
@@ -389,7 +397,7 @@ class EngineArgs:
         return self.device
 
     def _create_model_config(self, device: str) -> ModelConfig:
-        from tokenmill.model.loader.hf_config import derive_max_model_len, load_hf_config
+        from tokenmill.hf_config import derive_max_model_len, load_hf_config
         from tokenmill.model.registry import is_pooling_model
 
         model = self.model or default_model_path()
@@ -400,7 +408,7 @@ class EngineArgs:
         if self.generation_config == "vllm":
             generation_config = {}
         elif self.generation_config != "auto":
-            from tokenmill.model.loader.hf_config import _read_json
+            from tokenmill.hf_config import _read_json
 
             path = os.path.join(self.generation_config, "generation_config.json")
             if not os.path.isfile(path):

@@ -16,12 +16,27 @@ prefix and a ``model_name`` label, mirroring vLLM's ``vllm:`` metrics so dashboa
 - ``tokenmill:inter_token_latency_seconds`` (histogram): between two tokens of a request (ITL)
 - ``tokenmill:e2e_request_latency_seconds`` (histogram): arrival -> finish
 - ``tokenmill:request_queue_time_seconds`` (histogram): arrival -> first scheduled
+- ``tokenmill:request_prefill_time_seconds`` / ``request_decode_time_seconds`` /
+  ``request_inference_time_seconds`` (histograms): first scheduled -> first token, first
+  token -> finish, first scheduled -> finish
+- ``tokenmill:request_time_per_output_token_seconds`` (histogram): a request's mean TPOT
+- ``tokenmill:request_prompt_tokens`` / ``request_generation_tokens`` (histograms): tokens of
+  each finished request
+- ``tokenmill:iteration_tokens_total`` (histogram): tokens of an engine step that produced
+  output: its generated tokens plus the prompts of the requests whose first token it was
+- ``tokenmill:request_params_n`` / ``request_params_max_tokens`` (histograms): the requests'
+  ``n`` and ``max_tokens``
+- ``tokenmill:cache_config_info`` (gauge, always 1): the KV cache's configuration as labels
+
+``--metrics-compat vllm`` exports each of these under vLLM's ``vllm:`` name as well
+(``VllmNamesCollector``), so dashboards, alerts and autoscalers written for vLLM read them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -29,9 +44,11 @@ from prometheus_client import (
     Gauge,
     Histogram,
 )
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
+from tokenmill.config import CacheConfig
 from tokenmill.core.engine_io import SchedulerStats
-from tokenmill.engine.output_processor import IterationStats
+from tokenmill.engine.request_stats import FinishedRequestStats, IterationStats
 
 logger = logging.getLogger("tokenmill.metrics")
 
@@ -108,30 +125,61 @@ REQUEST_LATENCY_BUCKETS = (
 )
 
 
+def _one_two_five(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > limit:
+                return tuple(buckets)
+            buckets.append(float(value))
+        exponent += 1
+
+
+# Token counts of one request, up to a million-token context.
+REQUEST_TOKENS_BUCKETS = _one_two_five(1_000_000)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
 class PrometheusStatLogger:
     """Feeds the engine's per-step stats into Prometheus collectors.
 
+    The collectors live in their own registry (``engine_registry``), itself registered in
+    ``registry``, so that ``VllmNamesCollector`` can read them without reading itself.
+
     Args:
         model_name: the served model name (the ``model_name`` label).
-        registry: where the collectors are registered (one registry per server, so that
+        registry: where the collectors are exposed (one registry per server, so that
             several engines in one process do not collide).
+        cache_config: the engine's KV cache configuration, read at each scrape for
+            ``cache_config_info`` (its block count is known once the engine has started).
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry,
+        cache_config: CacheConfig | None = None,
+    ) -> None:
         self.registry = registry
+        self.engine_registry = engine_registry = CollectorRegistry()
+        registry.register(engine_registry)
         labels = {"model_name": model_name}
         names = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, names, registry=registry).labels(**labels)
+            return Gauge(PREFIX + name, doc, names, registry=engine_registry).labels(**labels)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, names, registry=registry).labels(**labels)
+            return Counter(PREFIX + name, doc, names, registry=engine_registry).labels(**labels)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=registry).labels(
-                **labels
-            )
+            return Histogram(
+                PREFIX + name, doc, names, buckets=buckets, registry=engine_registry
+            ).labels(**labels)
 
         self.num_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -154,7 +202,7 @@ class PrometheusStatLogger:
             PREFIX + "request_success",
             "Finished requests, by finish reason.",
             [*names, "finished_reason"],
-            registry=registry,
+            registry=engine_registry,
         )
         self._model_name = model_name
         for reason in ("stop", "length", "abort"):
@@ -175,6 +223,55 @@ class PrometheusStatLogger:
             "Arrival to first scheduled (seconds).",
             REQUEST_LATENCY_BUCKETS,
         )
+        self._init_request_histograms(histogram)
+        if cache_config is not None:
+            engine_registry.register(CacheConfigInfo(cache_config))
+
+    def _init_request_histograms(self, histogram: Callable[..., Histogram]) -> None:
+        """The per-request and per-step histograms vLLM exports beside the latencies."""
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "First scheduled to first token (seconds).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds",
+            "First token to finish (seconds).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds",
+            "First scheduled to finish (seconds).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Mean time between a request's output tokens (seconds).",
+            ITL_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens",
+            "Prompt tokens of each finished request.",
+            REQUEST_TOKENS_BUCKETS,
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens",
+            "Tokens generated by each finished request.",
+            REQUEST_TOKENS_BUCKETS,
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total",
+            "Prompt and generated tokens of an engine step.",
+            ITERATION_TOKENS_BUCKETS,
+        )
+        self.params_n = histogram(
+            "request_params_n", "The n parameter of each finished request.", PARAMS_N_BUCKETS
+        )
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens",
+            "The max_tokens parameter of each finished request.",
+            REQUEST_TOKENS_BUCKETS,
+        )
 
     def record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
@@ -192,20 +289,101 @@ class PrometheusStatLogger:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        step_tokens = iteration_stats.num_prompt_tokens + iteration_stats.num_generation_tokens
+        if step_tokens:
+            self.iteration_tokens.observe(step_tokens)
         for ttft in iteration_stats.time_to_first_tokens:
             self.ttft.observe(ttft)
         for itl in iteration_stats.inter_token_latencies:
             self.itl.observe(itl)
         for finished in iteration_stats.finished_requests:
-            self._success.labels(
-                model_name=self._model_name, finished_reason=finished.finish_reason
-            ).inc()
-            self.e2e.observe(finished.e2e_latency)
-            if finished.queue_time is not None:
-                self.queue_time.observe(finished.queue_time)
+            self._record_finished(finished)
+
+    def _record_finished(self, finished: FinishedRequestStats) -> None:
+        self._success.labels(
+            model_name=self._model_name, finished_reason=finished.finish_reason
+        ).inc()
+        self.e2e.observe(finished.e2e_latency)
+        self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+        self.request_generation_tokens.observe(finished.num_generation_tokens)
+        optional = (
+            (self.queue_time, finished.queue_time),
+            (self.prefill_time, finished.prefill_time),
+            (self.decode_time, finished.decode_time),
+            (self.inference_time, finished.inference_time),
+            (self.tpot, finished.mean_time_per_output_token),
+            (self.params_max_tokens, finished.max_tokens),
+            (self.params_n, finished.params_n),
+        )
+        for histogram, value in optional:
+            if value is not None:
+                histogram.observe(value)
 
     def log(self) -> None:
         """Nothing to do: Prometheus pulls the values."""
+
+
+class CacheConfigInfo:
+    """``tokenmill:cache_config_info``: 1, with the KV cache's configuration as labels (as
+    vLLM's ``cache_config_info``), read at each scrape so the block count is the sized one."""
+
+    def __init__(self, cache_config: CacheConfig) -> None:
+        self.cache_config = cache_config
+
+    def collect(self) -> Iterator[Metric]:
+        cc = self.cache_config
+        labels = {
+            "block_size": str(cc.block_size),
+            "cache_dtype": "auto",
+            "enable_prefix_caching": str(cc.enable_prefix_caching),
+            "gpu_memory_utilization": str(cc.gpu_memory_utilization),
+            "kv_cache_memory_bytes": str(cc.kv_cache_memory or ""),
+            "num_gpu_blocks": str(cc.num_blocks or 0),
+        }
+        family = GaugeMetricFamily(
+            PREFIX + "cache_config_info", "The KV cache's configuration.", labels=list(labels)
+        )
+        family.add_metric(list(labels.values()), 1.0)
+        yield family
+
+
+VLLM_PREFIX = "vllm:"
+# tokenmill metrics that vLLM does not have: not exported under a vllm: name.
+TOKENMILL_ONLY = frozenset({"structured_output_failures"})
+
+
+class VllmNamesCollector:
+    """The engine's metrics once more under vLLM's names (``vllm:`` for ``tokenmill:``),
+    for ``--metrics-compat vllm``: tokenmill names its metrics, labels and buckets as vLLM
+    does, so only the prefix changes.
+
+    Args:
+        source: the registry holding the ``tokenmill:`` collectors
+            (``PrometheusStatLogger.engine_registry``), not the one this is registered in.
+    """
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            if not family.name.startswith(PREFIX) or family.name[len(PREFIX) :] in TOKENMILL_ONLY:
+                continue
+            alias = Metric(
+                VLLM_PREFIX + family.name[len(PREFIX) :],
+                family.documentation,
+                family.type,
+                family.unit,
+            )
+            for sample in family.samples:
+                alias.add_sample(
+                    VLLM_PREFIX + sample.name[len(PREFIX) :],
+                    sample.labels,
+                    sample.value,
+                    sample.timestamp,
+                    sample.exemplar,
+                )
+            yield alias
 
 
 class LoggingStatLogger:

@@ -9,18 +9,16 @@ attention, the decode splits' reduction), and times each graph's replay over a r
 state (a request of CONTEXT tokens, default 160, just decoded). A variant's time below the
 full pass's is what those kernels cost inside the chain of dependent launches, gaps
 included: the most a fusion that removes them can win. The outputs of the ablated variants
-are meaningless; only their times are. Also times the short-context graphs (one key split,
-no reduction) and RoPE in the decode kernel, which compute the same function as the full
-pass, and SiLU-and-mul as a launch of its own rather than in the gate/up product's
-epilogue (``TOKENMILL_GATED_PRODUCT=0``).
-The decode switches (``TOKENMILL_ROPE_IN_DECODE_ATTENTION``,
-``TOKENMILL_SHORT_DECODE_GRAPHS``) are set per variant here, whatever their defaults.
+are meaningless; only their times are. Also times the pass with RoPE and the KV write as a
+launch of their own instead of inside the decode attention kernel, the splits merged by a
+reduction launch, and SiLU-and-mul as a launch of its own rather than in the gate/up
+product's epilogue, which compute the same function as the full pass.
 
 ``--sweep`` instead times the same graph with other key tiles and split caps of the decode
 attention kernel (RoPE in it, as the engine runs it).
 
-``--sweep-wide`` times the short-context graph (one key split) with the whole-context
-decode tile and other wide tiles (``whole_context_variants``).
+``--sweep-wide`` times the graph with one key split per (request, KV head) under the
+whole-context decode tile and other wide tiles (``whole_context_variants``).
 
 ``--sweep-decode-tiles`` times the graph under other decode key tiles, warps and stages
 at the engine's split counts (``decode_tile_variants``); with ``--batch N`` any sweep
@@ -42,12 +40,15 @@ from contextlib import ExitStack, contextmanager
 import torch
 from triton.testing import do_bench
 
-from tokenmill import LLM, SamplingParams, envs
-from tokenmill.model.attention import triton_backend
-from tokenmill.model.attention.triton_launch import TileConfig
-from tokenmill.model.layers import fused_kernels, skinny_gemm_configs
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.attention import paged
+from tokenmill.kernels.attention.launch import TileConfig
+from tokenmill.kernels.gemm import skinny_configs as skinny_gemm_configs
+from tokenmill.kernels.gemm.skinny_configs import SkinnyConfig
+from tokenmill.model.layers import activation as activation_layer
+from tokenmill.model.layers import attention as attention_layer
+from tokenmill.model.layers import norm as norm_layer
 from tokenmill.model.layers.attention import Attention
-from tokenmill.model.layers.skinny_gemm_configs import SkinnyConfig
 from tokenmill.model.models.llama import LlamaMLP
 from tokenmill.worker.cuda_graph import CUDAGraphRunner
 
@@ -78,7 +79,7 @@ def _no_attend(self, query, metadata, out=None):
     return query
 
 
-_decode_launches = triton_backend.TritonAttentionImpl._decode_launches
+_decode_launches = paged.PagedAttention._decode_launches
 
 
 def _no_reduce(self, *args, **kwargs):
@@ -88,19 +89,19 @@ def _no_reduce(self, *args, **kwargs):
 
 
 PATCHES: dict[str, list[tuple[object, str, object]]] = {
-    "norm": [(fused_kernels, "rms_norm", _no_norm)],
-    "act": [(fused_kernels, "silu_and_mul", _no_act)],
-    "rope": [(fused_kernels, "rotary_and_cache", _no_rope)],
+    "norm": [(norm_layer, "rms_norm", _no_norm)],
+    "act": [(activation_layer, "silu_and_mul", _no_act)],
+    "rope": [(attention_layer, "rotary_and_cache", _no_rope)],
     "attn": [(Attention, "attend", _no_attend)],
-    "reduce": [(triton_backend.TritonAttentionImpl, "_decode_launches", _no_reduce)],
+    "reduce": [(paged.PagedAttention, "_decode_launches", _no_reduce)],
 }
 
 
 def sweep_variants() -> list:
     """The ``--sweep`` variants, RoPE in the decode kernel as the engine runs it: decode key
     tiles and split caps. (The products' tiles: ``one_tile_variants``.)"""
-    variants: list = [("full", [], None, True, []), ("full_again", [], None, True, [])]
-    tiles, splits = triton_backend.decode_tile_config, triton_backend.num_decode_splits
+    variants: list = [("full", [], True, []), ("full_again", [], True, [])]
+    tiles, splits = paged.decode_tile_config, paged.num_decode_splits
     for block_n, cap in [(32, 64), (16, 64), (64, 4), (32, 8), (16, 16), (32, 4), (16, 8)]:
 
         def tile(*args, block_n=block_n, **kwargs):
@@ -110,44 +111,42 @@ def sweep_variants() -> list:
         def split_count(*args, cap=cap, **kwargs):
             return min(cap, splits(*args, **kwargs))
 
-        patch = [(triton_backend, "decode_tile_config", tile),
-                 (triton_backend, "num_decode_splits", split_count)]  # fmt: skip
-        variants.append((f"decode {block_n} keys, <= {cap} splits", [], None, True, patch))
+        patch = [(paged, "decode_tile_config", tile),
+                 (paged, "num_decode_splits", split_count)]  # fmt: skip
+        variants.append((f"decode {block_n} keys, <= {cap} splits", [], True, patch))
     return variants
 
 
 def fixed_decode_tile(block_n: int, warps: int, stages: int) -> tuple[object, str, object]:
     """A patch that gives every decode launch this tile (16 query rows)."""
     cfg = TileConfig(16, block_n, warps, stages)
-    return (triton_backend, "decode_tile_config", lambda *args, **kwargs: cfg)
+    return (paged, "decode_tile_config", lambda *args, **kwargs: cfg)
 
 
 def whole_context_variants() -> list:
     """The ``--sweep-wide`` variants, RoPE in the decode kernel as the engine runs it: the
-    short-context graph (one key split, planned for 256 tokens) with its default tile and
-    with wide tiles, among them one 256-key tile that a program loads whole before it waits
-    (``benchmarks/trials/decode_whole_context_tile.patch``); the graph of the full context
-    with 32-key tiles for comparison."""
-    splits = triton_backend.num_decode_splits
+    graph with one key split per (request, KV head) (a short context's whole keys in one
+    program) with the default tile and wide tiles, among them one 256-key tile that a
+    program loads whole before it waits; the graph with 32-key tiles at the engine's split
+    counts for comparison."""
+    splits = paged.num_decode_splits
+    one_split = (paged, "num_decode_splits", lambda *args, **kwargs: 1)
     variants: list = [
-        ("full", [], None, True, []),
-        ("full_again", [], None, True, []),
-        ("short graph", [], 256, True, []),
+        ("full", [], True, []),
+        ("full_again", [], True, []),
+        ("one split", [], True, [one_split]),
     ]
-    for block_n, warps, stages, cap, max_seq_len in [
-        (256, 8, 1, 1, 256), (256, 16, 1, 1, 256), (128, 8, 1, 1, 256), (128, 8, 1, 2, 256),
-        (32, 4, 3, 64, None),
+    for block_n, warps, stages, cap in [
+        (256, 8, 1, 1), (256, 16, 1, 1), (128, 8, 1, 1), (128, 8, 1, 2), (32, 4, 3, 64),
     ]:  # fmt: skip
 
-        def split_count(*args, cap=cap, short=max_seq_len is not None, **kwargs):
-            # The short graph plans one split; the cap there is the split count.
-            return cap if short else min(cap, splits(*args, **kwargs))
+        def split_count(*args, cap=cap, **kwargs):
+            return min(cap, splits(*args, **kwargs))
 
         patch = [fixed_decode_tile(block_n, warps, stages),
-                 (triton_backend, "num_decode_splits", split_count)]  # fmt: skip
-        graph = "short graph" if max_seq_len else "full graph"
-        name = f"{graph}, {block_n} keys {warps} warps, {cap} splits"
-        variants.append((name, [], max_seq_len, True, patch))
+                 (paged, "num_decode_splits", split_count)]  # fmt: skip
+        name = f"{block_n} keys {warps} warps, <= {cap} splits"
+        variants.append((name, [], True, patch))
     return variants
 
 
@@ -155,14 +154,14 @@ def decode_tile_variants() -> list:
     """The ``--sweep-decode-tiles`` variants, RoPE in the decode kernel as the engine runs
     it, with the engine's split counts: decode key tiles, warps and stages (registers a
     thread from an sm_90 compile: 202 at 64 keys, 4 warps, 3 stages; 143 at 32 keys)."""
-    variants: list = [("full", [], None, True, []), ("full_again", [], None, True, [])]
+    variants: list = [("full", [], True, []), ("full_again", [], True, [])]
     for block_n, warps, stages in [
         (64, 4, 3), (32, 4, 3), (32, 4, 2), (16, 4, 3), (32, 8, 2), (32, 2, 2), (16, 2, 3),
         (64, 4, 2),
     ]:  # fmt: skip
         patch = [fixed_decode_tile(block_n, warps, stages)]
-        variants.append((f"decode {block_n} keys {warps} warps {stages} stages", [], None,
-                         True, patch))  # fmt: skip
+        variants.append((f"decode {block_n} keys {warps} warps {stages} stages", [], True,
+                         patch))  # fmt: skip
     return variants
 
 
@@ -190,7 +189,7 @@ def one_tile_variants() -> list:
         tables.append((f"down {n}x{k} split {split} w{warps}",
                        {down: cfg(n, k, split, warps, 1, False)}))  # fmt: skip
     return [
-        (name, [], None, True, [(skinny_gemm_configs, "TUNED_CONFIGS", {**tuned, **table})])
+        (name, [], True, [(skinny_gemm_configs, "TUNED_CONFIGS", {**tuned, **table})])
         for name, table in tables
     ]
 
@@ -219,8 +218,8 @@ def main() -> None:
         prompts = [{"prompt_token_ids": [7 + i] * context} for i in range(batch)]
         llm.generate(prompts, params, use_tqdm=False)
 
-    def timed(removed: list[str], max_seq_len: int | None = None,
-              rope_in_decode: bool = False, extra: list | None = None) -> float:  # fmt: skip
+    def timed(removed: list[str], rope_in_decode: bool = True,
+              extra: list | None = None) -> float:  # fmt: skip
         with ExitStack() as stack:
             for obj, name, value in extra or []:
                 stack.enter_context(patched(obj, name, value))
@@ -229,7 +228,7 @@ def main() -> None:
                     stack.enter_context(patched(obj, name, value))
             for layer in layers:
                 stack.enter_context(patched(layer, "rope_in_decode", rope_in_decode))
-            graphs = CUDAGraphRunner(runner, [batch], max_seq_len=max_seq_len)
+            graphs = CUDAGraphRunner(runner, [batch])
             graphs.capture()
         refill()
         graph = graphs.graphs[batch]
@@ -247,29 +246,26 @@ def main() -> None:
     elif "--sweep-one-tile" in sys.argv:
         variants = one_tile_variants()
     else:
-        # (name, kernels removed, max_seq_len the graph is planned for, RoPE in the decode
-        # kernel, other patches)
+        # (name, kernels removed, RoPE in the decode kernel, other patches); "-rope" and
+        # the variants after it time the separate rotary/KV-write launch.
+        reduction_launch = [(paged, "MERGE_COUNTER_SLOTS", 0)]
         variants = [
-            ("full", [], None, False, []),
-            ("full_again", [], None, False, []),
-            ("short_graph", [], 256, False, []),
-            ("rope_in_decode", [], None, True, []),
-            ("rope_in_decode+short", [], 256, True, []),
-            ("-norm", ["norm"], None, False, []),
-            ("-act", ["act"], None, False, ungated),
-            ("-rope", ["rope"], None, False, []),
-            ("-attn", ["attn"], None, False, []),
-            ("-split reduction", ["reduce"], None, False, []),
-            ("rope_in_decode-reduction", ["reduce"], None, True, []),
-            ("rope_in_decode, reduction launch", [], None, True,
-             [(envs, "decode_split_self_merge", lambda: False)]),
-            ("rope_in_decode, separate SiLU-and-mul", [], None, True, ungated),
-            ("-rope-attn", ["rope", "attn"], None, False, []),
-            ("products only", ["norm", "act", "rope", "attn"], None, False, []),
+            ("full", [], True, []),
+            ("full_again", [], True, []),
+            ("separate rope", [], False, []),
+            ("-norm", ["norm"], True, []),
+            ("-act", ["act"], True, ungated),
+            ("-attn", ["attn"], True, []),
+            ("reduction launch", [], True, reduction_launch),
+            ("-split reduction", ["reduce"], True, reduction_launch),
+            ("separate SiLU-and-mul", [], True, ungated),
+            ("-rope", ["rope"], False, []),
+            ("-rope-attn", ["rope", "attn"], False, []),
+            ("products only", ["norm", "act", "rope", "attn"], False, []),
         ]
     results: dict[str, float] = {}
-    for name, removed, max_seq_len, rope_in_decode, extra in variants:
-        results[name] = timed(removed, max_seq_len, rope_in_decode, extra)
+    for name, removed, rope_in_decode, extra in variants:
+        results[name] = timed(removed, rope_in_decode, extra)
         base = results.get("full", results[name])
         print(f"ABL {name:22s}: {results[name]:8.1f} us per replay "
               f"({results[name] - base:+7.1f} against full)", flush=True)  # fmt: skip

@@ -1,6 +1,6 @@
 """GPU time of one decode step, apart from the engine's host work.
 
-usage: python3 benchmarks/device/decode_step_bench.py MODEL_DIR
+usage: python3 benchmarks/device/decode_step_bench.py MODEL_DIR [--kernel-config JSON]
 Prints, for Llama-3.1-8B-shaped weights: each projection's time at batch 1 through
 torch's linear (cuBLAS) and its achieved bandwidth; and the replay time of the captured
 decode graph at several batch sizes (weights + KV reads), against the card's 4.25 TB/s.
@@ -43,7 +43,10 @@ def gemv_table(hidden: int, inter: int, q: int, kv: int, vocab: int) -> None:
 
 def main() -> None:
     model = sys.argv[1]
-    llm = LLM(model, load_format="dummy", max_num_seqs=256)
+    kernel_config = None  # as tokenmill serve's --kernel-config
+    if "--kernel-config" in sys.argv:
+        kernel_config = sys.argv[sys.argv.index("--kernel-config") + 1]
+    llm = LLM(model, load_format="dummy", max_num_seqs=256, kernel_config=kernel_config)
     cfg = llm.llm_engine.config.model_config.hf_config
     head_dim = cfg.get("head_dim") or cfg.hidden_size // cfg.num_attention_heads
     gemv_table(
@@ -59,7 +62,7 @@ def main() -> None:
     )
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
-    graphs = runner.cuda_graphs
+    graphs = runner.graphs.decode
     for bs in (1, 32, 256):
         llm.generate([{"prompt_token_ids": [5] * 512}] * bs, params, use_tqdm=False)
         if graphs is None or not graphs.can_run(bs):

@@ -1,7 +1,7 @@
 """Is a mixed (decode + prompt chunk) step bound by the host or by the GPU?
 
 usage: python3 benchmarks/device/mixed_step_bench.py MODEL_DIR [--shared-only | --kernels |
-    --serving | --curve]
+    --serving | --curve] [--cases "D,CTX,CHUNK,CACHED ..."]
 
 For batches of ``D`` decode requests (context ``ctx``) plus one prompt chunk of ``P`` tokens
 after ``pctx`` cached tokens, prints per forward pass (model only, no LM head):
@@ -25,19 +25,20 @@ kernel (torch.profiler over whole-graph replays): where a mixed step's time goes
 ``--serving`` runs the ``SERVING_CASES`` batches both ways (timings, then kernel tables).
 ``--curve`` times only the exact-layout and whole-step graphs of the ``SERVING_CASES``
 batches: a step's cost against its token count, for many cases in one run.
+``--cases "60,1152,228,512 ..."`` (decodes, context, chunk, cached) replaces the
+``SERVING_CASES``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 
 import torch
 
 from tokenmill import LLM
-from tokenmill.model.attention import triton_backend
+from tokenmill.kernels.attention import paged
 from tokenmill.model.attention.backend import AttentionMetadata
 
 # (decodes, decode context, prompt chunk tokens, cached tokens before the chunk[, prefix
@@ -72,12 +73,6 @@ KERNEL_CASES = [(64, 1280, 0, 0), (64, 1280, 256, 0), (64, 1280, 512, 0), (0, 0,
 # decodes at ~1,150 tokens of context, alone or with a ~206-token chunk of a prompt that
 # has 0-768 tokens cached.
 SERVING_CASES = [(60, 1152, 0, 0), (60, 1152, 206, 0), (60, 1152, 206, 512), (60, 1152, 256, 768)]
-# TOKENMILL_BENCH_CASES="60,1152,228,512 ..." (decodes, context, chunk, cached) replaces them.
-if os.environ.get("TOKENMILL_BENCH_CASES"):
-    SERVING_CASES = [
-        tuple(int(x) for x in case.split(","))
-        for case in os.environ["TOKENMILL_BENCH_CASES"].split()
-    ]
 
 
 def build_batch(
@@ -161,7 +156,11 @@ def main() -> None:
         return
     serving = "--serving" in sys.argv[2:]
     curve = "--curve" in sys.argv[2:]
-    for decodes, ctx, chunk, cached, *shared in SERVING_CASES if serving or curve else CASES:
+    serving_cases = SERVING_CASES
+    if "--cases" in sys.argv and sys.argv[sys.argv.index("--cases") + 1].strip():
+        cases = sys.argv[sys.argv.index("--cases") + 1].split()
+        serving_cases = [tuple(int(x) for x in case.split(",")) for case in cases]
+    for decodes, ctx, chunk, cached, *shared in serving_cases if serving or curve else CASES:
         shared = shared[0] if shared else 0
         if shared_only and not shared:
             continue
@@ -174,10 +173,10 @@ def main() -> None:
                 f"CURVE decodes={decodes} ctx={ctx} chunk={chunk} cached={cached} "
                 f"tokens={md.num_actual_tokens}: graph {whole:.3f} ms"
             )
-            if runner.mixed_graphs is not None and runner.mixed_graphs.can_run(
+            if runner.graphs.mixed is not None and runner.graphs.mixed.can_run(
                 md.num_actual_tokens
             ):
-                line += mixed_timing(runner, runner.mixed_graphs, ids, pos, md)
+                line += mixed_timing(runner, runner.graphs.mixed, ids, pos, md)
             print(line, flush=True)
             continue
         eager_pass = lambda ids=ids, pos=pos, md=md: model(ids, pos, md)  # noqa: E731
@@ -190,10 +189,10 @@ def main() -> None:
             f"shared={shared} tokens={md.num_actual_tokens}: eager {eager:.2f} ms, "
             f"launch {launch:.2f} ms, graph {whole:.2f} ms"
         )
-        mixed = runner.mixed_graphs
+        mixed = runner.graphs.mixed
         if mixed is not None and mixed.can_run(md.num_actual_tokens) and not shared:
             line += mixed_timing(runner, mixed, ids, pos, md)
-        pieces = runner.piecewise_graphs
+        pieces = runner.graphs.piecewise
         if pieces is not None and pieces.can_run(md.num_actual_tokens):
             line += piecewise_timing(runner, pieces, ids, pos, md)
             if shared:
@@ -205,12 +204,12 @@ def main() -> None:
                 print(line, flush=True)
                 continue
             # The same with the prompt kernel's keys never split (its one-split path).
-            split_rule = triton_backend.num_varlen_splits
-            triton_backend.num_varlen_splits = lambda *args: 1
+            split_rule = paged.num_varlen_splits
+            paged.num_varlen_splits = lambda *args: 1
             try:
                 line += "; one key split:" + piecewise_timing(runner, pieces, ids, pos, md)
             finally:
-                triton_backend.num_varlen_splits = split_rule
+                paged.num_varlen_splits = split_rule
         print(line, flush=True)
     if serving:
         for case in SERVING_CASES:

@@ -19,17 +19,8 @@
 #   gputests_staging  the step-input staging tests on CUDA and the engine's GPU tests;
 #              stagingtest the staging tests alone
 #   gputests_engine  the engine's GPU tests, fused kernels, attention hook and sampler
-#   lat1_nofuse      lat1 with RoPE and the KV write as two kernels (TOKENMILL_FUSED_ROPE_CACHE=0)
-#   lat1_short lat1 with TOKENMILL_SHORT_DECODE_GRAPHS=1 (one-split decode graphs for short
-#              contexts at small batch)
-#   lat1_ropeattn lat1 with TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 (RoPE and the KV write in
-#              the decode kernel, the default since the sixteenth set); lat1_both with that
-#              and the short-context graphs;
-#              gputests_trials the GPU tests of both switches and the decode kernel;
-#              gputests_decode the attention kernels' GPU tests and the engine's decode,
-#              graph and prefix tests
-#   lat1_nopdl lat1 with TOKENMILL_PDL=0 (the norm, activation, rotary/KV-write and
-#              decode-attention kernels as ordinary launches, not dependent ones)
+#   gputests_decode the attention kernels' GPU tests and the engine's decode, graph and
+#              prefix tests
 #   gputests_skinny  the skinny GEMM's tests on CUDA (but the long Llama-shape sweep;
 #              gputests_skinny_full with it)
 #   base_lat1 base_lat32  the same on the tree in .carry/base (a base commit's git archive of
@@ -54,7 +45,8 @@
 #              mixedbench_shared: only the batches whose decodes share a prefix (cascade)
 #   skinny skinny_sweep moe   kernel benchmarks: skinny GEMM vs cuBLAS, fused MoE vs torch;
 #              skinny_pdl / skinny_sweep_pdl the same with programmatic dependent launches
-#   *_cublas   lat1/lat32/stepbench with TOKENMILL_SKINNY_GEMM=0 (cuBLAS for every product)
+#   *_cublas   lat1/lat32/stepbench with --kernel-config '{"skinny_gemm": "off"}' (cuBLAS for
+#              every product)
 #   diag_default diag_vllm diag_pace512 ...   serving with per-request detail, /metrics and
 #              step logs (LOADS="random prefix" picks the loads); diag_paceN paces prompt
 #              tokens (--prefill-pacing-mode prompt), diag_default takes the server's defaults
@@ -65,8 +57,7 @@
 #   attn_waves decode attention at serving batches (contexts 1,024..1,280): split counts
 #              (SPLITS), the same as whole-step graphs launch it (256 rows), tile shapes
 #   sprof_pace256 ...   the server's engine core under a closed loop: step times, GPU busy,
-#              kernels and host functions per step (serving_profile.py); sprofpw_pace256
-#              the same with piecewise graphs for mixed steps (TOKENMILL_MIXED_STEP_GRAPHS=0);
+#              kernels and host functions per step (serving_profile.py);
 #              sprof_stepN the same paced in step mode (N tokens a step, decodes included);
 #              sprofdt_stepN that with the decode attention tile DTILE (KEYS:WARPS:STAGES)
 #   spsweep    one engine core under the same closed loop, one timing window per admission
@@ -77,11 +68,9 @@
 #   diag_args  serving with per-request detail for a server given DIAG_ARGS (label DIAG_LABEL)
 #   seqs_sweep the random load served with --max-num-seqs N for each N in SEQS (default 60)
 #   sampler    the sampler's GPU time per call against the softmax route (sampler_bench.py)
-#   gputests_topp  the sampler and engine GPU tests with TOKENMILL_SORT_FREE_TOP_P=0 (top-p
-#              by sorting); gputests_topp_unit the sampler tests (the default radix select)
+#   gputests_topp_unit the top-p and sampler tests on CUDA
 #   gputests_attn  the attention kernels' and the engine's GPU tests; gputests_k the GPU
 #              tests that pytest's -k "$K" selects
-#   gputests_prefetch  the L2 prefetch's tests on CUDA
 #   cold_parallel[N] cold_serial[N]  tokenmill serve M8 with an empty Triton cache to /health,
 #              start-up compiling in parallel (the default) or each kernel at first launch
 #   warm_parallel[N] warm_serial[N]  the same with Triton's cache as earlier stages left it
@@ -112,6 +101,7 @@ if ls .carry/tools/xgrammar-*.whl .carry/tools/apache_tvm_ffi-*.whl >/dev/null 2
   python3 -m pip install -q --no-index --no-deps --target /tmp/xg .carry/tools/xgrammar-*.whl .carry/tools/apache_tvm_ffi-*.whl >> "$LOGS/setup.log" 2>&1 && XGP="/tmp/xg:$PYTHONPATH"
 fi
 TM=(python3 -m tokenmill.entrypoints.cli.main)
+CUBLAS='{"skinny_gemm": "off"}'  # --kernel-config: cuBLAS for every linear layer
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 stage() {  # stage NAME TIMEOUT CMD... (NAME gets $SFX, the STAGE@VARS label)
   local name=$1${SFX:-} to=$2; shift 2
@@ -218,22 +208,20 @@ TPA=(--load-format dummy --dataset-name random)
 run_stage() {  # run_stage NAME: one stage of the list below
   local st=$1
   case "$st" in
-    gputests) PYTHONPATH="$XGP" stage gputests 480 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
-    gputests_all) PYTHONPATH="$XGP" stage gputests_all 330 python3 -m pytest -q tests/gpu tests/model/test_fused_kernels.py tests/model/test_skinny_gemm.py tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/worker/test_top_p_select.py -p no:cacheprovider --timeout 200 --durations=5 ;;
+    gputests) PYTHONPATH="$XGP" stage gputests 480 python3 -m pytest -q -n 8 tests/gpu tests/kernels/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
+    gputests_all) PYTHONPATH="$XGP" stage gputests_all 330 python3 -m pytest -q tests/gpu tests/kernels/test_fused_kernels.py tests/kernels/test_skinny_gemm.py tests/worker/test_sampler.py tests/kernels/test_gumbel_sampling.py tests/kernels/test_top_p_select.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_mixed) stage gputests_mixed 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "mixed_step_graphs or split_decode" -p no:cacheprovider --timeout 120 ;;
     gputests_k) PYTHONPATH="$XGP" stage gputests_k 300 python3 -m pytest -q tests/gpu -k "$K" -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_attn) PYTHONPATH="$XGP" stage gputests_attn 300 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
-    gputests_topp_unit) stage gputests_topp_unit 200 python3 -m pytest -q tests/worker/test_top_p_select.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 150 ;;
-    gputests_topp) TOKENMILL_SORT_FREE_TOP_P=0 PYTHONPATH="$XGP" stage gputests_topp 240 python3 -m pytest -q tests/worker/test_top_p_select.py tests/worker/test_sampler.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 150 ;;
-    gputests_sampler) PYTHONPATH="$XGP" stage gputests_sampler 240 python3 -m pytest -q tests/worker/test_sampler.py tests/worker/test_gumbel_sampling.py tests/worker/test_top_p_select.py tests/gpu/test_engine_gpu.py tests/gpu/test_skinny_gemm_gpu.py -p no:cacheprovider --timeout 150 ;;
-    gputests_prefetch) stage gputests_prefetch 120 python3 -m pytest -q tests/gpu/test_l2_prefetch_gpu.py tests/model/test_l2_prefetch.py -p no:cacheprovider --timeout 100 ;;
-    gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
+    gputests_topp_unit) stage gputests_topp_unit 200 python3 -m pytest -q tests/kernels/test_top_p_select.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 150 ;;
+    gputests_sampler) PYTHONPATH="$XGP" stage gputests_sampler 240 python3 -m pytest -q tests/worker/test_sampler.py tests/kernels/test_gumbel_sampling.py tests/kernels/test_top_p_select.py tests/gpu/test_engine_gpu.py tests/gpu/test_skinny_gemm_gpu.py -p no:cacheprovider --timeout 150 ;;
+    gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
     stagingtest) stage stagingtest 90 python3 -m pytest -q tests/worker/test_step_staging.py -p no:cacheprovider ;;
     gputests_staging) PYTHONPATH="$XGP" stage gputests_staging 300 python3 -m pytest -q tests/worker/test_step_staging.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_quant) PYTHONPATH="$XGP" stage gputests_quant 400 python3 -m pytest -q tests/gpu/test_quant_gemm_gpu.py tests/kernels -p no:cacheprovider --timeout 300 ;;
     quant_lat) stage quant_lat 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_lat1,awq_lat1,gguf_lat1}" ;;
     quant_tp) stage quant_tp 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_tp,awq_tp}" ;;
-    gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/model/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
+    gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
     attn_rope) stage attn_rope 120 python3 benchmarks/attention_bench.py --only cache --prefill-tokens 1,64,272,1024 ;;
     attn_chunk) stage attn_chunk 240 python3 benchmarks/attention_bench.py --only prefill --prefill-tokens 1024 --chunk-tokens "${CHUNK:-256}" --chunk-contexts 0,256,512,768 --sweep-tiles ;;
@@ -272,7 +260,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     mixedbench) stage mixedbench 300 python3 benchmarks/device/mixed_step_bench.py "$M8" ;;
     mixedkernels) stage mixedkernels 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --kernels ;;
     mixedserving) stage mixedserving 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --serving ;;
-    mixedcurve) TOKENMILL_BENCH_CASES="${CURVE_CASES:-}" stage mixedcurve 240 python3 benchmarks/device/mixed_step_bench.py "$M8" --curve ;;
+    mixedcurve) stage mixedcurve 240 python3 benchmarks/device/mixed_step_bench.py "$M8" --curve --cases "${CURVE_CASES:-}" ;;
     mixedbench_shared) stage mixedbench_shared 200 python3 benchmarks/device/mixed_step_bench.py "$M8" --shared-only ;;
     sampler) TAIL_LINES=40 stage sampler 150 python3 benchmarks/device/sampler_bench.py ;;
     ablation) stage ablation 240 python3 benchmarks/device/decode_ablation_bench.py "$M8" ;;
@@ -281,18 +269,12 @@ run_stage() {  # run_stage NAME: one stage of the list below
     ablation_dtiles) TAIL_LINES=40 stage ablation_dtiles 300 python3 benchmarks/device/decode_ablation_bench.py "$M8" "${CONTEXT:-160}" --sweep-decode-tiles --batch "${BATCH:-1}" ;;
     ablation_sweep) TAIL_LINES=40 stage ablation_sweep 300 python3 benchmarks/device/decode_ablation_bench.py "$M8" "${CONTEXT:-160}" --sweep ;;
     stepbench) stage stepbench 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
-    stepbench_cublas) TOKENMILL_SKINNY_GEMM=0 stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" ;;
-    lat1_short) TOKENMILL_SHORT_DECODE_GRAPHS=1 stage lat1_short 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_short.json"; addjson lat1_short "$LOGS/lat1_short.json" ;;
-    lat1_ropeattn) TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 stage lat1_ropeattn 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_ropeattn.json"; addjson lat1_ropeattn "$LOGS/lat1_ropeattn.json" ;;
-    lat1_both) TOKENMILL_ROPE_IN_DECODE_ATTENTION=1 TOKENMILL_SHORT_DECODE_GRAPHS=1 stage lat1_both 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_both.json"; addjson lat1_both "$LOGS/lat1_both.json" ;;
-    gputests_decode) PYTHONPATH="$XGP" stage gputests_decode 240 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -k "attention_gpu or decode or cuda_graphs_equal or short_context or cascade or prefix" -p no:cacheprovider --timeout 200 --durations=5 ;;
-    gputests_trials) PYTHONPATH="$XGP" stage gputests_trials 300 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/gpu/test_triton_attention_gpu.py -k "short_context or rope_in_decode or decode" -p no:cacheprovider --timeout 200 ;;
-    lat1_nopdl) TOKENMILL_PDL=0 stage lat1_nopdl 200 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 6 --output-json "$LOGS/lat1_nopdl.json"; addjson lat1_nopdl "$LOGS/lat1_nopdl.json" ;;
-    gputests_skinny_full) stage gputests_skinny_full 200 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/model/test_skinny_gemm.py -p no:cacheprovider --timeout 150 ;;
-    gputests_skinny) PYTHONPATH="$XGP" stage gputests_skinny 200 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/model/test_skinny_gemm.py -p no:cacheprovider --timeout 150 -k "not test_llama_shapes_bf16" ;;
-    lat1_nofuse) TOKENMILL_FUSED_ROPE_CACHE=0 stage lat1_nofuse 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_nofuse.json"; addjson lat1_nofuse "$LOGS/lat1_nofuse.json" ;;
-    lat1_cublas) TOKENMILL_SKINNY_GEMM=0 stage lat1_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_cublas.json"; addjson lat1_cublas "$LOGS/lat1_cublas.json" ;;
-    lat32_cublas) TOKENMILL_SKINNY_GEMM=0 stage lat32_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32_cublas.json"; addjson lat32_cublas "$LOGS/lat32_cublas.json" ;;
+    stepbench_cublas) stage stepbench_cublas 200 python3 benchmarks/device/decode_step_bench.py "$M8" --kernel-config "$CUBLAS" ;;
+    gputests_decode) PYTHONPATH="$XGP" stage gputests_decode 240 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -k "attention_gpu or decode or cuda_graphs_equal or cascade or prefix" -p no:cacheprovider --timeout 200 --durations=5 ;;
+    gputests_skinny_full) stage gputests_skinny_full 200 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/kernels/test_skinny_gemm.py -p no:cacheprovider --timeout 150 ;;
+    gputests_skinny) PYTHONPATH="$XGP" stage gputests_skinny 200 python3 -m pytest -q tests/gpu/test_skinny_gemm_gpu.py tests/kernels/test_skinny_gemm.py -p no:cacheprovider --timeout 150 -k "not test_llama_shapes_bf16" ;;
+    lat1_cublas) stage lat1_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --kernel-config "$CUBLAS" --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat1_cublas.json"; addjson lat1_cublas "$LOGS/lat1_cublas.json" ;;
+    lat32_cublas) stage lat32_cublas 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --kernel-config "$CUBLAS" --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/lat32_cublas.json"; addjson lat32_cublas "$LOGS/lat32_cublas.json" ;;
     skinny)   stage skinny 200 python3 benchmarks/skinny_gemm_bench.py ;;
     skinny_pdl) stage skinny_pdl 200 python3 benchmarks/skinny_gemm_bench.py --pdl --ms "${SWEEP_MS:-1,4,16}" --shapes qkv,o_proj,gate_up,down,lm_head ;;
     skinny_sweep_pdl) stage skinny_sweep_pdl 400 python3 benchmarks/skinny_gemm_bench.py --pdl --sweep --fma-only --ms "${SWEEP_MS:-1}" --shapes ${SWEEP_SHAPES:-qkv,o_proj,down,gate_up} --rounds 2 ;;
@@ -327,7 +309,6 @@ run_stage() {  # run_stage NAME: one stage of the list below
     sprof_pace[0-9]*) stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprof_pace}" ;;
     sprof_step[0-9]*) TAIL_LINES=60 stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprof_step}" --pacing-mode step --no-host ;;
     sprofdt_step[0-9]*) TAIL_LINES=60 stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprofdt_step}" --pacing-mode step --no-host --decode-tile "${DTILE:-64:2:3}" ;;
-    sprofpw_pace[0-9]*) TOKENMILL_MIXED_STEP_GRAPHS=0 stage "$st" 240 python3 benchmarks/device/serving_profile.py "$M8" --pacing "${st#sprofpw_pace}" ;;
     spsweep) stage spsweep 400 python3 benchmarks/device/serving_profile.py "$M8" --warm-requests 96 --sweep ${SWEEP:-256:0:0 256:65536:0 0:0:0} ;;
     diag_args) serve_diag "${DIAG_LABEL:-args}" $DIAG_ARGS ;;
     seqs_sweep) for n in ${SEQS:-60}; do LOADS=random serve_diag "seqs$n" --max-num-seqs "$n"; done ;;

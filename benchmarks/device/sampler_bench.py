@@ -18,9 +18,9 @@ import sys
 import torch
 from triton.testing import do_bench_cudagraph
 
+from tokenmill.kernels.sampling import top_p as top_p_select
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker import sampler as sampler_module
-from tokenmill.worker import top_p_select
 from tokenmill.worker.sampler import Sampler
 from tokenmill.worker.sampling_metadata import SamplingRow, build_sampling_metadata
 
@@ -41,12 +41,13 @@ def _softmax_route(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Ten
 
 
 def _top_p(sampler: Sampler, logits: torch.Tensor, meta, sort_free: bool, prefetch: bool = False):
-    saved = sampler_module._SORT_FREE_TOP_P, top_p_select.PREFETCH
-    sampler_module._SORT_FREE_TOP_P, top_p_select.PREFETCH = sort_free, prefetch
+    """The sampler's call with top-p by the radix select (``sort_free``) or by sorting."""
+    saved = sampler_module._sort_free, top_p_select.PREFETCH
+    sampler_module._sort_free, top_p_select.PREFETCH = (lambda _: sort_free), prefetch
     try:
         return sampler(logits, meta)
     finally:
-        sampler_module._SORT_FREE_TOP_P, top_p_select.PREFETCH = saved
+        sampler_module._sort_free, top_p_select.PREFETCH = saved
 
 
 def main() -> None:

@@ -42,12 +42,12 @@ import torch
 from kernel_profile import kernel_totals  # this folder is on sys.path as the script's own
 from torch.profiler import ProfilerActivity, profile
 
-from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.engine_io import EngineCoreRequest
 from tokenmill.core.prefill_pacing import PrefillPacing
+from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine_args import EngineArgs
-from tokenmill.model.attention import triton_backend
-from tokenmill.model.attention.triton_launch import TileConfig
+from tokenmill.kernels.attention import paged
+from tokenmill.kernels.attention.launch import TileConfig
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -260,7 +260,7 @@ def main() -> None:
     if args.decode_tile:
         keys, warps, stages = (int(x) for x in args.decode_tile.split(":"))
         tile = TileConfig(block_m=16, block_n=keys, num_warps=warps, num_stages=stages)
-        triton_backend.decode_tile_config = lambda *_: tile
+        paged.decode_tile_config = lambda *_: tile
     engine_args = EngineArgs(
         model=args.model,
         load_format="dummy",

@@ -24,6 +24,7 @@ import pytest
 
 from tests.benchmarks.pngcheck import assert_matplotlib_png
 from tests.benchmarks.test_serve import RECORD_KEYS, VLLM_KEYS
+from tokenmill.benchmarks.common import BenchmarkError
 from tokenmill.entrypoints.cli.bench import main as bench_main
 
 pytestmark = pytest.mark.slow
@@ -290,3 +291,46 @@ def test_bench_serve_reports_refused_requests(server, tiny_model, tmp_path, caps
     assert message.startswith("HTTP 404") and "no-such-model" in message
     assert "Failed requests:                         4" in out.out
     assert f"4 x {message}" in out.out
+
+
+def test_bench_serve_by_served_name_needs_no_tokenizer(server, tiny_model, tmp_path):
+    """``--model NAME`` (the served name, not a path): the tokenizer is the model's root
+    folder that /v1/models lists, found on this machine."""
+    name = os.path.basename(tiny_model)
+    code = bench_main(
+        ["serve", "--base-url", server, "--model", name, "--num-prompts", "2",
+         "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos",
+         "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+         "--result-filename", "r.json"]  # fmt: skip
+    )
+    assert code == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 2 and result["tokenizer_id"] == tiny_model
+
+
+def test_remote_tokenizer_is_the_servers(server, tiny_model, smollm2_tokenizer):
+    from tokenmill.benchmarks.bench_tokenizer import RemoteTokenizer, find_tokenizer
+    from tokenmill.benchmarks.datasets import decode, encode, token_pool
+
+    name = os.path.basename(tiny_model)
+    remote, tokenizer_id = find_tokenizer(None, "/not/on/this/machine", server, name)
+    assert isinstance(remote, RemoteTokenizer) and tokenizer_id == server + "/tokenize"
+    text = "Benchmarks build prompts of exact lengths: 12 tokens, say."
+    ids = encode(remote, text)
+    assert ids == smollm2_tokenizer.encode(text, add_special_tokens=False)
+    assert decode(remote, ids) == text
+    pool = token_pool(remote)
+    assert len(pool) > 100 and not set(pool.tolist()) & set(smollm2_tokenizer.all_special_ids)
+    with pytest.raises(BenchmarkError, match="pass --tokenizer"):
+        RemoteTokenizer(server, "no-such-model")  # the server answers 404
+
+
+def test_embedded_model_is_found_by_its_served_name():
+    from tokenmill.benchmarks.bench_tokenizer import find_tokenizer
+    from tokenmill.engine_args import default_model_path
+
+    tokenizer, tokenizer_id = find_tokenizer(
+        None, "SmolLM2-135M-Instruct", "http://127.0.0.1:9", "SmolLM2-135M-Instruct"
+    )
+    assert tokenizer_id == default_model_path()
+    assert tokenizer.encode("Hi", add_special_tokens=False)

@@ -12,7 +12,7 @@ from tests.core.test_scheduler import (
     worker_for,
 )
 from tokenmill.core.admission import MAX_RATIO, PREEMPTION_RATIO_STEP, AdmissionHeadroom
-from tokenmill.request import Request
+from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 

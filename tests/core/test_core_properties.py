@@ -21,12 +21,13 @@ from hypothesis import strategies as st
 from tests.core.test_scheduler import FakeWorker
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.engine_io import FinishReason
-from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_cache_utils import hash_block_tokens
 from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import SchedulerOutput
-from tokenmill.request import Request, RequestStatus
+from tokenmill.math_utils import cdiv
 from tokenmill.sampling_params import SamplingParams
 
 VOCAB_SIZE = 24

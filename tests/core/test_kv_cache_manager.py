@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.request import Request
+from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

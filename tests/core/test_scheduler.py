@@ -19,9 +19,9 @@ import pytest
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.engine_io import EngineCoreOutputs, FinishReason, LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import SchedulerOutput
-from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
 VOCAB_SIZE = 1000

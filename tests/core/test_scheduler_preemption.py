@@ -10,8 +10,8 @@ from tests.core.test_scheduler import (
     step,
     worker_for,
 )
+from tokenmill.core.request import RequestStatus
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.request import RequestStatus
 
 # ------------------------------------------------------------------------- preemption
 

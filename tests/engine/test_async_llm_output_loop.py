@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import msgspec
 
-from tokenmill.core.engine_core_proc import MSG_OUT
 from tokenmill.core.engine_io import EngineCoreOutputs
 from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.engine_core_proc import MSG_OUT
 from tokenmill.engine.request_collector import RequestOutputCollector
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind

@@ -9,7 +9,7 @@ import pytest
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.input_processor import InputProcessor, InvalidRequestError
-from tokenmill.model.loader.hf_config import HFConfig
+from tokenmill.hf_config import HFConfig
 from tokenmill.sampling_params import SamplingParams, SamplingParamsError
 
 VOCAB = 49152

@@ -55,13 +55,14 @@ class RemoteServer:
 
     def __init__(self, args: list[str], api_key: str | None = None) -> None:
         self.port = free_port()
+        self.args = args
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (kept open for the process)
             prefix="tokenmill-server-", suffix=".log", delete=False
         )
-        env = dict(os.environ, TOKENMILL_CPU_THREADS="1", PYTHONUNBUFFERED="1")
+        cmd, extra_env = self._start_command()
+        env = {**os.environ, "TOKENMILL_CPU_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra_env}
         env.pop("TOKENMILL_API_KEY", None)
-        cmd = [*SERVE_COMMAND, *args, "--host", "127.0.0.1", "--port", str(self.port)]
         # Own process group: if a test leaves it hanging, the group can be killed whole.
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -71,6 +72,10 @@ class RemoteServer:
         except BaseException:
             self.stop()
             raise
+
+    def _start_command(self) -> tuple[list[str], dict[str, str]]:
+        """The command that starts the server, and environment variables it adds."""
+        return [*SERVE_COMMAND, *self.args, "--host", "127.0.0.1", "--port", str(self.port)], {}
 
     @property
     def url(self) -> str:

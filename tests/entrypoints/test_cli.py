@@ -99,6 +99,18 @@ def test_several_served_names_resolve_to_one_model(tiny_model_dir):
     assert one.create_engine_config().model_config.served_model_names == ("solo",)
 
 
+def test_kernel_config_reaches_the_engine_config(tiny_model_dir):
+    from tokenmill.config import KernelConfig
+
+    flag = '{"skinny_gemm": "off"}'
+    assert build_parser().parse_args(["serve", "--kernel-config", flag]).kernel_config == flag
+    for value in (flag, {"skinny_gemm": "off"}, KernelConfig(skinny_gemm="off")):
+        args = EngineArgs(model=tiny_model_dir, load_format="dummy", kernel_config=value)
+        assert args.create_engine_config().kernel_config == KernelConfig(skinny_gemm="off")
+    default = EngineArgs(model=tiny_model_dir, load_format="dummy").create_engine_config()
+    assert default.kernel_config == KernelConfig()
+
+
 def test_api_key_from_environment(monkeypatch):
     monkeypatch.setenv("TOKENMILL_API_KEY", "from-env")
     assert build_parser().parse_args(["serve"]).api_key == "from-env"
@@ -162,6 +174,8 @@ def test_bench_throughput_checks_its_dataset_flags_before_the_engine(monkeypatch
         ({"seed": 2**80}, "--seed must be a 64-bit signed integer"),
         ({"served_model_name": [""]}, "a served model name cannot be empty"),
         ({"served_model_name": "  "}, "a served model name cannot be empty"),
+        ({"kernel_config": '{"skinny_gemm": "fast"}'}, "skinny_gemm must be one of"),
+        ({"kernel_config": "{"}, "--kernel-config is not valid JSON"),
     ],
 )
 def test_flag_ranges_are_checked_before_the_model_is_read(kwargs, words):

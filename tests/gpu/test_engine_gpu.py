@@ -119,63 +119,50 @@ def test_start_up_compiling_ahead_changes_nothing_in_float32(smollm2_random, mon
     assert tokens["1"] == tokens["8"]
 
 
-def test_short_context_decode_graphs_equal_eager_in_float32(smollm2_random, monkeypatch):
-    """With TOKENMILL_SHORT_DECODE_GRAPHS=1, batches of up to 8 requests with short contexts
-    replay graphs with one key split (no reduction launch): the same greedy tokens as eager
-    steps, and those graphs are the ones replayed."""
-    from tokenmill import LLM, SamplingParams
-
-    _, path = smollm2_random
-    prompts = _prompts(8)  # 5..54 tokens + 24 generated: every context within 256
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    tokens = {}
-    for eager in (False, True):
-        monkeypatch.setenv("TOKENMILL_SHORT_DECODE_GRAPHS", "1")
-        llm = LLM(path, dtype="float32", kv_cache_memory=2 << 30, max_model_len=1024,
-                  max_num_seqs=8, enforce_eager=eager)  # fmt: skip
-        out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        alone = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
-        tokens[eager] = [o.outputs[0].token_ids for o in out] + [alone[0].outputs[0].token_ids]
-        runner = llm.llm_engine.engine_core.executor.worker.model_runner
-        if not eager:
-            assert runner.short_decode_graphs.num_replays > 0
-        del llm, runner
-        torch.cuda.empty_cache()
-    assert tokens[False] == tokens[True]
-
-
 def test_rope_in_decode_attention_equals_the_separate_kernels_in_float32(
     smollm2_random, monkeypatch
 ):
-    """With TOKENMILL_ROPE_IN_DECODE_ATTENTION on (the default) decode steps rotate and
-    write their K/V inside the decode kernel: the same greedy tokens as the separate
-    rotary/KV-write kernel (=0), in CUDA graphs and eagerly."""
-    _assert_switch_keeps_tokens(
-        smollm2_random, monkeypatch, "TOKENMILL_ROPE_IN_DECODE_ATTENTION", "float32"
-    )
+    """Decode steps rotate and write their K/V inside the decode kernel: the same greedy
+    tokens as the separate rotary/KV-write kernel (which a backend without
+    ``supports_decode_rotary`` launches), in CUDA graphs and eagerly."""
+    from tokenmill.model.attention.triton_backend import TritonAttentionBackend
+
+    def use(monkeypatch, on: bool) -> None:
+        monkeypatch.setattr(TritonAttentionBackend, "supports_decode_rotary", on)
+
+    _assert_variants_keep_tokens(smollm2_random, monkeypatch, use, "float32")
 
 
-def _assert_switch_keeps_tokens(smollm2_random, monkeypatch, variable: str, dtype: str) -> None:
-    """Greedy tokens with ``variable`` off and on are the same, in CUDA graphs and eagerly."""
+def _assert_variants_keep_tokens(smollm2_random, monkeypatch, use, dtype: str, **kwargs) -> None:
+    """Greedy tokens with ``use(monkeypatch, False)`` and with ``use(monkeypatch, True)``
+    are the same, in CUDA graphs and eagerly."""
     _, path = smollm2_random
     prompts = _prompts(8)
     tokens = {}
-    for value in ("0", "1"):
-        monkeypatch.setenv(variable, value)
+    for on in (False, True):
+        use(monkeypatch, on)
         for eager in (False, True):
-            tokens[value, eager] = _generate(path, prompts, dtype=dtype, enforce_eager=eager)
-    assert tokens["1", False] == tokens["0", False]
-    assert tokens["1", True] == tokens["0", True]
+            tokens[on, eager] = _generate(path, prompts, dtype=dtype, enforce_eager=eager,
+                                          **kwargs)  # fmt: skip
+    assert tokens[True, False] == tokens[False, False]
+    assert tokens[True, True] == tokens[False, True]
 
 
 def test_gated_product_equals_the_separate_gate_in_bf16(smollm2_random, monkeypatch):
-    """TOKENMILL_GATED_PRODUCT=1 with the skinny GEMM on every eligible shape: the gate/up
-    product applies SiLU-and-mul in its epilogue at decode-sized batches, bit-equal to the
-    separate kernels, so greedy bf16 tokens are the same, in CUDA graphs and eagerly."""
-    from tokenmill.model.layers import linear
+    """With the skinny GEMM on every eligible shape (``--kernel-config '{"skinny_gemm":
+    "all"}'``) the gate/up product applies SiLU-and-mul in its epilogue at decode-sized
+    batches, bit-equal to the separate kernels, so greedy bf16 tokens are the same as with
+    the gate as a launch of its own, in CUDA graphs and eagerly."""
+    from tokenmill.model.layers.linear import MergedColumnParallelLinear
 
-    monkeypatch.setattr(linear, "_SKINNY_GEMM", "1")
-    _assert_switch_keeps_tokens(smollm2_random, monkeypatch, "TOKENMILL_GATED_PRODUCT", "bfloat16")
+    fused = MergedColumnParallelLinear.forward_gated
+
+    def use(monkeypatch, on: bool) -> None:
+        separate = lambda self, x: None  # the caller then runs the gate apart  # noqa: E731
+        monkeypatch.setattr(MergedColumnParallelLinear, "forward_gated", fused if on else separate)
+
+    _assert_variants_keep_tokens(smollm2_random, monkeypatch, use, "bfloat16",
+                                 kernel_config={"skinny_gemm": "all"})  # fmt: skip
 
 
 def _record_same_step_reads(monkeypatch) -> list[bool]:
@@ -260,7 +247,7 @@ def test_decode_step_reading_a_block_filled_by_another_decode_in_float32(
     assert not any(flags[3:])
     assert outputs == {"a": tokens_a, "b": tokens_b}
     runner = engine.engine_core.executor.worker.model_runner
-    assert runner.cuda_graphs.num_replays > 0
+    assert runner.graphs.decode.num_replays > 0
     del llm, engine, runner
     torch.cuda.empty_cache()
 
@@ -280,7 +267,7 @@ def test_split_decode_graphs_survive_a_released_cache(smollm2_random):
                   max_num_seqs=8, enforce_eager=eager)  # fmt: skip
         runner = llm.llm_engine.engine_core.executor.worker.model_runner
         if not eager:
-            assert set(runner.cuda_graphs.metadata) == set(runner.cuda_graphs.graphs)
+            assert set(runner.graphs.decode.metadata) == set(runner.graphs.decode.graphs)
         torch.cuda.empty_cache()
         out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
         tokens[eager] = out[0].outputs[0].token_ids
@@ -292,12 +279,13 @@ def test_split_decode_graphs_survive_a_released_cache(smollm2_random):
 @pytest.mark.parametrize("whole_step", [True, False])
 def test_mixed_step_graphs_equal_eager_in_float32(smollm2_random, monkeypatch, whole_step):
     """A 64-token budget mixes prompt chunks with decodes in most steps: those replay the
-    whole-step graphs of mixed batches (uniform attention grids), or with those off the
-    piecewise graphs (attention eager between them), and greedy tokens equal eager
-    execution's, alone or batched."""
+    whole-step graphs of mixed batches (uniform attention grids), or on a backend without
+    uniform grids the piecewise graphs (attention eager between them), and greedy tokens
+    equal eager execution's, alone or batched."""
     from tokenmill import LLM, SamplingParams
+    from tokenmill.model.attention.triton_backend import TritonAttentionBackend
 
-    monkeypatch.setenv("TOKENMILL_MIXED_STEP_GRAPHS", "1" if whole_step else "0")
+    monkeypatch.setattr(TritonAttentionBackend, "supports_uniform_grids", whole_step)
     _, path = smollm2_random
     prompts = _prompts(8)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -315,7 +303,9 @@ def test_mixed_step_graphs_equal_eager_in_float32(smollm2_random, monkeypatch, w
         runner = llm.llm_engine.engine_core.executor.worker.model_runner
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         alone = llm.generate({"prompt_token_ids": prompts[7]}, params, use_tqdm=False)
-        graphs = runner.mixed_graphs if whole_step else runner.piecewise_graphs
+        graphs = None
+        if runner.graphs is not None:
+            graphs = runner.graphs.mixed if whole_step else runner.graphs.piecewise
         replays = graphs.num_replays if graphs else 0
         results[eager] = (
             [o.outputs[0].token_ids for o in outs],

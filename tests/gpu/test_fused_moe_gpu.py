@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.model.layers.fused_moe import (
-    FusedMoE,
+from tokenmill.kernels.moe.fused_moe import (
     fused_experts_torch,
     fused_experts_triton,
     moe_tile_config,
     select_experts,
 )
+from tokenmill.model.layers.fused_moe import FusedMoE
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from tokenmill.model.host_ints import cdiv
+from tokenmill.math_utils import cdiv
 
 pytestmark = pytest.mark.gpu
 

@@ -54,7 +54,7 @@ def llama_weight(request) -> torch.Tensor:
 
 @pytest.mark.parametrize("m", MS)
 def test_llama_shapes_bf16(llama_weight, m):
-    from tokenmill.model.layers.skinny_gemm import skinny_linear, use_skinny_gemm
+    from tokenmill.kernels.gemm.skinny import skinny_linear, use_skinny_gemm
 
     x = _operands(m, 1, llama_weight.shape[1], torch.bfloat16, seed=m)[0]
     assert use_skinny_gemm(x, llama_weight)
@@ -68,7 +68,7 @@ def test_llama_shapes_bf16(llama_weight, m):
 @pytest.mark.parametrize("split_k", [1, 3, 16])
 def test_both_paths_ragged_shape_with_bias(dtype, use_dot, split_k):
     """N and K not multiples of any tile, uneven splits, bias, strided rows of x."""
-    from tokenmill.model.layers.skinny_gemm import default_config, skinny_linear
+    from tokenmill.kernels.gemm.skinny import default_config, skinny_linear
 
     x, w, b = _operands(4, 4100, 4104, dtype, seed=split_k)
     wide = torch.zeros(8, 4200, dtype=dtype, device=DEVICE)
@@ -80,7 +80,7 @@ def test_both_paths_ragged_shape_with_bias(dtype, use_dot, split_k):
 
 
 def test_split_k_is_deterministic_and_leaves_counters_zero():
-    from tokenmill.model.layers import skinny_gemm as sg
+    from tokenmill.kernels.gemm import skinny as sg
 
     x, w, b = _operands(8, 4096, 14336, torch.bfloat16)
     cfg = sg.launch_config(8, 4096, 14336)
@@ -102,7 +102,7 @@ def _capture(fn, calls: int) -> torch.cuda.CUDAGraph:
 
 def test_cuda_graph_replay_with_new_inputs():
     """Split-K launches captured back to back replay correctly for inputs copied in later."""
-    from tokenmill.model.layers.skinny_gemm import skinny_linear
+    from tokenmill.kernels.gemm.skinny import skinny_linear
 
     x, w, b = _operands(2, 4096, 4096, torch.bfloat16)
     out = torch.empty(2, 4096, dtype=torch.bfloat16, device=DEVICE)
@@ -117,7 +117,7 @@ def test_cuda_graph_replay_with_new_inputs():
 
 
 def test_capture_before_the_counters_exist_falls_back_to_one_split():
-    from tokenmill.model.layers import skinny_gemm as sg
+    from tokenmill.kernels.gemm import skinny as sg
 
     x, w, _ = _operands(2, 4096, 4096, torch.bfloat16)
     out = torch.empty(2, 4096, dtype=torch.bfloat16, device=DEVICE)
@@ -138,7 +138,7 @@ def test_capture_before_the_counters_exist_falls_back_to_one_split():
 
 
 def test_use_skinny_gemm_on_cuda():
-    from tokenmill.model.layers.skinny_gemm import MAX_M, use_skinny_gemm
+    from tokenmill.kernels.gemm.skinny import MAX_M, use_skinny_gemm
 
     w = torch.empty(4096, 4096, dtype=torch.bfloat16, device=DEVICE)
     assert use_skinny_gemm(torch.empty(8, 4096, dtype=torch.bfloat16, device=DEVICE), w)
@@ -152,7 +152,7 @@ def test_pdl_chain_in_a_graph_keeps_each_product_after_the_one_it_reads(use_dot)
     """A chain of programmatic dependent launches, captured and replayed: each product
     reads the previous one's output, so a product that read ``x`` before its predecessor
     finished would differ from the eager, ordered chain."""
-    from tokenmill.model.layers import skinny_gemm as sg
+    from tokenmill.kernels.gemm import skinny as sg
 
     k = 4096
     weights = [_operands(1, k, k, torch.bfloat16, seed=s)[1] for s in range(6)]
@@ -185,8 +185,8 @@ def test_pdl_chain_in_a_graph_keeps_each_product_after_the_one_it_reads(use_dot)
 def test_gated_gate_up_equals_the_product_then_silu_and_mul(m):
     """At Llama-3.1-8B's gate/up shape the gated launch is bit-equal to the product followed
     by ``silu_and_mul``'s kernel: the same sums, rounded alike, the same gate arithmetic."""
-    from tokenmill.model.layers.fused_kernels import silu_and_mul
-    from tokenmill.model.layers.skinny_gemm import skinny_linear
+    from tokenmill.kernels.activation import silu_and_mul
+    from tokenmill.kernels.gemm.skinny import skinny_linear
 
     x, w, _ = _operands(m, *LLAMA_8B["gate_up"], torch.bfloat16, seed=m)
     assert torch.equal(skinny_linear(x, w, gated=True), silu_and_mul(skinny_linear(x, w)))

@@ -105,8 +105,9 @@ def make_batch(
 
 def check(b: Batch, sliding_window: int | None = None, soft_cap: float | None = None) -> None:
     """Triton (poisoned output, NaN stale slots) against the fp32 reference (NaN read as 0)."""
+    from tokenmill.kernels.attention.cache_write import reshape_and_cache
     from tokenmill.model.attention.torch_ref import TorchAttentionImpl, write_to_kv_cache
-    from tokenmill.model.attention.triton_backend import TritonAttentionImpl, reshape_and_cache
+    from tokenmill.model.attention.triton_backend import TritonAttentionImpl
 
     args = (b.num_heads, b.head_dim, b.head_dim**-0.5, b.num_kv_heads, sliding_window, soft_cap)
     md = b.metadata
@@ -168,14 +169,15 @@ def test_sliding_window_and_soft_cap(dtype):
 
 
 def test_long_decode_small_batch():
-    from tokenmill.model.attention import triton_backend
+    from tokenmill.kernels.attention import paged
+    from tokenmill.kernels.device import num_sms
 
     b = make_batch(
         [1, 1], [16000, 333], num_heads=32, num_kv_heads=8, head_dim=128,
         dtype=torch.bfloat16, num_decodes=2,
     )  # fmt: skip
-    sms = triton_backend.device_num_sms(torch.device(DEVICE))
-    assert triton_backend.num_decode_splits(2, 8, b.metadata.max_seq_len, sms) > 1
+    sms = num_sms(torch.device(DEVICE))
+    assert paged.num_decode_splits(2, 8, b.metadata.max_seq_len, sms) > 1
     check(b)
 
 
@@ -192,11 +194,12 @@ def test_large_decode_batch():
 def test_decode_tiles_of_every_wave(monkeypatch, tile, splits):
     """Each decode tile the wave rule picks at head_dim 128, on 72 decodes of varied
     contexts, whole or split in three (empty splits at the shortest contexts)."""
-    from tokenmill.model.attention import triton_backend, triton_launch
+    from tokenmill.kernels.attention import launch as triton_launch
+    from tokenmill.kernels.attention import paged
 
     cfg = triton_launch.DECODE_TILES_D128[tile][1]
-    monkeypatch.setattr(triton_backend, "decode_tile_config", lambda *args: cfg)
-    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
+    monkeypatch.setattr(paged, "decode_tile_config", lambda *args: cfg)
+    monkeypatch.setattr(paged, "num_decode_splits", lambda *args: splits)
     ctx = torch.randint(1, 3000, (72,), generator=torch.Generator().manual_seed(2)).tolist()
     b = make_batch(
         [1] * 72, ctx, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
@@ -335,17 +338,18 @@ def test_decode_with_rope_in_the_kernel(monkeypatch, dtype, max_seq_len, tile):
     kernel's bit for bit (up to FMA contraction of the rotation: one bf16/fp16 step), and
     the output matches rotate-write-attend. Covers the write -> barrier -> read order
     inside one program."""
-    from tokenmill.model.attention import triton_backend, triton_launch
+    from tokenmill.kernels import rotary as fused_rotary
+    from tokenmill.kernels.attention import launch as triton_launch
+    from tokenmill.kernels.attention import paged
     from tokenmill.model.attention.backend import DecodeRotary
     from tokenmill.model.attention.triton_backend import TritonAttentionImpl
-    from tokenmill.model.layers import fused_kernels
 
     if tile == "many":
         cfg = triton_launch.DECODE_TILE_MANY_SPLITS_ROPE
-        monkeypatch.setattr(triton_backend, "decode_tile_config", lambda *args: cfg)
+        monkeypatch.setattr(paged, "decode_tile_config", lambda *args: cfg)
     elif tile is not None:
         cfg = triton_launch.DECODE_TILES_D128_ROPE[tile][1]
-        monkeypatch.setattr(triton_backend, "decode_tile_config", lambda *args: cfg)
+        monkeypatch.setattr(paged, "decode_tile_config", lambda *args: cfg)
     b = make_batch([1] * 6, [700, 63, 64, 129, 1, 300], num_heads=32, num_kv_heads=8,
                    head_dim=128, dtype=dtype, num_decodes=6, max_seq_len=max_seq_len)  # fmt: skip
     md = b.metadata
@@ -362,7 +366,7 @@ def test_decode_with_rope_in_the_kernel(monkeypatch, dtype, max_seq_len, tile):
     q, k = b.query.clone(), b.key.clone()
     expected_cache = b.kv_cache.clone()
     positions = (md.seq_lens - 1).long()
-    fused_kernels.rotary_and_cache(
+    fused_rotary.rotary_and_cache(
         positions, q, k, b.value, table, 128, 128, True, expected_cache, md.slot_mapping, 6
     )
     expected = impl.attend(q, expected_cache, dataclasses.replace(md))

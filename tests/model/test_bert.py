@@ -20,6 +20,7 @@ from tests.model.minilm import (
 from tokenmill import LLM
 from tokenmill.config import ConfigError, LoadConfig, PoolerConfig
 from tokenmill.engine_args import EngineArgs
+from tokenmill.hf_config import ModelLoadError
 from tokenmill.model.attention.torch_ref import TorchAttentionBackend
 from tokenmill.model.layers.pooler import (
     Pooler,
@@ -27,7 +28,6 @@ from tokenmill.model.layers.pooler import (
     read_sentence_transformers_config,
     resolve_pooler_config,
 )
-from tokenmill.model.loader.hf_config import ModelLoadError
 from tokenmill.model.loader.model_loader import get_model
 from tokenmill.model.registry import is_pooling_model
 

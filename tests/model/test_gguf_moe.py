@@ -140,7 +140,7 @@ def test_unknown_gguf_architecture_is_refused_by_name(tmp_path):
     import gguf
 
     from tokenmill.config import ConfigError
-    from tokenmill.model.loader.hf_config import ModelLoadError
+    from tokenmill.hf_config import ModelLoadError
 
     path = str(tmp_path / "x.gguf")
     writer = gguf.GGUFWriter(path, "mamba")

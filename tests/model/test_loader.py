@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from tokenmill.config import ConfigError, LoadConfig
 from tokenmill.engine_args import EngineArgs
+from tokenmill.hf_config import ModelLoadError, load_hf_config, normalize_rope
 from tokenmill.model.attention.torch_ref import TorchAttentionBackend
-from tokenmill.model.loader.hf_config import ModelLoadError, load_hf_config, normalize_rope
 from tokenmill.model.loader.model_loader import get_model
 from tokenmill.model.registry import UnsupportedArchitectureError
 

@@ -11,9 +11,9 @@ from tests.model.test_qwen3_parity import TINY, mixed_batch_logits, save_random_
 from tests.model.tolerance import assert_logits_close
 from tokenmill.config import LoadConfig
 from tokenmill.engine_args import EngineArgs
+from tokenmill.hf_config import ModelLoadError
 from tokenmill.model.attention.torch_ref import TorchAttentionBackend
 from tokenmill.model.layers.fused_moe import FusedMoE
-from tokenmill.model.loader.hf_config import ModelLoadError
 from tokenmill.model.loader.model_loader import get_model
 
 MOE = dict(TINY, num_hidden_layers=3)

@@ -23,22 +23,20 @@ from tests.model.triton_attention_cases import (  # first: switches the interpre
     run_triton,
     use_tiles,
 )
-from tokenmill.model.attention import triton_backend, triton_launch
+from tokenmill.kernels.attention import launch as triton_launch
+from tokenmill.kernels.attention import paged
+from tokenmill.kernels.attention.cache_write import reshape_and_cache
+from tokenmill.kernels.attention.launch import TileConfig
 from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.attention.torch_ref import TorchAttentionImpl, write_to_kv_cache
-from tokenmill.model.attention.triton_backend import (
-    TileConfig,
-    TritonAttentionBackend,
-    TritonAttentionImpl,
-    reshape_and_cache,
-)
+from tokenmill.model.attention.triton_backend import TritonAttentionBackend, TritonAttentionImpl
 
 # An empty split's log-sum-exp is log2(0) = -inf by design.
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")
 
 
 def test_short_whole_step_graphs_take_the_short_chunk_tiles():
-    bf16, config = torch.bfloat16, triton_backend.varlen_tile_config
+    bf16, config = torch.bfloat16, paged.varlen_tile_config
     assert config(128, bf16) == config(128, bf16, 1024) == TileConfig(128, 64, 8, 3)
     assert config(128, bf16, 336) == TileConfig(64, 128, 4, 2)
     assert config(256, bf16, 336) == TileConfig(64, 32, 8, 2)
@@ -51,7 +49,7 @@ def test_decode_tiles_follow_the_waves_of_their_grid(monkeypatch):
     RoPE in the kernel 264 at 4 warps, 528 at 2, no 1-warp tile), 2 warps past them all and
     for whole-step graphs; other shapes (and groups of more than 16 query heads) keep their
     one tile, as does the switch's off."""
-    bf16, config = torch.bfloat16, triton_backend.decode_tile_config
+    bf16, config = torch.bfloat16, paged.decode_tile_config
     four, two, one = (tile for _, tile in triton_launch.DECODE_TILES_D128)
     assert (four.num_warps, two.num_warps, one.num_warps) == (4, 2, 1)
     assert config(128, bf16) == four
@@ -68,8 +66,6 @@ def test_decode_tiles_follow_the_waves_of_their_grid(monkeypatch):
     assert config(64, bf16, 72 * 8, 132) == TileConfig(16, 64, 4, 3)
     assert config(256, bf16, 72 * 8, 132) == TileConfig(16, 32, 4, 3)
     assert config(128, torch.float32, 72 * 8, 132) == TileConfig(16, 16, 4, 2)
-    monkeypatch.setenv("TOKENMILL_DECODE_TILES_BY_WAVES", "0")
-    assert config(128, bf16, 64 * 8, 132) == config(128, bf16, 8, 132, uniform=True) == four
 
 
 def test_start_up_warms_the_decode_tiles_at_their_first_batch_sizes():
@@ -87,23 +83,23 @@ def test_decode_tile_is_chosen_for_the_grid_it_launches(monkeypatch):
     """The backend asks for the tile of its decode grid: requests x splits x KV heads, and
     whether the grid is uniform."""
     asked = []
-    real_config = triton_backend.decode_tile_config
+    real_config = paged.decode_tile_config
 
     def config(*args):
         asked.append(args[2:])
         return real_config(*args)
 
-    monkeypatch.setattr(triton_backend, "decode_tile_config", config)
-    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: 3)
+    monkeypatch.setattr(paged, "decode_tile_config", config)
+    monkeypatch.setattr(paged, "num_decode_splits", lambda *args: 3)
     check(make_batch([1] * 5, [40, 3, 17, 90, 1], num_heads=8, num_kv_heads=2, num_decodes=5))
-    assert asked == [(5 * 3 * 2, triton_backend.DEFAULT_NUM_SMS, False, False, 16, 3)]
+    assert asked == [(5 * 3 * 2, triton_launch.DEFAULT_NUM_SMS, False, False, 16, 3)]
 
 
 def test_rotating_decode_over_many_splits_takes_32_key_tiles():
     """With RoPE in the kernel, a first-wave grid of at least 32 key splits per (request,
     KV head) (batch 1 with 8 KV heads: 33) takes 32-key tiles at 4 warps; fewer splits,
     the kernel without RoPE, a second wave and whole-step graphs keep the wave rule's."""
-    bf16, config = torch.bfloat16, triton_backend.decode_tile_config
+    bf16, config = torch.bfloat16, paged.decode_tile_config
     many = triton_launch.DECODE_TILE_MANY_SPLITS_ROPE
     four = triton_launch.DECODE_TILES_D128_ROPE[0][1]
     assert (many.block_n, many.num_warps) == (32, 4)
@@ -194,8 +190,8 @@ def test_non_power_of_two_head_dim():
 def test_long_decode_uses_several_splits():
     ctx = [1000, 700, 3, 260]
     b = make_batch([1] * 4, ctx, num_heads=8, num_kv_heads=2, head_dim=16, num_decodes=4)
-    splits = triton_backend.num_decode_splits(
-        4, 2, b.metadata.max_seq_len, triton_backend.DEFAULT_NUM_SMS
+    splits = paged.num_decode_splits(
+        4, 2, b.metadata.max_seq_len, triton_launch.DEFAULT_NUM_SMS
     )
     assert splits > 1
     check(b)
@@ -205,7 +201,7 @@ def test_long_decode_uses_several_splits():
 @pytest.mark.parametrize("splits", [1, 5])
 def test_decode_split_counts(monkeypatch, splits):
     # 5 splits: a non-power-of-two reduction where short contexts leave splits empty.
-    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
+    monkeypatch.setattr(paged, "num_decode_splits", lambda *args: splits)
     b = make_batch([1] * 3, [300, 2, 47], num_heads=4, num_kv_heads=1, num_decodes=3)
     check(b)
 
@@ -230,11 +226,12 @@ def test_decode_splits_merge_themselves_or_in_a_reduction(monkeypatch, self_merg
     """12 splits: 10 of them hold keys of the 600-token context (more than one merge load;
     five with a merge tile of 128 elements), 1 and 3 the others'; one padding row. The
     counters are left at zero, so a repeated launch (a graph replay) merges again."""
-    from tokenmill.model.attention import triton_decode
+    from tokenmill.kernels.attention import decode as triton_decode
 
     monkeypatch.setattr(triton_launch, "MERGE_TILE_ELEMS", tile)
-    monkeypatch.setenv("TOKENMILL_DECODE_SPLIT_SELF_MERGE", "1" if self_merge else "0")
-    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: 12)
+    if not self_merge:  # no counter slots: the splits are merged by a reduction launch
+        monkeypatch.setattr(paged, "MERGE_COUNTER_SLOTS", 0)
+    monkeypatch.setattr(paged, "num_decode_splits", lambda *args: 12)
     reduce = _LaunchCounter(triton_decode.decode_reduce_kernel)
     monkeypatch.setattr(triton_decode, "decode_reduce_kernel", reduce)
     real = make_batch([1] * 3, [600, 2, 47], num_heads=8, num_kv_heads=2, num_decodes=3)
@@ -246,7 +243,7 @@ def test_decode_splits_merge_themselves_or_in_a_reduction(monkeypatch, self_merg
         assert_same_cache(cache, ref_cache)
     assert reduce.launches == (0 if self_merge else 2)
     if self_merge:
-        assert not triton_backend._MERGE_COUNTERS[torch.device("cpu")].any()
+        assert not paged._MERGE_COUNTERS[torch.device("cpu")].any()
 
 
 def test_merge_loads_stay_within_their_register_budget():
@@ -263,7 +260,7 @@ def test_short_chunks_after_long_context_split_their_keys():
     # Two decodes, then a 5-token turn after 700 cached tokens and a 3-token one after 257.
     b = make_batch([1, 1, 5, 3], [300, 40, 700, 257], num_heads=8, num_kv_heads=2,
                    num_decodes=2)  # fmt: skip
-    splits = triton_backend.num_varlen_splits(8, 2, 32, 2, 705, triton_backend.DEFAULT_NUM_SMS)
+    splits = paged.num_varlen_splits(8, 2, 32, 2, 705, triton_launch.DEFAULT_NUM_SMS)
     assert splits == 3  # 705 keys make 3 splits of >= 256
     check(b)
     check(b, sliding_window=300)
@@ -272,8 +269,8 @@ def test_short_chunks_after_long_context_split_their_keys():
 
 def test_long_prompts_keep_one_key_split():
     # 2,000 query tokens in 32-token blocks over 8 KV heads: 504 programs fill 132 SMs.
-    assert triton_backend.num_varlen_splits(2000, 1, 32, 8, 4000, 132) == 1
-    assert triton_backend.num_varlen_splits(16, 1, 32, 8, 2016, 132) == 8
+    assert paged.num_varlen_splits(2000, 1, 32, 8, 4000, 132) == 1
+    assert paged.num_varlen_splits(16, 1, 32, 8, 2016, 132) == 8
 
 
 @pytest.mark.parametrize("splits", [2, 7])
@@ -281,7 +278,7 @@ def test_long_prompts_keep_one_key_split():
 def test_prompt_split_counts(monkeypatch, small_tiles, splits, window):
     # Uneven runs of key tiles; 7 splits leave some empty for the fresh prompt's first
     # blocks and for rows whose causal mask hides a whole split.
-    monkeypatch.setattr(triton_backend, "num_varlen_splits", lambda *args: splits)
+    monkeypatch.setattr(paged, "num_varlen_splits", lambda *args: splits)
     b = make_batch(MIXED_Q, MIXED_CTX, num_decodes=2)
     check(b, sliding_window=window)
 
@@ -290,7 +287,7 @@ def test_decode_grid_sized_for_longest_model_context():
     # A CUDA graph captured with max_seq_len = max_model_len replays with short contexts:
     # the split count then exceeds what the lengths need and most splits are empty.
     b = make_batch([1] * 3, [30, 5, 64], num_decodes=3, max_seq_len=32768)
-    assert triton_backend.num_decode_splits(3, 2, 32768, 132) > 8
+    assert paged.num_decode_splits(3, 2, 32768, 132) > 8
     check(b)
 
 
@@ -310,7 +307,7 @@ def test_tokens_past_num_actual_tokens_are_ignored():
 @pytest.mark.parametrize("splits", [1, 4])
 def test_padded_decode_batch_of_a_cuda_graph(monkeypatch, splits):
     # 3 real decodes padded to 6: padding requests have seq_len 0, one token, slot -1.
-    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
+    monkeypatch.setattr(paged, "num_decode_splits", lambda *args: splits)
     real = make_batch([1] * 3, [50, 9, 31], num_decodes=3)
     out, cache = run_triton(padded_decode_batch(real, 3))
     ref_out, ref_cache = run_reference(real)
@@ -335,7 +332,7 @@ def test_uniform_grids_of_a_padded_mixed_batch(
     leaves one-token queries among them to the decode kernel; padded with one-token
     requests of no context while padding tokens last, then with empty ones; host copies
     wrong on purpose (the kernels must not read them)."""
-    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
+    monkeypatch.setattr(paged, "num_decode_splits", lambda *args: splits)
     real = make_batch(q_lens, ctx)
     md = real.metadata
     n, r, tokens, reqs = md.num_actual_tokens, md.num_reqs, 64, 40
@@ -377,7 +374,7 @@ def test_requests_without_tokens_are_skipped():
 def test_decode_requests_without_tokens_write_nothing(monkeypatch, splits):
     # All queries have length <= 1, so every request goes to the decode kernel; the empty
     # trailing ones start at token 2, a row that would be out of bounds in a real batch.
-    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
+    monkeypatch.setattr(paged, "num_decode_splits", lambda *args: splits)
     b = make_batch([1, 1, 0, 0], [33, 8, 0, 0], extra_tokens=2)
     out, _ = run_triton(b)
     ref_out, _ = run_reference(b)
@@ -448,14 +445,15 @@ def test_cascade_attention_over_a_shared_prefix(monkeypatch, tiles, prefix_block
     check(b, sliding_window=100)
 
 
-@pytest.mark.parametrize("self_merge", ["1", "0"], ids=["self-merge", "reduction"])
+@pytest.mark.parametrize("self_merge", [True, False], ids=["self-merge", "reduction"])
 @pytest.mark.parametrize("splits", [(1, 1), (3, 5), (2, 16)])
 def test_cascade_split_counts(monkeypatch, splits, self_merge):
     # Empty splits on both sides: 5 suffix splits of ~30 keys, 16 splits of a 48-key prefix.
-    monkeypatch.setenv("TOKENMILL_DECODE_SPLIT_SELF_MERGE", self_merge)
+    if not self_merge:
+        monkeypatch.setattr(paged, "MERGE_COUNTER_SLOTS", 0)
     decode_splits, prefix_splits = splits
-    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: decode_splits)
-    monkeypatch.setattr(triton_backend, "num_prefix_splits", lambda *args: prefix_splits)
+    monkeypatch.setattr(paged, "num_decode_splits", lambda *args: decode_splits)
+    monkeypatch.setattr(paged, "num_prefix_splits", lambda *args: prefix_splits)
     b = make_batch([1] * 4, [60, 77, 49, 90], num_heads=4, num_kv_heads=1, num_decodes=4)
     check(share_prefix(b, 4, 3))
 
@@ -474,6 +472,6 @@ def test_cascade_output_equals_the_plain_decode_path():
 
 def test_prefix_split_heuristic():
     # 64 decodes in 32-token blocks over 8 KV heads: 16 programs, 2,000 keys -> 8 splits.
-    assert triton_backend.num_prefix_splits(64, 32, 8, 2000, 132) == 8
-    assert triton_backend.num_prefix_splits(64, 32, 8, 256, 132) == 1
-    assert triton_backend.num_prefix_splits(1024, 32, 8, 8000, 132) == 1
+    assert paged.num_prefix_splits(64, 32, 8, 2000, 132) == 8
+    assert paged.num_prefix_splits(64, 32, 8, 256, 132) == 1
+    assert paged.num_prefix_splits(1024, 32, 8, 8000, 132) == 1

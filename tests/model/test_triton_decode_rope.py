@@ -16,7 +16,7 @@ from tests.model.triton_attention_cases import (  # first: switches the interpre
     padded_decode_batch,
     run_reference,
 )
-from tokenmill.model.attention import triton_backend
+from tokenmill.kernels.attention import paged
 from tokenmill.model.attention.backend import DecodeRotary
 from tokenmill.model.attention.triton_backend import TritonAttentionImpl
 from tokenmill.model.layers.rotary import RotaryEmbedding
@@ -40,7 +40,7 @@ def _rope(rotary_dim: int, neox: bool) -> RotaryEmbedding:
 def test_decode_with_rope_in_the_kernel(monkeypatch, small_tiles, splits, neox, rotary_dim, window):
     """The same output and cache as rotating, writing, then attending; the inputs are left
     unrotated, and padding rows write nothing."""
-    monkeypatch.setattr(triton_backend, "num_decode_splits", lambda *args: splits)
+    monkeypatch.setattr(paged, "num_decode_splits", lambda *args: splits)
     real = make_batch([1] * 3, [50, 9, 31], head_dim=HEAD_DIM, num_decodes=3, seed=5)
     b = padded_decode_batch(real, 2)
     rope = _rope(rotary_dim, neox)
@@ -65,13 +65,13 @@ def test_decode_with_rope_in_the_kernel(monkeypatch, small_tiles, splits, neox, 
 def test_decode_with_rope_asks_for_the_rotary_kernel_tiles(monkeypatch, small_tiles):
     """The rotary kernel holds more registers, so its launch asks for its own tiles."""
     asked = []
-    small = triton_backend.decode_tile_config  # the small_tiles stand-in
+    small = paged.decode_tile_config  # the small_tiles stand-in
 
     def config(*args):
         asked.append(args[5])
         return small(*args)
 
-    monkeypatch.setattr(triton_backend, "decode_tile_config", config)
+    monkeypatch.setattr(paged, "decode_tile_config", config)
     b = make_batch([1] * 3, [50, 9, 31], head_dim=HEAD_DIM, num_decodes=3)
     impl = TritonAttentionImpl(b.num_heads, HEAD_DIM, HEAD_DIM**-0.5, b.num_kv_heads)
     rope = _rope(HEAD_DIM, True)

@@ -27,18 +27,16 @@ triton = pytest.importorskip("triton")
 
 from triton.runtime import interpreter  # noqa: E402
 
-from tokenmill.model.attention import triton_backend  # noqa: E402
-from tokenmill.model.attention import triton_kernels as kernels  # noqa: E402
+from tokenmill.kernels.attention import paged  # noqa: E402
+from tokenmill.kernels.attention import prefill as kernels  # noqa: E402
+from tokenmill.kernels.attention.cache_write import reshape_and_cache  # noqa: E402
+from tokenmill.kernels.attention.launch import TileConfig  # noqa: E402
 from tokenmill.model.attention.backend import AttentionMetadata  # noqa: E402
 from tokenmill.model.attention.torch_ref import (  # noqa: E402
     TorchAttentionImpl,
     write_to_kv_cache,
 )
-from tokenmill.model.attention.triton_backend import (  # noqa: E402
-    TileConfig,
-    TritonAttentionImpl,
-    reshape_and_cache,
-)
+from tokenmill.model.attention.triton_backend import TritonAttentionImpl  # noqa: E402
 
 if not isinstance(kernels.varlen_attention_kernel, interpreter.InterpretedFunction):
     pytest.skip("Triton kernels were defined before TRITON_INTERPRET=1", allow_module_level=True)
@@ -176,8 +174,8 @@ MIXED_CTX = [40, 17, 0, 50]
 
 
 def use_tiles(monkeypatch, varlen: TileConfig, decode: TileConfig) -> None:
-    monkeypatch.setattr(triton_backend, "varlen_tile_config", lambda *args: varlen)
-    monkeypatch.setattr(triton_backend, "decode_tile_config", lambda *args: decode)
+    monkeypatch.setattr(paged, "varlen_tile_config", lambda *args: varlen)
+    monkeypatch.setattr(paged, "decode_tile_config", lambda *args: decode)
 
 
 # The fp32 tiles (16 x 16), the bf16/fp16 ones the GPU runs at head_dim <= 128, those of

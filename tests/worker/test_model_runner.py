@@ -85,13 +85,14 @@ def test_steps_that_read_kv_written_in_the_step_skip_whole_step_graphs(
 
     import numpy as np
 
+    from tokenmill.worker.step_graphs import StepGraphs
     from tokenmill.worker.step_io import StepInputs
 
     runner = _runner(tmp_path)
-    runner.cuda_graphs = _WholeStepGraphs("decode graph")
-    runner.mixed_graphs = _WholeStepGraphs("mixed graph")
+    runner.graphs = StepGraphs(
+        _WholeStepGraphs("decode graph"), _WholeStepGraphs("mixed graph"), None, 8
+    )
     runner.model = lambda ids, positions, metadata: ("eager", metadata.reads_step_kv)
-    monkeypatch.setattr(runner.attn_backend, "uniform_max_prefills", 8)
     metadata = dataclasses.replace(
         runner.decode_metadata(2), max_query_len=max_query_len, num_decodes=1
     )

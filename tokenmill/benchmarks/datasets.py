@@ -276,7 +276,8 @@ def decode(tokenizer: PreTrainedTokenizerBase, token_ids: Sequence[int]) -> str:
 
 
 def token_pool(tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
-    """Ids random prompts are drawn from: the base vocabulary minus special tokens.
+    """Ids random prompts are drawn from: the base vocabulary minus special tokens (a
+    tokenizer that cannot list its vocabulary gives its ``ordinary_token_ids``).
 
     Special tokens are left out because a server may treat them specially (an EOS in a
     prompt, a chat-role marker) and because their text does not always encode back to them.
@@ -284,9 +285,13 @@ def token_pool(tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
     Returns:
         int64 array of token ids.
     """
-    vocab_size = int(getattr(tokenizer, "vocab_size", 0) or len(tokenizer))
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    pool = np.array([i for i in range(vocab_size) if i not in special], dtype=np.int64)
+    ordinary = getattr(tokenizer, "ordinary_token_ids", None)  # a server's tokenizer
+    if ordinary is not None:
+        pool = np.array(ordinary, dtype=np.int64)
+    else:
+        vocab_size = int(getattr(tokenizer, "vocab_size", 0) or len(tokenizer))
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        pool = np.array([i for i in range(vocab_size) if i not in special], dtype=np.int64)
     if pool.size == 0:
         raise BenchmarkError("the tokenizer has no ordinary tokens to build prompts from")
     return pool

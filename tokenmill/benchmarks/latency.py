@@ -23,7 +23,7 @@ from tokenmill.benchmarks.throughput import make_llm
 from tokenmill.engine_args import EngineArgs
 
 if TYPE_CHECKING:
-    from tokenmill.entrypoints.llm import LLM
+    from tokenmill import LLM
 
 # The percentiles vLLM's latency benchmark reports.
 LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)

@@ -21,6 +21,7 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.benchmarks.bench_tokenizer import find_tokenizer
 from tokenmill.benchmarks.common import BenchmarkError, flags_of, parse_percentiles, write_json
 from tokenmill.benchmarks.datasets import add_dataset_args, encode, sample_requests
 from tokenmill.benchmarks.serve_client import (
@@ -84,7 +85,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--tokenizer",
         default=None,
-        help="Tokenizer folder or .gguf file (builds prompts, counts tokens).",
+        help="Tokenizer folder or .gguf file (builds prompts, counts tokens). Default: the "
+        "model's files where they are on this machine, else the server's /tokenize route.",
     )
     server.add_argument("--trust-remote-code", action="store_true", help="Accepted; ignored.")
     server.add_argument(
@@ -247,7 +249,12 @@ def resolve_model(
             root = entry.get("root")
             if isinstance(root, str) and os.path.abspath(root) == os.path.abspath(model):
                 name = str(entry["id"])
-    return model, name, model
+    tokenizer = model
+    for entry in models or []:  # a served name: the model's own files, if they are here
+        root = entry.get("root")
+        if entry["id"] == model and isinstance(root, str) and os.path.exists(root):
+            tokenizer = root
+    return model, name, tokenizer
 
 
 def served_max_model_len(models: list[dict[str, Any]] | None, name: str) -> int | None:
@@ -296,19 +303,6 @@ def _check_args(args: argparse.Namespace) -> None:
             raise BenchmarkError(f"--metadata {item!r}: expected KEY=VALUE")
 
 
-def _load_tokenizer(tokenizer_id: str) -> PreTrainedTokenizerBase:
-    from tokenmill.model.loader.hf_config import ModelLoadError
-    from tokenmill.tokenizer import get_tokenizer
-
-    try:
-        return get_tokenizer(tokenizer_id)
-    except ModelLoadError as e:
-        raise BenchmarkError(
-            f"{e}. The benchmark needs the served model's tokenizer to build prompts of exact "
-            "length: pass --tokenizer (a local folder or .gguf file)"
-        ) from None
-
-
 class AllRequestsFailed(ValueError):
     """Every request of the run failed. The summary (and result file) are out already; the
     CLI reports this in one last line and exits with 1, as for other ValueErrors."""
@@ -350,8 +344,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         ) from None
     model_id, model_name, tokenizer_id = resolve_model(models, args.model, args.served_model_name)
     args.label = default_label(args, models)
-    tokenizer_id = args.tokenizer or tokenizer_id
-    tokenizer = _load_tokenizer(tokenizer_id)
+    tokenizer, tokenizer_id = find_tokenizer(args.tokenizer, tokenizer_id, base_url, model_name)
     samples = sample_requests(
         args, tokenizer, need_text=True, max_model_len=served_max_model_len(models, model_name)
     )

@@ -25,7 +25,7 @@ from tokenmill.benchmarks.datasets import (
 from tokenmill.engine_args import EngineArgs
 
 if TYPE_CHECKING:
-    from tokenmill.entrypoints.llm import LLM
+    from tokenmill import LLM
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def make_llm(engine_args: EngineArgs) -> LLM:
     """An ``LLM`` with exactly these engine flags."""
-    from tokenmill.entrypoints.llm import LLM
+    from tokenmill import LLM
 
     kwargs = dataclasses.asdict(engine_args)
     model = kwargs.pop("model")

@@ -26,12 +26,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from tokenmill.core.kv_cache_manager import cdiv
+from tokenmill.math_utils import cdiv
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from tokenmill.request import Request
+    from tokenmill.core.request import Request
 
 # Output tokens a request is expected to add at most: an unset max_tokens means "up to the
 # context length", far more than typical outputs, and must not freeze admission.

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from tokenmill.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
 if TYPE_CHECKING:
-    from tokenmill.request import Request
+    from tokenmill.core.request import Request
 
 
 class BlockPool:

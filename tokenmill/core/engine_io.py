@@ -30,7 +30,8 @@ class EngineCoreRequest:
     Attributes:
         request_id: unique among live requests.
         prompt_token_ids: the prompt, as token ids.
-        sampling_params: decoding parameters (``n == 1``; the front end fans out ``n > 1``).
+        sampling_params: decoding parameters (``n == 1``; the front end fans out ``n > 1``);
+            unused by an embedding model's core.
         arrival_time: ``time.time()`` when the front end accepted it (seconds).
         priority: lower runs earlier under ``--scheduling-policy priority``.
         cache_salt: mixed into the first block's hash, so that only requests with the
@@ -68,6 +69,9 @@ class LogprobsLists:
 # The stop reason of a request aborted because its structured-output constraint failed (did
 # not compile, or admitted no further token): the rest of the reason is the user's message.
 CONSTRAINT_FAILURE_PREFIX = "structured_outputs:"
+# The stop reason of a request refused because the grammar compilers were busy with other
+# constraints (the server answers 429): the rest of the reason is the user's message.
+CONSTRAINT_BUSY_PREFIX = "structured_outputs (busy):"
 
 
 @dataclass
@@ -83,6 +87,8 @@ class EngineCoreOutput:
         stop_reason: the stop token id that ended it (stop strings are found by the
             front end, which then aborts the request in the core).
         num_cached_tokens: prompt tokens served from the prefix cache.
+        pooled: an embedding model's pooled (not yet normalized) vector of the request's
+            input, on its one and last output.
     """
 
     request_id: str
@@ -92,6 +98,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -112,8 +119,9 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
-    # requests ended for their structured-output constraint: it failed to compile, or one
-    # of its token masks took too long (``core/grammar_masks.py``)
+    # requests ended for their structured-output constraint: it failed to compile (or not
+    # in time, or the compilers were busy), or one of its token masks took too long
+    # (``core/grammar_compilation.py``, ``core/grammar_masks.py``)
     num_constraint_failures: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0

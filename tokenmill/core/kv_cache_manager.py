@@ -26,12 +26,8 @@ from dataclasses import dataclass
 
 from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_utils import KVCacheBlock, update_block_hashes
-from tokenmill.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division of non-negative ints."""
-    return -(-a // b)
+from tokenmill.core.request import Request
+from tokenmill.math_utils import cdiv
 
 
 @dataclass

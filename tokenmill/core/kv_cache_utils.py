@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tokenmill.request import Request
+    from tokenmill.core.request import Request
 
 BlockHash = bytes
 """A 32-byte sha256 digest naming a full block and, through its parent, the whole prefix."""

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from tokenmill.request import Request
+from tokenmill.core.request import Request
 
 
 class RequestQueue(ABC):

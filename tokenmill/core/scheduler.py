@@ -26,13 +26,14 @@ from tokenmill.core.engine_io import (
     EngineCoreOutputs,
     SchedulerStats,
 )
-from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.prefill_pacing import PrefillPacing
+from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import create_request_queue
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.core.step_plan import StepPlan
-from tokenmill.request import Request, RequestStatus
+from tokenmill.math_utils import cdiv
 
 if TYPE_CHECKING:
     # Annotations only: core/ stays importable without the model-side packages.

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.core.prefill_pacing import is_prefilling
-from tokenmill.request import Request
+from tokenmill.core.request import Request
 
 
 @dataclass

@@ -1,135 +1,74 @@
-"""The embedding engine: encoder models (BERT and kin) turn inputs into pooled vectors.
+"""The embedding front ends: encoder models (BERT and kin) turn inputs into pooled vectors
+behind a ``PoolingEngineCore``, as generative models are served behind an ``EngineCore``.
 
-An encoder needs neither a KV cache nor a scheduler: each input is one bidirectional forward
-pass. So embedding models get this small path instead of the generation engine:
-
-- ``EmbeddingEngine`` (synchronous; ``LLM.embed``): tokenizes and validates inputs, sorts
-  them by length and packs them into padded batches under the token budget
-  (``max_num_batched_tokens`` padded tokens, at most ``max_num_seqs`` inputs), runs the
-  model and the pooler.
-- ``AsyncEmbeddingEngine`` (the server): requests that arrive within a few milliseconds of
-  each other, or while a forward pass runs, are batched together; the forward pass runs in a
-  worker thread so the event loop keeps serving HTTP.
-
-NOTE: a thread, not an engine process as for generation: an encoder keeps no state between
-requests, torch releases the GIL inside its kernels, and the results are small, so a
-process would add start-up, serialization and a failure mode without freeing the loop more.
+- ``EmbeddingFrontEnd``: tokenizes and validates inputs, checks ``dimensions``, and turns a
+  pooled vector into the embedding returned to the user (truncated, L2-normalized as the
+  model's pooling says).
+- ``EmbeddingEngine`` (synchronous; ``LLM.embed``): the front end over an in-process
+  ``PoolingEngineCore``.
+- ``AsyncEmbeddingEngine`` (the server): the front end over an engine process running a
+  ``PoolingEngineCore`` (``engine/engine_core_proc.py``, the same process, sockets and
+  failure handling as ``AsyncLLM``'s); requests that arrive together, or while a batch
+  runs, are batched by the core's next steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
+import time
+import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
-from tokenmill import envs
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.core.engine_io import EngineCoreOutputs, EngineCoreRequest
+from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
+from tokenmill.engine.engine_core_proc import MSG_ADD
 from tokenmill.engine.input_processor import InvalidRequestError
+from tokenmill.engine.pooling_core import PoolingEngineCore
 from tokenmill.engine_args import EngineArgs, UsageContext
 from tokenmill.model.layers.pooler import Pooler
 from tokenmill.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import get_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-logger = logging.getLogger(__name__)
-
 # An input: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
 EmbeddingPrompt = str | list[int] | dict[str, Any]
 
-
-def plan_batches(lengths: Sequence[int], max_tokens: int, max_seqs: int) -> list[list[int]]:
-    """Group input indices into padded batches under a token budget.
-
-    Inputs are taken longest first, so each batch holds similar lengths and little padding;
-    a batch holds at most ``max_seqs`` inputs and ``max_tokens`` padded tokens (its size
-    times its longest input), or else a single input longer than the budget.
-
-    Args:
-        lengths: tokens of each input.
-        max_tokens: padded tokens per batch (``max_num_batched_tokens``).
-        max_seqs: inputs per batch (``max_num_seqs``).
-
-    Returns:
-        Index lists that together hold every index once.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        longest = lengths[current[0]] if current else lengths[i]
-        full = (len(current) + 1) * longest > max_tokens or len(current) >= max_seqs
-        if current and full:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
+_encoder = msgspec.msgpack.Encoder()
 
 
-class EmbeddingEngine:
-    """Loads an embedding model and computes pooled embeddings in the caller's thread.
+def _engine_request(request_id: str, token_ids: list[int]) -> EngineCoreRequest:
+    """A pooling request for the core (its sampling parameters are unused)."""
+    return EngineCoreRequest(request_id, list(token_ids), SamplingParams(), time.time())
+
+
+class EmbeddingFrontEnd:
+    """Inputs and outputs of an embedding model, on the front end's side of the core.
 
     Args:
-        config: the resolved engine configuration of an embedding model
-            (``model_config.pooler_config`` set).
+        model_config: the embedding model's (``pooler_config`` set).
+        tokenizer: its tokenizer.
 
     Raises:
         ValueError: the model is not an embedding model.
-        ModelLoadError: the model's files cannot be read.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        mc = config.model_config
+    def __init__(self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        mc = model_config
         if mc.pooler_config is None:
             raise ValueError(f"{mc.model} ({mc.architecture}) is not an embedding model")
-        self.config = config
         self.model_config = mc
         self.max_model_len = mc.max_model_len
-        self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
-        self.max_num_seqs = config.scheduler_config.max_num_seqs
-        self.tokenizer = get_tokenizer(mc.model, mc.tokenizer if mc.tokenizer != mc.model else None)
-        self._init_device()
-        self._init_model()
+        self.tokenizer = tokenizer
         self.pooler = Pooler(mc.pooler_config)
-        self._counter = itertools.count()
-
-    @classmethod
-    def from_engine_args(
-        cls, engine_args: EngineArgs, usage_context: UsageContext = "llm"
-    ) -> EmbeddingEngine:
-        return cls(engine_args.create_engine_config(usage_context))
-
-    def _init_device(self) -> None:
-        if self.config.device_config.device == "cuda":
-            self.device = torch.device("cuda", 0)
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-            threads = envs.cpu_threads()
-            if threads:
-                torch.set_num_threads(threads)
-        torch.manual_seed(self.model_config.seed)
-
-    def _init_model(self) -> None:
-        from tokenmill.model.attention.selector import get_attn_backend
-        from tokenmill.model.loader.model_loader import get_model
-
-        backend = get_attn_backend(self.device.type)
-        self.model = get_model(self.model_config, self.config.load_config, self.device, backend)
-
-    def get_tokenizer(self) -> PreTrainedTokenizerBase:
-        return self.tokenizer
-
-    # ---- inputs ------------------------------------------------------------------------
 
     def tokenize(
         self,
@@ -234,36 +173,65 @@ class EmbeddingEngine:
                 f"dimensions must be between 1 and {hidden}, got {dimensions}.", "dimensions"
             )
 
-    # ---- model -------------------------------------------------------------------------
+    def postprocess(self, pooled: Sequence[float] | torch.Tensor, dimensions: int | None = None
+                    ) -> list[float]:  # fmt: skip
+        """One pooled row ``[H]`` -> the embedding returned to the user (truncated to
+        ``dimensions``, L2-normalized if the model's pooling says so)."""
+        row = torch.as_tensor(pooled, dtype=torch.float32)
+        return self.pooler.postprocess(row, dimensions).tolist()
 
-    @torch.inference_mode()
+
+class EmbeddingEngine:
+    """Embeds inputs in the caller's thread, through an in-process ``PoolingEngineCore``.
+
+    Args:
+        config: the resolved engine configuration of an embedding model
+            (``model_config.pooler_config`` set).
+
+    Raises:
+        ValueError: the model is not an embedding model.
+        ModelLoadError: the model's files cannot be read.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        mc = config.model_config
+        self.config = config
+        self.model_config = mc
+        self.tokenizer = get_tokenizer(mc.model, mc.tokenizer if mc.tokenizer != mc.model else None)
+        self.front_end = EmbeddingFrontEnd(mc, self.tokenizer)
+        self.engine_core = PoolingEngineCore(config)
+        self._counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: EngineArgs, usage_context: UsageContext = "llm"
+    ) -> EmbeddingEngine:
+        return cls(engine_args.create_engine_config(usage_context))
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
     def pool(self, token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Pooled, not yet normalized embeddings of validated inputs.
+        """Pooled, not yet normalized embeddings of validated inputs, in the core's batches.
 
         Returns:
             ``[N, H]`` float32 on the CPU, row ``i`` for ``token_ids[i]``.
+
+        Raises:
+            RuntimeError: a forward pass failed (the message says why).
         """
-        out = torch.empty(len(token_ids), self.model_config.hf_config.hidden_size)
-        lengths = [len(t) for t in token_ids]
-        for batch in plan_batches(lengths, self.max_num_batched_tokens, self.max_num_seqs):
-            rows = [token_ids[i] for i in batch]
-            longest = max(len(r) for r in rows)
-            input_ids = torch.zeros(len(rows), longest, dtype=torch.long)
-            mask = torch.zeros(len(rows), longest, dtype=torch.bool)
-            for j, row in enumerate(rows):
-                input_ids[j, : len(row)] = torch.tensor(row, dtype=torch.long)
-                mask[j, : len(row)] = True
-            input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-            hidden = self.model(input_ids, mask)
-            out[batch] = self.pooler(hidden, mask).cpu()
-        return out
-
-    def postprocess(self, pooled: torch.Tensor, dimensions: int | None = None) -> list[float]:
-        """One pooled row ``[H]`` -> the embedding returned to the user (truncated to
-        ``dimensions``, L2-normalized if the model's pooling says so)."""
-        return self.pooler.postprocess(pooled, dimensions).tolist()
-
-    # ---- offline API -------------------------------------------------------------------
+        ids = [f"embd-{next(self._counter)}" for _ in token_ids]
+        for request_id, tokens in zip(ids, token_ids, strict=True):
+            self.engine_core.add_request(_engine_request(request_id, list(tokens)))
+        rows: dict[str, list[float]] = {}
+        while self.engine_core.has_unfinished_requests():
+            for out in self.engine_core.step().outputs:
+                if out.pooled is None:
+                    self.engine_core.abort_requests(ids)
+                    raise RuntimeError(str(out.stop_reason))
+                rows[out.request_id] = out.pooled
+        hidden = self.model_config.hf_config.hidden_size
+        return torch.tensor([rows[i] for i in ids], dtype=torch.float32).view(len(ids), hidden)
 
     def embed(
         self,
@@ -274,127 +242,89 @@ class EmbeddingEngine:
         """Embed every input; all are validated before any is run.
 
         Raises:
-            InvalidRequestError: an input cannot be embedded (see ``tokenize``) or
-                ``dimensions`` is not supported.
+            InvalidRequestError: an input cannot be embedded (``EmbeddingFrontEnd.tokenize``)
+                or ``dimensions`` is not supported.
         """
-        self.check_dimensions(dimensions)
+        front = self.front_end
+        front.check_dimensions(dimensions)
         token_ids = [
-            self.tokenize(p, truncate_prompt_tokens, param=f"prompts[{i}]")
+            front.tokenize(p, truncate_prompt_tokens, param=f"prompts[{i}]")
             for i, p in enumerate(prompts)
         ]
         pooled = self.pool(token_ids) if token_ids else torch.empty(0)
         return [
             EmbeddingRequestOutput(
-                request_id=str(next(self._counter)),
+                request_id=str(i),
                 prompt_token_ids=ids,
-                outputs=EmbeddingOutput(self.postprocess(row, dimensions)),
+                outputs=EmbeddingOutput(front.postprocess(row, dimensions)),
             )
-            for ids, row in zip(token_ids, pooled, strict=True)
+            for i, (ids, row) in enumerate(zip(token_ids, pooled, strict=True))
         ]
 
     def shutdown(self) -> None:
-        """Nothing to stop: the model is freed with the engine."""
+        self.engine_core.shutdown()
 
 
-@dataclass
-class _Pending:
-    """Inputs of one request waiting for the next batch, and where their result goes."""
-
-    token_ids: list[list[int]]
-    future: asyncio.Future
-
-
-class AsyncEmbeddingEngine:
-    """The asyncio front of an EmbeddingEngine (the server): batches concurrent requests.
-
-    ``embed`` queues a request's inputs; one background task waits ``BATCH_WAIT_S`` for
-    more to arrive, then runs everything queued as one ``pool`` call in a worker thread.
-    Requests queued while a forward pass runs go in the next one.
+class AsyncEmbeddingEngine(AsyncLLM):
+    """The server's embedding engine: ``AsyncLLM``'s engine process, running a
+    ``PoolingEngineCore``, with ``embed`` in place of ``generate``.
 
     Args:
         config: the resolved configuration of an embedding model.
-        engine: an already-built EmbeddingEngine (tests); built from ``config`` if None.
+        start_timeout_s: how long to wait for the engine to load (seconds).
 
     Raises:
-        ValueError, ModelLoadError: as EmbeddingEngine.
+        EngineDeadError: the engine process failed to start (the message says why).
+        ValueError: the model is not an embedding model.
     """
 
-    BATCH_WAIT_S = 0.002
-
-    def __init__(self, config: EngineConfig, engine: EmbeddingEngine | None = None) -> None:
-        self.engine = engine or EmbeddingEngine(config)
-        self.config = config
-        self.model_config = self.engine.model_config
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-embed")
-        self._pending: list[_Pending] = []
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._closed = False
-
-    def get_tokenizer(self) -> PreTrainedTokenizerBase:
-        return self.engine.tokenizer
-
-    def check_health(self) -> None:
-        """Raises EngineDeadError once the engine has been shut down."""
-        if self._closed:
-            from tokenmill.engine.async_llm import EngineDeadError
-
-            raise EngineDeadError("the embedding engine has been shut down")
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 1800.0) -> None:
+        super().__init__(config, start_timeout_s=start_timeout_s)
+        self.front_end = EmbeddingFrontEnd(config.model_config, self.tokenizer)
+        self._waiters: dict[str, asyncio.Future] = {}
 
     async def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
         """Pooled (not normalized) embeddings of validated inputs: ``[N, H]`` float32, CPU.
+        Cancelling the call aborts its inputs in the engine.
 
         Raises:
-            EngineDeadError: the engine has been shut down.
+            EngineDeadError: the engine is not running (or dies meanwhile).
             RuntimeError: the forward pass failed (the message says why).
         """
+        self._ensure_background_tasks()
         self.check_health()
         loop = asyncio.get_running_loop()
-        if self._task is None or self._task.done():
-            self._wakeup = asyncio.Event()
-            self._task = loop.create_task(self._batch_loop())
-        pending = _Pending(token_ids, loop.create_future())
-        self._pending.append(pending)
-        assert self._wakeup is not None
-        self._wakeup.set()
-        return await pending.future
+        base = uuid.uuid4().hex
+        ids = [f"embd-{base}-{i}" for i in range(len(token_ids))]
+        futures = [loop.create_future() for _ in ids]
+        self._waiters.update(zip(ids, futures, strict=True))
+        try:
+            for request_id, tokens in zip(ids, token_ids, strict=True):
+                message = _encoder.encode(_engine_request(request_id, tokens))
+                await self._input_sock.send_multipart([MSG_ADD, message])
+            rows = await asyncio.gather(*futures)
+        finally:
+            pending = [i for i in ids if self._waiters.pop(i, None) is not None]
+            if pending:
+                self._send_abort(pending)
+        hidden = self.model_config.hf_config.hidden_size
+        return torch.tensor(rows, dtype=torch.float32).view(len(ids), hidden)
 
-    async def _batch_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._wakeup is not None
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            await asyncio.sleep(self.BATCH_WAIT_S)
-            while self._pending:
-                # A request whose client went away has a cancelled future: skip its inputs.
-                batch = [p for p in self._pending if not p.future.done()]
-                self._pending = []
-                if not batch:
-                    break
-                flat = [ids for p in batch for ids in p.token_ids]
-                try:
-                    pooled = await loop.run_in_executor(self._executor, self.engine.pool, flat)
-                except Exception as e:  # a failed forward fails its requests, not the server
-                    logger.exception("embedding forward pass failed")
-                    for p in batch:
-                        if not p.future.done():
-                            p.future.set_exception(RuntimeError(f"embedding failed: {e}"))
-                    continue
-                start = 0
-                for p in batch:
-                    rows = pooled[start : start + len(p.token_ids)]
-                    start += len(p.token_ids)
-                    if not p.future.done():
-                        p.future.set_result(rows)
+    def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.engine_error is not None:
+            super()._process_outputs(outputs)
+            return
+        for out in outputs.outputs:
+            future = self._waiters.pop(out.request_id, None)
+            if future is None or future.done():
+                continue
+            if out.pooled is not None:
+                future.set_result(out.pooled)
+            else:
+                future.set_exception(RuntimeError(str(out.stop_reason)))
 
-    def shutdown(self) -> None:
-        self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-        for p in self._pending:
-            if not p.future.done():
-                p.future.cancel()
-        self._pending = []
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self.engine.shutdown()
+    def _fail_all(self, error: str) -> None:
+        super()._fail_all(error)
+        for future in self._waiters.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(error))

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.engine_core import EngineCore
 from tokenmill.core.engine_io import SchedulerStats
+from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import IterationStats, OutputProcessor
 from tokenmill.engine_args import EngineArgs, UsageContext

@@ -11,13 +11,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.core.engine_io import EngineCoreOutput, FinishReason, LogprobsLists
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.input_processor import ProcessedRequest
 from tokenmill.engine.parallel_sampling import ParentRequest
+from tokenmill.engine.request_stats import (  # (FinishedRequestStats: also imported from here)
+    FinishedRequestStats,  # noqa: F401
+    IterationStats,
+    finished_request_stats,
+)
 from tokenmill.outputs import (
     CompletionOutput,
     Logprob,
@@ -39,42 +44,6 @@ class OutputQueue(Protocol):
     """Where a request's outputs go when the caller consumes them as they come (streaming)."""
 
     def put(self, output: RequestOutput) -> None: ...
-
-
-@dataclass
-class FinishedRequestStats:
-    """Latency figures of one engine request that finished (seconds, token counts)."""
-
-    request_id: str
-    finish_reason: str
-    e2e_latency: float  # arrival -> finish
-    queue_time: float | None  # arrival -> first scheduled (None if never scheduled)
-    num_prompt_tokens: int
-    num_generation_tokens: int
-
-
-@dataclass
-class IterationStats:
-    """What one engine step produced, for logs and Prometheus metrics.
-
-    Attributes:
-        iteration_timestamp: ``time.time()`` of the step (seconds).
-        num_prompt_tokens: prompt tokens of requests whose prefill completed this step
-            (they got their first token).
-        num_generation_tokens: output tokens produced this step.
-        time_to_first_tokens: TTFT (arrival -> first token, seconds) of each request that
-            got its first token this step.
-        inter_token_latencies: ITL (seconds since the request's previous token) of each
-            request that got a later token this step.
-        finished_requests: requests that finished this step.
-    """
-
-    iteration_timestamp: float
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    time_to_first_tokens: list[float] = field(default_factory=list)
-    inter_token_latencies: list[float] = field(default_factory=list)
-    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 
 @dataclass
@@ -201,6 +170,8 @@ class RequestState:
         )
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
+        self.max_tokens: int | None = params.max_tokens
+        self.params_n: int | None = None  # the user's n, on a request's first state only
         self._sent_tokens = 0
 
     @property
@@ -328,6 +299,8 @@ class OutputProcessor:
                 tokenizer=self.tokenizer,
                 decode=self._decode_tokens,
             )
+            state.max_tokens = req.sampling_params.max_tokens
+            state.params_n = params.n if index == 0 else None
             states.append(state)
             self.request_states[req.request_id] = state
         if parent is not None:
@@ -456,15 +429,16 @@ class OutputProcessor:
         state.metrics.finished_time = now
         if stats is None:
             return
-        scheduled = state.metrics.first_scheduled_time
         stats.finished_requests.append(
-            FinishedRequestStats(
-                request_id=state.request_id,
-                finish_reason=reason,
-                e2e_latency=now - state.metrics.arrival_time,
-                queue_time=None if scheduled is None else scheduled - state.metrics.arrival_time,
-                num_prompt_tokens=len(state.prompt_token_ids),
-                num_generation_tokens=len(state.token_ids),
+            finished_request_stats(
+                state.request_id,
+                reason,
+                now,
+                state.metrics,
+                len(state.prompt_token_ids),
+                len(state.token_ids),
+                state.max_tokens,
+                state.params_n,
             )
         )
 

@@ -10,17 +10,11 @@ log-sum-exp; the attention backend does the reading (``AttentionMetadata.common_
 This module finds the shared prefix from the step's host block table and decides whether it
 is worth it. The saving is in GPU time; the cost is on the host: one more kernel launch per
 layer, and a decode-only step gives up its whole-step CUDA graph for the piecewise graphs
-(the prefix kernel's grid depends on the prefix), whose eager attention launches take 4-8 ms
-of host time for Llama-3.1-8B. Measured on an H200 (``benchmarks/device/mixed_step_bench.py``,
-benchmarks/RESULTS.md, sixth set), decode-only steps, whole graph -> cascade:
-
-- 64 requests sharing 2,000 of 2,304 tokens: 8.02 -> 7.20 ms;
-- 128 sharing 1,024 of 1,280: 8.88 -> 7.30 ms;
-- 16 sharing 1,024: 5.29 -> 5.44 ms; 32 sharing 512: 5.84 -> 6.23 ms; 8 sharing 1,024:
-  4.77 -> 6.22 ms (the host's launches then take longer than the GPU's work).
-
-So a step uses it only when requests x shared tokens is large; mixed steps, already
-piecewise, at a lower bar.
+(the prefix kernel's grid depends on the prefix), whose eager attention launches take
+milliseconds of host time for an 8B model. Few requests, or a short shared prefix, then
+lose more on the host than the GPU saves (``benchmarks/device/mixed_step_bench.py``), so a
+step uses it only when requests x shared tokens is large; mixed steps, already piecewise,
+at a lower bar.
 """
 
 from __future__ import annotations

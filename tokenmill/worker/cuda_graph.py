@@ -1,4 +1,5 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps, and what every graph set shares: capture per padded
+size over the model runner's persistent buffers (``GraphHost``).
 
 A decode step of a large model launches hundreds of small kernels; at small batch their
 launch overhead rivals the GPU work. The model's forward pass (to the final norm) is
@@ -16,23 +17,47 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.model.attention.backend import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-# Short-context decode graphs (``TOKENMILL_SHORT_DECODE_GRAPHS=1``): batches of at most this
-# many requests, every context at most this many tokens, replay graphs captured for that
-# context, where the decode kernel takes one key split per (request, KV head) and no
-# reduction is launched (``triton_launch.num_decode_splits`` gives one split up to
-# ``MIN_SPLIT_TOKENS`` keys). The graphs of ``max_model_len`` split every context for the
-# longest one, and at batch 1 merge up to 33 splits per head in a second launch.
-SHORT_DECODE_MAX_BATCH = 8
-SHORT_DECODE_CONTEXT = 256
+
+class DeviceBuffer(Protocol):
+    """A persistent device tensor of the runner and the host array a step fills."""
+
+    device: torch.Tensor
+    np: np.ndarray
+
+
+class GraphHost(Protocol):
+    """What graphs read of the model runner that replays them: the model, the persistent
+    input buffers they are captured over, the batch limits, and the runner's padding and
+    metadata over those buffers (``worker/model_runner.py`` documents each)."""
+
+    model: nn.Module | None
+    input_ids: DeviceBuffer
+    positions: DeviceBuffer
+    slot_mapping: DeviceBuffer
+    query_start_loc: DeviceBuffer
+    seq_lens: DeviceBuffer
+    prefill_range: DeviceBuffer
+    max_num_reqs: int
+    max_num_tokens: int
+    max_model_len: int
+
+    def pad_token_inputs(self, num_tokens: int, padded: int) -> None: ...
+
+    def pad_decode_batch(self, num_reqs: int, padded: int) -> AttentionMetadata: ...
+
+    def buffer_metadata(self, num_tokens: int, num_reqs: int, **fields) -> AttentionMetadata: ...
+
+    def single_request_metadata(self, num_tokens: int, seq_len: int) -> AttentionMetadata: ...
 
 
 @contextmanager
@@ -79,7 +104,7 @@ class PaddedGraphs:
             concurrently with these; a new one at capture when None.
     """
 
-    def __init__(self, runner: ModelRunner, sizes: list[int], pool: tuple[int, int] | None) -> None:
+    def __init__(self, runner: GraphHost, sizes: list[int], pool: tuple[int, int] | None) -> None:
         self.runner = runner
         self.sizes = sorted(sizes)
         self.pool = pool
@@ -151,7 +176,7 @@ class WholePassGraphs(PaddedGraphs):
     # The log line's description of what was captured: ``{lo}`` and ``{hi}`` are the sizes.
     what = "CUDA graphs (sizes {lo}..{hi})"
 
-    def __init__(self, runner: ModelRunner, sizes: list[int], pool: tuple[int, int] | None) -> None:
+    def __init__(self, runner: GraphHost, sizes: list[int], pool: tuple[int, int] | None) -> None:
         super().__init__(runner, sizes, pool)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -198,36 +223,25 @@ class CUDAGraphRunner(WholePassGraphs):
         runner: the model runner whose buffers the graphs read and write.
         capture_sizes: batch sizes to capture (default: ``default_capture_sizes``).
         pool: as for ``PaddedGraphs``.
-        max_seq_len: the longest context (tokens) the attention backend plans the graphs'
-            launches for (key-split counts); default the runner's ``max_model_len``. Any
-            context that fits the block table replays correctly; only the split count, and
-            so the speed, depends on it.
     """
 
     what = "CUDA graphs (decode batch sizes {lo}..{hi})"
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: GraphHost,
         capture_sizes: list[int] | None = None,
         pool: tuple[int, int] | None = None,
-        max_seq_len: int | None = None,
     ) -> None:
         super().__init__(runner, capture_sizes or default_capture_sizes(runner.max_num_reqs), pool)
-        self.max_seq_len = max_seq_len
-        if max_seq_len is not None:
-            # ``{lo}`` and ``{hi}`` stay placeholders for ``capture``'s log line.
-            self.what = (
-                f"CUDA graphs (decode batch sizes {{lo}}..{{hi}}, contexts <= {max_seq_len})"
-            )
 
     def capture_metadata(self, size: int) -> Any:
-        return self.runner.pad_decode_batch(0, size, self.max_seq_len)
+        return self.runner.pad_decode_batch(0, size)
 
     def run(self, num_reqs: int) -> torch.Tensor:
         """Replay for a decode batch of ``num_reqs`` whose inputs are already in the
         runner's buffers; returns hidden states ``[padded, H]`` (rows past ``num_reqs`` are
         padding)."""
         size = self.padded_size(num_reqs)
-        self.runner.pad_decode_batch(num_reqs, size, self.max_seq_len)
+        self.runner.pad_decode_batch(num_reqs, size)
         return self.replay(size)

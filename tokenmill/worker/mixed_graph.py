@@ -1,15 +1,12 @@
 """Whole-step CUDA graphs for steps that mix prompt chunks with decodes.
 
 The piecewise graphs (``piecewise_graph.py``) run such a step's attention eagerly between
-``L + 1`` captured pieces, because the kernels' grids follow the batch layout. That costs
-the GPU a gap at every hand-over: Llama-3.1-8B on an H200, 60 decodes at 1,152 tokens of
-context plus a 206-token chunk after 512 cached ones, takes 11.36 ms piecewise against
-10.41 ms as one graph (``benchmarks/device/mixed_step_bench.py --serving``), and such steps
-are about half of a paced serving load's.
+``L + 1`` captured pieces, because the kernels' grids follow the batch layout; that costs
+the GPU a gap at every hand-over, in about half of a paced serving load's steps.
 
 With ``AttentionMetadata.uniform_grids`` the attention kernels size their grids from the
 padded batch alone and find each request's work in the device tensors
-(``model/attention/triton_backend.py``). So the whole forward pass is captured once per
+(``kernels/attention/paged.py``). So the whole forward pass is captured once per
 padded token count ``T`` over ``R = min(T, max_num_reqs)`` request rows, and any step of at
 most ``T`` tokens with at most the backend's ``uniform_max_prefills`` requests after its
 leading decodes replays it: padding requests take one padding token each while there are
@@ -19,16 +16,11 @@ piecewise graphs, as do steps with cascade attention.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from tokenmill.model.attention.backend import AttentionMetadata
-from tokenmill.worker.cuda_graph import WholePassGraphs
+from tokenmill.worker.cuda_graph import GraphHost, WholePassGraphs
 from tokenmill.worker.piecewise_graph import default_piecewise_sizes
-
-if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import ModelRunner
 
 
 class MixedCUDAGraphRunner(WholePassGraphs):
@@ -45,7 +37,7 @@ class MixedCUDAGraphRunner(WholePassGraphs):
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: GraphHost,
         capture_sizes: list[int] | None = None,
         pool: tuple[int, int] | None = None,
     ) -> None:

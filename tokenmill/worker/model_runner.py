@@ -4,9 +4,8 @@ The only place where scheduler decisions become tensors. Per step it applies the
 diff to the persistent InputBatch, builds the flat batch with vectorised numpy (positions,
 token ids, slot mapping, block table, the sampler's parameters), packs it into one pinned
 buffer copied to the device in one call and scattered into persistent device buffers by one
-kernel (``step_staging.py``), runs the model (replaying a whole-step CUDA graph for
-decode-only batches, piecewise graphs around eager attention for steps with prompt tokens:
-``cuda_graph.py``, ``piecewise_graph.py``), and samples the requests whose context is
+kernel (``step_staging.py``), runs the model (replaying the CUDA graphs that take the step,
+``step_graphs.py``, or eagerly), and samples the requests whose context is
 complete (a request still prefilling its prompt in chunks samples nothing). The one
 host-device sync of a step is reading the sampled token ids.
 """
@@ -14,21 +13,20 @@ host-device sync of a step is reading the sampled token ids.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 
-from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
+from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.layers.attention import Attention, bind_kv_caches
 from tokenmill.model.loader.model_loader import get_model, torch_dtype
-from tokenmill.worker import graph_capture
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.host_memory import zeroed_tensor
@@ -40,6 +38,7 @@ from tokenmill.worker.sampling_metadata import (
     build_plain_sampling_metadata,
     build_sampling_metadata,
 )
+from tokenmill.worker.step_graphs import StepGraphs
 from tokenmill.worker.step_io import AsyncModelRunnerOutput, StepInputs, leading_ones
 from tokenmill.worker.step_staging import DeviceArena, StepStaging
 
@@ -68,18 +67,15 @@ class ModelRunner:
         self.max_model_len = mc.max_model_len
         self.max_num_reqs = sc.max_num_seqs
         self.max_num_tokens = sc.max_num_batched_tokens
-        self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         self.vocab_size = mc.vocab_size
         self.attn_backend = get_attn_backend(device.type)
         self.cascade_attn = self.attn_backend.supports_cascade and not config.disable_cascade_attn
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
-        # The CUDA graph sets, None until planned (``graph_capture.plan_graphs``): decode
-        # graphs, short-context ones, piecewise graphs, whole-step mixed-batch graphs.
-        self.cuda_graphs = self.short_decode_graphs = None
-        self.piecewise_graphs = self.mixed_graphs = None
-        self._graph_plan: list | None = None  # those that start-up captures, in order
+        # The CUDA graphs (``plan_cuda_graphs``); None: every step runs eagerly.
+        self.graphs: StepGraphs | None = None
         # Tests set these (ascending sizes) on CPU to run batches padded like CUDA-graph
         # batches: decode-only batches as the decode graphs do, others as the piecewise
         # graphs do.
@@ -123,16 +119,17 @@ class ModelRunner:
         ]
         self._parity = 0
         self._prev_sampled: torch.Tensor | None = None
-        self._copy_stream = (
-            torch.cuda.Stream() if d.type == "cuda" and envs.sampled_copy_stream() else None
-        )
+        # The sampled tokens go to the host on a side stream, so the next step's work does
+        # not queue behind that copy.
+        self._copy_stream = torch.cuda.Stream() if d.type == "cuda" else None
         self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
 
     # ---- set-up ------------------------------------------------------------------------
 
     def load_model(self) -> None:
+        c = self.config
         self.model = get_model(
-            self.config.model_config, self.config.load_config, self.device, self.attn_backend
+            c.model_config, c.load_config, self.device, self.attn_backend, c.kernel_config
         )
         # Windowed layers keep plain attention: with a window on every layer, cascade would
         # only cost decode-only steps their whole-step graph.
@@ -170,21 +167,19 @@ class ModelRunner:
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
 
-    def plan_cuda_graphs(self) -> list:
-        """The CUDA graph sets start-up captures, created uncaptured and set on the runner
-        (``tokenmill.worker.graph_capture``); none off CUDA. Planned once."""
-        if self.device.type != "cuda":
-            return []
-        if self._graph_plan is None:
-            self._graph_plan = graph_capture.plan_graphs(self)
-        return self._graph_plan
+    def plan_cuda_graphs(self) -> StepGraphs | None:
+        """The CUDA graphs start-up captures (``StepGraphs.plan``), uncaptured, planned once;
+        None off CUDA."""
+        if self.device.type == "cuda" and self.graphs is None:
+            self.graphs = StepGraphs.plan(self, self.attn_backend)
+        return self.graphs
 
     def capture_cuda_graphs(self) -> None:
-        """Capture the planned graph sets: piecewise graphs for steps with prompt tokens,
-        then whole-pass graphs for mixed and decode-only batches, in one memory pool."""
+        """Capture the planned graphs: piecewise graphs for steps with prompt tokens, then
+        whole-pass graphs for mixed and decode-only batches, in one memory pool."""
         graphs = self.plan_cuda_graphs()
-        if graphs:
-            graph_capture.capture_graphs(graphs)
+        if graphs is not None:
+            graphs.capture()
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -228,7 +223,7 @@ class ModelRunner:
         np.add(block_ids.astype(np.int64) * self.block_size, positions % self.block_size, out=slots)
         seq_lens = computed + num_sched
         self.seq_lens.np[:num_reqs] = seq_lens
-        max_blocks = int(-(-int(seq_lens.max()) // self.block_size))
+        max_blocks = cdiv(int(seq_lens.max()), self.block_size)
         block_table = batch.block_table[rows, :max_blocks]
         # A request samples once its whole context is computed this step.
         sample_rows = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
@@ -252,7 +247,9 @@ class ModelRunner:
         if self.cascade_attn:
             prefix_len = common_prefix_len(
                 block_table, seq_lens, num_decodes, self.block_size,
-                replaces_graph=num_decodes == num_reqs and self._has_decode_graph(num_reqs),
+                replaces_graph=num_decodes == num_reqs
+                and self.graphs is not None
+                and self.graphs.has_decode_graph(num_reqs),
             )  # fmt: skip
         metadata = self.buffer_metadata(
             n,
@@ -294,51 +291,26 @@ class ModelRunner:
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states ``[>= num_tokens, H]`` of the step (a graph's output is padded)."""
+        hidden = self.graphs.try_run(inputs) if self.graphs is not None else None
+        return hidden if hidden is not None else self._run_eager(inputs)
+
+    def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass, eagerly; padded as the CUDA graphs pad where a test set
+        ``pad_decode_batches_to`` / ``pad_token_batches_to`` (CPU checks of that padding)."""
         assert self.model is not None
-        num_reqs = inputs.metadata.num_reqs
-        # Steps with cascade attention (uniform grids know no shared prefix), or whose
-        # attention must not read the cache before the step's KV writes (the captured
-        # decode kernels do), run attention eagerly: piecewise graphs.
-        whole_step_ok = not (inputs.metadata.common_prefix_len or inputs.metadata.reads_step_kv)
-        if inputs.is_decode_only and whole_step_ok:
-            short = self.short_decode_graphs
-            if (
-                short is not None
-                and short.can_run(num_reqs)
-                and inputs.metadata.max_seq_len <= short.max_seq_len
-            ):
-                return short.run(num_reqs)
-            if self._has_decode_graph(num_reqs):
-                return self.cuda_graphs.run(num_reqs)
-            if self.pad_decode_batches_to:
-                padded = next_size(self.pad_decode_batches_to, num_reqs)
-                if padded is not None:
-                    metadata = self.pad_decode_batch(num_reqs, padded)
-                    return self.model(
-                        self.input_ids.device[:padded], self.positions.device[:padded], metadata
-                    )
-        n = inputs.num_tokens
-        num_decodes = inputs.metadata.num_decodes
-        if (
-            self.mixed_graphs is not None
-            and self.mixed_graphs.can_run(n)
-            and num_reqs - num_decodes <= self.attn_backend.uniform_max_prefills
-            and whole_step_ok
-        ):
-            return self.mixed_graphs.run(n, num_reqs)
-        if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(n):
-            return self.piecewise_graphs.run(n, inputs.metadata)
-        if self.pad_token_batches_to:
+        n, metadata = inputs.num_tokens, inputs.metadata
+        padded = None
+        whole_step = not (metadata.common_prefix_len or metadata.reads_step_kv)
+        if inputs.is_decode_only and whole_step and self.pad_decode_batches_to:
+            padded = next_size(self.pad_decode_batches_to, metadata.num_reqs)
+            if padded is not None:
+                metadata = self.pad_decode_batch(metadata.num_reqs, padded)
+        if padded is None and self.pad_token_batches_to:
             padded = next_size(self.pad_token_batches_to, n)
             if padded is not None:
                 self.pad_token_inputs(n, padded)
-                return self.model(
-                    self.input_ids.device[:padded], self.positions.device[:padded], inputs.metadata
-                )
-        return self.model(self.input_ids.device[:n], self.positions.device[:n], inputs.metadata)
-
-    def _has_decode_graph(self, num_reqs: int) -> bool:
-        return self.cuda_graphs is not None and self.cuda_graphs.can_run(num_reqs)
+        size = padded or n
+        return self.model(self.input_ids.device[:size], self.positions.device[:size], metadata)
 
     def pad_token_inputs(self, num_tokens: int, padded: int) -> None:
         """Make rows ``num_tokens..padded`` of the token buffers inert padding: token 0 at
@@ -347,19 +319,17 @@ class ModelRunner:
         self.positions.device[num_tokens:padded].zero_()
         self.slot_mapping.device[num_tokens:padded].fill_(-1)
 
-    def pad_decode_batch(
-        self, num_reqs: int, padded: int, max_seq_len: int | None = None
-    ) -> AttentionMetadata:
+    def pad_decode_batch(self, num_reqs: int, padded: int) -> AttentionMetadata:
         """Fill rows ``num_reqs..padded`` of the device buffers with inert padding requests
         (one token each, slot -1 so nothing is written, context length 0) and return the
-        metadata of the padded batch, as a captured CUDA graph sees it (``max_seq_len`` as
-        for ``decode_metadata``)."""
+        metadata of the padded batch, as a captured CUDA graph sees it (planned for
+        contexts up to ``max_model_len``)."""
         self.pad_token_inputs(num_reqs, padded)
         self.seq_lens.device[num_reqs:padded].zero_()
         self.seq_lens.np[num_reqs:padded] = 0  # what ``decode_metadata`` reports
         qsl = self.query_start_loc.device
         torch.arange(num_reqs + 1, padded + 1, out=qsl[num_reqs + 1 : padded + 1])
-        return self.decode_metadata(padded, max_seq_len)
+        return self.decode_metadata(padded)
 
     def single_request_metadata(self, num_tokens: int, seq_len: int) -> AttentionMetadata:
         """Metadata over the persistent buffers for one request computing the last
@@ -429,8 +399,11 @@ class ModelRunner:
         return AsyncModelRunnerOutput(self.input_batch, inputs, host, event)
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step.
+    def execute_model(
+        self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step; ``grammar_output`` holds the grammar bitmasks of its requests with
+        structured outputs.
 
         Returns:
             The sampled token of every request that completed its context this step (an
@@ -449,7 +422,7 @@ class ModelRunner:
             logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
             sample_batch_rows = inputs.batch_rows[inputs.sample_rows]
             metadata = inputs.sampling_metadata or self._sampling_metadata(
-                inputs, sample_batch_rows, so.grammar_bitmasks
+                inputs, sample_batch_rows, grammar_output.bitmasks if grammar_output else None
             )
             out = self.sampler(logits, metadata)
             token_ids = out.sampled_token_ids.tolist()  # the step's one sync
@@ -473,11 +446,9 @@ class ModelRunner:
             host.copy_(sampled)
             return None
         stream = self._copy_stream
-        if stream is None:
-            stream = torch.cuda.current_stream()
-        else:
-            stream.wait_stream(torch.cuda.current_stream())
-            sampled.record_stream(stream)  # its memory is not reused before the copy
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream())
+        sampled.record_stream(stream)  # its memory is not reused before the copy
         with torch.cuda.stream(stream):
             host.copy_(sampled, non_blocking=True)
             event = torch.cuda.Event()
@@ -515,7 +486,7 @@ class ModelRunner:
         self,
         inputs: StepInputs,
         rows: np.ndarray,
-        grammar_bitmasks: dict[str, np.ndarray] | None = None,
+        grammar_bitmasks: Mapping[str, np.ndarray] | None = None,
     ) -> SamplingMetadata:
         """The sampler's metadata: ``_plain_sampling_metadata`` when every row is plain,
         else the general per-row builder (with the grammar bitmasks of requests with

@@ -4,8 +4,7 @@ Triton compiles a kernel variant at its first launch, and start-up reaches every
 the engine serves with (the profiling pass, the attention and sampler warm-ups, the warm-up
 passes of each CUDA graph size): with an empty Triton cache (a fresh machine, a new
 tokenmill or Triton version) those compiles run one after another, each while the GPU
-waits, and were most of a cold start (engine core ready in 47.3 s cold against 10.1 s with
-the cache warm, Llama-3.1-8B on an H200, RESULTS.md sixteenth set).
+waits, and are most of a cold start.
 
 So start-up runs its passes twice. The first time, inside ``compile_only``, a Triton launch
 from the start-up thread only submits its compile to a thread pool (Triton's

@@ -5,9 +5,7 @@ with prompt chunks cannot: how the attention kernels split its work (decodes aga
 prompt tiles, split counts, grids) is read from the batch layout on the host each step.
 Everything else in a layer — norms, projections, rotary embedding, the MLP — depends only
 on the number of tokens, and run eagerly it costs more host time than GPU time below about
-a thousand tokens (Llama-3.1-8B on an H200: ~14 ms to launch a 320-token step whose GPU
-work takes ~15 ms, and a 264-token step that takes 8.3 ms on the GPU still needs ~15 ms to
-launch; ``benchmarks/device/mixed_step_bench.py``).
+a thousand tokens (``benchmarks/device/mixed_step_bench.py`` measures both).
 
 So for each padded token count ``T`` the forward pass is captured in pieces split at its
 attention calls — for ``L`` layers, ``L + 1`` graphs: up to the first attention, between
@@ -18,24 +16,20 @@ size ``>= T``; the padding rows carry token 0 at position 0, and attention, whic
 the real ``num_actual_tokens``, neither writes them to the cache nor reads them.
 
 Where the attention backend supports uniform grids, most such steps replay one whole-step
-graph instead (``mixed_graph.py``, ~1 ms less per step); the pieces remain for steps with
-cascade attention or with more prompt requests than those graphs take.
+graph instead (``mixed_graph.py``); the pieces remain for steps with cascade attention or
+with more prompt requests than those graphs take.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.layers.attention import Attention, attention_hook
-from tokenmill.worker.cuda_graph import PaddedGraphs
-
-if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.cuda_graph import GraphHost, PaddedGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +42,7 @@ def default_piecewise_sizes(max_num_tokens: int, max_size: int = MAX_PIECEWISE_T
     """Padded token counts to capture: 32-token steps to 256, 16-token steps to 512, then
     32-token steps, up to ``min(max_num_tokens, max_size)`` (always included).
 
-    Padding a step costs GEMM rows, and past 256 tokens the products are compute-bound: a
-    served Llama-3.1-8B step of 60 decodes and a 206-token chunk (266 tokens) replays in
-    10.17 ms as its own graph and 10.92 ms padded to 288 (H200, RESULTS.md ninth set), so
+    Padding a step costs GEMM rows, and past 256 tokens the products are compute-bound, so
     the steps between 256 and 512 tokens, where paced serving runs, are finest. Each size
     costs ``L + 1`` piecewise graphs, one whole-step graph and a little start-up time.
     """
@@ -83,7 +75,7 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: GraphHost,
         capture_sizes: list[int] | None = None,
         pool: tuple[int, int] | None = None,
     ) -> None:

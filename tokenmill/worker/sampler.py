@@ -31,12 +31,12 @@ Order of operations:
    ``step_seed(seed, num_output_tokens)``; other rows share torch's default generator.
 6. Logprobs for the rows that asked (see ``LogprobsTensors``).
 
-On CUDA, steps 3-5 are one fused kernel (``gumbel_sampling.py``; ``SamplingMetadata``'s
+On CUDA, steps 3-5 are one fused kernel (``kernels/sampling/gumbel.py``; ``SamplingMetadata``'s
 ``gumbel_seeds`` is then set): the tokens that truncation drops are set to -inf in the
 processed logits, and every row, greedy ones included, is drawn by the Gumbel-max trick in
 float64, reading the logits in their own dtype when no processor ran. A seeded row keeps its
 per-step seed as the kernel's Philox key: its draws do not depend on the batch, but differ
-from those of the torch route (CPU, or ``TOKENMILL_FUSED_SAMPLER=0``).
+from those of the torch route (CPU).
 """
 
 from __future__ import annotations
@@ -47,15 +47,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill import envs
 from tokenmill.core.engine_io import LogprobsLists
-from tokenmill.worker import top_p_select
-from tokenmill.worker.gumbel_sampling import gumbel_argmax
+from tokenmill.kernels.sampling import top_p as top_p_select
+from tokenmill.kernels.sampling.gumbel import gumbel_argmax
 from tokenmill.worker.sampling_metadata import SamplingMetadata
 
 _NEG_INF = float("-inf")
-# Read once: graphs captured at start must match the eager steps.
-_SORT_FREE_TOP_P = envs.sort_free_top_p()
 
 
 @dataclass
@@ -275,9 +272,9 @@ WIDE_ARGMAX_CHUNKS = 256
 
 
 def _sort_free(logits: torch.Tensor) -> bool:
-    """Whether top-p takes the radix select (``top_p_select.py``) rather than a sort:
-    CUDA logits unless ``TOKENMILL_SORT_FREE_TOP_P=0``."""
-    return _SORT_FREE_TOP_P and top_p_select.HAS_TRITON and logits.is_cuda
+    """Whether top-p takes the radix select (``kernels/sampling/top_p.py``) rather than a sort:
+    CUDA logits with Triton."""
+    return top_p_select.HAS_TRITON and logits.is_cuda
 
 
 def _row_chunks(x: torch.Tensor, force: bool = False) -> int | None:
@@ -307,11 +304,10 @@ def wide_amax(x: torch.Tensor) -> torch.Tensor:
 def wide_argmax(x: torch.Tensor, force: bool = False) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for [B, V] float32, in two stages on CUDA for few wide rows.
 
-    torch's row reduction gives a lone 128k-wide row (batch-1 decode) few thread blocks:
-    ~27 us on an H200 (RESULTS.md, kernel profile of batch-1 decode), where the maxima of
-    up to 256 chunks, then their argmax, parallelise. Both stages keep the first index of a
-    tie, as ``torch.argmax`` does, so the index is the same. Many or narrow rows, and other
-    devices unless ``force`` (tests), use ``torch.argmax``.
+    torch's row reduction gives a lone 128k-wide row (batch-1 decode) few thread blocks,
+    where the maxima of up to 256 chunks, then their argmax, parallelise. Both stages keep
+    the first index of a tie, as ``torch.argmax`` does, so the index is the same. Many or
+    narrow rows, and other devices unless ``force`` (tests), use ``torch.argmax``.
 
     Returns:
         [B] int64 indices.

@@ -14,12 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill import envs
+from tokenmill.kernels.device import HAS_TRITON
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker import gumbel_sampling
-
-# Read once, as the other kernel switches.
-_FUSED_SAMPLER = envs.fused_sampler()
 
 _MASK64 = (1 << 64) - 1
 
@@ -72,7 +68,7 @@ class SamplingMetadata:
         seeds: row index -> seed of this step's noise, for rows with ``SamplingParams.seed``
             (already mixed with the number of output tokens, see ``step_seed``).
         gumbel_temperature: [B] float32, 0 for greedy rows; with ``gumbel_seeds``, set when
-            the batch samples through ``gumbel_sampling.gumbel_argmax`` (on CUDA).
+            the batch samples through ``kernels.sampling.gumbel.gumbel_argmax`` (on CUDA).
         gumbel_seeds: [B] int64 Philox keys: ``seeds``' value for seeded rows, a fresh draw
             from torch's default CPU generator for the others.
         num_logprobs: per row, the number of top logprobs asked for (``-1``: the whole
@@ -220,9 +216,9 @@ def _device(values: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def uses_fused_sampler(device: torch.device) -> bool:
-    """Whether batches on ``device`` sample through ``gumbel_sampling.gumbel_argmax``: on
-    CUDA with Triton, unless ``TOKENMILL_FUSED_SAMPLER=0``."""
-    return _FUSED_SAMPLER and device.type == "cuda" and gumbel_sampling.HAS_TRITON
+    """Whether batches on ``device`` sample through ``kernels.sampling.gumbel``'s fused
+    kernel: on CUDA with Triton."""
+    return device.type == "cuda" and HAS_TRITON
 
 
 def add_gumbel_inputs(

@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tokenmill.kernels.sampling import top_p as top_p_select
+from tokenmill.kernels.sampling.gumbel import gumbel_argmax
+from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.layers.attention import bind_kv_caches, unbind_kv_caches
-from tokenmill.worker import sampler, top_p_select
+from tokenmill.worker import sampler
 from tokenmill.worker.cascade import CASCADE_MIN_DECODES, CASCADE_MIN_PREFIX_TOKENS
-from tokenmill.worker.gumbel_sampling import gumbel_argmax
 from tokenmill.worker.sampling_metadata import SamplingMetadata, uses_fused_sampler
 
 if TYPE_CHECKING:
@@ -43,12 +45,12 @@ def profile_run(runner: ModelRunner) -> int:
         torch.cuda.synchronize(runner.device)
         torch.cuda.reset_peak_memory_stats(runner.device)
         before = torch.cuda.memory_allocated(runner.device)
-    runner.initialize_kv_cache(sum(-(-p // runner.block_size) for p in per_req))
+    runner.initialize_kv_cache(sum(cdiv(p, runner.block_size) for p in per_req))
     scratch = sum(t.numel() * t.element_size() for t in runner.kv_caches)
     try:
         slots, tables, block = [], [], 0
         for p in per_req:
-            nb = -(-p // runner.block_size)
+            nb = cdiv(p, runner.block_size)
             tables.append(list(range(block, block + nb)))
             slots += [block * runner.block_size + j for j in range(p)]
             block += nb
@@ -146,7 +148,7 @@ def short_chunk_pass(runner: ModelRunner) -> bool:
     ctx = min(runner.max_model_len, 2048, runner.kv_caches[0].shape[1] * runner.block_size)
     if ctx <= chunk:
         return False
-    num_blocks = -(-ctx // runner.block_size)
+    num_blocks = cdiv(ctx, runner.block_size)
     runner.input_ids.device[:chunk].zero_()
     torch.arange(ctx - chunk, ctx, out=runner.positions.device[:chunk])
     runner.slot_mapping.device[:chunk].fill_(-1)
@@ -219,7 +221,7 @@ def shared_prefix_pass(runner: ModelRunner, num_decodes: int = CASCADE_MIN_DECOD
     n = min(num_decodes, runner.max_num_reqs, runner.max_num_tokens)
     if prefix < CASCADE_MIN_PREFIX_TOKENS or n < 2:
         return False
-    num_blocks = -(-ctx // bs)
+    num_blocks = cdiv(ctx, bs)
     runner.input_ids.device[:n].zero_()
     runner.positions.device[:n].fill_(ctx - 1)
     runner.slot_mapping.device[:n].fill_(-1)

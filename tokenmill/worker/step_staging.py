@@ -2,10 +2,9 @@
 
 A step's inputs are a dozen small arrays: token ids, positions, slot mapping, query starts,
 context lengths, block-table rows, the rows that sample, the sampler's per-row parameters.
-Copied one by one, each is its own copy on the stream, and on an H200 consecutive small
-copies start 2-3 us apart: ~35 us of a batch-1 decode step of Llama-3.1-8B went to nine
-copies and the two kernels that placed the previous step's sampled tokens
-(``benchmarks/device/step_timeline.py``, RESULTS.md, twenty-fifth set).
+Copied one by one, each is its own copy on the stream, and consecutive small copies start
+microseconds apart, a visible share of a batch-1 decode step
+(``benchmarks/device/step_timeline.py``).
 
 Here the host packs the arrays back to back into one pinned buffer (``StepStaging.put``),
 which is copied with one call (``flush``). One kernel then scatters the arrays that CUDA
@@ -26,20 +25,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs
-    HAS_TRITON = False
+from tokenmill.kernels.device import HAS_TRITON
+from tokenmill.kernels.staging import COPY, DESC_WORDS, TOKENS, unpack, unpack_reference
+from tokenmill.math_utils import cdiv
 
 MAX_SEGMENTS = 16
-DESC_WORDS = 6
 HEADER_BYTES = MAX_SEGMENTS * DESC_WORDS * 4
 ALIGN = 16  # bytes: every array starts aligned for any element type
-COPY, TOKENS = 0, 1
-UNPACK_BLOCK = 1024  # words (or token ids) per program
 
 
 class DeviceArena:
@@ -56,7 +48,7 @@ class DeviceArena:
         for shape, dtype in specs:
             offsets.append(words)
             n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size() // 4
-            words += -(-n // (ALIGN // 4)) * (ALIGN // 4)
+            words += cdiv(n, ALIGN // 4) * (ALIGN // 4)
         self.words = torch.zeros(max(words, 1), dtype=torch.int32, device=device)
         self.buffers = [
             self.words[off : off + int(np.prod(shape)) * _word_ratio(dtype)].view(dtype).view(shape)
@@ -146,7 +138,7 @@ class StepStaging:
         if end > len(host):
             raise RuntimeError(f"step inputs of {end} bytes overflow the {len(host)}-byte staging")
         host[off:end] = values.reshape(-1).view(np.uint8)
-        self._cursor = -(-end // ALIGN) * ALIGN
+        self._cursor = cdiv(end, ALIGN) * ALIGN
         return off
 
     def put(self, values: np.ndarray) -> torch.Tensor:
@@ -215,11 +207,7 @@ class StepStaging:
         if sampled is None:
             sampled = self.arena.words.view(torch.int64)[:1]  # never read: no entry is < 0
         if self._use_kernel:
-            longest = max(rows * width for _, _, _, rows, width, _ in self._segments)
-            chunks = -(-longest // UNPACK_BLOCK)
-            _unpack_kernel[(n, chunks)](
-                self.staged.view(torch.int32), self.arena.words, sampled, BLOCK=UNPACK_BLOCK
-            )
+            unpack(self.staged.view(torch.int32), self.arena.words, sampled, self._segments)
         else:
             unpack_reference(
                 self.staged.view(torch.int32), self.arena.words, sampled, self._segments
@@ -249,56 +237,5 @@ class StepStaging:
         compute.wait_event(copied)
 
 
-def unpack_reference(
-    staged: torch.Tensor,
-    arena: torch.Tensor,
-    sampled: torch.Tensor,
-    segments: list[tuple[int, int, int, int, int, int]],
-) -> None:
-    """What the unpack kernel does, in torch ops that never wait for the device: ``staged``
-    and ``arena`` are int32 word tensors, ``sampled`` int64, ``segments`` the descriptors
-    (as the header holds them)."""
-    last = sampled.shape[0] - 1
-    for kind, src, dst, rows, width, stride in segments:
-        if kind == TOKENS:
-            ids = staged[src : src + 2 * width].view(torch.int64)
-            fed = sampled[(-ids - 1).clamp(0, last)]
-            arena[dst : dst + 2 * width].view(torch.int64).copy_(torch.where(ids < 0, fed, ids))
-            continue
-        values = staged[src : src + rows * width].view(rows, width)
-        target = arena.as_strided((rows, width), (stride, 1), arena.storage_offset() + dst)
-        target.copy_(values)
-
-
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _unpack_kernel(staged_ptr, arena_ptr, sampled_ptr, BLOCK: tl.constexpr):
-        """Program ``(s, c)`` writes chunk ``c`` of segment ``s`` (see the module
-        docstring); chunks past the segment's end do nothing."""
-        seg = tl.program_id(0)
-        desc = staged_ptr + seg * 6
-        kind = tl.load(desc)
-        src = tl.load(desc + 1).to(tl.int64)
-        dst = tl.load(desc + 2).to(tl.int64)
-        rows = tl.load(desc + 3)
-        width = tl.load(desc + 4)
-        stride = tl.load(desc + 5).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        if kind == 1:
-            mask = offs < width
-            src64 = (staged_ptr + src).to(tl.pointer_type(tl.int64))
-            dst64 = (arena_ptr + dst).to(tl.pointer_type(tl.int64))
-            ids = tl.load(src64 + offs, mask=mask, other=0)
-            fed = ids < 0
-            prev = tl.load(sampled_ptr + (-ids - 1), mask=mask & fed, other=0)
-            tl.store(dst64 + offs, tl.where(fed, prev, ids), mask=mask)
-        else:
-            mask = offs < rows * width
-            values = tl.load(staged_ptr + src + offs, mask=mask)
-            row = offs // width
-            tl.store(arena_ptr + dst + row * stride + (offs - row * width), values, mask=mask)

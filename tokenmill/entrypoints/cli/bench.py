@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from tokenmill.benchmarks.common import BenchmarkError
     from tokenmill.config import ConfigError
-    from tokenmill.model.loader.hf_config import ModelLoadError
+    from tokenmill.hf_config import ModelLoadError
 
     command = getattr(args, "bench_command", None)
     if command is None:

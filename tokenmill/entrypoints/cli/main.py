@@ -1,4 +1,4 @@
-"""The ``tokenmill`` command: ``serve``, ``bench``, ``version``; ``tokenmill --version``.
+"""The ``tokenmill`` command: ``serve``, ``router``, ``bench``, ``version``; ``--version``.
 
 Errors in the command line are reported in one line (no usage dump, no traceback) with
 exit code 2, as a script calling the command can show them as they are.
@@ -38,9 +38,10 @@ def build_parser() -> CLIParser:
     parser.add_argument("--version", action="version", version=__version__)
     subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
 
-    from tokenmill.entrypoints.cli import serve
+    from tokenmill.entrypoints.cli import router, serve
 
     serve.add_parser(subparsers)
+    router.add_parser(subparsers)
     # The benchmark command lives in its own module, present in full installs only.
     if importlib.util.find_spec("tokenmill.entrypoints.cli.bench") is not None:
         bench = importlib.import_module("tokenmill.entrypoints.cli.bench")

@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 from tokenmill import __version__, envs
 from tokenmill.config import ConfigError
 from tokenmill.engine_args import EngineArgs
-from tokenmill.model.loader.hf_config import ModelLoadError
+from tokenmill.entrypoints.openai.observability import add_observability_args
+from tokenmill.hf_config import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +212,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "signal exits immediately. (default: 0)",
     )
     group.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        help="When the engine process dies, keep the server up answering 503 (and /health "
+        "503) instead of exiting with code 1 for an orchestrator to restart it, as vLLM "
+        "does with VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1.",
+    )
+    group.add_argument(
         "--root-path",
         default=None,
         help="URL prefix when served behind a path-based reverse proxy.",
@@ -234,6 +242,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", dest="model", default=None, help="Same as MODEL.")
     add_server_args(parser)
+    add_observability_args(parser)
     EngineArgs.add_cli_args(parser, positional_model=True)
     for flag in UNIMPLEMENTED_FLAGS:
         parser.add_argument(flag, action=_Unimplemented)

@@ -97,10 +97,10 @@ class OpenAIServingEmbedding:
             raise bad_request(
                 f"input has {len(inputs)} items; at most {MAX_INPUTS} are allowed.", "input"
             )
-        engine = self.engine.engine
+        front = self.engine.front_end
         try:
             return [
-                engine.tokenize(
+                front.tokenize(
                     item,
                     request.truncate_prompt_tokens,
                     request.add_special_tokens,
@@ -124,7 +124,7 @@ class OpenAIServingEmbedding:
         request_id = random_id("embd")
         token_ids = self._tokenize_inputs(request)
         try:
-            self.engine.engine.check_dimensions(request.dimensions)
+            self.engine.front_end.check_dimensions(request.dimensions)
         except ValueError as e:
             raise to_openai_error(e) from None
         if self.request_logger is not None:
@@ -145,7 +145,7 @@ class OpenAIServingEmbedding:
             raise error from None
         data = []
         for i, row in enumerate(pooled):
-            vector = self.engine.engine.postprocess(row, request.dimensions)
+            vector = self.engine.front_end.postprocess(row, request.dimensions)
             encoded = encode_base64(vector) if request.encoding_format == "base64" else vector
             data.append(EmbeddingData(index=i, embedding=encoded))
         num_tokens = sum(len(ids) for ids in token_ids)

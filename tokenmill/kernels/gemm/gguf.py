@@ -16,7 +16,7 @@ import torch
 
 from tokenmill.kernels.gemm.int4 import DECODE_MAX_M, num_sms_of
 from tokenmill.kernels.quant.gguf_blocks import block_info
-from tokenmill.model.host_ints import cdiv
+from tokenmill.math_utils import cdiv
 
 try:
     import triton

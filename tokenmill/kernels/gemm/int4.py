@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from tokenmill.model.host_ints import cdiv
+from tokenmill.math_utils import cdiv
 
 try:
     import triton

@@ -9,7 +9,8 @@ and the slot mapping says where each new token's K/V is written.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -58,6 +59,10 @@ class AttentionMetadata:
             must not read the cache before the step's KV writes have completed; without
             it, every cache slot a request reads other than its own new ones was written
             by an earlier step.
+        backend_state: what a backend works out once per step and its layers share (the
+            Triton backend's batch split, split workspaces and launches), by backend name;
+            empty in a new metadata, ``dataclasses.replace`` included. A captured CUDA
+            graph keeps its capture's metadata alive for the workspaces it replays into.
     """
 
     num_actual_tokens: int
@@ -75,6 +80,7 @@ class AttentionMetadata:
     uniform_grids: bool = False
     prefill_range: torch.Tensor | None = None
     reads_step_kv: bool = False
+    backend_state: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -91,9 +97,6 @@ class DecodeRotary:
     cos_sin_cache: torch.Tensor
     rotary_dim: int
     is_neox_style: bool
-
-    def layout_key(self) -> tuple:
-        return (self.cos_sin_cache.stride(0), self.rotary_dim, self.is_neox_style)
 
 
 class AttentionImpl(abc.ABC):
@@ -200,6 +203,38 @@ class AttentionImpl(abc.ABC):
             ValueError: ``kv_cache`` or ``out`` has a layout the backend cannot address.
         """
 
+    def attend_decode_rotary(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        rotary: DecodeRotary,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Rotate, write this step's K/V and attend in one launch, for a decode-only batch:
+        ``query`` and ``key`` arrive unrotated, each token at position ``seq_len - 1``.
+        Backends whose class sets ``supports_decode_rotary`` implement it; the attention
+        layer calls it only on those, for steps with ``max_query_len == 1`` and no
+        ``common_prefix_len``, ``uniform_grids`` or ``reads_step_kv``.
+
+        Args:
+            query: ``[num_reqs, num_heads * head_dim]``, unrotated (left as it is).
+            key, value: ``[num_reqs, num_kv_heads * head_dim]``, unrotated.
+            kv_cache, metadata, out: as for ``attend``.
+            rotary: the rotary table and layout.
+
+        Returns:
+            ``out``, as for ``attend``.
+
+        Raises:
+            NotImplementedError: the backend has no such launch.
+            ValueError: a batch that is not decode-only, or layouts the backend cannot
+                address.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not rotate inside attention")
+
 
 class AttentionBackend(abc.ABC):
     """A family of attention kernels: names itself and builds per-layer implementations."""
@@ -211,6 +246,9 @@ class AttentionBackend(abc.ABC):
     # batches with at most this many requests after the leading decodes.
     supports_uniform_grids: bool = False
     uniform_max_prefills: int = 0
+    # Implements ``AttentionImpl.attend_decode_rotary`` (RoPE and the KV write inside the
+    # decode launch).
+    supports_decode_rotary: bool = False
 
     @staticmethod
     @abc.abstractmethod

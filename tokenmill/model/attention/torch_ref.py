@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
 
 
@@ -132,7 +133,7 @@ class TorchAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         q_len = q.shape[0]
         bs = kv_cache.shape[2]
-        nb = -(-seq_len // bs)
+        nb = cdiv(seq_len, bs)
         k = gather_kv(kv_cache[0], block_ids[:nb], seq_len)
         v = gather_kv(kv_cache[1], block_ids[:nb], seq_len)
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
@@ -152,7 +153,7 @@ class TorchAttentionImpl(AttentionImpl):
         lens = plan["decode_seq_lens"]
         max_len = plan["decode_max_len"]
         bs = kv_cache.shape[2]
-        nb = -(-max_len // bs)
+        nb = cdiv(max_len, bs)
         block_ids = metadata.block_table[reqs, :nb]
         k = gather_kv(kv_cache[0], block_ids, max_len).transpose(1, 2)  # [B, Hkv, L, D]
         v = gather_kv(kv_cache[1], block_ids, max_len).transpose(1, 2)

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.layers import fused_kernels
+from tokenmill.kernels.activation import silu_and_mul
+from tokenmill.kernels.device import use_triton
 
 
 class SiluAndMul(nn.Module):
@@ -16,8 +17,8 @@ class SiluAndMul(nn.Module):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_kernels.use_fused(x):
-            return fused_kernels.silu_and_mul(x)
+        if use_triton(x):
+            return silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 

@@ -8,9 +8,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from tokenmill import envs
+from tokenmill.kernels.rotary import rotary_and_cache
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata, DecodeRotary
-from tokenmill.model.layers import fused_kernels
 from tokenmill.model.layers.rotary import RotaryEmbedding
 
 
@@ -23,10 +22,11 @@ class Attention(nn.Module):
 
     A layer given its model's rotary embedding applies it to ``q`` and ``k`` itself, from
     ``positions`` (``[T]`` int): where the rotation runs fused (CUDA, a power-of-two half
-    rotary dimension, ``TOKENMILL_FUSED_ROPE_CACHE`` not 0) the rotation and the KV-cache
-    write are one kernel (``fused_kernels.rotary_and_cache``), one launch and one pass over
-    the keys less per layer; elsewhere the torch rotation, then the backend's write. Without
-    one, ``q`` and ``k`` arrive rotated (or need no rotation).
+    rotary dimension) the rotation and the KV-cache write are one kernel
+    (``kernels.rotary.rotary_and_cache``), one launch and one pass over the keys less per
+    layer, and in decode-only steps on a backend that ``supports_decode_rotary`` both happen
+    inside the decode attention launch; elsewhere the torch rotation, then the backend's
+    write. Without one, ``q`` and ``k`` arrive rotated (or need no rotation).
 
     Args:
         num_heads, head_dim, num_kv_heads: head layout on this rank.
@@ -60,12 +60,8 @@ class Attention(nn.Module):
             num_heads, head_dim, scale, num_kv_heads, sliding_window, logits_soft_cap
         )
         self.rotary_emb = rotary_emb
-        self.fuse_rope_cache = envs.fused_rope_cache()
-        self.rope_in_decode = (
-            self.fuse_rope_cache
-            and envs.rope_in_decode_attention()
-            and hasattr(self.impl, "attend_decode_rotary")
-        )
+        # Decode-only steps rotate and write the new K/V inside the decode launch.
+        self.rope_in_decode = backend.supports_decode_rotary
         self.kv_cache: torch.Tensor | None = None
 
     def forward(
@@ -122,8 +118,8 @@ class Attention(nn.Module):
         if rope is not None:
             if positions is None:
                 raise ValueError(f"layer {self.layer_idx} applies RoPE and needs positions")
-            if self.fuse_rope_cache and rope.runs_fused(query):
-                fused_kernels.rotary_and_cache(
+            if rope.runs_fused(query):
+                rotary_and_cache(
                     positions, query, key, value, rope.cos_sin_cache, rope.head_dim,
                     rope.rotary_dim, rope.is_neox_style, self._cache(), slot_mapping, num_tokens,
                 )  # fmt: skip

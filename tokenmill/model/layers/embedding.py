@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.config import current_kernel_config
 from tokenmill.model.layers.linear import default_weight_loader, dense
 
 
@@ -60,6 +61,7 @@ class LMHead(VocabEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, soft_cap: float | None = None):
         super().__init__(num_embeddings, embedding_dim)
         self.soft_cap = soft_cap
+        self.skinny_gemm = current_kernel_config().skinny_gemm
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
@@ -68,7 +70,7 @@ class LMHead(VocabEmbedding):
         if self.quant_method is not None:
             logits = self.quant_method.apply(hidden_states)
         else:
-            logits = dense(hidden_states, self.weight)
+            logits = dense(hidden_states, self.weight, skinny=self.skinny_gemm)
         if self.soft_cap:
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
         return logits

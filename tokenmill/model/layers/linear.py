@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill import envs
+from tokenmill.config import SkinnyGemm, current_kernel_config
 from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from tokenmill.model.layers import skinny_gemm
+from tokenmill.kernels.gemm import skinny as skinny_gemm
 from tokenmill.model.layers.quantization.base import (
     LinearMethod,
     ShardSlice,
@@ -28,34 +28,39 @@ from tokenmill.model.layers.quantization.base import (
 from tokenmill.model.layers.quantization.context import active_config
 from tokenmill.model.layers.quantization.tensors import as_float
 
-# Read once: the choice must not change between CUDA-graph capture and eager steps.
-_SKINNY_GEMM = envs.skinny_gemm()
 
-
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    skinny: SkinnyGemm = "auto",
+) -> torch.Tensor:
     """``y = x W^T (+ b)``: ``F.linear``, or for decode-sized batches on CUDA the split-K
-    kernel of ``skinny_gemm`` where it streams the weight faster than cuBLAS
-    (``TOKENMILL_SKINNY_GEMM``, ``envs.skinny_gemm``).
+    kernel of ``kernels.gemm.skinny`` where ``skinny`` (``KernelConfig.skinny_gemm``)
+    sends this product to it.
 
     Shapes: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``.
     """
-    if _runs_skinny(x, weight):
+    if _runs_skinny(x, weight, skinny):
         return skinny_gemm.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def _runs_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _runs_skinny(x: torch.Tensor, weight: torch.Tensor, skinny: SkinnyGemm) -> bool:
     return (
-        _SKINNY_GEMM != "0"
+        skinny != "off"
         and x.dim() == 2
         and x.shape[0] <= skinny_gemm.MAX_M
         and skinny_gemm.use_skinny_gemm(x, weight)
-        and (_SKINNY_GEMM == "1" or skinny_gemm.has_tuned_config(x, weight))
+        and (skinny == "all" or skinny_gemm.has_tuned_config(x, weight))
     )
 
 
 def gated_dense(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    skinny: SkinnyGemm = "auto",
 ) -> torch.Tensor | None:
     """``silu(y[:, :N/2]) * y[:, N/2:]`` of ``y = x W^T (+ b)`` in one skinny-GEMM launch,
     where ``dense`` would run this product through the skinny GEMM and its tiles have an
@@ -64,7 +69,7 @@ def gated_dense(
     Shapes: ``x [M, K]``, ``weight [N, K]`` (gate rows over up rows), ``bias [N]`` ->
     ``[M, N/2]``.
     """
-    if weight.shape[0] % 2 or not _runs_skinny(x, weight):
+    if weight.shape[0] % 2 or not _runs_skinny(x, weight, skinny):
         return None
     (m, k), n = x.shape, weight.shape[0]
     config = skinny_gemm.launch_config(m, n, k, skinny_gemm.num_sms(x.device))
@@ -100,7 +105,9 @@ def _divide(n: int, d: int, what: str) -> int:
 
 class LinearBase(nn.Module):
     """``y = x W^T (+ b)``; the weight's form and the product come from the layer's
-    ``LinearMethod`` (``tokenmill.model.layers.quantization``), unquantized by default.
+    ``LinearMethod`` (``tokenmill.model.layers.quantization``), unquantized by default. The
+    unquantized product of decode-sized batches follows ``KernelConfig.skinny_gemm`` of the
+    model being built (``skinny_gemm``).
 
     Inside ``quantization_context`` the weights wait for ``create_weights`` (called by
     ``create_quantized_weights`` once the layer's name is known).
@@ -115,6 +122,7 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         # Output features of each merged part on this rank (one part unless merged).
         self.output_partition_sizes = output_sizes or [output_size]
+        self.skinny_gemm = current_kernel_config().skinny_gemm
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.quant_method: LinearMethod | None = None
@@ -195,6 +203,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, output_sizes)
+
+    def forward_gated(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A gate/up pair's ``silu(gate) * up`` in the product's launch, where the layer's
+        method computes it (unquantized: ``gated_dense``); None elsewhere (the caller applies
+        the gate).
+
+        Shapes: ``x [M, K]`` -> ``[M, N/2]``.
+        """
+        return self.quant_method.apply_gated(self, x, self.bias)  # type: ignore[union-attr]
 
     def shard_slices(self, shard_id=None) -> list[ShardSlice]:
         parts = range(len(self.output_sizes)) if shard_id is None else [int(shard_id)]

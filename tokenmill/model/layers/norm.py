@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.model.layers import fused_kernels
+from tokenmill.kernels.device import use_triton
+from tokenmill.kernels.norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -38,8 +39,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if fused_kernels.use_fused(x):
-            return fused_kernels.rms_norm(x, self.weight, self.eps, residual, self.offset)
+        if use_triton(x):
+            return rms_norm(x, self.weight, self.eps, residual, self.offset)
         if residual is None:
             return self._norm(x)
         x = x + residual

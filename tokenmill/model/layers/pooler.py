@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ConfigError, PoolerConfig
-from tokenmill.model.loader.hf_config import ModelLoadError
+from tokenmill.hf_config import ModelLoadError
 
 POOLING_TYPES = ("MEAN", "CLS", "LAST")
 # Defaults for a folder with no sentence-transformers files.

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.model.layers import fused_kernels
+from tokenmill.kernels.device import use_triton
+from tokenmill.kernels.rotary import rotary_inplace
 
 
 def _base_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
@@ -178,13 +179,13 @@ class RotaryEmbedding(nn.Module):
         """Whether ``q``'s rotation runs as a fused Triton kernel (CUDA, and a power-of-two
         half rotary dimension)."""
         half = self.rotary_dim // 2
-        return fused_kernels.use_fused(q) and not half & (half - 1)
+        return use_triton(q) and not half & (half - 1)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.runs_fused(q):
-            fused_kernels.rotary_inplace(
+            rotary_inplace(
                 positions, q, k, self.cos_sin_cache, self.head_dim, self.rotary_dim,
                 self.is_neox_style,
             )

@@ -1,1 +1,1 @@
-"""Model loading: configs, weight files (safetensors, GGUF, dummy) and the model builder."""
+"""Model loading: weight files (safetensors, GGUF, dummy) and the model builder."""

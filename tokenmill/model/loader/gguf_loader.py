@@ -17,9 +17,9 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+from tokenmill.hf_config import ModelLoadError
 from tokenmill.kernels.quant.gguf_blocks import BLOCK_TYPES
 from tokenmill.model.layers.quantization.tensors import GGUFTensor
-from tokenmill.model.loader.hf_config import ModelLoadError
 
 # llama.cpp architectures whose converter permutes Q/K rows.
 PERMUTED_QK_ARCHS = ("llama", "mistral")

@@ -8,9 +8,9 @@ import time
 import torch
 from torch import nn
 
-from tokenmill.config import LoadConfig, ModelConfig
+from tokenmill.config import KernelConfig, LoadConfig, ModelConfig, kernel_config_scope
+from tokenmill.hf_config import ModelLoadError
 from tokenmill.model.attention.backend import AttentionBackend
-from tokenmill.model.loader.hf_config import ModelLoadError
 from tokenmill.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -65,8 +65,10 @@ def get_model(
     load_config: LoadConfig,
     device: torch.device,
     backend: type[AttentionBackend],
+    kernel_config: KernelConfig | None = None,
 ) -> nn.Module:
-    """Build the model on ``device`` in the configured dtype and load its weights.
+    """Build the model on ``device`` in the configured dtype, its layers taking their kernel
+    choices from ``kernel_config`` (default: ``KernelConfig()``), and load its weights.
 
     Parameters are created on the target device, so weights are copied straight there
     (tensor by tensor from memory-mapped files).
@@ -95,7 +97,11 @@ def get_model(
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype(model_config.dtype))
     try:
-        with torch.device(device), quantization_context(quant_config):
+        with (
+            torch.device(device),
+            kernel_config_scope(kernel_config or KernelConfig()),
+            quantization_context(quant_config),
+        ):
             model = model_cls(model_config, backend)
             if quant_config is not None:
                 create_quantized_weights(model, quant_config)

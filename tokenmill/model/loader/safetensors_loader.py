@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
-from tokenmill.model.loader.hf_config import ModelLoadError
+from tokenmill.hf_config import ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -12,9 +12,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tokenmill.hf_config import ModelLoadError
 from tokenmill.model.layers.linear import WeightShapeError, default_weight_loader
 from tokenmill.model.layers.quantization.bitsandbytes import checkpoint_param_name
-from tokenmill.model.loader.hf_config import ModelLoadError
 
 # Checkpoint tensors that hold no weights (buffers transformers used to save).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.hf_config import HFConfig, ModelLoadError
 from tokenmill.model.attention.backend import AttentionBackend
 from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.linear import (
@@ -22,7 +23,6 @@ from tokenmill.model.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from tokenmill.model.loader.hf_config import HFConfig, ModelLoadError
 from tokenmill.model.loader.weights import load_model_weights
 
 # config.json ``hidden_act`` -> the activation of the MLP (no gate: BERT's MLP is not GLU).

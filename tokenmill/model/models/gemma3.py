@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.hf_config import HFConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.attention import Attention
 from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding, get_rope
-from tokenmill.model.loader.hf_config import HFConfig
 from tokenmill.model.models.decoder import DecoderForCausalLM, DecoderModel, open_residual
 from tokenmill.model.models.llama import LlamaForCausalLM, LlamaMLP
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill import envs
 from tokenmill.config import ModelConfig
+from tokenmill.hf_config import HFConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.activation import SiluAndMul, get_act_and_mul
 from tokenmill.model.layers.attention import Attention
@@ -19,11 +19,9 @@ from tokenmill.model.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    gated_dense,
 )
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import get_rope
-from tokenmill.model.loader.hf_config import HFConfig
 from tokenmill.model.models.decoder import (
     DecoderForCausalLM,
     DecoderModel,
@@ -59,12 +57,12 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = get_act_and_mul(hidden_act)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
-        # Read once: the choice must not change between CUDA-graph capture and eager steps.
-        self.gated_product = isinstance(self.act_fn, SiluAndMul) and envs.gated_product()
+        # SiLU-and-mul in the gate/up product's epilogue where the skinny GEMM runs it.
+        self.gated_product = isinstance(self.act_fn, SiluAndMul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated_product and self.gate_up_proj.quant_method.is_unquantized:
-            gated = gated_dense(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        if self.gated_product:
+            gated = self.gate_up_proj.forward_gated(x)
             if gated is not None:
                 return self.down_proj(gated)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

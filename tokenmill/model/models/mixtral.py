@@ -9,12 +9,12 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.hf_config import HFConfig
 from tokenmill.model.attention.backend import AttentionBackend
 from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.fused_moe import FusedMoE
 from tokenmill.model.layers.linear import ReplicatedLinear
 from tokenmill.model.layers.norm import RMSNorm
-from tokenmill.model.loader.hf_config import HFConfig
 from tokenmill.model.models.decoder import (
     DecoderForCausalLM,
     DecoderModel,

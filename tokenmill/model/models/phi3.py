@@ -10,7 +10,7 @@ applies to every layer.
 
 from __future__ import annotations
 
-from tokenmill.model.loader.hf_config import HFConfig
+from tokenmill.hf_config import HFConfig
 from tokenmill.model.models.llama import LlamaForCausalLM
 
 

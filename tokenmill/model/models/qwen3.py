@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.hf_config import HFConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.norm import RMSNorm
-from tokenmill.model.loader.hf_config import HFConfig
 from tokenmill.model.models.decoder import (
     DecoderForCausalLM,
     DecoderModel,

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.hf_config import HFConfig
 from tokenmill.model.attention.backend import AttentionBackend
 from tokenmill.model.layers.fused_moe import FusedMoE
 from tokenmill.model.layers.linear import ReplicatedLinear
-from tokenmill.model.loader.hf_config import HFConfig
 from tokenmill.model.models.llama import LlamaForCausalLM, LlamaMLP
 from tokenmill.model.models.qwen3 import Qwen3ForCausalLM
 

@@ -140,6 +140,17 @@ class LinearMethod(ABC):
     ) -> torch.Tensor:
         """``x W^T (+ bias)``: ``[T, K]`` -> ``[T, N]`` in ``x``'s dtype."""
 
+    def apply_gated(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """``silu(y[:, :N/2]) * y[:, N/2:]`` of ``y = x W^T (+ bias)`` in the product's own
+        launch, where the method has such a kernel; None (the default) where it has not, and
+        the caller runs ``apply`` and then the gate.
+
+        Shapes: ``x [M, K]`` (gate rows over up rows in ``W``) -> ``[M, N/2]``.
+        """
+        return None
+
     @property
     def is_unquantized(self) -> bool:
         return False

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.config import current_kernel_config
 from tokenmill.model.layers.quantization.base import QuantizationError, ShardSlice
 from tokenmill.model.layers.quantization.gguf import build_segments, segments_mm
 
@@ -113,7 +114,6 @@ class GGUFMoEMethod:
         return routed_loop(hidden, topk_weights, topk_ids, layer.num_experts, mlp)
 
 
-
 class _ExpertLinear(nn.Module):
     """One expert's product held by a linear method (not registered on the model: its
     checkpoint tensors arrive through the MoE layer's stacked names)."""
@@ -123,6 +123,7 @@ class _ExpertLinear(nn.Module):
         self.input_size = input_size
         self.output_partition_sizes = output_sizes
         self.tp_size, self.tp_rank = 1, 0
+        self.skinny_gemm = current_kernel_config().skinny_gemm  # read by unquantized methods
         self.quant_method = method
         self.bias = None
         method.create_weights(self, input_size, output_sizes, torch.get_default_dtype())

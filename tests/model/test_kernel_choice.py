@@ -1,0 +1,65 @@
+"""Kernel choices: ``KernelConfig`` from ``--kernel-config`` / ``LLM(kernel_config=...)``,
+and the linear layers that follow it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.config import ConfigError, KernelConfig, current_kernel_config, kernel_config_scope
+from tokenmill.kernels.gemm import skinny as sg
+from tokenmill.model.layers import linear
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (None, KernelConfig()),
+        ('{"skinny_gemm": "off"}', KernelConfig(skinny_gemm="off")),
+        ({"skinny_gemm": "all"}, KernelConfig(skinny_gemm="all")),
+        (KernelConfig(skinny_gemm="off"), KernelConfig(skinny_gemm="off")),
+        ("{}", KernelConfig()),
+    ],
+)
+def test_kernel_config_parses(value, expected):
+    assert KernelConfig.parse(value) == expected
+    assert KernelConfig().skinny_gemm == "auto"  # the measured winner by default
+
+
+@pytest.mark.parametrize(
+    "value,words",
+    [
+        ("skinny", "not valid JSON"),
+        ("[1]", "must be a JSON object"),
+        ('{"skiny_gemm": "off"}', "unknown field(s) ['skiny_gemm']; known: skinny_gemm"),
+        ('{"skinny_gemm": "fast"}', "skinny_gemm must be one of auto, all, off, got 'fast'"),
+    ],
+)
+def test_kernel_config_rejects_in_one_line(value, words):
+    with pytest.raises(ConfigError) as e:
+        KernelConfig.parse(value)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_layers_take_the_choice_of_the_model_being_built():
+    assert linear.LinearBase(8, 4, bias=False).skinny_gemm == "auto"
+    with kernel_config_scope(KernelConfig(skinny_gemm="off")):
+        assert current_kernel_config().skinny_gemm == "off"
+        layer = linear.MergedColumnParallelLinear(8, [4, 4])
+    assert layer.skinny_gemm == "off"
+    assert current_kernel_config() == KernelConfig()
+
+
+@pytest.mark.parametrize(
+    "mode,tuned,used",
+    [("auto", True, True), ("auto", False, False), ("all", False, True), ("off", True, False)],
+)
+def test_dense_routes_by_the_choice(monkeypatch, mode, tuned, used):
+    monkeypatch.setattr(sg, "use_skinny_gemm", lambda x, w: True)
+    monkeypatch.setattr(sg, "has_tuned_config", lambda x, w: tuned)
+    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b: "skinny")
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    out = linear.dense(x, w, skinny=mode)
+    assert (out == "skinny") if used else torch.allclose(out, F.linear(x, w))
+

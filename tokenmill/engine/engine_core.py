@@ -1,0 +1,314 @@
+"""EngineCore: the loop of schedule -> execute -> update, in-process.
+
+``EngineCoreProc`` (engine/engine_core_proc.py) runs the same loop in its own process behind
+ZMQ sockets for the server. This module stays importable without torch: the executor
+(which loads torch) is created through a factory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.core.engine_io import (
+    CONSTRAINT_BUSY_PREFIX,
+    CONSTRAINT_FAILURE_PREFIX,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from tokenmill.core.grammar_compilation import (
+    WORKER_NICE,
+    GrammarCompilation,
+    default_num_workers,
+)
+from tokenmill.core.grammar_masks import GrammarMaskFiller
+from tokenmill.core.grammar_workers import WorkerProcess
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# The longest an idle engine waits for a grammar before looking at its input again (s).
+GRAMMAR_WAIT_S = 0.01
+
+
+def _default_executor(config: EngineConfig):
+    from tokenmill.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor(config)
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; ``step()`` runs one iteration.
+
+    Args:
+        config: the resolved engine configuration.
+        executor_factory: builds the executor (defaults to one in-process worker).
+        log_stats: attach SchedulerStats to every step's outputs.
+
+    Raises:
+        ConfigError: the KV cache cannot hold even one request of ``max_model_len``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_factory: Callable[[EngineConfig], object] | None = None,
+        log_stats: bool = True,
+    ) -> None:
+        self.config = config
+        start = time.perf_counter()
+        self.executor = (executor_factory or _default_executor)(config)
+        num_blocks = self._init_kv_cache()
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, num_blocks, log_stats=log_stats
+        )
+        self.log_stats = log_stats
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        # Async scheduling: the step in flight (its plan and its output handle).
+        self._pending: tuple[SchedulerOutput, Any] | None = None
+        self._failed: list[EngineCoreOutput] = []  # requests refused here, to report
+        self._num_constraint_failures = 0  # of those, not yet in a SchedulerStats
+        sc = config.scheduler_config
+        logger.info(
+            "Scheduler: %d tokens and %d requests per step, chunked prefill %s, prefill pacing "
+            "%s, async scheduling %s",
+            sc.max_num_batched_tokens, sc.max_num_seqs,
+            "on" if sc.enable_chunked_prefill else "off",
+            f"{sc.prefill_pacing_tokens} {sc.prefill_pacing_mode} tokens"
+            if sc.prefill_pacing_tokens
+            else "off",
+            "on" if sc.async_scheduling else "off",
+        )  # fmt: skip
+        logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
+        # Structured outputs' grammars are compiled and their masks filled in worker
+        # processes (the tokenizer's table for them is built on a thread, ~1 s), so that
+        # a costly constraint cannot stall the running requests.
+        self._grammars = GrammarCompilation(
+            self._build_grammar_backend, lambda args: _grammar_worker(args, WORKER_NICE)
+        )
+        self._grammar_masks = GrammarMaskFiller(
+            lambda: _grammar_worker(self._grammars.backend.worker_args, 0),
+            max_workers=default_num_workers(),
+        )
+
+    def _init_kv_cache(self) -> int:
+        cc, mc, sc = (
+            self.config.cache_config,
+            self.config.model_config,
+            self.config.scheduler_config,
+        )
+        num_blocks = self.executor.determine_num_blocks()
+        capacity = num_blocks * cc.block_size
+        if capacity < mc.max_model_len:
+            if self.config.max_model_len_auto:
+                mc.max_model_len = sc.max_model_len = capacity
+            else:
+                raise ConfigError(
+                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+                    f"{cc.block_size}), fewer than --max-model-len {mc.max_model_len}: lower "
+                    "--max-model-len or give the cache more memory (--kv-cache-memory, "
+                    "--gpu-memory-utilization)"
+                )
+        cc.num_blocks = num_blocks
+        self.executor.initialize_cache(num_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency for "
+            "%d-token requests: %.2fx",
+            num_blocks,
+            cc.block_size,
+            capacity,
+            mc.max_model_len,
+            capacity / mc.max_model_len,
+        )
+        return num_blocks
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request (validated by the front end; the scheduler re-checks lengths).
+
+        A request with structured outputs is held back until its grammar compiles
+        (``core/grammar_compilation.py``); one whose constraint does not compile finishes
+        aborted (the front end checks the constraints, so this is rare).
+
+        Raises:
+            ValueError: the scheduler refuses the request (``Scheduler.check_request``).
+        """
+        req = Request.from_engine_core_request(request, self.config.model_config.max_model_len)
+        if req.request_id in self._grammars:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if request.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(req)
+            return
+        self.scheduler.check_request(req)
+        self._grammars.submit(req)
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammars are ready; report those that failed."""
+        ready, failed = self._grammars.take_ready()
+        if ready:
+            self._grammar_masks.prepare()
+        for req in ready:
+            self.scheduler.add_request(req)
+        for req, error in failed:
+            logger.warning("request %s aborted: %s", req.request_id, error)
+            # The reason travels as the stop reason: the server answers it with a 400 (a
+            # 429 when the compilers were busy).
+            reason = str(error)
+            if not reason.startswith((CONSTRAINT_FAILURE_PREFIX, CONSTRAINT_BUSY_PREFIX)):
+                reason = f"{CONSTRAINT_FAILURE_PREFIX} the constraint failed to compile: {reason}"
+            self._failed.append(
+                EngineCoreOutput(
+                    req.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=reason
+                )
+            )
+            self._num_constraint_failures += 1
+
+    def _build_grammar_backend(self) -> Any:
+        from tokenmill.grammar_runtime import GrammarBackend
+        from tokenmill.tokenizer import get_tokenizer
+
+        mc = self.config.model_config
+        tokenizer = get_tokenizer(mc.model, mc.tokenizer if mc.tokenizer != mc.model else None)
+        return GrammarBackend(tokenizer, mc.vocab_size)
+
+    def _grammar_output(self, so: SchedulerOutput) -> GrammarOutput | None:
+        """The next-token bitmasks of the requests with structured outputs that sample in
+        ``so`` (their whole context computed by it), from their grammars' current state;
+        None when no such request samples.
+
+        A grammar whose mask takes too long (``core/grammar_masks.py``) is given up: its
+        request samples without a mask, and ``update_from_output`` drops that token and
+        finishes the request aborted with the reason.
+        """
+        requests = self.scheduler.requests
+        self._grammar_masks.forget(requests)
+        grammars = {}
+        for req_id in so.num_scheduled_tokens:
+            request = requests[req_id]
+            if request.grammar is not None and request.num_computed_tokens >= request.num_tokens:
+                grammars[req_id] = request.grammar
+        if not grammars:
+            return None
+        masks, given_up = self._grammar_masks.fill(grammars)
+        for req_id, reason in given_up.items():
+            grammars[req_id].fail(reason)
+        return GrammarOutput(masks)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish requests at once and free their KV blocks (unknown ids are ignored)."""
+        request_ids = list(request_ids)
+        self._grammars.discard(request_ids)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._pending is not None
+            or bool(self._failed)
+            or len(self._grammars) > 0
+        )
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """One iteration: schedule, run the model, turn sampled tokens into outputs.
+
+        With async scheduling the step launched here is collected by the next call: the
+        host schedules and processes outputs while the device computes, and the outputs
+        returned are those of the previous step.
+        """
+        if len(self._grammars):
+            if not self.scheduler.has_unfinished_requests() and self._pending is None:
+                # Nothing else to run: wait for a grammar rather than spin.
+                self._grammars.wait_any(GRAMMAR_WAIT_S)
+            self._admit_compiled()
+        outputs = self._step_async() if self.async_scheduling else self._step_sync()
+        if self._failed:
+            outputs.outputs[:0], self._failed = self._failed, []
+        if outputs.scheduler_stats is not None:
+            # Requests whose grammars compile are waiting too (vLLM's WAITING_FOR_FSM).
+            outputs.scheduler_stats.num_waiting_reqs += len(self._grammars)
+            outputs.scheduler_stats.num_constraint_failures += self._num_constraint_failures
+            self._num_constraint_failures = 0
+        return outputs
+
+    def _step_sync(self) -> EngineCoreOutputs:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # Still tell the worker about finished requests so it drops their state.
+            if scheduler_output.finished_req_ids:
+                self.executor.execute_model(scheduler_output)
+            outputs = EngineCoreOutputs(timestamp=time.time())
+            if self.log_stats:
+                outputs.scheduler_stats = self.scheduler.make_stats()
+            return outputs
+        grammar_output = self._grammar_output(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output, grammar_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs.timestamp = time.time()
+        return outputs
+
+    def _step_async(self) -> EngineCoreOutputs:
+        so = self.scheduler.schedule()
+        pending, self._pending = self._pending, None
+        outputs = EngineCoreOutputs(timestamp=time.time())
+        if so.total_num_scheduled_tokens == 0:
+            if pending is not None:
+                outputs = self._collect(pending)
+            if so.finished_req_ids:
+                self.executor.execute_model(so)  # the worker drops finished requests
+            if self.log_stats and outputs.scheduler_stats is None:
+                outputs.scheduler_stats = self.scheduler.make_stats()
+            return outputs
+        requests = self.scheduler.requests
+        if any(requests[r].needs_sync_step for r in so.num_scheduled_tokens):
+            # Its sampling needs every earlier token on the host: run it in step.
+            if pending is not None:
+                outputs = self._collect(pending)
+            runner_output = self.executor.execute_model(so, self._grammar_output(so))
+            return _merge(outputs, self.scheduler.update_from_output(so, runner_output))
+        handle = self.executor.execute_model_async(so)
+        if pending is not None:
+            outputs = self._collect(pending)
+        self._pending = (so, handle)
+        return outputs
+
+    def _collect(self, pending: tuple[SchedulerOutput, Any]) -> EngineCoreOutputs:
+        scheduler_output, handle = pending
+        outputs = self.scheduler.update_from_output(scheduler_output, handle.get())
+        outputs.timestamp = time.time()
+        return outputs
+
+    def check_integrity(self) -> None:
+        """Verify the KV cache's bookkeeping (``KVCacheManager.check_integrity``)."""
+        self.scheduler.kv_cache_manager.check_integrity()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self._grammars.shutdown()
+        self._grammar_masks.shutdown()
+        self.executor.shutdown()
+
+
+def _grammar_worker(args: tuple, nice: int) -> WorkerProcess:
+    """A grammar worker process (``grammar_runtime.serve_grammars``) started with ``args``."""
+    return WorkerProcess("tokenmill.grammar_runtime:serve_grammars", args, nice=nice)
+
+
+def _merge(first: EngineCoreOutputs, second: EngineCoreOutputs) -> EngineCoreOutputs:
+    """One step's outputs followed by the next's (async mode collecting two at once)."""
+    first.outputs.extend(second.outputs)
+    first.first_scheduled.update(second.first_scheduled)
+    first.scheduler_stats = second.scheduler_stats or first.scheduler_stats
+    first.timestamp = second.timestamp or first.timestamp
+    return first

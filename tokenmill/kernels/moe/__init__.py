@@ -1,0 +1,1 @@
+"""Mixture-of-experts kernels: routing and the routed experts' grouped GEMMs."""

@@ -1,0 +1,337 @@
+"""Mixture-of-experts (MoE) kernels: top-k routing and the routed experts' SwiGLU MLPs.
+
+Sparse MoE (Shazeer et al. 2017, arXiv:1701.06538) as Mixtral (Jiang et al. 2024,
+arXiv:2401.04088) and Qwen3-MoE use it: a router scores ``E`` experts per token, the top ``k``
+run, and their outputs are summed weighted by the (optionally renormalised) router
+probabilities.
+
+Two implementations compute the experts:
+
+- ``fused_experts_torch``: a loop over the experts that received tokens (the CPU path and the
+  reference).
+- ``fused_experts_triton``: the GPU path. Following MegaBlocks (Gale et al. 2022,
+  "MegaBlocks: Efficient Sparse Training with Mixture-of-Experts", arXiv:2211.15841), the
+  (token, expert) assignments are sorted by expert and each expert's group is padded to a
+  multiple of the GEMM tile height, so every row tile belongs to exactly one expert. One
+  grouped-GEMM launch then covers all experts: each program reads its tile's expert id and
+  multiplies the gathered token rows by that expert's weights. The first launch computes
+  gate and up together and applies the SwiGLU activation in registers (the ``[T*k, 2I]``
+  gate/up activations never reach memory); the second computes the down projection and
+  scales each row by its routing weight; a sum over the ``k`` rows of each token finishes.
+  Sorting and padding are done with device-side torch ops sized by an upper bound, so a
+  launch never waits on the host.
+
+Expert weights come stacked: ``w13 [E, 2I, H]`` (gate rows then up rows) and
+``w2 [E, H, I]``, so each kernel reads one tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels.device import HAS_TRITON
+from tokenmill.math_utils import cdiv
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+
+# Batches of at least this many tokens take the torch expert loop on CUDA (see
+# ``fused_experts``).
+TORCH_MIN_TOKENS = 2048
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing: softmax over all experts, keep the ``top_k`` largest.
+
+    With ``renormalize`` the kept probabilities are divided by their sum, which equals a
+    softmax over the top-k logits (Mixtral; Qwen3-MoE with ``norm_topk_prob``).
+
+    Args:
+        router_logits: ``[T, E]``, any float dtype.
+        top_k: experts per token.
+        renormalize: make each token's ``top_k`` weights sum to 1.
+
+    Returns:
+        ``(topk_weights [T, top_k] float32, topk_ids [T, top_k] int64)``, in descending
+        weight order.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts_torch(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Routed SwiGLU experts in plain torch: one pair of GEMMs per expert that got tokens.
+
+    Args:
+        hidden: ``[T, H]``.
+        w13: ``[E, 2I, H]``, gate rows ``[:I]`` then up rows ``[I:]``.
+        w2: ``[E, H, I]``.
+        topk_weights: ``[T, k]`` routing weights (float32 or the activations' dtype).
+        topk_ids: ``[T, k]`` expert ids.
+
+    Returns:
+        ``[T, H]`` in ``hidden``'s dtype: ``sum_j w[t, j] * expert_{ids[t, j]}(hidden[t])``.
+    """
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    out = torch.zeros_like(hidden)
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    flat_weights = topk_weights.reshape(-1)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        slots = order[start : start + count]
+        start += count
+        tokens = slots // top_k
+        gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])
+        y = y * flat_weights[slots, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+def align_tokens_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort (token, expert) assignments by expert, each expert's group padded to ``block_m``.
+
+    An assignment is a *slot* ``s = t * k + j`` (token ``t``'s ``j``-th expert). Sizes are the
+    worst case ``T*k + E*(block_m - 1)`` so nothing is read back to the host.
+
+    Args:
+        topk_ids: ``[T, k]`` integer expert ids.
+        num_experts: ``E``.
+        block_m: row-tile height of the grouped GEMM.
+
+    Returns:
+        ``(sorted_slots, block_experts, num_padded)``: ``sorted_slots [max_padded]`` int32,
+        the slots grouped by expert (padding and the unused tail hold ``T*k``, an invalid
+        slot); ``block_experts [max_padded / block_m]`` int32, the expert of each row tile
+        (``E`` past the used tiles); ``num_padded [1]`` int32, the rows in use.
+    """
+    flat = topk_ids.reshape(-1).long()
+    num_slots = flat.numel()
+    device = flat.device
+    # NOTE: scatter_add rather than bincount, whose output size depends on the data (a sync).
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(num_slots, device=device) - count_start[expert_of]
+    max_padded = num_slots + num_experts * (block_m - 1)
+    max_padded = (max_padded + block_m - 1) // block_m * block_m
+    sorted_slots = torch.full((max_padded,), num_slots, dtype=torch.int32, device=device)
+    sorted_slots[padded_start[expert_of] + rank] = order.to(torch.int32)
+    tile_starts = torch.arange(0, max_padded, block_m, device=device)
+    block_experts = torch.searchsorted(padded_end, tile_starts, right=True).to(torch.int32)
+    return sorted_slots, block_experts, padded_end[-1:].to(torch.int32)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _moe_gemm_kernel(
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        weights_ptr,
+        sorted_slots_ptr,
+        block_experts_ptr,
+        num_padded_ptr,
+        N,
+        K,
+        num_slots,
+        max_padded,
+        stride_am,
+        stride_be,
+        stride_bn,
+        stride_cm,
+        A_ROW_DIV: tl.constexpr,
+        GATED: tl.constexpr,
+        MUL_WEIGHT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
+        """One ``[BLOCK_M, BLOCK_N]`` output tile of ``C[slot] = A[slot // A_ROW_DIV] @ B[e]^T``.
+
+        ``B`` is ``[E, N(*2 if GATED), K]``; with ``GATED`` the tile also computes the up
+        projection (rows ``N + n`` of ``B``) and stores ``silu(gate) * up``. With
+        ``MUL_WEIGHT`` each row is scaled by its slot's routing weight.
+        """
+        pid = tl.program_id(0)
+        num_pid_m = tl.cdiv(max_padded, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        # Grouped launch order: GROUP_M row tiles share each weight column tile in L2.
+        per_group = GROUP_M * num_pid_n
+        first_m = (pid // per_group) * GROUP_M
+        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_size
+        pid_n = (pid % per_group) // group_size
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slots = tl.load(sorted_slots_ptr + offs_m)
+        row_mask = slots < num_slots
+        expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_rows = (slots // A_ROW_DIV).to(tl.int64)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+        # B tile read as [BLOCK_K, BLOCK_N] (the transpose of rows n of expert e).
+        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+        b_ptrs += offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b_mask = k_mask[:, None] & n_mask[None, :]
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if MUL_WEIGHT:
+            w = tl.load(weights_ptr + slots, mask=row_mask, other=0.0)
+            acc = acc * w[:, None]
+        c_ptrs = c_ptr + slots.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def moe_tile_config(num_slots: int, num_experts: int, dtype: torch.dtype) -> dict[str, int]:
+    """Tile sizes for the grouped GEMMs, from the average rows per expert.
+
+    Measured on an H200 with Mixtral-8x7B's shapes (``benchmarks/moe_bench.py
+    --sweep-tiles``, bf16): 16-row tiles while experts get a few rows each (decode), 32-row
+    tiles up to 16 rows per expert, then 128 x 128 tiles with 8 warps (0.87 ms against
+    1.28 ms for 32 x 64 tiles at 256 tokens). fp32 (FMA dot products, the interpreter)
+    keeps tiles small so the two accumulators of the gated launch fit in registers.
+    """
+    if dtype == torch.float32:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
+    rows_per_expert = num_slots / max(1, num_experts)
+    if rows_per_expert <= 8:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    if rows_per_expert <= 16:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def _launch_moe_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    topk_weights: torch.Tensor,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    num_slots: int,
+    a_row_div: int,
+    gated: bool,
+    config: dict[str, int],
+) -> None:
+    sorted_slots, block_experts, num_padded = aligned
+    n = c.shape[1]
+    k = a.shape[1]
+    max_padded = sorted_slots.numel()
+    tiles = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["GROUP_M"]
+    grid = (cdiv(max_padded, tiles[0]) * cdiv(n, tiles[1]),)
+    _moe_gemm_kernel[grid](
+        a, b, c, topk_weights, sorted_slots, block_experts, num_padded,
+        n, k, num_slots, max_padded,
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        A_ROW_DIV=a_row_div,
+        GATED=gated,
+        MUL_WEIGHT=not gated,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=tiles[0],
+        BLOCK_N=tiles[1],
+        BLOCK_K=tiles[2],
+        GROUP_M=tiles[3],
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
+
+
+def fused_experts_triton(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Routed SwiGLU experts with the grouped-GEMM Triton kernel (see the module docstring).
+
+    Same arguments and result as ``fused_experts_torch``; all tensors on one device (CUDA,
+    or CPU under ``TRITON_INTERPRET=1``), weights contiguous.
+
+    Args:
+        config: tile sizes (``moe_tile_config`` keys); chosen by ``moe_tile_config`` if None.
+
+    Raises:
+        ValueError: Triton is not installed.
+    """
+    if not HAS_TRITON:
+        raise ValueError("the fused MoE kernel needs Triton")
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_i, _ = w13.shape
+    hidden_size = w2.shape[1]
+    num_slots = num_tokens * top_k
+    if num_slots == 0:
+        return torch.zeros_like(hidden)
+    config = config or moe_tile_config(num_slots, num_experts, hidden.dtype)
+    aligned = align_tokens_by_expert(topk_ids, num_experts, config["BLOCK_M"])
+    weights = topk_weights.reshape(-1).float().contiguous()
+    hidden = hidden.contiguous()
+    act = torch.empty(num_slots, two_i // 2, dtype=hidden.dtype, device=hidden.device)
+    _launch_moe_gemm(hidden, w13, act, weights, aligned, num_slots, top_k, True, config)
+    down = torch.empty(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    _launch_moe_gemm(act, w2, down, weights, aligned, num_slots, 1, False, config)
+    return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
+def fused_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The Triton kernel on CUDA, the torch loop elsewhere (see ``fused_experts_torch``).
+
+    From ``TORCH_MIN_TOKENS`` tokens on, outside CUDA-graph capture, CUDA runs the torch
+    loop too: its per-expert cuBLAS GEMMs beat the grouped kernel there (H200, Mixtral
+    shapes: 3.07 against 3.26 ms at 2048 tokens, 5.52 against 6.13 ms at 4096).
+    """
+    if HAS_TRITON and hidden.is_cuda:
+        large = hidden.shape[0] >= TORCH_MIN_TOKENS
+        if not large or torch.cuda.is_current_stream_capturing():
+            return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids)
+    return fused_experts_torch(hidden, w13, w2, topk_weights, topk_ids)

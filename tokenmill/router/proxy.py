@@ -1,0 +1,281 @@
+"""The router's HTTP side (aiohttp): every request is passed to the backend a policy chose.
+
+Routes of its own: ``GET /health`` (200 while some backend is healthy, else 503),
+``GET /metrics`` (the router's Prometheus metrics) and ``GET /router/backends`` (JSON: each
+backend's URL, health and requests in flight). Every other path and method is forwarded as
+it is — body, query and headers (the client's ``Authorization`` included), less the
+hop-by-hop ones — and the response comes back byte for byte as the backend writes it:
+streams (server-sent events) are passed through unbuffered, compressed bodies stay
+compressed. When the client disconnects, the handler is cancelled and the connection to the
+backend closed, which aborts the request there. A backend that refuses the connection is
+marked unhealthy and the request is routed again among the others; one that fails after the
+request reached it gets a 502 (the request is not replayed: generation is not idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tokenmill.router.backends import Backend, BackendPool
+from tokenmill.router.metrics import RouterMetrics
+from tokenmill.router.policy import PrefixAwarePolicy, RoutingKey, RoutingPolicy
+
+logger = logging.getLogger("tokenmill.router")
+
+# Not forwarded either way (RFC 9110 section 7.6.1), and those aiohttp sets itself.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "expect",  # (the body is read whole before it is forwarded)
+    }
+)
+# Bodies larger than this are forwarded without being read for a routing key (bytes).
+MAX_KEYED_BODY = 32 << 20
+CONNECT_TIMEOUT_S = 10.0
+# Characters per prefix segment of a completion prompt: about one KV block of 16 tokens
+# (a prefix shorter than a block gives the engine no cache hit).
+PROMPT_BLOCK_CHARS = 64
+
+
+class ConnectFailed(Exception):
+    """The backend refused the connection: the request never reached it."""
+
+
+def error_response(status: int, message: str, code: str) -> web.Response:
+    """An error in OpenAI's format."""
+    body = {"error": {"message": message, "type": "router_error", "param": None, "code": code}}
+    return web.json_response(body, status=status)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: their text, in order
+        return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    return "" if content is None else json.dumps(content, sort_keys=True)
+
+
+def _message(message: Any) -> str:
+    if isinstance(message, dict):
+        return f"{message.get('role', '')}\n{_content_text(message.get('content'))}"
+    return _content_text(message)
+
+
+def prompt_segments(body: Any, block_chars: int) -> tuple[str, ...]:
+    """The prompt of a request body, as the segments the prefix map hashes: each chat
+    message (OpenAI's ``messages``, Anthropic's ``system`` first, a Responses ``input``
+    list), else ``block_chars``-character blocks of a completion ``prompt`` or a text
+    ``input`` (full blocks only: the tail may still grow). Empty without a prompt."""
+    if not isinstance(body, dict):
+        return ()
+    if isinstance(body.get("messages"), list) or isinstance(body.get("input"), list):
+        messages = body.get("messages") or body.get("input") or []
+        system = () if body.get("system") is None else ("system\n" + _content_text(body["system"]),)
+        return system + tuple(_message(m) for m in messages)
+    text = body.get("prompt", body.get("input"))
+    if isinstance(text, list) and text and not isinstance(text[0], int):
+        text = text[0]  # a batch of prompts: route on the first
+    if text is None:
+        return ()
+    if not isinstance(text, str):
+        text = json.dumps(text)  # token ids
+    return tuple(
+        text[i : i + block_chars] for i in range(0, len(text) - block_chars + 1, block_chars)
+    )
+
+
+def routing_key(
+    request: web.Request, body: bytes, session_header: str, block_chars: int
+) -> RoutingKey:
+    session = request.headers.get(session_header)
+    if not body or len(body) > MAX_KEYED_BODY or request.content_type != "application/json":
+        return RoutingKey(session=session)
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return RoutingKey(session=session)  # the backend will answer it with a 400
+    model = str(parsed.get("model", "")) if isinstance(parsed, dict) else ""
+    return RoutingKey(model, prompt_segments(parsed, block_chars), session)
+
+
+class Router:
+    """Routes requests over a pool of backends.
+
+    Args:
+        pool: the backends.
+        policy: how one is chosen.
+        session_header: the header naming a session (``session`` routing).
+        block_chars: characters per prefix segment of a completion prompt.
+    """
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        policy: RoutingPolicy,
+        session_header: str,
+        block_chars: int = PROMPT_BLOCK_CHARS,
+    ) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.session_header = session_header
+        self.block_chars = block_chars
+        self.metrics = RouterMetrics()
+        pool.on_change = self._backend_changed
+        self.session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+
+    def _backend_changed(self, url: str, healthy: bool | None) -> None:
+        self.metrics.backend_changed(url, healthy)
+        if healthy is None and isinstance(self.policy, PrefixAwarePolicy):
+            self.policy.forget(url)
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/router/backends", self.list_backends)
+        app.router.add_route("*", "/{path:.*}", self.forward)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+        connector = aiohttp.TCPConnector(limit=0)  # the backends limit their own load
+        self.session = aiohttp.ClientSession(
+            timeout=timeout, connector=connector, auto_decompress=False
+        )
+        await self.pool.refresh(self.session)
+        self._health_task = asyncio.get_running_loop().create_task(self.pool.run(self.session))
+
+    async def _stop(self, _: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self.session is not None:
+            await self.session.close()
+
+    # ---- its own routes -------------------------------------------------------------------
+
+    async def health(self, _: web.Request) -> web.Response:
+        if self.pool.healthy():
+            return web.Response(status=200)
+        return error_response(503, "No healthy backend.", "no_healthy_backend")
+
+    async def prometheus(self, _: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def list_backends(self, _: web.Request) -> web.Response:
+        backends = [
+            {"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight}
+            for b in self.pool.backends.values()
+        ]
+        return web.json_response({"backends": backends})
+
+    # ---- forwarding -----------------------------------------------------------------------
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        """Route ``request`` and pass the backend's response back."""
+        body = await request.read()
+        key = routing_key(request, body, self.session_header, self.block_chars)
+        refused: set[str] = set()
+        while True:
+            candidates = [b for b in self.pool.healthy() if b.url not in refused]
+            if not candidates:
+                return error_response(503, "No healthy backend to route to.", "no_healthy_backend")
+            decision = self.policy.choose(key, candidates)
+            backend = self.pool.backends[decision.backend]
+            self.metrics.decisions.labels(backend.url, decision.reason).inc()
+            if isinstance(self.policy, PrefixAwarePolicy) and key.segments:
+                self.metrics.queried_chars.inc(sum(len(s) for s in key.segments))
+                self.metrics.matched_chars.inc(decision.matched_chars)
+            try:
+                return await self._send(request, body, backend)
+            except ConnectFailed as e:
+                logger.warning(
+                    "backend %s refused the connection (%s); routing again", backend.url, e
+                )
+                self.pool.set_health(backend, False)
+                self.metrics.retries.labels(backend.url).inc()
+                refused.add(backend.url)
+
+    async def _send(
+        self, request: web.Request, body: bytes, backend: Backend
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        url = backend.url + request.rel_url.raw_path_qs
+        backend.in_flight += 1
+        self.metrics.in_flight.labels(backend.url).set(backend.in_flight)
+        start = time.monotonic()
+        status = "error"
+        try:
+            try:
+                upstream = await self.session.request(
+                    request.method, url, headers=headers, data=body or None, allow_redirects=False
+                )
+            except aiohttp.ClientConnectorError as e:
+                raise ConnectFailed(str(e)) from None
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                return error_response(
+                    502, f"The backend failed: {e or type(e).__name__}", "bad_gateway"
+                )
+            self.metrics.ttfb.labels(backend.url).observe(time.monotonic() - start)
+            status = str(upstream.status)
+            return await self._relay(request, upstream)
+        finally:
+            backend.in_flight -= 1
+            self.metrics.in_flight.labels(backend.url).set(backend.in_flight)
+            self.metrics.requests.labels(backend.url, status).inc()
+            self.metrics.duration.labels(backend.url).observe(time.monotonic() - start)
+
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        """Write ``upstream``'s response to the client as its bytes arrive."""
+        complete = False
+        try:
+            headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+            response = web.StreamResponse(
+                status=upstream.status, reason=upstream.reason, headers=headers
+            )
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except aiohttp.ClientError as e:
+                # The backend failed mid-response: end the client's connection too, so that
+                # it sees an incomplete response rather than a short one.
+                logger.warning("backend failed mid-response: %s", e or type(e).__name__)
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            await response.write_eof()
+            complete = True
+            return response
+        finally:
+            if complete:
+                upstream.release()
+            else:  # the client left, or the backend failed mid-response: drop the connection
+                upstream.close()
