@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tokenmill.config import ConfigError, KernelConfig, current_kernel_config, kernel_config_scope
 from tokenmill.kernels.gemm import skinny as sg
-from tokenmill.model.layers import linear
+from tokenmill.model.layers import dense, linear
 
 
 @pytest.mark.parametrize(
@@ -60,6 +60,6 @@ def test_dense_routes_by_the_choice(monkeypatch, mode, tuned, used):
     monkeypatch.setattr(sg, "has_tuned_config", lambda x, w: tuned)
     monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b: "skinny")
     x, w = torch.randn(1, 8), torch.randn(4, 8)
-    out = linear.dense(x, w, skinny=mode)
+    out = dense.dense(x, w, skinny=mode)
     assert (out == "skinny") if used else torch.allclose(out, F.linear(x, w))
 

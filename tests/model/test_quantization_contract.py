@@ -11,7 +11,7 @@ import torch
 from tests.model.quant_checkpoints import _pack, quantize
 from tokenmill.model.layers import linear as linear_module
 from tokenmill.model.layers.quantization import quantization_context
-from tokenmill.model.layers.quantization.model_weights import (
+from tokenmill.model.loader.quantized_weights import (
     create_quantized_weights,
     process_quantized_weights,
 )

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import current_kernel_config
-from tokenmill.model.layers.linear import default_weight_loader, dense
+from tokenmill.model.layers.dense import dense
+from tokenmill.model.layers.linear import default_weight_loader
 
 
 class VocabEmbedding(nn.Module):

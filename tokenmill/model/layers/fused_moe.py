@@ -20,8 +20,8 @@ from tokenmill.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from tokenmill.kernels.moe.fused_moe import fused_experts, select_experts
-from tokenmill.model.layers.linear import check_shape
 from tokenmill.model.layers.quantization.tensors import as_float
+from tokenmill.model.layers.weight_shape import check_shape
 
 
 class ExpertWeights(nn.Module):

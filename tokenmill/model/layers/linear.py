@@ -9,16 +9,14 @@ checkpoint tensor is loaded into its slice by ``weight_loader(param, tensor, sha
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.config import SkinnyGemm, current_kernel_config
+from tokenmill.config import current_kernel_config
 from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from tokenmill.kernels.gemm import skinny as skinny_gemm
 from tokenmill.model.layers.quantization.base import (
     LinearMethod,
     ShardSlice,
@@ -27,66 +25,8 @@ from tokenmill.model.layers.quantization.base import (
 )
 from tokenmill.model.layers.quantization.context import active_config
 from tokenmill.model.layers.quantization.tensors import as_float
-
-
-def dense(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    skinny: SkinnyGemm = "auto",
-) -> torch.Tensor:
-    """``y = x W^T (+ b)``: ``F.linear``, or for decode-sized batches on CUDA the split-K
-    kernel of ``kernels.gemm.skinny`` where ``skinny`` (``KernelConfig.skinny_gemm``)
-    sends this product to it.
-
-    Shapes: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``.
-    """
-    if _runs_skinny(x, weight, skinny):
-        return skinny_gemm.skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def _runs_skinny(x: torch.Tensor, weight: torch.Tensor, skinny: SkinnyGemm) -> bool:
-    return (
-        skinny != "off"
-        and x.dim() == 2
-        and x.shape[0] <= skinny_gemm.MAX_M
-        and skinny_gemm.use_skinny_gemm(x, weight)
-        and (skinny == "all" or skinny_gemm.has_tuned_config(x, weight))
-    )
-
-
-def gated_dense(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    skinny: SkinnyGemm = "auto",
-) -> torch.Tensor | None:
-    """``silu(y[:, :N/2]) * y[:, N/2:]`` of ``y = x W^T (+ b)`` in one skinny-GEMM launch,
-    where ``dense`` would run this product through the skinny GEMM and its tiles have an
-    even ``block_n``; None elsewhere (the caller runs the product and the gate apart).
-
-    Shapes: ``x [M, K]``, ``weight [N, K]`` (gate rows over up rows), ``bias [N]`` ->
-    ``[M, N/2]``.
-    """
-    if weight.shape[0] % 2 or not _runs_skinny(x, weight, skinny):
-        return None
-    (m, k), n = x.shape, weight.shape[0]
-    config = skinny_gemm.launch_config(m, n, k, skinny_gemm.num_sms(x.device))
-    if config.block_n % 2:
-        return None
-    return skinny_gemm.skinny_linear(x, weight, bias, config=config, gated=True)
-
-
-class WeightShapeError(ValueError):
-    """A checkpoint tensor does not have the shape its parameter expects."""
-
-
-def check_shape(param_name: str, expected: torch.Size, got: torch.Size) -> None:
-    if tuple(expected) != tuple(got):
-        raise WeightShapeError(
-            f"tensor {param_name!r} has shape {tuple(got)}, expected {tuple(expected)}"
-        )
+from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod
+from tokenmill.model.layers.weight_shape import check_shape
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -113,6 +53,10 @@ class LinearBase(nn.Module):
     ``create_quantized_weights`` once the layer's name is known).
     """
 
+    # Every tensor-parallel rank holds the whole weight (``ReplicatedLinear``: MoE routers,
+    # which the int4 methods and bitsandbytes leave unquantized, as vLLM does).
+    replicated = False
+
     def __init__(
         self, input_size: int, output_size: int, bias: bool,
         output_sizes: list[int] | None = None,
@@ -127,8 +71,6 @@ class LinearBase(nn.Module):
         self.tp_size = get_tensor_model_parallel_world_size()
         self.quant_method: LinearMethod | None = None
         if active_config() is None:
-            from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod
-
             self.create_weights(UnquantizedLinearMethod())
         if bias:
             self.bias = set_layout(
@@ -169,6 +111,8 @@ class LinearBase(nn.Module):
 
 class ReplicatedLinear(LinearBase):
     """A linear layer every rank holds whole (e.g. MoE routers)."""
+
+    replicated = True
 
 
 class ColumnParallelLinear(LinearBase):

@@ -81,7 +81,7 @@ def get_model(
         get_quantization_config,
         quantization_context,
     )
-    from tokenmill.model.layers.quantization.model_weights import (
+    from tokenmill.model.loader.quantized_weights import (
         create_quantized_weights,
         process_quantized_weights,
     )

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from tokenmill.hf_config import ModelLoadError
-from tokenmill.model.layers.linear import WeightShapeError, default_weight_loader
+from tokenmill.model.layers.linear import default_weight_loader
 from tokenmill.model.layers.quantization.bitsandbytes import checkpoint_param_name
+from tokenmill.model.layers.weight_shape import WeightShapeError
 
 # Checkpoint tensors that hold no weights (buffers transformers used to save).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")

@@ -19,6 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.model.layers.quantization.tensors import as_float
+from tokenmill.model.layers.weight_shape import check_shape
+
 
 class QuantizationError(ValueError):
     """A checkpoint's quantization is unsupported or inconsistent; the message says which."""
@@ -81,9 +84,6 @@ def copy_shard(param: torch.Tensor, loaded: torch.Tensor, s: ShardSlice, name: s
     Raises:
         WeightShapeError: the shapes disagree (the message names the tensor).
     """
-    from tokenmill.model.layers.linear import check_shape
-    from tokenmill.model.layers.quantization.tensors import as_float
-
     loaded = as_float(loaded)
     out_dim = getattr(param, "output_dim", 0)
     in_dim = getattr(param, "input_dim", None if param.dim() == 1 else 1)

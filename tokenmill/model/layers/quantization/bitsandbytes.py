@@ -173,10 +173,9 @@ class BitsAndBytesConfig(QuantizationConfig):
         return cls(bits, quant_type, int(qc.get("bnb_4bit_blocksize", 64)), skip)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
-        from tokenmill.model.layers.linear import ReplicatedLinear
         from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod
 
-        if isinstance(layer, ReplicatedLinear) or any(
+        if getattr(layer, "replicated", False) or any(
             s and (prefix == s or prefix.endswith("." + s)) for s in self.skip
         ):
             return UnquantizedLinearMethod()

@@ -156,11 +156,10 @@ class CompressedTensorsConfig(QuantizationConfig):
         return False
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
-        from tokenmill.model.layers.linear import ReplicatedLinear
         from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod
 
         # MoE routers (the only replicated linear layers) stay unquantized, as in vLLM.
-        if isinstance(layer, ReplicatedLinear):
+        if getattr(layer, "replicated", False):
             return UnquantizedLinearMethod()
         if self._ignored(prefix):
             return UnquantizedLinearMethod()

@@ -262,11 +262,10 @@ class Int4Config(QuantizationConfig):
         self.zeros_minus_one = zeros_minus_one
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
-        from tokenmill.model.layers.linear import ReplicatedLinear
         from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod
 
         # MoE routers (the only replicated linear layers) stay unquantized, as in vLLM.
-        if isinstance(layer, ReplicatedLinear):
+        if getattr(layer, "replicated", False):
             return UnquantizedLinearMethod()
         if any(s and (prefix == s or prefix.endswith("." + s) or s in prefix.split("."))
                for s in self.skip):

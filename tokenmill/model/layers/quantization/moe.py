@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenmill.config import current_kernel_config
 from tokenmill.model.layers.quantization.base import QuantizationError, ShardSlice
-from tokenmill.model.layers.quantization.gguf import build_segments, segments_mm
+from tokenmill.model.layers.quantization.gguf_segments import build_segments, segments_mm
 
 
 def routed_loop(

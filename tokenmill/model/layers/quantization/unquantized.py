@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.model.layers.linear import dense, gated_dense
+from tokenmill.model.layers.dense import dense, gated_dense
 from tokenmill.model.layers.quantization.base import LinearMethod, set_layout
 
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.model.layers.fused_moe import FusedMoE
+from tokenmill.model.layers.linear import LinearBase
 from tokenmill.model.layers.quantization.base import QuantizationConfig
+from tokenmill.model.layers.quantization.gguf import GGUFEmbeddingMethod
 
 
 def create_quantized_weights(model: nn.Module, config: QuantizationConfig) -> None:
@@ -17,10 +21,6 @@ def create_quantized_weights(model: nn.Module, config: QuantizationConfig) -> No
     Raises:
         QuantizationError: a layer the method cannot quantize.
     """
-    from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
-    from tokenmill.model.layers.fused_moe import FusedMoE
-    from tokenmill.model.layers.linear import LinearBase
-
     embeddings: dict[int, VocabEmbedding] = {}
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and module.quant_method is None:
@@ -30,8 +30,6 @@ def create_quantized_weights(model: nn.Module, config: QuantizationConfig) -> No
             if method is not None:
                 module.set_quant_method(method)
         elif isinstance(module, VocabEmbedding) and config.quantizes_embeddings():
-            from tokenmill.model.layers.quantization.gguf import GGUFEmbeddingMethod
-
             tied = embeddings.get(id(module.weight)) if isinstance(module, LMHead) else None
             if tied is not None:  # a tied LM head shares the embedding's blocks
                 module.quant_method = tied.quant_method
@@ -44,10 +42,6 @@ def create_quantized_weights(model: nn.Module, config: QuantizationConfig) -> No
 
 def process_quantized_weights(model: nn.Module, device: torch.device) -> None:
     """Run each method's ``process_weights_after_loading`` (repacking for the device)."""
-    from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
-    from tokenmill.model.layers.fused_moe import FusedMoE
-    from tokenmill.model.layers.linear import LinearBase
-
     done: set[int] = set()
     for module in model.modules():
         if isinstance(module, LinearBase) and module.quant_method is not None:
