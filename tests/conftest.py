@@ -93,11 +93,7 @@ def smollm2_model(smollm2_gguf_path):
     from tokenmill.model.loader.model_loader import get_model
 
     # The float32 path (weights dequantized at load), compared with transformers' float32.
-    os.environ["TOKENMILL_GGUF_DEQUANTIZE"] = "1"
-    try:
-        cfg = EngineArgs(model=smollm2_gguf_path, dtype="float32", device="cpu")
-        cfg = cfg.create_engine_config()
-    finally:
-        del os.environ["TOKENMILL_GGUF_DEQUANTIZE"]
+    cfg = EngineArgs(model=smollm2_gguf_path, dtype="float32", device="cpu", gguf_dequantize=True)
+    cfg = cfg.create_engine_config()
     model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), TorchAttentionBackend)
     return model, cfg.model_config

@@ -59,7 +59,8 @@ class ModelConfig:
         pooler_config: how token states become one embedding; set (resolved) for
             embedding models only, None for generative models.
         quantization: how the weights are quantized (``awq``, ``gptq``,
-            ``compressed-tensors``, ``bitsandbytes``, ``gguf``), None when they are not.
+            ``compressed-tensors``, ``bitsandbytes``, ``gguf``), None when they are not (a
+            GGUF file loaded with ``--gguf-dequantize`` included).
     """
 
     model: str

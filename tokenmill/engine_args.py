@@ -241,6 +241,12 @@ class EngineArgs:
         "quantization_config, gguf for .gguf files.",
         aliases=["-q"],
     )
+    gguf_dequantize: bool = _flag(
+        "GGUF files: load the weights dequantized to --dtype instead of keeping them in their "
+        "GGUF blocks (about 4x the weight memory in float32; the float path transformers "
+        "computes, for comparisons).",
+        default=False,
+    )
     pooler_config: str | dict[str, Any] | None = _flag(
         "Embedding models: a JSON object overriding the pooling of the model folder's "
         'sentence-transformers files, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
@@ -465,14 +471,13 @@ class EngineArgs:
         Raises:
             ConfigError: an unsupported method or layout, or one the device cannot run.
         """
-        from tokenmill import envs
         from tokenmill.model.layers.quantization import get_quantization_config
         from tokenmill.model.layers.quantization.selection import resolve_quantization
 
         is_gguf = model.endswith(".gguf") and self.load_format in ("auto", "gguf")
         try:
             method = resolve_quantization(
-                self.quantization, hf_config, is_gguf, envs.gguf_dequantize()
+                self.quantization, hf_config, is_gguf, self.gguf_dequantize
             )
             config = get_quantization_config(method, hf_config, device)
             if config is not None:

@@ -72,12 +72,6 @@ def max_request_body_bytes() -> int:
     return _int("TOKENMILL_MAX_REQUEST_BODY_BYTES", 128 << 20)
 
 
-def gguf_dequantize() -> bool:
-    """TOKENMILL_GGUF_DEQUANTIZE=1: load GGUF weights dequantized to the model's dtype (the
-    float reference path, for comparisons) instead of keeping them in their blocks."""
-    return os.environ.get("TOKENMILL_GGUF_DEQUANTIZE", "") not in ("", "0")
-
-
 def log_step_stats() -> bool:
     """TOKENMILL_LOG_STEP_STATS=1: every 5 s the engine logs step durations, sizes and any
     Triton kernels compiled; the server logs its event-loop lag and front-end stage times."""

@@ -25,13 +25,7 @@ def _weight_bytes(llm: LLM) -> int:
 
 @pytest.fixture(scope="module")
 def float_path(smollm2_gguf_path):
-    import os
-
-    os.environ["TOKENMILL_GGUF_DEQUANTIZE"] = "1"
-    try:
-        llm = LLM(smollm2_gguf_path, **ENGINE)
-    finally:
-        del os.environ["TOKENMILL_GGUF_DEQUANTIZE"]
+    llm = LLM(smollm2_gguf_path, gguf_dequantize=True, **ENGINE)
     tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     weights = _weight_bytes(llm)
     llm.llm_engine.shutdown()

@@ -171,13 +171,10 @@ def gemma3_model(gemma3_gguf_path):
     from tokenmill.model.loader.model_loader import get_model
 
     # The float32 path (weights dequantized at load), compared with transformers' float32.
-    os.environ["TOKENMILL_GGUF_DEQUANTIZE"] = "1"
-    try:
-        cfg = EngineArgs(
-            model=gemma3_gguf_path, dtype="float32", device="cpu", max_model_len=1024
-        ).create_engine_config()
-    finally:
-        del os.environ["TOKENMILL_GGUF_DEQUANTIZE"]
+    cfg = EngineArgs(
+        model=gemma3_gguf_path, dtype="float32", device="cpu", max_model_len=1024,
+        gguf_dequantize=True,
+    ).create_engine_config()
     model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), TorchAttentionBackend)
     return model, cfg.model_config
 

@@ -103,7 +103,7 @@ def _add(writer, gguf_name: str, w: np.ndarray) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
-def test_moe_gguf_matches_transformers(tmp_path, kind, monkeypatch):
+def test_moe_gguf_matches_transformers(tmp_path, kind):
     hf = _hf_model(kind)
     path = str(tmp_path / "moe.gguf")
     reference = write_gguf(hf, kind, path)
@@ -121,11 +121,9 @@ def test_moe_gguf_matches_transformers(tmp_path, kind, monkeypatch):
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
     for dequantize in (True, False):
-        if dequantize:
-            monkeypatch.setenv("TOKENMILL_GGUF_DEQUANTIZE", "1")
-        else:
-            monkeypatch.delenv("TOKENMILL_GGUF_DEQUANTIZE")
-        cfg = EngineArgs(model=path, dtype="float32", device="cpu").create_engine_config()
+        cfg = EngineArgs(
+            model=path, dtype="float32", device="cpu", gguf_dequantize=dequantize
+        ).create_engine_config()
         assert cfg.model_config.architecture == ("Qwen3MoeForCausalLM" if kind == "qwen3moe"
                                                  else "MixtralForCausalLM")
         model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"),

@@ -92,10 +92,40 @@ def test_refused_in_one_line(tmp_path, qc, flag, words):
         assert "supported" in message
 
 
-def test_gguf_files_default_to_their_blocks(smollm2_gguf_path, monkeypatch):
+def test_gguf_files_default_to_their_blocks(smollm2_gguf_path):
     args = EngineArgs(model=smollm2_gguf_path, device="cpu")
     assert args.create_engine_config().model_config.quantization == "gguf"
-    monkeypatch.setenv("TOKENMILL_GGUF_DEQUANTIZE", "1")
+    args = EngineArgs(model=smollm2_gguf_path, device="cpu", gguf_dequantize=True)
     assert args.create_engine_config().model_config.quantization is None
     with pytest.raises(ConfigError, match="GGUF file"):
         EngineArgs(model=smollm2_gguf_path, quantization="awq").create_engine_config()
+
+
+def test_gguf_dequantize_is_a_flag():
+    from tokenmill.entrypoints.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "m.gguf", "--gguf-dequantize"]).gguf_dequantize is True
+    assert parser.parse_args(["serve", "m.gguf"]).gguf_dequantize is False
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"gguf_dequantize": True}, "--gguf-dequantize applies to .gguf model files"),
+    ({"gguf_dequantize": True, "quantization": "gguf"}, "--gguf-dequantize applies"),
+])
+def test_gguf_dequantize_refused_without_gguf_blocks(tmp_path, kwargs, words):
+    args = EngineArgs(model=_folder(tmp_path), device="cpu", **kwargs)
+    with pytest.raises(ConfigError) as e:
+        args.create_engine_config()
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gguf_dequantize_refused_beside_quantization_gguf(smollm2_gguf_path):
+    args = EngineArgs(model=smollm2_gguf_path, device="cpu", quantization="gguf",
+                      gguf_dequantize=True)
+    with pytest.raises(ConfigError, match="contradict each other"):
+        args.create_engine_config()
+    dummy = EngineArgs(model=smollm2_gguf_path, device="cpu", load_format="dummy",
+                       gguf_dequantize=True)
+    with pytest.raises(ConfigError, match="--load-format auto or gguf"):
+        dummy.create_engine_config()

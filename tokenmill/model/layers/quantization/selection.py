@@ -40,11 +40,12 @@ def resolve_quantization(
         flag: ``--quantization`` as given (None: not given).
         hf_config: the model's config (``quantization_config`` read from it).
         is_gguf: the model is a ``.gguf`` file.
-        gguf_dequantize: dequantize GGUF weights at load (``TOKENMILL_GGUF_DEQUANTIZE``).
+        gguf_dequantize: dequantize GGUF weights at load (``--gguf-dequantize``).
 
     Raises:
         QuantizationError: an unknown or unsupported method, a layout that is not
-            implemented, or a flag that contradicts the checkpoint.
+            implemented, a flag that contradicts the checkpoint, or ``--gguf-dequantize``
+            for a model that is not loaded from GGUF blocks.
     """
     if flag is not None and flag not in FLAG_METHODS:
         if flag in FP8_METHODS:
@@ -54,6 +55,15 @@ def resolve_quantization(
             )
         raise QuantizationError(f"--quantization {flag}: unknown method; {SUPPORTED_TEXT}")
     method = FLAG_METHODS.get(flag or "")
+    if gguf_dequantize and not is_gguf:
+        raise QuantizationError(
+            "--gguf-dequantize applies to .gguf model files loaded from their blocks "
+            "(--load-format auto or gguf)"
+        )
+    if gguf_dequantize and method == "gguf":
+        raise QuantizationError(
+            "--gguf-dequantize and --quantization gguf contradict each other: pass one of them"
+        )
     if is_gguf:
         if method not in (None, "gguf"):
             raise QuantizationError(
