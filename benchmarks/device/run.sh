@@ -6,7 +6,7 @@
 # are tokenmill's server dependencies there, and its model folders are the M8/M135 configs.
 # Stages:
 #   gputests_quant  the int4 and GGUF dequantize-in-GEMM kernels on CUDA (tests/gpu/
-#              test_quant_gemm_gpu.py, tests/kernels)
+#              test_quant_gemm_gpu.py, tests/kernels' quantized GEMM and GGUF block tests)
 #   quant_lat quant_tp  4-bit weights beside vLLM (benchmarks/device/quant_bench.py): batch-1
 #              decode of GPTQ, AWQ (random int4, dummy load) and a random Q4_K_M GGUF; offline
 #              1024/256 of GPTQ and AWQ (QUANT_CASES picks the cases)
@@ -218,7 +218,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
     stagingtest) stage stagingtest 90 python3 -m pytest -q tests/worker/test_step_staging.py -p no:cacheprovider ;;
     gputests_staging) PYTHONPATH="$XGP" stage gputests_staging 300 python3 -m pytest -q tests/worker/test_step_staging.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
-    gputests_quant) PYTHONPATH="$XGP" stage gputests_quant 400 python3 -m pytest -q tests/gpu/test_quant_gemm_gpu.py tests/kernels -p no:cacheprovider --timeout 300 ;;
+    gputests_quant) PYTHONPATH="$XGP" stage gputests_quant 400 python3 -m pytest -q tests/gpu/test_quant_gemm_gpu.py tests/kernels/test_quant_gemm_triton.py tests/kernels/test_gguf_blocks.py -p no:cacheprovider --timeout 300 ;;
     quant_lat) stage quant_lat 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_lat1,awq_lat1,gguf_lat1}" ;;
     quant_tp) stage quant_tp 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_tp,awq_tp}" ;;
     gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
