@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels.gemm.int4 import DECODE_MAX_M, num_sms_of
+from tokenmill.kernels.device import num_sms
+from tokenmill.kernels.gemm.int4 import DECODE_MAX_M
 from tokenmill.kernels.quant.gguf_blocks import block_info
 from tokenmill.math_utils import cdiv
 
@@ -178,8 +179,7 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int,
     m, k = x.shape
     n, row_bytes = raw.shape
     x = x.contiguous()
-    num_sms = num_sms_of(x.device)
-    cfg = config or launch_config(m, n, k, x.dtype, num_sms)
+    cfg = config or launch_config(m, n, k, x.dtype, num_sms(x.device))
     k_per_split = cdiv(cdiv(k, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = cdiv(k, k_per_split)
     atomic = split > 1

@@ -17,10 +17,9 @@ and masks out the values, applies the group's scale and zero in float32 and feed
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from tokenmill.kernels.device import num_sms
 from tokenmill.math_utils import cdiv
 
 try:
@@ -32,18 +31,6 @@ except ImportError:  # CPU-only installs
     HAS_TRITON = False
 
 DECODE_MAX_M = 32
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms_of(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (1 elsewhere), read once per device."""
-    if device.type != "cuda":
-        return 1
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 if HAS_TRITON:
@@ -137,8 +124,7 @@ def int4_linear(
     m, k = x.shape
     n = qweight.shape[1]
     x = x.contiguous()
-    num_sms = num_sms_of(x.device)
-    cfg = config or launch_config(m, n, k, x.dtype, num_sms)
+    cfg = config or launch_config(m, n, k, x.dtype, num_sms(x.device))
     split = cfg["SPLIT_K"]
     k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = cdiv(k, k_per_split)

@@ -1,6 +1,6 @@
 """Quantized MoE experts: each expert's gate/up and down products through a linear method's
 quantized form, in a loop over the experts that received tokens (the same routing as
-``fused_experts_torch``)."""
+``tokenmill.kernels.moe.fused_moe.fused_experts_torch``)."""
 
 from __future__ import annotations
 
