@@ -7,6 +7,8 @@
 # Stages:
 #   gputests_quant  the int4 and GGUF dequantize-in-GEMM kernels on CUDA (tests/gpu/
 #              test_quant_gemm_gpu.py, tests/kernels' quantized GEMM and GGUF block tests)
+#   int4_kernels  the int4 GEMV and tensor-core kernels against cuBLAS bf16 at Llama-3.1-8B's
+#              shapes, M = 1, 2, 4, 16, with a sweep of the GEMV's tiles (int4_kernel_bench.py)
 #   quant_lat quant_tp  4-bit weights beside vLLM (benchmarks/device/quant_bench.py): batch-1
 #              decode of GPTQ, AWQ (random int4, dummy load) and a random Q4_K_M GGUF; offline
 #              1024/256 of GPTQ and AWQ (QUANT_CASES picks the cases)
@@ -99,6 +101,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 XGP="$PYTHONPATH"
 if ls .carry/tools/xgrammar-*.whl .carry/tools/apache_tvm_ffi-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/xg .carry/tools/xgrammar-*.whl .carry/tools/apache_tvm_ffi-*.whl >> "$LOGS/setup.log" 2>&1 && XGP="/tmp/xg:$PYTHONPATH"
+fi
+# Pure-Python packages tokenmill needs that the device image and the bundle lack (gguf),
+# appended to the path so that the bundle's own versions win where both exist.
+if ls .carry/tools/gguf-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/tmx .carry/tools/gguf-*.whl >> "$LOGS/setup.log" 2>&1 \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/tmx" && XGP="$XGP:/tmp/tmx"
 fi
 TM=(python3 -m tokenmill.entrypoints.cli.main)
 CUBLAS='{"skinny_gemm": "off"}'  # --kernel-config: cuBLAS for every linear layer
@@ -219,6 +227,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     stagingtest) stage stagingtest 90 python3 -m pytest -q tests/worker/test_step_staging.py -p no:cacheprovider ;;
     gputests_staging) PYTHONPATH="$XGP" stage gputests_staging 300 python3 -m pytest -q tests/worker/test_step_staging.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_quant) PYTHONPATH="$XGP" stage gputests_quant 400 python3 -m pytest -q tests/gpu/test_quant_gemm_gpu.py tests/kernels/test_quant_gemm_triton.py tests/kernels/test_gguf_blocks.py -p no:cacheprovider --timeout 300 ;;
+    int4_kernels) stage int4_kernels 300 python3 benchmarks/device/int4_kernel_bench.py --sweep ;;
     quant_lat) stage quant_lat 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_lat1,awq_lat1,gguf_lat1}" ;;
     quant_tp) stage quant_tp 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_tp,awq_tp}" ;;
     gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;

@@ -44,6 +44,22 @@ def test_int4_kernel_llama_shapes(m, n, k):
     _check(y, x.float() @ w_t)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_gemv_groups(m, group):
+    """The GEMV path (a handful of rows) for each group size AWQ/GPTQ checkpoints use."""
+    n, k = 4096, 4096
+    gen = torch.Generator(device="cuda").manual_seed(m * group)
+    kw = dict(device="cuda", generator=gen)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, **kw)
+    scales = (torch.rand(k // group, n, **kw) * 0.01).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (k // group, n), dtype=torch.uint8, **kw)
+    w_t = (q.float().t() - zeros.float().repeat_interleave(group, 0)) * scales.float(
+    ).repeat_interleave(group, 0)
+    x = torch.randn(m, k, **kw).to(torch.bfloat16)
+    _check(int4_linear(x, pack_k(q), scales, zeros, group), x.float() @ w_t)
+
+
 @pytest.mark.parametrize("qtype", sorted(BLOCK_TYPES), ids=[BLOCK_TYPES[t][0]
                                                             for t in sorted(BLOCK_TYPES)])
 @pytest.mark.parametrize("m", [1, 16, 512])
