@@ -69,14 +69,27 @@ if HAS_TRITON:
             k_mask = offs_k < k_end
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w_mask = k_mask[:, None] & n_mask[None, :]
-            words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
-                            mask=w_mask, other=0)
-            q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
-            g = (offs_k // GROUP)[:, None].to(tl.int64) * N + offs_n[None, :]
-            s = tl.load(s_ptr + g, mask=w_mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g, mask=w_mask, other=0).to(tl.float32)
-            w = ((q.to(tl.float32) - z) * s).to(x.dtype)
+            if GROUP % BLOCK_K == 0:
+                # The tile lies in one group: each packed word is loaded once and unpacked
+                # into its eight rows, and one scale/zero row serves the whole tile.
+                rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+                                mask=(rows * 8 < k_end)[:, None] & n_mask[None, :], other=0)
+                q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+                q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+                g = offs_n.to(tl.int64) + (k0 // GROUP) * N
+                s = tl.load(s_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + g, mask=n_mask, other=0).to(tl.float32)
+                w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
+            else:
+                w_mask = k_mask[:, None] & n_mask[None, :]
+                words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N
+                                + offs_n[None, :], mask=w_mask, other=0)
+                q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
+                g = (offs_k // GROUP)[:, None].to(tl.int64) * N + offs_n[None, :]
+                s = tl.load(s_ptr + g, mask=w_mask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + g, mask=w_mask, other=0).to(tl.float32)
+                w = ((q.to(tl.float32) - z) * s).to(x.dtype)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
