@@ -18,6 +18,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 
 
