@@ -253,18 +253,19 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """``_products_dense`` over MXFP4 weights: ``b_ptrs [BLOCK_K / 2, BLOCK_N]`` bytes
-        and ``s_ptrs`` their scales; ``a_ptrs [BLOCK_M, BLOCK_K / 2]`` the even columns of A.
-        Each byte holds an even and an odd K position, so each K tile is two dot products
-        (even columns of A with the low nibbles, odd with the high)."""
+        and ``s_ptrs`` their scales; ``a_ptrs [BLOCK_M, BLOCK_K]`` as in ``_products_dense``.
+        Each byte holds an even and an odd K position, so each K tile is two dot products:
+        A's even columns with the low nibbles, its odd columns with the high ones (A is read
+        whole and split in registers)."""
         HALF: tl.constexpr = BLOCK_K // 2
         offs_h = tl.arange(0, HALF)
+        offs_k = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             h_mask = offs_h < (K - k0) // 2
-            a_mask = row_mask[:, None] & h_mask[None, :]
-            a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
-            a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0)
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))
             b_mask = h_mask[:, None] & n_mask[None, :]
             packed = tl.load(b_ptrs, mask=b_mask, other=0)
             scale = tl.load(s_ptrs, mask=b_mask, other=0)
@@ -357,9 +358,10 @@ if HAS_TRITON:
         a_rows = (slots // A_ROW_DIV).to(tl.int64)
         # B tiles are read as [BLOCK_K, BLOCK_N] (the transpose of rows n of expert e).
         b_rows = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
         if MXFP4:
             offs_h = tl.arange(0, BLOCK_K // 2)
-            a_ptrs = a_ptr + a_rows[:, None] * stride_am + 2 * offs_h[None, :]
             s_ptrs = scale_ptr + expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn
             s_ptrs += offs_h[:, None] // (32 // 2)
             acc, acc_up = _products_mxfp4(
@@ -367,8 +369,6 @@ if HAS_TRITON:
                 N * stride_bn, N * stride_sn, GATED, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
         else:
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
             acc, acc_up = _products_dense(
                 a_ptrs, b_rows + offs_k[:, None], row_mask, n_mask, K, N * stride_bn,
                 GATED, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
