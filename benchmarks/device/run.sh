@@ -27,6 +27,10 @@
 #   pstep      one prompt-only step: tokenmill bench latency, M8, 8 prompts of 1,024 tokens,
 #              one output token (vllm_pstep: the same with vLLM's CLI)
 #   vllm_*     the same stage run by vLLM's CLI (vllm_tp_long, vllm_lat1, ...)
+#   tp_gptoss  tokenmill bench throughput of a gpt-oss-20b-shaped dummy (MXFP4 experts;
+#              make_arch_models.py writes it, with $M8's tokenizer), 1,024/256, 1,000
+#              prompts (vllm_tp_gptoss: the same with vLLM's CLI)
+#   gputests_arch  the GPU tests of attention sinks, chunked attention and the MXFP4 experts
 #   stepbench  one decode step's GPU time (decode_step_bench.py)
 #   ablation   the batch-1 decode graph with kernels left out (decode_ablation_bench.py);
 #              ablation_sweep the same graph under other decode key tiles and split caps;
@@ -200,6 +204,12 @@ serve_diag() {
   stop_server $pid
 }
 TPA=(--load-format dummy --dataset-name random)
+# gpt-oss-20b's config with $M8's tokenizer, written once per machine.
+gptoss_model() {
+  MGPTOSS=/tmp/tm_arch_models/gpt-oss-20b-dummy
+  [ -f "$MGPTOSS/config.json" ] || python3 benchmarks/device/make_arch_models.py /tmp/tm_arch_models --tokenizer-from "$M8" >> "$LOGS/setup.log" 2>&1
+}
+GPTOSS_TP=(--random-input-len 1024 --random-output-len 256 --num-prompts 1000)
 run_stage() {  # run_stage NAME: one stage of the list below
   local st=$1
   case "$st" in
@@ -307,6 +317,9 @@ run_stage() {  # run_stage NAME: one stage of the list below
     diag_nocascade) serve_diag nocascade --disable-cascade-attn ;;
     gputests_so) PYTHONPATH="$XGP" stage gputests_so 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "structured or mixed_step_graphs" -p no:cacheprovider --timeout 120 ;;
     vllm_serve) serve_pair vllm ;;
+    tp_gptoss) gptoss_model; stage tp_gptoss 560 "${TM[@]}" bench throughput --model "$MGPTOSS" "${TPA[@]}" "${GPTOSS_TP[@]}" --output-json "$LOGS/tp_gptoss.json"; addjson tp_gptoss "$LOGS/tp_gptoss.json" ;;
+    vllm_tp_gptoss) gptoss_model; stage vllm_tp_gptoss 560 vllm bench throughput --model "$MGPTOSS" "${TPA[@]}" "${GPTOSS_TP[@]}" --output-json "$LOGS/vllm_tp_gptoss.json"; addjson vllm_tp_gptoss "$LOGS/vllm_tp_gptoss.json" ;;
+    gputests_arch) stage gputests_arch 300 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;
     vllm_tp_short) stage vllm_tp_short 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/vllm_tp_short.json"; addjson vllm_tp_short "$LOGS/vllm_tp_short.json" ;;
     vllm_tp_small) stage vllm_tp_small 300 vllm bench throughput --model "$M135" "${TPA[@]}" --random-input-len 256 --random-output-len 256 --num-prompts 2000 --output-json "$LOGS/vllm_tp_small.json"; addjson vllm_tp_small "$LOGS/vllm_tp_small.json" ;;
