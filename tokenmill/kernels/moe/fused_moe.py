@@ -294,40 +294,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_gemm_kernel(
-        a_ptr,
-        b_ptr,
-        c_ptr,
-        weights_ptr,
-        sorted_slots_ptr,
-        block_experts_ptr,
-        num_padded_ptr,
-        scale_ptr,
-        bias_ptr,
-        N,
-        K,
-        num_slots,
-        max_padded,
-        stride_am,
-        stride_be,
-        stride_bn,
-        stride_cm,
-        stride_se,
-        stride_sn,
-        stride_bias,
-        alpha,
-        limit,
-        A_ROW_DIV: tl.constexpr,
-        GATED: tl.constexpr,
-        MUL_WEIGHT: tl.constexpr,
-        MXFP4: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        SWIGLUOAI: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
-    ):
+        a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, block_experts_ptr, num_padded_ptr,
+        scale_ptr, bias_ptr, N, K, num_slots, max_padded,
+        stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_bias,
+        alpha, limit,
+        A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+        MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLUOAI: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):  # fmt: skip
         """One ``[BLOCK_M, BLOCK_N]`` output tile of ``C[slot] = A[slot // A_ROW_DIV] @ B[e]^T``.
 
         ``B`` is ``[E, N(*2 if GATED), K]``; with ``GATED`` the tile also computes the up
@@ -381,8 +356,7 @@ if HAS_TRITON:
         if GATED:
             acc = _gated(acc, acc_up, alpha, limit, SWIGLUOAI)
         if MUL_WEIGHT:
-            w = tl.load(weights_ptr + slots, mask=row_mask, other=0.0)
-            acc = acc * w[:, None]
+            acc = acc * tl.load(weights_ptr + slots, mask=row_mask, other=0.0)[:, None]
         c_ptrs = c_ptr + slots.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
