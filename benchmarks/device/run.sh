@@ -42,6 +42,7 @@
 #   mixedcurve  a mixed step's graph time against its tokens (CURVE_CASES="D,ctx,chunk,cached ...")
 #   mixedbench eager vs captured mixed (decode + prompt chunk) steps (mixed_step_bench.py);
 #              mixedbench_shared: only the batches whose decodes share a prefix (cascade)
+#   moe_mxfp4  the fused MoE kernel on gpt-oss-20b's MXFP4 experts, tile sweep
 #   skinny skinny_sweep moe   kernel benchmarks: skinny GEMM vs cuBLAS, fused MoE vs torch;
 #              skinny_pdl / skinny_sweep_pdl the same with programmatic dependent launches
 #   *_cublas   lat1/lat32/stepbench with --kernel-config '{"skinny_gemm": "off"}' (cuBLAS for
@@ -284,6 +285,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     moe)      stage moe 150 python3 benchmarks/moe_bench.py ;;
     moetest)  stage moetest 150 python3 -m pytest -q tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider --timeout 120 ;;
     moe_sweep) stage moe_sweep 200 python3 benchmarks/moe_bench.py --sweep-tiles --tokens 64,256,512,1024,2048,4096 ;;
+    moe_mxfp4) stage moe_mxfp4 300 python3 benchmarks/moe_bench.py --mxfp4 --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --sweep-tiles --tokens 1,8,64,256,1024,4096,16384 ;;
     kprof_long) stage kprof_long 200 python3 benchmarks/device/kernel_profile.py "$M8" 300 1024 256 ;;
     kprof_prefill) stage kprof_prefill 200 python3 benchmarks/device/kernel_profile.py "$M8" 192 1024 1 ;;
     kprof_lat1) stage kprof_lat1 200 python3 benchmarks/device/kernel_profile.py "$M8" 1 32 256 ;;
