@@ -98,9 +98,12 @@ class Llama4Attention(nn.Module):
         self.attn_scale = float(config.get("attn_scale", DEFAULT_ATTN_SCALE))
         rope = None
         if self.use_rope:
+            # NOTE: a table of max_model_len rows, not max_position_embeddings (10M for
+            # Scout: 5 GiB of float32): Llama 4's RoPE (default or llama3 scaling) does not
+            # depend on the model's maximum position.
             rope = get_rope(
                 self.head_dim,
-                max_position=config.get("max_position_embeddings", max_model_len),
+                max_position=max_model_len,
                 base=config.rope_theta,
                 scaling=config.get("rope_scaling"),
                 is_neox_style=False,
