@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.moe.mxfp4 import MXFP4_BLOCK
-from tokenmill.model.layers.linear import check_shape
+from tokenmill.model.layers.weight_shape import check_shape
 
 CheckpointLayout = Literal["per_expert", "gate_up_halves", "gate_up_interleaved"]
 # A parameter's part of the expert weights.

@@ -37,7 +37,8 @@ from tokenmill.model.layers.expert_weights import (
     stacked_w2,
     stacked_w13,
 )
-from tokenmill.model.layers.linear import check_shape
+from tokenmill.model.layers.quantization.tensors import as_float
+from tokenmill.model.layers.weight_shape import check_shape
 
 
 class FusedMoE(nn.Module):
@@ -106,6 +107,22 @@ class FusedMoE(nn.Module):
         i = self.intermediate_per_rank
         self.w13 = ExpertWeights(num_experts, 2 * i, hidden_size, self._load_w13, mxfp4, bias)
         self.w2 = ExpertWeights(num_experts, hidden_size, i, self._load_w2, mxfp4, bias)
+        self.hidden_size = hidden_size
+        # A quantized checkpoint's experts (``tokenmill.model.layers.quantization.moe``).
+        self.quant_method: Any = None
+
+    def set_quant_method(self, method: Any) -> None:
+        """Hold the experts' weights as ``method`` creates them (quantized checkpoints).
+
+        Raises:
+            ValueError: experts the quantized methods do not compute (biases, MXFP4, an
+                activation other than SiLU).
+        """
+        if self.w13.bias is not None or self.w13.mxfp4 or self.activation is not SILU:
+            raise ValueError("quantized experts support SiLU experts without biases only "
+                             "(not gpt-oss' experts)")  # fmt: skip
+        self.quant_method = method
+        method.create_weights(self)
 
     @staticmethod
     def expert_params_mapping(
@@ -128,6 +145,7 @@ class FusedMoE(nn.Module):
     # ---- loading ---------------------------------------------------------------------------
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+        loaded = as_float(loaded)
         i = self.intermediate_per_rank
         if shard_id is None:
             full = stacked_w13(loaded, param.expert_part, self.checkpoint_layout)
@@ -142,6 +160,7 @@ class FusedMoE(nn.Module):
         target.copy_(loaded)
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+        loaded = as_float(loaded)
         i = self.intermediate_per_rank
         if shard_id is None:
             full = stacked_w2(loaded, param.expert_part, self.checkpoint_layout)
@@ -183,10 +202,14 @@ class FusedMoE(nn.Module):
             ids = ids.reshape(tokens * k, 1)
             weights = torch.ones_like(weights).reshape(tokens * k, 1)
         w13, w2 = self.w13, self.w2
-        out = fused_experts(
-            hidden, w13.data, w2.data, weights, ids, w13_scale=w13.scale, w2_scale=w2.scale,
-            w13_bias=w13.bias, w2_bias=w2.bias, activation=self.activation,
-        )  # fmt: skip
+        if self.quant_method is not None:
+            out = self.quant_method.apply(self, hidden, weights, ids)
+        else:
+            out = fused_experts(
+                hidden, w13.data, w2.data, weights, ids, w13_scale=w13.scale,
+                w2_scale=w2.scale, w13_bias=w13.bias, w2_bias=w2.bias,
+                activation=self.activation,
+            )  # fmt: skip
         if self.apply_router_weight_on_input and k > 1:
             out = out.view(tokens, k, -1).sum(dim=1)
         if self.tp_size > 1:
