@@ -194,6 +194,8 @@ class OpenAIServingChat(OpenAIServing):
         plan = plan_tool_calls(request, self.tool_settings)
         if plan.mode == "auto" and self.tool_settings.tool_parser is not None:
             request = self.tool_settings.tool_parser(self.tokenizer).adjust_request(request)
+        if self.tool_settings.reasoning_parser is not None:
+            request = self.tool_settings.reasoning_parser(self.tokenizer).adjust_request(request)
         prompt_ids = await self.render_prompt_async(request.messages, request)
         max_tokens = (
             request.max_completion_tokens
