@@ -37,6 +37,7 @@ from tokenmill.model.layers.expert_weights import (
     stacked_w2,
     stacked_w13,
 )
+from tokenmill.model.layers.quantization.base import QuantizationError
 from tokenmill.model.layers.quantization.tensors import as_float
 from tokenmill.model.layers.weight_shape import check_shape
 
@@ -115,12 +116,15 @@ class FusedMoE(nn.Module):
         """Hold the experts' weights as ``method`` creates them (quantized checkpoints).
 
         Raises:
-            ValueError: experts the quantized methods do not compute (biases, MXFP4, an
-                activation other than SiLU).
+            QuantizationError: experts the quantized methods do not compute (biases, MXFP4,
+                an activation other than SiLU, whole-layer checkpoint tensors).
         """
         if self.w13.bias is not None or self.w13.mxfp4 or self.activation is not SILU:
-            raise ValueError("quantized experts support SiLU experts without biases only "
-                             "(not gpt-oss' experts)")  # fmt: skip
+            raise QuantizationError("quantized experts support SiLU experts without biases "
+                                    "only (not gpt-oss' experts)")  # fmt: skip
+        if self.checkpoint_layout != "per_expert":
+            raise QuantizationError("quantized experts are read from one tensor per expert; "
+                                    "this model's checkpoint stacks them (Llama 4)")  # fmt: skip
         self.quant_method = method
         method.create_weights(self)
 
