@@ -357,6 +357,28 @@ class OpenAIServingChat(OpenAIServing):
                 entry["name"] = message.name
             entry.update(tool_message_fields(message, i, call_ids))
             conversation.append(entry)
+        kwargs = self._template_kwargs(request)
+        add_generation_prompt = getattr(request, "add_generation_prompt", True)
+        try:
+            return render_chat_template(
+                self.tokenizer,
+                conversation,
+                chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except Exception as e:  # ChatTemplateError, or a template kwarg transformers rejects
+            raise bad_request(str(e), "messages") from None
+
+    def _template_kwargs(self, request: Any) -> dict[str, Any]:
+        """The variables the chat template gets besides the messages: the request's
+        ``chat_template_kwargs``, its ``tools``, ``reasoning_effort`` and
+        ``continue_final_message``.
+
+        Raises:
+            OpenAIError: 400 when ``chat_template_kwargs`` names a parameter of the rendering
+                call, or ``reasoning_effort`` is given and the template does not read it.
+        """
         kwargs: dict[str, Any] = dict(getattr(request, "chat_template_kwargs", None) or {})
         tools = tools_for_template(request)
         if tools is not None:
@@ -369,19 +391,20 @@ class OpenAIServingChat(OpenAIServing):
                 "add_generation_prompt).",
                 "chat_template_kwargs",
             )
+        effort = getattr(request, "reasoning_effort", None)
+        if effort is not None:
+            template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+            # NOTE: a template that never reads the variable would silently ignore the effort.
+            if "reasoning_effort" not in str(template or ""):
+                raise bad_request(
+                    "reasoning_effort is not read by this model's chat template (gpt-oss' "
+                    "template reads it); leave it out.",
+                    "reasoning_effort",
+                )
+            kwargs["reasoning_effort"] = effort
         if getattr(request, "continue_final_message", False):
             kwargs["continue_final_message"] = True
-        add_generation_prompt = getattr(request, "add_generation_prompt", True)
-        try:
-            return render_chat_template(
-                self.tokenizer,
-                conversation,
-                chat_template=self.chat_template,
-                add_generation_prompt=add_generation_prompt,
-                **kwargs,
-            )
-        except Exception as e:  # ChatTemplateError, or a template kwarg transformers rejects
-            raise bad_request(str(e), "messages") from None
+        return kwargs
 
     # ---- outputs -> response ----------------------------------------------------------------
 

@@ -47,9 +47,7 @@ class OpenAIToolParser(MarkupToolParser):
                 # The stop token <|call|> ends the output: the end of a final output closes
                 # the call too.
                 arguments = part.body.strip() if final or part.closed else part.body.lstrip()
-                parsed.calls.append(
-                    PartialToolCall(part.function, arguments, part.closed or final)
-                )
+                parsed.calls.append(PartialToolCall(part.function, arguments, part.closed or final))
         return parsed
 
     def extract_tool_calls(
