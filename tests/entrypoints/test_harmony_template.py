@@ -1,7 +1,12 @@
-"""``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses): the chat template's
-``reasoning_effort`` variable, as gpt-oss' template reads it into its system message; a 400
-for a template that does not read it and for a value OpenAI does not define. Unit tests of
-the rendering (no server), with SmolLM2's tokenizer and a harmony-like template."""
+"""What gpt-oss' chat template reads from a request, rendered without a server (SmolLM2's
+tokenizer, a template with the harmony parts that matter here):
+
+- ``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses): the template's
+  ``reasoning_effort`` variable, which gpt-oss' template writes into its system message; a
+  400 for a template that does not read it and for a value OpenAI does not define.
+- an assistant's past ``reasoning_content``: the template's ``message.thinking``, the
+  analysis message before that turn's tool call.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +21,15 @@ from tokenmill.entrypoints.openai.responses_input import (
 )
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 
-# gpt-oss' template writes "Reasoning: {{ reasoning_effort }}" (medium when unset).
+# gpt-oss' template writes "Reasoning: {{ reasoning_effort }}" (medium when unset), and a
+# past tool call as its thinking (analysis) then the call (commentary to=functions.NAME).
 HARMONY_LIKE = (
     "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
-    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>"
+    "{% for m in messages %}{% if m.tool_calls %}"
+    "{% if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}"
+    "<|end|>{% endif %}<|start|>assistant to=functions.{{ m.tool_calls[0].function.name }}"
+    "<|channel|>commentary json<|message|>{{ m.tool_calls[0].function.arguments | tojson }}"
+    "<|call|>{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )
 PLAIN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -68,3 +78,22 @@ def test_responses_reasoning_effort_becomes_the_chat_field():
     with pytest.raises(OpenAIError) as caught:
         to_chat_request(bad, [], [{"role": "user", "content": "Hi"}])
     assert caught.value.param == "reasoning.effort"
+
+
+def test_past_reasoning_is_the_templates_thinking(smollm2_tokenizer):
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "reasoning_content": "Need the weather.",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
+    ]
+    text = _render(_chat(smollm2_tokenizer, HARMONY_LIKE), messages=messages)
+    assert (
+        "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Paris"}<|call|><|start|>tool<|message|>22 C<|end|>'
+    ) in text
