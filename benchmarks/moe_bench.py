@@ -13,7 +13,12 @@ expert weights read (every expert that received a token is read once), the figur
 bounds decode-sized batches. ``--sweep-tiles`` also times a list of tile shapes per row and
 prints the fastest, to tune ``moe_tile_config`` in ``tokenmill/model/layers/fused_moe.py``.
 
-Usage: python benchmarks/moe_bench.py [--tokens 1,16,256,4096] [--sweep-tiles]
+``--mxfp4`` makes the experts gpt-oss': MXFP4 weights (random FP4 codes, small E8M0
+scales), biases and the clamped SwiGLU; the kernel decodes them in registers, the torch loop
+one expert at a time (``--experts 32 --top-k 4 --hidden 2880 --intermediate 2880`` is
+gpt-oss-20b's layer).
+
+Usage: python benchmarks/moe_bench.py [--tokens 1,16,256,4096] [--sweep-tiles] [--mxfp4]
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 import triton.testing
 
 from tokenmill.kernels.moe.fused_moe import (
+    GatedActivation,
     fused_experts_torch,
     fused_experts_triton,
     moe_tile_config,
@@ -61,41 +67,61 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep-tiles", action="store_true", help="time each tile shape per row")
+    p.add_argument("--mxfp4", action="store_true",
+                   help="gpt-oss experts: MXFP4 weights, biases, clamped SwiGLU")
     return p.parse_args()
 
 
-def make_weights(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random expert weights ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` on the GPU."""
+def make_weights(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Random expert weights ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` on the GPU (MXFP4:
+    their packed bytes), and the experts' other keyword arguments (scales, biases, the
+    activation)."""
     dtype, e, h, i = DTYPES[args.dtype], args.experts, args.hidden, args.intermediate
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    if args.mxfp4:
+        kw = dict(device="cuda", generator=gen, dtype=torch.uint8)
+        w13, w2 = (torch.randint(0, 256, (e, 2 * i, h // 2), **kw),
+                   torch.randint(0, 256, (e, h, i // 2), **kw))  # fmt: skip
+        extra = dict(
+            w13_scale=torch.randint(118, 122, (e, 2 * i, h // 32), **kw),
+            w2_scale=torch.randint(118, 122, (e, h, i // 32), **kw),
+            w13_bias=torch.zeros(e, 2 * i, device="cuda", dtype=dtype),
+            w2_bias=torch.zeros(e, h, device="cuda", dtype=dtype),
+            activation=GatedActivation("swigluoai"),
+        )
+        return w13, w2, extra
     w13 = torch.empty(e, 2 * i, h, device="cuda", dtype=dtype)
     w2 = torch.empty(e, h, i, device="cuda", dtype=dtype)
     w13.normal_(0, h**-0.5, generator=gen)
     w2.normal_(0, i**-0.5, generator=gen)
-    return w13, w2
+    return w13, w2, {}
 
 
 def time_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def bench_row(args: argparse.Namespace, tokens: int, w13: torch.Tensor, w2: torch.Tensor) -> str:
+def bench_row(
+    args: argparse.Namespace, tokens: int, w13: torch.Tensor, w2: torch.Tensor, extra: dict
+) -> str:
     dtype, h, i = DTYPES[args.dtype], args.hidden, args.intermediate
     gen = torch.Generator(device="cuda").manual_seed(args.seed + tokens)
     x = torch.randn(tokens, h, device="cuda", generator=gen).to(dtype)
     logits = torch.randn(tokens, args.experts, device="cuda", generator=gen)
     weights, ids = select_experts(logits, args.top_k, renormalize=True)
 
-    ref = fused_experts_torch(x, w13, w2, weights, ids)
-    got = fused_experts_triton(x, w13, w2, weights, ids)
+    ref = fused_experts_torch(x, w13, w2, weights, ids, **extra)
+    got = fused_experts_triton(x, w13, w2, weights, ids, **extra)
     scale = ref.float().abs().max().item()
     rel_err = (got.float() - ref.float()).abs().max().item() / max(scale, 1e-12)
 
-    t_torch = time_ms(lambda: fused_experts_torch(x, w13, w2, weights, ids))
-    t_triton = time_ms(lambda: fused_experts_triton(x, w13, w2, weights, ids))
+    t_torch = time_ms(lambda: fused_experts_torch(x, w13, w2, weights, ids, **extra))
+    t_triton = time_ms(lambda: fused_experts_triton(x, w13, w2, weights, ids, **extra))
     flops = 6 * tokens * args.top_k * h * i
     touched = int(torch.unique(ids).numel())
-    weight_bytes = touched * 3 * h * i * w13.element_size()
+    # MXFP4: half a byte a value and a scale byte per 32
+    per_value = 0.5 + 1 / 32 if args.mxfp4 else w13.element_size()
+    weight_bytes = int(touched * 3 * h * i * per_value)
     row = (
         f"{tokens:>6} {t_torch:>10.3f} {t_triton:>10.3f} {t_torch / t_triton:>8.2f}x "
         f"{flops / t_triton / 1e9:>9.1f} {weight_bytes / t_triton / 1e6:>9.0f} {rel_err:>9.2e}"
@@ -104,7 +130,9 @@ def bench_row(args: argparse.Namespace, tokens: int, w13: torch.Tensor, w2: torc
         timed = []
         for k, c in enumerate(TILE_SWEEP):
             try:
-                run = lambda c=c: fused_experts_triton(x, w13, w2, weights, ids, config=c)  # noqa: E731
+                run = lambda c=c: fused_experts_triton(  # noqa: E731
+                    x, w13, w2, weights, ids, config=c, **extra
+                )
                 timed.append((time_ms(run), k))
             except Exception as e:  # e.g. tiles needing more shared memory than the GPU has
                 print(f"#   tiles {c} skipped: {type(e).__name__}", flush=True)
@@ -123,12 +151,12 @@ def main() -> None:
           f"torch {torch.__version__}  triton {triton.__version__}")
     print(f"# python {' '.join(sys.argv)}")
     print(f"# experts {args.experts} top-{args.top_k} hidden {args.hidden} "
-          f"intermediate {args.intermediate} {args.dtype}")
+          f"intermediate {args.intermediate} {args.dtype}{' mxfp4' if args.mxfp4 else ''}")
     print(f"{'tokens':>6} {'torch ms':>10} {'triton ms':>10} {'speedup':>9} "
           f"{'TFLOP/s':>9} {'GB/s':>9} {'max err':>9}")
-    w13, w2 = make_weights(args)
+    w13, w2, extra = make_weights(args)
     for tokens in args.tokens:
-        print(bench_row(args, tokens, w13, w2), flush=True)
+        print(bench_row(args, tokens, w13, w2, extra), flush=True)
 
 
 if __name__ == "__main__":

@@ -237,8 +237,8 @@ class EngineArgs:
     quantization: str | None = _flag(
         "Quantization method of the weights: awq, gptq (or awq_marlin, gptq_marlin: the same "
         "checkpoints), compressed-tensors, bitsandbytes (also quantizes an unquantized "
-        "checkpoint while loading) or gguf. Default: from the checkpoint's "
-        "quantization_config, gguf for .gguf files.",
+        "checkpoint while loading), gguf or mxfp4 (gpt-oss' experts). Default: from the "
+        "checkpoint's quantization_config, gguf for .gguf files.",
         aliases=["-q"],
     )
     gguf_dequantize: bool = _flag(

@@ -100,6 +100,8 @@ GGUF_ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gemma": ("GemmaForCausalLM", "gemma"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
 }
@@ -129,6 +131,7 @@ GGUF_KEYS = {
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 GEMMA3_27B_LAYERS = 62
+GEMMA2_27B_LAYERS = 46
 
 
 def _gguf_field(reader: Any, key: str) -> Any:
@@ -195,7 +198,24 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     _derive_moe_config(data, arch, _gguf_field(reader, f"{arch}.expert_weights_norm"))
     if arch == "gemma3":
         _derive_gemma3_config(data, _gguf_field(reader, f"{arch}.attention.sliding_window_pattern"))
+    elif arch in ("gemma", "gemma2"):
+        _derive_gemma_config(data, arch)
     return data
+
+
+def _derive_gemma_config(data: dict[str, Any], arch: str) -> None:
+    """Fill what llama.cpp's Gemma and Gemma 2 graphs fix rather than store: tanh GELU, and
+    for Gemma 2 its even layers sliding and the softmax scale (``head_dim^-0.5``, but
+    ``(hidden_size / num_heads)^-0.5`` for the 27B model of 46 layers)."""
+    data.setdefault("hidden_activation", "gelu_pytorch_tanh")
+    if arch != "gemma2":
+        return
+    n = data["num_hidden_layers"]
+    data["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                           for i in range(n)]  # fmt: skip
+    if n == GEMMA2_27B_LAYERS:
+        data.setdefault("query_pre_attn_scalar", data["hidden_size"] // data["num_attention_heads"])
+    data.setdefault("query_pre_attn_scalar", data["head_dim"])
 
 
 def _derive_moe_config(data: dict[str, Any], arch: str, weights_norm: Any) -> None:

@@ -34,6 +34,10 @@
 #   pstep      one prompt-only step: tokenmill bench latency, M8, 8 prompts of 1,024 tokens,
 #              one output token (vllm_pstep: the same with vLLM's CLI)
 #   vllm_*     the same stage run by vLLM's CLI (vllm_tp_long, vllm_lat1, ...)
+#   tp_gptoss  tokenmill bench throughput of a gpt-oss-20b-shaped dummy (MXFP4 experts;
+#              make_arch_models.py writes it, with $M8's tokenizer), 1,024/256, 1,000
+#              prompts (vllm_tp_gptoss: the same with vLLM's CLI)
+#   gputests_arch  the GPU tests of attention sinks, chunked attention and the MXFP4 experts
 #   stepbench  one decode step's GPU time (decode_step_bench.py)
 #   ablation   the batch-1 decode graph with kernels left out (decode_ablation_bench.py);
 #              ablation_sweep the same graph under other decode key tiles and split caps;
@@ -45,6 +49,7 @@
 #   mixedcurve  a mixed step's graph time against its tokens (CURVE_CASES="D,ctx,chunk,cached ...")
 #   mixedbench eager vs captured mixed (decode + prompt chunk) steps (mixed_step_bench.py);
 #              mixedbench_shared: only the batches whose decodes share a prefix (cascade)
+#   moe_mxfp4  the fused MoE kernel on gpt-oss-20b's MXFP4 experts, tile sweep
 #   skinny skinny_sweep moe   kernel benchmarks: skinny GEMM vs cuBLAS, fused MoE vs torch;
 #              skinny_pdl / skinny_sweep_pdl the same with programmatic dependent launches
 #   *_cublas   lat1/lat32/stepbench with --kernel-config '{"skinny_gemm": "off"}' (cuBLAS for
@@ -213,6 +218,12 @@ serve_diag() {
   stop_server $pid
 }
 TPA=(--load-format dummy --dataset-name random)
+# gpt-oss-20b's config with $M8's tokenizer, written once per machine.
+gptoss_model() {
+  MGPTOSS=/tmp/tm_arch_models/gpt-oss-20b-dummy
+  [ -f "$MGPTOSS/config.json" ] || python3 benchmarks/device/make_arch_models.py /tmp/tm_arch_models --tokenizer-from "$M8" >> "$LOGS/setup.log" 2>&1
+}
+GPTOSS_TP=(--random-input-len 1024 --random-output-len 256 --num-prompts 1000)
 run_stage() {  # run_stage NAME: one stage of the list below
   local st=$1
   case "$st" in
@@ -291,6 +302,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     moe)      stage moe 150 python3 benchmarks/moe_bench.py ;;
     moetest)  stage moetest 150 python3 -m pytest -q tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider --timeout 120 ;;
     moe_sweep) stage moe_sweep 200 python3 benchmarks/moe_bench.py --sweep-tiles --tokens 64,256,512,1024,2048,4096 ;;
+    moe_mxfp4) stage moe_mxfp4 300 python3 benchmarks/moe_bench.py --mxfp4 --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --sweep-tiles --tokens 1,8,64,256,1024,4096,16384 ;;
     kprof_long) stage kprof_long 200 python3 benchmarks/device/kernel_profile.py "$M8" 300 1024 256 ;;
     kprof_prefill) stage kprof_prefill 200 python3 benchmarks/device/kernel_profile.py "$M8" 192 1024 1 ;;
     kprof_lat1) stage kprof_lat1 200 python3 benchmarks/device/kernel_profile.py "$M8" 1 32 256 ;;
@@ -324,6 +336,9 @@ run_stage() {  # run_stage NAME: one stage of the list below
     diag_nocascade) serve_diag nocascade --disable-cascade-attn ;;
     gputests_so) PYTHONPATH="$XGP" stage gputests_so 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "structured or mixed_step_graphs" -p no:cacheprovider --timeout 120 ;;
     vllm_serve) serve_pair vllm ;;
+    tp_gptoss) gptoss_model; stage tp_gptoss 560 "${TM[@]}" bench throughput --model "$MGPTOSS" "${TPA[@]}" "${GPTOSS_TP[@]}" --output-json "$LOGS/tp_gptoss.json"; addjson tp_gptoss "$LOGS/tp_gptoss.json" ;;
+    vllm_tp_gptoss) gptoss_model; stage vllm_tp_gptoss 560 vllm bench throughput --model "$MGPTOSS" "${TPA[@]}" "${GPTOSS_TP[@]}" --output-json "$LOGS/vllm_tp_gptoss.json"; addjson vllm_tp_gptoss "$LOGS/vllm_tp_gptoss.json" ;;
+    gputests_arch) stage gputests_arch 300 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;
     vllm_tp_short) stage vllm_tp_short 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/vllm_tp_short.json"; addjson vllm_tp_short "$LOGS/vllm_tp_short.json" ;;
     vllm_tp_small) stage vllm_tp_small 300 vllm bench throughput --model "$M135" "${TPA[@]}" --random-input-len 256 --random-output-len 256 --num-prompts 2000 --output-json "$LOGS/vllm_tp_small.json"; addjson vllm_tp_small "$LOGS/vllm_tp_small.json" ;;

@@ -218,7 +218,9 @@ def test_openai_agents_sdk_calls_a_function_tool(default_server, api):
         ),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
         ({"truncation": "auto"}, "truncation"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # SmolLM2's template
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"reasoning": {"summary": "auto"}}, "reasoning"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ],
 )

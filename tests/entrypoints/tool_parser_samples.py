@@ -3,7 +3,7 @@ templates and model cards give, for the tool-parser tests.
 
 Each sample: (output, expected calls as (name, arguments dict), expected content). An
 expected ``None`` for the calls means the output is not read as calls: the whole output is
-content.
+content, or the expected content when one is given (markup that is not a call removed).
 """
 
 from __future__ import annotations
@@ -165,6 +165,46 @@ SAMPLES: dict[str, list[Sample]] = {
         ("Paris, in France.", None, None),
         ("[1, 2, 3]", None, None),
         ('[get_weather("Paris")]', None, None),
+    ],
+    # gpt-oss: harmony messages (special tokens kept in the text); the stop token <|call|>
+    # is usually not in the output.
+    "openai": [
+        (
+            "<|channel|>analysis<|message|>Need the weather in Paris.<|end|><|start|>assistant"
+            "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+            '{"city":"Paris"}',
+            [PARIS],
+            None,
+        ),
+        # The recipient before the channel, and the stop token kept.
+        (
+            "<|channel|>analysis<|message|>Two days.<|end|><|start|>assistant to=functions."
+            'get_weather<|channel|>commentary json<|message|>{"city": "Paris", "days": 2}'
+            "<|call|>",
+            [("get_weather", {"city": "Paris", "days": 2})],
+            None,
+        ),
+        # What --reasoning-parser openai_gptoss leaves: a preamble, then the call's message.
+        (
+            "Let me look that up.<|start|>assistant<|channel|>commentary to=functions.search "
+            '<|constrain|>json<|message|>{"query": "louvre", "filters": {"open": true}}',
+            [("search", {"query": "louvre", "filters": {"open": True}})],
+            "Let me look that up.",
+        ),
+        # An answer without calls: its text without the markers.
+        (
+            "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>Paris is the capital of France.",
+            None,
+            "Paris is the capital of France.",
+        ),
+        # Cut by max_tokens inside the arguments.
+        (
+            "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+            '{"city": "Par',
+            None,
+            None,
+        ),
     ],
 }
 SAMPLES["qwen3_xml"] = SAMPLES["qwen3_coder"]

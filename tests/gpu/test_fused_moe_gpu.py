@@ -1,5 +1,6 @@
 """The fused MoE Triton kernel on CUDA in bf16 against the torch path (and both against a
-float32 reference), at Mixtral-like proportions scaled down to test size."""
+float32 reference), at Mixtral-like proportions scaled down to test size; MXFP4 experts with
+biases and gpt-oss' clamped SwiGLU against the float32 dequantized reference."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from tokenmill.kernels.moe.fused_moe import (
+    GatedActivation,
     fused_experts_torch,
     fused_experts_triton,
     moe_tile_config,
@@ -75,3 +77,56 @@ def test_layer_dispatches_to_the_kernel_on_cuda():
     expected = fused_experts_torch(x, moe.w13.weight, moe.w2.weight, weights, ids)
     scale = expected.abs().max().item()
     torch.testing.assert_close(moe(x, logits), expected, atol=3e-2 * scale, rtol=3e-2)
+
+
+def _mxfp4_problem(tokens: int, hidden: int, inter: int, experts: int, top_k: int):
+    """gpt-oss-like experts: MXFP4 weights (random codes, scales 2^-9 .. 2^-6), biases, the
+    clamped SwiGLU; bf16 activations."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    kw = dict(device="cuda", generator=gen)
+
+    def mxfp4(rows: int, k: int):
+        blocks = torch.randint(0, 256, (experts, rows, k // 2), dtype=torch.uint8, **kw)
+        return blocks, torch.randint(118, 122, (experts, rows, k // 32), dtype=torch.uint8, **kw)
+
+    (w13, s13), (w2, s2) = mxfp4(2 * inter, hidden), mxfp4(hidden, inter)
+    x = torch.randn(tokens, hidden, **kw).to(torch.bfloat16)
+    extra = dict(
+        w13_scale=s13, w2_scale=s2,
+        w13_bias=(torch.randn(experts, 2 * inter, **kw) * 0.1).to(torch.bfloat16),
+        w2_bias=(torch.randn(experts, hidden, **kw) * 0.1).to(torch.bfloat16),
+        activation=GatedActivation("swigluoai", 1.702, 7.0),
+    )  # fmt: skip
+    weights, ids = select_experts(torch.randn(tokens, experts, **kw), top_k, renormalize=True)
+    return x, w13, w2, weights, ids, extra
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64, 600, 4096])
+@pytest.mark.parametrize("hidden,inter,experts", [(2880, 2880, 32), (512, 320, 8)])
+def test_mxfp4_kernel_against_fp32_reference(tokens, hidden, inter, experts):
+    """The kernel decoding MXFP4 in registers (bf16 products) against the torch path on the
+    float32 dequantized weights, at gpt-oss-20b's expert shapes (K = 2880, not a multiple of
+    the 64- and 128-wide K tiles) and a small one; through ``fused_experts``, which keeps
+    MXFP4 on the kernel at every batch size."""
+    from tokenmill.kernels.moe.fused_moe import fused_experts
+
+    x, w13, w2, weights, ids, extra = _mxfp4_problem(tokens, hidden, inter, experts, 4)
+    got = fused_experts(x, w13, w2, weights, ids, **extra)
+    exact_extra = dict(extra, w13_bias=extra["w13_bias"].float(),
+                       w2_bias=extra["w2_bias"].float())  # fmt: skip
+    exact = fused_experts_torch(x.float(), w13, w2, weights, ids, **exact_extra)
+    scale = exact.abs().max().item()
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    err = (got.float() - exact).abs().max().item()
+    assert err <= 2e-2 * scale, (err, scale)
+
+
+def test_mxfp4_every_tile_config():
+    x, w13, w2, weights, ids, extra = _mxfp4_problem(97, 512, 320, 8, 2)
+    exact = fused_experts_torch(x.float(), w13, w2, weights, ids, **dict(
+        extra, w13_bias=extra["w13_bias"].float(), w2_bias=extra["w2_bias"].float()))
+    scale = exact.abs().max().item()
+    for slots_per_expert in (4, 32, 512):
+        config = moe_tile_config(slots_per_expert * 8, 8, torch.bfloat16)
+        got = fused_experts_triton(x, w13, w2, weights, ids, config, **extra)
+        assert (got.float() - exact).abs().max().item() <= 2e-2 * scale

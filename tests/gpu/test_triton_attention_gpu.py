@@ -103,26 +103,37 @@ def make_batch(
     )
 
 
-def check(b: Batch, sliding_window: int | None = None, soft_cap: float | None = None) -> None:
-    """Triton (poisoned output, NaN stale slots) against the fp32 reference (NaN read as 0)."""
+def check(
+    b: Batch,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    """Triton (poisoned output, NaN stale slots) against the fp32 reference (NaN read as 0);
+    ``sinks`` (float32) go to the kernels in the query's dtype, as a model holds them."""
     from tokenmill.kernels.attention.cache_write import reshape_and_cache
     from tokenmill.model.attention.torch_ref import TorchAttentionImpl, write_to_kv_cache
     from tokenmill.model.attention.triton_backend import TritonAttentionImpl
 
-    args = (b.num_heads, b.head_dim, b.head_dim**-0.5, b.num_kv_heads, sliding_window, soft_cap)
+    args = (b.num_heads, b.head_dim, b.head_dim**-0.5, b.num_kv_heads, sliding_window, soft_cap,
+            chunk)  # fmt: skip
+    kernel_sinks = None if sinks is None else sinks.to(DEVICE, b.query.dtype)
     md = b.metadata
     n = md.num_actual_tokens
     cache = b.kv_cache.clone()
     reshape_and_cache(b.key, b.value, cache, md.slot_mapping, n)
     out = torch.full((b.query.shape[0], b.num_heads * b.head_dim), float("nan"), device=DEVICE)
     out = out.to(b.query.dtype)
-    TritonAttentionImpl(*args).attend(b.query, cache, dataclasses.replace(md), out=out)
+    impl = TritonAttentionImpl(*args, sinks=kernel_sinks)
+    impl.attend(b.query, cache, dataclasses.replace(md), out=out)
 
     expected_cache = b.kv_cache.clone()
     write_to_kv_cache(b.key[:n], b.value[:n], expected_cache, md.slot_mapping[:n])
     torch.testing.assert_close(cache, expected_cache, atol=0, rtol=0, equal_nan=True)
 
-    ref = TorchAttentionImpl(*args).forward(
+    ref_sinks = None if kernel_sinks is None else kernel_sinks.float()
+    ref = TorchAttentionImpl(*args, sinks=ref_sinks).forward(
         b.query.float(), b.key.float(), b.value.float(),
         torch.nan_to_num(b.kv_cache.float(), nan=0.0), dataclasses.replace(md),
     )  # fmt: skip
@@ -166,6 +177,31 @@ def test_sliding_window_and_soft_cap(dtype):
     check(b, sliding_window=512)
     check(b, soft_cap=50.0)
     check(b, sliding_window=512, soft_cap=50.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinks_and_chunked_attention(dtype):
+    """gpt-oss-like (64 query heads over 8, head_dim 64, window 128, sinks) and Llama-4-like
+    (40 over 8, head_dim 128, chunks of 256) layers, over decodes split across programs, a
+    fresh prompt longer than the window and chunk, and a chunk after cached context."""
+    sinks = torch.randn(64, generator=torch.Generator().manual_seed(2)) * 2
+    b = make_batch(
+        [1, 1, 1, 900, 200], [3000, 100, 7, 0, 1500], num_heads=64, num_kv_heads=8,
+        head_dim=64, dtype=dtype, num_decodes=3, query_scale=3.0,
+    )  # fmt: skip
+    check(b, sinks=sinks)
+    check(b, sliding_window=128, sinks=sinks)
+    check(b, chunk=256, sinks=sinks)
+    b = make_batch(
+        [1, 1, 700, 300], [5000, 40, 0, 2000], num_heads=40, num_kv_heads=8, head_dim=128,
+        dtype=dtype, num_decodes=2,
+    )  # fmt: skip
+    check(b, chunk=256)
+    check(b, chunk=8192)
+    check(shared_prefix(make_batch(
+        [1] * 16, [700] * 16, num_heads=64, num_kv_heads=8, head_dim=64, dtype=dtype,
+        num_decodes=16,
+    ), 16, 40), sinks=sinks)  # fmt: skip
 
 
 def test_long_decode_small_batch():

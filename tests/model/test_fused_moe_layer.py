@@ -45,3 +45,16 @@ def test_expert_params_mapping_names():
     assert ("experts.w13", "experts.1.w3", (1, "up")) in mapping
     assert ("experts.w2", "experts.0.w2", (0, "down")) in mapping
     assert len(mapping) == 6
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"bias": True}, "without biases"),
+    ({"mxfp4": True}, "without biases"),
+    ({"checkpoint_layout": "gate_up_halves"}, "stacks them"),
+])
+def test_quantized_methods_refuse_experts_they_do_not_compute(kwargs, words):
+    from tokenmill.model.layers.quantization.base import QuantizationError
+
+    moe = FusedMoE(4, 2, 32, 64, renormalize=True, **kwargs)
+    with pytest.raises(QuantizationError, match=words):
+        moe.set_quant_method(object())

@@ -129,3 +129,18 @@ def test_gguf_dequantize_refused_beside_quantization_gguf(smollm2_gguf_path):
                        gguf_dequantize=True)
     with pytest.raises(ConfigError, match="--load-format auto or gguf"):
         dummy.create_engine_config()
+
+
+GPT_OSS = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "intermediate_size": 64, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "vocab_size": 320, "max_position_embeddings": 128,
+           "sliding_window": 8, "quantization_config": {"quant_method": "mxfp4"}}
+
+
+def test_mxfp4_is_gpt_oss_experts(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GPT_OSS))
+    for flag in (None, "mxfp4"):
+        args = EngineArgs(model=str(tmp_path), quantization=flag, device="cpu")
+        assert args.create_engine_config().model_config.quantization == "mxfp4"
+    assert "GptOssForCausalLM" in _refused(tmp_path, {"quant_method": "mxfp4"})

@@ -14,13 +14,13 @@ from tests.model.triton_attention_cases import (  # first: switches the interpre
     MIXED_CTX,
     MIXED_Q,
     TILE_SHAPES,
-    Batch,
     assert_same_cache,
     check,
     make_batch,
     padded_decode_batch,
     run_reference,
     run_triton,
+    share_prefix,
     use_tiles,
 )
 from tokenmill.kernels.attention import launch as triton_launch
@@ -415,17 +415,6 @@ def test_reshape_and_cache_skips_negative_slots():
     keep = slots >= 0
     write_to_kv_cache(b.key[keep], b.value[keep], expected, slots[keep])
     assert_same_cache(cache, expected)
-
-
-def share_prefix(b: Batch, num_decodes: int, prefix_blocks: int) -> Batch:
-    """The first ``num_decodes`` requests' first ``prefix_blocks`` block-table entries point
-    at request 0's blocks (a prompt prefix found by prefix caching); the blocks they held
-    before are left unread."""
-    table = b.metadata.block_table.clone()
-    table[1:num_decodes, :prefix_blocks] = table[0, :prefix_blocks]
-    bs = b.kv_cache.shape[2]
-    md = dataclasses.replace(b.metadata, block_table=table, common_prefix_len=prefix_blocks * bs)
-    return dataclasses.replace(b, metadata=md)
 
 
 @pytest.mark.parametrize("tiles", sorted(TILE_SHAPES))

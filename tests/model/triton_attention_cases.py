@@ -126,11 +126,13 @@ def make_batch(
 
 
 def run_triton(
-    b: Batch, sliding_window: int | None = None, soft_cap: float | None = None
+    b: Batch, sliding_window: int | None = None, soft_cap: float | None = None, **features
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cache write + attention through the Triton impl; output poisoned with NaN first."""
+    """Cache write + attention through the Triton impl; output poisoned with NaN first.
+    ``features``: further ``AttentionImpl`` arguments (``attention_chunk_size``, ``sinks``)."""
     impl = TritonAttentionImpl(
-        b.num_heads, b.head_dim, b.head_dim**-0.5, b.num_kv_heads, sliding_window, soft_cap
+        b.num_heads, b.head_dim, b.head_dim**-0.5, b.num_kv_heads, sliding_window, soft_cap,
+        **features,
     )
     cache = b.kv_cache.clone()
     md = dataclasses.replace(b.metadata)
@@ -141,12 +143,13 @@ def run_triton(
 
 
 def run_reference(
-    b: Batch, sliding_window: int | None = None, soft_cap: float | None = None
+    b: Batch, sliding_window: int | None = None, soft_cap: float | None = None, **features
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference's output (on the cache with NaN read as 0) and the cache it
     leaves (NaN kept where nothing was written)."""
     impl = TorchAttentionImpl(
-        b.num_heads, b.head_dim, b.head_dim**-0.5, b.num_kv_heads, sliding_window, soft_cap
+        b.num_heads, b.head_dim, b.head_dim**-0.5, b.num_kv_heads, sliding_window, soft_cap,
+        **features,
     )
     md = dataclasses.replace(b.metadata)
     out = impl.forward(b.query, b.key, b.value, torch.nan_to_num(b.kv_cache, nan=0.0), md)
@@ -160,9 +163,11 @@ def assert_same_cache(cache: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(cache, expected, atol=0, rtol=0, equal_nan=True)
 
 
-def check(b: Batch, sliding_window: int | None = None, soft_cap: float | None = None) -> None:
-    out, cache = run_triton(b, sliding_window, soft_cap)
-    ref_out, ref_cache = run_reference(b, sliding_window, soft_cap)
+def check(
+    b: Batch, sliding_window: int | None = None, soft_cap: float | None = None, **features
+) -> None:
+    out, cache = run_triton(b, sliding_window, soft_cap, **features)
+    ref_out, ref_cache = run_reference(b, sliding_window, soft_cap, **features)
     n = b.metadata.num_actual_tokens
     torch.testing.assert_close(out[:n], ref_out[:n], atol=1e-4, rtol=1e-4)
     assert_same_cache(cache, ref_cache)
@@ -211,3 +216,14 @@ def padded_decode_batch(real: Batch, pad: int) -> Batch:
     return dataclasses.replace(
         real, query=grow(real.query), key=grow(real.key), value=grow(real.value), metadata=padded
     )
+
+
+def share_prefix(b: Batch, num_decodes: int, prefix_blocks: int) -> Batch:
+    """The first ``num_decodes`` requests' first ``prefix_blocks`` block-table entries point
+    at request 0's blocks (a prompt prefix found by prefix caching); the blocks they held
+    before are left unread."""
+    table = b.metadata.block_table.clone()
+    table[1:num_decodes, :prefix_blocks] = table[0, :prefix_blocks]
+    bs = b.kv_cache.shape[2]
+    md = dataclasses.replace(b.metadata, block_table=table, common_prefix_len=prefix_blocks * bs)
+    return dataclasses.replace(b, metadata=md)

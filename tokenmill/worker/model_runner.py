@@ -131,10 +131,10 @@ class ModelRunner:
         self.model = get_model(
             c.model_config, c.load_config, self.device, self.attn_backend, c.kernel_config
         )
-        # Windowed layers keep plain attention: with a window on every layer, cascade would
-        # only cost decode-only steps their whole-step graph.
+        # Local layers (windows, chunks) keep plain attention: with one on every layer,
+        # cascade would only cost decode-only steps their whole-step graph.
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        if all(m.sliding_window is not None for m in layers):
+        if all(m.is_local for m in layers):
             self.cascade_attn = False
 
     def model_weight_bytes(self) -> int:

@@ -29,15 +29,15 @@ class AgentArgs:
         False,
     )
     tool_call_parser: str | None = _flag(
-        "How the model writes tool calls: hermes, llama3_json, mistral, pythonic, "
-        "qwen3_coder (qwen3_xml), or a name a --tool-parser-plugin registers.",
+        "How the model writes tool calls: hermes, llama3_json, mistral, openai (gpt-oss), "
+        "pythonic, qwen3_coder (qwen3_xml), or a name a --tool-parser-plugin registers.",
     )
     tool_parser_plugin: str | None = _flag(
         "A Python file that registers a ToolParser (ToolParserManager.register_module).",
     )
     reasoning_parser: str | None = _flag(
-        "Split the model's thinking into reasoning_content: deepseek_r1, qwen3, or a name a "
-        "--reasoning-parser-plugin registers.",
+        "Split the model's thinking into reasoning_content: deepseek_r1, qwen3, "
+        "openai_gptoss (gpt-oss), or a name a --reasoning-parser-plugin registers.",
     )
     reasoning_parser_plugin: str | None = _flag(
         "A Python file that registers a ReasoningParser (ReasoningParserManager.register_module).",

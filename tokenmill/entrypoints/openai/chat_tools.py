@@ -218,8 +218,9 @@ def tools_for_template(request: Any) -> list[dict[str, Any]] | None:
 
 def tool_message_fields(message: Any, index: int, call_ids: set[str]) -> dict[str, Any]:
     """The tool fields of one conversation entry for the template: an assistant's
-    ``tool_calls`` (arguments as objects, as templates expect) and ``reasoning_content``,
-    a tool message's ``tool_call_id``. Records the calls' ids in ``call_ids``.
+    ``tool_calls`` (arguments as objects, as templates expect) and ``reasoning_content``
+    (also as ``thinking``), a tool message's ``tool_call_id``. Records the calls' ids in
+    ``call_ids``.
 
     Raises:
         OpenAIError: 400 naming the field: arguments that are not a JSON object, tool_calls
@@ -259,5 +260,7 @@ def tool_message_fields(message: Any, index: int, call_ids: set[str]) -> dict[st
             )
         fields["tool_call_id"] = message.tool_call_id
     if message.reasoning_content is not None:
-        fields["reasoning_content"] = message.reasoning_content
+        # NOTE: templates name it either way: Qwen3's reasoning_content, gpt-oss' thinking
+        # (its analysis message before a past tool call).
+        fields["reasoning_content"] = fields["thinking"] = message.reasoning_content
     return fields

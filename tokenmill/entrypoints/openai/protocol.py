@@ -169,6 +169,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's reasoning effort, handed to the chat template as its ``reasoning_effort``
+    # variable (gpt-oss' template writes it into the system message); a 400 for a template
+    # that does not read it.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 class ChatCompletionLogProb(BaseModel):

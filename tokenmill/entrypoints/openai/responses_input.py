@@ -69,7 +69,7 @@ def check_served(request: ResponsesRequest) -> None:
             "truncation",
         )
     reasoning = request.reasoning or {}
-    for key in ("effort", "summary", "generate_summary"):
+    for key in ("summary", "generate_summary"):
         if reasoning.get(key) is not None:
             raise bad_request(
                 f"reasoning.{key} is not implemented; the model's reasoning comes back whole "
@@ -260,6 +260,7 @@ def to_chat_request(
         "max_completion_tokens": request.max_output_tokens,
         "response_format": response_format(request.text),
         "chat_template_kwargs": request.chat_template_kwargs,
+        "reasoning_effort": (request.reasoning or {}).get("effort"),
         "stream": bool(request.stream),
         "user": request.user,
     }
@@ -273,4 +274,6 @@ def to_chat_request(
         error = e.errors()[0]
         loc = ".".join(str(p) for p in error.get("loc", ()))
         loc = loc.replace("max_completion_tokens", "max_output_tokens")
-        raise bad_request(f"{loc}: {error.get('msg')}", loc.split(".")[0] or None) from None
+        loc = loc.replace("reasoning_effort", "reasoning.effort")
+        param = loc if loc.startswith("reasoning.") else loc.split(".")[0] or None
+        raise bad_request(f"{loc}: {error.get('msg')}", param) from None

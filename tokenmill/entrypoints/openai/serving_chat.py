@@ -141,6 +141,43 @@ class ChatRun:
     parsers: list[ChoiceParser] | None
 
 
+def template_kwargs(request: Any, template: Any) -> dict[str, Any]:
+    """The variables the chat template gets besides the messages: the request's
+    ``chat_template_kwargs``, its ``tools``, ``reasoning_effort`` and
+    ``continue_final_message``. ``template`` is the chat template that renders them (its
+    text, or the tokenizer's dict of named templates).
+
+    Raises:
+        OpenAIError: 400 when ``chat_template_kwargs`` names a parameter of the rendering
+            call, or ``reasoning_effort`` is given and the template does not read it.
+    """
+    kwargs: dict[str, Any] = dict(getattr(request, "chat_template_kwargs", None) or {})
+    tools = tools_for_template(request)
+    if tools is not None:
+        kwargs["tools"] = tools
+    reserved = sorted(set(kwargs) & RENDER_PARAMETERS)
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs cannot set {', '.join(reserved)}: the server decides "
+            "how the template is rendered (use the request's own fields, e.g. "
+            "add_generation_prompt).",
+            "chat_template_kwargs",
+        )
+    effort = getattr(request, "reasoning_effort", None)
+    if effort is not None:
+        # NOTE: a template that never reads the variable would silently ignore the effort.
+        if "reasoning_effort" not in str(template or ""):
+            raise bad_request(
+                "reasoning_effort is not read by this model's chat template (gpt-oss' "
+                "template reads it); leave it out.",
+                "reasoning_effort",
+            )
+        kwargs["reasoning_effort"] = effort
+    if getattr(request, "continue_final_message", False):
+        kwargs["continue_final_message"] = True
+    return kwargs
+
+
 class OpenAIServingChat(OpenAIServing):
     """Serves chat completions.
 
@@ -194,6 +231,8 @@ class OpenAIServingChat(OpenAIServing):
         plan = plan_tool_calls(request, self.tool_settings)
         if plan.mode == "auto" and self.tool_settings.tool_parser is not None:
             request = self.tool_settings.tool_parser(self.tokenizer).adjust_request(request)
+        if self.tool_settings.reasoning_parser is not None:
+            request = self.tool_settings.reasoning_parser(self.tokenizer).adjust_request(request)
         prompt_ids = await self.render_prompt_async(request.messages, request)
         max_tokens = (
             request.max_completion_tokens
@@ -355,20 +394,8 @@ class OpenAIServingChat(OpenAIServing):
                 entry["name"] = message.name
             entry.update(tool_message_fields(message, i, call_ids))
             conversation.append(entry)
-        kwargs: dict[str, Any] = dict(getattr(request, "chat_template_kwargs", None) or {})
-        tools = tools_for_template(request)
-        if tools is not None:
-            kwargs["tools"] = tools
-        reserved = sorted(set(kwargs) & RENDER_PARAMETERS)
-        if reserved:
-            raise bad_request(
-                f"chat_template_kwargs cannot set {', '.join(reserved)}: the server decides "
-                "how the template is rendered (use the request's own fields, e.g. "
-                "add_generation_prompt).",
-                "chat_template_kwargs",
-            )
-        if getattr(request, "continue_final_message", False):
-            kwargs["continue_final_message"] = True
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        kwargs = template_kwargs(request, template)
         add_generation_prompt = getattr(request, "add_generation_prompt", True)
         try:
             return render_chat_template(

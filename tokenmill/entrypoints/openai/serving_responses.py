@@ -88,7 +88,11 @@ class OpenAIServingResponses:
         try:
             run = await self.chat.start_chat(chat_request)
         except OpenAIError as e:
-            names = {"messages": "input", "max_completion_tokens": "max_output_tokens"}
+            names = {
+                "messages": "input",
+                "max_completion_tokens": "max_output_tokens",
+                "reasoning_effort": "reasoning.effort",
+            }
             raise rename_param(e, names) from None
         body = out.envelope(request, out.item_id("resp"), self.chat.model_name)
         if request.stream:

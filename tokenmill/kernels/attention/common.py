@@ -57,19 +57,46 @@ def scaled_scores(s, sm_scale, soft_cap, USE_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def local_start(q_pos, window, CHUNKED: tl.constexpr):
+    """The first key position a query at ``q_pos`` sees in a local layer: with ``CHUNKED``
+    the start of its chunk of ``window`` tokens (``q_pos // window * window``, Llama 4's
+    chunked attention), else the start of its sliding window (``q_pos - window + 1``; may
+    be negative). Monotone in ``q_pos``, so a tile's first and last rows bound its rows'."""
+    if CHUNKED:
+        return q_pos // window * window
+    return q_pos - window + 1
+
+
+@triton.jit
+def sink_state(sinks_ptr, head, head_valid, holds_sink, m_i, l_i, USE_SINKS: tl.constexpr):
+    """The online-softmax state ``(m, l)`` ``[M]`` to start from: as given, or where
+    ``holds_sink`` (one program per row: the first key split) with each row's sink logit
+    (``sinks_ptr[head]``, scaled into the log2 domain) already folded in, as a key of value
+    zero: ``m = sink``, ``l = 1``, and the accumulator stays zero."""
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head, mask=head_valid & holds_sink, other=0.0)
+        sink = sink.to(tl.float32) * LOG2E
+        take = head_valid & holds_sink
+        m_i = tl.where(take, sink, m_i)
+        l_i = tl.where(take, 1.0, l_i)
+    return m_i, l_i
+
+
+@triton.jit
 def tile_scores(
     q, k, j, q_pos, kv_valid, window, sm_scale, soft_cap,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, CHUNKED: tl.constexpr,
 ):  # fmt: skip
     """Scores ``[M, BLOCK_N]`` of ``q [M, D_P]`` against ``k [D_P, BLOCK_N]`` in the log2
-    domain, soft-capped if asked, with the causal, sequence-end and window masks (-inf)."""
+    domain, soft-capped if asked, with the causal, sequence-end and local masks (-inf): with
+    ``USE_WINDOW`` a query sees no key before ``local_start``."""
     s = scaled_scores(tl.dot(q, k, input_precision=DOT_PRECISION), sm_scale, soft_cap,
                       USE_SOFTCAP)  # fmt: skip
     if MASKED:
         visible = (j[None, :] <= q_pos[:, None]) & kv_valid[None, :]
         if USE_WINDOW:
-            visible = visible & (j[None, :] > q_pos[:, None] - window)
+            visible = visible & (j[None, :] >= local_start(q_pos, window, CHUNKED)[:, None])
         s = tl.where(visible, s, float("-inf"))
     return s
 
@@ -112,13 +139,15 @@ def attend_tiles(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CHUNKED: tl.constexpr,
 ):
     """Fold the key tiles ``[start, end)`` (step ``BLOCK_N``) into the online softmax state.
 
     ``acc`` ``[M, D_P]`` fp32, ``m_i``/``l_i`` ``[M]`` fp32 (log2 domain), ``q`` ``[M, D_P]``,
     ``q_pos`` ``[M]`` int32 positions of the query rows. ``MASKED`` tiles apply the causal,
-    sequence-end and sliding-window masks and load no key outside ``[kv_lo, seq_len)`` (slots
-    there may hold stale data, NaN included); unmasked tiles must be fully visible to every row.
+    sequence-end and local (window or chunk: ``local_start``) masks and load no key outside
+    ``[kv_lo, seq_len)`` (slots there may hold stale data, NaN included); unmasked tiles must
+    be fully visible to every row.
     """
     d = tl.arange(0, D_P)
     d_valid = d < HEAD_DIM
@@ -136,7 +165,7 @@ def attend_tiles(
         # K is read transposed, [D_P, BLOCK_N], so q @ k needs no shuffle.
         k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=kt_mask, other=0.0)
         s = tile_scores(q, k, j, q_pos, kv_valid, window, sm_scale, soft_cap,
-                        MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION)  # fmt: skip
+                        MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, CHUNKED)  # fmt: skip
         m_i, l_i, alpha, p = softmax_step(m_i, l_i, s)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=v_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

@@ -15,8 +15,10 @@ from tokenmill.kernels.attention.common import (
     M_INIT,
     SPLIT_RUNTIME_INTS,
     attend_tiles,
+    local_start,
     merge_splits,
     scaled_scores,
+    sink_state,
     softmax_step,
     tile_rows,
     tile_scores,
@@ -182,6 +184,7 @@ def decode_attention_kernel(
     stride_kt,
     stride_vt,
     stride_cos,
+    sinks_ptr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
@@ -192,6 +195,8 @@ def decode_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CHUNKED: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     USE_PDL: tl.constexpr,
     ROPE: tl.constexpr,
     HALF: tl.constexpr,
@@ -244,6 +249,12 @@ def decode_attention_kernel(
     writes for another row, which a prefix-cache hit on a block filled in the same step
     can make happen (``AttentionMetadata.reads_step_kv``): with ``EARLY_LOADS`` off every
     program waits first.
+
+    Local layers (``USE_WINDOW``) read only the keys from the query's ``local_start`` on: a
+    sliding window of ``window`` keys, or with ``CHUNKED`` the query's chunk of ``window``
+    tokens. With ``USE_SINKS`` the first split starts its softmax from each head's sink
+    logit (``sinks_ptr``, ``[num_heads]``; ``sink_state``), so the merged result counts
+    it once.
     """
     allow_next_grid(USE_PDL)
     if not EARLY_LOADS:
@@ -270,7 +281,7 @@ def decode_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     kv_lo = kv_start
     if USE_WINDOW:
-        kv_lo = tl.maximum(seq_len - window, kv_start)
+        kv_lo = tl.maximum(local_start(seq_len - 1, window, CHUNKED), kv_start)
     lo = kv_lo // BLOCK_N * BLOCK_N
     tiles = tl.cdiv(seq_len - lo, BLOCK_N)
     tiles_per_split = tl.cdiv(tiles, num_splits)
@@ -330,15 +341,16 @@ def decode_attention_kernel(
     acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)
     m_i = tl.zeros([GROUP_P], dtype=tl.float32) + M_INIT
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
+    m_i, l_i = sink_state(sinks_ptr, head, g < GROUP, split == 0, m_i, l_i, USE_SINKS)
     s0 = tile_scores(q, k0, j, q_pos, first_valid, window, sm_scale, soft_cap,
-                     True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION)  # fmt: skip
+                     True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, CHUNKED)  # fmt: skip
     m_i, l_i, alpha, p = softmax_step(m_i, l_i, s0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v0.dtype), v0, input_precision=DOT_PRECISION)
     acc, m_i, l_i = attend_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr,
         kv_head * stride_ch, kv_lo, last, window, sm_scale, soft_cap, start + BLOCK_N, end,
         stride_cb, stride_cs, True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE,
-        BLOCK_N, DOT_PRECISION,
+        BLOCK_N, DOT_PRECISION, CHUNKED,
     )  # fmt: skip
     if has_new_key:
         acc, m_i, l_i = _fold_key(acc, m_i, l_i, q, k_new, v_new, sm_scale, soft_cap,

@@ -19,7 +19,7 @@ key splits and arguments (tile tables in ``launch.py``; kernels in ``decode.py``
 - **Cascade attention** (Juravsky et al., "Hydragen", 2024): when the decodes hold the
   same first blocks (``common_prefix_len``), ``shared_prefix_kernel`` reads those keys once
   for all of them and the decode kernel only the keys after them; the merge takes both
-  kernels' partials. Layers with a sliding window keep the plain path.
+  kernels' partials. Local layers (windows, chunks) keep the plain path.
 
 The varlen kernel alone is correct for every batch; the decode kernel is the fast path for
 the leading decodes (a decode token fills only ``GROUP`` of a 128-row prompt tile, and
@@ -121,8 +121,9 @@ class PagedAttention:
     """The paged-attention launches of one layer shape (see the module docstring).
 
     Works for any head size (powers of two run unmasked along the head dimension), any
-    ``block_size``, GQA groups of any size, sliding windows and logit soft-capping;
-    fp16/bf16 on the GPU, any float dtype in the Triton interpreter.
+    ``block_size``, GQA groups of any size, sliding windows, chunked local attention, logit
+    soft-capping and attention sinks; fp16/bf16 on the GPU, any float dtype in the Triton
+    interpreter.
 
     Args:
         num_heads: query heads.
@@ -132,6 +133,10 @@ class PagedAttention:
         sliding_window: a query at position p sees keys at positions > p - window; None:
             every earlier key.
         logits_soft_cap: scores become ``cap * tanh(scores / cap)``; None: no cap.
+        attention_chunk_size: a query at position p sees keys from ``p // chunk * chunk``
+            on; None: no chunks. Not together with ``sliding_window``.
+        sinks: ``[num_heads]`` sink logits joining each row's softmax denominator (any float
+            dtype, on the kernels' device); None: no sinks.
     """
 
     def __init__(
@@ -142,6 +147,8 @@ class PagedAttention:
         num_kv_heads: int,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        attention_chunk_size: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -149,9 +156,15 @@ class PagedAttention:
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
-        # Layers with equal keys launch the same kernels for the same batch.
+        self.attention_chunk_size = attention_chunk_size
+        self.sinks = sinks
+        # Window or chunk: the kernels take either as their ``window`` (``CHUNKED`` says which).
+        self.local_span = sliding_window if sliding_window is not None else attention_chunk_size
+        # Layers with equal keys launch the same kernels for the same batch (the sinks
+        # tensor is passed at each launch, not kept in the shared arguments).
         self.launch_key = (
             num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap,
+            attention_chunk_size, sinks is not None,
         )  # fmt: skip
 
     def attend(
@@ -258,15 +271,22 @@ class PagedAttention:
         return {
             "sm_scale": float(self.scale),
             "soft_cap": float(self.logits_soft_cap or 0.0),
-            "window": int(self.sliding_window or 0),
+            "window": int(self.local_span or 0),
             "GROUP": group,
             "HEAD_DIM": self.head_dim,
             "D_P": _pow2(self.head_dim, 16),
             "BLOCK_SIZE": kv_cache.shape[2],
-            "USE_WINDOW": self.sliding_window is not None,
+            "USE_WINDOW": self.local_span is not None,
             "USE_SOFTCAP": self.logits_soft_cap is not None,
             "DOT_PRECISION": _dot_precision(query.dtype),
+            "CHUNKED": self.attention_chunk_size is not None,
+            "USE_SINKS": self.sinks is not None,
         }
+
+    def _sinks_arg(self, query: torch.Tensor) -> torch.Tensor:
+        """The sinks tensor for a launch; without sinks, any tensor of a fixed dtype (not
+        read; no other variant compiles)."""
+        return self.sinks if self.sinks is not None else query
 
     def _workspace(
         self, split: BatchSplit, rows: int, num_splits: int, device: torch.device
@@ -332,7 +352,8 @@ class PagedAttention:
         decode_kernels.decode_attention_kernel[launch.grid](
             out, part_out, part_lse, query, k_cache, v_cache, batch.block_table,
             batch.seq_lens, batch.query_start_loc, k_new_ptr=key, v_new_ptr=value,
-            cos_sin_ptr=table, slot_ptr=batch.slot_mapping, **launch.kwargs,
+            cos_sin_ptr=table, slot_ptr=batch.slot_mapping, sinks_ptr=self._sinks_arg(query),
+            **launch.kwargs,
         )  # fmt: skip
         if launch.reduce_grid:
             decode_kernels.decode_reduce_kernel[launch.reduce_grid](
@@ -383,10 +404,11 @@ class PagedAttention:
         sms = num_sms(query.device)
         # Cascade attention: the decodes' shared prefix is read once by
         # ``shared_prefix_kernel``; the decode kernel reads only the keys after it. Windows
-        # would hide part of the prefix from some requests, so they keep the plain path.
+        # and chunks would hide part of the prefix from some requests, so they keep the
+        # plain path. (Sinks join the decode kernel's first split, once per row.)
         prefix_len = batch.common_prefix_len
         # (attend_decode_rotary refuses batches with a shared prefix.)
-        if self.sliding_window is not None or split.uniform or rope is not None:
+        if self.local_span is not None or split.uniform or rope is not None:
             prefix_len = 0
         prefix_splits = block_q = 0
         pcfg = varlen_tile_config(args["D_P"], query.dtype)
@@ -435,7 +457,8 @@ class PagedAttention:
         if prefix_len:
             blocks = cdiv(split.num_decodes, block_q)
             launch.prefix_grid = (blocks, self.num_kv_heads, prefix_splits)
-            prefix_args = {k: v for k, v in args.items() if k not in ("window", "USE_WINDOW")}
+            local_args = ("window", "USE_WINDOW", "CHUNKED", "USE_SINKS")
+            prefix_args = {k: v for k, v in args.items() if k not in local_args}
             launch.prefix_kwargs = {
                 "req_offset": 0, "num_decodes": split.num_decodes, "prefix_len": prefix_len,
                 "split_base": num_splits, "num_splits": prefix_splits,
@@ -465,7 +488,8 @@ class PagedAttention:
         prefill_range = batch.prefill_range if split.uniform else batch.query_start_loc
         prefill_kernels.varlen_attention_kernel[launch.grid](
             out, part_out, part_lse, query, kv_cache[0], kv_cache[1], batch.block_table,
-            batch.seq_lens, batch.query_start_loc, prefill_range, **launch.kwargs,
+            batch.seq_lens, batch.query_start_loc, prefill_range,
+            sinks_ptr=self._sinks_arg(query), **launch.kwargs,
         )  # fmt: skip
         if launch.reduce_grid:
             prefill_kernels.varlen_reduce_kernel[launch.reduce_grid](

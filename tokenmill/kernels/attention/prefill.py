@@ -11,7 +11,9 @@ from tokenmill.kernels.attention.common import (
     M_INIT,
     SPLIT_RUNTIME_INTS,
     attend_tiles,
+    local_start,
     merge_splits,
+    sink_state,
 )
 
 
@@ -98,12 +100,12 @@ def shared_prefix_kernel(
     acc, m_i, l_i = attend_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head * stride_ch,
         0, prefix_len, 0, sm_scale, soft_cap, start, full_end, stride_cb, stride_cs,
-        False, False, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        False, False, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False,
     )  # fmt: skip
     acc, m_i, l_i = attend_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head * stride_ch,
         0, prefix_len, 0, sm_scale, soft_cap, full_end, end, stride_cb, stride_cs,
-        True, False, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        True, False, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     part = r.to(tl.int64) * stride_pr + head * stride_ph + (split_base + split) * HEAD_DIM
@@ -187,6 +189,7 @@ def varlen_attention_kernel(
     stride_ph,
     stride_lr,
     stride_lh,
+    sinks_ptr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
@@ -198,6 +201,8 @@ def varlen_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CHUNKED: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     UNIFORM: tl.constexpr,
 ):
     """Program (query block, KV head, split): ``BLOCK_Q`` consecutive query tokens of one
@@ -207,14 +212,16 @@ def varlen_attention_kernel(
     + KV head``.)
 
     The tokens are the last ``q_len`` positions of a ``seq_len``-token context, so token
-    ``t`` of the chunk sits at position ``seq_len - q_len + t`` and sees keys up to it (and
-    above ``pos - window``). Key tiles visible to every row skip the masks; only the tiles on
-    the diagonal and at the window's edge pay for them. With one split the result goes to
-    ``out``; with more (a short chunk after a long context, whose few programs would leave
-    most of the chip idle), each split writes its normalized partial output and log2-sum-exp
-    to ``part_out[t, head, split]`` / ``part_lse[t, head, split]`` (``t`` counted from the
-    first query token of ``req_offset``; split strides ``HEAD_DIM`` and 1) for
-    ``varlen_reduce_kernel``.
+    ``t`` of the chunk sits at position ``seq_len - q_len + t`` and sees keys up to it (and,
+    in local layers, from its ``local_start`` on: above ``pos - window``, or with ``CHUNKED``
+    within its chunk of ``window`` tokens). Key tiles visible to every row skip the masks;
+    only the tiles on the diagonal and at the local edge pay for them. With ``USE_SINKS``
+    the first split starts each row's softmax from its head's sink logit (``sink_state``).
+    With one split the result goes to ``out``; with more (a short chunk after a long
+    context, whose few programs would leave most of the chip idle), each split writes its
+    normalized partial output and log2-sum-exp to ``part_out[t, head, split]`` /
+    ``part_lse[t, head, split]`` (``t`` counted from the first query token of
+    ``req_offset``; split strides ``HEAD_DIM`` and 1) for ``varlen_reduce_kernel``.
 
     ``UNIFORM`` (a batch launched with uniform grids): the requests are
     ``prefill_range[1]`` from ``prefill_range[0]`` on (device int32), in place of
@@ -270,11 +277,12 @@ def varlen_attention_kernel(
     first_pos = context_len + q_block * BLOCK_Q
     end = tl.minimum(first_pos + BLOCK_Q, seq_len)  # one past the last query position
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # tiles below it are causal for all rows
-    kv_lo = 0  # the first row's window start: no row sees keys below it
-    full_lo = 0
+    kv_lo = 0  # the first row's local start: no row sees keys below it
+    full_lo = 0  # the last row's local start, rounded up to a tile: every row sees above it
     if USE_WINDOW:
-        kv_lo = tl.maximum(first_pos - window + 1, 0)
-        full_lo = tl.cdiv(tl.maximum(end - window, 0), BLOCK_N) * BLOCK_N
+        kv_lo = tl.maximum(local_start(first_pos, window, CHUNKED), 0)
+        last_lo = tl.maximum(local_start(end - 1, window, CHUNKED), 0)
+        full_lo = tl.cdiv(last_lo, BLOCK_N) * BLOCK_N
     lo = kv_lo // BLOCK_N * BLOCK_N
     mid_lo = tl.minimum(tl.maximum(full_lo, lo), end)
     mid_hi = tl.maximum(full_end, mid_lo)  # full_end <= end
@@ -286,6 +294,7 @@ def varlen_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_P], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + M_INIT
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = sink_state(sinks_ptr, head, row_valid, split == 0, m_i, l_i, USE_SINKS)
     block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
     kv_head_offset = kv_head * stride_ch
     acc, m_i, l_i = attend_tiles(
@@ -293,18 +302,21 @@ def varlen_attention_kernel(
         kv_lo, seq_len, window, sm_scale, soft_cap, tl.maximum(lo, split_lo),
         tl.minimum(mid_lo, split_hi), stride_cb, stride_cs,
         True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        CHUNKED,
     )  # fmt: skip
     acc, m_i, l_i = attend_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
         kv_lo, seq_len, window, sm_scale, soft_cap, tl.maximum(mid_lo, split_lo),
         tl.minimum(mid_hi, split_hi), stride_cb, stride_cs,
         False, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        CHUNKED,
     )  # fmt: skip
     acc, m_i, l_i = attend_tiles(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
         kv_lo, seq_len, window, sm_scale, soft_cap, tl.maximum(mid_hi, split_lo),
         tl.minimum(end, split_hi), stride_cb, stride_cs,
         True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
+        CHUNKED,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if num_splits == 1:

@@ -22,20 +22,76 @@ Two implementations compute the experts:
   launch never waits on the host.
 
 Expert weights come stacked: ``w13 [E, 2I, H]`` (gate rows then up rows) and
-``w2 [E, H, I]``, so each kernel reads one tensor.
+``w2 [E, H, I]``, so each kernel reads one tensor; or as MXFP4 (``mxfp4.py``: ``w13`` uint8
+``[E, 2I, H / 2]`` with scales ``[E, 2I, H / 32]``, ``w2`` likewise), which the Triton
+kernel decodes tile by tile in registers and the torch path one expert at a time. Experts
+may carry biases (``[E, 2I]``, ``[E, H]``) and combine gate and up with SiLU (SwiGLU) or
+gpt-oss' clamped variant (``GatedActivation``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.device import HAS_TRITON
+from tokenmill.kernels.moe.mxfp4 import MXFP4_BLOCK, check_mxfp4_shapes, dequantize_mxfp4
 from tokenmill.math_utils import cdiv
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from tokenmill.kernels.moe.mxfp4 import mxfp4_tile
+
+
+@dataclass(frozen=True)
+class GatedActivation:
+    """How an expert combines its gate and up projections.
+
+    Attributes:
+        kind: ``"silu"``: ``silu(gate) * up`` (SwiGLU, Shazeer 2020); ``"swigluoai"``:
+            gpt-oss' clamped form, ``(up + 1) * g * sigmoid(alpha * g)`` with
+            ``g = min(gate, limit)`` and ``up`` clamped to ``[-limit, limit]`` (OpenAI's
+            gpt-oss reference; vLLM's name for it).
+        alpha: the sigmoid's gain (swigluoai).
+        limit: the clamp (swigluoai).
+    """
+
+    kind: Literal["silu", "swigluoai"] = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The torch form: ``gate``, ``up`` ``[..., I]`` -> ``[..., I]``."""
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
+SILU = GatedActivation()
+
+
+def _dense_expert(
+    expert: int,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``expert``'s ``(w13 [2I, H], w2 [H, I])`` in ``dtype`` (MXFP4 decoded)."""
+    if w13_scale is None or w2_scale is None:
+        return w13[expert], w2[expert]
+    return (
+        dequantize_mxfp4(w13[expert], w13_scale[expert], dtype),
+        dequantize_mxfp4(w2[expert], w2_scale[expert], dtype),
+    )
 
 
 # Batches of at least this many tokens take the torch expert loop on CUDA (see
@@ -73,18 +129,31 @@ def fused_experts_torch(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: GatedActivation = SILU,
 ) -> torch.Tensor:
-    """Routed SwiGLU experts in plain torch: one pair of GEMMs per expert that got tokens.
+    """Routed gated experts in plain torch: one pair of GEMMs per expert that got tokens
+    (MXFP4 experts decoded one at a time, just before their GEMMs).
 
     Args:
         hidden: ``[T, H]``.
-        w13: ``[E, 2I, H]``, gate rows ``[:I]`` then up rows ``[I:]``.
-        w2: ``[E, H, I]``.
+        w13: ``[E, 2I, H]``, gate rows ``[:I]`` then up rows ``[I:]``; MXFP4: uint8
+            ``[E, 2I, H / 2]``.
+        w2: ``[E, H, I]``; MXFP4: uint8 ``[E, H, I / 2]``.
         topk_weights: ``[T, k]`` routing weights (float32 or the activations' dtype).
         topk_ids: ``[T, k]`` expert ids.
+        w13_scale, w2_scale: MXFP4 scales (uint8 ``[E, 2I, H / 32]``, ``[E, H, I / 32]``);
+            None for plain weights.
+        w13_bias, w2_bias: ``[E, 2I]`` and ``[E, H]``, or None.
+        activation: how gate and up combine.
 
     Returns:
-        ``[T, H]`` in ``hidden``'s dtype: ``sum_j w[t, j] * expert_{ids[t, j]}(hidden[t])``.
+        ``[T, H]`` in ``hidden``'s dtype:
+        ``sum_j w[t, j] * (w2 act(w13 x + b13) + b2)`` over the experts ``ids[t, j]``.
     """
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     out = torch.zeros_like(hidden)
@@ -99,8 +168,11 @@ def fused_experts_torch(
         slots = order[start : start + count]
         start += count
         tokens = slots // top_k
-        gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
+        w_in, w_out = _dense_expert(expert, w13, w2, w13_scale, w2_scale, hidden.dtype)
+        b_in = None if w13_bias is None else w13_bias[expert]
+        b_out = None if w2_bias is None else w2_bias[expert]
+        gate, up = F.linear(hidden[tokens], w_in, b_in).chunk(2, dim=-1)
+        y = F.linear(activation(gate, up), w_out, b_out)
         y = y * flat_weights[slots, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
@@ -150,36 +222,96 @@ def align_tokens_by_expert(
 if HAS_TRITON:
 
     @triton.jit
+    def _products_dense(
+        a_ptrs, b_ptrs, row_mask, n_mask, K, up_offset,
+        GATED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """``(A @ B_gate^T, A @ B_up^T)`` of one output tile over the whole K, float32;
+        ``a_ptrs [BLOCK_M, BLOCK_K]`` and ``b_ptrs [BLOCK_K, BLOCK_N]`` at the first K
+        tile, the up rows ``up_offset`` elements past the gate rows (GATED)."""
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b_mask = k_mask[:, None] & n_mask[None, :]
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                b_up = tl.load(b_ptrs + up_offset, mask=b_mask, other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        return acc, acc_up
+
+    @triton.jit
+    def _products_mxfp4(
+        a_ptrs, b_ptrs, s_ptrs, row_mask, n_mask, K, up_offset, up_scale_offset,
+        GATED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """``_products_dense`` over MXFP4 weights: ``b_ptrs [BLOCK_K / 2, BLOCK_N]`` bytes
+        and ``s_ptrs`` their scales; ``a_ptrs [BLOCK_M, BLOCK_K]`` as in ``_products_dense``.
+        Each byte holds an even and an odd K position, so each K tile is two dot products:
+        A's even columns with the low nibbles, its odd columns with the high ones (A is read
+        whole and split in registers)."""
+        HALF: tl.constexpr = BLOCK_K // 2
+        offs_h = tl.arange(0, HALF)
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            h_mask = offs_h < (K - k0) // 2
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))
+            b_mask = h_mask[:, None] & n_mask[None, :]
+            packed = tl.load(b_ptrs, mask=b_mask, other=0)
+            scale = tl.load(s_ptrs, mask=b_mask, other=0)
+            b_even, b_odd = mxfp4_tile(packed, scale, a_even.dtype)
+            acc = tl.dot(a_even, b_even, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(a_odd, b_odd, acc, input_precision=DOT_PRECISION)
+            if GATED:
+                packed = tl.load(b_ptrs + up_offset, mask=b_mask, other=0)
+                scale = tl.load(s_ptrs + up_scale_offset, mask=b_mask, other=0)
+                b_even, b_odd = mxfp4_tile(packed, scale, a_even.dtype)
+                acc_up = tl.dot(a_even, b_even, acc_up, input_precision=DOT_PRECISION)
+                acc_up = tl.dot(a_odd, b_odd, acc_up, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += HALF
+            s_ptrs += BLOCK_K // 32
+        return acc, acc_up
+
+    @triton.jit
+    def _gated(gate, up, alpha, limit, SWIGLUOAI: tl.constexpr):
+        """``GatedActivation`` in registers (float32 tiles)."""
+        if SWIGLUOAI:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            return (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
+        return gate / (1.0 + tl.exp(-gate)) * up
+
+    @triton.jit
     def _moe_gemm_kernel(
-        a_ptr,
-        b_ptr,
-        c_ptr,
-        weights_ptr,
-        sorted_slots_ptr,
-        block_experts_ptr,
-        num_padded_ptr,
-        N,
-        K,
-        num_slots,
-        max_padded,
-        stride_am,
-        stride_be,
-        stride_bn,
-        stride_cm,
-        A_ROW_DIV: tl.constexpr,
-        GATED: tl.constexpr,
-        MUL_WEIGHT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
-    ):
+        a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, block_experts_ptr, num_padded_ptr,
+        scale_ptr, bias_ptr, N, K, num_slots, max_padded,
+        stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_bias,
+        alpha, limit,
+        A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+        MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLUOAI: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):  # fmt: skip
         """One ``[BLOCK_M, BLOCK_N]`` output tile of ``C[slot] = A[slot // A_ROW_DIV] @ B[e]^T``.
 
         ``B`` is ``[E, N(*2 if GATED), K]``; with ``GATED`` the tile also computes the up
-        projection (rows ``N + n`` of ``B``) and stores ``silu(gate) * up``. With
-        ``MUL_WEIGHT`` each row is scaled by its slot's routing weight.
+        projection (rows ``N + n`` of ``B``) and stores ``act(gate, up)`` (SiLU, or with
+        ``SWIGLUOAI`` gpt-oss' clamped form with ``alpha`` and ``limit``). ``MXFP4``: ``B``
+        is uint8 ``[E, rows, K / 2]`` with E8M0 scales ``[E, rows, K / 32]`` at
+        ``scale_ptr``, decoded in registers (``mxfp4.mxfp4_tile``). ``HAS_BIAS``: rows of
+        ``bias_ptr [E, rows]`` are added before the activation. With ``MUL_WEIGHT`` each
+        row is scaled by its slot's routing weight, last.
         """
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(max_padded, BLOCK_M)
@@ -198,30 +330,33 @@ if HAS_TRITON:
         expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
         a_rows = (slots // A_ROW_DIV).to(tl.int64)
+        # B tiles are read as [BLOCK_K, BLOCK_N] (the transpose of rows n of expert e).
+        b_rows = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+        offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-        # B tile read as [BLOCK_K, BLOCK_N] (the transpose of rows n of expert e).
-        b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
-        b_ptrs += offs_k[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b_mask = k_mask[:, None] & n_mask[None, :]
-            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if MXFP4:
+            offs_h = tl.arange(0, BLOCK_K // 2)
+            s_ptrs = scale_ptr + expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn
+            s_ptrs += offs_h[:, None] // (32 // 2)
+            acc, acc_up = _products_mxfp4(
+                a_ptrs, b_rows + offs_h[:, None], s_ptrs, row_mask, n_mask, K,
+                N * stride_bn, N * stride_sn, GATED, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        else:
+            acc, acc_up = _products_dense(
+                a_ptrs, b_rows + offs_k[:, None], row_mask, n_mask, K, N * stride_bn,
+                GATED, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        if HAS_BIAS:
+            bias_row = bias_ptr + expert * stride_bias + offs_n
+            acc += tl.load(bias_row, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if GATED:
-                b_up = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+                acc_up += tl.load(bias_row + N, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            acc = _gated(acc, acc_up, alpha, limit, SWIGLUOAI)
         if MUL_WEIGHT:
-            w = tl.load(weights_ptr + slots, mask=row_mask, other=0.0)
-            acc = acc * w[:, None]
+            acc = acc * tl.load(weights_ptr + slots, mask=row_mask, other=0.0)[:, None]
         c_ptrs = c_ptr + slots.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
@@ -255,6 +390,9 @@ def _launch_moe_gemm(
     a_row_div: int,
     gated: bool,
     config: dict[str, int],
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    activation: GatedActivation,
 ) -> None:
     sorted_slots, block_experts, num_padded = aligned
     n = c.shape[1]
@@ -262,13 +400,24 @@ def _launch_moe_gemm(
     max_padded = sorted_slots.numel()
     tiles = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["GROUP_M"]
     grid = (cdiv(max_padded, tiles[0]) * cdiv(n, tiles[1]),)
+    # Unread stand-ins where a variant has no scales or bias (a fixed dtype each: no other
+    # variant compiles).
+    scale_arg = scale if scale is not None else block_experts
+    bias_arg = bias if bias is not None else c
     _moe_gemm_kernel[grid](
-        a, b, c, topk_weights, sorted_slots, block_experts, num_padded,
+        a, b, c, topk_weights, sorted_slots, block_experts, num_padded, scale_arg, bias_arg,
         n, k, num_slots, max_padded,
         a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        scale_arg.stride(0) if scale is not None else 0,
+        scale_arg.stride(1) if scale is not None else 0,
+        bias.stride(0) if bias is not None else 0,
+        float(activation.alpha), float(activation.limit),
         A_ROW_DIV=a_row_div,
         GATED=gated,
         MUL_WEIGHT=not gated,
+        MXFP4=scale is not None,
+        HAS_BIAS=bias is not None,
+        SWIGLUOAI=activation.kind == "swigluoai",
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=tiles[0],
         BLOCK_N=tiles[1],
@@ -276,7 +425,7 @@ def _launch_moe_gemm(
         GROUP_M=tiles[3],
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
-    )
+    )  # fmt: skip
 
 
 def fused_experts_triton(
@@ -286,34 +435,50 @@ def fused_experts_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: dict[str, int] | None = None,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: GatedActivation = SILU,
 ) -> torch.Tensor:
-    """Routed SwiGLU experts with the grouped-GEMM Triton kernel (see the module docstring).
+    """Routed gated experts with the grouped-GEMM Triton kernel (see the module docstring).
 
     Same arguments and result as ``fused_experts_torch``; all tensors on one device (CUDA,
-    or CPU under ``TRITON_INTERPRET=1``), weights contiguous.
+    or CPU under ``TRITON_INTERPRET=1``), weights contiguous. MXFP4 weights are decoded in
+    the kernel, tile by tile.
 
     Args:
         config: tile sizes (``moe_tile_config`` keys); chosen by ``moe_tile_config`` if None.
 
     Raises:
-        ValueError: Triton is not installed.
+        ValueError: Triton is not installed; MXFP4 weights whose shapes disagree.
     """
     if not HAS_TRITON:
         raise ValueError("the fused MoE kernel needs Triton")
     num_tokens, top_k = topk_ids.shape
-    num_experts, two_i, _ = w13.shape
+    num_experts, two_i = w13.shape[:2]
     hidden_size = w2.shape[1]
     num_slots = num_tokens * top_k
     if num_slots == 0:
         return torch.zeros_like(hidden)
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("MXFP4 experts need scales for both w13 and w2")
+    if w13_scale is not None:
+        check_mxfp4_shapes(w13, w13_scale)
+        check_mxfp4_shapes(w2, w2_scale)
     config = config or moe_tile_config(num_slots, num_experts, hidden.dtype)
+    if w13_scale is not None and config["BLOCK_K"] % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 needs BLOCK_K a multiple of {MXFP4_BLOCK}")
     aligned = align_tokens_by_expert(topk_ids, num_experts, config["BLOCK_M"])
     weights = topk_weights.reshape(-1).float().contiguous()
     hidden = hidden.contiguous()
     act = torch.empty(num_slots, two_i // 2, dtype=hidden.dtype, device=hidden.device)
-    _launch_moe_gemm(hidden, w13, act, weights, aligned, num_slots, top_k, True, config)
+    _launch_moe_gemm(hidden, w13, act, weights, aligned, num_slots, top_k, True, config,
+                     w13_scale, w13_bias, activation)  # fmt: skip
     down = torch.empty(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    _launch_moe_gemm(act, w2, down, weights, aligned, num_slots, 1, False, config)
+    _launch_moe_gemm(act, w2, down, weights, aligned, num_slots, 1, False, config,
+                     w2_scale, w2_bias, activation)  # fmt: skip
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 
@@ -323,15 +488,19 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    **experts: object,
 ) -> torch.Tensor:
-    """The Triton kernel on CUDA, the torch loop elsewhere (see ``fused_experts_torch``).
+    """The Triton kernel on CUDA, the torch loop elsewhere (see ``fused_experts_torch``;
+    ``experts``: its keyword arguments, MXFP4 scales, biases, the activation).
 
     From ``TORCH_MIN_TOKENS`` tokens on, outside CUDA-graph capture, CUDA runs the torch
-    loop too: its per-expert cuBLAS GEMMs beat the grouped kernel there (H200, Mixtral
-    shapes: 3.07 against 3.26 ms at 2048 tokens, 5.52 against 6.13 ms at 4096).
+    loop too for plain weights: its per-expert cuBLAS GEMMs beat the grouped kernel there
+    (H200, Mixtral shapes: 3.07 against 3.26 ms at 2048 tokens, 5.52 against 6.13 ms at
+    4096). MXFP4 experts always take the kernel, which decodes them in registers instead of
+    writing every expert out dense each step.
     """
     if HAS_TRITON and hidden.is_cuda:
-        large = hidden.shape[0] >= TORCH_MIN_TOKENS
+        large = hidden.shape[0] >= TORCH_MIN_TOKENS and experts.get("w13_scale") is None
         if not large or torch.cuda.is_current_stream_capturing():
-            return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids)
-    return fused_experts_torch(hidden, w13, w2, topk_weights, topk_ids)
+            return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, **experts)
+    return fused_experts_torch(hidden, w13, w2, topk_weights, topk_ids, **experts)

@@ -110,6 +110,18 @@ class AttentionImpl(abc.ABC):
             Ainslie et al. 2023).
         sliding_window: if set, a query at position p sees keys at positions > p - window.
         logits_soft_cap: if set, scores become ``cap * tanh(scores / cap)`` (Gemma 2).
+        attention_chunk_size: if set, the sequence is cut into chunks of this many tokens
+            and a query at position p sees only the keys of its own chunk, positions
+            ``p // chunk * chunk .. p`` (chunked local attention, Llama 4).
+        sinks: if set, ``[num_heads]`` learned logits, one per query head, that join each
+            row's softmax denominator as a key whose value is zero: the weights become
+            ``exp(s_j) / (exp(sink) + sum_k exp(s_k))`` over the scaled (and capped) scores
+            ``s`` (attention sinks, Xiao et al. 2023, arXiv:2309.17453; gpt-oss). Held by
+            reference: the model loads its values after the layer is built.
+
+    Raises:
+        ValueError: ``num_heads`` is not a multiple of ``num_kv_heads``, both a window and
+            a chunk size are given, or ``sinks`` is not ``[num_heads]``.
     """
 
     def __init__(
@@ -120,17 +132,25 @@ class AttentionImpl(abc.ABC):
         num_kv_heads: int,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        attention_chunk_size: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
             )
+        if sliding_window is not None and attention_chunk_size is not None:
+            raise ValueError("a layer has either a sliding window or attention chunks, not both")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must be [{num_heads}], got {list(sinks.shape)}")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.attention_chunk_size = attention_chunk_size
+        self.sinks = sinks
 
     def forward(
         self,

@@ -3,7 +3,9 @@ kernels are tested against.
 
 Decode requests (one query token each) are attended in one batched call over their gathered
 blocks; prompt chunks one request at a time, with a causal mask aligned to the end of the
-context (query ``r`` of a chunk after ``c`` cached tokens sees keys ``0..c+r``).
+context (query ``r`` of a chunk after ``c`` cached tokens sees keys ``0..c+r``), narrowed by
+the layer's sliding window or attention chunk. Soft-capped scores and attention sinks take
+an explicit float32 softmax; plain layers take torch's fused attention.
 """
 
 from __future__ import annotations
@@ -59,11 +61,13 @@ def _attend(
     scale: float,
     soft_cap: float | None,
     is_causal: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention with GQA. q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, mask
-    broadcastable to ``[B, H, Lq, Lk]`` (True = attend)."""
+    broadcastable to ``[B, H, Lq, Lk]`` (True = attend); ``sinks`` ``[H]`` logits that join
+    each row's softmax denominator (``AttentionImpl``)."""
     group = q.shape[1] // k.shape[1]
-    if soft_cap is None:
+    if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=group > 1
         )
@@ -71,13 +75,20 @@ def _attend(
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     if is_causal:
         lq, lk = scores.shape[-2:]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    # The sink is one more logit per row whose value is zero: it only adds to the
+    # denominator.
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 class TorchAttentionImpl(AttentionImpl):
@@ -122,10 +133,13 @@ class TorchAttentionImpl(AttentionImpl):
         return out
 
     def _window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """True where a query at ``q_pos`` may see a key at ``k_pos`` (causal + window)."""
+        """True where a query at ``q_pos`` may see a key at ``k_pos`` (causal, and within
+        the sliding window or the query's attention chunk)."""
         mask = k_pos <= q_pos
         if self.sliding_window is not None:
             mask &= k_pos > q_pos - self.sliding_window
+        if self.attention_chunk_size is not None:
+            mask &= k_pos >= q_pos // self.attention_chunk_size * self.attention_chunk_size
         return mask
 
     def _prefill(
@@ -137,13 +151,15 @@ class TorchAttentionImpl(AttentionImpl):
         k = gather_kv(kv_cache[0], block_ids[:nb], seq_len)
         v = gather_kv(kv_cache[1], block_ids[:nb], seq_len)
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        if q_len == seq_len and self.sliding_window is None:
-            out = _attend(qt, kt, vt, None, self.scale, self.logits_soft_cap, is_causal=True)
+        local = self.sliding_window is not None or self.attention_chunk_size is not None
+        if q_len == seq_len and not local:
+            out = _attend(qt, kt, vt, None, self.scale, self.logits_soft_cap, is_causal=True,
+                          sinks=self.sinks)  # fmt: skip
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
             k_pos = torch.arange(seq_len, device=q.device)[None, :]
             mask = self._window_mask(q_pos, k_pos)
-            out = _attend(qt, kt, vt, mask, self.scale, self.logits_soft_cap)
+            out = _attend(qt, kt, vt, mask, self.scale, self.logits_soft_cap, sinks=self.sinks)
         return out.squeeze(0).transpose(0, 1)
 
     def _decode(
@@ -160,7 +176,9 @@ class TorchAttentionImpl(AttentionImpl):
         qd = q[plan["decode_tokens"]].unsqueeze(2)  # [B, H, 1, D]
         k_pos = torch.arange(max_len, device=q.device)[None, :]
         mask = self._window_mask((lens - 1)[:, None], k_pos)[:, None, None, :]
-        return _attend(qd, k, v, mask, self.scale, self.logits_soft_cap).squeeze(2)
+        return _attend(
+            qd, k, v, mask, self.scale, self.logits_soft_cap, sinks=self.sinks
+        ).squeeze(2)
 
 
 def _batch_plan(metadata: AttentionMetadata) -> dict:

@@ -38,7 +38,7 @@ class TritonAttentionImpl(AttentionImpl):
         super().__init__(*args, **kwargs)
         self.kernels = paged.PagedAttention(
             self.num_heads, self.head_dim, self.scale, self.num_kv_heads,
-            self.sliding_window, self.logits_soft_cap,
+            self.sliding_window, self.logits_soft_cap, self.attention_chunk_size, self.sinks,
         )  # fmt: skip
 
     def write_kv(

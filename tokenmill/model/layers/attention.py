@@ -33,9 +33,12 @@ class Attention(nn.Module):
         scale: softmax scale.
         layer_idx: index of the layer (which KV cache tensor it owns).
         backend: the attention backend class.
-        sliding_window: window in tokens for local-attention layers, else None.
+        sliding_window: window in tokens for sliding-window layers, else None.
         logits_soft_cap: attention-score soft cap, else None.
         rotary_emb: the rotary embedding to apply to ``q`` and ``k``, else None.
+        attention_chunk_size: chunk in tokens for chunked local-attention layers, else None.
+        sinks: ``[num_heads]`` per-head sink logits (a parameter of the model, filled when
+            its weights load), else None. See ``AttentionImpl`` for all three features.
     """
 
     def __init__(
@@ -49,6 +52,8 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         rotary_emb: RotaryEmbedding | None = None,
+        attention_chunk_size: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -56,13 +61,20 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
+        self.attention_chunk_size = attention_chunk_size
         self.impl = backend.get_impl_cls()(
-            num_heads, head_dim, scale, num_kv_heads, sliding_window, logits_soft_cap
-        )
+            num_heads, head_dim, scale, num_kv_heads, sliding_window, logits_soft_cap,
+            attention_chunk_size, sinks,
+        )  # fmt: skip
         self.rotary_emb = rotary_emb
         # Decode-only steps rotate and write the new K/V inside the decode launch.
         self.rope_in_decode = backend.supports_decode_rotary
         self.kv_cache: torch.Tensor | None = None
+
+    @property
+    def is_local(self) -> bool:
+        """Whether a query sees only part of its context (a sliding window or a chunk)."""
+        return self.sliding_window is not None or self.attention_chunk_size is not None
 
     def forward(
         self,

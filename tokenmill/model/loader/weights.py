@@ -96,11 +96,18 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3
     """Fill every parameter with uniform random values from ``seed`` (no file is read).
 
     For benchmarks: speed does not depend on weight values. Small values keep activations
-    finite in any dtype.
+    finite in any dtype. Parameters that are not floats (packed quantized weights) carry
+    their own ``dummy_fill(param, generator)``.
     """
     generator = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            fill = getattr(param, "dummy_fill", None)
+            if fill is not None:
+                gen = torch.Generator(device=param.device).manual_seed(seed)
+                seed += 1
+                fill(param, gen)
+                continue
             if not param.is_floating_point():
                 _fill_dummy_integers(name, param, seed)
                 continue

@@ -68,6 +68,8 @@ class Gemma3Attention(nn.Module):
     Args:
         rotary_emb: the RoPE of this layer's type (shared by the layers of that type).
         sliding_window: tokens a query sees (itself included), or None for global layers.
+        qk_norm: normalise queries and keys per head (Gemma 3); Gemma 2 does not.
+        logits_soft_cap: attention-score soft cap (Gemma 2), else None.
     """
 
     def __init__(
@@ -77,6 +79,8 @@ class Gemma3Attention(nn.Module):
         backend: type[AttentionBackend],
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
+        qk_norm: bool = True,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -88,8 +92,10 @@ class Gemma3Attention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=bias)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         eps = config.get("rms_norm_eps", 1e-6)
-        self.q_norm = RMSNorm(self.head_dim, eps, offset=1.0)
-        self.k_norm = RMSNorm(self.head_dim, eps, offset=1.0)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps, offset=1.0)
+            self.k_norm = RMSNorm(self.head_dim, eps, offset=1.0)
         self.attn = Attention(
             self.qkv_proj.num_heads,
             self.head_dim,
@@ -99,25 +105,29 @@ class Gemma3Attention(nn.Module):
             backend,
             sliding_window=sliding_window,
             rotary_emb=rotary_emb,
-            # NOTE: no attention soft cap: Gemma 3 replaced it by QK-norm, and transformers
+            # NOTE: Gemma 3 passes no soft cap: it replaced it by QK-norm, and transformers
             # and llama.cpp ignore ``attn_logit_softcapping`` for Gemma 3 even when set.
+            logits_soft_cap=logits_soft_cap,
         )
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = hidden.shape[0]
-        q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)
-        k = self.k_norm(k.reshape(t, -1, self.head_dim)).view(t, -1)
+        if self.qk_norm:
+            t = hidden.shape[0]
+            q = self.q_norm(q.reshape(t, -1, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(t, -1, self.head_dim)).view(t, -1)
         return self.o_proj(self.attn(q, k, v, metadata, positions))
 
 
 class Gemma3DecoderLayer(nn.Module):
-    """``x + post_attn_norm(attn(input_norm(x)))``, then ``+ post_ff_norm(mlp(pre_ff_norm(.)))``.
+    """``x + post_attn_norm(attn(input_norm(x)))``, then ``+ post_ff_norm(mlp(pre_ff_norm(.)))``
+    (the sandwich norms of Gemma 2 and 3).
 
     The residual stream is carried apart (``hidden + residual``) so the adds fuse into the
-    input and pre-feed-forward norms.
+    input and pre-feed-forward norms. ``qk_norm`` and ``logits_soft_cap`` go to the
+    attention (``Gemma3Attention``).
     """
 
     def __init__(
@@ -127,11 +137,15 @@ class Gemma3DecoderLayer(nn.Module):
         backend: type[AttentionBackend],
         rotary_emb: RotaryEmbedding,
         sliding_window: int | None,
+        qk_norm: bool = True,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(h, eps, offset=1.0)
-        self.self_attn = Gemma3Attention(config, layer_idx, backend, rotary_emb, sliding_window)
+        self.self_attn = Gemma3Attention(
+            config, layer_idx, backend, rotary_emb, sliding_window, qk_norm, logits_soft_cap
+        )
         self.post_attention_layernorm = RMSNorm(h, eps, offset=1.0)
         self.pre_feedforward_layernorm = RMSNorm(h, eps, offset=1.0)
         act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
@@ -152,7 +166,10 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(DecoderModel):
-    """Scaled embedding, decoder layers and final norm: ids ``[T]`` -> hidden ``[T, H]``."""
+    """Scaled embedding, decoder layers and final norm: ids ``[T]`` -> hidden ``[T, H]``.
+
+    Gemma 2 differs only in its class hooks: ``layer_types``, ``rope_of`` and ``make_layer``.
+    """
 
     def __init__(
         self, config: HFConfig, max_model_len: int, backend: type[AttentionBackend]
@@ -160,20 +177,24 @@ class Gemma3Model(DecoderModel):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
-        layer_types = gemma3_layer_types(config)
+        layer_types = self.layer_types(config)
         # NOTE: one RoPE table per layer type, shared by its layers (a table is
         # max_position x head_dim floats: 32 MiB for Gemma 3 270M).
         ropes = {t: self._rope(config, t, max_model_len) for t in sorted(set(layer_types))}
         window = config.get("sliding_window")
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, backend, ropes[t], window if t == SLIDING else None)
+            self.make_layer(config, i, backend, ropes[t], window if t == SLIDING else None)
             for i, t in enumerate(layer_types)
         )
         self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6), offset=1.0)
 
-    @staticmethod
-    def _rope(config: HFConfig, layer_type: str, max_model_len: int) -> RotaryEmbedding:
-        theta, scaling = gemma3_rope(config, layer_type)
+    layer_types = staticmethod(gemma3_layer_types)
+    rope_of = staticmethod(gemma3_rope)
+    make_layer = Gemma3DecoderLayer
+
+    @classmethod
+    def _rope(cls, config: HFConfig, layer_type: str, max_model_len: int) -> RotaryEmbedding:
+        theta, scaling = cls.rope_of(config, layer_type)
         head_dim = config.get("head_dim") or config.hidden_size // config.num_attention_heads
         return get_rope(
             head_dim,

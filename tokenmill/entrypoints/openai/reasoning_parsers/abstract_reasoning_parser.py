@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import import_plugin
 
 if TYPE_CHECKING:
-    from tokenmill.entrypoints.openai.protocol import DeltaMessage
+    from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, DeltaMessage
 
 
 class ReasoningParser(ABC):
@@ -29,6 +29,12 @@ class ReasoningParser(ABC):
 
     def __init__(self, tokenizer: Any) -> None:
         self.model_tokenizer = tokenizer
+
+    def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
+        """Change the request before it is served, e.g. keep the special tokens that mark
+        the reasoning in the text (``skip_special_tokens = False``). The default changes
+        nothing."""
+        return request
 
     @abstractmethod
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:

@@ -1,6 +1,7 @@
 """Tool parsers: ``ToolParser`` (the seam), ``ToolParserManager`` (the registry that
 ``--tool-call-parser NAME`` and ``--tool-parser-plugin FILE`` use) and the built-in parsers:
-hermes, llama3_json, mistral, pythonic, qwen3_coder (alias qwen3_xml)."""
+hermes, llama3_json, mistral, openai (gpt-oss' harmony format), pythonic, qwen3_coder (alias
+qwen3_xml)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from tokenmill.entrypoints.openai.tool_parsers import (  # noqa: F401 (they regi
     hermes,
     llama3_json,
     mistral,
+    openai,
     pythonic,
     qwen3_coder,
 )

@@ -29,7 +29,9 @@ def get_quantization_config(method: str | None, hf_config, device: str):
     Raises:
         QuantizationError: the method cannot run on ``device``.
     """
-    if method is None:
+    if method in (None, "mxfp4"):
+        # MXFP4 checkpoints (gpt-oss) quantize only the experts, which the model's MoE
+        # layers hold as MXFP4 themselves; every linear layer is unquantized.
         return None
     qc = hf_config.get("quantization_config") or {}
     if method == "gguf":

@@ -20,12 +20,15 @@ FLAG_METHODS = {
     "compressed-tensors": "compressed-tensors",
     "bitsandbytes": "bitsandbytes",
     "gguf": "gguf",
+    "mxfp4": "mxfp4",
 }
+# MXFP4 (OCP Microscaling FP4) experts are held by these architectures' MoE layers.
+MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
 # Methods vLLM knows that tokenmill does not run yet (refused by name).
-FP8_METHODS = ("fp8", "fbgemm_fp8", "ptpc_fp8", "modelopt", "modelopt_fp4", "fp_quant", "mxfp4")
+FP8_METHODS = ("fp8", "fbgemm_fp8", "ptpc_fp8", "modelopt", "modelopt_fp4", "fp_quant")
 SUPPORTED_TEXT = (
     "supported: awq, gptq (and their _marlin spellings), compressed-tensors W4A16 "
-    "(pack-quantized), bitsandbytes, gguf"
+    "(pack-quantized), bitsandbytes, gguf, mxfp4 (gpt-oss experts)"
 )
 INT4_GROUP_SIZES = (32, 64, 128, -1)
 
@@ -34,7 +37,7 @@ def resolve_quantization(
     flag: str | None, hf_config: Any, is_gguf: bool, gguf_dequantize: bool = False
 ) -> str | None:
     """The method to run (``awq``, ``gptq``, ``compressed-tensors``, ``bitsandbytes``,
-    ``gguf``) or None for unquantized weights.
+    ``gguf``, ``mxfp4``) or None for unquantized weights.
 
     Args:
         flag: ``--quantization`` as given (None: not given).
@@ -75,6 +78,8 @@ def resolve_quantization(
         raise QuantizationError("--quantization gguf needs a .gguf model file")
     config = hf_config.get("quantization_config")
     detected = detect_checkpoint_method(config) if config else None
+    if "mxfp4" in (method, detected):
+        _check_mxfp4_architecture(hf_config)
     if method is None or method == detected:
         return detected
     if detected is None:
@@ -106,7 +111,7 @@ def detect_checkpoint_method(config: dict[str, Any]) -> str:
         from tokenmill.model.layers.quantization.compressed_tensors import parse_w4a16
 
         parse_w4a16(config)
-    elif name == "bitsandbytes":
+    elif name in ("bitsandbytes", "mxfp4"):
         pass
     elif name in FP8_METHODS or "fp8" in name:
         raise QuantizationError(
@@ -116,6 +121,15 @@ def detect_checkpoint_method(config: dict[str, Any]) -> str:
         raise QuantizationError(f"checkpoint quantization {name!r} is not supported; "
                                 f"{SUPPORTED_TEXT}")
     return name
+
+
+def _check_mxfp4_architecture(hf_config: Any) -> None:
+    archs = list(hf_config.get("architectures") or [])
+    if not any(a in MXFP4_ARCHITECTURES for a in archs):
+        raise QuantizationError(
+            f"mxfp4 is implemented for the MoE experts of {', '.join(MXFP4_ARCHITECTURES)}, "
+            f"not for {', '.join(archs) or 'this model'}"
+        )
 
 
 def _check_group(method: str, group: Any) -> None:
