@@ -252,6 +252,15 @@ class EngineArgs:
         'sentence-transformers files, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
         "(pooling_type MEAN, CLS or LAST)."
     )
+    limit_mm_per_prompt: str | dict[str, Any] | None = _flag(
+        "Models that take images: the most images one prompt may carry, as a JSON object, "
+        "e.g. '{\"image\": 4}' (default: 999); 0 refuses images."
+    )
+    allowed_media_domains: list[str] | None = _flag(
+        "Hosts whose http(s) image URLs the server fetches (at most 20 MB each, within 10 s); "
+        "without it image URLs are refused and images come as base64 data URLs.",
+        nargs="+",
+    )
     trust_remote_code: bool = _flag(
         "Accepted for compatibility: tokenmill never runs code from a model folder.",
         default=False,
@@ -428,6 +437,7 @@ class EngineArgs:
                 f"length of {model_len} tokens (from its config)"
             )
         quantization = self._resolve_quantization(hf_config, model, device, dtype)
+        multimodal_config = self._multimodal_config(hf_config)
         served = self.served_model_name or [_default_served_name(model)]
         served = [served] if isinstance(served, str) else list(dict.fromkeys(served))
         return ModelConfig(
@@ -443,7 +453,39 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             pooler_config=pooler_config,
             quantization=quantization,
+            multimodal_config=multimodal_config,
         )
+
+    def _multimodal_config(self, hf_config: Any) -> Any:
+        """The image settings of a model that takes images (None for text models).
+
+        Raises:
+            ConfigError: a checkpoint with a vision tower tokenmill cannot run (it is not
+                served as text-only), or image flags for a text-only model.
+        """
+        from tokenmill.model.registry import is_multimodal_model
+        from tokenmill.multimodal.config import (
+            MultiModalConfig,
+            MultiModalConfigError,
+            parse_limit_mm_per_prompt,
+        )
+
+        arch = hf_config.architectures[0]
+        if not is_multimodal_model(arch):
+            if hf_config.get("vision_config") is not None:
+                raise ConfigError(
+                    f"{arch} has a vision encoder, which tokenmill does not implement for this "
+                    "architecture (images are supported for Qwen2_5_VLForConditionalGeneration)"
+                )
+            if self.limit_mm_per_prompt is not None:
+                raise ConfigError(f"--limit-mm-per-prompt: {arch} does not take images")
+            return None
+        try:
+            limits = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        except MultiModalConfigError as e:
+            raise ConfigError(str(e)) from None
+        domains = tuple(d.lower() for d in self.allowed_media_domains or ())
+        return MultiModalConfig(limits, domains)
 
     def _resolve_quantization(self, hf_config: Any, model: str, device: str, dtype: str
                               ) -> str | None:

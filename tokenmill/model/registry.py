@@ -16,7 +16,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
+
+# Architectures that take images (a vision encoder whose embeddings fill placeholder tokens).
+_MULTIMODAL_MODELS = {"Qwen2_5_VLForConditionalGeneration"}
 
 
 # Embedding (pooling) architectures: encoders run by the embedding engine, one forward pass
@@ -46,6 +50,11 @@ def register_model(
 def is_pooling_model(architecture: str) -> bool:
     """Whether ``architecture`` is an embedding model (served by the embedding engine)."""
     return architecture in _POOLING_MODELS
+
+
+def is_multimodal_model(architecture: str) -> bool:
+    """Whether ``architecture`` takes images in its prompts."""
+    return architecture in _MULTIMODAL_MODELS
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

@@ -121,12 +121,14 @@ UNIMPLEMENTED_FIELDS = ("logits_processors", "prompt_embeds")
 
 
 class ContentPart(OpenAIBaseModel):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+    """One part of a message's content: ``{"type": "text", "text": ...}``, or for models
+    that take images ``{"type": "image_url", "image_url": {"url": ...}}``."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None
 
 
 class ChatMessage(OpenAIBaseModel):

@@ -75,9 +75,15 @@ class DecoderModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed(input_ids)
+        """``inputs_embeds`` ``[T, H]``, when given, replaces the embedding of ``input_ids``
+        (multimodal models: image embeddings merged at their placeholder tokens)."""
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, metadata)
