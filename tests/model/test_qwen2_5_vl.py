@@ -131,3 +131,22 @@ def test_repeated_image_hits_the_encoder_and_prefix_caches(llm):
                                           {"type": "text", "text": "Again?"}]}]  # fmt: skip
     third = llm.chat(other, params, use_tqdm=False)[0]
     assert third.num_cached_tokens < 16
+
+
+def test_greedy_tokens_do_not_depend_on_chunks_or_the_batch(checkpoint, llm):
+    """Both cases in one batch, on an engine whose 32-token steps split the prompts (and a
+    64-placeholder image) into chunks, give the tokens each gets alone on ``llm``."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    chats = []
+    for specs, parts in CASES.values():
+        it = iter([_image(*s) for s in specs])
+        chats.append([{"role": "user", "content": [
+            {"type": "image_pil", "image_pil": next(it)} if p == "image"
+            else {"type": "text", "text": p}
+            for p in parts
+        ]}])  # fmt: skip
+    alone = [llm.chat(c, params, use_tqdm=False)[0].outputs[0].token_ids for c in chats]
+    small = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=1024,
+                max_num_batched_tokens=32)  # fmt: skip
+    together = small.chat(chats, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == alone

@@ -29,6 +29,25 @@ def image_part_url(part: Any, param: str) -> str:
     return url
 
 
+def check_model_takes_images(engine: Any, messages: list[Any]) -> None:
+    """Refuse image parts for a model that takes no images, before any rendering.
+
+    Raises:
+        OpenAIError: 400 naming the first image part.
+    """
+    if engine.model_config.multimodal_config is not None:
+        return
+    for i, message in enumerate(messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if part.type == "image_url":
+                    raise bad_request(
+                        f"The model {engine.model_config.served_model_name} does not take "
+                        "images (image_url content parts).",
+                        f"messages.{i}.content.{j}.image_url",
+                    )
+
+
 async def attach_images(
     engine: Any, prompt_ids: list[int], images: list[tuple[str, str]]
 ) -> tuple[list[int], list[MultiModalFeature]]:

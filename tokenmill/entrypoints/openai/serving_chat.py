@@ -22,7 +22,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from tokenmill.entrypoints.openai.chat_images import attach_images, image_part_url
+from tokenmill.entrypoints.openai.chat_images import (
+    attach_images,
+    check_model_takes_images,
+    image_part_url,
+)
 from tokenmill.entrypoints.openai.chat_output import (
     ChoiceParser,
     choice_parsers,
@@ -195,6 +199,7 @@ class OpenAIServingChat(OpenAIServing):
         plan = plan_tool_calls(request, self.tool_settings)
         if plan.mode == "auto" and self.tool_settings.tool_parser is not None:
             request = self.tool_settings.tool_parser(self.tokenizer).adjust_request(request)
+        check_model_takes_images(self.engine, request.messages)
         images: list[tuple[str, str]] = []
         prompt_ids = await self.render_prompt_async(request.messages, request, images)
         mm_features = None
