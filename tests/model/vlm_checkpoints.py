@@ -89,3 +89,36 @@ def write_qwen2_5_vl(path: str, seed: int = 0) -> str:
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": ids["<|im_end|>"]}, f)
     return path
+
+
+def write_qwen2_5_vl_config(path: str, text: dict, vision: dict) -> str:
+    """A Qwen2.5-VL folder without weights (for ``--load-format dummy``): config.json from
+    ``text`` and ``vision`` settings, the byte tokenizer with the chat template, and Qwen2-VL's
+    image processor settings; needs no transformers model class."""
+    os.makedirs(path, exist_ok=True)
+    tok = byte_tokenizer(QWEN_SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    config = {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "rope_scaling": {"type": "mrope", "mrope_section": text.pop("mrope_section")},
+        "tie_word_embeddings": False, "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"], "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"], "eos_token_id": ids["<|im_end|>"],
+        **text, "vision_config": {"hidden_act": "silu", "in_chans": 3, **vision},
+    }  # fmt: skip
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    processor = {
+        "image_processor_type": "Qwen2VLImageProcessor", "do_convert_rgb": True,
+        "do_normalize": True, "do_rescale": True, "do_resize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "min_pixels": 3136,
+        "max_pixels": 200704, "merge_size": 2, "patch_size": 14, "temporal_patch_size": 2,
+        "resample": 3, "rescale_factor": 1 / 255,
+    }  # fmt: skip
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        json.dump(processor, f)
+    return path

@@ -119,6 +119,7 @@ def test_limit_mm_per_prompt_parsing():
     assert parse_limit_mm_per_prompt('{"image": 3}') == {"image": 3}
     assert parse_limit_mm_per_prompt({"image": {"count": 2}}) == {"image": 2}
     assert parse_limit_mm_per_prompt(None) == {"image": 999}
+    assert parse_limit_mm_per_prompt('{"image": 1, "video": 0}') == {"image": 1}
     for bad in ('{"video": 1}', '{"image": -1}', "[1]", "{"):
         with pytest.raises(MultiModalConfigError):
             parse_limit_mm_per_prompt(bad)

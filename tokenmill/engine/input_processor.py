@@ -105,6 +105,7 @@ class InputProcessor:
             self.mm_processor = MultiModalProcessor(
                 model_config.model, model_config.hf_config, mm.limit_per_prompt
             )
+            self.mm_processor.preload()
 
     def process_multimodal(
         self, prompt_ids: list[int], mm_data: Any, param: str = "multi_modal_data"

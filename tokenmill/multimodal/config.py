@@ -52,7 +52,7 @@ def parse_limit_mm_per_prompt(value: str | dict[str, Any] | None) -> dict[str, i
             "--limit-mm-per-prompt must be a JSON object such as '{\"image\": 4}'"
         )
     for modality, limit in value.items():
-        if modality not in MODALITIES:
+        if modality not in MODALITIES and limit != 0:  # {"video": 0} is vLLM users' habit
             raise MultiModalConfigError(
                 f"--limit-mm-per-prompt: modality {modality!r} is not supported "
                 f"(supported: {', '.join(MODALITIES)})"
@@ -64,5 +64,6 @@ def parse_limit_mm_per_prompt(value: str | dict[str, Any] | None) -> dict[str, i
                 f"--limit-mm-per-prompt: the limit of {modality!r} must be a non-negative "
                 f"integer, got {limit!r}"
             )
-        limits[modality] = limit
+        if modality in MODALITIES:
+            limits[modality] = limit
     return limits

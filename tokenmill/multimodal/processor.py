@@ -44,6 +44,11 @@ class MultiModalProcessor:
         self._image_processor: Any = None
         self._lock = threading.Lock()
 
+    def preload(self) -> None:
+        """Load the image processor in a background thread (the first image then does not
+        wait seconds for transformers' imports)."""
+        threading.Thread(target=lambda: self.image_processor, daemon=True).start()
+
     @property
     def image_processor(self) -> Any:
         with self._lock:  # loaded once, on first use (start-up stays fast)

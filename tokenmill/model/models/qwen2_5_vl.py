@@ -112,7 +112,8 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         pixels = torch.cat([torch.from_numpy(np.array(d["pixel_values"])) for d in items])
         grid = torch.from_numpy(np.stack([np.array(d["image_grid_thw"]) for d in items]))
         pixels = pixels.to(param.device, self.visual.dtype)
-        out = self.visual(pixels, grid_thw=grid.to(param.device)).pooler_output
+        out = self.visual(pixels, grid_thw=grid.to(param.device))
+        out = getattr(out, "pooler_output", out)  # transformers 4 returns the tensor itself
         sizes = (grid.prod(-1) // self.spatial_merge_size**2).tolist()
         return list(out.to(param.dtype).split(sizes))
 
