@@ -2,9 +2,10 @@
 front of the Qwen2 language model, with multimodal rotary positions (M-RoPE).
 
 The language model is Qwen2's (``llama.py``) with ``MRotaryEmbedding`` in every layer. The
-vision tower runs as transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` (plain
-torch; its weights load from the checkpoint's ``visual.*`` tensors like every other
-parameter). Image embeddings ``[num_placeholders, H]`` replace the embeddings of the
+vision tower is transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` (patch embedding,
+RMSNorm/SwiGLU blocks, merger) with tokenmill's window attention
+(``qwen2_5_vl_vision.py``); its weights load from the checkpoint's ``visual.*`` tensors like
+every other parameter. Image embeddings ``[num_placeholders, H]`` replace the embeddings of the
 ``<|image_pad|>`` placeholders (``MultiModalFeature.offset/length``).
 """
 
@@ -19,6 +20,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.mrope import MRotaryEmbedding
 from tokenmill.model.models.llama import Qwen2ForCausalLM
+from tokenmill.model.models.qwen2_5_vl_vision import VisionWindowAttention
 
 
 def mrope_positions(
@@ -135,4 +137,7 @@ def _vision_tower(vision_config: dict) -> torch.nn.Module:
 
     config = Qwen2_5_VLVisionConfig(**vision_config)
     config._attn_implementation = "sdpa"
-    return Qwen2_5_VisionTransformerPretrainedModel(config)
+    tower = Qwen2_5_VisionTransformerPretrainedModel(config)
+    for block in tower.blocks:  # all windows in one varlen call (see qwen2_5_vl_vision.py)
+        block.attn = VisionWindowAttention(config.hidden_size, config.num_heads)
+    return tower
