@@ -475,7 +475,8 @@ class EngineArgs:
             if hf_config.get("vision_config") is not None:
                 raise ConfigError(
                     f"{arch} has a vision encoder, which tokenmill does not implement for this "
-                    "architecture (images are supported for Qwen2_5_VLForConditionalGeneration)"
+                    "architecture (images are supported for Qwen2_5_VLForConditionalGeneration "
+                    "and LlavaForConditionalGeneration)"
                 )
             if self.limit_mm_per_prompt is not None:
                 raise ConfigError(f"--limit-mm-per-prompt: {arch} does not take images")

@@ -122,3 +122,53 @@ def write_qwen2_5_vl_config(path: str, text: dict, vision: dict) -> str:
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(processor, f)
     return path
+
+
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>\n{% elif part['type'] == 'text' %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def write_llava(path: str, tower: str = "clip", seed: int = 0) -> str:
+    """A random LLaVA (a CLIP or SigLIP tower of 2 layers on 56x56 crops, a 2-layer Llama)
+    with its tokenizer, image processor and chat template, saved to ``path``."""
+    import torch
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        SiglipVisionConfig,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tok = byte_tokenizer(["<image>", "</s>"], eos_token="</s>")
+    image_id = tok.convert_tokens_to_ids("<image>")
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=2, image_size=56, patch_size=14)  # fmt: skip
+    vision = CLIPVisionConfig(**shape) if tower == "clip" else SiglipVisionConfig(**shape)
+    text = LlamaConfig(vocab_size=272, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=1024, bos_token_id=None,
+                       eos_token_id=tok.eos_token_id)  # fmt: skip
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=image_id,
+        vision_feature_select_strategy="default" if tower == "clip" else "full",
+        vision_feature_layer=-2 if tower == "clip" else -1,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08)
+    model.save_pretrained(path)
+    CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}
+                          ).save_pretrained(path)  # fmt: skip
+    tok.chat_template = LLAVA_CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path

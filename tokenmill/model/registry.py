@@ -17,10 +17,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
 
 # Architectures that take images (a vision encoder whose embeddings fill placeholder tokens).
-_MULTIMODAL_MODELS = {"Qwen2_5_VLForConditionalGeneration"}
+_MULTIMODAL_MODELS = {"Qwen2_5_VLForConditionalGeneration", "LlavaForConditionalGeneration"}
 
 
 # Embedding (pooling) architectures: encoders run by the embedding engine, one forward pass

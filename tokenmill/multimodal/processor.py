@@ -4,7 +4,8 @@ placeholder expanded to the image's token count, and one ``MultiModalFeature`` p
 Images go through the model's own image processor (transformers' ``AutoImageProcessor``
 from the model folder: resizing, normalization, patching). The prompt marks each image with
 one image token (``config.image_token_id``, written by the chat template); the model's
-processor rule decides how many tokens replace it (Qwen2-VL: one per 2x2 merged patches).
+processor rule decides how many tokens replace it (Qwen2-VL: one per 2x2 merged patches;
+LLaVA: one per patch of the fixed-size crop).
 """
 
 from __future__ import annotations
@@ -38,8 +39,15 @@ class MultiModalProcessor:
 
     def __init__(self, model: str, hf_config: Any, limit_per_prompt: dict[str, int]) -> None:
         self.model = model
-        self.image_token_id = int(hf_config.get("image_token_id"))
+        token = hf_config.get("image_token_id", hf_config.get("image_token_index"))
+        self.image_token_id = int(token)
         self.merge_size = int(hf_config.get("vision_config", {}).get("spatial_merge_size", 1))
+        # Fixed-size models (LLaVA): placeholders per image; None: from the patch grid.
+        self.tokens_per_image: int | None = None
+        if (hf_config.get("architectures") or [""])[0] == "LlavaForConditionalGeneration":
+            from tokenmill.model.models.llava import llava_tokens_per_image
+
+            self.tokens_per_image = llava_tokens_per_image(hf_config)
         self.limit_per_prompt = limit_per_prompt
         self._image_processor: Any = None
         self._lock = threading.Lock()
@@ -97,7 +105,9 @@ class MultiModalProcessor:
         prev = 0
         for pos, data, digest in zip(positions, per_image, hashes, strict=True):
             ids.extend(prompt_ids[prev:pos])
-            length = int(np.prod(data["image_grid_thw"])) // self.merge_size**2
+            length = self.tokens_per_image or (
+                int(np.prod(data["image_grid_thw"])) // self.merge_size**2
+            )
             features.append(
                 MultiModalFeature(
                     "image",
@@ -115,7 +125,11 @@ class MultiModalProcessor:
     @staticmethod
     def _split(out: Any, num_images: int) -> list[dict[str, np.ndarray]]:
         """The image processor's batch output -> per image arrays (Qwen2-VL concatenates
-        the patches of all images; ``image_grid_thw`` says how many are each's)."""
+        the patches of all images, ``image_grid_thw`` says how many are each's; others
+        stack one ``[3, S, S]`` crop per image)."""
+        if "image_grid_thw" not in out:
+            pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+            return [{"pixel_values": pixels[i]} for i in range(num_images)]
         grid = np.asarray(out["image_grid_thw"], dtype=np.int64)
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         bounds = np.concatenate([[0], np.cumsum(grid.prod(-1))])

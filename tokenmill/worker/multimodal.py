@@ -170,10 +170,12 @@ class MultiModalState:
         if images.token_index is not None:
             embeds = self.model.embed_input_ids(input_ids)
             embeds[images.token_index] = images.embeds.to(embeds.dtype)
-        return self.model(
-            input_ids, positions, metadata, inputs_embeds=embeds,
-            mrope_positions=images.mrope_positions,
-        )  # fmt: skip
+        if self.uses_mrope:
+            return self.model(
+                input_ids, positions, metadata, inputs_embeds=embeds,
+                mrope_positions=images.mrope_positions,
+            )  # fmt: skip
+        return self.model(input_ids, positions, metadata, inputs_embeds=embeds)
 
 
 def _unpack(feature: MultiModalFeature) -> dict[str, np.ndarray]:
