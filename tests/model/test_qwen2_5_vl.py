@@ -150,3 +150,32 @@ def test_greedy_tokens_do_not_depend_on_chunks_or_the_batch(checkpoint, llm):
                 max_num_batched_tokens=32)  # fmt: skip
     together = small.chat(chats, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in together] == alone
+
+
+def test_generate_with_multi_modal_data_gives_the_chat_tokens(llm):
+    image = _image(3, 112, 224)
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                         {"type": "text", "text": "Hi"}]}]  # fmt: skip
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    by_chat = llm.chat(chat, params, use_tqdm=False)[0]
+    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>\n"
+            "<|im_start|>assistant\n")  # fmt: skip
+    by_prompt = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, params,
+                             use_tqdm=False)[0]  # fmt: skip
+    assert by_prompt.prompt_token_ids == by_chat.prompt_token_ids
+    assert by_prompt.outputs[0].token_ids == by_chat.outputs[0].token_ids
+
+
+def test_bad_multi_modal_data_is_an_invalid_request(llm):
+    from tokenmill.engine.input_processor import InvalidRequestError
+
+    text = "<|vision_start|><|image_pad|><|vision_end|>Hi"
+    params = SamplingParams(max_tokens=2)
+    for data, words in [
+        ({"video": [1]}, "'image' key"),
+        ({"image": "not an image"}, "PIL"),
+        ({"image": []}, "placeholder"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=words) as info:
+            llm.generate({"prompt": text, "multi_modal_data": data}, params, use_tqdm=False)
+        assert info.value.param == "multi_modal_data"
