@@ -179,3 +179,27 @@ def test_bad_multi_modal_data_is_an_invalid_request(llm):
         with pytest.raises(InvalidRequestError, match=words) as info:
             llm.generate({"prompt": text, "multi_modal_data": data}, params, use_tqdm=False)
         assert info.value.param == "multi_modal_data"
+
+
+def test_preempted_image_requests_give_their_tokens_and_free_every_block(checkpoint, llm):
+    """On a KV cache of 16 blocks, four image prompts preempt each other (recompute: the
+    images' encoder outputs are read again from the cache, or encoded again once evicted);
+    each gets the tokens it gets alone, and every block is free afterwards."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    chats = [
+        [{"role": "user", "content": [{"type": "image_pil", "image_pil": _image(20 + i, 224, 168)},
+                                      {"type": "text", "text": f"Tell me more, {i}."}]}]
+        for i in range(4)
+    ]  # fmt: skip
+    alone = [llm.chat(c, params, use_tqdm=False)[0].outputs[0].token_ids for c in chats]
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers, K and V, block size, KV heads, head dim, fp32
+    tiny = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=256,
+               kv_cache_memory=16 * block_bytes, max_num_batched_tokens=128)  # fmt: skip
+    engine = tiny.llm_engine
+    scheduler = engine.engine_core.scheduler
+    assert scheduler.kv_cache_manager.num_blocks == 16
+    outs = tiny.chat(chats, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert engine.counters.num_preemptions > 0
+    scheduler.kv_cache_manager.check_integrity()
+    assert scheduler.kv_cache_manager.num_free_blocks == 16
