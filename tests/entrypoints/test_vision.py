@@ -100,6 +100,8 @@ def test_a_repeated_image_shows_in_the_encoder_and_prefix_cache_metrics(vl_serve
         (["file:///etc/passwd"], "messages.0.content.0.image_url", "scheme"),
         ([png_data_url(0, 8000, 6000, mode="1")], "messages.0.content.0.image_url", "pixels"),
         ([png_data_url(2)] * 3, "messages", "at most 2 image"),
+        # counted before any is loaded: the refused host is not the error
+        (["https://example.com/cat.png"] * 3, "messages", "at most 2 image"),
     ],
 )  # fmt: skip
 def test_unusable_images_are_a_400_naming_the_field(vl_server, urls, field, words):

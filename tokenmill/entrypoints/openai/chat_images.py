@@ -64,7 +64,7 @@ async def attach_images(
 
     Raises:
         OpenAIError: 400 naming the field of the image that cannot be used, or when the
-            model takes no images.
+            model takes no images or more images than ``--limit-mm-per-prompt``.
     """
     processor = engine.input_processor
     mm_config = engine.model_config.multimodal_config
@@ -73,6 +73,13 @@ async def attach_images(
             f"The model {engine.model_config.served_model_name} does not take images "
             "(image_url content parts).",
             images[0][1],
+        )
+    limit = mm_config.limit_per_prompt.get("image", 0)
+    if len(images) > limit:  # before any image is fetched or decoded
+        raise bad_request(
+            f"Invalid image input: at most {limit} image(s) may be provided in one prompt, "
+            f"got {len(images)} (--limit-mm-per-prompt).",
+            "messages",
         )
 
     def work() -> tuple[list[int], list[MultiModalFeature]]:
