@@ -256,6 +256,11 @@ class EngineArgs:
         "Models that take images: the most images one prompt may carry, as a JSON object, "
         "e.g. '{\"image\": 4}' (default: 999); 0 refuses images."
     )
+    mm_processor_kwargs: str | dict[str, Any] | None = _flag(
+        "Models that take images: keyword arguments for the model's image processor, as a "
+        "JSON object, e.g. '{\"max_pixels\": 1003520}' (Qwen2.5-VL: fewer pixels, fewer "
+        "image tokens); checked on a test image at start-up."
+    )
     allowed_media_domains: list[str] | None = _flag(
         "Hosts whose http(s) image URLs the server fetches (at most 20 MB each, within 10 s); "
         "without it image URLs are refused and images come as base64 data URLs.",
@@ -437,7 +442,7 @@ class EngineArgs:
                 f"length of {model_len} tokens (from its config)"
             )
         quantization = self._resolve_quantization(hf_config, model, device, dtype)
-        multimodal_config = self._multimodal_config(hf_config)
+        multimodal_config = self._multimodal_config(hf_config, model)
         served = self.served_model_name or [_default_served_name(model)]
         served = [served] if isinstance(served, str) else list(dict.fromkeys(served))
         return ModelConfig(
@@ -456,37 +461,23 @@ class EngineArgs:
             multimodal_config=multimodal_config,
         )
 
-    def _multimodal_config(self, hf_config: Any) -> Any:
+    def _multimodal_config(self, hf_config: Any, model: str) -> Any:
         """The image settings of a model that takes images (None for text models).
 
         Raises:
-            ConfigError: a checkpoint with a vision tower tokenmill cannot run (it is not
-                served as text-only), or image flags for a text-only model.
+            ConfigError: see ``build_multimodal_config``.
         """
         from tokenmill.model.registry import is_multimodal_model
-        from tokenmill.multimodal.config import (
-            MultiModalConfig,
-            MultiModalConfigError,
-            parse_limit_mm_per_prompt,
-        )
+        from tokenmill.multimodal.config import MultiModalConfigError, build_multimodal_config
 
-        arch = hf_config.architectures[0]
-        if not is_multimodal_model(arch):
-            if hf_config.get("vision_config") is not None:
-                raise ConfigError(
-                    f"{arch} has a vision encoder, which tokenmill does not implement for this "
-                    "architecture (images are supported for Qwen2_5_VLForConditionalGeneration "
-                    "and LlavaForConditionalGeneration)"
-                )
-            if self.limit_mm_per_prompt is not None:
-                raise ConfigError(f"--limit-mm-per-prompt: {arch} does not take images")
-            return None
         try:
-            limits = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+            return build_multimodal_config(
+                hf_config, model, is_multimodal_model(hf_config.architectures[0]),
+                self.limit_mm_per_prompt, self.allowed_media_domains,
+                self.mm_processor_kwargs,
+            )  # fmt: skip
         except MultiModalConfigError as e:
             raise ConfigError(str(e)) from None
-        domains = tuple(d.lower() for d in self.allowed_media_domains or ())
-        return MultiModalConfig(limits, domains)
 
     def _resolve_quantization(self, hf_config: Any, model: str, device: str, dtype: str
                               ) -> str | None:

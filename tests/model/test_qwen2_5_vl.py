@@ -203,3 +203,14 @@ def test_preempted_image_requests_give_their_tokens_and_free_every_block(checkpo
     assert engine.counters.num_preemptions > 0
     scheduler.kv_cache_manager.check_integrity()
     assert scheduler.kv_cache_manager.num_free_blocks == 16
+
+
+def test_mm_processor_kwargs_bound_the_image_tokens(checkpoint):
+    """``max_pixels`` of 56x56 makes a 224x224 image 4 placeholders instead of 64."""
+    small = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=256,
+                mm_processor_kwargs={"max_pixels": 56 * 56})  # fmt: skip
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": _image(9, 224, 224)},
+                                         {"type": "text", "text": "Hi"}]}]  # fmt: skip
+    out = small.chat(chat, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    image_id = small.llm_engine.config.model_config.hf_config.image_token_id
+    assert out.prompt_token_ids.count(image_id) == 4

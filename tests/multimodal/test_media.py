@@ -11,8 +11,14 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import numpy as np
 import pytest
 
+from tokenmill.hf_config import HFConfig
 from tokenmill.multimodal import media
-from tokenmill.multimodal.config import MultiModalConfigError, parse_limit_mm_per_prompt
+from tokenmill.multimodal.config import (
+    MultiModalConfigError,
+    build_multimodal_config,
+    parse_limit_mm_per_prompt,
+    parse_mm_processor_kwargs,
+)
 from tokenmill.multimodal.media import MediaError, load_image_url, split_chat_images
 
 
@@ -125,14 +131,20 @@ def test_limit_mm_per_prompt_parsing():
             parse_limit_mm_per_prompt(bad)
 
 
-def test_processor_expands_placeholders_and_counts_images(tmp_path):
+@pytest.fixture(scope="module")
+def qwen_path(tmp_path_factory) -> str:
+    from tests.model.vlm_checkpoints import write_qwen2_5_vl
+
+    return write_qwen2_5_vl(str(tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+def test_processor_expands_placeholders_and_counts_images(qwen_path):
     from PIL import Image
 
-    from tests.model.vlm_checkpoints import write_qwen2_5_vl
     from tokenmill.hf_config import load_hf_config
     from tokenmill.multimodal.processor import MultiModalProcessor
 
-    path = write_qwen2_5_vl(str(tmp_path))
+    path = qwen_path
     config, _ = load_hf_config(path)
     proc = MultiModalProcessor(path, config, {"image": 1})
     tok = config.image_token_id
@@ -146,3 +158,32 @@ def test_processor_expands_placeholders_and_counts_images(tmp_path):
         proc.process([tok, tok], [image, image])
     with pytest.raises(MediaError, match="placeholder"):
         proc.process([1, 2], [image])
+
+
+def test_mm_processor_kwargs_reach_the_image_processor_and_bad_ones_are_refused(qwen_path):
+    from PIL import Image
+
+    from tokenmill.hf_config import load_hf_config
+    from tokenmill.multimodal.processor import MultiModalProcessor
+
+    assert parse_mm_processor_kwargs(None) == {}
+    assert parse_mm_processor_kwargs('{"max_pixels": 3136}') == {"max_pixels": 3136}
+    for bad in ("[1]", "{"):
+        with pytest.raises(MultiModalConfigError, match="--mm-processor-kwargs"):
+            parse_mm_processor_kwargs(bad)
+
+    config, _ = load_hf_config(qwen_path)
+    mm = build_multimodal_config(config, qwen_path, True, None, None, '{"max_pixels": 3136}')
+    assert mm is not None and mm.processor_kwargs == {"max_pixels": 3136}
+    proc = MultiModalProcessor(qwen_path, config, {"image": 1}, mm.processor_kwargs)
+    image = Image.fromarray(np.zeros((112, 112, 3), dtype=np.uint8))
+    ids, features = proc.process([config.image_token_id], [image])
+    assert features[0].length == 4  # 56x56 pixels at most: a 4x4 patch grid, not 8x8
+    with pytest.raises(MultiModalConfigError, match="refuses"):
+        build_multimodal_config(config, qwen_path, True, None, None, {"no_such_option": 1})
+
+    text_only = HFConfig({"architectures": ["LlamaForCausalLM"]})
+    assert build_multimodal_config(text_only, qwen_path, False, None, None, None) is None
+    for limit, kwargs in [('{"image": 1}', None), (None, {"max_pixels": 3136})]:
+        with pytest.raises(MultiModalConfigError, match="does not take images"):
+            build_multimodal_config(text_only, qwen_path, False, limit, None, kwargs)

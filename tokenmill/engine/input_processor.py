@@ -103,7 +103,7 @@ class InputProcessor:
             from tokenmill.multimodal.processor import MultiModalProcessor
 
             self.mm_processor = MultiModalProcessor(
-                model_config.model, model_config.hf_config, mm.limit_per_prompt
+                model_config.model, model_config.hf_config, mm.limit_per_prompt, mm.processor_kwargs
             )
             self.mm_processor.preload()
 

@@ -20,6 +20,16 @@ from tokenmill.multimodal.inputs import MultiModalFeature, PackedArray
 from tokenmill.multimodal.media import MediaError, check_image
 
 
+def llava_tokens_per_image(hf_config: Any) -> int:
+    """Placeholder tokens of one image: the tower's patches, plus its CLS token under the
+    ``full`` strategy, minus one under ``default`` (which drops the first position)."""
+    vision = hf_config.get("vision_config")
+    patches = (vision["image_size"] // vision["patch_size"]) ** 2
+    has_cls = vision.get("model_type", "clip_vision_model") == "clip_vision_model"
+    strategy = hf_config.get("vision_feature_select_strategy", "default")
+    return patches + int(has_cls) - int(strategy == "default")
+
+
 def image_hash(image: Any) -> str:
     """sha256 hex digest of an image's mode, size and pixels."""
     h = hashlib.sha256()
@@ -35,18 +45,25 @@ class MultiModalProcessor:
         model: the model folder (its ``preprocessor_config.json``).
         hf_config: the model's config (``image_token_id``, ``vision_config``).
         limit_per_prompt: modality -> most items per prompt.
+        processor_kwargs: keyword arguments of every image processor call
+            (``--mm-processor-kwargs``).
     """
 
-    def __init__(self, model: str, hf_config: Any, limit_per_prompt: dict[str, int]) -> None:
+    def __init__(
+        self,
+        model: str,
+        hf_config: Any,
+        limit_per_prompt: dict[str, int],
+        processor_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         self.model = model
+        self.processor_kwargs = dict(processor_kwargs or {})
         token = hf_config.get("image_token_id", hf_config.get("image_token_index"))
         self.image_token_id = int(token)
         self.merge_size = int(hf_config.get("vision_config", {}).get("spatial_merge_size", 1))
         # Fixed-size models (LLaVA): placeholders per image; None: from the patch grid.
         self.tokens_per_image: int | None = None
         if (hf_config.get("architectures") or [""])[0] == "LlavaForConditionalGeneration":
-            from tokenmill.model.models.llava import llava_tokens_per_image
-
             self.tokens_per_image = llava_tokens_per_image(hf_config)
         self.limit_per_prompt = limit_per_prompt
         self._image_processor: Any = None
@@ -98,7 +115,7 @@ class MultiModalProcessor:
             return list(prompt_ids), []
         images = [check_image(im) for im in images]
         hashes = [image_hash(im) for im in images]
-        out = self.image_processor(images=images, return_tensors="np")
+        out = self.image_processor(images=images, return_tensors="np", **self.processor_kwargs)
         per_image = self._split(out, len(images))
         ids: list[int] = []
         features = []

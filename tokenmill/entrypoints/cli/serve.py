@@ -47,7 +47,6 @@ UNIMPLEMENTED_FLAGS = (
     "--distributed-executor-backend",
     "--cpu-offload-gb",
     "--swap-space",
-    "--mm-processor-kwargs",
     "--enable-sleep-mode",
     "--ssl-keyfile",
     "--ssl-certfile",

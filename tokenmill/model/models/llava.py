@@ -11,7 +11,6 @@ causal everywhere, as in transformers.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -29,16 +28,6 @@ _RENAMES = (
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
 )
-
-
-def llava_tokens_per_image(hf_config: Any) -> int:
-    """Placeholder tokens of one image: the tower's patches, plus its CLS token under the
-    ``full`` strategy, minus one under ``default`` (which drops the first position)."""
-    vision = hf_config.get("vision_config")
-    patches = (vision["image_size"] // vision["patch_size"]) ** 2
-    has_cls = vision.get("model_type", "clip_vision_model") == "clip_vision_model"
-    strategy = hf_config.get("vision_feature_select_strategy", "default")
-    return patches + int(has_cls) - int(strategy == "default")
 
 
 class LlavaProjector(nn.Module):
