@@ -115,6 +115,15 @@ def test_unusable_images_are_a_400_naming_the_field(vl_server, urls, field, word
     assert vl_server.get("/health").status_code == 200
 
 
+def test_request_mm_processor_kwargs_are_refused(vl_server):
+    model = vl_server.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": image_message(png_data_url(4)), "max_tokens": 2,
+            "mm_processor_kwargs": {"max_pixels": 3136}}  # fmt: skip
+    r = vl_server.post("/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "mm_processor_kwargs"
+
+
 def test_a_text_only_model_refuses_images(default_server):
     r = default_server.post(
         "/v1/chat/completions",

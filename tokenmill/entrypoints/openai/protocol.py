@@ -171,6 +171,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Refused: the image processor's arguments are the server's (--mm-processor-kwargs).
+    mm_processor_kwargs: Any = None
 
 
 class ChatCompletionLogProb(BaseModel):

@@ -278,6 +278,14 @@ class OpenAIServingChat(OpenAIServing):
                 "(--chat-template, or the model's) applies.",
                 "chat_template",
             )
+        if request.mm_processor_kwargs is not None:
+            # NOTE: encoder outputs are cached by image content alone, which holds while
+            # every request processes images alike.
+            raise bad_request(
+                "mm_processor_kwargs in the request is not accepted: the server's "
+                "--mm-processor-kwargs applies to every image.",
+                "mm_processor_kwargs",
+            )
         check_implemented(request)
         if request.stream and request.prompt_logprobs is not None:
             # vLLM's chat answers the same: its streamed chunks have no place for them.
