@@ -181,10 +181,14 @@ def test_bad_multi_modal_data_is_an_invalid_request(llm):
         assert info.value.param == "multi_modal_data"
 
 
-def test_preempted_image_requests_give_their_tokens_and_free_every_block(checkpoint, llm):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preempted_image_requests_give_their_tokens_and_free_every_block(
+    checkpoint, llm, async_scheduling
+):
     """On a KV cache of 16 blocks, four image prompts preempt each other (recompute: the
     images' encoder outputs are read again from the cache, or encoded again once evicted);
-    each gets the tokens it gets alone, and every block is free afterwards."""
+    each gets the tokens it gets alone, and every block is free afterwards; with one step
+    in flight (async scheduling, the CUDA default) as well."""
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     chats = [
         [{"role": "user", "content": [{"type": "image_pil", "image_pil": _image(20 + i, 224, 168)},
@@ -194,7 +198,8 @@ def test_preempted_image_requests_give_their_tokens_and_free_every_block(checkpo
     alone = [llm.chat(c, params, use_tqdm=False)[0].outputs[0].token_ids for c in chats]
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers, K and V, block size, KV heads, head dim, fp32
     tiny = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=256,
-               kv_cache_memory=16 * block_bytes, max_num_batched_tokens=128)  # fmt: skip
+               kv_cache_memory=16 * block_bytes, max_num_batched_tokens=128,
+               async_scheduling=async_scheduling)  # fmt: skip
     engine = tiny.llm_engine
     scheduler = engine.engine_core.scheduler
     assert scheduler.kv_cache_manager.num_blocks == 16
