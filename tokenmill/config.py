@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
 
 from tokenmill.hf_config import HFConfig
+from tokenmill.multimodal.config import MultiModalConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
@@ -61,6 +62,7 @@ class ModelConfig:
         quantization: how the weights are quantized (``awq``, ``gptq``,
             ``compressed-tensors``, ``bitsandbytes``, ``gguf``), None when they are not (a
             GGUF file loaded with ``--gguf-dequantize`` included).
+        multimodal_config: image limits and sources; set for models that take images.
     """
 
     model: str
@@ -76,6 +78,7 @@ class ModelConfig:
     pooler_config: PoolerConfig | None = None
     served_model_aliases: tuple[str, ...] = ()
     quantization: str | None = None
+    multimodal_config: MultiModalConfig | None = None
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

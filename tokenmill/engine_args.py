@@ -252,6 +252,20 @@ class EngineArgs:
         'sentence-transformers files, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
         "(pooling_type MEAN, CLS or LAST)."
     )
+    limit_mm_per_prompt: str | dict[str, Any] | None = _flag(
+        "Models that take images: the most images one prompt may carry, as a JSON object, "
+        "e.g. '{\"image\": 4}' (default: 999); 0 refuses images."
+    )
+    mm_processor_kwargs: str | dict[str, Any] | None = _flag(
+        "Models that take images: keyword arguments for the model's image processor, as a "
+        "JSON object, e.g. '{\"max_pixels\": 1003520}' (Qwen2.5-VL: fewer pixels, fewer "
+        "image tokens); checked on a test image at start-up."
+    )
+    allowed_media_domains: list[str] | None = _flag(
+        "Hosts whose http(s) image URLs the server fetches (at most 20 MB each, within 10 s); "
+        "without it image URLs are refused and images come as base64 data URLs.",
+        nargs="+",
+    )
     trust_remote_code: bool = _flag(
         "Accepted for compatibility: tokenmill never runs code from a model folder.",
         default=False,
@@ -428,6 +442,7 @@ class EngineArgs:
                 f"length of {model_len} tokens (from its config)"
             )
         quantization = self._resolve_quantization(hf_config, model, device, dtype)
+        multimodal_config = self._multimodal_config(hf_config, model)
         served = self.served_model_name or [_default_served_name(model)]
         served = [served] if isinstance(served, str) else list(dict.fromkeys(served))
         return ModelConfig(
@@ -443,7 +458,26 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             pooler_config=pooler_config,
             quantization=quantization,
+            multimodal_config=multimodal_config,
         )
+
+    def _multimodal_config(self, hf_config: Any, model: str) -> Any:
+        """The image settings of a model that takes images (None for text models).
+
+        Raises:
+            ConfigError: see ``build_multimodal_config``.
+        """
+        from tokenmill.model.registry import is_multimodal_model
+        from tokenmill.multimodal.config import MultiModalConfigError, build_multimodal_config
+
+        try:
+            return build_multimodal_config(
+                hf_config, model, is_multimodal_model(hf_config.architectures[0]),
+                self.limit_mm_per_prompt, self.allowed_media_domains,
+                self.mm_processor_kwargs,
+            )  # fmt: skip
+        except MultiModalConfigError as e:
+            raise ConfigError(str(e)) from None
 
     def _resolve_quantization(self, hf_config: Any, model: str, device: str, dtype: str
                               ) -> str | None:

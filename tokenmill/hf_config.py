@@ -75,9 +75,14 @@ def normalize_rope(data: dict[str, Any]) -> dict[str, Any]:
         if params.get("rope_type", "default") != "default" and not data.get("rope_scaling"):
             data["rope_scaling"] = params
     scaling = data.get("rope_scaling")
+    for source in (params, scaling):  # M-RoPE (Qwen2-VL): plain RoPE over three streams
+        if isinstance(source, dict) and source.get("mrope_section"):
+            data.setdefault("mrope_section", list(source["mrope_section"]))
     if isinstance(scaling, dict):
         scaling = dict(scaling)
         rope_type = scaling.pop("type", None) or scaling.get("rope_type", "default")
+        if rope_type == "mrope":
+            rope_type = "default"
         scaling["rope_type"] = rope_type
         if rope_type in ("longrope", "su") and data.get("original_max_position_embeddings"):
             # Phi-3 configs before transformers 5 keep this length at the top level.
@@ -285,10 +290,13 @@ def load_hf_config(model: str) -> tuple[HFConfig, dict[str, Any]]:
         gen_path = os.path.join(model, "generation_config.json")
         if os.path.isfile(gen_path):
             generation_config = _read_json(gen_path)
-    # Multimodal wrappers keep the language model's settings in text_config.
+    # Multimodal wrappers keep the language model's settings in text_config; the wrapper's
+    # own keys (vision_config, image_token_id, ...) stay beside them.
     if "text_config" in data and "num_hidden_layers" not in data:
         text = dict(data["text_config"])
-        text.setdefault("architectures", data.get("architectures"))
+        for key, value in data.items():
+            if key != "text_config":
+                text.setdefault(key, value)
         data = text
     for key in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         if key not in data:

@@ -9,6 +9,8 @@ prefix and a ``model_name`` label, mirroring vLLM's ``vllm:`` metrics so dashboa
 - ``tokenmill:kv_cache_usage_perc`` (gauge): fraction of KV blocks in use (0-1)
 - ``tokenmill:prefix_cache_queries_total`` (counter): prompt tokens looked up in the prefix cache
 - ``tokenmill:prefix_cache_hits_total`` (counter): of those, tokens found in the cache
+- ``tokenmill:mm_cache_queries_total`` (counter): images looked up in the encoder cache
+- ``tokenmill:mm_cache_hits_total`` (counter): of those, found (not encoded again)
 - ``tokenmill:num_preemptions_total`` (counter): requests preempted (recomputed later)
 - ``tokenmill:prompt_tokens_total`` / ``generation_tokens_total`` (counters): tokens processed
 - ``tokenmill:request_success_total`` (counter): finished requests, by ``finished_reason``
@@ -190,6 +192,8 @@ class PrometheusStatLogger:
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.mm_queries = counter("mm_cache_queries", "Images looked up in the encoder cache.")
+        self.mm_hits = counter("mm_cache_hits", "Images found in the encoder cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (to be recomputed).")
         self.constraint_failures = counter(
             "structured_output_failures",
@@ -283,6 +287,8 @@ class PrometheusStatLogger:
             self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
             self.prefix_queries.inc(scheduler_stats.prefix_cache_queries)
             self.prefix_hits.inc(scheduler_stats.prefix_cache_hits)
+            self.mm_queries.inc(scheduler_stats.mm_cache_queries)
+            self.mm_hits.inc(scheduler_stats.mm_cache_hits)
             self.preemptions.inc(scheduler_stats.num_preemptions)
             self.constraint_failures.inc(scheduler_stats.num_constraint_failures)
         if iteration_stats is None:

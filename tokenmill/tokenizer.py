@@ -270,6 +270,8 @@ def _flatten_content(content: Any, index: int) -> Any:
     """Join OpenAI-style content parts (``[{"type": "text", "text": ...}, ...]``) by newlines."""
     if not isinstance(content, list):
         return content
+    if any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+        return content  # the template writes each image part's placeholder itself
     texts = []
     for part in content:
         if isinstance(part, str):

@@ -5,6 +5,9 @@
 # scripts in .carry/peer-vllm/tools: the bundle's wheels (fastapi, uvicorn, pyzmq, msgspec)
 # are tokenmill's server dependencies there, and its model folders are the M8/M135 configs.
 # Stages:
+#   vision     a Qwen2.5-VL-7B-shaped dummy (make_vl_model.py) served by tokenmill, then vLLM:
+#              128 chat requests of one random 1024x1024 image, 128 in / 128 out, 64 at a time
+#              (bench serve --dataset-name random-mm); gputests_vision tests/gpu/test_vision_gpu.py
 #   gputests_quant  the int4 and GGUF dequantize-in-GEMM kernels on CUDA (tests/gpu/
 #              test_quant_gemm_gpu.py, tests/kernels' quantized GEMM and GGUF block tests)
 #   int4_kernels  the int4 GEMV and tensor-core kernels against cuBLAS bf16 at Llama-3.1-8B's
@@ -217,6 +220,25 @@ serve_diag() {
   done
   stop_server $pid
 }
+# vision_pair ENGINE(tm|vllm): a Qwen2.5-VL-7B-shaped dummy (benchmarks/device/make_vl_model.py)
+# served by ENGINE, 128 chat requests of one random 1024x1024 JPEG and 128 text tokens each,
+# 64 at a time, by the engine's own bench client (the same random-mm flags).
+VL_MM=(--dataset-name random-mm --random-mm-base-items-per-request 1 --random-mm-num-mm-items-range-ratio 0 --random-mm-limit-mm-per-prompt '{"image": 1, "video": 0}' --random-mm-bucket-config '{(1024, 1024, 1): 1.0}')
+vision_pair() {
+  local eng=$1 VL=/tmp/tm_vl7b
+  [ -f $VL/config.json ] || python3 benchmarks/device/make_vl_model.py "$M135" $VL >> "$LOGS/setup.log" 2>&1
+  local args=(--load-format dummy --port 8000 --max-model-len 8192 --limit-mm-per-prompt '{"image": 1, "video": 0}')
+  if [ "$eng" = tm ]; then setsid "${TM[@]}" serve $VL "${args[@]}" --disable-log-requests --served-model-name $VL > "$LOGS/${eng}_vl_server.log" 2>&1 &
+  else setsid vllm serve $VL "${args[@]}" > "$LOGS/${eng}_vl_server.log" 2>&1 & fi
+  local pid=$!
+  local ready; ready=$(wait_health $pid)
+  say "STAGE ${eng}_vl_server ready after ${ready}s"
+  grep -aE "KV cache|CUDA graphs|ready in|Memory:|Error|Traceback" "$LOGS/${eng}_vl_server.log" | head -8 | sed 's/^/  | /' | tee -a "$SUM"
+  local B=("${TM[@]}" bench serve); [ "$eng" = vllm ] && B=(vllm bench serve)
+  stage ${eng}_vision 400 "${B[@]}" --backend openai-chat --endpoint /v1/chat/completions --model $VL --port 8000 "${VL_MM[@]}" --random-input-len 128 --random-output-len 128 --num-prompts 128 --max-concurrency 64 --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$LOGS" --result-filename ${eng}_vision.json
+  addjson ${eng}_vision "$LOGS/${eng}_vision.json"
+  stop_server $pid
+}
 TPA=(--load-format dummy --dataset-name random)
 # gpt-oss-20b's config with $M8's tokenizer, written once per machine.
 gptoss_model() {
@@ -241,6 +263,8 @@ run_stage() {  # run_stage NAME: one stage of the list below
     int4_kernels) stage int4_kernels 300 python3 benchmarks/device/int4_kernel_bench.py --sweep ;;
     quant_lat) stage quant_lat 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_lat1,awq_lat1,gguf_lat1}" --engines "${QUANT_ENGINES:-tokenmill,vllm}" ;;
     quant_tp) stage quant_tp 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_tp,awq_tp}" --engines "${QUANT_ENGINES:-tokenmill,vllm}" ;;
+    vision) vision_pair tm; vision_pair vllm ;;
+    gputests_vision) PYTHONPATH="$XGP" stage gputests_vision 300 python3 -m pytest -q tests/gpu/test_vision_gpu.py -p no:cacheprovider --timeout 250 ;;
     gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
     attn_rope) stage attn_rope 120 python3 benchmarks/attention_bench.py --only cache --prefill-tokens 1,64,272,1024 ;;

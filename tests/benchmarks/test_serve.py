@@ -376,3 +376,32 @@ def test_bad_settings_fail_in_one_line(flags, message, capsys, smollm2_gguf_path
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert err.startswith("tokenmill bench serve: error:")
+
+
+def test_random_mm_sends_each_request_its_images_as_chat_parts(tmp_path, smollm2_gguf_path):
+    import base64
+    import io
+
+    from PIL import Image
+
+    with StubServer("ok") as stub:
+        code, result = _run(
+            tmp_path, stub.base_url, smollm2_gguf_path, "--backend", "openai-chat",
+            "--dataset-name", "random-mm", "--random-mm-base-items-per-request", "2",
+            "--random-mm-bucket-config", "{(64, 48, 1): 1.0}", num_prompts=3,
+        )  # fmt: skip
+    assert code == 0 and result["completed"] == 3
+    urls = []
+    for body in stub.state.bodies:
+        parts = body["messages"][0]["content"]
+        assert [p["type"] for p in parts] == ["image_url", "image_url", "text"]
+        urls += [p["image_url"]["url"] for p in parts[:2]]
+    assert len(set(urls)) == 6  # distinct random images
+    data = base64.b64decode(urls[0].split(",", 1)[1])
+    assert Image.open(io.BytesIO(data)).size == (48, 64)  # (width, height)
+
+
+def test_random_mm_needs_the_chat_endpoint(tmp_path, capsys, smollm2_gguf_path):
+    with StubServer("ok") as stub:
+        code, _ = _run(tmp_path, stub.base_url, smollm2_gguf_path, "--dataset-name", "random-mm")
+    assert code == 2 and "openai-chat" in capsys.readouterr().err

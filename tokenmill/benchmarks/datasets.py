@@ -32,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tokenmill.benchmarks.common import BenchmarkError
+from tokenmill.benchmarks.mm_datasets import add_images, add_mm_dataset_args
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-DATASET_NAMES = ("random", "sharegpt", "prefix_repetition")
+DATASET_NAMES = ("random", "sharegpt", "prefix_repetition", "random-mm")
 # Tries at making a text encode to its target length; one or two suffice in practice.
 _MAX_FIT_ROUNDS = 16
 # ShareGPT conversations with fewer prompt or reply tokens than this are skipped: too short
@@ -56,12 +57,15 @@ class SampleRequest:
             were asked for.
         prompt_len: prompt length in tokens (``len(prompt_token_ids)``).
         expected_output_len: tokens to generate (``max_tokens``).
+        images: ``data:`` URLs of the request's images (``random-mm``), sent as chat
+            ``image_url`` parts before the text.
     """
 
     prompt_token_ids: list[int]
     prompt: str | None
     prompt_len: int
     expected_output_len: int
+    images: tuple[str, ...] = ()
 
 
 # ---- CLI -------------------------------------------------------------------------------------
@@ -142,6 +146,7 @@ def add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) ->
         default=128,
         help="Output tokens per request (prefix_repetition). (default: 128)",
     )
+    add_mm_dataset_args(group)
     group.add_argument(
         "--disable-shuffle",
         action="store_true",
@@ -172,7 +177,7 @@ def check_dataset_flags(args: argparse.Namespace) -> str:
         )
     if name == "sharegpt" and not args.dataset_path:
         raise BenchmarkError("--dataset-name sharegpt needs --dataset-path FILE.json")
-    if name == "random":
+    if name in ("random", "random-mm"):
         check_random_lengths(
             args.random_input_len, args.random_output_len, args.random_range_ratio,
             args.random_prefix_len,
@@ -240,7 +245,9 @@ def sample_requests(
             seed=args.seed,
             need_text=need_text,
         )
-    return random_requests(
+    if name == "random-mm" and not need_text:
+        raise BenchmarkError("--dataset-name random-mm runs with bench serve only")
+    samples = random_requests(
         tokenizer,
         args.num_prompts,
         input_len=args.random_input_len,
@@ -250,6 +257,7 @@ def sample_requests(
         seed=args.seed,
         need_text=need_text,
     )
+    return add_images(samples, args) if name == "random-mm" else samples
 
 
 # ---- token helpers ---------------------------------------------------------------------------

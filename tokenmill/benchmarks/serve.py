@@ -325,6 +325,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     slos = parse_goodput(args.goodput)
     base_url = _base_url(args)
     endpoint, chat = _endpoint(args)
+    if args.dataset_name == "random-mm" and not chat:
+        raise BenchmarkError(
+            "--dataset-name random-mm sends images in chat messages: use --backend openai-chat"
+        )
     if args.ready_check_timeout_sec > 0 and not wait_until_ready(
         base_url, args.ready_check_timeout_sec
     ):

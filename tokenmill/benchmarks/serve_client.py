@@ -123,7 +123,13 @@ def build_payload(config: ClientConfig, sample: SampleRequest) -> dict[str, Any]
         "stream_options": {"include_usage": True},
     }
     if config.chat:
-        body["messages"] = [{"role": "user", "content": sample.prompt}]
+        content: Any = sample.prompt
+        if sample.images:
+            content = [
+                *({"type": "image_url", "image_url": {"url": u}} for u in sample.images),
+                {"type": "text", "text": sample.prompt},
+            ]
+        body["messages"] = [{"role": "user", "content": content}]
         # NOTE: both names: newer servers read max_completion_tokens, older only max_tokens.
         body["max_completion_tokens"] = sample.expected_output_len
         body["max_tokens"] = sample.expected_output_len

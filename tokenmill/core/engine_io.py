@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tokenmill.multimodal.inputs import MultiModalFeature
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -36,6 +37,8 @@ class EngineCoreRequest:
         priority: lower runs earlier under ``--scheduling-policy priority``.
         cache_salt: mixed into the first block's hash, so that only requests with the
             same salt share prefix-cache blocks.
+        mm_features: the prompt's images, processed, by offset (their placeholder tokens
+            are in ``prompt_token_ids``); None for a text prompt.
     """
 
     request_id: str
@@ -44,6 +47,7 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    mm_features: list[MultiModalFeature] | None = None
 
 
 @dataclass
@@ -125,6 +129,8 @@ class SchedulerStats:
     num_constraint_failures: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    mm_cache_queries: int = 0  # images looked up in the encoder cache
+    mm_cache_hits: int = 0  # of those, found (not encoded again)
 
 
 @dataclass

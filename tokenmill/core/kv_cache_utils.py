@@ -99,7 +99,8 @@ def update_block_hashes(request: Request, block_size: int) -> None:
     Full blocks are taken over ``request.all_token_ids`` (prompt and output), so the
     cost is O(new full blocks). The first block's extra keys hold ``request.cache_salt``
     when it is set, which separates the prefix caches of different salts entirely (every
-    later block chains from the first).
+    later block chains from the first); a block holding image placeholders has the images'
+    content hashes among its extra keys.
 
     Args:
         request: the request; its ``block_hashes`` grows in place.
@@ -112,9 +113,18 @@ def update_block_hashes(request: Request, block_size: int) -> None:
     token_ids = request.all_token_ids
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full_blocks):
-        extra_keys = (request.cache_salt,) if i == 0 and request.cache_salt else None
         start = i * block_size
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
+        keys: list[object] = [request.cache_salt] if i == 0 and request.cache_salt else []
+        # The images whose placeholders the block holds: two prompts with the same
+        # placeholder tokens but different images never share KV.
+        keys += [
+            f.identifier
+            for f in request.mm_features
+            if f.offset < start + block_size and f.end > start
+        ]
+        parent = hash_block_tokens(
+            parent, token_ids[start : start + block_size], tuple(keys) if keys else None
+        )
         hashes.append(parent)
 
 

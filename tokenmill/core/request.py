@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from tokenmill.core.engine_io import EngineCoreRequest, FinishReason
+from tokenmill.multimodal.inputs import MultiModalFeature
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -64,6 +65,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         max_model_len: int | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -71,6 +73,8 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.priority = priority
         self.cache_salt = cache_salt
+        # The prompt's images (placeholder ranges, content hashes, encoder inputs), by offset.
+        self.mm_features = sorted(mm_features or [], key=lambda f: f.offset)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -107,6 +111,7 @@ class Request:
             priority=req.priority,
             cache_salt=req.cache_salt,
             max_model_len=max_model_len,
+            mm_features=req.mm_features,
         )
 
     @property

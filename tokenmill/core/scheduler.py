@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from tokenmill.core.admission import AdmissionHeadroom
+from tokenmill.core.encoder_cache import EncoderCacheManager
 from tokenmill.core.engine_io import (
     CONSTRAINT_FAILURE_PREFIX,
     EngineCoreOutput,
@@ -153,6 +154,10 @@ class Scheduler:
             if self.scheduler_config.admission_headroom
             else None
         )
+        # Images: encoder outputs of up to one step's token budget are cached, and a step
+        # encodes up to that many placeholder tokens.
+        budget = self.max_num_batched_tokens
+        self.encoder_cache = EncoderCacheManager(capacity=budget, encoder_budget=budget)
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=cache_config.block_size,
@@ -262,6 +267,7 @@ class Scheduler:
         """
         self.kv_cache_manager.begin_step()
         plan = StepPlan(
+            encoder=self.encoder_cache.begin_step(),
             token_budget=self.max_num_batched_tokens,
             prefill_budget=(
                 None
@@ -282,14 +288,17 @@ class Scheduler:
                 continue
             if request.num_output_placeholders and self._has_all_tokens_pending(request):
                 continue
+            num_computed = request.num_computed_tokens
             num_new = self._num_tokens_to_schedule(
-                request, request.num_computed_tokens, plan.budget_for(request)
+                request, num_computed, plan.budget_for(request)
             )
+            num_new, to_encode = self._clip_for_encoder(request, num_computed, num_new, plan)
             if num_new == 0:
                 continue
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
             if new_block_ids is not None:
                 plan.add_running(request, num_new, new_block_ids)
+                self._commit_encoder(request, num_computed, num_new, to_encode, plan)
 
     def _has_all_tokens_pending(self, request: Request) -> bool:
         """Async scheduling: the steps in flight already produce the request's last token
@@ -330,6 +339,7 @@ class Scheduler:
         self.running.remove(request)
         if request.request_id in plan.num_scheduled_tokens:
             plan.unschedule(request)
+            self.encoder_cache.uncommit(request, plan.encoder)
         # free() reads num_computed_tokens: reset it only afterwards.
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -352,6 +362,7 @@ class Scheduler:
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             budget = plan.budget_for(request)
             num_new = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
+            num_new, to_encode = self._clip_for_encoder(request, num_hit_tokens, num_new, plan)
             if num_new == 0:
                 # The prompt does not fit (chunked prefill off), or the step's prefill
                 # allowance is spent: it waits.
@@ -371,6 +382,7 @@ class Scheduler:
             self.waiting.pop_request()
             self._admit(request, num_hit_tokens)
             plan.add_new(request, num_new)
+            self._commit_encoder(request, num_hit_tokens, num_new, to_encode, plan)
             if reserved is not None:
                 assert self.headroom is not None
                 reserved += self.headroom.growth_blocks(request, num_new)
@@ -400,6 +412,22 @@ class Scheduler:
             return 0
         return max(0, min(num_new, self.max_model_len - num_computed))
 
+    def _clip_for_encoder(
+        self, request: Request, num_computed: int, num_new: int, plan: StepPlan
+    ) -> tuple[int, list[int]]:
+        """A chunk shortened to the encoder budget, with the images it encodes (see
+        core/encoder_cache.py); text prompts pass through."""
+        if not request.mm_features or num_new == 0:
+            return num_new, []
+        return self.encoder_cache.clip(request, num_computed, num_new, plan.encoder)
+
+    def _commit_encoder(
+        self, request: Request, num_computed: int, num_new: int, to_encode: list[int],
+        plan: StepPlan,
+    ) -> None:  # fmt: skip
+        if request.mm_features:
+            self.encoder_cache.commit(request, num_computed, num_new, to_encode, plan.encoder)
+
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         kv = self.kv_cache_manager
         new_reqs = [
@@ -410,6 +438,7 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
+                mm_features=r.mm_features or None,
             )
             for r in plan.new_reqs
         ]
@@ -427,6 +456,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
             reads_step_kv=kv.reads_step_kv,
+            scheduled_encoder_inputs=plan.encoder.inputs,
+            free_encoder_ids=self.encoder_cache.take_freed(),
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -575,6 +606,9 @@ class Scheduler:
             num_constraint_failures=self._num_constraint_failures,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
+            mm_cache_queries=self.encoder_cache.queries,
+            mm_cache_hits=self.encoder_cache.hits,
         )
         self._num_preemptions = self._num_constraint_failures = 0
+        self.encoder_cache.queries = self.encoder_cache.hits = 0
         return stats

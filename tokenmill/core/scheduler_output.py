@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.multimodal.inputs import MultiModalFeature
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class NewRequestData:
         block_ids: the request's KV block ids, in order (one block per ``block_size``
             tokens of context).
         num_computed_tokens: tokens whose KV is already in those blocks (prefix-cache hits).
+        mm_features: the prompt's images (None for a text prompt).
     """
 
     req_id: str
@@ -39,6 +41,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    mm_features: list[MultiModalFeature] | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,10 @@ class SchedulerOutput:
             request fills in this step, so it reads KV the step itself writes
             (``KVCacheManager.reads_step_kv``); the worker then runs the step with kernels
             that read the KV cache only after the step's KV writes.
+        scheduled_encoder_inputs: request id -> indices of its ``mm_features`` whose
+            encoder output the worker computes (and caches) this step.
+        free_encoder_ids: identifiers of encoder outputs the worker drops from its cache
+            (before encoding this step's).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -84,6 +91,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     reads_step_kv: bool = False
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

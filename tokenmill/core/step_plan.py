@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.core.encoder_cache import EncoderStep
 from tokenmill.core.prefill_pacing import is_prefilling
 from tokenmill.core.request import Request
 
@@ -26,6 +27,8 @@ class StepPlan:
     # Requests the worker has not seen (first time, or resumed after preemption).
     new_reqs: list[Request] = field(default_factory=list)
     preempted_ids: set[str] = field(default_factory=set)
+    # The images this step encodes and reads (core/encoder_cache.py).
+    encoder: EncoderStep = field(default_factory=lambda: EncoderStep(0))
 
     def add_running(self, request: Request, num_tokens: int, new_block_ids: list[int]) -> None:
         self.running_reqs.append(request)

@@ -10,6 +10,7 @@ If the engine process dies, every live request fails with EngineDeadError at onc
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing
 import os
@@ -328,13 +329,19 @@ class AsyncLLM:
         """
         self._ensure_background_tasks()
         self.check_health()
-        processed = self.input_processor.process(
+        process = functools.partial(
+            self.input_processor.process,
             request_id,
             prompt,
             sampling_params,
             priority=priority,
             validate_max_tokens=validate_max_tokens,
         )
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # The image processor's CPU work runs in a thread, off the event loop.
+            processed = await asyncio.get_running_loop().run_in_executor(None, process)
+        else:
+            processed = process()
         # Encode every engine request before registering any: one that cannot be sent
         # must not leave its siblings running in the engine unobserved.
         messages = [_encoder.encode(req) for req in processed.engine_requests]

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.core.engine_io import EngineCoreRequest
 from tokenmill.engine.parallel_sampling import child_request_id, make_child_params, needs_fan_out
+from tokenmill.multimodal.inputs import MultiModalFeature
+from tokenmill.multimodal.media import MediaError
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 from tokenmill.tokenizer import encode_prompt
 
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from tokenmill.config import ModelConfig
 
 # A prompt: text, token ids, or a dict with "prompt" (text) or "prompt_token_ids"
-# (optionally "cache_salt").
+# (optionally "cache_salt", and "multi_modal_data": {"image": a PIL image or a list of them}).
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -95,6 +97,50 @@ class InputProcessor:
         self.vocab_size = model_config.vocab_size
         self.max_model_len = model_config.max_model_len
         self.eos_token_ids = self._resolve_eos_ids()
+        self.mm_processor = None
+        mm = model_config.multimodal_config
+        if mm is not None:
+            from tokenmill.multimodal.processor import MultiModalProcessor
+
+            self.mm_processor = MultiModalProcessor(
+                model_config.model, model_config.hf_config, mm.limit_per_prompt, mm.processor_kwargs
+            )
+            self.mm_processor.preload()
+
+    def process_multimodal(
+        self, prompt_ids: list[int], mm_data: Any, param: str = "multi_modal_data"
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """Expand a prompt's image placeholders and process its images with the model's
+        image processor (CPU work: callers on an event loop run it in a thread).
+
+        Args:
+            prompt_ids: the prompt with one image token per image.
+            mm_data: ``{"image": image or [images]}`` (``PIL.Image.Image``).
+            param: the request field named in errors.
+
+        Raises:
+            InvalidRequestError: the model takes no images, another modality, or a bad
+                image (see ``MultiModalProcessor.process``).
+        """
+        if not isinstance(mm_data, dict) or set(mm_data) - {"image"}:
+            raise InvalidRequestError(
+                "multi_modal_data must be a dict with an 'image' key (a PIL image or a list "
+                "of them).",
+                param,
+            )
+        images = mm_data.get("image")
+        images = [] if images is None else images
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if self.mm_processor is None:
+            if not images:
+                return prompt_ids, []
+            raise InvalidRequestError(
+                f"The model {self.model_config.served_model_name} does not take images.", param
+            )
+        try:
+            return self.mm_processor.process(prompt_ids, images)
+        except MediaError as e:
+            raise InvalidRequestError(f"Invalid image input: {e}.", param) from None
 
     def _resolve_eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
@@ -145,6 +191,19 @@ class InputProcessor:
                 f"priority must be a 64-bit signed integer, got {priority!r}.", "priority"
             )
         text, prompt_ids, cache_salt = self._tokenize(prompt)
+        mm_features = None
+        if isinstance(prompt, dict):
+            mm_features = prompt.get("mm_features")
+            if prompt.get("multi_modal_data") is not None:
+                prompt_ids, mm_features = self.process_multimodal(
+                    prompt_ids, prompt["multi_modal_data"]
+                )
+        if mm_features and params.truncate_prompt_tokens is not None:
+            raise InvalidRequestError(
+                "truncate_prompt_tokens cannot be used with images (it could cut an image's "
+                "placeholder tokens).",
+                "truncate_prompt_tokens",
+            )
         if params.truncate_prompt_tokens is not None:
             kept = truncate_prompt(
                 prompt_ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens
@@ -163,6 +222,7 @@ class InputProcessor:
                 arrival_time=arrival,
                 priority=priority,
                 cache_salt=cache_salt,
+                mm_features=mm_features or None,
             )
 
         if needs_fan_out(params):

@@ -31,8 +31,12 @@ class EngineCounters:
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
     num_constraint_failures: int = 0  # requests ended for their structured-output constraint
+    mm_cache_queries: int = 0  # images looked up in the encoder cache
+    mm_cache_hits: int = 0  # of those, found
 
     def add(self, stats: SchedulerStats) -> None:
+        self.mm_cache_queries += stats.mm_cache_queries
+        self.mm_cache_hits += stats.mm_cache_hits
         self.prefix_cache_queries += stats.prefix_cache_queries
         self.prefix_cache_hits += stats.prefix_cache_hits
         self.num_preemptions += stats.num_preemptions

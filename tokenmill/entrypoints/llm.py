@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from tokenmill.engine.embedding_engine import EmbeddingEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine_args import EngineArgs
+from tokenmill.multimodal.media import split_chat_images
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import encode_prompt, load_chat_template, render_chat_template
@@ -169,22 +170,32 @@ class LLM:
         """Generate replies to one conversation or a list of them, with the chat template.
 
         Args:
-            messages: ``[{"role": ..., "content": ...}, ...]`` or a list of such lists.
+            messages: ``[{"role": ..., "content": ...}, ...]`` or a list of such lists; a
+                content list may hold ``{"type": "image_url", "image_url": {"url": ...}}``
+                and ``{"type": "image_pil", "image_pil": PIL.Image}`` parts (models that
+                take images).
             chat_template: a template (text or file path) replacing the model's own.
 
         Raises:
             ChatTemplateError: the model has no chat template and none was given.
+            MediaError: an image that cannot be loaded.
         """
-        self._generation_engine()
+        engine = self._generation_engine()
+        mm_config = engine.config.model_config.multimodal_config
+        domains = mm_config.allowed_media_domains if mm_config else ()
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         template = load_chat_template(chat_template) if chat_template else None
         tokenizer = self.get_tokenizer()
         prompts: list[PromptInput] = []
         for conv in conversations:  # type: ignore[union-attr]
+            conv, images = split_chat_images(conv, domains)
             # The rendered text rides along, so outputs carry it as ``prompt`` (as vLLM's).
             text = render_chat_template(tokenizer, conv, template, add_generation_prompt)
             ids = encode_prompt(tokenizer, text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def reset_prefix_cache(self) -> bool:

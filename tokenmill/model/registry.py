@@ -21,7 +21,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "Llama4ForConditionalGeneration": ("llama4", "Llama4ForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
 }
+
+# Architectures that take images (a vision encoder whose embeddings fill placeholder tokens).
+_MULTIMODAL_MODELS = {"Qwen2_5_VLForConditionalGeneration", "LlavaForConditionalGeneration"}
 
 
 # Embedding (pooling) architectures: encoders run by the embedding engine, one forward pass
@@ -51,6 +56,11 @@ def register_model(
 def is_pooling_model(architecture: str) -> bool:
     """Whether ``architecture`` is an embedding model (served by the embedding engine)."""
     return architecture in _POOLING_MODELS
+
+
+def is_multimodal_model(architecture: str) -> bool:
+    """Whether ``architecture`` takes images in its prompts."""
+    return architecture in _MULTIMODAL_MODELS
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

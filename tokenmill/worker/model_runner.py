@@ -31,6 +31,7 @@ from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.host_memory import zeroed_tensor
 from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.multimodal import MultiModalState, StepImages
 from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
 from tokenmill.worker.sampling_metadata import (
     SamplingMetadata,
@@ -72,6 +73,9 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(device.type)
         self.cascade_attn = self.attn_backend.supports_cascade and not config.disable_cascade_attn
         self.model: torch.nn.Module | None = None
+        # Models that take images: the encoder cache and the step's placeholders.
+        self.mm: MultiModalState | None = None
+        self._step_images: StepImages | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         # The CUDA graphs (``plan_cuda_graphs``); None: every step runs eagerly.
@@ -136,6 +140,8 @@ class ModelRunner:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if all(m.is_local for m in layers):
             self.cascade_attn = False
+        if hasattr(self.model, "encode_images"):
+            self.mm = MultiModalState(self.model, self.device)
 
     def model_weight_bytes(self) -> int:
         """Bytes of the model's parameters and buffers on the device."""
@@ -187,8 +193,14 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             batch.remove(req_id)
+            if self.mm is not None:
+                self.mm.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             batch.add(new)
+            if self.mm is not None:
+                self.mm.add_request(new)
+        if self.mm is not None:
+            self.mm.run_encoder(so)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=False
@@ -231,7 +243,11 @@ class ModelRunner:
         self.prefill_range.np[:] = (num_decodes, num_reqs - num_decodes)
 
         staging.put_tokens(input_ids, self.input_ids.device[:n])
-        staging.put_into(positions, self.positions.device[:n])
+        rope_positions, mrope = positions, None
+        if self.mm is not None:
+            rope_positions, mrope = self.mm.rope_positions(req_ids, req_idx, positions)
+            self._step_images = self.mm.step_images(req_ids, computed, num_sched, mrope)
+        staging.put_into(rope_positions, self.positions.device[:n])
         staging.put_into(slots, self.slot_mapping.device[:n])
         staging.put_into(cu, self.query_start_loc.device[: num_reqs + 1])
         staging.put_into(self.seq_lens.np[:num_reqs], self.seq_lens.device[:num_reqs])
@@ -291,6 +307,12 @@ class ModelRunner:
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states ``[>= num_tokens, H]`` of the step (a graph's output is padded)."""
+        if self._step_images is not None:  # image placeholders: eager, with inputs_embeds
+            assert self.mm is not None
+            n, images, self._step_images = inputs.num_tokens, self._step_images, None
+            return self.mm.forward(
+                self.input_ids.device[:n], self.positions.device[:n], inputs.metadata, images
+            )
         hidden = self.graphs.try_run(inputs) if self.graphs is not None else None
         return hidden if hidden is not None else self._run_eager(inputs)
 

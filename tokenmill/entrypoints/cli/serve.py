@@ -47,8 +47,6 @@ UNIMPLEMENTED_FLAGS = (
     "--distributed-executor-backend",
     "--cpu-offload-gb",
     "--swap-space",
-    "--limit-mm-per-prompt",
-    "--mm-processor-kwargs",
     "--enable-sleep-mode",
     "--ssl-keyfile",
     "--ssl-certfile",

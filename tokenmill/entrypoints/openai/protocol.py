@@ -121,12 +121,14 @@ UNIMPLEMENTED_FIELDS = ("logits_processors", "prompt_embeds")
 
 
 class ContentPart(OpenAIBaseModel):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+    """One part of a message's content: ``{"type": "text", "text": ...}``, or for models
+    that take images ``{"type": "image_url", "image_url": {"url": ...}}``."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -173,6 +175,8 @@ class ChatCompletionRequest(SamplingFields):
     # variable (gpt-oss' template writes it into the system message); a 400 for a template
     # that does not read it.
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # Refused: the image processor's arguments are the server's (--mm-processor-kwargs).
+    mm_processor_kwargs: Any = None
 
 
 class ChatCompletionLogProb(BaseModel):

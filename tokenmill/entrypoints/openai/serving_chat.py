@@ -22,6 +22,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tokenmill.entrypoints.openai.chat_images import (
+    attach_images,
+    check_model_takes_images,
+    image_part_url,
+)
 from tokenmill.entrypoints.openai.chat_output import (
     ChoiceParser,
     choice_parsers,
@@ -233,7 +238,12 @@ class OpenAIServingChat(OpenAIServing):
             request = self.tool_settings.tool_parser(self.tokenizer).adjust_request(request)
         if self.tool_settings.reasoning_parser is not None:
             request = self.tool_settings.reasoning_parser(self.tokenizer).adjust_request(request)
-        prompt_ids = await self.render_prompt_async(request.messages, request)
+        check_model_takes_images(self.engine, request.messages)
+        images: list[tuple[str, str]] = []
+        prompt_ids = await self.render_prompt_async(request.messages, request, images)
+        mm_features = None
+        if images:
+            prompt_ids, mm_features = await attach_images(self.engine, prompt_ids, images)
         max_tokens = (
             request.max_completion_tokens
             if request.max_completion_tokens is not None
@@ -263,7 +273,9 @@ class OpenAIServingChat(OpenAIServing):
             # A token holds at least one character: decoding max_log_len tokens is enough.
             shown = prompt_ids[: self.request_logger.max_log_len]
             self.log_arrival(request_id, self.tokenizer.decode(shown), prompt_ids, params)
-        stream = self.generate(prompt_ids, None, params, request_id, request.priority)
+        stream = self.generate(
+            prompt_ids, None, params, request_id, request.priority, mm_features
+        )
         first = await first_output(stream)
         return ChatRun(request, request_id, first, stream, start, parsers)
 
@@ -305,6 +317,14 @@ class OpenAIServingChat(OpenAIServing):
                 "(--chat-template, or the model's) applies.",
                 "chat_template",
             )
+        if request.mm_processor_kwargs is not None:
+            # NOTE: encoder outputs are cached by image content alone, which holds while
+            # every request processes images alike.
+            raise bad_request(
+                "mm_processor_kwargs in the request is not accepted: the server's "
+                "--mm-processor-kwargs applies to every image.",
+                "mm_processor_kwargs",
+            )
         check_implemented(request)
         if request.stream and request.prompt_logprobs is not None:
             # vLLM's chat answers the same: its streamed chunks have no place for them.
@@ -341,47 +361,42 @@ class OpenAIServingChat(OpenAIServing):
             self.tokenizer, self.render_text(messages, request), add_special_tokens=False
         )
 
-    async def render_prompt_async(self, messages: list[Any], request: Any = None) -> list[int]:
+    async def render_prompt_async(
+        self, messages: list[Any], request: Any = None, images: list | None = None
+    ) -> list[int]:
         """``render_prompt`` with the rendering and the tokenizing off the event loop (see
-        AsyncTokenizer), a conversation too large for the context refused before either.
+        AsyncTokenizer), a conversation too large for the context refused before either;
+        ``images`` collects the image parts (see ``render_text``).
 
         Raises:
             OpenAIError: see ``render_text``; InvalidRequestError: the conversation cannot
                 fit the context.
         """
         text = await self.engine.render_chat(
-            lambda: self.render_text(messages, request),
+            lambda: self.render_text(messages, request, images),
             len(messages),
             sum(_content_chars(m.content) for m in messages),
             "messages",
         )
         return await self.engine.encode(text, add_special_tokens=False, param="messages")
 
-    def render_text(self, messages: list[Any], request: Any = None) -> str:
-        """Render the messages with the chat template.
+    def render_text(
+        self, messages: list[Any], request: Any = None, images: list | None = None
+    ) -> str:
+        """Render the messages with the chat template; an ``image_url`` part becomes an
+        image part of the template (its image token) and its ``(url, field)`` is appended
+        to ``images``.
 
         Raises:
-            OpenAIError: 400 when a content part is not text, there is no chat template, or
-                the template fails on the messages.
+            OpenAIError: 400 when a content part is neither text nor (with ``images``) an
+                image, there is no chat template, or the template fails on the messages.
         """
         conversation = []
         call_ids: set[str] = set()
         for i, message in enumerate(messages):
             content: Any = message.content
             if isinstance(content, list):
-                for part in content:
-                    if part.type != "text":
-                        raise bad_request(
-                            f"messages[{i}]: content parts of type {part.type!r} are not "
-                            "supported (only text parts).",
-                            f"messages.{i}.content",
-                        )
-                    if part.text is None:
-                        raise bad_request(
-                            f"messages[{i}]: a text content part needs its 'text'.",
-                            f"messages.{i}.content",
-                        )
-                content = [{"type": "text", "text": part.text} for part in content]
+                content = self._content_parts(content, i, images)
             elif content is None:
                 if message.role != "assistant" and not message.tool_calls:
                     raise bad_request(
@@ -407,6 +422,30 @@ class OpenAIServingChat(OpenAIServing):
             )
         except Exception as e:  # ChatTemplateError, or a template kwarg transformers rejects
             raise bad_request(str(e), "messages") from None
+
+    @staticmethod
+    def _content_parts(parts: list[Any], i: int, images: list | None) -> list[dict[str, Any]]:
+        """A message's content parts as the chat template takes them."""
+        out: list[dict[str, Any]] = []
+        for j, part in enumerate(parts):
+            if part.type == "image_url" and images is not None:
+                images.append((image_part_url(part, f"messages.{i}.content.{j}"),
+                               f"messages.{i}.content.{j}.image_url"))  # fmt: skip
+                out.append({"type": "image"})
+                continue
+            if part.type != "text":
+                raise bad_request(
+                    f"messages[{i}]: content parts of type {part.type!r} are not supported "
+                    "(text parts, and image_url parts for models that take images).",
+                    f"messages.{i}.content",
+                )
+            if part.text is None:
+                raise bad_request(
+                    f"messages[{i}]: a text content part needs its 'text'.",
+                    f"messages.{i}.content",
+                )
+            out.append({"type": "text", "text": part.text})
+        return out
 
     # ---- outputs -> response ----------------------------------------------------------------
 

@@ -313,8 +313,10 @@ class OpenAIServing:
         params: SamplingParams,
         request_id: str,
         priority: int,
+        mm_features: list[Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit one prompt (already tokenized) to the engine.
+        """Submit one prompt (already tokenized; ``mm_features``: its processed images) to
+        the engine.
 
         Raises:
             OpenAIError: 503, the server is shutting down (``abort_running`` was called).
@@ -322,6 +324,8 @@ class OpenAIServing:
         if self._closed:
             raise OpenAIError(SHUTTING_DOWN, HTTPStatus.SERVICE_UNAVAILABLE)
         engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids, "prompt": prompt}
+        if mm_features:
+            engine_prompt["mm_features"] = mm_features
         stream = self.engine.generate(engine_prompt, params, request_id, priority=priority)
         return self._tracked(request_id, stream)
 

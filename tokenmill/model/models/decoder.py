@@ -75,9 +75,15 @@ class DecoderModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed(input_ids)
+        """``inputs_embeds`` ``[T, H]``, when given, replaces the embedding of ``input_ids``
+        (multimodal models: image embeddings merged at their placeholder tokens)."""
+        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, metadata)
@@ -117,9 +123,13 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.tie_to(model.embed_tokens)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, metadata)
+        return self.model(input_ids, positions, metadata, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,116 @@
+"""The encoder budget and the encoder cache as the scheduler plans them: exact chunks
+around images, which images a step encodes, evictions, cache hits, and block hashes that
+tell images apart."""
+
+from __future__ import annotations
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.kv_cache_utils import update_block_hashes
+from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.multimodal.inputs import MultiModalFeature
+from tokenmill.sampling_params import SamplingParams
+
+IMAGE_TOKEN = 7
+
+
+def make_scheduler(budget: int, num_blocks: int = 64) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4, max_model_len=256,
+                        admission_headroom=False),
+        CacheConfig(block_size=4, enable_prefix_caching=True),
+        num_blocks=num_blocks,
+    )  # fmt: skip
+
+
+def image_request(req_id: str, layout: list[int | tuple[str, int]]) -> Request:
+    """A prompt from ``layout``: ints are runs of text tokens, ``(hash, n)`` an image of
+    ``n`` placeholders."""
+    ids: list[int] = []
+    features = []
+    for part in layout:
+        if isinstance(part, int):
+            ids.extend(range(100 + len(ids), 100 + len(ids) + part))
+        else:
+            digest, n = part
+            features.append(MultiModalFeature("image", digest, len(ids), n))
+            ids.extend([IMAGE_TOKEN] * n)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    return Request(req_id, ids, params, mm_features=features)
+
+
+MM_STATS: list[tuple[int, int]] = []  # (queries, hits) of each step run
+
+
+def run_step(sched: Scheduler):
+    so = sched.schedule()
+    ids = list(so.num_scheduled_tokens)
+    sampled = [
+        [1] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens else []
+        for r in ids
+    ]
+    out = sched.update_from_output(so, ModelRunnerOutput(ids, sampled, {}, {}))
+    stats = out.scheduler_stats
+    MM_STATS.append((stats.mm_cache_queries, stats.mm_cache_hits))
+    return so
+
+
+def mm_stats(num_steps: int) -> tuple[int, int]:
+    """(queries, hits) of the encoder cache over the last ``num_steps`` steps."""
+    last = MM_STATS[-num_steps:]
+    return sum(q for q, _ in last), sum(h for _, h in last)
+
+
+def test_chunk_stops_before_an_image_that_does_not_fit_and_takes_it_whole_next():
+    sched = make_scheduler(budget=32)
+    sched.add_request(image_request("a", [10, ("img", 30), 10]))
+    so = run_step(sched)
+    assert so.num_scheduled_tokens == {"a": 10} and so.scheduled_encoder_inputs == {}
+    so = run_step(sched)
+    assert so.num_scheduled_tokens == {"a": 32}
+    assert so.scheduled_encoder_inputs == {"a": [0]}
+    so = run_step(sched)
+    assert so.num_scheduled_tokens == {"a": 8} and so.scheduled_encoder_inputs == {}
+
+
+def test_an_image_larger_than_the_budget_is_encoded_once_and_read_from_the_cache():
+    sched = make_scheduler(budget=16)
+    sched.add_request(image_request("a", [("big", 40), 4]))
+    plans = [run_step(sched) for _ in range(3)]
+    assert [p.num_scheduled_tokens["a"] for p in plans] == [16, 16, 12]
+    assert [p.scheduled_encoder_inputs for p in plans] == [{"a": [0]}, {}, {}]
+    assert mm_stats(3) == (1, 0)
+
+
+def test_one_image_in_two_requests_of_a_step_is_encoded_once_and_hit_once():
+    sched = make_scheduler(budget=64)
+    sched.add_request(image_request("a", [3, ("same", 12), 2]))
+    sched.add_request(image_request("b", [5, ("same", 12), 1]))
+    so = run_step(sched)
+    assert so.num_scheduled_tokens == {"a": 17, "b": 18}
+    assert so.scheduled_encoder_inputs == {"a": [0]}
+    assert mm_stats(1) == (2, 1)
+
+
+def test_the_step_budget_limits_the_images_encoded_and_old_outputs_are_evicted():
+    sched = make_scheduler(budget=24)
+    sched.add_request(image_request("a", [("x", 16), 1]))
+    sched.add_request(image_request("b", [("y", 16), 1]))
+    so = run_step(sched)
+    # b's image would take the step past 24 encoder tokens: b waits.
+    assert so.num_scheduled_tokens == {"a": 17}
+    assert so.scheduled_encoder_inputs == {"a": [0]}
+    so = run_step(sched)
+    assert so.scheduled_encoder_inputs == {"b": [0]}
+    assert so.free_encoder_ids == ["x"]  # 16 + 16 > the cache's 24 tokens
+
+
+def test_block_hashes_differ_by_image_from_the_first_block_holding_it():
+    a = image_request("a", [6, ("one", 8), 6])
+    b = image_request("b", [6, ("two", 8), 6])
+    assert a.all_token_ids == b.all_token_ids
+    for r in (a, b):
+        update_block_hashes(r, 4)
+    assert a.block_hashes[0] == b.block_hashes[0]  # text only
+    assert all(x != y for x, y in zip(a.block_hashes[1:], b.block_hashes[1:], strict=True))

@@ -1,0 +1,221 @@
+"""Qwen2.5-VL against transformers on the same random weights (float32, CPU): the log-probs
+of every prompt position (text and image placeholders) and of 16 greedy tokens, for
+prompts with one and with two images; and the encoder and prefix caches on a repeated image.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.model.vlm_checkpoints import write_qwen2_5_vl
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def _image(seed: int, height: int, width: int):
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    return Image.fromarray(rng.randint(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return write_qwen2_5_vl(str(tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint) -> LLM:
+    return LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=1024,
+               max_num_batched_tokens=256)  # fmt: skip
+
+
+def _hf_inputs(checkpoint: str, hf_model, text: str, images: list) -> dict:
+    """transformers' inputs: the text tokenized, each image token repeated once per merged
+    2x2 patch group, the image processor's pixels."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    processed = AutoImageProcessor.from_pretrained(checkpoint)(images=images, return_tensors="pt")
+    image_id = hf_model.config.image_token_id
+    counts = iter((processed["image_grid_thw"].prod(-1) // 4).tolist())
+    ids: list[int] = []
+    for t in tok(text, add_special_tokens=False)["input_ids"]:
+        ids.extend([image_id] * next(counts) if t == image_id else [t])
+    input_ids = torch.tensor([ids])
+    return dict(
+        input_ids=input_ids,
+        pixel_values=processed["pixel_values"],
+        image_grid_thw=processed["image_grid_thw"],
+        mm_token_type_ids=(input_ids == image_id).int(),
+    )
+
+
+CASES = {
+    "one image": ([(0, 224, 224)], ["image", "What is in the picture?"]),
+    "two images": (
+        [(1, 224, 168), (2, 56, 84)],
+        ["First:", "image", "second:", "image", "compare them."],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logprobs_and_greedy_tokens_match_transformers(case, checkpoint, hf_model, llm):
+    specs, parts = CASES[case]
+    images = [_image(*s) for s in specs]
+    it = iter(images)
+    content = [
+        {"type": "image_pil", "image_pil": next(it)} if p == "image"
+        else {"type": "text", "text": p}
+        for p in parts
+    ]  # fmt: skip
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1,
+                            prompt_logprobs=0)  # fmt: skip
+    out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
+    inputs = _hf_inputs(checkpoint, hf_model, out.prompt, images)
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+
+    with torch.no_grad():
+        generated = hf_model.generate(**inputs, max_new_tokens=16, do_sample=False,
+                                      output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        full = generated.sequences
+        assert out.outputs[0].token_ids == full[0, inputs["input_ids"].shape[1] :].tolist()
+        logits = hf_model(**{**inputs}).logits[0].float()
+    ref = torch.log_softmax(logits, -1)
+    ids = inputs["input_ids"][0]
+    for pos in range(1, len(ids)):
+        ours = out.prompt_logprobs[pos][int(ids[pos])].logprob
+        assert ours == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=2e-4), pos
+    for step, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs,
+                                         strict=True)):  # fmt: skip
+        ref_step = torch.log_softmax(generated.logits[step][0].float(), -1)
+        assert lp[tok].logprob == pytest.approx(float(ref_step[tok]), abs=2e-4), step
+
+
+def test_repeated_image_hits_the_encoder_and_prefix_caches(llm):
+    counters = llm.llm_engine.counters
+    image = _image(7, 224, 224)
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                         {"type": "text", "text": "Again?"}]}]  # fmt: skip
+    params = SamplingParams(max_tokens=4, temperature=0)
+    before_hits, before_queries = counters.mm_cache_hits, counters.mm_cache_queries
+    first = llm.chat(chat, params, use_tqdm=False)[0]
+    second = llm.chat(chat, params, use_tqdm=False)[0]
+    assert counters.mm_cache_queries - before_queries == 1  # the second read no placeholder
+    assert second.num_cached_tokens >= len(first.prompt_token_ids) // 16 * 16 - 16
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+    # The same image in a new text: no prefix hit past the text before it, but an
+    # encoder-cache hit.
+    chat2 = [{"role": "user", "content": [{"type": "text", "text": "Look: " * 4},
+                                          {"type": "image_pil", "image_pil": image}]}]  # fmt: skip
+    llm.chat(chat2, params, use_tqdm=False)
+    assert counters.mm_cache_hits - before_hits == 1
+
+    # Another image of the same size: same placeholder tokens, different KV.
+    other = [{"role": "user", "content": [{"type": "image_pil", "image_pil": _image(8, 224, 224)},
+                                          {"type": "text", "text": "Again?"}]}]  # fmt: skip
+    third = llm.chat(other, params, use_tqdm=False)[0]
+    assert third.num_cached_tokens < 16
+
+
+def test_greedy_tokens_do_not_depend_on_chunks_or_the_batch(checkpoint, llm):
+    """Both cases in one batch, on an engine whose 32-token steps split the prompts (and a
+    64-placeholder image) into chunks, give the tokens each gets alone on ``llm``."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    chats = []
+    for specs, parts in CASES.values():
+        it = iter([_image(*s) for s in specs])
+        chats.append([{"role": "user", "content": [
+            {"type": "image_pil", "image_pil": next(it)} if p == "image"
+            else {"type": "text", "text": p}
+            for p in parts
+        ]}])  # fmt: skip
+    alone = [llm.chat(c, params, use_tqdm=False)[0].outputs[0].token_ids for c in chats]
+    small = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=1024,
+                max_num_batched_tokens=32)  # fmt: skip
+    together = small.chat(chats, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == alone
+
+
+def test_generate_with_multi_modal_data_gives_the_chat_tokens(llm):
+    image = _image(3, 112, 224)
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                         {"type": "text", "text": "Hi"}]}]  # fmt: skip
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    by_chat = llm.chat(chat, params, use_tqdm=False)[0]
+    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>\n"
+            "<|im_start|>assistant\n")  # fmt: skip
+    by_prompt = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, params,
+                             use_tqdm=False)[0]  # fmt: skip
+    assert by_prompt.prompt_token_ids == by_chat.prompt_token_ids
+    assert by_prompt.outputs[0].token_ids == by_chat.outputs[0].token_ids
+
+
+def test_bad_multi_modal_data_is_an_invalid_request(llm):
+    from tokenmill.engine.input_processor import InvalidRequestError
+
+    text = "<|vision_start|><|image_pad|><|vision_end|>Hi"
+    params = SamplingParams(max_tokens=2)
+    for data, words in [
+        ({"video": [1]}, "'image' key"),
+        ({"image": "not an image"}, "PIL"),
+        ({"image": []}, "placeholder"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=words) as info:
+            llm.generate({"prompt": text, "multi_modal_data": data}, params, use_tqdm=False)
+        assert info.value.param == "multi_modal_data"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preempted_image_requests_give_their_tokens_and_free_every_block(
+    checkpoint, llm, async_scheduling
+):
+    """On a KV cache of 16 blocks, four image prompts preempt each other (recompute: the
+    images' encoder outputs are read again from the cache, or encoded again once evicted);
+    each gets the tokens it gets alone, and every block is free afterwards; with one step
+    in flight (async scheduling, the CUDA default) as well."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    chats = [
+        [{"role": "user", "content": [{"type": "image_pil", "image_pil": _image(20 + i, 224, 168)},
+                                      {"type": "text", "text": f"Tell me more, {i}."}]}]
+        for i in range(4)
+    ]  # fmt: skip
+    alone = [llm.chat(c, params, use_tqdm=False)[0].outputs[0].token_ids for c in chats]
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers, K and V, block size, KV heads, head dim, fp32
+    tiny = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=256,
+               kv_cache_memory=16 * block_bytes, max_num_batched_tokens=128,
+               async_scheduling=async_scheduling)  # fmt: skip
+    engine = tiny.llm_engine
+    scheduler = engine.engine_core.scheduler
+    assert scheduler.kv_cache_manager.num_blocks == 16
+    outs = tiny.chat(chats, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert engine.counters.num_preemptions > 0
+    scheduler.kv_cache_manager.check_integrity()
+    assert scheduler.kv_cache_manager.num_free_blocks == 16
+
+
+def test_mm_processor_kwargs_bound_the_image_tokens(checkpoint):
+    """``max_pixels`` of 56x56 makes a 224x224 image 4 placeholders instead of 64."""
+    small = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=256,
+                mm_processor_kwargs={"max_pixels": 56 * 56})  # fmt: skip
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": _image(9, 224, 224)},
+                                         {"type": "text", "text": "Hi"}]}]  # fmt: skip
+    out = small.chat(chat, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    image_id = small.llm_engine.config.model_config.hf_config.image_token_id
+    assert out.prompt_token_ids.count(image_id) == 4

@@ -1,0 +1,189 @@
+"""Image loading and limits: data URLs in PNG / JPEG / WebP, the byte, pixel and count
+bounds, URL allow-listing, and the processor's placeholder expansion."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import numpy as np
+import pytest
+
+from tokenmill.hf_config import HFConfig
+from tokenmill.multimodal import media
+from tokenmill.multimodal.config import (
+    MultiModalConfigError,
+    build_multimodal_config,
+    parse_limit_mm_per_prompt,
+    parse_mm_processor_kwargs,
+)
+from tokenmill.multimodal.media import MediaError, load_image_url, split_chat_images
+
+
+def encoded(fmt: str, size: tuple[int, int] = (32, 24), mode: str = "RGB") -> bytes:
+    from PIL import Image
+
+    image = Image.new(mode, size, color=0 if mode == "1" else (10, 200, 30))
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+def test_data_urls_of_each_format_decode_to_rgb(fmt):
+    image = load_image_url(data_url(encoded(fmt), f"image/{fmt.lower()}"))
+    assert image.mode == "RGB" and image.size == (32, 24)
+
+
+@pytest.mark.parametrize(
+    "url, words",
+    [
+        ("data:image/png;base64,aGVsbG8=", "cannot be decoded"),
+        ("data:image/png;base64,***", "not valid base64"),
+        ("data:text/plain;base64,aGVsbG8=", "not an image"),
+        ("data:image/png,rawbytes", "data:image/png;base64"),
+        (data_url(encoded("GIF"), "image/gif"), "not supported"),
+        (data_url(encoded("PNG")[:60]), "cannot be decoded"),
+        ("ftp://host/x.png", "scheme"),
+        ("", "non-empty"),
+    ],
+)
+def test_unusable_images_raise_a_clear_media_error(url, words):
+    with pytest.raises(MediaError, match=words):
+        load_image_url(url)
+
+
+def test_byte_and_pixel_bounds(monkeypatch):
+    with pytest.raises(MediaError, match="pixels"):
+        load_image_url(data_url(encoded("PNG", (8000, 6000), mode="1")))
+    monkeypatch.setattr(media, "MAX_IMAGE_BYTES", 100)
+    with pytest.raises(MediaError, match="bytes"):
+        load_image_url(data_url(encoded("PNG", (64, 64))))
+
+
+class _PNGHandler(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "http://127.0.0.1/elsewhere.png")
+            self.end_headers()
+            return
+        body = encoded("PNG")
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    server = HTTPServer(("127.0.0.1", 0), _PNGHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_urls_are_fetched_only_from_allowed_hosts_without_redirects(image_host):
+    with pytest.raises(MediaError, match="--allowed-media-domains"):
+        load_image_url(image_host + "/a.png")
+    with pytest.raises(MediaError, match="not in --allowed-media-domains"):
+        load_image_url(image_host + "/a.png", ("example.com",))
+    assert load_image_url(image_host + "/a.png", ("127.0.0.1",)).size == (32, 24)
+    with pytest.raises(MediaError, match="could not be fetched"):
+        load_image_url(image_host + "/moved", ("127.0.0.1",))
+
+
+def test_chat_image_parts_become_template_image_parts():
+    from PIL import Image
+
+    pil = Image.new("RGB", (4, 4))
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [
+            {"type": "text", "text": "a"},
+            {"type": "image_url", "image_url": {"url": data_url(encoded("PNG"))}},
+            {"type": "image_pil", "image_pil": pil},
+        ]},
+    ]  # fmt: skip
+    conv, images = split_chat_images(messages)
+    assert conv[0] == messages[0]
+    assert conv[1]["content"] == [{"type": "text", "text": "a"}, {"type": "image"},
+                                  {"type": "image"}]  # fmt: skip
+    assert [im.size for im in images] == [(32, 24), (4, 4)]
+
+
+def test_limit_mm_per_prompt_parsing():
+    assert parse_limit_mm_per_prompt('{"image": 3}') == {"image": 3}
+    assert parse_limit_mm_per_prompt({"image": {"count": 2}}) == {"image": 2}
+    assert parse_limit_mm_per_prompt(None) == {"image": 999}
+    assert parse_limit_mm_per_prompt('{"image": 1, "video": 0}') == {"image": 1}
+    for bad in ('{"video": 1}', '{"image": -1}', "[1]", "{"):
+        with pytest.raises(MultiModalConfigError):
+            parse_limit_mm_per_prompt(bad)
+
+
+@pytest.fixture(scope="module")
+def qwen_path(tmp_path_factory) -> str:
+    from tests.model.vlm_checkpoints import write_qwen2_5_vl
+
+    return write_qwen2_5_vl(str(tmp_path_factory.mktemp("qwen2_5_vl")))
+
+
+def test_processor_expands_placeholders_and_counts_images(qwen_path):
+    from PIL import Image
+
+    from tokenmill.hf_config import load_hf_config
+    from tokenmill.multimodal.processor import MultiModalProcessor
+
+    path = qwen_path
+    config, _ = load_hf_config(path)
+    proc = MultiModalProcessor(path, config, {"image": 1})
+    tok = config.image_token_id
+    rng = np.random.RandomState(0)
+    image = Image.fromarray(rng.randint(0, 256, (56, 112, 3), dtype=np.uint8))
+    ids, features = proc.process([1, tok, 2], [image])
+    assert ids == [1] + [tok] * 8 + [2]  # a 4x8 patch grid, 2x2 patches per placeholder
+    assert (features[0].offset, features[0].length) == (1, 8)
+    assert features[0].data["pixel_values"].unpack().shape == (32, 1176)
+    with pytest.raises(MediaError, match="at most 1 image"):
+        proc.process([tok, tok], [image, image])
+    with pytest.raises(MediaError, match="placeholder"):
+        proc.process([1, 2], [image])
+
+
+def test_mm_processor_kwargs_reach_the_image_processor_and_bad_ones_are_refused(qwen_path):
+    from PIL import Image
+
+    from tokenmill.hf_config import load_hf_config
+    from tokenmill.multimodal.processor import MultiModalProcessor
+
+    assert parse_mm_processor_kwargs(None) == {}
+    assert parse_mm_processor_kwargs('{"max_pixels": 3136}') == {"max_pixels": 3136}
+    for bad in ("[1]", "{"):
+        with pytest.raises(MultiModalConfigError, match="--mm-processor-kwargs"):
+            parse_mm_processor_kwargs(bad)
+
+    config, _ = load_hf_config(qwen_path)
+    mm = build_multimodal_config(config, qwen_path, True, None, None, '{"max_pixels": 3136}')
+    assert mm is not None and mm.processor_kwargs == {"max_pixels": 3136}
+    proc = MultiModalProcessor(qwen_path, config, {"image": 1}, mm.processor_kwargs)
+    image = Image.fromarray(np.zeros((112, 112, 3), dtype=np.uint8))
+    ids, features = proc.process([config.image_token_id], [image])
+    assert features[0].length == 4  # 56x56 pixels at most: a 4x4 patch grid, not 8x8
+    with pytest.raises(MultiModalConfigError, match="refuses"):
+        build_multimodal_config(config, qwen_path, True, None, None, {"no_such_option": 1})
+
+    text_only = HFConfig({"architectures": ["LlamaForCausalLM"]})
+    assert build_multimodal_config(text_only, qwen_path, False, None, None, None) is None
+    for limit, kwargs in [('{"image": 1}', None), (None, {"max_pixels": 3136})]:
+        with pytest.raises(MultiModalConfigError, match="does not take images"):
+            build_multimodal_config(text_only, qwen_path, False, limit, None, kwargs)

@@ -1,0 +1,142 @@
+"""The encoder cache, as the scheduler sees it, and the encoder budget of a step.
+
+The worker keeps the vision encoder's outputs by image content hash
+(``MultiModalFeature.identifier``); ``EncoderCacheManager`` mirrors which ones it holds,
+decides which images a step must encode and which entries to drop (the scheduler sends
+both in the ``SchedulerOutput``), and counts hits for the metrics.
+
+Scheduling rule (vLLM's encoder budget): a step encodes images of at most
+``encoder_budget`` placeholder tokens in all; an image that is not cached is never split
+across two chunks: the chunk stops before it and the image is encoded whole in a later step
+(with its placeholders in one chunk), unless the image starts the chunk and does not fit it
+(then it is encoded whole and its remaining placeholders read the cached output next step).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tokenmill.core.request import Request
+
+
+@dataclass
+class EncoderStep:
+    """The encoder work a step has planned so far."""
+
+    budget: int
+    # request id -> indices (into request.mm_features) of the images it encodes this step
+    inputs: dict[str, list[int]] = field(default_factory=dict)
+    # identifiers read or encoded this step: they may not be evicted by it
+    pinned: set[str] = field(default_factory=set)
+
+
+class EncoderCacheManager:
+    """Which encoder outputs the worker holds, LRU-evicted within ``capacity`` tokens
+    (rows of encoder output).
+
+    Args:
+        capacity: placeholder tokens the cache holds (an image larger than that is still
+            encoded, and held alone).
+        encoder_budget: placeholder tokens of the images one step may encode.
+    """
+
+    def __init__(self, capacity: int, encoder_budget: int) -> None:
+        self.capacity = capacity
+        self.encoder_budget = encoder_budget
+        self._entries: OrderedDict[str, int] = OrderedDict()  # id -> tokens, LRU first
+        self._used = 0
+        self._freed: list[str] = []
+        self.queries = self.hits = 0  # images looked up / found, since the last stats
+
+    def begin_step(self) -> EncoderStep:
+        return EncoderStep(self.encoder_budget)
+
+    def contains(self, identifier: str) -> bool:
+        return identifier in self._entries
+
+    def clip(
+        self, request: Request, num_computed: int, num_new: int, step: EncoderStep
+    ) -> tuple[int, list[int]]:
+        """Shorten a chunk ``[num_computed, num_computed + num_new)`` of ``request`` to the
+        rule above.
+
+        Returns:
+            ``(tokens to schedule, indices of the images to encode for them)``.
+        """
+        to_encode: list[int] = []
+        encoding: set[str] = set()  # an image repeated in the prompt is encoded once
+        budget = step.budget
+        end = num_computed + num_new
+        for i, f in enumerate(request.mm_features):
+            if f.offset >= end:
+                break
+            if f.end <= num_computed or f.identifier in step.pinned | encoding:
+                continue
+            if self.contains(f.identifier):
+                continue
+            starts_chunk = f.offset <= num_computed
+            fits = f.end <= end and f.length <= budget and self._fits(f.length, step)
+            if not fits and not (starts_chunk and not to_encode and budget == self.encoder_budget):
+                end = max(f.offset, num_computed)
+                break
+            to_encode.append(i)
+            encoding.add(f.identifier)
+            budget -= f.length
+        return end - num_computed, to_encode
+
+    def commit(
+        self, request: Request, num_computed: int, num_new: int, to_encode: list[int],
+        step: EncoderStep,
+    ) -> None:  # fmt: skip
+        """Record a scheduled chunk: count lookups, pin what it reads, allocate what it
+        encodes."""
+        end = num_computed + num_new
+        for i, f in enumerate(request.mm_features):
+            if f.offset >= end:
+                break
+            if f.end <= num_computed:
+                continue
+            if f.offset >= num_computed:  # its first chunk: one lookup per image
+                self.queries += 1
+                self.hits += self.contains(f.identifier) and i not in to_encode
+            if i in to_encode:
+                self._allocate(f.identifier, f.length, step.pinned)
+                step.budget -= f.length
+                step.inputs.setdefault(request.request_id, []).append(i)
+            else:
+                self._entries.move_to_end(f.identifier)
+            step.pinned.add(f.identifier)
+
+    def uncommit(self, request: Request, step: EncoderStep) -> None:
+        """A request scheduled earlier in the step is preempted: the images it was to
+        encode are not encoded (nor held by the worker)."""
+        for i in step.inputs.pop(request.request_id, []):
+            f = request.mm_features[i]
+            if self._entries.pop(f.identifier, None) is not None:
+                self._used -= f.length
+            step.budget += f.length
+
+    def take_freed(self) -> list[str]:
+        """Identifiers evicted since the last call (the worker drops them)."""
+        freed, self._freed = self._freed, []
+        return freed
+
+    def reset(self) -> None:
+        self._freed.extend(self._entries)
+        self._entries.clear()
+        self._used = 0
+
+    def _fits(self, size: int, step: EncoderStep) -> bool:
+        evictable = sum(n for k, n in self._entries.items() if k not in step.pinned)
+        return self._used - evictable + size <= self.capacity
+
+    def _allocate(self, identifier: str, size: int, pinned: set[str]) -> None:
+        for key in list(self._entries):
+            if self._used + size <= self.capacity:
+                break
+            if key not in pinned:
+                self._used -= self._entries.pop(key)
+                self._freed.append(key)
+        self._entries[identifier] = size
+        self._used += size

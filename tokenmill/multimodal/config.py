@@ -1,0 +1,149 @@
+"""MultiModalConfig: how many images a prompt may carry and where images may come from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+# Modalities tokenmill serves.
+MODALITIES = ("image",)
+# Images per prompt when --limit-mm-per-prompt does not say (vLLM's default is 999).
+DEFAULT_IMAGE_LIMIT = 999
+
+
+class MultiModalConfigError(ValueError):
+    """An invalid --limit-mm-per-prompt, --allowed-media-domains or --mm-processor-kwargs
+    value, or a vision encoder tokenmill does not run."""
+
+
+@dataclass(frozen=True)
+class MultiModalConfig:
+    """Set for models with a vision encoder.
+
+    Attributes:
+        limit_per_prompt: modality -> most items one prompt may carry.
+        allowed_media_domains: host names http(s) image URLs may point at; empty: URLs are
+            refused (only ``data:`` URLs and in-memory images are served).
+        processor_kwargs: keyword arguments of every image processor call.
+    """
+
+    limit_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 999})
+    allowed_media_domains: tuple[str, ...] = ()
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def build_multimodal_config(
+    hf_config: Any,
+    model: str,
+    takes_images: bool,
+    limit_mm_per_prompt: str | dict[str, Any] | None,
+    allowed_media_domains: list[str] | None,
+    mm_processor_kwargs: str | dict[str, Any] | None,
+) -> MultiModalConfig | None:
+    """The image settings of the model in folder ``model`` from the image flags; None for
+    a text-only model (``takes_images``: tokenmill runs the model's vision encoder).
+
+    Raises:
+        MultiModalConfigError: a checkpoint with a vision encoder tokenmill does not run (it
+            is not served as text-only), image flags for a text-only model, or a bad flag
+            value (see the parsers).
+    """
+    arch = hf_config.architectures[0]
+    if not takes_images:
+        if hf_config.get("vision_config") is not None:
+            raise MultiModalConfigError(
+                f"{arch} has a vision encoder, which tokenmill does not implement for this "
+                "architecture (images are supported for Qwen2_5_VLForConditionalGeneration "
+                "and LlavaForConditionalGeneration)"
+            )
+        for flag, value in [("--limit-mm-per-prompt", limit_mm_per_prompt),
+                            ("--mm-processor-kwargs", mm_processor_kwargs)]:  # fmt: skip
+            if value is not None:
+                raise MultiModalConfigError(f"{flag}: {arch} does not take images")
+        return None
+    limits = parse_limit_mm_per_prompt(limit_mm_per_prompt)
+    domains = tuple(d.lower() for d in allowed_media_domains or ())
+    kwargs = parse_mm_processor_kwargs(mm_processor_kwargs)
+    if kwargs:
+        check_processor_kwargs(model, kwargs)
+    return MultiModalConfig(limits, domains, kwargs)
+
+
+def parse_mm_processor_kwargs(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """``'{"max_pixels": 1003520}'`` (or the dict) -> the dict; None -> ``{}``.
+
+    Raises:
+        MultiModalConfigError: not a JSON object.
+    """
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise MultiModalConfigError(
+                f"--mm-processor-kwargs must be a JSON object such as "
+                f"'{{\"max_pixels\": 1003520}}': {e}"
+            ) from None
+    if not isinstance(value, dict):
+        raise MultiModalConfigError("--mm-processor-kwargs must be a JSON object")
+    return dict(value)
+
+
+def check_processor_kwargs(model: str, kwargs: dict[str, Any]) -> None:
+    """Run the model's image processor with ``kwargs`` on a 64x64 test image, so that a
+    keyword it does not take is refused at start-up rather than on each request.
+
+    Raises:
+        MultiModalConfigError: the processor refuses the keywords or their values.
+    """
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(model)
+    try:
+        processor(images=[Image.new("RGB", (64, 64))], return_tensors="np", **kwargs)
+    except (TypeError, ValueError) as e:
+        raise MultiModalConfigError(
+            f"--mm-processor-kwargs: the image processor of {model} refuses {kwargs}: {e}"
+        ) from None
+
+
+def parse_limit_mm_per_prompt(value: str | dict[str, Any] | None) -> dict[str, int]:
+    """``'{"image": 4}'`` (or the dict) -> ``{"image": 4}``; None -> the defaults.
+
+    Raises:
+        MultiModalConfigError: not a JSON object of modality -> non-negative integer, or an
+            unknown modality.
+    """
+    limits = {"image": DEFAULT_IMAGE_LIMIT}
+    if value is None:
+        return limits
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise MultiModalConfigError(
+                f"--limit-mm-per-prompt must be a JSON object such as '{{\"image\": 4}}': {e}"
+            ) from None
+    if not isinstance(value, dict):
+        raise MultiModalConfigError(
+            "--limit-mm-per-prompt must be a JSON object such as '{\"image\": 4}'"
+        )
+    for modality, limit in value.items():
+        if modality not in MODALITIES and limit != 0:  # {"video": 0} is vLLM users' habit
+            raise MultiModalConfigError(
+                f"--limit-mm-per-prompt: modality {modality!r} is not supported "
+                f"(supported: {', '.join(MODALITIES)})"
+            )
+        if isinstance(limit, dict):  # vLLM's {"image": {"count": 4, ...}} form
+            limit = limit.get("count")
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise MultiModalConfigError(
+                f"--limit-mm-per-prompt: the limit of {modality!r} must be a non-negative "
+                f"integer, got {limit!r}"
+            )
+        if modality in MODALITIES:
+            limits[modality] = limit
+    return limits

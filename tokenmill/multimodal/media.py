@@ -1,0 +1,194 @@
+"""Loading the images of a request: ``data:`` URLs, http(s) URLs on allowed hosts, and
+PIL images, each bounded in bytes, pixels and (for URLs) fetch time.
+
+Formats: PNG, JPEG and WebP (decoded by Pillow). Anything else, a corrupt file or an image
+past a bound is a ``MediaError`` whose message says which.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+# Bounds on one image: its encoded size, its decoded pixels (width * height) and the time
+# to fetch it from a URL.
+MAX_IMAGE_BYTES = 20 << 20
+MAX_IMAGE_PIXELS = 40_000_000
+FETCH_TIMEOUT_S = 10.0
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+
+
+class MediaError(ValueError):
+    """An image that cannot be served: undecodable, too large, or from a refused URL."""
+
+
+def check_image(image: Any) -> Any:
+    """An in-memory image (``PIL.Image.Image``) as RGB, checked against the pixel bound.
+
+    Raises:
+        MediaError: not a PIL image, or more than ``MAX_IMAGE_PIXELS`` pixels.
+    """
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        raise MediaError(f"an image must be a PIL.Image.Image, got {type(image).__name__}")
+    _check_pixels(image.size)
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def _check_pixels(size: tuple[int, int]) -> None:
+    width, height = size
+    if width < 1 or height < 1:
+        raise MediaError(f"the image has no pixels ({width}x{height})")
+    if width * height > MAX_IMAGE_PIXELS:
+        raise MediaError(
+            f"the image is {width}x{height} pixels, more than the {MAX_IMAGE_PIXELS:,} "
+            "allowed"
+        )
+
+
+def decode_image(data: bytes) -> Any:
+    """Encoded PNG / JPEG / WebP bytes -> an RGB ``PIL.Image.Image``.
+
+    Raises:
+        MediaError: more than ``MAX_IMAGE_BYTES``, another format, or not decodable.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    if len(data) > MAX_IMAGE_BYTES:
+        raise MediaError(
+            f"the image is {len(data):,} bytes, more than the {MAX_IMAGE_BYTES:,} allowed"
+        )
+    try:
+        image = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError, ValueError):
+        raise MediaError("the image cannot be decoded (PNG, JPEG or WebP expected)") from None
+    if image.format not in IMAGE_FORMATS:
+        raise MediaError(f"image format {image.format} is not supported (PNG, JPEG or WebP)")
+    _check_pixels(image.size)  # from the header, before the pixels are decoded
+    try:
+        image.load()
+    except (OSError, ValueError, Image.DecompressionBombError):
+        raise MediaError("the image cannot be decoded (truncated or corrupt data)") from None
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def decode_data_url(url: str) -> Any:
+    """``data:image/png;base64,...`` -> an RGB image.
+
+    Raises:
+        MediaError: not a base64 ``data:image/...`` URL, or see ``decode_image``.
+    """
+    header, sep, payload = url.partition(",")
+    if not sep or not header.startswith("data:") or not header.endswith(";base64"):
+        raise MediaError("a data URL must look like data:image/png;base64,<data>")
+    mime = header[len("data:") : -len(";base64")]
+    if mime and not mime.startswith("image/"):
+        raise MediaError(f"a data URL of type {mime!r} is not an image")
+    if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise MediaError(f"the image is more than the {MAX_IMAGE_BYTES:,} bytes allowed")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaError("the data URL's payload is not valid base64") from None
+    return decode_image(data)
+
+
+def fetch_image(url: str, allowed_domains: tuple[str, ...]) -> Any:
+    """Download an http(s) image URL whose host is in ``allowed_domains``.
+
+    At most ``MAX_IMAGE_BYTES`` are read within ``FETCH_TIMEOUT_S`` seconds; redirects are
+    not followed (a redirect could leave the allowed hosts).
+
+    Raises:
+        MediaError: URLs not allowed (no ``--allowed-media-domains``), a host outside them,
+            a failed or slow download, or see ``decode_image``.
+    """
+    parsed = urllib.parse.urlsplit(url)
+    if not allowed_domains:
+        raise MediaError(
+            "image URLs are not fetched by this server: send the image as a base64 data URL, "
+            "or start the server with --allowed-media-domains"
+        )
+    host = (parsed.hostname or "").lower()
+    if host not in allowed_domains:
+        raise MediaError(f"the host {host!r} is not in --allowed-media-domains")
+    deadline = time.monotonic() + FETCH_TIMEOUT_S
+    opener = urllib.request.build_opener(_NoRedirect)
+    try:
+        with opener.open(url, timeout=FETCH_TIMEOUT_S) as response:
+            chunks, size = [], 0
+            while chunk := response.read(1 << 16):
+                size += len(chunk)
+                if size > MAX_IMAGE_BYTES:
+                    raise MediaError(
+                        f"the image is more than the {MAX_IMAGE_BYTES:,} bytes allowed"
+                    )
+                if time.monotonic() > deadline:
+                    raise MediaError(f"fetching the image took more than {FETCH_TIMEOUT_S:g} s")
+                chunks.append(chunk)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise MediaError(f"the image could not be fetched: {e}") from None
+    return decode_image(b"".join(chunks))
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # a 3xx then fails as an HTTPError
+
+
+def load_image_url(url: str, allowed_domains: tuple[str, ...] = ()) -> Any:
+    """An ``image_url`` content part's URL -> an RGB image (``data:`` or http(s)).
+
+    Raises:
+        MediaError: another scheme, or see ``decode_data_url`` / ``fetch_image``.
+    """
+    if not isinstance(url, str) or not url:
+        raise MediaError("image_url.url must be a non-empty string")
+    scheme = url.split(":", 1)[0].lower()
+    if scheme == "data":
+        return decode_data_url(url)
+    if scheme in ("http", "https"):
+        return fetch_image(url, allowed_domains)
+    raise MediaError(f"image URLs of scheme {scheme!r} are not supported (data:, http(s):)")
+
+
+def split_chat_images(
+    messages: list[dict[str, Any]], allowed_domains: tuple[str, ...] = ()
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Replace the image parts of chat messages (``image_url`` with a URL, or vLLM's
+    ``image_pil`` with a PIL image) by the template's ``{"type": "image"}`` parts.
+
+    Returns:
+        ``(messages for the chat template, the images in order)``.
+
+    Raises:
+        MediaError: an image part without an image, or see ``load_image_url``.
+    """
+    out, images = [], []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                images.append(load_image_url(url, allowed_domains))
+            elif kind == "image_pil":
+                images.append(check_image(part.get("image_pil")))
+            else:
+                parts.append(part)
+                continue
+            parts.append({"type": "image"})
+        out.append({**message, "content": parts})
+    return out, images

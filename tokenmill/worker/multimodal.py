@@ -1,0 +1,182 @@
+"""The worker's side of images: the encoder cache, the encoder run of a step, the merge of
+image embeddings into the input embeddings, and multimodal rotary positions.
+
+Per step (``SchedulerOutput``): drop the encoder outputs the scheduler evicted, run the
+vision encoder over the images it scheduled (all of them in one call) and cache the outputs
+by image hash; then, for the tokens of the step that are image placeholders, gather their
+rows of the cached outputs. A step with placeholders runs eagerly with ``inputs_embeds``
+(token embeddings with those rows replaced); other steps take the usual path (CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.core.scheduler_output import NewRequestData, SchedulerOutput
+from tokenmill.multimodal.inputs import MultiModalFeature
+
+
+@dataclass
+class _RequestImages:
+    features: list[MultiModalFeature]
+    # M-RoPE models: the prompt's three position streams [3, L] and the offset of the
+    # generated tokens' positions (position p >= L sits at p + delta).
+    mrope: np.ndarray | None = None
+    delta: int = 0
+
+
+@dataclass
+class StepImages:
+    """The image placeholders of one step.
+
+    Attributes:
+        token_index: ``[K]`` int64 indices (in the step's tokens) of placeholder tokens.
+        embeds: ``[K, H]`` their embeddings.
+        mrope_positions: ``[3, T]`` int64 rotary positions of the step when some token's
+            three streams differ, else None.
+    """
+
+    token_index: torch.Tensor | None
+    embeds: torch.Tensor | None
+    mrope_positions: torch.Tensor | None
+
+
+class MultiModalState:
+    """Encoder cache and per-request image state of one ModelRunner.
+
+    Args:
+        model: a multimodal model (``embed_input_ids``, ``encode_images``; with
+            ``uses_mrope`` also ``mrope_positions``).
+        device: the model's device.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.cache: dict[str, torch.Tensor] = {}  # image hash -> [length, H] embeddings
+        self.requests: dict[str, _RequestImages] = {}
+        self.num_encoded = 0  # images run through the encoder (for tests and logs)
+
+    # ---- requests --------------------------------------------------------------------
+
+    def add_request(self, new: NewRequestData) -> None:
+        features = list(new.mm_features or [])
+        state = _RequestImages(features)
+        if self.uses_mrope and features:
+            items = [(f.offset, f.length, _unpack(f)) for f in features]
+            pos, delta = self.model.mrope_positions(len(new.prompt_token_ids), items)
+            state.mrope, state.delta = pos, delta
+        if features or self.uses_mrope:
+            self.requests[new.req_id] = state
+
+    def remove_request(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def run_encoder(self, so: SchedulerOutput) -> None:
+        """Apply the scheduler's evictions and encode the images it scheduled."""
+        for identifier in so.free_encoder_ids:
+            self.cache.pop(identifier, None)
+        todo: dict[str, MultiModalFeature] = {}
+        for req_id, indices in so.scheduled_encoder_inputs.items():
+            features = self.requests[req_id].features
+            for i in indices:
+                todo.setdefault(features[i].identifier, features[i])
+        if not todo:
+            return
+        outputs = self.model.encode_images([_unpack(f) for f in todo.values()])
+        for (identifier, f), out in zip(todo.items(), outputs, strict=True):
+            if out.shape[0] != f.length:
+                raise RuntimeError(
+                    f"image {identifier[:12]}: the encoder gave {out.shape[0]} embeddings "
+                    f"for {f.length} placeholders"
+                )
+            self.cache[identifier] = out
+        self.num_encoded += len(todo)
+
+    def rope_positions(
+        self, req_ids: list[str], req_idx: np.ndarray, positions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The step's rotary positions from its token positions ``[T]``.
+
+        Returns:
+            ``(positions [T], mrope [3, T] or None)``: for M-RoPE requests, prompt tokens
+            take their first stream (equal to the others for text) and generated tokens
+            ``p + delta``; the three streams are returned when some token's differ.
+        """
+        if not self.uses_mrope:
+            return positions, None
+        streams = np.broadcast_to(positions, (3, len(positions))).copy()
+        differ = False
+        for i, req_id in enumerate(req_ids):
+            state = self.requests.get(req_id)
+            if state is None or state.mrope is None:
+                continue
+            sel = np.nonzero(req_idx == i)[0]
+            p = positions[sel]
+            length = state.mrope.shape[1]
+            rows = np.where(
+                p < length, state.mrope[:, np.minimum(p, length - 1)], p + state.delta
+            )
+            streams[:, sel] = rows
+            differ = differ or bool((rows != rows[0]).any())
+        return streams[0].copy(), (streams if differ else None)
+
+    def step_images(
+        self,
+        req_ids: list[str],
+        num_computed: np.ndarray,
+        num_scheduled: np.ndarray,
+        mrope: np.ndarray | None,
+    ) -> StepImages | None:
+        """The placeholders among the step's tokens and their embeddings (None: none)."""
+        index: list[np.ndarray] = []
+        rows: list[torch.Tensor] = []
+        start = 0
+        for req_id, c, s in zip(req_ids, num_computed.tolist(), num_scheduled.tolist(),
+                                strict=True):  # fmt: skip
+            state = self.requests.get(req_id)
+            if state is not None:
+                for f in state.features:
+                    lo, hi = max(f.offset, c), min(f.end, c + s)
+                    if lo >= hi:
+                        continue
+                    index.append(np.arange(start + lo - c, start + hi - c))
+                    rows.append(self.cache[f.identifier][lo - f.offset : hi - f.offset])
+            start += s
+        if not index and mrope is None:
+            return None
+        mrope_t = None if mrope is None else torch.from_numpy(mrope).to(self.device)
+        if not index:
+            return StepImages(None, None, mrope_t)
+        token_index = torch.from_numpy(np.concatenate(index)).to(self.device)
+        return StepImages(token_index, torch.cat(rows), mrope_t)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: object,
+        images: StepImages,
+    ) -> torch.Tensor:
+        """The model over a step with image placeholders (eager)."""
+        embeds = None
+        if images.token_index is not None:
+            embeds = self.model.embed_input_ids(input_ids)
+            embeds[images.token_index] = images.embeds.to(embeds.dtype)
+        if self.uses_mrope:
+            return self.model(
+                input_ids, positions, metadata, inputs_embeds=embeds,
+                mrope_positions=images.mrope_positions,
+            )  # fmt: skip
+        return self.model(input_ids, positions, metadata, inputs_embeds=embeds)
+
+
+def _unpack(feature: MultiModalFeature) -> dict[str, np.ndarray]:
+    return {k: v.unpack() for k, v in feature.data.items()}
