@@ -9,7 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.core.beam_search import FinishedBeam
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 
 
 class FinishReason(enum.IntEnum):
@@ -36,6 +37,8 @@ class EngineCoreRequest:
         priority: lower runs earlier under ``--scheduling-policy priority``.
         cache_salt: mixed into the first block's hash, so that only requests with the
             same salt share prefix-cache blocks.
+        beam_search: set for a beam-search request (``sampling_params`` then asks for the
+            candidates' logprobs); its one output carries the best beams.
     """
 
     request_id: str
@@ -44,6 +47,7 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    beam_search: BeamSearchParams | None = None
 
 
 @dataclass
@@ -86,6 +90,7 @@ class EngineCoreOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         pooled: an embedding model's pooled (not yet normalized) vector of the request's
             input, on its one and last output.
+        beams: a beam-search request's best hypotheses, best first, on its one output.
     """
 
     request_id: str
@@ -96,6 +101,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     pooled: list[float] | None = None
+    beams: list[FinishedBeam] | None = None
 
     @property
     def finished(self) -> bool:

@@ -255,6 +255,48 @@ class KVCacheManager:
         self.block_pool.uncache_blocks(blocks[num_computed_blocks:])
         self.block_pool.free_blocks(reversed(blocks))
 
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Give ``child`` (a copy of ``parent``'s tokens) ``parent``'s KV by reference.
+
+        The full blocks of the ``parent.num_computed_tokens`` computed tokens are shared
+        (one more reference each); the partly filled last block, in which the two diverge
+        as soon as each appends its own token, gets a fresh block for ``child``, to be
+        copied from the parent's by the worker before the next forward pass
+        (copy-on-write, Kwon et al. 2023, §4.4). Blocks beyond the computed tokens are
+        not shared.
+
+        Args:
+            parent: a request holding blocks.
+            child: a request holding none, with ``parent``'s ``num_computed_tokens``.
+
+        Returns:
+            The (parent block id, child block id) pairs to copy (none or one); None when
+            no block is free for the copy (nothing changed then).
+
+        Raises:
+            ValueError: ``parent`` holds no blocks or ``child`` already holds some.
+        """
+        blocks = self.req_to_blocks.get(parent.request_id)
+        if blocks is None or child.request_id in self.req_to_blocks:
+            raise ValueError(
+                f"cannot fork {parent.request_id!r} (holds blocks: {blocks is not None}) into "
+                f"{child.request_id!r}"
+            )
+        num_tokens = parent.num_computed_tokens
+        num_full = num_tokens // self.block_size
+        partial = blocks[num_full : cdiv(num_tokens, self.block_size)]
+        if len(partial) > self.block_pool.get_num_free_blocks():
+            return None
+        shared = blocks[:num_full]
+        self.block_pool.touch(shared)
+        copies = self.block_pool.get_new_blocks(len(partial))
+        self.req_to_blocks[child.request_id] = shared + copies
+        self.req_to_num_allocated_tokens[child.request_id] = num_tokens
+        self.num_cached_blocks[child.request_id] = min(
+            self.num_cached_blocks.get(parent.request_id, 0), num_full
+        )
+        return [(p.block_id, c.block_id) for p, c in zip(partial, copies, strict=True)]
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (empty if it holds no blocks)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from tokenmill.core.admission import AdmissionHeadroom
+from tokenmill.core.beam_group import BeamScheduling
 from tokenmill.core.engine_io import (
     CONSTRAINT_FAILURE_PREFIX,
     EngineCoreOutput,
@@ -38,6 +39,7 @@ from tokenmill.math_utils import cdiv
 if TYPE_CHECKING:
     # Annotations only: core/ stays importable without the model-side packages.
     from tokenmill.config import CacheConfig, SchedulerConfig
+    from tokenmill.sampling_params import BeamSearchParams
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +132,7 @@ class Scheduler:
         self._first_scheduled: dict[str, float] = {}
         self._num_preemptions = 0
         self._num_constraint_failures = 0
+        self.beams = BeamScheduling(self)
 
     def _init_kv_cache(self, cache_config: CacheConfig, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -163,13 +166,22 @@ class Scheduler:
 
     # ----------------------------------------------------------------- requests in/out
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, beam_search: BeamSearchParams | None = None) -> None:
         """Queue a request to be scheduled.
+
+        Args:
+            request: the request.
+            beam_search: makes it a beam-search request: the request becomes its beam 0
+                (id ``f"{request_id}/beam0"``); see ``core/beam_group.py``.
 
         Raises:
             ValueError: as ``check_request``.
         """
         self.check_request(request)
+        if beam_search is not None:
+            group_id = request.request_id
+            request.request_id = f"{group_id}/beam0"
+            self.beams.add(group_id, request, beam_search)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
 
@@ -183,7 +195,7 @@ class Scheduler:
         """
         req_id = request.request_id
         num_prompt = request.num_prompt_tokens
-        if req_id in self.requests:
+        if req_id in self.requests or req_id in self.beams.groups:
             raise ValueError(f"request id {req_id!r} is already in use")
         if num_prompt == 0:
             raise ValueError(f"request {req_id!r} has an empty prompt")
@@ -215,6 +227,7 @@ class Scheduler:
             raise ValueError(f"{finished_status!r} is not a finished status")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
+        request_ids = self.beams.expand_ids(request_ids)
         running_ids: set[str] = set()
         waiting: list[Request] = []
         for req_id in request_ids:
@@ -226,7 +239,7 @@ class Scheduler:
             else:
                 waiting.append(request)
             request.status = finished_status
-            self._free_request(request)
+            self.free_request(request)
         if running_ids:
             self.running = [r for r in self.running if r.request_id not in running_ids]
         if waiting:
@@ -288,7 +301,12 @@ class Scheduler:
             if num_new == 0:
                 continue
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
-            if new_block_ids is not None:
+            if new_block_ids is None:
+                continue
+            if request.unseen_by_worker:  # a beam forked since the last step
+                request.unseen_by_worker = False
+                plan.add_new(request, num_new)
+            else:
                 plan.add_running(request, num_new, new_block_ids)
 
     def _has_all_tokens_pending(self, request: Request) -> bool:
@@ -339,6 +357,7 @@ class Scheduler:
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
+        self.beams.on_preempted(request)
         if self.headroom is not None:
             self.headroom.on_preempted()
         self.waiting.prepend_request(request)
@@ -349,6 +368,11 @@ class Scheduler:
         reserved: int | None = None  # headroom for the running requests, once computed
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
+            if self.beams.groups and (
+                len(self.running) + self.beams.num_reserved_seqs()
+                + self.beams.num_seqs_needed(request) > self.max_num_seqs
+            ):  # fmt: skip
+                break  # the running beam searches may still fork into the free slots
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             budget = plan.budget_for(request)
             num_new = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
@@ -383,7 +407,9 @@ class Scheduler:
             request.num_cached_tokens = num_hit_tokens
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.time()
-            self._first_scheduled[request.request_id] = request.first_scheduled_time
+            group = request.beam_group
+            output_id = request.request_id if group is None else group.group_id
+            self._first_scheduled[output_id] = request.first_scheduled_time
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
         """Tokens to compute for ``request`` this step, from ``num_computed`` on (0: none).
@@ -417,6 +443,7 @@ class Scheduler:
             req_ids=[r.request_id for r in plan.running_reqs],
             new_block_ids=[plan.new_block_ids[r.request_id] for r in plan.running_reqs],
             num_computed_tokens=[r.num_computed_tokens for r in plan.running_reqs],
+            new_token_ids=self.beams.take_new_tokens(plan),
         )
         finished_req_ids = self.finished_req_ids | plan.preempted_ids
         self.finished_req_ids = set()
@@ -427,6 +454,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
             reads_step_kv=kv.reads_step_kv,
+            block_copies=self.beams.take_block_copies(),
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -468,6 +496,11 @@ class Scheduler:
                 request.num_output_placeholders = max(
                     0, request.num_output_placeholders - len(step_tokens)
                 )
+            if request.beam_group is not None:
+                beam_output = self.beams.on_step(request, step_tokens, runner.logprobs.get(req_id))
+                if beam_output is not None:
+                    outputs.append(beam_output)
+                continue
             new_token_ids = self._append_tokens(request, step_tokens)
             prompt_logprobs = runner.prompt_logprobs.get(req_id)
             finished = request.is_finished()
@@ -493,7 +526,7 @@ class Scheduler:
                 finished_ids.add(req_id)
                 if self.headroom is not None:
                     self.headroom.on_finished(request)
-                self._free_request(request)
+                self.free_request(request)
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
         first_scheduled, self._first_scheduled = self._first_scheduled, {}
@@ -554,7 +587,7 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def _free_request(self, request: Request) -> None:
+    def free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]

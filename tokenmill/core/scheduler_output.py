@@ -44,11 +44,16 @@ class CachedRequestData:
         req_ids: the requests.
         new_block_ids: block ids appended to each request's block table this step.
         num_computed_tokens: tokens with KV cached before this step, per request.
+        new_token_ids: request id -> its tokens from ``num_computed_tokens`` on, for the
+            requests whose next tokens the scheduler chose rather than the worker's sampler
+            (beam search picks a beam's token among its candidates); the worker replaces
+            what it sampled by these.
     """
 
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -74,6 +79,8 @@ class SchedulerOutput:
             request fills in this step, so it reads KV the step itself writes
             (``KVCacheManager.reads_step_kv``); the worker then runs the step with kernels
             that read the KV cache only after the step's KV writes.
+        block_copies: (source, destination) KV block pairs the worker copies before the
+            step's forward pass: the block two beams diverge in (copy-on-write).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -83,10 +90,17 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     grammar_bitmasks: dict[str, Any] = field(default_factory=dict)
     reads_step_kv: bool = False
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def has_worker_work(self) -> bool:
+        """Whether the worker must see this output even with no token scheduled: requests
+        to drop, or KV blocks to copy."""
+        return bool(self.total_num_scheduled_tokens or self.finished_req_ids or self.block_copies)
 
     @classmethod
     def make_empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:

@@ -40,7 +40,7 @@ from tokenmill.engine.request_collector import RequestOutputCollector
 from tokenmill.engine.stage_timings import FRONT_END_TIMINGS
 from tokenmill.engine_args import EngineArgs
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 from tokenmill.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,9 @@ class AsyncLLM:
             self.tokenizer = get_tokenizer(
                 mc.model, mc.tokenizer if mc.tokenizer != mc.model else None
             )
-            self.input_processor = InputProcessor(mc, self.tokenizer, mc.max_logprobs)
+            self.input_processor = InputProcessor(
+                mc, self.tokenizer, mc.max_logprobs, config.scheduler_config.max_num_seqs
+            )
             self.output_processor = OutputProcessor(
                 self.tokenizer, log_stats=bool(self.stat_loggers)
             )
@@ -301,12 +303,15 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: Any,
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | BeamSearchParams,
         request_id: str,
         priority: int = 0,
         validate_max_tokens: bool = True,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its outputs until it finishes.
+
+        With ``BeamSearchParams`` it is a beam search: one output, when the search ends,
+        with the best beams as its ``outputs`` (best first), as vLLM's ``beam_search``.
 
         Validation happens before the first yield, so an invalid request raises at once.
         Closing or cancelling the generator aborts the request in the engine.

@@ -133,7 +133,7 @@ class EngineCore:
         if req.request_id in self._grammars:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if request.sampling_params.structured_outputs is None:
-            self.scheduler.add_request(req)
+            self.scheduler.add_request(req, request.beam_search)
             return
         self.scheduler.check_request(req)
         self._grammars.submit(req)
@@ -224,8 +224,9 @@ class EngineCore:
     def _step_sync(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
-            # Still tell the worker about finished requests so it drops their state.
-            if scheduler_output.finished_req_ids:
+            # Still tell the worker about finished requests (it drops their state) and
+            # about blocks to copy.
+            if scheduler_output.has_worker_work:
                 self.executor.execute_model(scheduler_output)
             outputs = EngineCoreOutputs(timestamp=time.time())
             if self.log_stats:
@@ -244,7 +245,7 @@ class EngineCore:
         if so.total_num_scheduled_tokens == 0:
             if pending is not None:
                 outputs = self._collect(pending)
-            if so.finished_req_ids:
+            if so.has_worker_work:
                 self.executor.execute_model(so)  # the worker drops finished requests
             if self.log_stats and outputs.scheduler_stats is None:
                 outputs.scheduler_stats = self.scheduler.make_stats()

@@ -17,7 +17,7 @@ from tokenmill.engine.input_processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import IterationStats, OutputProcessor
 from tokenmill.engine_args import EngineArgs, UsageContext
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 from tokenmill.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,9 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(mc.model, mc.tokenizer if mc.tokenizer != mc.model else None)
         self.engine_core = EngineCore(config, log_stats=log_stats)
         # After the core: it may have shrunk max_model_len to the KV cache (-1).
-        self.input_processor = InputProcessor(mc, self.tokenizer, mc.max_logprobs)
+        self.input_processor = InputProcessor(
+            mc, self.tokenizer, mc.max_logprobs, config.scheduler_config.max_num_seqs
+        )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.last_iteration_stats: IterationStats | None = None
         self.last_scheduler_stats: SchedulerStats | None = None
@@ -69,11 +71,11 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> ProcessedRequest:
-        """Validate, tokenize and queue a request.
+        """Validate, tokenize and queue a request (a beam search with BeamSearchParams).
 
         Raises:
             InvalidRequestError, SamplingParamsError: the request cannot be served.

@@ -13,8 +13,13 @@ from tqdm.auto import tqdm
 from tokenmill.engine.embedding_engine import EmbeddingEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine_args import EngineArgs
-from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
+from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import encode_prompt, load_chat_template, render_chat_template
 
 # vLLM keyword names that map onto a differently named EngineArgs field.
@@ -158,6 +163,55 @@ class LLM:
             raise
         return self._run_engine(ids, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's ``LLM.beam_search``); all prompts run
+        together, their beams sharing KV blocks (see ``tokenmill.core.beam_group``).
+
+        Args:
+            prompts: a prompt or a list of prompts: text, token ids, or
+                ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``.
+            params: the beam width, length and scoring (``BeamSearchParams``).
+            use_tqdm: show a progress bar.
+
+        Returns:
+            One BeamSearchOutput per prompt, in order: its ``params.beam_width`` best beams,
+            best first (``.tokens`` includes the prompt, as vLLM's).
+
+        Raises:
+            ValueError: an invalid prompt or parameter (nothing is run then).
+        """
+        engine = self._generation_engine()
+        prompt_list = self._as_prompt_list(prompts)
+        ids = []
+        try:
+            for prompt in prompt_list:
+                request_id = str(next(self._counter))
+                engine.add_request(request_id, prompt, params)
+                ids.append(request_id)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        outputs = []
+        for out in self._run_engine(ids, use_tqdm):
+            sequences = [
+                BeamSearchSequence(
+                    tokens=list(out.prompt_token_ids) + c.token_ids,
+                    cum_logprob=c.cumulative_logprob or 0.0,
+                    text=c.text,
+                    finish_reason=c.finish_reason,
+                    score=(c.cumulative_logprob or 0.0)
+                    / max(1, len(c.token_ids)) ** params.length_penalty,
+                )
+                for c in out.outputs
+            ]
+            outputs.append(BeamSearchOutput(sequences))
+        return outputs
+
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -202,8 +256,12 @@ class LLM:
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self._generation_engine()
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
-                   disable=not use_tqdm)
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            dynamic_ncols=True,
+            disable=not use_tqdm,
+        )
         start = time.perf_counter()
         prompt_tokens = output_tokens = 0
         while engine.has_unfinished_requests():

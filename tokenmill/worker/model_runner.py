@@ -31,6 +31,7 @@ from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.host_memory import zeroed_tensor
 from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.kv_blocks import copy_kv_blocks
 from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
 from tokenmill.worker.sampling_metadata import (
     SamplingMetadata,
@@ -161,8 +162,7 @@ class ModelRunner:
             num_blocks, self.block_size, mc.get_num_kv_heads(), mc.get_head_dim()
         )
         self.kv_caches = [
-            zeroed_tensor(tuple(shape), self.dtype, self.device)
-            for _ in range(mc.get_num_layers())
+            zeroed_tensor(tuple(shape), self.dtype, self.device) for _ in range(mc.get_num_layers())
         ]
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
@@ -195,6 +195,10 @@ class ModelRunner:
         ):
             batch.append_blocks(req_id, block_ids)
             batch.set_num_computed(req_id, num_computed)
+        for req_id, token_ids in cached.new_token_ids.items():
+            batch.set_tokens(req_id, int(batch.requests[req_id].num_computed_tokens), token_ids)
+        if so.block_copies:
+            copy_kv_blocks(self.kv_caches, so.block_copies)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         self._parity ^= 1

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from tokenmill.core.engine_io import CONSTRAINT_FAILURE_PREFIX
 from tokenmill.engine.async_llm import EngineDeadError
 from tokenmill.engine.input_processor import InvalidRequestError, truncate_prompt
+from tokenmill.entrypoints.openai.beam_search import beam_search_params, check_beam_search_request
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -38,7 +39,12 @@ from tokenmill.entrypoints.openai.structured_outputs import (
     structured_outputs_of,
 )
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from tokenmill.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    SamplingParamsError,
+)
 from tokenmill.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -198,8 +204,9 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         best_of: int | None = None,
-    ) -> SamplingParams:
-        """SamplingParams for one prompt of a request.
+    ) -> SamplingParams | BeamSearchParams:
+        """SamplingParams for one prompt of a request (BeamSearchParams with
+        ``use_beam_search``).
 
         Fields the request leaves unset take the model's generation_config defaults. Without
         ``max_tokens`` the answer may fill the rest of the context (``max_model_len`` minus
@@ -221,6 +228,8 @@ class OpenAIServing:
                 max_tokens = min(max_tokens, int(default_max))
         elif max_tokens > 0:
             self.check_room_for_max_tokens(request, num_prompt_tokens, max_tokens)
+        if request.use_beam_search:
+            return beam_search_params(request, max_tokens)
         defaults = self.default_params
 
         def pick(value: T | None, default: T) -> T:
@@ -295,7 +304,11 @@ class OpenAIServing:
             raise bad_request("best_of cannot be used with stream.", "best_of")
 
     def log_arrival(
-        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams | BeamSearchParams,
     ) -> None:
         if self.request_logger is not None:
             self.request_logger.log_arrival(request_id, prompt, prompt_ids, params)
@@ -310,7 +323,7 @@ class OpenAIServing:
         self,
         prompt_ids: list[int],
         prompt: str | None,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request_id: str,
         priority: int,
     ) -> AsyncIterator[RequestOutput]:
@@ -383,10 +396,14 @@ def check_implemented(request: SamplingFields) -> None:
     for name in UNIMPLEMENTED_FIELDS:
         if getattr(request, name) is not None:
             raise bad_request(f"tokenmill does not implement {name} yet.", name)
-    # vLLM's flags: false asks for the default behaviour, which is served.
-    for name in ("use_beam_search", "return_tokens_as_token_ids"):
-        if getattr(request, name):
-            raise bad_request(f"tokenmill does not implement {name} yet.", name)
+    # vLLM's flag: false asks for the default behaviour, which is served.
+    if request.return_tokens_as_token_ids:
+        raise bad_request(
+            "tokenmill does not implement return_tokens_as_token_ids yet.",
+            "return_tokens_as_token_ids",
+        )
+    if request.use_beam_search:
+        check_beam_search_request(request)
 
 
 def max_tokens_field(request: SamplingFields) -> str:
