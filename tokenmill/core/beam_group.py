@@ -100,6 +100,9 @@ class BeamScheduling:
         self._new_tokens: dict[str, int] = {}
         # (source, destination) block copies the worker makes before the next forward pass.
         self.block_copies: list[tuple[int, int]] = []
+        # Preempted beams whose candidates are recorded: they wait for their group's step,
+        # in no queue (running them again would only recompute the same candidates).
+        self.parked: dict[str, Request] = {}
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -126,6 +129,7 @@ class BeamScheduling:
                 continue
             for beam in group.beams:
                 self._new_tokens.pop(beam.request_id, None)
+                self.parked.pop(beam.request_id, None)
                 expanded.append(beam.request_id)
         return expanded
 
@@ -197,6 +201,8 @@ class BeamScheduling:
         group.cum_logprobs[beam.request_id] = nb.cum_logprob
         if beam.status == RequestStatus.RUNNING:
             self._new_tokens[beam.request_id] = nb.token_id
+        elif self.parked.pop(beam.request_id, None) is not None:
+            self.scheduler.waiting.prepend_request(beam)
 
     def _fork(self, group: BeamGroup, parent: Request, nb: NextBeam) -> Request:
         """A new beam: ``parent``'s tokens plus ``nb.token_id``, sharing its KV blocks."""
@@ -229,7 +235,7 @@ class BeamScheduling:
         group.cum_logprobs.pop(beam.request_id, None)
         if beam.status == RequestStatus.RUNNING:
             s.running.remove(beam)
-        else:
+        elif self.parked.pop(beam.request_id, None) is None:
             s.waiting.remove_requests([beam])
         beam.status = RequestStatus.FINISHED_ABORTED
         s.free_request(beam)
@@ -269,7 +275,27 @@ class BeamScheduling:
         copies, self.block_copies = self.block_copies, []
         return copies
 
-    def on_preempted(self, request: Request) -> None:
-        """A preempted beam is sent to the worker in full when it runs again."""
+    def on_preempted(self, request: Request) -> bool:
+        """Note a preemption (a beam is sent to the worker in full when it runs again).
+
+        Returns:
+            True if the request is a beam whose candidates are recorded: it is parked until
+            its group's step instead of being queued again.
+        """
         self._new_tokens.pop(request.request_id, None)
         request.unseen_by_worker = False
+        group = request.beam_group
+        if group is None or request.request_id not in group.candidates:
+            return False
+        self.parked[request.request_id] = request
+        return True
+
+    def idle_beams(self) -> list[Request]:
+        """Running beams that wait for their siblings' candidates (they hold blocks but
+        have nothing to compute); preempting them breaks a step where nothing could run."""
+        return [
+            r
+            for g in self.groups.values()
+            for r in g.beams
+            if r.status == RequestStatus.RUNNING and r.request_id in g.candidates
+        ]

@@ -246,7 +246,7 @@ class Scheduler:
             self.waiting.remove_requests(waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.beams.parked)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -284,6 +284,11 @@ class Scheduler:
         )
         self._schedule_running(plan)
         if not plan.preempted_ids:
+            self._schedule_waiting(plan)
+        if not plan.num_scheduled_tokens and self.waiting and self.beams.groups:
+            # Beams waiting for their siblings hold the blocks the siblings need.
+            for beam in self.beams.idle_beams():
+                self._preempt(beam, plan)
             self._schedule_waiting(plan)
         return self._make_output(plan)
 
@@ -357,10 +362,10 @@ class Scheduler:
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
-        self.beams.on_preempted(request)
         if self.headroom is not None:
             self.headroom.on_preempted()
-        self.waiting.prepend_request(request)
+        if not self.beams.on_preempted(request):
+            self.waiting.prepend_request(request)
         plan.preempted_ids.add(request.request_id)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
