@@ -297,3 +297,5 @@ class EngineConfig:
     disable_log_stats: bool = False
     # --max-model-len -1: the worker shrinks max_model_len to what the KV cache holds.
     max_model_len_auto: bool = False
+    # --enable-sleep-mode: the engine can free its weights and KV cache (worker/sleep_mode.py).
+    enable_sleep_mode: bool = False

@@ -240,6 +240,12 @@ class EngineArgs:
         'sentence-transformers files, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
         "(pooling_type MEAN, CLS or LAST)."
     )
+    enable_sleep_mode: bool = _flag(
+        "Let the engine sleep (POST /sleep, LLM.sleep): level 1 frees the weights (kept in "
+        "host memory) and the KV cache, level 2 drops the weights too; /wake_up brings them "
+        "back and /update_weights loads new ones in place.",
+        default=False,
+    )
     trust_remote_code: bool = _flag(
         "Accepted for compatibility: tokenmill never runs code from a model folder.",
         default=False,
@@ -315,6 +321,7 @@ class EngineArgs:
             disable_cascade_attn=self.disable_cascade_attn,
             disable_log_stats=self.disable_log_stats,
             max_model_len_auto=self.max_model_len == -1,
+            enable_sleep_mode=self.enable_sleep_mode,
         )
 
     def _check_flags(self) -> int | None:
@@ -417,6 +424,8 @@ class EngineArgs:
             model_len = min(model_len, max_seq_length or model_len)
         elif self.pooler_config is not None:
             raise ConfigError("--pooler-config applies to embedding models only")
+        if pooler_config is not None and self.enable_sleep_mode:
+            raise ConfigError("--enable-sleep-mode applies to generative models only")
         max_model_len = self.max_model_len
         if max_model_len is None or max_model_len == -1:
             # -1 (largest that fits the KV cache) is settled by the worker once it has sized

@@ -259,6 +259,15 @@ class Scheduler:
         """Forget the prefix cache; only possible (True) when no block is in use."""
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def preempt_all(self) -> None:
+        """Preempt every running request, keeping their order (the engine is about to lose
+        its KV cache: sleep, new weights); they are computed again when they next run."""
+        plan = StepPlan(token_budget=0)
+        for request in reversed(self.running):
+            self._preempt(request, plan)
+        self.finished_req_ids |= plan.preempted_ids
+        self.beams.block_copies.clear()
+
     # ---------------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:

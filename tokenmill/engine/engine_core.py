@@ -68,6 +68,7 @@ class EngineCore:
         # Async scheduling: the step in flight (its plan and its output handle).
         self._pending: tuple[SchedulerOutput, Any] | None = None
         self._failed: list[EngineCoreOutput] = []  # requests refused here, to report
+        self._asleep: set[str] = set()  # sleep mode: "weights", "kv_cache" while freed
         self._num_constraint_failures = 0  # of those, not yet in a SchedulerStats
         sc = config.scheduler_config
         logger.info(
@@ -206,6 +207,8 @@ class EngineCore:
         host schedules and processes outputs while the device computes, and the outputs
         returned are those of the previous step.
         """
+        if self._asleep:
+            return EngineCoreOutputs(timestamp=time.time())
         if len(self._grammars):
             if not self.scheduler.has_unfinished_requests() and self._pending is None:
                 # Nothing else to run: wait for a grammar rather than spin.
@@ -268,6 +271,82 @@ class EngineCore:
         scheduler_output, handle = pending
         outputs = self.scheduler.update_from_output(scheduler_output, handle.get())
         outputs.timestamp = time.time()
+        return outputs
+
+    # ---- sleep mode and weight updates --------------------------------------------------
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def sleep(self, level: int = 1) -> EngineCoreOutputs | None:
+        """Free the weights and the KV cache (``worker/sleep_mode.py``). Running requests
+        are preempted: they wait, and are computed again after ``wake_up``; so do requests
+        added meanwhile.
+
+        Returns:
+            The outputs of a step that was still in flight (async scheduling), or None.
+
+        Raises:
+            ValueError: sleep mode is off, or an invalid level.
+        """
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with --enable-sleep-mode")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._asleep:
+            return None
+        outputs = self._drop_kv_cache()
+        self.executor.collective_rpc("sleep", (level,))
+        self._asleep = {"weights", "kv_cache"}
+        return outputs
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and/or the KV cache (``None``: both); requests run again
+        once both are back.
+
+        Raises:
+            ValueError: an unknown tag.
+        """
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake-up tags {sorted(unknown)}: use weights, kv_cache")
+        if self._asleep:
+            self.executor.collective_rpc("wake_up", (tags,))
+            self._asleep -= set(tags)
+
+    def update_weights(self, path: str) -> EngineCoreOutputs | None:
+        """Load new weights in place (safetensors folder or file, or GGUF). The prefix cache
+        is emptied and running requests are preempted, so no KV of the old weights is read.
+
+        Returns:
+            As ``sleep``.
+
+        Raises:
+            ValueError: the weights are asleep.
+            ModelLoadError: the checkpoint cannot be read or does not fit the model.
+        """
+        if "weights" in self._asleep:
+            raise ValueError("the weights are asleep: wake them first (tags=['weights'])")
+        outputs = self._drop_kv_cache()
+        self.executor.collective_rpc("update_weights", (path,))
+        return outputs
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Device bytes the weights and the KV cache hold now."""
+        return self.executor.collective_rpc("memory_bytes")[0]
+
+    def _drop_kv_cache(self) -> EngineCoreOutputs | None:
+        """Finish the step in flight, preempt the running requests and empty the prefix
+        cache: nothing may read the KV cache after this."""
+        outputs = None
+        if self._pending is not None:
+            outputs = self._collect(self._pending)
+            self._pending = None
+        self.scheduler.preempt_all()
+        reset = self.scheduler.reset_prefix_cache()
+        assert reset, "blocks still in use after preempting every request"
         return outputs
 
     def check_integrity(self) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.engine_io import SchedulerStats
+from tokenmill.core.engine_io import EngineCoreOutputs, SchedulerStats
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import IterationStats, OutputProcessor
@@ -79,7 +79,10 @@ class LLMEngine:
 
         Raises:
             InvalidRequestError, SamplingParamsError: the request cannot be served.
+            RuntimeError: the engine is asleep (``sleep``): nothing would run it.
         """
+        if self.engine_core.is_sleeping:
+            raise RuntimeError("the engine is asleep: call wake_up() before generating")
         # Offline, a request longer than the context simply stops there (as vLLM's LLM).
         processed = self.input_processor.process(
             request_id, prompt, params, arrival_time, priority, validate_max_tokens=False
@@ -119,6 +122,22 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the weights and the KV cache (``EngineCore.sleep``)."""
+        self._process(self.engine_core.sleep(level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine_core.wake_up(tags)
+
+    def update_weights(self, path: str) -> None:
+        """Load new weights in place (``EngineCore.update_weights``)."""
+        self._process(self.engine_core.update_weights(path))
+
+    def _process(self, outputs: EngineCoreOutputs | None) -> None:
+        """Take the outputs of a step that was in flight when the KV cache was dropped."""
+        if outputs is not None and outputs.outputs:
+            self.output_processor.process_outputs(outputs.outputs, outputs.timestamp or None)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -244,6 +244,37 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self._generation_engine().reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's memory (``LLM(..., enable_sleep_mode=True)``): level 1 keeps the
+        weights in host memory (a temporary file on CPU), level 2 drops them; the KV cache
+        is freed either way. ``generate`` raises until ``wake_up``.
+
+        Raises:
+            ValueError: sleep mode is off, or a level other than 1 or 2.
+        """
+        self._generation_engine().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and the KV cache, or only those named in ``tags``
+        (``["weights"]``, ``["kv_cache"]``). Weights dropped at level 2 are read again from
+        the model's checkpoint unless ``update_weights`` loaded others.
+
+        Raises:
+            ValueError: an unknown tag.
+        """
+        self._generation_engine().wake_up(tags)
+
+    def update_weights(self, path: str) -> None:
+        """Load new weights into the running engine, in place: a model folder or a
+        ``.safetensors`` file holding every parameter, or a ``.gguf`` file. The prefix cache
+        is emptied, so later requests read only KV of the new weights.
+
+        Raises:
+            ValueError: the weights are asleep (``wake_up(["weights"])`` first).
+            ModelLoadError: the checkpoint cannot be read or does not fit the model.
+        """
+        self._generation_engine().update_weights(path)
+
     @staticmethod
     def _as_prompt_list(prompts: Any) -> list[PromptInput]:
         if isinstance(prompts, (str, dict)):

@@ -25,8 +25,13 @@ from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
-from tokenmill.model.layers.attention import Attention, bind_kv_caches
-from tokenmill.model.loader.model_loader import get_model, torch_dtype
+from tokenmill.model.layers.attention import Attention, bind_kv_caches, unbind_kv_caches
+from tokenmill.model.loader.model_loader import (
+    get_model,
+    load_weights,
+    resolve_load_format,
+    torch_dtype,
+)
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.host_memory import zeroed_tensor
@@ -39,6 +44,7 @@ from tokenmill.worker.sampling_metadata import (
     build_plain_sampling_metadata,
     build_sampling_metadata,
 )
+from tokenmill.worker.sleep_mode import SleepMode
 from tokenmill.worker.step_graphs import StepGraphs
 from tokenmill.worker.step_io import AsyncModelRunnerOutput, StepInputs, leading_ones
 from tokenmill.worker.step_staging import DeviceArena, StepStaging
@@ -74,6 +80,11 @@ class ModelRunner:
         self.cascade_attn = self.attn_backend.supports_cascade and not config.disable_cascade_attn
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # The layers' KV caches are views of this one tensor (``[layers, 2, blocks, ...]``).
+        self.kv_arena: torch.Tensor | None = None
+        self.num_blocks = 0
+        # Sleep mode (``--enable-sleep-mode``): set once the model is loaded.
+        self.sleep_mode: SleepMode | None = None
         self.sampler = Sampler()
         # The CUDA graphs (``plan_cuda_graphs``); None: every step runs eagerly.
         self.graphs: StepGraphs | None = None
@@ -137,6 +148,22 @@ class ModelRunner:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if all(m.sliding_window is not None for m in layers):
             self.cascade_attn = False
+        if c.enable_sleep_mode:
+            self.sleep_mode = SleepMode(self)
+
+    def reload_weights(self, path: str | None = None) -> None:
+        """Load the weights again, in place, from ``path`` (a model folder, ``.safetensors``
+        or ``.gguf`` file; default: the model's own checkpoint, in its load format).
+
+        Raises:
+            ModelLoadError: unreadable files, or tensors that do not fit the model.
+        """
+        assert self.model is not None
+        c = self.config
+        fmt = resolve_load_format(c.model_config, c.load_config)
+        if path is not None:
+            fmt = "gguf" if path.endswith(".gguf") else "safetensors"
+        load_weights(self.model, c.model_config, fmt, path)
 
     def model_weight_bytes(self) -> int:
         """Bytes of the model's parameters and buffers on the device."""
@@ -151,7 +178,8 @@ class ModelRunner:
         return per_layer * mc.get_num_layers() * torch.tensor([], dtype=self.dtype).element_size()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer and bind it.
+        """Allocate one ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` tensor and
+        bind each layer its ``[2, num_blocks, ...]`` view.
 
         Zero-filled: attention reads padded block-table entries under a mask, and masked
         garbage could be NaN, which a mask does not cancel (0 * NaN = NaN). On the CPU the
@@ -161,11 +189,31 @@ class ModelRunner:
         shape = self.attn_backend.get_kv_cache_shape(
             num_blocks, self.block_size, mc.get_num_kv_heads(), mc.get_head_dim()
         )
-        self.kv_caches = [
-            zeroed_tensor(tuple(shape), self.dtype, self.device) for _ in range(mc.get_num_layers())
-        ]
+        self.num_blocks = num_blocks
+        self.kv_arena = zeroed_tensor((mc.get_num_layers(), *shape), self.dtype, self.device)
+        self.kv_caches = list(self.kv_arena.unbind(0))
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache's memory (sleep). On CUDA the layers keep their views of the
+        empty storage, which ``restore_kv_cache`` re-allocates in place."""
+        assert self.kv_arena is not None and self.model is not None
+        if self.device.type == "cuda":
+            self.kv_arena.untyped_storage().resize_(0)
+            return
+        unbind_kv_caches(self.model)
+        self.kv_caches, self.kv_arena = [], None
+
+    def restore_kv_cache(self) -> None:
+        """Allocate the KV cache again, zero-filled (after ``release_kv_cache``)."""
+        arena = self.kv_arena
+        if self.device.type == "cuda":
+            assert arena is not None
+            arena.untyped_storage().resize_(arena.numel() * arena.element_size())
+            arena.zero_()
+            return
+        self.initialize_kv_cache(self.num_blocks)
 
     def plan_cuda_graphs(self) -> StepGraphs | None:
         """The CUDA graphs start-up captures (``StepGraphs.plan``), uncaptured, planned once;

@@ -13,6 +13,7 @@ from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.worker.host_memory import GiB, check_host_memory
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_compile import compile_first
+from tokenmill.worker.sleep_mode import SleepMode
 from tokenmill.worker.start_up_passes import profile_run, warm_up_attention, warm_up_sampler
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,53 @@ class Worker:
         warm_up_sampler(runner)
         if graphs is not None:
             runner.capture_cuda_graphs()
+
+    # ---- sleep mode and weight updates ---------------------------------------------------
+
+    def _sleep_mode(self) -> SleepMode:
+        assert self.model_runner is not None
+        if self.model_runner.sleep_mode is None:
+            raise ValueError("sleep mode is off: start the engine with --enable-sleep-mode")
+        return self.model_runner.sleep_mode
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the weights (level 1: kept on the host; level 2: dropped) and the KV cache."""
+        self._sleep_mode().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and/or the KV cache (``None``: both)."""
+        self._sleep_mode().wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        mode = self.model_runner.sleep_mode if self.model_runner is not None else None
+        return mode is not None and mode.is_sleeping
+
+    def update_weights(self, path: str) -> None:
+        """Load new weights in place from ``path`` (safetensors folder or file, or GGUF).
+
+        Raises:
+            ValueError: the weights are asleep (wake them first).
+            ModelLoadError: the checkpoint cannot be read or does not fit the model.
+        """
+        assert self.model_runner is not None
+        mode = self.model_runner.sleep_mode
+        if mode is not None and "weights" in mode.asleep:
+            raise ValueError(
+                "the weights are asleep: wake them first (wake_up with tags=['weights'])"
+            )
+        self.model_runner.reload_weights(path)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the weights and the KV cache hold on the device now."""
+        runner = self.model_runner
+        assert runner is not None
+        if runner.sleep_mode is not None:
+            return runner.sleep_mode.memory_bytes()
+        kv = runner.kv_arena
+        return {
+            "weights": runner.model_weight_bytes(),
+            "kv_cache": 0 if kv is None else kv.numel() * kv.element_size(),
+        }
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.model_runner is not None

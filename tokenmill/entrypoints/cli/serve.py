@@ -52,7 +52,6 @@ UNIMPLEMENTED_FLAGS = (
     "--swap-space",
     "--limit-mm-per-prompt",
     "--mm-processor-kwargs",
-    "--enable-sleep-mode",
     "--ssl-keyfile",
     "--ssl-certfile",
     "--ssl-ca-certs",

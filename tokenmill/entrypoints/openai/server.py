@@ -47,6 +47,7 @@ from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
 from tokenmill.engine.embedding_engine import AsyncEmbeddingEngine
 from tokenmill.engine.input_processor import InvalidRequestError
 from tokenmill.entrypoints.dashboard.routes import is_dashboard_path
+from tokenmill.entrypoints.openai import sleep_routes
 from tokenmill.entrypoints.openai.body_limit import add_body_size_limit
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
@@ -400,6 +401,7 @@ def build_app(
         engine, request_logger, chat_template, getattr(args, "response_role", "assistant")
     )
     state.serving_completion = OpenAIServingCompletion(engine, request_logger)
+    app.include_router(sleep_routes.router)
     return app
 
 

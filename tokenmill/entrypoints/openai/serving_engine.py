@@ -33,6 +33,7 @@ from tokenmill.entrypoints.openai.protocol import (
     SamplingFields,
     UsageInfo,
 )
+from tokenmill.entrypoints.openai.sleep_routes import asleep_error
 from tokenmill.entrypoints.openai.structured_outputs import (
     constraint_error,
     constraint_field,
@@ -330,10 +331,13 @@ class OpenAIServing:
         """Submit one prompt (already tokenized) to the engine.
 
         Raises:
-            OpenAIError: 503, the server is shutting down (``abort_running`` was called).
+            OpenAIError: 503, the server is shutting down (``abort_running`` was called) or
+                the engine sleeps (``POST /sleep``).
         """
         if self._closed:
             raise OpenAIError(SHUTTING_DOWN, HTTPStatus.SERVICE_UNAVAILABLE)
+        if self.engine.sleeping:
+            raise asleep_error()
         engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids, "prompt": prompt}
         stream = self.engine.generate(engine_prompt, params, request_id, priority=priority)
         return self._tracked(request_id, stream)

@@ -65,8 +65,6 @@ def get_model(
         ModelLoadError: missing/corrupt files or tensors (names the file and tensor).
         UnsupportedArchitectureError: the architecture is not implemented.
     """
-    from tokenmill.model.loader.weights import initialize_dummy_weights
-
     fmt = resolve_load_format(model_config, load_config)
     model_cls = get_model_class(model_config.architecture)
     start = time.perf_counter()
@@ -78,28 +76,7 @@ def get_model(
     finally:
         torch.set_default_dtype(old_dtype)
     model.eval().requires_grad_(False)
-    with torch.no_grad():
-        if fmt == "dummy":
-            initialize_dummy_weights(model, seed=model_config.seed)
-        elif fmt == "gguf":
-            from tokenmill.model.loader.gguf_loader import iterate_gguf
-
-            hf = model_config.hf_config
-            weights = iterate_gguf(
-                model_config.model,
-                expected_checkpoint_names(model),
-                hf.num_attention_heads,
-                hf.get("num_key_value_heads", hf.num_attention_heads),
-            )
-            model.load_weights(weights, source=model_config.model)
-        else:
-            from tokenmill.model.loader.safetensors_loader import (
-                iterate_safetensors,
-                list_safetensors_files,
-            )
-
-            files = list_safetensors_files(model_config.model)
-            model.load_weights(iterate_safetensors(files), source=model_config.model)
+    load_weights(model, model_config, fmt)
     logger.info(
         "Loaded %s (%s, %s weights) on %s in %.1f s",
         model_config.architecture,
@@ -109,3 +86,46 @@ def get_model(
         time.perf_counter() - start,
     )
     return model
+
+
+def load_weights(
+    model: nn.Module, model_config: ModelConfig, fmt: str, path: str | None = None
+) -> None:
+    """Fill ``model``'s parameters in place from a checkpoint.
+
+    Args:
+        model: a model built for ``model_config``.
+        model_config: its configuration (head counts for GGUF's permuted tensors).
+        fmt: ``dummy``, ``gguf`` or ``safetensors``.
+        path: a model folder, a ``.safetensors`` file or a ``.gguf`` file; default: the
+            model's own.
+
+    Raises:
+        ModelLoadError: missing or corrupt files or tensors, or a checkpoint that does not
+            fill every parameter (the message names the tensor).
+    """
+    from tokenmill.model.loader.weights import initialize_dummy_weights
+
+    path = path or model_config.model
+    with torch.no_grad():
+        if fmt == "dummy":
+            initialize_dummy_weights(model, seed=model_config.seed)
+        elif fmt == "gguf":
+            from tokenmill.model.loader.gguf_loader import iterate_gguf
+
+            hf = model_config.hf_config
+            weights = iterate_gguf(
+                path,
+                expected_checkpoint_names(model),
+                hf.num_attention_heads,
+                hf.get("num_key_value_heads", hf.num_attention_heads),
+            )
+            model.load_weights(weights, source=path)
+        else:
+            from tokenmill.model.loader.safetensors_loader import (
+                iterate_safetensors,
+                list_safetensors_files,
+            )
+
+            files = [path] if path.endswith(".safetensors") else list_safetensors_files(path)
+            model.load_weights(iterate_safetensors(files), source=path)

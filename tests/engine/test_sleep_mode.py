@@ -1,0 +1,117 @@
+"""Sleep mode and in-place weight updates, offline: sleeping frees the weights and the KV
+cache (the engine's tensors and the process's memory), waking gives the same greedy
+outputs, and weights loaded in place change the outputs exactly as the new weights do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3,"]
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_level_1_frees_weights_and_kv_cache_and_wakes_up_identical(smollm2_gguf_path):
+    llm = LLM(
+        smollm2_gguf_path, dtype="float32", kv_cache_memory=32 << 20, max_model_len=512,
+        enable_sleep_mode=True,
+    )  # fmt: skip
+    core = llm.llm_engine.engine_core
+    before = tokens(llm)
+    awake = core.memory_bytes()
+    assert awake["weights"] > 500 << 20 and awake["kv_cache"] > 0
+    rss_awake = rss_bytes()
+    llm.sleep(level=1)
+    assert core.memory_bytes() == {"weights": 0, "kv_cache": 0}
+    # The process gives the weights back (they wait in a temporary file on the CPU).
+    assert rss_awake - rss_bytes() >= 0.9 * awake["weights"]
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.generate("Hi", GREEDY, use_tqdm=False)
+    llm.sleep(level=1)  # sleeping again changes nothing
+    llm.wake_up()
+    assert core.memory_bytes() == awake
+    assert tokens(llm) == before
+    core.check_integrity()
+
+
+def hf_greedy(folder: str, tokenizer, prompts=PROMPTS) -> list[list[int]]:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = model.generate(
+                ids, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+        out.append(gen[0, ids.shape[1] :].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_checkpoints):
+    first, _ = tiny_llama_checkpoints
+    return LLM(first, kv_cache_memory=16 << 20, max_model_len=256, enable_sleep_mode=True)
+
+
+def test_update_weights_changes_outputs_as_the_new_weights_do(tiny_llm, tiny_llama_checkpoints):
+    first, second = tiny_llama_checkpoints
+    tokenizer = tiny_llm.get_tokenizer()
+    assert tokens(tiny_llm) == hf_greedy(first, tokenizer)
+    tiny_llm.update_weights(second)
+    expected = hf_greedy(second, tokenizer)
+    assert expected != hf_greedy(first, tokenizer)
+    assert tokens(tiny_llm) == expected
+    tiny_llm.update_weights(f"{first}/model.safetensors")  # and back, from one file
+    assert tokens(tiny_llm) == hf_greedy(first, tokenizer)
+
+
+def test_level_2_then_weights_then_kv_cache(tiny_llm, tiny_llama_checkpoints):
+    """The training-loop sequence: drop everything, wake the weights, load new ones, wake
+    the KV cache."""
+    first, second = tiny_llama_checkpoints
+    tiny_llm.update_weights(first)
+    before = tokens(tiny_llm)
+    core = tiny_llm.llm_engine.engine_core
+    tiny_llm.sleep(level=2)
+    with pytest.raises(ValueError, match="asleep"):
+        tiny_llm.update_weights(second)
+    tiny_llm.wake_up(["weights"])
+    assert core.is_sleeping and core.memory_bytes()["kv_cache"] == 0
+    tiny_llm.update_weights(second)
+    tiny_llm.wake_up(["kv_cache"])
+    assert not core.is_sleeping
+    assert tokens(tiny_llm) == hf_greedy(second, tiny_llm.get_tokenizer())
+    # Level 2 without new weights reads the checkpoint again.
+    tiny_llm.update_weights(first)
+    tiny_llm.sleep(level=2)
+    tiny_llm.wake_up()
+    assert tokens(tiny_llm) == before
+
+
+def test_sleep_needs_sleep_mode_and_a_valid_level(tiny_llama_checkpoints, tiny_llm):
+    with pytest.raises(ValueError, match="level"):
+        tiny_llm.sleep(level=3)
+    with pytest.raises(ValueError, match="tags"):
+        tiny_llm.wake_up(["everything"])
+    plain = LLM(tiny_llama_checkpoints[0], kv_cache_memory=16 << 20, max_model_len=256)
+    with pytest.raises(ValueError, match="--enable-sleep-mode"):
+        plain.sleep()
