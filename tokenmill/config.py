@@ -133,6 +133,10 @@ class CacheConfig:
         enable_prefix_caching: reuse the KV of identical prompt prefixes across requests.
         cpu_kv_cache_memory: KV cache bytes on CPU when ``kv_cache_memory`` is unset.
         num_blocks: filled in once the worker has sized the cache.
+        kv_offloading_bytes: size of the host-memory tier that prefix-cache blocks evicted
+            from the device move to (0: none); see ``tokenmill.core.kv_offload``.
+        kv_offloading_disk_path: folder of the disk tier behind the host tier, or None.
+        kv_offloading_disk_bytes: size of the disk tier.
     """
 
     block_size: int = 16
@@ -141,6 +145,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     cpu_kv_cache_memory: int = 4 << 30
     num_blocks: int | None = None
+    kv_offloading_bytes: int = 0
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_bytes: int = 0
 
 
 @dataclass

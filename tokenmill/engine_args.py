@@ -181,6 +181,22 @@ class EngineArgs:
         "Token budget of one step. Default: 16384 (offline) / 8192 (server) on CUDA; "
         "4096 / 2048 on CPU."
     )
+    kv_offloading_size: float | None = _flag(
+        "GiB of host memory for a second KV tier (vLLM's flag): prefix-cache blocks evicted "
+        "from the device move there, and a later request whose prefix is there loads it "
+        "back instead of computing it again. Off by default."
+    )
+    kv_offloading_backend: str | None = _flag(
+        "How KV blocks are offloaded: native (the default with --kv-offloading-size).",
+        choices=["native", "lmcache"],
+    )
+    kv_offloading_disk_path: str | None = _flag(
+        "Folder for a third KV tier on disk, behind the host tier: blocks evicted from host "
+        "memory move there (needs --kv-offloading-size and --kv-offloading-disk-size)."
+    )
+    kv_offloading_disk_size: float | None = _flag(
+        "GiB of the disk tier (with --kv-offloading-disk-path)."
+    )
     enable_chunked_prefill: bool = _flag("Split long prompts across steps.", default=True)
     scheduling_policy: str = _flag(
         "fcfs: arrival order; priority: by the request's priority, then arrival.",
@@ -308,6 +324,9 @@ class EngineArgs:
             kv_cache_memory=kv_bytes,
             enable_prefix_caching=self.enable_prefix_caching,
             cpu_kv_cache_memory=DEFAULT_CPU_KV_CACHE_BYTES,
+            kv_offloading_bytes=int((self.kv_offloading_size or 0) * (1 << 30)),
+            kv_offloading_disk_path=self.kv_offloading_disk_path,
+            kv_offloading_disk_bytes=int((self.kv_offloading_disk_size or 0) * (1 << 30)),
         )
         return EngineConfig(
             model_config=model_config,
@@ -380,7 +399,39 @@ class EngineArgs:
             )
         if self.max_logprobs < 0:
             raise ConfigError(f"--max-logprobs must be non-negative, got {self.max_logprobs}")
+        self._check_offloading_flags()
         return kv_bytes
+
+    def _check_offloading_flags(self) -> None:
+        size, disk_path, disk_size = (
+            self.kv_offloading_size,
+            self.kv_offloading_disk_path,
+            self.kv_offloading_disk_size,
+        )
+        if self.kv_offloading_backend == "lmcache":
+            raise ConfigError(
+                "--kv-offloading-backend lmcache: tokenmill does not implement LMCache; "
+                "native offloading is built in"
+            )
+        if self.kv_offloading_backend is not None and size is None:
+            raise ConfigError("--kv-offloading-backend needs --kv-offloading-size GiB")
+        for flag, value in (("size", size), ("disk-size", disk_size)):
+            if value is not None and not value > 0:
+                raise ConfigError(f"--kv-offloading-{flag} must be positive GiB, got {value}")
+        if (disk_path is None) != (disk_size is None):
+            raise ConfigError(
+                "--kv-offloading-disk-path and --kv-offloading-disk-size go together"
+            )
+        if disk_path is not None and size is None:
+            raise ConfigError(
+                "--kv-offloading-disk-path needs --kv-offloading-size: the disk tier sits "
+                "behind the host-memory tier"
+            )
+        if size is not None and not self.enable_prefix_caching:
+            raise ConfigError(
+                "--kv-offloading-size extends the prefix cache: it needs prefix caching "
+                "(drop --no-enable-prefix-caching)"
+            )
 
     def _resolve_device(self) -> str:
         import torch

@@ -127,6 +127,10 @@ class SchedulerStats:
     num_constraint_failures: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # KV offload tiers, since the last snapshot: "{tier}_hit_tokens" (tokens of admitted
+    # requests found there), "{tier}_store_bytes" / "{tier}_load_bytes" (moved into / out
+    # of the tier) and "{tier}_seconds" (spent moving), for tier "host" and "disk".
+    kv_offload_stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

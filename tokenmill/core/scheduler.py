@@ -28,6 +28,7 @@ from tokenmill.core.engine_io import (
     SchedulerStats,
 )
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_offload import KVOffloadManager
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.prefill_pacing import PrefillPacing
 from tokenmill.core.request import Request, RequestStatus
@@ -52,6 +53,7 @@ class Scheduler:
         cache_config: block size and prefix caching.
         num_blocks: KV blocks available (as sized by the worker).
         log_stats: count prefix-cache hits and attach ``SchedulerStats`` to each output.
+        offload_slots: blocks of the host and disk offload tiers ((0, 0): none).
 
     Attributes:
         requests: every live (waiting or running) request, by id.
@@ -74,10 +76,11 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         log_stats: bool = True,
+        offload_slots: tuple[int, int] = (0, 0),
     ) -> None:
         self._init_config(scheduler_config, cache_config, log_stats)
         self._init_queues()
-        self._init_kv_cache(cache_config, num_blocks)
+        self._init_kv_cache(cache_config, num_blocks, offload_slots)
 
     def _init_config(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, log_stats: bool
@@ -134,7 +137,9 @@ class Scheduler:
         self._num_constraint_failures = 0
         self.beams = BeamScheduling(self)
 
-    def _init_kv_cache(self, cache_config: CacheConfig, num_blocks: int) -> None:
+    def _init_kv_cache(
+        self, cache_config: CacheConfig, num_blocks: int, offload_slots: tuple[int, int]
+    ) -> None:
         self.num_blocks = num_blocks
         # NOTE: a request can never hold more tokens than the whole cache. Capping it there
         # (finish reason "length") keeps a lone request that outgrows the cache from being
@@ -162,6 +167,7 @@ class Scheduler:
             max_model_len=self.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
             log_stats=self.log_stats,
+            offload=KVOffloadManager(*offload_slots) if offload_slots[0] else None,
         )
 
     # ----------------------------------------------------------------- requests in/out
@@ -469,6 +475,7 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
             reads_step_kv=kv.reads_step_kv,
             block_copies=self.beams.take_block_copies(),
+            kv_transfers=kv.offload.take_transfers() if kv.offload is not None else None,
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -623,5 +630,8 @@ class Scheduler:
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
         )
+        if kv.offload is not None:
+            hits = kv.offload.take_hit_tokens()
+            stats.kv_offload_stats = {f"{tier}_hit_tokens": n for tier, n in hits.items()}
         self._num_preemptions = self._num_constraint_failures = 0
         return stats

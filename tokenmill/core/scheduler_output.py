@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.core.kv_offload import KVTransfers
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -81,6 +82,8 @@ class SchedulerOutput:
             that read the KV cache only after the step's KV writes.
         block_copies: (source, destination) KV block pairs the worker copies before the
             step's forward pass: the block two beams diverge in (copy-on-write).
+        kv_transfers: KV blocks moved to and from the offload tiers before the step's
+            forward pass (and before ``block_copies``), or None.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -91,6 +94,7 @@ class SchedulerOutput:
     grammar_bitmasks: dict[str, Any] = field(default_factory=dict)
     reads_step_kv: bool = False
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -100,7 +104,12 @@ class SchedulerOutput:
     def has_worker_work(self) -> bool:
         """Whether the worker must see this output even with no token scheduled: requests
         to drop, or KV blocks to copy."""
-        return bool(self.total_num_scheduled_tokens or self.finished_req_ids or self.block_copies)
+        return bool(
+            self.total_num_scheduled_tokens
+            or self.finished_req_ids
+            or self.block_copies
+            or self.kv_transfers
+        )
 
     @classmethod
     def make_empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:

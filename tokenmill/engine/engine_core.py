@@ -60,8 +60,16 @@ class EngineCore:
         start = time.perf_counter()
         self.executor = (executor_factory or _default_executor)(config)
         num_blocks = self._init_kv_cache()
+        self._offload = bool(config.cache_config.kv_offloading_bytes)
+        offload_slots = (
+            self.executor.collective_rpc("kv_offload_slots")[0] if self._offload else (0, 0)
+        )
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, num_blocks, log_stats=log_stats
+            config.scheduler_config,
+            config.cache_config,
+            num_blocks,
+            log_stats=log_stats,
+            offload_slots=tuple(offload_slots),
         )
         self.log_stats = log_stats
         self.async_scheduling = config.scheduler_config.async_scheduling
@@ -217,6 +225,9 @@ class EngineCore:
         outputs = self._step_async() if self.async_scheduling else self._step_sync()
         if self._failed:
             outputs.outputs[:0], self._failed = self._failed, []
+        if outputs.scheduler_stats is not None and self._offload:
+            worker_stats = self.executor.collective_rpc("take_kv_offload_stats")[0]
+            outputs.scheduler_stats.kv_offload_stats.update(worker_stats)
         if outputs.scheduler_stats is not None:
             # Requests whose grammars compile are waiting too (vLLM's WAITING_FOR_FSM).
             outputs.scheduler_stats.num_waiting_reqs += len(self._grammars)

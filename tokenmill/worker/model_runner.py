@@ -37,6 +37,7 @@ from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.host_memory import zeroed_tensor
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.kv_blocks import copy_kv_blocks
+from tokenmill.worker.kv_offload import KVOffloadStore
 from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
 from tokenmill.worker.sampling_metadata import (
     SamplingMetadata,
@@ -85,6 +86,8 @@ class ModelRunner:
         self.num_blocks = 0
         # Sleep mode (``--enable-sleep-mode``): set once the model is loaded.
         self.sleep_mode: SleepMode | None = None
+        # The KV offload tiers' host pool and disk file (``--kv-offloading-size``).
+        self.kv_offload: KVOffloadStore | None = None
         self.sampler = Sampler()
         # The CUDA graphs (``plan_cuda_graphs``); None: every step runs eagerly.
         self.graphs: StepGraphs | None = None
@@ -243,6 +246,9 @@ class ModelRunner:
         ):
             batch.append_blocks(req_id, block_ids)
             batch.set_num_computed(req_id, num_computed)
+        if so.kv_transfers:
+            assert self.kv_offload is not None and self.kv_arena is not None
+            self.kv_offload.apply(so.kv_transfers, self.kv_arena)
         for req_id, token_ids in cached.new_token_ids.items():
             batch.set_tokens(req_id, int(batch.requests[req_id].num_computed_tokens), token_ids)
         if so.block_copies:

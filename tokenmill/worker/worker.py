@@ -11,6 +11,7 @@ from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.worker.host_memory import GiB, check_host_memory
+from tokenmill.worker.kv_offload import KVOffloadStore
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_compile import compile_first
 from tokenmill.worker.sleep_mode import SleepMode
@@ -124,8 +125,44 @@ class Worker:
         return budget
 
     def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache and, with ``--kv-offloading-size``, its offload tiers."""
+        runner = self.model_runner
+        assert runner is not None
+        runner.initialize_kv_cache(num_blocks)
+        host_slots, disk_slots = self.kv_offload_slots()
+        if host_slots:
+            assert runner.kv_arena is not None
+            cc = self.config.cache_config
+            runner.kv_offload = KVOffloadStore(
+                runner.kv_arena, host_slots, cc.kv_offloading_disk_path, disk_slots
+            )
+
+    def kv_offload_slots(self) -> tuple[int, int]:
+        """Blocks the host and disk offload tiers hold ((0, 0) without offloading).
+
+        Raises:
+            ConfigError: a tier smaller than one block, or a host tier larger than the
+                memory available.
+        """
+        cc = self.config.cache_config
+        if not cc.kv_offloading_bytes:
+            return 0, 0
         assert self.model_runner is not None
-        self.model_runner.initialize_kv_cache(num_blocks)
+        per_block = self.model_runner.kv_cache_bytes_per_block()
+        host = cc.kv_offloading_bytes // per_block
+        disk = cc.kv_offloading_disk_bytes // per_block
+        if host < 1 or (cc.kv_offloading_disk_path and disk < 1):
+            raise ConfigError(
+                f"--kv-offloading-size / --kv-offloading-disk-size must hold at least one KV "
+                f"block ({per_block} bytes)"
+            )
+        check_host_memory(host * per_block)
+        return int(host), int(disk)
+
+    def take_kv_offload_stats(self) -> dict[str, float]:
+        """Bytes moved and seconds spent by the offload tiers since the last call."""
+        store = self.model_runner.kv_offload if self.model_runner is not None else None
+        return store.take_stats() if store is not None else {}
 
     def warm_up(self) -> None:
         """Compile/capture what the device needs before serving (kernel variants, CUDA
