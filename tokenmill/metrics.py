@@ -392,7 +392,12 @@ class CacheConfigInfo:
 VLLM_PREFIX = "vllm:"
 # tokenmill metrics that vLLM does not have: not exported under a vllm: name.
 TOKENMILL_ONLY = frozenset(
-    {"structured_output_failures", "kv_offload_hit_tokens", "kv_offload_bytes", "kv_offload_seconds"}
+    {
+        "structured_output_failures",
+        "kv_offload_hit_tokens",
+        "kv_offload_bytes",
+        "kv_offload_seconds",
+    }
 )
 
 
