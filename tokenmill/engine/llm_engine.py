@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.config import EngineConfig
@@ -31,12 +31,16 @@ class EngineCounters:
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
     num_constraint_failures: int = 0  # requests ended for their structured-output constraint
+    # KV offload tiers: SchedulerStats.kv_offload_stats, summed
+    kv_offload: dict[str, float] = field(default_factory=dict)
 
     def add(self, stats: SchedulerStats) -> None:
         self.prefix_cache_queries += stats.prefix_cache_queries
         self.prefix_cache_hits += stats.prefix_cache_hits
         self.num_preemptions += stats.num_preemptions
         self.num_constraint_failures += stats.num_constraint_failures
+        for key, value in stats.kv_offload_stats.items():
+            self.kv_offload[key] = self.kv_offload.get(key, 0.0) + value
 
 
 class LLMEngine:
