@@ -35,6 +35,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import create_request_queue
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.core.step_plan import StepPlan
+from tokenmill.core.stop_conditions import stop_status
 from tokenmill.math_utils import cdiv
 
 if TYPE_CHECKING:
@@ -575,38 +576,11 @@ class Scheduler:
         for token_id in token_ids:
             request.append_output_token_ids([token_id])
             kept.append(token_id)
-            status = self._check_stop(request, token_id)
+            status = stop_status(request, token_id, self.max_context_len)
             if status is not None:
                 request.status = status
                 break
         return kept
-
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        """The finished status ``token_id`` (just appended) puts the request in, if any.
-
-        A request with structured outputs also advances its grammar: it stops once the
-        grammar is complete, and is aborted by a token the grammar does not allow (which
-        the sampler's mask rules out)."""
-        params = request.sampling_params
-        grammar = request.grammar
-        if grammar is not None and not grammar.accept(token_id):
-            logger.warning("request %s: token %d breaks its grammar", request.request_id, token_id)
-            # The sampler only lifts the grammar's mask when it allows no token at all.
-            request.stop_reason = (
-                f"{CONSTRAINT_FAILURE_PREFIX} the constraint admits no token after "
-                f"{request.num_output_tokens - 1} generated (it may admit no output at all)."
-            )
-            return RequestStatus.FINISHED_ABORTED
-        if token_id in request.eos_and_stop_ids and request.num_output_tokens >= params.min_tokens:
-            request.stop_reason = token_id if token_id in (params.stop_token_ids or ()) else None
-            return RequestStatus.FINISHED_STOPPED
-        if grammar is not None and grammar.is_complete:
-            return RequestStatus.FINISHED_STOPPED
-        if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_tokens >= self.max_context_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
 
     def free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
