@@ -18,16 +18,29 @@ Torch-free: token ids, log-probabilities and block ids only.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.core.beam_search import BeamSearch, FinishedBeam, NextBeam
 from tokenmill.core.engine_io import EngineCoreOutput, FinishReason, LogprobsLists
+from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.request_queue import RequestQueue
 
 if TYPE_CHECKING:
-    from tokenmill.core.scheduler import Scheduler
     from tokenmill.core.step_plan import StepPlan
     from tokenmill.sampling_params import BeamSearchParams
+
+
+class BeamHost(Protocol):
+    """What beam search needs of the scheduler that owns it."""
+
+    requests: dict[str, Request]
+    running: list[Request]
+    waiting: RequestQueue
+    kv_cache_manager: KVCacheManager
+    max_context_len: int
+
+    def free_request(self, request: Request) -> None: ...
 
 
 class BeamGroup:
@@ -93,7 +106,7 @@ class BeamScheduling:
         scheduler: the owning scheduler (its requests, queues and KV cache manager).
     """
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: BeamHost) -> None:
         self.scheduler = scheduler
         self.groups: dict[str, BeamGroup] = {}
         # Running beams whose next input token was chosen here, not sampled by the worker.

@@ -19,14 +19,11 @@ import logging
 import os
 import tempfile
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from tokenmill.worker.host_memory import release_free_host_memory
-
-if TYPE_CHECKING:
-    from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +127,23 @@ class HostBackup:
             self._path = None
 
 
+class SleepHost(Protocol):
+    """What sleep mode needs of the model runner it belongs to."""
+
+    model: torch.nn.Module | None
+    device: torch.device
+    kv_arena: torch.Tensor | None
+    graphs: Any
+
+    def release_kv_cache(self) -> None: ...
+
+    def restore_kv_cache(self) -> None: ...
+
+    def reload_weights(self, path: str | None = None) -> None: ...
+
+    def capture_cuda_graphs(self) -> None: ...
+
+
 class SleepMode:
     """The sleep and wake-up of one model runner.
 
@@ -137,7 +151,7 @@ class SleepMode:
         runner: the runner; its model must be loaded (its parameters are packed here).
     """
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: SleepHost) -> None:
         assert runner.model is not None
         self.runner = runner
         self.weights = WeightArena(list(runner.model.parameters()))
