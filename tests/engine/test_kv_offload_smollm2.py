@@ -18,10 +18,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
 def conversations(n: int) -> list[str]:
-    return [
-        f"Conversation {i}. " + " ".join(f"Fact {i}.{j}: the value is {j * 7 % 13}." for j in range(22))
-        for i in range(n)
-    ]
+    facts = [[f"Fact {i}.{j}: the value is {j * 7 % 13}." for j in range(22)] for i in range(n)]
+    return [f"Conversation {i}. " + " ".join(facts[i]) for i in range(n)]
 
 
 def multi_turn(llm: LLM) -> list[list[int]]:

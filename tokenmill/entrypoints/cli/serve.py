@@ -211,6 +211,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "signal exits immediately. (default: 0)",
     )
     group.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        help="When the engine process dies, keep the server up answering 503 (and /health "
+        "503) instead of exiting with code 1 for an orchestrator to restart it, as vLLM "
+        "does with VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1.",
+    )
+    group.add_argument(
         "--root-path",
         default=None,
         help="URL prefix when served behind a path-based reverse proxy.",

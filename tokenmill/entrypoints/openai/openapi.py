@@ -1,0 +1,71 @@
+"""The server's OpenAPI document: what each route answers, with which content type.
+
+FastAPI builds the document from the same pydantic models that validate the requests (their
+bounds included, see protocol.py). This module adds what FastAPI cannot infer from a route
+that returns a ``Response``: each response's model and content type (a stream's
+``text/event-stream`` beside the JSON body, /health's empty body, /metrics' Prometheus text),
+and the errors the server answers in OpenAI's format. FastAPI's own 422 is dropped: the server
+answers an invalid body with a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from tokenmill.entrypoints.openai.protocol import ErrorResponse
+
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request (OpenAI's error body; `param` names the field at fault).",
+    401: "Missing or wrong API key (only when the server was started with --api-key).",
+    404: "No such model.",
+    413: "The request body is larger than the server accepts.",
+    429: "The grammar compilers are busy with other structured-output constraints: retry.",
+    503: "The engine is not running, or the server is shutting down.",
+}
+SSE_CONTENT = {
+    "text/event-stream": {
+        "schema": {
+            "type": "string",
+            "description": "With `stream: true`: server-sent events, each `data: ` and one "
+            "JSON chunk (or an error body), ending with `data: [DONE]`.",
+        }
+    }
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The documented error responses of a route, each with OpenAI's error body."""
+    return {s: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[s]} for s in statuses}
+
+
+def answers(model: type[BaseModel], *statuses: int, stream: bool = False) -> dict:
+    """A route's documented responses: ``model`` as its JSON body (and server-sent events
+    when it can ``stream``), and the errors ``statuses``."""
+    ok: dict[str, Any] = {"model": model, "description": "Success."}
+    if stream:
+        ok["content"] = SSE_CONTENT
+    return {200: ok, **errors(400, 401, 413, *statuses)}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Serve ``app``'s document without FastAPI's 422 responses and their schemas."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(
+                title=app.title, version=app.version, routes=app.routes, servers=app.servers
+            )
+            for operations in doc.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            schemas = doc.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
