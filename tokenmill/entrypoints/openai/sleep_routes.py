@@ -18,10 +18,19 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from tokenmill.engine.async_llm import AsyncLLM, EngineCallError
-from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request
+from tokenmill.engine.async_llm import AsyncLLM, EngineCallError, EngineDeadError
+from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request, engine_dead
+from tokenmill.entrypoints.openai.openapi import errors
 
 router = APIRouter()
+# An empty 200, or OpenAI's error body (400 also when the server runs without sleep mode).
+_EMPTY = {200: {"description": "Done (an empty body)."}, **errors(400, 401, 503)}
+
+
+class IsSleepingResponse(BaseModel):
+    """``GET /is_sleeping``."""
+
+    is_sleeping: bool
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -44,29 +53,45 @@ async def _call(call) -> Response:
         await call
     except EngineCallError as e:
         raise bad_request(str(e)) from None
+    except EngineDeadError as e:
+        raise engine_dead(str(e)) from None
     return Response(status_code=200)
 
 
-@router.post("/sleep")
+@router.post("/sleep", response_class=Response, responses=_EMPTY)
 async def sleep(raw_request: Request, level: Annotated[int, Query()] = 1) -> Response:
     if level not in (1, 2):
         raise bad_request(f"level must be 1 or 2, got {level}.", "level")
     return await _call(_engine(raw_request).sleep(level))
 
 
-@router.post("/wake_up")
+@router.post("/wake_up", response_class=Response, responses=_EMPTY)
 async def wake_up(
     raw_request: Request, tags: Annotated[list[str] | None, Query()] = None
 ) -> Response:
     return await _call(_engine(raw_request).wake_up(tags))
 
 
-@router.get("/is_sleeping")
+@router.get(
+    "/is_sleeping",
+    responses={
+        200: {"model": IsSleepingResponse, "description": "Success."},
+        **errors(400, 401, 503),
+    },
+)
 async def is_sleeping(raw_request: Request) -> JSONResponse:
-    return JSONResponse({"is_sleeping": await _engine(raw_request).is_sleeping()})
+    try:
+        sleeping = await _engine(raw_request).is_sleeping()
+    except EngineDeadError as e:
+        raise engine_dead(str(e)) from None
+    return JSONResponse({"is_sleeping": sleeping})
 
 
-@router.post("/update_weights")
+@router.post(
+    "/update_weights",
+    response_class=Response,
+    responses={**_EMPTY, **errors(400, 401, 413, 503)},
+)
 async def update_weights(request: UpdateWeightsRequest, raw_request: Request) -> Response:
     return await _call(_engine(raw_request).update_weights(request.model_path))
 
