@@ -19,6 +19,7 @@ def llm(smollm2_gguf_path):
     return LLM(
         smollm2_gguf_path,
         dtype="float32",
+        gguf_dequantize=True,  # the float32 path, as transformers' reference
         kv_cache_memory=64 << 20,
         max_model_len=512,
         max_num_seqs=16,

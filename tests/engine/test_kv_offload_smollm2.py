@@ -38,8 +38,8 @@ def multi_turn(llm: LLM) -> list[list[int]]:
 
 def make_llm(smollm2_gguf_path, **kwargs) -> LLM:
     return LLM(
-        smollm2_gguf_path, dtype="float32", kv_cache_memory=48 * BLOCK_BYTES, max_model_len=512,
-        max_num_seqs=4, **kwargs,
+        smollm2_gguf_path, dtype="float32", gguf_dequantize=True,
+        kv_cache_memory=48 * BLOCK_BYTES, max_model_len=512, max_num_seqs=4, **kwargs,
     )  # fmt: skip
 
 

@@ -27,15 +27,20 @@ def tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def test_level_1_frees_weights_and_kv_cache_and_wakes_up_identical(smollm2_gguf_path):
-    llm = LLM(
-        smollm2_gguf_path, dtype="float32", kv_cache_memory=32 << 20, max_model_len=512,
-        enable_sleep_mode=True,
-    )  # fmt: skip
+def test_sleep_with_weights_kept_in_gguf_blocks(smollm2_gguf_path):
+    """SmolLM2's GGUF weights kept quantized (their converted forms live in buffers): level 1
+    frees them and the KV cache and wakes up identical; level 2 and an update from the same
+    file rebuild them from the checkpoint, identical too."""
+    llm = LLM(smollm2_gguf_path, kv_cache_memory=32 << 20, max_model_len=512,
+              enable_sleep_mode=True)  # fmt: skip
     core = llm.llm_engine.engine_core
+    assert core.config.model_config.quantization == "gguf"
     before = tokens(llm)
     awake = core.memory_bytes()
-    assert awake["weights"] > 500 << 20 and awake["kv_cache"] > 0
+    runner = core.executor.worker.model_runner
+    # All the weights but the rotary tables (computed, kept while asleep).
+    assert 0.95 * runner.model_weight_bytes() <= awake["weights"] and awake["weights"] > 50 << 20
+    assert awake["kv_cache"] > 0
     rss_awake = rss_bytes()
     llm.sleep(level=1)
     assert core.memory_bytes() == {"weights": 0, "kv_cache": 0}
@@ -45,6 +50,13 @@ def test_level_1_frees_weights_and_kv_cache_and_wakes_up_identical(smollm2_gguf_
         llm.generate("Hi", GREEDY, use_tqdm=False)
     llm.sleep(level=1)  # sleeping again changes nothing
     llm.wake_up()
+    assert core.memory_bytes() == awake
+    assert tokens(llm) == before
+    llm.sleep(level=2)
+    assert core.memory_bytes() == {"weights": 0, "kv_cache": 0}
+    llm.wake_up()
+    assert tokens(llm) == before
+    llm.update_weights(smollm2_gguf_path)
     assert core.memory_bytes() == awake
     assert tokens(llm) == before
     core.check_integrity()

@@ -28,8 +28,7 @@ from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.layers.attention import Attention, bind_kv_caches, unbind_kv_caches
 from tokenmill.model.loader.model_loader import (
     get_model,
-    load_weights,
-    resolve_load_format,
+    reload_weights,
     torch_dtype,
 )
 from tokenmill.worker.cascade import common_prefix_len
@@ -163,10 +162,10 @@ class ModelRunner:
         """
         assert self.model is not None
         c = self.config
-        fmt = resolve_load_format(c.model_config, c.load_config)
-        if path is not None:
-            fmt = "gguf" if path.endswith(".gguf") else "safetensors"
-        load_weights(self.model, c.model_config, fmt, path)
+        reload_weights(
+            self.model, c.model_config, c.load_config, self.device, self.attn_backend,
+            c.kernel_config, path,
+        )  # fmt: skip
 
     def model_weight_bytes(self) -> int:
         """Bytes of the model's parameters and buffers on the device."""

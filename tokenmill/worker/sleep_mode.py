@@ -1,13 +1,13 @@
 """Sleep mode: release a model runner's weights and KV cache, and bring them back.
 
-With ``--enable-sleep-mode`` the model's parameters are packed into one storage (a
-``WeightArena``) when the model loads, and the KV cache is one tensor whose layers are
-views. Sleeping then frees two storages: level 1 copies the weights to the host first
-(pinned memory on CUDA; on the CPU, where the device is host memory, a temporary file) and
-level 2 drops them. Waking re-allocates both storages in place: every parameter and every
-layer's KV view follows its storage, so nothing is rebound. On CUDA the storages usually
-come back at their old addresses, and the captured CUDA graphs stay valid; when an address
-moved, the graphs are captured again.
+With ``--enable-sleep-mode`` the model's weights (its parameters, and the buffers of
+quantized layers) are packed into one storage (a ``WeightArena``) when the model loads, and
+the KV cache is one tensor whose layers are views. Sleeping then frees two storages: level 1
+copies the weights to the host first (pinned memory on CUDA; on the CPU, where the device is
+host memory, a temporary file) and level 2 drops them. Waking re-allocates both storages in
+place: every parameter and every layer's KV view follows its storage, so nothing is rebound.
+On CUDA the storages usually come back at their old addresses, and the captured CUDA graphs
+stay valid; when an address moved, the graphs are captured again.
 
 A woken KV cache is zero-filled (its content is gone); weights dropped at level 2 are read
 again from the model's checkpoint unless new ones were loaded (``update_weights``).
@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tokenmill.model.loader.model_loader import loaded_tensors
 from tokenmill.worker.host_memory import release_free_host_memory
 
 logger = logging.getLogger(__name__)
@@ -33,15 +34,17 @@ SLEEP_TAGS = ("weights", "kv_cache")
 
 
 class WeightArena:
-    """A module's parameters packed into one byte buffer, each parameter a view of it.
+    """A module's tensors (parameters and buffers) packed into one byte buffer, each tensor
+    a view of it.
 
-    Parameters that shared a storage (tied embeddings) keep sharing it.
+    Tensors that shared a storage (tied embeddings) keep sharing it.
 
     Args:
-        params: the parameters (any device, one device for all).
+        params: the tensors (any device, one device for all).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        params = list({id(p): p for p in params}.values())  # each tensor object once
         device = params[0].device
         offsets: dict[int, int] = {}  # old storage address -> byte offset in the arena
         storages: list[tuple[int, torch.UntypedStorage]] = []
@@ -154,7 +157,10 @@ class SleepMode:
     def __init__(self, runner: SleepHost) -> None:
         assert runner.model is not None
         self.runner = runner
-        self.weights = WeightArena(list(runner.model.parameters()))
+        # Quantized layers keep their converted weights (int4 planes, GGUF blocks) in
+        # buffers: those sleep too. Computed buffers (rotary tables) stay: level 2 could
+        # not read them back from the checkpoint.
+        self.weights = WeightArena([t for _, t in loaded_tensors(runner.model)])
         self.backup = HostBackup()
         self.asleep: set[str] = set()  # of SLEEP_TAGS
         self._weights_saved = False  # level 1: the backup holds them

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -37,6 +38,18 @@ def expected_checkpoint_names(model: nn.Module) -> list[str]:
     return names
 
 
+def release_freed_host_memory() -> None:
+    """Give the heap memory that loading freed (read buffers, unpacked blocks) back to the
+    OS: glibc keeps freed small and medium blocks in its arenas otherwise, and the process
+    would stay that much larger for its whole life. No-op off glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def resolve_load_format(model_config: ModelConfig, load_config: LoadConfig) -> str:
     fmt = load_config.load_format
     if fmt == "auto":
@@ -46,6 +59,26 @@ def resolve_load_format(model_config: ModelConfig, load_config: LoadConfig) -> s
     if fmt == "safetensors" and model_config.is_gguf:
         raise ModelLoadError(f"{model_config.model} is a GGUF file, not safetensors")
     return fmt
+
+
+def loaded_quantization(model_config: ModelConfig, fmt: str) -> str | None:
+    """The quantization method the weights are loaded with: the configured one, except for
+    random weights of a GGUF model (which are not GGUF blocks)."""
+    if fmt == "dummy" and model_config.quantization == "gguf":
+        return None
+    return model_config.quantization
+
+
+def loaded_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a checkpoint load fills, by name: every parameter, and the buffers of
+    layers with a quantization method (their weights in converted form: int4 planes, GGUF
+    blocks). Buffers computed at construction (rotary tables) are not among them. A tensor
+    reachable under several names (tied weights) is listed under each."""
+    tensors = list(model.named_parameters(remove_duplicate=False))
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if getattr(module, "quant_method", None) is not None:
+            tensors += [(f"{prefix}.{n}", b) for n, b in module.named_buffers(recurse=False)]
+    return tensors
 
 
 def get_model(
@@ -65,31 +98,62 @@ def get_model(
         ModelLoadError: missing/corrupt files or tensors (names the file and tensor).
         UnsupportedArchitectureError: the architecture is not implemented.
     """
+    from tokenmill.model.layers.quantization import (
+        get_quantization_config,
+        quantization_context,
+    )
+    from tokenmill.model.loader.quantized_weights import (
+        create_quantized_weights,
+        process_quantized_weights,
+    )
+
     fmt = resolve_load_format(model_config, load_config)
     model_cls = get_model_class(model_config.architecture)
     start = time.perf_counter()
+    method = loaded_quantization(model_config, fmt)
+    quant_config = get_quantization_config(method, model_config.hf_config, device.type)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype(model_config.dtype))
     try:
-        with torch.device(device), kernel_config_scope(kernel_config or KernelConfig()):
+        with (
+            torch.device(device),
+            kernel_config_scope(kernel_config or KernelConfig()),
+            quantization_context(quant_config),
+        ):
             model = model_cls(model_config, backend)
+            if quant_config is not None:
+                create_quantized_weights(model, quant_config)
     finally:
         torch.set_default_dtype(old_dtype)
     model.eval().requires_grad_(False)
-    load_weights(model, model_config, fmt)
+    load_weights(model, model_config, fmt, keep_quantized=quant_config is not None)
+    if quant_config is not None:
+        with torch.no_grad():
+            process_quantized_weights(model, device)
+    if device.type == "cpu":
+        release_freed_host_memory()
+    weight_bytes = sum(
+        t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+    )
     logger.info(
-        "Loaded %s (%s, %s weights) on %s in %.1f s",
+        "Loaded %s (%s, %s weights%s) on %s in %.1f s: %.1f MiB of weights",
         model_config.architecture,
         model_config.dtype,
         fmt,
+        f", {quant_config.describe()}" if quant_config is not None else "",
         device,
         time.perf_counter() - start,
+        weight_bytes / 2**20,
     )
     return model
 
 
 def load_weights(
-    model: nn.Module, model_config: ModelConfig, fmt: str, path: str | None = None
+    model: nn.Module,
+    model_config: ModelConfig,
+    fmt: str,
+    path: str | None = None,
+    keep_quantized: bool = False,
 ) -> None:
     """Fill ``model``'s parameters in place from a checkpoint.
 
@@ -99,6 +163,8 @@ def load_weights(
         fmt: ``dummy``, ``gguf`` or ``safetensors``.
         path: a model folder, a ``.safetensors`` file or a ``.gguf`` file; default: the
             model's own.
+        keep_quantized: GGUF files: hand the layers their blocks instead of dequantized
+            tensors (the model was built with the GGUF quantization methods).
 
     Raises:
         ModelLoadError: missing or corrupt files or tensors, or a checkpoint that does not
@@ -119,6 +185,7 @@ def load_weights(
                 expected_checkpoint_names(model),
                 hf.num_attention_heads,
                 hf.get("num_key_value_heads", hf.num_attention_heads),
+                keep_quantized=keep_quantized,
             )
             model.load_weights(weights, source=path)
         else:
@@ -129,3 +196,55 @@ def load_weights(
 
             files = [path] if path.endswith(".safetensors") else list_safetensors_files(path)
             model.load_weights(iterate_safetensors(files), source=path)
+
+
+def reload_weights(
+    model: nn.Module,
+    model_config: ModelConfig,
+    load_config: LoadConfig,
+    device: torch.device,
+    backend: type[AttentionBackend],
+    kernel_config: KernelConfig | None = None,
+    path: str | None = None,
+) -> None:
+    """Load weights again into the running ``model``, in place (its tensors keep their
+    storage, so CUDA graphs and views of them stay valid).
+
+    Unquantized weights stream from the checkpoint into the parameters. Quantized ones are
+    converted after loading (repacked, split into segments), so a second model is built from
+    the checkpoint beside the running one and its tensors are copied over by name: that
+    takes a second copy of the weights on ``device`` while it runs.
+
+    Args:
+        model: the running model, built by ``get_model`` from these configurations.
+        model_config, load_config, device, backend, kernel_config: as given to ``get_model``.
+        path: a model folder, a ``.safetensors`` file or a ``.gguf`` file; default: the
+            model's own checkpoint, in its load format.
+
+    Raises:
+        ModelLoadError: unreadable files, or tensors that do not fit the model (the message
+            names the tensor).
+    """
+    fmt = resolve_load_format(model_config, load_config)
+    if path is not None:
+        fmt = "gguf" if path.endswith(".gguf") else "safetensors"
+    if loaded_quantization(model_config, fmt) is None:
+        load_weights(model, model_config, fmt, path)
+        return
+    fresh_config = dataclasses.replace(model_config, model=path or model_config.model)
+    fresh_load = dataclasses.replace(load_config, load_format=fmt)
+    fresh = get_model(fresh_config, fresh_load, device, backend, kernel_config)
+    source = dict(loaded_tensors(fresh))
+    with torch.no_grad():
+        for name, tensor in loaded_tensors(model):
+            new = source.get(name)
+            if new is None or new.shape != tensor.shape or new.dtype != tensor.dtype:
+                got = "missing" if new is None else f"{new.dtype} {tuple(new.shape)}"
+                raise ModelLoadError(
+                    f"{fresh_config.model}: tensor {name!r} is {got} after loading, the "
+                    f"running model's is {tensor.dtype} {tuple(tensor.shape)}"
+                )
+            tensor.copy_(new)
+    del fresh, source
+    if device.type == "cpu":
+        release_freed_host_memory()
