@@ -243,6 +243,18 @@ CASES = [
         "cannot be used with use_beam_search",
     ),
     (
+        "use_beam_search with tools",
+        CHAT,
+        {
+            "messages": MSG,
+            "use_beam_search": True,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        },
+        400,
+        "tools",
+        "cannot be used with use_beam_search",
+    ),
+    (
         "use_beam_search with stop",
         COMPLETIONS,
         {"prompt": "Hi", "use_beam_search": True, "stop": ["."]},

@@ -29,6 +29,7 @@ _REFUSED: tuple[tuple[str, Any], ...] = (
     ("allowed_token_ids", None),
     ("bad_words", None),
     ("min_tokens", 0),
+    ("tools", None),  # chat: calls forced by a grammar, or parsed from one sampled answer
 )
 
 
@@ -38,7 +39,7 @@ def check_beam_search_request(request: SamplingFields) -> None:
     Raises:
         OpenAIError: ``stream`` (the beams are known only when the search ends), stop
             strings, logprobs, ``echo``, ``best_of``, penalties, logit bias, allowed or
-            banned tokens, ``min_tokens`` or an output constraint.
+            banned tokens, ``min_tokens``, ``tools`` or an output constraint.
     """
     if request.stream:
         raise bad_request(
