@@ -100,7 +100,8 @@ class BeamSearchSequence:
             included when it ended on one).
         logprobs: per generated token, its logprob entry; empty (not computed) here.
         cum_logprob: the sum of the generated tokens' log-probabilities.
-        text: the generated text (without the prompt, nor the EOS token that ended it).
+        text: ``tokens`` decoded, prompt and special tokens included (as vLLM's
+            ``LLM.beam_search``).
         finish_reason: "stop" (an EOS token) or "length".
         stop_reason: always None (beam search stops on EOS tokens only).
         score: the length-normalised score the beams are ranked by:

@@ -99,8 +99,8 @@ def test_beams_ending_on_eos_equal_transformers(
     out = check_equal(llm, smollm2_hf, chat_prompt, params, add_special=False)
     assert any(s.finish_reason == "stop" for s in out.sequences)
     for s in out.sequences:
-        if s.finish_reason == "stop":  # the text leaves the EOS token out
-            assert "<|im_end|>" not in (s.text or "")
+        if s.finish_reason == "stop":  # the text decodes every token, as vLLM's
+            assert s.text.startswith("<|im_start|>") and s.text.endswith("<|im_end|>")
 
 
 def test_prompts_run_together_and_blocks_are_shared(llm):
@@ -127,17 +127,25 @@ def test_prompts_run_together_and_blocks_are_shared(llm):
 
 
 def test_beam_search_text_and_shape(llm):
-    outs = llm.beam_search(
-        ["The capital of France is", {"prompt": "2 + 2 ="}],
-        BeamSearchParams(beam_width=2, max_tokens=6),
-    )
-    assert len(outs) == 2
-    for out in outs:
+    prompts = ["The capital of France is", {"prompt": "2 + 2 ="}, "Once upon a time"]
+    params = BeamSearchParams(beam_width=2, max_tokens=6)
+    outs = llm.beam_search(prompts, params)
+    assert len(outs) == 3
+    tokenizer = llm.get_tokenizer()
+    for out, prompt in zip(outs, prompts, strict=True):
         assert len(out.sequences) == 2
         assert out.sequences[0].score >= out.sequences[1].score
         for seq in out.sequences:
-            assert isinstance(seq.text, str) and seq.text
+            # As vLLM's: the text decodes the prompt's tokens and the beam's.
+            assert seq.text == tokenizer.decode(seq.tokens)
+            assert seq.text.startswith(prompt if isinstance(prompt, str) else prompt["prompt"])
             assert seq.finish_reason in ("stop", "length")
+    # vLLM's concurrency_limit: the prompts run in groups, with the same beams.
+    limited = llm.beam_search(prompts, params, use_tqdm=False, concurrency_limit=2)
+    assert [[s.tokens for s in o.sequences] for o in limited] == [
+        [s.tokens for s in o.sequences] for o in outs
+    ]
+    llm.llm_engine.engine_core.check_integrity()
 
 
 def test_invalid_beam_search_is_refused(llm):
@@ -145,3 +153,12 @@ def test_invalid_beam_search_is_refused(llm):
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(ValueError, match="max-num-seqs"):
         llm.beam_search("hi", BeamSearchParams(beam_width=17, max_tokens=4))
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    with pytest.raises(ValueError, match="concurrency_limit"):
+        llm.beam_search("hi", params, concurrency_limit=0)
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.beam_search("hi", params, lora_request=object())
+    # With a limit, every prompt is checked before the first group runs.
+    with pytest.raises(ValueError, match="prompt"):
+        llm.beam_search(["hi", "hi " * 600], params, concurrency_limit=1)
+    assert not llm.llm_engine.has_unfinished_requests()

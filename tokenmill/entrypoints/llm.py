@@ -167,26 +167,50 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         params: BeamSearchParams,
+        lora_request: Any = None,
         use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
-        """Beam search over each prompt (vLLM's ``LLM.beam_search``); all prompts run
+        """Beam search over each prompt (vLLM's ``LLM.beam_search``); the prompts run
         together, their beams sharing KV blocks (see ``tokenmill.core.beam_group``).
 
         Args:
             prompts: a prompt or a list of prompts: text, token ids, or
                 ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``.
             params: the beam width, length and scoring (``BeamSearchParams``).
+            lora_request: accepted in vLLM's position; must be None (no LoRA adapters).
             use_tqdm: show a progress bar.
+            concurrency_limit: the most prompts searched at once (None: all of them);
+                the others wait for a group to finish, as in vLLM.
 
         Returns:
             One BeamSearchOutput per prompt, in order: its ``params.beam_width`` best beams,
-            best first (``.tokens`` includes the prompt, as vLLM's).
+            best first. As in vLLM, ``.tokens`` holds the prompt's tokens and the beam's,
+            and ``.text`` decodes them all (prompt and special tokens included).
 
         Raises:
-            ValueError: an invalid prompt or parameter (nothing is run then).
+            ValueError: an invalid prompt or parameter, a LoRA request or a
+                ``concurrency_limit`` below 1 (nothing is run then).
         """
         engine = self._generation_engine()
+        if lora_request is not None:
+            raise ValueError("beam_search: LoRA adapters are not supported (lora_request)")
         prompt_list = self._as_prompt_list(prompts)
+        limit = len(prompt_list) if concurrency_limit is None else concurrency_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"concurrency_limit must be a positive integer, got {limit!r}")
+        if limit < len(prompt_list):
+            for prompt in prompt_list:  # every prompt is checked before any runs
+                engine.input_processor.process("check", prompt, params, validate_max_tokens=False)
+        outputs: list[BeamSearchOutput] = []
+        for start in range(0, len(prompt_list), limit):
+            outputs += self._beam_search_group(prompt_list[start : start + limit], params, use_tqdm)
+        return outputs
+
+    def _beam_search_group(
+        self, prompt_list: list[PromptInput], params: BeamSearchParams, use_tqdm: bool
+    ) -> list[BeamSearchOutput]:
+        engine = self._generation_engine()
         ids = []
         try:
             for prompt in prompt_list:
@@ -196,19 +220,22 @@ class LLM:
         except Exception:
             engine.abort_request(ids)
             raise
+        tokenizer = self.get_tokenizer()
         outputs = []
         for out in self._run_engine(ids, use_tqdm):
-            sequences = [
-                BeamSearchSequence(
-                    tokens=list(out.prompt_token_ids) + c.token_ids,
-                    cum_logprob=c.cumulative_logprob or 0.0,
-                    text=c.text,
-                    finish_reason=c.finish_reason,
-                    score=(c.cumulative_logprob or 0.0)
-                    / max(1, len(c.token_ids)) ** params.length_penalty,
+            sequences = []
+            for c in out.outputs:
+                tokens = list(out.prompt_token_ids) + c.token_ids
+                sequences.append(
+                    BeamSearchSequence(
+                        tokens=tokens,
+                        cum_logprob=c.cumulative_logprob or 0.0,
+                        text=tokenizer.decode(tokens),
+                        finish_reason=c.finish_reason,
+                        score=(c.cumulative_logprob or 0.0)
+                        / max(1, len(c.token_ids)) ** params.length_penalty,
+                    )
                 )
-                for c in out.outputs
-            ]
             outputs.append(BeamSearchOutput(sequences))
         return outputs
 
