@@ -1,7 +1,9 @@
-"""The KV offload tiers on the real SmolLM2 (float32, CPU; the "device" is host memory, so
-the disk tier is the one that leaves it): a multi-turn workload larger than the device KV
-cache gives the same greedy outputs with the tiers as without, and its second turns load
-their prefixes back from the tiers instead of computing them."""
+"""The KV offload tiers on CPU (float32; the "device" is host memory, so the disk tier is
+the one that leaves it): a multi-turn workload larger than the device KV cache gives the
+same greedy outputs with the tiers as without, and its second turns load their prefixes
+back from the tiers instead of computing them. The model is a 2-layer Llama with random
+weights and SmolLM2's tokenizer (``tiny_llama_checkpoints``): the tiers move whole blocks
+of every layer, whatever the weights."""
 
 from __future__ import annotations
 
@@ -9,10 +11,9 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
-
-# Bytes of one KV block of SmolLM2 in float32: 30 layers x K,V x 16 tokens x 3 heads x 64 x 4.
-BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4
+# Bytes of one KV block of the tiny Llama in float32: 2 layers x K,V x 16 tokens x 2 heads x
+# 16 x 4.
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
 GIB = 1 << 30
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -36,23 +37,28 @@ def multi_turn(llm: LLM) -> list[list[int]]:
     return tokens
 
 
-def make_llm(smollm2_gguf_path, **kwargs) -> LLM:
+@pytest.fixture(scope="module")
+def model_path(tiny_llama_checkpoints) -> str:
+    return tiny_llama_checkpoints[0]
+
+
+def make_llm(model_path, **kwargs) -> LLM:
     return LLM(
-        smollm2_gguf_path, dtype="float32", gguf_dequantize=True,
-        kv_cache_memory=48 * BLOCK_BYTES, max_model_len=512, max_num_seqs=4, **kwargs,
+        model_path, dtype="float32", kv_cache_memory=48 * BLOCK_BYTES, max_model_len=512,
+        max_num_seqs=4, **kwargs,
     )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def expected(smollm2_gguf_path):
-    llm = make_llm(smollm2_gguf_path)
+def expected(model_path):
+    llm = make_llm(model_path)
     tokens = multi_turn(llm)
     assert llm.llm_engine.counters.kv_offload == {}
     return tokens
 
 
-def test_host_tier_gives_the_same_outputs(smollm2_gguf_path, expected):
-    llm = make_llm(smollm2_gguf_path, kv_offloading_size=256 * BLOCK_BYTES / GIB)
+def test_host_tier_gives_the_same_outputs(model_path, expected):
+    llm = make_llm(model_path, kv_offloading_size=256 * BLOCK_BYTES / GIB)
     assert multi_turn(llm) == expected
     stats = llm.llm_engine.counters.kv_offload
     assert stats["host_hit_tokens"] > 0
@@ -60,9 +66,9 @@ def test_host_tier_gives_the_same_outputs(smollm2_gguf_path, expected):
     assert stats["host_load_bytes"] % BLOCK_BYTES == 0
 
 
-def test_disk_tier_behind_a_small_host_tier(smollm2_gguf_path, expected, tmp_path):
+def test_disk_tier_behind_a_small_host_tier(model_path, expected, tmp_path):
     llm = make_llm(
-        smollm2_gguf_path,
+        model_path,
         kv_offloading_size=16 * BLOCK_BYTES / GIB,
         kv_offloading_disk_path=str(tmp_path),
         kv_offloading_disk_size=256 * BLOCK_BYTES / GIB,
@@ -74,14 +80,14 @@ def test_disk_tier_behind_a_small_host_tier(smollm2_gguf_path, expected, tmp_pat
     assert any(p.name.startswith("tokenmill-kv-") for p in tmp_path.iterdir())
 
 
-def test_offloading_flags_are_checked(smollm2_gguf_path):
+def test_offloading_flags_are_checked(model_path):
     from tokenmill.config import ConfigError
 
     with pytest.raises(ConfigError, match="lmcache"):
-        make_llm(smollm2_gguf_path, kv_offloading_size=1.0, kv_offloading_backend="lmcache")
+        make_llm(model_path, kv_offloading_size=1.0, kv_offloading_backend="lmcache")
     with pytest.raises(ConfigError, match="go together"):
-        make_llm(smollm2_gguf_path, kv_offloading_size=1.0, kv_offloading_disk_path="/tmp")
+        make_llm(model_path, kv_offloading_size=1.0, kv_offloading_disk_path="/tmp")
     with pytest.raises(ConfigError, match="prefix caching"):
-        make_llm(smollm2_gguf_path, kv_offloading_size=1.0, enable_prefix_caching=False)
+        make_llm(model_path, kv_offloading_size=1.0, enable_prefix_caching=False)
     with pytest.raises(ConfigError, match="at least one KV block"):
-        make_llm(smollm2_gguf_path, kv_offloading_size=1e-6)
+        make_llm(model_path, kv_offloading_size=1e-6)
