@@ -127,3 +127,38 @@ def test_sleep_needs_sleep_mode_and_a_valid_level(tiny_llama_checkpoints, tiny_l
     plain = LLM(tiny_llama_checkpoints[0], kv_cache_memory=16 << 20, max_model_len=256)
     with pytest.raises(ValueError, match="--enable-sleep-mode"):
         plain.sleep()
+
+
+def test_beam_search_in_flight_finishes_after_wake_up(tiny_llm, tiny_llama_checkpoints):
+    """Beams running (some forked, some waiting for their siblings) when the engine falls
+    asleep are preempted with their candidates kept, and the search ends after wake_up with
+    the beams it has without the nap; every block is free again."""
+    from tokenmill import BeamSearchParams
+
+    tiny_llm.update_weights(tiny_llama_checkpoints[0])
+    engine = tiny_llm.llm_engine
+    params = BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
+    prompts = ["The capital of France is", "Once upon a time"]
+    expected = [[s.tokens for s in o.sequences] for o in tiny_llm.beam_search(prompts, params)]
+    kv = engine.engine_core.scheduler.kv_cache_manager
+    free_before = kv.num_free_blocks
+    for request_id, prompt in enumerate(prompts):
+        engine.add_request(f"nap-{request_id}", prompt, params)
+    for _ in range(4):  # the prompts and a few forking steps
+        engine.step()
+    assert engine.has_unfinished_requests()
+    assert len(engine.engine_core.scheduler.running) > len(prompts)  # beams have forked
+    tiny_llm.sleep(level=1)
+    tiny_llm.wake_up()
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out
+    got = [
+        [list(out.prompt_token_ids) + c.token_ids for c in out.outputs]
+        for out in (results[f"nap-{i}"] for i in range(len(prompts)))
+    ]
+    assert got == expected
+    assert kv.num_free_blocks == free_before
+    engine.engine_core.check_integrity()
