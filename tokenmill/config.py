@@ -26,6 +26,44 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message says which and why."""
 
 
+def check_kv_offloading_flags(
+    size: float | None,
+    backend: str | None,
+    disk_path: str | None,
+    disk_size: float | None,
+    enable_prefix_caching: bool,
+) -> None:
+    """Check the KV offloading flags together (sizes in GiB; None: not given).
+
+    Raises:
+        ConfigError: LMCache, a size that is not positive, a backend or disk tier without
+            the host tier, a disk path without its size (or the reverse), or offloading
+            without prefix caching.
+    """
+    if backend == "lmcache":
+        raise ConfigError(
+            "--kv-offloading-backend lmcache: tokenmill does not implement LMCache; "
+            "native offloading is built in"
+        )
+    if backend is not None and size is None:
+        raise ConfigError("--kv-offloading-backend needs --kv-offloading-size GiB")
+    for flag, value in (("size", size), ("disk-size", disk_size)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"--kv-offloading-{flag} must be positive GiB, got {value}")
+    if (disk_path is None) != (disk_size is None):
+        raise ConfigError("--kv-offloading-disk-path and --kv-offloading-disk-size go together")
+    if disk_path is not None and size is None:
+        raise ConfigError(
+            "--kv-offloading-disk-path needs --kv-offloading-size: the disk tier sits "
+            "behind the host-memory tier"
+        )
+    if size is not None and not enable_prefix_caching:
+        raise ConfigError(
+            "--kv-offloading-size extends the prefix cache: it needs prefix caching "
+            "(drop --no-enable-prefix-caching)"
+        )
+
+
 @dataclass
 class PoolerConfig:
     """How an embedding model turns its token states into one vector per input.

@@ -26,6 +26,7 @@ from tokenmill.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    check_kv_offloading_flags,
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
@@ -399,39 +400,14 @@ class EngineArgs:
             )
         if self.max_logprobs < 0:
             raise ConfigError(f"--max-logprobs must be non-negative, got {self.max_logprobs}")
-        self._check_offloading_flags()
-        return kv_bytes
-
-    def _check_offloading_flags(self) -> None:
-        size, disk_path, disk_size = (
+        check_kv_offloading_flags(
             self.kv_offloading_size,
+            self.kv_offloading_backend,
             self.kv_offloading_disk_path,
             self.kv_offloading_disk_size,
+            self.enable_prefix_caching,
         )
-        if self.kv_offloading_backend == "lmcache":
-            raise ConfigError(
-                "--kv-offloading-backend lmcache: tokenmill does not implement LMCache; "
-                "native offloading is built in"
-            )
-        if self.kv_offloading_backend is not None and size is None:
-            raise ConfigError("--kv-offloading-backend needs --kv-offloading-size GiB")
-        for flag, value in (("size", size), ("disk-size", disk_size)):
-            if value is not None and not value > 0:
-                raise ConfigError(f"--kv-offloading-{flag} must be positive GiB, got {value}")
-        if (disk_path is None) != (disk_size is None):
-            raise ConfigError(
-                "--kv-offloading-disk-path and --kv-offloading-disk-size go together"
-            )
-        if disk_path is not None and size is None:
-            raise ConfigError(
-                "--kv-offloading-disk-path needs --kv-offloading-size: the disk tier sits "
-                "behind the host-memory tier"
-            )
-        if size is not None and not self.enable_prefix_caching:
-            raise ConfigError(
-                "--kv-offloading-size extends the prefix cache: it needs prefix caching "
-                "(drop --no-enable-prefix-caching)"
-            )
+        return kv_bytes
 
     def _resolve_device(self) -> str:
         import torch
@@ -505,8 +481,9 @@ class EngineArgs:
             quantization=quantization,
         )
 
-    def _resolve_quantization(self, hf_config: Any, model: str, device: str, dtype: str
-                              ) -> str | None:
+    def _resolve_quantization(
+        self, hf_config: Any, model: str, device: str, dtype: str
+    ) -> str | None:
         """The weights' quantization method (``resolve_quantization``), checked against the
         device and dtype before any weight is read.
 
