@@ -77,10 +77,11 @@ def test_disk_tier_behind_a_small_host_tier(model_path, expected, tmp_path):
     stats = llm.llm_engine.counters.kv_offload
     assert stats["disk_hit_tokens"] > 0
     assert stats["disk_store_bytes"] > 0 and stats["disk_load_bytes"] > 0
-    assert any(p.name.startswith("tokenmill-kv-") for p in tmp_path.iterdir())
+    # The tier's file is unlinked once open: nothing is left behind, however the engine ends.
+    assert not any(p.name.startswith("tokenmill-kv-") for p in tmp_path.iterdir())
 
 
-def test_offloading_flags_are_checked(model_path):
+def test_offloading_flags_are_checked(model_path, tmp_path):
     from tokenmill.config import ConfigError
 
     with pytest.raises(ConfigError, match="lmcache"):
@@ -89,5 +90,10 @@ def test_offloading_flags_are_checked(model_path):
         make_llm(model_path, kv_offloading_size=1.0, kv_offloading_disk_path="/tmp")
     with pytest.raises(ConfigError, match="prefix caching"):
         make_llm(model_path, kv_offloading_size=1.0, enable_prefix_caching=False)
+    with pytest.raises(ConfigError, match="do not fit"):
+        make_llm(
+            model_path, kv_offloading_size=1.0, kv_offloading_disk_path=str(tmp_path / "kv"),
+            kv_offloading_disk_size=float(1 << 30),
+        )  # fmt: skip
     with pytest.raises(ConfigError, match="at least one KV block"):
         make_llm(model_path, kv_offloading_size=1e-6)

@@ -3,7 +3,8 @@ block moves the scheduler plans (``core/kv_offload.py``), made at the start of a
 
 A host slot holds one block of every layer, ``[layers, 2, block_size, kv_heads,
 head_dim]``, contiguous (pinned memory on CUDA, so copies to and from the device run as
-DMA); a disk slot holds the same bytes at ``slot * block_bytes`` of one preallocated file.
+DMA); a disk slot holds the same bytes at ``slot * block_bytes`` of one preallocated file,
+unlinked from its folder as soon as it is open (its space is freed when the process ends).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class KVOffloadStore:
             os.makedirs(disk_path, exist_ok=True)
             self.disk_file = os.path.join(disk_path, f"tokenmill-kv-{os.getpid()}.bin")
             self._fd = os.open(self.disk_file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            # NOTE: unlinked at once: the open descriptor keeps the file, and the system
+            # frees its space when the process ends, however it ends (no stale files).
+            os.unlink(self.disk_file)
             os.ftruncate(self._fd, disk_slots * self.block_bytes)
         self.stats: dict[str, float] = {}
 
@@ -127,5 +131,3 @@ class KVOffloadStore:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-            if self.disk_file is not None and os.path.exists(self.disk_file):
-                os.unlink(self.disk_file)

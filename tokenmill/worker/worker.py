@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 
 import torch
 
@@ -141,8 +143,8 @@ class Worker:
         """Blocks the host and disk offload tiers hold ((0, 0) without offloading).
 
         Raises:
-            ConfigError: a tier smaller than one block, or a host tier larger than the
-                memory available.
+            ConfigError: a tier smaller than one block, a host tier larger than the
+                memory available, or a disk tier larger than its file system's free space.
         """
         cc = self.config.cache_config
         if not cc.kv_offloading_bytes:
@@ -157,6 +159,8 @@ class Worker:
                 f"block ({per_block} bytes)"
             )
         check_host_memory(host * per_block)
+        if cc.kv_offloading_disk_path and disk:
+            _check_disk_space(cc.kv_offloading_disk_path, disk * per_block)
         return int(host), int(disk)
 
     def take_kv_offload_stats(self) -> dict[str, float]:
@@ -241,3 +245,18 @@ class Worker:
         """Launch a step; returns a handle whose ``get()`` gives its ModelRunnerOutput."""
         assert self.model_runner is not None
         return self.model_runner.execute_model_async(scheduler_output)
+
+
+def _check_disk_space(path: str, num_bytes: int) -> None:
+    """Raise ConfigError unless the file system holding ``path`` (or its nearest existing
+    parent) has ``num_bytes`` free: the disk tier's file is sparse, so a full disk would
+    otherwise surface as a failed write in the middle of serving."""
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free
+    if num_bytes > free:
+        raise ConfigError(
+            f"--kv-offloading-disk-size: {num_bytes / GiB:.2f} GiB do not fit the "
+            f"{free / GiB:.2f} GiB free under {path}"
+        )
