@@ -97,3 +97,28 @@ def smollm2_model(smollm2_gguf_path):
     cfg = cfg.create_engine_config()
     model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), TorchAttentionBackend)
     return model, cfg.model_config
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_checkpoints(tmp_path_factory, smollm2_tokenizer) -> tuple[str, str]:
+    """Two folders of the same 2-layer Llama with different random weights (safetensors,
+    written by transformers) and SmolLM2's tokenizer: for loading and replacing weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    folders = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32)
+        with torch.no_grad():  # larger weights than the default init: outputs differ by seed
+            for p in model.parameters():
+                p.normal_(0.0, 0.2)
+        path = tmp_path_factory.mktemp(f"tiny-llama-{seed}")
+        model.save_pretrained(path, safe_serialization=True)
+        smollm2_tokenizer.save_pretrained(path)
+        folders.append(str(path))
+    return folders[0], folders[1]

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tokenmill.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from tokenmill.version import __version__
 
 if TYPE_CHECKING:
@@ -13,6 +18,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
     "CompletionOutput",
     "Logprob",
     "RequestOutput",

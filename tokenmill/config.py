@@ -27,6 +27,44 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message says which and why."""
 
 
+def check_kv_offloading_flags(
+    size: float | None,
+    backend: str | None,
+    disk_path: str | None,
+    disk_size: float | None,
+    enable_prefix_caching: bool,
+) -> None:
+    """Check the KV offloading flags together (sizes in GiB; None: not given).
+
+    Raises:
+        ConfigError: LMCache, a size that is not positive, a backend or disk tier without
+            the host tier, a disk path without its size (or the reverse), or offloading
+            without prefix caching.
+    """
+    if backend == "lmcache":
+        raise ConfigError(
+            "--kv-offloading-backend lmcache: tokenmill does not implement LMCache; "
+            "native offloading is built in"
+        )
+    if backend is not None and size is None:
+        raise ConfigError("--kv-offloading-backend needs --kv-offloading-size GiB")
+    for flag, value in (("size", size), ("disk-size", disk_size)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"--kv-offloading-{flag} must be positive GiB, got {value}")
+    if (disk_path is None) != (disk_size is None):
+        raise ConfigError("--kv-offloading-disk-path and --kv-offloading-disk-size go together")
+    if disk_path is not None and size is None:
+        raise ConfigError(
+            "--kv-offloading-disk-path needs --kv-offloading-size: the disk tier sits "
+            "behind the host-memory tier"
+        )
+    if size is not None and not enable_prefix_caching:
+        raise ConfigError(
+            "--kv-offloading-size extends the prefix cache: it needs prefix caching "
+            "(drop --no-enable-prefix-caching)"
+        )
+
+
 @dataclass
 class PoolerConfig:
     """How an embedding model turns its token states into one vector per input.
@@ -140,6 +178,10 @@ class CacheConfig:
         enable_prefix_caching: reuse the KV of identical prompt prefixes across requests.
         cpu_kv_cache_memory: KV cache bytes on CPU when ``kv_cache_memory`` is unset.
         num_blocks: filled in once the worker has sized the cache.
+        kv_offloading_bytes: size of the host-memory tier that prefix-cache blocks evicted
+            from the device move to (0: none); see ``tokenmill.core.kv_offload``.
+        kv_offloading_disk_path: folder of the disk tier behind the host tier, or None.
+        kv_offloading_disk_bytes: size of the disk tier.
     """
 
     block_size: int = 16
@@ -148,6 +190,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     cpu_kv_cache_memory: int = 4 << 30
     num_blocks: int | None = None
+    kv_offloading_bytes: int = 0
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_bytes: int = 0
 
 
 @dataclass
@@ -304,3 +349,5 @@ class EngineConfig:
     disable_log_stats: bool = False
     # --max-model-len -1: the worker shrinks max_model_len to what the KV cache holds.
     max_model_len_auto: bool = False
+    # --enable-sleep-mode: the engine can free its weights and KV cache (worker/sleep_mode.py).
+    enable_sleep_mode: bool = False

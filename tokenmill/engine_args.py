@@ -26,6 +26,7 @@ from tokenmill.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    check_kv_offloading_flags,
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
@@ -181,6 +182,22 @@ class EngineArgs:
         "Token budget of one step. Default: 16384 (offline) / 8192 (server) on CUDA; "
         "4096 / 2048 on CPU."
     )
+    kv_offloading_size: float | None = _flag(
+        "GiB of host memory for a second KV tier (vLLM's flag): prefix-cache blocks evicted "
+        "from the device move there, and a later request whose prefix is there loads it "
+        "back instead of computing it again. Off by default."
+    )
+    kv_offloading_backend: str | None = _flag(
+        "How KV blocks are offloaded: native (the default with --kv-offloading-size).",
+        choices=["native", "lmcache"],
+    )
+    kv_offloading_disk_path: str | None = _flag(
+        "Folder for a third KV tier on disk, behind the host tier: blocks evicted from host "
+        "memory move there (needs --kv-offloading-size and --kv-offloading-disk-size)."
+    )
+    kv_offloading_disk_size: float | None = _flag(
+        "GiB of the disk tier (with --kv-offloading-disk-path)."
+    )
     enable_chunked_prefill: bool = _flag("Split long prompts across steps.", default=True)
     scheduling_policy: str = _flag(
         "fcfs: arrival order; priority: by the request's priority, then arrival.",
@@ -266,6 +283,12 @@ class EngineArgs:
         "without it image URLs are refused and images come as base64 data URLs.",
         nargs="+",
     )
+    enable_sleep_mode: bool = _flag(
+        "Let the engine sleep (POST /sleep, LLM.sleep): level 1 frees the weights (kept in "
+        "host memory) and the KV cache, level 2 drops the weights too; /wake_up brings them "
+        "back and /update_weights loads new ones in place.",
+        default=False,
+    )
     trust_remote_code: bool = _flag(
         "Accepted for compatibility: tokenmill never runs code from a model folder.",
         default=False,
@@ -310,6 +333,9 @@ class EngineArgs:
             kv_cache_memory=kv_bytes,
             enable_prefix_caching=self.enable_prefix_caching,
             cpu_kv_cache_memory=DEFAULT_CPU_KV_CACHE_BYTES,
+            kv_offloading_bytes=int((self.kv_offloading_size or 0) * (1 << 30)),
+            kv_offloading_disk_path=self.kv_offloading_disk_path,
+            kv_offloading_disk_bytes=int((self.kv_offloading_disk_size or 0) * (1 << 30)),
         )
         return EngineConfig(
             model_config=model_config,
@@ -323,6 +349,7 @@ class EngineArgs:
             disable_cascade_attn=self.disable_cascade_attn,
             disable_log_stats=self.disable_log_stats,
             max_model_len_auto=self.max_model_len == -1,
+            enable_sleep_mode=self.enable_sleep_mode,
         )
 
     def _check_flags(self) -> int | None:
@@ -387,6 +414,13 @@ class EngineArgs:
             )
         if self.max_logprobs < 0:
             raise ConfigError(f"--max-logprobs must be non-negative, got {self.max_logprobs}")
+        check_kv_offloading_flags(
+            self.kv_offloading_size,
+            self.kv_offloading_backend,
+            self.kv_offloading_disk_path,
+            self.kv_offloading_disk_size,
+            self.enable_prefix_caching,
+        )
         return kv_bytes
 
     def _resolve_device(self) -> str:
@@ -431,6 +465,8 @@ class EngineArgs:
             model_len = min(model_len, max_seq_length or model_len)
         elif self.pooler_config is not None:
             raise ConfigError("--pooler-config applies to embedding models only")
+        if pooler_config is not None and self.enable_sleep_mode:
+            raise ConfigError("--enable-sleep-mode applies to generative models only")
         max_model_len = self.max_model_len
         if max_model_len is None or max_model_len == -1:
             # -1 (largest that fits the KV cache) is settled by the worker once it has sized
@@ -479,8 +515,9 @@ class EngineArgs:
         except MultiModalConfigError as e:
             raise ConfigError(str(e)) from None
 
-    def _resolve_quantization(self, hf_config: Any, model: str, device: str, dtype: str
-                              ) -> str | None:
+    def _resolve_quantization(
+        self, hf_config: Any, model: str, device: str, dtype: str
+    ) -> str | None:
         """The weights' quantization method (``resolve_quantization``), checked against the
         device and dtype before any weight is read.
 

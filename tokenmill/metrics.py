@@ -29,6 +29,11 @@ prefix and a ``model_name`` label, mirroring vLLM's ``vllm:`` metrics so dashboa
 - ``tokenmill:request_params_n`` / ``request_params_max_tokens`` (histograms): the requests'
   ``n`` and ``max_tokens``
 - ``tokenmill:cache_config_info`` (gauge, always 1): the KV cache's configuration as labels
+- ``tokenmill:kv_offload_hit_tokens_total`` (counter, ``tier`` host|disk): prompt tokens
+  loaded back from an offload tier instead of being computed (``--kv-offloading-size``)
+- ``tokenmill:kv_offload_bytes_total`` (counter, ``tier``, ``direction`` store|load): KV bytes
+  moved into and out of each tier
+- ``tokenmill:kv_offload_seconds_total`` (counter, ``tier``): time spent moving them
 
 ``--metrics-compat vllm`` exports each of these under vLLM's ``vllm:`` name as well
 (``VllmNamesCollector``), so dashboards, alerts and autoscalers written for vLLM read them.
@@ -228,8 +233,42 @@ class PrometheusStatLogger:
             REQUEST_LATENCY_BUCKETS,
         )
         self._init_request_histograms(histogram)
+        self._init_offload_counters(engine_registry, names, model_name)
         if cache_config is not None:
             engine_registry.register(CacheConfigInfo(cache_config))
+
+    def _init_offload_counters(
+        self, engine_registry: CollectorRegistry, names: list[str], model_name: str
+    ) -> None:
+        """The KV offload tiers' counters, by tier (and direction)."""
+        tier = [*names, "tier"]
+        self._offload_hits = Counter(
+            PREFIX + "kv_offload_hit_tokens",
+            "Prompt tokens loaded back from a KV offload tier instead of being computed.",
+            tier,
+            registry=engine_registry,
+        )
+        self._offload_bytes = Counter(
+            PREFIX + "kv_offload_bytes",
+            "KV bytes moved into (store) and out of (load) a KV offload tier.",
+            [*tier, "direction"],
+            registry=engine_registry,
+        )
+        self._offload_seconds = Counter(
+            PREFIX + "kv_offload_seconds",
+            "Seconds spent moving KV blocks into and out of a KV offload tier.",
+            tier,
+            registry=engine_registry,
+        )
+        self._offload_metrics: dict[str, Counter] = {}
+        for t in ("host", "disk"):
+            labels = {"model_name": model_name, "tier": t}
+            self._offload_metrics[f"{t}_hit_tokens"] = self._offload_hits.labels(**labels)
+            self._offload_metrics[f"{t}_seconds"] = self._offload_seconds.labels(**labels)
+            for direction in ("store", "load"):
+                self._offload_metrics[f"{t}_{direction}_bytes"] = self._offload_bytes.labels(
+                    **labels, direction=direction
+                )
 
     def _init_request_histograms(self, histogram: Callable[..., Histogram]) -> None:
         """The per-request and per-step histograms vLLM exports beside the latencies."""
@@ -291,6 +330,9 @@ class PrometheusStatLogger:
             self.mm_hits.inc(scheduler_stats.mm_cache_hits)
             self.preemptions.inc(scheduler_stats.num_preemptions)
             self.constraint_failures.inc(scheduler_stats.num_constraint_failures)
+            for key, value in scheduler_stats.kv_offload_stats.items():
+                if value and key in self._offload_metrics:
+                    self._offload_metrics[key].inc(value)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
@@ -355,7 +397,14 @@ class CacheConfigInfo:
 
 VLLM_PREFIX = "vllm:"
 # tokenmill metrics that vLLM does not have: not exported under a vllm: name.
-TOKENMILL_ONLY = frozenset({"structured_output_failures"})
+TOKENMILL_ONLY = frozenset(
+    {
+        "structured_output_failures",
+        "kv_offload_hit_tokens",
+        "kv_offload_bytes",
+        "kv_offload_seconds",
+    }
+)
 
 
 class VllmNamesCollector:

@@ -92,6 +92,39 @@ class RequestOutput:
 
 
 @dataclass
+class BeamSearchSequence:
+    """One beam of a beam search (vLLM's ``BeamSearchSequence``).
+
+    Attributes:
+        tokens: the prompt's token ids followed by the beam's generated ones (its EOS token
+            included when it ended on one).
+        logprobs: per generated token, its logprob entry; empty (not computed) here.
+        cum_logprob: the sum of the generated tokens' log-probabilities.
+        text: ``tokens`` decoded, prompt and special tokens included (as vLLM's
+            ``LLM.beam_search``).
+        finish_reason: "stop" (an EOS token) or "length".
+        stop_reason: always None (beam search stops on EOS tokens only).
+        score: the length-normalised score the beams are ranked by:
+            ``cum_logprob / num_generated_tokens ** length_penalty``.
+    """
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    score: float = 0.0
+
+
+@dataclass
+class BeamSearchOutput:
+    """The result of one prompt's beam search: its best beams, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
 class EmbeddingOutput:
     """The pooled embedding of one input (embedding models)."""
 

@@ -479,3 +479,80 @@ class SamplingParams:
                 kwargs[dst] = generation_config[src]
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kwargs)
+
+
+@dataclass
+class BeamSearchParams:
+    """Parameters of a beam search (vLLM's ``BeamSearchParams``, for ``LLM.beam_search`` and
+    ``use_beam_search`` requests).
+
+    The search is deterministic and follows Hugging Face transformers' beam search
+    (``generate(num_beams=beam_width, do_sample=False)``): see ``tokenmill.core.beam_search``.
+
+    Args:
+        beam_width: beams kept at each step, and sequences returned (1..``MAX_N``).
+        max_tokens: most tokens a beam generates (>= 1).
+        ignore_eos: keep every beam going past the end-of-sequence token.
+        temperature: accepted as vLLM does; beams are ranked by the model's raw
+            log-probabilities, so it does not change the result (nor does it in vLLM).
+        length_penalty: a finished beam's score is its cumulative log-probability divided
+            by its generated length to this power (> 0 favours longer beams).
+        include_stop_str_in_output: accepted for vLLM compatibility (beam search stops on
+            the EOS token, which is left out of the text either way).
+        early_stopping: transformers' rule for ending the search: False (stop when no
+            running beam can beat the worst of ``beam_width`` finished ones at its current
+            length), True (stop once ``beam_width`` beams finished) or "never" (the same
+            comparison at the longest possible length).
+
+    Raises:
+        SamplingParamsError: a field is out of its range (the message names the field).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise SamplingParamsError(message, param)
+
+        check(
+            _is_int(self.beam_width) and 1 <= self.beam_width <= MAX_N,
+            "beam_width",
+            f"beam_width must be an integer in [1, {MAX_N}], got {self.beam_width!r}.",
+        )
+        check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            f"max_tokens must be at least 1, got {self.max_tokens!r}.",
+        )
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            check(
+                _is_real(value) and math.isfinite(value) and abs(value) <= _FLOAT32_MAX,
+                name,
+                f"{name} must be a finite number, got {value!r}.",
+            )
+        check(self.temperature >= 0.0, "temperature", "temperature must be non-negative.")
+        check(
+            self.early_stopping in (True, False, "never"),
+            "early_stopping",
+            f'early_stopping must be true, false or "never", got {self.early_stopping!r}.',
+        )
+
+    def engine_sampling_params(self, num_candidates: int) -> SamplingParams:
+        """What each beam's steps sample with: greedy, with the logprobs of the
+        ``num_candidates`` most likely next tokens (the search's candidates)."""
+        return SamplingParams(
+            temperature=0.0,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            logprobs=num_candidates,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )

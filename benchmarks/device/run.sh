@@ -129,7 +129,7 @@ stage() {  # stage NAME TIMEOUT CMD... (NAME gets $SFX, the STAGE@VARS label)
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "^QUANT|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|preempt" "$LOGS/$name.log" \
+  grep -aE "^BEAMSLEEP|^KVOFF|^QUANT|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|preempt" "$LOGS/$name.log" \
     | grep -v "warnings.warn" | tail -${TAIL_LINES:-25} | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
@@ -363,6 +363,9 @@ run_stage() {  # run_stage NAME: one stage of the list below
     tp_gptoss) gptoss_model; stage tp_gptoss 560 "${TM[@]}" bench throughput --model "$MGPTOSS" "${TPA[@]}" "${GPTOSS_TP[@]}" --output-json "$LOGS/tp_gptoss.json"; addjson tp_gptoss "$LOGS/tp_gptoss.json" ;;
     vllm_tp_gptoss) gptoss_model; stage vllm_tp_gptoss 560 vllm bench throughput --model "$MGPTOSS" "${TPA[@]}" "${GPTOSS_TP[@]}" --output-json "$LOGS/vllm_tp_gptoss.json"; addjson vllm_tp_gptoss "$LOGS/vllm_tp_gptoss.json" ;;
     gputests_arch) stage gputests_arch 300 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
+    beam_sleep) TAIL_LINES=40 stage beam_sleep 1200 python3 benchmarks/device/beam_sleep_bench.py "$M8" --output-json "$OUT/beam_sleep.json" ;;
+    kvoffload) stage kvoffload 900 python3 benchmarks/kv_offload_multiturn.py --model "$M8" --load-format dummy --conversations 48 --prompt-len 4096 --kv-cache-gib 8 --offload-gib 48 --output-json "$OUT/kvoffload.json" ;;
+    gputests_beam) PYTHONPATH="$XGP" stage gputests_beam 300 python3 -m pytest -q tests/gpu/test_beam_sleep_offload_gpu.py -p no:cacheprovider --timeout 200 ;;
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;
     vllm_tp_short) stage vllm_tp_short 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/vllm_tp_short.json"; addjson vllm_tp_short "$LOGS/vllm_tp_short.json" ;;
     vllm_tp_small) stage vllm_tp_small 300 vllm bench throughput --model "$M135" "${TPA[@]}" --random-input-len 256 --random-output-len 256 --num-prompts 2000 --output-json "$LOGS/vllm_tp_small.json"; addjson vllm_tp_small "$LOGS/vllm_tp_small.json" ;;

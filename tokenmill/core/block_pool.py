@@ -9,7 +9,7 @@ queue is ordered so that the least recently freed block is evicted first.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from tokenmill.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
@@ -24,12 +24,19 @@ class BlockPool:
     Args:
         num_blocks: blocks in the KV cache (ids ``0 .. num_blocks - 1``).
         enable_caching: keep full blocks in the prefix cache after their requests end.
+        on_evict: called with each cached free block just before it is handed out again
+            (its hash and KV still intact): the offload tiers save it there.
 
     Raises:
         ValueError: ``num_blocks`` is not positive.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool,
+        on_evict: Callable[[KVCacheBlock], None] | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -40,6 +47,7 @@ class BlockPool:
         # (e.g. two requests computed it before either could hit), the first one stays
         # cached and the second simply stays uncached; it is freed like any other block.
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.on_evict = on_evict
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the head of the free queue (LRU first).
@@ -54,6 +62,8 @@ class BlockPool:
         """
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
+            if self.on_evict is not None and block.block_hash is not None:
+                self.on_evict(block)
             self._evict(block)
             block.ref_cnt = 1
         return blocks

@@ -9,8 +9,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tokenmill.core.beam_search import FinishedBeam
 from tokenmill.multimodal.inputs import MultiModalFeature
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 
 
 class FinishReason(enum.IntEnum):
@@ -39,6 +40,8 @@ class EngineCoreRequest:
             same salt share prefix-cache blocks.
         mm_features: the prompt's images, processed, by offset (their placeholder tokens
             are in ``prompt_token_ids``); None for a text prompt.
+        beam_search: set for a beam-search request (``sampling_params`` then asks for the
+            candidates' logprobs); its one output carries the best beams.
     """
 
     request_id: str
@@ -48,6 +51,7 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     mm_features: list[MultiModalFeature] | None = None
+    beam_search: BeamSearchParams | None = None
 
 
 @dataclass
@@ -93,6 +97,7 @@ class EngineCoreOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         pooled: an embedding model's pooled (not yet normalized) vector of the request's
             input, on its one and last output.
+        beams: a beam-search request's best hypotheses, best first, on its one output.
     """
 
     request_id: str
@@ -103,6 +108,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     pooled: list[float] | None = None
+    beams: list[FinishedBeam] | None = None
 
     @property
     def finished(self) -> bool:
@@ -131,6 +137,10 @@ class SchedulerStats:
     num_total_blocks: int = 0
     mm_cache_queries: int = 0  # images looked up in the encoder cache
     mm_cache_hits: int = 0  # of those, found (not encoded again)
+    # KV offload tiers, since the last snapshot: "{tier}_hit_tokens" (tokens of admitted
+    # requests found there), "{tier}_store_bytes" / "{tier}_load_bytes" (moved into / out
+    # of the tier) and "{tier}_seconds" (spent moving), for tier "host" and "disk".
+    kv_offload_stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.core.block_pool import BlockPool
-from tokenmill.core.kv_cache_utils import KVCacheBlock, update_block_hashes
+from tokenmill.core.kv_cache_utils import BlockHash, KVCacheBlock, update_block_hashes
+from tokenmill.core.kv_offload import KVOffloadManager
 from tokenmill.core.request import Request
 from tokenmill.math_utils import cdiv
 
@@ -54,6 +55,8 @@ class KVCacheManager:
         max_model_len: the longest context (tokens) a request may allocate.
         enable_caching: automatic prefix caching on or off.
         log_stats: count prefix-cache queries and hits.
+        offload: the offload tiers behind the prefix cache (``core/kv_offload.py``), or
+            None; needs ``enable_caching``.
 
     Raises:
         ValueError: ``num_blocks`` or ``block_size`` is not positive.
@@ -66,14 +69,23 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         log_stats: bool = True,
+        offload: KVOffloadManager | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if offload is not None and not enable_caching:
+            raise ValueError("the offload tiers extend the prefix cache: enable caching")
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.log_stats = log_stats
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.offload = offload
+        self.block_pool = BlockPool(
+            num_blocks, enable_caching, on_evict=self._offload_block if offload else None
+        )
+        # request id -> the blocks of its prefix found in the offload tiers by the last
+        # get_computed_blocks, loaded by the allocate_slots that admits it.
+        self._offload_hits: dict[str, list[BlockHash]] = {}
         # request id -> its block table, in token order.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request id -> tokens its blocks were sized for (the largest allocation so far).
@@ -92,6 +104,9 @@ class KVCacheManager:
         this step fills, whose KV it would read before or while it is written)."""
         self._blocks_filled_this_step.clear()
         self.reads_step_kv = False
+        self._offload_hits.clear()
+        if self.offload is not None:
+            self.offload.begin_step()
 
     @property
     def num_blocks(self) -> int:
@@ -125,6 +140,10 @@ class KVCacheManager:
         if hits is None:
             return [], 0
         num_hit_tokens = len(hits) * self.block_size
+        if self.offload is not None:
+            offloaded = self._offloaded_prefix(request, len(hits))
+            self._offload_hits[request.request_id] = offloaded
+            num_hit_tokens += len(offloaded) * self.block_size
         if self.log_stats:
             self.prefix_cache_stats.requests += 1
             self.prefix_cache_stats.queries += request.num_tokens
@@ -134,7 +153,19 @@ class KVCacheManager:
     def num_cached_prefix_tokens(self, request: Request) -> int:
         """The tokens ``get_computed_blocks`` would find cached now, without counting the
         lookup in the prefix-cache statistics (a look ahead, not an admission)."""
-        return len(self._cached_prefix(request) or ()) * self.block_size
+        hits = self._cached_prefix(request)
+        if hits is None:
+            return 0
+        num_offloaded = len(self._offloaded_prefix(request, len(hits))) if self.offload else 0
+        return (len(hits) + num_offloaded) * self.block_size
+
+    def _offloaded_prefix(self, request: Request, num_device_hits: int) -> list[BlockHash]:
+        """The hashes of the request's blocks after its device hits that the offload tiers
+        hold (the same cap: at least the last token is computed)."""
+        assert self.offload is not None
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        rest = request.block_hashes[num_device_hits:max_hit_blocks]
+        return self.offload.lookup(rest)
 
     def _cached_prefix(self, request: Request) -> list[KVCacheBlock] | None:
         """The cached blocks of the request's prefix, or None if it may not use any."""
@@ -167,10 +198,14 @@ class KVCacheManager:
         ``request.num_computed_tokens`` by the hit and new tokens once the step is planned
         (``free`` relies on it).
 
+        Blocks of the prefix found in the offload tiers get fresh blocks, right after the
+        hits, which the worker fills from there before the step's forward pass.
+
         Args:
             request: the request.
             num_new_tokens: tokens to compute in this step (>= 0).
-            num_new_computed_tokens: prefix-cache hit tokens (from ``get_computed_blocks``).
+            num_new_computed_tokens: prefix-cache hit tokens (from ``get_computed_blocks``,
+                offloaded ones included).
             new_computed_blocks: the hit blocks (from ``get_computed_blocks``); only for a
                 request that holds no blocks yet.
 
@@ -189,8 +224,10 @@ class KVCacheManager:
                 return []
         hit_blocks = new_computed_blocks or []
         req_id = request.request_id
+        offloaded = self._offload_hits.pop(req_id, []) if num_new_computed_tokens else []
+        num_device_hit_tokens = num_new_computed_tokens - len(offloaded) * self.block_size
         blocks = self.req_to_blocks.get(req_id, [])
-        self._check_allocation(request, blocks, num_new_tokens, num_new_computed_tokens, hit_blocks)
+        self._check_allocation(request, blocks, num_new_tokens, num_device_hit_tokens, hit_blocks)
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_new_blocks = max(0, cdiv(num_tokens, self.block_size) - len(blocks) - len(hit_blocks))
         # NOTE: a hit on a free block takes it out of the free pool, so it counts here.
@@ -202,7 +239,15 @@ class KVCacheManager:
             self.reads_step_kv |= any(b.block_id in filled for b in hit_blocks)
         # Touch the hits before taking new blocks, so that those cannot evict them.
         self.block_pool.touch(hit_blocks)
+        load_slots = []
+        if offloaded:  # before taking blocks: their evictions must not reuse these slots
+            assert self.offload is not None
+            load_slots = self.offload.reserve_loads(offloaded, self.block_size)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        if load_slots:
+            assert self.offload is not None
+            targets = [b.block_id for b in new_blocks[: len(load_slots)]]
+            self.offload.add_loads(load_slots, targets)
         blocks = self.req_to_blocks.setdefault(req_id, [])
         blocks.extend(hit_blocks)
         blocks.extend(new_blocks)
@@ -255,6 +300,48 @@ class KVCacheManager:
         self.block_pool.uncache_blocks(blocks[num_computed_blocks:])
         self.block_pool.free_blocks(reversed(blocks))
 
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Give ``child`` (a copy of ``parent``'s tokens) ``parent``'s KV by reference.
+
+        The full blocks of the ``parent.num_computed_tokens`` computed tokens are shared
+        (one more reference each); the partly filled last block, in which the two diverge
+        as soon as each appends its own token, gets a fresh block for ``child``, to be
+        copied from the parent's by the worker before the next forward pass
+        (copy-on-write, Kwon et al. 2023, §4.4). Blocks beyond the computed tokens are
+        not shared.
+
+        Args:
+            parent: a request holding blocks.
+            child: a request holding none, with ``parent``'s ``num_computed_tokens``.
+
+        Returns:
+            The (parent block id, child block id) pairs to copy (none or one); None when
+            no block is free for the copy (nothing changed then).
+
+        Raises:
+            ValueError: ``parent`` holds no blocks or ``child`` already holds some.
+        """
+        blocks = self.req_to_blocks.get(parent.request_id)
+        if blocks is None or child.request_id in self.req_to_blocks:
+            raise ValueError(
+                f"cannot fork {parent.request_id!r} (holds blocks: {blocks is not None}) into "
+                f"{child.request_id!r}"
+            )
+        num_tokens = parent.num_computed_tokens
+        num_full = num_tokens // self.block_size
+        partial = blocks[num_full : cdiv(num_tokens, self.block_size)]
+        if len(partial) > self.block_pool.get_num_free_blocks():
+            return None
+        shared = blocks[:num_full]
+        self.block_pool.touch(shared)
+        copies = self.block_pool.get_new_blocks(len(partial))
+        self.req_to_blocks[child.request_id] = shared + copies
+        self.req_to_num_allocated_tokens[child.request_id] = num_tokens
+        self.num_cached_blocks[child.request_id] = min(
+            self.num_cached_blocks.get(parent.request_id, 0), num_full
+        )
+        return [(p.block_id, c.block_id) for p, c in zip(partial, copies, strict=True)]
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as block ids (empty if it holds no blocks)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
@@ -265,8 +352,17 @@ class KVCacheManager:
         return stats
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached blocks; only possible (True) when no block is in use."""
-        return self.block_pool.reset_prefix_cache()
+        """Forget all cached blocks, offloaded ones included; only possible (True) when no
+        block is in use."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.offload is not None:
+            self.offload.clear()
+        return True
+
+    def _offload_block(self, block: KVCacheBlock) -> None:
+        assert self.offload is not None and block.block_hash is not None
+        self.offload.store(block.block_hash, block.block_id)
 
     def check_integrity(self) -> None:
         """Check the pool and every block table.
@@ -278,6 +374,8 @@ class KVCacheManager:
                 number of tables holding it.
         """
         self.block_pool.check_integrity()
+        if self.offload is not None:
+            self.offload.check_integrity()
         holders = [0] * self.num_blocks
         for req_id, blocks in self.req_to_blocks.items():
             num_tokens = self.req_to_num_allocated_tokens.get(req_id, 0)

@@ -5,6 +5,7 @@ Torch-free: the scheduler and KV cache manager reason about token counts and blo
 
 from __future__ import annotations
 
+import copy
 import enum
 import time
 from typing import Any
@@ -98,6 +99,10 @@ class Request:
         self.grammar: Any = None
         # Timestamps (time.time()) for queue-time and TTFT accounting.
         self.first_scheduled_time: float | None = None
+        # Beam search: the request's group (core.beam_group.BeamGroup), set by the scheduler.
+        self.beam_group: Any = None
+        # A beam forked while running: it holds blocks but the worker has not seen it yet.
+        self.unseen_by_worker = False
 
     @classmethod
     def from_engine_core_request(
@@ -133,6 +138,17 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self._output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
+
+    def fork(self, request_id: str) -> Request:
+        """A copy under ``request_id`` with the same tokens, computed tokens and block
+        hashes (a beam forked from this one; its blocks are ``KVCacheManager.fork``'s)."""
+        child = copy.copy(self)
+        child.request_id = request_id
+        child._output_token_ids = list(self._output_token_ids)
+        child._all_token_ids = list(self._all_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.num_output_placeholders = 0
+        return child
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from tokenmill.core.admission import AdmissionHeadroom
+from tokenmill.core.beam_group import BeamScheduling
 from tokenmill.core.encoder_cache import EncoderCacheManager
 from tokenmill.core.engine_io import (
     CONSTRAINT_FAILURE_PREFIX,
@@ -28,17 +29,20 @@ from tokenmill.core.engine_io import (
     SchedulerStats,
 )
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.kv_offload import KVOffloadManager
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.prefill_pacing import PrefillPacing
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import create_request_queue
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.core.step_plan import StepPlan
+from tokenmill.core.stop_conditions import stop_status
 from tokenmill.math_utils import cdiv
 
 if TYPE_CHECKING:
     # Annotations only: core/ stays importable without the model-side packages.
     from tokenmill.config import CacheConfig, SchedulerConfig
+    from tokenmill.sampling_params import BeamSearchParams
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ class Scheduler:
         cache_config: block size and prefix caching.
         num_blocks: KV blocks available (as sized by the worker).
         log_stats: count prefix-cache hits and attach ``SchedulerStats`` to each output.
+        offload_slots: blocks of the host and disk offload tiers ((0, 0): none).
 
     Attributes:
         requests: every live (waiting or running) request, by id.
@@ -73,10 +78,11 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         log_stats: bool = True,
+        offload_slots: tuple[int, int] = (0, 0),
     ) -> None:
         self._init_config(scheduler_config, cache_config, log_stats)
         self._init_queues()
-        self._init_kv_cache(cache_config, num_blocks)
+        self._init_kv_cache(cache_config, num_blocks, offload_slots)
 
     def _init_config(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, log_stats: bool
@@ -131,8 +137,11 @@ class Scheduler:
         self._first_scheduled: dict[str, float] = {}
         self._num_preemptions = 0
         self._num_constraint_failures = 0
+        self.beams = BeamScheduling(self)
 
-    def _init_kv_cache(self, cache_config: CacheConfig, num_blocks: int) -> None:
+    def _init_kv_cache(
+        self, cache_config: CacheConfig, num_blocks: int, offload_slots: tuple[int, int]
+    ) -> None:
         self.num_blocks = num_blocks
         # NOTE: a request can never hold more tokens than the whole cache. Capping it there
         # (finish reason "length") keeps a lone request that outgrows the cache from being
@@ -164,17 +173,27 @@ class Scheduler:
             max_model_len=self.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
             log_stats=self.log_stats,
+            offload=KVOffloadManager(*offload_slots) if offload_slots[0] else None,
         )
 
     # ----------------------------------------------------------------- requests in/out
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, beam_search: BeamSearchParams | None = None) -> None:
         """Queue a request to be scheduled.
+
+        Args:
+            request: the request.
+            beam_search: makes it a beam-search request: the request becomes its beam 0
+                (id ``f"{request_id}/beam0"``); see ``core/beam_group.py``.
 
         Raises:
             ValueError: as ``check_request``.
         """
         self.check_request(request)
+        if beam_search is not None:
+            group_id = request.request_id
+            request.request_id = f"{group_id}/beam0"
+            self.beams.add(group_id, request, beam_search)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
 
@@ -188,7 +207,7 @@ class Scheduler:
         """
         req_id = request.request_id
         num_prompt = request.num_prompt_tokens
-        if req_id in self.requests:
+        if req_id in self.requests or req_id in self.beams.groups:
             raise ValueError(f"request id {req_id!r} is already in use")
         if num_prompt == 0:
             raise ValueError(f"request {req_id!r} has an empty prompt")
@@ -220,6 +239,7 @@ class Scheduler:
             raise ValueError(f"{finished_status!r} is not a finished status")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
+        request_ids = self.beams.expand_ids(request_ids)
         running_ids: set[str] = set()
         waiting: list[Request] = []
         for req_id in request_ids:
@@ -231,14 +251,14 @@ class Scheduler:
             else:
                 waiting.append(request)
             request.status = finished_status
-            self._free_request(request)
+            self.free_request(request)
         if running_ids:
             self.running = [r for r in self.running if r.request_id not in running_ids]
         if waiting:
             self.waiting.remove_requests(waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.beams.parked)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -250,6 +270,15 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache; only possible (True) when no block is in use."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def preempt_all(self) -> None:
+        """Preempt every running request, keeping their order (the engine is about to lose
+        its KV cache: sleep, new weights); they are computed again when they next run."""
+        plan = StepPlan(token_budget=0)
+        for request in reversed(self.running):
+            self._preempt(request, plan)
+        self.finished_req_ids |= plan.preempted_ids
+        self.beams.block_copies.clear()
 
     # ---------------------------------------------------------------------- schedule
 
@@ -278,6 +307,11 @@ class Scheduler:
         self._schedule_running(plan)
         if not plan.preempted_ids:
             self._schedule_waiting(plan)
+        if not plan.num_scheduled_tokens and self.waiting and self.beams.groups:
+            # Beams waiting for their siblings hold the blocks the siblings need.
+            for beam in self.beams.idle_beams():
+                self._preempt(beam, plan)
+            self._schedule_waiting(plan)
         return self._make_output(plan)
 
     def _schedule_running(self, plan: StepPlan) -> None:
@@ -296,9 +330,14 @@ class Scheduler:
             if num_new == 0:
                 continue
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
-            if new_block_ids is not None:
+            if new_block_ids is None:
+                continue
+            if request.unseen_by_worker:  # a beam forked since the last step
+                request.unseen_by_worker = False
+                plan.add_new(request, num_new)
+            else:
                 plan.add_running(request, num_new, new_block_ids)
-                self._commit_encoder(request, num_computed, num_new, to_encode, plan)
+            self._commit_encoder(request, num_computed, num_new, to_encode, plan)
 
     def _has_all_tokens_pending(self, request: Request) -> bool:
         """Async scheduling: the steps in flight already produce the request's last token
@@ -351,7 +390,8 @@ class Scheduler:
         self._num_preemptions += 1
         if self.headroom is not None:
             self.headroom.on_preempted()
-        self.waiting.prepend_request(request)
+        if not self.beams.on_preempted(request):
+            self.waiting.prepend_request(request)
         plan.preempted_ids.add(request.request_id)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
@@ -359,6 +399,11 @@ class Scheduler:
         reserved: int | None = None  # headroom for the running requests, once computed
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
+            if self.beams.groups and (
+                len(self.running) + self.beams.num_reserved_seqs()
+                + self.beams.num_seqs_needed(request) > self.max_num_seqs
+            ):  # fmt: skip
+                break  # the running beam searches may still fork into the free slots
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             budget = plan.budget_for(request)
             num_new = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
@@ -395,7 +440,9 @@ class Scheduler:
             request.num_cached_tokens = num_hit_tokens
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.time()
-            self._first_scheduled[request.request_id] = request.first_scheduled_time
+            group = request.beam_group
+            output_id = request.request_id if group is None else group.group_id
+            self._first_scheduled[output_id] = request.first_scheduled_time
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
         """Tokens to compute for ``request`` this step, from ``num_computed`` on (0: none).
@@ -446,6 +493,7 @@ class Scheduler:
             req_ids=[r.request_id for r in plan.running_reqs],
             new_block_ids=[plan.new_block_ids[r.request_id] for r in plan.running_reqs],
             num_computed_tokens=[r.num_computed_tokens for r in plan.running_reqs],
+            new_token_ids=self.beams.take_new_tokens(plan),
         )
         finished_req_ids = self.finished_req_ids | plan.preempted_ids
         self.finished_req_ids = set()
@@ -458,6 +506,8 @@ class Scheduler:
             reads_step_kv=kv.reads_step_kv,
             scheduled_encoder_inputs=plan.encoder.inputs,
             free_encoder_ids=self.encoder_cache.take_freed(),
+            block_copies=self.beams.take_block_copies(),
+            kv_transfers=kv.offload.take_transfers() if kv.offload is not None else None,
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -499,6 +549,11 @@ class Scheduler:
                 request.num_output_placeholders = max(
                     0, request.num_output_placeholders - len(step_tokens)
                 )
+            if request.beam_group is not None:
+                beam_output = self.beams.on_step(request, step_tokens, runner.logprobs.get(req_id))
+                if beam_output is not None:
+                    outputs.append(beam_output)
+                continue
             new_token_ids = self._append_tokens(request, step_tokens)
             prompt_logprobs = runner.prompt_logprobs.get(req_id)
             finished = request.is_finished()
@@ -524,7 +579,7 @@ class Scheduler:
                 finished_ids.add(req_id)
                 if self.headroom is not None:
                     self.headroom.on_finished(request)
-                self._free_request(request)
+                self.free_request(request)
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
         first_scheduled, self._first_scheduled = self._first_scheduled, {}
@@ -552,40 +607,13 @@ class Scheduler:
         for token_id in token_ids:
             request.append_output_token_ids([token_id])
             kept.append(token_id)
-            status = self._check_stop(request, token_id)
+            status = stop_status(request, token_id, self.max_context_len)
             if status is not None:
                 request.status = status
                 break
         return kept
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        """The finished status ``token_id`` (just appended) puts the request in, if any.
-
-        A request with structured outputs also advances its grammar: it stops once the
-        grammar is complete, and is aborted by a token the grammar does not allow (which
-        the sampler's mask rules out)."""
-        params = request.sampling_params
-        grammar = request.grammar
-        if grammar is not None and not grammar.accept(token_id):
-            logger.warning("request %s: token %d breaks its grammar", request.request_id, token_id)
-            # The sampler only lifts the grammar's mask when it allows no token at all.
-            request.stop_reason = (
-                f"{CONSTRAINT_FAILURE_PREFIX} the constraint admits no token after "
-                f"{request.num_output_tokens - 1} generated (it may admit no output at all)."
-            )
-            return RequestStatus.FINISHED_ABORTED
-        if token_id in request.eos_and_stop_ids and request.num_output_tokens >= params.min_tokens:
-            request.stop_reason = token_id if token_id in (params.stop_token_ids or ()) else None
-            return RequestStatus.FINISHED_STOPPED
-        if grammar is not None and grammar.is_complete:
-            return RequestStatus.FINISHED_STOPPED
-        if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if request.num_tokens >= self.max_context_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
-
-    def _free_request(self, request: Request) -> None:
+    def free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -609,6 +637,9 @@ class Scheduler:
             mm_cache_queries=self.encoder_cache.queries,
             mm_cache_hits=self.encoder_cache.hits,
         )
+        if kv.offload is not None:
+            hits = kv.offload.take_hit_tokens()
+            stats.kv_offload_stats = {f"{tier}_hit_tokens": n for tier, n in hits.items()}
         self._num_preemptions = self._num_constraint_failures = 0
         self.encoder_cache.queries = self.encoder_cache.hits = 0
         return stats

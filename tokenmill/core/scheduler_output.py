@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.core.kv_offload import KVTransfers
 from tokenmill.multimodal.inputs import MultiModalFeature
 from tokenmill.sampling_params import SamplingParams
 
@@ -52,11 +53,16 @@ class CachedRequestData:
         req_ids: the requests.
         new_block_ids: block ids appended to each request's block table this step.
         num_computed_tokens: tokens with KV cached before this step, per request.
+        new_token_ids: request id -> its tokens from ``num_computed_tokens`` on, for the
+            requests whose next tokens the scheduler chose rather than the worker's sampler
+            (beam search picks a beam's token among its candidates); the worker replaces
+            what it sampled by these.
     """
 
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -83,6 +89,10 @@ class SchedulerOutput:
             encoder output the worker computes (and caches) this step.
         free_encoder_ids: identifiers of encoder outputs the worker drops from its cache
             (before encoding this step's).
+        block_copies: (source, destination) KV block pairs the worker copies before the
+            step's forward pass: the block two beams diverge in (copy-on-write).
+        kv_transfers: KV blocks moved to and from the offload tiers before the step's
+            forward pass (and before ``block_copies``), or None.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -93,10 +103,23 @@ class SchedulerOutput:
     reads_step_kv: bool = False
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_ids: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def has_worker_work(self) -> bool:
+        """Whether the worker must see this output even with no token scheduled: requests
+        to drop, or KV blocks to copy."""
+        return bool(
+            self.total_num_scheduled_tokens
+            or self.finished_req_ids
+            or self.block_copies
+            or self.kv_transfers
+        )
 
     @classmethod
     def make_empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:

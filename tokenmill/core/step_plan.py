@@ -52,6 +52,9 @@ class StepPlan:
         self.token_budget += num_tokens
         if self.prefill_budget is not None and is_prefilling(request):
             self.prefill_budget += num_tokens
+        if request in self.new_reqs:  # a beam forked while running, first sent this step
+            self.new_reqs.remove(request)
+            return
         self.running_reqs.remove(request)
         del self.new_block_ids[request.request_id]
 

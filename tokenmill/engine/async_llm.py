@@ -41,7 +41,7 @@ from tokenmill.engine.request_collector import RequestOutputCollector
 from tokenmill.engine.stage_timings import FRONT_END_TIMINGS
 from tokenmill.engine_args import EngineArgs
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 from tokenmill.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,11 @@ _encoder = msgspec.msgpack.Encoder()
 
 class EngineDeadError(RuntimeError):
     """The engine process failed or exited; no request can be served."""
+
+
+class EngineCallError(ValueError):
+    """A call to the engine (sleep, wake_up, update_weights, ...) failed; the message says
+    why. The engine keeps serving."""
 
 
 class StatLogger(Protocol):
@@ -94,6 +99,8 @@ class AsyncLLM:
         self.dead_error: str | None = None
         self._death_callbacks: list[Callable[[str], None]] = []
         self._closed = False
+        # Sleep mode: True from a sleep() call until wake_up() brings everything back.
+        self.sleeping = False
         self._timed = envs.log_step_stats()
         # The engine process starts first: the tokenizer loads while it does.
         self._spawn_engine()
@@ -101,7 +108,9 @@ class AsyncLLM:
             self.tokenizer = get_tokenizer(
                 mc.model, mc.tokenizer if mc.tokenizer != mc.model else None
             )
-            self.input_processor = InputProcessor(mc, self.tokenizer, mc.max_logprobs)
+            self.input_processor = InputProcessor(
+                mc, self.tokenizer, mc.max_logprobs, config.scheduler_config.max_num_seqs
+            )
             self.output_processor = OutputProcessor(
                 self.tokenizer, log_stats=bool(self.stat_loggers)
             )
@@ -246,12 +255,16 @@ class AsyncLLM:
                 # turns and may still merge steps.
                 await asyncio.sleep(0)
             elif kind == MSG_UTILITY:
-                name, result = msgspec.msgpack.decode(payload)
+                name, result, error = msgspec.msgpack.decode(payload)
                 waiters = self._utility_waiters.get(name)
                 if waiters:
                     fut = waiters.pop(0)
-                    if not fut.done():
+                    if fut.done():
+                        continue
+                    if error is None:
                         fut.set_result(result)
+                    else:
+                        fut.set_exception(EngineCallError(error))
 
     def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.engine_error is not None:
@@ -312,12 +325,15 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: Any,
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | BeamSearchParams,
         request_id: str,
         priority: int = 0,
         validate_max_tokens: bool = True,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its outputs until it finishes.
+
+        With ``BeamSearchParams`` it is a beam search: one output, when the search ends,
+        with the best beams as its ``outputs`` (best first), as vLLM's ``beam_search``.
 
         Validation happens before the first yield, so an invalid request raises at once.
         Closing or cancelling the generator aborts the request in the engine.
@@ -385,6 +401,50 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._utility("reset_prefix_cache"))
+
+    # ---- sleep mode and weight updates --------------------------------------------------
+
+    # Sleeping, waking and loading weights move the model's whole memory (seconds, or
+    # minutes for a large checkpoint read from disk).
+    ENGINE_CALL_TIMEOUT_S = 1800.0
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the engine's weights and KV cache (``EngineCore.sleep``); new requests are
+        refused (``is_sleeping``) until ``wake_up``, requests in flight wait.
+
+        Raises:
+            EngineCallError: sleep mode is off, or an invalid level.
+        """
+        self.sleeping = True
+        try:
+            await self._utility("sleep", level, timeout_s=self.ENGINE_CALL_TIMEOUT_S)
+        except BaseException:
+            self.sleeping = bool(await self._utility("is_sleeping"))
+            raise
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and/or the KV cache (``None``: both).
+
+        Raises:
+            EngineCallError: an unknown tag.
+        """
+        await self._utility("wake_up", tags, timeout_s=self.ENGINE_CALL_TIMEOUT_S)
+        self.sleeping = bool(await self._utility("is_sleeping"))
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self._utility("is_sleeping"))
+
+    async def update_weights(self, path: str) -> None:
+        """Load new weights in place (``EngineCore.update_weights``).
+
+        Raises:
+            EngineCallError: the weights are asleep, or the checkpoint cannot be loaded.
+        """
+        await self._utility("update_weights", path, timeout_s=self.ENGINE_CALL_TIMEOUT_S)
+
+    async def memory_bytes(self) -> dict[str, int]:
+        """Device bytes the engine's weights and KV cache hold now."""
+        return dict(await self._utility("memory_bytes"))
 
     async def check_kv_integrity(self) -> bool:
         """Ask the core to verify its KV cache bookkeeping (raises there if broken)."""

@@ -66,14 +66,23 @@ class EngineCore:
         start = time.perf_counter()
         self.executor = (executor_factory or _default_executor)(config)
         num_blocks = self._init_kv_cache()
+        self._offload = bool(config.cache_config.kv_offloading_bytes)
+        offload_slots = (
+            self.executor.collective_rpc("kv_offload_slots")[0] if self._offload else (0, 0)
+        )
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, num_blocks, log_stats=log_stats
+            config.scheduler_config,
+            config.cache_config,
+            num_blocks,
+            log_stats=log_stats,
+            offload_slots=tuple(offload_slots),
         )
         self.log_stats = log_stats
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Async scheduling: the step in flight (its plan and its output handle).
         self._pending: tuple[SchedulerOutput, Any] | None = None
         self._failed: list[EngineCoreOutput] = []  # requests refused here, to report
+        self._asleep: set[str] = set()  # sleep mode: "weights", "kv_cache" while freed
         self._num_constraint_failures = 0  # of those, not yet in a SchedulerStats
         sc = config.scheduler_config
         logger.info(
@@ -145,7 +154,7 @@ class EngineCore:
         if req.request_id in self._grammars:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if request.sampling_params.structured_outputs is None:
-            self.scheduler.add_request(req)
+            self.scheduler.add_request(req, request.beam_search)
             return
         self.scheduler.check_request(req)
         self._grammars.submit(req)
@@ -225,6 +234,8 @@ class EngineCore:
         host schedules and processes outputs while the device computes, and the outputs
         returned are those of the previous step.
         """
+        if self._asleep:
+            return EngineCoreOutputs(timestamp=time.time())
         if len(self._grammars):
             if not self.scheduler.has_unfinished_requests() and self._pending is None:
                 # Nothing else to run: wait for a grammar rather than spin.
@@ -233,6 +244,9 @@ class EngineCore:
         outputs = self._step_async() if self.async_scheduling else self._step_sync()
         if self._failed:
             outputs.outputs[:0], self._failed = self._failed, []
+        if outputs.scheduler_stats is not None and self._offload:
+            worker_stats = self.executor.collective_rpc("take_kv_offload_stats")[0]
+            outputs.scheduler_stats.kv_offload_stats.update(worker_stats)
         if outputs.scheduler_stats is not None:
             # Requests whose grammars compile are waiting too (vLLM's WAITING_FOR_FSM).
             outputs.scheduler_stats.num_waiting_reqs += len(self._grammars)
@@ -243,8 +257,9 @@ class EngineCore:
     def _step_sync(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
-            # Still tell the worker about finished requests so it drops their state.
-            if scheduler_output.finished_req_ids:
+            # Still tell the worker about finished requests (it drops their state) and
+            # about blocks to copy.
+            if scheduler_output.has_worker_work:
                 self.executor.execute_model(scheduler_output)
             outputs = EngineCoreOutputs(timestamp=time.time())
             if self.log_stats:
@@ -263,7 +278,7 @@ class EngineCore:
         if so.total_num_scheduled_tokens == 0:
             if pending is not None:
                 outputs = self._collect(pending)
-            if so.finished_req_ids:
+            if so.has_worker_work:
                 self.executor.execute_model(so)  # the worker drops finished requests
             if self.log_stats and outputs.scheduler_stats is None:
                 outputs.scheduler_stats = self.scheduler.make_stats()
@@ -285,6 +300,82 @@ class EngineCore:
         scheduler_output, handle = pending
         outputs = self.scheduler.update_from_output(scheduler_output, handle.get())
         outputs.timestamp = time.time()
+        return outputs
+
+    # ---- sleep mode and weight updates --------------------------------------------------
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def sleep(self, level: int = 1) -> EngineCoreOutputs | None:
+        """Free the weights and the KV cache (``worker/sleep_mode.py``). Running requests
+        are preempted: they wait, and are computed again after ``wake_up``; so do requests
+        added meanwhile.
+
+        Returns:
+            The outputs of a step that was still in flight (async scheduling), or None.
+
+        Raises:
+            ValueError: sleep mode is off, or an invalid level.
+        """
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with --enable-sleep-mode")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._asleep:
+            return None
+        outputs = self._drop_kv_cache()
+        self.executor.collective_rpc("sleep", (level,))
+        self._asleep = {"weights", "kv_cache"}
+        return outputs
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and/or the KV cache (``None``: both); requests run again
+        once both are back.
+
+        Raises:
+            ValueError: an unknown tag.
+        """
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake-up tags {sorted(unknown)}: use weights, kv_cache")
+        if self._asleep:
+            self.executor.collective_rpc("wake_up", (tags,))
+            self._asleep -= set(tags)
+
+    def update_weights(self, path: str) -> EngineCoreOutputs | None:
+        """Load new weights in place (safetensors folder or file, or GGUF). The prefix cache
+        is emptied and running requests are preempted, so no KV of the old weights is read.
+
+        Returns:
+            As ``sleep``.
+
+        Raises:
+            ValueError: the weights are asleep.
+            ModelLoadError: the checkpoint cannot be read or does not fit the model.
+        """
+        if "weights" in self._asleep:
+            raise ValueError("the weights are asleep: wake them first (tags=['weights'])")
+        outputs = self._drop_kv_cache()
+        self.executor.collective_rpc("update_weights", (path,))
+        return outputs
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Device bytes the weights and the KV cache hold now."""
+        return self.executor.collective_rpc("memory_bytes")[0]
+
+    def _drop_kv_cache(self) -> EngineCoreOutputs | None:
+        """Finish the step in flight, preempt the running requests and empty the prefix
+        cache: nothing may read the KV cache after this."""
+        outputs = None
+        if self._pending is not None:
+            outputs = self._collect(self._pending)
+            self._pending = None
+        self.scheduler.preempt_all()
+        reset = self.scheduler.reset_prefix_cache()
+        assert reset, "blocks still in use after preempting every request"
         return outputs
 
     def check_integrity(self) -> None:

@@ -6,7 +6,7 @@ model loop. Messages are msgspec-msgpack encoded; each is a two-frame ZMQ messag
 ``[kind, payload]``:
 
   front end -> core:  b"add" EngineCoreRequest | b"abort" list[str] | b"utility" [name, args]
-  core -> front end:  b"out" EngineCoreOutputs | b"utility" [name, result]
+  core -> front end:  b"out" EngineCoreOutputs | b"utility" [name, result, error or None]
 
 Start-up (model loading, KV sizing) reports success or failure over a multiprocessing pipe.
 A failure in the loop is reported as ``EngineCoreOutputs(engine_error=...)`` before the
@@ -124,8 +124,12 @@ class EngineCoreProc:
             core.abort_requests(_ids_decoder.decode(payload))
         elif kind == MSG_UTILITY:
             name, args = msgspec.msgpack.decode(payload)
-            result = self._utility(name, args)
-            self.output.send_multipart([MSG_UTILITY, _encoder.encode([name, result])])
+            try:
+                reply = [name, self._utility(name, args), None]
+            except Exception as e:  # the caller gets the error; the engine keeps serving
+                logger.warning("%s failed: %s: %s", name, type(e).__name__, e)
+                reply = [name, None, f"{type(e).__name__}: {e}"]
+            self.output.send_multipart([MSG_UTILITY, _encoder.encode(reply)])
         else:
             logger.error("unknown message kind %r", kind)
 
@@ -137,6 +141,18 @@ class EngineCoreProc:
         if name == "check_integrity":
             self.engine_core.check_integrity()
             return True
+        if name in ("sleep", "update_weights"):
+            outputs = getattr(self.engine_core, name)(*args)
+            if outputs is not None and outputs.outputs:
+                self.output.send_multipart([MSG_OUT, _encoder.encode(outputs)])
+            return True
+        if name == "wake_up":
+            self.engine_core.wake_up(*args)
+            return True
+        if name == "is_sleeping":
+            return self.engine_core.is_sleeping
+        if name == "memory_bytes":
+            return self.engine_core.memory_bytes()
         raise ValueError(f"unknown utility {name!r}")
 
     def _drain_input(self, block: bool) -> None:
@@ -155,11 +171,13 @@ class EngineCoreProc:
         core = self.engine_core
         parent = os.getppid()
         while self.running:
-            had_work = core.has_unfinished_requests()
+            had_work = core.has_unfinished_requests() and not core.is_sleeping
             self._drain_input(block=not had_work)
             if os.getppid() != parent:  # the front end died without stopping us
                 logger.error("the front-end process is gone; the engine exits")
                 return
+            if core.is_sleeping:
+                continue  # requests wait for wake_up
             if not core.has_unfinished_requests():
                 if had_work and core.log_stats:
                     # Aborts emptied the engine: report it, or metrics would keep the

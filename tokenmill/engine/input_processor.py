@@ -15,7 +15,13 @@ from tokenmill.core.engine_io import EngineCoreRequest
 from tokenmill.engine.parallel_sampling import child_request_id, make_child_params, needs_fan_out
 from tokenmill.multimodal.inputs import MultiModalFeature
 from tokenmill.multimodal.media import MediaError
-from tokenmill.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
+from tokenmill.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    BeamSearchParams,
+    SamplingParams,
+    SamplingParamsError,
+)
 from tokenmill.tokenizer import encode_prompt
 
 if TYPE_CHECKING:
@@ -86,12 +92,19 @@ class InputProcessor:
         model_config: the served model (vocabulary size, context length, EOS ids).
         tokenizer: the model's tokenizer.
         max_logprobs: the most logprobs a request may ask for per position (-1: no limit).
+        max_num_seqs: the most sequences the engine runs at once (a beam search's width
+            may not exceed it); None: no limit.
     """
 
     def __init__(
-        self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, max_logprobs: int
+        self,
+        model_config: ModelConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        max_logprobs: int,
+        max_num_seqs: int | None = None,
     ) -> None:
         self.model_config = model_config
+        self.max_num_seqs = max_num_seqs
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
         self.vocab_size = model_config.vocab_size
@@ -157,7 +170,7 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
         validate_max_tokens: bool = True,
@@ -168,7 +181,8 @@ class InputProcessor:
             request_id: the user-facing id (unique among live requests).
             prompt: text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
                 (optionally with ``"cache_salt"``).
-            params: sampling parameters; not modified (the request gets a copy).
+            params: sampling parameters, or a beam search's; not modified (the request gets
+                a copy).
             arrival_time: ``time.time()`` of arrival (seconds); now if None.
             priority: scheduling priority (lower runs earlier).
             validate_max_tokens: reject prompt + max_tokens beyond the context (the API
@@ -189,6 +203,10 @@ class InputProcessor:
             # The engine's messages carry it as a 64-bit integer.
             raise InvalidRequestError(
                 f"priority must be a 64-bit signed integer, got {priority!r}.", "priority"
+            )
+        if isinstance(params, BeamSearchParams):
+            return self._process_beam_search(
+                request_id, prompt, params, arrival_time, priority, validate_max_tokens
             )
         text, prompt_ids, cache_salt = self._tokenize(prompt)
         mm_features = None
@@ -234,6 +252,62 @@ class InputProcessor:
         else:
             engine_requests = [core_request(request_id, params)]
         return ProcessedRequest(request_id, text, prompt_ids, params, engine_requests, arrival)
+
+    def _process_beam_search(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: BeamSearchParams,
+        arrival_time: float | None,
+        priority: int,
+        validate_max_tokens: bool,
+    ) -> ProcessedRequest:
+        """``process`` for a beam search: one engine request whose steps return the
+        ``max(2, 1 + number of EOS tokens) * beam_width`` candidates of each beam.
+
+        Raises:
+            InvalidRequestError: as ``process``, or a beam width above ``max_num_seqs`` or
+                with more candidates than the vocabulary has tokens.
+        """
+        if isinstance(prompt, dict) and (
+            prompt.get("multi_modal_data") is not None or prompt.get("mm_features")
+        ):
+            # Beams fork from a running request's blocks; the encoder cache and the image
+            # placeholders are not carried across forks.
+            raise InvalidRequestError(
+                "beam search does not take images (multi_modal_data).", "multi_modal_data"
+            )
+        text, prompt_ids, cache_salt = self._tokenize(prompt)
+        width = params.beam_width
+        if self.max_num_seqs is not None and width > self.max_num_seqs:
+            raise InvalidRequestError(
+                f"beam_width {width} is larger than the engine's --max-num-seqs "
+                f"({self.max_num_seqs}): every beam is a running sequence.",
+                "n",
+            )
+        num_eos = 0 if params.ignore_eos else len(self.eos_token_ids)
+        num_candidates = max(2, 1 + num_eos) * width
+        if num_candidates > self.vocab_size:
+            raise InvalidRequestError(
+                f"beam_width {width} needs {num_candidates} candidate tokens per step, more "
+                f"than the vocabulary's {self.vocab_size}.",
+                "n",
+            )
+        sampling = params.engine_sampling_params(num_candidates)
+        sampling.eos_token_ids = list(self.eos_token_ids)
+        self._validate_prompt(prompt_ids, sampling, validate_max_tokens)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=sampling,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+            beam_search=params,
+        )
+        return ProcessedRequest(
+            request_id, text, prompt_ids, sampling, [request], request.arrival_time
+        )
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's token ids as it would start the text and as it would follow a space

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.engine_io import SchedulerStats
+from tokenmill.core.engine_io import EngineCoreOutputs, SchedulerStats
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import IterationStats, OutputProcessor
 from tokenmill.engine_args import EngineArgs, UsageContext
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 from tokenmill.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -33,6 +33,8 @@ class EngineCounters:
     num_constraint_failures: int = 0  # requests ended for their structured-output constraint
     mm_cache_queries: int = 0  # images looked up in the encoder cache
     mm_cache_hits: int = 0  # of those, found
+    # KV offload tiers: SchedulerStats.kv_offload_stats, summed
+    kv_offload: dict[str, float] = field(default_factory=dict)
 
     def add(self, stats: SchedulerStats) -> None:
         self.mm_cache_queries += stats.mm_cache_queries
@@ -41,6 +43,8 @@ class EngineCounters:
         self.prefix_cache_hits += stats.prefix_cache_hits
         self.num_preemptions += stats.num_preemptions
         self.num_constraint_failures += stats.num_constraint_failures
+        for key, value in stats.kv_offload_stats.items():
+            self.kv_offload[key] = self.kv_offload.get(key, 0.0) + value
 
 
 class LLMEngine:
@@ -57,7 +61,9 @@ class LLMEngine:
         self.tokenizer = get_tokenizer(mc.model, mc.tokenizer if mc.tokenizer != mc.model else None)
         self.engine_core = EngineCore(config, log_stats=log_stats)
         # After the core: it may have shrunk max_model_len to the KV cache (-1).
-        self.input_processor = InputProcessor(mc, self.tokenizer, mc.max_logprobs)
+        self.input_processor = InputProcessor(
+            mc, self.tokenizer, mc.max_logprobs, config.scheduler_config.max_num_seqs
+        )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.last_iteration_stats: IterationStats | None = None
         self.last_scheduler_stats: SchedulerStats | None = None
@@ -73,15 +79,18 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> ProcessedRequest:
-        """Validate, tokenize and queue a request.
+        """Validate, tokenize and queue a request (a beam search with BeamSearchParams).
 
         Raises:
             InvalidRequestError, SamplingParamsError: the request cannot be served.
+            RuntimeError: the engine is asleep (``sleep``): nothing would run it.
         """
+        if self.engine_core.is_sleeping:
+            raise RuntimeError("the engine is asleep: call wake_up() before generating")
         # Offline, a request longer than the context simply stops there (as vLLM's LLM).
         processed = self.input_processor.process(
             request_id, prompt, params, arrival_time, priority, validate_max_tokens=False
@@ -121,6 +130,22 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the weights and the KV cache (``EngineCore.sleep``)."""
+        self._process(self.engine_core.sleep(level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine_core.wake_up(tags)
+
+    def update_weights(self, path: str) -> None:
+        """Load new weights in place (``EngineCore.update_weights``)."""
+        self._process(self.engine_core.update_weights(path))
+
+    def _process(self, outputs: EngineCoreOutputs | None) -> None:
+        """Take the outputs of a step that was in flight when the KV cache was dropped."""
+        if outputs is not None and outputs.outputs:
+            self.output_processor.process_outputs(outputs.outputs, outputs.timestamp or None)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -164,6 +164,7 @@ class RequestState:
         self.output_kind = output_kind
         self.queue = queue
         self.detokenize = params.detokenize
+        self.skip_special_tokens = params.skip_special_tokens
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
         self.logprobs = LogprobsProcessor(
             params.logprobs, params.prompt_logprobs, decode if params.detokenize else None
@@ -355,6 +356,10 @@ class OutputProcessor:
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue
+            if output.beams is not None:
+                beam_output = self._beam_search_output(state, output, now, stats)
+                self._deliver(beam_output, state.queue, request_outputs)
+                continue
             self._record_tokens(state, len(output.new_token_ids), now, stats)
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
             stop_str = state.detokenizer.update(
@@ -388,6 +393,38 @@ class OutputProcessor:
             if parent_output is not None:
                 self._deliver(parent_output, entry.queue, request_outputs)
         return OutputProcessorResult(request_outputs, reqs_to_abort, stats)
+
+    def _beam_search_output(
+        self,
+        state: RequestState,
+        output: EngineCoreOutput,
+        now: float,
+        stats: IterationStats | None,
+    ) -> RequestOutput:
+        """A beam search's one output: its best beams as completions, best first. A beam's
+        text leaves out the EOS token that ended it (as vLLM's)."""
+        assert output.beams is not None
+        completions = []
+        for i, beam in enumerate(output.beams):
+            token_ids = list(beam.token_ids)
+            shown = token_ids[:-1] if beam.finish_reason == "stop" else token_ids
+            text = self.tokenizer.decode(shown, skip_special_tokens=state.skip_special_tokens)
+            completions.append(
+                CompletionOutput(i, text, token_ids, beam.cum_logprob, None, beam.finish_reason)
+            )
+        self._record_tokens(state, sum(len(c.token_ids) for c in completions), now, stats)
+        state.num_cached_tokens = output.num_cached_tokens
+        self._finish_state(state, str(output.finish_reason), now, stats)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=completions,
+            finished=True,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+        )
 
     def _record_scheduled(self, first_scheduled: dict[str, float]) -> None:
         for request_id, t in first_scheduled.items():

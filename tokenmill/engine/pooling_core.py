@@ -62,6 +62,8 @@ class PoolingEngineCore:
 
     # No scheduler statistics: an encoder has no KV cache or running requests to report.
     log_stats = False
+    # No sleep mode (--enable-sleep-mode is for generative models).
+    is_sleeping = False
 
     def __init__(
         self, config: EngineConfig, runner_factory: Callable[[EngineConfig], Any] | None = None

@@ -10,6 +10,8 @@ the engine process (``AsyncLLM``), so neither stalls the other. Routes:
 - POST /v1/messages, /v1/messages/count_tokens (``anthropic/router.py``), whose errors take
   Anthropic's shape
 - GET /dashboard, the live web view (``dashboard/``; ``openai/observability.py``)
+- POST /sleep, /wake_up, /update_weights, GET /is_sleeping with ``--enable-sleep-mode``
+  (``openai/sleep_routes.py``)
 - GET /openapi.json, the document of them all (``openai/openapi.py``)
 
 With ``--api-key`` every route but the probes and the dashboard needs the key (``auth.py``).
@@ -33,6 +35,7 @@ from tokenmill.engine.embedding_engine import AsyncEmbeddingEngine
 from tokenmill.entrypoints.anthropic.errors import error_response_for
 from tokenmill.entrypoints.anthropic.router import add_messages_api
 from tokenmill.entrypoints.auth import APIKeyMiddleware
+from tokenmill.entrypoints.openai import sleep_routes
 from tokenmill.entrypoints.openai.body_limit import add_body_size_limit
 from tokenmill.entrypoints.openai.observability import install_observability, make_stat_loggers
 from tokenmill.entrypoints.openai.openapi import install_openapi
@@ -110,6 +113,7 @@ def build_app(
     state.serving_completion = OpenAIServingCompletion(engine, request_logger)
     add_responses_api(app, state.serving_chat, getattr(args, "max_stored_responses", None))
     add_messages_api(app, state.serving_chat)
+    app.include_router(sleep_routes.router)
     return app
 
 

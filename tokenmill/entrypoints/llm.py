@@ -14,8 +14,13 @@ from tokenmill.engine.embedding_engine import EmbeddingEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine_args import EngineArgs
 from tokenmill.multimodal.media import split_chat_images
-from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
+from tokenmill.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from tokenmill.tokenizer import encode_prompt, load_chat_template, render_chat_template
 
 # vLLM keyword names that map onto a differently named EngineArgs field.
@@ -159,6 +164,82 @@ class LLM:
             raise
         return self._run_engine(ids, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's ``LLM.beam_search``); the prompts run
+        together, their beams sharing KV blocks (see ``tokenmill.core.beam_group``).
+
+        Args:
+            prompts: a prompt or a list of prompts: text, token ids, or
+                ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``.
+            params: the beam width, length and scoring (``BeamSearchParams``).
+            lora_request: accepted in vLLM's position; must be None (no LoRA adapters).
+            use_tqdm: show a progress bar.
+            concurrency_limit: the most prompts searched at once (None: all of them);
+                the others wait for a group to finish, as in vLLM.
+
+        Returns:
+            One BeamSearchOutput per prompt, in order: its ``params.beam_width`` best beams,
+            best first. As in vLLM, ``.tokens`` holds the prompt's tokens and the beam's,
+            and ``.text`` decodes them all (prompt and special tokens included).
+
+        Raises:
+            ValueError: an invalid prompt or parameter, a LoRA request or a
+                ``concurrency_limit`` below 1 (nothing is run then).
+        """
+        engine = self._generation_engine()
+        if lora_request is not None:
+            raise ValueError("beam_search: LoRA adapters are not supported (lora_request)")
+        prompt_list = self._as_prompt_list(prompts)
+        limit = len(prompt_list) if concurrency_limit is None else concurrency_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"concurrency_limit must be a positive integer, got {limit!r}")
+        if limit < len(prompt_list):
+            for prompt in prompt_list:  # every prompt is checked before any runs
+                engine.input_processor.process("check", prompt, params, validate_max_tokens=False)
+        outputs: list[BeamSearchOutput] = []
+        for start in range(0, len(prompt_list), limit):
+            outputs += self._beam_search_group(prompt_list[start : start + limit], params, use_tqdm)
+        return outputs
+
+    def _beam_search_group(
+        self, prompt_list: list[PromptInput], params: BeamSearchParams, use_tqdm: bool
+    ) -> list[BeamSearchOutput]:
+        engine = self._generation_engine()
+        ids = []
+        try:
+            for prompt in prompt_list:
+                request_id = str(next(self._counter))
+                engine.add_request(request_id, prompt, params)
+                ids.append(request_id)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        tokenizer = self.get_tokenizer()
+        outputs = []
+        for out in self._run_engine(ids, use_tqdm):
+            sequences = []
+            for c in out.outputs:
+                tokens = list(out.prompt_token_ids) + c.token_ids
+                sequences.append(
+                    BeamSearchSequence(
+                        tokens=tokens,
+                        cum_logprob=c.cumulative_logprob or 0.0,
+                        text=tokenizer.decode(tokens),
+                        finish_reason=c.finish_reason,
+                        score=(c.cumulative_logprob or 0.0)
+                        / max(1, len(c.token_ids)) ** params.length_penalty,
+                    )
+                )
+            outputs.append(BeamSearchOutput(sequences))
+        return outputs
+
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -201,6 +282,37 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self._generation_engine().reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's memory (``LLM(..., enable_sleep_mode=True)``): level 1 keeps the
+        weights in host memory (a temporary file on CPU), level 2 drops them; the KV cache
+        is freed either way. ``generate`` raises until ``wake_up``.
+
+        Raises:
+            ValueError: sleep mode is off, or a level other than 1 or 2.
+        """
+        self._generation_engine().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and the KV cache, or only those named in ``tags``
+        (``["weights"]``, ``["kv_cache"]``). Weights dropped at level 2 are read again from
+        the model's checkpoint unless ``update_weights`` loaded others.
+
+        Raises:
+            ValueError: an unknown tag.
+        """
+        self._generation_engine().wake_up(tags)
+
+    def update_weights(self, path: str) -> None:
+        """Load new weights into the running engine, in place: a model folder or a
+        ``.safetensors`` file holding every parameter, or a ``.gguf`` file. The prefix cache
+        is emptied, so later requests read only KV of the new weights.
+
+        Raises:
+            ValueError: the weights are asleep (``wake_up(["weights"])`` first).
+            ModelLoadError: the checkpoint cannot be read or does not fit the model.
+        """
+        self._generation_engine().update_weights(path)
+
     @staticmethod
     def _as_prompt_list(prompts: Any) -> list[PromptInput]:
         if isinstance(prompts, (str, dict)):
@@ -213,8 +325,12 @@ class LLM:
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self._generation_engine()
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
-                   disable=not use_tqdm)
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            dynamic_ncols=True,
+            disable=not use_tqdm,
+        )
         start = time.perf_counter()
         prompt_tokens = output_tokens = 0
         while engine.has_unfinished_requests():

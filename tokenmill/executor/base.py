@@ -39,5 +39,10 @@ class Executor(abc.ABC):
         gives the ModelRunnerOutput (async scheduling)."""
         raise NotImplementedError(f"{type(self).__name__} does not run steps asynchronously")
 
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """Call ``method(*args)`` on every worker (sleep, wake_up, update_weights, ...);
+        returns their results in rank order (vLLM's ``collective_rpc``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not call its workers by name")
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release workers and devices."""

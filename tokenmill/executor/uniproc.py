@@ -32,3 +32,6 @@ class UniProcExecutor(Executor):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput):
         return self.worker.execute_model_async(scheduler_output)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        return [getattr(self.worker, method)(*args)]

@@ -3,6 +3,8 @@ first touch, and how much memory a CPU KV cache may take."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import mmap
 
@@ -81,3 +83,14 @@ def check_host_memory(kv_bytes: int) -> None:
             f"the KV cache would take {kv_bytes / GiB:.2f} GiB, but only "
             f"{available / GiB:.2f} GiB of memory is available; lower --kv-cache-memory"
         )
+
+
+def release_free_host_memory() -> None:
+    """Return the C heap's free memory to the operating system (glibc's ``malloc_trim``),
+    so that freed tensors leave the process's resident memory; a no-op elsewhere."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass

@@ -131,6 +131,18 @@ class InputBatch:
         self.requests[req_id].num_computed_tokens = num_computed_tokens
         self.num_computed_tokens[self.row_of[req_id]] = num_computed_tokens
 
+    def set_tokens(self, req_id: str, start: int, token_ids: list[int]) -> None:
+        """Make ``token_ids`` the request's tokens from position ``start`` on (tokens the
+        scheduler chose, replacing what this worker sampled there); ``start`` is at least
+        the prompt's length."""
+        state = self.requests[req_id]
+        num_prompt = len(state.prompt_token_ids)
+        state.output_token_ids[start - num_prompt :] = token_ids
+        row = self.row_of[req_id]
+        end = min(start + len(token_ids), self.max_model_len)
+        self.token_ids[row, start:end] = token_ids[: end - start]
+        self.num_tokens[row] = end
+
     def append_token(self, req_id: str, token_id: int) -> None:
         """Record a sampled token (it is the next step's input for this request)."""
         state = self.requests[req_id]

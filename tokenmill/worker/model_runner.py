@@ -25,12 +25,18 @@ from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
-from tokenmill.model.layers.attention import Attention, bind_kv_caches
-from tokenmill.model.loader.model_loader import get_model, torch_dtype
+from tokenmill.model.layers.attention import Attention, bind_kv_caches, unbind_kv_caches
+from tokenmill.model.loader.model_loader import (
+    get_model,
+    reload_weights,
+    torch_dtype,
+)
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.host_memory import zeroed_tensor
 from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.kv_blocks import copy_kv_blocks
+from tokenmill.worker.kv_offload import KVOffloadStore
 from tokenmill.worker.multimodal import MultiModalState, StepImages
 from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
 from tokenmill.worker.sampling_metadata import (
@@ -39,6 +45,7 @@ from tokenmill.worker.sampling_metadata import (
     build_plain_sampling_metadata,
     build_sampling_metadata,
 )
+from tokenmill.worker.sleep_mode import SleepMode
 from tokenmill.worker.step_graphs import StepGraphs
 from tokenmill.worker.step_io import AsyncModelRunnerOutput, StepInputs, leading_ones
 from tokenmill.worker.step_staging import DeviceArena, StepStaging
@@ -77,6 +84,13 @@ class ModelRunner:
         self.mm: MultiModalState | None = None
         self._step_images: StepImages | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # The layers' KV caches are views of this one tensor (``[layers, 2, blocks, ...]``).
+        self.kv_arena: torch.Tensor | None = None
+        self.num_blocks = 0
+        # Sleep mode (``--enable-sleep-mode``): set once the model is loaded.
+        self.sleep_mode: SleepMode | None = None
+        # The KV offload tiers' host pool and disk file (``--kv-offloading-size``).
+        self.kv_offload: KVOffloadStore | None = None
         self.sampler = Sampler()
         # The CUDA graphs (``plan_cuda_graphs``); None: every step runs eagerly.
         self.graphs: StepGraphs | None = None
@@ -142,6 +156,22 @@ class ModelRunner:
             self.cascade_attn = False
         if hasattr(self.model, "encode_images"):
             self.mm = MultiModalState(self.model, self.device)
+        if c.enable_sleep_mode:
+            self.sleep_mode = SleepMode(self)
+
+    def reload_weights(self, path: str | None = None) -> None:
+        """Load the weights again, in place, from ``path`` (a model folder, ``.safetensors``
+        or ``.gguf`` file; default: the model's own checkpoint, in its load format).
+
+        Raises:
+            ModelLoadError: unreadable files, or tensors that do not fit the model.
+        """
+        assert self.model is not None
+        c = self.config
+        reload_weights(
+            self.model, c.model_config, c.load_config, self.device, self.attn_backend,
+            c.kernel_config, path,
+        )  # fmt: skip
 
     def model_weight_bytes(self) -> int:
         """Bytes of the model's parameters and buffers on the device."""
@@ -156,7 +186,8 @@ class ModelRunner:
         return per_layer * mc.get_num_layers() * torch.tensor([], dtype=self.dtype).element_size()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer and bind it.
+        """Allocate one ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` tensor and
+        bind each layer its ``[2, num_blocks, ...]`` view.
 
         Zero-filled: attention reads padded block-table entries under a mask, and masked
         garbage could be NaN, which a mask does not cancel (0 * NaN = NaN). On the CPU the
@@ -166,12 +197,31 @@ class ModelRunner:
         shape = self.attn_backend.get_kv_cache_shape(
             num_blocks, self.block_size, mc.get_num_kv_heads(), mc.get_head_dim()
         )
-        self.kv_caches = [
-            zeroed_tensor(tuple(shape), self.dtype, self.device)
-            for _ in range(mc.get_num_layers())
-        ]
+        self.num_blocks = num_blocks
+        self.kv_arena = zeroed_tensor((mc.get_num_layers(), *shape), self.dtype, self.device)
+        self.kv_caches = list(self.kv_arena.unbind(0))
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache's memory (sleep). On CUDA the layers keep their views of the
+        empty storage, which ``restore_kv_cache`` re-allocates in place."""
+        assert self.kv_arena is not None and self.model is not None
+        if self.device.type == "cuda":
+            self.kv_arena.untyped_storage().resize_(0)
+            return
+        unbind_kv_caches(self.model)
+        self.kv_caches, self.kv_arena = [], None
+
+    def restore_kv_cache(self) -> None:
+        """Allocate the KV cache again, zero-filled (after ``release_kv_cache``)."""
+        arena = self.kv_arena
+        if self.device.type == "cuda":
+            assert arena is not None
+            arena.untyped_storage().resize_(arena.numel() * arena.element_size())
+            arena.zero_()
+            return
+        self.initialize_kv_cache(self.num_blocks)
 
     def plan_cuda_graphs(self) -> StepGraphs | None:
         """The CUDA graphs start-up captures (``StepGraphs.plan``), uncaptured, planned once;
@@ -207,6 +257,13 @@ class ModelRunner:
         ):
             batch.append_blocks(req_id, block_ids)
             batch.set_num_computed(req_id, num_computed)
+        if so.kv_transfers:
+            assert self.kv_offload is not None and self.kv_arena is not None
+            self.kv_offload.apply(so.kv_transfers, self.kv_arena)
+        for req_id, token_ids in cached.new_token_ids.items():
+            batch.set_tokens(req_id, int(batch.requests[req_id].num_computed_tokens), token_ids)
+        if so.block_copies:
+            copy_kv_blocks(self.kv_caches, so.block_copies)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         self._parity ^= 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 
 import torch
 
@@ -11,8 +13,10 @@ from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.worker.host_memory import GiB, check_host_memory
+from tokenmill.worker.kv_offload import KVOffloadStore
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_compile import compile_first
+from tokenmill.worker.sleep_mode import SleepMode
 from tokenmill.worker.start_up_passes import profile_run, warm_up_attention, warm_up_sampler
 
 logger = logging.getLogger(__name__)
@@ -123,8 +127,46 @@ class Worker:
         return budget
 
     def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache and, with ``--kv-offloading-size``, its offload tiers."""
+        runner = self.model_runner
+        assert runner is not None
+        runner.initialize_kv_cache(num_blocks)
+        host_slots, disk_slots = self.kv_offload_slots()
+        if host_slots:
+            assert runner.kv_arena is not None
+            cc = self.config.cache_config
+            runner.kv_offload = KVOffloadStore(
+                runner.kv_arena, host_slots, cc.kv_offloading_disk_path, disk_slots
+            )
+
+    def kv_offload_slots(self) -> tuple[int, int]:
+        """Blocks the host and disk offload tiers hold ((0, 0) without offloading).
+
+        Raises:
+            ConfigError: a tier smaller than one block, a host tier larger than the
+                memory available, or a disk tier larger than its file system's free space.
+        """
+        cc = self.config.cache_config
+        if not cc.kv_offloading_bytes:
+            return 0, 0
         assert self.model_runner is not None
-        self.model_runner.initialize_kv_cache(num_blocks)
+        per_block = self.model_runner.kv_cache_bytes_per_block()
+        host = cc.kv_offloading_bytes // per_block
+        disk = cc.kv_offloading_disk_bytes // per_block
+        if host < 1 or (cc.kv_offloading_disk_path and disk < 1):
+            raise ConfigError(
+                f"--kv-offloading-size / --kv-offloading-disk-size must hold at least one KV "
+                f"block ({per_block} bytes)"
+            )
+        check_host_memory(host * per_block)
+        if cc.kv_offloading_disk_path and disk:
+            _check_disk_space(cc.kv_offloading_disk_path, disk * per_block)
+        return int(host), int(disk)
+
+    def take_kv_offload_stats(self) -> dict[str, float]:
+        """Bytes moved and seconds spent by the offload tiers since the last call."""
+        store = self.model_runner.kv_offload if self.model_runner is not None else None
+        return store.take_stats() if store is not None else {}
 
     def warm_up(self) -> None:
         """Compile/capture what the device needs before serving (kernel variants, CUDA
@@ -146,6 +188,53 @@ class Worker:
         if graphs is not None:
             runner.capture_cuda_graphs()
 
+    # ---- sleep mode and weight updates ---------------------------------------------------
+
+    def _sleep_mode(self) -> SleepMode:
+        assert self.model_runner is not None
+        if self.model_runner.sleep_mode is None:
+            raise ValueError("sleep mode is off: start the engine with --enable-sleep-mode")
+        return self.model_runner.sleep_mode
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the weights (level 1: kept on the host; level 2: dropped) and the KV cache."""
+        self._sleep_mode().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and/or the KV cache (``None``: both)."""
+        self._sleep_mode().wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        mode = self.model_runner.sleep_mode if self.model_runner is not None else None
+        return mode is not None and mode.is_sleeping
+
+    def update_weights(self, path: str) -> None:
+        """Load new weights in place from ``path`` (safetensors folder or file, or GGUF).
+
+        Raises:
+            ValueError: the weights are asleep (wake them first).
+            ModelLoadError: the checkpoint cannot be read or does not fit the model.
+        """
+        assert self.model_runner is not None
+        mode = self.model_runner.sleep_mode
+        if mode is not None and "weights" in mode.asleep:
+            raise ValueError(
+                "the weights are asleep: wake them first (wake_up with tags=['weights'])"
+            )
+        self.model_runner.reload_weights(path)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the weights and the KV cache hold on the device now."""
+        runner = self.model_runner
+        assert runner is not None
+        if runner.sleep_mode is not None:
+            return runner.sleep_mode.memory_bytes()
+        kv = runner.kv_arena
+        return {
+            "weights": runner.model_weight_bytes(),
+            "kv_cache": 0 if kv is None else kv.numel() * kv.element_size(),
+        }
+
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
     ) -> ModelRunnerOutput:
@@ -156,3 +245,18 @@ class Worker:
         """Launch a step; returns a handle whose ``get()`` gives its ModelRunnerOutput."""
         assert self.model_runner is not None
         return self.model_runner.execute_model_async(scheduler_output)
+
+
+def _check_disk_space(path: str, num_bytes: int) -> None:
+    """Raise ConfigError unless the file system holding ``path`` (or its nearest existing
+    parent) has ``num_bytes`` free: the disk tier's file is sparse, so a full disk would
+    otherwise surface as a failed write in the middle of serving."""
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free
+    if num_bytes > free:
+        raise ConfigError(
+            f"--kv-offloading-disk-size: {num_bytes / GiB:.2f} GiB do not fit the "
+            f"{free / GiB:.2f} GiB free under {path}"
+        )

@@ -47,7 +47,6 @@ UNIMPLEMENTED_FLAGS = (
     "--distributed-executor-backend",
     "--cpu-offload-gb",
     "--swap-space",
-    "--enable-sleep-mode",
     "--ssl-keyfile",
     "--ssl-certfile",
     "--ssl-ca-certs",

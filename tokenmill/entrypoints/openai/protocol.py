@@ -105,9 +105,12 @@ class SamplingFields(OpenAIBaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # vLLM's beam search: n beams, ranked by cumulative logprob over length**length_penalty.
+    use_beam_search: bool | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     # Accepted so that they can be rejected with a clear message (not implemented):
     # ignored, they would silently change what a client asked for.
-    use_beam_search: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     prompt_embeds: Any = None
     logits_processors: Any = None

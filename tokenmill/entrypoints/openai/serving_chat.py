@@ -67,6 +67,7 @@ from tokenmill.entrypoints.openai.serving_engine import (
     to_openai_error,
 )
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling_params import BeamSearchParams
 from tokenmill.tokenizer import encode_prompt, render_chat_template
 
 if TYPE_CHECKING:
@@ -260,9 +261,10 @@ class OpenAIServingChat(OpenAIServing):
             best_of=request.best_of,
         )
         settings = self.tool_settings
-        if plan.constraint is not None:
+        if plan.constraint is not None:  # (never with use_beam_search, which refuses tools)
             params.structured_outputs = plan.constraint
-        if params.structured_outputs is not None:  # for the answer, after any reasoning
+        if not isinstance(params, BeamSearchParams) and params.structured_outputs is not None:
+            # The constraint holds for the answer, after any reasoning.
             end_ids = reasoning_end_ids(settings, self.tokenizer, prompt_ids)
             params.structured_outputs = dataclasses.replace(
                 params.structured_outputs, reasoning_end_token_ids=end_ids

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from tokenmill.core.engine_io import CONSTRAINT_BUSY_PREFIX, CONSTRAINT_FAILURE_PREFIX
 from tokenmill.engine.async_llm import EngineDeadError
 from tokenmill.engine.input_processor import InvalidRequestError, truncate_prompt
+from tokenmill.entrypoints.openai.beam_search import beam_search_params, check_beam_search_request
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -32,13 +33,19 @@ from tokenmill.entrypoints.openai.protocol import (
     SamplingFields,
     UsageInfo,
 )
+from tokenmill.entrypoints.openai.sleep_routes import asleep_error
 from tokenmill.entrypoints.openai.structured_outputs import (
     constraint_error,
     constraint_field,
     structured_outputs_of,
 )
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from tokenmill.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    SamplingParamsError,
+)
 from tokenmill.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -198,8 +205,9 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         best_of: int | None = None,
-    ) -> SamplingParams:
-        """SamplingParams for one prompt of a request.
+    ) -> SamplingParams | BeamSearchParams:
+        """SamplingParams for one prompt of a request (BeamSearchParams with
+        ``use_beam_search``).
 
         Fields the request leaves unset take the model's generation_config defaults. Without
         ``max_tokens`` the answer may fill the rest of the context (``max_model_len`` minus
@@ -221,6 +229,8 @@ class OpenAIServing:
                 max_tokens = min(max_tokens, int(default_max))
         elif max_tokens > 0:
             self.check_room_for_max_tokens(request, num_prompt_tokens, max_tokens)
+        if request.use_beam_search:
+            return beam_search_params(request, max_tokens)
         defaults = self.default_params
 
         def pick(value: T | None, default: T) -> T:
@@ -295,7 +305,11 @@ class OpenAIServing:
             raise bad_request("best_of cannot be used with stream.", "best_of")
 
     def log_arrival(
-        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams | BeamSearchParams,
     ) -> None:
         if self.request_logger is not None:
             self.request_logger.log_arrival(request_id, prompt, prompt_ids, params)
@@ -310,7 +324,7 @@ class OpenAIServing:
         self,
         prompt_ids: list[int],
         prompt: str | None,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request_id: str,
         priority: int,
         mm_features: list[Any] | None = None,
@@ -319,10 +333,13 @@ class OpenAIServing:
         the engine.
 
         Raises:
-            OpenAIError: 503, the server is shutting down (``abort_running`` was called).
+            OpenAIError: 503, the server is shutting down (``abort_running`` was called) or
+                the engine sleeps (``POST /sleep``).
         """
         if self._closed:
             raise OpenAIError(SHUTTING_DOWN, HTTPStatus.SERVICE_UNAVAILABLE)
+        if self.engine.sleeping:
+            raise asleep_error()
         engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids, "prompt": prompt}
         if mm_features:
             engine_prompt["mm_features"] = mm_features
@@ -392,10 +409,14 @@ def check_implemented(request: SamplingFields) -> None:
     for name in UNIMPLEMENTED_FIELDS:
         if getattr(request, name) is not None:
             raise bad_request(f"tokenmill does not implement {name} yet.", name)
-    # vLLM's flags: false asks for the default behaviour, which is served.
-    for name in ("use_beam_search", "return_tokens_as_token_ids"):
-        if getattr(request, name):
-            raise bad_request(f"tokenmill does not implement {name} yet.", name)
+    # vLLM's flag: false asks for the default behaviour, which is served.
+    if request.return_tokens_as_token_ids:
+        raise bad_request(
+            "tokenmill does not implement return_tokens_as_token_ids yet.",
+            "return_tokens_as_token_ids",
+        )
+    if request.use_beam_search:
+        check_beam_search_request(request)
 
 
 def max_tokens_field(request: SamplingFields) -> str:

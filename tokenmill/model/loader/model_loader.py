@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -60,6 +61,26 @@ def resolve_load_format(model_config: ModelConfig, load_config: LoadConfig) -> s
     return fmt
 
 
+def loaded_quantization(model_config: ModelConfig, fmt: str) -> str | None:
+    """The quantization method the weights are loaded with: the configured one, except for
+    random weights of a GGUF model (which are not GGUF blocks)."""
+    if fmt == "dummy" and model_config.quantization == "gguf":
+        return None
+    return model_config.quantization
+
+
+def loaded_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a checkpoint load fills, by name: every parameter, and the buffers of
+    layers with a quantization method (their weights in converted form: int4 planes, GGUF
+    blocks). Buffers computed at construction (rotary tables) are not among them. A tensor
+    reachable under several names (tied weights) is listed under each."""
+    tensors = list(model.named_parameters(remove_duplicate=False))
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if getattr(module, "quant_method", None) is not None:
+            tensors += [(f"{prefix}.{n}", b) for n, b in module.named_buffers(recurse=False)]
+    return tensors
+
+
 def get_model(
     model_config: ModelConfig,
     load_config: LoadConfig,
@@ -85,14 +106,11 @@ def get_model(
         create_quantized_weights,
         process_quantized_weights,
     )
-    from tokenmill.model.loader.weights import initialize_dummy_weights
 
     fmt = resolve_load_format(model_config, load_config)
     model_cls = get_model_class(model_config.architecture)
     start = time.perf_counter()
-    method = model_config.quantization
-    if fmt == "dummy" and method == "gguf":
-        method = None  # random weights are not GGUF blocks
+    method = loaded_quantization(model_config, fmt)
     quant_config = get_quantization_config(method, model_config.hf_config, device.type)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype(model_config.dtype))
@@ -108,30 +126,9 @@ def get_model(
     finally:
         torch.set_default_dtype(old_dtype)
     model.eval().requires_grad_(False)
-    with torch.no_grad():
-        if fmt == "dummy":
-            initialize_dummy_weights(model, seed=model_config.seed)
-        elif fmt == "gguf":
-            from tokenmill.model.loader.gguf_loader import iterate_gguf
-
-            hf = model_config.hf_config
-            weights = iterate_gguf(
-                model_config.model,
-                expected_checkpoint_names(model),
-                hf.num_attention_heads,
-                hf.get("num_key_value_heads", hf.num_attention_heads),
-                keep_quantized=quant_config is not None,
-            )
-            model.load_weights(weights, source=model_config.model)
-        else:
-            from tokenmill.model.loader.safetensors_loader import (
-                iterate_safetensors,
-                list_safetensors_files,
-            )
-
-            files = list_safetensors_files(model_config.model)
-            model.load_weights(iterate_safetensors(files), source=model_config.model)
-        if quant_config is not None:
+    load_weights(model, model_config, fmt, keep_quantized=quant_config is not None)
+    if quant_config is not None:
+        with torch.no_grad():
             process_quantized_weights(model, device)
     if device.type == "cpu":
         release_freed_host_memory()
@@ -149,3 +146,105 @@ def get_model(
         weight_bytes / 2**20,
     )
     return model
+
+
+def load_weights(
+    model: nn.Module,
+    model_config: ModelConfig,
+    fmt: str,
+    path: str | None = None,
+    keep_quantized: bool = False,
+) -> None:
+    """Fill ``model``'s parameters in place from a checkpoint.
+
+    Args:
+        model: a model built for ``model_config``.
+        model_config: its configuration (head counts for GGUF's permuted tensors).
+        fmt: ``dummy``, ``gguf`` or ``safetensors``.
+        path: a model folder, a ``.safetensors`` file or a ``.gguf`` file; default: the
+            model's own.
+        keep_quantized: GGUF files: hand the layers their blocks instead of dequantized
+            tensors (the model was built with the GGUF quantization methods).
+
+    Raises:
+        ModelLoadError: missing or corrupt files or tensors, or a checkpoint that does not
+            fill every parameter (the message names the tensor).
+    """
+    from tokenmill.model.loader.weights import initialize_dummy_weights
+
+    path = path or model_config.model
+    with torch.no_grad():
+        if fmt == "dummy":
+            initialize_dummy_weights(model, seed=model_config.seed)
+        elif fmt == "gguf":
+            from tokenmill.model.loader.gguf_loader import iterate_gguf
+
+            hf = model_config.hf_config
+            weights = iterate_gguf(
+                path,
+                expected_checkpoint_names(model),
+                hf.num_attention_heads,
+                hf.get("num_key_value_heads", hf.num_attention_heads),
+                keep_quantized=keep_quantized,
+            )
+            model.load_weights(weights, source=path)
+        else:
+            from tokenmill.model.loader.safetensors_loader import (
+                iterate_safetensors,
+                list_safetensors_files,
+            )
+
+            files = [path] if path.endswith(".safetensors") else list_safetensors_files(path)
+            model.load_weights(iterate_safetensors(files), source=path)
+
+
+def reload_weights(
+    model: nn.Module,
+    model_config: ModelConfig,
+    load_config: LoadConfig,
+    device: torch.device,
+    backend: type[AttentionBackend],
+    kernel_config: KernelConfig | None = None,
+    path: str | None = None,
+) -> None:
+    """Load weights again into the running ``model``, in place (its tensors keep their
+    storage, so CUDA graphs and views of them stay valid).
+
+    Unquantized weights stream from the checkpoint into the parameters. Quantized ones are
+    converted after loading (repacked, split into segments), so a second model is built from
+    the checkpoint beside the running one and its tensors are copied over by name: that
+    takes a second copy of the weights on ``device`` while it runs.
+
+    Args:
+        model: the running model, built by ``get_model`` from these configurations.
+        model_config, load_config, device, backend, kernel_config: as given to ``get_model``.
+        path: a model folder, a ``.safetensors`` file or a ``.gguf`` file; default: the
+            model's own checkpoint, in its load format.
+
+    Raises:
+        ModelLoadError: unreadable files, or tensors that do not fit the model (the message
+            names the tensor).
+    """
+    fmt = resolve_load_format(model_config, load_config)
+    if path is not None:
+        fmt = "gguf" if path.endswith(".gguf") else "safetensors"
+    if loaded_quantization(model_config, fmt) is None:
+        load_weights(model, model_config, fmt, path)
+        return
+    fresh_config = dataclasses.replace(model_config, model=path or model_config.model)
+    fresh_load = dataclasses.replace(load_config, load_format=fmt)
+    fresh = get_model(fresh_config, fresh_load, device, backend, kernel_config)
+    source = dict(loaded_tensors(fresh))
+    with torch.no_grad():
+        for name, tensor in loaded_tensors(model):
+            new = source.get(name)
+            if new is None or new.shape != tensor.shape or new.dtype != tensor.dtype:
+                got = "missing" if new is None else f"{new.dtype} {tuple(new.shape)}"
+                raise ModelLoadError(
+                    f"{fresh_config.model}: tensor {name!r} is {got} after loading, the "
+                    f"running model's is {tensor.dtype} {tuple(tensor.shape)}"
+                )
+            tensor.copy_(new)
+    del fresh, source
+    if device.type == "cpu":
+        release_freed_host_memory()

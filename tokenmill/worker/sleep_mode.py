@@ -1,0 +1,248 @@
+"""Sleep mode: release a model runner's weights and KV cache, and bring them back.
+
+With ``--enable-sleep-mode`` the model's weights (its parameters, and the buffers of
+quantized layers) are packed into one storage (a ``WeightArena``) when the model loads, and
+the KV cache is one tensor whose layers are views. Sleeping then frees two storages: level 1
+copies the weights to the host first (pinned memory on CUDA; on the CPU, where the device is
+host memory, a temporary file) and level 2 drops them. Waking re-allocates both storages in
+place: every parameter and every layer's KV view follows its storage, so nothing is rebound.
+On CUDA the storages usually come back at their old addresses, and the captured CUDA graphs
+stay valid; when an address moved, the graphs are captured again.
+
+A woken KV cache is zero-filled (its content is gone); weights dropped at level 2 are read
+again from the model's checkpoint unless new ones were loaded (``update_weights``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from typing import Any, Protocol
+
+import torch
+
+from tokenmill.model.loader.model_loader import loaded_tensors
+from tokenmill.worker.host_memory import release_free_host_memory
+
+logger = logging.getLogger(__name__)
+
+# Byte alignment of each packed storage (the widest vector loads of any kernel).
+_ALIGN = 256
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+class WeightArena:
+    """A module's tensors (parameters and buffers) packed into one byte buffer, each tensor
+    a view of it.
+
+    Tensors that shared a storage (tied embeddings) keep sharing it.
+
+    Args:
+        params: the tensors (any device, one device for all).
+    """
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        params = list({id(p): p for p in params}.values())  # each tensor object once
+        device = params[0].device
+        offsets: dict[int, int] = {}  # old storage address -> byte offset in the arena
+        storages: list[tuple[int, torch.UntypedStorage]] = []
+        size = 0
+        for p in params:
+            storage = p.untyped_storage()
+            if storage.data_ptr() in offsets:
+                continue
+            size = -(-size // _ALIGN) * _ALIGN
+            offsets[storage.data_ptr()] = size
+            storages.append((size, storage))
+            size += storage.nbytes()
+        self.nbytes = size
+        self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        with torch.no_grad():
+            for offset, storage in storages:
+                old = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+                self.buffer[offset : offset + storage.nbytes()].copy_(old)
+            arena = self.buffer.untyped_storage()
+            for p in params:
+                byte_offset = offsets[p.untyped_storage().data_ptr()]
+                byte_offset += p.storage_offset() * p.element_size()
+                p.set_(arena, byte_offset // p.element_size(), p.size(), p.stride())
+
+    @property
+    def resident(self) -> bool:
+        return self.buffer.untyped_storage().nbytes() > 0
+
+    def release(self) -> None:
+        """Free the buffer's memory (every parameter becomes unreadable)."""
+        self.buffer.untyped_storage().resize_(0)
+
+    def restore(self) -> None:
+        """Allocate the buffer again (its content undefined until filled)."""
+        self.buffer.untyped_storage().resize_(self.nbytes)
+
+
+class HostBackup:
+    """Where level 1 keeps the weights while asleep: pinned host memory on CUDA (kept for
+    the next sleep), a temporary file on the CPU (whose memory the weights leave)."""
+
+    def __init__(self) -> None:
+        self._pinned: torch.Tensor | None = None
+        self._path: str | None = None
+
+    def save(self, buffer: torch.Tensor) -> None:
+        if buffer.device.type == "cuda":
+            if self._pinned is None or self._pinned.numel() != buffer.numel():
+                self._pinned = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
+            self._pinned.copy_(buffer, non_blocking=True)
+            torch.cuda.synchronize(buffer.device)
+            return
+        self.discard()
+        fd, self._path = tempfile.mkstemp(prefix="tokenmill-weights-")
+        os.close(fd)
+        # A file-backed tensor: the copy lands in the file, not in this process's heap.
+        # (numpy views would pin ``buffer``'s storage, which must stay resizable.)
+        mapped = torch.from_file(self._path, shared=True, size=buffer.numel(), dtype=torch.uint8)
+        mapped.copy_(buffer)
+        del mapped
+
+    def load(self, buffer: torch.Tensor) -> None:
+        """Copy the saved weights into ``buffer``.
+
+        Raises:
+            RuntimeError: nothing was saved.
+        """
+        if buffer.device.type == "cuda":
+            if self._pinned is None:
+                raise RuntimeError("no weights were saved")
+            buffer.copy_(self._pinned, non_blocking=True)
+            return
+        if self._path is None:
+            raise RuntimeError("no weights were saved")
+        mapped = torch.from_file(self._path, shared=False, size=buffer.numel(), dtype=torch.uint8)
+        buffer.copy_(mapped)
+        del mapped
+        self.discard()
+
+    def discard(self) -> None:
+        if self._path is not None:
+            os.unlink(self._path)
+            self._path = None
+
+
+class SleepHost(Protocol):
+    """What sleep mode needs of the model runner it belongs to."""
+
+    model: torch.nn.Module | None
+    device: torch.device
+    kv_arena: torch.Tensor | None
+    graphs: Any
+
+    def release_kv_cache(self) -> None: ...
+
+    def restore_kv_cache(self) -> None: ...
+
+    def reload_weights(self, path: str | None = None) -> None: ...
+
+    def capture_cuda_graphs(self) -> None: ...
+
+
+class SleepMode:
+    """The sleep and wake-up of one model runner.
+
+    Args:
+        runner: the runner; its model must be loaded (its parameters are packed here).
+    """
+
+    def __init__(self, runner: SleepHost) -> None:
+        assert runner.model is not None
+        self.runner = runner
+        # Quantized layers keep their converted weights (int4 planes, GGUF blocks) in
+        # buffers: those sleep too. Computed buffers (rotary tables) stay: level 2 could
+        # not read them back from the checkpoint.
+        self.weights = WeightArena([t for _, t in loaded_tensors(runner.model)])
+        self.backup = HostBackup()
+        self.asleep: set[str] = set()  # of SLEEP_TAGS
+        self._weights_saved = False  # level 1: the backup holds them
+        self._addresses: tuple[int, int] = (0, 0)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
+
+    def sleep(self, level: int) -> None:
+        """Free the weights (level 1: saved to the host first; level 2: dropped) and the
+        KV cache. Sleeping again while asleep changes nothing.
+
+        Raises:
+            ValueError: a level other than 1 or 2.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.asleep:
+            return
+        start = time.perf_counter()
+        runner = self.runner
+        self._addresses = self._storage_addresses()
+        if level == 1:
+            self.backup.save(self.weights.buffer)
+        self._weights_saved = level == 1
+        self.weights.release()
+        runner.release_kv_cache()
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            release_free_host_memory()
+        self.asleep = set(SLEEP_TAGS)
+        logger.info(
+            "Asleep (level %d): freed %.2f GiB of weights and the KV cache in %.2f s",
+            level, self.weights.nbytes / 2**30, time.perf_counter() - start,
+        )  # fmt: skip
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and/or the KV cache (both when ``tags`` is None).
+
+        Raises:
+            ValueError: an unknown tag.
+        """
+        tags = list(SLEEP_TAGS) if tags is None else tags
+        unknown = set(tags) - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"unknown wake-up tags {sorted(unknown)}; use weights, kv_cache")
+        start = time.perf_counter()
+        if "weights" in tags and "weights" in self.asleep:
+            self.weights.restore()
+            if self._weights_saved:
+                self.backup.load(self.weights.buffer)
+            else:
+                self.runner.reload_weights()
+            self.asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.asleep:
+            self.runner.restore_kv_cache()
+            self.asleep.discard("kv_cache")
+        if not self.asleep:
+            self._after_wake_up()
+        logger.info("Woke %s up in %.2f s", "+".join(tags), time.perf_counter() - start)
+
+    def _after_wake_up(self) -> None:
+        runner = self.runner
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+            if runner.graphs is not None and self._storage_addresses() != self._addresses:
+                # The captured graphs read the old addresses: capture them again.
+                logger.info("Weights or KV cache moved while asleep: capturing CUDA graphs again")
+                runner.graphs = None
+                runner.capture_cuda_graphs()
+
+    def _storage_addresses(self) -> tuple[int, int]:
+        kv = self.runner.kv_arena
+        return (self.weights.buffer.data_ptr(), kv.data_ptr() if kv is not None else 0)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the weights and the KV cache hold on the device now."""
+        kv = self.runner.kv_arena
+        kv_bytes = kv.untyped_storage().nbytes() if kv is not None else 0
+        return {
+            "weights": self.weights.buffer.untyped_storage().nbytes(),
+            "kv_cache": kv_bytes,
+        }
