@@ -10,7 +10,7 @@ import pytest
 
 from tests.entrypoints.conftest import SERVE_COMMAND
 from tests.entrypoints.test_cli import run_main
-from tokenmill.engine_args import byte_size_arg
+from tokenmill.arg_types import byte_size_arg
 from tokenmill.entrypoints.cli.main import build_parser
 from tokenmill.entrypoints.cli.serve import bind_listeners
 

@@ -31,9 +31,9 @@ from tokenmill.core.engine_io import (
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_offload import KVOffloadManager
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.prefill_pacing import PrefillPacing
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import create_request_queue
+from tokenmill.core.scheduler_checks import check_scheduler_config, take_stats
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.core.step_plan import StepPlan
 from tokenmill.core.stop_conditions import stop_status
@@ -95,35 +95,9 @@ class Scheduler:
         self.policy = scheduler_config.scheduling_policy
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.async_scheduling = scheduler_config.async_scheduling
-        pacing_tokens = scheduler_config.prefill_pacing_tokens
-        if pacing_tokens < 0 or (pacing_tokens and not self.enable_chunked_prefill):
-            raise ValueError(
-                f"prefill_pacing_tokens ({pacing_tokens}) must be >= 0, and 0 without "
-                "chunked prefill"
-            )
-        self.pacing = (
-            PrefillPacing(
-                pacing_tokens,
-                self.max_num_batched_tokens,
-                count_decodes=scheduler_config.prefill_pacing_mode == "step",
-            )
-            if pacing_tokens
-            else None
-        )
+        self.pacing = check_scheduler_config(scheduler_config)
         self.block_size = cache_config.block_size
         self.log_stats = log_stats
-        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) and max_num_seqs "
-                f"({self.max_num_seqs}) must be positive"
-            )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
-                f"max_model_len ({self.max_model_len}) with chunked prefill disabled, so a "
-                "long prompt could never be scheduled; raise max_num_batched_tokens or "
-                "enable chunked prefill"
-            )
 
     def _init_queues(self) -> None:
         # Every live (waiting or running) request, by id.
@@ -622,24 +596,4 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot for metrics; counters are deltas since the last snapshot."""
-        kv = self.kv_cache_manager
-        prefix = kv.make_prefix_cache_stats()
-        stats = SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=kv.usage,
-            prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits,
-            num_preemptions=self._num_preemptions,
-            num_constraint_failures=self._num_constraint_failures,
-            num_free_blocks=kv.num_free_blocks,
-            num_total_blocks=kv.num_blocks,
-            mm_cache_queries=self.encoder_cache.queries,
-            mm_cache_hits=self.encoder_cache.hits,
-        )
-        if kv.offload is not None:
-            hits = kv.offload.take_hit_tokens()
-            stats.kv_offload_stats = {f"{tier}_hit_tokens": n for tier, n in hits.items()}
-        self._num_preemptions = self._num_constraint_failures = 0
-        self.encoder_cache.queries = self.encoder_cache.hits = 0
-        return stats
+        return take_stats(self)

@@ -25,7 +25,7 @@ from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
-from tokenmill.model.layers.attention import Attention, bind_kv_caches, unbind_kv_caches
+from tokenmill.model.layers.attention import Attention, bind_kv_caches
 from tokenmill.model.loader.model_loader import (
     get_model,
     reload_weights,
@@ -202,26 +202,6 @@ class ModelRunner:
         self.kv_caches = list(self.kv_arena.unbind(0))
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
-
-    def release_kv_cache(self) -> None:
-        """Free the KV cache's memory (sleep). On CUDA the layers keep their views of the
-        empty storage, which ``restore_kv_cache`` re-allocates in place."""
-        assert self.kv_arena is not None and self.model is not None
-        if self.device.type == "cuda":
-            self.kv_arena.untyped_storage().resize_(0)
-            return
-        unbind_kv_caches(self.model)
-        self.kv_caches, self.kv_arena = [], None
-
-    def restore_kv_cache(self) -> None:
-        """Allocate the KV cache again, zero-filled (after ``release_kv_cache``)."""
-        arena = self.kv_arena
-        if self.device.type == "cuda":
-            assert arena is not None
-            arena.untyped_storage().resize_(arena.numel() * arena.element_size())
-            arena.zero_()
-            return
-        self.initialize_kv_cache(self.num_blocks)
 
     def plan_cuda_graphs(self) -> StepGraphs | None:
         """The CUDA graphs start-up captures (``StepGraphs.plan``), uncaptured, planned once;

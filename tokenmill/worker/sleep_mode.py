@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tokenmill.model.layers.attention import unbind_kv_caches
 from tokenmill.model.loader.model_loader import loaded_tensors
 from tokenmill.worker.host_memory import release_free_host_memory
 
@@ -136,15 +137,37 @@ class SleepHost(Protocol):
     model: torch.nn.Module | None
     device: torch.device
     kv_arena: torch.Tensor | None
+    kv_caches: list[torch.Tensor]
+    num_blocks: int
     graphs: Any
 
-    def release_kv_cache(self) -> None: ...
-
-    def restore_kv_cache(self) -> None: ...
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     def reload_weights(self, path: str | None = None) -> None: ...
 
     def capture_cuda_graphs(self) -> None: ...
+
+
+def release_kv_cache(runner: SleepHost) -> None:
+    """Free the runner's KV cache memory. On CUDA the layers keep their views of the
+    empty storage, which ``restore_kv_cache`` re-allocates in place."""
+    assert runner.kv_arena is not None and runner.model is not None
+    if runner.device.type == "cuda":
+        runner.kv_arena.untyped_storage().resize_(0)
+        return
+    unbind_kv_caches(runner.model)
+    runner.kv_caches, runner.kv_arena = [], None
+
+
+def restore_kv_cache(runner: SleepHost) -> None:
+    """Allocate the KV cache again, zero-filled (after ``release_kv_cache``)."""
+    arena = runner.kv_arena
+    if runner.device.type == "cuda":
+        assert arena is not None
+        arena.untyped_storage().resize_(arena.numel() * arena.element_size())
+        arena.zero_()
+        return
+    runner.initialize_kv_cache(runner.num_blocks)
 
 
 class SleepMode:
@@ -188,7 +211,7 @@ class SleepMode:
             self.backup.save(self.weights.buffer)
         self._weights_saved = level == 1
         self.weights.release()
-        runner.release_kv_cache()
+        release_kv_cache(runner)
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()
         else:
@@ -218,7 +241,7 @@ class SleepMode:
                 self.runner.reload_weights()
             self.asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.asleep:
-            self.runner.restore_kv_cache()
+            restore_kv_cache(self.runner)
             self.asleep.discard("kv_cache")
         if not self.asleep:
             self._after_wake_up()

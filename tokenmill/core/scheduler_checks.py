@@ -1,0 +1,75 @@
+"""The scheduler's start-up checks and its stats snapshot (see core/scheduler.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tokenmill.core.engine_io import SchedulerStats
+from tokenmill.core.prefill_pacing import PrefillPacing
+
+if TYPE_CHECKING:
+    from tokenmill.config import SchedulerConfig
+    from tokenmill.core.scheduler import Scheduler
+
+
+def check_scheduler_config(c: SchedulerConfig) -> PrefillPacing | None:
+    """Check the scheduler's limits; returns its prefill pacing (None: off).
+
+    Raises:
+        ValueError: a non-positive budget or sequence cap, chunked prefill off with a token
+            budget smaller than ``max_model_len`` (a long prompt could then never be
+            scheduled), or prefill pacing that is negative or asked for without chunked
+            prefill.
+    """
+    if c.max_num_batched_tokens <= 0 or c.max_num_seqs <= 0:
+        raise ValueError(
+            f"max_num_batched_tokens ({c.max_num_batched_tokens}) and max_num_seqs "
+            f"({c.max_num_seqs}) must be positive"
+        )
+    if not c.enable_chunked_prefill and c.max_num_batched_tokens < c.max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({c.max_num_batched_tokens}) is smaller than "
+            f"max_model_len ({c.max_model_len}) with chunked prefill disabled, so a "
+            "long prompt could never be scheduled; raise max_num_batched_tokens or "
+            "enable chunked prefill"
+        )
+    pacing_tokens = c.prefill_pacing_tokens
+    if pacing_tokens < 0 or (pacing_tokens and not c.enable_chunked_prefill):
+        raise ValueError(
+            f"prefill_pacing_tokens ({pacing_tokens}) must be >= 0, and 0 without chunked prefill"
+        )
+    pacing = (
+        PrefillPacing(
+            pacing_tokens,
+            c.max_num_batched_tokens,
+            count_decodes=c.prefill_pacing_mode == "step",
+        )
+        if pacing_tokens
+        else None
+    )
+    return pacing
+
+
+def take_stats(scheduler: Scheduler) -> SchedulerStats:
+    """A snapshot for metrics; counters are deltas since the last snapshot (reset here)."""
+    kv = scheduler.kv_cache_manager
+    prefix = kv.make_prefix_cache_stats()
+    stats = SchedulerStats(
+        num_running_reqs=len(scheduler.running),
+        num_waiting_reqs=len(scheduler.waiting),
+        kv_cache_usage=kv.usage,
+        prefix_cache_queries=prefix.queries,
+        prefix_cache_hits=prefix.hits,
+        num_preemptions=scheduler._num_preemptions,
+        num_constraint_failures=scheduler._num_constraint_failures,
+        num_free_blocks=kv.num_free_blocks,
+        num_total_blocks=kv.num_blocks,
+        mm_cache_queries=scheduler.encoder_cache.queries,
+        mm_cache_hits=scheduler.encoder_cache.hits,
+    )
+    if kv.offload is not None:
+        hits = kv.offload.take_hit_tokens()
+        stats.kv_offload_stats = {f"{tier}_hit_tokens": n for tier, n in hits.items()}
+    scheduler._num_preemptions = scheduler._num_constraint_failures = 0
+    scheduler.encoder_cache.queries = scheduler.encoder_cache.hits = 0
+    return stats
