@@ -596,4 +596,9 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot for metrics; counters are deltas since the last snapshot."""
-        return take_stats(self)
+        stats = take_stats(
+            self.kv_cache_manager, self.encoder_cache, len(self.running), len(self.waiting),
+            self._num_preemptions, self._num_constraint_failures,
+        )  # fmt: skip
+        self._num_preemptions = self._num_constraint_failures = 0
+        return stats

@@ -9,7 +9,8 @@ from tokenmill.core.prefill_pacing import PrefillPacing
 
 if TYPE_CHECKING:
     from tokenmill.config import SchedulerConfig
-    from tokenmill.core.scheduler import Scheduler
+    from tokenmill.core.encoder_cache import EncoderCacheManager
+    from tokenmill.core.kv_cache_manager import KVCacheManager
 
 
 def check_scheduler_config(c: SchedulerConfig) -> PrefillPacing | None:
@@ -50,26 +51,32 @@ def check_scheduler_config(c: SchedulerConfig) -> PrefillPacing | None:
     return pacing
 
 
-def take_stats(scheduler: Scheduler) -> SchedulerStats:
-    """A snapshot for metrics; counters are deltas since the last snapshot (reset here)."""
-    kv = scheduler.kv_cache_manager
+def take_stats(
+    kv: KVCacheManager,
+    encoder_cache: EncoderCacheManager,
+    num_running: int,
+    num_waiting: int,
+    num_preemptions: int,
+    num_constraint_failures: int,
+) -> SchedulerStats:
+    """A snapshot for metrics; the caches' counters are deltas since the last snapshot
+    (reset here); the scheduler resets its own two counts."""
     prefix = kv.make_prefix_cache_stats()
     stats = SchedulerStats(
-        num_running_reqs=len(scheduler.running),
-        num_waiting_reqs=len(scheduler.waiting),
+        num_running_reqs=num_running,
+        num_waiting_reqs=num_waiting,
         kv_cache_usage=kv.usage,
         prefix_cache_queries=prefix.queries,
         prefix_cache_hits=prefix.hits,
-        num_preemptions=scheduler._num_preemptions,
-        num_constraint_failures=scheduler._num_constraint_failures,
+        num_preemptions=num_preemptions,
+        num_constraint_failures=num_constraint_failures,
         num_free_blocks=kv.num_free_blocks,
         num_total_blocks=kv.num_blocks,
-        mm_cache_queries=scheduler.encoder_cache.queries,
-        mm_cache_hits=scheduler.encoder_cache.hits,
+        mm_cache_queries=encoder_cache.queries,
+        mm_cache_hits=encoder_cache.hits,
     )
     if kv.offload is not None:
         hits = kv.offload.take_hit_tokens()
         stats.kv_offload_stats = {f"{tier}_hit_tokens": n for tier, n in hits.items()}
-    scheduler._num_preemptions = scheduler._num_constraint_failures = 0
-    scheduler.encoder_cache.queries = scheduler.encoder_cache.hits = 0
+    encoder_cache.queries = encoder_cache.hits = 0
     return stats

@@ -368,7 +368,9 @@ class EngineCore:
 
     def _drop_kv_cache(self) -> EngineCoreOutputs | None:
         """Finish the step in flight, preempt the running requests and empty the prefix
-        cache: nothing may read the KV cache after this."""
+        cache: nothing may read the KV cache after this. The encoder cache is emptied too
+        (the worker drops its outputs with the next step): images encoded by the old
+        weights must not be read after ``update_weights``."""
         outputs = None
         if self._pending is not None:
             outputs = self._collect(self._pending)
@@ -376,6 +378,7 @@ class EngineCore:
         self.scheduler.preempt_all()
         reset = self.scheduler.reset_prefix_cache()
         assert reset, "blocks still in use after preempting every request"
+        self.scheduler.encoder_cache.reset()
         return outputs
 
     def check_integrity(self) -> None:
