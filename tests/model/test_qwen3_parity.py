@@ -15,6 +15,7 @@ from tests.model.paged import PagedRunner
 from tests.model.tolerance import assert_logits_close
 from tokenmill.config import LoadConfig
 from tokenmill.engine_args import EngineArgs
+from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.attention.torch_ref import TorchAttentionBackend
 from tokenmill.model.loader.model_loader import get_model
 
@@ -59,8 +60,9 @@ def mixed_batch_logits(hf, path: str, **engine_kwargs) -> tuple[torch.Tensor, to
     cfg = EngineArgs(
         model=path, dtype="float32", device="cpu", **engine_kwargs
     ).create_engine_config()
-    model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), TorchAttentionBackend)
-    runner = PagedRunner(model, cfg.model_config.hf_config, num_blocks=32)
+    backend = get_attn_backend("cpu", use_mla=cfg.model_config.use_mla)
+    model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), backend)
+    runner = PagedRunner(model, cfg.model_config.hf_config, num_blocks=32, backend=backend)
     gen = torch.Generator().manual_seed(1)
     vocab = cfg.model_config.hf_config.vocab_size
     seqs = {

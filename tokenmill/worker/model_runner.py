@@ -13,6 +13,7 @@ host-device sync of a step is reading the sampled token ids.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -23,9 +24,9 @@ from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.math_utils import cdiv
-from tokenmill.model.attention.backend import AttentionMetadata
+from tokenmill.model.attention.backend import AttentionMetadata, KVCacheSpec
 from tokenmill.model.attention.selector import get_attn_backend
-from tokenmill.model.layers.attention import Attention, bind_kv_caches
+from tokenmill.model.layers.attention import Attention, bind_kv_caches, kv_cache_specs
 from tokenmill.model.loader.model_loader import get_model, torch_dtype
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
@@ -69,10 +70,11 @@ class ModelRunner:
         self.max_num_tokens = sc.max_num_batched_tokens
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         self.vocab_size = mc.vocab_size
-        self.attn_backend = get_attn_backend(device.type)
+        self.attn_backend = get_attn_backend(device.type, use_mla=mc.use_mla)
         self.cascade_attn = self.attn_backend.supports_cascade and not config.disable_cascade_attn
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0  # blocks of each cache tensor (``initialize_kv_cache``)
         self.sampler = Sampler()
         # The CUDA graphs (``plan_cuda_graphs``); None: every step runs eagerly.
         self.graphs: StepGraphs | None = None
@@ -143,27 +145,33 @@ class ModelRunner:
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """What each attention layer of the model caches per token, by layer index."""
+        assert self.model is not None
+        return kv_cache_specs(self.model)
+
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes one KV block takes over all layers (K and V)."""
-        mc = self.config.model_config
-        per_layer = 2 * self.block_size * mc.get_num_kv_heads() * mc.get_head_dim()
-        return per_layer * mc.get_num_layers() * torch.tensor([], dtype=self.dtype).element_size()
+        """Bytes one KV block takes over all layers (K and V, or MLA's latent)."""
+        per_token = sum(spec.bytes_per_token(self.dtype) for spec in self.kv_cache_specs())
+        return per_token * self.block_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer and bind it.
+        """Allocate each layer's cache in its backend's layout (``[2, num_blocks,
+        block_size, kv_heads, head_dim]``, or ``[num_blocks, block_size, latent]`` for
+        MLA) and bind it.
 
         Zero-filled: attention reads padded block-table entries under a mask, and masked
         garbage could be NaN, which a mask does not cancel (0 * NaN = NaN). On the CPU the
         zeros come from the kernel page by page as blocks are first used.
         """
-        mc = self.config.model_config
-        shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, self.block_size, mc.get_num_kv_heads(), mc.get_head_dim()
-        )
-        self.kv_caches = [
-            zeroed_tensor(tuple(shape), self.dtype, self.device)
-            for _ in range(mc.get_num_layers())
-        ]
+        self.kv_caches = []
+        for spec in self.kv_cache_specs():
+            shape = self.attn_backend.get_kv_cache_shape(
+                num_blocks, self.block_size, spec.num_kv_heads, spec.head_size
+            )
+            assert math.prod(shape) == num_blocks * self.block_size * spec.values_per_token()
+            self.kv_caches.append(zeroed_tensor(tuple(shape), self.dtype, self.device))
+        self.num_blocks = num_blocks
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
 

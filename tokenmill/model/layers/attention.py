@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.rotary import rotary_and_cache
-from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata, DecodeRotary
+from tokenmill.model.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeRotary,
+    KVCacheSpec,
+)
 from tokenmill.model.layers.rotary import RotaryEmbedding
 
 
@@ -63,6 +68,15 @@ class Attention(nn.Module):
         # Decode-only steps rotate and write the new K/V inside the decode launch.
         self.rope_in_decode = backend.supports_decode_rotary
         self.kv_cache: torch.Tensor | None = None
+
+    @property
+    def output_size(self) -> int:
+        """Width of the layer's output rows: ``num_heads * head_dim``."""
+        return self.num_heads * self.head_dim
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What the layer caches per token: K and V, ``num_kv_heads`` heads of ``head_dim``."""
+        return KVCacheSpec(self.num_kv_heads, self.head_dim)
 
     def forward(
         self,
@@ -178,6 +192,15 @@ def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
         raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
     for layer in layers:
         layer.kv_cache = kv_caches[layer.layer_idx]
+
+
+def kv_cache_specs(model: nn.Module) -> list[KVCacheSpec]:
+    """Each Attention layer's ``kv_cache_spec()``, in ``layer_idx`` order (the order of the
+    caches ``bind_kv_caches`` takes)."""
+    layers = sorted(
+        (m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx
+    )
+    return [layer.kv_cache_spec() for layer in layers]
 
 
 def unbind_kv_caches(model: nn.Module) -> None:

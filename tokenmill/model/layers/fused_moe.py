@@ -127,7 +127,14 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = fused_experts(hidden, self.w13.weight, self.w2.weight, weights, ids)
+        return self.forward_routed(hidden, weights, ids)
+
+    def forward_routed(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts on a routing chosen elsewhere (e.g. grouped top-k):
+        ``topk_weights [T, k]`` float32 and ``topk_ids [T, k]`` -> ``[T, H]``."""
+        out = fused_experts(hidden, self.w13.weight, self.w2.weight, topk_weights, topk_ids)
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
