@@ -48,6 +48,9 @@ from tokenmill.model.layers.rotary import get_rope
 from tokenmill.model.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
 from tokenmill.model.models.llama import LlamaForCausalLM, LlamaMLP
 
+# Epsilon of ``q_a_layernorm`` and ``kv_a_layernorm``.
+LOW_RANK_NORM_EPS = 1e-6
+
 
 def mla_softmax_scale(config: HFConfig) -> float:
     """``qk_head_dim^-0.5``, times ``mscale^2`` where YaRN sets ``mscale_all_dim``
@@ -88,17 +91,20 @@ class DeepseekV2Attention(nn.Module):
             c.kv_lora_rank,
         )  # fmt: skip
         bias = bool(c.get("attention_bias", False))
+        # NOTE: DeepSeek's code (and transformers') builds the two low-rank norms with their
+        # default epsilon, whatever rms_norm_eps says (the released configs say the same).
+        eps = LOW_RANK_NORM_EPS
         self.q_lora_rank = c.get("q_lora_rank")
         q_size = d.num_heads * d.qk_head_dim
         if self.q_lora_rank:
             sizes = [self.q_lora_rank, d.latent_dim]
             self.fused_qkv_a_proj = MergedColumnParallelLinear(c.hidden_size, sizes, bias=bias)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, c.get("rms_norm_eps", 1e-6))
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_size)
         else:
             self.q_proj = ColumnParallelLinear(c.hidden_size, q_size)
             self.kv_a_proj_with_mqa = ReplicatedLinear(c.hidden_size, d.latent_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, c.get("rms_norm_eps", 1e-6))
+        self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, eps)
         self.kv_b_proj = ColumnParallelLinear(
             d.kv_lora_rank, d.num_heads * (d.qk_nope_head_dim + d.v_head_dim)
         )
