@@ -172,3 +172,5 @@ def test_greedy_through_the_engine(tmp_path_factory, smollm2_gguf_path):
     kv = engine.engine_core.scheduler.kv_cache_manager
     kv.check_integrity()
     assert kv.usage == 0.0
+    # The memory holds 12 blocks of latents (full K/V heads would not hold one request).
+    assert kv.num_blocks == 12

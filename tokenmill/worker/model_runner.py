@@ -26,7 +26,12 @@ from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionMetadata, KVCacheSpec
 from tokenmill.model.attention.selector import get_attn_backend
-from tokenmill.model.layers.attention import Attention, bind_kv_caches, kv_cache_specs
+from tokenmill.model.layers.attention import (
+    Attention,
+    bind_kv_caches,
+    describe_kv_cache,
+    kv_cache_specs,
+)
 from tokenmill.model.loader.model_loader import get_model, torch_dtype
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
@@ -154,6 +159,11 @@ class ModelRunner:
         """Bytes one KV block takes over all layers (K and V, or MLA's latent)."""
         per_token = sum(spec.bytes_per_token(self.dtype) for spec in self.kv_cache_specs())
         return per_token * self.block_size
+
+    def describe_kv_cache(self) -> str:
+        """What a token costs in the KV cache, for the start-up log."""
+        assert self.model is not None
+        return describe_kv_cache(self.model, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate each layer's cache in its backend's layout (``[2, num_blocks,

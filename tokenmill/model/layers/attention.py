@@ -78,6 +78,10 @@ class Attention(nn.Module):
         """What the layer caches per token: K and V, ``num_kv_heads`` heads of ``head_dim``."""
         return KVCacheSpec(self.num_kv_heads, self.head_dim)
 
+    def describe_cache(self) -> str:
+        """What the layer caches per token, in words (start-up log)."""
+        return f"K and V of {self.num_kv_heads} heads x {self.head_dim}"
+
     def forward(
         self,
         query: torch.Tensor,
@@ -201,6 +205,18 @@ def kv_cache_specs(model: nn.Module) -> list[KVCacheSpec]:
         (m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx
     )
     return [layer.kv_cache_spec() for layer in layers]
+
+
+def describe_kv_cache(model: nn.Module, dtype: torch.dtype) -> str:
+    """One line on what a token costs in ``model``'s KV cache, for the start-up log."""
+    layers = sorted(
+        (m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx
+    )
+    per_token = sum(layer.kv_cache_spec().bytes_per_token(dtype) for layer in layers)
+    return (
+        f"{len(layers)} layers x {layers[0].describe_cache()} = {per_token} bytes in "
+        f"{str(dtype).removeprefix('torch.')}"
+    )
 
 
 def unbind_kv_caches(model: nn.Module) -> None:

@@ -69,6 +69,14 @@ class MLAAttention(Attention):
         """One latent of ``kv_lora_rank + qk_rope_head_dim`` values per token."""
         return KVCacheSpec(1, self.dims.latent_dim, num_tensors=1)
 
+    def describe_cache(self) -> str:
+        d = self.dims
+        full = d.num_heads * (d.qk_head_dim + d.v_head_dim)
+        return (
+            f"a latent of {d.latent_dim} values (kv_lora_rank {d.kv_lora_rank} + rope "
+            f"{d.qk_rope_head_dim}; full K and V heads would be {full})"
+        )
+
     def forward(  # type: ignore[override]
         self,
         query: torch.Tensor,
