@@ -174,3 +174,36 @@ def test_greedy_through_the_engine(tmp_path_factory, smollm2_gguf_path):
     assert kv.usage == 0.0
     # The memory holds 12 blocks of latents (full K/V heads would not hold one request).
     assert kv.num_blocks == 12
+
+
+@pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
+def test_dummy_weights_from_a_config_alone(tmp_path, arch):
+    import json
+
+    from tokenmill.model.registry import supported_architectures
+
+    assert arch in supported_architectures()
+    config = _configs()["v3-qlora-yarn"].to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": [arch]}))
+    cfg = EngineArgs(model=str(tmp_path), dtype="float32", device="cpu",
+                     load_format="dummy").create_engine_config()  # fmt: skip
+    model = get_model(cfg.model_config, cfg.load_config, torch.device("cpu"), TorchMLABackend)
+    assert type(model).__name__ == arch
+    assert all(bool(p.abs().max() > 0) for p in model.parameters())
+
+
+def test_a_deepseek2_gguf_is_refused_by_name(tmp_path):
+    import gguf
+
+    from tokenmill.hf_config import ModelLoadError
+
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, "deepseek2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="architecture 'deepseek2'"):
+        EngineArgs(model=path, device="cpu").create_engine_config()
