@@ -101,6 +101,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
 }
 
 # GGUF metadata key (after "<arch>.") -> config.json key
@@ -119,6 +120,10 @@ GGUF_KEYS = {
     "final_logit_softcapping": "final_logit_softcapping",
     "attn_logit_softcapping": "attn_logit_softcapping",
     "rope.freq_base_swa": "rope_local_base_freq",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
 
 # llama.cpp's Gemma 3 graph: five sliding-window layers per global one, local RoPE base 1e4.
@@ -187,6 +192,11 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     tensor_names = {t.name for t in reader.tensors}
     data["tie_word_embeddings"] = "output.weight" not in tensor_names
     data["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if arch == "qwen2moe":
+        # llama.cpp's graph: q/k/v biases as the file has them, raw top-k router weights
+        # unless the file says to renormalise them.
+        data["qkv_bias"] = data["attention_bias"]
+        data["norm_topk_prob"] = bool(_gguf_field(reader, f"{arch}.expert_weights_norm"))
     data["_gguf_architecture"] = arch
     if arch == "gemma3":
         _derive_gemma3_config(data, _gguf_field(reader, f"{arch}.attention.sliding_window_pattern"))

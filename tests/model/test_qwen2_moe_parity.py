@@ -98,3 +98,60 @@ def test_greedy_through_the_engine(tmp_path, smollm2_gguf_path):
     kv = engine.engine_core.scheduler.kv_cache_manager
     kv.check_integrity()
     assert kv.usage == 0.0
+
+
+def _write_gguf(hf, path: str) -> None:
+    """``hf``'s weights as llama.cpp's converter lays out a qwen2moe GGUF file (float32):
+    each layer's experts stacked into ``ffn_{gate,up,down}_exps`` ``[E, out, in]``, the
+    shared expert's gate a vector."""
+    import gguf
+    import numpy as np
+
+    c = hf.config
+    writer = gguf.GGUFWriter(path, "qwen2moe")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_expert_count(c.num_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    writer.add_vocab_size(c.vocab_size)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2MOE, c.num_hidden_layers)
+    for name, param in hf.state_dict().items():
+        data = param.detach().float().numpy()
+        if ".mlp.experts." in name:
+            layer = name.split(".")[2]
+            gate, up = np.split(data, 2, axis=1)  # transformers keeps [E, 2I, H] in memory
+            parts = {"gate": gate, "up": up} if name.endswith("gate_up_proj") else {"down": data}
+            for part, stacked in parts.items():
+                tensor = np.ascontiguousarray(stacked)
+                writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", tensor)
+            continue
+        gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        if name.endswith("shared_expert_gate.weight"):
+            data = data.reshape(-1)
+        writer.add_tensor(gguf_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_file_matches_transformers(tmp_path):
+    """A qwen2moe GGUF file (every layer sparse, raw top-k weights, as llama.cpp's graph has
+    it) loads into the same model: logits equal transformers' on the weights it holds."""
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(**MOE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=48, norm_topk_prob=False)  # fmt: skip
+    hf = save_random_model(config, tmp_path / "hf", SCALES)
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(hf, path)
+    logits, expected = mixed_batch_logits(hf, path)
+    assert_logits_close(logits, expected)

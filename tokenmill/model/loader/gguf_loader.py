@@ -11,6 +11,7 @@ since Gemma models apply ``(1 + w)`` to the Hugging Face weight ``w``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -44,6 +45,32 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+def _dequantize(path: str, tensor) -> np.ndarray:
+    import gguf
+
+    try:
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot dequantize tensor {tensor.name!r}: {e}") from e
+    return np.asarray(data, dtype=np.float32)
+
+
+def stacked_expert_names(hf_names: Iterable[str], name_map) -> dict[str, str]:
+    """GGUF tensors that stack every expert of a layer (``blk.N.ffn_gate_exps.weight``,
+    ``[E, I, H]``) -> the per-expert Hugging Face name, with ``{}`` for the expert id
+    (``model.layers.N.mlp.experts.{}.gate_proj.weight``), for the names the model expects."""
+    pattern = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.\d+\.(\w+)\.weight")
+    stacked = {}
+    for hf_name in hf_names:
+        m = pattern.fullmatch(hf_name)
+        if m is None:
+            continue
+        gguf_name = name_map.get_name(f"{m.group(1)}.{m.group(2)}")
+        if gguf_name is not None:
+            stacked[f"{gguf_name}.weight"] = f"{m.group(1)}.{{}}.{m.group(2)}.weight"
+    return stacked
+
+
 def iterate_gguf(
     path: str,
     hf_names: Iterable[str],
@@ -70,24 +97,29 @@ def iterate_gguf(
     arch = str(reader.fields["general.architecture"].contents())
     num_blocks = int(reader.fields[f"{arch}.block_count"].contents())
     name_map = gguf.get_tensor_name_map(_arch_enum(arch), num_blocks)
+    hf_names = list(hf_names)
     to_hf: dict[str, str] = {}
     for hf_name in hf_names:
         gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is not None:
             to_hf[gguf_name] = hf_name
+    stacked = stacked_expert_names(hf_names, name_map)
     permute = arch in PERMUTED_QK_ARCHS
     norm_plus_one = arch in NORM_PLUS_ONE_ARCHS
     for t in reader.tensors:
         hf_name = to_hf.get(t.name)
+        if t.name in stacked:
+            data = _dequantize(path, t)
+            for expert in range(data.shape[0]):
+                yield stacked[t.name].format(expert), torch.from_numpy(data[expert].copy())
+            continue
         if hf_name is None:
             if t.name in ("rope_freqs.weight",):  # llama3 rope factors: we compute them
                 continue
             raise ModelLoadError(f"{path}: tensor {t.name!r} has no Hugging Face equivalent")
-        try:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
-        except Exception as e:
-            raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
-        data = np.asarray(data, dtype=np.float32)
+        data = _dequantize(path, t)
+        if hf_name.endswith("shared_expert_gate.weight") and data.ndim == 1:
+            data = data[None, :]  # llama.cpp stores this [1, H] gate as a vector
         if permute and ".q_proj." in hf_name:
             data = unpermute_qk(data, num_heads)
         elif permute and ".k_proj." in hf_name:
