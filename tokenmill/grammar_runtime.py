@@ -11,7 +11,10 @@ so both run in worker processes (``serve_grammars``) that the engine kills past 
 its first mask; the engine keeps a matcher of its own per request (``RequestGrammar``), which
 accepts each sampled token and says when the grammar is complete (cheap: well under a
 millisecond a token), and a mask worker keeps a copy of that matcher to fill the request's
-masks (``core/grammar_masks.py``), told the tokens accepted since its last fill.
+masks (``core/grammar_masks.py``), told the tokens accepted since its last fill. A
+constraint that applies after a reasoning section wraps that matcher in an
+``AfterReasoningGrammar`` (``structured_output_gate.py``): all-ones masks until the
+reasoning's end marker, without a worker.
 
 Such requests run synchronous steps (``SamplingParams.uses_full_sampler``): the bitmask of a
 step depends on the token sampled by the step before.
@@ -35,6 +38,7 @@ from tokenmill.structured_output import (
     constraint_source,
     xgrammar_module,
 )
+from tokenmill.structured_output_gate import AfterReasoningGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +69,25 @@ class GrammarBackend:
         self._cache: OrderedDict[CompileKey, tuple[Any, str, np.ndarray, int]] = OrderedDict()
         self._cache_bytes = 0
 
-    def cached(self, key: CompileKey) -> RequestGrammar | None:
-        """A fresh grammar for ``key`` if it was compiled before, else None."""
+    def cached(
+        self, key: CompileKey, reasoning_end_token_ids: list[int] | None = None
+    ) -> RequestGrammar | AfterReasoningGrammar | None:
+        """A fresh grammar for ``key`` if it was compiled before, else None.
+
+        Args:
+            key: the constraint's ``compile_key``.
+            reasoning_end_token_ids: the request's ``StructuredOutputsParams`` field: given,
+                the grammar applies from the token after them (``AfterReasoningGrammar``).
+        """
         entry = self._cache.get(key)
         if entry is None:
             return None
         self._cache.move_to_end(key)
         compiled, text, first_mask, _ = entry
-        return RequestGrammar(compiled, text, first_mask.copy())
+        grammar = RequestGrammar(compiled, text, first_mask.copy())
+        if reasoning_end_token_ids:
+            return AfterReasoningGrammar(grammar, reasoning_end_token_ids, self.vocab_size)
+        return grammar
 
     def key(self, params: StructuredOutputsParams) -> CompileKey:
         return compile_key(params)

@@ -76,7 +76,7 @@ class FakeBackend:
     def key(self, params) -> tuple:
         return ("regex", params.regex, True)
 
-    def cached(self, key):
+    def cached(self, key, reasoning_end_token_ids=None):
         return self.cache.get(key)
 
     def store(self, key, text, first_mask) -> None:

@@ -399,3 +399,67 @@ def test_compile_errors_read_without_the_grammar_engines_internals():
     message = str(info.value)
     assert message.startswith("structured_outputs: invalid JSON schema: ")
     assert "Check failed" not in message and "The JSON string is" not in message
+
+
+@pytest.mark.slow
+def test_a_constraint_after_reasoning_applies_from_the_token_after_its_end(llm):
+    """With ``reasoning_end_token_ids`` the output is free until those tokens (a thinking
+    model's ``</think>``), then constrained: here the end is the first two tokens SmolLM2
+    writes anyway, and a regex holds for what follows."""
+    prompt = "The capital of France is"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    end = list(free[0].outputs[0].token_ids[:2])
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=20,
+        structured_outputs=StructuredOutputsParams(regex="[0-9]{3}", reasoning_end_token_ids=end),
+    )
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids[:2]) == end
+    answer = llm.get_tokenizer().decode(list(out.token_ids[2:]), skip_special_tokens=True)
+    assert re.fullmatch("[0-9]{3}", answer) and out.finish_reason == "stop"
+    # The end never comes: the output stays free (and is the unconstrained one).
+    never = StructuredOutputsParams(regex="[0-9]{3}", reasoning_end_token_ids=[0, 0, 0])
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=never)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free[0].outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_a_constraint_after_reasoning_compiles_at_once_and_keeps_the_mask_bounds(llm):
+    """A constraint that waits for a reasoning's end still compiles on arrival: one that
+    does not compile aborts its request before any token. Its later masks keep their
+    bounds: ``z{3}`` then an ambiguous pattern, after a free first token, writes "zzz" and
+    is given up there, counted once; the mask filler never held it while it reasoned."""
+    core = llm.llm_engine.engine_core
+    bad = StructuredOutputsParams(regex="(a", reasoning_end_token_ids=[5])
+    core.add_request(
+        EngineCoreRequest("bad", [1, 2, 3], SamplingParams(structured_outputs=bad), time.time())
+    )
+    [output] = step_until_outputs(core)
+    assert (output.request_id, output.finish_reason) == ("bad", FinishReason.ABORT)
+    assert output.new_token_ids == []
+    assert output.stop_reason.startswith("structured_outputs: the constraint does not")
+
+    free = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    end = list(free[0].outputs[0].token_ids)
+    regex = "z{3}" + "((a|b)*(c|d)*)*" * 80
+    costly = StructuredOutputsParams(regex=regex, reasoning_end_token_ids=end)
+    params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=costly)
+    core.add_request(EngineCoreRequest("costly", llm.get_tokenizer().encode("Hi"), params, 0))
+    tokens, failures, finished, homes = [], 0, None, set()
+    for _ in range(500):
+        step = core.step()
+        homes |= set(core._grammar_masks._home)
+        for o in step.outputs:
+            tokens += o.new_token_ids
+            finished = o if o.finish_reason is not None else finished
+        if step.scheduler_stats is not None:
+            failures += step.scheduler_stats.num_constraint_failures
+        if not core.has_unfinished_requests():
+            break
+    assert tokens[:1] == end
+    assert llm.get_tokenizer().decode(tokens[1:]) == "zzz"
+    assert finished.finish_reason == FinishReason.ABORT and failures == 1
+    assert "too costly to follow" in finished.stop_reason
+    assert homes == {"costly"} and core._grammar_masks._home == {}

@@ -28,7 +28,7 @@ class PagedRunner:
         self.device = next(model.parameters()).device
         self.block_size = block_size
         backend = backend or get_attn_backend("cpu", use_mla=bool(config.get("kv_lora_rank")))
-        dtype = next(model.parameters()).dtype
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.kv_caches = [
             torch.zeros(
                 backend.get_kv_cache_shape(

@@ -83,7 +83,9 @@ class GrammarCompilation:
     Args:
         build_backend: builds the ``GrammarBackend`` (loads the tokenizer and its vocabulary
             table, ~1 s); run once, on a thread of its own, at construction. The backend
-            gives compile keys, cached grammars, and the grammar of a compile result.
+            gives compile keys, cached grammars, and the grammar of a compile result (one
+            that waits for the end of a reasoning section when the request's
+            ``reasoning_end_token_ids`` say so: it compiles on arrival all the same).
         start_worker: starts a compile worker with the backend's ``worker_args``.
         max_workers: compiles at once (default: half the CPUs, 1 to 4).
         max_compile_s: the time limit of a request's compile, from its arrival, in seconds.
@@ -173,7 +175,7 @@ class GrammarCompilation:
             key = backend.key(request.sampling_params.structured_outputs)
             job = self._running.get(key) or self._queued.get(key)
             if job is None:
-                grammar = backend.cached(key)
+                grammar = backend.cached(key, _reasoning_end(request))
                 if grammar is not None:
                     del self._pending[request.request_id]
                     request.grammar = grammar
@@ -336,7 +338,7 @@ class GrammarCompilation:
         backend.store(job.key, text, first_mask)
         for request in job.requests:
             self._pending.pop(request.request_id, None)
-            request.grammar = backend.cached(job.key)
+            request.grammar = backend.cached(job.key, _reasoning_end(request))
             self._done.append(request)
 
     def _expire(self) -> None:
@@ -403,6 +405,11 @@ class CompileBusy(Exception):
             else f"the grammar compilers stayed busy with other constraints for {limit_s:g} s"
         )
         super().__init__(f"{CONSTRAINT_BUSY_PREFIX} {why}; retry later.")
+
+
+def _reasoning_end(request: Request) -> list[int] | None:
+    """The token ids after which ``request``'s constraint applies (None: from the start)."""
+    return request.sampling_params.structured_outputs.reasoning_end_token_ids
 
 
 def _in_background(build: Callable[[], Any]) -> Future:

@@ -78,9 +78,11 @@ class GrammarMaskFiller:
         max_workers: mask workers (default: half the CPUs, 1 to 4).
         max_wall_s: the longest ``fill`` waits for one mask (s).
 
-    Grammars are ``RequestGrammar``-like: ``take_first_mask()``, ``accepted`` (the tokens
-    accepted so far) and ``text`` (the compiled grammar, serialized). Only the engine loop
-    calls ``fill``.
+    Grammars are ``RequestGrammar``-like: ``take_first_mask()`` (a mask known without a
+    worker: the compile's first mask, or every token while an ``AfterReasoningGrammar``
+    waits for the end of the reasoning; else None), ``accepted`` (the tokens the grammar
+    accepted so far) and ``text`` (the compiled grammar, serialized). A request is given a
+    home worker only when its first mask needs one. Only the engine loop calls ``fill``.
     """
 
     def __init__(
@@ -115,7 +117,7 @@ class GrammarMaskFiller:
         todo: dict[_MaskWorker, list[str]] = {}
         for req_id, grammar in grammars.items():
             first = grammar.take_first_mask()
-            if first is not None:  # filled by the compile worker
+            if first is not None:  # the compile's, or all ones before a reasoning's end
                 masks[req_id] = first
                 continue
             worker = self._home_of(req_id, grammar)

@@ -17,6 +17,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenmill.entrypoints.openai.protocol_tools import (
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ToolCall,
+    ToolCallParam,
+)
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN, MAX_BAD_WORDS, MAX_N, MAX_STOP_STRINGS
 
 # Field bounds, as SamplingParams checks them.
@@ -124,11 +130,16 @@ class ContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """A message of the conversation; content is a string or a list of text parts."""
+    """A message of the conversation; content is a string or a list of text parts. An
+    assistant message may carry the ``tool_calls`` it made (and its ``reasoning_content``);
+    a ``tool`` message answers the call ``tool_call_id``."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -143,9 +154,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: LogprobCount | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    # Accepted so that they can be rejected with a clear message (not implemented).
-    tools: list[Any] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}: checked
+    # by chat_tools.plan_tool_calls, whose 400 says which forms there are.
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = True
+    # Accepted so that they can be rejected with a clear message (not implemented).
     functions: Any = None  # OpenAI's legacy tool calling
     function_call: Any = None
     echo: Any = None  # vLLM's: prepend the last message to the answer
@@ -179,6 +193,9 @@ class ChatCompletionMessage(BaseModel):
     role: str
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    # The thinking before the answer, split off by --reasoning-parser (vLLM's field).
+    reasoning_content: str | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -219,6 +236,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -1,47 +1,35 @@
-"""The OpenAI-compatible HTTP server: FastAPI app, routes, auth, CORS, error handlers, run loop.
-
-The HTTP server (this process) tokenizes, detokenizes and talks HTTP; the model loop runs in
-the engine process (``AsyncLLM``), so neither stalls the other. Routes:
+"""The OpenAI-compatible routes and the error handlers every route shares.
 
 - POST /v1/chat/completions, /v1/completions (streaming or not), GET /v1/models
 - POST /v1/embeddings, when the model is an embedding model (then the two above answer 400);
   its engine (AsyncEmbeddingEngine) runs in an engine process too
 - POST /tokenize, /detokenize
 - GET /health (200 while the engine runs, 503 once it is dead), /metrics (Prometheus), /version
-- GET /dashboard, the live web view (``entrypoints/dashboard``; ``observability.py``)
 
 Every error answers with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
-How the server stops (signals, the engine's death) is in ``shutdown.py``.
+The app that serves these beside the other APIs, and its run loop, are in
+``entrypoints/api_server.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import re
-import socket
 from http import HTTPStatus
 from typing import Any
 
-import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
-from tokenmill.engine.embedding_engine import AsyncEmbeddingEngine
 from tokenmill.engine.input_processor import InvalidRequestError
-from tokenmill.entrypoints.dashboard.routes import is_dashboard_path
-from tokenmill.entrypoints.openai.body_limit import add_body_size_limit
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -50,8 +38,7 @@ from tokenmill.entrypoints.openai.errors import (
     error_type,
     model_not_found,
 )
-from tokenmill.entrypoints.openai.observability import install_observability, make_stat_loggers
-from tokenmill.entrypoints.openai.openapi import answers, errors, install_openapi
+from tokenmill.entrypoints.openai.openapi import answers, errors
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -73,24 +60,13 @@ from tokenmill.entrypoints.openai.serving_embedding import (
     not_generative,
 )
 from tokenmill.entrypoints.openai.serving_engine import (
-    RequestLogger,
     cancel_on_disconnect,
     to_openai_error,
 )
-from tokenmill.entrypoints.openai.shutdown import (
-    ABORTED_RESPONSE_GRACE_S,
-    GracefulShutdown,
-    Server,
-    exit_on_engine_death,
-)
-from tokenmill.gc_freeze import freeze_startup_heap
-from tokenmill.metrics import make_registry
 from tokenmill.version import __version__
 
 logger = logging.getLogger("tokenmill.entrypoints.openai.server")
 
-# Routes that answer without an API key (probes and scrapers).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 router = APIRouter()
 
@@ -308,7 +284,7 @@ def _bound_text(error: dict[str, Any]) -> str | None:
     return f"must be {kind[1]} {ctx[kind[0]]}, got {error.get('input')!r}."
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI) -> None:
     async def on_openai_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, OpenAIError)
         return exc.to_response()
@@ -336,171 +312,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(InvalidRequestError, on_invalid_request)
     app.add_exception_handler(Exception, on_unexpected)
-
-
-# ---- auth --------------------------------------------------------------------------------------
-
-
-class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on every route but OPEN_PATHS.
-
-    The key is compared in constant time (``hmac.compare_digest``), so response timing does
-    not leak how much of a guess was right. CORS preflight (OPTIONS) requests pass.
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root) :] or "/"
-        # (the dashboard's routes check the key themselves, also as Basic credentials)
-        if path in OPEN_PATHS or is_dashboard_path(path) or self._authorized(scope):
-            await self.app(scope, receive, send)
-            return
-        body = error_body(
-            "Invalid or missing API key: send it as 'Authorization: Bearer <key>'.",
-            "invalid_request_error",
-            code="invalid_api_key",
-        )
-        response = JSONResponse(body, status_code=HTTPStatus.UNAUTHORIZED)
-        await response(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        header = b""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                header = value
-                break
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
-
-
-# ---- app ---------------------------------------------------------------------------------------
-
-
-def build_app(
-    engine: AsyncLLM | AsyncEmbeddingEngine,
-    args: argparse.Namespace,
-    registry: CollectorRegistry,
-    chat_template: str | None = None,
-) -> FastAPI:
-    """The FastAPI app serving ``engine``.
-
-    Args:
-        engine: the running AsyncLLM, or AsyncEmbeddingEngine for an embedding model.
-        args: the server flags (api_key, allowed_origins/methods/headers, allow_credentials,
-            disable_log_requests, max_log_len, response_role).
-        registry: the Prometheus registry exposed at /metrics.
-        chat_template: template text replacing the tokenizer's own, if given.
-    """
-    app = FastAPI(title="tokenmill", version=__version__)
-    app.include_router(router)
-    install_openapi(app)
-    _add_error_handlers(app)
-    api_key = getattr(args, "api_key", None)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    add_body_size_limit(app)  # outside the key check
-    # Added last, so it is the outermost layer: preflight answers never need a key.
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=getattr(args, "allowed_origins", ["*"]),
-        allow_credentials=getattr(args, "allow_credentials", False),
-        allow_methods=getattr(args, "allowed_methods", ["*"]),
-        allow_headers=getattr(args, "allowed_headers", ["*"]),
-    )
-    request_logger = None
-    if not getattr(args, "disable_log_requests", False):
-        request_logger = RequestLogger(getattr(args, "max_log_len", None))
-    state = app.state
-    state.engine = engine
-    state.registry = registry
-    state.serving_chat = state.serving_completion = state.serving_embedding = None
-    install_observability(app, engine, args, registry)
-    if isinstance(engine, AsyncEmbeddingEngine):
-        state.serving_embedding = OpenAIServingEmbedding(engine, request_logger)
-        return app
-    state.serving_chat = OpenAIServingChat(
-        engine, request_logger, chat_template, getattr(args, "response_role", "assistant")
-    )
-    state.serving_completion = OpenAIServingCompletion(engine, request_logger)
-    return app
-
-
-async def run_server(
-    args: argparse.Namespace,
-    config: EngineConfig,
-    chat_template: str | None = None,
-    listeners: list[socket.socket] | None = None,
-) -> None:
-    """Start the engine, serve HTTP until SIGTERM/SIGINT, then shut the engine down.
-
-    Args:
-        args: the server flags (host, port, shutdown_timeout, ...; see build_app).
-        config: the engine configuration.
-        chat_template: template text replacing the tokenizer's own, if given.
-        listeners: sockets bound to host:port (``cli.serve.bind_listeners``); None: uvicorn
-            binds them itself.
-
-    Raises:
-        EngineDeadError: the engine failed to start, or died while serving (the server then
-            stops, unless ``--keep-alive-on-engine-death``).
-    """
-    registry = make_registry()
-    engine: AsyncLLM | AsyncEmbeddingEngine
-    if config.model_config.is_pooling_model:
-        engine = AsyncEmbeddingEngine(config)
-    else:
-        engine = AsyncLLM(config, stat_loggers=make_stat_loggers(config, registry))
-    shutdown: GracefulShutdown | None = None
-    try:
-        app = build_app(engine, args, registry, chat_template)
-        timeout_s = getattr(args, "shutdown_timeout", 0)
-        uv_config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            access_log=not args.disable_uvicorn_access_log,
-            root_path=args.root_path or "",
-            timeout_graceful_shutdown=timeout_s + ABORTED_RESPONSE_GRACE_S,
-            timeout_keep_alive=5,
-        )
-        server = Server(uv_config)
-        servings = [app.state.serving_chat, app.state.serving_completion]
-        shutdown = GracefulShutdown(server, engine, [s for s in servings if s], timeout_s)
-        shutdown.install()
-        keep_alive = getattr(args, "keep_alive_on_engine_death", False)
-        if isinstance(engine, AsyncLLM) and not keep_alive:
-            exit_on_engine_death(server, engine)
-        freeze_startup_heap("API server")
-        logger.info(
-            "Serving %s on %s (max_model_len=%d)",
-            config.model_config.served_model_name,
-            _listen_url(args.host, args.port, listeners),
-            engine.model_config.max_model_len,
-        )
-        await server.serve(sockets=listeners)
-        if isinstance(engine, AsyncLLM) and engine.errored and not shutdown.stopping:
-            raise EngineDeadError(f"the engine died: {engine.dead_error}")
-    finally:
-        if shutdown is not None:
-            shutdown.uninstall()
-        engine.shutdown()
-        logger.info("Engine shut down.")
-
-
-def _listen_url(host: str, port: int, listeners: list[socket.socket] | None) -> str:
-    if listeners:
-        port = listeners[0].getsockname()[1]  # the chosen one, for --port 0
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def parse_json_list(value: str) -> list[str]:
