@@ -100,10 +100,11 @@ def test_greedy_through_the_engine(tmp_path, smollm2_gguf_path):
     assert kv.usage == 0.0
 
 
-def _write_gguf(hf, path: str) -> None:
-    """``hf``'s weights as llama.cpp's converter lays out a qwen2moe GGUF file (float32):
-    each layer's experts stacked into ``ffn_{gate,up,down}_exps`` ``[E, out, in]``, the
-    shared expert's gate a vector."""
+def _write_gguf(hf, path: str, quantize: bool = False) -> dict[str, torch.Tensor]:
+    """``hf``'s weights as llama.cpp's converter lays out a qwen2moe GGUF file (float32, or
+    with ``quantize`` its 2D weights in Q8_0 blocks): each layer's experts stacked into
+    ``ffn_{gate,up,down}_exps`` ``[E, out, in]``, the shared expert's gate a vector.
+    Returns the state dict the file holds (dequantized), in ``hf``'s names."""
     import gguf
     import numpy as np
 
@@ -123,24 +124,38 @@ def _write_gguf(hf, path: str) -> None:
     writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     writer.add_vocab_size(c.vocab_size)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2MOE, c.num_hidden_layers)
+    qtype = gguf.GGMLQuantizationType.Q8_0
+
+    def add(gguf_name: str, data: np.ndarray) -> torch.Tensor:
+        if not quantize or data.ndim == 1:
+            writer.add_tensor(gguf_name, data)
+            return torch.from_numpy(data.copy())
+        q = gguf.quants.quantize(data, qtype)
+        writer.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=qtype)
+        return torch.from_numpy(gguf.quants.dequantize(q, qtype).reshape(data.shape).copy())
+
+    held = {}
     for name, param in hf.state_dict().items():
         data = param.detach().float().numpy()
         if ".mlp.experts." in name:
             layer = name.split(".")[2]
             gate, up = np.split(data, 2, axis=1)  # transformers keeps [E, 2I, H] in memory
             parts = {"gate": gate, "up": up} if name.endswith("gate_up_proj") else {"down": data}
-            for part, stacked in parts.items():
-                tensor = np.ascontiguousarray(stacked)
-                writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", tensor)
+            held[name] = torch.cat([
+                add(f"blk.{layer}.ffn_{part}_exps.weight", np.ascontiguousarray(stacked))
+                for part, stacked in parts.items()
+            ], dim=1)  # fmt: skip
             continue
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         if name.endswith("shared_expert_gate.weight"):
-            data = data.reshape(-1)
-        writer.add_tensor(gguf_name, data)
+            held[name] = add(gguf_name, data.reshape(-1)).reshape(data.shape)
+        else:
+            held[name] = add(gguf_name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return held
 
 
 def test_gguf_file_matches_transformers(tmp_path):
@@ -155,3 +170,20 @@ def test_gguf_file_matches_transformers(tmp_path):
     _write_gguf(hf, path)
     logits, expected = mixed_batch_logits(hf, path)
     assert_logits_close(logits, expected)
+
+
+def test_q8_0_gguf_file_kept_quantized(tmp_path):
+    """A qwen2moe file in Q8_0 blocks (experts, shared expert, attention and head) runs kept
+    in its blocks and dequantized at load: both against transformers on the weights the file
+    holds (the blocks' products within bfloat16's rounding on the CPU)."""
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(**MOE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, norm_topk_prob=False)  # fmt: skip
+    hf = save_random_model(config, tmp_path / "hf", SCALES)
+    path = str(tmp_path / "tiny-q8_0.gguf")
+    hf.load_state_dict(_write_gguf(hf, path, quantize=True))
+    logits, expected = mixed_batch_logits(hf, path, gguf_dequantize=True)
+    assert_logits_close(logits, expected)
+    logits, expected = mixed_batch_logits(hf, path)
+    assert (logits - expected).abs().max() <= 2e-2 * expected.abs().max()

@@ -152,7 +152,8 @@ class MLAImpl:
         dims: the layer's sizes.
         scale: softmax scale.
         kv_b_proj: the layer's up-projection, weight ``[H * (nope + v), R]`` (per head the
-            ``W_UK`` rows, then the ``W_UV`` rows); read at each call, never copied.
+            ``W_UK`` rows, then the ``W_UV`` rows). A dense weight is read at each call,
+            never copied; a quantized one is dequantized once by ``dequantize_up_projection``.
     """
 
     fuses_rope = False
@@ -161,11 +162,38 @@ class MLAImpl:
         self.dims = dims
         self.scale = scale
         self.kv_b_proj = kv_b_proj
+        self.dense_up_weight: torch.Tensor | None = None
+
+    def dequantize_up_projection(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Keep a dense ``[H * (nope + v), R]`` copy of a quantized ``kv_b_proj`` for the
+        absorbed decode (which multiplies by ``W_UK`` and ``W_UV`` per head, not by the whole
+        projection); the prompt path keeps the quantized product. The copy is the layer's
+        product with the identity, so it is whatever the quantization method computes.
+        A dense ``kv_b_proj`` keeps no copy."""
+        if self._dense_weight() is not None:
+            return
+        rank = self.dims.kv_lora_rank
+        with torch.no_grad():
+            eye = torch.eye(rank, dtype=dtype, device=device)
+            self.dense_up_weight = self.kv_b_proj(eye).to(dtype).t().contiguous()
+
+    def _dense_weight(self) -> torch.Tensor | None:
+        w = getattr(self.kv_b_proj, "weight", None)
+        if isinstance(w, torch.Tensor) and w.is_floating_point() and w.dim() == 2:
+            return w
+        return self.dense_up_weight
 
     def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(W_UK [H, nope, R], W_UV [H, v, R])``: views of ``kv_b_proj.weight``."""
+        """``(W_UK [H, nope, R], W_UV [H, v, R])``: views of ``kv_b_proj``'s dense weight.
+
+        Raises:
+            RuntimeError: a quantized ``kv_b_proj`` not yet dequantized.
+        """
         d = self.dims
-        w = self.kv_b_proj.weight.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, -1)
+        w = self._dense_weight()
+        if w is None:
+            raise RuntimeError("MLA decode needs dequantize_up_projection() after loading")
+        w = w.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, -1)
         return w[:, : d.qk_nope_head_dim], w[:, d.qk_nope_head_dim :]
 
     def write_latent(
