@@ -187,3 +187,21 @@ def test_q8_0_gguf_file_kept_quantized(tmp_path):
     assert_logits_close(logits, expected)
     logits, expected = mixed_batch_logits(hf, path)
     assert (logits - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+
+def test_dummy_weights_from_a_config_alone(tmp_path):
+    import json
+
+    from tokenmill.model.registry import supported_architectures
+
+    assert "Qwen2MoeForCausalLM" in supported_architectures()
+    config = _configs()["shared-raw"].to_dict()
+    (tmp_path / "config.json").write_text(
+        json.dumps({**config, "architectures": ["Qwen2MoeForCausalLM"]})
+    )
+    cfg = EngineArgs(model=str(tmp_path), dtype="float32", device="cpu",
+                     load_format="dummy").create_engine_config()  # fmt: skip
+    model = get_model(cfg.model_config, cfg.load_config, torch.device("cpu"),
+                      TorchAttentionBackend)  # fmt: skip
+    assert type(model).__name__ == "Qwen2MoeForCausalLM"
+    assert all(bool(p.abs().max() > 0) for p in model.parameters())
