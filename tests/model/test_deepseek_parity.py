@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.paged import PagedRunner
 from tests.model.test_qwen3_parity import mixed_batch_logits, save_random_model
 from tests.model.tolerance import assert_logits_close
 from tokenmill.config import LoadConfig
@@ -208,30 +207,3 @@ def test_a_deepseek2_gguf_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="architecture 'deepseek2'"):
         EngineArgs(model=path, device="cpu").create_engine_config()
-
-
-def test_quantized_up_projection_decodes_like_the_prompt_path(tmp_path):
-    """With weights quantized while loading (bitsandbytes NF4), the absorbed decode takes
-    ``W_UK`` and ``W_UV`` from a dense copy of the quantized ``kv_b_proj``: a decode after 20
-    cached tokens gives the logits that the prompt path (the quantized product itself)
-    computes for the same 21 tokens."""
-    pytest.importorskip("bitsandbytes")
-    from transformers import DeepseekV3Config
-
-    # Dense layers only: bitsandbytes does not quantize experts.
-    config = DeepseekV3Config(**{**MLA, "first_k_dense_replace": MLA["num_hidden_layers"]},
-                              q_lora_rank=48, n_routed_experts=4, n_group=1, topk_group=1,
-                              num_experts_per_tok=2)  # fmt: skip
-    save_deepseek(config, tmp_path)
-    cfg = EngineArgs(model=str(tmp_path), dtype="float32", device="cpu",
-                     quantization="bitsandbytes").create_engine_config()  # fmt: skip
-    model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), TorchMLABackend)
-    impl = model.model.layers[0].self_attn.attn.impl
-    assert impl.dense_up_weight is not None and impl.dense_up_weight.shape == (4 * 56, 32)
-    runner = PagedRunner(model, cfg.model_config.hf_config, num_blocks=16,
-                         backend=TorchMLABackend)  # fmt: skip
-    ids = list(range(5, 26))
-    runner.step({"a": ids[:20]}, {"a": ids})
-    decode = runner.step({"a": ids[20:]}, {"a": ids})[-1]
-    prompt = runner.step({"b": ids}, {"b": ids})[-1]
-    torch.testing.assert_close(decode, prompt, rtol=1e-4, atol=1e-4)
