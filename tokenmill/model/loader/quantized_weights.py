@@ -57,7 +57,8 @@ def process_quantized_weights(model: nn.Module, device: torch.device) -> None:
                 done.add(id(method))
             if isinstance(module, LMHead):
                 method.build_head(module)
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    for module in model.modules():
-        if isinstance(module, MLAAttention):  # the absorbed decode's W_UK and W_UV
-            module.impl.dequantize_up_projection(dtype, device)
+    mla_layers = [m for m in model.modules() if isinstance(m, MLAAttention)]
+    if mla_layers:  # the absorbed decode's W_UK and W_UV, in the model's dtype (its norms')
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        for layer in mla_layers:
+            layer.impl.dequantize_up_projection(dtype, device)
