@@ -103,6 +103,7 @@ GGUF_ARCHITECTURES = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # V3 with sigmoid gating
 }
 
 # GGUF metadata key (after "<arch>.") -> config.json key
@@ -202,6 +203,8 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     _derive_moe_config(data, arch, _gguf_field(reader, f"{arch}.expert_weights_norm"))
     if arch == "gemma3":
         _derive_gemma3_config(data, _gguf_field(reader, f"{arch}.attention.sliding_window_pattern"))
+    if arch == "deepseek2":
+        _derive_deepseek2_config(data, lambda key: _gguf_field(reader, f"{arch}.{key}"))
     return data
 
 
@@ -216,6 +219,54 @@ def _derive_moe_config(data: dict[str, Any], arch: str, weights_norm: Any) -> No
         data["architectures"], data["model_type"] = ["MixtralForCausalLM"], "mixtral"
     elif arch == "qwen3moe":
         data["norm_topk_prob"] = True if weights_norm is None else bool(weights_norm)
+
+
+# llama.cpp's expert_gating_func values.
+GGUF_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
+
+
+def _derive_deepseek2_config(data: dict[str, Any], field: Any) -> None:
+    """DeepSeek-V2/V3 settings from llama.cpp's ``deepseek2`` metadata (``field(key)``: the
+    value of ``deepseek2.<key>`` or None), as its converter writes them.
+
+    The converter stores MLA as multi-query attention over the latent: ``head_count_kv`` 1,
+    ``key_length`` ``kv_lora_rank + rope`` and the per-head sizes in ``key_length_mla`` /
+    ``value_length_mla`` (older files: ``key_length`` ``nope + rope``, ``value_length`` the
+    value head). Sigmoid gating means DeepSeek-V3 (and its correction bias); YaRN's
+    ``yarn_log_multiplier`` is ``0.1 * mscale_all_dim`` (``mscale`` equal to it, as in
+    DeepSeek's released configs).
+    """
+    rope = int(field("rope.dimension_count"))
+    key = field("attention.key_length_mla") or field("attention.key_length")
+    value = field("attention.value_length_mla") or field("attention.value_length")
+    data.pop("head_dim", None)
+    data["num_key_value_heads"] = data["num_attention_heads"]
+    data.update(
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=int(key) - rope,
+        v_head_dim=int(value),
+        kv_lora_rank=int(field("attention.kv_lora_rank")),
+        q_lora_rank=field("attention.q_lora_rank") or None,
+        first_k_dense_replace=int(field("leading_dense_block_count") or 0),
+        n_shared_experts=int(field("expert_shared_count") or 0),
+        routed_scaling_factor=float(field("expert_weights_scale") or 1.0),
+        norm_topk_prob=bool(field("expert_weights_norm")),
+        n_group=int(field("expert_group_count") or 1),
+        topk_group=int(field("expert_group_used_count") or 1),
+    )
+    if "num_local_experts" in data:
+        data["n_routed_experts"] = data.pop("num_local_experts")
+    scoring = GGUF_GATING_FUNCS.get(int(field("expert_gating_func") or 1), "softmax")
+    data["scoring_func"] = scoring
+    if scoring == "sigmoid":
+        data["architectures"], data["model_type"] = ["DeepseekV3ForCausalLM"], "deepseek_v3"
+        data["topk_method"] = "noaux_tc"
+    else:
+        data["topk_method"] = "group_limited_greedy" if data["n_group"] > 1 else "greedy"
+    log_mul = field("rope.scaling.yarn_log_multiplier")
+    if data.get("rope_scaling") and log_mul:
+        mscale = float(log_mul) / 0.1
+        data["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale)
 
 
 def _derive_gemma3_config(data: dict[str, Any], pattern: Any) -> None:
