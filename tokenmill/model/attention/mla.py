@@ -317,7 +317,10 @@ class MLAImpl:
         plan: MLAStepPlan,
     ) -> None:
         """Prompt tokens: expand the prompt requests' whole contexts (one up-projection for
-        all of them), then causal attention per request, aligned to the context's end."""
+        all of them), then causal attention per request, aligned to the context's end.
+
+        NOTE: the expanded keys and values (``H * (2 nope + rope + v)`` values per context
+        token) are transient but grow with the context, not the chunk."""
         d = self.dims
         block_size = kv_cache.shape[1]
         lens = [plan.seq_lens[i] for i in plan.prefill_reqs]
