@@ -110,13 +110,19 @@ def deepseek_random(tmp_path_factory):
     return hf, str(path)
 
 
-def test_bf16_logits_match_cpu_float32(deepseek_random):
+@pytest.mark.parametrize("pieces", [False, True])
+def test_bf16_logits_match_cpu_float32(deepseek_random, pieces, monkeypatch):
+    """``pieces``: prompt contexts expanded 16 tokens at a time (online softmax)."""
     from tests.model.paged import PagedRunner
     from tokenmill.config import LoadConfig
     from tokenmill.engine_args import EngineArgs
+    from tokenmill.model.attention.mla import MLAImpl
     from tokenmill.model.attention.selector import get_attn_backend
     from tokenmill.model.loader.model_loader import get_model
 
+    if pieces:
+        monkeypatch.setattr(MLAImpl, "max_expanded_context", 8)
+        monkeypatch.setattr(MLAImpl, "piece_scores", 1)
     hf, path = deepseek_random
     cfg = EngineArgs(model=path, dtype="bfloat16", device="cuda").create_engine_config()
     backend = get_attn_backend("cuda", use_mla=True)

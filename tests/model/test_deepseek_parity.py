@@ -103,6 +103,21 @@ def test_mixed_batch_matches_transformers(saved_model):
     assert_logits_close(logits, expected)
 
 
+@pytest.mark.parametrize("saved_model", ["v3-qlora-yarn"], indirect=True)
+def test_long_contexts_attend_in_pieces(saved_model, monkeypatch):
+    """Contexts past ``max_expanded_context`` (here 8 tokens) expanded 16 tokens at a time
+    and merged by online softmax: the same step's logits (the 20- and 50-token prompt
+    contexts in pieces that cross blocks and the chunk's start; the 31-token decode as
+    before)."""
+    from tokenmill.model.attention.mla import MLAImpl
+
+    monkeypatch.setattr(MLAImpl, "max_expanded_context", 8)
+    monkeypatch.setattr(MLAImpl, "piece_scores", 1)  # the smallest piece, 16 tokens
+    hf, path = saved_model
+    logits, expected = mixed_batch_logits(hf, path)
+    assert_logits_close(logits, expected)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu/test_mla_gpu.py on CUDA")
 # The interpreter is slow: one config per rotary layout (interleaved pairs, halves).
 @pytest.mark.parametrize("saved_model", ["v3-qlora-yarn", "v3-q-proj"], indirect=True)

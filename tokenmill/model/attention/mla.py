@@ -8,7 +8,8 @@ heads. A head's key is ``[W_UK_h c | k_pe]`` and its value ``W_UV_h c``, where `
 stacks ``[W_UK_h; W_UV_h]`` per head.
 
 - Prompt tokens (a query chunk of more than one token) expand their context's latents into
-  full keys and values with ``kv_b_proj`` and attend as ordinary multi-head attention.
+  full keys and values with ``kv_b_proj`` and attend as ordinary multi-head attention (a
+  long context a piece at a time, merged by online softmax).
 - Decode tokens attend in the latent space with the absorbed projections (the paper's
   section 2.1.3): the query's non-rotary part becomes ``q_lat_h = W_UK_h^T q_nope_h``
   (``kv_lora_rank`` values), scores are ``q_lat_h . c + q_pe_h . k_pe``, the softmax-weighted
@@ -157,6 +158,10 @@ class MLAImpl:
     """
 
     fuses_rope = False
+    # Longest context expanded whole; longer ones go a piece at a time.
+    max_expanded_context = 8192
+    # Float32 scores held at once by ``_attend_in_pieces`` (heads x queries x keys).
+    piece_scores = 1 << 27
 
     def __init__(self, dims: MLADims, scale: float, kv_b_proj: nn.Module) -> None:
         self.dims = dims
@@ -316,26 +321,33 @@ class MLAImpl:
         block_table: torch.Tensor,
         plan: MLAStepPlan,
     ) -> None:
-        """Prompt tokens: expand the prompt requests' whole contexts (one up-projection for
-        all of them), then causal attention per request, aligned to the context's end.
-
-        NOTE: the expanded keys and values (``H * (2 nope + rope + v)`` values per context
-        token) are transient but grow with the context, not the chunk."""
+        """Prompt tokens: expand the prompt requests' contexts into keys and values (one
+        up-projection for all of them), then causal attention per request, aligned to the
+        context's end. A context longer than ``max_expanded_context`` is expanded a piece at
+        a time instead (``_attend_in_pieces``): the expanded keys and values take
+        ``H * (2 nope + rope + v)`` values per context token."""
         d = self.dims
         block_size = kv_cache.shape[1]
-        lens = [plan.seq_lens[i] for i in plan.prefill_reqs]
+        latents = kv_cache.view(-1, d.latent_dim)
+        short: list[tuple[int, int]] = []
         slots = []
-        for i, length in zip(plan.prefill_reqs, lens, strict=True):
+        for i in plan.prefill_reqs:
+            length = plan.seq_lens[i]
             blocks = block_table[i, : cdiv(length, block_size)].long()
             offsets = torch.arange(block_size, device=blocks.device)
-            slots.append((blocks[:, None] * block_size + offsets).reshape(-1)[:length])
-        ctx = kv_cache.view(-1, d.latent_dim)[torch.cat(slots)]
-        kv = self.kv_b_proj(ctx[:, : d.kv_lora_rank].to(q.dtype).contiguous())
-        kv = kv.view(-1, d.num_heads, d.qk_nope_head_dim + d.v_head_dim)
-        k_nope, v = kv.split([d.qk_nope_head_dim, d.v_head_dim], dim=-1)
-        k_pe = ctx[:, d.kv_lora_rank :].to(q.dtype)
+            req_slots = (blocks[:, None] * block_size + offsets).reshape(-1)[:length]
+            if length > self.max_expanded_context:
+                s, e = plan.starts[i], plan.starts[i + 1]
+                o[s:e] = self._attend_in_pieces(q[s:e], latents[req_slots])
+            else:
+                short.append((i, length))
+                slots.append(req_slots)
+        if not short:
+            return
+        ctx = latents[torch.cat(slots)]
+        k_nope, k_pe, v = self._expand(ctx, q.dtype)
         offset = 0
-        for i, length in zip(plan.prefill_reqs, lens, strict=True):
+        for i, length in short:
             s, e = plan.starts[i], plan.starts[i + 1]
             ctx_slice = slice(offset, offset + length)
             offset += length
@@ -343,6 +355,48 @@ class MLAImpl:
                 [k_nope[ctx_slice], k_pe[ctx_slice, None, :].expand(-1, d.num_heads, -1)], dim=-1
             )
             o[s:e] = causal_attention(q[s:e], k, v[ctx_slice], self.scale)
+
+    def _expand(
+        self, ctx: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Latents ``[L, R + P]`` -> ``k_nope [L, H, nope]``, ``k_pe [L, P]``,
+        ``v [L, H, v]`` in ``dtype``."""
+        d = self.dims
+        kv = self.kv_b_proj(ctx[:, : d.kv_lora_rank].to(dtype).contiguous())
+        kv = kv.view(-1, d.num_heads, d.qk_nope_head_dim + d.v_head_dim)
+        k_nope, v = kv.split([d.qk_nope_head_dim, d.v_head_dim], dim=-1)
+        return k_nope, ctx[:, d.kv_lora_rank :].to(dtype), v
+
+    def _attend_in_pieces(self, q: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the last ``Lq`` positions of a long context over all of it,
+        expanding ``piece_scores / (H * Lq)`` context tokens at a time and merging the
+        pieces by online softmax (running maximum and sum, as FlashAttention; Dao et al.
+        2022, arXiv:2205.14135), in float32.
+
+        Shapes: ``q [Lq, H, nope + rope]``, ``ctx [L, R + P]`` latents -> ``[Lq, H, v]``.
+        """
+        d = self.dims
+        q_len, length = q.shape[0], ctx.shape[0]
+        piece = max(16, self.piece_scores // (d.num_heads * q_len))
+        qf = q.transpose(0, 1).float()  # [H, Lq, D]
+        q_pos = torch.arange(length - q_len, length, device=q.device)[:, None]
+        m = qf.new_full((d.num_heads, q_len, 1), float("-inf"))
+        total = qf.new_zeros(d.num_heads, q_len, 1)
+        acc = qf.new_zeros(d.num_heads, q_len, d.v_head_dim)
+        for start in range(0, length, piece):
+            k_nope, k_pe, v = self._expand(ctx[start : start + piece], q.dtype)
+            scores = torch.einsum("hqd,khd->hqk", qf[..., : d.qk_nope_head_dim], k_nope.float())
+            scores += torch.einsum("hqp,kp->hqk", qf[..., d.qk_nope_head_dim :], k_pe.float())
+            k_pos = torch.arange(start, start + k_pe.shape[0], device=q.device)[None, :]
+            scores = (scores * self.scale).masked_fill(k_pos > q_pos, float("-inf"))
+            # Every query sees position 0, so ``m`` is finite from the first piece on.
+            m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
+            probs = torch.exp(scores - m_new)
+            rescale = torch.exp(m - m_new)
+            total = total * rescale + probs.sum(dim=-1, keepdim=True)
+            acc = acc * rescale + torch.einsum("hqk,khv->hqv", probs, v.float())
+            m = m_new
+        return (acc / total).transpose(0, 1).to(q.dtype)
 
 
 def causal_attention(
