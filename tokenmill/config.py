@@ -165,6 +165,12 @@ class ModelConfig:
     def get_num_layers(self) -> int:
         return self.hf_config.num_hidden_layers
 
+    @property
+    def use_mla(self) -> bool:
+        """The model's attention is multi-head latent attention (DeepSeek-V2/V3 configs set
+        ``kv_lora_rank``): its KV cache holds one compressed latent per token."""
+        return bool(self.hf_config.get("kv_lora_rank"))
+
 
 @dataclass
 class CacheConfig:

@@ -109,6 +109,8 @@ GGUF_ARCHITECTURES = {
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # V3 with sigmoid gating
 }
 
 # GGUF metadata key (after "<arch>.") -> config.json key
@@ -130,6 +132,7 @@ GGUF_KEYS = {
     "expert_count": "num_local_experts",
     "expert_used_count": "num_experts_per_tok",
     "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
 
 # llama.cpp's Gemma 3 graph: five sliding-window layers per global one, local RoPE base 1e4.
@@ -199,12 +202,19 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     tensor_names = {t.name for t in reader.tensors}
     data["tie_word_embeddings"] = "output.weight" not in tensor_names
     data["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if arch == "qwen2moe":
+        # llama.cpp's graph: q/k/v biases as the file has them, raw top-k router weights
+        # unless the file says to renormalise them.
+        data["qkv_bias"] = data["attention_bias"]
+        data["norm_topk_prob"] = bool(_gguf_field(reader, f"{arch}.expert_weights_norm"))
     data["_gguf_architecture"] = arch
     _derive_moe_config(data, arch, _gguf_field(reader, f"{arch}.expert_weights_norm"))
     if arch == "gemma3":
         _derive_gemma3_config(data, _gguf_field(reader, f"{arch}.attention.sliding_window_pattern"))
     elif arch in ("gemma", "gemma2"):
         _derive_gemma_config(data, arch)
+    elif arch == "deepseek2":
+        _derive_deepseek2_config(data, lambda key: _gguf_field(reader, f"{arch}.{key}"))
     return data
 
 
@@ -234,6 +244,54 @@ def _derive_moe_config(data: dict[str, Any], arch: str, weights_norm: Any) -> No
         data["architectures"], data["model_type"] = ["MixtralForCausalLM"], "mixtral"
     elif arch == "qwen3moe":
         data["norm_topk_prob"] = True if weights_norm is None else bool(weights_norm)
+
+
+# llama.cpp's expert_gating_func values.
+GGUF_GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
+
+
+def _derive_deepseek2_config(data: dict[str, Any], field: Any) -> None:
+    """DeepSeek-V2/V3 settings from llama.cpp's ``deepseek2`` metadata (``field(key)``: the
+    value of ``deepseek2.<key>`` or None), as its converter writes them.
+
+    The converter stores MLA as multi-query attention over the latent: ``head_count_kv`` 1,
+    ``key_length`` ``kv_lora_rank + rope`` and the per-head sizes in ``key_length_mla`` /
+    ``value_length_mla`` (older files: ``key_length`` ``nope + rope``, ``value_length`` the
+    value head). Sigmoid gating means DeepSeek-V3 (and its correction bias); YaRN's
+    ``yarn_log_multiplier`` is ``0.1 * mscale_all_dim`` (``mscale`` equal to it, as in
+    DeepSeek's released configs).
+    """
+    rope = int(field("rope.dimension_count"))
+    key = field("attention.key_length_mla") or field("attention.key_length")
+    value = field("attention.value_length_mla") or field("attention.value_length")
+    data.pop("head_dim", None)
+    data["num_key_value_heads"] = data["num_attention_heads"]
+    data.update(
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=int(key) - rope,
+        v_head_dim=int(value),
+        kv_lora_rank=int(field("attention.kv_lora_rank")),
+        q_lora_rank=field("attention.q_lora_rank") or None,
+        first_k_dense_replace=int(field("leading_dense_block_count") or 0),
+        n_shared_experts=int(field("expert_shared_count") or 0),
+        routed_scaling_factor=float(field("expert_weights_scale") or 1.0),
+        norm_topk_prob=bool(field("expert_weights_norm")),
+        n_group=int(field("expert_group_count") or 1),
+        topk_group=int(field("expert_group_used_count") or 1),
+    )
+    if "num_local_experts" in data:
+        data["n_routed_experts"] = data.pop("num_local_experts")
+    scoring = GGUF_GATING_FUNCS.get(int(field("expert_gating_func") or 1), "softmax")
+    data["scoring_func"] = scoring
+    if scoring == "sigmoid":
+        data["architectures"], data["model_type"] = ["DeepseekV3ForCausalLM"], "deepseek_v3"
+        data["topk_method"] = "noaux_tc"
+    else:
+        data["topk_method"] = "group_limited_greedy" if data["n_group"] > 1 else "greedy"
+    log_mul = field("rope.scaling.yarn_log_multiplier")
+    if data.get("rope_scaling") and log_mul:
+        mscale = float(log_mul) / 0.1
+        data["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale)
 
 
 def _derive_gemma3_config(data: dict[str, Any], pattern: Any) -> None:

@@ -81,7 +81,7 @@ def build_batch(
     """Inputs and metadata of one mixed batch over random, distinct KV blocks, except the
     first ``shared`` tokens' blocks, which all decodes take from the first one."""
     bs = runner.block_size
-    num_blocks = runner.kv_caches[0].shape[1]
+    num_blocks = runner.num_blocks
     q_lens = [1] * decodes + ([chunk] if chunk else [])
     seq_lens = [ctx] * decodes + ([cached + chunk] if chunk else [])
     width = max(-(-s // bs) for s in seq_lens)

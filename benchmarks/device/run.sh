@@ -92,6 +92,12 @@
 #              of a batch-1 decode (batch1_generate.py; each kernel replayed alone, so no overlap)
 #   first_token  cProfile of a one-token generate (32-token prompt): the host's share of a
 #              request's first step (first_token_profile.py)
+#   mla_tp     a DeepSeek-V3-shaped MLA model (6 layers, 32 experts; mla_throughput.py):
+#              tokenmill and vLLM bench throughput 1,024/256 x 1,000 and their KV capacity in
+#              tokens ($OUT/mla_throughput.json); mla_tp_tm / mla_tp_vllm one engine each.
+#              vLLM needs the bundle prepared with KEEP_MOE=1 (its MoE kernels)
+#   gputests_mla  the MLA kernels' and DeepSeek engine's GPU tests; mlabench the MLA decode
+#              kernel's timings (benchmarks/mla_bench.py; mlabench_sweep with other tiles)
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -129,7 +135,7 @@ stage() {  # stage NAME TIMEOUT CMD... (NAME gets $SFX, the STAGE@VARS label)
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "^BEAMSLEEP|^KVOFF|^QUANT|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|preempt" "$LOGS/$name.log" \
+  grep -aE "^BEAMSLEEP|^KVOFF|^QUANT|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|^MLA|preempt" "$LOGS/$name.log" \
     | grep -v "warnings.warn" | tail -${TAIL_LINES:-25} | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
@@ -359,6 +365,12 @@ run_stage() {  # run_stage NAME: one stage of the list below
     seqs_sweep) for n in ${SEQS:-60}; do LOADS=random serve_diag "seqs$n" --max-num-seqs "$n"; done ;;
     diag_nocascade) serve_diag nocascade --disable-cascade-attn ;;
     gputests_so) PYTHONPATH="$XGP" stage gputests_so 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "structured or mixed_step_graphs" -p no:cacheprovider --timeout 120 ;;
+    mla_tp) stage mla_tp 900 python3 benchmarks/device/mla_throughput.py --out "$OUT" --engines tokenmill,vllm ;;
+    mla_tp_tm) stage mla_tp_tm 450 python3 benchmarks/device/mla_throughput.py --out "$OUT" --engines tokenmill ;;
+    mla_tp_vllm) stage mla_tp_vllm 450 python3 benchmarks/device/mla_throughput.py --out "$OUT" --engines vllm ;;
+    gputests_mla) stage gputests_mla 300 python3 -m pytest -q tests/gpu/test_mla_gpu.py -p no:cacheprovider --timeout 200 ;;
+    mlabench) stage mlabench 200 python3 benchmarks/mla_bench.py ;;
+    mlabench_sweep) TAIL_LINES=200 stage mlabench_sweep 400 python3 benchmarks/mla_bench.py --sweep --batches 1,64,256 --contexts 1280,4096 ;;
     vllm_serve) serve_pair vllm ;;
     tp_gptoss) gptoss_model; stage tp_gptoss 560 "${TM[@]}" bench throughput --model "$MGPTOSS" "${TPA[@]}" "${GPTOSS_TP[@]}" --output-json "$LOGS/tp_gptoss.json"; addjson tp_gptoss "$LOGS/tp_gptoss.json" ;;
     vllm_tp_gptoss) gptoss_model; stage vllm_tp_gptoss 560 vllm bench throughput --model "$MGPTOSS" "${TPA[@]}" "${GPTOSS_TP[@]}" --output-json "$LOGS/vllm_tp_gptoss.json"; addjson vllm_tp_gptoss "$LOGS/vllm_tp_gptoss.json" ;;

@@ -36,7 +36,7 @@ def tiny_llama(tmp_path_factory):
 
 
 def _generate(path, tokenizer, prompts, backend, monkeypatch, **kwargs):
-    monkeypatch.setattr(model_runner, "get_attn_backend", lambda device: backend)
+    monkeypatch.setattr(model_runner, "get_attn_backend", lambda device, use_mla=False: backend)
     llm = LLM(
         path, tokenizer=tokenizer, max_model_len=256, max_num_seqs=16,
         max_num_batched_tokens=32, kv_cache_memory=16 << 20, **kwargs,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.model.attention.backend import AttentionMetadata
-from tokenmill.model.layers.attention import bind_kv_caches
+from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.model.attention.selector import get_attn_backend
+from tokenmill.model.layers.attention import bind_kv_caches, kv_cache_specs
 
 
 class PagedRunner:
@@ -14,18 +15,29 @@ class PagedRunner:
     Each sequence gets blocks from a shuffled pool, so block ids are non-contiguous.
     """
 
-    def __init__(self, model, config, num_blocks: int = 64, block_size: int = 16, seed: int = 0):
+    def __init__(
+        self,
+        model,
+        config,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        seed: int = 0,
+        backend: type[AttentionBackend] | None = None,
+    ):
         self.model = model
         self.device = next(model.parameters()).device
         self.block_size = block_size
-        num_kv = config.get("num_key_value_heads", config.num_attention_heads)
-        head_dim = config.get("head_dim") or config.hidden_size // config.num_attention_heads
+        backend = backend or get_attn_backend("cpu", use_mla=bool(config.get("kv_lora_rank")))
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.kv_caches = [
             torch.zeros(
-                2, num_blocks, block_size, num_kv, head_dim, dtype=dtype, device=self.device
+                backend.get_kv_cache_shape(
+                    num_blocks, block_size, spec.num_kv_heads, spec.head_size
+                ),
+                dtype=dtype,
+                device=self.device,
             )
-            for _ in range(config.num_hidden_layers)
+            for spec in kv_cache_specs(model)
         ]
         bind_kv_caches(model, self.kv_caches)
         gen = torch.Generator().manual_seed(seed)

@@ -168,11 +168,12 @@ def _quant_config(fmt, group, sym, act_order) -> dict:
     }
 
 
-def quantize_folder(src: str, out: str, fmt: str, group: int, sym: bool, seed: int = 0
-                    ) -> tuple[str, str]:
+def quantize_folder(src: str, out: str, fmt: str, group: int, sym: bool, seed: int = 0,
+                    leaves: tuple[str, ...] = LINEARS) -> tuple[str, str]:
     """Quantize every projection of a saved float model (attention, MLP, per-expert MoE
-    projections; not routers, embeddings or the LM head) into ``out/quant`` in ``fmt``, and
-    write ``out/reference`` with the dequantized weights. Returns both folders."""
+    projections: the weights named ``*.<leaf>.weight`` for a leaf of ``leaves``; not routers,
+    embeddings or the LM head) into ``out/quant`` in ``fmt``, and write ``out/reference``
+    with the dequantized weights. Returns both folders."""
     import shutil
 
     from safetensors.torch import load_file
@@ -182,7 +183,7 @@ def quantize_folder(src: str, out: str, fmt: str, group: int, sym: bool, seed: i
     quant_state, reference = {}, {}
     for name, w in state.items():
         leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-        if leaf not in LINEARS and leaf not in ("w1", "w2", "w3"):
+        if leaf not in leaves and leaf not in ("w1", "w2", "w3"):
             quant_state[name] = reference[name] = w
             continue
         n, k = w.shape

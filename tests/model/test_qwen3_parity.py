@@ -15,6 +15,7 @@ from tests.model.paged import PagedRunner
 from tests.model.tolerance import assert_logits_close
 from tokenmill.config import LoadConfig
 from tokenmill.engine_args import EngineArgs
+from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.attention.torch_ref import TorchAttentionBackend
 from tokenmill.model.loader.model_loader import get_model
 
@@ -31,12 +32,12 @@ TINY = dict(
 )
 
 
-def save_random_model(config, path, scale_params: dict[str, float] | None = None):
+def save_random_model(config, path, scale_params: dict[str, float] | None = None, mutate=None):
     """Build transformers' model for ``config`` with seeded random weights, save it to
     ``path`` and return it (float32, eval, eager attention).
 
     ``scale_params`` multiplies parameters whose name contains a key (e.g. to make random
-    routers decisive) before saving.
+    routers decisive) before saving; ``mutate(model)`` may change it further.
     """
     from transformers import AutoModelForCausalLM
 
@@ -50,17 +51,23 @@ def save_random_model(config, path, scale_params: dict[str, float] | None = None
             for key, scale in (scale_params or {}).items():
                 if key in name:
                     param.mul_(scale)
+        if mutate is not None:
+            mutate(hf)
     hf.save_pretrained(path)
     return hf
 
 
-def mixed_batch_logits(hf, path: str, **engine_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ours, transformers')`` logits of the mixed step, each ``[34, vocab]`` float32."""
+def mixed_batch_logits(
+    hf, path: str, backend=None, **engine_kwargs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ours, transformers')`` logits of the mixed step, each ``[34, vocab]`` float32;
+    ``backend`` defaults to the CPU's attention backend for the model."""
     cfg = EngineArgs(
         model=path, dtype="float32", device="cpu", **engine_kwargs
     ).create_engine_config()
-    model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), TorchAttentionBackend)
-    runner = PagedRunner(model, cfg.model_config.hf_config, num_blocks=32)
+    backend = backend or get_attn_backend("cpu", use_mla=cfg.model_config.use_mla)
+    model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), backend)
+    runner = PagedRunner(model, cfg.model_config.hf_config, num_blocks=32, backend=backend)
     gen = torch.Generator().manual_seed(1)
     vocab = cfg.model_config.hf_config.vocab_size
     seqs = {

@@ -2,8 +2,8 @@
 block moves the scheduler plans (``core/kv_offload.py``), made at the start of a step.
 
 A host slot holds one block of every layer, ``[layers, 2, block_size, kv_heads,
-head_dim]``, contiguous (pinned memory on CUDA, so copies to and from the device run as
-DMA); a disk slot holds the same bytes at ``slot * block_bytes`` of one preallocated file,
+head_dim]`` (MLA: ``[layers, block_size, latent]``), contiguous (pinned memory on CUDA, so
+copies to and from the device run as DMA); a disk slot holds the same bytes at ``slot * block_bytes`` of one preallocated file,
 unlinked from its folder as soon as it is open (its space is freed when the process ends).
 """
 
@@ -16,6 +16,7 @@ import torch
 
 from tokenmill.core.kv_offload import KVTransfers
 from tokenmill.worker.host_memory import lazily_zeroed_cpu_tensor
+from tokenmill.worker.kv_blocks import block_dim
 
 # Blocks moved between the host pool and the device per copy (bounds the staging memory).
 _CHUNK_BLOCKS = 256
@@ -25,7 +26,8 @@ class KVOffloadStore:
     """The host pool (and optional disk file) of one KV cache.
 
     Args:
-        kv_arena: the KV cache, ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
+        kv_arena: the KV cache, ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``
+            (MLA: ``[layers, num_blocks, block_size, latent]``).
         host_slots: blocks the host pool holds.
         disk_path: a folder for the disk tier's file, or None.
         disk_slots: blocks the disk file holds (with ``disk_path``).
@@ -41,8 +43,9 @@ class KVOffloadStore:
         disk_path: str | None = None,
         disk_slots: int = 0,
     ) -> None:
-        layers, two, _, block_size, heads, dim = kv_arena.shape
-        self.block_shape = (layers, two, block_size, heads, dim)
+        # The arena's block dimension: the layers' own, after the layer dimension.
+        self.dim = 1 + block_dim(kv_arena[0])
+        self.block_shape = tuple(n for i, n in enumerate(kv_arena.shape) if i != self.dim)
         shape = (host_slots, *self.block_shape)
         if kv_arena.device.type == "cuda":
             self.host = torch.empty(shape, dtype=kv_arena.dtype, pin_memory=True)
@@ -97,8 +100,8 @@ class KVOffloadStore:
     def _device_to_host(self, kv_arena: torch.Tensor, blocks: list[int], slots: list[int]) -> None:
         for i in range(0, len(blocks), _CHUNK_BLOCKS):
             index = torch.tensor(blocks[i : i + _CHUNK_BLOCKS], device=kv_arena.device)
-            # [layers, 2, n, ...] -> [n, layers, 2, ...]
-            data = kv_arena.index_select(2, index).movedim(2, 0).to("cpu")
+            # [layers, (2,) n, ...] -> [n, layers, (2,) ...]
+            data = kv_arena.index_select(self.dim, index).movedim(self.dim, 0).to("cpu")
             self.host[torch.tensor(slots[i : i + _CHUNK_BLOCKS])] = data
 
     def _host_to_device(self, kv_arena: torch.Tensor, slots: list[int], blocks: list[int]) -> None:
@@ -109,7 +112,7 @@ class KVOffloadStore:
                 data = data.pin_memory()
             data = data.to(kv_arena.device, non_blocking=pin)
             index = torch.tensor(blocks[i : i + _CHUNK_BLOCKS], device=kv_arena.device)
-            kv_arena.index_copy_(2, index, data.movedim(0, 2))
+            kv_arena.index_copy_(self.dim, index, data.movedim(0, self.dim))
 
     def _slot_bytes(self, host_slot: int) -> memoryview:
         return memoryview(self.host[host_slot].view(torch.uint8).numpy()).cast("B")

@@ -13,6 +13,7 @@ host-device sync of a step is reading the sampled token ids.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -23,14 +24,15 @@ from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.math_utils import cdiv
-from tokenmill.model.attention.backend import AttentionMetadata
+from tokenmill.model.attention.backend import AttentionMetadata, KVCacheSpec
 from tokenmill.model.attention.selector import get_attn_backend
-from tokenmill.model.layers.attention import Attention, bind_kv_caches
-from tokenmill.model.loader.model_loader import (
-    get_model,
-    reload_weights,
-    torch_dtype,
+from tokenmill.model.layers.attention import (
+    Attention,
+    bind_kv_caches,
+    describe_kv_cache,
+    kv_cache_specs,
 )
+from tokenmill.model.loader.model_loader import get_model, reload_weights, torch_dtype
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.host_memory import zeroed_tensor
@@ -77,16 +79,16 @@ class ModelRunner:
         self.max_num_tokens = sc.max_num_batched_tokens
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         self.vocab_size = mc.vocab_size
-        self.attn_backend = get_attn_backend(device.type)
+        self.attn_backend = get_attn_backend(device.type, use_mla=mc.use_mla)
         self.cascade_attn = self.attn_backend.supports_cascade and not config.disable_cascade_attn
         self.model: torch.nn.Module | None = None
         # Models that take images: the encoder cache and the step's placeholders.
         self.mm: MultiModalState | None = None
         self._step_images: StepImages | None = None
         self.kv_caches: list[torch.Tensor] = []
-        # The layers' KV caches are views of this one tensor (``[layers, 2, blocks, ...]``).
+        # The layers' KV caches are views of this one tensor (``[layers, *layer layout]``).
         self.kv_arena: torch.Tensor | None = None
-        self.num_blocks = 0
+        self.num_blocks = 0  # blocks of each cache tensor (``initialize_kv_cache``)
         # Sleep mode (``--enable-sleep-mode``): set once the model is loaded.
         self.sleep_mode: SleepMode | None = None
         # The KV offload tiers' host pool and disk file (``--kv-offloading-size``).
@@ -179,26 +181,47 @@ class ModelRunner:
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """What each attention layer of the model caches per token, by layer index."""
+        assert self.model is not None
+        return kv_cache_specs(self.model)
+
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes one KV block takes over all layers (K and V)."""
-        mc = self.config.model_config
-        per_layer = 2 * self.block_size * mc.get_num_kv_heads() * mc.get_head_dim()
-        return per_layer * mc.get_num_layers() * torch.tensor([], dtype=self.dtype).element_size()
+        """Bytes one KV block takes over all layers (K and V, or MLA's latent)."""
+        per_token = sum(spec.bytes_per_token(self.dtype) for spec in self.kv_cache_specs())
+        return per_token * self.block_size
+
+    def describe_kv_cache(self) -> str:
+        """What a token costs in the KV cache, for the start-up log."""
+        assert self.model is not None
+        return describe_kv_cache(self.model, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` tensor and
-        bind each layer its ``[2, num_blocks, ...]`` view.
+        """Allocate one ``[layers, *layout]`` tensor, where ``layout`` is each layer's cache
+        in its backend's layout (``[2, num_blocks, block_size, kv_heads, head_dim]``, or
+        ``[num_blocks, block_size, latent]`` for MLA), and bind each layer its view. One
+        tensor: sleep mode frees it at once, and the offload tiers move a block of every
+        layer with one copy.
+
+        Raises:
+            ValueError: layers that cache different shapes (no model here does).
 
         Zero-filled: attention reads padded block-table entries under a mask, and masked
         garbage could be NaN, which a mask does not cancel (0 * NaN = NaN). On the CPU the
         zeros come from the kernel page by page as blocks are first used.
         """
-        mc = self.config.model_config
-        shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, self.block_size, mc.get_num_kv_heads(), mc.get_head_dim()
-        )
+        shapes = set()
+        for spec in self.kv_cache_specs():
+            shape = self.attn_backend.get_kv_cache_shape(
+                num_blocks, self.block_size, spec.num_kv_heads, spec.head_size
+            )
+            assert math.prod(shape) == num_blocks * self.block_size * spec.values_per_token()
+            shapes.add(tuple(shape))
+        if len(shapes) != 1:
+            raise ValueError(f"the attention layers cache different shapes: {sorted(shapes)}")
+        num_layers = len(self.kv_cache_specs())
         self.num_blocks = num_blocks
-        self.kv_arena = zeroed_tensor((mc.get_num_layers(), *shape), self.dtype, self.device)
+        self.kv_arena = zeroed_tensor((num_layers, *shapes.pop()), self.dtype, self.device)
         self.kv_caches = list(self.kv_arena.unbind(0))
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)

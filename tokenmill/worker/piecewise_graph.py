@@ -91,12 +91,14 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         self._static: dict[tuple[str, int, torch.dtype], torch.Tensor] = {}
         self.num_replays = 0  # steps run through the pieces
 
-    def _buffer(self, role: str, like: torch.Tensor) -> torch.Tensor:
-        """The static ``role`` buffer ``[max size, W]`` for tensors like ``like`` (``[T, W]``)."""
-        key = (role, like.shape[-1], like.dtype)
+    def _buffer(self, role: str, like: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """The static ``role`` buffer ``[max size, W]`` for tensors like ``like`` (``[T, W]``;
+        ``width`` gives another ``W``)."""
+        width = width or like.shape[-1]
+        key = (role, width, like.dtype)
         if key not in self._static:
             self._static[key] = torch.zeros(
-                self.sizes[-1], like.shape[-1], dtype=like.dtype, device=like.device
+                self.sizes[-1], width, dtype=like.dtype, device=like.device
             )
         return self._static[key]
 
@@ -146,7 +148,7 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         def hand_off(layer: Attention, query, key, value, md, positions) -> torch.Tensor:
             query = layer.store_kv(query, key, value, slots, size, positions)
             self._buffer("query", query)[:size].copy_(query)
-            return self._buffer("attn_out", query)[:size]
+            return self._buffer("attn_out", query, layer.output_size)[:size]
 
         return hand_off
 
@@ -159,7 +161,11 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         hand_off = self._hand_off(size, metadata.slot_mapping)
 
         def record(layer: Attention, query, key, value, md, positions) -> torch.Tensor:
-            calls.append((layer, self._buffer("query", query), self._buffer("attn_out", query)))
+            calls.append((
+                layer,
+                self._buffer("query", query),
+                self._buffer("attn_out", query, layer.output_size),
+            ))
             return hand_off(layer, query, key, value, md, positions)
 
         with attention_hook(record):

@@ -39,7 +39,7 @@ def profile_run(runner: ModelRunner) -> int:
     n = runner.max_num_tokens
     num_reqs = max(1, min(runner.max_num_reqs, n // max(1, runner.max_model_len)))
     per_req = [n // num_reqs + (1 if i < n % num_reqs else 0) for i in range(num_reqs)]
-    saved = runner.kv_caches
+    saved, saved_blocks = runner.kv_caches, runner.num_blocks
     cuda = runner.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(runner.device)
@@ -89,7 +89,7 @@ def profile_run(runner: ModelRunner) -> int:
             return max(0, torch.cuda.max_memory_allocated(runner.device) - before - scratch)
         return 0
     finally:
-        runner.kv_caches = saved
+        runner.kv_caches, runner.num_blocks = saved, saved_blocks
         # Rebinding releases the scratch cache, which the layers still reference.
         unbind_kv_caches(runner.model)
         if saved:
@@ -145,7 +145,7 @@ def short_chunk_pass(runner: ModelRunner) -> bool:
     if runner.model is None or not runner.kv_caches:
         return False
     chunk = 16
-    ctx = min(runner.max_model_len, 2048, runner.kv_caches[0].shape[1] * runner.block_size)
+    ctx = min(runner.max_model_len, 2048, runner.num_blocks * runner.block_size)
     if ctx <= chunk:
         return False
     num_blocks = cdiv(ctx, runner.block_size)
@@ -166,10 +166,10 @@ def decode_warm_up_sizes(runner: ModelRunner) -> list[int]:
     KV cache."""
     if not runner.kv_caches:
         return []
-    _, _, _, num_kv_heads, head_dim = runner.kv_caches[0].shape
+    spec = runner.kv_cache_specs()[0]
     return runner.attn_backend.decode_warm_up_sizes(
-        num_kv_heads,
-        head_dim,
+        spec.num_kv_heads,
+        spec.head_size,
         runner.dtype,
         min(runner.max_num_reqs, runner.max_num_tokens),
         runner.device,
@@ -216,7 +216,7 @@ def shared_prefix_pass(runner: ModelRunner, num_decodes: int = CASCADE_MIN_DECOD
         return False
     bs = runner.block_size
     ctx = min(runner.max_model_len, 2 * CASCADE_MIN_PREFIX_TOKENS + 1)
-    ctx = min(ctx, runner.kv_caches[0].shape[1] * bs)
+    ctx = min(ctx, runner.num_blocks * bs)
     prefix = (ctx - 1) // bs * bs
     n = min(num_decodes, runner.max_num_reqs, runner.max_num_tokens)
     if prefix < CASCADE_MIN_PREFIX_TOKENS or n < 2:

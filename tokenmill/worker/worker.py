@@ -83,6 +83,7 @@ class Worker:
         assert runner is not None
         cc = self.config.cache_config
         per_block = runner.kv_cache_bytes_per_block()
+        logger.info("KV cache per token: %s", runner.describe_kv_cache())
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":

@@ -84,6 +84,32 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True)
+class KVCacheSpec:
+    """What one attention layer keeps in the paged KV cache for each token.
+
+    Attributes:
+        num_kv_heads: heads stored per token.
+        head_size: values per stored head.
+        num_tensors: 2 where keys and values are stored apart (the backend's
+            ``[2, num_blocks, block_size, num_kv_heads, head_size]``); 1 where one entry per
+            token is the source of both, as multi-head latent attention's compressed latent
+            (``[num_blocks, block_size, head_size]``, DeepSeek-V2, arXiv:2405.04434).
+    """
+
+    num_kv_heads: int
+    head_size: int
+    num_tensors: int = 2
+
+    def values_per_token(self) -> int:
+        """Cached values of one token in this layer."""
+        return self.num_tensors * self.num_kv_heads * self.head_size
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of one token in this layer, in ``dtype``."""
+        return self.values_per_token() * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
 class DecodeRotary:
     """The rotary embedding a decode launch applies itself (``attend_decode_rotary``).
 

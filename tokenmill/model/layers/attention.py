@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 from tokenmill.kernels.rotary import rotary_and_cache
-from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata, DecodeRotary
+from tokenmill.model.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeRotary,
+    KVCacheSpec,
+)
 from tokenmill.model.layers.rotary import RotaryEmbedding
 
 
@@ -75,6 +80,19 @@ class Attention(nn.Module):
     def is_local(self) -> bool:
         """Whether a query sees only part of its context (a sliding window or a chunk)."""
         return self.sliding_window is not None or self.attention_chunk_size is not None
+
+    @property
+    def output_size(self) -> int:
+        """Width of the layer's output rows: ``num_heads * head_dim``."""
+        return self.num_heads * self.head_dim
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What the layer caches per token: K and V, ``num_kv_heads`` heads of ``head_dim``."""
+        return KVCacheSpec(self.num_kv_heads, self.head_dim)
+
+    def describe_cache(self) -> str:
+        """What the layer caches per token, in words (start-up log)."""
+        return f"K and V of {self.num_kv_heads} heads x {self.head_dim}"
 
     def forward(
         self,
@@ -190,6 +208,27 @@ def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
         raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
     for layer in layers:
         layer.kv_cache = kv_caches[layer.layer_idx]
+
+
+def kv_cache_specs(model: nn.Module) -> list[KVCacheSpec]:
+    """Each Attention layer's ``kv_cache_spec()``, in ``layer_idx`` order (the order of the
+    caches ``bind_kv_caches`` takes)."""
+    layers = sorted(
+        (m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx
+    )
+    return [layer.kv_cache_spec() for layer in layers]
+
+
+def describe_kv_cache(model: nn.Module, dtype: torch.dtype) -> str:
+    """One line on what a token costs in ``model``'s KV cache, for the start-up log."""
+    layers = sorted(
+        (m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx
+    )
+    per_token = sum(layer.kv_cache_spec().bytes_per_token(dtype) for layer in layers)
+    return (
+        f"{len(layers)} layers x {layers[0].describe_cache()} = {per_token} bytes in "
+        f"{str(dtype).removeprefix('torch.')}"
+    )
 
 
 def unbind_kv_caches(model: nn.Module) -> None:

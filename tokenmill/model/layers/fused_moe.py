@@ -196,6 +196,14 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(router_logits)
+        return self.forward_routed(hidden, weights, ids)
+
+    def forward_routed(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts on a routing chosen elsewhere (e.g. grouped top-k):
+        ``topk_weights [T, k]`` float32 and ``topk_ids [T, k]`` -> ``[T, H]``."""
+        weights, ids = topk_weights, topk_ids
         tokens, k = ids.shape
         if self.apply_router_weight_on_input:
             # Each (token, expert) pair gets its own input row, scaled by its weight; the

@@ -175,6 +175,12 @@ class RotaryEmbedding(nn.Module):
             return out.to(x.dtype)
         return torch.cat([out.to(x.dtype), x[..., self.rotary_dim :]], dim=-1)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H, head_dim]`` (any strides) rotated at ``positions [T]``, in torch: a new
+        tensor of ``x``'s dtype."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(x, cos, sin)
+
     def runs_fused(self, q: torch.Tensor) -> bool:
         """Whether ``q``'s rotation runs as a fused Triton kernel (CUDA, and a power-of-two
         half rotary dimension)."""

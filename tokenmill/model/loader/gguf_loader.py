@@ -72,6 +72,27 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+# HF names the gguf package's table spells differently (llama.cpp's converter renames them).
+GGUF_LOOKUP_ALIASES = {"e_score_correction_bias": "e_score_correction.bias"}
+
+
+def merge_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """DeepSeek's ``kv_b_proj`` weight ``[H * (nope + v), R]`` from llama.cpp's split
+    ``attn_k_b`` (``[H, R, nope]``, transposed for the absorbed decode) and ``attn_v_b``
+    (``[H, v, R]``), as current converters write MLA layers."""
+    rank = v_b.shape[2]
+    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, rank)
+
+
+def _dequantize(t, path: str) -> np.ndarray:
+    import gguf
+
+    try:
+        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
+
+
 def iterate_gguf(
     path: str,
     hf_names: Iterable[str],
@@ -104,6 +125,10 @@ def iterate_gguf(
     name_map = gguf.get_tensor_name_map(_arch_enum(arch), num_blocks)
     to_hf: dict[str, str] = {}
     experts: dict[str, str] = {}  # stacked experts tensor -> HF name with "{e}" for the expert
+    # llama.cpp's split attn_k_b / attn_v_b -> (HF kv_b_proj name, which half); merged once
+    # both halves are read (dequantized: the key half is stored transposed).
+    kv_b_parts: dict[str, tuple[str, str]] = {}
+    kv_b_read: dict[str, dict[str, np.ndarray]] = {}
     for hf_name in hf_names:
         match = EXPERT_NAME.match(hf_name)
         if match:
@@ -112,15 +137,31 @@ def iterate_gguf(
             if gguf_name is not None:
                 experts[gguf_name] = f"{match['prefix']}.experts.{{e}}.{match['leaf']}.weight"
             continue
-        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        lookup = hf_name
+        for hf_part, table_part in GGUF_LOOKUP_ALIASES.items():
+            lookup = lookup.replace(hf_part, table_part)
+        gguf_name = name_map.get_name(lookup, try_suffixes=(".weight", ".bias"))
         if gguf_name is not None:
             to_hf[gguf_name] = hf_name
+        if hf_name.endswith(".kv_b_proj.weight"):
+            for part in ("k_b_proj", "v_b_proj"):
+                split = name_map.get_name(hf_name.replace("kv_b_proj", part), (".weight",))
+                if split is not None:
+                    kv_b_parts[split] = (hf_name, part)
     permute = arch in PERMUTED_QK_ARCHS
     norm_plus_one = arch in NORM_PLUS_ONE_ARCHS
     for t in reader.tensors:
         if t.name in experts:  # [E, rows, ...]: one tensor per expert, as HF names them
             for hf_name, tensor in _tensor_items(t, experts[t.name], keep_quantized, path):
                 yield hf_name, tensor
+            continue
+        if t.name in kv_b_parts:
+            hf_name, part = kv_b_parts[t.name]
+            halves = kv_b_read.setdefault(hf_name, {})
+            halves[part] = _dequantize(t, path)
+            if len(halves) == 2:
+                del kv_b_read[hf_name]
+                yield hf_name, torch.from_numpy(merge_kv_b(halves["k_b_proj"], halves["v_b_proj"]))
             continue
         hf_name = to_hf.get(t.name)
         if hf_name is None:
@@ -131,11 +172,9 @@ def iterate_gguf(
         if quantized:
             data = np.asarray(t.data)
         else:
-            try:
-                data = gguf.quants.dequantize(t.data, t.tensor_type)
-            except Exception as e:
-                raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
-            data = np.asarray(data, dtype=np.float32)
+            data = _dequantize(t, path)
+            if hf_name.endswith("shared_expert_gate.weight") and data.ndim == 1:
+                data = data[None, :]  # llama.cpp stores this [1, H] gate as a vector
         if permute and ".q_proj." in hf_name:
             data = unpermute_qk(data, num_heads)
         elif permute and ".k_proj." in hf_name:

@@ -87,9 +87,13 @@ def get_model(
     device: torch.device,
     backend: type[AttentionBackend],
     kernel_config: KernelConfig | None = None,
+    model_cls: type[nn.Module] | None = None,
 ) -> nn.Module:
     """Build the model on ``device`` in the configured dtype, its layers taking their kernel
     choices from ``kernel_config`` (default: ``KernelConfig()``), and load its weights.
+
+    ``model_cls`` builds another model from the same checkpoint instead of the one its
+    architecture names (e.g. ``DeepseekMTP``, the draft layers of a DeepSeek-V3 checkpoint).
 
     Parameters are created on the target device, so weights are copied straight there
     (tensor by tensor from memory-mapped files).
@@ -108,7 +112,7 @@ def get_model(
     )
 
     fmt = resolve_load_format(model_config, load_config)
-    model_cls = get_model_class(model_config.architecture)
+    model_cls = model_cls or get_model_class(model_config.architecture)
     start = time.perf_counter()
     method = loaded_quantization(model_config, fmt)
     quant_config = get_quantization_config(method, model_config.hf_config, device.type)

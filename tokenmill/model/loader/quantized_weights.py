@@ -9,6 +9,7 @@ from torch import nn
 from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.model.layers.fused_moe import FusedMoE
 from tokenmill.model.layers.linear import LinearBase
+from tokenmill.model.layers.mla import MLAAttention
 from tokenmill.model.layers.quantization.base import QuantizationConfig
 from tokenmill.model.layers.quantization.gguf import GGUFEmbeddingMethod
 
@@ -41,7 +42,8 @@ def create_quantized_weights(model: nn.Module, config: QuantizationConfig) -> No
 
 
 def process_quantized_weights(model: nn.Module, device: torch.device) -> None:
-    """Run each method's ``process_weights_after_loading`` (repacking for the device)."""
+    """Run each method's ``process_weights_after_loading`` (repacking for the device), then
+    give MLA layers a dense copy of a quantized up-projection."""
     done: set[int] = set()
     for module in model.modules():
         if isinstance(module, LinearBase) and module.quant_method is not None:
@@ -55,3 +57,8 @@ def process_quantized_weights(model: nn.Module, device: torch.device) -> None:
                 done.add(id(method))
             if isinstance(module, LMHead):
                 method.build_head(module)
+    mla_layers = [m for m in model.modules() if isinstance(m, MLAAttention)]
+    if mla_layers:  # the absorbed decode's W_UK and W_UV, in the model's dtype (its norms')
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        for layer in mla_layers:
+            layer.impl.dequantize_up_projection(dtype, device)

@@ -41,7 +41,7 @@ def layer_sliding_window(config: HFConfig, layer_idx: int) -> int | None:
     layer_types = config.get("layer_types")
     if layer_types is not None:
         return window if layer_types[layer_idx] == "sliding_attention" else None
-    if config.get("model_type") in ("qwen2", "qwen3"):
+    if config.get("model_type") in ("qwen2", "qwen3", "qwen2_moe"):
         use = config.get("use_sliding_window", False)
         return window if use and layer_idx >= config.get("max_window_layers", 0) else None
     return window
