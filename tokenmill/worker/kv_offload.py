@@ -3,8 +3,9 @@ block moves the scheduler plans (``core/kv_offload.py``), made at the start of a
 
 A host slot holds one block of every layer, ``[layers, 2, block_size, kv_heads,
 head_dim]`` (MLA: ``[layers, block_size, latent]``), contiguous (pinned memory on CUDA, so
-copies to and from the device run as DMA); a disk slot holds the same bytes at ``slot * block_bytes`` of one preallocated file,
-unlinked from its folder as soon as it is open (its space is freed when the process ends).
+copies to and from the device run as DMA); a disk slot holds the same bytes at
+``slot * block_bytes`` of one preallocated file, unlinked from its folder as soon as it is
+open (its space is freed when the process ends).
 """
 
 from __future__ import annotations
