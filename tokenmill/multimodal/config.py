@@ -33,6 +33,11 @@ class MultiModalConfig:
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+# Checkpoints with a vision encoder whose language model tokenmill serves alone (the vision
+# tower is not loaded): text prompts only, image flags refused.
+TEXT_ONLY_ARCHITECTURES = {"Llama4ForConditionalGeneration"}
+
+
 def build_multimodal_config(
     hf_config: Any,
     model: str,
@@ -46,12 +51,12 @@ def build_multimodal_config(
 
     Raises:
         MultiModalConfigError: a checkpoint with a vision encoder tokenmill does not run (it
-            is not served as text-only), image flags for a text-only model, or a bad flag
-            value (see the parsers).
+            is not served as text-only, unless in ``TEXT_ONLY_ARCHITECTURES``), image flags
+            for a text-only model, or a bad flag value (see the parsers).
     """
     arch = hf_config.architectures[0]
     if not takes_images:
-        if hf_config.get("vision_config") is not None:
+        if hf_config.get("vision_config") is not None and arch not in TEXT_ONLY_ARCHITECTURES:
             raise MultiModalConfigError(
                 f"{arch} has a vision encoder, which tokenmill does not implement for this "
                 "architecture (images are supported for Qwen2_5_VLForConditionalGeneration "

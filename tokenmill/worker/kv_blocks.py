@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
+
+from tokenmill.worker.host_memory import zeroed_tensor
+
+if TYPE_CHECKING:
+    from tokenmill.model.attention.backend import AttentionBackend, KVCacheSpec
 
 
 def block_dim(layer_cache: torch.Tensor) -> int:
@@ -27,3 +36,33 @@ def copy_kv_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) 
     for cache in kv_caches:
         blocks = cache.movedim(block_dim(cache), 0)  # a view: writes reach the cache
         blocks[dst] = blocks[src]
+
+
+def allocate_kv_arena(
+    specs: Sequence[KVCacheSpec],
+    backend: type[AttentionBackend],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """One zero-filled ``[layers, *layout]`` tensor for the layers' caches, ``layout`` being
+    the backend's (``get_kv_cache_shape``) for each layer's ``KVCacheSpec``.
+
+    Zero-filled: attention reads padded block-table entries under a mask, and masked
+    garbage could be NaN, which a mask does not cancel (0 * NaN = NaN). On the CPU the
+    zeros come from the kernel page by page as blocks are first used.
+
+    Raises:
+        ValueError: layers that cache different shapes.
+    """
+    shapes = set()
+    for spec in specs:
+        shape = backend.get_kv_cache_shape(
+            num_blocks, block_size, spec.num_kv_heads, spec.head_size
+        )
+        assert math.prod(shape) == num_blocks * block_size * spec.values_per_token()
+        shapes.add(tuple(shape))
+    if len(shapes) != 1:
+        raise ValueError(f"the attention layers cache different shapes: {sorted(shapes)}")
+    return zeroed_tensor((len(specs), *shapes.pop()), dtype, device)

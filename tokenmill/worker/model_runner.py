@@ -13,7 +13,6 @@ host-device sync of a step is reading the sampled token ids.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -35,12 +34,11 @@ from tokenmill.model.layers.attention import (
 from tokenmill.model.loader.model_loader import get_model, reload_weights, torch_dtype
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
-from tokenmill.worker.host_memory import zeroed_tensor
 from tokenmill.worker.input_batch import InputBatch
-from tokenmill.worker.kv_blocks import copy_kv_blocks
+from tokenmill.worker.kv_blocks import allocate_kv_arena, copy_kv_blocks
 from tokenmill.worker.kv_offload import KVOffloadStore
 from tokenmill.worker.multimodal import MultiModalState, StepImages
-from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
+from tokenmill.worker.sampler import Sampler
 from tokenmill.worker.sampling_metadata import (
     SamplingMetadata,
     SamplingRow,
@@ -49,7 +47,12 @@ from tokenmill.worker.sampling_metadata import (
 )
 from tokenmill.worker.sleep_mode import SleepMode
 from tokenmill.worker.step_graphs import StepGraphs
-from tokenmill.worker.step_io import AsyncModelRunnerOutput, StepInputs, leading_ones
+from tokenmill.worker.step_io import (
+    AsyncModelRunnerOutput,
+    StepInputs,
+    leading_ones,
+    prompt_logprobs_of_step,
+)
 from tokenmill.worker.step_staging import DeviceArena, StepStaging
 
 logger = logging.getLogger(__name__)
@@ -201,27 +204,16 @@ class ModelRunner:
         in its backend's layout (``[2, num_blocks, block_size, kv_heads, head_dim]``, or
         ``[num_blocks, block_size, latent]`` for MLA), and bind each layer its view. One
         tensor: sleep mode frees it at once, and the offload tiers move a block of every
-        layer with one copy.
+        layer with one copy; zero-filled (see ``allocate_kv_arena``).
 
         Raises:
             ValueError: layers that cache different shapes (no model here does).
-
-        Zero-filled: attention reads padded block-table entries under a mask, and masked
-        garbage could be NaN, which a mask does not cancel (0 * NaN = NaN). On the CPU the
-        zeros come from the kernel page by page as blocks are first used.
         """
-        shapes = set()
-        for spec in self.kv_cache_specs():
-            shape = self.attn_backend.get_kv_cache_shape(
-                num_blocks, self.block_size, spec.num_kv_heads, spec.head_size
-            )
-            assert math.prod(shape) == num_blocks * self.block_size * spec.values_per_token()
-            shapes.add(tuple(shape))
-        if len(shapes) != 1:
-            raise ValueError(f"the attention layers cache different shapes: {sorted(shapes)}")
-        num_layers = len(self.kv_cache_specs())
         self.num_blocks = num_blocks
-        self.kv_arena = zeroed_tensor((num_layers, *shapes.pop()), self.dtype, self.device)
+        self.kv_arena = allocate_kv_arena(
+            self.kv_cache_specs(), self.attn_backend, num_blocks, self.block_size, self.dtype,
+            self.device,
+        )  # fmt: skip
         self.kv_caches = list(self.kv_arena.unbind(0))
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
@@ -497,7 +489,9 @@ class ModelRunner:
         assert self.model is not None
         inputs = self._prepare_inputs(so)
         hidden = self._run_model(inputs)
-        prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        prompt_logprobs = prompt_logprobs_of_step(
+            self.model, self.input_batch, inputs, hidden, self.device
+        )
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
         if inputs.sample_rows:
@@ -590,29 +584,3 @@ class ModelRunner:
                 )
             return build_sampling_metadata(sampling_rows, self.vocab_size, self.device)
         return self._plain_sampling_metadata(rows)
-
-    def _prompt_logprobs(
-        self, inputs: StepInputs, hidden: torch.Tensor
-    ) -> dict[str, LogprobsLists]:
-        """Logprobs of the prompt tokens this step's positions predict (requests that ask)."""
-        result: dict[str, LogprobsLists] = {}
-        starts = inputs.metadata.query_start_loc_cpu.tolist()
-        for i, req_id in enumerate(inputs.req_ids):
-            state = self.input_batch.requests[req_id]
-            k = state.sampling_params.prompt_logprobs
-            # A request resumed after preemption recomputes its prompt; its prompt logprobs
-            # were already sent.
-            if k is None or state.output_token_ids:
-                continue
-            first = int(inputs.num_computed[i])
-            prompt_len = len(state.prompt_token_ids)
-            # Position p predicts prompt token p + 1; the last prompt position predicts output.
-            last = min(first + int(inputs.num_scheduled[i]), prompt_len - 1)
-            if last <= first:
-                continue
-            token_idx = torch.arange(starts[i], starts[i] + last - first, device=self.device)
-            logits = self.model.compute_logits(hidden[token_idx])  # type: ignore[union-attr]
-            targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1], device=self.device)
-            lp = compute_prompt_logprobs(logits, targets, k)
-            result[req_id] = lp.to_lists([(0, last - first)], [k])[0]
-        return result

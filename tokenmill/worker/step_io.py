@@ -9,9 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.sampler import compute_prompt_logprobs
 from tokenmill.worker.sampling_metadata import SamplingMetadata
 
 
@@ -86,3 +88,35 @@ class AsyncModelRunnerOutput:
             if req_id in batch.row_of:  # it may have finished or been preempted meanwhile
                 batch.append_token(req_id, tok)
         return ModelRunnerOutput(inputs.req_ids, sampled)
+
+
+def prompt_logprobs_of_step(
+    model: torch.nn.Module | None,
+    batch: InputBatch,
+    inputs: StepInputs,
+    hidden: torch.Tensor,
+    device: torch.device,
+) -> dict[str, LogprobsLists]:
+    """Logprobs of the prompt tokens this step's positions predict (requests that ask),
+    from the step's hidden states ``hidden [num_tokens, H]``."""
+    result: dict[str, LogprobsLists] = {}
+    starts = inputs.metadata.query_start_loc_cpu.tolist()
+    for i, req_id in enumerate(inputs.req_ids):
+        state = batch.requests[req_id]
+        k = state.sampling_params.prompt_logprobs
+        # A request resumed after preemption recomputes its prompt; its prompt logprobs
+        # were already sent.
+        if k is None or state.output_token_ids:
+            continue
+        first = int(inputs.num_computed[i])
+        prompt_len = len(state.prompt_token_ids)
+        # Position p predicts prompt token p + 1; the last prompt position predicts output.
+        last = min(first + int(inputs.num_scheduled[i]), prompt_len - 1)
+        if last <= first:
+            continue
+        token_idx = torch.arange(starts[i], starts[i] + last - first, device=device)
+        logits = model.compute_logits(hidden[token_idx])  # type: ignore[union-attr]
+        targets = torch.tensor(state.prompt_token_ids[first + 1 : last + 1], device=device)
+        lp = compute_prompt_logprobs(logits, targets, k)
+        result[req_id] = lp.to_lists([(0, last - first)], [k])[0]
+    return result

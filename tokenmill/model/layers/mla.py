@@ -56,6 +56,7 @@ class MLAAttention(Attention):
         self.num_kv_heads = 1
         self.layer_idx = layer_idx
         self.sliding_window = None
+        self.attention_chunk_size = None  # every MLA layer is global (``is_local`` False)
         self.rotary_emb = rotary_emb
         self.rope_in_decode = False
         self.kv_cache: torch.Tensor | None = None
