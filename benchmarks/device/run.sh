@@ -351,7 +351,6 @@ run_stage() {  # run_stage NAME: one stage of the list below
     gputests_compile) stage gputests_compile 240 python3 -m pytest -q tests/gpu/test_parallel_compile_gpu.py tests/gpu/test_engine_gpu.py -k "compil or cuda_graphs_equal or rope_in_decode" -p no:cacheprovider --timeout 200 ;;
     diag_default) serve_diag default ;;
     diag_vllm) serve_diag vllm ;;
-    gputests_attn) stage gputests_attn 200 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 150 ;;
     diag_b4096) serve_diag b4096 --max-num-batched-tokens 4096 ;;
     diag_b2048) serve_diag b2048 --max-num-batched-tokens 2048 ;;
     diag_sync) serve_diag sync --no-async-scheduling ;;

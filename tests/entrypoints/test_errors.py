@@ -74,7 +74,7 @@ CASES = [
         CHAT,
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
         400,
-        "messages.0.content",
+        "messages.0.content.0.image_url",  # a text-only model: the part is named
         "image_url",
     ),
     (

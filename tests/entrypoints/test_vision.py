@@ -1,6 +1,7 @@
 """Images through the OpenAI API: a Qwen2.5-VL server answers the openai SDK's base64
 images as ``LLM.chat`` does, counts the repeated image in its encoder- and prefix-cache
-metrics, and answers unusable images with a 400 naming the field."""
+metrics, and answers unusable images (and images with beam search) with a 400 naming the
+field."""
 
 from __future__ import annotations
 
@@ -134,3 +135,13 @@ def test_a_text_only_model_refuses_images(default_server):
     error = r.json()["error"]
     assert "does not take images" in error["message"]
     assert error["param"] == "messages.0.content.0.image_url"
+
+
+def test_beam_search_with_images_is_a_400(vl_server):
+    model = vl_server.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": image_message(png_data_url(5)), "max_tokens": 2,
+            "n": 2, "use_beam_search": True}  # fmt: skip
+    r = vl_server.post("/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "multi_modal_data"
+    assert vl_server.get("/health").status_code == 200
