@@ -67,3 +67,36 @@ def test_quantized_up_projection_decodes_like_the_prompt_path(tmp_path):
     decode = runner.step({"a": ids[20:]}, {"a": ids})[-1]
     prompt = runner.step({"b": ids}, {"b": ids})[-1]
     torch.testing.assert_close(decode, prompt, rtol=1e-4, atol=1e-4)
+
+
+def test_reloaded_quantized_weights_refresh_the_dense_up_projection(tmp_path):
+    """Weights loaded in place (sleep level 2, ``update_weights``) from another GPTQ
+    checkpoint refresh the dense copy of ``kv_b_proj`` the absorbed decode reads, in place."""
+    from transformers import DeepseekV3Config
+
+    from tests.model.quant_checkpoints import quantize_folder
+    from tokenmill.model.loader.model_loader import reload_weights
+
+    config = DeepseekV3Config(**{**MLA, "first_k_dense_replace": MLA["num_hidden_layers"]},
+                              q_lora_rank=64, n_routed_experts=4, n_group=1, topk_group=1,
+                              num_experts_per_tok=2)  # fmt: skip
+    save_deepseek(config, tmp_path / "float")
+    folders = [
+        quantize_folder(str(tmp_path / "float"), str(tmp_path / f"q{seed}"), "gptq", 32, False,
+                        seed=seed, leaves=DEEPSEEK_LINEARS)[0]
+        for seed in (0, 1)
+    ]  # fmt: skip
+
+    def load(folder):
+        cfg = EngineArgs(model=folder, dtype="float32", device="cpu").create_engine_config()
+        return cfg, get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), TorchMLABackend)
+
+    cfg, model = load(folders[0])
+    impl = model.model.layers[0].self_attn.attn.impl
+    dense = impl.dense_up_weight
+    assert dense is not None
+    expected = load(folders[1])[1].model.layers[0].self_attn.attn.impl.dense_up_weight
+    assert not torch.equal(dense, expected)
+    reload_weights(model, cfg.model_config, LoadConfig(), torch.device("cpu"), TorchMLABackend,
+                   path=folders[1])  # fmt: skip
+    assert impl.dense_up_weight is dense and torch.equal(dense, expected)

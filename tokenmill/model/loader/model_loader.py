@@ -249,6 +249,19 @@ def reload_weights(
                     f"running model's is {tensor.dtype} {tuple(tensor.shape)}"
                 )
             tensor.copy_(new)
+        _copy_dense_up_weights(fresh, model)
     del fresh, source
     if device.type == "cpu":
         release_freed_host_memory()
+
+
+def _copy_dense_up_weights(fresh: nn.Module, model: nn.Module) -> None:
+    """MLA layers with a quantized ``kv_b_proj`` keep a dense copy of it for the absorbed
+    decode (``MLAImpl.dequantize_up_projection``), computed once after loading and not a
+    loaded tensor: copy the fresh model's in place (CUDA graphs read its storage)."""
+    from tokenmill.model.layers.mla import MLAAttention
+
+    source = {n: m for n, m in fresh.named_modules() if isinstance(m, MLAAttention)}
+    for name, layer in model.named_modules():
+        if isinstance(layer, MLAAttention) and layer.impl.dense_up_weight is not None:
+            layer.impl.dense_up_weight.copy_(source[name].impl.dense_up_weight)
