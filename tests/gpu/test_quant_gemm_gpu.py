@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels.gguf_cases import random_blocks
 from tokenmill.kernels.gemm.gguf import gguf_linear
-from tokenmill.kernels.gemm.int4 import int4_linear
+from tokenmill.kernels.gemm.int4 import gemv_config, int4_linear
 from tokenmill.kernels.quant.gguf_blocks import BLOCK_TYPES, dequantize
 from tokenmill.kernels.quant.int4_pack import pack_k
 
@@ -47,7 +47,8 @@ def test_int4_kernel_llama_shapes(m, n, k):
 @pytest.mark.parametrize("m", [1, 2, 3])
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_gemv_groups(m, group):
-    """The GEMV path (a handful of rows) for each group size AWQ/GPTQ checkpoints use."""
+    """The GEMV kernel (the default for one row; asked for explicitly for two and three) for
+    each group size AWQ/GPTQ checkpoints use."""
     n, k = 4096, 4096
     gen = torch.Generator(device="cuda").manual_seed(m * group)
     kw = dict(device="cuda", generator=gen)
@@ -57,7 +58,8 @@ def test_int4_gemv_groups(m, group):
     w_t = (q.float().t() - zeros.float().repeat_interleave(group, 0)) * scales.float(
     ).repeat_interleave(group, 0)
     x = torch.randn(m, k, **kw).to(torch.bfloat16)
-    _check(int4_linear(x, pack_k(q), scales, zeros, group), x.float() @ w_t)
+    cfg = gemv_config(m, n, k, group, torch.cuda.get_device_properties(0).multi_processor_count)
+    _check(int4_linear(x, pack_k(q), scales, zeros, group, cfg), x.float() @ w_t)
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_TYPES), ids=[BLOCK_TYPES[t][0]

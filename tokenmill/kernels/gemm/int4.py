@@ -10,7 +10,7 @@ packed words of its ``[BLOCK_K, BLOCK_N]`` weight tile (each word serves eight r
 and masks out the values, applies the group's scale and zero in float32 and feeds
 ``tl.dot``. Three launch shapes:
 
-- a handful of rows (``M <= GEMV_MAX_M``, batch-1 and small-batch decode): a GEMV without
+- one row (``M <= GEMV_MAX_M``, batch-1 decode): a GEMV without
   tensor cores. Each program unpacks its ``[BLOCK_K, BLOCK_N]`` tile once for all rows and
   applies the group's scale and zero point once per group instead of per weight, by
   ``sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)`` (the factoring of exllama's
@@ -35,7 +35,8 @@ try:
 except ImportError:  # CPU-only installs
     HAS_TRITON = False
 
-GEMV_MAX_M = 4
+# Two rows and more run faster on the tensor-core kernel (int4_kernel_bench.py, H100).
+GEMV_MAX_M = 1
 DECODE_MAX_M = 32
 
 
@@ -165,18 +166,18 @@ def gemv_config(m: int, n: int, k: int, group: int, num_sms: int) -> dict[str, i
     """The GEMV kernel's tiles and K split for ``m <= GEMV_MAX_M`` rows, or None where its
     K step cannot divide ``group``.
 
-    The ``BLOCK_M x BLOCK_K x BLOCK_N`` product stays at 8,192 elements (registers); the K
-    split makes about two programs per SM.
+    128 x 128 weight tiles and about four programs per SM (the fastest of a sweep over
+    BLOCK_N 32-128, BLOCK_K 32-128 and 1-4 programs per SM at Llama-3.1-8B's shapes on an
+    H100: benchmarks/device/int4_kernel_bench.py --sweep). The K step halves for groups
+    smaller than 128.
     """
-    block_m = 1 if m == 1 else (2 if m == 2 else 4)
-    block_n = 64
-    block_k = 128 // block_m
-    while block_k > 8 and group % block_k:
+    block_m, block_n, block_k = 1 << (m - 1).bit_length(), 128, 128
+    while block_k > 32 and group % block_k:
         block_k //= 2
-    if group % block_k or block_k < 32:
+    if group % block_k:
         return None
     tiles = cdiv(n, block_n)
-    split = max(1, min(cdiv(2 * num_sms, tiles), cdiv(k, block_k)))
+    split = max(1, min(cdiv(4 * num_sms, tiles), cdiv(k, block_k)))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_k // 8, SPLIT_K=split,
                 num_warps=4, num_stages=3)
 
