@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed.parallel_state import (
+    expert_parallel_enabled,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
@@ -44,6 +45,11 @@ class FusedMoE(nn.Module):
     Parameters ``w13.weight [E, 2I/tp, H]`` (gate rows then up rows) and
     ``w2.weight [E, H, I/tp]``; with tensor parallelism each rank holds a slice of every
     expert's intermediate dimension and the outputs are all-reduced (Megatron-style).
+    With expert parallelism (``--enable-expert-parallel``) each rank instead holds
+    ``E_local`` whole experts, a contiguous range (the first ``E % tp`` ranks one more, as
+    vLLM spreads them): ``w13.weight [E_local, 2I, H]``, ``w2.weight [E_local, H, I]``. Every
+    rank has every token (the hidden states are replicated over the group), computes the
+    assignments to its own experts, and the all-reduce sums the ranks' parts.
 
     Args:
         num_experts: ``E``.
@@ -70,6 +76,12 @@ class FusedMoE(nn.Module):
         self.renormalize = renormalize
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        # Expert parallelism: global expert id -> index in this rank's weights, -1 for the
+        # experts of other ranks. A buffer, so it follows the module to its device.
+        self.register_buffer("expert_map", None, persistent=False)
+        if expert_parallel_enabled():
+            self._init_expert_parallel(num_experts, hidden_size, intermediate_size)
+            return
         if intermediate_size % self.tp_size:
             raise ValueError(
                 f"MoE intermediate size ({intermediate_size}) is not divisible by the "
@@ -79,6 +91,20 @@ class FusedMoE(nn.Module):
         i = self.intermediate_per_rank
         self.w13 = ExpertWeights(num_experts, 2 * i, hidden_size, self._load_w13)
         self.w2 = ExpertWeights(num_experts, hidden_size, i, self._load_w2)
+
+    def _init_expert_parallel(
+        self, num_experts: int, hidden_size: int, intermediate_size: int
+    ) -> None:
+        base, extra = divmod(num_experts, self.tp_size)
+        self.num_local_experts = base + (self.tp_rank < extra)
+        self.first_expert = self.tp_rank * base + min(self.tp_rank, extra)
+        local = torch.full((num_experts,), -1, dtype=torch.int32)
+        span = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        local[span] = torch.arange(self.num_local_experts, dtype=torch.int32)
+        self.expert_map = local
+        self.intermediate_per_rank = i = intermediate_size
+        self.w13 = ExpertWeights(self.num_local_experts, 2 * i, hidden_size, self._load_w13)
+        self.w2 = ExpertWeights(self.num_local_experts, hidden_size, i, self._load_w2)
 
     @staticmethod
     def expert_params_mapping(
@@ -100,8 +126,10 @@ class FusedMoE(nn.Module):
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
         expert, part = self._parse_shard(shard_id, ("gate", "up"))
+        if expert < 0:
+            return  # another rank's expert
         i = self.intermediate_per_rank
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.expert_map is None:
             loaded = loaded.narrow(0, self.tp_rank * i, i)
         target = param.data[expert].narrow(0, 0 if part == "gate" else i, i)
         check_shape(f"{getattr(param, '_tm_name', '?')}[{expert}, {part}]", target.shape,
@@ -110,24 +138,33 @@ class FusedMoE(nn.Module):
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
         expert, _ = self._parse_shard(shard_id, ("down",))
+        if expert < 0:
+            return  # another rank's expert
         i = self.intermediate_per_rank
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.expert_map is None:
             loaded = loaded.narrow(1, self.tp_rank * i, i)
         target = param.data[expert]
         check_shape(f"{getattr(param, '_tm_name', '?')}[{expert}]", target.shape, loaded.shape)
         target.copy_(loaded)
 
     def _parse_shard(self, shard_id: Any, parts: tuple[str, ...]) -> tuple[int, str]:
+        """``(index of the expert in this rank's weights, or -1 for another rank's, part)``."""
         if not isinstance(shard_id, tuple) or shard_id[1] not in parts:
             raise ValueError(f"expert weights need a shard id (expert, one of {parts}), "
                              f"got {shard_id!r}")
         if not 0 <= shard_id[0] < self.num_experts:
             raise ValueError(f"expert id {shard_id[0]} out of range [0, {self.num_experts})")
-        return int(shard_id[0]), shard_id[1]
+        expert = int(shard_id[0])
+        if self.expert_map is not None:
+            local = expert - self.first_expert
+            expert = local if 0 <= local < self.num_local_experts else -1
+        return expert, shard_id[1]
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = fused_experts(hidden, self.w13.weight, self.w2.weight, weights, ids)
+        out = fused_experts(
+            hidden, self.w13.weight, self.w2.weight, weights, ids, expert_map=self.expert_map
+        )
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

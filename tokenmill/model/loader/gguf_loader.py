@@ -44,11 +44,19 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+def _in_layers(gguf_name: str, layers: range) -> bool:
+    """Whether a tensor belongs to one of ``layers`` or to no layer (``blk.N.`` names)."""
+    if not gguf_name.startswith("blk."):
+        return True
+    return int(gguf_name.split(".", 2)[1]) in layers
+
+
 def iterate_gguf(
     path: str,
     hf_names: Iterable[str],
     num_heads: int,
     num_kv_heads: int,
+    layers: range | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every tensor of the GGUF file.
 
@@ -57,6 +65,8 @@ def iterate_gguf(
         hf_names: the Hugging Face checkpoint names the model expects (used to invert
             llama.cpp's naming).
         num_heads, num_kv_heads: to undo the Q/K row permutation.
+        layers: the layers (llama.cpp's blocks) to read; the others' tensors are skipped
+            undequantized (a pipeline stage). None: all.
 
     Raises:
         ModelLoadError: unreadable file, or a tensor with no known Hugging Face name.
@@ -78,6 +88,8 @@ def iterate_gguf(
     permute = arch in PERMUTED_QK_ARCHS
     norm_plus_one = arch in NORM_PLUS_ONE_ARCHS
     for t in reader.tensors:
+        if layers is not None and not _in_layers(t.name, layers):
+            continue
         hf_name = to_hf.get(t.name)
         if hf_name is None:
             if t.name in ("rope_freqs.weight",):  # llama3 rope factors: we compute them
