@@ -159,8 +159,6 @@ def test_missing_model_path():
 
 def test_unimplemented_flags_rejected(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    with pytest.raises(ConfigError, match="tensor parallelism"):
-        EngineArgs(model=str(tmp_path), tensor_parallel_size=2).create_engine_config()
     with pytest.raises(ConfigError, match="quantization"):
         EngineArgs(model=str(tmp_path), quantization="awq").create_engine_config()
 

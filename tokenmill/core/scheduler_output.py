@@ -74,6 +74,10 @@ class SchedulerOutput:
             request fills in this step, so it reads KV the step itself writes
             (``KVCacheManager.reads_step_kv``); the worker then runs the step with kernels
             that read the KV cache only after the step's KV writes.
+        new_token_ids: pipeline parallelism only: request id -> the sampled tokens among
+            the request's scheduled tokens this step (from position ``max(num_computed,
+            prompt length)`` on). The stages before the last never sample, so they take
+            a running request's new tokens from here.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -83,6 +87,7 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     grammar_bitmasks: dict[str, Any] = field(default_factory=dict)
     reads_step_kv: bool = False
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

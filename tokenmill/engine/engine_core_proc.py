@@ -161,6 +161,8 @@ class EngineCoreProc:
                 logger.error("the front-end process is gone; the engine exits")
                 return
             if not core.has_unfinished_requests():
+                # Idle: a worker process that died is noticed within a poll.
+                core.check_health()
                 if had_work and core.log_stats:
                     # Aborts emptied the engine: report it, or metrics would keep the
                     # last busy snapshot until the next request.

@@ -22,6 +22,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.distributed.parallel_state import broadcast_from_first_tp_rank
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
@@ -31,6 +32,7 @@ from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.host_memory import zeroed_tensor
 from tokenmill.worker.input_batch import InputBatch
+from tokenmill.worker.pipeline_stage import PipelineStage
 from tokenmill.worker.sampler import Sampler, compute_prompt_logprobs
 from tokenmill.worker.sampling_metadata import (
     SamplingMetadata,
@@ -72,6 +74,8 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(device.type)
         self.cascade_attn = self.attn_backend.supports_cascade and not config.disable_cascade_attn
         self.model: torch.nn.Module | None = None
+        # Pipeline parallelism: what the forward pass receives and sends (``load_model``).
+        self.stage: PipelineStage | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         # The CUDA graphs (``plan_cuda_graphs``); None: every step runs eagerly.
@@ -131,6 +135,10 @@ class ModelRunner:
         self.model = get_model(
             c.model_config, c.load_config, self.device, self.attn_backend, c.kernel_config
         )
+        self.stage = PipelineStage(
+            self.model, self.max_num_tokens, c.model_config.hf_config.hidden_size, self.dtype,
+            self.device,
+        )  # fmt: skip
         # Windowed layers keep plain attention: with a window on every layer, cascade would
         # only cost decode-only steps their whole-step graph.
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -143,27 +151,42 @@ class ModelRunner:
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this runner computes logits and samples (the last pipeline stage)."""
+        return self.stage is None or self.stage.is_last
+
+    def attention_layers(self) -> list[Attention]:
+        """The attention layers this rank holds (its pipeline stage's), by layer index."""
+        assert self.model is not None
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        return sorted(layers, key=lambda m: m.layer_idx)
+
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes one KV block takes over all layers (K and V)."""
-        mc = self.config.model_config
-        per_layer = 2 * self.block_size * mc.get_num_kv_heads() * mc.get_head_dim()
-        return per_layer * mc.get_num_layers() * torch.tensor([], dtype=self.dtype).element_size()
+        """Bytes one KV block takes over this rank's layers (K and V of its KV heads)."""
+        per_layer = 0
+        for layer in self.attention_layers():
+            per_layer += 2 * self.block_size * layer.num_kv_heads * layer.head_dim
+        return per_layer * torch.tensor([], dtype=self.dtype).element_size()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer and bind it.
+        """Allocate ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer of this rank
+        (its pipeline stage's layers, its tensor-parallel share of KV heads) and bind it.
 
         Zero-filled: attention reads padded block-table entries under a mask, and masked
         garbage could be NaN, which a mask does not cancel (0 * NaN = NaN). On the CPU the
         zeros come from the kernel page by page as blocks are first used.
         """
-        mc = self.config.model_config
-        shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, self.block_size, mc.get_num_kv_heads(), mc.get_head_dim()
-        )
         self.kv_caches = [
-            zeroed_tensor(tuple(shape), self.dtype, self.device)
-            for _ in range(mc.get_num_layers())
-        ]
+            zeroed_tensor(
+                tuple(self.attn_backend.get_kv_cache_shape(
+                    num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim
+                )),
+                self.dtype,
+                self.device,
+            )
+            for layer in self.attention_layers()
+        ]  # fmt: skip
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
 
@@ -195,6 +218,9 @@ class ModelRunner:
         ):
             batch.append_blocks(req_id, block_ids)
             batch.set_num_computed(req_id, num_computed)
+        if not self.is_last_stage:
+            for req_id, token_ids in so.new_token_ids.items():
+                batch.set_output_tokens(req_id, token_ids)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         self._parity ^= 1
@@ -290,9 +316,15 @@ class ModelRunner:
         return self._prev_sampled
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states ``[>= num_tokens, H]`` of the step (a graph's output is padded)."""
+        """Hidden states ``[>= num_tokens, H]`` of the step (a graph's output is padded);
+        on a pipeline stage other than the last, hidden states and residual ``[>= T, 2H]``,
+        already on their way to the next stage."""
+        assert self.stage is not None
+        self.stage.before_forward(inputs.num_tokens)
         hidden = self.graphs.try_run(inputs) if self.graphs is not None else None
-        return hidden if hidden is not None else self._run_eager(inputs)
+        hidden = hidden if hidden is not None else self._run_eager(inputs)
+        self.stage.after_forward(hidden, inputs.num_tokens)
+        return hidden
 
     def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass, eagerly; padded as the CUDA graphs pad where a test set
@@ -378,10 +410,12 @@ class ModelRunner:
 
         Only for batches whose requests all sample on the fast path (no penalties, seeds or
         logprobs: ``SamplingParams.uses_full_sampler`` is False); the engine runs other
-        steps with ``execute_model``.
+        steps with ``execute_model``. Not under pipeline parallelism (the stages overlap
+        micro-batches instead).
         """
         self._update_states(so)
         assert self.model is not None and so.total_num_scheduled_tokens > 0
+        assert self.is_last_stage, "async scheduling with pipeline parallelism"
         inputs = self._prepare_inputs(so)
         hidden = self._run_model(inputs)
         batch = self.input_batch
@@ -392,6 +426,7 @@ class ModelRunner:
             rows = inputs.batch_rows[inputs.sample_rows]
             metadata = inputs.sampling_metadata or self._sampling_metadata(inputs, rows)
             sampled = self.sampler(logits, metadata).sampled_token_ids
+            broadcast_from_first_tp_rank(sampled)
             batch.pending_idx[rows] = np.arange(len(rows))
             self._prev_sampled = sampled
             event = self._copy_sampled(sampled, host)
@@ -404,7 +439,8 @@ class ModelRunner:
 
         Returns:
             The sampled token of every request that completed its context this step (an
-            empty list for requests mid-prefill), plus logprobs and prompt logprobs.
+            empty list for requests mid-prefill), plus logprobs and prompt logprobs; no
+            tokens on a pipeline stage other than the last.
         """
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
@@ -412,6 +448,9 @@ class ModelRunner:
         assert self.model is not None
         inputs = self._prepare_inputs(so)
         hidden = self._run_model(inputs)
+        if not self.is_last_stage:
+            self._advance_computed(inputs)
+            return ModelRunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids])
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
@@ -422,6 +461,7 @@ class ModelRunner:
                 inputs, sample_batch_rows, so.grammar_bitmasks
             )
             out = self.sampler(logits, metadata)
+            broadcast_from_first_tp_rank(out.sampled_token_ids)
             token_ids = out.sampled_token_ids.tolist()  # the step's one sync
             req_ids = inputs.req_ids
             if out.logprobs is not None:

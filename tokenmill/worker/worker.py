@@ -25,9 +25,16 @@ class Worker:
     ``initialize_cache`` -> ``warm_up``; then ``execute_model`` once per step.
     """
 
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int | None = None) -> None:
+        """
+        Args:
+            config: the engine configuration.
+            rank: the CUDA device index this worker uses; default: the first device of its
+                data-parallel engine core (``data_parallel_rank * world_size``).
+        """
         self.config = config
-        self.rank = rank
+        pc = config.parallel_config
+        self.rank = pc.data_parallel_rank * pc.world_size if rank is None else rank
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
         # Device memory in use when this worker started (CUDA context, other processes):

@@ -45,9 +45,12 @@ UNIMPLEMENTED_FLAGS = (
     "--structured-outputs-config",
     "--kv-transfer-config",
     "--kv-events-config",
-    "--data-parallel-size",
-    "--enable-expert-parallel",
-    "--distributed-executor-backend",
+    # data parallelism across nodes (one node's engine cores are -dp)
+    "--data-parallel-size-local",
+    "--data-parallel-address",
+    "--data-parallel-rpc-port",
+    "--data-parallel-start-rank",
+    "--data-parallel-backend",
     "--cpu-offload-gb",
     "--swap-space",
     "--limit-mm-per-prompt",
@@ -240,7 +243,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     for flag in UNIMPLEMENTED_FLAGS:
         parser.add_argument(flag, action=_Unimplemented)
     parser.add_argument("--kv-cache-dtype", action=_Unimplemented, accepted=("auto",))
-    parser.add_argument("-dp", action=_Unimplemented)
     parser.set_defaults(dispatch=run)
     return parser
 
