@@ -183,3 +183,23 @@ def test_gguf_config(smollm2_gguf_path):
     )
     assert config.tie_word_embeddings is True and config.eos_token_id == 2
     assert generation_config == {}
+
+
+def test_safetensors_tensors_are_read_as_slices(tmp_path):
+    """A rank reads only the region its weight loader narrows to (tensor parallelism)."""
+    from safetensors.torch import save_file
+
+    from tokenmill.model.loader.safetensors_loader import iterate_safetensors
+
+    w = torch.arange(24.0).reshape(4, 6)
+    save_file({"w": w, "s": torch.tensor(3.0)}, str(tmp_path / "model.safetensors"))
+    tensors = dict(iterate_safetensors([str(tmp_path / "model.safetensors")]))
+    sliced = tensors["w"].narrow(1, 2, 3).narrow(0, 1, 2)
+    assert tuple(sliced.shape) == (2, 3)
+    torch.testing.assert_close(sliced.read(), w[1:3, 2:5])
+    target = torch.zeros(2, 3, dtype=torch.float64)
+    target.copy_(sliced)  # a weight loader's copy reads the region (torch function protocol)
+    torch.testing.assert_close(target, w[1:3, 2:5].double())
+    assert float(tensors["s"].read()) == 3.0
+    with pytest.raises(IndexError, match="outside a tensor of shape"):
+        tensors["w"].narrow(0, 3, 2)

@@ -10,6 +10,7 @@ If the engine process dies, every live request fails with EngineDeadError at onc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -47,6 +48,23 @@ logger = logging.getLogger(__name__)
 
 _outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 _encoder = msgspec.msgpack.Encoder()
+
+
+def merge_engine_stats(
+    latest: list[SchedulerStats | None], current: SchedulerStats
+) -> SchedulerStats:
+    """The stats of several engine cores as one: ``current`` (one core's step, whose
+    counters are deltas) with the gauges summed over each core's latest snapshot (the KV
+    cache usage averaged)."""
+    snapshots = [s for s in latest if s is not None]
+    return dataclasses.replace(
+        current,
+        num_running_reqs=sum(s.num_running_reqs for s in snapshots),
+        num_waiting_reqs=sum(s.num_waiting_reqs for s in snapshots),
+        kv_cache_usage=sum(s.kv_cache_usage for s in snapshots) / len(snapshots),
+        num_free_blocks=sum(s.num_free_blocks for s in snapshots),
+        num_total_blocks=sum(s.num_total_blocks for s in snapshots),
+    )
 
 
 class EngineDeadError(RuntimeError):
@@ -105,8 +123,7 @@ class AsyncLLM:
             )
             self.async_tokenizer = AsyncTokenizer(self.tokenizer, max_model_len=mc.max_model_len)
         except BaseException:
-            self.engine_proc.kill()
-            self.engine_proc.join(2)
+            self._kill_engines()
             self._release_ipc()
             raise
         try:
@@ -122,49 +139,83 @@ class AsyncLLM:
     # ---- engine process ----------------------------------------------------------------
 
     def _spawn_engine(self) -> None:
+        """Start the engine core process, or one per data-parallel rank (``-dp N``): each
+        reads its own input socket; all push outputs to one socket here."""
         self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")
         tag = uuid.uuid4().hex[:8]
-        input_address = f"ipc://{self._ipc_dir}/in-{tag}"
         output_address = f"ipc://{self._ipc_dir}/out-{tag}"
         self._zmq = zmq.asyncio.Context()
         self._output_sock = self._zmq.socket(zmq.PULL)
         self._output_sock.bind(output_address)
-        self._input_sock = self._zmq.socket(zmq.PUSH)
-        self._input_sock.connect(input_address)
         mp = multiprocessing.get_context("spawn")
-        parent_conn, child_conn = mp.Pipe(duplex=False)
-        self.engine_proc = mp.Process(
-            target=run_engine_core,
-            args=(
-                self.config,
-                input_address,
-                output_address,
-                child_conn,
-                logging.getLogger().getEffectiveLevel(),
-            ),
-            name="tokenmill-engine-core",
-            daemon=True,
-        )
-        self.engine_proc.start()
-        child_conn.close()
-        self._ready_conn = parent_conn
+        pc = self.config.parallel_config
+        self.engine_procs: list[Any] = []
+        self._input_socks: list[Any] = []
+        self._ready_conns: list[Any] = []
+        for rank in range(pc.data_parallel_size):
+            input_address = f"ipc://{self._ipc_dir}/in-{tag}-{rank}"
+            sock = self._zmq.socket(zmq.PUSH)
+            sock.connect(input_address)
+            config = self.config
+            if pc.data_parallel_size > 1:
+                config = dataclasses.replace(
+                    config, parallel_config=dataclasses.replace(pc, data_parallel_rank=rank)
+                )
+            parent_conn, child_conn = mp.Pipe(duplex=False)
+            proc = mp.Process(
+                target=run_engine_core,
+                args=(
+                    config,
+                    input_address,
+                    output_address,
+                    child_conn,
+                    logging.getLogger().getEffectiveLevel(),
+                ),
+                name="tokenmill-engine-core" + (f"-dp{rank}" if pc.data_parallel_size > 1 else ""),
+                daemon=True,
+            )
+            proc.start()
+            child_conn.close()
+            self.engine_procs.append(proc)
+            self._input_socks.append(sock)
+            self._ready_conns.append(parent_conn)
+        # The first (or only) engine core; an embedding engine has only this one.
+        self.engine_proc = self.engine_procs[0]
+        self._input_sock = self._input_socks[0]
+        self._ready_conn = self._ready_conns[0]
+        # Requests in flight per engine core: a new one goes to the least loaded.
+        self._engine_load = [0] * len(self.engine_procs)
+        self._engine_stats: list[SchedulerStats | None] = [None] * len(self.engine_procs)
 
     def _wait_for_engine(self, timeout_s: float) -> None:
-        """Wait for the engine process's start-up report; take the settings it fitted.
+        """Wait for every engine process's start-up report; take the settings they fitted.
 
         Raises:
-            EngineDeadError: the process exited, failed, or did not report in ``timeout_s``.
+            EngineDeadError: a process exited, failed, or did not report in ``timeout_s``.
         """
-        parent_conn = self._ready_conn
         deadline = time.monotonic() + timeout_s
+        infos = [
+            self._wait_for_one(proc, conn, deadline, timeout_s)
+            for proc, conn in zip(self.engine_procs, self._ready_conns, strict=True)
+        ]
+        # The cores may have fitted max_model_len to their KV caches (--max-model-len -1).
+        max_model_len = min(info["max_model_len"] for info in infos)
+        self.model_config.max_model_len = max_model_len
+        self.config.scheduler_config.max_model_len = max_model_len
+        self.config.cache_config.num_blocks = infos[0]["num_blocks"]
+
+    def _wait_for_one(
+        self, proc: Any, parent_conn: Any, deadline: float, timeout_s: float
+    ) -> dict[str, Any]:
         while not parent_conn.poll(0.2):
-            if not self.engine_proc.is_alive():
+            if not proc.is_alive():
+                self._kill_engines()
                 raise EngineDeadError(
                     f"the engine process exited during start-up (exit code "
-                    f"{self.engine_proc.exitcode}); see its log above"
+                    f"{proc.exitcode}); see its log above"
                 )
             if time.monotonic() > deadline:
-                self.engine_proc.kill()
+                self._kill_engines()
                 raise EngineDeadError(f"the engine did not start within {timeout_s:.0f} s")
         try:
             info = parent_conn.recv()
@@ -172,12 +223,16 @@ class AsyncLLM:
             info = {"status": "failed", "error": "the engine process exited during start-up"}
         parent_conn.close()
         if info.get("status") != "ready":
-            self.engine_proc.join(timeout=5)
+            proc.join(timeout=5)
+            self._kill_engines()
             raise EngineDeadError(f"the engine failed to start: {info.get('error')}")
-        # The core may have fitted max_model_len to the KV cache (--max-model-len -1).
-        self.model_config.max_model_len = info["max_model_len"]
-        self.config.scheduler_config.max_model_len = info["max_model_len"]
-        self.config.cache_config.num_blocks = info["num_blocks"]
+        return info
+
+    def _kill_engines(self) -> None:
+        for proc in self.engine_procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2)
 
     def _ensure_background_tasks(self) -> None:
         if self._tasks:
@@ -189,19 +244,18 @@ class AsyncLLM:
         ]
         if envs.log_step_stats():
             self._tasks.append(loop.create_task(self._lag_probe(), name="tokenmill-lag-probe"))
-        # The process sentinel becomes readable the moment the engine process exits.
-        loop.add_reader(self.engine_proc.sentinel, self._on_engine_exit)
+        # A process sentinel becomes readable the moment its engine process exits.
+        for proc in self.engine_procs:
+            loop.add_reader(proc.sentinel, self._on_engine_exit, proc)
 
-    def _on_engine_exit(self) -> None:
+    def _on_engine_exit(self, proc: Any) -> None:
         try:
-            asyncio.get_running_loop().remove_reader(self.engine_proc.sentinel)
+            asyncio.get_running_loop().remove_reader(proc.sentinel)
         except (RuntimeError, ValueError):
             pass
-        self.engine_proc.join(0.1)  # reap it, so the exit code is known
+        proc.join(0.1)  # reap it, so the exit code is known
         if not self._closed:
-            self._fail_all(
-                f"the engine process exited unexpectedly (exit code {self.engine_proc.exitcode})"
-            )
+            self._fail_all(f"the engine process exited unexpectedly (exit code {proc.exitcode})")
 
     def _fail_all(self, error: str) -> None:
         if self.dead_error is None:
@@ -246,6 +300,11 @@ class AsyncLLM:
         if outputs.engine_error is not None:
             self._fail_all(f"the engine failed: {outputs.engine_error}")
             return
+        if outputs.scheduler_stats is not None and len(self.engine_procs) > 1:
+            self._engine_stats[outputs.engine_index] = outputs.scheduler_stats
+            outputs.scheduler_stats = merge_engine_stats(
+                self._engine_stats, outputs.scheduler_stats
+            )
         result = self.output_processor.process_outputs(
             outputs.outputs, outputs.timestamp or time.time(), outputs.first_scheduled
         )
@@ -290,11 +349,10 @@ class AsyncLLM:
         return self.dead_error is not None
 
     def check_health(self) -> None:
-        """Raises EngineDeadError if the engine process is gone."""
-        if self.dead_error is None and not self.engine_proc.is_alive() and not self._closed:
-            self._fail_all(
-                f"the engine process is not running (exit code {self.engine_proc.exitcode})"
-            )
+        """Raises EngineDeadError if an engine process is gone."""
+        for proc in self.engine_procs:
+            if self.dead_error is None and not proc.is_alive() and not self._closed:
+                self._fail_all(f"the engine process is not running (exit code {proc.exitcode})")
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
 
@@ -331,18 +389,22 @@ class AsyncLLM:
         collector = RequestOutputCollector(processed.params.output_kind)
         self.output_processor.add_request(processed, processed.params, collector)
         self._collectors[request_id] = collector
+        # Data parallelism: the engine core with the fewest requests in flight takes it.
+        engine = min(range(len(self._engine_load)), key=self._engine_load.__getitem__)
+        self._engine_load[engine] += 1
         finished = False
         try:
             for message in messages:
                 # Awaited one by one: each unawaited send leaves a future in pyzmq's queue,
                 # whose clean-up scans that queue, so a burst of thousands (many prompts
                 # times n) cost the event loop quadratic time.
-                await self._input_sock.send_multipart([MSG_ADD, message])
+                await self._input_socks[engine].send_multipart([MSG_ADD, message])
             while not finished:
                 out = await collector.get()
                 finished = out.finished
                 yield out
         finally:
+            self._engine_load[engine] -= 1
             self._collectors.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
@@ -356,22 +418,29 @@ class AsyncLLM:
 
     def _send_abort(self, engine_ids: list[str]) -> None:
         if self.dead_error is None and not self._closed:
-            self._input_sock.send_multipart([MSG_ABORT, _encoder.encode(engine_ids)])
+            # Every engine core hears it: one that does not hold a request ignores its id.
+            message = _encoder.encode(engine_ids)
+            for sock in self._input_socks:
+                sock.send_multipart([MSG_ABORT, message])
 
-    async def _utility(self, name: str, *args: Any, timeout_s: float = 30.0) -> Any:
+    async def _utility(self, name: str, *args: Any, timeout_s: float = 30.0) -> list[Any]:
+        """Run a utility on every engine core; returns their results."""
         self._ensure_background_tasks()
         self.check_health()
-        fut = asyncio.get_running_loop().create_future()
-        self._utility_waiters.setdefault(name, []).append(fut)
-        await self._input_sock.send_multipart([MSG_UTILITY, _encoder.encode([name, list(args)])])
-        return await asyncio.wait_for(fut, timeout_s)
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in self._input_socks]
+        self._utility_waiters.setdefault(name, []).extend(futures)
+        message = _encoder.encode([name, list(args)])
+        for sock in self._input_socks:
+            await sock.send_multipart([MSG_UTILITY, message])
+        return list(await asyncio.wait_for(asyncio.gather(*futures), timeout_s))
 
     async def reset_prefix_cache(self) -> bool:
-        return bool(await self._utility("reset_prefix_cache"))
+        return all(await self._utility("reset_prefix_cache"))
 
     async def check_kv_integrity(self) -> bool:
-        """Ask the core to verify its KV cache bookkeeping (raises there if broken)."""
-        return bool(await self._utility("check_integrity"))
+        """Ask the cores to verify their KV cache bookkeeping (raises there if broken)."""
+        return all(await self._utility("check_integrity"))
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -410,24 +479,27 @@ class AsyncLLM:
         self.async_tokenizer.shutdown()
         for task in self._tasks:
             task.cancel()
-        try:
-            asyncio.get_running_loop().remove_reader(self.engine_proc.sentinel)
-        except (RuntimeError, ValueError):
-            pass
-        if self.engine_proc.is_alive():
-            self.engine_proc.terminate()
-            self.engine_proc.join(timeout_s)
-            if self.engine_proc.is_alive():
-                self.engine_proc.kill()
-                self.engine_proc.join(2)
+        for proc in self.engine_procs:
+            try:
+                asyncio.get_running_loop().remove_reader(proc.sentinel)
+            except (RuntimeError, ValueError):
+                pass
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.engine_procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self._kill_engines()
         self._release_ipc()
 
     def _release_ipc(self) -> None:
         """Close the engine sockets and the start-up pipe; remove the socket files."""
-        self._input_sock.close(linger=0)
+        for sock in self._input_socks:
+            sock.close(linger=0)
         self._output_sock.close(linger=0)
         self._zmq.term()
-        self._ready_conn.close()
+        for conn in self._ready_conns:
+            conn.close()
         for name in os.listdir(self._ipc_dir):
             try:
                 os.unlink(os.path.join(self._ipc_dir, name))

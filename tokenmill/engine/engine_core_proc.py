@@ -16,6 +16,7 @@ process exits, so the front end can fail every live request at once.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import time
@@ -106,6 +107,8 @@ class EngineCoreProc:
             self.engine_core = EngineCore(config, log_stats=not config.disable_log_stats)
         self.running = True
         self.step_log = _StepLog() if envs.log_step_stats() else None
+        # Data parallelism: tags every output, so the front end knows which core sent it.
+        self.engine_index = config.parallel_config.data_parallel_rank
 
     def ready_info(self) -> dict[str, Any]:
         """What the front end needs after start-up (the core may have resized the context)."""
@@ -167,7 +170,9 @@ class EngineCoreProc:
                     # Aborts emptied the engine: report it, or metrics would keep the
                     # last busy snapshot until the next request.
                     idle = EngineCoreOutputs(
-                        timestamp=time.time(), scheduler_stats=core.scheduler.make_stats()
+                        timestamp=time.time(),
+                        scheduler_stats=core.scheduler.make_stats(),
+                        engine_index=self.engine_index,
                     )
                     self.output.send_multipart([MSG_OUT, _encoder.encode(idle)])
                 continue
@@ -176,11 +181,14 @@ class EngineCoreProc:
             if self.step_log is not None:
                 self.step_log.record(time.perf_counter() - start, len(outputs.outputs))
             if outputs.outputs or outputs.scheduler_stats is not None:
+                outputs.engine_index = self.engine_index
                 self.output.send_multipart([MSG_OUT, _encoder.encode(outputs)], copy=False)
 
     def report_error(self, error: str) -> None:
         try:
-            out = EngineCoreOutputs(timestamp=time.time(), engine_error=error)
+            out = EngineCoreOutputs(
+                timestamp=time.time(), engine_error=error, engine_index=self.engine_index
+            )
             self.output.send_multipart([MSG_OUT, _encoder.encode(out)])
         except zmq.ZMQError:
             pass
@@ -211,6 +219,10 @@ def run_engine_core(
         datefmt="%m-%d %H:%M:%S",
     )
     logger.info("Engine core process started (pid %d)", os.getpid())
+    # NOTE: the front end starts this process as a daemon (terminated when it exits); the
+    # flag is cleared here, in the process's own view, so that the multiprocess executor
+    # may start worker processes (which end with this process: their pipes close).
+    multiprocessing.current_process().daemon = False
     proc: EngineCoreProc | None = None
 
     def stop(signum, frame):  # noqa: ARG001

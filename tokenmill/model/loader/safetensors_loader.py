@@ -128,9 +128,7 @@ class TensorSlice:
             ModelLoadError: the file cannot be read there (truncated, corrupt).
         """
         try:
-            if not self.shape:  # a scalar: safetensors slices take no empty index
-                return self._handle[:]
-            return self._handle[self._index]
+            return self._handle[self._index]  # () for a scalar
         except Exception as e:
             raise ModelLoadError(f"{self._where}: cannot read: {e}") from e
 
