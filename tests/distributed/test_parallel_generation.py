@@ -1,0 +1,70 @@
+"""Tensor, pipeline and expert parallelism on CPU (gloo, one process per rank): every layout
+generates the greedy tokens of one process, for the real SmolLM2 (GGUF) and tiny random
+Llama, Qwen3 and Mixtral checkpoints (safetensors, read as slices per rank).
+
+SmolLM2-135M has 9 attention heads and 3 KV heads: 2 does not divide them (start-up refuses
+it, as vLLM does), so it runs tensor-parallel over 3 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.models import ENGINE, PROMPTS, save_tiny_model
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+LAYOUTS = {
+    "tp2": dict(tensor_parallel_size=2),
+    "pp2": dict(pipeline_parallel_size=2),
+    "tp2-pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+    "tp3": dict(tensor_parallel_size=3),
+    "tp3-pp2": dict(tensor_parallel_size=3, pipeline_parallel_size=2),
+    # Expert parallelism: Mixtral's 4 experts, 2 on each of the 2 tensor-parallel ranks.
+    "tp2-ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+}
+CASES = [
+    *[("smollm2", layout) for layout in ("tp3", "pp2", "tp3-pp2")],
+    *[(m, layout) for m in ("llama", "qwen3", "mixtral") for layout in ("tp2", "pp2", "tp2-pp2")],
+    ("mixtral", "tp2-ep"),
+]
+
+
+@pytest.fixture(scope="module")
+def model_paths(tmp_path_factory, smollm2_gguf_path) -> dict[str, str]:
+    paths = {"smollm2": smollm2_gguf_path}
+    for kind in ("llama", "qwen3", "mixtral"):
+        paths[kind] = save_tiny_model(kind, tmp_path_factory.mktemp(kind))
+    return paths
+
+
+def _generate(path: str, tokenizer: str, **layout) -> list[list[int]]:
+    llm = LLM(path, tokenizer=tokenizer, **ENGINE, **layout)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(model_paths, smollm2_gguf_path) -> dict[str, list[list[int]]]:
+    """Each model's greedy tokens in one process (computed once, on first use)."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(model: str) -> list[list[int]]:
+        if model not in cache:
+            cache[model] = _generate(model_paths[model], smollm2_gguf_path)
+        return cache[model]
+
+    return get  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("model, layout", CASES, ids=[f"{m}-{lay}" for m, lay in CASES])
+def test_layout_generates_the_tokens_of_one_process(
+    model, layout, model_paths, reference, smollm2_gguf_path
+):
+    got = _generate(model_paths[model], smollm2_gguf_path, **LAYOUTS[layout])
+    assert got == reference(model)
