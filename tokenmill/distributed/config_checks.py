@@ -171,11 +171,11 @@ def check_device_count(pc: ParallelConfig, device: str) -> None:
     Raises:
         ConfigError: ``data x tensor x pipeline`` ranks exceed the devices.
     """
-    if device != "cuda" or pc.distributed_executor_backend == "ray":
+    needed = pc.world_size * pc.data_parallel_size
+    if device != "cuda" or pc.distributed_executor_backend == "ray" or needed == 1:
         return
     import torch
 
-    needed = pc.world_size * pc.data_parallel_size
     available = torch.cuda.device_count()
     if needed > available:
         raise ConfigError(
