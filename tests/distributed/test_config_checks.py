@@ -137,3 +137,21 @@ def test_stage_layers_split_as_vllm():
     assert [pipeline_stage_layers(5, r, 2) for r in range(2)] == [(0, 3), (3, 5)]
     with pytest.raises(ValueError, match="cannot be split"):
         pipeline_stage_layers(2, 0, 3)
+
+
+def test_quantized_weights_that_do_not_split(tmp_path, smollm2_gguf_path):
+    with pytest.raises(ConfigError, match="GGUF weights kept quantized do not split over 3 "
+                                          "tensor-parallel ranks: add --gguf-dequantize"):
+        EngineArgs(model=smollm2_gguf_path, device="cpu", tensor_parallel_size=3) \
+            .create_engine_config()
+    dequantized = EngineArgs(model=smollm2_gguf_path, device="cpu", tensor_parallel_size=3,
+                             gguf_dequantize=True).create_engine_config()
+    assert dequantized.model_config.quantization is None
+    # Kept quantized, the blocks split over pipeline stages.
+    EngineArgs(model=smollm2_gguf_path, device="cpu", pipeline_parallel_size=2) \
+        .create_engine_config()
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+           "version": "gemm"}
+    path = _folder(tmp_path, {**MOE, "quantization_config": awq})
+    with pytest.raises(ConfigError, match=r"quantized experts \(awq\) do not split over 2"):
+        _config(path, tensor_parallel_size=2, enable_expert_parallel=True).create_engine_config()

@@ -3,7 +3,8 @@ generates the greedy tokens of one process, for the real SmolLM2 (GGUF) and tiny
 Llama, Qwen3 and Mixtral checkpoints (safetensors, read as slices per rank).
 
 SmolLM2-135M has 9 attention heads and 3 KV heads: 2 does not divide them (start-up refuses
-it, as vLLM does), so it runs tensor-parallel over 3 ranks.
+it, as vLLM does), so it runs tensor-parallel over 3 ranks. Its GGUF blocks kept quantized
+split over pipeline stages only; tensor parallelism loads them dequantized.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ LAYOUTS = {
     "tp2-ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
 }
 CASES = [
-    *[("smollm2", layout) for layout in ("tp3", "pp2", "tp3-pp2")],
+    ("smollm2", "pp2"),
+    *[("smollm2-dequantized", layout) for layout in ("tp3", "tp3-pp2")],
     *[(m, layout) for m in ("llama", "qwen3", "mixtral") for layout in ("tp2", "pp2", "tp2-pp2")],
     ("mixtral", "tp2-ep"),
 ]
@@ -34,14 +36,21 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def model_paths(tmp_path_factory, smollm2_gguf_path) -> dict[str, str]:
-    paths = {"smollm2": smollm2_gguf_path}
+    paths = {"smollm2": smollm2_gguf_path, "smollm2-dequantized": smollm2_gguf_path}
     for kind in ("llama", "qwen3", "mixtral"):
         paths[kind] = save_tiny_model(kind, tmp_path_factory.mktemp(kind))
     return paths
 
 
-def _generate(path: str, tokenizer: str, **layout) -> list[list[int]]:
-    llm = LLM(path, tokenizer=tokenizer, **ENGINE, **layout)
+def _generate(model: str, path: str, tokenizer: str, **layout) -> list[list[int]]:
+    engine = dict(ENGINE)
+    if model.endswith("-dequantized"):
+        engine["gguf_dequantize"] = True
+    elif model == "smollm2":
+        # The products of GGUF blocks on CPU depend on the batch (one process with 4 or 1
+        # requests at a time differs in a token), so this layout runs one at a time.
+        engine["max_num_seqs"] = 1
+    llm = LLM(path, tokenizer=tokenizer, **engine, **layout)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
@@ -56,7 +65,7 @@ def reference(model_paths, smollm2_gguf_path) -> dict[str, list[list[int]]]:
 
     def get(model: str) -> list[list[int]]:
         if model not in cache:
-            cache[model] = _generate(model_paths[model], smollm2_gguf_path)
+            cache[model] = _generate(model, model_paths[model], smollm2_gguf_path)
         return cache[model]
 
     return get  # type: ignore[return-value]
@@ -66,5 +75,29 @@ def reference(model_paths, smollm2_gguf_path) -> dict[str, list[list[int]]]:
 def test_layout_generates_the_tokens_of_one_process(
     model, layout, model_paths, reference, smollm2_gguf_path
 ):
-    got = _generate(model_paths[model], smollm2_gguf_path, **LAYOUTS[layout])
+    got = _generate(model, model_paths[model], smollm2_gguf_path, **LAYOUTS[layout])
     assert got == reference(model)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_int4_checkpoint_splits_over_tensor_parallel_ranks(tmp_path, smollm2_gguf_path, fmt):
+    """An int4 checkpoint's packed weights, scales and zeros split over 2 ranks as its float
+    weights do: the prompt's log-probabilities are those of one process. (Its products run
+    in bfloat16 on the CPU, so they agree to bfloat16 precision, and a random model's greedy
+    tokens could flip on a near-tie.)"""
+    from tests.model.quant_checkpoints import make_int4_checkpoint
+
+    path = f"{make_int4_checkpoint(str(tmp_path), fmt, 32, fmt == 'gptq')}/quant"
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def prompt_logprobs(**layout) -> list[float]:
+        llm = LLM(path, tokenizer=smollm2_gguf_path, **ENGINE, **layout)
+        try:
+            (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+        finally:
+            llm.llm_engine.shutdown()
+        pairs = zip(PROMPTS[0][1:], out.prompt_logprobs[1:], strict=True)
+        return [lp[t].logprob for t, lp in pairs]
+
+    one = prompt_logprobs()
+    assert prompt_logprobs(tensor_parallel_size=2) == pytest.approx(one, abs=0.05)

@@ -102,7 +102,8 @@ def check_parallel_layout(model_config: ModelConfig, pc: ParallelConfig) -> None
     Raises:
         ConfigError: heads, KV heads or MLP widths that the tensor-parallel size does not
             divide; more stages than layers; an embedding model with more
-            than one rank; expert parallelism across data-parallel ranks.
+            than one rank; expert parallelism across data-parallel ranks; GGUF blocks or
+            quantized experts with tensor parallelism.
     """
     tp, pp, dp = pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.data_parallel_size
     if model_config.is_pooling_model and pc.world_size * dp > 1:
@@ -129,6 +130,25 @@ def check_parallel_layout(model_config: ModelConfig, pc: ParallelConfig) -> None
             f"({model_config.get_num_layers()})"
         )
     _check_mlp(model_config, pc)
+    _check_quantization(model_config, pc)
+
+
+def _check_quantization(model_config: ModelConfig, pc: ParallelConfig) -> None:
+    """GGUF blocks and quantized experts are held whole by one rank (their kernels take
+    whole tensors); the other methods split as the float weights do."""
+    tp, method = pc.tensor_parallel_size, model_config.quantization
+    if tp == 1 or method is None:
+        return
+    if method == "gguf":
+        raise ConfigError(
+            f"GGUF weights kept quantized do not split over {tp} tensor-parallel ranks: add "
+            "--gguf-dequantize to load them dequantized, or use -pp"
+        )
+    if num_experts(model_config):
+        raise ConfigError(
+            f"quantized experts ({method}) do not split over {tp} tensor-parallel ranks yet: "
+            "use -pp, or an unquantized checkpoint"
+        )
 
 
 def _check_mlp(model_config: ModelConfig, pc: ParallelConfig) -> None:

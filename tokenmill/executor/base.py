@@ -6,7 +6,7 @@ import abc
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 
 
 class Executor(abc.ABC):
@@ -28,12 +28,18 @@ class Executor(abc.ABC):
         """Allocate the KV cache and warm up (CUDA graphs)."""
 
     @abc.abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; returns the driver worker's output."""
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step; returns the driver worker's output. ``grammar_output`` holds the
+        step's grammar bitmasks (structured outputs), if any."""
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput):
+    def execute_model_async(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ):
         """Launch a step without waiting for its tokens; the returned handle's ``get()``
-        gives the ModelRunnerOutput (async scheduling)."""
+        gives the ModelRunnerOutput (async scheduling, pipeline micro-batches).
+        ``grammar_output`` only where the workers run steps in order (pipeline stages)."""
         raise NotImplementedError(f"{type(self).__name__} does not run steps asynchronously")
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook

@@ -22,7 +22,7 @@ from typing import Any
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.executor.base import Executor
 from tokenmill.executor.worker_proc import run_worker
 from tokenmill.hf_config import ModelLoadError
@@ -202,14 +202,26 @@ class MultiprocExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self._call("initialize_cache", num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(scheduler_output, sync=True).get()
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output, grammar_output, sync=True).get()
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput, sync: bool = False):
+    def execute_model_async(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_output: GrammarOutput | None = None,
+        sync: bool = False,
+    ):
         """Send a step and return at once; the handle's ``get()`` waits for its tokens.
         Steps are collected in the order sent (pipeline micro-batches, async scheduling)."""
         method = "execute_model" if sync else self._async_method
-        return _StepHandle(self, self._send(method, scheduler_output, reply_all=False))
+        args: tuple[Any, ...] = (scheduler_output,)
+        if method == "execute_model":
+            args += (grammar_output,)
+        else:
+            assert grammar_output is None, "the engine runs steps with grammars in step"
+        return _StepHandle(self, self._send(method, *args, reply_all=False))
 
     @property
     def _async_method(self) -> str:

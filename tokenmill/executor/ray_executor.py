@@ -19,7 +19,7 @@ from typing import Any
 from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.executor.base import Executor
 from tokenmill.executor.multiproc import WorkerDiedError, log_layout, raise_rank_error
 
@@ -167,17 +167,23 @@ class RayExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self._get(self._call("initialize_cache", num_blocks))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_model_async(scheduler_output).get()
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output, grammar_output).get()
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> _StepHandle:
+    def execute_model_async(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> _StepHandle:
         """Submit a step to every actor (its plan put in the object store once); actors run
         calls in the order submitted, so steps may be collected later, in order."""
         import ray
 
         self.check_health()
         plan = ray.put(scheduler_output)
-        return _StepHandle(self, self._call("execute_model", plan, reply_all=False))
+        return _StepHandle(
+            self, self._call("execute_model", plan, grammar_output, reply_all=False)
+        )
 
     def check_health(self) -> None:
         """Raises WorkerDiedError if an actor is gone (pinged every few seconds)."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,10 @@ class RankWorker:
         self.worker.initialize_cache(num_blocks)
         self.worker.warm_up()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output, grammar_output)
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> Any:
         """Launch a step; returns its handle (``get()`` gives the ModelRunnerOutput)."""

@@ -13,7 +13,7 @@ host-device sync of a step is reading the sampled token ids.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.distributed.parallel_state import broadcast_from_first_tp_rank
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionMetadata
@@ -434,8 +434,11 @@ class ModelRunner:
         return AsyncModelRunnerOutput(self.input_batch, inputs, host, event)
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step.
+    def execute_model(
+        self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step; ``grammar_output`` holds the grammar bitmasks of its requests with
+        structured outputs.
 
         Returns:
             The sampled token of every request that completed its context this step (an
@@ -458,7 +461,7 @@ class ModelRunner:
             logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
             sample_batch_rows = inputs.batch_rows[inputs.sample_rows]
             metadata = inputs.sampling_metadata or self._sampling_metadata(
-                inputs, sample_batch_rows, so.grammar_bitmasks
+                inputs, sample_batch_rows, grammar_output.bitmasks if grammar_output else None
             )
             out = self.sampler(logits, metadata)
             broadcast_from_first_tp_rank(out.sampled_token_ids)
@@ -523,7 +526,7 @@ class ModelRunner:
         self,
         inputs: StepInputs,
         rows: np.ndarray,
-        grammar_bitmasks: dict[str, np.ndarray] | None = None,
+        grammar_bitmasks: Mapping[str, np.ndarray] | None = None,
     ) -> SamplingMetadata:
         """The sampler's metadata: ``_plain_sampling_metadata`` when every row is plain,
         else the general per-row builder (with the grammar bitmasks of requests with

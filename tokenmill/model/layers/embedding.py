@@ -8,6 +8,8 @@ slice and gathers them (Megatron-LM, Shoeybi et al. 2019).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,7 +22,9 @@ from tokenmill.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from tokenmill.math_utils import cdiv
-from tokenmill.model.layers.linear import check_shape, default_weight_loader, dense
+from tokenmill.model.layers.dense import dense
+from tokenmill.model.layers.linear import default_weight_loader
+from tokenmill.model.layers.weight_shape import check_shape
 
 
 class VocabEmbedding(nn.Module):
@@ -41,8 +45,21 @@ class VocabEmbedding(nn.Module):
         self.vocab_end = min(num_embeddings, self.vocab_start + per_rank)
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # Set when the checkpoint's embeddings stay quantized (GGUF blocks).
+        self.quant_method: Any = None
+
+    def set_quant_method(self, method: Any) -> None:
+        """Keep the checkpoint's quantized blocks in ``method`` instead of a float weight
+        (``weight`` becomes an empty placeholder that receives the checkpoint tensor)."""
+        self.quant_method = method
+        placeholder = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        placeholder.weight_loader = self.weight_loader
+        self.weight = placeholder
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if self.quant_method is not None:  # one rank only (config_checks)
+            self.quant_method.load(self, loaded)
+            return
         if self.tp_size == 1:
             default_weight_loader(param, loaded)
             return
@@ -53,6 +70,8 @@ class VocabEmbedding(nn.Module):
         param.data[rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.embed(input_ids)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
@@ -78,7 +97,10 @@ class LMHead(VocabEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = dense(hidden_states, self.weight, skinny=self.skinny_gemm)
+        if self.quant_method is not None:
+            logits = self.quant_method.apply(hidden_states)
+        else:
+            logits = dense(hidden_states, self.weight, skinny=self.skinny_gemm)
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits)[:, : self.num_embeddings]
         if self.soft_cap:

@@ -21,7 +21,8 @@ from tokenmill.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from tokenmill.kernels.moe.fused_moe import fused_experts, select_experts
-from tokenmill.model.layers.linear import check_shape
+from tokenmill.model.layers.quantization.tensors import as_float
+from tokenmill.model.layers.weight_shape import check_shape
 
 
 class ExpertWeights(nn.Module):
@@ -79,6 +80,9 @@ class FusedMoE(nn.Module):
         # Expert parallelism: global expert id -> index in this rank's weights, -1 for the
         # experts of other ranks. A buffer, so it follows the module to its device.
         self.register_buffer("expert_map", None, persistent=False)
+        self.hidden_size = hidden_size
+        # A quantized checkpoint's experts (``tokenmill.model.layers.quantization.moe``).
+        self.quant_method: Any = None
         if expert_parallel_enabled():
             self._init_expert_parallel(num_experts, hidden_size, intermediate_size)
             return
@@ -91,6 +95,11 @@ class FusedMoE(nn.Module):
         i = self.intermediate_per_rank
         self.w13 = ExpertWeights(num_experts, 2 * i, hidden_size, self._load_w13)
         self.w2 = ExpertWeights(num_experts, hidden_size, i, self._load_w2)
+
+    def set_quant_method(self, method: Any) -> None:
+        """Hold the experts' weights as ``method`` creates them (quantized checkpoints)."""
+        self.quant_method = method
+        method.create_weights(self)
 
     def _init_expert_parallel(
         self, num_experts: int, hidden_size: int, intermediate_size: int
@@ -125,6 +134,7 @@ class FusedMoE(nn.Module):
         return mapping
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+        loaded = as_float(loaded)
         expert, part = self._parse_shard(shard_id, ("gate", "up"))
         if expert < 0:
             return  # another rank's expert
@@ -137,6 +147,7 @@ class FusedMoE(nn.Module):
         target.copy_(loaded)
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+        loaded = as_float(loaded)
         expert, _ = self._parse_shard(shard_id, ("down",))
         if expert < 0:
             return  # another rank's expert
@@ -162,9 +173,12 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = fused_experts(
-            hidden, self.w13.weight, self.w2.weight, weights, ids, expert_map=self.expert_map
-        )
+        if self.quant_method is not None:  # whole experts on one rank (config_checks)
+            out = self.quant_method.apply(self, hidden, weights, ids)
+        else:
+            out = fused_experts(
+                hidden, self.w13.weight, self.w2.weight, weights, ids, expert_map=self.expert_map
+            )
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

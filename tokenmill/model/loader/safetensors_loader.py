@@ -78,7 +78,8 @@ class TensorSlice:
     ``narrow`` (as ``torch.Tensor.narrow``) selects a smaller region without reading;
     ``read()`` returns the region as a CPU tensor. It also stands in for a tensor in torch
     calls: ``param.data.copy_(tensor_slice)`` reads the region and copies it (the torch
-    function protocol, ``__torch_function__``), so weight loaders written for tensors
+    function protocol, ``__torch_function__``), and any other tensor attribute
+    (``.to(...)``, ``.dtype``) is the read region's, so weight loaders written for tensors
     take it unchanged.
 
     Args:
@@ -136,6 +137,13 @@ class TensorSlice:
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
         args = tuple(a.read() if isinstance(a, TensorSlice) else a for a in args)
         return func(*args, **(kwargs or {}))
+
+    def __getattr__(self, name: str) -> Any:
+        # Any other tensor attribute or method (``.to``, ``.dtype``, ``.view``...) is the
+        # read region's: loaders that need the values read them where they use them.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.read(), name)
 
 
 def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, TensorSlice]]:
