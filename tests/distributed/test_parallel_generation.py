@@ -101,3 +101,38 @@ def test_int4_checkpoint_splits_over_tensor_parallel_ranks(tmp_path, smollm2_ggu
 
     one = prompt_logprobs()
     assert prompt_logprobs(tensor_parallel_size=2) == pytest.approx(one, abs=0.05)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bitsandbytes_checkpoint_splits_over_tensor_parallel_ranks(tmp_path, smollm2_gguf_path,
+                                                                   bits):
+    """A checkpoint transformers quantized with bitsandbytes: each rank dequantizes a part's
+    packed values whole and keeps its rows (column-parallel) or columns (row-parallel), so
+    2 ranks give the prompt's log-probabilities of one process."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
+
+    from tests.model.quant_checkpoints import TINY_LLAMA
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA)).save_pretrained(tmp_path / "f")
+    kw = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"} if bits == 4 else {
+        "load_in_8bit": True}
+    config = BitsAndBytesConfig(bnb_4bit_compute_dtype=torch.float32, **kw)
+    AutoModelForCausalLM.from_pretrained(
+        tmp_path / "f", quantization_config=config, device_map="cpu", dtype=torch.float32
+    ).save_pretrained(tmp_path / "q")
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def prompt_logprobs(**layout) -> list[float]:
+        llm = LLM(str(tmp_path / "q"), tokenizer=smollm2_gguf_path, **ENGINE, **layout)
+        try:
+            (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+        finally:
+            llm.llm_engine.shutdown()
+        pairs = zip(PROMPTS[0][1:], out.prompt_logprobs[1:], strict=True)
+        return [lp[t].logprob for t, lp in pairs]
+
+    one = prompt_logprobs()
+    assert prompt_logprobs(tensor_parallel_size=2) == pytest.approx(one, abs=1e-3)

@@ -203,3 +203,17 @@ def test_safetensors_tensors_are_read_as_slices(tmp_path):
     assert float(tensors["s"].read()) == 3.0
     with pytest.raises(IndexError, match="outside a tensor of shape"):
         tensors["w"].narrow(0, 3, 2)
+
+
+def test_tensor_slice_dtype_comes_from_the_header(tmp_path, monkeypatch):
+    """Loaders that branch on a tensor's dtype (packed integers or floats) do not read it."""
+    from safetensors.torch import save_file
+
+    from tokenmill.model.loader.safetensors_loader import TensorSlice, iterate_safetensors
+
+    save_file({"f": torch.ones(2, 2, dtype=torch.bfloat16), "q": torch.ones(4, dtype=torch.uint8)},
+              str(tmp_path / "model.safetensors"))
+    tensors = dict(iterate_safetensors([str(tmp_path / "model.safetensors")]))
+    monkeypatch.setattr(TensorSlice, "read", lambda self: pytest.fail("read"))
+    assert tensors["f"].dtype == torch.bfloat16 and tensors["f"].is_floating_point()
+    assert tensors["q"].dtype == torch.uint8 and not tensors["q"].is_floating_point()

@@ -72,6 +72,15 @@ def _diagnose(path: str) -> str:
     return f"{path}: not a valid safetensors file"
 
 
+# safetensors' dtype names.
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
 class TensorSlice:
     """A region of one checkpoint tensor, read from its file only when used.
 
@@ -103,6 +112,14 @@ class TensorSlice:
 
     def dim(self) -> int:
         return len(self.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The tensor's dtype, from the file's header (nothing read)."""
+        return _DTYPES.get(self._handle.get_dtype()) or self.read().dtype
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
 
     def narrow(self, dim: int, start: int, length: int) -> TensorSlice:
         """The sub-region ``[start, start + length)`` along ``dim``.
