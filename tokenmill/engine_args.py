@@ -245,6 +245,11 @@ class EngineArgs:
         "engine's process). Default: uni for one rank, else mp.",
         choices=["mp", "ray", "uni"],
     )
+    disable_custom_all_reduce: bool = _flag(
+        "Accepted as vLLM's flag: tensor-parallel all-reduces always run through "
+        "torch.distributed (NCCL on GPUs), there is no custom all-reduce to turn off.",
+        default=False,
+    )
     enforce_eager: bool = _flag("Disable CUDA graphs (always eager).", default=False)
     disable_cascade_attn: bool = _flag(
         "Never use cascade attention, which reads a prompt prefix that all decoding "

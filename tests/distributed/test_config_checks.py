@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 
@@ -155,3 +156,17 @@ def test_quantized_weights_that_do_not_split(tmp_path, smollm2_gguf_path):
     path = _folder(tmp_path, {**MOE, "quantization_config": awq})
     with pytest.raises(ConfigError, match=r"quantized experts \(awq\) do not split over 2"):
         _config(path, tensor_parallel_size=2, enable_expert_parallel=True).create_engine_config()
+
+
+def test_vllm_multi_gpu_flags(tmp_path, capsys):
+    """``--disable-custom-all-reduce`` means what tokenmill does anyway (NCCL all-reduces);
+    vLLM's multi-node flags without Ray are refused in one line."""
+    from tests.entrypoints.test_cli import run_main
+
+    _config(_folder(tmp_path, CONFIG), tensor_parallel_size=2,
+            disable_custom_all_reduce=True).create_engine_config()
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert parser.parse_args(["--disable-custom-all-reduce"]).disable_custom_all_reduce
+    code, _, err = run_main(capsys, ["serve", "-tp", "2", "--nnodes", "2"])
+    assert code == 2 and "does not implement --nnodes" in err

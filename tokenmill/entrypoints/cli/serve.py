@@ -48,6 +48,13 @@ UNIMPLEMENTED_FLAGS = (
     "--data-parallel-rpc-port",
     "--data-parallel-start-rank",
     "--data-parallel-backend",
+    "--data-parallel-hybrid-lb",
+    "--data-parallel-external-lb",
+    # ranks across nodes without Ray (several nodes are --distributed-executor-backend ray)
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
     "--cpu-offload-gb",
     "--swap-space",
     "--limit-mm-per-prompt",
