@@ -1,6 +1,8 @@
 """Serving with several ranks: ``tokenmill serve -tp 2`` logs its layout, answers, and when a
 worker process dies every request fails with an error and ``/health`` turns 503 within
-seconds, instead of the engine hanging in a collective."""
+seconds, instead of the engine hanging in a collective. (With --keep-alive-on-engine-death,
+so the server stays up to be asked; without it the server then exits with 1, as
+test_lifecycle checks for one rank.)"""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_worker_death_fails_requests_and_health(tiny_model_dir):
-    server = RemoteServer([*tiny_args(tiny_model_dir), "--tensor-parallel-size", "2"])
+    server = RemoteServer([*tiny_args(tiny_model_dir), "--tensor-parallel-size", "2",
+                           "--keep-alive-on-engine-death"])
     try:
         log = server.log_text(1_000_000)
         assert "Parallel layout: 2 ranks (TP 2 x PP 1), executor mp, gloo" in log

@@ -256,7 +256,22 @@ class AsyncLLM:
             pass
         proc.join(0.1)  # reap it, so the exit code is known
         if not self._closed:
-            self._fail_all(f"the engine process exited unexpectedly (exit code {proc.exitcode})")
+            self._read_pending_outputs()
+            if self.dead_error is None:
+                self._fail_all(
+                    f"the engine process exited unexpectedly (exit code {proc.exitcode})"
+                )
+
+    def _read_pending_outputs(self) -> None:
+        """Handle the messages already received, without waiting. An engine that fails
+        sends its error (which names the cause: a dead worker process, ...) just before it
+        exits, and its exit may be seen before that message is read."""
+        while True:
+            try:
+                kind, payload = self._output_sock.recv_multipart(flags=zmq.NOBLOCK).result()
+            except zmq.ZMQError:  # zmq.Again: nothing left
+                return
+            self._handle_message(kind, payload)
 
     def add_death_callback(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` once, when the engine process dies (after its live
@@ -286,11 +301,8 @@ class AsyncLLM:
                 kind, payload = await sock.recv_multipart()
             except (asyncio.CancelledError, zmq.ContextTerminated, zmq.ZMQError):
                 return
+            self._handle_message(kind, payload)
             if kind == MSG_OUT:
-                outputs = _outputs_decoder.decode(payload)
-                if self._timed and outputs.timestamp:
-                    FRONT_END_TIMINGS.record("engine->front end", time.time() - outputs.timestamp)
-                self._process_outputs(outputs)
                 # Give the streams this step woke a turn of the event loop before the next
                 # step is read: a message already queued is returned without suspending, and
                 # its tokens would merge with these in each stream's collector (two tokens
@@ -298,13 +310,20 @@ class AsyncLLM:
                 # that turn; one interleaving several prompts (``merge_streams``) needs more
                 # turns and may still merge steps.
                 await asyncio.sleep(0)
-            elif kind == MSG_UTILITY:
-                name, result = msgspec.msgpack.decode(payload)
-                waiters = self._utility_waiters.get(name)
-                if waiters:
-                    fut = waiters.pop(0)
-                    if not fut.done():
-                        fut.set_result(result)
+
+    def _handle_message(self, kind: bytes, payload: bytes) -> None:
+        if kind == MSG_OUT:
+            outputs = _outputs_decoder.decode(payload)
+            if self._timed and outputs.timestamp:
+                FRONT_END_TIMINGS.record("engine->front end", time.time() - outputs.timestamp)
+            self._process_outputs(outputs)
+        elif kind == MSG_UTILITY:
+            name, result = msgspec.msgpack.decode(payload)
+            waiters = self._utility_waiters.get(name)
+            if waiters:
+                fut = waiters.pop(0)
+                if not fut.done():
+                    fut.set_result(result)
 
     def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.engine_error is not None:
@@ -361,6 +380,8 @@ class AsyncLLM:
     def check_health(self) -> None:
         """Raises EngineDeadError if an engine process is gone."""
         for proc in self.engine_procs:
+            if self.dead_error is None and not proc.is_alive() and not self._closed:
+                self._read_pending_outputs()  # the error it sent names the cause
             if self.dead_error is None and not proc.is_alive() and not self._closed:
                 self._fail_all(f"the engine process is not running (exit code {proc.exitcode})")
         if self.dead_error is not None:

@@ -190,6 +190,11 @@ class EngineCoreProc:
                 timestamp=time.time(), engine_error=error, engine_index=self.engine_index
             )
             self.output.send_multipart([MSG_OUT, _encoder.encode(out)])
+            # The process exits next (os._exit): close the socket and wait up to its linger
+            # for the message to leave, or the front end would see only an exit code.
+            self.output.close(linger=2000)
+            self.input.close(linger=0)
+            self.ctx.term()
         except zmq.ZMQError:
             pass
 
