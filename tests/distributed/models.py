@@ -1,6 +1,6 @@
-"""The models of the multi-rank checks: tiny random Llama, Qwen3 and Mixtral configs saved
-with transformers (decisive LM heads and routers, so greedy tokens have no near-ties that a
-different order of float sums could flip), and the prompts they run."""
+"""The models of the multi-rank checks: tiny random Llama, Qwen3, Mixtral and Qwen3-MoE
+configs saved with transformers (decisive LM heads and routers, so greedy tokens have no
+near-ties that a different order of float sums could flip), and the prompts they run."""
 
 from __future__ import annotations
 
@@ -22,14 +22,19 @@ LAYERS = dict(TINY, num_hidden_layers=4)
 
 
 def save_tiny_model(kind: str, path) -> str:
-    """Save the random ``kind`` (llama, qwen3 or mixtral) under ``path``; returns it."""
-    from transformers import LlamaConfig, MixtralConfig, Qwen3Config
+    """Save the random ``kind`` (llama, qwen3, mixtral or qwen3_moe) under ``path``; returns it."""
+    from transformers import LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     configs = {
         "llama": lambda: LlamaConfig(**LAYERS),
         "qwen3": lambda: Qwen3Config(**LAYERS, head_dim=16),
         "mixtral": lambda: MixtralConfig(
             **LAYERS, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+        ),
+        # Layer 0 keeps a dense MLP; the others route to 4 experts of width 32.
+        "qwen3_moe": lambda: Qwen3MoeConfig(
+            **LAYERS, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0],
         ),
     }
     save_random_model(configs[kind](), path, SCALE)

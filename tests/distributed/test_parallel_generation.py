@@ -1,6 +1,6 @@
 """Tensor, pipeline and expert parallelism on CPU (gloo, one process per rank): every layout
 generates the greedy tokens of one process, for the real SmolLM2 (GGUF) and tiny random
-Llama, Qwen3 and Mixtral checkpoints (safetensors, read as slices per rank).
+Llama, Qwen3, Mixtral and Qwen3-MoE checkpoints (safetensors, read as slices per rank).
 
 SmolLM2-135M has 9 attention heads and 3 KV heads: 2 does not divide them (start-up refuses
 it, as vLLM does), so it runs tensor-parallel over 3 ranks. Its GGUF blocks kept quantized
@@ -23,7 +23,7 @@ LAYOUTS = {
     "tp2-pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2),
     "tp3": dict(tensor_parallel_size=3),
     "tp3-pp2": dict(tensor_parallel_size=3, pipeline_parallel_size=2),
-    # Expert parallelism: Mixtral's 4 experts, 2 on each of the 2 tensor-parallel ranks.
+    # Expert parallelism: the 4 experts of Mixtral or Qwen3-MoE, 2 on each of the 2 ranks.
     "tp2-ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
 }
 CASES = [
@@ -31,13 +31,14 @@ CASES = [
     *[("smollm2-dequantized", layout) for layout in ("tp3", "tp3-pp2")],
     *[(m, layout) for m in ("llama", "qwen3", "mixtral") for layout in ("tp2", "pp2", "tp2-pp2")],
     ("mixtral", "tp2-ep"),
+    *[("qwen3_moe", layout) for layout in ("tp2", "tp2-ep")],
 ]
 
 
 @pytest.fixture(scope="module")
 def model_paths(tmp_path_factory, smollm2_gguf_path) -> dict[str, str]:
     paths = {"smollm2": smollm2_gguf_path, "smollm2-dequantized": smollm2_gguf_path}
-    for kind in ("llama", "qwen3", "mixtral"):
+    for kind in ("llama", "qwen3", "mixtral", "qwen3_moe"):
         paths[kind] = save_tiny_model(kind, tmp_path_factory.mktemp(kind))
     return paths
 
