@@ -28,7 +28,7 @@ LAYOUTS = {
 }
 CASES = [
     ("llama", "tp2"), ("llama", "tp2-eager"), ("llama", "pp2"),
-    ("qwen3", "tp2"), ("mixtral", "tp2"), ("mixtral", "tp2-ep"),
+    ("qwen3", "tp2"), ("mixtral", "tp2"), ("mixtral", "tp2-ep"), ("qwen3_moe", "tp2-ep"),
 ]  # fmt: skip
 
 
