@@ -104,12 +104,14 @@ def test_int4_checkpoint_splits_over_tensor_parallel_ranks(tmp_path, smollm2_ggu
     assert prompt_logprobs(tensor_parallel_size=2) == pytest.approx(one, abs=0.05)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("source", ["nf4", "int8", "online"])
 def test_bitsandbytes_checkpoint_splits_over_tensor_parallel_ranks(tmp_path, smollm2_gguf_path,
-                                                                   bits):
-    """A checkpoint transformers quantized with bitsandbytes: each rank dequantizes a part's
-    packed values whole and keeps its rows (column-parallel) or columns (row-parallel), so
-    2 ranks give the prompt's log-probabilities of one process."""
+                                                                   source):
+    """A checkpoint transformers quantized with bitsandbytes (4-bit NF4, 8-bit): each rank
+    dequantizes a part's packed values whole and keeps its rows (column-parallel) or columns
+    (row-parallel); a float checkpoint quantized while loading (``online``): each rank
+    quantizes its slice, in the blocks one process would use (64 values, inside a half-row).
+    Either way 2 ranks give the prompt's log-probabilities of one process."""
     pytest.importorskip("bitsandbytes")
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
@@ -118,16 +120,20 @@ def test_bitsandbytes_checkpoint_splits_over_tensor_parallel_ranks(tmp_path, smo
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA)).save_pretrained(tmp_path / "f")
-    kw = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"} if bits == 4 else {
-        "load_in_8bit": True}
-    config = BitsAndBytesConfig(bnb_4bit_compute_dtype=torch.float32, **kw)
-    AutoModelForCausalLM.from_pretrained(
-        tmp_path / "f", quantization_config=config, device_map="cpu", dtype=torch.float32
-    ).save_pretrained(tmp_path / "q")
+    path, engine = str(tmp_path / "q"), dict(ENGINE)
+    if source == "online":
+        path, engine["quantization"] = str(tmp_path / "f"), "bitsandbytes"
+    else:
+        kw = {"load_in_8bit": True} if source == "int8" else {
+            "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+        config = BitsAndBytesConfig(bnb_4bit_compute_dtype=torch.float32, **kw)
+        AutoModelForCausalLM.from_pretrained(
+            tmp_path / "f", quantization_config=config, device_map="cpu", dtype=torch.float32
+        ).save_pretrained(path)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
 
     def prompt_logprobs(**layout) -> list[float]:
-        llm = LLM(str(tmp_path / "q"), tokenizer=smollm2_gguf_path, **ENGINE, **layout)
+        llm = LLM(path, tokenizer=smollm2_gguf_path, **engine, **layout)
         try:
             (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
         finally:
