@@ -201,6 +201,7 @@ def test_safetensors_tensors_are_read_as_slices(tmp_path):
     target.copy_(sliced)  # a weight loader's copy reads the region (torch function protocol)
     torch.testing.assert_close(target, w[1:3, 2:5].double())
     assert float(tensors["s"].read()) == 3.0
+    assert int(tensors["w"][-1][-1]) == 23 and len(tensors["w"]) == 4  # as a tensor's
     with pytest.raises(IndexError, match="outside a tensor of shape"):
         tensors["w"].narrow(0, 3, 2)
 

@@ -87,9 +87,9 @@ class TensorSlice:
     ``narrow`` (as ``torch.Tensor.narrow``) selects a smaller region without reading;
     ``read()`` returns the region as a CPU tensor. It also stands in for a tensor in torch
     calls: ``param.data.copy_(tensor_slice)`` reads the region and copies it (the torch
-    function protocol, ``__torch_function__``), and any other tensor attribute
-    (``.to(...)``, ``.dtype``) is the read region's, so weight loaders written for tensors
-    take it unchanged.
+    function protocol, ``__torch_function__``); ``.dtype`` comes from the file's header;
+    indexing and any other tensor attribute (``.to(...)``) are the read region's, so weight
+    loaders written for tensors take it unchanged.
 
     Args:
         handle: the tensor's ``safe_open(...).get_slice(name)``.
@@ -150,13 +150,19 @@ class TensorSlice:
         except Exception as e:
             raise ModelLoadError(f"{self._where}: cannot read: {e}") from e
 
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.read()[index]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
         args = tuple(a.read() if isinstance(a, TensorSlice) else a for a in args)
         return func(*args, **(kwargs or {}))
 
     def __getattr__(self, name: str) -> Any:
-        # Any other tensor attribute or method (``.to``, ``.dtype``, ``.view``...) is the
+        # Any other tensor attribute or method (``.to``, ``.view``...) is the
         # read region's: loaders that need the values read them where they use them.
         if name.startswith("_"):
             raise AttributeError(name)
