@@ -12,6 +12,8 @@
 #              several GPUs (multi_gpu.sh): Llama-3.1-8B TP=2 offline 1024/256 and batch-1
 #              decode, Llama-3.1-70B TP=4/8 offline, Mixtral-8x7B-shaped EP served;
 #              vllm_mgpu_* the same with vLLM's CLI (results and comparisons in $OUT/mgpu)
+#   int4_kernels  the int4 GEMV and tensor-core kernels against cuBLAS bf16 at Llama-3.1-8B's
+#              shapes, M = 1, 2, 4, 16, with a sweep of the GEMV's tiles (int4_kernel_bench.py)
 #   quant_lat quant_tp  4-bit weights beside vLLM (benchmarks/device/quant_bench.py): batch-1
 #              decode of GPTQ, AWQ (random int4, dummy load) and a random Q4_K_M GGUF; offline
 #              1024/256 of GPTQ and AWQ (QUANT_CASES picks the cases)
@@ -104,6 +106,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 XGP="$PYTHONPATH"
 if ls .carry/tools/xgrammar-*.whl .carry/tools/apache_tvm_ffi-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/xg .carry/tools/xgrammar-*.whl .carry/tools/apache_tvm_ffi-*.whl >> "$LOGS/setup.log" 2>&1 && XGP="/tmp/xg:$PYTHONPATH"
+fi
+# Pure-Python packages tokenmill needs that the device image and the bundle lack (gguf),
+# appended to the path so that the bundle's own versions win where both exist.
+if ls .carry/tools/gguf-*.whl >/dev/null 2>&1; then
+  # pycountry: gguf imports the bundle's mistral_common, which needs it
+  python3 -m pip install -q --no-index --no-deps --target /tmp/tmx .carry/tools/gguf-*.whl $(ls .carry/tools/pycountry-*.whl 2>/dev/null) >> "$LOGS/setup.log" 2>&1 \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/tmx" && XGP="$XGP:/tmp/tmx"
 fi
 TM=(python3 -m tokenmill.entrypoints.cli.main)
 CUBLAS='{"skinny_gemm": "off"}'  # --kernel-config: cuBLAS for every linear layer
@@ -223,9 +232,10 @@ run_stage() {  # run_stage NAME: one stage of the list below
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
     stagingtest) stage stagingtest 90 python3 -m pytest -q tests/worker/test_step_staging.py -p no:cacheprovider ;;
     gputests_staging) PYTHONPATH="$XGP" stage gputests_staging 300 python3 -m pytest -q tests/worker/test_step_staging.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
-    gputests_quant) PYTHONPATH="$XGP" stage gputests_quant 400 python3 -m pytest -q tests/gpu/test_quant_gemm_gpu.py tests/kernels/test_quant_gemm_triton.py tests/kernels/test_gguf_blocks.py -p no:cacheprovider --timeout 300 ;;
-    quant_lat) stage quant_lat 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_lat1,awq_lat1,gguf_lat1}" ;;
-    quant_tp) stage quant_tp 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_tp,awq_tp}" ;;
+    gputests_quant) PYTHONPATH="$XGP" stage gputests_quant 400 python3 -m pytest -q tests/gpu/test_quant_gemm_gpu.py tests/kernels/test_gguf_blocks.py -p no:cacheprovider --timeout 300 ;;
+    int4_kernels) stage int4_kernels 300 python3 benchmarks/device/int4_kernel_bench.py --sweep ;;
+    quant_lat) stage quant_lat 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_lat1,awq_lat1,gguf_lat1}" --engines "${QUANT_ENGINES:-tokenmill,vllm}" ;;
+    quant_tp) stage quant_tp 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_tp,awq_tp}" --engines "${QUANT_ENGINES:-tokenmill,vllm}" ;;
     gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
     attn_rope) stage attn_rope 120 python3 benchmarks/attention_bench.py --only cache --prefill-tokens 1,64,272,1024 ;;

@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels.gguf_cases import random_blocks
 from tokenmill.kernels.gemm.gguf import gguf_linear
-from tokenmill.kernels.gemm.int4 import int4_linear
+from tokenmill.kernels.gemm.int4 import gemv_config, int4_linear
 from tokenmill.kernels.quant.gguf_blocks import BLOCK_TYPES, dequantize
 from tokenmill.kernels.quant.int4_pack import pack_k
 
@@ -42,6 +42,24 @@ def test_int4_kernel_llama_shapes(m, n, k):
     x = torch.randn(m, k, **kw).to(torch.bfloat16)
     y = int4_linear(x, pack_k(q), scales, zeros, group)
     _check(y, x.float() @ w_t)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_gemv_groups(m, group):
+    """The GEMV kernel (the default for one row; asked for explicitly for two and three) for
+    each group size AWQ/GPTQ checkpoints use."""
+    n, k = 4096, 4096
+    gen = torch.Generator(device="cuda").manual_seed(m * group)
+    kw = dict(device="cuda", generator=gen)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, **kw)
+    scales = (torch.rand(k // group, n, **kw) * 0.01).to(torch.bfloat16)
+    zeros = torch.randint(0, 16, (k // group, n), dtype=torch.uint8, **kw)
+    w_t = (q.float().t() - zeros.float().repeat_interleave(group, 0)) * scales.float(
+    ).repeat_interleave(group, 0)
+    x = torch.randn(m, k, **kw).to(torch.bfloat16)
+    cfg = gemv_config(m, n, k, group, torch.cuda.get_device_properties(0).multi_processor_count)
+    _check(int4_linear(x, pack_k(q), scales, zeros, group, cfg), x.float() @ w_t)
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_TYPES), ids=[BLOCK_TYPES[t][0]

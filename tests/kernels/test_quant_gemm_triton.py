@@ -18,13 +18,16 @@ pytestmark = pytest.mark.skipif(not int4_gemm.HAS_TRITON, reason="needs Triton")
 SHAPES = [(1, 64, 256, 4), (20, 48, 256, 1)]
 
 
-def _config(split: int) -> dict[str, int]:
-    return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=split, num_warps=4, num_stages=1)
+def _config(split: int, block_k: int = 32) -> dict[str, int]:
+    return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, SPLIT_K=split, num_warps=4,
+                num_stages=1)
 
 
+# block_k 64 with group 32: tiles that span two groups (per-element scales); the others keep
+# a tile inside one group (one scale row per tile).
 @pytest.mark.parametrize("m, n, k, split", SHAPES)
-@pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_kernel(m, n, k, split, group):
+@pytest.mark.parametrize("group, block_k", [(32, 32), (64, 32), (128, 32), (32, 64)])
+def test_int4_kernel(m, n, k, split, group, block_k):
     gen = torch.Generator().manual_seed(group + m)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
     scales = torch.rand(k // group, n, generator=gen)
@@ -32,8 +35,27 @@ def test_int4_kernel(m, n, k, split, group):
     w_t = (q.float().t() - zeros.float().repeat_interleave(group, 0)) * scales.repeat_interleave(
         group, 0)
     x = torch.randn(m, k, generator=gen)
-    y = int4_gemm.int4_linear(x, pack_k(q), scales, zeros, group, _config(split))
+    y = int4_gemm.int4_linear(x, pack_k(q), scales, zeros, group, _config(split, block_k))
     torch.testing.assert_close(y, x @ w_t, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m, split", [(1, 3), (3, 1)])
+@pytest.mark.parametrize("group", [32, 64, 128, 256])
+def test_int4_gemv_kernel(m, split, group):
+    """The GEMV path (scale and zero applied once per group) equals the dequantized product,
+    with split-K, masked rows (m = 3 in a 4-row tile) and masked columns (n = 80)."""
+    n, k = 80, 512
+    gen = torch.Generator().manual_seed(group + m)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(k // group, n, generator=gen)
+    zeros = torch.randint(0, 16, (k // group, n), dtype=torch.uint8, generator=gen)
+    w_t = (q.float().t() - zeros.float().repeat_interleave(group, 0)) * scales.repeat_interleave(
+        group, 0)
+    x = torch.randn(m, k, generator=gen)
+    cfg = int4_gemm.gemv_config(m, n, k, group, num_sms=1)
+    cfg.update(SPLIT_K=split, BLOCK_N=32, num_stages=1)
+    y = int4_gemm.int4_linear(x, pack_k(q), scales, zeros, group, cfg)
+    torch.testing.assert_close(y, x @ w_t, rtol=1e-4, atol=1e-3)
 
 
 TYPES = sorted(BLOCK_TYPES)

@@ -8,10 +8,15 @@ zeros[k // G, n]) * scales[k // G, n]`` (the AWQ/GPTQ dequantization).
 Each program computes a ``[BLOCK_M, BLOCK_N]`` output tile over a range of K: it loads the
 packed words of its ``[BLOCK_K, BLOCK_N]`` weight tile (each word serves eight rows), shifts
 and masks out the values, applies the group's scale and zero in float32 and feeds
-``tl.dot``. Two launch shapes:
+``tl.dot``. Three launch shapes:
 
-- decode (``M <= DECODE_MAX_M``): 16-row tiles and split-K, so that small batches still
-  spread the weight reads over every SM (partial sums added with float32 atomics);
+- one row (``M <= GEMV_MAX_M``, batch-1 decode): a GEMV without
+  tensor cores. Each program unpacks its ``[BLOCK_K, BLOCK_N]`` tile once for all rows and
+  applies the group's scale and zero point once per group instead of per weight, by
+  ``sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)`` (the factoring of exllama's
+  and Marlin's decode kernels); split-K spreads the weight reads over every SM;
+- decode (``M <= DECODE_MAX_M``): 16-row tiles and split-K (partial sums added with float32
+  atomics);
 - prefill: 64 x 128 tiles, no split.
 """
 
@@ -30,6 +35,8 @@ try:
 except ImportError:  # CPU-only installs
     HAS_TRITON = False
 
+# Two rows and more run faster on the tensor-core kernel (int4_kernel_bench.py, H100).
+GEMV_MAX_M = 1
 DECODE_MAX_M = 32
 
 
@@ -63,15 +70,73 @@ if HAS_TRITON:
             k_mask = offs_k < k_end
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w_mask = k_mask[:, None] & n_mask[None, :]
-            words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N + offs_n[None, :],
-                            mask=w_mask, other=0)
-            q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
-            g = (offs_k // GROUP)[:, None].to(tl.int64) * N + offs_n[None, :]
-            s = tl.load(s_ptr + g, mask=w_mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g, mask=w_mask, other=0).to(tl.float32)
-            w = ((q.to(tl.float32) - z) * s).to(x.dtype)
+            if GROUP % BLOCK_K == 0:
+                # The tile lies in one group: each packed word is loaded once and unpacked
+                # into its eight rows, and one scale/zero row serves the whole tile.
+                rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+                                mask=(rows * 8 < k_end)[:, None] & n_mask[None, :], other=0)
+                q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+                q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+                g = offs_n.to(tl.int64) + (k0 // GROUP) * N
+                s = tl.load(s_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + g, mask=n_mask, other=0).to(tl.float32)
+                w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
+            else:
+                w_mask = k_mask[:, None] & n_mask[None, :]
+                words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N
+                                + offs_n[None, :], mask=w_mask, other=0)
+                q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
+                g = (offs_k // GROUP)[:, None].to(tl.int64) * N + offs_n[None, :]
+                s = tl.load(s_ptr + g, mask=w_mask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + g, mask=w_mask, other=0).to(tl.float32)
+                w = ((q.to(tl.float32) - z) * s).to(x.dtype)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(out_ptrs, acc, mask=mask)
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _int4_gemv_kernel(
+        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+        M, N, K, stride_xm, stride_om, k_per_split,
+        GROUP: tl.constexpr,
+        ATOMIC: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_KW: tl.constexpr,
+    ):
+        # BLOCK_KW packed words along K (8 * BLOCK_KW input channels) per iteration; the
+        # launcher keeps 8 * BLOCK_KW a divisor of GROUP, so one scale/zero row per iteration.
+        BLOCK_K: tl.constexpr = 8 * BLOCK_KW
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        shifts = tl.arange(0, 8) * 4
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            rows = k0 // 8 + tl.arange(0, BLOCK_KW)
+            words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+                            mask=(rows * 8 < k_end)[:, None] & n_mask[None, :], other=0)
+            q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+            q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0
+                        ).to(tl.float32)
+            g = offs_n.to(tl.int64) + (k0 // GROUP) * N
+            s = tl.load(s_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g, mask=n_mask, other=0).to(tl.float32)
+            xq = tl.sum(x[:, :, None] * q[None, :, :], axis=1)
+            acc += s[None, :] * (xq - z[None, :] * tl.sum(x, axis=1)[:, None])
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         if ATOMIC:
@@ -97,6 +162,26 @@ def launch_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> d
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
 
 
+def gemv_config(m: int, n: int, k: int, group: int, num_sms: int) -> dict[str, int] | None:
+    """The GEMV kernel's tiles and K split for ``m <= GEMV_MAX_M`` rows, or None where its
+    K step cannot divide ``group``.
+
+    128 x 128 weight tiles and about four programs per SM (the fastest of a sweep over
+    BLOCK_N 32-128, BLOCK_K 32-128 and 1-4 programs per SM at Llama-3.1-8B's shapes on an
+    H100: benchmarks/device/int4_kernel_bench.py --sweep). The K step halves for groups
+    smaller than 128.
+    """
+    block_m, block_n, block_k = 1 << (m - 1).bit_length(), 128, 128
+    while block_k > 32 and group % block_k:
+        block_k //= 2
+    if group % block_k:
+        return None
+    tiles = cdiv(n, block_n)
+    split = max(1, min(cdiv(4 * num_sms, tiles), cdiv(k, block_k)))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_k // 8, SPLIT_K=split,
+                num_warps=4, num_stages=3)
+
+
 def int4_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -111,7 +196,9 @@ def int4_linear(
         x: ``[M, K]`` float16/bfloat16 (float32 under the interpreter).
         qweight: ``[K/8, N]`` int32. scales: ``[K/G, N]``. zeros: ``[K/G, N]`` uint8.
         group: ``G``, input channels per group (a multiple of ``BLOCK_K`` or of 8 dividing it).
-        config: tiles (``launch_config`` keys); chosen by ``launch_config`` if None.
+        config: tiles: ``gemv_config``'s keys for the GEMV kernel, ``launch_config``'s for
+            the tensor-core one; chosen by those functions if None (the GEMV for up to
+            ``GEMV_MAX_M`` rows in float16/bfloat16).
 
     Returns:
         ``[M, N]`` in ``x``'s dtype.
@@ -124,13 +211,28 @@ def int4_linear(
     m, k = x.shape
     n = qweight.shape[1]
     x = x.contiguous()
-    cfg = config or launch_config(m, n, k, x.dtype, num_sms(x.device))
+    cfg = config
+    if cfg is None and m <= GEMV_MAX_M and x.dtype != torch.float32:
+        cfg = gemv_config(m, n, k, group, num_sms(x.device))
+    if cfg is None:
+        cfg = launch_config(m, n, k, x.dtype, num_sms(x.device))
+    gemv = "BLOCK_KW" in cfg
+    block_k = 8 * cfg["BLOCK_KW"] if gemv else cfg["BLOCK_K"]
     split = cfg["SPLIT_K"]
-    k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    k_per_split = cdiv(cdiv(k, split), block_k) * block_k
     split = cdiv(k, k_per_split)
     atomic = split > 1
     out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
+    if gemv:
+        _int4_gemv_kernel[(cdiv(n, cfg["BLOCK_N"]), split)](
+            x, qweight, scales, zeros, out,
+            m, n, k, x.stride(0), out.stride(0), k_per_split,
+            GROUP=group, ATOMIC=atomic,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        return out.to(x.dtype) if atomic else out
     grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
     _int4_gemm_kernel[grid](
         x, qweight, scales, zeros, out,

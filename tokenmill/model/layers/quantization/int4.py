@@ -203,7 +203,8 @@ class GPTQLinearMethod(Int4LinearMethod):
     def load_weight(self, layer, param, loaded, s: ShardSlice) -> None:
         if param is layer.g_idx and getattr(layer, "g_idx_loaded", False):
             # Merged parts share their input, so their g_idx must agree.
-            if not torch.equal(layer.g_idx.data, loaded.to(layer.g_idx.dtype)):
+            if not torch.equal(layer.g_idx.data,
+                               loaded.to(layer.g_idx.device, layer.g_idx.dtype)):
                 raise QuantizationError(
                     f"tensor {getattr(param, '_tm_name', '?')}[{s.shard_id}]: merged parts "
                     "have different g_idx"

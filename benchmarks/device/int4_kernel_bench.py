@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""The int4 GEMM kernels at Llama-3.1-8B's linear shapes on one GPU: the GEMV path and the
+tensor-core path of ``tokenmill.kernels.gemm.int4`` against cuBLAS on the same shape in
+bf16, with each result checked against the dequantized product.
+
+usage: int4_kernel_bench.py [--ms 1,2,4,16] [--group 128] [--sweep]
+
+--sweep also times the GEMV kernel under other tiles (BLOCK_N, packed words per K step,
+programs per SM) at M = 1 and 4 and prints the fastest per (shape, M) as an ``INT4BEST`` line.
+
+Prints one ``INT4`` line per (shape, M, path): microseconds per product (CUDA-graph replays,
+median) and the weight bytes read per microsecond (GB/s: packed words, scales and zeros).
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+
+from tokenmill.kernels.device import num_sms
+from tokenmill.kernels.gemm import int4 as k4
+from tokenmill.kernels.quant.int4_pack import pack_k
+
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}
+
+
+def time_us(fn, reps: int = 50) -> float:
+    """Median of ``reps`` replays of a CUDA graph of 10 calls, per call."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(10):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 100.0)  # ms per 10 calls -> us per call
+    return sorted(times)[len(times) // 2]
+
+
+def sweep_configs(m: int, n: int, k: int, g: int, sms: int) -> dict[str, dict]:
+    """GEMV tile variants around ``gemv_config``'s choice."""
+    base = k4.gemv_config(m, n, k, g, sms)
+    out = {}
+    for bn in (32, 64, 128):
+        for kw in (4, 8, 16):
+            if g % (8 * kw) or bn * 8 * kw * base["BLOCK_M"] > 32768:
+                continue
+            for per_sm in (1, 2, 4):
+                tiles = -(-n // bn)
+                split = max(1, min(-(-per_sm * sms // tiles), -(-k // (8 * kw))))
+                cfg = dict(base, BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=split)
+                out[f"sweep_n{bn}_kw{kw}_s{per_sm}"] = cfg
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="1,2,4,16")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--sweep", action="store_true")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    sms = num_sms(dev)
+    for name, (n, k) in SHAPES.items():
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev)
+        g = a.group
+        scales = (torch.rand(k // g, n, device=dev) * 0.01).to(torch.bfloat16)
+        zeros = torch.randint(0, 16, (k // g, n), dtype=torch.uint8, device=dev)
+        qw = pack_k(q)
+        w_t = ((q.float().t() - zeros.float().repeat_interleave(g, 0))
+               * scales.float().repeat_interleave(g, 0))
+        w_bf16 = w_t.t().contiguous().to(torch.bfloat16)
+        nbytes = qw.numel() * 4 + scales.numel() * 2 + zeros.numel()
+        for m in (int(v) for v in a.ms.split(",")):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = x.float() @ w_t
+            paths = {"tensor_core": k4.launch_config(m, n, k, x.dtype, sms)}
+            gemv = k4.gemv_config(m, n, k, g, sms) if m <= k4.GEMV_MAX_M else None
+            if gemv:
+                paths["gemv"] = gemv
+            if gemv and a.sweep and m in (1, 4):
+                paths.update(sweep_configs(m, n, k, g, sms))
+            timed = {}
+            for path, cfg in paths.items():
+                y = k4.int4_linear(x, qw, scales, zeros, g, cfg)
+                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                us = time_us(partial(k4.int4_linear, x, qw, scales, zeros, g, cfg))
+                timed[path] = (us, cfg)
+                if path.startswith("sweep") and err > 2e-2:
+                    print(f"INT4 {name} m={m} path={path} WRONG rel_err={err:.2e}", flush=True)
+                    continue
+                print(f"INT4 {name} m={m} path={path} us={us:.1f} GB/s={nbytes / us / 1e3:.0f} "
+                      f"rel_err={err:.2e} cfg={cfg}", flush=True)
+            if a.sweep and gemv and m in (1, 4):
+                best = min(timed.items(), key=lambda kv: kv[1][0])
+                print(f"INT4BEST {name} m={m} {best[0]} us={best[1][0]:.1f} cfg={best[1][1]}",
+                      flush=True)
+            us = time_us(partial(torch.matmul, x, w_bf16.t()))
+            print(f"INT4 {name} m={m} path=cublas_bf16 us={us:.1f} "
+                  f"GB/s={w_bf16.numel() * 2 / us / 1e3:.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
