@@ -240,15 +240,40 @@ class SchedulerConfig:
     prefill_pacing_mode: Literal["prompt", "step"] = "step"
 
 
+DistributedExecutorBackend = Literal["uni", "mp", "ray"]
+
+
 @dataclass
 class ParallelConfig:
-    """How the model is split across devices (one device for now)."""
+    """How the model is split over devices, processes and engine cores.
+
+    Ranks are numbered ``pp_rank * tensor_parallel_size + tp_rank``: the ranks of one
+    tensor-parallel group are neighbours (one node, the fastest links), as in Megatron-LM
+    and vLLM.
+
+    Attributes:
+        tensor_parallel_size: ranks each layer's weights are split over (TP).
+        pipeline_parallel_size: stages the layers are split into (PP).
+        data_parallel_size: engine cores behind one API server, each with its own
+            ``tensor_parallel_size x pipeline_parallel_size`` ranks (DP).
+        enable_expert_parallel: MoE layers hold whole experts, spread over the
+            tensor-parallel ranks (EP), instead of a slice of every expert.
+        distributed_executor_backend: how an engine core runs its ranks: ``uni`` (one
+            worker in the engine core's process), ``mp`` (one process per rank) or ``ray``
+            (one Ray actor per rank, placed by a placement group).
+        data_parallel_rank: which of the ``data_parallel_size`` engine cores this is.
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: DistributedExecutorBackend = "uni"
+    data_parallel_rank: int = 0
 
     @property
     def world_size(self) -> int:
+        """Ranks of one engine core: ``tensor_parallel_size * pipeline_parallel_size``."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 

@@ -29,11 +29,16 @@ from tokenmill.config import (
     KernelConfig,
     LoadConfig,
     ModelConfig,
-    ParallelConfig,
     SchedulerConfig,
     check_kv_offloading_flags,
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
+from tokenmill.distributed.config_checks import (
+    check_device_count,
+    check_parallel_features,
+    check_parallel_layout,
+    parallel_config_from_flags,
+)
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
 
 logger = logging.getLogger(__name__)
@@ -168,8 +173,39 @@ class EngineArgs:
         "on this one. Default: on for CUDA, off on CPU (where nothing runs asynchronously).",
         default=None,
     )
-    tensor_parallel_size: int = _flag("Tensor-parallel ranks.", default=1, aliases=["-tp"])
-    pipeline_parallel_size: int = _flag("Pipeline-parallel stages.", default=1, aliases=["-pp"])
+    tensor_parallel_size: int = _flag(
+        "Tensor-parallel ranks: each layer's weights split over this many devices.",
+        default=1,
+        aliases=["-tp"],
+    )
+    pipeline_parallel_size: int = _flag(
+        "Pipeline-parallel stages: the layers split into this many stages, one micro-batch "
+        "in flight per stage.",
+        default=1,
+        aliases=["-pp"],
+    )
+    data_parallel_size: int = _flag(
+        "Data-parallel replicas: this many engine cores behind one API server (serve only), "
+        "each with tensor x pipeline parallel devices; requests go to the least loaded.",
+        default=1,
+        aliases=["-dp"],
+    )
+    enable_expert_parallel: bool = _flag(
+        "MoE models: spread whole experts over the tensor-parallel ranks instead of "
+        "splitting every expert.",
+        default=False,
+    )
+    distributed_executor_backend: str | None = _flag(
+        "How ranks run: mp (one process per rank on this node), ray (one Ray actor per "
+        "rank, on the cluster RAY_ADDRESS names or a local one), uni (one rank, in the "
+        "engine's process). Default: uni for one rank, else mp.",
+        choices=["mp", "ray", "uni"],
+    )
+    disable_custom_all_reduce: bool = _flag(
+        "Accepted as vLLM's flag: tensor-parallel all-reduces always run through "
+        "torch.distributed (NCCL on GPUs), there is no custom all-reduce to turn off.",
+        default=False,
+    )
     enforce_eager: bool = _flag("Disable CUDA graphs (always eager).", default=False)
     disable_cascade_attn: bool = _flag(
         "Never use cascade attention, which reads a prompt prefix that all decoding "
@@ -262,8 +298,24 @@ class EngineArgs:
         """
         kv_bytes = self._check_flags()
         kernel_config = KernelConfig.parse(self.kernel_config)
+        parallel_config = parallel_config_from_flags(
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.data_parallel_size,
+            self.enable_expert_parallel,
+            self.distributed_executor_backend,
+            server=usage_context == "server",
+            async_scheduling=self.async_scheduling,
+        )
         device = self._resolve_device()
+        check_device_count(parallel_config, device)
         model_config = self._create_model_config(device)
+        check_parallel_layout(model_config, parallel_config)
+        check_parallel_features(
+            parallel_config,
+            enable_sleep_mode=self.enable_sleep_mode,
+            kv_offloading=bool(self.kv_offloading_size),
+        )
         scheduler_config = self._create_scheduler_config(device, usage_context, model_config)
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -279,7 +331,7 @@ class EngineArgs:
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
-            parallel_config=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size),
+            parallel_config=parallel_config,
             load_config=LoadConfig(self.load_format),  # type: ignore[arg-type]
             device_config=DeviceConfig(device),  # type: ignore[arg-type]
             kernel_config=kernel_config,
@@ -305,16 +357,6 @@ class EngineArgs:
             )
         if self.max_model_len is not None and self.max_model_len != -1 and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len must be positive or -1, got {self.max_model_len}")
-        if self.tensor_parallel_size != 1:
-            raise ConfigError(
-                f"--tensor-parallel-size {self.tensor_parallel_size}: tokenmill runs a model on "
-                "one device for now; tensor parallelism is not implemented yet"
-            )
-        if self.pipeline_parallel_size != 1:
-            raise ConfigError(
-                f"--pipeline-parallel-size {self.pipeline_parallel_size}: pipeline parallelism "
-                "is not implemented yet"
-            )
         if self.quantization is not None:
             from tokenmill.model.layers.quantization.selection import (
                 FLAG_METHODS,
@@ -512,7 +554,9 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             async_scheduling=(
-                device == "cuda" if self.async_scheduling is None else self.async_scheduling
+                device == "cuda" and self.pipeline_parallel_size == 1
+                if self.async_scheduling is None
+                else self.async_scheduling
             ),
             prefill_pacing_tokens=pacing_tokens,
             prefill_pacing_mode=self.prefill_pacing_mode or "step",  # type: ignore[arg-type]

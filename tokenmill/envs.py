@@ -1,5 +1,6 @@
 """Every environment variable tokenmill reads, in one place: the server's API key and body
-limit, paths, thread counts and a diagnostic log; each is documented in README.md.
+limit, paths, thread counts, a diagnostic log and Ray's cluster address; each is
+documented in README.md.
 
 Choices a user makes about the engine are configuration (``tokenmill.config``, CLI flags),
 kernel choices included (``KernelConfig``); model and kernel code never reads the
@@ -76,3 +77,9 @@ def log_step_stats() -> bool:
     """TOKENMILL_LOG_STEP_STATS=1: every 5 s the engine logs step durations, sizes and any
     Triton kernels compiled; the server logs its event-loop lag and front-end stage times."""
     return os.environ.get("TOKENMILL_LOG_STEP_STATS", "") not in ("", "0")
+
+
+def ray_address() -> str | None:
+    """RAY_ADDRESS: the Ray cluster the Ray executor joins (``host:port``, ``ray://host:port``
+    or ``auto``), as Ray and vLLM read it; unset, the executor starts a local cluster."""
+    return os.environ.get("RAY_ADDRESS") or None

@@ -10,6 +10,11 @@
 #              (bench serve --dataset-name random-mm); gputests_vision tests/gpu/test_vision_gpu.py
 #   gputests_quant  the int4 and GGUF dequantize-in-GEMM kernels on CUDA (tests/gpu/
 #              test_quant_gemm_gpu.py, tests/kernels' quantized GEMM and GGUF block tests)
+#   gputests_parallel  tests/gpu/test_parallel_gpu.py (TP, PP, EP on 2 GPUs against one)
+#   mgpu_tp2_long mgpu_tp2_lat1 mgpu_70b_tp4 mgpu_70b_tp8 mgpu_ep2 mgpu_ep4 mgpu_ep8
+#              several GPUs (multi_gpu.sh): Llama-3.1-8B TP=2 offline 1024/256 and batch-1
+#              decode, Llama-3.1-70B TP=4/8 offline, Mixtral-8x7B-shaped EP served;
+#              vllm_mgpu_* the same with vLLM's CLI (results and comparisons in $OUT/mgpu)
 #   int4_kernels  the int4 GEMV and tensor-core kernels against cuBLAS bf16 at Llama-3.1-8B's
 #              shapes, M = 1, 2, 4, 16, with a sweep of the GEMV's tiles (int4_kernel_bench.py)
 #   quant_lat quant_tp  4-bit weights beside vLLM (benchmarks/device/quant_bench.py): batch-1
@@ -385,6 +390,18 @@ run_stage() {  # run_stage NAME: one stage of the list below
     vllm_pstep) stage vllm_pstep 300 vllm bench latency --model "$M8" --load-format dummy --input-len 1024 --output-len 1 --batch-size 8 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/vllm_pstep.json"; addjson vllm_pstep "$LOGS/vllm_pstep.json" ;;
     vllm_lat32) stage vllm_lat32 300 vllm bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 32 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/vllm_lat32.json"; addjson vllm_lat32 "$LOGS/vllm_lat32.json" ;;
     vllm_lat1) stage vllm_lat1 300 vllm bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size 1 --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/vllm_lat1.json"; addjson vllm_lat1 "$LOGS/vllm_lat1.json" ;;
+    gputests_parallel) PYTHONPATH="$XGP" stage gputests_parallel 400 python3 -m pytest -q tests/gpu/test_parallel_gpu.py -p no:cacheprovider --timeout 300 --durations=5 ;;
+    mgpu_*|vllm_mgpu_*)  # several GPUs beside vLLM, one engine a stage (multi_gpu.sh's cases)
+      local eng=tm c; [ "${st#vllm_}" != "$st" ] && eng=vllm
+      case "${st#*mgpu_}" in
+        tp2_long) c=llama8b_tp2 ;;
+        tp2_lat1) c=llama8b_tp2_batch1 ;;
+        70b_tp[0-9]*) c="llama70b_tp${st##*_tp}" ;;
+        ep[0-9]*) c="mixtral_${st##*_}" ;;
+        *) say "unknown stage $st"; return ;;
+      esac
+      stage "$st" 560 env ENGINES=$eng OUT="$OUT/mgpu" bash benchmarks/device/multi_gpu.sh "$c"
+      addjson "$st" "$OUT/mgpu/${eng}_$c.json" ;;
     *) say "unknown stage $st" ;;
   esac
 }

@@ -4,6 +4,7 @@ before the next step is read, so it sends one chunk per step rather than merging
 from __future__ import annotations
 
 import asyncio
+import functools
 from types import SimpleNamespace
 
 import msgspec
@@ -44,6 +45,7 @@ def test_each_step_reaches_the_stream_before_the_next_is_read():
             _timed=False,
             _process_outputs=lambda outputs: collector.put(_delta(next(steps))),
         )
+        front_end._handle_message = functools.partial(AsyncLLM._handle_message, front_end)
         received: list[list[int]] = []
 
         async def stream() -> None:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tokenmill.config import ParallelConfig
 from tokenmill.engine import async_llm
 
 
@@ -34,7 +35,8 @@ def test_tokenizer_failure_stops_the_engine_and_releases_its_sockets(monkeypatch
 
     monkeypatch.setattr(async_llm.AsyncLLM, "_spawn_engine", spawn_and_record)
     monkeypatch.setattr(async_llm, "get_tokenizer", no_tokenizer)
-    config = SimpleNamespace(model_config=SimpleNamespace(model="m", tokenizer="m"))
+    config = SimpleNamespace(model_config=SimpleNamespace(model="m", tokenizer="m"),
+                             parallel_config=ParallelConfig())
     with pytest.raises(OSError, match="no tokenizer"):
         async_llm.AsyncLLM(config)
     assert not spawned[0].is_alive()

@@ -150,3 +150,28 @@ def test_triton_kernel_with_no_tokens():
 
 
 # ---- the layer and its weight loading -------------------------------------------------------
+
+
+# ---- expert parallelism --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_ranks_holding_some_experts_sum_to_all(path):
+    """Expert parallelism: each of two ranks computes the assignments to its own experts
+    (others map to -1); the two parts add up to every expert's result."""
+    from tokenmill.kernels.moe.fused_moe import fused_experts, fused_experts_triton
+
+    x, w13, w2, weights, ids = _problem(tokens=13, hidden=32, inter=16, experts=5, top_k=2)
+    whole = fused_experts_torch(x, w13, w2, weights, ids)
+    parts = []
+    for first, count in ((0, 3), (3, 2)):  # 5 experts over 2 ranks: 3 + 2
+        expert_map = torch.full((5,), -1, dtype=torch.int32)
+        expert_map[first : first + count] = torch.arange(count, dtype=torch.int32)
+        local = (w13[first : first + count], w2[first : first + count])
+        if path == "torch":
+            parts.append(fused_experts(x, *local, weights, ids, expert_map=expert_map))
+        else:
+            parts.append(fused_experts_triton(
+                x, *local, weights, expert_map[ids], remote_experts=True
+            ))  # fmt: skip
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-5, rtol=1e-5)

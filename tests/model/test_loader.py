@@ -159,8 +159,6 @@ def test_missing_model_path():
 
 def test_unimplemented_flags_rejected(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    with pytest.raises(ConfigError, match="tensor parallelism"):
-        EngineArgs(model=str(tmp_path), tensor_parallel_size=2).create_engine_config()
     with pytest.raises(ConfigError, match="quantization"):
         EngineArgs(model=str(tmp_path), quantization="awq").create_engine_config()
 
@@ -185,3 +183,38 @@ def test_gguf_config(smollm2_gguf_path):
     )
     assert config.tie_word_embeddings is True and config.eos_token_id == 2
     assert generation_config == {}
+
+
+def test_safetensors_tensors_are_read_as_slices(tmp_path):
+    """A rank reads only the region its weight loader narrows to (tensor parallelism)."""
+    from safetensors.torch import save_file
+
+    from tokenmill.model.loader.safetensors_loader import iterate_safetensors
+
+    w = torch.arange(24.0).reshape(4, 6)
+    save_file({"w": w, "s": torch.tensor(3.0)}, str(tmp_path / "model.safetensors"))
+    tensors = dict(iterate_safetensors([str(tmp_path / "model.safetensors")]))
+    sliced = tensors["w"].narrow(1, 2, 3).narrow(0, 1, 2)
+    assert tuple(sliced.shape) == (2, 3)
+    torch.testing.assert_close(sliced.read(), w[1:3, 2:5])
+    target = torch.zeros(2, 3, dtype=torch.float64)
+    target.copy_(sliced)  # a weight loader's copy reads the region (torch function protocol)
+    torch.testing.assert_close(target, w[1:3, 2:5].double())
+    assert float(tensors["s"].read()) == 3.0
+    assert int(tensors["w"][-1][-1]) == 23 and len(tensors["w"]) == 4  # as a tensor's
+    with pytest.raises(IndexError, match="outside a tensor of shape"):
+        tensors["w"].narrow(0, 3, 2)
+
+
+def test_tensor_slice_dtype_comes_from_the_header(tmp_path, monkeypatch):
+    """Loaders that branch on a tensor's dtype (packed integers or floats) do not read it."""
+    from safetensors.torch import save_file
+
+    from tokenmill.model.loader.safetensors_loader import TensorSlice, iterate_safetensors
+
+    save_file({"f": torch.ones(2, 2, dtype=torch.bfloat16), "q": torch.ones(4, dtype=torch.uint8)},
+              str(tmp_path / "model.safetensors"))
+    tensors = dict(iterate_safetensors([str(tmp_path / "model.safetensors")]))
+    monkeypatch.setattr(TensorSlice, "read", lambda self: pytest.fail("read"))
+    assert tensors["f"].dtype == torch.bfloat16 and tensors["f"].is_floating_point()
+    assert tensors["q"].dtype == torch.uint8 and not tensors["q"].is_floating_point()

@@ -154,6 +154,7 @@ class EngineCoreOutputs:
         scheduled: ids of requests scheduled for the first time this step, with the
             time (for queue-time metrics).
         engine_error: set when the core failed; the front end fails every live request.
+        engine_index: which engine core sent it (its data-parallel rank).
     """
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
@@ -161,3 +162,4 @@ class EngineCoreOutputs:
     timestamp: float = 0.0
     first_scheduled: dict[str, float] = field(default_factory=dict)
     engine_error: str | None = None
+    engine_index: int = 0

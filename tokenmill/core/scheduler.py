@@ -290,7 +290,7 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan) -> None:
         for request in list(self.running):
-            if plan.token_budget <= 0:
+            if plan.token_budget <= 0 or self._step_is_full(plan):
                 break
             if request.request_id in plan.preempted_ids:
                 continue
@@ -373,6 +373,8 @@ class Scheduler:
         reserved: int | None = None  # headroom for the running requests, once computed
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
+            if self._step_is_full(plan) or not self._may_admit(request):
+                break
             if self.beams.groups and (
                 len(self.running) + self.beams.num_reserved_seqs()
                 + self.beams.num_seqs_needed(request) > self.max_num_seqs
@@ -405,6 +407,16 @@ class Scheduler:
             if reserved is not None:
                 assert self.headroom is not None
                 reserved += self.headroom.growth_blocks(request, num_new)
+
+    def _step_is_full(self, plan: StepPlan) -> bool:
+        """Whether the step takes no more requests (beyond the token budget and
+        ``max_num_seqs``); a hook for pipeline micro-batches."""
+        return False
+
+    def _may_admit(self, request: Request) -> bool:
+        """Whether a waiting request may be admitted now; a hook for pipeline micro-batches
+        (a preempted request whose last step is still in flight waits for it)."""
+        return True
 
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         self.running.append(request)

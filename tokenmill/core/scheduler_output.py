@@ -93,6 +93,10 @@ class SchedulerOutput:
             step's forward pass: the block two beams diverge in (copy-on-write).
         kv_transfers: KV blocks moved to and from the offload tiers before the step's
             forward pass (and before ``block_copies``), or None.
+        new_token_ids: pipeline parallelism only: request id -> the sampled tokens among
+            the request's scheduled tokens this step (from position ``max(num_computed,
+            prompt length)`` on). The stages before the last never sample, so they take
+            a running request's new tokens from here.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -105,6 +109,7 @@ class SchedulerOutput:
     free_encoder_ids: list[str] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     kv_transfers: KVTransfers | None = None
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -10,6 +10,7 @@ If the engine process dies, every live request fails with EngineDeadError at onc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import multiprocessing
@@ -48,6 +49,23 @@ logger = logging.getLogger(__name__)
 
 _outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 _encoder = msgspec.msgpack.Encoder()
+
+
+def merge_engine_stats(
+    latest: list[SchedulerStats | None], current: SchedulerStats
+) -> SchedulerStats:
+    """The stats of several engine cores as one: ``current`` (one core's step, whose
+    counters are deltas) with the gauges summed over each core's latest snapshot (the KV
+    cache usage averaged)."""
+    snapshots = [s for s in latest if s is not None]
+    return dataclasses.replace(
+        current,
+        num_running_reqs=sum(s.num_running_reqs for s in snapshots),
+        num_waiting_reqs=sum(s.num_waiting_reqs for s in snapshots),
+        kv_cache_usage=sum(s.kv_cache_usage for s in snapshots) / len(snapshots),
+        num_free_blocks=sum(s.num_free_blocks for s in snapshots),
+        num_total_blocks=sum(s.num_total_blocks for s in snapshots),
+    )
 
 
 class EngineDeadError(RuntimeError):
@@ -109,15 +127,15 @@ class AsyncLLM:
                 mc.model, mc.tokenizer if mc.tokenizer != mc.model else None
             )
             self.input_processor = InputProcessor(
-                mc, self.tokenizer, mc.max_logprobs, config.scheduler_config.max_num_seqs
+                mc, self.tokenizer, mc.max_logprobs, config.scheduler_config.max_num_seqs,
+                config.parallel_config.pipeline_parallel_size,
             )
             self.output_processor = OutputProcessor(
                 self.tokenizer, log_stats=bool(self.stat_loggers)
             )
             self.async_tokenizer = AsyncTokenizer(self.tokenizer, max_model_len=mc.max_model_len)
         except BaseException:
-            self.engine_proc.kill()
-            self.engine_proc.join(2)
+            self._kill_engines()
             self._release_ipc()
             raise
         try:
@@ -133,49 +151,83 @@ class AsyncLLM:
     # ---- engine process ----------------------------------------------------------------
 
     def _spawn_engine(self) -> None:
+        """Start the engine core process, or one per data-parallel rank (``-dp N``): each
+        reads its own input socket; all push outputs to one socket here."""
         self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")
         tag = uuid.uuid4().hex[:8]
-        input_address = f"ipc://{self._ipc_dir}/in-{tag}"
         output_address = f"ipc://{self._ipc_dir}/out-{tag}"
         self._zmq = zmq.asyncio.Context()
         self._output_sock = self._zmq.socket(zmq.PULL)
         self._output_sock.bind(output_address)
-        self._input_sock = self._zmq.socket(zmq.PUSH)
-        self._input_sock.connect(input_address)
         mp = multiprocessing.get_context("spawn")
-        parent_conn, child_conn = mp.Pipe(duplex=False)
-        self.engine_proc = mp.Process(
-            target=run_engine_core,
-            args=(
-                self.config,
-                input_address,
-                output_address,
-                child_conn,
-                logging.getLogger().getEffectiveLevel(),
-            ),
-            name="tokenmill-engine-core",
-            daemon=True,
-        )
-        self.engine_proc.start()
-        child_conn.close()
-        self._ready_conn = parent_conn
+        pc = self.config.parallel_config
+        self.engine_procs: list[Any] = []
+        self._input_socks: list[Any] = []
+        self._ready_conns: list[Any] = []
+        for rank in range(pc.data_parallel_size):
+            input_address = f"ipc://{self._ipc_dir}/in-{tag}-{rank}"
+            sock = self._zmq.socket(zmq.PUSH)
+            sock.connect(input_address)
+            config = self.config
+            if pc.data_parallel_size > 1:
+                config = dataclasses.replace(
+                    config, parallel_config=dataclasses.replace(pc, data_parallel_rank=rank)
+                )
+            parent_conn, child_conn = mp.Pipe(duplex=False)
+            proc = mp.Process(
+                target=run_engine_core,
+                args=(
+                    config,
+                    input_address,
+                    output_address,
+                    child_conn,
+                    logging.getLogger().getEffectiveLevel(),
+                ),
+                name="tokenmill-engine-core" + (f"-dp{rank}" if pc.data_parallel_size > 1 else ""),
+                daemon=True,
+            )
+            proc.start()
+            child_conn.close()
+            self.engine_procs.append(proc)
+            self._input_socks.append(sock)
+            self._ready_conns.append(parent_conn)
+        # The first (or only) engine core; an embedding engine has only this one.
+        self.engine_proc = self.engine_procs[0]
+        self._input_sock = self._input_socks[0]
+        self._ready_conn = self._ready_conns[0]
+        # Requests in flight per engine core: a new one goes to the least loaded.
+        self._engine_load = [0] * len(self.engine_procs)
+        self._engine_stats: list[SchedulerStats | None] = [None] * len(self.engine_procs)
 
     def _wait_for_engine(self, timeout_s: float) -> None:
-        """Wait for the engine process's start-up report; take the settings it fitted.
+        """Wait for every engine process's start-up report; take the settings they fitted.
 
         Raises:
-            EngineDeadError: the process exited, failed, or did not report in ``timeout_s``.
+            EngineDeadError: a process exited, failed, or did not report in ``timeout_s``.
         """
-        parent_conn = self._ready_conn
         deadline = time.monotonic() + timeout_s
+        infos = [
+            self._wait_for_one(proc, conn, deadline, timeout_s)
+            for proc, conn in zip(self.engine_procs, self._ready_conns, strict=True)
+        ]
+        # The cores may have fitted max_model_len to their KV caches (--max-model-len -1).
+        max_model_len = min(info["max_model_len"] for info in infos)
+        self.model_config.max_model_len = max_model_len
+        self.config.scheduler_config.max_model_len = max_model_len
+        self.config.cache_config.num_blocks = infos[0]["num_blocks"]
+
+    def _wait_for_one(
+        self, proc: Any, parent_conn: Any, deadline: float, timeout_s: float
+    ) -> dict[str, Any]:
         while not parent_conn.poll(0.2):
-            if not self.engine_proc.is_alive():
+            if not proc.is_alive():
+                self._kill_engines()
                 raise EngineDeadError(
                     f"the engine process exited during start-up (exit code "
-                    f"{self.engine_proc.exitcode}); see its log above"
+                    f"{proc.exitcode}); see its log above"
                 )
             if time.monotonic() > deadline:
-                self.engine_proc.kill()
+                self._kill_engines()
                 raise EngineDeadError(f"the engine did not start within {timeout_s:.0f} s")
         try:
             info = parent_conn.recv()
@@ -183,12 +235,16 @@ class AsyncLLM:
             info = {"status": "failed", "error": "the engine process exited during start-up"}
         parent_conn.close()
         if info.get("status") != "ready":
-            self.engine_proc.join(timeout=5)
+            proc.join(timeout=5)
+            self._kill_engines()
             raise EngineDeadError(f"the engine failed to start: {info.get('error')}")
-        # The core may have fitted max_model_len to the KV cache (--max-model-len -1).
-        self.model_config.max_model_len = info["max_model_len"]
-        self.config.scheduler_config.max_model_len = info["max_model_len"]
-        self.config.cache_config.num_blocks = info["num_blocks"]
+        return info
+
+    def _kill_engines(self) -> None:
+        for proc in self.engine_procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2)
 
     def _ensure_background_tasks(self) -> None:
         if self._tasks:
@@ -200,19 +256,33 @@ class AsyncLLM:
         ]
         if envs.log_step_stats():
             self._tasks.append(loop.create_task(self._lag_probe(), name="tokenmill-lag-probe"))
-        # The process sentinel becomes readable the moment the engine process exits.
-        loop.add_reader(self.engine_proc.sentinel, self._on_engine_exit)
+        # A process sentinel becomes readable the moment its engine process exits.
+        for proc in self.engine_procs:
+            loop.add_reader(proc.sentinel, self._on_engine_exit, proc)
 
-    def _on_engine_exit(self) -> None:
+    def _on_engine_exit(self, proc: Any) -> None:
         try:
-            asyncio.get_running_loop().remove_reader(self.engine_proc.sentinel)
+            asyncio.get_running_loop().remove_reader(proc.sentinel)
         except (RuntimeError, ValueError):
             pass
-        self.engine_proc.join(0.1)  # reap it, so the exit code is known
+        proc.join(0.1)  # reap it, so the exit code is known
         if not self._closed:
-            self._fail_all(
-                f"the engine process exited unexpectedly (exit code {self.engine_proc.exitcode})"
-            )
+            self._read_pending_outputs()
+            if self.dead_error is None:
+                self._fail_all(
+                    f"the engine process exited unexpectedly (exit code {proc.exitcode})"
+                )
+
+    def _read_pending_outputs(self) -> None:
+        """Handle the messages already received, without waiting. An engine that fails
+        sends its error (which names the cause: a dead worker process, ...) just before it
+        exits, and its exit may be seen before that message is read."""
+        while True:
+            try:
+                kind, payload = self._output_sock.recv_multipart(flags=zmq.NOBLOCK).result()
+            except zmq.ZMQError:  # zmq.Again: nothing left
+                return
+            self._handle_message(kind, payload)
 
     def add_death_callback(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` once, when the engine process dies (after its live
@@ -242,11 +312,8 @@ class AsyncLLM:
                 kind, payload = await sock.recv_multipart()
             except (asyncio.CancelledError, zmq.ContextTerminated, zmq.ZMQError):
                 return
+            self._handle_message(kind, payload)
             if kind == MSG_OUT:
-                outputs = _outputs_decoder.decode(payload)
-                if self._timed and outputs.timestamp:
-                    FRONT_END_TIMINGS.record("engine->front end", time.time() - outputs.timestamp)
-                self._process_outputs(outputs)
                 # Give the streams this step woke a turn of the event loop before the next
                 # step is read: a message already queued is returned without suspending, and
                 # its tokens would merge with these in each stream's collector (two tokens
@@ -254,22 +321,34 @@ class AsyncLLM:
                 # that turn; one interleaving several prompts (``merge_streams``) needs more
                 # turns and may still merge steps.
                 await asyncio.sleep(0)
-            elif kind == MSG_UTILITY:
-                name, result, error = msgspec.msgpack.decode(payload)
-                waiters = self._utility_waiters.get(name)
-                if waiters:
-                    fut = waiters.pop(0)
-                    if fut.done():
-                        continue
-                    if error is None:
-                        fut.set_result(result)
-                    else:
-                        fut.set_exception(EngineCallError(error))
+
+    def _handle_message(self, kind: bytes, payload: bytes) -> None:
+        if kind == MSG_OUT:
+            outputs = _outputs_decoder.decode(payload)
+            if self._timed and outputs.timestamp:
+                FRONT_END_TIMINGS.record("engine->front end", time.time() - outputs.timestamp)
+            self._process_outputs(outputs)
+        elif kind == MSG_UTILITY:
+            name, result, error = msgspec.msgpack.decode(payload)
+            waiters = self._utility_waiters.get(name)
+            if waiters:
+                fut = waiters.pop(0)
+                if fut.done():
+                    return
+                if error is None:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(EngineCallError(error))
 
     def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.engine_error is not None:
             self._fail_all(f"the engine failed: {outputs.engine_error}")
             return
+        if outputs.scheduler_stats is not None and len(self.engine_procs) > 1:
+            self._engine_stats[outputs.engine_index] = outputs.scheduler_stats
+            outputs.scheduler_stats = merge_engine_stats(
+                self._engine_stats, outputs.scheduler_stats
+            )
         result = self.output_processor.process_outputs(
             outputs.outputs, outputs.timestamp or time.time(), outputs.first_scheduled
         )
@@ -314,11 +393,12 @@ class AsyncLLM:
         return self.dead_error is not None
 
     def check_health(self) -> None:
-        """Raises EngineDeadError if the engine process is gone."""
-        if self.dead_error is None and not self.engine_proc.is_alive() and not self._closed:
-            self._fail_all(
-                f"the engine process is not running (exit code {self.engine_proc.exitcode})"
-            )
+        """Raises EngineDeadError if an engine process is gone."""
+        for proc in self.engine_procs:
+            if self.dead_error is None and not proc.is_alive() and not self._closed:
+                self._read_pending_outputs()  # the error it sent names the cause
+            if self.dead_error is None and not proc.is_alive() and not self._closed:
+                self._fail_all(f"the engine process is not running (exit code {proc.exitcode})")
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
 
@@ -364,18 +444,22 @@ class AsyncLLM:
         collector = RequestOutputCollector(processed.params.output_kind)
         self.output_processor.add_request(processed, processed.params, collector)
         self._collectors[request_id] = collector
+        # Data parallelism: the engine core with the fewest requests in flight takes it.
+        engine = min(range(len(self._engine_load)), key=self._engine_load.__getitem__)
+        self._engine_load[engine] += 1
         finished = False
         try:
             for message in messages:
                 # Awaited one by one: each unawaited send leaves a future in pyzmq's queue,
                 # whose clean-up scans that queue, so a burst of thousands (many prompts
                 # times n) cost the event loop quadratic time.
-                await self._input_sock.send_multipart([MSG_ADD, message])
+                await self._input_socks[engine].send_multipart([MSG_ADD, message])
             while not finished:
                 out = await collector.get()
                 finished = out.finished
                 yield out
         finally:
+            self._engine_load[engine] -= 1
             self._collectors.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
@@ -389,18 +473,25 @@ class AsyncLLM:
 
     def _send_abort(self, engine_ids: list[str]) -> None:
         if self.dead_error is None and not self._closed:
-            self._input_sock.send_multipart([MSG_ABORT, _encoder.encode(engine_ids)])
+            # Every engine core hears it: one that does not hold a request ignores its id.
+            message = _encoder.encode(engine_ids)
+            for sock in self._input_socks:
+                sock.send_multipart([MSG_ABORT, message])
 
-    async def _utility(self, name: str, *args: Any, timeout_s: float = 30.0) -> Any:
+    async def _utility(self, name: str, *args: Any, timeout_s: float = 30.0) -> list[Any]:
+        """Run a utility on every engine core; returns their results."""
         self._ensure_background_tasks()
         self.check_health()
-        fut = asyncio.get_running_loop().create_future()
-        self._utility_waiters.setdefault(name, []).append(fut)
-        await self._input_sock.send_multipart([MSG_UTILITY, _encoder.encode([name, list(args)])])
-        return await asyncio.wait_for(fut, timeout_s)
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in self._input_socks]
+        self._utility_waiters.setdefault(name, []).extend(futures)
+        message = _encoder.encode([name, list(args)])
+        for sock in self._input_socks:
+            await sock.send_multipart([MSG_UTILITY, message])
+        return list(await asyncio.wait_for(asyncio.gather(*futures), timeout_s))
 
     async def reset_prefix_cache(self) -> bool:
-        return bool(await self._utility("reset_prefix_cache"))
+        return all(await self._utility("reset_prefix_cache"))
 
     # ---- sleep mode and weight updates --------------------------------------------------
 
@@ -419,7 +510,7 @@ class AsyncLLM:
         try:
             await self._utility("sleep", level, timeout_s=self.ENGINE_CALL_TIMEOUT_S)
         except BaseException:
-            self.sleeping = bool(await self._utility("is_sleeping"))
+            self.sleeping = any(await self._utility("is_sleeping"))
             raise
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
@@ -429,10 +520,10 @@ class AsyncLLM:
             EngineCallError: an unknown tag.
         """
         await self._utility("wake_up", tags, timeout_s=self.ENGINE_CALL_TIMEOUT_S)
-        self.sleeping = bool(await self._utility("is_sleeping"))
+        self.sleeping = any(await self._utility("is_sleeping"))
 
     async def is_sleeping(self) -> bool:
-        return bool(await self._utility("is_sleeping"))
+        return any(await self._utility("is_sleeping"))
 
     async def update_weights(self, path: str) -> None:
         """Load new weights in place (``EngineCore.update_weights``).
@@ -443,12 +534,17 @@ class AsyncLLM:
         await self._utility("update_weights", path, timeout_s=self.ENGINE_CALL_TIMEOUT_S)
 
     async def memory_bytes(self) -> dict[str, int]:
-        """Device bytes the engine's weights and KV cache hold now."""
-        return dict(await self._utility("memory_bytes"))
+        """Device bytes the engine's weights and KV cache hold now (summed over the
+        data-parallel engine cores)."""
+        total: dict[str, int] = {}
+        for per_core in await self._utility("memory_bytes"):
+            for key, value in dict(per_core).items():
+                total[key] = total.get(key, 0) + value
+        return total
 
     async def check_kv_integrity(self) -> bool:
-        """Ask the core to verify its KV cache bookkeeping (raises there if broken)."""
-        return bool(await self._utility("check_integrity"))
+        """Ask the cores to verify their KV cache bookkeeping (raises there if broken)."""
+        return all(await self._utility("check_integrity"))
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -487,24 +583,27 @@ class AsyncLLM:
         self.async_tokenizer.shutdown()
         for task in self._tasks:
             task.cancel()
-        try:
-            asyncio.get_running_loop().remove_reader(self.engine_proc.sentinel)
-        except (RuntimeError, ValueError):
-            pass
-        if self.engine_proc.is_alive():
-            self.engine_proc.terminate()
-            self.engine_proc.join(timeout_s)
-            if self.engine_proc.is_alive():
-                self.engine_proc.kill()
-                self.engine_proc.join(2)
+        for proc in self.engine_procs:
+            try:
+                asyncio.get_running_loop().remove_reader(proc.sentinel)
+            except (RuntimeError, ValueError):
+                pass
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.engine_procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self._kill_engines()
         self._release_ipc()
 
     def _release_ipc(self) -> None:
         """Close the engine sockets and the start-up pipe; remove the socket files."""
-        self._input_sock.close(linger=0)
+        for sock in self._input_socks:
+            sock.close(linger=0)
         self._output_sock.close(linger=0)
         self._zmq.term()
-        self._ready_conn.close()
+        for conn in self._ready_conns:
+            conn.close()
         for name in os.listdir(self._ipc_dir):
             try:
                 os.unlink(os.path.join(self._ipc_dir, name))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,6 +29,7 @@ from tokenmill.core.grammar_compilation import (
 )
 from tokenmill.core.grammar_masks import GrammarMaskFiller
 from tokenmill.core.grammar_workers import WorkerProcess
+from tokenmill.core.pipeline_scheduler import PipelineScheduler
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
@@ -39,6 +41,17 @@ GRAMMAR_WAIT_S = 0.01
 
 
 def _default_executor(config: EngineConfig):
+    """The executor ``--distributed-executor-backend`` names: one worker in this process
+    (``uni``), one process per rank (``mp``) or one Ray actor per rank (``ray``)."""
+    backend = config.parallel_config.distributed_executor_backend
+    if backend == "mp":
+        from tokenmill.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    if backend == "ray":
+        from tokenmill.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     from tokenmill.executor.uniproc import UniProcExecutor
 
     return UniProcExecutor(config)
@@ -70,7 +83,10 @@ class EngineCore:
         offload_slots = (
             self.executor.collective_rpc("kv_offload_slots")[0] if self._offload else (0, 0)
         )
-        self.scheduler = Scheduler(
+        # Pipeline parallelism: up to one micro-batch in flight per stage.
+        self.num_stages = config.parallel_config.pipeline_parallel_size
+        scheduler_cls = PipelineScheduler if self.num_stages > 1 else Scheduler
+        self.scheduler = scheduler_cls(
             config.scheduler_config,
             config.cache_config,
             num_blocks,
@@ -81,6 +97,8 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Async scheduling: the step in flight (its plan and its output handle).
         self._pending: tuple[SchedulerOutput, Any] | None = None
+        # Pipeline parallelism: the micro-batches in flight, oldest first.
+        self._batches: deque[tuple[SchedulerOutput, Any]] = deque()
         self._failed: list[EngineCoreOutput] = []  # requests refused here, to report
         self._asleep: set[str] = set()  # sleep mode: "weights", "kv_cache" while freed
         self._num_constraint_failures = 0  # of those, not yet in a SchedulerStats
@@ -221,6 +239,7 @@ class EngineCore:
         return (
             self.scheduler.has_unfinished_requests()
             or self._pending is not None
+            or bool(self._batches)
             or bool(self._failed)
             or len(self._grammars) > 0
         )
@@ -241,7 +260,12 @@ class EngineCore:
                 # Nothing else to run: wait for a grammar rather than spin.
                 self._grammars.wait_any(GRAMMAR_WAIT_S)
             self._admit_compiled()
-        outputs = self._step_async() if self.async_scheduling else self._step_sync()
+        if self.num_stages > 1:
+            outputs = self._step_pipelined()
+        elif self.async_scheduling:
+            outputs = self._step_async()
+        else:
+            outputs = self._step_sync()
         if self._failed:
             outputs.outputs[:0], self._failed = self._failed, []
         if outputs.scheduler_stats is not None and self._offload:
@@ -294,6 +318,27 @@ class EngineCore:
         if pending is not None:
             outputs = self._collect(pending)
         self._pending = (so, handle)
+        return outputs
+
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        """Pipeline parallelism: launch a micro-batch while a stage is free; collect the
+        oldest once every stage has one, or when nothing else is ready
+        (``core/pipeline_scheduler.py``)."""
+        launched = False
+        if len(self._batches) < self.num_stages:
+            so = self.scheduler.schedule(self.num_stages - len(self._batches))
+            if so.total_num_scheduled_tokens or so.finished_req_ids:
+                launched = so.total_num_scheduled_tokens > 0
+                # A request is in one micro-batch at a time, so its grammar is at its
+                # latest token here. Finished ids travel in order with the steps, so each
+                # stage drops a request after its last step there.
+                grammar_output = self._grammar_output(so) if launched else None
+                self._batches.append((so, self.executor.execute_model_async(so, grammar_output)))
+        if self._batches and (not launched or len(self._batches) == self.num_stages):
+            return self._collect(self._batches.popleft())
+        outputs = EngineCoreOutputs(timestamp=time.time())
+        if self.log_stats:
+            outputs.scheduler_stats = self.scheduler.make_stats()
         return outputs
 
     def _collect(self, pending: tuple[SchedulerOutput, Any]) -> EngineCoreOutputs:
@@ -387,6 +432,12 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def check_health(self) -> None:
+        """Raise if a worker of the executor is gone (multi-rank executors)."""
+        check = getattr(self.executor, "check_health", None)
+        if check is not None:
+            check()
 
     def shutdown(self) -> None:
         self._grammars.shutdown()

@@ -16,6 +16,7 @@ process exits, so the front end can fail every live request at once.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import time
@@ -106,6 +107,8 @@ class EngineCoreProc:
             self.engine_core = EngineCore(config, log_stats=not config.disable_log_stats)
         self.running = True
         self.step_log = _StepLog() if envs.log_step_stats() else None
+        # Data parallelism: tags every output, so the front end knows which core sent it.
+        self.engine_index = config.parallel_config.data_parallel_rank
 
     def ready_info(self) -> dict[str, Any]:
         """What the front end needs after start-up (the core may have resized the context)."""
@@ -179,11 +182,15 @@ class EngineCoreProc:
             if core.is_sleeping:
                 continue  # requests wait for wake_up
             if not core.has_unfinished_requests():
+                # Idle: a worker process that died is noticed within a poll.
+                core.check_health()
                 if had_work and core.log_stats:
                     # Aborts emptied the engine: report it, or metrics would keep the
                     # last busy snapshot until the next request.
                     idle = EngineCoreOutputs(
-                        timestamp=time.time(), scheduler_stats=core.scheduler.make_stats()
+                        timestamp=time.time(),
+                        scheduler_stats=core.scheduler.make_stats(),
+                        engine_index=self.engine_index,
                     )
                     self.output.send_multipart([MSG_OUT, _encoder.encode(idle)])
                 continue
@@ -192,12 +199,20 @@ class EngineCoreProc:
             if self.step_log is not None:
                 self.step_log.record(time.perf_counter() - start, len(outputs.outputs))
             if outputs.outputs or outputs.scheduler_stats is not None:
+                outputs.engine_index = self.engine_index
                 self.output.send_multipart([MSG_OUT, _encoder.encode(outputs)], copy=False)
 
     def report_error(self, error: str) -> None:
         try:
-            out = EngineCoreOutputs(timestamp=time.time(), engine_error=error)
+            out = EngineCoreOutputs(
+                timestamp=time.time(), engine_error=error, engine_index=self.engine_index
+            )
             self.output.send_multipart([MSG_OUT, _encoder.encode(out)])
+            # The process exits next (os._exit): close the socket and wait up to its linger
+            # for the message to leave, or the front end would see only an exit code.
+            self.output.close(linger=2000)
+            self.input.close(linger=0)
+            self.ctx.term()
         except zmq.ZMQError:
             pass
 
@@ -227,6 +242,10 @@ def run_engine_core(
         datefmt="%m-%d %H:%M:%S",
     )
     logger.info("Engine core process started (pid %d)", os.getpid())
+    # NOTE: the front end starts this process as a daemon (terminated when it exits); the
+    # flag is cleared here, in the process's own view, so that the multiprocess executor
+    # may start worker processes (which end with this process: their pipes close).
+    multiprocessing.current_process().daemon = False
     proc: EngineCoreProc | None = None
 
     def stop(signum, frame):  # noqa: ARG001

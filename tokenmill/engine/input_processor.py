@@ -94,6 +94,7 @@ class InputProcessor:
         max_logprobs: the most logprobs a request may ask for per position (-1: no limit).
         max_num_seqs: the most sequences the engine runs at once (a beam search's width
             may not exceed it); None: no limit.
+        pipeline_parallel_size: the engine's pipeline stages (beam search needs one).
     """
 
     def __init__(
@@ -102,8 +103,10 @@ class InputProcessor:
         tokenizer: PreTrainedTokenizerBase,
         max_logprobs: int,
         max_num_seqs: int | None = None,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         self.model_config = model_config
+        self.pipeline_parallel_size = pipeline_parallel_size
         self.max_num_seqs = max_num_seqs
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
@@ -266,9 +269,17 @@ class InputProcessor:
         ``max(2, 1 + number of EOS tokens) * beam_width`` candidates of each beam.
 
         Raises:
-            InvalidRequestError: as ``process``, or a beam width above ``max_num_seqs`` or
-                with more candidates than the vocabulary has tokens.
+            InvalidRequestError: as ``process``, a beam width above ``max_num_seqs`` or
+                with more candidates than the vocabulary has tokens, or an engine with
+                pipeline stages.
         """
+        if self.pipeline_parallel_size > 1:
+            # Beams fork and drop sequences between steps; the pipeline's micro-batches in
+            # flight do not follow a fork.
+            raise InvalidRequestError(
+                "beam search is not implemented with pipeline parallelism "
+                f"(--pipeline-parallel-size {self.pipeline_parallel_size})."
+            )
         if isinstance(prompt, dict) and (
             prompt.get("multi_modal_data") is not None or prompt.get("mm_features")
         ):

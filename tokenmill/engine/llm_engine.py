@@ -62,7 +62,8 @@ class LLMEngine:
         self.engine_core = EngineCore(config, log_stats=log_stats)
         # After the core: it may have shrunk max_model_len to the KV cache (-1).
         self.input_processor = InputProcessor(
-            mc, self.tokenizer, mc.max_logprobs, config.scheduler_config.max_num_seqs
+            mc, self.tokenizer, mc.max_logprobs, config.scheduler_config.max_num_seqs,
+            config.parallel_config.pipeline_parallel_size,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.last_iteration_stats: IterationStats | None = None

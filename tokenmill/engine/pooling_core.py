@@ -114,6 +114,9 @@ class PoolingEngineCore:
     def reset_prefix_cache(self) -> bool:
         return True  # nothing is cached
 
+    def check_health(self) -> None:
+        """Nothing to check: the model runs in this process."""
+
     def check_integrity(self) -> None:
         """Nothing to check: an encoder holds no KV cache."""
 

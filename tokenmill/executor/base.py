@@ -34,9 +34,12 @@ class Executor(abc.ABC):
         """Run one step; returns the driver worker's output. ``grammar_output`` holds the
         step's grammar bitmasks (structured outputs), if any."""
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput):
+    def execute_model_async(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ):
         """Launch a step without waiting for its tokens; the returned handle's ``get()``
-        gives the ModelRunnerOutput (async scheduling)."""
+        gives the ModelRunnerOutput (async scheduling, pipeline micro-batches).
+        ``grammar_output`` only where the workers run steps in order (pipeline stages)."""
         raise NotImplementedError(f"{type(self).__name__} does not run steps asynchronously")
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:

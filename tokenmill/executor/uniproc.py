@@ -30,7 +30,10 @@ class UniProcExecutor(Executor):
     ) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output, grammar_output)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput):
+    def execute_model_async(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ):
+        assert grammar_output is None, "the engine runs steps with grammars in step"
         return self.worker.execute_model_async(scheduler_output)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:

@@ -143,6 +143,16 @@ class InputBatch:
         self.token_ids[row, start:end] = token_ids[: end - start]
         self.num_tokens[row] = end
 
+    def set_output_tokens(self, req_id: str, token_ids: list[int]) -> None:
+        """Record tokens sampled elsewhere (a pipeline stage before the last), which
+        continue the request from position ``max(num_computed_tokens, prompt length)``."""
+        state = self.requests[req_id]
+        row = self.row_of[req_id]
+        start = max(state.num_computed_tokens, len(state.prompt_token_ids))
+        end = min(start + len(token_ids), self.max_model_len)
+        self.token_ids[row, start:end] = token_ids[: end - start]
+        self.num_tokens[row] = max(int(self.num_tokens[row]), end)
+
     def append_token(self, req_id: str, token_id: int) -> None:
         """Record a sampled token (it is the next step's input for this request)."""
         state = self.requests[req_id]

@@ -22,6 +22,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
+from tokenmill.distributed.parallel_state import broadcast_from_first_tp_rank
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionMetadata, KVCacheSpec
 from tokenmill.model.attention.selector import get_attn_backend
@@ -38,6 +39,7 @@ from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.kv_blocks import allocate_kv_arena, copy_kv_blocks
 from tokenmill.worker.kv_offload import KVOffloadStore
 from tokenmill.worker.multimodal import MultiModalState, StepImages
+from tokenmill.worker.pipeline_stage import PipelineStage
 from tokenmill.worker.sampler import Sampler
 from tokenmill.worker.sampling_metadata import (
     SamplingMetadata,
@@ -88,6 +90,8 @@ class ModelRunner:
         # Models that take images: the encoder cache and the step's placeholders.
         self.mm: MultiModalState | None = None
         self._step_images: StepImages | None = None
+        # Pipeline parallelism: what the forward pass receives and sends (``load_model``).
+        self.stage: PipelineStage | None = None
         self.kv_caches: list[torch.Tensor] = []
         # The layers' KV caches are views of this one tensor (``[layers, *layer layout]``).
         self.kv_arena: torch.Tensor | None = None
@@ -154,6 +158,10 @@ class ModelRunner:
         self.model = get_model(
             c.model_config, c.load_config, self.device, self.attn_backend, c.kernel_config
         )
+        self.stage = PipelineStage(
+            self.model, self.max_num_tokens, c.model_config.hf_config.hidden_size, self.dtype,
+            self.device,
+        )  # fmt: skip
         # Local layers (windows, chunks) keep plain attention: with one on every layer,
         # cascade would only cost decode-only steps their whole-step graph.
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -183,6 +191,17 @@ class ModelRunner:
         assert self.model is not None
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this runner computes logits and samples (the last pipeline stage)."""
+        return self.stage is None or self.stage.is_last
+
+    def attention_layers(self) -> list[Attention]:
+        """The attention layers this rank holds (its pipeline stage's), by layer index."""
+        assert self.model is not None
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        return sorted(layers, key=lambda m: m.layer_idx)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         """What each attention layer of the model caches per token, by layer index."""
@@ -259,6 +278,9 @@ class ModelRunner:
             batch.set_tokens(req_id, int(batch.requests[req_id].num_computed_tokens), token_ids)
         if so.block_copies:
             copy_kv_blocks(self.kv_caches, so.block_copies)
+        if not self.is_last_stage:
+            for req_id, token_ids in so.new_token_ids.items():
+                batch.set_output_tokens(req_id, token_ids)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         self._parity ^= 1
@@ -358,15 +380,23 @@ class ModelRunner:
         return self._prev_sampled
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states ``[>= num_tokens, H]`` of the step (a graph's output is padded)."""
+        """Hidden states ``[>= num_tokens, H]`` of the step (a graph's output is padded);
+        on a pipeline stage other than the last, hidden states and residual ``[>= T, 2H]``,
+        already on their way to the next stage."""
+        assert self.stage is not None
+        self.stage.before_forward(inputs.num_tokens)
         if self._step_images is not None:  # image placeholders: eager, with inputs_embeds
             assert self.mm is not None
             n, images, self._step_images = inputs.num_tokens, self._step_images, None
-            return self.mm.forward(
+            hidden = self.mm.forward(
                 self.input_ids.device[:n], self.positions.device[:n], inputs.metadata, images
             )
+            self.stage.after_forward(hidden, n)
+            return hidden
         hidden = self.graphs.try_run(inputs) if self.graphs is not None else None
-        return hidden if hidden is not None else self._run_eager(inputs)
+        hidden = hidden if hidden is not None else self._run_eager(inputs)
+        self.stage.after_forward(hidden, inputs.num_tokens)
+        return hidden
 
     def _run_eager(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass, eagerly; padded as the CUDA graphs pad where a test set
@@ -452,10 +482,12 @@ class ModelRunner:
 
         Only for batches whose requests all sample on the fast path (no penalties, seeds or
         logprobs: ``SamplingParams.uses_full_sampler`` is False); the engine runs other
-        steps with ``execute_model``.
+        steps with ``execute_model``. Not under pipeline parallelism (the stages overlap
+        micro-batches instead).
         """
         self._update_states(so)
         assert self.model is not None and so.total_num_scheduled_tokens > 0
+        assert self.is_last_stage, "async scheduling with pipeline parallelism"
         inputs = self._prepare_inputs(so)
         hidden = self._run_model(inputs)
         batch = self.input_batch
@@ -466,6 +498,7 @@ class ModelRunner:
             rows = inputs.batch_rows[inputs.sample_rows]
             metadata = inputs.sampling_metadata or self._sampling_metadata(inputs, rows)
             sampled = self.sampler(logits, metadata).sampled_token_ids
+            broadcast_from_first_tp_rank(sampled)
             batch.pending_idx[rows] = np.arange(len(rows))
             self._prev_sampled = sampled
             event = self._copy_sampled(sampled, host)
@@ -481,7 +514,8 @@ class ModelRunner:
 
         Returns:
             The sampled token of every request that completed its context this step (an
-            empty list for requests mid-prefill), plus logprobs and prompt logprobs.
+            empty list for requests mid-prefill), plus logprobs and prompt logprobs; no
+            tokens on a pipeline stage other than the last.
         """
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
@@ -489,6 +523,9 @@ class ModelRunner:
         assert self.model is not None
         inputs = self._prepare_inputs(so)
         hidden = self._run_model(inputs)
+        if not self.is_last_stage:
+            self._advance_computed(inputs)
+            return ModelRunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids])
         prompt_logprobs = prompt_logprobs_of_step(
             self.model, self.input_batch, inputs, hidden, self.device
         )
@@ -501,6 +538,7 @@ class ModelRunner:
                 inputs, sample_batch_rows, grammar_output.bitmasks if grammar_output else None
             )
             out = self.sampler(logits, metadata)
+            broadcast_from_first_tp_rank(out.sampled_token_ids)
             token_ids = out.sampled_token_ids.tolist()  # the step's one sync
             req_ids = inputs.req_ids
             if out.logprobs is not None:

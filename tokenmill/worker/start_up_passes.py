@@ -74,16 +74,17 @@ def profile_run(runner: ModelRunner) -> int:
         ids = torch.zeros(n, dtype=torch.int64, device=d)
         pos = torch.cat([torch.arange(p) for p in per_req]).to(d)
         hidden = runner.model(ids, pos, md)
-        # A decode step of max_num_seqs requests samples that many rows: the logits and
-        # the sampler's float32 copies of them are part of the peak.
-        rows = min(n, runner.max_num_reqs)
-        logits = runner.model.compute_logits(hidden[:rows])
-        runner.sampler(
-            logits,
-            SamplingMetadata(
-                temperature=torch.ones(rows, device=d), all_greedy=False, all_random=True
-            ),
-        )
+        if runner.is_last_stage:
+            # A decode step of max_num_seqs requests samples that many rows: the logits and
+            # the sampler's float32 copies of them are part of the peak.
+            rows = min(n, runner.max_num_reqs)
+            logits = runner.model.compute_logits(hidden[:rows])
+            runner.sampler(
+                logits,
+                SamplingMetadata(
+                    temperature=torch.ones(rows, device=d), all_greedy=False, all_random=True
+                ),
+            )
         if cuda:
             torch.cuda.synchronize(runner.device)
             return max(0, torch.cuda.max_memory_allocated(runner.device) - before - scratch)

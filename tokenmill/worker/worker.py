@@ -29,9 +29,16 @@ class Worker:
     ``initialize_cache`` -> ``warm_up``; then ``execute_model`` once per step.
     """
 
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int | None = None) -> None:
+        """
+        Args:
+            config: the engine configuration.
+            rank: the CUDA device index this worker uses; default: the first device of its
+                data-parallel engine core (``data_parallel_rank * world_size``).
+        """
         self.config = config
-        self.rank = rank
+        pc = config.parallel_config
+        self.rank = pc.data_parallel_rank * pc.world_size if rank is None else rank
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
         # Device memory in use when this worker started (CUDA context, other processes):
@@ -56,12 +63,18 @@ class Worker:
                 )
         else:
             self.device = torch.device("cpu")
-            # Leave one core for the front end (tokenizing, HTTP) when there are several.
+            # Leave one core for the front end (tokenizing, HTTP) when there are several;
+            # the ranks of every engine core on this machine share the rest.
             threads = envs.cpu_threads()
             if threads:
-                torch.set_num_threads(threads)
+                torch.set_num_threads(max(1, threads // self._processes_per_machine()))
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config, self.device)
+
+    def _processes_per_machine(self) -> int:
+        """Worker processes of this engine on a CPU machine: ranks times engine cores."""
+        pc = self.config.parallel_config
+        return pc.world_size * pc.data_parallel_size
 
     def load_model(self) -> None:
         assert self.model_runner is not None
@@ -89,7 +102,8 @@ class Worker:
         elif self.device.type == "cuda":
             budget = self._profile_cuda_budget()
         else:
-            budget = cc.cpu_kv_cache_memory
+            # The CPU default is the machine's: its processes share it.
+            budget = cc.cpu_kv_cache_memory // self._processes_per_machine()
         if self.device.type == "cpu":
             check_host_memory(budget)
         num_blocks = budget // per_block

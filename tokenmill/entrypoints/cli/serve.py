@@ -42,9 +42,19 @@ UNIMPLEMENTED_FLAGS = (
     "--structured-outputs-config",
     "--kv-transfer-config",
     "--kv-events-config",
-    "--data-parallel-size",
-    "--enable-expert-parallel",
-    "--distributed-executor-backend",
+    # data parallelism across nodes (one node's engine cores are -dp)
+    "--data-parallel-size-local",
+    "--data-parallel-address",
+    "--data-parallel-rpc-port",
+    "--data-parallel-start-rank",
+    "--data-parallel-backend",
+    "--data-parallel-hybrid-lb",
+    "--data-parallel-external-lb",
+    # ranks across nodes without Ray (several nodes are --distributed-executor-backend ray)
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
     "--cpu-offload-gb",
     "--swap-space",
     "--ssl-keyfile",
@@ -242,7 +252,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     for flag in UNIMPLEMENTED_FLAGS:
         parser.add_argument(flag, action=_Unimplemented)
     parser.add_argument("--kv-cache-dtype", action=_Unimplemented, accepted=("auto",))
-    parser.add_argument("-dp", action=_Unimplemented)
     parser.set_defaults(dispatch=run)
     return parser
 

@@ -137,10 +137,10 @@ def exit_now(engine: AsyncLLM | AsyncEmbeddingEngine, signum: int) -> NoReturn:
     """End the process at once (a second stop signal): kill the engine process, exit with
     128 + ``signum``, without unwinding the running requests (no tracebacks)."""
     logger.warning("%s again: exiting now", signal.Signals(signum).name)
-    proc = getattr(engine, "engine_proc", None)
-    if proc is not None and proc.is_alive():
-        proc.kill()
-        proc.join(5)
+    for proc in getattr(engine, "engine_procs", []):  # every data-parallel engine core
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
     with contextlib.suppress(Exception):
         engine.shutdown()  # sockets and the IPC folder (idempotent)
     logging.shutdown()

@@ -145,7 +145,8 @@ def fused_experts_torch(
             ``[E, 2I, H / 2]``.
         w2: ``[E, H, I]``; MXFP4: uint8 ``[E, H, I / 2]``.
         topk_weights: ``[T, k]`` routing weights (float32 or the activations' dtype).
-        topk_ids: ``[T, k]`` expert ids.
+        topk_ids: ``[T, k]`` expert ids; -1 marks an assignment to an expert held elsewhere
+            (expert parallelism), which adds nothing here.
         w13_scale, w2_scale: MXFP4 scales (uint8 ``[E, 2I, H / 32]``, ``[E, H, I / 32]``);
             None for plain weights.
         w13_bias, w2_bias: ``[E, 2I]`` and ``[E, H]``, or None.
@@ -157,9 +158,10 @@ def fused_experts_torch(
     """
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     out = torch.zeros_like(hidden)
-    flat_ids = topk_ids.reshape(-1)
+    # Assignments to other ranks' experts sort last, as expert ``num_experts``.
+    flat_ids = topk_ids.reshape(-1).long().masked_fill(topk_ids.reshape(-1) < 0, num_experts)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
     flat_weights = topk_weights.reshape(-1)
     start = 0
     for expert, count in enumerate(counts):
@@ -187,7 +189,8 @@ def align_tokens_by_expert(
     worst case ``T*k + E*(block_m - 1)`` so nothing is read back to the host.
 
     Args:
-        topk_ids: ``[T, k]`` integer expert ids.
+        topk_ids: ``[T, k]`` integer expert ids; -1 for an expert held by another rank
+            (expert parallelism): such slots sort after every group, past ``num_padded``.
         num_experts: ``E``.
         block_m: row-tile height of the grouped GEMM.
 
@@ -198,12 +201,14 @@ def align_tokens_by_expert(
         (``E`` past the used tiles); ``num_padded [1]`` int32, the rows in use.
     """
     flat = topk_ids.reshape(-1).long()
+    flat = flat.masked_fill(flat < 0, num_experts)  # other ranks' experts: one group, last
     num_slots = flat.numel()
     device = flat.device
     # NOTE: scatter_add rather than bincount, whose output size depends on the data (a sync).
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = counts[num_experts]  # never computed: not padded
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
     count_start = torch.cumsum(counts, 0) - counts
@@ -215,8 +220,9 @@ def align_tokens_by_expert(
     sorted_slots = torch.full((max_padded,), num_slots, dtype=torch.int32, device=device)
     sorted_slots[padded_start[expert_of] + rank] = order.to(torch.int32)
     tile_starts = torch.arange(0, max_padded, block_m, device=device)
-    block_experts = torch.searchsorted(padded_end, tile_starts, right=True).to(torch.int32)
-    return sorted_slots, block_experts, padded_end[-1:].to(torch.int32)
+    block_experts = torch.searchsorted(padded_end, tile_starts, right=True).clamp_(max=num_experts)
+    used = padded_end[num_experts - 1 : num_experts]
+    return sorted_slots, block_experts.to(torch.int32), used.to(torch.int32)
 
 
 if HAS_TRITON:
@@ -441,6 +447,7 @@ def fused_experts_triton(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     activation: GatedActivation = SILU,
+    remote_experts: bool = False,
 ) -> torch.Tensor:
     """Routed gated experts with the grouped-GEMM Triton kernel (see the module docstring).
 
@@ -449,6 +456,8 @@ def fused_experts_triton(
     the kernel, tile by tile.
 
     Args:
+        remote_experts: ``topk_ids`` may hold -1 (expert parallelism): those rows of the
+            down projection are never computed and must start at zero.
         config: tile sizes (``moe_tile_config`` keys); chosen by ``moe_tile_config`` if None.
 
     Raises:
@@ -476,7 +485,8 @@ def fused_experts_triton(
     act = torch.empty(num_slots, two_i // 2, dtype=hidden.dtype, device=hidden.device)
     _launch_moe_gemm(hidden, w13, act, weights, aligned, num_slots, top_k, True, config,
                      w13_scale, w13_bias, activation)  # fmt: skip
-    down = torch.empty(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    make = torch.zeros if remote_experts else torch.empty
+    down = make(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _launch_moe_gemm(act, w2, down, weights, aligned, num_slots, 1, False, config,
                      w2_scale, w2_bias, activation)  # fmt: skip
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
@@ -488,6 +498,7 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
     **experts: object,
 ) -> torch.Tensor:
     """The Triton kernel on CUDA, the torch loop elsewhere (see ``fused_experts_torch``;
@@ -498,9 +509,19 @@ def fused_experts(
     (H200, Mixtral shapes: 3.07 against 3.26 ms at 2048 tokens, 5.52 against 6.13 ms at
     4096). MXFP4 experts always take the kernel, which decodes them in registers instead of
     writing every expert out dense each step.
+
+    Args:
+        expert_map: expert parallelism: ``[E]`` int32, each global expert id's index in
+            ``w13``/``w2`` (this rank's experts), -1 for the experts of other ranks; the
+            result then sums this rank's experts only. None: ``topk_ids`` index the weights.
     """
+    remote = expert_map is not None
+    if remote:
+        topk_ids = expert_map[topk_ids]
     if HAS_TRITON and hidden.is_cuda:
         large = hidden.shape[0] >= TORCH_MIN_TOKENS and experts.get("w13_scale") is None
         if not large or torch.cuda.is_current_stream_capturing():
-            return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, **experts)
+            return fused_experts_triton(
+                hidden, w13, w2, topk_weights, topk_ids, remote_experts=remote, **experts
+            )
     return fused_experts_torch(hidden, w13, w2, topk_weights, topk_ids, **experts)

@@ -198,16 +198,19 @@ def attention_hook(hook: AttentionHook) -> Iterator[None]:
 
 
 def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
-    """Give each Attention layer of ``model`` its KV cache tensor, by ``layer_idx``.
+    """Give each Attention layer of ``model`` its KV cache tensor: ``kv_caches[i]`` to the
+    layer with the ``i``-th smallest ``layer_idx`` (a pipeline stage holds some layers only).
 
     Raises:
         ValueError: the number of caches differs from the number of attention layers.
     """
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    layers = sorted(
+        (m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_idx
+    )
     if len(layers) != len(kv_caches):
         raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
-    for layer in layers:
-        layer.kv_cache = kv_caches[layer.layer_idx]
+    for layer, cache in zip(layers, kv_caches, strict=True):
+        layer.kv_cache = cache
 
 
 def kv_cache_specs(model: nn.Module) -> list[KVCacheSpec]:

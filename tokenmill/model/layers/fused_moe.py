@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed.parallel_state import (
+    expert_parallel_enabled,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
@@ -50,6 +51,11 @@ class FusedMoE(nn.Module):
     ``w2.scales``), with ``w13.bias``/``w2.bias`` when the experts have biases; with tensor
     parallelism each rank holds a slice of every expert's intermediate dimension and the
     outputs are all-reduced (Megatron-style).
+    With expert parallelism (``--enable-expert-parallel``) each rank instead holds
+    ``E_local`` whole experts, a contiguous range (the first ``E % tp`` ranks one more, as
+    vLLM spreads them): ``w13.weight [E_local, 2I, H]``, ``w2.weight [E_local, H, I]``. Every
+    rank has every token (the hidden states are replicated over the group), computes the
+    assignments to its own experts, and the all-reduce sums the ranks' parts.
 
     Args:
         num_experts: ``E``.
@@ -97,6 +103,19 @@ class FusedMoE(nn.Module):
         self.checkpoint_layout = checkpoint_layout
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        # Expert parallelism: global expert id -> index in this rank's weights, -1 for the
+        # experts of other ranks. A buffer, so it follows the module to its device.
+        self.register_buffer("expert_map", None, persistent=False)
+        self.hidden_size = hidden_size
+        # A quantized checkpoint's experts (``tokenmill.model.layers.quantization.moe``).
+        self.quant_method: Any = None
+        if expert_parallel_enabled():
+            if mxfp4 or bias or checkpoint_layout != "per_expert":
+                raise ValueError("expert parallelism supports experts read from one tensor "
+                                 "per expert, without biases or MXFP4 (not Llama 4 or "
+                                 "gpt-oss)")  # fmt: skip
+            self._init_expert_parallel(num_experts, hidden_size, intermediate_size)
+            return
         unit = self.tp_size * (MXFP4_BLOCK if mxfp4 else 1)
         if intermediate_size % unit:
             raise ValueError(
@@ -108,9 +127,6 @@ class FusedMoE(nn.Module):
         i = self.intermediate_per_rank
         self.w13 = ExpertWeights(num_experts, 2 * i, hidden_size, self._load_w13, mxfp4, bias)
         self.w2 = ExpertWeights(num_experts, hidden_size, i, self._load_w2, mxfp4, bias)
-        self.hidden_size = hidden_size
-        # A quantized checkpoint's experts (``tokenmill.model.layers.quantization.moe``).
-        self.quant_method: Any = None
 
     def set_quant_method(self, method: Any) -> None:
         """Hold the experts' weights as ``method`` creates them (quantized checkpoints).
@@ -127,6 +143,20 @@ class FusedMoE(nn.Module):
                                     "this model's checkpoint stacks them (Llama 4)")  # fmt: skip
         self.quant_method = method
         method.create_weights(self)
+
+    def _init_expert_parallel(
+        self, num_experts: int, hidden_size: int, intermediate_size: int
+    ) -> None:
+        base, extra = divmod(num_experts, self.tp_size)
+        self.num_local_experts = base + (self.tp_rank < extra)
+        self.first_expert = self.tp_rank * base + min(self.tp_rank, extra)
+        local = torch.full((num_experts,), -1, dtype=torch.int32)
+        span = slice(self.first_expert, self.first_expert + self.num_local_experts)
+        local[span] = torch.arange(self.num_local_experts, dtype=torch.int32)
+        self.expert_map = local
+        self.intermediate_per_rank = i = intermediate_size
+        self.w13 = ExpertWeights(self.num_local_experts, 2 * i, hidden_size, self._load_w13)
+        self.w2 = ExpertWeights(self.num_local_experts, hidden_size, i, self._load_w2)
 
     @staticmethod
     def expert_params_mapping(
@@ -156,7 +186,9 @@ class FusedMoE(nn.Module):
             copy_checked(param, narrow_w13(full, self.tp_rank, i), "")
             return
         expert, part = self._parse_shard(shard_id, ("gate", "up"))
-        if self.tp_size > 1:
+        if expert < 0:
+            return  # another rank's expert
+        if self.tp_size > 1 and self.expert_map is None:
             loaded = loaded.narrow(0, self.tp_rank * i, i)
         target = param.data[expert].narrow(0, 0 if part == "gate" else i, i)
         check_shape(f"{getattr(param, '_tm_name', '?')}[{expert}, {part}]", target.shape,
@@ -171,19 +203,26 @@ class FusedMoE(nn.Module):
             copy_checked(param, narrow_w2(full, param.expert_part, self.tp_rank, i), "")
             return
         expert, _ = self._parse_shard(shard_id, ("down",))
-        if self.tp_size > 1:
+        if expert < 0:
+            return  # another rank's expert
+        if self.tp_size > 1 and self.expert_map is None:
             loaded = loaded.narrow(1, self.tp_rank * i, i)
         target = param.data[expert]
         check_shape(f"{getattr(param, '_tm_name', '?')}[{expert}]", target.shape, loaded.shape)
         target.copy_(loaded)
 
     def _parse_shard(self, shard_id: Any, parts: tuple[str, ...]) -> tuple[int, str]:
+        """``(index of the expert in this rank's weights, or -1 for another rank's, part)``."""
         if not isinstance(shard_id, tuple) or shard_id[1] not in parts:
             raise ValueError(f"expert weights need a shard id (expert, one of {parts}), "
                              f"got {shard_id!r}")
         if not 0 <= shard_id[0] < self.num_experts:
             raise ValueError(f"expert id {shard_id[0]} out of range [0, {self.num_experts})")
-        return int(shard_id[0]), shard_id[1]
+        expert = int(shard_id[0])
+        if self.expert_map is not None:
+            local = expert - self.first_expert
+            expert = local if 0 <= local < self.num_local_experts else -1
+        return expert, shard_id[1]
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -220,7 +259,7 @@ class FusedMoE(nn.Module):
             out = fused_experts(
                 hidden, w13.data, w2.data, weights, ids, w13_scale=w13.scale,
                 w2_scale=w2.scale, w13_bias=w13.bias, w2_bias=w2.bias,
-                activation=self.activation,
+                activation=self.activation, expert_map=self.expert_map,
             )  # fmt: skip
         if self.apply_router_weight_on_input and k > 1:
             out = out.view(tokens, k, -1).sum(dim=1)

@@ -93,12 +93,20 @@ def _dequantize(t, path: str) -> np.ndarray:
         raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name!r}: {e}") from e
 
 
+def _in_layers(gguf_name: str, layers: range) -> bool:
+    """Whether a tensor belongs to one of ``layers`` or to no layer (``blk.N.`` names)."""
+    if not gguf_name.startswith("blk."):
+        return True
+    return int(gguf_name.split(".", 2)[1]) in layers
+
+
 def iterate_gguf(
     path: str,
     hf_names: Iterable[str],
     num_heads: int,
     num_kv_heads: int,
     keep_quantized: bool = False,
+    layers: range | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor of the GGUF file: float32, or with
     ``keep_quantized`` a ``GGUFTensor`` of the file's blocks for quantized types.
@@ -110,6 +118,8 @@ def iterate_gguf(
         num_heads, num_kv_heads: to undo the Q/K row permutation.
         keep_quantized: keep quantized tensors in their blocks (rows are permuted as
             blocks: a row of blocks is one output feature).
+        layers: the layers (llama.cpp's blocks) to read; the others' tensors are skipped
+            undequantized (a pipeline stage). None: all.
 
     Raises:
         ModelLoadError: unreadable file, or a tensor with no known Hugging Face name.
@@ -151,6 +161,8 @@ def iterate_gguf(
     permute = arch in PERMUTED_QK_ARCHS
     norm_plus_one = arch in NORM_PLUS_ONE_ARCHS
     for t in reader.tensors:
+        if layers is not None and not _in_layers(t.name, layers):
+            continue  # another pipeline stage's layer
         if t.name in experts:  # [E, rows, ...]: one tensor per expert, as HF names them
             for hf_name, tensor in _tensor_items(t, experts[t.name], keep_quantized, path):
                 yield hf_name, tensor

@@ -10,8 +10,14 @@ import torch
 from torch import nn
 
 from tokenmill.config import KernelConfig, LoadConfig, ModelConfig, kernel_config_scope
+from tokenmill.distributed.parallel_state import (
+    get_pipeline_parallel_rank,
+    get_pipeline_parallel_world_size,
+    pipeline_stage_layers,
+)
 from tokenmill.hf_config import ModelLoadError
 from tokenmill.model.attention.backend import AttentionBackend
+from tokenmill.model.loader.weights import other_stage_prefixes
 from tokenmill.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -33,8 +39,11 @@ def expected_checkpoint_names(model: nn.Module) -> list[str]:
             names += [name.replace(f".{p}.", f".{c}.") for p, c in parts]
         else:
             names.append(name)
-    if "lm_head.weight" not in names:
-        names.append("lm_head.weight")
+    # A pipeline stage names the whole model's embedding and final norm too: a file holds
+    # them (and a tied LM head on the last stage loads the embedding).
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        if name not in names and (name == "lm_head.weight" or other_stage_prefixes(model)):
+            names.append(name)
     return names
 
 
@@ -190,7 +199,12 @@ def load_weights(
                 hf.num_attention_heads,
                 hf.get("num_key_value_heads", hf.num_attention_heads),
                 keep_quantized=keep_quantized,
-            )
+                layers=range(*pipeline_stage_layers(
+                    model_config.get_num_layers(),
+                    get_pipeline_parallel_rank(),
+                    get_pipeline_parallel_world_size(),
+                )),
+            )  # fmt: skip
             model.load_weights(weights, source=path)
         else:
             from tokenmill.model.loader.safetensors_loader import (

@@ -1,7 +1,8 @@
 """Read tensors from safetensors checkpoints (single file or sharded with an index).
 
-Files are memory-mapped and read tensor by tensor, so loading never holds a second full
-copy of the model in host memory.
+Files are memory-mapped and each tensor is handed out as a ``TensorSlice``: the weight
+loaders narrow it to the part their rank holds (tensor, pipeline and expert parallelism)
+and only that part is read, so no rank reads or holds a full copy of the model.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import struct
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -70,8 +72,105 @@ def _diagnose(path: str) -> str:
     return f"{path}: not a valid safetensors file"
 
 
-def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of ``files``, one at a time (CPU, mmap).
+# safetensors' dtype names.
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+class TensorSlice:
+    """A region of one checkpoint tensor, read from its file only when used.
+
+    ``narrow`` (as ``torch.Tensor.narrow``) selects a smaller region without reading;
+    ``read()`` returns the region as a CPU tensor. It also stands in for a tensor in torch
+    calls: ``param.data.copy_(tensor_slice)`` reads the region and copies it (the torch
+    function protocol, ``__torch_function__``); ``.dtype`` comes from the file's header;
+    indexing and any other tensor attribute (``.to(...)``) are the read region's, so weight
+    loaders written for tensors take it unchanged.
+
+    Args:
+        handle: the tensor's ``safe_open(...).get_slice(name)``.
+        shape: the region's shape.
+        where: ``"file: tensor 'name'"``, for errors.
+        index: the region, one slice per dimension (None: the whole tensor).
+    """
+
+    def __init__(
+        self,
+        handle: Any,
+        shape: tuple[int, ...],
+        where: str,
+        index: tuple[slice, ...] | None = None,
+    ) -> None:
+        self._handle = handle
+        self.shape = torch.Size(shape)
+        self._where = where
+        self._index = index if index is not None else tuple(slice(0, n) for n in shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The tensor's dtype, from the file's header (nothing read)."""
+        return _DTYPES.get(self._handle.get_dtype()) or self.read().dtype
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def narrow(self, dim: int, start: int, length: int) -> TensorSlice:
+        """The sub-region ``[start, start + length)`` along ``dim``.
+
+        Raises:
+            IndexError: the range is outside the region.
+        """
+        dim = dim % self.dim()
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise IndexError(
+                f"narrow({dim}, {start}, {length}) outside a tensor of shape {tuple(self.shape)}"
+            )
+        offset = self._index[dim].start
+        index = list(self._index)
+        index[dim] = slice(offset + start, offset + start + length)
+        shape = list(self.shape)
+        shape[dim] = length
+        return TensorSlice(self._handle, tuple(shape), self._where, tuple(index))
+
+    def read(self) -> torch.Tensor:
+        """The region as a CPU tensor (read from the file now).
+
+        Raises:
+            ModelLoadError: the file cannot be read there (truncated, corrupt).
+        """
+        try:
+            return self._handle[self._index]  # () for a scalar
+        except Exception as e:
+            raise ModelLoadError(f"{self._where}: cannot read: {e}") from e
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.read()[index]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        args = tuple(a.read() if isinstance(a, TensorSlice) else a for a in args)
+        return func(*args, **(kwargs or {}))
+
+    def __getattr__(self, name: str) -> Any:
+        # Any other tensor attribute or method (``.to``, ``.view``...) is the
+        # read region's: loaders that need the values read them where they use them.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.read(), name)
+
+
+def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, TensorSlice]]:
+    """Yield ``(name, TensorSlice)`` for every tensor of ``files``, one at a time (mmap).
 
     Raises:
         ModelLoadError: a file is missing, truncated or corrupt (names the tensor when it
@@ -87,7 +186,9 @@ def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         with handle as f:
             for name in f.keys():
                 try:
-                    tensor = f.get_tensor(name)
+                    handle = f.get_slice(name)
+                    where = f"{path}: tensor {name!r}"
+                    tensor = TensorSlice(handle, tuple(handle.get_shape()), where)
                 except Exception as e:
                     raise ModelLoadError(f"{path}: cannot read tensor {name!r}: {e}") from e
                 yield name, tensor

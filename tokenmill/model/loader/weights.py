@@ -15,6 +15,7 @@ from torch import nn
 from tokenmill.hf_config import ModelLoadError
 from tokenmill.model.layers.linear import default_weight_loader
 from tokenmill.model.layers.quantization.bitsandbytes import checkpoint_param_name
+from tokenmill.model.layers.stage import PPMissingLayer
 from tokenmill.model.layers.weight_shape import WeightShapeError
 
 # Checkpoint tensors that hold no weights (buffers transformers used to save).
@@ -38,10 +39,14 @@ def load_model_weights(
         skip: checkpoint names to ignore (e.g. ``lm_head.weight`` with tied embeddings).
         source: the file(s) the tensors come from, for error messages.
 
+    Checkpoint tensors of modules another pipeline stage holds (``PPMissingLayer``) are
+    skipped unread.
+
     Raises:
         ModelLoadError: a tensor has the wrong shape, a checkpoint tensor matches no
             parameter, or a parameter got no tensor. The message names the tensor.
     """
+    elsewhere = other_stage_prefixes(model)
     params = dict(model.named_parameters())
     for name, param in params.items():
         param._tm_name = name  # type: ignore[attr-defined]
@@ -53,6 +58,8 @@ def load_model_weights(
     loaded: dict[str, set] = {}
     for ckpt_name, tensor in weights:
         if ckpt_name in skip or ckpt_name.endswith(IGNORED_SUFFIXES):
+            continue
+        if elsewhere and ckpt_name.startswith(elsewhere):
             continue
         name, shard_id = checkpoint_param_name(ckpt_name), None
         for part, ckpt_part, sid in stacked_params_mapping:
@@ -89,6 +96,16 @@ def load_model_weights(
             f"{source}: no weights for {len(missing)} parameter(s) of {type(model).__name__}: "
             f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
         )
+
+
+def other_stage_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Name prefixes (``model.layers.7.``) of the modules of ``model`` that other pipeline
+    stages hold: placeholders without weights (``PPMissingLayer``)."""
+    return tuple(
+        f"{name}."
+        for name, module in model.named_modules()
+        if isinstance(module, PPMissingLayer)
+    )
 
 
 def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3,

@@ -1,8 +1,14 @@
 """What every decoder-only model here shares: the layer stack and the causal-LM shell.
 
-A family's file defines its decoder layer and builds ``embed_tokens``, ``layers`` and
-``norm`` in a ``DecoderModel`` subclass (the submodule names are the checkpoints'); its
-``DecoderForCausalLM`` subclass builds that model and calls ``attach``.
+A family's file defines its decoder layer and builds ``embed_tokens`` (``first_stage``),
+``layers`` (``stage_layers``) and ``norm`` (``last_stage``) in a ``DecoderModel`` subclass
+(the submodule names are the checkpoints'); its ``DecoderForCausalLM`` subclass builds that
+model and calls ``attach``.
+
+Under pipeline parallelism a rank builds only its stage: the layers outside it, the
+embedding off the first stage and the final norm and LM head off the last are
+``PPMissingLayer`` placeholders (no weights; the loader skips their checkpoint tensors), so
+layer indices and checkpoint names stay those of the whole model.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.model.layers.stage import PPMissingLayer, last_stage
 from tokenmill.model.loader.weights import load_model_weights
 
 
@@ -64,11 +71,17 @@ class DecoderModel(nn.Module):
     Subclasses set ``embed_tokens``, ``layers`` (each called as ``layer(positions, hidden,
     residual, metadata) -> (hidden, residual)``) and ``norm`` (an RMSNorm that adds the
     residual first).
+
+    A pipeline stage other than the first reads its input, the previous stage's hidden
+    states and residual as ``[T, 2H]``, from ``stage_input`` (a ``[max_tokens, 2H]`` buffer
+    the model runner binds and fills); a stage other than the last returns them in that
+    form instead of normed hidden states.
     """
 
-    embed_tokens: VocabEmbedding
+    embed_tokens: nn.Module
     layers: nn.ModuleList
     norm: nn.Module
+    stage_input: torch.Tensor | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings ``[T, H]`` (families that scale them override this)."""
@@ -83,10 +96,18 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """``inputs_embeds`` ``[T, H]``, when given, replaces the embedding of ``input_ids``
         (multimodal models: image embeddings merged at their placeholder tokens)."""
-        hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
+        if isinstance(self.embed_tokens, PPMissingLayer):
+            assert self.stage_input is not None, "the pipeline stage's input is not bound"
+            hidden, residual = self.stage_input[: input_ids.shape[0]].chunk(2, dim=-1)
+            hidden, residual = hidden.contiguous(), residual.contiguous()
+        else:
+            hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, metadata)
+            if not isinstance(layer, PPMissingLayer):
+                hidden, residual = layer(positions, hidden, residual, metadata)
+        if isinstance(self.norm, PPMissingLayer):
+            return torch.cat((hidden, residual), dim=-1)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -118,9 +139,12 @@ class DecoderForCausalLM(nn.Module):
             soft_cap: final logit soft-capping, if the family uses it.
         """
         self.model = model
-        self.lm_head = LMHead(self.config.vocab_size, self.config.hidden_size, soft_cap=soft_cap)
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(model.embed_tokens)
+        self.lm_head = last_stage(
+            lambda: LMHead(self.config.vocab_size, self.config.hidden_size, soft_cap=soft_cap)
+        )
+        if self.tie_word_embeddings and isinstance(model.embed_tokens, VocabEmbedding):
+            if isinstance(self.lm_head, LMHead):
+                self.lm_head.tie_to(model.embed_tokens)
 
     def forward(
         self,
@@ -138,4 +162,21 @@ class DecoderForCausalLM(nn.Module):
         self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
     ) -> None:
         skip = ("lm_head.weight",) if self.tie_word_embeddings else ()
+        if self.tie_word_embeddings and isinstance(self.model.embed_tokens, PPMissingLayer):
+            # The LM head of the last stage is tied to an embedding another stage holds:
+            # it loads the embedding's tensor as its own weight.
+            weights = _embedding_as_lm_head(weights)
+            skip = ()
         load_model_weights(self, weights, self.stacked_params_mapping, skip=skip, source=source)
+
+
+def _embedding_as_lm_head(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint with ``model.embed_tokens.weight`` renamed ``lm_head.weight`` (a
+    checkpoint's own ``lm_head.weight`` of a tied model is a copy, dropped)."""
+    for name, tensor in weights:
+        if name == "model.embed_tokens.weight":
+            yield "lm_head.weight", tensor
+        elif name != "lm_head.weight":
+            yield name, tensor

@@ -25,6 +25,7 @@ from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding, get_rope
+from tokenmill.model.layers.stage import first_stage, last_stage, stage_layers
 from tokenmill.model.models.decoder import DecoderForCausalLM, DecoderModel, open_residual
 from tokenmill.model.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -175,18 +176,25 @@ class Gemma3Model(DecoderModel):
         self, config: HFConfig, max_model_len: int, backend: type[AttentionBackend]
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = first_stage(
+            lambda: VocabEmbedding(config.vocab_size, config.hidden_size)
+        )
         self.embed_scale = config.hidden_size**0.5
         layer_types = self.layer_types(config)
         # NOTE: one RoPE table per layer type, shared by its layers (a table is
         # max_position x head_dim floats: 32 MiB for Gemma 3 270M).
         ropes = {t: self._rope(config, t, max_model_len) for t in sorted(set(layer_types))}
         window = config.get("sliding_window")
-        self.layers = nn.ModuleList(
-            self.make_layer(config, i, backend, ropes[t], window if t == SLIDING else None)
-            for i, t in enumerate(layer_types)
+        self.layers = stage_layers(
+            len(layer_types),
+            lambda i: self.make_layer(
+                config, i, backend, ropes[layer_types[i]],
+                window if layer_types[i] == SLIDING else None,
+            ),
+        )  # fmt: skip
+        self.norm = last_stage(
+            lambda: RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6), offset=1.0)
         )
-        self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6), offset=1.0)
 
     layer_types = staticmethod(gemma3_layer_types)
     rope_of = staticmethod(gemma3_rope)

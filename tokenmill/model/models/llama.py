@@ -22,6 +22,7 @@ from tokenmill.model.layers.linear import (
 )
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import get_rope
+from tokenmill.model.layers.stage import first_stage, last_stage, stage_layers
 from tokenmill.model.models.decoder import (
     DecoderForCausalLM,
     DecoderModel,
@@ -151,12 +152,16 @@ class LlamaModel(DecoderModel):
         o_bias: bool,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, max_model_len, backend, qkv_bias, o_bias)
-            for i in range(config.num_hidden_layers)
+        self.embed_tokens = first_stage(
+            lambda: VocabEmbedding(config.vocab_size, config.hidden_size)
         )
-        self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6))
+        self.layers = stage_layers(
+            config.num_hidden_layers,
+            lambda i: LlamaDecoderLayer(config, i, max_model_len, backend, qkv_bias, o_bias),
+        )
+        self.norm = last_stage(
+            lambda: RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6))
+        )
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

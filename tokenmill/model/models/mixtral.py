@@ -15,6 +15,7 @@ from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.fused_moe import FusedMoE
 from tokenmill.model.layers.linear import ReplicatedLinear
 from tokenmill.model.layers.norm import RMSNorm
+from tokenmill.model.layers.stage import first_stage, last_stage, stage_layers
 from tokenmill.model.models.decoder import (
     DecoderForCausalLM,
     DecoderModel,
@@ -69,12 +70,16 @@ class MixtralModel(DecoderModel):
         self, config: HFConfig, max_model_len: int, backend: type[AttentionBackend]
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            MixtralDecoderLayer(config, i, max_model_len, backend)
-            for i in range(config.num_hidden_layers)
+        self.embed_tokens = first_stage(
+            lambda: VocabEmbedding(config.vocab_size, config.hidden_size)
         )
-        self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-5))
+        self.layers = stage_layers(
+            config.num_hidden_layers,
+            lambda i: MixtralDecoderLayer(config, i, max_model_len, backend),
+        )
+        self.norm = last_stage(
+            lambda: RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-5))
+        )
 
 
 class MixtralForCausalLM(DecoderForCausalLM):

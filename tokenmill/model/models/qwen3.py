@@ -17,6 +17,7 @@ from tokenmill.hf_config import HFConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.norm import RMSNorm
+from tokenmill.model.layers.stage import first_stage, last_stage, stage_layers
 from tokenmill.model.models.decoder import (
     DecoderForCausalLM,
     DecoderModel,
@@ -92,12 +93,16 @@ class Qwen3Model(DecoderModel):
         make_mlp: MLPFactory,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, i, max_model_len, backend, make_mlp(i))
-            for i in range(config.num_hidden_layers)
+        self.embed_tokens = first_stage(
+            lambda: VocabEmbedding(config.vocab_size, config.hidden_size)
         )
-        self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6))
+        self.layers = stage_layers(
+            config.num_hidden_layers,
+            lambda i: Qwen3DecoderLayer(config, i, max_model_len, backend, make_mlp(i)),
+        )
+        self.norm = last_stage(
+            lambda: RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6))
+        )
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):

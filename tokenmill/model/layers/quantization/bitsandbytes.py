@@ -31,6 +31,7 @@ from tokenmill.model.layers.quantization.base import (
     copy_shard,
     set_layout,
 )
+from tokenmill.model.layers.weight_shape import check_shape
 
 # Checkpoint names ``<layer>.weight.<state>`` -> our parameter ``<layer>.weight_<state>``.
 STATE_SUFFIXES = ("absmax", "quant_map", "nested_absmax", "nested_quant_map",
@@ -76,6 +77,7 @@ class BitsAndBytesLinearMethod(LinearMethod):
             p.tm_optional = True  # type: ignore[attr-defined]  # pre-quantized only
             setattr(layer, attr, p)
         layer.bnb_parts = {}
+        layer.bnb_slices = {}
         layer.bnb_dtype = dtype
 
     def load_weight(self, layer, param, loaded, s: ShardSlice) -> None:
@@ -87,21 +89,41 @@ class BitsAndBytesLinearMethod(LinearMethod):
             return
         start = s.dst_start or 0
         size = s.size if s.size is not None else sum(layer.output_partition_sizes)
-        layer.bnb_parts.setdefault((start, size), {})[name] = loaded
+        # A pre-quantized part is the whole checkpoint tensor (its packed values and block
+        # scales do not split by rows and columns): each rank dequantizes it whole and keeps
+        # its slice ``s``. Kept until the layer is complete, read now: bitsandbytes takes
+        # tensors, not the lazily read checkpoint regions of the safetensors loader.
+        layer.bnb_parts.setdefault((start, size), {})[name] = loaded.contiguous()
+        layer.bnb_slices[(start, size)] = s
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         bnb = _import_bnb()
         weight = layer.weight.data
         device = weight.device
+        # Rows' absmax of a pre-quantized 8-bit checkpoint (0: none), kept as they are.
+        row_absmax = torch.zeros(weight.shape[0], device=device)
         for (start, size), state in sorted(layer.bnb_parts.items()):
-            weight[start : start + size] = _dequantize_part(bnb, state, size, layer.input_size,
-                                                            device).to(weight.dtype)
-        layer.bnb_parts = {}
+            s = layer.bnb_slices[(start, size)]
+            part = _rank_slice(_dequantize_part(bnb, state, device), s, size, layer.input_size,
+                               getattr(layer.weight, "_tm_name", "weight"))
+            weight[start : start + size] = part.to(weight.dtype)
+            if "SCB" in state:
+                scb = state["SCB"].to(device).float()
+                row_absmax[start : start + size] = scb[s.src_start : s.src_start + size]
+        layer.bnb_parts, layer.bnb_slices = {}, {}
         for name in list(layer._parameters):
             if name != "bias":
                 delattr(layer, name)
         if self.bits == 8:
             cb, scb, _ = bnb.functional.int8_vectorwise_quant(weight.float())
+            # NOTE: a row-parallel rank holds part of each row: quantized with the whole
+            # row's absmax, it keeps the checkpoint's codes (its own absmax would round
+            # them anew).
+            kept = row_absmax > 0
+            if kept.any():
+                scale = 127 / row_absmax[kept, None]
+                cb[kept] = torch.round(weight[kept].float() * scale).clamp(-127, 127).to(cb.dtype)
+                scb[kept] = row_absmax[kept]
             layer.register_buffer("bnb_int8", cb, persistent=False)
             layer.register_buffer("bnb_row_scale", (scb / 127).to(layer.bnb_dtype),
                                   persistent=False)
@@ -125,9 +147,25 @@ class BitsAndBytesLinearMethod(LinearMethod):
         return y if bias is None else y + bias
 
 
-def _dequantize_part(bnb: Any, state: dict[str, torch.Tensor], rows: int, cols: int,
+def _rank_slice(weight: torch.Tensor, s: ShardSlice, rows: int, cols: int,
+                name: str) -> torch.Tensor:
+    """This rank's ``[rows, cols]`` of a whole ``[N, K]`` weight: output features from
+    ``s.src_start``, input features from ``s.in_start`` (row-parallel ranks).
+
+    Raises:
+        WeightShapeError: the checkpoint tensor is too small for the layer.
+    """
+    in_start = s.in_start or 0
+    # A whole layer (no slice) takes the whole tensor; a slice, a region inside it.
+    n = rows if s.size is None else max(weight.shape[0], s.src_start + rows)
+    k = cols if s.in_start is None else max(weight.shape[1], in_start + cols)
+    check_shape(name, (n, k), weight.shape)
+    return weight[s.src_start : s.src_start + rows, in_start : in_start + cols]
+
+
+def _dequantize_part(bnb: Any, state: dict[str, torch.Tensor],
                      device: torch.device) -> torch.Tensor:
-    """A pre-quantized checkpoint part -> ``[rows, cols]`` float32."""
+    """A pre-quantized checkpoint tensor -> its whole ``[N, K]`` weight in float32."""
     packed = state.get("weight")
     if packed is None:
         raise QuantizationError("a bitsandbytes checkpoint part has state but no weight")
@@ -145,7 +183,7 @@ def _dequantize_part(bnb: Any, state: dict[str, torch.Tensor], rows: int, cols: 
         qs_dict[key] = value
     quant_state = QuantState.from_dict(qs_dict, device=device)
     return bnb.functional.dequantize_4bit(packed.to(device), quant_state).float().reshape(
-        rows, cols)
+        quant_state.shape)
 
 
 class BitsAndBytesConfig(QuantizationConfig):
