@@ -170,3 +170,33 @@ def test_vllm_multi_gpu_flags(tmp_path, capsys):
     assert parser.parse_args(["--disable-custom-all-reduce"]).disable_custom_all_reduce
     code, _, err = run_main(capsys, ["serve", "-tp", "2", "--nnodes", "2"])
     assert code == 2 and "does not implement --nnodes" in err
+
+
+MLA = {
+    **CONFIG,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 8,
+}
+
+
+@pytest.mark.parametrize(
+    "config, kwargs, message",
+    [
+        (MLA, {"tensor_parallel_size": 2},
+         r"DeepseekV3ForCausalLM \(multi-head latent attention\) does not split"),
+        ({**CONFIG, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"},
+         {"pipeline_parallel_size": 2}, "GptOssForCausalLM .* does not split"),
+        (CONFIG, {"pipeline_parallel_size": 2, "enable_sleep_mode": True},
+         "--enable-sleep-mode is not implemented with pipeline parallelism"),
+        (CONFIG, {"pipeline_parallel_size": 2, "kv_offloading_size": 1.0},
+         "--kv-offloading-size is not implemented with pipeline parallelism"),
+    ],
+)  # fmt: skip
+def test_combinations_refused_at_start_up(tmp_path, config, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        _config(_folder(tmp_path, config), **kwargs).create_engine_config()

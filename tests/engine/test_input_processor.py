@@ -250,3 +250,15 @@ def test_allowed_tokens_that_are_all_bad_words(processor, smollm2_tokenizer):
     [paris] = smollm2_tokenizer.encode(" Paris", add_special_tokens=False)
     with pytest.raises(InvalidRequestError, match="no token could be sampled"):
         processor.process("r", [1], SamplingParams(bad_words=["Paris"], allowed_token_ids=[paris]))
+
+
+def test_beam_search_is_refused_under_pipeline_parallelism(smollm2_tokenizer):
+    from tokenmill.sampling_params import BeamSearchParams
+
+    processor = InputProcessor(
+        make_config(), smollm2_tokenizer, max_logprobs=20, max_num_seqs=8,
+        pipeline_parallel_size=2,
+    )  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="beam search is not implemented with "
+                                                  "pipeline parallelism"):  # fmt: skip
+        processor.process("r1", "Hello", BeamSearchParams(beam_width=2, max_tokens=4))
