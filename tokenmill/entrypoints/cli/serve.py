@@ -36,7 +36,6 @@ UNIMPLEMENTED_FLAGS = (
     "--lora-modules",
     "--max-loras",
     "--max-lora-rank",
-    "--speculative-config",
     "--enable-auto-tool-choice",
     "--tool-call-parser",
     "--tool-parser-plugin",
