@@ -92,13 +92,16 @@ class Proposer(abc.ABC):
         model runner has the target keep them (``VerifiedStep.aux_hidden_states``)."""
         return ()
 
-    def kv_cache_bytes_per_block(self) -> int:
-        """Bytes of the proposer's own KV per block of ``block_size`` tokens (0: none)."""
-        return 0
+    def kv_cache_layers(self) -> list[tuple[int, int]]:
+        """``(num_kv_heads, head_dim)`` of each attention layer the proposer runs with a KV
+        cache of its own (empty: none). The model runner allocates those caches with the
+        target's block count, block size and dtype, so that block ``b`` holds the target's
+        and the proposer's KV of the same tokens and one block pool accounts for both."""
+        return []
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:  # noqa: B027 - optional hook
-        """Allocate the proposer's KV cache: ``num_blocks`` blocks with the target's block
-        ids, so one block pool accounts for both."""
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:  # noqa: B027
+        """Take the caches of ``kv_cache_layers`` (``[2, num_blocks, block_size, heads,
+        head_dim]`` each, in that order)."""
 
     @abc.abstractmethod
     def propose(self, step: VerifiedStep) -> list[list[int]]:

@@ -153,8 +153,10 @@ class ModelRunner:
         mc = self.config.model_config
         per_layer = 2 * self.block_size * mc.get_num_kv_heads() * mc.get_head_dim()
         size = per_layer * mc.get_num_layers() * torch.tensor([], dtype=self.dtype).element_size()
-        # A speculative proposer's own KV of the same tokens lives in the same block ids.
-        return size + (self.spec_decode.kv_cache_bytes_per_block() if self.spec_decode else 0)
+        if self.spec_decode is not None:
+            # A speculative proposer's own KV of the same tokens lives in the same block ids.
+            size += self.spec_decode.kv_cache_bytes_per_block(self.block_size, self.dtype)
+        return size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer and bind it.
@@ -174,7 +176,16 @@ class ModelRunner:
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
         if self.spec_decode is not None:
-            self.spec_decode.initialize_kv_cache(num_blocks)
+            self.spec_decode.initialize_kv_cache(
+                num_blocks,
+                lambda heads, head_dim: zeroed_tensor(
+                    tuple(self.attn_backend.get_kv_cache_shape(
+                        num_blocks, self.block_size, heads, head_dim
+                    )),
+                    self.dtype,
+                    self.device,
+                ),
+            )  # fmt: skip
 
     def plan_cuda_graphs(self) -> StepGraphs | None:
         """The CUDA graphs start-up captures (``StepGraphs.plan``), uncaptured, planned once;

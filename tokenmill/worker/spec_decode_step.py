@@ -14,6 +14,7 @@ so the proposer is not asked for theirs (and the scheduler drops any).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -88,6 +89,7 @@ class SpecDecodeStep:
     def __init__(self, config: EngineConfig, proposer: Proposer) -> None:
         self.proposer = proposer
         self.max_model_len = config.model_config.max_model_len
+        self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.vocab_size = config.model_config.vocab_size
         # Per InputBatch row: drafts it verifies in the current step.
         self.num_drafts = np.zeros(config.scheduler_config.max_num_seqs, dtype=np.int64)
@@ -105,13 +107,24 @@ class SpecDecodeStep:
         self.proposer.load_model(target)
         layers = self.proposer.aux_hidden_layers()
         if layers:
-            target.model.keep_aux_hidden_states(layers)  # type: ignore[union-attr, operator]
+            keep = getattr(target.model, "keep_aux_hidden_states", None)
+            if keep is None:
+                raise ValueError(f"{type(target).__name__} cannot serve an EAGLE-3 head")
+            keep(layers, self.max_num_tokens)
 
-    def kv_cache_bytes_per_block(self) -> int:
-        return self.proposer.kv_cache_bytes_per_block()
+    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of the proposer's own KV in one block (K and V of every layer)."""
+        size = torch.tensor([], dtype=dtype).element_size()
+        return sum(2 * block_size * h * d * size for h, d in self.proposer.kv_cache_layers())
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.proposer.initialize_kv_cache(num_blocks)
+    def initialize_kv_cache(
+        self, num_blocks: int, allocate: Callable[[int, int], torch.Tensor]
+    ) -> None:
+        """Give the proposer its KV caches, ``allocate(num_kv_heads, head_dim)`` each (the
+        model runner's layout over ``num_blocks`` blocks)."""
+        layers = self.proposer.kv_cache_layers()
+        if layers:
+            self.proposer.bind_kv_caches([allocate(h, d) for h, d in layers])
 
     # ---- one step ---------------------------------------------------------------------
 
