@@ -200,3 +200,22 @@ def test_a_head_checkpoint_without_its_files_is_a_clear_error(
     spec = {"model": str(head), "num_speculative_tokens": 2}
     with pytest.raises(ModelLoadError, match="no \\*.safetensors or pytorch_model.bin"):
         LLM(tiny_target, tokenizer=smollm2_gguf_path, speculative_config=spec, **KW)
+
+
+def test_an_eagle3_d2t_outside_the_vocabulary_is_refused(
+    eagle3_head, tiny_target, smollm2_gguf_path, tmp_path
+):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.hf_config import ModelLoadError
+
+    head = tmp_path / "bad-eagle3"
+    shutil.copytree(eagle3_head, head)
+    weights = load_file(head / "model.safetensors")
+    weights["d2t"] = torch.full_like(weights["d2t"], 10_000)
+    save_file(weights, head / "model.safetensors")
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
+    with pytest.raises(ModelLoadError, match="d2t must map each of the 100 draft tokens"):
+        LLM(tiny_target, tokenizer=smollm2_gguf_path, speculative_config=spec, **KW)

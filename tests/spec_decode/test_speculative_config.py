@@ -74,6 +74,9 @@ def test_eagle_heads_must_match_the_targets_hidden_size(tiny_model_dir, tmp_path
     spec["method"] = "eagle3"
     with pytest.raises(ConfigError, match="reads hidden states of size 32"):
         _config(tiny_model_dir, spec)
+    (head / "config.json").write_text(json.dumps({**source, "draft_vocab_size": 10**6}))
+    with pytest.raises(ConfigError, match="drafts over 1000000 tokens, more than"):
+        _config(tiny_model_dir, spec)
 
 
 def test_mtp_is_refused_for_a_model_without_mtp_layers(tiny_model_dir):

@@ -227,3 +227,9 @@ def _check_draft(method: str, draft: ModelConfig, target: ModelConfig) -> None:
             f"--speculative-config: the EAGLE-3 head {draft.model} reads hidden states of "
             f"size {draft_hidden}, the target's are {target_hidden}"
         )
+    draft_vocab = hf.get("draft_vocab_size") or target.vocab_size
+    if method == "eagle3" and draft_vocab > target.vocab_size:
+        raise ConfigError(
+            f"--speculative-config: the EAGLE-3 head {draft.model} drafts over {draft_vocab} "
+            f"tokens, more than the target's {target.vocab_size}"
+        )

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
+from tokenmill.hf_config import ModelLoadError
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.model.layers.linear import QKVParallelLinear, ReplicatedLinear
@@ -169,6 +170,7 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"EAGLE-3 heads have one layer, this one {config.num_hidden_layers}")
         hidden = config.hidden_size
         target_hidden = config.get("target_hidden_size") or hidden
+        self.vocab_size = config.vocab_size
         self.draft_vocab_size = config.get("draft_vocab_size") or config.vocab_size
         self.embed_tokens = (
             VocabEmbedding(config.vocab_size, hidden) if own_embedding else None
@@ -206,9 +208,24 @@ class Eagle3Head(nn.Module):
         return draft + self.d2t[draft]
 
     def load_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
+        """Load the checkpoint's tensors.
+
+        Raises:
+            ModelLoadError: a tensor that fits no parameter, a missing one, or a ``d2t``
+                that maps a draft token outside the target's vocabulary.
+        """
         d2t = weights.pop("d2t", None)
         if d2t is not None:
-            self.d2t.copy_(d2t.to(torch.int64))
+            d2t = d2t.to(torch.int64)
+            targets = torch.arange(len(d2t)) + d2t
+            if len(d2t) != self.draft_vocab_size or not (
+                (targets >= 0) & (targets < self.vocab_size)
+            ).all():
+                raise ModelLoadError(
+                    f"{source}: d2t must map each of the {self.draft_vocab_size} draft tokens "
+                    f"into the target's {self.vocab_size}"
+                )
+            self.d2t.copy_(d2t)
         weights.pop("t2d", None)
         # Some EAGLE-3 checkpoints name the layer as the first of a stack.
         renamed = {
