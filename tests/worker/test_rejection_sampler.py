@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.worker.rejection_sampler import rejection_sample
+from tokenmill.worker.rejection_sampler import greedy_verify, rejection_sample
 from tokenmill.worker.sampling_metadata import (
     SamplingMetadata,
     SamplingRow,
@@ -157,3 +157,18 @@ def test_penalties_see_the_drafts_before_each_position():
     meta = build_sampling_metadata(_rows(params, [], [1]), 3, torch.device("cpu"))
     out = rejection_sample(logits, meta, torch.tensor([1]), [1])
     assert out.token_ids.tolist() == [[1, 2]]
+
+
+def test_the_host_greedy_verdict_is_the_samplers():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        counts = rng.integers(0, 5, size=int(rng.integers(1, 6)))
+        logits = torch.randn(int(counts.sum() + len(counts)), 4)
+        drafts = torch.from_numpy(rng.integers(0, 4, size=int(counts.sum())))
+        meta = SamplingMetadata(temperature=torch.ones(len(logits)), all_greedy=True,
+                                all_random=False)  # fmt: skip
+        out = rejection_sample(logits, meta, drafts, counts.tolist())
+        expected = [row[:n] for row, n in zip(out.token_ids.tolist(), out.num_tokens.tolist(),
+                                              strict=True)]  # fmt: skip
+        host = greedy_verify(logits.argmax(-1).numpy(), drafts.numpy(), counts)
+        assert host == expected

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.worker.sampler import (
@@ -235,3 +236,35 @@ def _emitted_logprobs(
     chosen = token_ids[keep.to(token_ids.device)]
     raw = torch.log_softmax(logits[rows.to(logits.device)].float(), dim=-1)
     return gather_logprobs(raw, chosen, metadata.max_num_logprobs)
+
+
+def greedy_verify(
+    target_ids: np.ndarray, draft_token_ids: np.ndarray, num_drafts: np.ndarray
+) -> list[list[int]]:
+    """``rejection_sample`` for requests that all decode greedily with no logits processor,
+    on the host: a draft is accepted while it is the target's argmax.
+
+    Args:
+        target_ids: ``[N]`` the target's argmax at each verified position (rows as for
+            ``rejection_sample``).
+        draft_token_ids: ``[sum(num_drafts)]`` the drafts, in request order.
+        num_drafts: ``[R]`` drafts per request.
+
+    Returns:
+        Per request, its accepted drafts and then the target's own token.
+    """
+    counts = num_drafts.astype(np.int64)
+    starts = np.cumsum(counts + 1) - counts - 1
+    k_max = int(counts.max(initial=0))
+    col = np.arange(k_max)
+    valid = col[None, :] < counts[:, None]
+    rows = np.minimum(starts[:, None] + col[None, :], len(target_ids) - 1)
+    drafts = np.full((len(counts), k_max), -1, dtype=np.int64)
+    drafts[valid] = draft_token_ids
+    match = valid & (drafts == target_ids[rows])
+    num_accepted = np.cumprod(match, axis=1).sum(axis=1) if k_max else np.zeros_like(counts)
+    last = target_ids[starts + num_accepted]
+    return [
+        [*row[:n], int(t)]
+        for row, n, t in zip(drafts.tolist(), num_accepted.tolist(), last.tolist(), strict=True)
+    ]

@@ -27,8 +27,8 @@ from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.spec_decode.proposer import Proposer, VerifiedStep
 from tokenmill.worker.input_batch import InputBatch
-from tokenmill.worker.rejection_sampler import rejection_sample
-from tokenmill.worker.sampler import LogprobsTensors, Sampler
+from tokenmill.worker.rejection_sampler import greedy_verify, rejection_sample
+from tokenmill.worker.sampler import LogprobsTensors, Sampler, wide_argmax
 from tokenmill.worker.sampling_metadata import (
     SamplingMetadata,
     SamplingRow,
@@ -211,6 +211,10 @@ class SpecDecodeStep:
                                                          num_drafts)
         )  # fmt: skip
         draft_ids = batch.token_ids[np.repeat(rows, num_drafts), cols].astype(np.int64)
+        if batch.simple_sampling[rows].all() and batch.greedy[rows].all():
+            # Greedy without processors: the argmax is the whole verdict, one small copy.
+            targets = np.asarray(wide_argmax(logits).tolist(), dtype=np.int64)
+            return greedy_verify(targets, draft_ids, num_drafts), {}
         metadata = self._metadata(runner, so, inputs, rows, num_drafts)
         out = rejection_sample(
             logits,
@@ -219,8 +223,10 @@ class SpecDecodeStep:
             counts,
             sampler=runner.sampler,
         )
-        num_tokens = out.num_tokens.tolist()
-        tokens = [t[:n] for t, n in zip(out.token_ids.tolist(), num_tokens, strict=True)]
+        # One copy to the host: each row's count, then its tokens.
+        packed = torch.cat([out.num_tokens[:, None], out.token_ids], dim=1).tolist()
+        num_tokens = [row[0] for row in packed]
+        tokens = [row[1 : 1 + row[0]] for row in packed]
         logprobs: dict[str, LogprobsLists] = {}
         if out.logprobs is not None:
             logprobs = self._logprobs(batch, inputs, out.logprobs, num_tokens)
