@@ -92,6 +92,8 @@ def smollm2_model(smollm2_gguf_path):
     from tokenmill.model.attention.torch_ref import TorchAttentionBackend
     from tokenmill.model.loader.model_loader import get_model
 
-    cfg = EngineArgs(model=smollm2_gguf_path, dtype="float32", device="cpu").create_engine_config()
+    # The float32 path (weights dequantized at load), compared with transformers' float32.
+    cfg = EngineArgs(model=smollm2_gguf_path, dtype="float32", device="cpu", gguf_dequantize=True)
+    cfg = cfg.create_engine_config()
     model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), TorchAttentionBackend)
     return model, cfg.model_config

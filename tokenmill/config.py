@@ -59,6 +59,9 @@ class ModelConfig:
         chat_template: a Jinja template (its text) that replaces the model's own.
         pooler_config: how token states become one embedding; set (resolved) for
             embedding models only, None for generative models.
+        quantization: how the weights are quantized (``awq``, ``gptq``,
+            ``compressed-tensors``, ``bitsandbytes``, ``gguf``), None when they are not (a
+            GGUF file loaded with ``--gguf-dequantize`` included).
     """
 
     model: str
@@ -73,6 +76,7 @@ class ModelConfig:
     chat_template: str | None = None
     pooler_config: PoolerConfig | None = None
     served_model_aliases: tuple[str, ...] = ()
+    quantization: str | None = None
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -241,7 +241,19 @@ class EngineArgs:
         "ignore it; or a folder holding one.",
         default="auto",
     )
-    quantization: str | None = _flag("Quantization method (none implemented yet).")
+    quantization: str | None = _flag(
+        "Quantization method of the weights: awq, gptq (or awq_marlin, gptq_marlin: the same "
+        "checkpoints), compressed-tensors, bitsandbytes (also quantizes an unquantized "
+        "checkpoint while loading) or gguf. Default: from the checkpoint's "
+        "quantization_config, gguf for .gguf files.",
+        aliases=["-q"],
+    )
+    gguf_dequantize: bool = _flag(
+        "GGUF files: load the weights dequantized to --dtype instead of keeping them in their "
+        "GGUF blocks (about 4x the weight memory in float32; the float path transformers "
+        "computes, for comparisons).",
+        default=False,
+    )
     pooler_config: str | dict[str, Any] | None = _flag(
         "Embedding models: a JSON object overriding the pooling of the model folder's "
         'sentence-transformers files, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
@@ -264,25 +276,7 @@ class EngineArgs:
         """Add one flag per field (``--max-num-seqs`` for ``max_num_seqs``); ``defaults``
         replaces some fields' defaults for this command (value and help text)."""
         group = parser.add_argument_group("engine")
-        defaults = defaults or {}
-        for f in dataclasses.fields(cls):
-            meta = dict(f.metadata)
-            if not meta:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            names = [flag, *meta.pop("aliases", [])]
-            help_text = meta.pop("help")
-            default = defaults.get(f.name, f.default)
-            if default is not None and default is not dataclasses.MISSING:
-                help_text += f" (default: {default})"
-            kwargs: dict[str, Any] = {"dest": f.name, "help": help_text, "default": default, **meta}
-            if f.type in ("bool", bool, "bool | None"):
-                kwargs["action"] = argparse.BooleanOptionalAction
-            else:
-                kwargs.setdefault("type", _arg_type(f.type))
-            if f.name == "model" and positional_model:
-                continue
-            group.add_argument(*names, **kwargs)
+        add_dataclass_flags(group, cls, defaults, skip={"model"} if positional_model else ())
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -358,11 +352,17 @@ class EngineArgs:
                 f"--pipeline-parallel-size {self.pipeline_parallel_size}: pipeline parallelism "
                 "is not implemented yet"
             )
-        if self.quantization:
-            raise ConfigError(
-                f"--quantization {self.quantization}: no quantization method is implemented yet "
-                "(GGUF files are dequantized at load time)"
+        if self.quantization is not None:
+            from tokenmill.model.layers.quantization.selection import (
+                FLAG_METHODS,
+                resolve_quantization,
             )
+
+            if self.quantization not in FLAG_METHODS:  # refused before the model is read
+                try:
+                    resolve_quantization(self.quantization, {}, False)
+                except ValueError as e:
+                    raise ConfigError(str(e)) from None
         if not INT64_MIN <= self.seed <= INT64_MAX:
             raise ConfigError(f"--seed must be a 64-bit signed integer, got {self.seed}")
         names = self.served_model_name
@@ -443,6 +443,7 @@ class EngineArgs:
                 f"--max-model-len {max_model_len} is larger than the model's maximum context "
                 f"length of {model_len} tokens (from its config)"
             )
+        quantization = self._resolve_quantization(hf_config, model, device, dtype)
         served = self.served_model_name or [_default_served_name(model)]
         served = [served] if isinstance(served, str) else list(dict.fromkeys(served))
         return ModelConfig(
@@ -457,7 +458,31 @@ class EngineArgs:
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             pooler_config=pooler_config,
+            quantization=quantization,
         )
+
+    def _resolve_quantization(self, hf_config: Any, model: str, device: str, dtype: str
+                              ) -> str | None:
+        """The weights' quantization method (``resolve_quantization``), checked against the
+        device and dtype before any weight is read.
+
+        Raises:
+            ConfigError: an unsupported method or layout, or one the device cannot run.
+        """
+        from tokenmill.model.layers.quantization import get_quantization_config
+        from tokenmill.model.layers.quantization.selection import resolve_quantization
+
+        is_gguf = model.endswith(".gguf") and self.load_format in ("auto", "gguf")
+        try:
+            method = resolve_quantization(
+                self.quantization, hf_config, is_gguf, self.gguf_dequantize
+            )
+            config = get_quantization_config(method, hf_config, device)
+            if config is not None:
+                config.check_dtype(dtype, device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return method
 
     def _create_scheduler_config(
         self,
@@ -544,6 +569,34 @@ def _check_token_table_fits(max_num_seqs: int, max_model_len: int) -> None:
             f"{table_bytes / 2**30:,.1f} GiB table of token ids in host memory, more than "
             f"this machine's {memory_bytes / 2**30:,.1f} GiB: lower one of them"
         )
+
+
+def add_dataclass_flags(
+    group: Any,
+    cls: type,
+    defaults: dict[str, Any] | None = None,
+    skip: Any = (),
+) -> None:
+    """Add one flag per field of a dataclass whose fields carry ``_flag`` metadata
+    (``--max-num-seqs`` for ``max_num_seqs``; booleans get ``--no-`` forms); ``defaults``
+    replaces some fields' defaults (value and help text); ``skip`` names fields left out."""
+    defaults = defaults or {}
+    for f in dataclasses.fields(cls):
+        meta = dict(f.metadata)
+        if not meta or f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag, *meta.pop("aliases", [])]
+        help_text = meta.pop("help")
+        default = defaults.get(f.name, f.default)
+        if default is not None and default is not dataclasses.MISSING:
+            help_text += f" (default: {default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "help": help_text, "default": default, **meta}
+        if f.type in ("bool", bool, "bool | None"):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs.setdefault("type", _arg_type(f.type))
+        group.add_argument(*names, **kwargs)
 
 
 def _default_served_name(model: str) -> str:

@@ -99,6 +99,7 @@ GGUF_ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
 }
@@ -119,6 +120,9 @@ GGUF_KEYS = {
     "final_logit_softcapping": "final_logit_softcapping",
     "attn_logit_softcapping": "attn_logit_softcapping",
     "rope.freq_base_swa": "rope_local_base_freq",
+    "expert_count": "num_local_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
 }
 
 # llama.cpp's Gemma 3 graph: five sliding-window layers per global one, local RoPE base 1e4.
@@ -188,9 +192,23 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     data["tie_word_embeddings"] = "output.weight" not in tensor_names
     data["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     data["_gguf_architecture"] = arch
+    _derive_moe_config(data, arch, _gguf_field(reader, f"{arch}.expert_weights_norm"))
     if arch == "gemma3":
         _derive_gemma3_config(data, _gguf_field(reader, f"{arch}.attention.sliding_window_pattern"))
     return data
+
+
+def _derive_moe_config(data: dict[str, Any], arch: str, weights_norm: Any) -> None:
+    """Mixture-of-experts files: llama.cpp writes Mixtral as architecture ``llama`` with an
+    expert count; Qwen3-MoE renormalises its top-k routing weights (llama.cpp's graph does
+    unless the file says otherwise)."""
+    if not data.get("num_local_experts"):
+        data.pop("num_local_experts", None)
+        return
+    if arch == "llama":
+        data["architectures"], data["model_type"] = ["MixtralForCausalLM"], "mixtral"
+    elif arch == "qwen3moe":
+        data["norm_topk_prob"] = True if weights_norm is None else bool(weights_norm)
 
 
 def _derive_gemma3_config(data: dict[str, Any], pattern: Any) -> None:

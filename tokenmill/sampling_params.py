@@ -101,6 +101,9 @@ class StructuredOutputsParams:
         json_object: any JSON object (OpenAI's ``response_format: json_object``).
         disable_any_whitespace: JSON without whitespace between its tokens (by default any
             whitespace may appear there, as JSON allows).
+        reasoning_end_token_ids: the token ids that end a reasoning section (``</think>``):
+            the constraint applies to the output after their first appearance, and any token
+            may come before it. None: from the first token.
 
     Raises:
         SamplingParamsError: not exactly one field given, or a field of the wrong type.
@@ -112,6 +115,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = False
+    reasoning_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [
@@ -136,6 +140,14 @@ class StructuredOutputsParams:
             and all(isinstance(c, str) for c in self.choice),
             "json_object": self.json_object is True,
         }
+        ids = self.reasoning_end_token_ids
+        if ids is not None and not (
+            isinstance(ids, list) and ids and all(_is_int(t) and t >= 0 for t in ids)
+        ):
+            raise SamplingParamsError(
+                "structured_outputs.reasoning_end_token_ids must be a non-empty list of token ids.",
+                "structured_outputs",
+            )
         if not isinstance(self.disable_any_whitespace, bool):
             raise SamplingParamsError(
                 "structured_outputs.disable_any_whitespace must be true or false.",

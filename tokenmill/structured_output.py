@@ -1,15 +1,10 @@
-"""Structured outputs: grammars compiled by xgrammar, and each request's matcher.
+"""Structured outputs: the checks a constraint passes before the engine takes it.
 
-xgrammar (Dong et al. 2024, "XGrammar: Flexible and Efficient Structured Generation Engine
-for Large Language Models", arXiv:2411.15100) compiles a JSON schema, a regular expression
-or an EBNF grammar against the tokenizer's vocabulary; a matcher then gives, token by token,
-the bitmask of the tokens the grammar allows next. The engine core keeps one matcher per
-request: it fills the request's bitmask before each step that samples it (on worker threads
-within a time bound, ``core/grammar_masks.py``; the sampler masks the other tokens) and
-feeds the sampled token back; the request finishes when the grammar is complete.
-
-Such requests run synchronous steps (``SamplingParams.uses_full_sampler``): the bitmask of a
-step depends on the token sampled by the step before.
+A constraint (JSON schema, regular expression, choice or EBNF grammar) is refused with a
+clear error when it is too large to compile quickly, uses what xgrammar would not enforce, or
+does not parse; ``validate`` runs these checks on the server (and offline in the input
+processor). Compiling and following a constraint happen in the engine
+(``tokenmill/grammar_runtime.py``).
 """
 
 from __future__ import annotations
@@ -20,9 +15,6 @@ import re
 from functools import lru_cache
 from typing import Any
 
-import numpy as np
-
-from tokenmill.core.grammar_masks import GrammarMaskFiller
 from tokenmill.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -45,13 +37,6 @@ MAX_REPEAT = 1024
 MAX_REPEAT_TOTAL = 4096
 # Compiled grammars xgrammar keeps for reuse (each distinct schema takes ~1-5 MB).
 GRAMMAR_CACHE_BYTES = 256 << 20
-# The most CPU time one token mask may take (s). Every step that samples a request fills
-# its mask, and the step waits for it, so an ambiguous pattern stalls every stream:
-# ``((a|b)*(c|d)*)*`` repeated 270 times (4,050 characters, compiled in 40 ms) took 19.7 s
-# per mask on CPU, 60 times 0.34 s; ordinary schemas, regexes and grammars take under 1 ms
-# (SmolLM2's 49,152 tokens). The compile worker fills the first mask and refuses the
-# constraint past this; a later mask past it aborts the request (core/grammar_masks.py).
-MAX_MASK_S = 0.05
 # JSON Schema keywords xgrammar 0.2.9 does not enforce: a schema using one is refused rather
 # than served with outputs that may break it.
 UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
@@ -63,7 +48,12 @@ UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
 )  # fmt: skip
 
 
-def _xgrammar() -> Any:
+def xgrammar_module() -> Any:
+    """The xgrammar module.
+
+    Raises:
+        SamplingParamsError: xgrammar is not installed.
+    """
     try:
         import xgrammar
     except ImportError as e:  # pinned in pyproject.toml; a broken install says so
@@ -80,7 +70,7 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
-def _source(params: StructuredOutputsParams) -> tuple[str, str]:
+def constraint_source(params: StructuredOutputsParams) -> tuple[str, str]:
     """(kind xgrammar compiles: json, regex or ebnf; its text, also the cache key)."""
     if params.json is not None:
         return "json", str(params.json)
@@ -96,7 +86,7 @@ def _source(params: StructuredOutputsParams) -> tuple[str, str]:
 
 @lru_cache(maxsize=256)
 def _check_source(kind: str, spec: str) -> None:
-    xgr = _xgrammar()
+    xgr = xgrammar_module()
     if kind == "json":
         xgr.Grammar.from_json_schema(spec)
     elif kind == "regex":
@@ -362,7 +352,7 @@ def validate(params: StructuredOutputsParams) -> None:
             an invalid JSON schema, regular expression or grammar (xgrammar's reason).
     """
     _check_size(params)
-    kind, spec = _source(params)
+    kind, spec = constraint_source(params)
     try:
         _check_source(kind, spec)
     except SamplingParamsError:
@@ -372,101 +362,6 @@ def validate(params: StructuredOutputsParams) -> None:
         raise _refuse(f"invalid {name.get(kind, kind)}: {_reason(e)}") from None
 
 
-class GrammarCompiler:
-    """Compiles constraints for one tokenizer and vocabulary size (compiled grammars are
-    cached by xgrammar, keyed by their text).
-
-    Args:
-        tokenizer: the model's transformers tokenizer.
-        vocab_size: the model's vocabulary (logit columns), at least the tokenizer's.
-    """
-
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        xgr = _xgrammar()
-        self.vocab_size = vocab_size
-        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self._compiler = xgr.GrammarCompiler(self._info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
-        self._first_masks = GrammarMaskFiller()
-
-    def compile(self, params: StructuredOutputsParams) -> RequestGrammar:
-        """A fresh matcher for ``params``.
-
-        Raises:
-            SamplingParamsError: the constraint does not compile, or its first token mask
-                takes more than ``MAX_MASK_S`` of CPU time or ``MAX_MASK_WALL_S`` of wall
-                time to fill (``core/grammar_masks.py``).
-        """
-        kind, spec = _source(params)
-        try:
-            if kind == "json":
-                compiled = self._compiler.compile_json_schema(
-                    spec, any_whitespace=not params.disable_any_whitespace
-                )
-            elif kind == "regex":
-                compiled = self._compiler.compile_regex(spec)
-            else:
-                compiled = self._compiler.compile_grammar(spec)
-        except Exception as e:
-            raise _refuse(f"the constraint does not compile: {_reason(e)}") from None
-        grammar = RequestGrammar(compiled, self.vocab_size)
-        # Filled here, beside the engine loop, for the request's first step; a mask past
-        # the bounds refuses the constraint within MAX_MASK_WALL_S, and this compile thread
-        # is free for the next request while the mask's own thread finishes it unused.
-        masks, given_up = self._first_masks.fill({"first": grammar})
-        if given_up:
-            raise _refuse(given_up["first"])
-        grammar.keep_first_mask(masks["first"])
-        return grammar
-
-
-class RequestGrammar:
-    """One request's position in its grammar.
-
-    Args:
-        compiled: an xgrammar ``CompiledGrammar``.
-        vocab_size: logit columns.
-
-    Attributes:
-        failure: why the engine gave the grammar up (``fail``), or None. A grammar given up
-            is not used again: a thread may still be filling its mask.
-    """
-
-    def __init__(self, compiled: Any, vocab_size: int) -> None:
-        xgr = _xgrammar()
-        self._matcher = xgr.GrammarMatcher(compiled)
-        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        self._first_mask: np.ndarray | None = None
-        self.failure: str | None = None
-
-    def fail(self, reason: str) -> None:
-        """Give the grammar up: its request finishes aborted with ``reason``, and the
-        matcher is not touched again."""
-        self.failure = reason
-
-    def keep_first_mask(self, mask: np.ndarray) -> None:
-        """Keep ``mask``, filled at the grammar's start (off the engine loop), for the first
-        ``token_bitmask``."""
-        self._first_mask = mask
-
-    def token_bitmask(self) -> np.ndarray:
-        """``[ceil(V / 32)]`` int32: bit ``t % 32`` of word ``t // 32`` set where token
-        ``t`` may come next (a copy)."""
-        if self._first_mask is not None:
-            mask, self._first_mask = self._first_mask, None
-            return mask
-        self._matcher.fill_next_token_bitmask(self._bitmask, 0)
-        return self._bitmask[0].numpy().copy()
-
-    def accept(self, token_id: int) -> bool:
-        """Advance by a sampled token; False if the grammar does not allow it, or was given
-        up (the request then cannot go on)."""
-        if self.failure is not None:
-            return False
-        self._first_mask = None
-        return bool(self._matcher.accept_token(token_id))
-
-    @property
-    def is_complete(self) -> bool:
-        """True once the output is a whole sentence of the grammar and it was ended (the
-        stop token accepted, or nothing can follow)."""
-        return self.failure is None and bool(self._matcher.is_terminated())
+def compile_failure_reason(error: Exception) -> str:
+    """The message for a constraint that failed to compile in the engine."""
+    return str(_refuse(f"the constraint does not compile: {_reason(error)}"))

@@ -1,208 +1,172 @@
-"""Grammar compilation beside the engine loop: arrival order, failures, aborts."""
+"""Grammar compilation in worker processes: arrival order, shared compiles, the cache,
+failures, the time limit that kills the compile, the queue that refuses when full, aborts."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import psutil
 import pytest
 
+from tests.core.grammar_fakes import FakeBackend, start_fake_worker
 from tests.core.test_scheduler import make_request
-from tokenmill.core.grammar_compilation import CompileTimeout, GrammarCompilation
+from tokenmill.core.grammar_compilation import (
+    CompileBusy,
+    CompileTimeout,
+    GrammarCompilation,
+)
 from tokenmill.sampling_params import StructuredOutputsParams
-
-
-class FakeCompiler:
-    """Compiles a regex constraint into its pattern once its gate opens; "(" fails."""
-
-    def __init__(self) -> None:
-        self.gates: dict[str, threading.Event] = {}
-
-    def compile(self, constraint: StructuredOutputsParams) -> str:
-        gate = self.gates.setdefault(constraint.regex, threading.Event())
-        assert gate.wait(10)
-        if constraint.regex == "(":
-            raise ValueError("unbalanced parenthesis")
-        return constraint.regex
-
-    def open(self, pattern: str) -> None:
-        self.gates.setdefault(pattern, threading.Event()).set()
 
 
 def constrained(req_id: str, pattern: str):
     return make_request(req_id, 4, structured_outputs=StructuredOutputsParams(regex=pattern))
 
 
-def test_ready_requests_come_out_in_arrival_order_with_their_grammars():
-    compiler = FakeCompiler()
-    compilation = GrammarCompilation(lambda: compiler, max_workers=3)
+def pool(**kwargs) -> tuple[GrammarCompilation, FakeBackend]:
+    backend = FakeBackend()
+    return GrammarCompilation(lambda: backend, start_fake_worker, **kwargs), backend
+
+
+def drain(compilation: GrammarCompilation, count: int, timeout_s: float = 30.0):
+    """take_ready until ``count`` requests came back; (ready ids, {failed id: error})."""
+    ready, failed = [], {}
+    deadline = time.monotonic() + timeout_s
+    while len(ready) + len(failed) < count:
+        if time.monotonic() > deadline:
+            pytest.fail(f"only {len(ready) + len(failed)} of {count} compilations ended")
+        compilation.wait_any(0.05)
+        done, errors = compilation.take_ready()
+        ready += [r.request_id for r in done]
+        failed.update({r.request_id: e for r, e in errors})
+    return ready, failed
+
+
+def test_ready_requests_come_out_in_arrival_order_sharing_compiles_and_the_cache():
+    compilation, backend = pool(max_workers=2)
     try:
-        for req_id, pattern in (("a", "x"), ("b", "y"), ("c", "z")):
+        for req_id, pattern in (("a", "sleep:0.3"), ("b", "x"), ("c", "sleep:0.3"), ("d", "y")):
             compilation.submit(constrained(req_id, pattern))
-        assert len(compilation) == 3 and "b" in compilation
-        compiler.open("z")
-        compiler.open("x")
-        compilation.wait_any(5)
-        _wait_until_done(compilation, 2)
-        ready, failed = compilation.take_ready()
-        assert [(r.request_id, r.grammar) for r in ready] == [("a", "x"), ("c", "z")]
-        assert failed == [] and len(compilation) == 1 and "b" in compilation
+        assert len(compilation) == 4 and "b" in compilation
+        ready, failed = drain(compilation, 4)
+        assert sorted(ready) == ["a", "b", "c", "d"] and failed == {}
+        # "a" and "c" shared one compile; a later request with the same constraint is ready
+        # from the cache without a worker.
+        assert len(backend.cache) == 3
+        request = constrained("e", "x")
+        compilation.submit(request)
+        ready, _ = compilation.take_ready()
+        assert ready == [request] and request.grammar == "grammar of x"
     finally:
-        for pattern in "xyz":
-            compiler.open(pattern)
         compilation.shutdown()
 
 
-def test_a_failed_compilation_is_reported_with_its_error_and_aborts_are_dropped():
-    compiler = FakeCompiler()
-    compilation = GrammarCompilation(lambda: compiler, max_workers=2)
+def test_a_failed_compilation_is_reported_and_an_abort_drops_its_request():
+    compilation, _ = pool(max_workers=1)
     try:
-        compilation.submit(constrained("bad", "("))
+        compilation.submit(constrained("bad", "bad"))
         compilation.submit(constrained("gone", "w"))
         compilation.discard(["gone", "unknown"])
-        assert len(compilation) == 1
-        compiler.open("(")
-        compiler.open("w")
-        _wait_until_done(compilation, 1)
-        ready, failed = compilation.take_ready()
+        ready, failed = drain(compilation, 1)
+        assert ready == [] and list(failed) == ["bad"]
+        assert "does not compile" in str(failed["bad"]) and len(compilation) == 0
+    finally:
+        compilation.shutdown()
+
+
+def test_a_backend_that_cannot_be_built_fails_every_request():
+    def broken():
+        raise RuntimeError("no tokenizer")
+
+    compilation = GrammarCompilation(broken, start_fake_worker, max_workers=1)
+    try:
+        compilation.submit(constrained("r", "x"))
+        _, failed = drain(compilation, 1)
+        assert isinstance(failed["r"], RuntimeError)
+    finally:
+        compilation.shutdown()
+
+
+def test_costly_compiles_sent_together_end_by_the_limit_and_their_work_stops():
+    """Four compiles that would each burn 60 s of CPU, one worker: all four requests fail
+    by the time limit (the running one as too slow, the queued ones as busy), the worker
+    that ran past the limit is killed, and nothing keeps burning CPU afterwards."""
+    compilation, _ = pool(max_workers=1, max_compile_s=0.5)
+    try:
+        for i in range(4):
+            compilation.submit(constrained(f"costly{i}", f"spin:6{i}"))
+        ready, failed = drain(compilation, 4)
         assert ready == []
-        [(request, error)] = failed
-        assert request.request_id == "bad" and "unbalanced" in str(error)
+        kinds = sorted(type(e).__name__ for e in failed.values())
+        assert kinds == ["CompileBusy", "CompileBusy", "CompileBusy", "CompileTimeout"]
+        assert str(failed["costly0"]).startswith(
+            "structured_outputs: the constraint took more than 0.5 s"
+        )
+        assert "(busy)" in str(failed["costly1"]) and "retry later" in str(failed["costly1"])
+        assert compilation._workers == []  # killed, and not replaced while nothing waits
         assert len(compilation) == 0
     finally:
         compilation.shutdown()
 
 
-def test_a_compiler_that_cannot_be_built_fails_every_request():
-    def broken():
-        raise RuntimeError("no tokenizer")
-
-    compilation = GrammarCompilation(broken, max_workers=1)
+def test_a_full_queue_refuses_at_once_and_an_abort_stops_a_running_compile():
+    compilation, _ = pool(max_workers=1, max_queued=2)
     try:
-        compilation.submit(constrained("r", "x"))
-        _wait_until_done(compilation, 1)
-        _, [(_, error)] = compilation.take_ready()
-        assert isinstance(error, RuntimeError)
+        compilation.submit(constrained("running", "sleep:60"))
+        drain_until(lambda: compilation._busy, compilation)
+        [worker] = compilation._workers
+        pid = worker.pid
+        compilation.submit(constrained("q1", "sleep:63"))
+        compilation.submit(constrained("q2", "sleep:61"))
+        compilation.submit(constrained("refused", "sleep:62"))
+        _, failed = compilation.take_ready()
+        [(request, error)] = failed
+        assert request.request_id == "refused" and isinstance(error, CompileBusy)
+        assert "too many other constraints" in str(error)
+        compilation.discard(["running", "q1", "q2"])
+        deadline = time.monotonic() + 10  # the pump kills the worker; the process is reaped
+        while compilation._workers or (psutil.pid_exists(pid) and not _zombie(pid)):
+            assert time.monotonic() < deadline, "the aborted compile's worker still runs"
+            time.sleep(0.01)
     finally:
         compilation.shutdown()
 
 
-def _wait_until_done(compilation: GrammarCompilation, count: int) -> None:
-    futures = [f for _, f in compilation._pending.values()]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if sum(f.done() for f in futures) >= count:
-            return
-        time.sleep(0.005)
-    pytest.fail(f"{count} compilations did not finish")
-
-
-def test_an_aborted_request_whose_compile_has_not_started_is_never_compiled():
-    compiler = FakeCompiler()
-    compilation = GrammarCompilation(lambda: compiler, max_workers=1)
+def _zombie(pid: int) -> bool:
     try:
-        compilation.submit(constrained("busy", "x"))  # holds the one thread
-        compilation.submit(constrained("gone", "never"))
-        compilation.discard(["gone"])
-        compiler.open("x")
-        _wait_until_done(compilation, 1)
-        time.sleep(0.05)  # the thread has taken the next job by now
-        assert "never" not in compiler.gates  # its compile did not start
-        ready, _ = compilation.take_ready()
-        assert [r.request_id for r in ready] == ["busy"]
-    finally:
-        compilation.shutdown()
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
-def test_compile_threads_never_hold_up_the_process_exit():
-    compiler = FakeCompiler()
-    compilation = GrammarCompilation(lambda: compiler, max_workers=2)
-    compilation.submit(constrained("stuck", "held"))  # its gate never opens in time
-    workers = list(compilation._workers)
-    compilation.shutdown()
-    assert len(compilation) == 0 and workers and all(w.thread.daemon for w in workers)
-    compiler.open("held")
-
-
-def _wait_until(condition, timeout_s: float = 10) -> None:
+def drain_until(condition, compilation: GrammarCompilation, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail("the condition did not hold in time")
-        time.sleep(0.005)
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        compilation.wait_any(0.05)
+        compilation.take_ready()
 
 
-def test_a_compile_past_its_time_limit_fails_and_its_thread_is_replaced():
-    compiler = FakeCompiler()
-    compilation = GrammarCompilation(lambda: compiler, max_workers=1, max_compile_s=0.05)
-    try:
-        compilation.submit(constrained("slow", "held"))  # its gate opens only at the end
-        _wait_until(lambda: compilation._workers and compilation._workers[0].job is not None)
-        compilation.submit(constrained("next", "x"))
-        compiler.open("x")
-        time.sleep(0.1)
-        ready, failed = compilation.take_ready()  # "slow" is overdue: a new thread starts
-        [(request, error)] = failed
-        assert request.request_id == "slow" and isinstance(error, CompileTimeout)
-        assert str(error).startswith("structured_outputs: the constraint took more than")
-        # The replacement compiles the next request while the overdue one is still stuck.
-        if not ready:
-            _wait_until_done(compilation, 1)
-            ready, failed = compilation.take_ready()
-            assert failed == []
-        assert [r.request_id for r in ready] == ["next"]
-    finally:
-        compiler.open("held")
-        compilation.shutdown()
-
-
-def test_overdue_threads_are_replaced_only_up_to_the_thread_count():
-    compiler = FakeCompiler()
-    compilation = GrammarCompilation(lambda: compiler, max_workers=1, max_compile_s=0.02)
-    try:
-        for i in range(2):  # each holds its thread past the limit
-            compilation.submit(constrained(f"slow{i}", f"held{i}"))
-            _wait_until(lambda: compilation._workers and compilation._workers[0].job is not None)
-            time.sleep(0.05)
-            _, failed = compilation.take_ready()
-            assert [r.request_id for r, _ in failed] == [f"slow{i}"]
-        # One thread's worth overdue beside it at most: no new thread until one ends.
-        assert compilation._workers == [] and len(compilation._overdue) == 2
-        compilation.submit(constrained("after", "y"))
-        compiler.open("y")
-        time.sleep(0.05)
-        assert compilation.take_ready() == ([], []) and compilation._workers == []
-        compiler.open("held0")
-        _wait_until(lambda: not compilation._overdue[0].thread.is_alive())
-        ready, _ = compilation.take_ready()  # starts a thread again
-        if not ready:
-            _wait_until_done(compilation, 1)
-            ready, _ = compilation.take_ready()
-        assert [r.request_id for r in ready] == ["after"]
-    finally:
-        for i in range(2):
-            compiler.open(f"held{i}")
-        compilation.shutdown()
-
-
-def test_the_time_limit_does_not_count_the_compiler_build():
+def test_the_time_limit_does_not_count_the_backend_build():
     built = threading.Event()
-    compiler = FakeCompiler()
+    backend = FakeBackend()
 
     def slow_build():
-        assert built.wait(10)
-        return compiler
+        assert built.wait(30)
+        return backend
 
-    compilation = GrammarCompilation(slow_build, max_workers=1, max_compile_s=0.02)
+    compilation = GrammarCompilation(slow_build, start_fake_worker, max_compile_s=0.3)
     try:
         compilation.submit(constrained("early", "x"))
-        time.sleep(0.1)  # past the limit while the compiler is still being built
+        time.sleep(0.5)  # past the limit while the backend is still being built
         assert compilation.take_ready() == ([], [])
         built.set()
-        compiler.open("x")
-        _wait_until_done(compilation, 1)
-        ready, failed = compilation.take_ready()
-        assert [r.request_id for r in ready] == ["early"] and failed == []
+        ready, failed = drain(compilation, 1)
+        assert ready == ["early"] and failed == {}
     finally:
         built.set()
         compilation.shutdown()
+
+
+def test_compile_timeout_reads_as_a_client_error():
+    assert str(CompileTimeout(5)).startswith("structured_outputs: the constraint took more")

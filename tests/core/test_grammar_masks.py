@@ -1,114 +1,81 @@
-"""Token masks filled beside the engine loop: every mask within the bounds comes back; a mask
-past the wall-time or CPU-time bound, or one that raises, gives its request up alone; the
-threads still finishing given-up fills are capped; a filler shut down refuses new fills."""
+"""Token masks filled in worker processes: every mask within the bounds comes back; a mask
+past the wall-time bound kills its worker (the fill stops) and gives its request up alone,
+the others moving to a fresh worker with their tokens; one past the CPU bound gives its
+request up; finished requests' matchers are dropped."""
 
 from __future__ import annotations
 
-import threading
-import time
+import numpy as np
+import psutil
 
-import pytest
-
-from tokenmill import structured_output
+from tests.core.grammar_fakes import FakeGrammar, start_fake_worker
+from tokenmill.core import grammar_masks
 from tokenmill.core.grammar_masks import GrammarMaskFiller
 
 
-class FakeGrammar:
-    """A mask that blocks until ``gate`` opens, or spins ``cpu_s`` of CPU time first."""
-
-    def __init__(self, mask: str, gate: threading.Event | None = None, cpu_s: float = 0.0):
-        self.mask, self.gate, self.cpu_s = mask, gate, cpu_s
-        self.threads: list[str] = []
-
-    def token_bitmask(self) -> str:
-        self.threads.append(threading.current_thread().name)
-        if self.gate is not None:
-            assert self.gate.wait(30), "the test never opened the gate"
-        start = time.thread_time()
-        while time.thread_time() - start < self.cpu_s:
-            pass
-        if self.mask == "raise":
-            raise RuntimeError("bitmask shape mismatch")
-        return self.mask
+def as_lists(masks: dict) -> dict:
+    return {k: v.tolist() for k, v in masks.items()}
 
 
-def test_masks_come_back_for_every_request():
-    filler = GrammarMaskFiller(max_workers=2)
+def test_masks_come_back_for_every_request_with_the_tokens_accepted_so_far():
+    filler = GrammarMaskFiller(start_fake_worker, max_workers=2)
     try:
-        grammars = {f"r{i}": FakeGrammar(f"m{i}") for i in range(20)}
-        for _ in range(3):  # the same threads serve later steps
-            masks, given_up = filler.fill(grammars)
-            assert masks == {f"r{i}": f"m{i}" for i in range(20)} and given_up == {}
-        assert filler.fill({}) == ({}, {})
-        used = {name for g in grammars.values() for name in g.threads}
-        assert len(used) <= 2 and threading.current_thread().name not in used
-    finally:
-        filler.shutdown()
-
-
-def test_a_mask_past_the_wall_bound_gives_up_its_request_alone():
-    """One worker: the stuck fill is given up and a new thread fills the masks queued behind
-    it, in this step and the next, while the stuck one still runs."""
-    gate = threading.Event()
-    filler = GrammarMaskFiller(max_workers=1, max_wall_s=0.05)
-    try:
-        stuck = FakeGrammar("never", gate=gate)
-        masks, given_up = filler.fill({"stuck": stuck, "a": FakeGrammar("ma")})
-        assert masks == {"a": "ma"}
-        assert list(given_up) == ["stuck"] and "too costly to follow" in given_up["stuck"]
-        assert "over 50 ms" in given_up["stuck"]
-        masks, given_up = filler.fill({"b": FakeGrammar("mb")})
-        assert masks == {"b": "mb"} and given_up == {}
-    finally:
-        gate.set()
-        filler.shutdown()
-
-
-def test_a_mask_past_the_cpu_bound_or_raising_gives_up_its_request(monkeypatch):
-    monkeypatch.setattr(structured_output, "MAX_MASK_S", 0.005)
-    filler = GrammarMaskFiller(max_workers=2)
-    try:
-        grammars = {
-            "costly": FakeGrammar("mc", cpu_s=0.02),
-            "broken": FakeGrammar("raise"),
-            "fine": FakeGrammar("mf"),
-        }
+        grammars = {f"r{i}": FakeGrammar([i]) for i in range(6)}
+        grammars["new"] = FakeGrammar(first_mask=np.array([7]))  # from its compile
         masks, given_up = filler.fill(grammars)
-        assert masks == {"fine": "mf"}
-        assert "of CPU time (at most 5 ms" in given_up["costly"]
-        assert given_up["broken"] == "the token mask failed: bitmask shape mismatch"
+        assert given_up == {} and masks.pop("new").tolist() == [7]
+        assert as_lists(masks) == {f"r{i}": [i] for i in range(6)}
+        for g in grammars.values():
+            g.accepted.append(9)
+        masks, _ = filler.fill(grammars)  # only the new token crosses
+        assert as_lists(masks)["r3"] == [3, 9] and as_lists(masks)["new"] == [9]
+        assert len({w.process.pid for w in filler._workers}) == 2
+        filler.forget({"r0"})
+        assert list(filler._home) == ["r0"]
+        assert filler.fill({}) == ({}, {})
     finally:
         filler.shutdown()
 
 
-def test_threads_given_up_beyond_the_cap_are_not_replaced_until_one_ends():
-    """Costly constraints sent together take at most max_workers + max_retired threads: past
-    that, masks wait for a given-up fill to end instead of starting another thread."""
-    gates = [threading.Event(), threading.Event()]
-    filler = GrammarMaskFiller(max_workers=1, max_wall_s=0.05, max_retired=1)
+def test_a_mask_past_the_wall_bound_kills_its_worker_and_gives_up_its_request_alone():
+    """One worker: the stuck fill is given up, its worker killed; the masks queued behind it
+    and the worker's other requests move to a fresh worker with every accepted token."""
+    filler = GrammarMaskFiller(start_fake_worker, max_workers=1, max_wall_s=0.3)
     try:
-        for i, gate in enumerate(gates):
-            masks, given_up = filler.fill({f"stuck{i}": FakeGrammar("never", gate=gate)})
-            assert masks == {} and list(given_up) == [f"stuck{i}"]
-        result = {}
-        waiting = threading.Thread(
-            target=lambda: result.update(filler.fill({"a": FakeGrammar("ma")})[0])
-        )
-        waiting.start()
-        waiting.join(0.3)
-        assert waiting.is_alive() and result == {}
-        gates[0].set()
-        waiting.join(10)
-        assert result == {"a": "ma"}
+        grammars = {"a": FakeGrammar([1]), "b": FakeGrammar([2])}
+        filler.fill(grammars)
+        [old] = filler._workers
+        grammars["a"].accepted.append(3)
+        stuck = {"sleep": FakeGrammar([5]), "a": grammars["a"]}
+        masks, given_up = filler.fill(stuck)
+        assert as_lists(masks) == {"a": [1, 3]}
+        assert list(given_up) == ["sleep"] and "over 300 ms" in given_up["sleep"]
+        assert "too costly to follow" in given_up["sleep"]
+        [new] = filler._workers
+        assert new is not old and not _running(old.process.pid)
+        grammars["b"].accepted.append(4)
+        masks, given_up = filler.fill({"b": grammars["b"]})  # rebuilt on the new worker
+        assert as_lists(masks) == {"b": [2, 4]} and given_up == {}
     finally:
-        for gate in gates:
-            gate.set()
         filler.shutdown()
 
 
-def test_a_filler_shut_down_refuses_new_fills():
-    filler = GrammarMaskFiller(max_workers=1)
-    assert filler.fill({"a": FakeGrammar("ma")}) == ({"a": "ma"}, {})
-    filler.shutdown()
-    with pytest.raises(RuntimeError, match="shut down"):
-        filler.fill({"b": FakeGrammar("mb")})
+def _running(pid: int | None) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_mask_past_the_cpu_bound_gives_up_its_request(monkeypatch):
+    """60 ms of CPU against a 10 ms bound; the wall bound is out of the way, so that a busy
+    machine (the spin taking seconds of wall time) still tests the CPU bound."""
+    monkeypatch.setattr(grammar_masks, "MAX_MASK_S", 0.01)
+    filler = GrammarMaskFiller(start_fake_worker, max_workers=1, max_wall_s=60.0)
+    try:
+        masks, given_up = filler.fill({"spin": FakeGrammar([1]), "fine": FakeGrammar([2])})
+        assert as_lists(masks) == {"fine": [2]}
+        assert "of CPU time (at most 10 ms" in given_up["spin"]
+        assert "spin" not in filler._home
+    finally:
+        filler.shutdown()

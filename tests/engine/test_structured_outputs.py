@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 
 import numpy as np
@@ -15,8 +14,10 @@ import torch
 
 from tests.core.test_scheduler import make_request, make_scheduler, step, worker_for
 from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+from tokenmill.core import grammar_masks
 from tokenmill.core.engine_io import EngineCoreRequest, FinishReason
 from tokenmill.core.grammar_compilation import GrammarCompilation
+from tokenmill.core.grammar_workers import WorkerProcess
 from tokenmill.core.request import RequestStatus
 from tokenmill.sampling_params import SamplingParamsError
 from tokenmill.structured_output import choice_grammar, validate
@@ -117,9 +118,7 @@ def test_a_constraint_whose_masks_are_too_costly_aborts_its_request_only(llm, mo
     """The compile worker fills a grammar's first token mask and refuses a constraint that
     takes longer than MAX_MASK_S (an ambiguous regex: 19.7 s a mask, on the engine loop,
     stalled every stream); here the bound is 0, so any constraint is too costly."""
-    from tokenmill import structured_output
-
-    monkeypatch.setattr(structured_output, "MAX_MASK_S", 0.0)
+    monkeypatch.setattr(grammar_masks, "MAX_MASK_S", 0.0)
     core = llm.llm_engine.engine_core
     params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
     core.add_request(EngineCoreRequest("costly", [1, 2, 3], params, time.time()))
@@ -135,9 +134,13 @@ def test_a_constraint_whose_masks_are_too_costly_aborts_its_request_only(llm, mo
     )[0]
     assert re.fullmatch("[ab]+", out.outputs[0].text)
     # An ambiguous pattern, costly from its first mask (~0.5 s of CPU): refused at compile.
-    compiler = core._grammars._compiler.result()
-    with pytest.raises(SamplingParamsError, match="too costly to follow"):
-        compiler.compile(StructuredOutputsParams(regex="((a|b)*(c|d)*)*" * 80))
+    costly = StructuredOutputsParams(regex="((a|b)*(c|d)*)*" * 80)
+    core.add_request(
+        EngineCoreRequest("ambiguous", [1, 2, 3], SamplingParams(structured_outputs=costly), 0)
+    )
+    [output] = step_until_outputs(core)
+    assert output.finish_reason == FinishReason.ABORT
+    assert "too costly to follow" in output.stop_reason
 
 
 @pytest.mark.slow
@@ -175,34 +178,27 @@ def test_a_constraint_whose_later_masks_are_too_costly_aborts_its_request_only(l
     assert finished["plain"].finish_reason == FinishReason.LENGTH and len(tokens["plain"]) == 8
 
 
-class GatedCompiler:
-    """A grammar compiler whose compilations wait for ``gate`` (a slow schema)."""
-
-    def __init__(self, compiler, gate: threading.Event) -> None:
-        self.compiler, self.gate = compiler, gate
-
-    def compile(self, constraint):
-        assert self.gate.wait(30), "the test never opened the gate"
-        return self.compiler.compile(constraint)
-
-
 @pytest.mark.slow
-def test_a_compiling_grammar_does_not_hold_up_other_requests(llm):
+def test_a_compiling_grammar_does_not_hold_up_other_requests(llm, tmp_path):
     """While a constraint compiles, plain requests are scheduled and finish; the
     constrained one runs once its grammar is ready. Aborting a request that is still
     compiling drops it."""
     core = llm.llm_engine.engine_core
-    real = core._grammars._compiler.result()
-    gate = threading.Event()
+    backend = core._grammars.backend
+    gate = tmp_path / "gate"
     core._grammars.shutdown()
-    core._grammars = GrammarCompilation(lambda: GatedCompiler(real, gate))
+    core._grammars = GrammarCompilation(
+        lambda: backend,
+        lambda args: WorkerProcess("tests.core.grammar_fakes:gated_worker", (str(gate), *args)),
+    )
     try:
-        choice = StructuredOutputsParams(choice=["yes", "no"])
+        choice = StructuredOutputsParams(choice=["yes", "no", "perhaps"])  # not cached yet
         constrained = SamplingParams(temperature=0, max_tokens=5, structured_outputs=choice)
         plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         now = time.time()
         core.add_request(EngineCoreRequest("slow", [1, 2, 3], constrained, now))
-        core.add_request(EngineCoreRequest("dropped", [1, 2, 3], constrained, now))
+        other = SamplingParams(temperature=0, max_tokens=5, structured_outputs={"regex": "x+"})
+        core.add_request(EngineCoreRequest("dropped", [1, 2, 3], other, now))
         core.add_request(EngineCoreRequest("plain", [4, 5, 6], plain, now))
         with pytest.raises(ValueError, match="already in use"):
             core.add_request(EngineCoreRequest("slow", [1], constrained, now))
@@ -215,16 +211,16 @@ def test_a_compiling_grammar_does_not_hold_up_other_requests(llm):
                 break
         assert finished == {"plain": FinishReason.LENGTH}
         core.abort_requests(["dropped"])
-        gate.set()
+        gate.touch()
         out = step_until_outputs(core)
         while core.has_unfinished_requests():
             out += core.step().outputs
         assert {o.request_id for o in out} == {"slow"}
         ids = [t for o in out for t in o.new_token_ids]
         text = llm.get_tokenizer().decode(ids, skip_special_tokens=True)
-        assert text in ("yes", "no")
+        assert text in ("yes", "no", "perhaps")
     finally:
-        gate.set()
+        gate.touch()
 
 
 @pytest.mark.slow
@@ -403,3 +399,67 @@ def test_compile_errors_read_without_the_grammar_engines_internals():
     message = str(info.value)
     assert message.startswith("structured_outputs: invalid JSON schema: ")
     assert "Check failed" not in message and "The JSON string is" not in message
+
+
+@pytest.mark.slow
+def test_a_constraint_after_reasoning_applies_from_the_token_after_its_end(llm):
+    """With ``reasoning_end_token_ids`` the output is free until those tokens (a thinking
+    model's ``</think>``), then constrained: here the end is the first two tokens SmolLM2
+    writes anyway, and a regex holds for what follows."""
+    prompt = "The capital of France is"
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    end = list(free[0].outputs[0].token_ids[:2])
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=20,
+        structured_outputs=StructuredOutputsParams(regex="[0-9]{3}", reasoning_end_token_ids=end),
+    )
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids[:2]) == end
+    answer = llm.get_tokenizer().decode(list(out.token_ids[2:]), skip_special_tokens=True)
+    assert re.fullmatch("[0-9]{3}", answer) and out.finish_reason == "stop"
+    # The end never comes: the output stays free (and is the unconstrained one).
+    never = StructuredOutputsParams(regex="[0-9]{3}", reasoning_end_token_ids=[0, 0, 0])
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=never)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free[0].outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_a_constraint_after_reasoning_compiles_at_once_and_keeps_the_mask_bounds(llm):
+    """A constraint that waits for a reasoning's end still compiles on arrival: one that
+    does not compile aborts its request before any token. Its later masks keep their
+    bounds: ``z{3}`` then an ambiguous pattern, after a free first token, writes "zzz" and
+    is given up there, counted once; the mask filler never held it while it reasoned."""
+    core = llm.llm_engine.engine_core
+    bad = StructuredOutputsParams(regex="(a", reasoning_end_token_ids=[5])
+    core.add_request(
+        EngineCoreRequest("bad", [1, 2, 3], SamplingParams(structured_outputs=bad), time.time())
+    )
+    [output] = step_until_outputs(core)
+    assert (output.request_id, output.finish_reason) == ("bad", FinishReason.ABORT)
+    assert output.new_token_ids == []
+    assert output.stop_reason.startswith("structured_outputs: the constraint does not")
+
+    free = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    end = list(free[0].outputs[0].token_ids)
+    regex = "z{3}" + "((a|b)*(c|d)*)*" * 80
+    costly = StructuredOutputsParams(regex=regex, reasoning_end_token_ids=end)
+    params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=costly)
+    core.add_request(EngineCoreRequest("costly", llm.get_tokenizer().encode("Hi"), params, 0))
+    tokens, failures, finished, homes = [], 0, None, set()
+    for _ in range(500):
+        step = core.step()
+        homes |= set(core._grammar_masks._home)
+        for o in step.outputs:
+            tokens += o.new_token_ids
+            finished = o if o.finish_reason is not None else finished
+        if step.scheduler_stats is not None:
+            failures += step.scheduler_stats.num_constraint_failures
+        if not core.has_unfinished_requests():
+            break
+    assert tokens[:1] == end
+    assert llm.get_tokenizer().decode(tokens[1:]) == "zzz"
+    assert finished.finish_reason == FinishReason.ABORT and failures == 1
+    assert "too costly to follow" in finished.stop_reason
+    assert homes == {"costly"} and core._grammar_masks._home == {}

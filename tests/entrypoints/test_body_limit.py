@@ -1,15 +1,20 @@
-"""The request body cap: a 413 in OpenAI's error format, from a declared Content-Length or
-from a chunked body as it crosses the cap, and nothing refused below it."""
+"""The request body cap: a 413 in OpenAI's error format (Anthropic's on /v1/messages), from a
+declared Content-Length or from a chunked body as it crosses the cap, and nothing refused
+below it."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
+from tokenmill.entrypoints.anthropic.errors import error_response_for
+from tokenmill.entrypoints.anthropic.router import router as messages_router
 from tokenmill.entrypoints.openai.body_limit import BodySizeLimitMiddleware
-from tokenmill.entrypoints.openai.server import _add_error_handlers
+from tokenmill.entrypoints.openai.server import add_error_handlers
 
 LIMIT = 1000
 
@@ -26,7 +31,7 @@ def client() -> TestClient:
     async def echo(body: Echo) -> dict:
         return {"length": len(body.text)}
 
-    _add_error_handlers(app)
+    add_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=LIMIT)
     return TestClient(app)
 
@@ -72,3 +77,30 @@ def test_a_chunked_body_is_refused_as_it_crosses_the_limit(client):
 def test_the_limit_must_be_positive():
     with pytest.raises(ValueError, match="positive"):
         BodySizeLimitMiddleware(FastAPI(), 0)
+
+
+class _AnyMessage:
+    """Stands in for the Messages handler: every request it gets is answered."""
+
+    async def create(self, request) -> dict:
+        return {"ok": True}
+
+
+def test_the_messages_api_answers_its_413s_in_anthropics_shape():
+    app = FastAPI()
+    app.include_router(messages_router)
+    app.state.serving_messages = _AnyMessage()
+    add_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=LIMIT, error_response=error_response_for)
+    client = TestClient(app)
+    message = {"role": "user", "content": "x" * 3 * LIMIT}
+    body = json.dumps({"model": "m", "max_tokens": 1, "messages": [message]}).encode()
+    headers = {"Content-Type": "application/json"}
+    for content in (body, chunks(body)):  # declared, then chunked
+        response = client.post("/v1/messages", content=content, headers=headers)
+        assert response.status_code == 413, response.text
+        error = response.json()
+        assert error["type"] == "error" and error["error"]["type"] == "request_too_large"
+        assert str(LIMIT) in error["error"]["message"]
+    small = json.dumps({"model": "m", "max_tokens": 1, "messages": [{"role": "user"}]})
+    assert client.post("/v1/messages", content=small, headers=headers).json() == {"ok": True}

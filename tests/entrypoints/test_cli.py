@@ -51,6 +51,12 @@ def test_unimplemented_vllm_flags_are_rejected(capsys, flag):
         ["serve", "--max-model-len", "1.5K"],
         ["serve", "--kv-cache-memory", "inf"],  # was an OverflowError traceback
         ["serve", "--kv-cache-memory", "1e400"],
+        ["serve", "--enable-auto-tool-choice"],
+        ["serve", "--tool-call-parser", "hermes"],
+        ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "no_such_parser"],
+        ["serve", "--reasoning-parser", "no_such_parser"],
+        ["serve", "--tool-parser-plugin", "/no/such/plugin.py"],
+        ["serve", "--max-stored-responses", "-1"],
     ],
 )
 def test_bad_flags_fail_in_one_line(capsys, argv):

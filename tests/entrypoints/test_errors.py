@@ -176,7 +176,7 @@ CASES = [
         {"messages": MSG, "tool_choice": "required"},
         400,
         "tool_choice",
-        "does not implement",
+        "needs tools",
     ),
     (
         "legacy functions",
@@ -184,7 +184,7 @@ CASES = [
         {"messages": MSG, "functions": [{"name": "f", "parameters": {}}]},
         400,
         "functions",
-        "does not implement tool calling",
+        "use tools and tool_choice",
     ),
     (
         "a chat template in the request (was ignored)",
@@ -421,7 +421,14 @@ CASES = [
     ),
     ("context overflow", CHAT, {"messages": MSG, "max_tokens": 4000}, 400, "max_tokens", "2048"),
     ("unknown model", CHAT, {"messages": MSG, "model": "gpt-4o"}, 404, "model", "gpt-4o"),
-    ("tools", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools", "tool"),
+    (
+        "a tool without its function",
+        CHAT,
+        {"messages": MSG, "tools": [{"type": "function"}]},
+        400,
+        "tools.0.function",
+        "Field required",
+    ),
     ("completions: missing prompt", COMPLETIONS, {"max_tokens": 5}, 400, "prompt", "prompt"),
     ("completions: empty prompt", COMPLETIONS, {"prompt": ""}, 400, "prompt", "empty"),
     ("completions: empty prompt list", COMPLETIONS, {"prompt": []}, 400, "prompt", "empty"),

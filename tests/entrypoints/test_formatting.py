@@ -212,7 +212,7 @@ def test_api_key_middleware_under_a_root_path():
     from starlette.routing import Route
     from starlette.testclient import TestClient
 
-    from tokenmill.entrypoints.openai.server import APIKeyMiddleware
+    from tokenmill.entrypoints.auth import APIKeyMiddleware
 
     async def ok(_):
         return PlainTextResponse("ok")

@@ -73,7 +73,8 @@ LONG = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "temperature":
 
 
 def test_engine_death_fails_health_and_pending_requests(tiny_model_dir):
-    server = RemoteServer(tiny_args(tiny_model_dir))
+    """With --keep-alive-on-engine-death the server stays up, answering 503."""
+    server = RemoteServer([*tiny_args(tiny_model_dir), "--keep-alive-on-engine-death"])
     try:
         pid = engine_pid(server)
         streaming = StreamReader(server, LONG)
@@ -111,6 +112,35 @@ def test_engine_death_fails_health_and_pending_requests(tiny_model_dir):
     finally:
         code = server.stop()
     assert code == 0, server.log_text()
+
+
+def test_engine_death_fails_running_requests_then_the_server_exits_with_1(tiny_model_dir):
+    """By default (as vLLM): the running requests get their 503 (a stream its error event and
+    [DONE]), then the server stops and exits with code 1 for its orchestrator to restart."""
+    server = RemoteServer(tiny_args(tiny_model_dir))
+    try:
+        pid = engine_pid(server)
+        streaming = StreamReader(server, LONG)
+        streaming.start()
+        assert streaming.first.wait(60) and streaming.error is None
+        os.kill(pid, signal.SIGSTOP)  # the request cannot finish before the kill
+        pending: dict = {}
+        blocking = threading.Thread(
+            target=lambda: pending.update(r=server.post("/v1/completions", LONG)), daemon=True
+        )
+        blocking.start()
+        wait_for_log(server, "Received request", 2)
+        os.kill(pid, signal.SIGKILL)
+        blocking.join(60)
+        assert pending["r"].status_code == 503
+        assert pending["r"].json()["error"]["code"] == "engine_dead"
+        streaming.join(60)
+        assert streaming.events[-1] == "[DONE]" and "error" in streaming.events[-2]
+        assert server.proc.wait(60) == 1
+        log = server.log_text()
+        assert "the server exits" in log and "error: the engine died" in log
+    finally:
+        server.stop()
 
 
 def test_sigterm_stops_accepting_and_drains(tiny_model_dir):

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from tokenmill.entrypoints.openai.errors import OpenAIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -184,8 +185,15 @@ def test_a_request_that_fits_exactly_is_accepted():
 
 
 def test_invalid_max_completion_tokens_is_reported_under_its_name():
+    """The request model refuses it (the server's 400 names the field: test_errors.py); the
+    sampling check behind it names the same field for a request built without validation."""
+    with pytest.raises(ValidationError, match="max_completion_tokens"):
+        chat(max_completion_tokens=0)
+    request = ChatCompletionRequest.model_construct(
+        messages=[{"role": "user", "content": "hi"}], max_completion_tokens=0
+    )
     with pytest.raises(OpenAIError) as raised:
-        make_serving().build_sampling_params(chat(max_completion_tokens=0), 3, 0, None)
+        make_serving().build_sampling_params(request, 3, 0, None)
     assert raised.value.param == "max_completion_tokens"
     assert "max_completion_tokens" in raised.value.message
 

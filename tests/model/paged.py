@@ -20,7 +20,7 @@ class PagedRunner:
         self.block_size = block_size
         num_kv = config.get("num_key_value_heads", config.num_attention_heads)
         head_dim = config.get("head_dim") or config.hidden_size // config.num_attention_heads
-        dtype = next(model.parameters()).dtype
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.kv_caches = [
             torch.zeros(
                 2, num_blocks, block_size, num_kv, head_dim, dtype=dtype, device=self.device

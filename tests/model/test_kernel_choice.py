@@ -3,13 +3,15 @@ and the linear layers that follow it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tokenmill.config import ConfigError, KernelConfig, current_kernel_config, kernel_config_scope
 from tokenmill.kernels.gemm import skinny as sg
-from tokenmill.model.layers import linear
+from tokenmill.model.layers import dense, linear
 
 
 @pytest.mark.parametrize(
@@ -60,6 +62,40 @@ def test_dense_routes_by_the_choice(monkeypatch, mode, tuned, used):
     monkeypatch.setattr(sg, "has_tuned_config", lambda x, w: tuned)
     monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b: "skinny")
     x, w = torch.randn(1, 8), torch.randn(4, 8)
-    out = linear.dense(x, w, skinny=mode)
+    out = dense.dense(x, w, skinny=mode)
     assert (out == "skinny") if used else torch.allclose(out, F.linear(x, w))
 
+
+
+@pytest.mark.parametrize("mode", ["all", "off"])
+def test_unquantized_layers_run_dense_by_their_choice(monkeypatch, mode):
+    """Unquantized linear layers (the default ``LinearMethod``) take the skinny GEMM, and a
+    gate/up pair its gated epilogue, exactly where ``dense`` / ``gated_dense`` would."""
+    launches = []
+
+    def skinny_linear(x, w, b, config=None, gated=False):
+        launches.append(gated)
+        return torch.zeros(x.shape[0], w.shape[0] // 2 if gated else w.shape[0])
+
+    monkeypatch.setattr(sg, "use_skinny_gemm", lambda x, w: True)
+    monkeypatch.setattr(sg, "has_tuned_config", lambda x, w: False)
+    monkeypatch.setattr(sg, "launch_config", lambda *a: SimpleNamespace(block_n=16))
+    monkeypatch.setattr(sg, "skinny_linear", skinny_linear)
+    with kernel_config_scope(KernelConfig(skinny_gemm=mode)):
+        gate_up = linear.MergedColumnParallelLinear(8, [4, 4])
+        down = linear.RowParallelLinear(4, 8)
+    x = torch.randn(1, 8)
+    gated = gate_up.forward_gated(x)
+    gate_up(x), down(torch.randn(1, 4))
+    if mode == "all":
+        assert gated is not None and launches == [True, False, False]
+    else:
+        assert gated is None and launches == []
+
+
+def test_quantized_layers_leave_the_gate_to_the_caller():
+    from tokenmill.model.layers.quantization.gguf import GGUFLinearMethod
+    from tokenmill.model.layers.quantization.int4 import AWQLinearMethod
+
+    for method in (GGUFLinearMethod(), AWQLinearMethod(32)):
+        assert method.apply_gated(None, torch.randn(1, 8)) is None

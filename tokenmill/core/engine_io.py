@@ -69,6 +69,9 @@ class LogprobsLists:
 # The stop reason of a request aborted because its structured-output constraint failed (did
 # not compile, or admitted no further token): the rest of the reason is the user's message.
 CONSTRAINT_FAILURE_PREFIX = "structured_outputs:"
+# The stop reason of a request refused because the grammar compilers were busy with other
+# constraints (the server answers 429): the rest of the reason is the user's message.
+CONSTRAINT_BUSY_PREFIX = "structured_outputs (busy):"
 
 
 @dataclass
@@ -166,8 +169,9 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
-    # requests ended for their structured-output constraint: it failed to compile, or one
-    # of its token masks took too long (``core/grammar_masks.py``)
+    # requests ended for their structured-output constraint: it failed to compile (or not
+    # in time, or the compilers were busy), or one of its token masks took too long
+    # (``core/grammar_compilation.py``, ``core/grammar_masks.py``)
     num_constraint_failures: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0

@@ -92,7 +92,7 @@ class Request:
         self.eos_and_stop_ids = sampling_params.all_stop_token_ids
         # Its sampling reads host-side history, so its steps cannot overlap (async mode).
         self.needs_sync_step = sampling_params.uses_full_sampler
-        # Structured outputs: its grammar's matcher (structured_output.RequestGrammar),
+        # Structured outputs: its grammar's matcher (grammar_runtime.RequestGrammar),
         # set by the engine core.
         self.grammar: Any = None
         # Timestamps (time.time()) for queue-time and TTFT accounting.

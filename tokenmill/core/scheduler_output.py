@@ -3,10 +3,15 @@
 A new request crosses to the worker once, in full (NewRequestData); after that only
 what changed crosses (CachedRequestData: new block ids and token counts), plus the ids
 of requests that finished. The worker keeps each request's state and applies this diff.
+
+GrammarOutput travels beside it: the token bitmasks of the structured-output requests that
+sample in the step, filled by the engine core after the plan is built (the plan itself is
+never changed once the scheduler has returned it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,9 +72,6 @@ class SchedulerOutput:
         total_num_scheduled_tokens: the sum of ``num_scheduled_tokens`` (<= token budget).
         finished_req_ids: requests that finished or were aborted since the last step,
             or were preempted: the worker drops their state.
-        grammar_bitmasks: request id -> ``[ceil(V / 32)]`` int32 bitmask of the tokens its
-            grammar allows next, for the requests with structured outputs that sample
-            this step (filled by the engine core just before the step runs).
         reads_step_kv: a request admitted this step hit a prefix-cache block that another
             request fills in this step, so it reads KV the step itself writes
             (``KVCacheManager.reads_step_kv``); the worker then runs the step with kernels
@@ -84,7 +86,6 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
-    grammar_bitmasks: dict[str, Any] = field(default_factory=dict)
     reads_step_kv: bool = False
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
@@ -95,3 +96,18 @@ class SchedulerOutput:
     @classmethod
     def make_empty(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:
         return cls([], CachedRequestData(), {}, 0, finished_req_ids or set())
+
+
+@dataclass(frozen=True)
+class GrammarOutput:
+    """The grammar bitmasks of one step (core -> worker), beside its ``SchedulerOutput``.
+
+    Attributes:
+        bitmasks: request id -> ``[ceil(V / 32)]`` int32 bitmask of the tokens its grammar
+            allows next (bit ``t % 32`` of word ``t // 32`` for token ``t``), for the
+            requests with structured outputs that sample this step. A request with a
+            grammar but no bitmask here was given up: it samples unmasked, and the scheduler
+            drops that token and aborts it.
+    """
+
+    bitmasks: Mapping[str, Any] = field(default_factory=dict)

@@ -91,6 +91,7 @@ class AsyncLLM:
         self._utility_waiters: dict[str, list[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
         self.dead_error: str | None = None
+        self._death_callbacks: list[Callable[[str], None]] = []
         self._closed = False
         self._timed = envs.log_step_stats()
         # The engine process starts first: the tokenizer loads while it does.
@@ -203,8 +204,14 @@ class AsyncLLM:
                 f"the engine process exited unexpectedly (exit code {self.engine_proc.exitcode})"
             )
 
+    def add_death_callback(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` once, when the engine process dies (after its live
+        requests have been failed)."""
+        self._death_callbacks.append(callback)
+
     def _fail_all(self, error: str) -> None:
-        if self.dead_error is None:
+        first = self.dead_error is None
+        if first:
             self.dead_error = error
             logger.error("Engine is dead: %s", error)
         self.output_processor.fail_all(error)
@@ -214,6 +221,9 @@ class AsyncLLM:
             for fut in waiters:
                 if not fut.done():
                     fut.set_exception(EngineDeadError(error))
+        if first:
+            for callback in self._death_callbacks:
+                callback(error)
 
     async def _output_loop(self) -> None:
         sock = self._output_sock

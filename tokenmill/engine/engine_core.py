@@ -14,17 +14,23 @@ from typing import Any
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.engine_io import (
+    CONSTRAINT_BUSY_PREFIX,
     CONSTRAINT_FAILURE_PREFIX,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
 )
-from tokenmill.core.grammar_compilation import GrammarCompilation
+from tokenmill.core.grammar_compilation import (
+    WORKER_NICE,
+    GrammarCompilation,
+    default_num_workers,
+)
 from tokenmill.core.grammar_masks import GrammarMaskFiller
+from tokenmill.core.grammar_workers import WorkerProcess
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +91,16 @@ class EngineCore:
             "on" if sc.async_scheduling else "off",
         )  # fmt: skip
         logger.info("Engine core ready in %.1f s", time.perf_counter() - start)
-        # Structured outputs' grammars are compiled beside the loop (so is the compiler,
-        # ~1 s), so that a new constraint does not stall the running requests.
-        self._grammars = GrammarCompilation(self._build_grammar_compiler)
-        self._grammar_masks = GrammarMaskFiller()
+        # Structured outputs' grammars are compiled and their masks filled in worker
+        # processes (the tokenizer's table for them is built on a thread, ~1 s), so that
+        # a costly constraint cannot stall the running requests.
+        self._grammars = GrammarCompilation(
+            self._build_grammar_backend, lambda args: _grammar_worker(args, WORKER_NICE)
+        )
+        self._grammar_masks = GrammarMaskFiller(
+            lambda: _grammar_worker(self._grammars.backend.worker_args, 0),
+            max_workers=default_num_workers(),
+        )
 
     def _init_kv_cache(self) -> int:
         cc, mc, sc = (
@@ -145,13 +157,16 @@ class EngineCore:
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammars are ready; report those that failed."""
         ready, failed = self._grammars.take_ready()
+        if ready:
+            self._grammar_masks.prepare()
         for req in ready:
             self.scheduler.add_request(req)
         for req, error in failed:
             logger.warning("request %s aborted: %s", req.request_id, error)
-            # The reason travels as the stop reason: the server answers it with a 400.
+            # The reason travels as the stop reason: the server answers it with a 400 (a
+            # 429 when the compilers were busy).
             reason = str(error)
-            if not reason.startswith(CONSTRAINT_FAILURE_PREFIX):
+            if not reason.startswith((CONSTRAINT_FAILURE_PREFIX, CONSTRAINT_BUSY_PREFIX)):
                 reason = f"{CONSTRAINT_FAILURE_PREFIX} the constraint failed to compile: {reason}"
             self._failed.append(
                 EngineCoreOutput(
@@ -160,32 +175,36 @@ class EngineCore:
             )
             self._num_constraint_failures += 1
 
-    def _build_grammar_compiler(self) -> Any:
-        from tokenmill.structured_output import GrammarCompiler
+    def _build_grammar_backend(self) -> Any:
+        from tokenmill.grammar_runtime import GrammarBackend
         from tokenmill.tokenizer import get_tokenizer
 
         mc = self.config.model_config
         tokenizer = get_tokenizer(mc.model, mc.tokenizer if mc.tokenizer != mc.model else None)
-        return GrammarCompiler(tokenizer, mc.vocab_size)
+        return GrammarBackend(tokenizer, mc.vocab_size)
 
-    def _fill_grammar_bitmasks(self, so: SchedulerOutput) -> None:
+    def _grammar_output(self, so: SchedulerOutput) -> GrammarOutput | None:
         """The next-token bitmasks of the requests with structured outputs that sample in
-        ``so`` (their whole context computed by it), from their grammars' current state.
+        ``so`` (their whole context computed by it), from their grammars' current state;
+        None when no such request samples.
 
         A grammar whose mask takes too long (``core/grammar_masks.py``) is given up: its
         request samples without a mask, and ``update_from_output`` drops that token and
         finishes the request aborted with the reason.
         """
         requests = self.scheduler.requests
+        self._grammar_masks.forget(requests)
         grammars = {}
         for req_id in so.num_scheduled_tokens:
             request = requests[req_id]
             if request.grammar is not None and request.num_computed_tokens >= request.num_tokens:
                 grammars[req_id] = request.grammar
+        if not grammars:
+            return None
         masks, given_up = self._grammar_masks.fill(grammars)
-        so.grammar_bitmasks.update(masks)
         for req_id, reason in given_up.items():
             grammars[req_id].fail(reason)
+        return GrammarOutput(masks)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish requests at once and free their KV blocks (unknown ids are ignored)."""
@@ -235,8 +254,8 @@ class EngineCore:
             if self.log_stats:
                 outputs.scheduler_stats = self.scheduler.make_stats()
             return outputs
-        self._fill_grammar_bitmasks(scheduler_output)
-        runner_output = self.executor.execute_model(scheduler_output)
+        grammar_output = self._grammar_output(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output, grammar_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs.timestamp = time.time()
         return outputs
@@ -258,8 +277,7 @@ class EngineCore:
             # Its sampling needs every earlier token on the host: run it in step.
             if pending is not None:
                 outputs = self._collect(pending)
-            self._fill_grammar_bitmasks(so)
-            runner_output = self.executor.execute_model(so)
+            runner_output = self.executor.execute_model(so, self._grammar_output(so))
             return _merge(outputs, self.scheduler.update_from_output(so, runner_output))
         handle = self.executor.execute_model_async(so)
         if pending is not None:
@@ -284,6 +302,11 @@ class EngineCore:
         self._grammars.shutdown()
         self._grammar_masks.shutdown()
         self.executor.shutdown()
+
+
+def _grammar_worker(args: tuple, nice: int) -> WorkerProcess:
+    """A grammar worker process (``grammar_runtime.serve_grammars``) started with ``args``."""
+    return WorkerProcess("tokenmill.grammar_runtime:serve_grammars", args, nice=nice)
 
 
 def _merge(first: EngineCoreOutputs, second: EngineCoreOutputs) -> EngineCoreOutputs:

@@ -6,7 +6,7 @@ import abc
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 
 
 class Executor(abc.ABC):
@@ -28,8 +28,11 @@ class Executor(abc.ABC):
         """Allocate the KV cache and warm up (CUDA graphs)."""
 
     @abc.abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; returns the driver worker's output."""
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step; returns the driver worker's output. ``grammar_output`` holds the
+        step's grammar bitmasks (structured outputs), if any."""
 
     def execute_model_async(self, scheduler_output: SchedulerOutput):
         """Launch a step without waiting for its tokens; the returned handle's ``get()``

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.executor.base import Executor
 from tokenmill.worker.worker import Worker
 
@@ -25,8 +25,10 @@ class UniProcExecutor(Executor):
         self.worker.initialize_cache(num_blocks)
         self.worker.warm_up()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output, grammar_output)
 
     def execute_model_async(self, scheduler_output: SchedulerOutput):
         return self.worker.execute_model_async(scheduler_output)

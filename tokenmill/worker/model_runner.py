@@ -13,7 +13,7 @@ host-device sync of a step is reading the sampled token ids.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
@@ -430,8 +430,11 @@ class ModelRunner:
         return AsyncModelRunnerOutput(self.input_batch, inputs, host, event)
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step.
+    def execute_model(
+        self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step; ``grammar_output`` holds the grammar bitmasks of its requests with
+        structured outputs.
 
         Returns:
             The sampled token of every request that completed its context this step (an
@@ -444,12 +447,13 @@ class ModelRunner:
         inputs = self._prepare_inputs(so)
         hidden = self._run_model(inputs)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        bitmasks = grammar_output.bitmasks if grammar_output else {}
         if self.spec_decode is not None:
-            return self.spec_decode.finish_step(self, so, inputs, hidden, prompt_logprobs)
+            return self.spec_decode.finish_step(self, bitmasks, inputs, hidden, prompt_logprobs)
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
         if inputs.sample_rows:
-            token_ids, logprobs = self.sample_tokens(inputs, hidden, so.grammar_bitmasks)
+            token_ids, logprobs = self.sample_tokens(inputs, hidden, bitmasks)
             req_ids, batch = inputs.req_ids, self.input_batch
             for i, tok in zip(inputs.sample_rows, token_ids, strict=False):
                 sampled[i] = [tok]
@@ -458,7 +462,10 @@ class ModelRunner:
         return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs)
 
     def sample_tokens(
-        self, inputs: StepInputs, hidden: torch.Tensor, grammar_bitmasks: dict[str, np.ndarray]
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        grammar_bitmasks: Mapping[str, np.ndarray],
     ) -> tuple[list[int], dict[str, LogprobsLists]]:
         """One token for each of the step's sampling requests (``inputs.sample_rows``), and
         the logprobs of those that asked, by request id; the step's one sync."""
@@ -525,7 +532,7 @@ class ModelRunner:
         self,
         inputs: StepInputs,
         rows: np.ndarray,
-        grammar_bitmasks: dict[str, np.ndarray] | None = None,
+        grammar_bitmasks: Mapping[str, np.ndarray] | None = None,
     ) -> SamplingMetadata:
         """The sampler's metadata: ``_plain_sampling_metadata`` when every row is plain,
         else the general per-row builder (with the grammar bitmasks of requests with

@@ -14,7 +14,7 @@ so the proposer is not asked for theirs (and the scheduler drops any).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,7 +24,6 @@ from torch import nn
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.spec_decode.proposer import Proposer, VerifiedStep
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.rejection_sampler import greedy_verify, rejection_sample
@@ -49,7 +48,10 @@ class ModelRunner(Protocol):
     query_start_loc: Any
 
     def sample_tokens(
-        self, inputs: StepInputs, hidden: torch.Tensor, grammar_bitmasks: dict[str, np.ndarray]
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        grammar_bitmasks: Mapping[str, np.ndarray],
     ) -> tuple[list[int], dict[str, LogprobsLists]]: ...
 
     def _advance_computed(self, inputs: StepInputs) -> None: ...
@@ -156,7 +158,7 @@ class SpecDecodeStep:
     def finish_step(
         self,
         runner: ModelRunner,
-        so: SchedulerOutput,
+        bitmasks: Mapping[str, np.ndarray],
         inputs: StepInputs,
         hidden: torch.Tensor,
         prompt_logprobs: dict[str, LogprobsLists],
@@ -172,9 +174,9 @@ class SpecDecodeStep:
             rows = inputs.batch_rows[inputs.sample_rows]
             num_drafts = self.num_drafts[rows]
             if num_drafts.any():
-                tokens, logprobs = self._verify(runner, so, inputs, hidden, rows, num_drafts)
+                tokens, logprobs = self._verify(runner, bitmasks, inputs, hidden, rows, num_drafts)
             else:
-                plain, logprobs = runner.sample_tokens(inputs, hidden, so.grammar_bitmasks)
+                plain, logprobs = runner.sample_tokens(inputs, hidden, bitmasks)
                 tokens = [[t] for t in plain]
             for i, row_tokens, k in zip(inputs.sample_rows, tokens, num_drafts.tolist(),
                                         strict=True):  # fmt: skip
@@ -193,7 +195,7 @@ class SpecDecodeStep:
     def _verify(
         self,
         runner: ModelRunner,
-        so: SchedulerOutput,
+        bitmasks: Mapping[str, np.ndarray],
         inputs: StepInputs,
         hidden: torch.Tensor,
         rows: np.ndarray,
@@ -215,7 +217,7 @@ class SpecDecodeStep:
             # Greedy without processors: the argmax is the whole verdict, one small copy.
             targets = np.asarray(wide_argmax(logits).tolist(), dtype=np.int64)
             return greedy_verify(targets, draft_ids, num_drafts), {}
-        metadata = self._metadata(runner, so, inputs, rows, num_drafts)
+        metadata = self._metadata(runner, bitmasks, inputs, rows, num_drafts)
         out = rejection_sample(
             logits,
             metadata,
@@ -235,7 +237,7 @@ class SpecDecodeStep:
     def _metadata(
         self,
         runner: ModelRunner,
-        so: SchedulerOutput,
+        bitmasks: Mapping[str, np.ndarray],
         inputs: StepInputs,
         rows: np.ndarray,
         num_drafts: np.ndarray,
@@ -256,7 +258,7 @@ class SpecDecodeStep:
             start = int(batch.num_tokens[row])
             drafts = batch.token_ids[row, start : start + k].tolist()
             # Only requests without drafts may have a grammar (theirs is never asked for).
-            bitmask = so.grammar_bitmasks.get(state.req_id) if k == 0 else None
+            bitmask = bitmasks.get(state.req_id) if k == 0 else None
             for j in range(k + 1):
                 output = state.output_token_ids + drafts[:j]
                 sampling_rows.append(

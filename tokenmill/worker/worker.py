@@ -9,7 +9,7 @@ import torch
 from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
-from tokenmill.core.scheduler_output import SchedulerOutput
+from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.worker.host_memory import GiB, check_host_memory
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_compile import compile_first
@@ -146,9 +146,11 @@ class Worker:
         if graphs is not None:
             runner.capture_cuda_graphs()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
         assert self.model_runner is not None
-        return self.model_runner.execute_model(scheduler_output)
+        return self.model_runner.execute_model(scheduler_output, grammar_output)
 
     def execute_model_async(self, scheduler_output: SchedulerOutput):
         """Launch a step; returns a handle whose ``get()`` gives its ModelRunnerOutput."""

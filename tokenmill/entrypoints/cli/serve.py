@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from tokenmill import __version__, envs
 from tokenmill.config import ConfigError
 from tokenmill.engine_args import EngineArgs
+from tokenmill.entrypoints.openai.agent_args import AgentArgs
 from tokenmill.entrypoints.openai.observability import add_observability_args
 from tokenmill.hf_config import ModelLoadError
 
@@ -36,10 +37,6 @@ UNIMPLEMENTED_FLAGS = (
     "--lora-modules",
     "--max-loras",
     "--max-lora-rank",
-    "--enable-auto-tool-choice",
-    "--tool-call-parser",
-    "--tool-parser-plugin",
-    "--reasoning-parser",
     "--guided-decoding-backend",
     "--structured-outputs-config",
     "--kv-transfer-config",
@@ -211,6 +208,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "signal exits immediately. (default: 0)",
     )
     group.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        help="When the engine process dies, keep the server up answering 503 (and /health "
+        "503) instead of exiting with code 1 for an orchestrator to restart it, as vLLM "
+        "does with VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1.",
+    )
+    group.add_argument(
         "--root-path",
         default=None,
         help="URL prefix when served behind a path-based reverse proxy.",
@@ -235,6 +239,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--model", dest="model", default=None, help="Same as MODEL.")
     add_server_args(parser)
     add_observability_args(parser)
+    AgentArgs.add_cli_args(parser)
     EngineArgs.add_cli_args(parser, positional_model=True)
     for flag in UNIMPLEMENTED_FLAGS:
         parser.add_argument(flag, action=_Unimplemented)
@@ -340,6 +345,10 @@ def run(args: argparse.Namespace) -> int:
     args.model = args.model_tag or args.model
     if args.max_log_len is not None and args.max_log_len < 0:
         return _fail(f"--max-log-len must be non-negative, got {args.max_log_len}", 2)
+    try:
+        args.tool_settings = AgentArgs.from_cli_args(args).tool_settings()
+    except ConfigError as e:
+        return _fail(str(e), 2)
     chat_template = None
     if args.chat_template:
         try:
@@ -361,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         logger.info(
             "tokenmill %s serve: starting for %s", __version__, config.model_config.model
         )
-        from tokenmill.entrypoints.openai.server import run_server
+        from tokenmill.entrypoints.api_server import run_server
 
         run_event_loop(run_server(args, config, chat_template, listeners))
     except (ConfigError, ModelLoadError, EngineDeadError) as e:

@@ -21,6 +21,7 @@ _ERROR_TYPES = {
     HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
     HTTPStatus.UNPROCESSABLE_ENTITY: "invalid_request_error",
+    HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
     HTTPStatus.INTERNAL_SERVER_ERROR: "server_error",
     HTTPStatus.SERVICE_UNAVAILABLE: "server_error",
 }

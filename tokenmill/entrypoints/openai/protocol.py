@@ -4,16 +4,47 @@ Field names, types and defaults follow the OpenAI API reference for chat complet
 (legacy) completions, plus the extra sampling fields vLLM accepts (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``...),
 so clients written for either keep working. Requests are validated strictly (``"5"`` is not an
-integer, ``"yes"`` is not a boolean); unknown fields are ignored, as the OpenAI API does.
+integer, ``"yes"`` is not a boolean); unknown fields are ignored, as the OpenAI API does. The
+bounds ``SamplingParams`` enforces are declared on the fields too, so the OpenAPI document
+carries them (rules across fields, such as ``best_of >= n``, are checked after).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from tokenmill.entrypoints.openai.protocol_tools import (
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ToolCall,
+    ToolCallParam,
+)
+from tokenmill.sampling_params import INT64_MAX, INT64_MIN, MAX_BAD_WORDS, MAX_N, MAX_STOP_STRINGS
+
+# Field bounds, as SamplingParams checks them.
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+NumSequences = Annotated[int, Field(ge=1, le=MAX_N)]
+LogprobCount = Annotated[int, Field(ge=-1, description="-1: the whole vocabulary")]
+TokenId = Annotated[int, Field(ge=0)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+
+def _items(most: int | None, least: int = 0) -> Any:
+    """A list's length bounds, for the document only: SamplingParams checks them with its
+    own messages."""
+    extra: dict[str, Any] = {"minItems": least} if least else {}
+    if most is not None:
+        extra["maxItems"] = most
+    return Field(json_schema_extra=extra)
+
+
+TruncateTokens = Annotated[
+    int, Field(ge=-1, description="-1: as many as leave room for max_tokens; not 0")
+]
 
 
 def random_id(prefix: str) -> str:
@@ -38,34 +69,34 @@ class SamplingFields(OpenAIBaseModel):
     """Sampling fields shared by chat and completions requests (None: the model's default)."""
 
     model: str | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    n: int | None = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    n: NumSequences | None = 1
+    seed: Seed | None = None
+    stop: str | Annotated[list[str], _items(MAX_STOP_STRINGS)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Annotated[float, Field(ge=0.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     user: str | None = None
     # Extra fields (vLLM's), not in the OpenAI API.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: Annotated[int, Field(ge=-1, description="-1 or 0: no top-k")] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    stop_token_ids: list[int] | None = None
-    best_of: int | None = None
-    prompt_logprobs: int | None = None
+    stop_token_ids: list[TokenId] | None = None
+    best_of: NumSequences | None = None
+    prompt_logprobs: LogprobCount | None = None
     priority: int = 0
     # vLLM's extensions (see SamplingParams): sample only among these token ids; never
     # complete these words; keep only the prompt's last this many tokens.
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: Annotated[list[TokenId], _items(None, 1)] | None = None
+    bad_words: Annotated[list[str], _items(MAX_BAD_WORDS)] | None = None
+    truncate_prompt_tokens: TruncateTokens | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (see structured_outputs.structured_outputs_of).
     response_format: dict[str, Any] | None = None
@@ -99,11 +130,16 @@ class ContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """A message of the conversation; content is a string or a list of text parts."""
+    """A message of the conversation; content is a string or a list of text parts. An
+    assistant message may carry the ``tool_calls`` it made (and its ``reasoning_content``);
+    a ``tool`` message answers the call ``tool_call_id``."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -115,12 +151,15 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    # Accepted so that they can be rejected with a clear message (not implemented).
-    tools: list[Any] | None = None
+    top_logprobs: LogprobCount | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}: checked
+    # by chat_tools.plan_tool_calls, whose 400 says which forms there are.
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = True
+    # Accepted so that they can be rejected with a clear message (not implemented).
     functions: Any = None  # OpenAI's legacy tool calling
     function_call: Any = None
     echo: Any = None  # vLLM's: prepend the last message to the answer
@@ -154,6 +193,9 @@ class ChatCompletionMessage(BaseModel):
     role: str
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    # The thinking before the answer, split off by --reasoning-parser (vLLM's field).
+    reasoning_content: str | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -194,6 +236,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):
@@ -226,8 +270,8 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
-    logprobs: int | None = None
-    max_tokens: int | None = 16
+    logprobs: LogprobCount | None = None
+    max_tokens: Annotated[int, Field(ge=0, description="0 only with echo")] | None = 16
     suffix: str | None = None
 
 
@@ -284,10 +328,10 @@ class EmbeddingRequest(OpenAIBaseModel):
     input: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
     # Extra fields (vLLM's).
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: TruncateTokens | None = None
     add_special_tokens: bool = True
 
 

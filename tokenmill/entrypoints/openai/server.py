@@ -1,53 +1,35 @@
-"""The OpenAI-compatible HTTP server: FastAPI app, routes, auth, CORS, error handlers, run loop.
-
-The HTTP server (this process) tokenizes, detokenizes and talks HTTP; the model loop runs in
-the engine process (``AsyncLLM``), so neither stalls the other. Routes:
+"""The OpenAI-compatible routes and the error handlers every route shares.
 
 - POST /v1/chat/completions, /v1/completions (streaming or not), GET /v1/models
 - POST /v1/embeddings, when the model is an embedding model (then the two above answer 400);
   its engine (AsyncEmbeddingEngine) runs in an engine process too
 - POST /tokenize, /detokenize
 - GET /health (200 while the engine runs, 503 once it is dead), /metrics (Prometheus), /version
-- GET /dashboard, the live web view (``entrypoints/dashboard``; ``observability.py``)
 
 Every error answers with OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
-SIGTERM or SIGINT stops accepting connections and gives running requests
-``--shutdown-timeout`` seconds (default 0) to finish; the rest are aborted (their clients get an
-error, in the stream or as the response), then the engine is shut down and the process exits
-with 0. A second signal exits at once (code 128 + signal number).
+The app that serves these beside the other APIs, and its run loop, are in
+``entrypoints/api_server.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import hmac
 import json
 import logging
-import os
 import re
-import signal
-import socket
-from collections.abc import Iterator
 from http import HTTPStatus
-from typing import Any, NoReturn
+from typing import Any
 
-import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
-from tokenmill.engine.embedding_engine import AsyncEmbeddingEngine
 from tokenmill.engine.input_processor import InvalidRequestError
-from tokenmill.entrypoints.dashboard.routes import is_dashboard_path
-from tokenmill.entrypoints.openai.body_limit import add_body_size_limit
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -56,14 +38,16 @@ from tokenmill.entrypoints.openai.errors import (
     error_type,
     model_not_found,
 )
-from tokenmill.entrypoints.openai.observability import install_observability, make_stat_loggers
+from tokenmill.entrypoints.openai.openapi import answers, errors
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
-    ErrorResponse,
+    EmbeddingResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -76,35 +60,25 @@ from tokenmill.entrypoints.openai.serving_embedding import (
     not_generative,
 )
 from tokenmill.entrypoints.openai.serving_engine import (
-    RequestLogger,
     cancel_on_disconnect,
     to_openai_error,
 )
-from tokenmill.gc_freeze import freeze_startup_heap
-from tokenmill.metrics import make_registry
 from tokenmill.version import __version__
 
 logger = logging.getLogger("tokenmill.entrypoints.openai.server")
 
-# After the shutdown timeout has aborted the running requests, how long their responses may
-# take to end before uvicorn cancels them (a client that stopped reading, say) (seconds).
-ABORTED_RESPONSE_GRACE_S = 5
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# On a second stop signal, how long aborted streams get to send their error event (seconds).
-ABORT_FLUSH_S = 0.2
-# Routes that answer without an API key (probes and scrapers).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 router = APIRouter()
-_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 503)
-}
 
 
 # ---- routes ------------------------------------------------------------------------------------
 
 
-@router.get("/health")
+@router.get(
+    "/health",
+    response_class=Response,
+    responses={200: {"description": "The engine runs (an empty body)."}, **errors(503)},
+)
 @router.head("/health", include_in_schema=False)  # one operation id in the schema, not two
 async def health(raw_request: Request) -> Response:
     """200 while the engine process runs; 503 (with the reason) once it has died."""
@@ -115,12 +89,20 @@ async def health(raw_request: Request) -> Response:
     return Response(status_code=HTTPStatus.OK)
 
 
-@router.get("/version")
+class VersionResponse(BaseModel):
+    version: str
+
+
+@router.get("/version", responses={200: {"model": VersionResponse, "description": "Success."}})
 async def version() -> JSONResponse:
     return JSONResponse({"version": __version__})
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"description": "Prometheus text format; names start with tokenmill:."}},
+)
 async def metrics(raw_request: Request) -> Response:
     """Prometheus text format."""
     registry: CollectorRegistry = raw_request.app.state.registry
@@ -136,13 +118,13 @@ def _model_cards(raw_request: Request) -> list[ModelCard]:
     ]
 
 
-@router.get("/v1/models", responses=_ERROR_RESPONSES)
+@router.get("/v1/models", responses=answers(ModelList))
 async def list_models(raw_request: Request) -> Response:
     cards = _model_cards(raw_request)
     return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
 
-@router.get("/v1/models/{model:path}", responses=_ERROR_RESPONSES)
+@router.get("/v1/models/{model:path}", responses=answers(ModelCard, 404))
 async def retrieve_model(model: str, raw_request: Request) -> Response:
     """The card of one of the served names; 404 (model_not_found) for any other id."""
     for card in _model_cards(raw_request):
@@ -151,7 +133,10 @@ async def retrieve_model(model: str, raw_request: Request) -> Response:
     raise model_not_found(model)
 
 
-@router.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
+@router.post(
+    "/v1/chat/completions",
+    responses=answers(ChatCompletionResponse, 404, 429, 503, stream=True),
+)
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     serving: OpenAIServingChat | None = raw_request.app.state.serving_chat
     if serving is None:
@@ -161,7 +146,9 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     )
 
 
-@router.post("/v1/completions", responses=_ERROR_RESPONSES)
+@router.post(
+    "/v1/completions", responses=answers(CompletionResponse, 404, 429, 503, stream=True)
+)
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
     serving: OpenAIServingCompletion | None = raw_request.app.state.serving_completion
     if serving is None:
@@ -169,7 +156,7 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
     return await cancel_on_disconnect(raw_request, serving.create_completion(request, raw_request))
 
 
-@router.post("/v1/embeddings", responses=_ERROR_RESPONSES)
+@router.post("/v1/embeddings", responses=answers(EmbeddingResponse, 404, 503))
 async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
     serving: OpenAIServingEmbedding | None = raw_request.app.state.serving_embedding
     if serving is None:
@@ -187,7 +174,7 @@ def _tokenizing_serving(raw_request: Request) -> OpenAIServingChat | OpenAIServi
     return state.serving_chat or state.serving_embedding
 
 
-@router.post("/tokenize", responses=_ERROR_RESPONSES)
+@router.post("/tokenize", responses=answers(TokenizeResponse, 404, 503))
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     """Token ids of a text ``prompt`` or of chat ``messages`` rendered with the template."""
     serving = _tokenizing_serving(raw_request)
@@ -223,7 +210,7 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-@router.post("/detokenize", responses=_ERROR_RESPONSES)
+@router.post("/detokenize", responses=answers(DetokenizeResponse, 404))
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
     serving = _tokenizing_serving(raw_request)
     serving.check_model(request.model)
@@ -272,13 +259,32 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
         text = error.get("msg", "invalid value")
         if error.get("type") == "missing" and not path:
             text = "A JSON request body is required."
-        entry = f"{path}: {text}" if path else text
+        bound = _bound_text(error)
+        entry = f"{path} {bound}" if bound and path else f"{path}: {text}" if path else text
         if entry not in messages:
             messages.append(entry)
     return bad_request("; ".join(messages), param)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+# pydantic's bound errors, phrased as SamplingParams phrases its own checks.
+_BOUNDS = {
+    "greater_than_equal": ("ge", "greater than or equal to"),
+    "greater_than": ("gt", "greater than"),
+    "less_than_equal": ("le", "less than or equal to"),
+    "less_than": ("lt", "less than"),
+}
+
+
+def _bound_text(error: dict[str, Any]) -> str | None:
+    """``must be greater than or equal to 1, got 0.`` for a value past a field's bound."""
+    kind = _BOUNDS.get(error.get("type", ""))
+    ctx = error.get("ctx") or {}
+    if kind is None or kind[0] not in ctx:
+        return None
+    return f"must be {kind[1]} {ctx[kind[0]]}, got {error.get('input')!r}."
+
+
+def add_error_handlers(app: FastAPI) -> None:
     async def on_openai_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, OpenAIError)
         return exc.to_response()
@@ -306,277 +312,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(InvalidRequestError, on_invalid_request)
     app.add_exception_handler(Exception, on_unexpected)
-
-
-# ---- auth --------------------------------------------------------------------------------------
-
-
-class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on every route but OPEN_PATHS.
-
-    The key is compared in constant time (``hmac.compare_digest``), so response timing does
-    not leak how much of a guess was right. CORS preflight (OPTIONS) requests pass.
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root) :] or "/"
-        # (the dashboard's routes check the key themselves, also as Basic credentials)
-        if path in OPEN_PATHS or is_dashboard_path(path) or self._authorized(scope):
-            await self.app(scope, receive, send)
-            return
-        body = error_body(
-            "Invalid or missing API key: send it as 'Authorization: Bearer <key>'.",
-            "invalid_request_error",
-            code="invalid_api_key",
-        )
-        response = JSONResponse(body, status_code=HTTPStatus.UNAUTHORIZED)
-        await response(scope, receive, send)
-
-    def _authorized(self, scope: Scope) -> bool:
-        header = b""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                header = value
-                break
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
-
-
-# ---- app ---------------------------------------------------------------------------------------
-
-
-def build_app(
-    engine: AsyncLLM | AsyncEmbeddingEngine,
-    args: argparse.Namespace,
-    registry: CollectorRegistry,
-    chat_template: str | None = None,
-) -> FastAPI:
-    """The FastAPI app serving ``engine``.
-
-    Args:
-        engine: the running AsyncLLM, or AsyncEmbeddingEngine for an embedding model.
-        args: the server flags (api_key, allowed_origins/methods/headers, allow_credentials,
-            disable_log_requests, max_log_len, response_role).
-        registry: the Prometheus registry exposed at /metrics.
-        chat_template: template text replacing the tokenizer's own, if given.
-    """
-    app = FastAPI(title="tokenmill", version=__version__)
-    app.include_router(router)
-    _add_error_handlers(app)
-    api_key = getattr(args, "api_key", None)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    add_body_size_limit(app)  # outside the key check
-    # Added last, so it is the outermost layer: preflight answers never need a key.
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=getattr(args, "allowed_origins", ["*"]),
-        allow_credentials=getattr(args, "allow_credentials", False),
-        allow_methods=getattr(args, "allowed_methods", ["*"]),
-        allow_headers=getattr(args, "allowed_headers", ["*"]),
-    )
-    request_logger = None
-    if not getattr(args, "disable_log_requests", False):
-        request_logger = RequestLogger(getattr(args, "max_log_len", None))
-    state = app.state
-    state.engine = engine
-    state.registry = registry
-    state.serving_chat = state.serving_completion = state.serving_embedding = None
-    install_observability(app, engine, args, registry)
-    if isinstance(engine, AsyncEmbeddingEngine):
-        state.serving_embedding = OpenAIServingEmbedding(engine, request_logger)
-        return app
-    state.serving_chat = OpenAIServingChat(
-        engine, request_logger, chat_template, getattr(args, "response_role", "assistant")
-    )
-    state.serving_completion = OpenAIServingCompletion(engine, request_logger)
-    return app
-
-
-async def run_server(
-    args: argparse.Namespace,
-    config: EngineConfig,
-    chat_template: str | None = None,
-    listeners: list[socket.socket] | None = None,
-) -> None:
-    """Start the engine, serve HTTP until SIGTERM/SIGINT, then shut the engine down.
-
-    Args:
-        args: the server flags (host, port, shutdown_timeout, ...; see build_app).
-        config: the engine configuration.
-        chat_template: template text replacing the tokenizer's own, if given.
-        listeners: sockets bound to host:port (``cli.serve.bind_listeners``); None: uvicorn
-            binds them itself.
-
-    Raises:
-        EngineDeadError: the engine failed to start.
-    """
-    registry = make_registry()
-    engine: AsyncLLM | AsyncEmbeddingEngine
-    if config.model_config.is_pooling_model:
-        engine = AsyncEmbeddingEngine(config)
-    else:
-        engine = AsyncLLM(config, stat_loggers=make_stat_loggers(config, registry))
-    shutdown: GracefulShutdown | None = None
-    try:
-        app = build_app(engine, args, registry, chat_template)
-        timeout_s = getattr(args, "shutdown_timeout", 0)
-        uv_config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            access_log=not args.disable_uvicorn_access_log,
-            root_path=args.root_path or "",
-            timeout_graceful_shutdown=timeout_s + ABORTED_RESPONSE_GRACE_S,
-            timeout_keep_alive=5,
-        )
-        server = _Server(uv_config)
-        servings = [app.state.serving_chat, app.state.serving_completion]
-        shutdown = GracefulShutdown(server, engine, [s for s in servings if s], timeout_s)
-        shutdown.install()
-        freeze_startup_heap("API server")
-        logger.info(
-            "Serving %s on %s (max_model_len=%d)",
-            config.model_config.served_model_name,
-            _listen_url(args.host, args.port, listeners),
-            engine.model_config.max_model_len,
-        )
-        await server.serve(sockets=listeners)
-    finally:
-        if shutdown is not None:
-            shutdown.uninstall()
-        engine.shutdown()
-        logger.info("Engine shut down.")
-
-
-def _listen_url(host: str, port: int, listeners: list[socket.socket] | None) -> str:
-    if listeners:
-        port = listeners[0].getsockname()[1]  # the chosen one, for --port 0
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-# ---- shutdown ----------------------------------------------------------------------------------
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, leaving SIGTERM and SIGINT to GracefulShutdown."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # NOTE: uvicorn's own handlers end a drain that runs out of time by cancelling the
-        # requests' tasks (truncated streams, a traceback each) and re-raise the signal once
-        # done; GracefulShutdown aborts the requests in the engine instead.
-        yield
-
-
-class GracefulShutdown:
-    """What SIGTERM and SIGINT do while the server runs.
-
-    The first signal makes uvicorn stop accepting connections; running requests get
-    ``timeout_s`` seconds to finish, then the rest are aborted, so their clients get an
-    error (an error event and ``[DONE]`` in a stream, else the response) rather than wait.
-    The server then returns from ``serve`` once every response has ended. A second signal
-    exits the process at once.
-
-    Args:
-        server: the uvicorn server.
-        engine: the engine, killed by a second signal.
-        servings: the handlers whose running requests are aborted.
-        timeout_s: grace period of running requests (seconds); 0 aborts them at once.
-    """
-
-    def __init__(
-        self,
-        server: uvicorn.Server,
-        engine: AsyncLLM | AsyncEmbeddingEngine,
-        servings: list[Any],
-        timeout_s: float,
-    ) -> None:
-        self.server = server
-        self.engine = engine
-        self.servings = servings
-        self.timeout_s = timeout_s
-        self.stopping = False
-        self._exit_signal: int | None = None  # a second signal came: exit, do not drain
-        self._abort_task: asyncio.Task | None = None
-
-    def install(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, self.on_signal, sig)
-
-    def uninstall(self) -> None:
-        """Leave the event loop: from now on (engine shutdown) a signal exits at once."""
-        if self._exit_signal is not None:  # the responses ended before ABORT_FLUSH_S
-            exit_now(self.engine, self._exit_signal)
-        loop = asyncio.get_running_loop()
-        for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, lambda signum, _: exit_now(self.engine, signum))
-        if self._abort_task is not None:
-            self._abort_task.cancel()
-
-    def num_running(self) -> int:
-        return sum(s.num_running() for s in self.servings)
-
-    def on_signal(self, signum: int) -> None:
-        """First signal: stop accepting, abort what still runs after the grace period.
-        Second: abort what runs and exit, after a moment for the aborts to reach clients."""
-        if self.stopping:
-            self._abort_running()
-            self._exit_signal = signum
-            loop = asyncio.get_running_loop()
-            loop.call_later(ABORT_FLUSH_S, exit_now, self.engine, signum)
-            return
-        self.stopping = True
-        logger.info(
-            "%s: shutting down; not accepting new requests; %d running request(s) get %g s "
-            "to finish (a second signal exits at once)",
-            signal.Signals(signum).name,
-            self.num_running(),
-            self.timeout_s,
-        )
-        self.server.should_exit = True
-        self._abort_task = asyncio.get_running_loop().create_task(self._abort_after_timeout())
-
-    async def _abort_after_timeout(self) -> None:
-        if self.timeout_s > 0:
-            await asyncio.sleep(self.timeout_s)
-        aborted = self._abort_running()
-        if aborted:
-            logger.warning(
-                "Shutdown timeout (%g s) reached: aborted %d running request(s)",
-                self.timeout_s,
-                aborted,
-            )
-
-    def _abort_running(self) -> int:
-        return sum(s.abort_running() for s in self.servings)
-
-
-def exit_now(engine: AsyncLLM | AsyncEmbeddingEngine, signum: int) -> NoReturn:
-    """End the process at once (a second stop signal): kill the engine process, exit with
-    128 + ``signum``, without unwinding the running requests (no tracebacks)."""
-    logger.warning("%s again: exiting now", signal.Signals(signum).name)
-    proc = getattr(engine, "engine_proc", None)
-    if proc is not None and proc.is_alive():
-        proc.kill()
-        proc.join(5)
-    with contextlib.suppress(Exception):
-        engine.shutdown()  # sockets and the IPC folder (idempotent)
-    logging.shutdown()
-    os._exit(128 + signum)
 
 
 def parse_json_list(value: str) -> list[str]:

@@ -4,17 +4,35 @@ Streaming answers are server-sent events: a first chunk per choice carrying the 
 new text (never a broken UTF-8 character: the detokenizer holds incomplete ones back), the
 finish reason on a choice's last chunk, an optional usage chunk with no choices
 (``stream_options.include_usage``), then ``data: [DONE]``.
+
+With tools (``chat_tools.py``) or ``--reasoning-parser``, each choice's output goes through its
+parsers (``chat_output.py``): deltas then carry ``reasoning_content`` and ``tool_calls``
+pieces, and whole answers ``message.reasoning_content`` and ``message.tool_calls``. The
+Responses and Messages APIs reuse ``start_chat``, ``full_response`` and ``stream_chunks``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tokenmill.entrypoints.openai.chat_output import (
+    ChoiceParser,
+    choice_parsers,
+    reasoning_end_ids,
+)
+from tokenmill.entrypoints.openai.chat_tools import (
+    ToolSettings,
+    plan_tool_calls,
+    tool_message_fields,
+    tools_for_template,
+)
 from tokenmill.entrypoints.openai.errors import bad_request
 from tokenmill.entrypoints.openai.logprobs import (
     TokenBytes,
@@ -102,6 +120,27 @@ def chat_logprobs(
     return ChatCompletionLogProbs(content=content)
 
 
+@dataclass
+class ChatRun:
+    """A chat request the engine has accepted: its first output is in, the rest streams.
+
+    Attributes:
+        request: the request.
+        request_id: its id (``chatcmpl-...``).
+        first: the first output.
+        stream: the later outputs.
+        start: arrival time (``time.monotonic()``).
+        parsers: per choice, the reasoning and tool-call parser; None for plain text.
+    """
+
+    request: ChatCompletionRequest
+    request_id: str
+    first: RequestOutput
+    stream: AsyncIterator[RequestOutput]
+    start: float
+    parsers: list[ChoiceParser] | None
+
+
 class OpenAIServingChat(OpenAIServing):
     """Serves chat completions.
 
@@ -110,6 +149,7 @@ class OpenAIServingChat(OpenAIServing):
         request_logger: logs arrivals and finishes; None disables request logs.
         chat_template: Jinja template text replacing the tokenizer's own (``--chat-template``).
         response_role: the role of generated messages (``--response-role``).
+        tool_settings: the tool-call and reasoning parsers (``--tool-call-parser``...).
     """
 
     def __init__(
@@ -118,10 +158,12 @@ class OpenAIServingChat(OpenAIServing):
         request_logger: RequestLogger | None = None,
         chat_template: str | None = None,
         response_role: str = "assistant",
+        tool_settings: ToolSettings | None = None,
     ) -> None:
         super().__init__(engine, request_logger)
         self.chat_template = chat_template
         self.response_role = response_role
+        self.tool_settings = tool_settings or ToolSettings()
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request | None = None
@@ -132,10 +174,26 @@ class OpenAIServingChat(OpenAIServing):
             OpenAIError: 400 for an invalid request, 404 for an unknown model, 503 if the
                 engine is dead.
         """
+        run = await self.start_chat(request)
+        if request.stream:
+            return StreamingResponse(self._stream(run), media_type="text/event-stream")
+        response = await self.full_response(run)
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    async def start_chat(self, request: ChatCompletionRequest) -> ChatRun:
+        """Check, render and submit one chat request; wait for its first output.
+
+        Raises:
+            OpenAIError: 400 for an invalid request, 404 for an unknown model, 503 if the
+                engine is dead.
+        """
         start = time.monotonic()
         self.check_model(request.model)
         self._check_supported(request)
         self.check_stream_options(request)
+        plan = plan_tool_calls(request, self.tool_settings)
+        if plan.mode == "auto" and self.tool_settings.tool_parser is not None:
+            request = self.tool_settings.tool_parser(self.tokenizer).adjust_request(request)
         prompt_ids = await self.render_prompt_async(request.messages, request)
         max_tokens = (
             request.max_completion_tokens
@@ -152,6 +210,15 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=request.prompt_logprobs,
             best_of=request.best_of,
         )
+        settings = self.tool_settings
+        if plan.constraint is not None:
+            params.structured_outputs = plan.constraint
+        if params.structured_outputs is not None:  # for the answer, after any reasoning
+            end_ids = reasoning_end_ids(settings, self.tokenizer, prompt_ids)
+            params.structured_outputs = dataclasses.replace(
+                params.structured_outputs, reasoning_end_token_ids=end_ids
+            )
+        parsers = choice_parsers(request, plan, settings, self.tokenizer, prompt_ids)
         request_id = random_id("chatcmpl")
         if self.request_logger is not None:
             # A token holds at least one character: decoding max_log_len tokens is enough.
@@ -159,48 +226,38 @@ class OpenAIServingChat(OpenAIServing):
             self.log_arrival(request_id, self.tokenizer.decode(shown), prompt_ids, params)
         stream = self.generate(prompt_ids, None, params, request_id, request.priority)
         first = await first_output(stream)
-        num_top = request.top_logprobs or 0
-        if request.stream:
-            return StreamingResponse(
-                self._stream(request, request_id, first, stream, num_top, start),
-                media_type="text/event-stream",
-            )
+        return ChatRun(request, request_id, first, stream, start, parsers)
+
+    async def full_response(self, run: ChatRun) -> ChatCompletionResponse:
+        """The whole answer of a run that does not stream.
+
+        Raises:
+            OpenAIError: the request failed in the engine (see ``aborted_error``).
+        """
         try:
-            final = first
-            async for out in stream:
+            final = run.first
+            async for out in run.stream:
                 final = out
         except Exception as e:
             raise to_openai_error(e) from None
-        response = self._full_response(request, request_id, final, num_top)
+        request = run.request
+        response = self._full_response(run, final, request.top_logprobs or 0)
         if request.prompt_logprobs is not None:
             response.prompt_logprobs = prompt_logprobs_json(
                 final.prompt_token_ids, final.prompt_logprobs
             )
-        self.log_finish(
-            request_id, [c.finish_reason for c in response.choices], response.usage, start
-        )
-        return Response(response.model_dump_json(), media_type="application/json")
+        reasons = [c.finish_reason for c in response.choices]
+        self.log_finish(run.request_id, reasons, response.usage, run.start)
+        return response
 
     # ---- request -> prompt ------------------------------------------------------------------
 
     def _check_supported(self, request: ChatCompletionRequest) -> None:
-        if request.tools and request.tool_choice != "none":
-            raise bad_request("tokenmill does not implement tool calling yet.", "tools")
-        choice = request.tool_choice
-        if not (
-            choice is None or choice in ("none", "auto", "required") or isinstance(choice, dict)
-        ):
-            raise bad_request(
-                "tool_choice must be 'none', 'auto', 'required' or a function, as "
-                '{"type": "function", "function": {"name": ...}}.',
-                "tool_choice",
-            )
-        if choice not in (None, "none", "auto"):
-            # "required" or a named function asks for a tool call, which cannot be served.
-            raise bad_request("tokenmill does not implement tool calling yet.", "tool_choice")
-        for name in ("functions", "function_call"):
+        for name in ("functions", "function_call"):  # OpenAI's deprecated tool calling
             if getattr(request, name) is not None:
-                raise bad_request("tokenmill does not implement tool calling yet.", name)
+                raise bad_request(
+                    f"tokenmill does not implement {name}; use tools and tool_choice.", name
+                )
         if request.echo:
             raise bad_request("tokenmill does not implement echo for chat yet.", "echo")
         if request.chat_template is not None:
@@ -269,6 +326,7 @@ class OpenAIServingChat(OpenAIServing):
                 the template fails on the messages.
         """
         conversation = []
+        call_ids: set[str] = set()
         for i, message in enumerate(messages):
             content: Any = message.content
             if isinstance(content, list):
@@ -286,7 +344,7 @@ class OpenAIServingChat(OpenAIServing):
                         )
                 content = [{"type": "text", "text": part.text} for part in content]
             elif content is None:
-                if message.role != "assistant":
+                if message.role != "assistant" and not message.tool_calls:
                     raise bad_request(
                         f"messages[{i}]: a {message.role} message needs content.",
                         f"messages.{i}.content",
@@ -295,8 +353,12 @@ class OpenAIServingChat(OpenAIServing):
             entry: dict[str, Any] = {"role": message.role, "content": content}
             if message.name is not None:
                 entry["name"] = message.name
+            entry.update(tool_message_fields(message, i, call_ids))
             conversation.append(entry)
         kwargs: dict[str, Any] = dict(getattr(request, "chat_template_kwargs", None) or {})
+        tools = tools_for_template(request)
+        if tools is not None:
+            kwargs["tools"] = tools
         reserved = sorted(set(kwargs) & RENDER_PARAMETERS)
         if reserved:
             raise bad_request(
@@ -338,38 +400,65 @@ class OpenAIServingChat(OpenAIServing):
         if output.finish_reason == "abort":
             raise self.aborted_error(output.stop_reason, request)
 
+    def _message(
+        self, run: ChatRun, output: CompletionOutput
+    ) -> tuple[ChatCompletionMessage, str | None]:
+        """A choice's message, split by its parsers, and its finish reason."""
+        if run.parsers is None:
+            message = ChatCompletionMessage(role=self.response_role, content=output.text)
+            return message, output.finish_reason
+        parser = run.parsers[output.index]
+        parsed = parser.parse(output.text)
+        message = ChatCompletionMessage(
+            role=self.response_role,
+            content=parsed.content,
+            tool_calls=parsed.tool_calls,
+            reasoning_content=parsed.reasoning_content,
+        )
+        return message, parser.finish_reason(output.finish_reason)
+
     def _full_response(
-        self, request: ChatCompletionRequest, request_id: str, final: RequestOutput, num_top: int
+        self, run: ChatRun, final: RequestOutput, num_top: int
     ) -> ChatCompletionResponse:
         choices = []
         for output in final.outputs:
-            self._check_not_aborted(output, request)
+            self._check_not_aborted(output, run.request)
+            message, finish_reason = self._message(run, output)
             choices.append(
                 ChatCompletionChoice(
                     index=output.index,
-                    message=ChatCompletionMessage(role=self.response_role, content=output.text),
+                    message=message,
                     logprobs=self._logprobs(output, num_top),
-                    finish_reason=output.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=output.stop_reason,
                 )
             )
         completion_tokens = sum(len(o.token_ids) for o in final.outputs)
         usage = self._usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens)
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage
+            id=run.request_id, model=self.model_name, choices=choices, usage=usage
         )
 
-    async def _stream(
-        self,
-        request: ChatCompletionRequest,
-        request_id: str,
-        first: RequestOutput,
-        stream: AsyncIterator[RequestOutput],
-        num_top: int,
-        start: float,
-    ) -> AsyncIterator[str]:
+    async def _stream(self, run: ChatRun) -> AsyncIterator[str]:
+        """Server-sent events of ``stream_chunks``; an error after the start goes in-band."""
+        try:
+            async for chunk in self.stream_chunks(run):
+                yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+        except Exception as e:  # the stream has begun: report in-band, then end it
+            yield to_openai_error(e).to_sse()
+        yield SSE_DONE
+
+    async def stream_chunks(self, run: ChatRun) -> AsyncIterator[ChatCompletionStreamResponse]:
+        """The chunks of a streamed answer: per choice a role chunk, then its deltas (split
+        by its parsers), the finish reason on its last; a usage chunk when asked.
+
+        Raises:
+            OpenAIError: the request failed in the engine after the stream began.
+        """
+        request, first, stream = run.request, run.first, run.stream
         created = int(time.time())
         n = request.n or 1
+        num_top = request.top_logprobs or 0
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
@@ -378,22 +467,24 @@ class OpenAIServingChat(OpenAIServing):
         finish_reasons: list[str | None] = [None] * n
         cached = first.num_cached_tokens
 
-        def sse(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-            chunk = ChatCompletionStreamResponse(
-                id=request_id,
+        def chunk(
+            choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None
+        ) -> ChatCompletionStreamResponse:
+            out = ChatCompletionStreamResponse(
+                id=run.request_id,
                 object="chat.completion.chunk",
                 created=created,
                 model=self.model_name,
                 choices=choices,
             )
             if include_usage:
-                chunk.usage = usage
-            return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+                out.usage = usage
+            return out
 
         try:
             for i in range(n):
                 role = DeltaMessage(role=self.response_role, content="")
-                yield sse(
+                yield chunk(
                     [
                         ChatCompletionStreamChoice(
                             index=i, delta=role, logprobs=None, finish_reason=None
@@ -406,32 +497,35 @@ class OpenAIServingChat(OpenAIServing):
                 for c in output.outputs:
                     self._check_not_aborted(c, request)
                     completion_tokens[c.index] += len(c.token_ids)
-                    finish_reasons[c.index] = c.finish_reason
                     logprobs = self._logprobs(c, num_top)
                     if not c.text and c.finish_reason is None and not c.token_ids:
                         continue
+                    delta, finish_reason = self._delta(run, c)
+                    finish_reasons[c.index] = finish_reason
                     choice = ChatCompletionStreamChoice(
-                        index=c.index,
-                        delta=DeltaMessage(content=c.text) if c.text else DeltaMessage(),
-                        logprobs=logprobs,
-                        finish_reason=c.finish_reason,
+                        index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason
                     )
                     if c.finish_reason is not None:
                         choice.stop_reason = c.stop_reason
                     usage = None
                     if continuous_usage:  # this choice's own counts, as vLLM reports them
                         usage = self._usage(prompt_tokens, completion_tokens[c.index], cached)
-                    yield sse([choice], usage)
+                    yield chunk([choice], usage)
                 output = await anext(stream, None)
             usage = self._usage(prompt_tokens, sum(completion_tokens), cached)
             if include_usage:
-                yield sse([], usage)
-            self.log_finish(request_id, finish_reasons, usage, start)
-        except Exception as e:  # the stream has begun: report in-band, then end it
-            yield to_openai_error(e).to_sse()
+                yield chunk([], usage)
+            self.log_finish(run.request_id, finish_reasons, usage, run.start)
         finally:
             await stream.aclose()
-        yield SSE_DONE
+
+    def _delta(self, run: ChatRun, c: CompletionOutput) -> tuple[DeltaMessage, str | None]:
+        """A streamed choice's delta for its newest output, and its finish reason."""
+        if run.parsers is None:
+            return (DeltaMessage(content=c.text) if c.text else DeltaMessage()), c.finish_reason
+        parser = run.parsers[c.index]
+        delta = parser.stream(c.text, c.token_ids, c.finish_reason is not None)
+        return delta, parser.finish_reason(c.finish_reason)
 
 
 def _content_chars(content: Any) -> int:

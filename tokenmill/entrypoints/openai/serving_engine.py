@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from fastapi.responses import Response
 
-from tokenmill.core.engine_io import CONSTRAINT_FAILURE_PREFIX
+from tokenmill.core.engine_io import CONSTRAINT_BUSY_PREFIX, CONSTRAINT_FAILURE_PREFIX
 from tokenmill.engine.async_llm import EngineDeadError
 from tokenmill.engine.input_processor import InvalidRequestError, truncate_prompt
 from tokenmill.entrypoints.openai.errors import (
@@ -342,11 +342,16 @@ class OpenAIServing:
     ) -> OpenAIError:
         """The error for a request that ended with finish_reason "abort": its structured-output
         constraint failed (400, the engine's reason, naming the field of ``request`` that
-        carried the constraint), the engine died (503), the server is shutting down (503), or
-        it was aborted otherwise (500)."""
+        carried the constraint) or found the grammar compilers busy (429), the engine died
+        (503), the server is shutting down (503), or it was aborted otherwise (500)."""
+        field = "structured_outputs" if request is None else constraint_field(request)
         if isinstance(stop_reason, str) and stop_reason.startswith(CONSTRAINT_FAILURE_PREFIX):
-            field = "structured_outputs" if request is None else constraint_field(request)
             return constraint_error(stop_reason, field)
+        if isinstance(stop_reason, str) and stop_reason.startswith(CONSTRAINT_BUSY_PREFIX):
+            message = f"{field}: {stop_reason.removeprefix(CONSTRAINT_BUSY_PREFIX).strip()}"
+            return OpenAIError(
+                message, HTTPStatus.TOO_MANY_REQUESTS, field, code="rate_limit_exceeded"
+            )
         if self.engine.errored:
             return engine_dead(self.engine.dead_error or "unknown error")
         if self._closed:

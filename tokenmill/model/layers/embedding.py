@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import current_kernel_config
-from tokenmill.model.layers.linear import default_weight_loader, dense
+from tokenmill.model.layers.dense import dense
+from tokenmill.model.layers.linear import default_weight_loader
 
 
 class VocabEmbedding(nn.Module):
@@ -26,11 +29,26 @@ class VocabEmbedding(nn.Module):
             torch.empty(num_embeddings, embedding_dim), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
+        # Set when the checkpoint's embeddings stay quantized (GGUF blocks).
+        self.quant_method: Any = None
+
+    def set_quant_method(self, method: Any) -> None:
+        """Keep the checkpoint's quantized blocks in ``method`` instead of a float weight
+        (``weight`` becomes an empty placeholder that receives the checkpoint tensor)."""
+        self.quant_method = method
+        placeholder = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        placeholder.weight_loader = self.weight_loader
+        self.weight = placeholder
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if self.quant_method is not None:
+            self.quant_method.load(self, loaded)
+            return
         default_weight_loader(param, loaded)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.embed(input_ids)
         return F.embedding(input_ids, self.weight)
 
 
@@ -50,7 +68,10 @@ class LMHead(VocabEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = dense(hidden_states, self.weight, skinny=self.skinny_gemm)
+        if self.quant_method is not None:
+            logits = self.quant_method.apply(hidden_states)
+        else:
+            logits = dense(hidden_states, self.weight, skinny=self.skinny_gemm)
         if self.soft_cap:
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
         return logits

@@ -20,7 +20,8 @@ from tokenmill.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from tokenmill.kernels.moe.fused_moe import fused_experts, select_experts
-from tokenmill.model.layers.linear import check_shape
+from tokenmill.model.layers.quantization.tensors import as_float
+from tokenmill.model.layers.weight_shape import check_shape
 
 
 class ExpertWeights(nn.Module):
@@ -79,6 +80,14 @@ class FusedMoE(nn.Module):
         i = self.intermediate_per_rank
         self.w13 = ExpertWeights(num_experts, 2 * i, hidden_size, self._load_w13)
         self.w2 = ExpertWeights(num_experts, hidden_size, i, self._load_w2)
+        self.hidden_size = hidden_size
+        # A quantized checkpoint's experts (``tokenmill.model.layers.quantization.moe``).
+        self.quant_method: Any = None
+
+    def set_quant_method(self, method: Any) -> None:
+        """Hold the experts' weights as ``method`` creates them (quantized checkpoints)."""
+        self.quant_method = method
+        method.create_weights(self)
 
     @staticmethod
     def expert_params_mapping(
@@ -99,6 +108,7 @@ class FusedMoE(nn.Module):
         return mapping
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+        loaded = as_float(loaded)
         expert, part = self._parse_shard(shard_id, ("gate", "up"))
         i = self.intermediate_per_rank
         if self.tp_size > 1:
@@ -109,6 +119,7 @@ class FusedMoE(nn.Module):
         target.copy_(loaded)
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+        loaded = as_float(loaded)
         expert, _ = self._parse_shard(shard_id, ("down",))
         i = self.intermediate_per_rank
         if self.tp_size > 1:
@@ -127,7 +138,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = fused_experts(hidden, self.w13.weight, self.w2.weight, weights, ids)
+        if self.quant_method is not None:
+            out = self.quant_method.apply(self, hidden, weights, ids)
+        else:
+            out = fused_experts(hidden, self.w13.weight, self.w2.weight, weights, ids)
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

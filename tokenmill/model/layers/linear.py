@@ -9,80 +9,30 @@ checkpoint tensor is loaded into its slice by ``weight_loader(param, tensor, sha
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.config import SkinnyGemm, current_kernel_config
+from tokenmill.config import current_kernel_config
 from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from tokenmill.kernels.gemm import skinny as skinny_gemm
-
-
-def dense(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    skinny: SkinnyGemm = "auto",
-) -> torch.Tensor:
-    """``y = x W^T (+ b)``: ``F.linear``, or for decode-sized batches on CUDA the split-K
-    kernel of ``kernels.gemm.skinny`` where ``skinny`` (``KernelConfig.skinny_gemm``)
-    sends this product to it.
-
-    Shapes: ``x [..., K]``, ``weight [N, K]``, ``bias [N]`` -> ``[..., N]``.
-    """
-    if _runs_skinny(x, weight, skinny):
-        return skinny_gemm.skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def _runs_skinny(x: torch.Tensor, weight: torch.Tensor, skinny: SkinnyGemm) -> bool:
-    return (
-        skinny != "off"
-        and x.dim() == 2
-        and x.shape[0] <= skinny_gemm.MAX_M
-        and skinny_gemm.use_skinny_gemm(x, weight)
-        and (skinny == "all" or skinny_gemm.has_tuned_config(x, weight))
-    )
-
-
-def gated_dense(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    skinny: SkinnyGemm = "auto",
-) -> torch.Tensor | None:
-    """``silu(y[:, :N/2]) * y[:, N/2:]`` of ``y = x W^T (+ b)`` in one skinny-GEMM launch,
-    where ``dense`` would run this product through the skinny GEMM and its tiles have an
-    even ``block_n``; None elsewhere (the caller runs the product and the gate apart).
-
-    Shapes: ``x [M, K]``, ``weight [N, K]`` (gate rows over up rows), ``bias [N]`` ->
-    ``[M, N/2]``.
-    """
-    if weight.shape[0] % 2 or not _runs_skinny(x, weight, skinny):
-        return None
-    (m, k), n = x.shape, weight.shape[0]
-    config = skinny_gemm.launch_config(m, n, k, skinny_gemm.num_sms(x.device))
-    if config.block_n % 2:
-        return None
-    return skinny_gemm.skinny_linear(x, weight, bias, config=config, gated=True)
-
-
-class WeightShapeError(ValueError):
-    """A checkpoint tensor does not have the shape its parameter expects."""
-
-
-def check_shape(param_name: str, expected: torch.Size, got: torch.Size) -> None:
-    if tuple(expected) != tuple(got):
-        raise WeightShapeError(
-            f"tensor {param_name!r} has shape {tuple(got)}, expected {tuple(expected)}"
-        )
+from tokenmill.model.layers.quantization.base import (
+    LinearMethod,
+    ShardSlice,
+    copy_shard,
+    set_layout,
+)
+from tokenmill.model.layers.quantization.context import active_config
+from tokenmill.model.layers.quantization.tensors import as_float
+from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod
+from tokenmill.model.layers.weight_shape import check_shape
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    """Copy a full (unsharded) tensor into ``param``, checking the shape."""
+    """Copy a full (unsharded) tensor into ``param``, checking the shape (quantized blocks
+    are dequantized first: this parameter keeps floats)."""
+    loaded = as_float(loaded)
     check_shape(getattr(param, "_tm_name", "?"), param.shape, loaded.shape)
     param.data.copy_(loaded)
 
@@ -94,35 +44,75 @@ def _divide(n: int, d: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    """``y = x W^T (+ b)`` with weight ``[out_per_rank, in_per_rank]``; its kernel for
-    decode-sized batches is ``KernelConfig.skinny_gemm`` of the model being built."""
+    """``y = x W^T (+ b)``; the weight's form and the product come from the layer's
+    ``LinearMethod`` (``tokenmill.model.layers.quantization``), unquantized by default. The
+    unquantized product of decode-sized batches follows ``KernelConfig.skinny_gemm`` of the
+    model being built (``skinny_gemm``).
 
-    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+    Inside ``quantization_context`` the weights wait for ``create_weights`` (called by
+    ``create_quantized_weights`` once the layer's name is known).
+    """
+
+    # Every tensor-parallel rank holds the whole weight (``ReplicatedLinear``: MoE routers,
+    # which the int4 methods and bitsandbytes leave unquantized, as vLLM does).
+    replicated = False
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool,
+        output_sizes: list[int] | None = None,
+    ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
+        # Output features of each merged part on this rank (one part unless merged).
+        self.output_partition_sizes = output_sizes or [output_size]
         self.skinny_gemm = current_kernel_config().skinny_gemm
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.quant_method: LinearMethod | None = None
+        if active_config() is None:
+            self.create_weights(UnquantizedLinearMethod())
         if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias = set_layout(
+                nn.Parameter(torch.empty(output_size), requires_grad=False), 0, None
+            )
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
+    def create_weights(self, method: LinearMethod) -> None:
+        """Let ``method`` register the weight parameters (in the default dtype)."""
+        before = set(self._parameters)
+        self.quant_method = method
+        method.create_weights(
+            self, self.input_size, self.output_partition_sizes, torch.get_default_dtype()
+        )
+        for name in set(self._parameters) - before:
+            self._parameters[name].weight_loader = self.weight_loader  # type: ignore[union-attr]
+
+    def shard_slices(self, shard_id: str | int | None) -> list[ShardSlice]:
+        """Where a checkpoint tensor (a merged part ``shard_id``) goes, in features."""
+        return [ShardSlice()]
+
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
-        default_weight_loader(param, loaded)
+        if param is self.bias:
+            for s in self.shard_slices(shard_id):
+                copy_shard(param, loaded, s, getattr(param, "_tm_name", "?"))
+            return
+        assert self.quant_method is not None, "weights not created"
+        for s in self.shard_slices(shard_id):
+            self.quant_method.load_weight(self, param, loaded, s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(x, self.weight, self.bias, self.skinny_gemm)
+        return self.quant_method.apply(self, x, self.bias)  # type: ignore[union-attr]
 
 
 class ReplicatedLinear(LinearBase):
     """A linear layer every rank holds whole (e.g. MoE routers)."""
+
+    replicated = True
 
 
 class ColumnParallelLinear(LinearBase):
@@ -131,49 +121,50 @@ class ColumnParallelLinear(LinearBase):
     Shapes: ``x [T, input_size] -> y [T, output_size / tp]``.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False,
+        output_sizes: list[int] | None = None,
+    ) -> None:
         self.full_output_size = output_size
-        super().__init__(input_size, _divide(output_size, get_tensor_model_parallel_world_size(),
-                                             "output size"), bias)
+        tp = get_tensor_model_parallel_world_size()
+        per_rank = [_divide(s, tp, "output size") for s in output_sizes] if output_sizes else None
+        super().__init__(input_size, _divide(output_size, tp, "output size"), bias, per_rank)
 
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
-        shard = param.shape[0]
-        loaded = loaded.narrow(0, self.tp_rank * shard, shard) if self.tp_size > 1 else loaded
-        default_weight_loader(param, loaded)
+    def shard_slices(self, shard_id=None) -> list[ShardSlice]:
+        if self.tp_size == 1:
+            return [ShardSlice()]
+        size = self.output_size
+        return [ShardSlice(size=size, src_start=self.tp_rank * size)]
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs (e.g. gate and up projections) in one weight.
 
-    ``shard_id`` is the index of the part in ``output_sizes``.
+    ``shard_id`` is the index of the part in ``output_sizes``; None: a checkpoint tensor
+    that already holds every part (e.g. Phi-3 ``gate_up_proj``).
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, output_sizes)
 
     def forward_gated(self, x: torch.Tensor) -> torch.Tensor | None:
-        """A gate/up pair's ``silu(gate) * up`` in the product's launch, where the skinny GEMM
-        computes it (``gated_dense``); None elsewhere (the caller applies the gate).
+        """A gate/up pair's ``silu(gate) * up`` in the product's launch, where the layer's
+        method computes it (unquantized: ``gated_dense``); None elsewhere (the caller applies
+        the gate).
 
         Shapes: ``x [M, K]`` -> ``[M, N/2]``.
         """
-        return gated_dense(x, self.weight, self.bias, self.skinny_gemm)
+        return self.quant_method.apply_gated(self, x, self.bias)  # type: ignore[union-attr]
 
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
-        if shard_id is None:  # an already-merged checkpoint tensor (e.g. Phi-3 gate_up_proj)
-            for i, size in enumerate(self.output_sizes):
-                offset = sum(self.output_sizes[:i])
-                self.weight_loader(param, loaded.narrow(0, offset, size), i)
-            return
-        i = int(shard_id)
-        per_rank = self.output_sizes[i] // self.tp_size
-        offset = sum(self.output_sizes[:i]) // self.tp_size
-        if self.tp_size > 1:
-            loaded = loaded.narrow(0, self.tp_rank * per_rank, per_rank)
-        target = param.data.narrow(0, offset, per_rank)
-        check_shape(f"{getattr(param, '_tm_name', '?')}[{i}]", target.shape, loaded.shape)
-        target.copy_(loaded)
+    def shard_slices(self, shard_id=None) -> list[ShardSlice]:
+        parts = range(len(self.output_sizes)) if shard_id is None else [int(shard_id)]
+        slices = []
+        for i in parts:
+            per_rank = self.output_sizes[i] // self.tp_size
+            src = self.tp_rank * per_rank + (sum(self.output_sizes[:i]) if shard_id is None else 0)
+            slices.append(ShardSlice(i, sum(self.output_sizes[:i]) // self.tp_size, per_rank, src))
+        return slices
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -181,7 +172,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     With tensor parallelism each rank holds ``num_heads / tp`` query heads and
     ``max(1, num_kv_heads / tp)`` KV heads (KV heads are replicated when there are fewer
-    of them than ranks). ``shard_id`` is "q", "k" or "v".
+    of them than ranks). ``shard_id`` is "q", "k" or "v"; None: a fused checkpoint tensor
+    (e.g. Phi-3 ``qkv_proj``).
     """
 
     def __init__(
@@ -201,10 +193,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             self.num_kv_heads = 1
             self.kv_replicas = _divide(tp, num_kv_heads, "tensor-parallel size")
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.total_num_kv_heads = num_kv_heads
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
         # Built with the per-rank size directly: the base class would divide again.
-        LinearBase.__init__(self, hidden_size, out, bias)
-        self.full_output_size = out * tp
+        LinearBase.__init__(self, hidden_size, q + 2 * kv, bias, [q, kv, kv])
+        self.full_output_size = (q + 2 * kv) * tp
 
     @property
     def q_size(self) -> int:
@@ -214,23 +207,23 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
-        if shard_id is None:  # a fused qkv checkpoint tensor (e.g. Phi-3 qkv_proj)
-            q = self.num_heads * self.tp_size * self.head_dim
-            kv = (loaded.shape[0] - q) // 2
-            for sid, start, size in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
-                self.weight_loader(param, loaded.narrow(0, start, size), sid)
-            return
-        if shard_id == "q":
-            offset, size, rank = 0, self.q_size, self.tp_rank
-        else:
-            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
-        if self.tp_size > 1:
-            loaded = loaded.narrow(0, rank * size, size)
-        target = param.data.narrow(0, offset, size)
-        check_shape(f"{getattr(param, '_tm_name', '?')}[{shard_id}]", target.shape, loaded.shape)
-        target.copy_(loaded)
+    def shard_slices(self, shard_id=None) -> list[ShardSlice]:
+        q_full = self.num_heads * self.tp_size * self.head_dim
+        kv_full = self.total_num_kv_heads * self.head_dim
+        kv_rank = self.tp_rank // self.kv_replicas
+        table = {
+            "q": (0, self.q_size, self.tp_rank * self.q_size, 0),
+            "k": (self.q_size, self.kv_size, kv_rank * self.kv_size, q_full),
+            "v": (self.q_size + self.kv_size, self.kv_size, kv_rank * self.kv_size,
+                  q_full + kv_full),
+        }
+        parts = ("q", "k", "v") if shard_id is None else (shard_id,)
+        slices = []
+        for sid in parts:
+            dst, size, src, fused_start = table[sid]
+            src += fused_start if shard_id is None else 0
+            slices.append(ShardSlice(sid, dst, size, src))
+        return slices
 
 
 class RowParallelLinear(LinearBase):
@@ -244,14 +237,14 @@ class RowParallelLinear(LinearBase):
         tp = get_tensor_model_parallel_world_size()
         super().__init__(_divide(input_size, tp, "input size"), output_size, bias)
 
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
-        if self.tp_size > 1 and param.dim() == 2:
-            shard = param.shape[1]
-            loaded = loaded.narrow(1, self.tp_rank * shard, shard)
-        default_weight_loader(param, loaded)
+    def shard_slices(self, shard_id=None) -> list[ShardSlice]:
+        if self.tp_size == 1:
+            return [ShardSlice()]
+        size = self.input_size
+        return [ShardSlice(in_start=self.tp_rank * size, in_size=size)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dense(x, self.weight, skinny=self.skinny_gemm)
+        y = self.quant_method.apply(self, x)  # type: ignore[union-attr]
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:

@@ -37,6 +37,18 @@ def expected_checkpoint_names(model: nn.Module) -> list[str]:
     return names
 
 
+def release_freed_host_memory() -> None:
+    """Give the heap memory that loading freed (read buffers, unpacked blocks) back to the
+    OS: glibc keeps freed small and medium blocks in its arenas otherwise, and the process
+    would stay that much larger for its whole life. No-op off glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def resolve_load_format(model_config: ModelConfig, load_config: LoadConfig) -> str:
     fmt = load_config.load_format
     if fmt == "auto":
@@ -65,16 +77,34 @@ def get_model(
         ModelLoadError: missing/corrupt files or tensors (names the file and tensor).
         UnsupportedArchitectureError: the architecture is not implemented.
     """
+    from tokenmill.model.layers.quantization import (
+        get_quantization_config,
+        quantization_context,
+    )
+    from tokenmill.model.loader.quantized_weights import (
+        create_quantized_weights,
+        process_quantized_weights,
+    )
     from tokenmill.model.loader.weights import initialize_dummy_weights
 
     fmt = resolve_load_format(model_config, load_config)
     model_cls = get_model_class(model_config.architecture)
     start = time.perf_counter()
+    method = model_config.quantization
+    if fmt == "dummy" and method == "gguf":
+        method = None  # random weights are not GGUF blocks
+    quant_config = get_quantization_config(method, model_config.hf_config, device.type)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype(model_config.dtype))
     try:
-        with torch.device(device), kernel_config_scope(kernel_config or KernelConfig()):
+        with (
+            torch.device(device),
+            kernel_config_scope(kernel_config or KernelConfig()),
+            quantization_context(quant_config),
+        ):
             model = model_cls(model_config, backend)
+            if quant_config is not None:
+                create_quantized_weights(model, quant_config)
     finally:
         torch.set_default_dtype(old_dtype)
     model.eval().requires_grad_(False)
@@ -90,6 +120,7 @@ def get_model(
                 expected_checkpoint_names(model),
                 hf.num_attention_heads,
                 hf.get("num_key_value_heads", hf.num_attention_heads),
+                keep_quantized=quant_config is not None,
             )
             model.load_weights(weights, source=model_config.model)
         else:
@@ -100,12 +131,21 @@ def get_model(
 
             files = list_safetensors_files(model_config.model)
             model.load_weights(iterate_safetensors(files), source=model_config.model)
+        if quant_config is not None:
+            process_quantized_weights(model, device)
+    if device.type == "cpu":
+        release_freed_host_memory()
+    weight_bytes = sum(
+        t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+    )
     logger.info(
-        "Loaded %s (%s, %s weights) on %s in %.1f s",
+        "Loaded %s (%s, %s weights%s) on %s in %.1f s: %.1f MiB of weights",
         model_config.architecture,
         model_config.dtype,
         fmt,
+        f", {quant_config.describe()}" if quant_config is not None else "",
         device,
         time.perf_counter() - start,
+        weight_bytes / 2**20,
     )
     return model

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from tokenmill.hf_config import ModelLoadError
-from tokenmill.model.layers.linear import WeightShapeError, default_weight_loader
+from tokenmill.model.layers.linear import default_weight_loader
+from tokenmill.model.layers.quantization.bitsandbytes import checkpoint_param_name
+from tokenmill.model.layers.weight_shape import WeightShapeError
 
 # Checkpoint tensors that hold no weights (buffers transformers used to save).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -52,10 +54,10 @@ def load_model_weights(
     for ckpt_name, tensor in weights:
         if ckpt_name in skip or ckpt_name.endswith(IGNORED_SUFFIXES):
             continue
-        name, shard_id = ckpt_name, None
+        name, shard_id = checkpoint_param_name(ckpt_name), None
         for part, ckpt_part, sid in stacked_params_mapping:
-            if f".{ckpt_part}." in ckpt_name:
-                candidate = ckpt_name.replace(f".{ckpt_part}.", f".{part}.")
+            if f".{ckpt_part}." in name:
+                candidate = name.replace(f".{ckpt_part}.", f".{part}.")
                 if candidate in params:
                     name, shard_id = candidate, sid
                     break
@@ -78,7 +80,8 @@ def load_model_weights(
     for name in params:
         got = loaded.get(name)
         if got is None:
-            missing.append(name)
+            if not getattr(params[name], "tm_optional", False):  # e.g. quantization state
+                missing.append(name)
         elif name in expected_shards and None not in got and got != expected_shards[name]:
             missing.append(f"{name} (shards {sorted(map(str, expected_shards[name] - got))})")
     if missing:
@@ -97,7 +100,10 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3
     """
     generator = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
+            if not param.is_floating_point():
+                _fill_dummy_integers(name, param, seed)
+                continue
             if param.device.type == "cpu":
                 param.uniform_(low, high, generator=generator)
             else:
@@ -105,3 +111,12 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3
                 gen = torch.Generator(device=param.device).manual_seed(seed)
                 seed += 1
                 param.uniform_(low, high, generator=gen)
+
+
+def _fill_dummy_integers(name: str, param: torch.Tensor, seed: int) -> None:
+    """Quantized checkpoints' integer tensors: random bits for packed values and zero
+    points; a group index (``g_idx``) keeps the in-order groups it was created with."""
+    if name.endswith("g_idx") or param.numel() == 0:
+        return
+    gen = torch.Generator(device=param.device).manual_seed(seed)
+    param.random_(generator=gen)

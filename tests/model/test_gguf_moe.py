@@ -1,0 +1,152 @@
+"""Mixture-of-experts GGUF files (llama.cpp's stacked ``ffn_*_exps`` tensors): a tiny
+Qwen3-MoE and a tiny Mixtral written with the gguf package (Q8_0 blocks from its
+quantizer), against transformers on the same dequantized weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.model.paged import PagedRunner
+from tokenmill.config import LoadConfig
+from tokenmill.engine_args import EngineArgs
+from tokenmill.model.attention.torch_ref import TorchAttentionBackend
+from tokenmill.model.loader.model_loader import get_model
+
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=320, max_position_embeddings=256, rms_norm_eps=1e-5,
+              tie_word_embeddings=False, num_experts_per_tok=2)
+
+
+def _hf_model(kind: str):
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    if kind == "qwen3moe":
+        config = Qwen3MoeConfig(**COMMON, head_dim=16, intermediate_size=64,
+                                moe_intermediate_size=64, num_experts=4, norm_topk_prob=True)
+    else:
+        config = MixtralConfig(**COMMON, intermediate_size=64, num_local_experts=4)
+    return AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row permutation (Llama-architecture files)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def write_gguf(hf, kind: str, path: str) -> dict[str, torch.Tensor]:
+    """Write ``hf`` as a GGUF file (2D weights Q8_0); return the dequantized state dict."""
+    import gguf
+
+    arch = "qwen3moe" if kind == "qwen3moe" else "llama"
+    c = hf.config
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = getattr(c, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 1e4))))
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_expert_count(4)
+    writer.add_expert_used_count(2)
+    if kind == "qwen3moe":
+        writer.add_key_length(16)
+        writer.add_value_length(16)
+        writer.add_expert_feed_forward_length(64)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE if kind == "qwen3moe"
+                                        else gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
+    state = hf.state_dict()
+    reference: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        w = tensor.numpy()
+        if name.endswith(".experts.gate_up_proj"):  # transformers' fused [E, 2I, H]
+            layer = name.split(".")[2]
+            half = w.shape[1] // 2
+            gate = _add(writer, f"blk.{layer}.ffn_gate_exps.weight", w[:, :half])
+            up = _add(writer, f"blk.{layer}.ffn_up_exps.weight", w[:, half:])
+            reference[name] = torch.cat([gate, up], dim=1)
+            continue
+        if name.endswith(".experts.down_proj"):
+            layer = name.split(".")[2]
+            reference[name] = _add(writer, f"blk.{layer}.ffn_down_exps.weight", w)
+            continue
+        if kind != "qwen3moe" and (".q_proj." in name or ".k_proj." in name):
+            heads = c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads
+            w = _permute(w, heads)
+        gguf_name = name_map.get_name(name.replace(".mlp.gate.", ".block_sparse_moe.gate."),
+                                      try_suffixes=(".weight",))
+        reference[name] = _add(writer, gguf_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return reference
+
+
+def _add(writer, gguf_name: str, w: np.ndarray) -> torch.Tensor:
+    import gguf
+
+    if w.ndim == 1:
+        writer.add_tensor(gguf_name, w.astype(np.float32))
+        return torch.from_numpy(w.copy())
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    q = gguf.quants.quantize(w.astype(np.float32), qtype)
+    writer.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=qtype)
+    return torch.from_numpy(gguf.quants.dequantize(q, qtype).reshape(w.shape).copy())
+
+
+@pytest.mark.parametrize("kind", ["qwen3moe", "mixtral"])
+def test_moe_gguf_matches_transformers(tmp_path, kind):
+    hf = _hf_model(kind)
+    path = str(tmp_path / "moe.gguf")
+    reference = write_gguf(hf, kind, path)
+    if kind != "qwen3moe":  # undo the converter's permutation for the reference weights
+        c = hf.config
+        for name in list(reference):
+            if ".q_proj." in name or ".k_proj." in name:
+                heads = c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads
+                w = reference[name].numpy()
+                reference[name] = torch.from_numpy(w.reshape(
+                    heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+                    w.shape).copy())
+    hf.load_state_dict(reference)
+    ids = list(range(3, 30))
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    for dequantize in (True, False):
+        cfg = EngineArgs(
+            model=path, dtype="float32", device="cpu", gguf_dequantize=dequantize
+        ).create_engine_config()
+        assert cfg.model_config.architecture == ("Qwen3MoeForCausalLM" if kind == "qwen3moe"
+                                                 else "MixtralForCausalLM")
+        model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"),
+                          TorchAttentionBackend)
+        runner = PagedRunner(model, cfg.model_config.hf_config, num_blocks=16)
+        logits = runner.step({"a": ids}, {"a": ids})
+        tolerance = 1e-4 if dequantize else 2e-2 * expected.abs().max().item()
+        assert (logits - expected).abs().max() <= tolerance, dequantize
+
+
+def test_unknown_gguf_architecture_is_refused_by_name(tmp_path):
+    import gguf
+
+    from tokenmill.config import ConfigError
+    from tokenmill.hf_config import ModelLoadError
+
+    path = str(tmp_path / "x.gguf")
+    writer = gguf.GGUFWriter(path, "mamba")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises((ModelLoadError, ConfigError), match="'mamba'"):
+        EngineArgs(model=path).create_engine_config()

@@ -1,0 +1,134 @@
+"""AWQ, GPTQ and compressed-tensors W4A16 checkpoints: the unpacked weights equal the exactly
+dequantized ones, and logits match transformers on the same (dequantized) weights; for
+compressed-tensors also transformers loading the compressed checkpoint itself.
+
+The AWQ/GPTQ reference is a float32 model carrying the exactly dequantized weights: transformers
+runs those formats only through GPU kernel packages (autoawq, gptqmodel) that do not install
+on a CPU-only machine. The products run in bfloat16 on the CPU (torch's int4 kernel), so the
+logits agree to bfloat16 precision, not float32's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.paged import PagedRunner
+from tests.model.quant_checkpoints import make_int4_checkpoint
+from tokenmill.config import LoadConfig
+from tokenmill.engine_args import EngineArgs
+from tokenmill.model.attention.torch_ref import TorchAttentionBackend
+from tokenmill.model.layers.quantization import int4 as int4_module
+from tokenmill.model.loader.model_loader import get_model
+
+CASES = [
+    ("gptq", 32, True, False),
+    ("gptq", 64, False, True),
+    ("gptq_v2", 128, False, False),
+    ("awq", 32, False, False),
+    ("awq", -1, True, False),
+    ("ct", 64, True, False),
+    ("ct", 32, False, True),
+    ("ct", -1, False, False),
+]
+# bfloat16 products: max |difference| relative to the largest |logit|.
+BF16_RELATIVE = 2e-2
+
+
+def _load(path: str, monkeypatch):
+    captured = {}
+    original = int4_module.set_device_form
+
+    def capture(layer, w):
+        captured[id(layer)] = w.dequantize()
+        original(layer, w)
+
+    monkeypatch.setattr(int4_module, "set_device_form", capture)
+    cfg = EngineArgs(model=path, dtype="float32", device="cpu").create_engine_config()
+    model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), TorchAttentionBackend)
+    return cfg, model, captured
+
+
+def _logits(model, cfg, ids):
+    runner = PagedRunner(model, cfg.model_config.hf_config, num_blocks=32)
+    return runner.step({"a": ids}, {"a": ids})
+
+
+@pytest.mark.parametrize("fmt, group, sym, act_order", CASES)
+def test_int4_checkpoint_matches_dequantized_reference(tmp_path, monkeypatch, fmt, group, sym,
+                                                       act_order):
+    from transformers import AutoModelForCausalLM
+
+    folder = make_int4_checkpoint(str(tmp_path), fmt, group, sym, act_order)
+    cfg, model, captured = _load(f"{folder}/quant", monkeypatch)
+    ref = AutoModelForCausalLM.from_pretrained(f"{folder}/reference").eval()
+    state = ref.state_dict()
+    for name, module in model.named_modules():
+        if id(module) not in captured:
+            continue
+        parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj",
+                                                                              "up_proj")}
+        leaf = name.rsplit(".", 1)[1]
+        names = [name.replace(leaf, p) for p in parts.get(leaf, (leaf,))]
+        expected = torch.cat([state[f"{n}.weight"] for n in names])
+        assert torch.equal(captured[id(module)], expected), name
+    assert len(captured) == 2 * 4  # every projection of both layers
+    ids = list(range(3, 45))
+    logits = _logits(model, cfg, ids)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert (logits - expected).abs().max() <= BF16_RELATIVE * expected.abs().max()
+
+
+@pytest.mark.parametrize("group", [32, -1])
+def test_compressed_tensors_matches_transformers_loading_it(tmp_path, monkeypatch, group):
+    """transformers decompresses the checkpoint with the compressed-tensors package
+    (symmetric: its loader expects asymmetric zero points unpacked, unlike the compressor,
+    so those are checked against the dequantized reference above)."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    folder = make_int4_checkpoint(str(tmp_path), "ct", group, True)
+    cfg, model, _ = _load(f"{folder}/quant", monkeypatch)
+    hf = AutoModelForCausalLM.from_pretrained(f"{folder}/quant", dtype=torch.float32).eval()
+    ids = list(range(5, 40))
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].float()
+    logits = _logits(model, cfg, ids)
+    assert (logits - expected).abs().max() <= BF16_RELATIVE * expected.abs().max()
+
+
+def test_marlin_spelling_loads_the_same_checkpoint(tmp_path):
+    folder = make_int4_checkpoint(str(tmp_path), "gptq", 32, True)
+    cfg = EngineArgs(model=f"{folder}/quant", quantization="gptq_marlin").create_engine_config()
+    assert cfg.model_config.quantization == "gptq"
+
+
+@pytest.mark.parametrize("kind, fmt", [("qwen3-moe", "gptq"), ("mixtral", "awq")])
+def test_moe_experts_stay_int4(tmp_path, monkeypatch, kind, fmt):
+    """Per-expert int4 tensors of an MoE checkpoint (routers unquantized, as the formats
+    leave them) against transformers on the dequantized weights."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+    from tests.model.quant_checkpoints import TINY_LLAMA, quantize_folder
+    from tests.model.test_qwen3_parity import save_random_model
+
+    common = {k: v for k, v in TINY_LLAMA.items() if k != "intermediate_size"}
+    if kind == "qwen3-moe":
+        config = Qwen3MoeConfig(**common, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=128, intermediate_size=128,
+                                norm_topk_prob=True)
+    else:
+        config = MixtralConfig(**common, intermediate_size=128, num_local_experts=4,
+                               num_experts_per_tok=2)
+    save_random_model(config, tmp_path / "float", {"gate.weight": 40.0})
+    quant, reference = quantize_folder(str(tmp_path / "float"), str(tmp_path), fmt, 32, False)
+    cfg, model, captured = _load(quant, monkeypatch)
+    assert any(m.quant_method is not None for m in model.modules()
+               if type(m).__name__ == "FusedMoE")
+    ids = list(range(3, 40))
+    logits = _logits(model, cfg, ids)
+    ref = AutoModelForCausalLM.from_pretrained(reference).eval()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert (logits - expected).abs().max() <= BF16_RELATIVE * expected.abs().max()

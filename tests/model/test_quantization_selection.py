@@ -1,0 +1,131 @@
+"""Which quantization runs: --quantization against the checkpoint's quantization_config; a
+method or layout that is not implemented is refused at start-up in one line naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.config import ConfigError
+from tokenmill.engine_args import EngineArgs
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 1,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+          "vocab_size": 320, "max_position_embeddings": 128}
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+CT_W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+    "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+                                                   "strategy": "group", "group_size": 128,
+                                                   "symmetric": True},
+                "input_activations": None}}}
+
+
+def _folder(tmp_path, quantization_config=None) -> str:
+    config = dict(CONFIG)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def _resolve(tmp_path, qc=None, flag=None) -> str | None:
+    args = EngineArgs(model=_folder(tmp_path, qc), quantization=flag, device="cpu")
+    return args.create_engine_config().model_config.quantization
+
+
+def _refused(tmp_path, qc=None, flag=None) -> str:
+    with pytest.raises(ConfigError) as e:
+        _resolve(tmp_path, qc, flag)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("qc, expected", [
+    (None, None),
+    (GPTQ, "gptq"),
+    ({**GPTQ, "checkpoint_format": "gptq_v2", "group_size": -1}, "gptq"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
+      "version": "gemm"}, "awq"),
+    (CT_W4A16, "compressed-tensors"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
+])
+def test_detected_from_the_checkpoint(tmp_path, qc, expected):
+    assert _resolve(tmp_path, qc) == expected
+
+
+@pytest.mark.parametrize("flag, expected", [("gptq", "gptq"), ("gptq_marlin", "gptq")])
+def test_flag_agrees_with_the_checkpoint(tmp_path, flag, expected):
+    assert _resolve(tmp_path, GPTQ, flag) == expected
+
+
+def test_bitsandbytes_quantizes_an_unquantized_checkpoint(tmp_path):
+    assert _resolve(tmp_path, None, "bitsandbytes") == "bitsandbytes"
+
+
+@pytest.mark.parametrize("qc, flag, words", [
+    (None, "fp8", "FP8/FP4 methods are not implemented yet"),
+    (None, "squeezellm", "unknown method"),
+    (None, "awq", "has no quantization_config"),
+    (None, "gguf", "needs a .gguf model file"),
+    (GPTQ, "awq", "quantized with gptq"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, None, "'fp8' (FP8) is not "
+     "implemented yet"),
+    ({**GPTQ, "bits": 8}, None, "gptq with 8-bit weights is not supported"),
+    ({**GPTQ, "checkpoint_format": "marlin"}, None, "checkpoint_format 'marlin'"),
+    ({**GPTQ, "group_size": 256}, None, "group_size 256"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, None,
+     "awq version 'gemv'"),
+    ({"quant_method": "hqq"}, None, "'hqq' is not supported"),
+    ({**CT_W4A16, "format": "float-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float"}, "format": "float-quantized"}}}, None,
+     "(FP8) is not implemented yet"),
+    ({**CT_W4A16, "config_groups": {"g": {**CT_W4A16["config_groups"]["group_0"],
+                                          "input_activations": {"num_bits": 8}}}}, None,
+     "activations quantized"),
+])
+def test_refused_in_one_line(tmp_path, qc, flag, words):
+    message = _refused(tmp_path, qc, flag)
+    assert words in message
+    if "not implemented" in words or "not supported" in words or "unknown" in words:
+        assert "supported" in message
+
+
+def test_gguf_files_default_to_their_blocks(smollm2_gguf_path):
+    args = EngineArgs(model=smollm2_gguf_path, device="cpu")
+    assert args.create_engine_config().model_config.quantization == "gguf"
+    args = EngineArgs(model=smollm2_gguf_path, device="cpu", gguf_dequantize=True)
+    assert args.create_engine_config().model_config.quantization is None
+    with pytest.raises(ConfigError, match="GGUF file"):
+        EngineArgs(model=smollm2_gguf_path, quantization="awq").create_engine_config()
+
+
+def test_gguf_dequantize_is_a_flag():
+    from tokenmill.entrypoints.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "m.gguf", "--gguf-dequantize"]).gguf_dequantize is True
+    assert parser.parse_args(["serve", "m.gguf"]).gguf_dequantize is False
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"gguf_dequantize": True}, "--gguf-dequantize applies to .gguf model files"),
+    ({"gguf_dequantize": True, "quantization": "gguf"}, "--gguf-dequantize applies"),
+])
+def test_gguf_dequantize_refused_without_gguf_blocks(tmp_path, kwargs, words):
+    args = EngineArgs(model=_folder(tmp_path), device="cpu", **kwargs)
+    with pytest.raises(ConfigError) as e:
+        args.create_engine_config()
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gguf_dequantize_refused_beside_quantization_gguf(smollm2_gguf_path):
+    args = EngineArgs(model=smollm2_gguf_path, device="cpu", quantization="gguf",
+                      gguf_dequantize=True)
+    with pytest.raises(ConfigError, match="contradict each other"):
+        args.create_engine_config()
+    dummy = EngineArgs(model=smollm2_gguf_path, device="cpu", load_format="dummy",
+                       gguf_dequantize=True)
+    with pytest.raises(ConfigError, match="--load-format auto or gguf"):
+        dummy.create_engine_config()

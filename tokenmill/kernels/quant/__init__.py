@@ -1,0 +1,1 @@
+"""Weight quantization formats: unpacking, dequantization and CPU kernel wrappers."""

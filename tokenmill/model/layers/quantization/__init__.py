@@ -1,0 +1,53 @@
+"""Quantized weights: the ``QuantizationConfig`` / ``LinearMethod`` seam and its methods."""
+
+from tokenmill.model.layers.quantization.base import (
+    LinearMethod,
+    QuantizationConfig,
+    QuantizationError,
+    ShardSlice,
+    copy_shard,
+    set_layout,
+)
+from tokenmill.model.layers.quantization.context import active_config, quantization_context
+
+__all__ = [
+    "LinearMethod",
+    "QuantizationConfig",
+    "QuantizationError",
+    "ShardSlice",
+    "active_config",
+    "copy_shard",
+    "quantization_context",
+    "set_layout",
+]
+
+
+def get_quantization_config(method: str | None, hf_config, device: str):
+    """The ``QuantizationConfig`` of a resolved method name (``resolve_quantization``), or
+    None for unquantized weights.
+
+    Raises:
+        QuantizationError: the method cannot run on ``device``.
+    """
+    if method is None:
+        return None
+    qc = hf_config.get("quantization_config") or {}
+    if method == "gguf":
+        from tokenmill.model.layers.quantization.gguf import GGUFConfig
+
+        return GGUFConfig()
+    if method in ("awq", "gptq"):
+        from tokenmill.model.layers.quantization.int4 import awq_config, gptq_config
+
+        return awq_config(qc) if method == "awq" else gptq_config(qc)
+    if method == "compressed-tensors":
+        from tokenmill.model.layers.quantization.compressed_tensors import (
+            CompressedTensorsConfig,
+        )
+
+        return CompressedTensorsConfig.from_config(qc)
+    if method == "bitsandbytes":
+        from tokenmill.model.layers.quantization.bitsandbytes import BitsAndBytesConfig
+
+        return BitsAndBytesConfig.from_config(qc, device)
+    raise QuantizationError(f"quantization method {method!r} is not supported")

@@ -1,0 +1,194 @@
+"""The quantization seam: a ``QuantizationConfig`` (one per checkpoint) hands each linear
+layer a ``LinearMethod`` that creates the layer's parameters, loads checkpoint tensors into
+them, post-processes them once loaded and computes the product (vLLM's
+``QuantizationConfig`` / ``LinearMethodBase`` split).
+
+Parameters carry their layout (``set_layout``) so one loader slices any of them for merged
+layers (q/k/v, gate/up) and tensor-parallel ranks: which dimension indexes output features
+and input features, and how many features one element spans along each (8 for int4 values
+packed in int32, the group size for group scales).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.model.layers.quantization.tensors import as_float
+from tokenmill.model.layers.weight_shape import check_shape
+
+
+class QuantizationError(ValueError):
+    """A checkpoint's quantization is unsupported or inconsistent; the message says which."""
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """Where (part of) a checkpoint tensor goes, in output/input features.
+
+    Attributes:
+        shard_id: the merged part ("q", "k", "v", 0, 1, ...) or None for a whole tensor.
+        dst_start: output offset of the part in the layer (None: the whole layer).
+        size: output features of the part on this rank (None: the whole layer).
+        src_start: output offset to read from the checkpoint tensor (tensor-parallel rank).
+        in_start, in_size: input features to read (row-parallel ranks); None: all.
+    """
+
+    shard_id: Any = None
+    dst_start: int | None = None
+    size: int | None = None
+    src_start: int = 0
+    in_start: int | None = None
+    in_size: int | None = None
+
+
+def set_layout(
+    param: nn.Parameter,
+    output_dim: int | None = 0,
+    input_dim: int | None = 1,
+    output_div: int | Fraction = 1,
+    input_div: int | Fraction = 1,
+) -> nn.Parameter:
+    """Record how ``param`` indexes features (see the module docstring) and return it.
+
+    Args:
+        output_dim: dimension of output features, None if the tensor has none (copied whole).
+        input_dim: dimension of input features, None if it has none.
+        output_div: output features per element along ``output_dim``.
+        input_div: input features per element along ``input_dim``.
+    """
+    param.output_dim = output_dim  # type: ignore[attr-defined]
+    param.input_dim = input_dim  # type: ignore[attr-defined]
+    param.output_div = output_div  # type: ignore[attr-defined]
+    param.input_div = input_div  # type: ignore[attr-defined]
+    return param
+
+
+def _units(features: int, div: int | Fraction, what: str) -> int:
+    value = Fraction(features) / Fraction(div)
+    if value.denominator != 1:
+        raise QuantizationError(
+            f"{what}: {features} features do not split into whole elements of {div}"
+        )
+    return int(value)
+
+
+def copy_shard(param: torch.Tensor, loaded: torch.Tensor, s: ShardSlice, name: str) -> None:
+    """Copy the slice ``s`` of ``loaded`` into ``param`` following ``param``'s layout.
+
+    Raises:
+        WeightShapeError: the shapes disagree (the message names the tensor).
+    """
+    loaded = as_float(loaded)
+    out_dim = getattr(param, "output_dim", 0)
+    in_dim = getattr(param, "input_dim", None if param.dim() == 1 else 1)
+    target = param.data
+    if out_dim is not None and s.size is not None:
+        div = getattr(param, "output_div", 1)
+        size = _units(s.size, div, name)
+        if s.dst_start is not None:
+            target = target.narrow(out_dim, _units(s.dst_start, div, name), size)
+        if s.src_start or loaded.shape[out_dim] != size:
+            loaded = loaded.narrow(out_dim, _units(s.src_start, div, name), size)
+    if in_dim is not None and s.in_start is not None and s.in_size is not None:
+        div = getattr(param, "input_div", 1)
+        loaded = loaded.narrow(
+            in_dim, _units(s.in_start, div, name), _units(s.in_size, div, name)
+        )
+    label = name if s.shard_id is None else f"{name}[{s.shard_id}]"
+    check_shape(label, target.shape, loaded.shape)
+    target.copy_(loaded)
+
+
+class LinearMethod(ABC):
+    """How one linear layer holds its weight and computes ``y = x W^T (+ b)``.
+
+    Shapes: ``x [T, input_size]`` -> ``[T, output_size]`` (per tensor-parallel rank).
+    """
+
+    @abstractmethod
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype
+    ) -> None:
+        """Register the layer's weight parameters (bias excluded: the layer owns it).
+
+        Args:
+            layer: the linear layer (parameters are set on it by name, as the checkpoint
+                names them, e.g. ``qweight``).
+            input_size: input features on this rank.
+            output_sizes: output features of each merged part on this rank.
+            dtype: the activations' dtype.
+        """
+
+    def load_weight(
+        self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, s: ShardSlice
+    ) -> None:
+        """Put (a slice of) one checkpoint tensor into ``param`` (default: ``copy_shard``)."""
+        copy_shard(param, loaded, s, getattr(param, "_tm_name", "?"))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027
+        """Convert the loaded checkpoint tensors into the form ``apply`` reads (once)."""
+
+    @abstractmethod
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x W^T (+ bias)``: ``[T, K]`` -> ``[T, N]`` in ``x``'s dtype."""
+
+    def apply_gated(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """``silu(y[:, :N/2]) * y[:, N/2:]`` of ``y = x W^T (+ bias)`` in the product's own
+        launch, where the method has such a kernel; None (the default) where it has not, and
+        the caller runs ``apply`` and then the gate.
+
+        Shapes: ``x [M, K]`` (gate rows over up rows in ``W``) -> ``[M, N/2]``.
+        """
+        return None
+
+    @property
+    def is_unquantized(self) -> bool:
+        return False
+
+
+class QuantizationConfig(ABC):
+    """A checkpoint's quantization: which layers it covers and their methods.
+
+    Attributes:
+        name: the ``--quantization`` spelling (vLLM's).
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
+        """The method of the linear layer called ``prefix`` (unquantized where the
+        checkpoint leaves it so)."""
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> Any:
+        """The method of the MoE experts called ``prefix``; None keeps them unquantized.
+
+        Raises:
+            QuantizationError: the method cannot run these experts.
+        """
+        return None
+
+    def quantizes_embeddings(self) -> bool:
+        """Whether token embeddings and the LM head stay quantized (GGUF)."""
+        return False
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return self.name
+
+    def check_dtype(self, dtype: str, device: str) -> None:  # noqa: B027
+        """Refuse an activation dtype or device the method cannot run.
+
+        Raises:
+            QuantizationError: with a one-line reason.
+        """

@@ -1,0 +1,180 @@
+"""compressed-tensors checkpoints (llm-compressor's output) with 4-bit integer weights and
+16-bit activations (W4A16, the ``pack-quantized`` format).
+
+Per layer: ``weight_packed [N, K/8]`` int32 (signed values plus 8, packed along K),
+``weight_scale [N, K/G]``, ``weight_shape [2]``, and for asymmetric schemes
+``weight_zero_point [N/8, K/G]`` (packed along N), for act-order ``weight_g_idx [K]``
+(compressed-tensors' ``PackedQuantizationCompressor``). Weights dequantize as
+``(q - zero_point) * scale`` with signed ``q``; they then run as the other int4 formats
+(``tokenmill.model.layers.quantization.int4``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.kernels.quant.int4_pack import unpack_cols, unpack_rows
+from tokenmill.model.layers.quantization.base import (
+    LinearMethod,
+    QuantizationConfig,
+    QuantizationError,
+    ShardSlice,
+)
+from tokenmill.model.layers.quantization.int4 import (
+    Int4LinearMethod,
+    Int4Weights,
+    _param,
+    sort_by_group,
+)
+
+SUPPORTED = "compressed-tensors W4A16: format pack-quantized, 4-bit int weights, group or " \
+    "channel strategy, no activation quantization"
+
+
+def parse_w4a16(qc: dict[str, Any]) -> dict[str, Any]:
+    """The weight scheme of a W4A16 ``quantization_config`` (one config group).
+
+    Raises:
+        QuantizationError: any other scheme (FP8, W8A8, several groups, other formats).
+    """
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise QuantizationError(
+            f"compressed-tensors with {len(groups)} config groups is not supported ({SUPPORTED})"
+        )
+    group = next(iter(groups.values()))
+    weights = group.get("weights") or {}
+    fmt = group.get("format") or qc.get("format")
+    if weights.get("type") == "float" or "float" in str(fmt):
+        raise QuantizationError(
+            f"compressed-tensors {fmt} (FP8) is not implemented yet; supported: {SUPPORTED}"
+        )
+    if (
+        fmt != "pack-quantized"
+        or weights.get("num_bits") != 4
+        or weights.get("type", "int") != "int"
+        or group.get("input_activations")
+        or weights.get("strategy") not in ("group", "channel")
+        or weights.get("dynamic")
+    ):
+        raise QuantizationError(
+            f"compressed-tensors scheme (format {fmt}, {weights.get('num_bits')}-bit "
+            f"{weights.get('type')} weights, strategy {weights.get('strategy')}, activations "
+            f"{'quantized' if group.get('input_activations') else 'not quantized'}) is not "
+            f"supported; supported: {SUPPORTED}"
+        )
+    if weights.get("strategy") == "group" and weights.get("group_size") not in (32, 64, 128):
+        raise QuantizationError(
+            f"compressed-tensors group_size {weights.get('group_size')} is not supported "
+            "(32, 64 or 128)"
+        )
+    return weights
+
+
+class CompressedTensorsW4A16Method(Int4LinearMethod):
+    """``weight_packed``, ``weight_scale``, ``weight_shape`` (+ zero points, + g_idx)."""
+
+    def __init__(self, group_size: int, symmetric: bool, act_order: bool) -> None:
+        super().__init__(group_size)
+        self.symmetric = symmetric
+        self.act_order = act_order
+        names = ["weight_packed", "weight_scale", "weight_shape"]
+        names += [] if symmetric else ["weight_zero_point"]
+        names += ["weight_g_idx"] if act_order else []
+        self.checkpoint_params = tuple(names)
+
+    def create_weights(self, layer, input_size, output_sizes, dtype) -> None:
+        self.check_group(layer, input_size)
+        n, k, g = sum(output_sizes), input_size, self.group(input_size)
+        layer.weight_packed = _param((n, k // 8), torch.int32, output_dim=0, input_dim=1,
+                                     input_div=8)
+        layer.weight_scale = _param((n, k // g), dtype, output_dim=0, input_dim=1, input_div=g)
+        layer.weight_shape = _param((2,), torch.int64, output_dim=None, input_dim=None)
+        if not self.symmetric:
+            for size in output_sizes:
+                if size % 8:
+                    raise QuantizationError(
+                        f"asymmetric compressed-tensors parts must be multiples of 8, got {size}"
+                    )
+            layer.weight_zero_point = _param((n // 8, k // g), torch.int32, output_dim=0,
+                                             input_dim=1, output_div=8, input_div=g)
+        if self.act_order:
+            layer.weight_g_idx = _param((k,), torch.int32, output_dim=None, input_dim=0)
+        layer.int4_dtype = dtype
+
+    def load_weight(self, layer, param, loaded, s: ShardSlice) -> None:
+        if param is layer.weight_shape:
+            # Row-parallel layers split their input across ranks (the others hold it whole).
+            split = s.in_size is not None
+            full = layer.input_size * (layer.tp_size if split else 1)
+            if int(loaded[-1]) != full:
+                raise QuantizationError(
+                    f"tensor {getattr(param, '_tm_name', '?')!r} says {int(loaded[-1])} input "
+                    f"features, the layer has {full}"
+                )
+            return
+        super().load_weight(layer, param, loaded, s)
+
+    def to_int4(self, layer: nn.Module) -> Int4Weights:
+        g = self.group(layer.input_size)
+        q = unpack_cols(layer.weight_packed.data)  # [N, K], signed value + 8
+        if self.symmetric:
+            zeros = torch.full_like(layer.weight_scale.data, 8, dtype=torch.float32)
+        else:
+            zeros = unpack_rows(layer.weight_zero_point.data).float()  # zero + 8
+        perm = None
+        if self.act_order:
+            q, perm = sort_by_group(q, layer.weight_g_idx.data, g)
+        return Int4Weights(q.contiguous(), zeros.contiguous(),
+                           layer.weight_scale.data.float().contiguous(), g, perm)
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    """Every linear layer W4A16 but those ``ignore`` names (names or ``re:`` patterns)."""
+
+    name = "compressed-tensors"
+
+    def __init__(self, weights: dict[str, Any], ignore: list[str]) -> None:
+        self.weights = weights
+        self.ignore = ignore
+
+    @classmethod
+    def from_config(cls, qc: dict[str, Any]) -> CompressedTensorsConfig:
+        return cls(parse_w4a16(qc), list(qc.get("ignore") or []))
+
+    def _ignored(self, prefix: str) -> bool:
+        for entry in self.ignore:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], prefix):
+                    return True
+            elif prefix == entry or prefix.endswith("." + entry):
+                return True
+        return False
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
+        from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod
+
+        # MoE routers (the only replicated linear layers) stay unquantized, as in vLLM.
+        if getattr(layer, "replicated", False):
+            return UnquantizedLinearMethod()
+        if self._ignored(prefix):
+            return UnquantizedLinearMethod()
+        w = self.weights
+        group = -1 if w.get("strategy") == "channel" else int(w["group_size"])
+        act_order = w.get("actorder") == "group"
+        return CompressedTensorsW4A16Method(group, bool(w.get("symmetric", True)), act_order)
+
+    def get_moe_method(self, layer: nn.Module, prefix: str):
+        from tokenmill.model.layers.quantization.moe import Int4MoEMethod
+
+        return Int4MoEMethod(self, prefix)
+
+    def describe(self) -> str:
+        w = self.weights
+        group = "per-channel" if w.get("strategy") == "channel" else f"group {w['group_size']}"
+        sym = "symmetric" if w.get("symmetric", True) else "asymmetric"
+        return f"compressed-tensors W4A16, {group}, {sym}"

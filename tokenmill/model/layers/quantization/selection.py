@@ -1,0 +1,149 @@
+"""Which quantization method a model runs with: ``--quantization`` (vLLM's spellings) and the
+checkpoint's ``quantization_config`` (config.json), checked against each other at start-up.
+
+A method or layout that is not implemented is refused here, in one line naming it and what is
+supported, before any weight is read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.model.layers.quantization.base import QuantizationError
+
+# --quantization values accepted; the Marlin spellings load the same checkpoints.
+FLAG_METHODS = {
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "compressed-tensors": "compressed-tensors",
+    "bitsandbytes": "bitsandbytes",
+    "gguf": "gguf",
+}
+# Methods vLLM knows that tokenmill does not run yet (refused by name).
+FP8_METHODS = ("fp8", "fbgemm_fp8", "ptpc_fp8", "modelopt", "modelopt_fp4", "fp_quant", "mxfp4")
+SUPPORTED_TEXT = (
+    "supported: awq, gptq (and their _marlin spellings), compressed-tensors W4A16 "
+    "(pack-quantized), bitsandbytes, gguf"
+)
+INT4_GROUP_SIZES = (32, 64, 128, -1)
+
+
+def resolve_quantization(
+    flag: str | None, hf_config: Any, is_gguf: bool, gguf_dequantize: bool = False
+) -> str | None:
+    """The method to run (``awq``, ``gptq``, ``compressed-tensors``, ``bitsandbytes``,
+    ``gguf``) or None for unquantized weights.
+
+    Args:
+        flag: ``--quantization`` as given (None: not given).
+        hf_config: the model's config (``quantization_config`` read from it).
+        is_gguf: the model is a ``.gguf`` file.
+        gguf_dequantize: dequantize GGUF weights at load (``--gguf-dequantize``).
+
+    Raises:
+        QuantizationError: an unknown or unsupported method, a layout that is not
+            implemented, a flag that contradicts the checkpoint, or ``--gguf-dequantize``
+            for a model that is not loaded from GGUF blocks.
+    """
+    if flag is not None and flag not in FLAG_METHODS:
+        if flag in FP8_METHODS:
+            raise QuantizationError(
+                f"--quantization {flag}: FP8/FP4 methods are not implemented yet; "
+                f"{SUPPORTED_TEXT}"
+            )
+        raise QuantizationError(f"--quantization {flag}: unknown method; {SUPPORTED_TEXT}")
+    method = FLAG_METHODS.get(flag or "")
+    if gguf_dequantize and not is_gguf:
+        raise QuantizationError(
+            "--gguf-dequantize applies to .gguf model files loaded from their blocks "
+            "(--load-format auto or gguf)"
+        )
+    if gguf_dequantize and method == "gguf":
+        raise QuantizationError(
+            "--gguf-dequantize and --quantization gguf contradict each other: pass one of them"
+        )
+    if is_gguf:
+        if method not in (None, "gguf"):
+            raise QuantizationError(
+                f"--quantization {flag}: the model is a GGUF file, whose weights are GGUF "
+                "blocks (leave the flag out or pass --quantization gguf)"
+            )
+        return None if gguf_dequantize else "gguf"
+    if method == "gguf":
+        raise QuantizationError("--quantization gguf needs a .gguf model file")
+    config = hf_config.get("quantization_config")
+    detected = detect_checkpoint_method(config) if config else None
+    if method is None or method == detected:
+        return detected
+    if detected is None:
+        if method == "bitsandbytes":
+            return method  # quantized while loading an unquantized checkpoint
+        raise QuantizationError(
+            f"--quantization {flag}: the checkpoint has no quantization_config; {flag} needs "
+            "a checkpoint quantized with it (only bitsandbytes quantizes while loading)"
+        )
+    raise QuantizationError(
+        f"--quantization {flag}: the checkpoint is quantized with {detected} "
+        f"(its config.json's quantization_config)"
+    )
+
+
+def detect_checkpoint_method(config: dict[str, Any]) -> str:
+    """The method of a ``quantization_config``, after checking its layout is one tokenmill
+    runs.
+
+    Raises:
+        QuantizationError: an unsupported method or layout (one line).
+    """
+    name = str(config.get("quant_method", "")).lower()
+    if name == "awq":
+        _check_awq(config)
+    elif name == "gptq":
+        _check_gptq(config)
+    elif name == "compressed-tensors":
+        from tokenmill.model.layers.quantization.compressed_tensors import parse_w4a16
+
+        parse_w4a16(config)
+    elif name == "bitsandbytes":
+        pass
+    elif name in FP8_METHODS or "fp8" in name:
+        raise QuantizationError(
+            f"checkpoint quantization {name!r} (FP8) is not implemented yet; {SUPPORTED_TEXT}"
+        )
+    else:
+        raise QuantizationError(f"checkpoint quantization {name!r} is not supported; "
+                                f"{SUPPORTED_TEXT}")
+    return name
+
+
+def _check_group(method: str, group: Any) -> None:
+    if group not in INT4_GROUP_SIZES:
+        raise QuantizationError(
+            f"{method} group_size {group} is not supported (32, 64, 128 or -1 for per-channel)"
+        )
+
+
+def _check_awq(config: dict[str, Any]) -> None:
+    bits = config.get("bits", config.get("w_bit"))
+    version = str(config.get("version", "gemm")).lower()
+    if bits != 4:
+        raise QuantizationError(f"awq with {bits}-bit weights is not supported (4-bit only)")
+    if version != "gemm":
+        raise QuantizationError(
+            f"awq version {version!r} is not supported (the GEMM layout, version 'gemm', is)"
+        )
+    _check_group("awq", config.get("group_size", config.get("q_group_size")))
+
+
+def _check_gptq(config: dict[str, Any]) -> None:
+    bits = config.get("bits")
+    fmt = str(config.get("checkpoint_format", "gptq")).lower()
+    if bits != 4:
+        raise QuantizationError(f"gptq with {bits}-bit weights is not supported (4-bit only)")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise QuantizationError(
+            f"gptq checkpoint_format {fmt!r} is not supported (gptq and gptq_v2 are)"
+        )
+    _check_group("gptq", config.get("group_size"))
