@@ -301,7 +301,9 @@ class EngineArgs:
         if speculative_fields is not None:
             if model_config.is_pooling_model:
                 raise ConfigError("--speculative-config applies to generative models only")
-            speculative_config = resolve_speculative_config(speculative_fields, model_config)
+            speculative_config = resolve_speculative_config(
+                speculative_fields, model_config, device
+            )
         scheduler_config = self._create_scheduler_config(
             device, usage_context, model_config, speculative_config is not None
         )

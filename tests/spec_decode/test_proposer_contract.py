@@ -101,10 +101,10 @@ def _drafts_by_request(llm: LLM, prompts, params) -> tuple[list, dict[str, list]
     seen: dict[str, list] = {}
     execute = executor.execute_model
 
-    def recording(so):
+    def recording(so, grammar_output=None):
         for req_id, drafts in so.scheduled_spec_decode_tokens.items():
             seen.setdefault(req_id, []).append(list(drafts))
-        return execute(so)
+        return execute(so, grammar_output)
 
     executor.execute_model = recording
     try:

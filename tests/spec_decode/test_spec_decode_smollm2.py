@@ -24,7 +24,10 @@ PROMPTS = [
     "Write a short story about a robot who learns to paint.",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-KV = dict(kv_cache_memory=96 << 20, max_model_len=512, max_num_batched_tokens=128)
+# float32 weights (GGUF dequantized), where greedy output is exact; a draft from the same
+# file follows the target's choice.
+KV = dict(kv_cache_memory=96 << 20, max_model_len=512, max_num_batched_tokens=128,
+          gguf_dequantize=True)  # fmt: skip
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -150,7 +153,7 @@ def test_preemption_mid_speculation_leaks_no_block(smollm2_gguf_path, reference)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
             "prompt_lookup_min": 1}  # fmt: skip
     llm = LLM(smollm2_gguf_path, speculative_config=spec, kv_cache_memory=7 * block_bytes,
-              max_model_len=7 * 16, max_num_batched_tokens=64)  # fmt: skip
+              max_model_len=7 * 16, max_num_batched_tokens=64, gguf_dequantize=True)  # fmt: skip
     engine = llm.llm_engine
     engine.engine_core.scheduler.headroom = None
     assert engine.engine_core.scheduler.kv_cache_manager.num_blocks == 7
@@ -165,4 +168,18 @@ def test_preemption_mid_speculation_leaks_no_block(smollm2_gguf_path, reference)
     assert [results[str(i)] for i in range(len(PROMPTS))] == reference
     assert engine.counters.num_preemptions > 0
     assert engine.counters.spec_decoding.num_drafts > 0
+    _check_no_blocks_held(llm)
+
+
+def test_a_target_and_draft_kept_in_their_gguf_blocks_speculate(smollm2_gguf_path):
+    # Both keep their GGUF blocks (the default); the CPU's int4 products run in bfloat16,
+    # so only the mechanics are checked here, not token equality.
+    spec = {"model": smollm2_gguf_path, "num_speculative_tokens": 2}
+    llm = LLM(smollm2_gguf_path, speculative_config=spec, kv_cache_memory=32 << 20,
+              max_model_len=256)  # fmt: skip
+    assert llm.llm_engine.config.speculative_config.draft_model_config.quantization == "gguf"
+    out = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert [len(t) for t in _tokens(out)] == [16, 16]
+    stats = llm.llm_engine.counters.spec_decoding
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     _check_no_blocks_held(llm)

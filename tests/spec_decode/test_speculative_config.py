@@ -91,6 +91,26 @@ def test_speculation_plans_each_step_after_the_last(tiny_model_dir):
         _config(tiny_model_dir, spec, async_scheduling=True)
 
 
+def test_a_draft_keeps_its_checkpoints_quantization(smollm2_gguf_path):
+    spec = {"model": smollm2_gguf_path, "num_speculative_tokens": 2}
+
+    def draft_quantization(**kwargs):
+        args = EngineArgs(model=smollm2_gguf_path, device="cpu", speculative_config=spec,
+                          **kwargs)  # fmt: skip
+        config = args.create_engine_config().speculative_config
+        assert config is not None and config.draft_model_config is not None
+        return config.draft_model_config.quantization
+
+    # A GGUF draft keeps its blocks as the target does, and is dequantized beside a
+    # dequantized target.
+    assert draft_quantization() == "gguf"
+    assert draft_quantization(gguf_dequantize=True) is None
+    spec = {**spec, "quantization": "awq"}
+    with pytest.raises(ConfigError, match="the draft .*the model is a GGUF file") as info:
+        draft_quantization()
+    assert "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize(
     "spec, words",
     [

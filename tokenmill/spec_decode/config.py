@@ -26,7 +26,6 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "rejection_sample_method": ("standard",),
     "disable_padded_drafter_batch": (False,),
     "parallel_drafting": (False,),
-    "quantization": (None,),
     "revision": (None,),
     "code_revision": (None,),
     "enforce_eager": (None,),
@@ -40,6 +39,7 @@ _FIELDS = (
     "prompt_lookup_max",
     "draft_tensor_parallel_size",
     "max_model_len",
+    "quantization",
 )
 
 
@@ -100,18 +100,20 @@ def parse_speculative_json(value: str | dict[str, Any] | None) -> dict[str, Any]
 
 
 def resolve_speculative_config(
-    fields: dict[str, Any] | None, target: ModelConfig
+    fields: dict[str, Any] | None, target: ModelConfig, device: str = "cpu"
 ) -> SpeculativeConfig | None:
     """The resolved configuration for ``target`` (None without speculative decoding).
 
     Args:
         fields: from ``parse_speculative_json``.
         target: the target model's configuration.
+        device: where the target (and so the draft) runs: ``cuda`` or ``cpu``; a quantized
+            draft's method is checked against it.
 
     Raises:
         ConfigError: a missing or inconsistent field, a draft that cannot serve this target
             (another vocabulary, another hidden size for EAGLE), or ``mtp`` for a model
-            without MTP layers.
+            without MTP layers, or a draft quantization the device cannot run.
         ModelLoadError: the draft's config cannot be read.
     """
     if fields is None:
@@ -138,7 +140,9 @@ def resolve_speculative_config(
         return SpeculativeConfig("mtp", k, None, draft_model_config=target)
     if not model:
         raise ConfigError(f"--speculative-config: method {method} needs a model")
-    draft = _draft_model_config(os.path.expanduser(model), target)
+    draft = _draft_model_config(
+        os.path.expanduser(model), target, fields.get("quantization"), device
+    )
     _check_draft(method, draft, target)
     return SpeculativeConfig(method, k, draft.model, draft_model_config=draft)  # type: ignore[arg-type]
 
@@ -181,10 +185,26 @@ def _check_mtp(target: ModelConfig) -> None:
         )
 
 
-def _draft_model_config(model: str, target: ModelConfig) -> ModelConfig:
+def _draft_model_config(
+    model: str, target: ModelConfig, flag: str | None, device: str
+) -> ModelConfig:
+    """The draft's configuration: the target's dtype and context; its quantization from
+    ``flag`` (the ``quantization`` field) or, as vLLM, its own checkpoint (a ``.gguf`` draft
+    keeps its GGUF blocks unless the target is a GGUF file loaded dequantized)."""
     from tokenmill.hf_config import load_hf_config
+    from tokenmill.model.layers.quantization import get_quantization_config
+    from tokenmill.model.layers.quantization.selection import resolve_quantization
 
     hf_config, generation_config = load_hf_config(model)
+    is_gguf = model.endswith(".gguf")
+    dequantize = is_gguf and flag is None and _gguf_dequantized(target)
+    try:
+        quantization = resolve_quantization(flag, hf_config, is_gguf, dequantize)
+        quant_config = get_quantization_config(quantization, hf_config, device)
+        if quant_config is not None:
+            quant_config.check_dtype(target.dtype, device)
+    except ValueError as e:
+        raise ConfigError(f"--speculative-config: the draft {model}: {e}") from None
     return ModelConfig(
         model=model,
         tokenizer=target.tokenizer,
@@ -195,7 +215,13 @@ def _draft_model_config(model: str, target: ModelConfig) -> ModelConfig:
         max_model_len=target.max_model_len,
         seed=target.seed,
         max_logprobs=target.max_logprobs,
+        quantization=quantization,
     )
+
+
+def _gguf_dequantized(target: ModelConfig) -> bool:
+    """The target is a GGUF file loaded dequantized (``--gguf-dequantize``)."""
+    return target.model.endswith(".gguf") and target.quantization is None
 
 
 def _check_draft(method: str, draft: ModelConfig, target: ModelConfig) -> None:
