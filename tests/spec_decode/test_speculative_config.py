@@ -79,6 +79,17 @@ def test_eagle_heads_must_match_the_targets_hidden_size(tiny_model_dir, tmp_path
         _config(tiny_model_dir, spec)
 
 
+def test_a_quantized_eagle_head_is_refused(tiny_model_dir, tmp_path):
+    source = json.loads(open(f"{tiny_model_dir}/config.json").read())
+    head = tmp_path / "EAGLE-awq"
+    head.mkdir()
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+           "version": "gemm"}  # fmt: skip
+    (head / "config.json").write_text(json.dumps({**source, "quantization_config": awq}))
+    with pytest.raises(ConfigError, match="is quantized \\(awq\\); heads load unquantized"):
+        _config(tiny_model_dir, {"model": str(head), "num_speculative_tokens": 2})
+
+
 def test_mtp_is_refused_for_a_model_without_mtp_layers(tiny_model_dir):
     with pytest.raises(ConfigError, match="method mtp needs a model that ships MTP layers"):
         _config(tiny_model_dir, {"method": "mtp", "num_speculative_tokens": 1})
@@ -130,6 +141,8 @@ def test_a_draft_keeps_its_checkpoints_quantization(smollm2_gguf_path):
         ({"model": "x", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"},
          "does not implement draft_sample_method='probabilistic'"),  # fmt: skip
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "awq"},
+         "quantization applies to a draft model, not ngram"),  # fmt: skip
     ],
 )
 def test_bad_fields_are_refused_in_one_line(tiny_model_dir, spec, words):

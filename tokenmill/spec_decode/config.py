@@ -130,6 +130,10 @@ def resolve_speculative_config(
             "--speculative-config: max_model_len must be the target's (speculation is never "
             "cut short by a shorter draft context)"
         )
+    if fields.get("quantization") is not None and method != "draft_model":
+        raise ConfigError(
+            f"--speculative-config: quantization applies to a draft model, not {method}"
+        )
     if method == "ngram":
         low, high = _prompt_lookup(fields)
         return SpeculativeConfig("ngram", k, None, low, high)
@@ -241,6 +245,11 @@ def _check_draft(method: str, draft: ModelConfig, target: ModelConfig) -> None:
             raise ConfigError(f"--speculative-config: {draft.model} is not a generative model")
         get_model_class(draft.architecture)  # UnsupportedArchitectureError names it
         return
+    if draft.quantization is not None:
+        raise ConfigError(
+            f"--speculative-config: the {method} head {draft.model} is quantized "
+            f"({draft.quantization}); heads load unquantized"
+        )
     target_hidden = target.hf_config.hidden_size
     draft_hidden = hf.get("target_hidden_size") or hf.hidden_size
     if method == "eagle" and hf.hidden_size != target_hidden:
