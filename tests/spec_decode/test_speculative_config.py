@@ -102,6 +102,7 @@ def test_speculation_plans_each_step_after_the_last(tiny_model_dir):
         _config(tiny_model_dir, spec, async_scheduling=True)
 
 
+@pytest.mark.slow
 def test_a_draft_keeps_its_checkpoints_quantization(smollm2_gguf_path):
     spec = {"model": smollm2_gguf_path, "num_speculative_tokens": 2}
 

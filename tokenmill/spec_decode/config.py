@@ -199,7 +199,12 @@ def _draft_model_config(
     from tokenmill.model.layers.quantization import get_quantization_config
     from tokenmill.model.layers.quantization.selection import resolve_quantization
 
-    hf_config, generation_config = load_hf_config(model)
+    if os.path.abspath(model) == os.path.abspath(target.model):
+        # NOTE: the target's own file as its draft (a test setup, and self-speculation
+        # checks): its config is already read, and a GGUF header takes seconds to parse.
+        hf_config, generation_config = target.hf_config, target.generation_config
+    else:
+        hf_config, generation_config = load_hf_config(model)
     is_gguf = model.endswith(".gguf")
     dequantize = is_gguf and flag is None and _gguf_dequantized(target)
     try:
