@@ -20,6 +20,7 @@ from tokenmill.hf_config import HFConfig
 DType = Literal["float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 SkinnyGemm = Literal["auto", "all", "off"]
+SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "mtp"]
 
 
 class ConfigError(ValueError):
@@ -212,6 +213,46 @@ class DeviceConfig:
     device: Literal["cuda", "cpu"] = "cpu"
 
 
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts tokens, one target forward pass verifies them
+    and rejection sampling keeps the target's distribution (``tokenmill.spec_decode``).
+    Resolved from ``--speculative-config`` by ``tokenmill.spec_decode.config``.
+
+    Attributes:
+        method: where drafts come from: ``ngram`` (prompt lookup in the request's own
+            tokens), ``draft_model`` (a smaller model sharing the tokenizer), ``eagle`` /
+            ``eagle3`` (an EAGLE head reading the target's hidden states), ``mtp`` (the
+            target's own multi-token-prediction layers).
+        num_speculative_tokens: draft tokens proposed per request and step (k).
+        model: the draft model or EAGLE head (folder or .gguf); None for ngram and mtp.
+        prompt_lookup_min: ngram: the shortest suffix n-gram looked up.
+        prompt_lookup_max: ngram: the longest suffix n-gram looked up.
+        draft_model_config: the draft's (or EAGLE head's) model configuration, else None.
+        draft_tensor_parallel_size: ranks of the draft model (1).
+    """
+
+    method: SpeculativeMethod
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 0
+    prompt_lookup_max: int = 0
+    draft_model_config: ModelConfig | None = None
+    draft_tensor_parallel_size: int = 1
+
+    @property
+    def uses_draft_kv_cache(self) -> bool:
+        """Whether the proposer runs layers with a KV cache of their own (every method but
+        ngram): each KV block then also holds the draft's KV of the same tokens."""
+        return self.method != "ngram"
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots a request needs past the tokens a step computes: a proposer with a KV
+        cache writes its drafts' KV there, up to k positions ahead."""
+        return self.num_speculative_tokens if self.uses_draft_kv_cache else 0
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Which kernel computes a product where tokenmill has more than one (CUDA; the CPU runs
@@ -296,6 +337,7 @@ class EngineConfig:
     load_config: LoadConfig = field(default_factory=LoadConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
+    speculative_config: SpeculativeConfig | None = None
     enforce_eager: bool = False
     disable_cascade_attn: bool = False
     disable_log_stats: bool = False

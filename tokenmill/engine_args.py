@@ -29,6 +29,7 @@ from tokenmill.config import (
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
+from tokenmill.spec_decode.config import parse_speculative_json, resolve_speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +228,12 @@ class EngineArgs:
         "every linear layer); fields: skinny_gemm (auto, all or off). Default: the measured "
         "fastest."
     )
+    speculative_config: str | dict[str, Any] | None = _flag(
+        "Speculative decoding, as a JSON object (vLLM's fields), e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+        '\'{"model": "path/to/draft", "num_speculative_tokens": 4}\'; methods: ngram, '
+        "draft_model, eagle, eagle3, mtp. Default: off."
+    )
     max_logprobs: int = _flag("Most logprobs a request may ask for per position.", default=20)
     disable_log_stats: bool = _flag("Do not log engine statistics.", default=False)
     generation_config: str = _flag(
@@ -287,9 +294,19 @@ class EngineArgs:
         """
         kv_bytes = self._check_flags()
         kernel_config = KernelConfig.parse(self.kernel_config)
+        speculative_fields = parse_speculative_json(self.speculative_config)
         device = self._resolve_device()
         model_config = self._create_model_config(device)
-        scheduler_config = self._create_scheduler_config(device, usage_context, model_config)
+        speculative_config = None
+        if speculative_fields is not None:
+            if model_config.is_pooling_model:
+                raise ConfigError("--speculative-config applies to generative models only")
+            speculative_config = resolve_speculative_config(
+                speculative_fields, model_config, device
+            )
+        scheduler_config = self._create_scheduler_config(
+            device, usage_context, model_config, speculative_config is not None
+        )
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -305,6 +322,7 @@ class EngineArgs:
             load_config=LoadConfig(self.load_format),  # type: ignore[arg-type]
             device_config=DeviceConfig(device),  # type: ignore[arg-type]
             kernel_config=kernel_config,
+            speculative_config=speculative_config,
             enforce_eager=self.enforce_eager or device != "cuda",
             disable_cascade_attn=self.disable_cascade_attn,
             disable_log_stats=self.disable_log_stats,
@@ -469,7 +487,11 @@ class EngineArgs:
         return method
 
     def _create_scheduler_config(
-        self, device: str, usage_context: UsageContext, model_config: ModelConfig
+        self,
+        device: str,
+        usage_context: UsageContext,
+        model_config: ModelConfig,
+        speculative: bool = False,
     ) -> SchedulerConfig:
         server = usage_context == "server"
         if device == "cuda":
@@ -502,12 +524,22 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            async_scheduling=(
-                device == "cuda" if self.async_scheduling is None else self.async_scheduling
-            ),
+            async_scheduling=self._async_scheduling(device, speculative),
             prefill_pacing_tokens=pacing_tokens,
             prefill_pacing_mode=self.prefill_pacing_mode or "step",  # type: ignore[arg-type]
         )
+
+    def _async_scheduling(self, device: str, speculative: bool) -> bool:
+        if speculative:
+            # NOTE: the next step's drafts are proposed from this step's accepted tokens, so
+            # a speculating engine plans each step after the previous one's tokens are known.
+            if self.async_scheduling:
+                raise ConfigError(
+                    "--async-scheduling does not combine with --speculative-config yet: "
+                    "speculative decoding plans each step after the previous one"
+                )
+            return False
+        return device == "cuda" if self.async_scheduling is None else self.async_scheduling
 
     def _prefill_pacing_tokens(self, device: str, server: bool) -> int:
         if self.prefill_pacing_tokens is not None:

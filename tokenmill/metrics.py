@@ -27,6 +27,9 @@ prefix and a ``model_name`` label, mirroring vLLM's ``vllm:`` metrics so dashboa
 - ``tokenmill:request_params_n`` / ``request_params_max_tokens`` (histograms): the requests'
   ``n`` and ``max_tokens``
 - ``tokenmill:cache_config_info`` (gauge, always 1): the KV cache's configuration as labels
+- with speculative decoding, ``tokenmill:spec_decode_num_drafts_total``,
+  ``..._num_draft_tokens_total``, ``..._num_accepted_tokens_total`` and
+  ``..._num_accepted_tokens_per_pos_total{position}`` (``tokenmill.spec_decode.metrics``)
 
 ``--metrics-compat vllm`` exports each of these under vLLM's ``vllm:`` name as well
 (``VllmNamesCollector``), so dashboards, alerts and autoscalers written for vLLM read them.
@@ -46,9 +49,10 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
-from tokenmill.config import CacheConfig
+from tokenmill.config import CacheConfig, SpeculativeConfig
 from tokenmill.core.engine_io import SchedulerStats
 from tokenmill.engine.request_stats import FinishedRequestStats, IterationStats
+from tokenmill.spec_decode.metrics import SpecDecodingLogging, SpecDecodingProm
 
 logger = logging.getLogger("tokenmill.metrics")
 
@@ -156,6 +160,7 @@ class PrometheusStatLogger:
             several engines in one process do not collide).
         cache_config: the engine's KV cache configuration, read at each scrape for
             ``cache_config_info`` (its block count is known once the engine has started).
+        speculative_config: with speculative decoding, its counters are exported too.
     """
 
     def __init__(
@@ -163,6 +168,7 @@ class PrometheusStatLogger:
         model_name: str,
         registry: CollectorRegistry,
         cache_config: CacheConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.registry = registry
         self.engine_registry = engine_registry = CollectorRegistry()
@@ -226,6 +232,11 @@ class PrometheusStatLogger:
         self._init_request_histograms(histogram)
         if cache_config is not None:
             engine_registry.register(CacheConfigInfo(cache_config))
+        self.spec_decoding = None
+        if speculative_config is not None:
+            self.spec_decoding = SpecDecodingProm(
+                speculative_config.num_speculative_tokens, PREFIX, labels, engine_registry
+            )
 
     def _init_request_histograms(self, histogram: Callable[..., Histogram]) -> None:
         """The per-request and per-step histograms vLLM exports beside the latencies."""
@@ -285,6 +296,9 @@ class PrometheusStatLogger:
             self.prefix_hits.inc(scheduler_stats.prefix_cache_hits)
             self.preemptions.inc(scheduler_stats.num_preemptions)
             self.constraint_failures.inc(scheduler_stats.num_constraint_failures)
+            spec = scheduler_stats.spec_decoding_stats
+            if spec is not None and self.spec_decoding is not None:
+                self.spec_decoding.observe(spec)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
@@ -392,6 +406,8 @@ class LoggingStatLogger:
     One line per ``log()`` call: prompt and generation throughput over the interval
     (tokens/s), running and waiting requests, KV-cache usage and the prefix-cache hit rate
     (of prompt tokens looked up since start-up). Nothing is logged while the engine stays idle.
+    With speculative decoding, a second line gives the interval's acceptance
+    (``SpecDecodingLogging``).
     """
 
     def __init__(self) -> None:
@@ -402,6 +418,7 @@ class LoggingStatLogger:
         self._prefix_hits = 0
         self._scheduler_stats = SchedulerStats()
         self._logged_idle = False
+        self._spec_decoding = SpecDecodingLogging()
 
     def record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
@@ -410,6 +427,8 @@ class LoggingStatLogger:
             self._scheduler_stats = scheduler_stats
             self._prefix_queries += scheduler_stats.prefix_cache_queries
             self._prefix_hits += scheduler_stats.prefix_cache_hits
+            if scheduler_stats.spec_decoding_stats is not None:
+                self._spec_decoding.observe(scheduler_stats.spec_decoding_stats)
         if iteration_stats is not None:
             self._prompt_tokens += iteration_stats.num_prompt_tokens
             self._generation_tokens += iteration_stats.num_generation_tokens
@@ -437,6 +456,7 @@ class LoggingStatLogger:
                 stats.kv_cache_usage * 100.0,
                 hit_rate * 100.0,
             )
+        self._spec_decoding.log()
         self._logged_idle = idle
         self._last_time = now
         self._prompt_tokens = 0

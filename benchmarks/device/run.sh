@@ -84,6 +84,12 @@
 #              of a batch-1 decode (batch1_generate.py; each kernel replayed alone, so no overlap)
 #   first_token  cProfile of a one-token generate (32-token prompt): the host's share of a
 #              request's first step (first_token_profile.py)
+#   spec_prepare  the real SmolLM2 as a bf16 folder, the rewrite load and a 1B-shaped dummy
+#              draft (spec_decode_bench.py prepare); then spec_ngram_tm / spec_ngram_vllm:
+#              batch-1 ms/token of the rewrite load without and with n-gram speculation;
+#              spec_verify_tm / spec_verify_vllm: M8 steps with and without speculation (and
+#              tokenmill's forced k=4 verify step against a decode step); spec_report compares
+#   gputests_spec  the speculative decoding GPU tests (tests/gpu/test_spec_decode_gpu.py)
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -122,7 +128,7 @@ stage() {  # stage NAME TIMEOUT CMD... (NAME gets $SFX, the STAGE@VARS label)
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "^QUANT|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|preempt" "$LOGS/$name.log" \
+  grep -aE "^QUANT|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|^SPEC|preempt" "$LOGS/$name.log" \
     | grep -v "warnings.warn" | tail -${TAIL_LINES:-25} | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
@@ -260,6 +266,11 @@ run_stage() {  # run_stage NAME: one stage of the list below
       bs=1; [ "$st" = base_lat32 ] && bs=32
       say "STAGE $st runs $(PYTHONPATH="$PWD/.carry/base" python3 -P -c 'import tokenmill; print(tokenmill.__file__)')"
       stage "$st" 240 env PYTHONPATH="$PWD/.carry/base" python3 -P -m tokenmill.entrypoints.cli.main bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size $bs --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/$st.json"; addjson "$st" "$LOGS/$st.json" ;;
+    spec_prepare) stage spec_prepare 150 python3 benchmarks/device/spec_decode_bench.py prepare ;;
+    spec_ngram_tm|spec_ngram_vllm) stage "$st" 540 python3 benchmarks/device/spec_decode_bench.py ngram --engine "${st#spec_ngram_}" ;;
+    spec_verify_tm|spec_verify_vllm) stage "$st" 560 python3 benchmarks/device/spec_decode_bench.py verify --engine "${st#spec_verify_}" ;;
+    spec_report) TAIL_LINES=40 stage spec_report 30 python3 benchmarks/device/spec_decode_bench.py report ;;
+    gputests_spec) PYTHONPATH="$XGP" stage gputests_spec 400 python3 -m pytest -q tests/gpu/test_spec_decode_gpu.py -p no:cacheprovider --timeout 300 --durations=5 ;;
     lat1|lat8|lat32)  # batch 1 / 8 / 32
       stage "$st" 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size "${st#lat}" --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/$st.json"; addjson "$st" "$LOGS/$st.json" ;;
     tp_long)  stage tp_long 400 "${TM[@]}" bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/tp_long.json"; addjson tp_long "$LOGS/tp_long.json" ;;

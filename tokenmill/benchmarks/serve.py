@@ -21,6 +21,7 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.benchmarks import spec_decode_report
 from tokenmill.benchmarks.bench_tokenizer import find_tokenizer
 from tokenmill.benchmarks.common import BenchmarkError, flags_of, parse_percentiles, write_json
 from tokenmill.benchmarks.datasets import add_dataset_args, encode, sample_requests
@@ -359,6 +360,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         f"Benchmarking {config.api_url} ({config.model_name}): {len(samples)} requests, "
         f"request rate {args.request_rate}/s, max concurrency {args.max_concurrency or 'unlimited'}"
     )
+    drafts_before = spec_decode_report.scrape(base_url, auth_headers())
     records, duration = asyncio.run(
         run_benchmark(
             config,
@@ -373,7 +375,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     )
     count_missing_tokens(records, tokenizer)
     summary = compute_summary(records, duration, percentiles, slos)
+    # The server's spec-decode counters over the run (warm-up requests included).
+    summary.update(
+        spec_decode_report.acceptance(
+            drafts_before, spec_decode_report.scrape(base_url, auth_headers())
+        )
+    )
     print(format_summary(summary, metrics, percentiles, args.max_concurrency, args.request_rate))
+    if spec_decode_report.format_acceptance(summary):
+        print(spec_decode_report.format_acceptance(summary))
     result = build_result(args, summary, records, model_id, tokenizer_id, endpoint)
     if args.save_result or args.result_filename or args.result_dir:
         path = result_path(args, model_id)

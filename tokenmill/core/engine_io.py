@@ -106,6 +106,56 @@ class EngineCoreOutput:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding counters of one or more steps (deltas, as vLLM's).
+
+    Attributes:
+        num_spec_tokens: k, the drafts proposed per request and step.
+        num_drafts: draft runs verified (one per request and step that verified drafts).
+        num_draft_tokens: draft tokens verified.
+        num_accepted_tokens: of those, tokens the target accepted.
+        num_accepted_tokens_per_pos: ``[k]``: drafts accepted at each position (position
+            ``i`` is accepted only when every earlier one is).
+    """
+
+    num_spec_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, num_spec_tokens: int) -> SpecDecodingStats:
+        return cls(num_spec_tokens, num_accepted_tokens_per_pos=[0] * num_spec_tokens)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Count one verified draft of ``num_draft_tokens`` of which the first
+        ``num_accepted_tokens`` were accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def add(self, other: SpecDecodingStats) -> None:
+        """Add ``other``'s counters to these (positions beyond these are appended)."""
+        self.num_spec_tokens = max(self.num_spec_tokens, other.num_spec_tokens)
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(per_pos)))
+        for i, n in enumerate(other.num_accepted_tokens_per_pos):
+            per_pos[i] += n
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verified draft yields on average, the target's own token included
+        (vLLM's convention): ``1 + accepted / drafts``; 1 with no drafts."""
+        return 1.0 + (self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0)
+
+
+@dataclass
 class SchedulerStats:
     """A snapshot of the scheduler after a step, for logs and Prometheus metrics.
 
@@ -125,6 +175,8 @@ class SchedulerStats:
     num_constraint_failures: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # speculative decoding's counters (None without speculative decoding)
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 @dataclass

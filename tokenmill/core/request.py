@@ -79,6 +79,9 @@ class Request:
         self.num_computed_tokens = 0
         # Async scheduling: tokens being sampled by steps in flight, not yet appended.
         self.num_output_placeholders = 0
+        # Speculative decoding: draft tokens to verify after the known ones (not yet part
+        # of the request's tokens; the scheduler counts them in its token budget).
+        self.spec_token_ids: list[int] = []
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []

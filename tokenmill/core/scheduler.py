@@ -32,12 +32,13 @@ from tokenmill.core.prefill_pacing import PrefillPacing
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import create_request_queue
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.core.speculation import Speculation
 from tokenmill.core.step_plan import StepPlan
 from tokenmill.math_utils import cdiv
 
 if TYPE_CHECKING:
     # Annotations only: core/ stays importable without the model-side packages.
-    from tokenmill.config import CacheConfig, SchedulerConfig
+    from tokenmill.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Scheduler:
         cache_config: block size and prefix caching.
         num_blocks: KV blocks available (as sized by the worker).
         log_stats: count prefix-cache hits and attach ``SchedulerStats`` to each output.
+        speculative_config: speculative decoding (``core/speculation.py``), or None.
 
     Attributes:
         requests: every live (waiting or running) request, by id.
@@ -72,9 +74,12 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         log_stats: bool = True,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self._init_config(scheduler_config, cache_config, log_stats)
         self._init_queues()
+        self.speculation = Speculation.create(speculative_config)
+        self.num_lookahead_tokens = self.speculation.num_lookahead_tokens if self.speculation else 0
         self._init_kv_cache(cache_config, num_blocks)
 
     def _init_config(
@@ -159,6 +164,7 @@ class Scheduler:
             max_model_len=self.max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
             log_stats=self.log_stats,
+            drop_last_hit_block=self.speculation is not None and self.speculation.shifted_kv,
         )
 
     # ----------------------------------------------------------------- requests in/out
@@ -309,7 +315,9 @@ class Scheduler:
             The new block ids, or None if ``request`` itself had to be preempted.
         """
         while True:
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+            )
             if new_block_ids is not None:
                 return new_block_ids
             victim = self._select_victim()
@@ -334,6 +342,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         # A token still being sampled for it is discarded (update_from_output skips
         # requests that are not running); recompute produces it again.
         request.num_output_placeholders = 0
@@ -366,7 +375,8 @@ class Scheduler:
                         )
                     if free_after < reserved:
                         break  # admitting it would likely force a preemption later
-            if kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is None:
+            lookahead = self.num_lookahead_tokens
+            if kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks, lookahead) is None:
                 break
             self.waiting.pop_request()
             self._admit(request, num_hit_tokens)
@@ -389,9 +399,11 @@ class Scheduler:
         """Tokens to compute for ``request`` this step, from ``num_computed`` on (0: none).
 
         Under async scheduling a token still being sampled counts as known: the worker takes
-        it from the device when the step runs.
+        it from the device when the step runs. Draft tokens (``spec_token_ids``) count as
+        tokens to compute.
         """
         num_new = request.num_tokens + request.num_output_placeholders - num_computed
+        num_new += len(request.spec_token_ids)
         if self.enable_chunked_prefill:
             if self.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.long_prefill_token_threshold)
@@ -420,6 +432,7 @@ class Scheduler:
         )
         finished_req_ids = self.finished_req_ids | plan.preempted_ids
         self.finished_req_ids = set()
+        spec_tokens = self.speculation.take_scheduled(plan) if self.speculation else {}
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -427,6 +440,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
             reads_step_kv=kv.reads_step_kv,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -457,6 +471,7 @@ class Scheduler:
         """
         runner = model_runner_output
         sampled = dict(zip(runner.req_ids, runner.sampled_token_ids, strict=True))
+        drafts = dict(zip(runner.req_ids, runner.spec_token_ids or (), strict=False))
         outputs: list[EngineCoreOutput] = []
         finished_ids: set[str] = set()
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -464,6 +479,9 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted since it was scheduled
             step_tokens = sampled.get(req_id, [])
+            verified = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if verified and self.speculation is not None:
+                self.speculation.on_verified(request, len(verified), len(step_tokens))
             if request.num_output_placeholders:
                 request.num_output_placeholders = max(
                     0, request.num_output_placeholders - len(step_tokens)
@@ -471,6 +489,8 @@ class Scheduler:
             new_token_ids = self._append_tokens(request, step_tokens)
             prompt_logprobs = runner.prompt_logprobs.get(req_id)
             finished = request.is_finished()
+            if self.speculation is not None and not finished:
+                self.speculation.set_drafts(request, drafts.get(req_id, []), self.max_context_len)
             if not (new_token_ids or finished or prompt_logprobs):
                 continue
             logprobs = runner.logprobs.get(req_id)
@@ -575,6 +595,7 @@ class Scheduler:
             num_constraint_failures=self._num_constraint_failures,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
+            spec_decoding_stats=self.speculation.make_stats() if self.speculation else None,
         )
         self._num_preemptions = self._num_constraint_failures = 0
         return stats

@@ -76,6 +76,9 @@ class SchedulerOutput:
             request fills in this step, so it reads KV the step itself writes
             (``KVCacheManager.reads_step_kv``); the worker then runs the step with kernels
             that read the KV cache only after the step's KV writes.
+        scheduled_spec_decode_tokens: request id -> the draft tokens it verifies this step
+            (speculative decoding): the last of its scheduled tokens, after its last known
+            token; requests without drafts are absent.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -84,6 +87,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     reads_step_kv: bool = False
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

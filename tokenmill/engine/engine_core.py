@@ -67,7 +67,11 @@ class EngineCore:
         self.executor = (executor_factory or _default_executor)(config)
         num_blocks = self._init_kv_cache()
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, num_blocks, log_stats=log_stats
+            config.scheduler_config,
+            config.cache_config,
+            num_blocks,
+            log_stats=log_stats,
+            speculative_config=config.speculative_config,
         )
         self.log_stats = log_stats
         self.async_scheduling = config.scheduler_config.async_scheduling

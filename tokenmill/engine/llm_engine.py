@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.engine_io import SchedulerStats
+from tokenmill.core.engine_io import SchedulerStats, SpecDecodingStats
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import IterationStats, OutputProcessor
@@ -31,12 +31,16 @@ class EngineCounters:
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
     num_constraint_failures: int = 0  # requests ended for their structured-output constraint
+    # speculative decoding: drafts, draft tokens and accepted tokens (all zero without it)
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
 
     def add(self, stats: SchedulerStats) -> None:
         self.prefix_cache_queries += stats.prefix_cache_queries
         self.prefix_cache_hits += stats.prefix_cache_hits
         self.num_preemptions += stats.num_preemptions
         self.num_constraint_failures += stats.num_constraint_failures
+        if stats.spec_decoding_stats is not None:
+            self.spec_decoding.add(stats.spec_decoding_stats)
 
 
 class LLMEngine:

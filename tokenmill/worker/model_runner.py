@@ -38,6 +38,7 @@ from tokenmill.worker.sampling_metadata import (
     build_plain_sampling_metadata,
     build_sampling_metadata,
 )
+from tokenmill.worker.spec_decode_step import SpecDecodeStep
 from tokenmill.worker.step_graphs import StepGraphs
 from tokenmill.worker.step_io import AsyncModelRunnerOutput, StepInputs, leading_ones
 from tokenmill.worker.step_staging import DeviceArena, StepStaging
@@ -84,6 +85,8 @@ class ModelRunner:
         self.input_batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_blocks_per_req
         )
+        # Speculative decoding: drafts in, verification, the next drafts (None: off).
+        self.spec_decode = SpecDecodeStep.create(config, device)
         self._init_buffers()
 
     def _init_buffers(self) -> None:
@@ -136,6 +139,8 @@ class ModelRunner:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if all(m.sliding_window is not None for m in layers):
             self.cascade_attn = False
+        if self.spec_decode is not None:
+            self.spec_decode.load_model(self.model)
 
     def model_weight_bytes(self) -> int:
         """Bytes of the model's parameters and buffers on the device."""
@@ -147,7 +152,11 @@ class ModelRunner:
         """Bytes one KV block takes over all layers (K and V)."""
         mc = self.config.model_config
         per_layer = 2 * self.block_size * mc.get_num_kv_heads() * mc.get_head_dim()
-        return per_layer * mc.get_num_layers() * torch.tensor([], dtype=self.dtype).element_size()
+        size = per_layer * mc.get_num_layers() * torch.tensor([], dtype=self.dtype).element_size()
+        if self.spec_decode is not None:
+            # A speculative proposer's own KV of the same tokens lives in the same block ids.
+            size += self.spec_decode.kv_cache_bytes_per_block(self.block_size, self.dtype)
+        return size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer and bind it.
@@ -166,6 +175,17 @@ class ModelRunner:
         ]
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
+        if self.spec_decode is not None:
+            self.spec_decode.initialize_kv_cache(
+                num_blocks,
+                lambda heads, head_dim: zeroed_tensor(
+                    tuple(self.attn_backend.get_kv_cache_shape(
+                        num_blocks, self.block_size, heads, head_dim
+                    )),
+                    self.dtype,
+                    self.device,
+                ),
+            )  # fmt: skip
 
     def plan_cuda_graphs(self) -> StepGraphs | None:
         """The CUDA graphs start-up captures (``StepGraphs.plan``), uncaptured, planned once;
@@ -195,6 +215,8 @@ class ModelRunner:
         ):
             batch.append_blocks(req_id, block_ids)
             batch.set_num_computed(req_id, num_computed)
+        if self.spec_decode is not None:
+            self.spec_decode.write_drafts(batch, so.scheduled_spec_decode_tokens)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         self._parity ^= 1
@@ -237,9 +259,18 @@ class ModelRunner:
         staging.put_into(self.seq_lens.np[:num_reqs], self.seq_lens.device[:num_reqs])
         staging.put_into(block_table, self.block_table.device[:num_reqs, :max_blocks])
         staging.put_into(self.prefill_range.np, self.prefill_range.device)
-        logits_indices = staging.put(cu[1:][sample_rows].astype(np.int64) - 1)
+        last = cu[1:][sample_rows].astype(np.int64) - 1
+        if so.scheduled_spec_decode_tokens:
+            assert self.spec_decode is not None
+            # Every position from a request's last known token on is verified.
+            last = self.spec_decode.logits_indices(last, rows[sample_rows])
+        logits_indices = staging.put(last)
         sampling_metadata = None
-        if len(sample_rows) and batch.simple_sampling[rows[sample_rows]].all():
+        if (
+            len(sample_rows)
+            and batch.simple_sampling[rows[sample_rows]].all()
+            and not so.scheduled_spec_decode_tokens
+        ):
             sampling_metadata = self._plain_sampling_metadata(rows[sample_rows], staging.put)
         staging.flush(prev_sampled)
 
@@ -416,28 +447,43 @@ class ModelRunner:
         inputs = self._prepare_inputs(so)
         hidden = self._run_model(inputs)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        bitmasks = grammar_output.bitmasks if grammar_output else {}
+        if self.spec_decode is not None:
+            return self.spec_decode.finish_step(self, bitmasks, inputs, hidden, prompt_logprobs)
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
         if inputs.sample_rows:
-            logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
-            sample_batch_rows = inputs.batch_rows[inputs.sample_rows]
-            metadata = inputs.sampling_metadata or self._sampling_metadata(
-                inputs, sample_batch_rows, grammar_output.bitmasks if grammar_output else None
-            )
-            out = self.sampler(logits, metadata)
-            token_ids = out.sampled_token_ids.tolist()  # the step's one sync
-            req_ids = inputs.req_ids
-            if out.logprobs is not None:
-                per_row = out.logprobs.to_lists_per_row(metadata.num_logprobs)
-                for i, lp in zip(inputs.sample_rows, per_row, strict=False):
-                    if lp is not None:
-                        logprobs[req_ids[i]] = lp
-            batch = self.input_batch
+            token_ids, logprobs = self.sample_tokens(inputs, hidden, bitmasks)
+            req_ids, batch = inputs.req_ids, self.input_batch
             for i, tok in zip(inputs.sample_rows, token_ids, strict=False):
                 sampled[i] = [tok]
                 batch.append_token(req_ids[i], tok)
         self._advance_computed(inputs)
         return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs)
+
+    def sample_tokens(
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        grammar_bitmasks: Mapping[str, np.ndarray],
+    ) -> tuple[list[int], dict[str, LogprobsLists]]:
+        """One token for each of the step's sampling requests (``inputs.sample_rows``), and
+        the logprobs of those that asked, by request id; the step's one sync."""
+        assert self.model is not None
+        logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
+        sample_batch_rows = inputs.batch_rows[inputs.sample_rows]
+        metadata = inputs.sampling_metadata or self._sampling_metadata(
+            inputs, sample_batch_rows, grammar_bitmasks
+        )
+        out = self.sampler(logits, metadata)
+        token_ids = out.sampled_token_ids.tolist()
+        logprobs: dict[str, LogprobsLists] = {}
+        if out.logprobs is not None:
+            per_row = out.logprobs.to_lists_per_row(metadata.num_logprobs)
+            for i, lp in zip(inputs.sample_rows, per_row, strict=False):
+                if lp is not None:
+                    logprobs[inputs.req_ids[i]] = lp
+        return token_ids, logprobs
 
     def _copy_sampled(self, sampled: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event | None:
         """Start copying ``sampled`` to the pinned ``host`` tensor; returns the event that

@@ -37,7 +37,6 @@ UNIMPLEMENTED_FLAGS = (
     "--lora-modules",
     "--max-loras",
     "--max-lora-rank",
-    "--speculative-config",
     "--guided-decoding-backend",
     "--structured-outputs-config",
     "--kv-transfer-config",

@@ -47,7 +47,7 @@ def make_stat_loggers(config: EngineConfig, registry: CollectorRegistry) -> list
         return []
     name = config.model_config.served_model_name
     return [
-        PrometheusStatLogger(name, registry, config.cache_config),
+        PrometheusStatLogger(name, registry, config.cache_config, config.speculative_config),
         LoggingStatLogger(),
         DashboardStatLogger(),
     ]
