@@ -104,6 +104,12 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3
             if not param.is_floating_point():
                 _fill_dummy_integers(name, param, seed)
                 continue
+            if param.element_size() == 1:  # FP8: no random fill of its own
+                values = torch.empty(param.shape, device=param.device)
+                values.uniform_(low / 1e-3, high / 1e-3, generator=generator
+                                if param.device.type == "cpu" else None)
+                param.copy_(values)
+                continue
             if param.device.type == "cpu":
                 param.uniform_(low, high, generator=generator)
             else:
