@@ -94,6 +94,10 @@ def byte_size_arg(value: str) -> str:
     return value
 
 
+# --kv-cache-dtype values (vLLM's spellings; fp8 is e4m3).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 def _flag(help: str, **kw: Any) -> Any:
     """A dataclass field carrying its CLI help (and optional choices/aliases/nargs)."""
     default = kw.pop("default", None)
@@ -170,6 +174,13 @@ class EngineArgs:
         f"CPU default: {DEFAULT_CPU_KV_CACHE_BYTES >> 30} GiB.",
         aliases=["--kv-cache-memory-bytes"],
         type=byte_size_arg,
+    )
+    kv_cache_dtype: str = _flag(
+        "Data type of the KV cache: auto (the model's dtype); fp8 or fp8_e4m3 "
+        "(float8_e4m3fn), fp8_e5m2: one byte per element, twice the tokens per GiB, scaled by "
+        "the checkpoint's per-layer k_scale/v_scale where it has them (else 1.0).",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
     )
     enable_prefix_caching: bool = _flag(
         "Reuse KV blocks of identical prompt prefixes (automatic prefix caching).", default=True
@@ -296,6 +307,7 @@ class EngineArgs:
             kv_cache_memory=kv_bytes,
             enable_prefix_caching=self.enable_prefix_caching,
             cpu_kv_cache_memory=DEFAULT_CPU_KV_CACHE_BYTES,
+            cache_dtype=self.kv_cache_dtype,
         )
         return EngineConfig(
             model_config=model_config,
@@ -347,6 +359,10 @@ class EngineArgs:
                     resolve_quantization(self.quantization, {}, False)
                 except ValueError as e:
                     raise ConfigError(str(e)) from None
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype {self.kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}"
+            )
         if not INT64_MIN <= self.seed <= INT64_MAX:
             raise ConfigError(f"--seed must be a 64-bit signed integer, got {self.seed}")
         names = self.served_model_name

@@ -47,7 +47,8 @@ def test_unimplemented_vllm_flags_are_rejected(capsys, flag):
         ["serve", "a", "--model", "b"],
         ["serve", "--chat-template", "/no/such/template.jinja"],
         ["serve", "--max-log-len", "-1"],
-        ["serve", "--kv-cache-dtype", "fp8"],
+        ["serve", "--kv-cache-dtype", "fp4"],
+        ["serve", "--calculate-kv-scales"],
         ["serve", "--max-model-len", "1.5K"],
         ["serve", "--kv-cache-memory", "inf"],  # was an OverflowError traceback
         ["serve", "--kv-cache-memory", "1e400"],

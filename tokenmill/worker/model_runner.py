@@ -55,6 +55,21 @@ class _Buffer:
         self.np = np.zeros(tuple(device.shape) if host else (0,), dtype=dtype)
 
 
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for ``--kv-cache-dtype``: ``auto`` keeps the model's.
+
+    Raises:
+        ValueError: an unknown spelling.
+    """
+    if cache_dtype == "auto":
+        return model_dtype
+    table = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
+    if cache_dtype not in table:
+        raise ValueError(f"--kv-cache-dtype {cache_dtype!r}: auto, fp8, fp8_e4m3 or fp8_e5m2")
+    return table[cache_dtype]
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and the persistent batch of one device."""
 
@@ -63,6 +78,7 @@ class ModelRunner:
         self.device = device
         mc, sc = config.model_config, config.scheduler_config
         self.dtype = torch_dtype(mc.dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
         self.block_size = config.cache_config.block_size
         self.max_model_len = mc.max_model_len
         self.max_num_reqs = sc.max_num_seqs
@@ -147,7 +163,8 @@ class ModelRunner:
         """Bytes one KV block takes over all layers (K and V)."""
         mc = self.config.model_config
         per_layer = 2 * self.block_size * mc.get_num_kv_heads() * mc.get_head_dim()
-        return per_layer * mc.get_num_layers() * torch.tensor([], dtype=self.dtype).element_size()
+        element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
+        return per_layer * mc.get_num_layers() * element
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer and bind it.
@@ -161,7 +178,7 @@ class ModelRunner:
             num_blocks, self.block_size, mc.get_num_kv_heads(), mc.get_head_dim()
         )
         self.kv_caches = [
-            zeroed_tensor(tuple(shape), self.dtype, self.device)
+            zeroed_tensor(tuple(shape), self.kv_cache_dtype, self.device)
             for _ in range(mc.get_num_layers())
         ]
         assert self.model is not None

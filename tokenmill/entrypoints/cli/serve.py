@@ -41,6 +41,7 @@ UNIMPLEMENTED_FLAGS = (
     "--guided-decoding-backend",
     "--structured-outputs-config",
     "--kv-transfer-config",
+    "--calculate-kv-scales",
     "--kv-events-config",
     "--data-parallel-size",
     "--enable-expert-parallel",
@@ -69,7 +70,7 @@ UNIMPLEMENTED_FLAGS = (
 class _Unimplemented(argparse.Action):
     """Rejects a known vLLM flag that tokenmill does not implement (one line, exit 2), or
     only the values it does not: ``accepted`` are the values that mean what tokenmill does
-    anyway (``--kv-cache-dtype auto``: the cache keeps the model's dtype)."""
+    anyway."""
 
     def __init__(
         self, option_strings: list[str], dest: str, accepted: tuple[str, ...] = (), **kwargs: Any
@@ -244,7 +245,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(parser, positional_model=True)
     for flag in UNIMPLEMENTED_FLAGS:
         parser.add_argument(flag, action=_Unimplemented)
-    parser.add_argument("--kv-cache-dtype", action=_Unimplemented, accepted=("auto",))
     parser.add_argument("-dp", action=_Unimplemented)
     parser.set_defaults(dispatch=run)
     return parser
