@@ -88,14 +88,17 @@ def hook_reference(model: torch.nn.Module, activations: str) -> None:
                 lambda _m, args: (fake_quantize_input(args[0], activations),))
 
 
-def make_fp8_checkpoint(folder: str, scheme: str, seed: int = 0) -> tuple[str, str]:
+def make_fp8_checkpoint(folder: str, scheme: str, seed: int = 0, **config: int
+                        ) -> tuple[str, str]:
     """Write ``folder/quant`` (the checkpoint of ``scheme``, a key of ``SCHEMES``) and
-    ``folder/reference`` (float32, dequantized weights); return both paths."""
+    ``folder/reference`` (float32, dequantized weights); return both paths. ``config``
+    overrides fields of ``TINY_LLAMA``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     fmt, kind, activations = SCHEMES[scheme]
     torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_LLAMA)).float().eval()
+    hf = AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY_LLAMA, **config}))
+    hf = hf.float().eval()
     state = {k: v.clone() for k, v in hf.state_dict().items()}
     quant: dict[str, torch.Tensor] = {}
     for name, w in state.items():

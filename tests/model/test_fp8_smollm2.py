@@ -1,6 +1,6 @@
 """The real SmolLM2-135M-Instruct with ``--quantization fp8`` (its GGUF weights dequantized,
-then quantized to FP8 per channel at load): greedy text agrees with the float32 model's for
-most of 32 tokens."""
+then quantized to FP8 per channel at load) and with an FP8 KV cache: greedy choices agree
+with the float32 model's at most of 32 positions."""
 
 from __future__ import annotations
 
@@ -33,7 +33,28 @@ def _greedy(model, hf_config, prompts: dict[str, list[int]], steps: int) -> dict
     return {p: seqs[p][len(prompts[p]):] for p in seqs}
 
 
-def test_fp8_greedy_agrees_with_float32(smollm2_gguf_path, smollm2_model, smollm2_tokenizer):
+def _agreement(model, hf_config, prompts, expected, **runner_kwargs) -> dict[str, int]:
+    """Positions of ``expected`` (continuations of ``prompts``) where ``model``'s greedy
+    choice, given the tokens before, is the expected token."""
+    full = {p: prompts[p] + expected[p][:-1] for p in prompts}
+    logits = PagedRunner(model, hf_config, num_blocks=64, **runner_kwargs).step(full, full)
+    start, agree = 0, {}
+    for p in prompts:
+        n = len(prompts[p])
+        chosen = logits[start + n - 1 : start + len(full[p])].argmax(-1).tolist()
+        start += len(full[p])
+        agree[p] = sum(a == b for a, b in zip(chosen, expected[p], strict=True))
+    return agree
+
+
+@pytest.fixture(scope="module")
+def float_continuations(smollm2_model, smollm2_tokenizer):
+    model, model_config = smollm2_model
+    prompts = {p: smollm2_tokenizer(p)["input_ids"] for p in PROMPTS}
+    return prompts, _greedy(model, model_config.hf_config, prompts, 32)
+
+
+def test_fp8_weights_greedy_agrees_with_float32(smollm2_gguf_path, float_continuations):
     """The float32 model's greedy continuations, fed to the FP8 model: its own greedy choice
     agrees at most of the 32 positions (a continuation compared token by token would drift
     apart after the first near-tie that FP8 rounding flips)."""
@@ -47,15 +68,17 @@ def test_fp8_greedy_agrees_with_float32(smollm2_gguf_path, smollm2_model, smollm
     fp8 = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), TorchAttentionBackend)
     assert any(type(m.quant_method).__name__ == "Fp8LinearMethod" for m in fp8.modules()
                if getattr(m, "quant_method", None) is not None)
+    prompts, expected = float_continuations
+    agree = _agreement(fp8, cfg.model_config.hf_config, prompts, expected)
+    assert min(agree.values()) >= 28, agree
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_cache_greedy_agrees_with_float32(smollm2_model, float_continuations, kv_dtype):
     model, model_config = smollm2_model
-    prompts = {p: smollm2_tokenizer(p)["input_ids"] for p in PROMPTS}
-    expected = _greedy(model, model_config.hf_config, prompts, 32)
-    full = {p: prompts[p] + expected[p][:-1] for p in PROMPTS}
-    logits = PagedRunner(fp8, cfg.model_config.hf_config, num_blocks=64).step(full, full)
-    start = 0
-    for p in PROMPTS:
-        n = len(prompts[p])
-        chosen = logits[start + n - 1 : start + len(full[p])].argmax(-1).tolist()
-        start += len(full[p])
-        agree = sum(a == b for a, b in zip(chosen, expected[p], strict=True))
-        assert agree >= 28, (p, agree, chosen, expected[p])
+    prompts, expected = float_continuations
+    try:
+        agree = _agreement(model, model_config.hf_config, prompts, expected, kv_dtype=kv_dtype)
+    finally:
+        PagedRunner(model, model_config.hf_config, num_blocks=1)  # float caches for the rest
+    assert min(agree.values()) >= 28, agree

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
 
+FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def write_to_kv_cache(
     key: torch.Tensor,
@@ -31,7 +33,7 @@ def write_to_kv_cache(
     _, num_blocks, block_size, h, d = kv_cache.shape
     slots = slot_mapping.long()
     key, value = (to_cache_dtype(x.view(-1, h, d), kv_cache.dtype) for x in (key, value))
-    if kv_cache.element_size() == 1:  # FP8: copied as bytes (no FP8 index_copy_ on CPU)
+    if kv_cache.dtype in FP8_TYPES:  # copied as bytes (no FP8 index_copy_ on CPU)
         kv_cache, key, value = (t.view(torch.uint8) for t in (kv_cache, key, value))
     kv_cache[0].view(num_blocks * block_size, h, d).index_copy_(0, slots, key)
     kv_cache[1].view(num_blocks * block_size, h, d).index_copy_(0, slots, value)
@@ -42,7 +44,7 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     kernels' conversion does) instead of overflowing to NaN."""
     if x.dtype == dtype:
         return x
-    if dtype.itemsize == 1:
+    if dtype in FP8_TYPES:
         limit = torch.finfo(dtype).max
         x = x.float().clamp(-limit, limit)
     return x.to(dtype)
@@ -59,7 +61,7 @@ def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torc
     Returns:
         ``[length, H, D]`` or ``[B, length, H, D]``.
     """
-    if cache.element_size() == 1:  # FP8: gathered as bytes (no FP8 indexing on CPU)
+    if cache.dtype in FP8_TYPES:  # gathered as bytes (no FP8 indexing on CPU)
         return gather_kv(cache.view(torch.uint8), block_ids, length).view(cache.dtype)
     blocks = cache[block_ids.long()]  # [..., nb, bs, H, D]
     shape = blocks.shape
