@@ -26,6 +26,12 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message says which and why."""
 
 
+class UnsupportedQuantizationError(ConfigError):
+    """The checkpoint's ``quantization_config`` or ``--quantization`` names a method or
+    layout tokenmill does not run; the message names it and what is supported. The CLI
+    exits with code 2 for it, as for an invalid flag."""
+
+
 @dataclass
 class PoolerConfig:
     """How an embedding model turns its token states into one vector per input.

@@ -26,6 +26,7 @@ from tokenmill.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    UnsupportedQuantizationError,
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
@@ -300,6 +301,7 @@ class EngineArgs:
         kernel_config = KernelConfig.parse(self.kernel_config)
         device = self._resolve_device()
         model_config = self._create_model_config(device)
+        self._check_kv_cache_dtype(device)
         scheduler_config = self._create_scheduler_config(device, usage_context, model_config)
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -358,7 +360,7 @@ class EngineArgs:
                 try:
                     resolve_quantization(self.quantization, {}, False)
                 except ValueError as e:
-                    raise ConfigError(str(e)) from None
+                    raise UnsupportedQuantizationError(str(e)) from None
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"--kv-cache-dtype {self.kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}"
@@ -461,6 +463,17 @@ class EngineArgs:
             quantization=quantization,
         )
 
+    def _check_kv_cache_dtype(self, device: str) -> None:
+        """Raises ConfigError: an FP8 cache on a GPU whose kernels cannot convert to FP8."""
+        if self.kv_cache_dtype.startswith("fp8") and device == "cuda":
+            import torch
+
+            if torch.cuda.get_device_capability() < (8, 9):
+                raise ConfigError(
+                    f"--kv-cache-dtype {self.kv_cache_dtype} needs a GPU of compute capability "
+                    "8.9 or newer (Ada, Hopper); use auto"
+                )
+
     def _resolve_quantization(self, hf_config: Any, model: str, device: str, dtype: str
                               ) -> str | None:
         """The weights' quantization method (``resolve_quantization``), checked against the
@@ -481,7 +494,7 @@ class EngineArgs:
             if config is not None:
                 config.check_dtype(dtype, device)
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            raise UnsupportedQuantizationError(str(e)) from None
         return method
 
     def _create_scheduler_config(
