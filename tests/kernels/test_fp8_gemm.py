@@ -1,7 +1,10 @@
-"""FP8 quantization (torch ops) and the W8A16 Triton kernel under Triton's interpreter (CPU,
-float32 activations, small shapes) against the float32 product of the dequantized weights."""
+"""FP8 quantization (torch ops) and the W8A16 Triton kernel (under Triton's interpreter on
+CPU, on CUDA where there is one; float32 activations, small shapes) against the float32
+product of the dequantized weights."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -55,7 +58,12 @@ def test_activation_scales():
     assert float(q.float().abs().max()) == 448.0  # clamped to the largest finite value
 
 
-needs_triton = pytest.mark.skipif(not fp8_gemm.HAS_TRITON, reason="needs Triton")
+needs_triton = pytest.mark.skipif(
+    not fp8_gemm.HAS_TRITON
+    or (os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available()),
+    reason="needs Triton with CUDA or its interpreter",
+)
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 @needs_triton
@@ -66,7 +74,8 @@ def test_w8a16_kernel_per_channel(m, n, k, bias):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     b = torch.randn(n) if bias else None
     expected = torch.nn.functional.linear(x, q8.dequantize(q, s), b)
-    y = fp8_gemm.fp8_weight_gemm(x, q, s, b)
+    y = fp8_gemm.fp8_weight_gemm(x.to(DEV), q.to(DEV), s.to(DEV),
+                                 None if b is None else b.to(DEV)).cpu()
     torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
@@ -76,7 +85,7 @@ def test_w8a16_kernel_block_scales(m, n, k, block):
     q, s = q8.quantize_blocks(_weight(n, k, n), block)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     expected = x @ q8.dequantize(q, s, block).t()
-    y = fp8_gemm.fp8_weight_gemm(x, q, s, block=block)
+    y = fp8_gemm.fp8_weight_gemm(x.to(DEV), q.to(DEV), s.to(DEV), block=block).cpu()
     torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
@@ -84,4 +93,5 @@ def test_w8a16_kernel_block_scales(m, n, k, block):
 def test_w8a16_kernel_refuses_misfit_scales():
     q, s = q8.quantize_blocks(_weight(64, 128, 0), (32, 32))
     with pytest.raises(ValueError, match="do not tile"):
-        fp8_gemm.fp8_weight_gemm(torch.randn(2, 128), q, s, block=(64, 64))
+        fp8_gemm.fp8_weight_gemm(torch.randn(2, 128, device=DEV), q.to(DEV), s.to(DEV),
+                                 block=(64, 64))
