@@ -94,13 +94,19 @@ def test_fp8_on_a_gguf_file_quantizes_its_dequantized_weights(smollm2_gguf_path)
     assert args.create_engine_config().model_config.quantization == "fp8"
 
 
-def test_fp8_refused_for_moe_models(tmp_path):
+def test_fp8_checkpoints_of_moe_models_refused(tmp_path):
     config = dict(CONFIG, architectures=["MixtralForCausalLM"], num_local_experts=4,
-                  num_experts_per_tok=2)
+                  num_experts_per_tok=2,
+                  quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="MoE models") as e:
-        EngineArgs(model=str(tmp_path), quantization="fp8", device="cpu").create_engine_config()
+        EngineArgs(model=str(tmp_path), device="cpu").create_engine_config()
     assert "\n" not in str(e.value)
+    # A 16-bit MoE checkpoint is quantized while loading.
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = EngineArgs(model=str(tmp_path), quantization="fp8", device="cpu")
+    assert args.create_engine_config().model_config.quantization == "fp8"
 
 
 @pytest.mark.parametrize("qc, flag, words", [

@@ -53,7 +53,8 @@ def get_quantization_config(method: str | None, hf_config, device: str):
     if method == "fp8":
         from tokenmill.model.layers.quantization.fp8 import Fp8Config
 
-        _refuse_fp8_experts(hf_config)
+        if qc:
+            _refuse_fp8_experts(hf_config)
         return Fp8Config.from_config(qc or None)
     if method == "bitsandbytes":
         from tokenmill.model.layers.quantization.bitsandbytes import BitsAndBytesConfig
@@ -67,9 +68,10 @@ EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def _refuse_fp8_experts(hf_config) -> None:
-    """FP8 experts need the fused MoE kernel's FP8 form, which is not built yet."""
+    """FP8 MoE checkpoints are not read yet (``--quantization fp8`` quantizes a 16-bit MoE
+    checkpoint's experts while loading)."""
     if any((hf_config.get(f) or 0) > 1 for f in EXPERT_FIELDS):
         raise QuantizationError(
-            "FP8 weights for MoE models (routed experts) are not supported yet; FP8 runs "
-            "dense models"
+            "FP8 checkpoints of MoE models (routed experts) are not supported yet; FP8 "
+            "checkpoints of dense models are, and --quantization fp8 on a 16-bit MoE checkpoint"
         )

@@ -301,7 +301,11 @@ class Fp8Config(QuantizationConfig):
         return Fp8LinearMethod(self.scheme)
 
     def get_moe_method(self, layer: nn.Module, prefix: str):
-        raise QuantizationError("FP8 MoE experts are not supported yet")
+        """Each expert's gate/up and down products as FP8 linear layers, in the routed loop
+        over the experts that received tokens (``quantization.moe``)."""
+        from tokenmill.model.layers.quantization.moe import Int4MoEMethod
+
+        return Int4MoEMethod(self, prefix)
 
     def check_dtype(self, dtype: str, device: str) -> None:
         if device == "cuda":
