@@ -227,6 +227,24 @@ def smollm2_random(tmp_path_factory) -> str:
     return str(path)
 
 
+def test_online_fp8_moe_on_cuda(tmp_path):
+    """Mixtral's experts quantized to FP8 while loading, in bf16 on CUDA, against the
+    float32 reference on the CPU (``quantize_moe_reference``; bf16 and FP8 activations
+    against float32 ones, through decisive routers: a looser tolerance)."""
+    from tests.model.fp8_checkpoints import make_moe_float, quantize_moe_reference
+    from tests.model.paged import PagedRunner
+
+    hf = make_moe_float(tmp_path / "float", "mixtral")
+    model, hf_config = _cuda_model(str(tmp_path / "float"), dtype="bfloat16",
+                                   quantization="fp8")
+    ids = list(range(3, 40))
+    prompt = PagedRunner(model, hf_config, num_blocks=32).step({"a": ids}, {"a": ids})
+    quantize_moe_reference(hf)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    _check(prompt.float().cpu(), expected, 1e-1)
+
+
 def _llm(path: str, **kwargs):
     from tokenmill import LLM
 

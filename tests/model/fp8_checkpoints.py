@@ -161,3 +161,35 @@ def quantization_config(fmt: str, kind: str, activations: str) -> dict:
                                       "format": "float-quantized"}},
         "ignore": ["lm_head"],
     }
+
+
+def make_moe_float(folder, kind: str):
+    """A tiny random Mixtral or Qwen3-MoE (decisive routers) saved to ``folder``; returns
+    transformers' model."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    from tests.model.test_qwen3_parity import save_random_model
+
+    common = {k: v for k, v in TINY_LLAMA.items() if k not in ("intermediate_size", "head_dim")}
+    if kind == "qwen3-moe":
+        config = Qwen3MoeConfig(**common, head_dim=64, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=128, intermediate_size=128,
+                                norm_topk_prob=True)
+    else:
+        config = MixtralConfig(**common, head_dim=64, intermediate_size=128,
+                               num_local_experts=4, num_experts_per_tok=2)
+    return save_random_model(config, folder, {"gate.weight": 40.0})
+
+
+def quantize_moe_reference(hf: torch.nn.Module) -> None:
+    """Replace the attention projections' and the experts' weights of transformers' MoE
+    model by their per-channel FP8 values (experts ``[E, N, K]``: per row), and quantize the
+    attention projections' inputs per token (its fused experts have no per-expert modules
+    to hook: their inputs stay float)."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            leaf = name.rsplit(".", 1)[-1] if "experts" in name else name.rsplit(".", 2)[-2]
+            if leaf in ("gate_up_proj", "down_proj", "q_proj", "k_proj", "v_proj", "o_proj"):
+                rows = p.reshape(-1, p.shape[-1]).float()
+                p.copy_(quantize_weight(rows, "channel")[2].view(p.shape))
+    hook_reference(hf, "token")

@@ -125,35 +125,18 @@ def test_ignored_layers_stay_unquantized(tmp_path):
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe"])
 def test_online_fp8_moe_experts(tmp_path, kind):
     """``--quantization fp8`` on an MoE checkpoint: every expert's products FP8 (routers stay
-    16-bit), against transformers with the same per-channel FP8 weights and the attention
-    projections' inputs quantized per token; the experts' inputs stay float32 there (its
-    fused experts have no per-expert modules to hook), hence FP8's tolerance."""
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    16-bit), against transformers with the same per-channel FP8 weights
+    (``quantize_moe_reference``: the experts' inputs stay float32 there, hence FP8's
+    tolerance)."""
+    from tests.model.fp8_checkpoints import make_moe_float, quantize_moe_reference
 
-    from tests.model.fp8_checkpoints import TINY_LLAMA, quantize_weight
-    from tests.model.test_qwen3_parity import save_random_model
-
-    common = {k: v for k, v in TINY_LLAMA.items() if k not in ("intermediate_size", "head_dim")}
-    if kind == "qwen3-moe":
-        config = Qwen3MoeConfig(**common, head_dim=64, num_experts=4, num_experts_per_tok=2,
-                                moe_intermediate_size=128, intermediate_size=128,
-                                norm_topk_prob=True)
-    else:
-        config = MixtralConfig(**common, head_dim=64, intermediate_size=128,
-                               num_local_experts=4, num_experts_per_tok=2)
-    hf = save_random_model(config, tmp_path / "float", {"gate.weight": 40.0})
+    hf = make_moe_float(tmp_path / "float", kind)
     cfg, model = _load(str(tmp_path / "float"), quantization="fp8")
     moe = [m for m in model.modules() if type(m).__name__ == "FusedMoE"]
     assert moe and all(type(m.quant_method).__name__ == "Int4MoEMethod" for m in moe)
     assert all(type(e.quant_method).__name__ == "Fp8LinearMethod"
                for e in moe[0].quant_method.w13)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            leaf = name.rsplit(".", 1)[-1] if "experts" in name else name.rsplit(".", 2)[-2]
-            if leaf in ("gate_up_proj", "down_proj", "q_proj", "k_proj", "v_proj", "o_proj"):
-                rows = p.reshape(-1, p.shape[-1]).float()  # experts: [E, N, K], per row
-                p.copy_(quantize_weight(rows, "channel")[2].view(p.shape))
-    hook_reference(hf, "token")
+    quantize_moe_reference(hf)
     with torch.no_grad():
         expected = hf(torch.tensor([IDS])).logits[0]
     _close(_logits(model, cfg), expected, 5e-2)
