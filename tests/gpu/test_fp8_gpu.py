@@ -273,7 +273,9 @@ def test_engine_fp8_weights_and_kv_cache(smollm2_random):
     runs = {}
     for eager in (False, True):
         llm = _llm(path, quantization="fp8", kv_cache_dtype="fp8", enforce_eager=eager)
-        assert llm.llm_engine.engine_core.config.cache_config.num_blocks == 2 * bf16_blocks
+        # Half the bytes per block; the same memory holds twice the blocks (floored).
+        fp8_blocks = llm.llm_engine.engine_core.config.cache_config.num_blocks
+        assert 0 <= fp8_blocks - 2 * bf16_blocks <= 1
         outs = [[o.outputs[0].token_ids for o in llm.generate(_prompts(8), params,
                                                                use_tqdm=False)]
                 for _ in range(2)]
