@@ -27,6 +27,12 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message says which and why."""
 
 
+class UnsupportedQuantizationError(ConfigError):
+    """The checkpoint's ``quantization_config`` or ``--quantization`` names a method or
+    layout tokenmill does not run; the message names it and what is supported. The CLI
+    exits with code 2 for it, as for an invalid flag."""
+
+
 @dataclass
 class PoolerConfig:
     """How an embedding model turns its token states into one vector per input.
@@ -137,6 +143,9 @@ class CacheConfig:
         kv_cache_memory: if set, the KV cache gets exactly this many bytes.
         enable_prefix_caching: reuse the KV of identical prompt prefixes across requests.
         cpu_kv_cache_memory: KV cache bytes on CPU when ``kv_cache_memory`` is unset.
+        cache_dtype: ``auto`` (the model's dtype), ``fp8`` / ``fp8_e4m3`` (float8_e4m3fn)
+            or ``fp8_e5m2``: K and V stored in one byte each, divided by the layer's
+            per-tensor scale (the checkpoint's ``k_scale`` / ``v_scale``, else 1.0).
         num_blocks: filled in once the worker has sized the cache.
     """
 
@@ -145,6 +154,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     cpu_kv_cache_memory: int = 4 << 30
+    cache_dtype: str = "auto"
     num_blocks: int | None = None
 
 

@@ -26,6 +26,7 @@ from tokenmill.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    UnsupportedQuantizationError,
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
@@ -93,6 +94,10 @@ def byte_size_arg(value: str) -> str:
     if size <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive size in bytes, got {value!r}")
     return value
+
+
+# --kv-cache-dtype values (vLLM's spellings; fp8 is e4m3).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _flag(help: str, **kw: Any) -> Any:
@@ -171,6 +176,13 @@ class EngineArgs:
         f"CPU default: {DEFAULT_CPU_KV_CACHE_BYTES >> 30} GiB.",
         aliases=["--kv-cache-memory-bytes"],
         type=byte_size_arg,
+    )
+    kv_cache_dtype: str = _flag(
+        "Data type of the KV cache: auto (the model's dtype); fp8 or fp8_e4m3 "
+        "(float8_e4m3fn), fp8_e5m2: one byte per element, twice the tokens per GiB, scaled by "
+        "the checkpoint's per-layer k_scale/v_scale where it has them (else 1.0).",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
     )
     enable_prefix_caching: bool = _flag(
         "Reuse KV blocks of identical prompt prefixes (automatic prefix caching).", default=True
@@ -304,6 +316,7 @@ class EngineArgs:
             speculative_config = resolve_speculative_config(
                 speculative_fields, model_config, device
             )
+        self._check_kv_cache_dtype(device)
         scheduler_config = self._create_scheduler_config(
             device, usage_context, model_config, speculative_config is not None
         )
@@ -313,6 +326,7 @@ class EngineArgs:
             kv_cache_memory=kv_bytes,
             enable_prefix_caching=self.enable_prefix_caching,
             cpu_kv_cache_memory=DEFAULT_CPU_KV_CACHE_BYTES,
+            cache_dtype=self.kv_cache_dtype,
         )
         return EngineConfig(
             model_config=model_config,
@@ -364,7 +378,11 @@ class EngineArgs:
                 try:
                     resolve_quantization(self.quantization, {}, False)
                 except ValueError as e:
-                    raise ConfigError(str(e)) from None
+                    raise UnsupportedQuantizationError(str(e)) from None
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype {self.kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}"
+            )
         if not INT64_MIN <= self.seed <= INT64_MAX:
             raise ConfigError(f"--seed must be a 64-bit signed integer, got {self.seed}")
         names = self.served_model_name
@@ -463,6 +481,17 @@ class EngineArgs:
             quantization=quantization,
         )
 
+    def _check_kv_cache_dtype(self, device: str) -> None:
+        """Raises ConfigError: an FP8 cache on a GPU whose kernels cannot convert to FP8."""
+        if self.kv_cache_dtype.startswith("fp8") and device == "cuda":
+            import torch
+
+            if torch.cuda.get_device_capability() < (8, 9):
+                raise ConfigError(
+                    f"--kv-cache-dtype {self.kv_cache_dtype} needs a GPU of compute capability "
+                    "8.9 or newer (Ada, Hopper); use auto"
+                )
+
     def _resolve_quantization(self, hf_config: Any, model: str, device: str, dtype: str
                               ) -> str | None:
         """The weights' quantization method (``resolve_quantization``), checked against the
@@ -483,7 +512,7 @@ class EngineArgs:
             if config is not None:
                 config.check_dtype(dtype, device)
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            raise UnsupportedQuantizationError(str(e)) from None
         return method
 
     def _create_scheduler_config(

@@ -348,7 +348,7 @@ class CacheConfigInfo:
         cc = self.cache_config
         labels = {
             "block_size": str(cc.block_size),
-            "cache_dtype": "auto",
+            "cache_dtype": cc.cache_dtype,
             "enable_prefix_caching": str(cc.enable_prefix_caching),
             "gpu_memory_utilization": str(cc.gpu_memory_utilization),
             "kv_cache_memory_bytes": str(cc.kv_cache_memory or ""),

@@ -12,6 +12,11 @@
 #   quant_lat quant_tp  4-bit weights beside vLLM (benchmarks/device/quant_bench.py): batch-1
 #              decode of GPTQ, AWQ (random int4, dummy load) and a random Q4_K_M GGUF; offline
 #              1024/256 of GPTQ and AWQ (QUANT_CASES picks the cases)
+#   fp8        FP8 beside vLLM (benchmarks/device/fp8_bench.py): M8 with --quantization fp8,
+#              batch-1 decode and offline 1024/256; KV capacity in tokens with and without
+#              --kv-cache-dtype fp8 (FP8_CASES picks the cases); fp8_serve: served random
+#              1024/256 c=64 with --quantization fp8 --kv-cache-dtype fp8, tokenmill then vLLM
+#   gputests_fp8  the FP8 GEMM, FP8-KV attention and FP8 engine tests on CUDA
 #   gputests   pytest tests/gpu and the Triton/fused-kernel tests on CUDA; gputests_all also
 #              the skinny-GEMM and sampler tests' CUDA cases; gputests_sampler
 #              the sampler tests (their CUDA cases), the engine and skinny-GEMM GPU tests
@@ -128,7 +133,7 @@ stage() {  # stage NAME TIMEOUT CMD... (NAME gets $SFX, the STAGE@VARS label)
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "^QUANT|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|^SPEC|preempt" "$LOGS/$name.log" \
+  grep -aE "^QUANT|^FP8|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|^SPEC|preempt" "$LOGS/$name.log" \
     | grep -v "warnings.warn" | tail -${TAIL_LINES:-25} | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
@@ -236,6 +241,9 @@ run_stage() {  # run_stage NAME: one stage of the list below
     gputests_quant) PYTHONPATH="$XGP" stage gputests_quant 400 python3 -m pytest -q tests/gpu/test_quant_gemm_gpu.py tests/kernels/test_gguf_blocks.py -p no:cacheprovider --timeout 300 ;;
     int4_kernels) stage int4_kernels 300 python3 benchmarks/device/int4_kernel_bench.py --sweep ;;
     quant_lat) stage quant_lat 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_lat1,awq_lat1,gguf_lat1}" --engines "${QUANT_ENGINES:-tokenmill,vllm}" ;;
+    fp8) stage fp8 590 python3 benchmarks/device/fp8_bench.py "$M8" /tmp/tm_fp8 --cases "${FP8_CASES:-lat1,tp,kvcap}" ;;
+    fp8_serve) LOADS=random serve_diag fp8kv --quantization fp8 --kv-cache-dtype fp8; LOADS=random serve_diag vllm_fp8kv --quantization fp8 --kv-cache-dtype fp8 ;;
+    gputests_fp8) PYTHONPATH="$XGP" stage gputests_fp8 400 python3 -m pytest -q tests/gpu/test_fp8_gpu.py tests/kernels/test_fp8_gemm.py -p no:cacheprovider --timeout 300 ;;
     quant_tp) stage quant_tp 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_tp,awq_tp}" --engines "${QUANT_ENGINES:-tokenmill,vllm}" ;;
     gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;

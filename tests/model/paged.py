@@ -14,13 +14,14 @@ class PagedRunner:
     Each sequence gets blocks from a shuffled pool, so block ids are non-contiguous.
     """
 
-    def __init__(self, model, config, num_blocks: int = 64, block_size: int = 16, seed: int = 0):
+    def __init__(self, model, config, num_blocks: int = 64, block_size: int = 16, seed: int = 0,
+                 kv_dtype: torch.dtype | None = None):
         self.model = model
         self.device = next(model.parameters()).device
         self.block_size = block_size
         num_kv = config.get("num_key_value_heads", config.num_attention_heads)
         head_dim = config.get("head_dim") or config.hidden_size // config.num_attention_heads
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        dtype = kv_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.kv_caches = [
             torch.zeros(
                 2, num_blocks, block_size, num_kv, head_dim, dtype=dtype, device=self.device

@@ -123,8 +123,9 @@ class EngineCore:
         cc.num_blocks = num_blocks
         self.executor.initialize_cache(num_blocks)
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency for "
+            "KV cache (%s): %d blocks of %d tokens = %d tokens; maximum concurrency for "
             "%d-token requests: %.2fx",
+            cc.cache_dtype if cc.cache_dtype != "auto" else mc.dtype,
             num_blocks,
             cc.block_size,
             capacity,

@@ -56,6 +56,21 @@ class _Buffer:
         self.np = np.zeros(tuple(device.shape) if host else (0,), dtype=dtype)
 
 
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for ``--kv-cache-dtype``: ``auto`` keeps the model's.
+
+    Raises:
+        ValueError: an unknown spelling.
+    """
+    if cache_dtype == "auto":
+        return model_dtype
+    table = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
+    if cache_dtype not in table:
+        raise ValueError(f"--kv-cache-dtype {cache_dtype!r}: auto, fp8, fp8_e4m3 or fp8_e5m2")
+    return table[cache_dtype]
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and the persistent batch of one device."""
 
@@ -64,6 +79,7 @@ class ModelRunner:
         self.device = device
         mc, sc = config.model_config, config.scheduler_config
         self.dtype = torch_dtype(mc.dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
         self.block_size = config.cache_config.block_size
         self.max_model_len = mc.max_model_len
         self.max_num_reqs = sc.max_num_seqs
@@ -152,9 +168,11 @@ class ModelRunner:
         """Bytes one KV block takes over all layers (K and V)."""
         mc = self.config.model_config
         per_layer = 2 * self.block_size * mc.get_num_kv_heads() * mc.get_head_dim()
-        size = per_layer * mc.get_num_layers() * torch.tensor([], dtype=self.dtype).element_size()
+        element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
+        size = per_layer * mc.get_num_layers() * element
         if self.spec_decode is not None:
-            # A speculative proposer's own KV of the same tokens lives in the same block ids.
+            # A speculative proposer's own KV of the same tokens lives in the same block ids
+            # (in the model's dtype: only the target's cache follows --kv-cache-dtype).
             size += self.spec_decode.kv_cache_bytes_per_block(self.block_size, self.dtype)
         return size
 
@@ -170,7 +188,7 @@ class ModelRunner:
             num_blocks, self.block_size, mc.get_num_kv_heads(), mc.get_head_dim()
         )
         self.kv_caches = [
-            zeroed_tensor(tuple(shape), self.dtype, self.device)
+            zeroed_tensor(tuple(shape), self.kv_cache_dtype, self.device)
             for _ in range(mc.get_num_layers())
         ]
         assert self.model is not None

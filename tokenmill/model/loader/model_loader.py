@@ -120,7 +120,7 @@ def get_model(
                 expected_checkpoint_names(model),
                 hf.num_attention_heads,
                 hf.get("num_key_value_heads", hf.num_attention_heads),
-                keep_quantized=quant_config is not None,
+                keep_quantized=quant_config is not None and quant_config.name == "gguf",
             )
             model.load_weights(weights, source=model_config.model)
         else:
