@@ -28,6 +28,7 @@ from tokenmill.config import (
     SchedulerConfig,
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
+from tokenmill.lora.config import LoRAConfig, create_lora_config
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
 
 logger = logging.getLogger(__name__)
@@ -256,6 +257,26 @@ class EngineArgs:
         "Accepted for compatibility: tokenmill never runs code from a model folder.",
         default=False,
     )
+    enable_lora: bool = _flag("Serve LoRA adapters (PEFT folders) on the model.", default=False)
+    lora_modules: list[str] | None = _flag(
+        "Adapters served from start-up: name=path, or a JSON object "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'.',
+        nargs="+",
+    )
+    max_loras: int = _flag("Adapter slots on the device: distinct adapters per step.", default=1)
+    max_lora_rank: int = _flag("Largest adapter rank (the slots' rank).", default=16)
+    max_cpu_loras: int | None = _flag(
+        "Adapters kept loaded in host memory, least recently used evicted (default: "
+        "--max-loras)."
+    )
+    lora_dtype: str = _flag(
+        "Dtype of the adapter slots (auto: the model's).",
+        default="auto",
+        choices=["auto", "float16", "bfloat16", "float32"],
+    )
+    fully_sharded_loras: bool = _flag(
+        "Shard adapters across tensor-parallel ranks (not supported: refused).", default=False
+    )
 
     # ---- CLI -------------------------------------------------------------------------
 
@@ -309,7 +330,27 @@ class EngineArgs:
             disable_cascade_attn=self.disable_cascade_attn,
             disable_log_stats=self.disable_log_stats,
             max_model_len_auto=self.max_model_len == -1,
+            lora_config=self._create_lora_config(model_config),
         )
+
+    def _create_lora_config(self, model_config: ModelConfig) -> LoRAConfig | None:
+        """``--enable-lora`` and its flags (``tokenmill.lora.config``), checked.
+
+        Raises:
+            ConfigError: an invalid LoRA flag, or LoRA on a model it does not apply to.
+        """
+        try:
+            config = create_lora_config(
+                self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank,
+                self.max_cpu_loras, self.lora_dtype, self.fully_sharded_loras,
+            )  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if config is not None and (model_config.is_pooling_model or model_config.quantization):
+            raise ConfigError(
+                "--enable-lora: LoRA adapters apply to unquantized generative models only"
+            )
+        return config
 
     def _check_flags(self) -> int | None:
         """The checks that need no model (before its config is read, which takes seconds
