@@ -27,6 +27,9 @@ prefix and a ``model_name`` label, mirroring vLLM's ``vllm:`` metrics so dashboa
 - ``tokenmill:request_params_n`` / ``request_params_max_tokens`` (histograms): the requests'
   ``n`` and ``max_tokens``
 - ``tokenmill:cache_config_info`` (gauge, always 1): the KV cache's configuration as labels
+- ``tokenmill:lora_requests_info`` (gauge, with ``--enable-lora``): the time of the last
+  update, labelled ``max_lora`` and the adapters of the running and the waiting requests
+  (``running_lora_adapters``, ``waiting_lora_adapters``: comma-separated names), as vLLM's
 
 ``--metrics-compat vllm`` exports each of these under vLLM's ``vllm:`` name as well
 (``VllmNamesCollector``), so dashboards, alerts and autoscalers written for vLLM read them.
@@ -163,6 +166,7 @@ class PrometheusStatLogger:
         model_name: str,
         registry: CollectorRegistry,
         cache_config: CacheConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.registry = registry
         self.engine_registry = engine_registry = CollectorRegistry()
@@ -226,6 +230,9 @@ class PrometheusStatLogger:
         self._init_request_histograms(histogram)
         if cache_config is not None:
             engine_registry.register(CacheConfigInfo(cache_config))
+        self.lora_info = LoRARequestsInfo(max_loras) if max_loras else None
+        if self.lora_info is not None:
+            engine_registry.register(self.lora_info)
 
     def _init_request_histograms(self, histogram: Callable[..., Histogram]) -> None:
         """The per-request and per-step histograms vLLM exports beside the latencies."""
@@ -285,6 +292,8 @@ class PrometheusStatLogger:
             self.prefix_hits.inc(scheduler_stats.prefix_cache_hits)
             self.preemptions.inc(scheduler_stats.num_preemptions)
             self.constraint_failures.inc(scheduler_stats.num_constraint_failures)
+            if self.lora_info is not None:
+                self.lora_info.update(scheduler_stats)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
@@ -344,6 +353,31 @@ class CacheConfigInfo:
             PREFIX + "cache_config_info", "The KV cache's configuration.", labels=list(labels)
         )
         family.add_metric(list(labels.values()), 1.0)
+        yield family
+
+
+class LoRARequestsInfo:
+    """``tokenmill:lora_requests_info`` (vLLM's ``lora_requests_info``): the time of the last
+    update (seconds since the epoch), labelled with ``max_lora`` and the comma-separated names
+    of the adapters the running and the waiting requests use."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.running = self.waiting = ""
+        self.updated = time.time()
+
+    def update(self, stats: SchedulerStats) -> None:
+        self.running = ",".join(sorted(stats.running_lora_adapters))
+        self.waiting = ",".join(sorted(stats.waiting_lora_adapters))
+        self.updated = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            PREFIX + "lora_requests_info",
+            "Running and waiting LoRA adapters (value: the time of the last update).",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        family.add_metric([str(self.max_loras), self.waiting, self.running], self.updated)
         yield family
 
 

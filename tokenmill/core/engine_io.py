@@ -128,6 +128,9 @@ class SchedulerStats:
     num_constraint_failures: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    # LoRA adapter name -> requests using it, running and waiting (only with --enable-lora)
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

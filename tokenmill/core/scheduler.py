@@ -591,5 +591,17 @@ class Scheduler:
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks,
         )
+        if self.max_loras:
+            stats.running_lora_adapters = _count_adapters(self.running)
+            stats.waiting_lora_adapters = _count_adapters(self.waiting)
         self._num_preemptions = self._num_constraint_failures = 0
         return stats
+
+
+def _count_adapters(requests: Iterable[Request]) -> dict[str, int]:
+    """LoRA adapter name -> how many of ``requests`` use it."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_request is not None:
+            counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+    return counts
