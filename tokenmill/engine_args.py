@@ -346,9 +346,13 @@ class EngineArgs:
             )  # fmt: skip
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if config is not None and (model_config.is_pooling_model or model_config.quantization):
+        if config is not None and model_config.is_pooling_model:
+            raise ConfigError("--enable-lora: LoRA adapters apply to generative models only")
+        if config is not None and model_config.quantization:
+            hint = " (a GGUF file: add --gguf-dequantize)" if model_config.is_gguf else ""
             raise ConfigError(
-                "--enable-lora: LoRA adapters apply to unquantized generative models only"
+                f"--enable-lora: LoRA adapters apply to unquantized models only, and this "
+                f"one is {model_config.quantization}{hint}"
             )
         return config
 

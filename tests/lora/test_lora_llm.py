@@ -10,6 +10,7 @@ from tests.lora.conftest import ADAPTERS
 from tokenmill import SamplingParams
 from tokenmill.lora.request import LoRARequest
 
+pytestmark = pytest.mark.slow
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -93,3 +94,28 @@ def test_unknown_adapter_folder_is_refused(llm, tmp_path):
         llm.generate("hi", SamplingParams(max_tokens=1), use_tqdm=False,
                      lora_request=LoRARequest("nope", 99, str(tmp_path)))
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_unloading_an_adapter_in_use_waits_for_its_requests(llm, lora_requests, peft_model):
+    """``remove_lora`` while a request runs with the adapter: the request finishes with it
+    (its tokens as peft's), and the adapter is dropped after the request's last step."""
+    from tokenmill.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    lora = lora_requests["mlp"]
+    manager = engine.engine_core.executor.worker.model_runner.lora
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+    engine.add_request("unload-in-use", PROMPTS[0], params, lora_request=lora)
+    outputs = engine.step()
+    engine.engine_core.remove_lora(lora.lora_int_id)
+    assert lora.lora_int_id in manager.known  # still in use
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (final,) = [o for o in outputs if o.finished]
+    tokens, _ = _reference(peft_model, llm.get_tokenizer(), PROMPTS[0], "mlp")
+    assert final.outputs[0].token_ids == tokens
+    assert lora.lora_int_id not in manager.known and lora.lora_int_id not in manager.slot_of
+    # Named again, the adapter is read from its folder again.
+    again = llm.generate(PROMPTS[0], params, use_tqdm=False, lora_request=lora)
+    assert again[0].outputs[0].token_ids == tokens

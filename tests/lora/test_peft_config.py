@@ -81,5 +81,5 @@ def test_flag_checks():
 
 
 def test_lora_on_a_quantized_model_is_refused(smollm2_gguf_path):
-    with pytest.raises(ConfigError, match="unquantized"):
+    with pytest.raises(ConfigError, match="unquantized.*--gguf-dequantize"):
         EngineArgs(model=smollm2_gguf_path, device="cpu", enable_lora=True).create_engine_config()
