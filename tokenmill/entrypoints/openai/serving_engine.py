@@ -339,9 +339,9 @@ class OpenAIServing:
             raise OpenAIError(SHUTTING_DOWN, HTTPStatus.SERVICE_UNAVAILABLE)
         engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids, "prompt": prompt}
         lora = self.models.lora_request(model) if self.models is not None else None
-        stream = self.engine.generate(
-            engine_prompt, params, request_id, priority=priority, lora_request=lora
-        )
+        # NOTE: only with an adapter: engines without LoRA take no lora_request.
+        extra = {"lora_request": lora} if lora is not None else {}
+        stream = self.engine.generate(engine_prompt, params, request_id, priority=priority, **extra)
         return self._tracked(request_id, stream)
 
     async def _tracked(
