@@ -18,7 +18,18 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_float_dir, adapter_dirs):
+def references(peft_model, smollm2_tokenizer) -> dict[str | None, str]:
+    """peft's greedy text of ``PROMPT`` per adapter (None: the base model), computed before
+    the server starts so that the two do not compete for the CPU."""
+    texts = {}
+    for adapter in ("qv", "all", "mlp", None):
+        tokens, _ = _reference(peft_model, smollm2_tokenizer, PROMPT, adapter)
+        texts[adapter] = smollm2_tokenizer.decode(tokens, skip_special_tokens=True)
+    return texts
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_float_dir, adapter_dirs, references):
     args = [
         smollm2_float_dir, "--served-model-name", "smol", "--dtype", "float32",
         "--max-model-len", "512", "--kv-cache-memory", "64MiB",
@@ -52,11 +63,12 @@ def test_models_lists_adapters_with_parent(server, adapter_dirs):
     assert cards["smol"]["parent"] is None
 
 
-def test_model_routes_to_the_adapter(server, peft_model, smollm2_tokenizer):
+def test_model_routes_to_the_adapter(server, references):
     for model, adapter in [("qv", "qv"), ("all", "all"), ("smol", None)]:
-        tokens, _ = _reference(peft_model, smollm2_tokenizer, PROMPT, adapter)
-        want = smollm2_tokenizer.decode(tokens, skip_special_tokens=True)
-        assert _complete(server, model) == want, model
+        assert _complete(server, model) == references[adapter], model
+    chat = {"model": "qv", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = server.post("/v1/chat/completions", chat)
+    assert r.status_code == 200 and r.json()["model"] == "qv", r.text
     r = server.post("/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 1})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
@@ -79,13 +91,11 @@ def test_one_slot_two_adapters_in_flight_all_complete(server):
     assert info and "max_lora=1" in info[0]
 
 
-def test_load_and_unload_at_run_time(server, adapter_dirs, peft_model, smollm2_tokenizer,
-                                     tmp_path):
+def test_load_and_unload_at_run_time(server, adapter_dirs, references, tmp_path):
     load = {"lora_name": "mlp", "lora_path": adapter_dirs["mlp"]}
     r = server.post("/v1/load_lora_adapter", load)
     assert r.status_code == 200, r.text
-    tokens, _ = _reference(peft_model, smollm2_tokenizer, PROMPT, "mlp")
-    assert _complete(server, "mlp") == smollm2_tokenizer.decode(tokens, skip_special_tokens=True)
+    assert _complete(server, "mlp") == references["mlp"]
     # vLLM's error cases: already loaded, bad folder, rank above the limit: 400.
     assert server.post("/v1/load_lora_adapter", load).status_code == 400
     bad = server.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)})
@@ -98,6 +108,8 @@ def test_load_and_unload_at_run_time(server, adapter_dirs, peft_model, smollm2_t
     r = server.post("/v1/load_lora_adapter", {"lora_name": "big", "lora_path": str(big)})
     assert r.status_code == 400 and "max_lora_rank" in r.json()["error"]["message"]
     assert server.post("/v1/load_lora_adapter", {"lora_name": "y"}).status_code == 400
+    base = {"lora_name": "smol", "lora_path": adapter_dirs["qv"]}
+    assert server.post("/v1/load_lora_adapter", base).status_code == 400
     # Unloading: unknown -> 404; then the name is gone.
     assert server.post("/v1/unload_lora_adapter", {"lora_name": "zzz"}).status_code == 404
     assert server.post("/v1/unload_lora_adapter", {"lora_name": "mlp"}).status_code == 200

@@ -3,11 +3,11 @@
 run time: ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, served only when
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is true, as in vLLM.
 
-Errors follow vLLM's: a name or path missing, an adapter name already loaded, or a folder
-that cannot be served (no such folder, a rank above ``--max-lora-rank``, DoRA, ...) is a
-400; unloading an unknown adapter a 404. Unloading an adapter stops new requests from naming
-it at once; the requests already using it finish with it, and the engine frees it after the
-last one.
+Errors follow vLLM's: a name or path missing, an adapter name already loaded (or the base
+model's name), or a folder that cannot be served (no such folder, a rank above
+``--max-lora-rank``, DoRA, ...) is a 400; unloading an unknown adapter a 404. Unloading an
+adapter stops new requests from naming it at once; the requests already using it finish
+with it, and the engine frees it after the last one.
 """
 
 from __future__ import annotations
@@ -108,6 +108,8 @@ class ServingModels:
             raise bad_request("Both 'lora_name' and 'lora_path' must be provided.")
         if self.lora_config is None:
             raise bad_request("LoRA is not enabled: start the server with --enable-lora.")
+        if name in self.model_config.served_model_names:
+            raise bad_request(f"'{name}' is the base model's name.", code="InvalidUserInput")
         async with self._lock:
             if name in self.adapters and not request.load_inplace:
                 raise bad_request(
