@@ -29,6 +29,7 @@ from tokenmill.config import (
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
 from tokenmill.lora.config import LoRAConfig, create_lora_config
+from tokenmill.lora.peft import read_peft_config
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
 
 logger = logging.getLogger(__name__)
@@ -354,6 +355,11 @@ class EngineArgs:
                 f"--enable-lora: LoRA adapters apply to unquantized models only, and this "
                 f"one is {model_config.quantization}{hint}"
             )
+        for module in config.lora_modules if config is not None else []:
+            try:  # before the model loads: a wrong folder fails at once
+                read_peft_config(module.path, config.max_lora_rank)
+            except ValueError as e:
+                raise ConfigError(f"--lora-modules {module.name}={module.path}: {e}") from None
         return config
 
     def _check_flags(self) -> int | None:

@@ -83,3 +83,10 @@ def test_flag_checks():
 def test_lora_on_a_quantized_model_is_refused(smollm2_gguf_path):
     with pytest.raises(ConfigError, match="unquantized.*--gguf-dequantize"):
         EngineArgs(model=smollm2_gguf_path, device="cpu", enable_lora=True).create_engine_config()
+
+
+def test_a_wrong_lora_modules_folder_fails_before_the_model_loads(smollm2_gguf_path, tmp_path):
+    args = EngineArgs(model=smollm2_gguf_path, device="cpu", gguf_dequantize=True,
+                      enable_lora=True, lora_modules=[f"bad={tmp_path}"])  # fmt: skip
+    with pytest.raises(ConfigError, match="--lora-modules bad=.*adapter_config.json"):
+        args.create_engine_config()
