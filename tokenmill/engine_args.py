@@ -28,8 +28,7 @@ from tokenmill.config import (
     SchedulerConfig,
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
-from tokenmill.lora.config import LoRAConfig, create_lora_config
-from tokenmill.lora.peft import read_peft_config
+from tokenmill.lora.config import LoRAConfig, check_lora_model, create_lora_config
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
 
 logger = logging.getLogger(__name__)
@@ -338,28 +337,19 @@ class EngineArgs:
         """``--enable-lora`` and its flags (``tokenmill.lora.config``), checked.
 
         Raises:
-            ConfigError: an invalid LoRA flag, or LoRA on a model it does not apply to.
+            ConfigError: an invalid LoRA flag or ``--lora-modules`` folder, or LoRA on a
+                model it does not apply to.
         """
         try:
             config = create_lora_config(
                 self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank,
                 self.max_cpu_loras, self.lora_dtype, self.fully_sharded_loras,
             )  # fmt: skip
+            if config is not None:
+                check_lora_model(config, model_config.is_pooling_model,
+                                 model_config.quantization, model_config.is_gguf)  # fmt: skip
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if config is not None and model_config.is_pooling_model:
-            raise ConfigError("--enable-lora: LoRA adapters apply to generative models only")
-        if config is not None and model_config.quantization:
-            hint = " (a GGUF file: add --gguf-dequantize)" if model_config.is_gguf else ""
-            raise ConfigError(
-                f"--enable-lora: LoRA adapters apply to unquantized models only, and this "
-                f"one is {model_config.quantization}{hint}"
-            )
-        for module in config.lora_modules if config is not None else []:
-            try:  # before the model loads: a wrong folder fails at once
-                read_peft_config(module.path, config.max_lora_rank)
-            except ValueError as e:
-                raise ConfigError(f"--lora-modules {module.name}={module.path}: {e}") from None
         return config
 
     def _check_flags(self) -> int | None:

@@ -48,3 +48,12 @@ class LoRASlots:
         """``request`` was admitted: its adapter holds a slot."""
         if request.lora_int_id:
             self.in_use.add(request.lora_int_id)
+
+
+def count_adapters(requests: Iterable[Request]) -> dict[str, int]:
+    """LoRA adapter name -> how many of ``requests`` use it (the scheduler's stats)."""
+    counts: dict[str, int] = {}
+    for r in requests:
+        if r.lora_request is not None:
+            counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
+    return counts

@@ -27,7 +27,7 @@ from tokenmill.core.engine_io import (
     SchedulerStats,
 )
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.lora_slots import LoRASlots
+from tokenmill.core.lora_slots import LoRASlots, count_adapters
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.prefill_pacing import PrefillPacing
 from tokenmill.core.request import Request, RequestStatus
@@ -592,16 +592,8 @@ class Scheduler:
             num_total_blocks=kv.num_blocks,
         )
         if self.max_loras:
-            stats.running_lora_adapters = _count_adapters(self.running)
-            stats.waiting_lora_adapters = _count_adapters(self.waiting)
+            stats.running_lora_adapters = count_adapters(self.running)
+            stats.waiting_lora_adapters = count_adapters(self.waiting)
         self._num_preemptions = self._num_constraint_failures = 0
         return stats
 
-
-def _count_adapters(requests: Iterable[Request]) -> dict[str, int]:
-    """LoRA adapter name -> how many of ``requests`` use it."""
-    counts: dict[str, int] = {}
-    for r in requests:
-        if r.lora_request is not None:
-            counts[r.lora_request.lora_name] = counts.get(r.lora_request.lora_name, 0) + 1
-    return counts

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from tokenmill.lora.peft import read_peft_config
 from tokenmill.lora.request import LoRARequest
 
 # The ranks a slot may hold, as vLLM allows them.
@@ -123,6 +124,31 @@ def create_lora_config(
     if len(set(names)) != len(names):
         raise ValueError(f"--lora-modules: adapter names repeat: {names}")
     return LoRAConfig(max_loras, max_lora_rank, cpu, lora_dtype, modules)
+
+
+def check_lora_model(
+    config: LoRAConfig, is_pooling_model: bool, quantization: str | None, is_gguf: bool
+) -> None:
+    """Check that LoRA applies to the model and that every ``--lora-modules`` folder can be
+    served (read before the model loads, so that a wrong folder fails at once).
+
+    Raises:
+        ValueError: an embedding model, quantized weights, or an adapter folder that cannot
+            be served (``read_peft_config``'s reasons, prefixed with the flag's entry).
+    """
+    if is_pooling_model:
+        raise ValueError("--enable-lora: LoRA adapters apply to generative models only")
+    if quantization:
+        hint = " (a GGUF file: add --gguf-dequantize)" if is_gguf else ""
+        raise ValueError(
+            f"--enable-lora: LoRA adapters apply to unquantized models only, and this one "
+            f"is {quantization}{hint}"
+        )
+    for module in config.lora_modules:
+        try:
+            read_peft_config(module.path, config.max_lora_rank)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {e}") from None
 
 
 def startup_lora_requests(config: LoRAConfig | None) -> list[LoRARequest]:
