@@ -34,6 +34,7 @@ CASES = [
     (40, 96, 80, 4, 24, True),
     (13, 64, 48, 3, 16, False),
     (70, 40, 130, 5, 8, True),
+    (20, 32, 40, 3, 200, False),  # stacked rank above one 64-rank tile
 ]
 
 

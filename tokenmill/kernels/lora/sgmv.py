@@ -78,7 +78,6 @@ if HAS_TRITON:
     ):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ranks = tl.arange(0, BLOCK_R)
         row_ok = rows < T
         slots = tl.load(slot_ptr + rows, mask=row_ok, other=0)
         lo = tl.min(tl.where(slots > 0, slots, 2147483647))
@@ -89,18 +88,20 @@ if HAS_TRITON:
             for s in range(lo, hi + 1):
                 mine = slots == s
                 if tl.sum(mine.to(tl.int32)) > 0:
-                    tt = tl.load(
-                        t_ptr + rows64[:, None] * st + ranks[None, :],
-                        mask=mine[:, None] & (ranks[None, :] < R), other=0.0,
-                    )
-                    bt = tl.load(
-                        b_ptr + s * sb0 + ranks[:, None] * sb1 + cols[None, :],
-                        mask=(ranks[:, None] < R) & (cols[None, :] < N), other=0.0,
-                    )
-                    if IEEE:
-                        acc += tl.dot(tt, bt.to(tl.float32), input_precision="ieee")
-                    else:
-                        acc += tl.dot(tt.to(bt.dtype), bt)
+                    for r0 in range(0, R, BLOCK_R):
+                        ranks = r0 + tl.arange(0, BLOCK_R)
+                        tt = tl.load(
+                            t_ptr + rows64[:, None] * st + ranks[None, :],
+                            mask=mine[:, None] & (ranks[None, :] < R), other=0.0,
+                        )
+                        bt = tl.load(
+                            b_ptr + s * sb0 + ranks[:, None] * sb1 + cols[None, :],
+                            mask=(ranks[:, None] < R) & (cols[None, :] < N), other=0.0,
+                        )
+                        if IEEE:
+                            acc += tl.dot(tt, bt.to(tl.float32), input_precision="ieee")
+                        else:
+                            acc += tl.dot(tt.to(bt.dtype), bt)
             has = (slots > 0) & row_ok
             ptrs = y_ptr + rows64[:, None] * sy + cols[None, :]
             mask = has[:, None] & (cols[None, :] < N)
@@ -131,7 +132,9 @@ def lora_triton(
         return
     ieee = x.dtype == torch.float32
     block_m = _block_m(num_rows)
-    block_r = max(16, triton.next_power_of_2(rank))
+    # Rank tiles of at most 64: a slot's stacked rank reaches parts x max_lora_rank (1,536
+    # for q/k/v at rank 512), which one tile could not hold in registers or shared memory.
+    block_r = min(64, max(16, triton.next_power_of_2(rank)))
     t = torch.empty(num_rows, rank, dtype=torch.float32, device=x.device)
     _shrink_kernel[(cdiv(num_rows, block_m), cdiv(rank, block_r))](
         x, a, slots, t, num_rows, k, rank, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
