@@ -69,6 +69,8 @@ def test_model_routes_to_the_adapter(server, references):
     chat = {"model": "qv", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     r = server.post("/v1/chat/completions", chat)
     assert r.status_code == 200 and r.json()["model"] == "qv", r.text
+    r = server.post("/v1/messages", {**chat, "model": "all"})
+    assert r.status_code == 200 and r.json()["model"] == "all", r.text
     r = server.post("/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 1})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
