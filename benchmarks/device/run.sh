@@ -225,7 +225,7 @@ serve_lora() {
   say "STAGE ${label}_server ready after ${ready}s"
   grep -aE "KV cache|CUDA graphs|LoRA|ready in|Memory:|Error|Traceback" "$LOGS/${label}_server.log" | head -8 | sed 's/^/  | /' | tee -a "$SUM"
   local L=(); [ "$lora" = 1 ] && L=(--lora-modules "${LORA_NAMES[@]}")
-  stage "$label" 300 vllm bench serve --backend vllm --model "$M8" --port 8000 "${SERVE_ARGS[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts "${LORA_PROMPTS:-400}" --max-concurrency 64 "${L[@]}" --result-filename "$label.json"
+  stage "$label" 300 vllm bench serve --backend vllm --model "$M8" --port 8000 "${SERVE_ARGS[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts "${LORA_PROMPTS:-400}" --max-concurrency 64 ${L[@]+"${L[@]}"} --result-filename "$label.json"
   addjson "$label" "$LOGS/$label.json"
   [ "$eng" = tm ] && curl -s http://127.0.0.1:8000/metrics | grep -a "lora_requests_info" | head -2 | sed 's/^/  | /' | tee -a "$SUM"
   stop_server $pid
