@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
 
 from tokenmill.hf_config import HFConfig
+from tokenmill.lora.config import LoRAConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
@@ -353,3 +354,5 @@ class EngineConfig:
     disable_log_stats: bool = False
     # --max-model-len -1: the worker shrinks max_model_len to what the KV cache holds.
     max_model_len_auto: bool = False
+    # --enable-lora: adapter slots and the adapters served from start-up; None: off.
+    lora_config: LoRAConfig | None = None

@@ -29,6 +29,7 @@ from tokenmill.config import (
     UnsupportedQuantizationError,
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
+from tokenmill.lora.config import LoRAConfig, check_lora_model, create_lora_config
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
 from tokenmill.spec_decode.config import parse_speculative_json, resolve_speculative_config
 
@@ -275,6 +276,26 @@ class EngineArgs:
         "Accepted for compatibility: tokenmill never runs code from a model folder.",
         default=False,
     )
+    enable_lora: bool = _flag("Serve LoRA adapters (PEFT folders) on the model.", default=False)
+    lora_modules: list[str] | None = _flag(
+        "Adapters served from start-up: name=path, or a JSON object "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'.',
+        nargs="+",
+    )
+    max_loras: int = _flag("Adapter slots on the device: distinct adapters per step.", default=1)
+    max_lora_rank: int = _flag("Largest adapter rank (the slots' rank).", default=16)
+    max_cpu_loras: int | None = _flag(
+        "Adapters kept loaded in host memory, least recently used evicted (default: "
+        "--max-loras)."
+    )
+    lora_dtype: str = _flag(
+        "Dtype of the adapter slots (auto: the model's).",
+        default="auto",
+        choices=["auto", "float16", "bfloat16", "float32"],
+    )
+    fully_sharded_loras: bool = _flag(
+        "Shard adapters across tensor-parallel ranks (not supported: refused).", default=False
+    )
 
     # ---- CLI -------------------------------------------------------------------------
 
@@ -307,6 +328,8 @@ class EngineArgs:
         kv_bytes = self._check_flags()
         kernel_config = KernelConfig.parse(self.kernel_config)
         speculative_fields = parse_speculative_json(self.speculative_config)
+        if speculative_fields is not None and self.enable_lora:
+            raise ConfigError("--speculative-config does not combine with --enable-lora yet")
         device = self._resolve_device()
         model_config = self._create_model_config(device)
         speculative_config = None
@@ -341,7 +364,27 @@ class EngineArgs:
             disable_cascade_attn=self.disable_cascade_attn,
             disable_log_stats=self.disable_log_stats,
             max_model_len_auto=self.max_model_len == -1,
+            lora_config=self._create_lora_config(model_config),
         )
+
+    def _create_lora_config(self, model_config: ModelConfig) -> LoRAConfig | None:
+        """``--enable-lora`` and its flags (``tokenmill.lora.config``), checked.
+
+        Raises:
+            ConfigError: an invalid LoRA flag or ``--lora-modules`` folder, or LoRA on a
+                model it does not apply to.
+        """
+        try:
+            config = create_lora_config(
+                self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank,
+                self.max_cpu_loras, self.lora_dtype, self.fully_sharded_loras,
+            )  # fmt: skip
+            if config is not None:
+                check_lora_model(config, model_config.is_pooling_model,
+                                 model_config.quantization, model_config.is_gguf)  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return config
 
     def _check_flags(self) -> int | None:
         """The checks that need no model (before its config is read, which takes seconds

@@ -30,6 +30,9 @@ prefix and a ``model_name`` label, mirroring vLLM's ``vllm:`` metrics so dashboa
 - with speculative decoding, ``tokenmill:spec_decode_num_drafts_total``,
   ``..._num_draft_tokens_total``, ``..._num_accepted_tokens_total`` and
   ``..._num_accepted_tokens_per_pos_total{position}`` (``tokenmill.spec_decode.metrics``)
+- ``tokenmill:lora_requests_info`` (gauge, with ``--enable-lora``): the time of the last
+  update, labelled ``max_lora`` and the adapters of the running and the waiting requests
+  (``running_lora_adapters``, ``waiting_lora_adapters``: comma-separated names), as vLLM's
 
 ``--metrics-compat vllm`` exports each of these under vLLM's ``vllm:`` name as well
 (``VllmNamesCollector``), so dashboards, alerts and autoscalers written for vLLM read them.
@@ -169,6 +172,7 @@ class PrometheusStatLogger:
         registry: CollectorRegistry,
         cache_config: CacheConfig | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.registry = registry
         self.engine_registry = engine_registry = CollectorRegistry()
@@ -237,6 +241,9 @@ class PrometheusStatLogger:
             self.spec_decoding = SpecDecodingProm(
                 speculative_config.num_speculative_tokens, PREFIX, labels, engine_registry
             )
+        self.lora_info = LoRARequestsInfo(max_loras) if max_loras else None
+        if self.lora_info is not None:
+            engine_registry.register(self.lora_info)
 
     def _init_request_histograms(self, histogram: Callable[..., Histogram]) -> None:
         """The per-request and per-step histograms vLLM exports beside the latencies."""
@@ -299,6 +306,8 @@ class PrometheusStatLogger:
             spec = scheduler_stats.spec_decoding_stats
             if spec is not None and self.spec_decoding is not None:
                 self.spec_decoding.observe(spec)
+            if self.lora_info is not None:
+                self.lora_info.update(scheduler_stats)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
@@ -358,6 +367,31 @@ class CacheConfigInfo:
             PREFIX + "cache_config_info", "The KV cache's configuration.", labels=list(labels)
         )
         family.add_metric(list(labels.values()), 1.0)
+        yield family
+
+
+class LoRARequestsInfo:
+    """``tokenmill:lora_requests_info`` (vLLM's ``lora_requests_info``): the time of the last
+    update (seconds since the epoch), labelled with ``max_lora`` and the comma-separated names
+    of the adapters the running and the waiting requests use."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.running = self.waiting = ""
+        self.updated = time.time()
+
+    def update(self, stats: SchedulerStats) -> None:
+        self.running = ",".join(sorted(stats.running_lora_adapters))
+        self.waiting = ",".join(sorted(stats.waiting_lora_adapters))
+        self.updated = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            PREFIX + "lora_requests_info",
+            "Running and waiting LoRA adapters (value: the time of the last update).",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        family.add_metric([str(self.max_loras), self.waiting, self.running], self.updated)
         yield family
 
 

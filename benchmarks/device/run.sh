@@ -87,6 +87,13 @@
 #              and the host before it do (step_timeline.py)
 #   ncu_lat1   Nsight Compute sections of consecutive norm, product and decode-attention kernels
 #              of a batch-1 decode (batch1_generate.py; each kernel replayed alone, so no overlap)
+#   gputests_lora  the batched LoRA kernels on CUDA against the per-row reference, in CUDA
+#              graphs, and LoRA generation against merged weights (tests/gpu/test_lora_gpu.py)
+#   lora_serve tokenmill serve M8 without LoRA, then with 8 rank-16 adapters (--max-loras 8),
+#              each under vLLM's client, random 1024/256 c=64 (LORA_PROMPTS, default 400);
+#              with LoRA every request names one of the 8 adapters at random
+#   vllm_lora_serve  vLLM serving the same 8 adapters under the same load; run
+#              "lora_serve vllm_lora_serve" in one call to compare on one GPU
 #   first_token  cProfile of a one-token generate (32-token prompt): the host's share of a
 #              request's first step (first_token_profile.py)
 #   spec_prepare  the real SmolLM2 as a bf16 folder, the rewrite load and a 1B-shaped dummy
@@ -224,6 +231,30 @@ serve_diag() {
   done
   stop_server $pid
 }
+# serve_lora LABEL ENGINE(tm|vllm) LORA(0|1) [server args...]: one server under vLLM's client,
+# random 1024/256 c=64; LORA=1: each request names one of the adapters in LORA_NAMES.
+serve_lora() {
+  local label=$1 eng=$2 lora=$3; shift 3
+  local need=120; [ "$eng" = vllm ] && need=260
+  if [ "$(left)" -lt "$need" ]; then say "STAGE ${label} skipped ($(left)s left, needs ${need}s)"; return 99; fi
+  if [ "$eng" = vllm ]; then setsid vllm serve "$M8" --load-format dummy --port 8000 "$@" > "$LOGS/${label}_server.log" 2>&1 &
+  else TOKENMILL_LOG_STEP_STATS=1 setsid "${TM[@]}" serve "$M8" --load-format dummy --port 8000 --disable-log-requests --served-model-name "$M8" "$@" > "$LOGS/${label}_server.log" 2>&1 &
+  fi
+  local pid=$!
+  local ready; ready=$(wait_health $pid)
+  say "STAGE ${label}_server ready after ${ready}s"
+  grep -aE "KV cache|CUDA graphs|LoRA|ready in|Memory:|Error|Traceback" "$LOGS/${label}_server.log" | head -8 | sed 's/^/  | /' | tee -a "$SUM"
+  local L=(); [ "$lora" = 1 ] && L=(--lora-modules "${LORA_NAMES[@]}")
+  stage "$label" 300 vllm bench serve --backend vllm --model "$M8" --port 8000 "${SERVE_ARGS[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts "${LORA_PROMPTS:-400}" --max-concurrency 64 ${L[@]+"${L[@]}"} --result-filename "$label.json"
+  addjson "$label" "$LOGS/$label.json"
+  [ "$eng" = tm ] && curl -s http://127.0.0.1:8000/metrics | grep -a "lora_requests_info" | head -2 | sed 's/^/  | /' | tee -a "$SUM"
+  stop_server $pid
+}
+lora_adapters() {  # sets LORA_MODULES (name=path ...) and LORA_NAMES: 8 rank-16 adapters for M8
+  read -ra LORA_MODULES <<< "$(python3 benchmarks/device/make_lora_adapters.py "$M8" /tmp/tm_lora --num 8 --rank 16)"
+  LORA_NAMES=("${LORA_MODULES[@]%%=*}")
+}
+LORA_ARGS=(--enable-lora --max-loras 8 --max-lora-rank 16)
 TPA=(--load-format dummy --dataset-name random)
 run_stage() {  # run_stage NAME: one stage of the list below
   local st=$1
@@ -344,6 +375,14 @@ run_stage() {  # run_stage NAME: one stage of the list below
     diag_nocascade) serve_diag nocascade --disable-cascade-attn ;;
     gputests_so) PYTHONPATH="$XGP" stage gputests_so 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "structured or mixed_step_graphs" -p no:cacheprovider --timeout 120 ;;
     vllm_serve) serve_pair vllm ;;
+    gputests_lora) stage gputests_lora 300 python3 -m pytest -q tests/gpu/test_lora_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
+    lora_serve)
+      lora_adapters
+      serve_lora tm_nolora_serve tm 0
+      serve_lora tm_lora_serve tm 1 "${LORA_ARGS[@]}" --lora-modules "${LORA_MODULES[@]}" ;;
+    vllm_lora_serve)
+      lora_adapters
+      serve_lora vllm_lora_serve vllm 1 "${LORA_ARGS[@]}" --lora-modules "${LORA_MODULES[@]}" ;;
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;
     vllm_tp_short) stage vllm_tp_short 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/vllm_tp_short.json"; addjson vllm_tp_short "$LOGS/vllm_tp_short.json" ;;
     vllm_tp_small) stage vllm_tp_small 300 vllm bench throughput --model "$M135" "${TPA[@]}" --random-input-len 256 --random-output-len 256 --num-prompts 2000 --output-json "$LOGS/vllm_tp_small.json"; addjson vllm_tp_small "$LOGS/vllm_tp_small.json" ;;

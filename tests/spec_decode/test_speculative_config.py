@@ -102,6 +102,12 @@ def test_speculation_plans_each_step_after_the_last(tiny_model_dir):
         _config(tiny_model_dir, spec, async_scheduling=True)
 
 
+def test_lora_adapters_are_refused_beside_speculation(tiny_model_dir):
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match="does not combine with --enable-lora"):
+        _config(tiny_model_dir, spec, enable_lora=True)
+
+
 @pytest.mark.slow
 def test_a_draft_keeps_its_checkpoints_quantization(smollm2_gguf_path):
     spec = {"model": smollm2_gguf_path, "num_speculative_tokens": 2}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 from dataclasses import asdict
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -82,6 +83,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         default=None,
         help="Model name sent in requests, when it differs from --model.",
+    )
+    server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="LoRA adapter names the server serves: each request names one of them as its "
+        "model, chosen at random (seeded by --seed), as vLLM's client does.",
     )
     server.add_argument(
         "--tokenizer",
@@ -268,6 +276,15 @@ def served_max_model_len(models: list[dict[str, Any]] | None, name: str) -> int 
     return None
 
 
+def lora_models(names: list[str] | None, num: int, seed: int) -> tuple[str, ...]:
+    """The ``model`` of each of ``num`` requests under ``--lora-modules``: one of ``names``
+    at random, seeded (empty without the flag: every request names the model)."""
+    if not names:
+        return ()
+    rng = random.Random(seed)
+    return tuple(rng.choice(names) for _ in range(num))
+
+
 def default_label(args: argparse.Namespace, models: list[dict[str, Any]] | None) -> str:
     """``--label``, else who the server says owns its model (tokenmill, vllm, llamacpp...),
     else ``--backend``: result files of two servers then carry different labels."""
@@ -355,6 +372,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         model_name=model_name,
         sampling=_sampling_fields(args),
         headers=auth_headers(),
+        request_models=lora_models(args.lora_modules, len(samples), args.seed),
     )
     print(
         f"Benchmarking {config.api_url} ({config.model_name}): {len(samples)} requests, "

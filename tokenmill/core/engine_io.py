@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -36,6 +37,7 @@ class EngineCoreRequest:
         priority: lower runs earlier under ``--scheduling-policy priority``.
         cache_salt: mixed into the first block's hash, so that only requests with the
             same salt share prefix-cache blocks.
+        lora_request: the LoRA adapter to run with (``--enable-lora``), or None.
     """
 
     request_id: str
@@ -44,6 +46,7 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -177,6 +180,9 @@ class SchedulerStats:
     num_total_blocks: int = 0
     # speculative decoding's counters (None without speculative decoding)
     spec_decoding_stats: SpecDecodingStats | None = None
+    # LoRA adapter name -> requests using it, running and waiting (only with --enable-lora)
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -93,13 +93,25 @@ def hash_block_tokens(
     return hasher.digest()
 
 
+def _first_block_keys(request: Request) -> tuple | None:
+    """The first block's extra keys: the cache salt and the LoRA adapter id, when set."""
+    keys: tuple = ()
+    if request.cache_salt:
+        keys += (request.cache_salt,)
+    lora_id = getattr(request, "lora_int_id", 0)
+    if lora_id:
+        keys += (("lora", lora_id),)
+    return keys or None
+
+
 def update_block_hashes(request: Request, block_size: int) -> None:
     """Append to ``request.block_hashes`` the hashes of its full blocks not hashed yet.
 
     Full blocks are taken over ``request.all_token_ids`` (prompt and output), so the
     cost is O(new full blocks). The first block's extra keys hold ``request.cache_salt``
-    when it is set, which separates the prefix caches of different salts entirely (every
-    later block chains from the first).
+    when it is set and the request's LoRA adapter id when it has one, which separates the
+    prefix caches of different salts and adapters entirely (every later block chains from
+    the first): two adapters never share KV.
 
     Args:
         request: the request; its ``block_hashes`` grows in place.
@@ -112,7 +124,7 @@ def update_block_hashes(request: Request, block_size: int) -> None:
     token_ids = request.all_token_ids
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full_blocks):
-        extra_keys = (request.cache_salt,) if i == 0 and request.cache_salt else None
+        extra_keys = _first_block_keys(request) if i == 0 else None
         start = i * block_size
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
         hashes.append(parent)

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from tokenmill.core.engine_io import EngineCoreRequest, FinishReason
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -64,6 +65,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         max_model_len: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -71,6 +73,9 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        # 0: the base model; prefix-cache blocks and adapter slots are keyed by it.
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -110,6 +115,7 @@ class Request:
             priority=req.priority,
             cache_salt=req.cache_salt,
             max_model_len=max_model_len,
+            lora_request=req.lora_request,
         )
 
     @property

@@ -27,6 +27,7 @@ from tokenmill.core.engine_io import (
     SchedulerStats,
 )
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.lora_slots import LoRASlots, count_adapters
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.prefill_pacing import PrefillPacing
 from tokenmill.core.request import Request, RequestStatus
@@ -52,6 +53,8 @@ class Scheduler:
         num_blocks: KV blocks available (as sized by the worker).
         log_stats: count prefix-cache hits and attach ``SchedulerStats`` to each output.
         speculative_config: speculative decoding (``core/speculation.py``), or None.
+        max_loras: LoRA adapter slots: the most distinct adapters among the running
+            requests (0: LoRA off).
 
     Attributes:
         requests: every live (waiting or running) request, by id.
@@ -75,7 +78,9 @@ class Scheduler:
         num_blocks: int,
         log_stats: bool = True,
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int = 0,
     ) -> None:
+        self.max_loras = max_loras
         self._init_config(scheduler_config, cache_config, log_stats)
         self._init_queues()
         self.speculation = Speculation.create(speculative_config)
@@ -356,8 +361,12 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
         reserved: int | None = None  # headroom for the running requests, once computed
+        lora_slots = LoRASlots(self.running, self.max_loras) if self.max_loras else None
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
+            if lora_slots is not None and not lora_slots.admits(request):
+                lora_slots.skip(self.waiting.pop_request())
+                continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             budget = plan.budget_for(request)
             num_new = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
@@ -381,9 +390,14 @@ class Scheduler:
             self.waiting.pop_request()
             self._admit(request, num_hit_tokens)
             plan.add_new(request, num_new)
+            if lora_slots is not None:
+                lora_slots.take(request)
             if reserved is not None:
                 assert self.headroom is not None
                 reserved += self.headroom.growth_blocks(request, num_new)
+        if lora_slots is not None:
+            for request in reversed(lora_slots.skipped):
+                self.waiting.prepend_request(request)
 
     def _admit(self, request: Request, num_hit_tokens: int) -> None:
         self.running.append(request)
@@ -422,6 +436,7 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
+                lora_request=r.lora_request,
             )
             for r in plan.new_reqs
         ]
@@ -597,5 +612,9 @@ class Scheduler:
             num_total_blocks=kv.num_blocks,
             spec_decoding_stats=self.speculation.make_stats() if self.speculation else None,
         )
+        if self.max_loras:
+            stats.running_lora_adapters = count_adapters(self.running)
+            stats.waiting_lora_adapters = count_adapters(self.waiting)
         self._num_preemptions = self._num_constraint_failures = 0
         return stats
+

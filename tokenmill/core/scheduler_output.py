@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class NewRequestData:
         block_ids: the request's KV block ids, in order (one block per ``block_size``
             tokens of context).
         num_computed_tokens: tokens whose KV is already in those blocks (prefix-cache hits).
+        lora_request: the LoRA adapter the request runs with, or None.
     """
 
     req_id: str
@@ -39,6 +41,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from tokenmill.engine.output_processor import IterationStats, OutputProcessor
 from tokenmill.engine.request_collector import RequestOutputCollector
 from tokenmill.engine.stage_timings import FRONT_END_TIMINGS
 from tokenmill.engine_args import EngineArgs
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import get_tokenizer
@@ -315,6 +316,7 @@ class AsyncLLM:
         request_id: str,
         priority: int = 0,
         validate_max_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its outputs until it finishes.
 
@@ -334,6 +336,7 @@ class AsyncLLM:
             sampling_params,
             priority=priority,
             validate_max_tokens=validate_max_tokens,
+            lora_request=lora_request,
         )
         # Encode every engine request before registering any: one that cannot be sent
         # must not leave its siblings running in the engine unobserved.
@@ -378,6 +381,15 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._utility("reset_prefix_cache"))
+
+    async def add_lora(self, lora_request: LoRARequest) -> str | None:
+        """Load an adapter in the engine (checked against the model, kept in host memory);
+        returns None, or why it cannot be served."""
+        return await self._utility("add_lora", lora_request, timeout_s=300.0)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Drop an adapter once the requests using it have finished."""
+        await self._utility("remove_lora", lora_int_id)
 
     async def check_kv_integrity(self) -> bool:
         """Ask the core to verify its KV cache bookkeeping (raises there if broken)."""

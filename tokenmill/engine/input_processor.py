@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.core.engine_io import EngineCoreRequest
 from tokenmill.engine.parallel_sampling import child_request_id, make_child_params, needs_fan_out
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, SamplingParamsError
 from tokenmill.tokenizer import encode_prompt
 
@@ -115,6 +116,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         validate_max_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Tokenize and validate one request and build its EngineCoreRequests.
 
@@ -127,6 +129,7 @@ class InputProcessor:
             priority: scheduling priority (lower runs earlier).
             validate_max_tokens: reject prompt + max_tokens beyond the context (the API
                 server); when False, generation just stops at the context length (offline).
+            lora_request: the LoRA adapter to run with (None: the base model).
 
         Returns:
             The ProcessedRequest.
@@ -163,6 +166,7 @@ class InputProcessor:
                 arrival_time=arrival,
                 priority=priority,
                 cache_salt=cache_salt,
+                lora_request=lora_request,
             )
 
         if needs_fan_out(params):

@@ -16,6 +16,7 @@ from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import IterationStats, OutputProcessor
 from tokenmill.engine_args import EngineArgs, UsageContext
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import get_tokenizer
@@ -76,16 +77,21 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Validate, tokenize and queue a request.
 
         Raises:
             InvalidRequestError, SamplingParamsError: the request cannot be served.
+            ValueError: its LoRA adapter cannot be served.
         """
         # Offline, a request longer than the context simply stops there (as vLLM's LLM).
         processed = self.input_processor.process(
-            request_id, prompt, params, arrival_time, priority, validate_max_tokens=False
-        )
+            request_id, prompt, params, arrival_time, priority, validate_max_tokens=False,
+            lora_request=lora_request,
+        )  # fmt: skip
+        if lora_request is not None:
+            self.engine_core.add_lora(lora_request)  # refused before anything is queued
         self.output_processor.add_request(processed, processed.params)
         for req in processed.engine_requests:
             self.engine_core.add_request(req)

@@ -7,6 +7,7 @@ import abc
 from tokenmill.config import EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
+from tokenmill.lora.request import LoRARequest
 
 
 class Executor(abc.ABC):
@@ -38,6 +39,18 @@ class Executor(abc.ABC):
         """Launch a step without waiting for its tokens; the returned handle's ``get()``
         gives the ModelRunnerOutput (async scheduling)."""
         raise NotImplementedError(f"{type(self).__name__} does not run steps asynchronously")
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a LoRA adapter into every worker's host memory (a no-op when loaded).
+
+        Raises:
+            ValueError: LoRA is off, or the adapter cannot be served (the message says why).
+        """
+        raise ValueError(f"{type(self).__name__} does not serve LoRA adapters")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a LoRA adapter from every worker; False when it was not loaded."""
+        return False
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release workers and devices."""

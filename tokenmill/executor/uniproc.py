@@ -6,6 +6,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.executor.base import Executor
+from tokenmill.lora.request import LoRARequest
 from tokenmill.worker.worker import Worker
 
 
@@ -32,3 +33,9 @@ class UniProcExecutor(Executor):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput):
         return self.worker.execute_model_async(scheduler_output)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        self.worker.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.worker.remove_lora(lora_int_id)

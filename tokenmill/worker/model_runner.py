@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,6 +43,10 @@ from tokenmill.worker.spec_decode_step import SpecDecodeStep
 from tokenmill.worker.step_graphs import StepGraphs
 from tokenmill.worker.step_io import AsyncModelRunnerOutput, StepInputs, leading_ones
 from tokenmill.worker.step_staging import DeviceArena, StepStaging
+
+if TYPE_CHECKING:
+    from tokenmill.lora.manager import LoRAManager
+    from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +94,8 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(device.type)
         self.cascade_attn = self.attn_backend.supports_cascade and not config.disable_cascade_attn
         self.model: torch.nn.Module | None = None
+        # --enable-lora: the adapters' slots and host cache (``load_model``).
+        self.lora: LoRAManager | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         # The CUDA graphs (``plan_cuda_graphs``); None: every step runs eagerly.
@@ -120,6 +127,7 @@ class ModelRunner:
                 ((r,), i32),  # context lengths
                 ((r, self.max_blocks_per_req), i32),  # block table
                 ((2,), i32),  # whole-step graphs of mixed steps: the prompt requests
+                ((n,), i32),  # LoRA: the adapter slot of each token
             ],
             d,
         )
@@ -129,9 +137,10 @@ class ModelRunner:
         # A step stages its block-table rows straight from the InputBatch's table.
         self.block_table = _Buffer(bufs[5], host=False)
         self.prefill_range = _Buffer(bufs[6])
+        self.lora_slots = _Buffer(bufs[7])
         # The most a step stages: its token arrays, request arrays, block-table rows, the
         # sampling rows and up to eight per-row sampling arrays of 8 bytes.
-        capacity = 3 * n * 8 + (3 * r + 3) * 4 + r * self.max_blocks_per_req * 4 + 9 * r * 8
+        capacity = 3 * n * 8 + n * 4 + (3 * r + 3) * 4 + r * self.max_blocks_per_req * 4 + 9 * r * 8
         self.staging = StepStaging(capacity, arena, d)
         self.sampled_host = [
             torch.zeros(r, dtype=torch.int64, pin_memory=d.type == "cuda") for _ in range(2)
@@ -157,6 +166,25 @@ class ModelRunner:
             self.cascade_attn = False
         if self.spec_decode is not None:
             self.spec_decode.load_model(self.model)
+        if c.lora_config is not None:
+            from tokenmill.lora.manager import LoRAManager
+
+            lora_dtype = torch_dtype(c.lora_config.resolved_dtype(c.model_config.dtype))
+            self.lora = LoRAManager(self.model, c.lora_config, lora_dtype, self.lora_slots.device)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Load an adapter into host memory (``LoRAManager.add_lora``).
+
+        Raises:
+            LoRAAdapterError: the adapter cannot be served; ValueError: LoRA is off.
+        """
+        if self.lora is None:
+            raise ValueError("LoRA adapters need --enable-lora")
+        self.lora.add_lora(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False when it was not loaded."""
+        return self.lora is not None and self.lora.remove_lora(lora_int_id)
 
     def model_weight_bytes(self) -> int:
         """Bytes of the model's parameters and buffers on the device."""
@@ -226,6 +254,8 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             batch.remove(req_id)
         for new in so.scheduled_new_reqs:
+            if new.lora_request is not None:
+                self.add_lora(new.lora_request)  # a no-op for an adapter in host memory
             batch.add(new)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
@@ -277,6 +307,9 @@ class ModelRunner:
         staging.put_into(self.seq_lens.np[:num_reqs], self.seq_lens.device[:num_reqs])
         staging.put_into(block_table, self.block_table.device[:num_reqs, :max_blocks])
         staging.put_into(self.prefill_range.np, self.prefill_range.device)
+        if self.lora is not None:
+            token_slots = self.lora.slots_for(batch.lora_id[rows])[req_idx]
+            staging.put_into(token_slots, self.lora_slots.device[:n])
         last = cu[1:][sample_rows].astype(np.int64) - 1
         if so.scheduled_spec_decode_tokens:
             assert self.spec_decode is not None

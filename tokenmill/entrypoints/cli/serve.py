@@ -33,10 +33,6 @@ API_KEY_ENV = "TOKENMILL_API_KEY"
 
 # vLLM flags with no tokenmill implementation yet.
 UNIMPLEMENTED_FLAGS = (
-    "--enable-lora",
-    "--lora-modules",
-    "--max-loras",
-    "--max-lora-rank",
     "--guided-decoding-backend",
     "--structured-outputs-config",
     "--kv-transfer-config",

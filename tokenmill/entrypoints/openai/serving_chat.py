@@ -224,7 +224,9 @@ class OpenAIServingChat(OpenAIServing):
             # A token holds at least one character: decoding max_log_len tokens is enough.
             shown = prompt_ids[: self.request_logger.max_log_len]
             self.log_arrival(request_id, self.tokenizer.decode(shown), prompt_ids, params)
-        stream = self.generate(prompt_ids, None, params, request_id, request.priority)
+        stream = self.generate(
+            prompt_ids, None, params, request_id, request.priority, request.model
+        )
         first = await first_output(stream)
         return ChatRun(request, request_id, first, stream, start, parsers)
 
@@ -436,7 +438,10 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = sum(len(o.token_ids) for o in final.outputs)
         usage = self._usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens)
         return ChatCompletionResponse(
-            id=run.request_id, model=self.model_name, choices=choices, usage=usage
+            id=run.request_id,
+            model=self.response_model(run.request.model),
+            choices=choices,
+            usage=usage,
         )
 
     async def _stream(self, run: ChatRun) -> AsyncIterator[str]:
@@ -466,6 +471,7 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = [0] * n
         finish_reasons: list[str | None] = [None] * n
         cached = first.num_cached_tokens
+        model = self.response_model(request.model)
 
         def chunk(
             choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None
@@ -474,7 +480,7 @@ class OpenAIServingChat(OpenAIServing):
                 id=run.request_id,
                 object="chat.completion.chunk",
                 created=created,
-                model=self.model_name,
+                model=model,
                 choices=choices,
             )
             if include_usage:
