@@ -13,7 +13,12 @@ import json
 import os
 from typing import Any
 
-from tokenmill.config import ConfigError, ModelConfig, SpeculativeConfig
+from tokenmill.config import (
+    ConfigError,
+    ModelConfig,
+    SpeculativeConfig,
+    UnsupportedQuantizationError,
+)
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # The most draft tokens per step: verification costs grow with k, acceptance falls with it.
@@ -213,7 +218,10 @@ def _draft_model_config(
         if quant_config is not None:
             quant_config.check_dtype(target.dtype, device)
     except ValueError as e:
-        raise ConfigError(f"--speculative-config: the draft {model}: {e}") from None
+        # As the target's: a quantization tokenmill does not run exits 2 (an invalid flag).
+        raise UnsupportedQuantizationError(
+            f"--speculative-config: the draft {model}: {e}"
+        ) from None
     return ModelConfig(
         model=model,
         tokenizer=target.tokenizer,
