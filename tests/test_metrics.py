@@ -44,7 +44,7 @@ def finished(**kw) -> FinishedRequestStats:
 @pytest.fixture
 def logged():
     registry = CollectorRegistry()
-    cache = CacheConfig(block_size=16)
+    cache = CacheConfig(block_size=16, cache_dtype="fp8")
     stat_logger = PrometheusStatLogger("m", registry, cache)
     stats = IterationStats(iteration_timestamp=0.0, num_prompt_tokens=30, num_generation_tokens=2)
     stats.finished_requests = [finished(), finished(request_id="r-1", params_n=None)]
@@ -71,6 +71,7 @@ def test_request_histograms(logged):
     assert s["tokenmill:request_prompt_tokens_bucket{le=50.0}"] == 2
     info = [k for k in s if k.startswith("tokenmill:cache_config_info")]
     assert len(info) == 1 and "num_gpu_blocks=364" in info[0] and "block_size=16" in info[0]
+    assert "cache_dtype=fp8" in info[0]
 
 
 def test_vllm_names(logged):

@@ -1,11 +1,13 @@
 """Argument types of the engine's flags: sizes in bytes, vLLM's human-readable ints, and
-the argparse flags generated from a dataclass's ``_flag`` fields (see engine_args.py)."""
+dataclass fields that carry their CLI help (``flag``), and the argparse flags generated from
+such fields."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import re
+from dataclasses import field
 from typing import Any
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
@@ -55,7 +57,7 @@ def add_dataclass_flags(
     defaults: dict[str, Any] | None = None,
     skip: Any = (),
 ) -> None:
-    """Add one flag per field of a dataclass whose fields carry ``_flag`` metadata
+    """Add one flag per field of a dataclass whose fields carry ``flag`` metadata
     (``--max-num-seqs`` for ``max_num_seqs``; booleans get ``--no-`` forms); ``defaults``
     replaces some fields' defaults (value and help text); ``skip`` names fields left out."""
     defaults = defaults or {}
@@ -84,6 +86,15 @@ def _arg_type(type_name: Any):
     if "float" in text:
         return float
     return str
+
+
+def flag(help: str, **kw: Any) -> Any:
+    """A dataclass field carrying its CLI help (and optional choices/aliases/nargs)."""
+    default = kw.pop("default", None)
+    meta = {"help": help, **kw}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def human_readable_int(text: str) -> int:

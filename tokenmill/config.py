@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
 
 from tokenmill.hf_config import HFConfig
+from tokenmill.lora.config import LoRAConfig
 from tokenmill.multimodal.config import MultiModalConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 SkinnyGemm = Literal["auto", "all", "off"]
+SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "mtp"]
 
 
 class ConfigError(ValueError):
@@ -63,6 +65,10 @@ def check_kv_offloading_flags(
             "--kv-offloading-size extends the prefix cache: it needs prefix caching "
             "(drop --no-enable-prefix-caching)"
         )
+class UnsupportedQuantizationError(ConfigError):
+    """The checkpoint's ``quantization_config`` or ``--quantization`` names a method or
+    layout tokenmill does not run; the message names it and what is supported. The CLI
+    exits with code 2 for it, as for an invalid flag."""
 
 
 @dataclass
@@ -183,6 +189,9 @@ class CacheConfig:
         kv_cache_memory: if set, the KV cache gets exactly this many bytes.
         enable_prefix_caching: reuse the KV of identical prompt prefixes across requests.
         cpu_kv_cache_memory: KV cache bytes on CPU when ``kv_cache_memory`` is unset.
+        cache_dtype: ``auto`` (the model's dtype), ``fp8`` / ``fp8_e4m3`` (float8_e4m3fn)
+            or ``fp8_e5m2``: K and V stored in one byte each, divided by the layer's
+            per-tensor scale (the checkpoint's ``k_scale`` / ``v_scale``, else 1.0).
         num_blocks: filled in once the worker has sized the cache.
         kv_offloading_bytes: size of the host-memory tier that prefix-cache blocks evicted
             from the device move to (0: none); see ``tokenmill.core.kv_offload``.
@@ -195,6 +204,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     cpu_kv_cache_memory: int = 4 << 30
+    cache_dtype: str = "auto"
     num_blocks: int | None = None
     kv_offloading_bytes: int = 0
     kv_offloading_disk_path: str | None = None
@@ -291,6 +301,46 @@ class DeviceConfig:
     device: Literal["cuda", "cpu"] = "cpu"
 
 
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts tokens, one target forward pass verifies them
+    and rejection sampling keeps the target's distribution (``tokenmill.spec_decode``).
+    Resolved from ``--speculative-config`` by ``tokenmill.spec_decode.config``.
+
+    Attributes:
+        method: where drafts come from: ``ngram`` (prompt lookup in the request's own
+            tokens), ``draft_model`` (a smaller model sharing the tokenizer), ``eagle`` /
+            ``eagle3`` (an EAGLE head reading the target's hidden states), ``mtp`` (the
+            target's own multi-token-prediction layers).
+        num_speculative_tokens: draft tokens proposed per request and step (k).
+        model: the draft model or EAGLE head (folder or .gguf); None for ngram and mtp.
+        prompt_lookup_min: ngram: the shortest suffix n-gram looked up.
+        prompt_lookup_max: ngram: the longest suffix n-gram looked up.
+        draft_model_config: the draft's (or EAGLE head's) model configuration, else None.
+        draft_tensor_parallel_size: ranks of the draft model (1).
+    """
+
+    method: SpeculativeMethod
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 0
+    prompt_lookup_max: int = 0
+    draft_model_config: ModelConfig | None = None
+    draft_tensor_parallel_size: int = 1
+
+    @property
+    def uses_draft_kv_cache(self) -> bool:
+        """Whether the proposer runs layers with a KV cache of their own (every method but
+        ngram): each KV block then also holds the draft's KV of the same tokens."""
+        return self.method != "ngram"
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots a request needs past the tokens a step computes: a proposer with a KV
+        cache writes its drafts' KV there, up to k positions ahead."""
+        return self.num_speculative_tokens if self.uses_draft_kv_cache else 0
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Which kernel computes a product where tokenmill has more than one (CUDA; the CPU runs
@@ -375,6 +425,7 @@ class EngineConfig:
     load_config: LoadConfig = field(default_factory=LoadConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
+    speculative_config: SpeculativeConfig | None = None
     enforce_eager: bool = False
     disable_cascade_attn: bool = False
     disable_log_stats: bool = False
@@ -382,3 +433,5 @@ class EngineConfig:
     max_model_len_auto: bool = False
     # --enable-sleep-mode: the engine can free its weights and KV cache (worker/sleep_mode.py).
     enable_sleep_mode: bool = False
+    # --enable-lora: adapter slots and the adapters served from start-up; None: off.
+    lora_config: LoRAConfig | None = None

@@ -12,7 +12,7 @@ import dataclasses
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from tokenmill.arg_types import (
@@ -21,6 +21,7 @@ from tokenmill.arg_types import (
     human_readable_int,
     parse_bytes,
 )
+from tokenmill.arg_types import flag as _flag
 from tokenmill.config import (
     CacheConfig,
     ConfigError,
@@ -30,6 +31,7 @@ from tokenmill.config import (
     LoadConfig,
     ModelConfig,
     SchedulerConfig,
+    UnsupportedQuantizationError,
     check_kv_offloading_flags,
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
@@ -39,7 +41,10 @@ from tokenmill.distributed.config_checks import (
     check_parallel_layout,
     parallel_config_from_flags,
 )
+from tokenmill.feature_checks import check_feature_combinations
+from tokenmill.lora.config import LoRAConfig, check_lora_model, create_lora_config
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
+from tokenmill.spec_decode.config import parse_speculative_json, resolve_speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +69,8 @@ def default_model_path() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def _flag(help: str, **kw: Any) -> Any:
-    """A dataclass field carrying its CLI help (and optional choices/aliases/nargs)."""
-    default = kw.pop("default", None)
-    meta = {"help": help, **kw}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: default, metadata=meta)
-    return field(default=default, metadata=meta)
+# --kv-cache-dtype values (vLLM's spellings; fp8 is e4m3).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -114,6 +114,13 @@ class EngineArgs:
         f"CPU default: {DEFAULT_CPU_KV_CACHE_BYTES >> 30} GiB.",
         aliases=["--kv-cache-memory-bytes"],
         type=byte_size_arg,
+    )
+    kv_cache_dtype: str = _flag(
+        "Data type of the KV cache: auto (the model's dtype); fp8 or fp8_e4m3 "
+        "(float8_e4m3fn), fp8_e5m2: one byte per element, twice the tokens per GiB, scaled by "
+        "the checkpoint's per-layer k_scale/v_scale where it has them (else 1.0).",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
     )
     enable_prefix_caching: bool = _flag(
         "Reuse KV blocks of identical prompt prefixes (automatic prefix caching).", default=True
@@ -218,6 +225,12 @@ class EngineArgs:
         "every linear layer); fields: skinny_gemm (auto, all or off). Default: the measured "
         "fastest."
     )
+    speculative_config: str | dict[str, Any] | None = _flag(
+        "Speculative decoding, as a JSON object (vLLM's fields), e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+        '\'{"model": "path/to/draft", "num_speculative_tokens": 4}\'; methods: ngram, '
+        "draft_model, eagle, eagle3, mtp. Default: off."
+    )
     max_logprobs: int = _flag("Most logprobs a request may ask for per position.", default=20)
     disable_log_stats: bool = _flag("Do not log engine statistics.", default=False)
     generation_config: str = _flag(
@@ -267,6 +280,26 @@ class EngineArgs:
         "Accepted for compatibility: tokenmill never runs code from a model folder.",
         default=False,
     )
+    enable_lora: bool = _flag("Serve LoRA adapters (PEFT folders) on the model.", default=False)
+    lora_modules: list[str] | None = _flag(
+        "Adapters served from start-up: name=path, or a JSON object "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'.',
+        nargs="+",
+    )
+    max_loras: int = _flag("Adapter slots on the device: distinct adapters per step.", default=1)
+    max_lora_rank: int = _flag("Largest adapter rank (the slots' rank).", default=16)
+    max_cpu_loras: int | None = _flag(
+        "Adapters kept loaded in host memory, least recently used evicted (default: "
+        "--max-loras)."
+    )
+    lora_dtype: str = _flag(
+        "Dtype of the adapter slots (auto: the model's).",
+        default="auto",
+        choices=["auto", "float16", "bfloat16", "float32"],
+    )
+    fully_sharded_loras: bool = _flag(
+        "Shard adapters across tensor-parallel ranks (not supported: refused).", default=False
+    )
 
     # ---- CLI -------------------------------------------------------------------------
 
@@ -307,6 +340,9 @@ class EngineArgs:
             server=usage_context == "server",
             async_scheduling=self.async_scheduling,
         )
+        speculative_fields = parse_speculative_json(self.speculative_config)
+        if speculative_fields is not None and self.enable_lora:
+            raise ConfigError("--speculative-config does not combine with --enable-lora yet")
         device = self._resolve_device()
         check_device_count(parallel_config, device)
         model_config = self._create_model_config(device)
@@ -315,8 +351,29 @@ class EngineArgs:
             parallel_config,
             enable_sleep_mode=self.enable_sleep_mode,
             kv_offloading=bool(self.kv_offloading_size),
+            speculative=speculative_fields is not None,
+            lora=self.enable_lora,
+            fp8_kv_cache=self.kv_cache_dtype.startswith("fp8"),
         )
-        scheduler_config = self._create_scheduler_config(device, usage_context, model_config)
+        check_feature_combinations(
+            model_config,
+            speculative=speculative_fields is not None,
+            lora=self.enable_lora,
+            kv_cache_dtype=self.kv_cache_dtype,
+            enable_sleep_mode=self.enable_sleep_mode,
+            kv_offloading=bool(self.kv_offloading_size),
+        )
+        speculative_config = None
+        if speculative_fields is not None:
+            if model_config.is_pooling_model:
+                raise ConfigError("--speculative-config applies to generative models only")
+            speculative_config = resolve_speculative_config(
+                speculative_fields, model_config, device
+            )
+        self._check_kv_cache_dtype(device)
+        scheduler_config = self._create_scheduler_config(
+            device, usage_context, model_config, speculative_config is not None
+        )
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -326,6 +383,7 @@ class EngineArgs:
             kv_offloading_bytes=int((self.kv_offloading_size or 0) * (1 << 30)),
             kv_offloading_disk_path=self.kv_offloading_disk_path,
             kv_offloading_disk_bytes=int((self.kv_offloading_disk_size or 0) * (1 << 30)),
+            cache_dtype=self.kv_cache_dtype,
         )
         return EngineConfig(
             model_config=model_config,
@@ -335,12 +393,35 @@ class EngineArgs:
             load_config=LoadConfig(self.load_format),  # type: ignore[arg-type]
             device_config=DeviceConfig(device),  # type: ignore[arg-type]
             kernel_config=kernel_config,
+            speculative_config=speculative_config,
             enforce_eager=self.enforce_eager or device != "cuda",
             disable_cascade_attn=self.disable_cascade_attn,
             disable_log_stats=self.disable_log_stats,
             max_model_len_auto=self.max_model_len == -1,
             enable_sleep_mode=self.enable_sleep_mode,
+            lora_config=self._create_lora_config(model_config),
         )
+
+    def _create_lora_config(self, model_config: ModelConfig) -> LoRAConfig | None:
+        """``--enable-lora`` and its flags (``tokenmill.lora.config``), checked.
+
+        Raises:
+            ConfigError: an invalid LoRA flag or ``--lora-modules`` folder, or LoRA on a
+                model it does not apply to.
+        """
+        try:
+            config = create_lora_config(
+                self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank,
+                self.max_cpu_loras, self.lora_dtype, self.fully_sharded_loras,
+            )  # fmt: skip
+            if config is not None:
+                check_lora_model(config, model_config.is_pooling_model,
+                                 model_config.quantization, model_config.is_gguf)  # fmt: skip
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if config is not None and model_config.multimodal_config is not None:
+            raise ConfigError("--enable-lora is not implemented for models that take images")
+        return config
 
     def _check_flags(self) -> int | None:
         """The checks that need no model (before its config is read, which takes seconds
@@ -367,7 +448,11 @@ class EngineArgs:
                 try:
                     resolve_quantization(self.quantization, {}, False)
                 except ValueError as e:
-                    raise ConfigError(str(e)) from None
+                    raise UnsupportedQuantizationError(str(e)) from None
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype {self.kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}"
+            )
         if not INT64_MIN <= self.seed <= INT64_MAX:
             raise ConfigError(f"--seed must be a 64-bit signed integer, got {self.seed}")
         names = self.served_model_name
@@ -495,6 +580,17 @@ class EngineArgs:
         except MultiModalConfigError as e:
             raise ConfigError(str(e)) from None
 
+    def _check_kv_cache_dtype(self, device: str) -> None:
+        """Raises ConfigError: an FP8 cache on a GPU whose kernels cannot convert to FP8."""
+        if self.kv_cache_dtype.startswith("fp8") and device == "cuda":
+            import torch
+
+            if torch.cuda.get_device_capability() < (8, 9):
+                raise ConfigError(
+                    f"--kv-cache-dtype {self.kv_cache_dtype} needs a GPU of compute capability "
+                    "8.9 or newer (Ada, Hopper); use auto"
+                )
+
     def _resolve_quantization(
         self, hf_config: Any, model: str, device: str, dtype: str
     ) -> str | None:
@@ -516,11 +612,15 @@ class EngineArgs:
             if config is not None:
                 config.check_dtype(dtype, device)
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            raise UnsupportedQuantizationError(str(e)) from None
         return method
 
     def _create_scheduler_config(
-        self, device: str, usage_context: UsageContext, model_config: ModelConfig
+        self,
+        device: str,
+        usage_context: UsageContext,
+        model_config: ModelConfig,
+        speculative: bool = False,
     ) -> SchedulerConfig:
         server = usage_context == "server"
         if device == "cuda":
@@ -553,14 +653,24 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            async_scheduling=(
-                device == "cuda" and self.pipeline_parallel_size == 1
-                if self.async_scheduling is None
-                else self.async_scheduling
-            ),
+            async_scheduling=self._async_scheduling(device, speculative),
             prefill_pacing_tokens=pacing_tokens,
             prefill_pacing_mode=self.prefill_pacing_mode or "step",  # type: ignore[arg-type]
         )
+
+    def _async_scheduling(self, device: str, speculative: bool) -> bool:
+        if speculative:
+            # NOTE: the next step's drafts are proposed from this step's accepted tokens, so
+            # a speculating engine plans each step after the previous one's tokens are known.
+            if self.async_scheduling:
+                raise ConfigError(
+                    "--async-scheduling does not combine with --speculative-config yet: "
+                    "speculative decoding plans each step after the previous one"
+                )
+            return False
+        if self.async_scheduling is None:
+            return device == "cuda" and self.pipeline_parallel_size == 1
+        return self.async_scheduling
 
     def _prefill_pacing_tokens(self, device: str, server: bool) -> int:
         if self.prefill_pacing_tokens is not None:

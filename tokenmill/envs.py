@@ -73,6 +73,12 @@ def max_request_body_bytes() -> int:
     return _int("TOKENMILL_MAX_REQUEST_BODY_BYTES", 128 << 20)
 
 
+def allow_runtime_lora_updating() -> bool:
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (vLLM's switch, as vLLM reads it: true or 1):
+    the server serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+
+
 def log_step_stats() -> bool:
     """TOKENMILL_LOG_STEP_STATS=1: every 5 s the engine logs step durations, sizes and any
     Triton kernels compiled; the server logs its event-loop lag and front-end stage times."""

@@ -34,6 +34,12 @@ prefix and a ``model_name`` label, mirroring vLLM's ``vllm:`` metrics so dashboa
 - ``tokenmill:kv_offload_bytes_total`` (counter, ``tier``, ``direction`` store|load): KV bytes
   moved into and out of each tier
 - ``tokenmill:kv_offload_seconds_total`` (counter, ``tier``): time spent moving them
+- with speculative decoding, ``tokenmill:spec_decode_num_drafts_total``,
+  ``..._num_draft_tokens_total``, ``..._num_accepted_tokens_total`` and
+  ``..._num_accepted_tokens_per_pos_total{position}`` (``tokenmill.spec_decode.metrics``)
+- ``tokenmill:lora_requests_info`` (gauge, with ``--enable-lora``): the time of the last
+  update, labelled ``max_lora`` and the adapters of the running and the waiting requests
+  (``running_lora_adapters``, ``waiting_lora_adapters``: comma-separated names), as vLLM's
 
 ``--metrics-compat vllm`` exports each of these under vLLM's ``vllm:`` name as well
 (``VllmNamesCollector``), so dashboards, alerts and autoscalers written for vLLM read them.
@@ -53,9 +59,10 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 
-from tokenmill.config import CacheConfig
+from tokenmill.config import CacheConfig, SpeculativeConfig
 from tokenmill.core.engine_io import SchedulerStats
 from tokenmill.engine.request_stats import FinishedRequestStats, IterationStats
+from tokenmill.spec_decode.metrics import SpecDecodingLogging, SpecDecodingProm
 
 logger = logging.getLogger("tokenmill.metrics")
 
@@ -163,6 +170,7 @@ class PrometheusStatLogger:
             several engines in one process do not collide).
         cache_config: the engine's KV cache configuration, read at each scrape for
             ``cache_config_info`` (its block count is known once the engine has started).
+        speculative_config: with speculative decoding, its counters are exported too.
     """
 
     def __init__(
@@ -170,6 +178,8 @@ class PrometheusStatLogger:
         model_name: str,
         registry: CollectorRegistry,
         cache_config: CacheConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.registry = registry
         self.engine_registry = engine_registry = CollectorRegistry()
@@ -236,6 +246,14 @@ class PrometheusStatLogger:
         self._init_offload_counters(engine_registry, names, model_name)
         if cache_config is not None:
             engine_registry.register(CacheConfigInfo(cache_config))
+        self.spec_decoding = None
+        if speculative_config is not None:
+            self.spec_decoding = SpecDecodingProm(
+                speculative_config.num_speculative_tokens, PREFIX, labels, engine_registry
+            )
+        self.lora_info = LoRARequestsInfo(max_loras) if max_loras else None
+        if self.lora_info is not None:
+            engine_registry.register(self.lora_info)
 
     def _init_offload_counters(
         self, engine_registry: CollectorRegistry, names: list[str], model_name: str
@@ -333,6 +351,11 @@ class PrometheusStatLogger:
             for key, value in scheduler_stats.kv_offload_stats.items():
                 if value and key in self._offload_metrics:
                     self._offload_metrics[key].inc(value)
+            spec = scheduler_stats.spec_decoding_stats
+            if spec is not None and self.spec_decoding is not None:
+                self.spec_decoding.observe(spec)
+            if self.lora_info is not None:
+                self.lora_info.update(scheduler_stats)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
@@ -382,7 +405,7 @@ class CacheConfigInfo:
         cc = self.cache_config
         labels = {
             "block_size": str(cc.block_size),
-            "cache_dtype": "auto",
+            "cache_dtype": cc.cache_dtype,
             "enable_prefix_caching": str(cc.enable_prefix_caching),
             "gpu_memory_utilization": str(cc.gpu_memory_utilization),
             "kv_cache_memory_bytes": str(cc.kv_cache_memory or ""),
@@ -392,6 +415,31 @@ class CacheConfigInfo:
             PREFIX + "cache_config_info", "The KV cache's configuration.", labels=list(labels)
         )
         family.add_metric(list(labels.values()), 1.0)
+        yield family
+
+
+class LoRARequestsInfo:
+    """``tokenmill:lora_requests_info`` (vLLM's ``lora_requests_info``): the time of the last
+    update (seconds since the epoch), labelled with ``max_lora`` and the comma-separated names
+    of the adapters the running and the waiting requests use."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.running = self.waiting = ""
+        self.updated = time.time()
+
+    def update(self, stats: SchedulerStats) -> None:
+        self.running = ",".join(sorted(stats.running_lora_adapters))
+        self.waiting = ",".join(sorted(stats.waiting_lora_adapters))
+        self.updated = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            PREFIX + "lora_requests_info",
+            "Running and waiting LoRA adapters (value: the time of the last update).",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        family.add_metric([str(self.max_loras), self.waiting, self.running], self.updated)
         yield family
 
 
@@ -447,6 +495,8 @@ class LoggingStatLogger:
     One line per ``log()`` call: prompt and generation throughput over the interval
     (tokens/s), running and waiting requests, KV-cache usage and the prefix-cache hit rate
     (of prompt tokens looked up since start-up). Nothing is logged while the engine stays idle.
+    With speculative decoding, a second line gives the interval's acceptance
+    (``SpecDecodingLogging``).
     """
 
     def __init__(self) -> None:
@@ -457,6 +507,7 @@ class LoggingStatLogger:
         self._prefix_hits = 0
         self._scheduler_stats = SchedulerStats()
         self._logged_idle = False
+        self._spec_decoding = SpecDecodingLogging()
 
     def record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
@@ -465,6 +516,8 @@ class LoggingStatLogger:
             self._scheduler_stats = scheduler_stats
             self._prefix_queries += scheduler_stats.prefix_cache_queries
             self._prefix_hits += scheduler_stats.prefix_cache_hits
+            if scheduler_stats.spec_decoding_stats is not None:
+                self._spec_decoding.observe(scheduler_stats.spec_decoding_stats)
         if iteration_stats is not None:
             self._prompt_tokens += iteration_stats.num_prompt_tokens
             self._generation_tokens += iteration_stats.num_generation_tokens
@@ -492,6 +545,7 @@ class LoggingStatLogger:
                 stats.kv_cache_usage * 100.0,
                 hit_rate * 100.0,
             )
+        self._spec_decoding.log()
         self._logged_idle = idle
         self._last_time = now
         self._prompt_tokens = 0

@@ -20,6 +20,11 @@
 #   quant_lat quant_tp  4-bit weights beside vLLM (benchmarks/device/quant_bench.py): batch-1
 #              decode of GPTQ, AWQ (random int4, dummy load) and a random Q4_K_M GGUF; offline
 #              1024/256 of GPTQ and AWQ (QUANT_CASES picks the cases)
+#   fp8        FP8 beside vLLM (benchmarks/device/fp8_bench.py): M8 with --quantization fp8,
+#              batch-1 decode and offline 1024/256; KV capacity in tokens with and without
+#              --kv-cache-dtype fp8 (FP8_CASES picks the cases); fp8_serve: served random
+#              1024/256 c=64 with --quantization fp8 --kv-cache-dtype fp8, tokenmill then vLLM
+#   gputests_fp8  the FP8 GEMM, FP8-KV attention and FP8 engine tests on CUDA
 #   gputests   pytest tests/gpu and the Triton/fused-kernel tests on CUDA; gputests_all also
 #              the skinny-GEMM and sampler tests' CUDA cases; gputests_sampler
 #              the sampler tests (their CUDA cases), the engine and skinny-GEMM GPU tests
@@ -95,6 +100,13 @@
 #              and the host before it do (step_timeline.py)
 #   ncu_lat1   Nsight Compute sections of consecutive norm, product and decode-attention kernels
 #              of a batch-1 decode (batch1_generate.py; each kernel replayed alone, so no overlap)
+#   gputests_lora  the batched LoRA kernels on CUDA against the per-row reference, in CUDA
+#              graphs, and LoRA generation against merged weights (tests/gpu/test_lora_gpu.py)
+#   lora_serve tokenmill serve M8 without LoRA, then with 8 rank-16 adapters (--max-loras 8),
+#              each under vLLM's client, random 1024/256 c=64 (LORA_PROMPTS, default 400);
+#              with LoRA every request names one of the 8 adapters at random
+#   vllm_lora_serve  vLLM serving the same 8 adapters under the same load; run
+#              "lora_serve vllm_lora_serve" in one call to compare on one GPU
 #   first_token  cProfile of a one-token generate (32-token prompt): the host's share of a
 #              request's first step (first_token_profile.py)
 #   mla_tp     a DeepSeek-V3-shaped MLA model (6 layers, 32 experts; mla_throughput.py):
@@ -103,6 +115,12 @@
 #              vLLM needs the bundle prepared with KEEP_MOE=1 (its MoE kernels)
 #   gputests_mla  the MLA kernels' and DeepSeek engine's GPU tests; mlabench the MLA decode
 #              kernel's timings (benchmarks/mla_bench.py; mlabench_sweep with other tiles)
+#   spec_prepare  the real SmolLM2 as a bf16 folder, the rewrite load and a 1B-shaped dummy
+#              draft (spec_decode_bench.py prepare); then spec_ngram_tm / spec_ngram_vllm:
+#              batch-1 ms/token of the rewrite load without and with n-gram speculation;
+#              spec_verify_tm / spec_verify_vllm: M8 steps with and without speculation (and
+#              tokenmill's forced k=4 verify step against a decode step); spec_report compares
+#   gputests_spec  the speculative decoding GPU tests (tests/gpu/test_spec_decode_gpu.py)
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -141,7 +159,7 @@ stage() {  # stage NAME TIMEOUT CMD... (NAME gets $SFX, the STAGE@VARS label)
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "^BEAMSLEEP|^KVOFF|^QUANT|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|^MLA|preempt" "$LOGS/$name.log" \
+  grep -aE "^BEAMSLEEP|^KVOFF|^QUANT|^FP8|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|^MLA|^SPEC|preempt" "$LOGS/$name.log" \
     | grep -v "warnings.warn" | tail -${TAIL_LINES:-25} | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
@@ -251,6 +269,31 @@ vision_pair() {
   addjson ${eng}_vision "$LOGS/${eng}_vision.json"
   stop_server $pid
 }
+
+# serve_lora LABEL ENGINE(tm|vllm) LORA(0|1) [server args...]: one server under vLLM's client,
+# random 1024/256 c=64; LORA=1: each request names one of the adapters in LORA_NAMES.
+serve_lora() {
+  local label=$1 eng=$2 lora=$3; shift 3
+  local need=120; [ "$eng" = vllm ] && need=260
+  if [ "$(left)" -lt "$need" ]; then say "STAGE ${label} skipped ($(left)s left, needs ${need}s)"; return 99; fi
+  if [ "$eng" = vllm ]; then setsid vllm serve "$M8" --load-format dummy --port 8000 "$@" > "$LOGS/${label}_server.log" 2>&1 &
+  else TOKENMILL_LOG_STEP_STATS=1 setsid "${TM[@]}" serve "$M8" --load-format dummy --port 8000 --disable-log-requests --served-model-name "$M8" "$@" > "$LOGS/${label}_server.log" 2>&1 &
+  fi
+  local pid=$!
+  local ready; ready=$(wait_health $pid)
+  say "STAGE ${label}_server ready after ${ready}s"
+  grep -aE "KV cache|CUDA graphs|LoRA|ready in|Memory:|Error|Traceback" "$LOGS/${label}_server.log" | head -8 | sed 's/^/  | /' | tee -a "$SUM"
+  local L=(); [ "$lora" = 1 ] && L=(--lora-modules "${LORA_NAMES[@]}")
+  stage "$label" 300 vllm bench serve --backend vllm --model "$M8" --port 8000 "${SERVE_ARGS[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts "${LORA_PROMPTS:-400}" --max-concurrency 64 ${L[@]+"${L[@]}"} --result-filename "$label.json"
+  addjson "$label" "$LOGS/$label.json"
+  [ "$eng" = tm ] && curl -s http://127.0.0.1:8000/metrics | grep -a "lora_requests_info" | head -2 | sed 's/^/  | /' | tee -a "$SUM"
+  stop_server $pid
+}
+lora_adapters() {  # sets LORA_MODULES (name=path ...) and LORA_NAMES: 8 rank-16 adapters for M8
+  read -ra LORA_MODULES <<< "$(python3 benchmarks/device/make_lora_adapters.py "$M8" /tmp/tm_lora --num 8 --rank 16)"
+  LORA_NAMES=("${LORA_MODULES[@]%%=*}")
+}
+LORA_ARGS=(--enable-lora --max-loras 8 --max-lora-rank 16)
 TPA=(--load-format dummy --dataset-name random)
 # gpt-oss-20b's config with $M8's tokenizer, written once per machine.
 gptoss_model() {
@@ -274,6 +317,9 @@ run_stage() {  # run_stage NAME: one stage of the list below
     gputests_quant) PYTHONPATH="$XGP" stage gputests_quant 400 python3 -m pytest -q tests/gpu/test_quant_gemm_gpu.py tests/kernels/test_gguf_blocks.py -p no:cacheprovider --timeout 300 ;;
     int4_kernels) stage int4_kernels 300 python3 benchmarks/device/int4_kernel_bench.py --sweep ;;
     quant_lat) stage quant_lat 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_lat1,awq_lat1,gguf_lat1}" --engines "${QUANT_ENGINES:-tokenmill,vllm}" ;;
+    fp8) stage fp8 590 python3 benchmarks/device/fp8_bench.py "$M8" /tmp/tm_fp8 --cases "${FP8_CASES:-lat1,tp,kvcap}" ;;
+    fp8_serve) LOADS=random serve_diag fp8kv --quantization fp8 --kv-cache-dtype fp8; LOADS=random serve_diag vllm_fp8kv --quantization fp8 --kv-cache-dtype fp8 ;;
+    gputests_fp8) PYTHONPATH="$XGP" stage gputests_fp8 400 python3 -m pytest -q tests/gpu/test_fp8_gpu.py tests/kernels/test_fp8_gemm.py -p no:cacheprovider --timeout 300 ;;
     quant_tp) stage quant_tp 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_tp,awq_tp}" --engines "${QUANT_ENGINES:-tokenmill,vllm}" ;;
     vision) vision_pair tm; vision_pair vllm ;;
     gputests_vision) PYTHONPATH="$XGP" stage gputests_vision 300 python3 -m pytest -q tests/gpu/test_vision_gpu.py -p no:cacheprovider --timeout 250 ;;
@@ -306,6 +352,11 @@ run_stage() {  # run_stage NAME: one stage of the list below
       bs=1; [ "$st" = base_lat32 ] && bs=32
       say "STAGE $st runs $(PYTHONPATH="$PWD/.carry/base" python3 -P -c 'import tokenmill; print(tokenmill.__file__)')"
       stage "$st" 240 env PYTHONPATH="$PWD/.carry/base" python3 -P -m tokenmill.entrypoints.cli.main bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size $bs --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/$st.json"; addjson "$st" "$LOGS/$st.json" ;;
+    spec_prepare) stage spec_prepare 150 python3 benchmarks/device/spec_decode_bench.py prepare ;;
+    spec_ngram_tm|spec_ngram_vllm) stage "$st" 540 python3 benchmarks/device/spec_decode_bench.py ngram --engine "${st#spec_ngram_}" ;;
+    spec_verify_tm|spec_verify_vllm) stage "$st" 560 python3 benchmarks/device/spec_decode_bench.py verify --engine "${st#spec_verify_}" ;;
+    spec_report) TAIL_LINES=40 stage spec_report 30 python3 benchmarks/device/spec_decode_bench.py report ;;
+    gputests_spec) PYTHONPATH="$XGP" stage gputests_spec 400 python3 -m pytest -q tests/gpu/test_spec_decode_gpu.py -p no:cacheprovider --timeout 300 --durations=5 ;;
     lat1|lat8|lat32)  # batch 1 / 8 / 32
       stage "$st" 240 "${TM[@]}" bench latency --model "$M8" --load-format dummy --input-len 32 --output-len 256 --batch-size "${st#lat}" --num-iters-warmup 3 --num-iters 10 --output-json "$LOGS/$st.json"; addjson "$st" "$LOGS/$st.json" ;;
     tp_long)  stage tp_long 400 "${TM[@]}" bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/tp_long.json"; addjson tp_long "$LOGS/tp_long.json" ;;
@@ -383,6 +434,14 @@ run_stage() {  # run_stage NAME: one stage of the list below
     beam_sleep) TAIL_LINES=40 stage beam_sleep 1200 python3 benchmarks/device/beam_sleep_bench.py "$M8" --output-json "$OUT/beam_sleep.json" ;;
     kvoffload) stage kvoffload 900 python3 benchmarks/kv_offload_multiturn.py --model "$M8" --load-format dummy --conversations 48 --prompt-len 4096 --kv-cache-gib 8 --offload-gib 48 --output-json "$OUT/kvoffload.json" ;;
     gputests_beam) PYTHONPATH="$XGP" stage gputests_beam 300 python3 -m pytest -q tests/gpu/test_beam_sleep_offload_gpu.py -p no:cacheprovider --timeout 200 ;;
+    gputests_lora) stage gputests_lora 300 python3 -m pytest -q tests/gpu/test_lora_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
+    lora_serve)
+      lora_adapters
+      serve_lora tm_nolora_serve tm 0
+      serve_lora tm_lora_serve tm 1 "${LORA_ARGS[@]}" --lora-modules "${LORA_MODULES[@]}" ;;
+    vllm_lora_serve)
+      lora_adapters
+      serve_lora vllm_lora_serve vllm 1 "${LORA_ARGS[@]}" --lora-modules "${LORA_MODULES[@]}" ;;
     vllm_tp_long)  stage vllm_tp_long 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --output-json "$LOGS/vllm_tp_long.json"; addjson vllm_tp_long "$LOGS/vllm_tp_long.json" ;;
     vllm_tp_short) stage vllm_tp_short 420 vllm bench throughput --model "$M8" "${TPA[@]}" --random-input-len 128 --random-output-len 512 --num-prompts 1000 --output-json "$LOGS/vllm_tp_short.json"; addjson vllm_tp_short "$LOGS/vllm_tp_short.json" ;;
     vllm_tp_small) stage vllm_tp_small 300 vllm bench throughput --model "$M135" "${TPA[@]}" --random-input-len 256 --random-output-len 256 --num-prompts 2000 --output-json "$LOGS/vllm_tp_small.json"; addjson vllm_tp_small "$LOGS/vllm_tp_small.json" ;;

@@ -405,3 +405,20 @@ def test_random_mm_needs_the_chat_endpoint(tmp_path, capsys, smollm2_gguf_path):
     with StubServer("ok") as stub:
         code, _ = _run(tmp_path, stub.base_url, smollm2_gguf_path, "--dataset-name", "random-mm")
     assert code == 2 and "openai-chat" in capsys.readouterr().err
+
+
+def test_lora_modules_name_an_adapter_per_request():
+    """``--lora-modules a b``: each request's ``model`` is one of the adapters, seeded;
+    warm-up requests (index -1) and runs without the flag name the model."""
+    from tokenmill.benchmarks.datasets import SampleRequest
+    from tokenmill.benchmarks.serve import lora_models
+    from tokenmill.benchmarks.serve_client import ClientConfig, build_payload
+
+    models = lora_models(["a", "b"], 40, seed=0)
+    assert len(models) == 40 and set(models) == {"a", "b"}
+    assert models == lora_models(["a", "b"], 40, seed=0)
+    assert lora_models(None, 40, seed=0) == ()
+    config = ClientConfig("http://x/v1/completions", False, "base", {}, {}, models)
+    sample = SampleRequest([1, 2], "hi", 2, 3)
+    assert [build_payload(config, sample, i)["model"] for i in range(40)] == list(models)
+    assert build_payload(config, sample, -1)["model"] == "base"

@@ -229,6 +229,24 @@ def test_stop_strings_random_streams(smollm2_tokenizer):
         _stream_prefix_invariant(deltas, detok.output_text)
 
 
+def test_several_tokens_at_once_keep_only_those_up_to_the_stop(smollm2_tokenizer):
+    """Speculative decoding hands over several tokens per step: the ids and text after a stop
+    string are those of one token at a time."""
+    tok = smollm2_tokenizer
+    rng = random.Random(5)
+    for _trial in range(100):
+        text = " " + rng.choice(TEXTS)
+        start = rng.randrange(1, len(text) - 3)
+        params = SamplingParams(stop=[text[start : start + rng.randint(1, 3)]],
+                                include_stop_str_in_output=rng.random() < 0.3)  # fmt: skip
+        output = tok.encode(text)
+        one, _, stop_one = run(tok, [1, 2], output, params)
+        sizes = [rng.randint(2, 5) for _ in output]
+        many, _, stop_many = run(tok, [1, 2], output, params, sizes)
+        assert stop_many == stop_one
+        assert (many.token_ids, many.output_text) == (one.token_ids, one.output_text)
+
+
 def test_hold_back_only_while_unfinished(smollm2_tokenizer):
     tok = smollm2_tokenizer
     output = tok.encode(" Hello world")

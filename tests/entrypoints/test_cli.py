@@ -47,7 +47,8 @@ def test_unimplemented_vllm_flags_are_rejected(capsys, flag):
         ["serve", "a", "--model", "b"],
         ["serve", "--chat-template", "/no/such/template.jinja"],
         ["serve", "--max-log-len", "-1"],
-        ["serve", "--kv-cache-dtype", "fp8"],
+        ["serve", "--kv-cache-dtype", "fp4"],
+        ["serve", "--calculate-kv-scales"],
         ["serve", "--max-model-len", "1.5K"],
         ["serve", "--kv-cache-memory", "inf"],  # was an OverflowError traceback
         ["serve", "--kv-cache-memory", "1e400"],
@@ -144,6 +145,38 @@ def test_startup_errors_fail_in_one_line(tiny_model_dir, argv, words):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert lines[0].startswith("tokenmill serve: error:") and words in lines[0]
+
+
+def _quantized_copy(tiny_model_dir: str, folder, qc: dict) -> str:
+    import json
+    import shutil
+
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = qc
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_an_unsupported_quantization_exits_2_in_one_line(tiny_model_dir, tmp_path):
+    """A checkpoint quantized with a method tokenmill does not run is refused before any
+    weight is read: one line naming the method and what is supported, exit code 2."""
+    folder = _quantized_copy(tiny_model_dir, tmp_path / "m", {"quant_method": "hqq", "nbits": 4})
+    result = subprocess.run([*SERVE_COMMAND, folder, "--port", "0"], capture_output=True,
+                            text=True, timeout=300)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("tokenmill serve: error:")
+    assert "'hqq' is not supported" in lines[0] and "supported: awq, gptq" in lines[0]
+
+
+@pytest.mark.parametrize("qc", [{"quant_method": "fbgemm_fp8"}, {"quant_method": "mxfp4"}])
+def test_unsupported_fp8_methods_raise_the_exit_2_error(tiny_model_dir, tmp_path, qc):
+    from tokenmill.config import UnsupportedQuantizationError
+
+    folder = _quantized_copy(tiny_model_dir, tmp_path / "m", qc)
+    with pytest.raises(UnsupportedQuantizationError, match=qc["quant_method"]):
+        EngineArgs(model=folder, load_format="dummy").create_engine_config("server")
 
 
 def test_a_max_num_seqs_beyond_host_memory_is_refused_before_loading(tiny_model_dir):

@@ -23,12 +23,13 @@ class PagedRunner:
         block_size: int = 16,
         seed: int = 0,
         backend: type[AttentionBackend] | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.device = next(model.parameters()).device
         self.block_size = block_size
         backend = backend or get_attn_backend("cpu", use_mla=bool(config.get("kv_lora_rank")))
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        dtype = kv_dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.kv_caches = [
             torch.zeros(
                 backend.get_kv_cache_shape(

@@ -30,8 +30,14 @@ def _config(method: str):
                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
                                                    "strategy": "group", "group_size": 32,
                                                    "symmetric": False}}}},
+        "ct_fp8": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                   "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float",
+                                                       "strategy": "channel",
+                                                       "symmetric": True, "dynamic": False},
+                                           "input_activations": None}}},
     }.get(method, {})
-    name = {"ct": "compressed-tensors", "unquantized": None}.get(method, method)
+    name = {"ct": "compressed-tensors", "ct_fp8": "compressed-tensors",
+            "unquantized": None}.get(method, method)
     return get_quantization_config(name, {"quantization_config": qc}, "cpu")
 
 
@@ -50,6 +56,11 @@ def checkpoint_tensors(method: str, w: torch.Tensor, seed: int
         deq = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)
         return ({"weight": GGUFTensor(torch.from_numpy(raw), 8, tuple(w.shape))},
                 torch.from_numpy(np.array(deq)))
+    if method == "ct_fp8":  # FP8 weights per output channel, 16-bit activations
+        from tokenmill.kernels.quant import fp8 as q8
+
+        q, scale = q8.quantize_per_channel(w)
+        return {"weight": q, "weight_scale": scale[:, None]}, q8.dequantize(q, scale)
     q, scales, zeros = quantize(w, 32, False, gen)
     deq = ((q.view(w.shape[0], -1, 32).float() - zeros.unsqueeze(-1).float())
            * scales.float().unsqueeze(-1)).view(w.shape)
@@ -77,7 +88,7 @@ def _fuse(method: str, parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.
     return out
 
 
-METHODS = ["unquantized", "gptq", "awq", "ct", "gguf", "bitsandbytes"]
+METHODS = ["unquantized", "gptq", "awq", "ct", "gguf", "bitsandbytes", "ct_fp8"]
 
 
 def _build(method: str, make):
@@ -130,7 +141,7 @@ def test_qkv_parts(method, fused):
     assert (layer(x) - expected).abs().max() <= tol * expected.abs().max()
 
 
-@pytest.mark.parametrize("method", ["unquantized", "gptq", "awq", "ct"])
+@pytest.mark.parametrize("method", ["unquantized", "gptq", "awq", "ct", "ct_fp8"])
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_tensor_parallel_slices(method, kind, monkeypatch):
     """Each of two ranks takes its slice of the full checkpoint tensors (packed ones too)."""

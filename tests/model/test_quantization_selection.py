@@ -19,6 +19,16 @@ CT_W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "c
                                                    "strategy": "group", "group_size": 128,
                                                    "symmetric": True},
                 "input_activations": None}}}
+FP8_WEIGHTS = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+               "dynamic": False}
+FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+             "symmetric": True}
+
+
+def _ct_fp8(weights=None, activations=FP8_TOKEN, fmt="float-quantized") -> dict:
+    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {**FP8_WEIGHTS, **(weights or {})},
+                    "input_activations": activations, "format": fmt}}, "ignore": ["lm_head"]}
 
 
 def _folder(tmp_path, quantization_config=None) -> str:
@@ -50,6 +60,16 @@ def _refused(tmp_path, qc=None, flag=None) -> str:
       "version": "gemm"}, "awq"),
     (CT_W4A16, "compressed-tensors"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "fp8"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+     "fp8"),
+    (_ct_fp8(), "compressed-tensors"),
+    (_ct_fp8({"strategy": "tensor"}, {**FP8_TOKEN, "strategy": "tensor", "dynamic": False}),
+     "compressed-tensors"),
+    (_ct_fp8({"strategy": "block", "block_structure": [128, 128]},
+             {**FP8_TOKEN, "strategy": "group", "group_size": 128}), "compressed-tensors"),
+    (_ct_fp8(activations=None), "compressed-tensors"),
 ])
 def test_detected_from_the_checkpoint(tmp_path, qc, expected):
     assert _resolve(tmp_path, qc) == expected
@@ -64,23 +84,51 @@ def test_bitsandbytes_quantizes_an_unquantized_checkpoint(tmp_path):
     assert _resolve(tmp_path, None, "bitsandbytes") == "bitsandbytes"
 
 
+def test_fp8_quantizes_an_unquantized_checkpoint(tmp_path):
+    assert _resolve(tmp_path, None, "fp8") == "fp8"
+    assert _resolve(tmp_path, {"quant_method": "fp8"}, "fp8") == "fp8"
+
+
+def test_fp8_on_a_gguf_file_quantizes_its_dequantized_weights(smollm2_gguf_path):
+    args = EngineArgs(model=smollm2_gguf_path, device="cpu", quantization="fp8")
+    assert args.create_engine_config().model_config.quantization == "fp8"
+
+
+def test_fp8_checkpoints_of_moe_models_refused(tmp_path):
+    config = dict(CONFIG, architectures=["MixtralForCausalLM"], num_local_experts=4,
+                  num_experts_per_tok=2,
+                  quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="MoE models") as e:
+        EngineArgs(model=str(tmp_path), device="cpu").create_engine_config()
+    assert "\n" not in str(e.value)
+    # A 16-bit MoE checkpoint is quantized while loading.
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = EngineArgs(model=str(tmp_path), quantization="fp8", device="cpu")
+    assert args.create_engine_config().model_config.quantization == "fp8"
+
+
 @pytest.mark.parametrize("qc, flag, words", [
-    (None, "fp8", "FP8/FP4 methods are not implemented yet"),
+    (None, "fbgemm_fp8", "this FP8/FP4 method is not implemented yet"),
+    (None, "modelopt", "this FP8/FP4 method is not implemented yet"),
     (None, "squeezellm", "unknown method"),
     (None, "awq", "has no quantization_config"),
     (None, "gguf", "needs a .gguf model file"),
     (GPTQ, "awq", "quantized with gptq"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, None, "'fp8' (FP8) is not "
-     "implemented yet"),
+    ({"quant_method": "fbgemm_fp8"}, None, "'fbgemm_fp8' (FP8) is not implemented yet"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+     None, "fp8 block-wise weights need activation_scheme dynamic"),
+    (_ct_fp8(fmt="naive-quantized"), None, "format naive-quantized"),
+    (_ct_fp8({"symmetric": False}), None, "is not supported; supported: compressed-tensors FP8"),
+    (_ct_fp8(activations={**FP8_TOKEN, "dynamic": False}), None, "static per token"),
+    (_ct_fp8({"num_bits": 4}), None, "4-bit float weights"),
     ({**GPTQ, "bits": 8}, None, "gptq with 8-bit weights is not supported"),
     ({**GPTQ, "checkpoint_format": "marlin"}, None, "checkpoint_format 'marlin'"),
     ({**GPTQ, "group_size": 256}, None, "group_size 256"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, None,
      "awq version 'gemv'"),
     ({"quant_method": "hqq"}, None, "'hqq' is not supported"),
-    ({**CT_W4A16, "format": "float-quantized", "config_groups": {"g": {"weights": {
-        "num_bits": 8, "type": "float"}, "format": "float-quantized"}}}, None,
-     "(FP8) is not implemented yet"),
     ({**CT_W4A16, "config_groups": {"g": {**CT_W4A16["config_groups"]["group_0"],
                                           "input_activations": {"num_bits": 8}}}}, None,
      "activations quantized"),

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.benchmarks.common import BenchmarkError, flags_of, percentile_name, write_json
 from tokenmill.benchmarks.datasets import token_pool
+from tokenmill.benchmarks.spec_decode_report import acceptance, format_acceptance, snapshot
 from tokenmill.benchmarks.throughput import make_llm
 from tokenmill.engine_args import EngineArgs
 
@@ -81,7 +82,8 @@ def run_latency(
 
     Returns:
         ``avg_latency`` (s), ``latencies`` (s, one per timed run) and ``percentiles``
-        (``{"10": s, ..., "99": s}``).
+        (``{"10": s, ..., "99": s}``); with speculative decoding, the timed runs' acceptance
+        (``spec_decode_report.acceptance``).
 
     Raises:
         BenchmarkError: prompt plus output do not fit ``max_model_len``.
@@ -110,6 +112,8 @@ def run_latency(
     for _ in tqdm(range(num_iters_warmup), desc="Warmup iterations"):
         llm.generate(prompts, params, use_tqdm=False)
     latencies = []
+    counters = llm.llm_engine.counters
+    drafts_before = snapshot(counters.spec_decoding)
     for _ in tqdm(range(num_iters), desc="Profiling iterations"):
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
@@ -121,6 +125,7 @@ def run_latency(
         "percentiles": {
             percentile_name(p): float(v) for p, v in zip(LATENCY_PERCENTILES, values, strict=True)
         },
+        **acceptance(drafts_before, counters.spec_decoding),
     }
 
 
@@ -130,6 +135,8 @@ def format_latency(result: dict[str, Any]) -> str:
     lines += [
         f"{p}% percentile latency: {value} seconds" for p, value in result["percentiles"].items()
     ]
+    if format_acceptance(result):
+        lines.append(format_acceptance(result))
     return "\n".join(lines)
 
 

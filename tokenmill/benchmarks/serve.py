@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 from dataclasses import asdict
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.benchmarks import spec_decode_report
 from tokenmill.benchmarks.bench_tokenizer import find_tokenizer
 from tokenmill.benchmarks.common import BenchmarkError, flags_of, parse_percentiles, write_json
 from tokenmill.benchmarks.datasets import add_dataset_args, encode, sample_requests
@@ -81,6 +83,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         default=None,
         help="Model name sent in requests, when it differs from --model.",
+    )
+    server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="LoRA adapter names the server serves: each request names one of them as its "
+        "model, chosen at random (seeded by --seed), as vLLM's client does.",
     )
     server.add_argument(
         "--tokenizer",
@@ -267,6 +276,15 @@ def served_max_model_len(models: list[dict[str, Any]] | None, name: str) -> int 
     return None
 
 
+def lora_models(names: list[str] | None, num: int, seed: int) -> tuple[str, ...]:
+    """The ``model`` of each of ``num`` requests under ``--lora-modules``: one of ``names``
+    at random, seeded (empty without the flag: every request names the model)."""
+    if not names:
+        return ()
+    rng = random.Random(seed)
+    return tuple(rng.choice(names) for _ in range(num))
+
+
 def default_label(args: argparse.Namespace, models: list[dict[str, Any]] | None) -> str:
     """``--label``, else who the server says owns its model (tokenmill, vllm, llamacpp...),
     else ``--backend``: result files of two servers then carry different labels."""
@@ -358,11 +376,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         model_name=model_name,
         sampling=_sampling_fields(args),
         headers=auth_headers(),
+        request_models=lora_models(args.lora_modules, len(samples), args.seed),
     )
     print(
         f"Benchmarking {config.api_url} ({config.model_name}): {len(samples)} requests, "
         f"request rate {args.request_rate}/s, max concurrency {args.max_concurrency or 'unlimited'}"
     )
+    drafts_before = spec_decode_report.scrape(base_url, auth_headers())
     records, duration = asyncio.run(
         run_benchmark(
             config,
@@ -377,7 +397,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     )
     count_missing_tokens(records, tokenizer)
     summary = compute_summary(records, duration, percentiles, slos)
+    # The server's spec-decode counters over the run (warm-up requests included).
+    summary.update(
+        spec_decode_report.acceptance(
+            drafts_before, spec_decode_report.scrape(base_url, auth_headers())
+        )
+    )
     print(format_summary(summary, metrics, percentiles, args.max_concurrency, args.request_rate))
+    if spec_decode_report.format_acceptance(summary):
+        print(spec_decode_report.format_acceptance(summary))
     result = build_result(args, summary, records, model_id, tokenizer_id, endpoint)
     if args.save_result or args.result_filename or args.result_dir:
         path = result_path(args, model_id)

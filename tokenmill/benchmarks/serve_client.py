@@ -46,6 +46,8 @@ class ClientConfig:
         model_name: the ``model`` field of each request.
         sampling: sampling fields added to each request (temperature, top_p, ignore_eos...).
         headers: HTTP headers (authorization).
+        request_models: the ``model`` of request ``i`` (a LoRA adapter's name, ``bench serve
+            --lora-modules``) for ``i`` below its length; ``model_name`` for the others.
     """
 
     api_url: str
@@ -53,6 +55,7 @@ class ClientConfig:
     model_name: str
     sampling: dict[str, Any]
     headers: dict[str, str]
+    request_models: tuple[str, ...] = ()
 
 
 def auth_headers() -> dict[str, str]:
@@ -115,10 +118,11 @@ def wait_until_ready(base_url: str, timeout_s: float) -> bool:
 # ---- one request -----------------------------------------------------------------------------
 
 
-def build_payload(config: ClientConfig, sample: SampleRequest) -> dict[str, Any]:
-    """The JSON body of one streaming request."""
+def build_payload(config: ClientConfig, sample: SampleRequest, index: int = 0) -> dict[str, Any]:
+    """The JSON body of streaming request number ``index``."""
+    models = config.request_models
     body: dict[str, Any] = {
-        "model": config.model_name,
+        "model": models[index] if 0 <= index < len(models) else config.model_name,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -256,7 +260,7 @@ async def send_request(
     reader = StreamReader(record, config.chat, start)
     try:
         async with session.post(
-            config.api_url, json=build_payload(config, sample), headers=config.headers
+            config.api_url, json=build_payload(config, sample, index), headers=config.headers
         ) as response:
             if response.status != 200:
                 body = await response.text(errors="replace")

@@ -22,6 +22,7 @@ from tokenmill.benchmarks.datasets import (
     check_dataset_flags,
     sample_requests,
 )
+from tokenmill.benchmarks.spec_decode_report import acceptance, format_acceptance, snapshot
 from tokenmill.engine_args import EngineArgs
 
 if TYPE_CHECKING:
@@ -95,7 +96,8 @@ def run_throughput(
         ``elapsed_time`` (s), ``num_requests``, ``total_num_tokens`` (prompt + generated),
         ``requests_per_second``, ``tokens_per_second`` (total) — vLLM's keys — plus
         ``total_num_prompt_tokens``, ``total_num_output_tokens`` and
-        ``output_tokens_per_second``. Token counts are what the engine processed.
+        ``output_tokens_per_second``. Token counts are what the engine processed. With
+        speculative decoding, the run's acceptance too (``spec_decode_report.acceptance``).
     """
     from tokenmill import SamplingParams
 
@@ -113,6 +115,7 @@ def run_throughput(
     ]
     counters = getattr(llm.llm_engine, "counters", None)
     before = (counters.num_preemptions, counters.prefix_cache_hits) if counters else (0, 0)
+    drafts_before = snapshot(counters.spec_decoding) if counters else None
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
@@ -133,18 +136,23 @@ def run_throughput(
         "total_num_prompt_tokens": prompt_tokens,
         "total_num_output_tokens": output_tokens,
         "output_tokens_per_second": output_tokens / elapsed,
+        **acceptance(drafts_before, counters.spec_decoding if counters else None),
     }
 
 
 def format_throughput(result: dict[str, Any]) -> str:
-    """The lines ``vllm bench throughput`` prints."""
-    return (
+    """The lines ``vllm bench throughput`` prints (and the acceptance of speculative
+    decoding, when it ran)."""
+    lines = [
         f"Throughput: {result['requests_per_second']:.2f} requests/s, "
         f"{result['tokens_per_second']:.2f} total tokens/s, "
-        f"{result['output_tokens_per_second']:.2f} output tokens/s\n"
-        f"Total num prompt tokens:  {result['total_num_prompt_tokens']}\n"
-        f"Total num output tokens:  {result['total_num_output_tokens']}"
-    )
+        f"{result['output_tokens_per_second']:.2f} output tokens/s",
+        f"Total num prompt tokens:  {result['total_num_prompt_tokens']}",
+        f"Total num output tokens:  {result['total_num_output_tokens']}",
+    ]
+    if format_acceptance(result):
+        lines.append(format_acceptance(result))
+    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from tokenmill.core.beam_search import FinishedBeam
+from tokenmill.lora.request import LoRARequest
 from tokenmill.multimodal.inputs import MultiModalFeature
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 
@@ -42,6 +43,7 @@ class EngineCoreRequest:
             are in ``prompt_token_ids``); None for a text prompt.
         beam_search: set for a beam-search request (``sampling_params`` then asks for the
             candidates' logprobs); its one output carries the best beams.
+        lora_request: the LoRA adapter to run with (``--enable-lora``), or None.
     """
 
     request_id: str
@@ -52,6 +54,7 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     mm_features: list[MultiModalFeature] | None = None
     beam_search: BeamSearchParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -116,6 +119,56 @@ class EngineCoreOutput:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding counters of one or more steps (deltas, as vLLM's).
+
+    Attributes:
+        num_spec_tokens: k, the drafts proposed per request and step.
+        num_drafts: draft runs verified (one per request and step that verified drafts).
+        num_draft_tokens: draft tokens verified.
+        num_accepted_tokens: of those, tokens the target accepted.
+        num_accepted_tokens_per_pos: ``[k]``: drafts accepted at each position (position
+            ``i`` is accepted only when every earlier one is).
+    """
+
+    num_spec_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, num_spec_tokens: int) -> SpecDecodingStats:
+        return cls(num_spec_tokens, num_accepted_tokens_per_pos=[0] * num_spec_tokens)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Count one verified draft of ``num_draft_tokens`` of which the first
+        ``num_accepted_tokens`` were accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def add(self, other: SpecDecodingStats) -> None:
+        """Add ``other``'s counters to these (positions beyond these are appended)."""
+        self.num_spec_tokens = max(self.num_spec_tokens, other.num_spec_tokens)
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(per_pos)))
+        for i, n in enumerate(other.num_accepted_tokens_per_pos):
+            per_pos[i] += n
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verified draft yields on average, the target's own token included
+        (vLLM's convention): ``1 + accepted / drafts``; 1 with no drafts."""
+        return 1.0 + (self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0)
+
+
+@dataclass
 class SchedulerStats:
     """A snapshot of the scheduler after a step, for logs and Prometheus metrics.
 
@@ -141,6 +194,11 @@ class SchedulerStats:
     # requests found there), "{tier}_store_bytes" / "{tier}_load_bytes" (moved into / out
     # of the tier) and "{tier}_seconds" (spent moving), for tier "host" and "disk".
     kv_offload_stats: dict[str, float] = field(default_factory=dict)
+    # speculative decoding's counters (None without speculative decoding)
+    spec_decoding_stats: SpecDecodingStats | None = None
+    # LoRA adapter name -> requests using it, running and waiting (only with --enable-lora)
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

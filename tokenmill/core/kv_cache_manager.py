@@ -57,6 +57,9 @@ class KVCacheManager:
         log_stats: count prefix-cache queries and hits.
         offload: the offload tiers behind the prefix cache (``core/kv_offload.py``), or
             None; needs ``enable_caching``.
+        drop_last_hit_block: never reuse the last block of a prefix-cache hit, recompute it
+            (EAGLE-style proposers: their KV at a position also depends on the next token,
+            which the hitting request may not share).
 
     Raises:
         ValueError: ``num_blocks`` or ``block_size`` is not positive.
@@ -70,6 +73,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         log_stats: bool = True,
         offload: KVOffloadManager | None = None,
+        drop_last_hit_block: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -86,6 +90,7 @@ class KVCacheManager:
         # request id -> the blocks of its prefix found in the offload tiers by the last
         # get_computed_blocks, loaded by the allocate_slots that admits it.
         self._offload_hits: dict[str, list[BlockHash]] = {}
+        self.drop_last_hit_block = drop_last_hit_block
         # request id -> its block table, in token order.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request id -> tokens its blocks were sized for (the largest allocation so far).
@@ -179,6 +184,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.drop_last_hit_block and hits:
+            hits.pop()
         return hits
 
     def allocate_slots(
@@ -187,9 +194,12 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Make room for ``request.num_computed_tokens + num_new_computed_tokens +
-        num_new_tokens`` tokens in the request's block table.
+        num_new_tokens`` tokens in the request's block table, and for up to
+        ``num_lookahead_tokens`` more within ``max_model_len`` (slots where a speculative
+        proposer writes its drafts' KV).
 
         Prefix-cache hit blocks are referenced first, then only the missing blocks are
         taken from the pool (so a request has at most one partly filled block). Finally
@@ -208,6 +218,7 @@ class KVCacheManager:
                 offloaded ones included).
             new_computed_blocks: the hit blocks (from ``get_computed_blocks``); only for a
                 request that holds no blocks yet.
+            num_lookahead_tokens: slots wanted past the computed ones (never cached).
 
         Returns:
             The ids of the blocks added to the request's block table by this call, hit
@@ -220,7 +231,7 @@ class KVCacheManager:
                 ``max_model_len`` tokens.
         """
         if not new_computed_blocks and num_new_computed_tokens == 0 and num_new_tokens >= 0:
-            if self._allocate_in_place(request, num_new_tokens):
+            if self._allocate_in_place(request, num_new_tokens, num_lookahead_tokens):
                 return []
         hit_blocks = new_computed_blocks or []
         req_id = request.request_id
@@ -229,7 +240,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(req_id, [])
         self._check_allocation(request, blocks, num_new_tokens, num_device_hit_tokens, hit_blocks)
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_new_blocks = max(0, cdiv(num_tokens, self.block_size) - len(blocks) - len(hit_blocks))
+        num_slots = self._with_lookahead(num_tokens, num_lookahead_tokens)
+        num_new_blocks = max(0, cdiv(num_slots, self.block_size) - len(blocks) - len(hit_blocks))
         # NOTE: a hit on a free block takes it out of the free pool, so it counts here.
         num_free_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
         if num_new_blocks + num_free_hits > self.block_pool.get_num_free_blocks():
@@ -251,27 +263,34 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(req_id, [])
         blocks.extend(hit_blocks)
         blocks.extend(new_blocks)
-        num_allocated = max(num_tokens, self.req_to_num_allocated_tokens.get(req_id, 0))
+        num_allocated = max(num_slots, self.req_to_num_allocated_tokens.get(req_id, 0))
         self.req_to_num_allocated_tokens[req_id] = num_allocated
         if self.enable_caching:
             self._cache_known_blocks(request, blocks, len(hit_blocks), num_tokens)
         return [b.block_id for b in hit_blocks] + [b.block_id for b in new_blocks]
 
-    def _allocate_in_place(self, request: Request, num_new_tokens: int) -> bool:
+    def _with_lookahead(self, num_tokens: int, num_lookahead_tokens: int) -> int:
+        """Slots for ``num_tokens`` and the lookahead past them, within ``max_model_len``."""
+        return max(num_tokens, min(num_tokens + num_lookahead_tokens, self.max_model_len))
+
+    def _allocate_in_place(
+        self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0
+    ) -> bool:
         """The common decode case of ``allocate_slots``: a request whose new tokens fit in
         the blocks it already holds. Updates its bookkeeping exactly as the general path
         would and returns True; returns False (nothing changed) when that path is needed."""
         req_id = request.request_id
         blocks = self.req_to_blocks.get(req_id)
         num_tokens = request.num_computed_tokens + num_new_tokens
+        num_slots = self._with_lookahead(num_tokens, num_lookahead_tokens)
         if (
             blocks is None
-            or num_tokens > len(blocks) * self.block_size
+            or num_slots > len(blocks) * self.block_size
             or num_tokens > self.max_model_len
         ):
             return False
-        if num_tokens > self.req_to_num_allocated_tokens[req_id]:
-            self.req_to_num_allocated_tokens[req_id] = num_tokens
+        if num_slots > self.req_to_num_allocated_tokens[req_id]:
+            self.req_to_num_allocated_tokens[req_id] = num_slots
         if self.enable_caching:
             # _cache_known_blocks' own test, made here: most decode steps fill no block, and
             # skipping the call is ~10% of a 512-request step's scheduling.

@@ -93,14 +93,26 @@ def hash_block_tokens(
     return hasher.digest()
 
 
+def _first_block_keys(request: Request) -> tuple | None:
+    """The first block's extra keys: the cache salt and the LoRA adapter id, when set."""
+    keys: tuple = ()
+    if request.cache_salt:
+        keys += (request.cache_salt,)
+    lora_id = getattr(request, "lora_int_id", 0)
+    if lora_id:
+        keys += (("lora", lora_id),)
+    return keys or None
+
+
 def update_block_hashes(request: Request, block_size: int) -> None:
     """Append to ``request.block_hashes`` the hashes of its full blocks not hashed yet.
 
     Full blocks are taken over ``request.all_token_ids`` (prompt and output), so the
     cost is O(new full blocks). The first block's extra keys hold ``request.cache_salt``
-    when it is set, which separates the prefix caches of different salts entirely (every
-    later block chains from the first); a block holding image placeholders has the images'
-    content hashes among its extra keys.
+    when it is set and the request's LoRA adapter id when it has one, which separates the
+    prefix caches of different salts and adapters entirely (every later block chains from
+    the first): two adapters never share KV. A block holding image placeholders has the
+    images' content hashes among its extra keys.
 
     Args:
         request: the request; its ``block_hashes`` grows in place.
@@ -114,7 +126,7 @@ def update_block_hashes(request: Request, block_size: int) -> None:
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full_blocks):
         start = i * block_size
-        keys: list[object] = [request.cache_salt] if i == 0 and request.cache_salt else []
+        keys: list[object] = list(_first_block_keys(request) or ()) if i == 0 else []
         # The images whose placeholders the block holds: two prompts with the same
         # placeholder tokens but different images never share KV.
         keys += [

@@ -20,12 +20,17 @@ class ModelRunnerOutput:
             token's logprob (``best_of > n``).
         prompt_logprobs: request id -> logprobs of the prompt positions computed this
             step, for requests with ``SamplingParams.prompt_logprobs``.
+        spec_token_ids: speculative decoding: per request (same order), the draft tokens
+            proposed for its next step (empty: none); None without speculative decoding.
+            With drafts verified this step, ``sampled_token_ids`` holds the accepted drafts
+            and one token of the target's own.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    spec_token_ids: list[list[int]] | None = None
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from tokenmill.core.engine_io import EngineCoreRequest, FinishReason
+from tokenmill.lora.request import LoRARequest
 from tokenmill.multimodal.inputs import MultiModalFeature
 from tokenmill.sampling_params import SamplingParams
 
@@ -67,6 +68,7 @@ class Request:
         cache_salt: str | None = None,
         max_model_len: int | None = None,
         mm_features: list[MultiModalFeature] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -76,6 +78,9 @@ class Request:
         self.cache_salt = cache_salt
         # The prompt's images (placeholder ranges, content hashes, encoder inputs), by offset.
         self.mm_features = sorted(mm_features or [], key=lambda f: f.offset)
+        self.lora_request = lora_request
+        # 0: the base model; prefix-cache blocks and adapter slots are keyed by it.
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -84,6 +89,9 @@ class Request:
         self.num_computed_tokens = 0
         # Async scheduling: tokens being sampled by steps in flight, not yet appended.
         self.num_output_placeholders = 0
+        # Speculative decoding: draft tokens to verify after the known ones (not yet part
+        # of the request's tokens; the scheduler counts them in its token budget).
+        self.spec_token_ids: list[int] = []
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
@@ -117,6 +125,7 @@ class Request:
             cache_salt=req.cache_salt,
             max_model_len=max_model_len,
             mm_features=req.mm_features,
+            lora_request=req.lora_request,
         )
 
     @property

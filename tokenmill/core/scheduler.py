@@ -30,18 +30,20 @@ from tokenmill.core.engine_io import (
 )
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_offload import KVOffloadManager
+from tokenmill.core.lora_slots import LoRASlots, count_adapters
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import create_request_queue
 from tokenmill.core.scheduler_checks import check_scheduler_config, take_stats
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.core.speculation import Speculation
 from tokenmill.core.step_plan import StepPlan
 from tokenmill.core.stop_conditions import stop_status
 from tokenmill.math_utils import cdiv
 
 if TYPE_CHECKING:
     # Annotations only: core/ stays importable without the model-side packages.
-    from tokenmill.config import CacheConfig, SchedulerConfig
+    from tokenmill.config import CacheConfig, SchedulerConfig, SpeculativeConfig
     from tokenmill.sampling_params import BeamSearchParams
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class Scheduler:
         num_blocks: KV blocks available (as sized by the worker).
         log_stats: count prefix-cache hits and attach ``SchedulerStats`` to each output.
         offload_slots: blocks of the host and disk offload tiers ((0, 0): none).
+        speculative_config: speculative decoding (``core/speculation.py``), or None.
+        max_loras: LoRA adapter slots: the most distinct adapters among the running
+            requests (0: LoRA off).
 
     Attributes:
         requests: every live (waiting or running) request, by id.
@@ -79,9 +84,14 @@ class Scheduler:
         num_blocks: int,
         log_stats: bool = True,
         offload_slots: tuple[int, int] = (0, 0),
+        speculative_config: SpeculativeConfig | None = None,
+        max_loras: int = 0,
     ) -> None:
+        self.max_loras = max_loras
         self._init_config(scheduler_config, cache_config, log_stats)
         self._init_queues()
+        self.speculation = Speculation.create(speculative_config)
+        self.num_lookahead_tokens = self.speculation.num_lookahead_tokens if self.speculation else 0
         self._init_kv_cache(cache_config, num_blocks, offload_slots)
 
     def _init_config(
@@ -148,6 +158,7 @@ class Scheduler:
             enable_caching=cache_config.enable_prefix_caching,
             log_stats=self.log_stats,
             offload=KVOffloadManager(*offload_slots) if offload_slots[0] else None,
+            drop_last_hit_block=self.speculation is not None and self.speculation.shifted_kv,
         )
 
     # ----------------------------------------------------------------- requests in/out
@@ -331,7 +342,9 @@ class Scheduler:
             The new block ids, or None if ``request`` itself had to be preempted.
         """
         while True:
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+            )
             if new_block_ids is not None:
                 return new_block_ids
             victim = self._select_victim()
@@ -357,6 +370,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         # A token still being sampled for it is discarded (update_from_output skips
         # requests that are not running); recompute produces it again.
         request.num_output_placeholders = 0
@@ -371,6 +385,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
         reserved: int | None = None  # headroom for the running requests, once computed
+        lora_slots = LoRASlots(self.running, self.max_loras) if self.max_loras else None
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
             if self._step_is_full(plan) or not self._may_admit(request):
@@ -380,6 +395,9 @@ class Scheduler:
                 + self.beams.num_seqs_needed(request) > self.max_num_seqs
             ):  # fmt: skip
                 break  # the running beam searches may still fork into the free slots
+            if lora_slots is not None and not lora_slots.admits(request):
+                lora_slots.skip(self.waiting.pop_request())
+                continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             budget = plan.budget_for(request)
             num_new = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
@@ -398,15 +416,21 @@ class Scheduler:
                         )
                     if free_after < reserved:
                         break  # admitting it would likely force a preemption later
-            if kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is None:
+            lookahead = self.num_lookahead_tokens
+            if kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks, lookahead) is None:
                 break
             self.waiting.pop_request()
             self._admit(request, num_hit_tokens)
             plan.add_new(request, num_new)
             self._commit_encoder(request, num_hit_tokens, num_new, to_encode, plan)
+            if lora_slots is not None:
+                lora_slots.take(request)
             if reserved is not None:
                 assert self.headroom is not None
                 reserved += self.headroom.growth_blocks(request, num_new)
+        if lora_slots is not None:
+            for request in reversed(lora_slots.skipped):
+                self.waiting.prepend_request(request)
 
     def _step_is_full(self, plan: StepPlan) -> bool:
         """Whether the step takes no more requests (beyond the token budget and
@@ -434,9 +458,11 @@ class Scheduler:
         """Tokens to compute for ``request`` this step, from ``num_computed`` on (0: none).
 
         Under async scheduling a token still being sampled counts as known: the worker takes
-        it from the device when the step runs.
+        it from the device when the step runs. Draft tokens (``spec_token_ids``) count as
+        tokens to compute.
         """
         num_new = request.num_tokens + request.num_output_placeholders - num_computed
+        num_new += len(request.spec_token_ids)
         if self.enable_chunked_prefill:
             if self.long_prefill_token_threshold > 0:
                 num_new = min(num_new, self.long_prefill_token_threshold)
@@ -472,6 +498,7 @@ class Scheduler:
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 mm_features=r.mm_features or None,
+                lora_request=r.lora_request,
             )
             for r in plan.new_reqs
         ]
@@ -483,6 +510,7 @@ class Scheduler:
         )
         finished_req_ids = self.finished_req_ids | plan.preempted_ids
         self.finished_req_ids = set()
+        spec_tokens = self.speculation.take_scheduled(plan) if self.speculation else {}
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -494,6 +522,7 @@ class Scheduler:
             free_encoder_ids=self.encoder_cache.take_freed(),
             block_copies=self.beams.take_block_copies(),
             kv_transfers=kv.offload.take_transfers() if kv.offload is not None else None,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -524,6 +553,7 @@ class Scheduler:
         """
         runner = model_runner_output
         sampled = dict(zip(runner.req_ids, runner.sampled_token_ids, strict=True))
+        drafts = dict(zip(runner.req_ids, runner.spec_token_ids or (), strict=False))
         outputs: list[EngineCoreOutput] = []
         finished_ids: set[str] = set()
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -531,6 +561,9 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted since it was scheduled
             step_tokens = sampled.get(req_id, [])
+            verified = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if verified and self.speculation is not None:
+                self.speculation.on_verified(request, len(verified), len(step_tokens))
             if request.num_output_placeholders:
                 request.num_output_placeholders = max(
                     0, request.num_output_placeholders - len(step_tokens)
@@ -543,6 +576,8 @@ class Scheduler:
             new_token_ids = self._append_tokens(request, step_tokens)
             prompt_logprobs = runner.prompt_logprobs.get(req_id)
             finished = request.is_finished()
+            if self.speculation is not None and not finished:
+                self.speculation.set_drafts(request, drafts.get(req_id, []), self.max_context_len)
             if not (new_token_ids or finished or prompt_logprobs):
                 continue
             logprobs = runner.logprobs.get(req_id)
@@ -612,5 +647,11 @@ class Scheduler:
             self.kv_cache_manager, self.encoder_cache, len(self.running), len(self.waiting),
             self._num_preemptions, self._num_constraint_failures,
         )  # fmt: skip
+        if self.speculation:
+            stats.spec_decoding_stats = self.speculation.make_stats()
+        if self.max_loras:
+            stats.running_lora_adapters = count_adapters(self.running)
+            stats.waiting_lora_adapters = count_adapters(self.waiting)
         self._num_preemptions = self._num_constraint_failures = 0
         return stats
+

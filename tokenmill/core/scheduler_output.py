@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.core.kv_offload import KVTransfers
+from tokenmill.lora.request import LoRARequest
 from tokenmill.multimodal.inputs import MultiModalFeature
 from tokenmill.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class NewRequestData:
             tokens of context).
         num_computed_tokens: tokens whose KV is already in those blocks (prefix-cache hits).
         mm_features: the prompt's images (None for a text prompt).
+        lora_request: the LoRA adapter the request runs with, or None.
     """
 
     req_id: str
@@ -43,6 +45,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     mm_features: list[MultiModalFeature] | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ class SchedulerOutput:
             the request's scheduled tokens this step (from position ``max(num_computed,
             prompt length)`` on). The stages before the last never sample, so they take
             a running request's new tokens from here.
+        scheduled_spec_decode_tokens: request id -> the draft tokens it verifies this step
+            (speculative decoding): the last of its scheduled tokens, after its last known
+            token; requests without drafts are absent.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -110,6 +116,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     kv_transfers: KVTransfers | None = None
     new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

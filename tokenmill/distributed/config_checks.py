@@ -104,16 +104,35 @@ def parallel_config_from_flags(
 
 
 def check_parallel_features(
-    pc: ParallelConfig, *, enable_sleep_mode: bool, kv_offloading: bool
+    pc: ParallelConfig,
+    *,
+    enable_sleep_mode: bool,
+    kv_offloading: bool,
+    speculative: bool = False,
+    lora: bool = False,
+    fp8_kv_cache: bool = False,
 ) -> None:
-    """Engine features that pipeline stages do not carry yet (beam search is refused per
-    request, ``InputProcessor``).
+    """Engine features that several ranks do not carry yet (beam search is refused per
+    request under pipeline parallelism, ``InputProcessor``).
 
     Raises:
         ConfigError: ``--enable-sleep-mode`` or ``--kv-offloading-size`` with pipeline
-            parallelism.
+            parallelism; ``--speculative-config``, ``--enable-lora`` or an FP8
+            ``--kv-cache-dtype`` with more than one rank (tensor, pipeline or data parallel).
     """
     pp = pc.pipeline_parallel_size
+    sizes = (
+        f"--tensor-parallel-size {pc.tensor_parallel_size}, --pipeline-parallel-size {pp}, "
+        f"--data-parallel-size {pc.data_parallel_size}"
+    )
+    ranks = pc.tensor_parallel_size * pp * pc.data_parallel_size
+    for flag, on in (
+        ("--speculative-config", speculative),
+        ("--enable-lora", lora),
+        ("--kv-cache-dtype fp8", fp8_kv_cache),
+    ):
+        if on and ranks > 1:
+            raise ConfigError(f"{flag} is not implemented with parallelism yet ({sizes})")
     if pp == 1:
         return
     for flag, on in (

@@ -41,6 +41,7 @@ from tokenmill.engine.output_processor import IterationStats, OutputProcessor
 from tokenmill.engine.request_collector import RequestOutputCollector
 from tokenmill.engine.stage_timings import FRONT_END_TIMINGS
 from tokenmill.engine_args import EngineArgs
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 from tokenmill.tokenizer import get_tokenizer
@@ -129,6 +130,7 @@ class AsyncLLM:
             self.input_processor = InputProcessor(
                 mc, self.tokenizer, mc.max_logprobs, config.scheduler_config.max_num_seqs,
                 config.parallel_config.pipeline_parallel_size,
+                speculative=config.speculative_config is not None,
             )
             self.output_processor = OutputProcessor(
                 self.tokenizer, log_stats=bool(self.stat_loggers)
@@ -409,6 +411,7 @@ class AsyncLLM:
         request_id: str,
         priority: int = 0,
         validate_max_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its outputs until it finishes.
 
@@ -432,6 +435,7 @@ class AsyncLLM:
             sampling_params,
             priority=priority,
             validate_max_tokens=validate_max_tokens,
+            lora_request=lora_request,
         )
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             # The image processor's CPU work runs in a thread, off the event loop.
@@ -541,6 +545,15 @@ class AsyncLLM:
             for key, value in dict(per_core).items():
                 total[key] = total.get(key, 0) + value
         return total
+
+    async def add_lora(self, lora_request: LoRARequest) -> str | None:
+        """Load an adapter in the engine (checked against the model, kept in host memory);
+        returns None, or why it cannot be served."""
+        return await self._utility("add_lora", lora_request, timeout_s=300.0)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Drop an adapter once the requests using it have finished."""
+        await self._utility("remove_lora", lora_int_id)
 
     async def check_kv_integrity(self) -> bool:
         """Ask the cores to verify their KV cache bookkeeping (raises there if broken)."""

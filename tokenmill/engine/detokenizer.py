@@ -73,6 +73,7 @@ class IncrementalDetokenizer:
         longest = max((len(s) for s in self.stop), default=0)
         self.stop_buffer_length = 0 if self.include_stop_str_in_output else max(longest - 1, 0)
         self.stopped = False
+        self._stop_end = 0  # where the matched stop string ended in the text
         self._sent_text_offset = 0
         self._num_fed = 0  # output tokens given to the decoder
         self._num_pending = 0  # of those, tokens whose text the decoder still holds
@@ -115,8 +116,11 @@ class IncrementalDetokenizer:
 
         Returns:
             The matched stop string, or None. On a match the text is cut before it (after
-            it with include_stop_str_in_output) and the sequence must be finished.
-            Only stop strings ending in text of tokens past the first ``min_tokens`` count.
+            it with include_stop_str_in_output) and the sequence must be finished; of
+            several new tokens (speculative decoding), those after the one whose text
+            completed the match are dropped, as one-at-a-time decoding would never have
+            generated them. Only stop strings ending in text of tokens past the first
+            ``min_tokens`` count.
         """
         if self.stopped:
             return None
@@ -128,13 +132,22 @@ class IncrementalDetokenizer:
         if stop_terminated and not self.include_stop_str_in_output and to_decode:
             to_decode = to_decode[:-1]
         check_from = len(self.output_text)
+        text_ends = []  # the text's length after each new token
         for i, token_id in enumerate(to_decode):
             self.output_text += self._decode_next(token_id)
+            text_ends.append(len(self.output_text))
             if first_index + i < self.min_tokens:
                 check_from = len(self.output_text)
         if (finished or stop_terminated) and self._num_pending:
             self.output_text += self._flush()
-        return self._check_stop(check_from) if self.stop else None
+        if not self.stop:
+            return None
+        stop = self._check_stop(check_from)
+        if stop is not None and len(new_token_ids) > 1:
+            keep = next((i for i, end in enumerate(text_ends) if end >= self._stop_end), None)
+            if keep is not None:
+                del self.token_ids[first_index + keep + 1 :]
+        return stop
 
     def _decode_next(self, token_id: int) -> str:
         assert self._stream is not None
@@ -229,6 +242,7 @@ class IncrementalDetokenizer:
         if best is None:
             return None
         end, start, stop = best
+        self._stop_end = end
         self.output_text = text[:end] if self.include_stop_str_in_output else text[:start]
         self.stopped = True
         return stop

@@ -33,6 +33,7 @@ from tokenmill.core.pipeline_scheduler import PipelineScheduler
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
+from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -86,13 +87,18 @@ class EngineCore:
         # Pipeline parallelism: up to one micro-batch in flight per stage.
         self.num_stages = config.parallel_config.pipeline_parallel_size
         scheduler_cls = PipelineScheduler if self.num_stages > 1 else Scheduler
+        lora = config.lora_config
         self.scheduler = scheduler_cls(
             config.scheduler_config,
             config.cache_config,
             num_blocks,
             log_stats=log_stats,
             offload_slots=tuple(offload_slots),
+            speculative_config=config.speculative_config,
+            max_loras=lora.max_loras if lora is not None else 0,
         )
+        # Adapters whose removal waits for the requests that still use them.
+        self._lora_removals: set[int] = set()
         self.log_stats = log_stats
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Async scheduling: the step in flight (its plan and its output handle).
@@ -146,8 +152,9 @@ class EngineCore:
         cc.num_blocks = num_blocks
         self.executor.initialize_cache(num_blocks)
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency for "
+            "KV cache (%s): %d blocks of %d tokens = %d tokens; maximum concurrency for "
             "%d-token requests: %.2fx",
+            cc.cache_dtype if cc.cache_dtype != "auto" else mc.dtype,
             num_blocks,
             cc.block_size,
             capacity,
@@ -166,11 +173,18 @@ class EngineCore:
         aborted (the front end checks the constraints, so this is rare).
 
         Raises:
-            ValueError: the scheduler refuses the request (``Scheduler.check_request``).
+            ValueError: the scheduler refuses the request (``Scheduler.check_request``), or
+                its LoRA adapter cannot be served (LoRA off, an unreadable adapter).
         """
         req = Request.from_engine_core_request(request, self.config.model_config.max_model_len)
         if req.request_id in self._grammars:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if request.lora_request is not None:
+            if self.config.lora_config is None:
+                raise ValueError("this request names a LoRA adapter, but LoRA is off "
+                                 "(--enable-lora)")
+            self._lora_removals.discard(request.lora_request.lora_int_id)
+            self.executor.add_lora(request.lora_request)
         if request.sampling_params.structured_outputs is None:
             self.scheduler.add_request(req, request.beam_search)
             return
@@ -266,6 +280,7 @@ class EngineCore:
             outputs = self._step_async()
         else:
             outputs = self._step_sync()
+        self._remove_unused_loras()
         if self._failed:
             outputs.outputs[:0], self._failed = self._failed, []
         if outputs.scheduler_stats is not None and self._offload:
@@ -425,6 +440,36 @@ class EngineCore:
         assert reset, "blocks still in use after preempting every request"
         self.scheduler.encoder_cache.reset()
         return outputs
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter into the workers' host memory (checked against the model).
+
+        Raises:
+            ValueError: LoRA is off, or the adapter cannot be served.
+        """
+        if self.config.lora_config is None:
+            raise ValueError("LoRA adapters need --enable-lora")
+        self._lora_removals.discard(lora_request.lora_int_id)
+        self.executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drop an adapter once no live request uses it (at once when none does)."""
+        self._lora_removals.add(lora_int_id)
+        self._remove_unused_loras()
+
+    def lora_ids_in_use(self) -> tuple[set[int], set[int]]:
+        """The adapter ids of the running and of the waiting requests."""
+        s = self.scheduler
+        running = {r.lora_int_id for r in s.running if r.lora_int_id}
+        waiting = {r.lora_int_id for r in s.requests.values() if r.lora_int_id} - running
+        return running, waiting
+
+    def _remove_unused_loras(self) -> None:
+        if not self._lora_removals:
+            return
+        running, waiting = self.lora_ids_in_use()
+        for lora_id in list(self._lora_removals - running - waiting):
+            self._lora_removals.discard(lora_id)
+            self.executor.remove_lora(lora_id)
 
     def check_integrity(self) -> None:
         """Verify the KV cache's bookkeeping (``KVCacheManager.check_integrity``)."""

@@ -28,9 +28,15 @@ import zmq
 
 from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
-from tokenmill.core.engine_io import EngineCoreOutputs, EngineCoreRequest
+from tokenmill.core.engine_io import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
 from tokenmill.gc_freeze import freeze_startup_heap
 from tokenmill.hf_config import ModelLoadError
+from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +128,19 @@ class EngineCoreProc:
     def _handle(self, kind: bytes, payload: bytes) -> None:
         core = self.engine_core
         if kind == MSG_ADD:
-            core.add_request(_request_decoder.decode(payload))
+            request = _request_decoder.decode(payload)
+            try:
+                core.add_request(request)
+            except ValueError as e:
+                # The front end checked the request; what remains (an adapter folder gone
+                # since it was loaded) ends this request, not the engine.
+                logger.warning("request %s refused: %s", request.request_id, e)
+                out = EngineCoreOutput(
+                    request.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=str(e)
+                )
+                self.output.send_multipart(
+                    [MSG_OUT, _encoder.encode(EngineCoreOutputs(outputs=[out]))]
+                )
         elif kind == MSG_ABORT:
             core.abort_requests(_ids_decoder.decode(payload))
         elif kind == MSG_UTILITY:
@@ -141,6 +159,15 @@ class EngineCoreProc:
             return self.engine_core.reset_prefix_cache()
         if name == "ping":
             return "pong"
+        if name == "add_lora":  # -> None, or why the adapter cannot be served
+            try:
+                self.engine_core.add_lora(msgspec.convert(args[0], LoRARequest))
+            except ValueError as e:
+                return str(e)
+            return None
+        if name == "remove_lora":
+            self.engine_core.remove_lora(int(args[0]))
+            return True
         if name == "check_integrity":
             self.engine_core.check_integrity()
             return True

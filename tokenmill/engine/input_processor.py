@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.core.engine_io import EngineCoreRequest
 from tokenmill.engine.parallel_sampling import child_request_id, make_child_params, needs_fan_out
+from tokenmill.lora.request import LoRARequest
 from tokenmill.multimodal.inputs import MultiModalFeature
 from tokenmill.multimodal.media import MediaError
 from tokenmill.sampling_params import (
@@ -95,6 +96,7 @@ class InputProcessor:
         max_num_seqs: the most sequences the engine runs at once (a beam search's width
             may not exceed it); None: no limit.
         pipeline_parallel_size: the engine's pipeline stages (beam search needs one).
+        speculative: the engine runs speculative decoding (beam search is refused then).
     """
 
     def __init__(
@@ -104,8 +106,10 @@ class InputProcessor:
         max_logprobs: int,
         max_num_seqs: int | None = None,
         pipeline_parallel_size: int = 1,
+        speculative: bool = False,
     ) -> None:
         self.model_config = model_config
+        self.speculative = speculative
         self.pipeline_parallel_size = pipeline_parallel_size
         self.max_num_seqs = max_num_seqs
         self.tokenizer = tokenizer
@@ -177,6 +181,7 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         validate_max_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Tokenize and validate one request and build its EngineCoreRequests.
 
@@ -190,6 +195,7 @@ class InputProcessor:
             priority: scheduling priority (lower runs earlier).
             validate_max_tokens: reject prompt + max_tokens beyond the context (the API
                 server); when False, generation just stops at the context length (offline).
+            lora_request: the LoRA adapter to run with (None: the base model).
 
         Returns:
             The ProcessedRequest.
@@ -208,6 +214,12 @@ class InputProcessor:
                 f"priority must be a 64-bit signed integer, got {priority!r}.", "priority"
             )
         if isinstance(params, BeamSearchParams):
+            if lora_request is not None:
+                # Forked beams do not carry the adapter: refuse rather than decode with the
+                # base model.
+                raise InvalidRequestError(
+                    "beam search is not implemented with LoRA adapters.", "model"
+                )
             return self._process_beam_search(
                 request_id, prompt, params, arrival_time, priority, validate_max_tokens
             )
@@ -244,6 +256,7 @@ class InputProcessor:
                 priority=priority,
                 cache_salt=cache_salt,
                 mm_features=mm_features or None,
+                lora_request=lora_request,
             )
 
         if needs_fan_out(params):
@@ -271,8 +284,13 @@ class InputProcessor:
         Raises:
             InvalidRequestError: as ``process``, a beam width above ``max_num_seqs`` or
                 with more candidates than the vocabulary has tokens, or an engine with
-                pipeline stages.
+                pipeline stages or speculative decoding.
         """
+        if self.speculative:
+            # Drafts are verified per sequence; beams fork between the steps that verify.
+            raise InvalidRequestError(
+                "beam search is not implemented with speculative decoding (--speculative-config)."
+            )
         if self.pipeline_parallel_size > 1:
             # Beams fork and drop sequences between steps; the pipeline's micro-batches in
             # flight do not follow a fork.

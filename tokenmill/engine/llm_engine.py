@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.engine_io import EngineCoreOutputs, SchedulerStats
+from tokenmill.core.engine_io import EngineCoreOutputs, SchedulerStats, SpecDecodingStats
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import IterationStats, OutputProcessor
 from tokenmill.engine_args import EngineArgs, UsageContext
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 from tokenmill.tokenizer import get_tokenizer
@@ -35,6 +36,8 @@ class EngineCounters:
     mm_cache_hits: int = 0  # of those, found
     # KV offload tiers: SchedulerStats.kv_offload_stats, summed
     kv_offload: dict[str, float] = field(default_factory=dict)
+    # speculative decoding: drafts, draft tokens and accepted tokens (all zero without it)
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
 
     def add(self, stats: SchedulerStats) -> None:
         self.mm_cache_queries += stats.mm_cache_queries
@@ -45,6 +48,8 @@ class EngineCounters:
         self.num_constraint_failures += stats.num_constraint_failures
         for key, value in stats.kv_offload_stats.items():
             self.kv_offload[key] = self.kv_offload.get(key, 0.0) + value
+        if stats.spec_decoding_stats is not None:
+            self.spec_decoding.add(stats.spec_decoding_stats)
 
 
 class LLMEngine:
@@ -64,6 +69,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             mc, self.tokenizer, mc.max_logprobs, config.scheduler_config.max_num_seqs,
             config.parallel_config.pipeline_parallel_size,
+            speculative=config.speculative_config is not None,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         self.last_iteration_stats: IterationStats | None = None
@@ -83,19 +89,24 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Validate, tokenize and queue a request (a beam search with BeamSearchParams).
 
         Raises:
             InvalidRequestError, SamplingParamsError: the request cannot be served.
             RuntimeError: the engine is asleep (``sleep``): nothing would run it.
+            ValueError: its LoRA adapter cannot be served.
         """
         if self.engine_core.is_sleeping:
             raise RuntimeError("the engine is asleep: call wake_up() before generating")
         # Offline, a request longer than the context simply stops there (as vLLM's LLM).
         processed = self.input_processor.process(
-            request_id, prompt, params, arrival_time, priority, validate_max_tokens=False
-        )
+            request_id, prompt, params, arrival_time, priority, validate_max_tokens=False,
+            lora_request=lora_request,
+        )  # fmt: skip
+        if lora_request is not None:
+            self.engine_core.add_lora(lora_request)  # refused before anything is queued
         self.output_processor.add_request(processed, processed.params)
         for req in processed.engine_requests:
             self.engine_core.add_request(req)

@@ -362,6 +362,7 @@ class OutputProcessor:
                 continue
             self._record_tokens(state, len(output.new_token_ids), now, stats)
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
+            num_before = len(state.detokenizer.token_ids)
             stop_str = state.detokenizer.update(
                 output.new_token_ids,
                 stop_terminated=finish_reason == FinishReason.STOP,
@@ -371,6 +372,9 @@ class OutputProcessor:
                 if finish_reason is None:
                     reqs_to_abort.append(state.request_id)
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
+                kept = len(state.detokenizer.token_ids) - num_before
+                if output.new_logprobs is not None and kept < len(output.new_token_ids):
+                    output.new_logprobs = output.new_logprobs.slice(0, kept)
             state.logprobs.update(output)
             if output.num_cached_tokens:
                 state.num_cached_tokens = output.num_cached_tokens

@@ -29,7 +29,8 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CollectorRegistry
 
-from tokenmill.config import EngineConfig
+from tokenmill import envs
+from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
 from tokenmill.engine.embedding_engine import AsyncEmbeddingEngine
 from tokenmill.entrypoints.anthropic.errors import error_response_for
@@ -46,6 +47,7 @@ from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from tokenmill.entrypoints.openai.serving_engine import RequestLogger
+from tokenmill.entrypoints.openai.serving_models import ServingModels, lora_router
 from tokenmill.entrypoints.openai.shutdown import (
     ABORTED_RESPONSE_GRACE_S,
     GracefulShutdown,
@@ -99,6 +101,7 @@ def build_app(
     state.engine = engine
     state.registry = registry
     state.serving_chat = state.serving_completion = state.serving_embedding = None
+    state.models = None
     install_observability(app, engine, args, registry)
     if isinstance(engine, AsyncEmbeddingEngine):
         state.serving_embedding = OpenAIServingEmbedding(engine, request_logger)
@@ -111,6 +114,11 @@ def build_app(
         getattr(args, "tool_settings", None),
     )
     state.serving_completion = OpenAIServingCompletion(engine, request_logger)
+    state.models = state.serving_chat.models = state.serving_completion.models = (
+        ServingModels(engine)
+    )
+    if envs.allow_runtime_lora_updating():
+        app.include_router(lora_router)
     add_responses_api(app, state.serving_chat, getattr(args, "max_stored_responses", None))
     add_messages_api(app, state.serving_chat)
     app.include_router(sleep_routes.router)
@@ -145,6 +153,11 @@ async def run_server(
     shutdown: GracefulShutdown | None = None
     try:
         app = build_app(engine, args, registry, chat_template)
+        if app.state.models is not None:
+            try:
+                await app.state.models.load_startup_adapters()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         timeout_s = getattr(args, "shutdown_timeout", 0)
         uv_config = uvicorn.Config(
             app,

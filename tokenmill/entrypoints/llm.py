@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from tokenmill.engine.embedding_engine import EmbeddingEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine_args import EngineArgs
+from tokenmill.lora.request import LoRARequest
 from tokenmill.multimodal.media import split_chat_images
 from tokenmill.outputs import (
     BeamSearchOutput,
@@ -121,6 +122,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for ``prompts``; returns one RequestOutput per prompt, in order.
 
@@ -131,9 +133,12 @@ class LLM:
                 generation defaults).
             use_tqdm: show a progress bar with input/output token throughput.
             priority: per-prompt priority (``--scheduling-policy priority``).
+            lora_request: the LoRA adapter for all prompts, or one per prompt (None: the
+                base model); needs ``enable_lora=True``.
 
         Raises:
-            ValueError: mismatched list lengths, or an invalid prompt (nothing is run then).
+            ValueError: mismatched list lengths, an invalid prompt or an adapter that
+                cannot be served (nothing is run then).
         """
         engine = self._generation_engine()
         prompt_list = self._as_prompt_list(prompts)
@@ -149,6 +154,12 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"{len(prompt_list)} prompts but {len(priority)} priorities")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"{len(prompt_list)} prompts but {len(loras)} LoRA requests")
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=False)):
@@ -156,8 +167,9 @@ class LLM:
                 params.output_kind = RequestOutputKind.FINAL_ONLY
                 request_id = str(next(self._counter))
                 engine.add_request(
-                    request_id, prompt, params, priority=priority[i] if priority else 0
-                )
+                    request_id, prompt, params, priority=priority[i] if priority else 0,
+                    lora_request=loras[i],
+                )  # fmt: skip
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)
@@ -247,6 +259,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with the chat template.
 
@@ -256,6 +269,7 @@ class LLM:
                 and ``{"type": "image_pil", "image_pil": PIL.Image}`` parts (models that
                 take images).
             chat_template: a template (text or file path) replacing the model's own.
+            lora_request: as ``generate``'s.
 
         Raises:
             ChatTemplateError: the model has no chat template and none was given.
@@ -277,7 +291,7 @@ class LLM:
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             prompts.append(prompt)
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def reset_prefix_cache(self) -> bool:
         return self._generation_engine().reset_prefix_cache()

@@ -7,6 +7,7 @@ import abc
 from tokenmill.config import EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
+from tokenmill.lora.request import LoRARequest
 
 
 class Executor(abc.ABC):
@@ -46,6 +47,18 @@ class Executor(abc.ABC):
         """Call ``method(*args)`` on every worker (sleep, wake_up, update_weights, ...);
         returns their results in rank order (vLLM's ``collective_rpc``)."""
         raise NotImplementedError(f"{type(self).__name__} does not call its workers by name")
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a LoRA adapter into every worker's host memory (a no-op when loaded).
+
+        Raises:
+            ValueError: LoRA is off, or the adapter cannot be served (the message says why).
+        """
+        self.collective_rpc("add_lora", (lora_request,))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a LoRA adapter from every worker; False when it was not loaded."""
+        return all(self.collective_rpc("remove_lora", (lora_int_id,)))
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release workers and devices."""

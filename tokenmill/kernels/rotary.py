@@ -17,6 +17,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from tokenmill.kernels.attention.common import cast_to_cache
     from tokenmill.kernels.pdl import wait_for_prior_grid
 
     @triton.jit
@@ -124,9 +125,9 @@ if HAS_TRITON:
         rotated = k * c[None, :] + k_pair * s[None, :]
         k = tl.where(rotates[None, :], rotated, k).to(k_ptr.dtype.element_ty)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + dst, cast_to_cache(k, k_cache_ptr), mask=mask)
         v = tl.load(v_ptr + token * v_stride + h * head_dim + d, mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, cast_to_cache(v, v_cache_ptr), mask=mask)
 
 
 def rotary_half(rotary_dim: int) -> int:

@@ -67,6 +67,8 @@ class InputBatch:
         # Async scheduling: index of the row's last sampled token in the previous step's
         # device tensor while its host copy is not yet known (-1: none pending).
         self.pending_idx = np.full(max_num_reqs, -1, dtype=np.int64)
+        # The row's LoRA adapter id (0: none).
+        self.lora_id = np.zeros(max_num_reqs, dtype=np.int64)
         self.requests: dict[str, CachedRequestState] = {}
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -97,6 +99,7 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = new.num_computed_tokens
         self.num_blocks[row] = 0
+        self.lora_id[row] = new.lora_request.lora_int_id if new.lora_request else 0
         self.requests[new.req_id] = state
         self.row_of[new.req_id] = row
         self._set_sampling(row, new.sampling_params)

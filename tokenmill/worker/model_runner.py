@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from tokenmill.model.layers.attention import (
 from tokenmill.model.loader.model_loader import get_model, reload_weights, torch_dtype
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
+from tokenmill.worker.host_memory import zeroed_tensor
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.kv_blocks import allocate_kv_arena, copy_kv_blocks
 from tokenmill.worker.kv_offload import KVOffloadStore
@@ -48,6 +50,7 @@ from tokenmill.worker.sampling_metadata import (
     build_sampling_metadata,
 )
 from tokenmill.worker.sleep_mode import SleepMode
+from tokenmill.worker.spec_decode_step import SpecDecodeStep
 from tokenmill.worker.step_graphs import StepGraphs
 from tokenmill.worker.step_io import (
     AsyncModelRunnerOutput,
@@ -56,6 +59,10 @@ from tokenmill.worker.step_io import (
     prompt_logprobs_of_step,
 )
 from tokenmill.worker.step_staging import DeviceArena, StepStaging
+
+if TYPE_CHECKING:
+    from tokenmill.lora.manager import LoRAManager
+    from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +77,21 @@ class _Buffer:
         self.np = np.zeros(tuple(device.shape) if host else (0,), dtype=dtype)
 
 
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for ``--kv-cache-dtype``: ``auto`` keeps the model's.
+
+    Raises:
+        ValueError: an unknown spelling.
+    """
+    if cache_dtype == "auto":
+        return model_dtype
+    table = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
+    if cache_dtype not in table:
+        raise ValueError(f"--kv-cache-dtype {cache_dtype!r}: auto, fp8, fp8_e4m3 or fp8_e5m2")
+    return table[cache_dtype]
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and the persistent batch of one device."""
 
@@ -78,6 +100,7 @@ class ModelRunner:
         self.device = device
         mc, sc = config.model_config, config.scheduler_config
         self.dtype = torch_dtype(mc.dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
         self.block_size = config.cache_config.block_size
         self.max_model_len = mc.max_model_len
         self.max_num_reqs = sc.max_num_seqs
@@ -92,6 +115,8 @@ class ModelRunner:
         self._step_images: StepImages | None = None
         # Pipeline parallelism: what the forward pass receives and sends (``load_model``).
         self.stage: PipelineStage | None = None
+        # --enable-lora: the adapters' slots and host cache (``load_model``).
+        self.lora: LoRAManager | None = None
         self.kv_caches: list[torch.Tensor] = []
         # The layers' KV caches are views of this one tensor (``[layers, *layer layout]``).
         self.kv_arena: torch.Tensor | None = None
@@ -111,6 +136,8 @@ class ModelRunner:
         self.input_batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_blocks_per_req
         )
+        # Speculative decoding: drafts in, verification, the next drafts (None: off).
+        self.spec_decode = SpecDecodeStep.create(config, device)
         self._init_buffers()
 
     def _init_buffers(self) -> None:
@@ -128,6 +155,7 @@ class ModelRunner:
                 ((r,), i32),  # context lengths
                 ((r, self.max_blocks_per_req), i32),  # block table
                 ((2,), i32),  # whole-step graphs of mixed steps: the prompt requests
+                ((n,), i32),  # LoRA: the adapter slot of each token
             ],
             d,
         )
@@ -137,9 +165,10 @@ class ModelRunner:
         # A step stages its block-table rows straight from the InputBatch's table.
         self.block_table = _Buffer(bufs[5], host=False)
         self.prefill_range = _Buffer(bufs[6])
+        self.lora_slots = _Buffer(bufs[7])
         # The most a step stages: its token arrays, request arrays, block-table rows, the
         # sampling rows and up to eight per-row sampling arrays of 8 bytes.
-        capacity = 3 * n * 8 + (3 * r + 3) * 4 + r * self.max_blocks_per_req * 4 + 9 * r * 8
+        capacity = 3 * n * 8 + n * 4 + (3 * r + 3) * 4 + r * self.max_blocks_per_req * 4 + 9 * r * 8
         self.staging = StepStaging(capacity, arena, d)
         self.sampled_host = [
             torch.zeros(r, dtype=torch.int64, pin_memory=d.type == "cuda") for _ in range(2)
@@ -171,6 +200,13 @@ class ModelRunner:
             self.mm = MultiModalState(self.model, self.device)
         if c.enable_sleep_mode:
             self.sleep_mode = SleepMode(self)
+        if self.spec_decode is not None:
+            self.spec_decode.load_model(self.model)
+        if c.lora_config is not None:
+            from tokenmill.lora.manager import LoRAManager
+
+            lora_dtype = torch_dtype(c.lora_config.resolved_dtype(c.model_config.dtype))
+            self.lora = LoRAManager(self.model, c.lora_config, lora_dtype, self.lora_slots.device)
 
     def reload_weights(self, path: str | None = None) -> None:
         """Load the weights again, in place, from ``path`` (a model folder, ``.safetensors``
@@ -185,6 +221,20 @@ class ModelRunner:
             self.model, c.model_config, c.load_config, self.device, self.attn_backend,
             c.kernel_config, path,
         )  # fmt: skip
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Load an adapter into host memory (``LoRAManager.add_lora``).
+
+        Raises:
+            LoRAAdapterError: the adapter cannot be served; ValueError: LoRA is off.
+        """
+        if self.lora is None:
+            raise ValueError("LoRA adapters need --enable-lora")
+        self.lora.add_lora(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False when it was not loaded."""
+        return self.lora is not None and self.lora.remove_lora(lora_int_id)
 
     def model_weight_bytes(self) -> int:
         """Bytes of the model's parameters and buffers on the device."""
@@ -209,14 +259,20 @@ class ModelRunner:
         return kv_cache_specs(self.model)
 
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes one KV block takes over all layers (K and V, or MLA's latent)."""
-        per_token = sum(spec.bytes_per_token(self.dtype) for spec in self.kv_cache_specs())
-        return per_token * self.block_size
+        """Bytes one KV block takes over all layers (K and V, or MLA's latent, in the cache's
+        dtype), plus a speculative proposer's own KV of the same tokens, which lives in the
+        same block ids (in the model's dtype: only the target's cache follows
+        ``--kv-cache-dtype``)."""
+        specs = self.kv_cache_specs()
+        size = sum(spec.bytes_per_token(self.kv_cache_dtype) for spec in specs) * self.block_size
+        if self.spec_decode is not None:
+            size += self.spec_decode.kv_cache_bytes_per_block(self.block_size, self.dtype)
+        return size
 
     def describe_kv_cache(self) -> str:
         """What a token costs in the KV cache, for the start-up log."""
         assert self.model is not None
-        return describe_kv_cache(self.model, self.dtype)
+        return describe_kv_cache(self.model, self.kv_cache_dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one ``[layers, *layout]`` tensor, where ``layout`` is each layer's cache
@@ -230,12 +286,23 @@ class ModelRunner:
         """
         self.num_blocks = num_blocks
         self.kv_arena = allocate_kv_arena(
-            self.kv_cache_specs(), self.attn_backend, num_blocks, self.block_size, self.dtype,
-            self.device,
+            self.kv_cache_specs(), self.attn_backend, num_blocks, self.block_size,
+            self.kv_cache_dtype, self.device,
         )  # fmt: skip
         self.kv_caches = list(self.kv_arena.unbind(0))
         assert self.model is not None
         bind_kv_caches(self.model, self.kv_caches)
+        if self.spec_decode is not None:
+            self.spec_decode.initialize_kv_cache(
+                num_blocks,
+                lambda heads, head_dim: zeroed_tensor(
+                    tuple(self.attn_backend.get_kv_cache_shape(
+                        num_blocks, self.block_size, heads, head_dim
+                    )),
+                    self.dtype,
+                    self.device,
+                ),
+            )  # fmt: skip
 
     def plan_cuda_graphs(self) -> StepGraphs | None:
         """The CUDA graphs start-up captures (``StepGraphs.plan``), uncaptured, planned once;
@@ -260,6 +327,8 @@ class ModelRunner:
             if self.mm is not None:
                 self.mm.remove_request(req_id)
         for new in so.scheduled_new_reqs:
+            if new.lora_request is not None:
+                self.add_lora(new.lora_request)  # a no-op for an adapter in host memory
             batch.add(new)
             if self.mm is not None:
                 self.mm.add_request(new)
@@ -281,6 +350,8 @@ class ModelRunner:
         if not self.is_last_stage:
             for req_id, token_ids in so.new_token_ids.items():
                 batch.set_output_tokens(req_id, token_ids)
+        if self.spec_decode is not None:
+            self.spec_decode.write_drafts(batch, so.scheduled_spec_decode_tokens)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         self._parity ^= 1
@@ -327,9 +398,21 @@ class ModelRunner:
         staging.put_into(self.seq_lens.np[:num_reqs], self.seq_lens.device[:num_reqs])
         staging.put_into(block_table, self.block_table.device[:num_reqs, :max_blocks])
         staging.put_into(self.prefill_range.np, self.prefill_range.device)
-        logits_indices = staging.put(cu[1:][sample_rows].astype(np.int64) - 1)
+        if self.lora is not None:
+            token_slots = self.lora.slots_for(batch.lora_id[rows])[req_idx]
+            staging.put_into(token_slots, self.lora_slots.device[:n])
+        last = cu[1:][sample_rows].astype(np.int64) - 1
+        if so.scheduled_spec_decode_tokens:
+            assert self.spec_decode is not None
+            # Every position from a request's last known token on is verified.
+            last = self.spec_decode.logits_indices(last, rows[sample_rows])
+        logits_indices = staging.put(last)
         sampling_metadata = None
-        if len(sample_rows) and batch.simple_sampling[rows[sample_rows]].all():
+        if (
+            len(sample_rows)
+            and batch.simple_sampling[rows[sample_rows]].all()
+            and not so.scheduled_spec_decode_tokens
+        ):
             sampling_metadata = self._plain_sampling_metadata(rows[sample_rows], staging.put)
         staging.flush(prev_sampled)
 
@@ -529,29 +612,44 @@ class ModelRunner:
         prompt_logprobs = prompt_logprobs_of_step(
             self.model, self.input_batch, inputs, hidden, self.device
         )
+        bitmasks = grammar_output.bitmasks if grammar_output else {}
+        if self.spec_decode is not None:
+            return self.spec_decode.finish_step(self, bitmasks, inputs, hidden, prompt_logprobs)
         sampled: list[list[int]] = [[] for _ in inputs.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
         if inputs.sample_rows:
-            logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
-            sample_batch_rows = inputs.batch_rows[inputs.sample_rows]
-            metadata = inputs.sampling_metadata or self._sampling_metadata(
-                inputs, sample_batch_rows, grammar_output.bitmasks if grammar_output else None
-            )
-            out = self.sampler(logits, metadata)
-            broadcast_from_first_tp_rank(out.sampled_token_ids)
-            token_ids = out.sampled_token_ids.tolist()  # the step's one sync
-            req_ids = inputs.req_ids
-            if out.logprobs is not None:
-                per_row = out.logprobs.to_lists_per_row(metadata.num_logprobs)
-                for i, lp in zip(inputs.sample_rows, per_row, strict=False):
-                    if lp is not None:
-                        logprobs[req_ids[i]] = lp
-            batch = self.input_batch
+            token_ids, logprobs = self.sample_tokens(inputs, hidden, bitmasks)
+            req_ids, batch = inputs.req_ids, self.input_batch
             for i, tok in zip(inputs.sample_rows, token_ids, strict=False):
                 sampled[i] = [tok]
                 batch.append_token(req_ids[i], tok)
         self._advance_computed(inputs)
         return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs)
+
+    def sample_tokens(
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        grammar_bitmasks: Mapping[str, np.ndarray],
+    ) -> tuple[list[int], dict[str, LogprobsLists]]:
+        """One token for each of the step's sampling requests (``inputs.sample_rows``), and
+        the logprobs of those that asked, by request id; the step's one sync."""
+        assert self.model is not None
+        logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
+        sample_batch_rows = inputs.batch_rows[inputs.sample_rows]
+        metadata = inputs.sampling_metadata or self._sampling_metadata(
+            inputs, sample_batch_rows, grammar_bitmasks
+        )
+        out = self.sampler(logits, metadata)
+        broadcast_from_first_tp_rank(out.sampled_token_ids)
+        token_ids = out.sampled_token_ids.tolist()  # the step's one sync
+        logprobs: dict[str, LogprobsLists] = {}
+        if out.logprobs is not None:
+            per_row = out.logprobs.to_lists_per_row(metadata.num_logprobs)
+            for i, lp in zip(inputs.sample_rows, per_row, strict=False):
+                if lp is not None:
+                    logprobs[inputs.req_ids[i]] = lp
+        return token_ids, logprobs
 
     def _copy_sampled(self, sampled: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event | None:
         """Start copying ``sampled`` to the pinned ``host`` tensor; returns the event that

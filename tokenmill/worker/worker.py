@@ -12,6 +12,7 @@ from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
+from tokenmill.lora.request import LoRARequest
 from tokenmill.worker.host_memory import GiB, check_host_memory
 from tokenmill.worker.kv_offload import KVOffloadStore
 from tokenmill.worker.model_runner import ModelRunner
@@ -260,6 +261,15 @@ class Worker:
         """Launch a step; returns a handle whose ``get()`` gives its ModelRunnerOutput."""
         assert self.model_runner is not None
         return self.model_runner.execute_model_async(scheduler_output)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a LoRA adapter into host memory (``ModelRunner.add_lora``)."""
+        assert self.model_runner is not None
+        self.model_runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        assert self.model_runner is not None
+        return self.model_runner.remove_lora(lora_int_id)
 
 
 def _check_disk_space(path: str, num_bytes: int) -> None:

@@ -101,7 +101,9 @@ class AnthropicServingMessages:
             bool(choice.message.tool_calls),
             request.stop_sequences or [],
         )
-        body = self._message(message_id, content_blocks(choice.message), stop_reason, stop_sequence)
+        body = self._message(
+            run, message_id, content_blocks(choice.message), stop_reason, stop_sequence
+        )
         body["usage"] = self._usage(run, response.usage.completion_tokens)
         return JSONResponse(body)
 
@@ -114,6 +116,7 @@ class AnthropicServingMessages:
 
     def _message(
         self,
+        run: ChatRun,
         message_id: str,
         content: list[dict[str, Any]],
         stop_reason: str | None,
@@ -123,7 +126,7 @@ class AnthropicServingMessages:
             "id": message_id,
             "type": "message",
             "role": "assistant",
-            "model": self.chat.model_name,
+            "model": self.chat.response_model(run.request.model),
             "content": content,
             "stop_reason": stop_reason,
             "stop_sequence": stop_sequence,
@@ -144,7 +147,7 @@ class AnthropicServingMessages:
         self, request: MessagesRequest, run: ChatRun, message_id: str
     ) -> AsyncIterator[str]:
         writer = _BlockWriter()
-        start = self._message(message_id, [], None, None)
+        start = self._message(run, message_id, [], None, None)
         start["usage"] = self._usage(run, 0)
         finish_reason, stop_reason, output_tokens = None, None, 0
         try:

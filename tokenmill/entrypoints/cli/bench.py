@@ -73,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
 
     0: done (a serve run whose requests failed included: the failures are in its summary);
     1: the engine could not start or the model could not be read;
-    2: invalid benchmark settings; 130: interrupted.
+    2: invalid benchmark settings or a quantization tokenmill does not run; 130: interrupted.
     """
     from tokenmill.benchmarks.common import BenchmarkError
-    from tokenmill.config import ConfigError
+    from tokenmill.config import ConfigError, UnsupportedQuantizationError
     from tokenmill.hf_config import ModelLoadError
 
     command = getattr(args, "bench_command", None)
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     prog = f"tokenmill bench {command}"
     try:
         _module(command).main(args)
-    except BenchmarkError as e:
+    except (BenchmarkError, UnsupportedQuantizationError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except (ConfigError, ModelLoadError, ValueError) as e:

@@ -19,7 +19,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from tokenmill import __version__, envs
-from tokenmill.config import ConfigError
+from tokenmill.config import ConfigError, UnsupportedQuantizationError
 from tokenmill.engine_args import EngineArgs
 from tokenmill.entrypoints.openai.agent_args import AgentArgs
 from tokenmill.entrypoints.openai.observability import add_observability_args
@@ -33,14 +33,10 @@ API_KEY_ENV = "TOKENMILL_API_KEY"
 
 # vLLM flags with no tokenmill implementation yet.
 UNIMPLEMENTED_FLAGS = (
-    "--enable-lora",
-    "--lora-modules",
-    "--max-loras",
-    "--max-lora-rank",
-    "--speculative-config",
     "--guided-decoding-backend",
     "--structured-outputs-config",
     "--kv-transfer-config",
+    "--calculate-kv-scales",
     "--kv-events-config",
     # data parallelism across nodes (one node's engine cores are -dp)
     "--data-parallel-size-local",
@@ -76,7 +72,7 @@ UNIMPLEMENTED_FLAGS = (
 class _Unimplemented(argparse.Action):
     """Rejects a known vLLM flag that tokenmill does not implement (one line, exit 2), or
     only the values it does not: ``accepted`` are the values that mean what tokenmill does
-    anyway (``--kv-cache-dtype auto``: the cache keeps the model's dtype)."""
+    anyway."""
 
     def __init__(
         self, option_strings: list[str], dest: str, accepted: tuple[str, ...] = (), **kwargs: Any
@@ -251,7 +247,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(parser, positional_model=True)
     for flag in UNIMPLEMENTED_FLAGS:
         parser.add_argument(flag, action=_Unimplemented)
-    parser.add_argument("--kv-cache-dtype", action=_Unimplemented, accepted=("auto",))
     parser.set_defaults(dispatch=run)
     return parser
 
@@ -340,9 +335,10 @@ def run(args: argparse.Namespace) -> int:
     """Run ``tokenmill serve``; returns the exit code.
 
     Start-up errors (invalid settings, an unreadable model, a port that cannot be bound, an
-    engine that fails to start) are reported in one line with exit code 1; flag errors exit
-    with 2. The port is bound before the engine starts, so a busy port fails in a second,
-    not after the model has loaded.
+    engine that fails to start) are reported in one line with exit code 1; flag errors and
+    a quantization method or layout tokenmill does not run exit with 2. The port is bound
+    before the engine starts, so a busy port fails in a second, not after the model has
+    loaded.
     """
     from tokenmill.engine.async_llm import EngineDeadError
     from tokenmill.tokenizer import ChatTemplateError, load_chat_template
@@ -380,6 +376,8 @@ def run(args: argparse.Namespace) -> int:
         from tokenmill.entrypoints.api_server import run_server
 
         run_event_loop(run_server(args, config, chat_template, listeners))
+    except UnsupportedQuantizationError as e:
+        return _fail(str(e), 2)
     except (ConfigError, ModelLoadError, EngineDeadError) as e:
         return _fail(str(e), 1)
     except KeyboardInterrupt:

@@ -46,8 +46,12 @@ def make_stat_loggers(config: EngineConfig, registry: CollectorRegistry) -> list
     if config.disable_log_stats:
         return []
     name = config.model_config.served_model_name
+    lora = config.lora_config
     return [
-        PrometheusStatLogger(name, registry, config.cache_config),
+        PrometheusStatLogger(
+            name, registry, config.cache_config, config.speculative_config,
+            lora.max_loras if lora is not None else None,
+        ),
         LoggingStatLogger(),
         DashboardStatLogger(),
     ]

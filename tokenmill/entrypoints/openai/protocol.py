@@ -377,6 +377,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tokenmill"
     root: str | None = None
+    # A LoRA adapter's base model (vLLM's field); None for the base model itself.
+    parent: str | None = None
     max_model_len: int | None = None
 
 

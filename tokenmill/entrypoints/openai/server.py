@@ -110,7 +110,11 @@ async def metrics(raw_request: Request) -> Response:
 
 
 def _model_cards(raw_request: Request) -> list[ModelCard]:
-    """One card per served name (``--served-model-name a b``), the responses' name first."""
+    """One card per served name (``--served-model-name a b``), the responses' name first,
+    then one per LoRA adapter."""
+    models = getattr(raw_request.app.state, "models", None)
+    if models is not None:
+        return models.cards()
     mc = raw_request.app.state.engine.model_config
     return [
         ModelCard(id=name, root=mc.model, max_model_len=mc.max_model_len)

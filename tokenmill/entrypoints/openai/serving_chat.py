@@ -276,7 +276,7 @@ class OpenAIServingChat(OpenAIServing):
             shown = prompt_ids[: self.request_logger.max_log_len]
             self.log_arrival(request_id, self.tokenizer.decode(shown), prompt_ids, params)
         stream = self.generate(
-            prompt_ids, None, params, request_id, request.priority, mm_features
+            prompt_ids, None, params, request_id, request.priority, mm_features, request.model
         )
         first = await first_output(stream)
         return ChatRun(request, request_id, first, stream, start, parsers)
@@ -504,7 +504,10 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = sum(len(o.token_ids) for o in final.outputs)
         usage = self._usage(len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens)
         return ChatCompletionResponse(
-            id=run.request_id, model=self.model_name, choices=choices, usage=usage
+            id=run.request_id,
+            model=self.response_model(run.request.model),
+            choices=choices,
+            usage=usage,
         )
 
     async def _stream(self, run: ChatRun) -> AsyncIterator[str]:
@@ -534,6 +537,7 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = [0] * n
         finish_reasons: list[str | None] = [None] * n
         cached = first.num_cached_tokens
+        model = self.response_model(request.model)
 
         def chunk(
             choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None
@@ -542,7 +546,7 @@ class OpenAIServingChat(OpenAIServing):
                 id=run.request_id,
                 object="chat.completion.chunk",
                 created=created,
-                model=self.model_name,
+                model=model,
                 choices=choices,
             )
             if include_usage:

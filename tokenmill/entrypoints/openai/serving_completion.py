@@ -169,7 +169,9 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{p}"
             self.log_arrival(sub_id, text, ids, params)
-            streams.append(self.generate(ids, text, params, sub_id, request.priority))
+            streams.append(
+                self.generate(ids, text, params, sub_id, request.priority, model=request.model)
+            )
         submitted = time.monotonic()
         firsts = await self._first_outputs(streams)
         if timed:
@@ -346,7 +348,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(choice)
         return CompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=self.response_model(request.model),
             choices=choices,
             usage=_usage(prompt_tokens, completion_tokens, cached),
         )
@@ -375,13 +377,14 @@ class OpenAIServingCompletion(OpenAIServing):
         timed = self._timed
         # DELTA outputs carry the prompt logprobs once; every echoed choice needs them.
         prompt_logprobs: list[list | None] = [f.prompt_logprobs for f in firsts]
+        model = self.response_model(request.model)
 
         def sse(choice: CompletionChoice | None, usage: UsageInfo | None = None) -> str:
             chunk = CompletionStreamResponse(
                 id=request_id,
                 object="text_completion",
                 created=created,
-                model=self.model_name,
+                model=model,
                 choices=[choice] if choice is not None else [],
             )
             if include_usage:

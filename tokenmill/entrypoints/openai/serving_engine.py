@@ -50,6 +50,7 @@ from tokenmill.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
     from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.entrypoints.openai.serving_models import ServingModels
 
 logger = logging.getLogger("tokenmill.entrypoints.openai")
 
@@ -158,14 +159,27 @@ class OpenAIServing:
         self.default_params = engine.input_processor.default_sampling_params()
         self.priority_scheduling = engine.config.scheduler_config.scheduling_policy == "priority"
         self.token_bytes = TokenBytes(self.tokenizer)
+        # The served names and LoRA adapters (``build_app`` sets it); None: the base only.
+        self.models: ServingModels | None = None
         # Ids of the requests whose streams this handler has open; aborted at shutdown.
         self._running: set[str] = set()
         self._closed = False
 
     def check_model(self, model: str | None) -> None:
-        """Raises a 404 OpenAIError unless ``model`` is None or one of the served names."""
-        if model is not None and model not in self.model_config.served_model_names:
+        """Raises a 404 OpenAIError unless ``model`` is None, one of the served names or a
+        LoRA adapter's name."""
+        if self.models is not None:
+            self.models.check(model)
+        elif model is not None and model not in self.model_config.served_model_names:
             raise model_not_found(model)
+
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` a response carries: the LoRA adapter's name when the request named
+        one (as vLLM answers), else the served model's first name."""
+        if self.models is not None and self.models.lora_request(model) is not None:
+            assert model is not None
+            return model
+        return self.model_name
 
     def truncate_prompt(
         self, ids: list[int], request: SamplingFields, max_tokens: int | None
@@ -328,9 +342,10 @@ class OpenAIServing:
         request_id: str,
         priority: int,
         mm_features: list[Any] | None = None,
+        model: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit one prompt (already tokenized; ``mm_features``: its processed images) to
-        the engine.
+        the engine, run by the LoRA adapter that ``model`` names, if it names one.
 
         Raises:
             OpenAIError: 503, the server is shutting down (``abort_running`` was called) or
@@ -343,7 +358,10 @@ class OpenAIServing:
         engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids, "prompt": prompt}
         if mm_features:
             engine_prompt["mm_features"] = mm_features
-        stream = self.engine.generate(engine_prompt, params, request_id, priority=priority)
+        lora = self.models.lora_request(model) if self.models is not None else None
+        # NOTE: only with an adapter: engines without LoRA take no lora_request.
+        extra = {"lora_request": lora} if lora is not None else {}
+        stream = self.engine.generate(engine_prompt, params, request_id, priority=priority, **extra)
         return self._tracked(request_id, stream)
 
     async def _tracked(

@@ -94,7 +94,7 @@ class OpenAIServingResponses:
                 "reasoning_effort": "reasoning.effort",
             }
             raise rename_param(e, names) from None
-        body = out.envelope(request, out.item_id("resp"), self.chat.model_name)
+        body = out.envelope(request, out.item_id("resp"), self.chat.response_model(request.model))
         if request.stream:
             events = self._events(request, run, body, conversation)
             return StreamingResponse(events, media_type="text/event-stream")

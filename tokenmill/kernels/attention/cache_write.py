@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.attention.common import cast_to_cache
 from tokenmill.math_utils import next_power_of_2
 
 
@@ -40,9 +41,9 @@ def reshape_and_cache_kernel(
     src = h * HEAD_DIM + d
     dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
     k = tl.load(key_ptr + t.to(tl.int64) * stride_kt + src, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, cast_to_cache(k, k_cache_ptr), mask=mask)
     v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + src, mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, cast_to_cache(v, v_cache_ptr), mask=mask)
 
 
 def reshape_and_cache(
@@ -58,7 +59,7 @@ def reshape_and_cache(
         key, value: ``[T, num_kv_heads * head_dim]`` (rows may be strided, e.g. views of
             a fused QKV output; the last dimension must be contiguous).
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, last dim
-            contiguous; values are cast to its dtype.
+            contiguous; values are cast to its dtype (FP8 saturating).
         slot_mapping: ``[>= num_tokens]`` int32/int64, ``block_id * block_size + offset``;
             tokens with a negative slot (padding) are skipped.
         num_tokens: tokens to write (``metadata.num_actual_tokens``).

@@ -25,6 +25,18 @@ M_INIT: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def cast_to_cache(x, cache_ptr):
+    """``x`` in the KV cache's element type; FP8 caches (e4m3, e5m2) saturate at their
+    largest finite value rather than overflow to NaN."""
+    ty = cache_ptr.dtype.element_ty
+    if ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    elif ty == tl.float8e5:
+        x = tl.clamp(x.to(tl.float32), -57344.0, 57344.0)
+    return x.to(ty)
+
+
+@triton.jit
 def _tanh(x):
     """tanh from one exp (portable: no libdevice, so it also runs in the interpreter)."""
     e = tl.exp(-2.0 * tl.abs(x))
@@ -164,10 +176,12 @@ def attend_tiles(
                         MASKED, BLOCK_SIZE)  # fmt: skip
         # K is read transposed, [D_P, BLOCK_N], so q @ k needs no shuffle.
         k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=kt_mask, other=0.0)
+        k = k.to(q.dtype)  # FP8 caches: widened for the product
         s = tile_scores(q, k, j, q_pos, kv_valid, window, sm_scale, soft_cap,
                         MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, CHUNKED)  # fmt: skip
         m_i, l_i, alpha, p = softmax_step(m_i, l_i, s)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=v_mask, other=0.0)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 

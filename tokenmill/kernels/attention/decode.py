@@ -15,6 +15,7 @@ from tokenmill.kernels.attention.common import (
     M_INIT,
     SPLIT_RUNTIME_INTS,
     attend_tiles,
+    cast_to_cache,
     local_start,
     merge_splits,
     scaled_scores,
@@ -66,8 +67,8 @@ def _write_decode_kv(
     k = tl.load(k_row + d, mask=valid, other=0.0)
     pair = tl.load(k_row + partner, mask=valid & rotates, other=0.0)
     rotated = k.to(tl.float32) * cos + pair.to(tl.float32) * sin
-    k = tl.where(rotates, rotated, k.to(tl.float32)).to(k.dtype).to(k_cache_ptr.dtype.element_ty)
-    v = tl.load(v_row + d, mask=valid, other=0.0).to(v_cache_ptr.dtype.element_ty)
+    k = cast_to_cache(tl.where(rotates, rotated, k.to(tl.float32)).to(k.dtype), k_cache_ptr)
+    v = cast_to_cache(tl.load(v_row + d, mask=valid, other=0.0), v_cache_ptr)
     dst = (tl.maximum(slot, 0) // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
     dst += kv_head * stride_ch + d
     tl.store(k_cache_ptr + dst, k, mask=valid & (slot >= 0))
@@ -337,6 +338,11 @@ def decode_attention_kernel(
         new_mask = (d < HEAD_DIM) & has_new_key
         k_new = tl.load(k_cache_ptr + new_row + d, mask=new_mask, other=0.0)
         v_new = tl.load(v_cache_ptr + new_row + d, mask=new_mask, other=0.0)
+    # FP8 caches: K/V widened to the query's dtype for the products.
+    k0 = k0.to(q.dtype)
+    v0 = v0.to(q.dtype)
+    k_new = k_new.to(q.dtype)
+    v_new = v_new.to(q.dtype)
 
     acc = tl.zeros([GROUP_P, D_P], dtype=tl.float32)
     m_i = tl.zeros([GROUP_P], dtype=tl.float32) + M_INIT

@@ -167,6 +167,14 @@ class PagedAttention:
             attention_chunk_size, sinks is not None,
         )  # fmt: skip
 
+    def set_scale(self, scale: float) -> None:
+        """A new softmax scale (an FP8 cache's key scale folded in)."""
+        self.scale = scale
+        self.launch_key = (
+            self.num_heads, self.num_kv_heads, self.head_dim, scale, self.sliding_window,
+            self.logits_soft_cap,
+        )  # fmt: skip
+
     def attend(
         self,
         query: torch.Tensor,

@@ -172,11 +172,17 @@ class AttentionImpl(abc.ABC):
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.softmax_scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.attention_chunk_size = attention_chunk_size
         self.sinks = sinks
+
+    def set_key_scale(self, k_scale: float) -> None:
+        """Keys are stored divided by ``k_scale`` (an FP8 cache's per-tensor scale): scores
+        take it back through the softmax scale, ``scale = softmax_scale * k_scale``."""
+        self.scale = self.softmax_scale * k_scale
 
     def forward(
         self,

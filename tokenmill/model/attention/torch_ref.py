@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
 
+FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def write_to_kv_cache(
     key: torch.Tensor,
@@ -32,8 +34,22 @@ def write_to_kv_cache(
     """
     _, num_blocks, block_size, h, d = kv_cache.shape
     slots = slot_mapping.long()
-    kv_cache[0].view(num_blocks * block_size, h, d).index_copy_(0, slots, key.view(-1, h, d))
-    kv_cache[1].view(num_blocks * block_size, h, d).index_copy_(0, slots, value.view(-1, h, d))
+    key, value = (to_cache_dtype(x.view(-1, h, d), kv_cache.dtype) for x in (key, value))
+    if kv_cache.dtype in FP8_TYPES:  # copied as bytes (no FP8 index_copy_ on CPU)
+        kv_cache, key, value = (t.view(torch.uint8) for t in (kv_cache, key, value))
+    kv_cache[0].view(num_blocks * block_size, h, d).index_copy_(0, slots, key)
+    kv_cache[1].view(num_blocks * block_size, h, d).index_copy_(0, slots, value)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in the cache's dtype; FP8 saturates at its largest finite value (as the CUDA
+    kernels' conversion does) instead of overflowing to NaN."""
+    if x.dtype == dtype:
+        return x
+    if dtype in FP8_TYPES:
+        limit = torch.finfo(dtype).max
+        x = x.float().clamp(-limit, limit)
+    return x.to(dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
@@ -47,6 +63,8 @@ def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torc
     Returns:
         ``[length, H, D]`` or ``[B, length, H, D]``.
     """
+    if cache.dtype in FP8_TYPES:  # gathered as bytes (no FP8 indexing on CPU)
+        return gather_kv(cache.view(torch.uint8), block_ids, length).view(cache.dtype)
     blocks = cache[block_ids.long()]  # [..., nb, bs, H, D]
     shape = blocks.shape
     flat = blocks.reshape(*shape[:-4], shape[-4] * shape[-3], *shape[-2:])
@@ -148,8 +166,8 @@ class TorchAttentionImpl(AttentionImpl):
         q_len = q.shape[0]
         bs = kv_cache.shape[2]
         nb = cdiv(seq_len, bs)
-        k = gather_kv(kv_cache[0], block_ids[:nb], seq_len)
-        v = gather_kv(kv_cache[1], block_ids[:nb], seq_len)
+        k = gather_kv(kv_cache[0], block_ids[:nb], seq_len).to(q.dtype)
+        v = gather_kv(kv_cache[1], block_ids[:nb], seq_len).to(q.dtype)
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         local = self.sliding_window is not None or self.attention_chunk_size is not None
         if q_len == seq_len and not local:
@@ -171,8 +189,9 @@ class TorchAttentionImpl(AttentionImpl):
         bs = kv_cache.shape[2]
         nb = cdiv(max_len, bs)
         block_ids = metadata.block_table[reqs, :nb]
-        k = gather_kv(kv_cache[0], block_ids, max_len).transpose(1, 2)  # [B, Hkv, L, D]
-        v = gather_kv(kv_cache[1], block_ids, max_len).transpose(1, 2)
+        # [B, Hkv, L, D]
+        k = gather_kv(kv_cache[0], block_ids, max_len).to(q.dtype).transpose(1, 2)
+        v = gather_kv(kv_cache[1], block_ids, max_len).to(q.dtype).transpose(1, 2)
         qd = q[plan["decode_tokens"]].unsqueeze(2)  # [B, H, 1, D]
         k_pos = torch.arange(max_len, device=q.device)[None, :]
         mask = self._window_mask((lens - 1)[:, None], k_pos)[:, None, None, :]

@@ -41,6 +41,10 @@ class TritonAttentionImpl(AttentionImpl):
             self.sliding_window, self.logits_soft_cap, self.attention_chunk_size, self.sinks,
         )  # fmt: skip
 
+    def set_key_scale(self, k_scale: float) -> None:
+        super().set_key_scale(k_scale)
+        self.kernels.set_scale(self.scale)
+
     def write_kv(
         self,
         key: torch.Tensor,

@@ -33,6 +33,11 @@ class Attention(nn.Module):
     inside the decode attention launch; elsewhere the torch rotation, then the backend's
     write. Without one, ``q`` and ``k`` arrive rotated (or need no rotation).
 
+    An FP8 cache (``--kv-cache-dtype fp8``) holds ``k / k_scale`` and ``v / v_scale`` with
+    the layer's per-tensor scales (``k_scale``, ``v_scale``: the checkpoint's, else 1.0, as
+    vLLM): the key scale is folded into the softmax scale and the output is multiplied by
+    the value scale (attention is linear in V).
+
     Args:
         num_heads, head_dim, num_kv_heads: head layout on this rank.
         scale: softmax scale.
@@ -75,6 +80,31 @@ class Attention(nn.Module):
         # Decode-only steps rotate and write the new K/V inside the decode launch.
         self.rope_in_decode = backend.supports_decode_rotary
         self.kv_cache: torch.Tensor | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        # (k_scale, v_scale) while an FP8 cache is bound and a scale is not 1, else None.
+        self._kv_scales: tuple[float, float] | None = None
+
+    def bind_cache(self, kv_cache: torch.Tensor | None) -> None:
+        """Attend over ``kv_cache`` from now on (None: unbind); an FP8 cache takes the
+        layer's ``k_scale`` / ``v_scale``."""
+        self.kv_cache = kv_cache
+        fp8 = kv_cache is not None and kv_cache.element_size() == 1
+        scaled = fp8 and (self.k_scale != 1.0 or self.v_scale != 1.0)
+        self._kv_scales = (self.k_scale, self.v_scale) if scaled else None
+        self.impl.set_key_scale(self.k_scale if fp8 else 1.0)
+
+    def _scaled_kv(self, key: torch.Tensor, value: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._kv_scales is None:
+            return key, value
+        k_scale, v_scale = self._kv_scales
+        return key / k_scale, value / v_scale
+
+    def _unscale(self, out: torch.Tensor) -> torch.Tensor:
+        if self._kv_scales is not None and self._kv_scales[1] != 1.0:
+            out.mul_(self._kv_scales[1])
+        return out
 
     @property
     def is_local(self) -> bool:
@@ -116,9 +146,10 @@ class Attention(nn.Module):
         ):
             # Decode-only step: the decode kernel rotates and writes the new K/V itself.
             rotary = DecodeRotary(rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style)
-            return self.impl.attend_decode_rotary(
+            key, value = self._scaled_kv(key, value)
+            return self._unscale(self.impl.attend_decode_rotary(
                 query, key, value, self._cache(), metadata, rotary
-            )
+            ))
         query = self.store_kv(
             query, key, value, metadata.slot_mapping, metadata.num_actual_tokens, positions
         )
@@ -145,6 +176,7 @@ class Attention(nn.Module):
             ValueError: the layer has a rotary embedding and ``positions`` is None.
         """
         rope = self.rotary_emb
+        key, value = self._scaled_kv(key, value)
         if rope is not None:
             if positions is None:
                 raise ValueError(f"layer {self.layer_idx} applies RoPE and needs positions")
@@ -162,7 +194,7 @@ class Attention(nn.Module):
         self, query: torch.Tensor, metadata: AttentionMetadata, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Attention over the layer's cache as it is; see ``AttentionImpl.attend``."""
-        return self.impl.attend(query, self._cache(), metadata, out)
+        return self._unscale(self.impl.attend(query, self._cache(), metadata, out))
 
     def _cache(self) -> torch.Tensor:
         if self.kv_cache is None:
@@ -210,7 +242,7 @@ def bind_kv_caches(model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
     if len(layers) != len(kv_caches):
         raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
     for layer, cache in zip(layers, kv_caches, strict=True):
-        layer.kv_cache = cache
+        layer.bind_cache(cache)
 
 
 def kv_cache_specs(model: nn.Module) -> list[KVCacheSpec]:
@@ -238,4 +270,4 @@ def unbind_kv_caches(model: nn.Module) -> None:
     """Drop every Attention layer's reference to its KV cache (so the memory can be freed)."""
     for m in model.modules():
         if isinstance(m, Attention):
-            m.kv_cache = None
+            m.bind_cache(None)

@@ -139,7 +139,8 @@ def get_model(
     finally:
         torch.set_default_dtype(old_dtype)
     model.eval().requires_grad_(False)
-    load_weights(model, model_config, fmt, keep_quantized=quant_config is not None)
+    keep_gguf = quant_config is not None and quant_config.name == "gguf"
+    load_weights(model, model_config, fmt, keep_quantized=keep_gguf)
     if quant_config is not None:
         with torch.no_grad():
             process_quantized_weights(model, device)

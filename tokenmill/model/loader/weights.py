@@ -20,6 +20,14 @@ from tokenmill.model.layers.weight_shape import WeightShapeError
 
 # Checkpoint tensors that hold no weights (buffers transformers used to save).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# Per-layer FP8 KV-cache scales of FP8 checkpoints (vLLM's and compressed-tensors' names,
+# and the older ``k_proj.output_scale``) -> the attention layer's attribute; query and
+# softmax-probability scales are read and dropped (they serve FP8 attention math).
+KV_SCALE_SUFFIXES = {
+    ".k_scale": "k_scale", ".v_scale": "v_scale",
+    ".k_proj.output_scale": "k_scale", ".v_proj.output_scale": "v_scale",
+    ".q_scale": None, ".prob_scale": None, ".q_proj.output_scale": None,
+}
 
 
 def load_model_weights(
@@ -61,6 +69,9 @@ def load_model_weights(
             continue
         if elsewhere and ckpt_name.startswith(elsewhere):
             continue
+        if ckpt_name.endswith(tuple(KV_SCALE_SUFFIXES)):
+            _load_kv_scale(model, ckpt_name, tensor, source)
+            continue
         name, shard_id = checkpoint_param_name(ckpt_name), None
         for part, ckpt_part, sid in stacked_params_mapping:
             if f".{ckpt_part}." in name:
@@ -98,6 +109,33 @@ def load_model_weights(
         )
 
 
+def _load_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor, source: str) -> None:
+    """Give the attention layer under ``name``'s block its K or V cache scale.
+
+    Raises:
+        ModelLoadError: no attention layer there, or not one value.
+    """
+    from tokenmill.model.layers.attention import Attention
+
+    suffix = next(s for s in KV_SCALE_SUFFIXES if name.endswith(s))
+    attr = KV_SCALE_SUFFIXES[suffix]
+    if attr is None:
+        return
+    block = name[: -len(suffix)].removesuffix(".attn")
+    try:
+        parent = model.get_submodule(block)
+    except AttributeError:
+        parent = None
+    layers = [m for m in parent.modules() if isinstance(m, Attention)] if parent else []
+    if len(layers) != 1 or tensor.numel() != 1:
+        raise ModelLoadError(f"{source}: tensor {name!r} is not one KV-cache scale of an "
+                             "attention layer")
+    value = float(tensor.float().reshape(()))
+    if not value > 0:
+        raise ModelLoadError(f"{source}: tensor {name!r}: KV-cache scale {value} is not positive")
+    setattr(layers[0], attr, value)
+
+
 def other_stage_prefixes(model: nn.Module) -> tuple[str, ...]:
     """Name prefixes (``model.layers.7.``) of the modules of ``model`` that other pipeline
     stages hold: placeholders without weights (``PPMissingLayer``)."""
@@ -127,6 +165,12 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3
                 continue
             if not param.is_floating_point():
                 _fill_dummy_integers(name, param, seed)
+                continue
+            if param.element_size() == 1:  # FP8: no random fill of its own
+                values = torch.empty(param.shape, device=param.device)
+                values.uniform_(low / 1e-3, high / 1e-3, generator=generator
+                                if param.device.type == "cpu" else None)
+                param.copy_(values)
                 continue
             if param.device.type == "cpu":
                 param.uniform_(low, high, generator=generator)

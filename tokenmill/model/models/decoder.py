@@ -65,6 +65,26 @@ class PreNormDecoderLayer(nn.Module):
         return self.feed_forward(hidden), residual
 
 
+class AuxHiddenTap(nn.Module):
+    """Runs a decoder layer after copying its input residual stream (``hidden + residual``,
+    or ``hidden`` before the first layer) into columns of a persistent buffer; in place
+    inside a CUDA graph, whose copy then lands in the same buffer at every replay."""
+
+    def __init__(self, layer: nn.Module, buffer: torch.Tensor, columns: slice) -> None:
+        super().__init__()
+        self.layer = layer
+        self.buffer = buffer
+        self.columns = columns
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        *args: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        stream = hidden if residual is None else hidden + residual
+        self.buffer[: stream.shape[0], self.columns].copy_(stream)
+        return self.layer(positions, hidden, residual, *args)
+
+
 class DecoderModel(nn.Module):
     """Embedding, pre-norm decoder layers and the final norm: ids ``[T]`` -> hidden ``[T, H]``.
 
@@ -83,9 +103,32 @@ class DecoderModel(nn.Module):
     norm: nn.Module
     stage_input: torch.Tensor | None = None
 
+    # ``[max_tokens, n * H]`` after ``keep_aux_hidden_states``, else None.
+    aux_hidden_states: torch.Tensor | None = None
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings ``[T, H]`` (families that scale them override this)."""
         return self.embed_tokens(input_ids)
+
+    def keep_aux_hidden_states(self, layers: tuple[int, ...], max_tokens: int) -> None:
+        """From now on, each forward pass keeps the residual stream at the input of
+        ``layers`` (EAGLE-3 reads it) in ``aux_hidden_states``: ``[max_tokens, n * H]``,
+        layer ``layers[i]``'s in columns ``i * H .. (i + 1) * H``, the pass's first rows.
+
+        Raises:
+            ValueError: a layer index outside the model.
+        """
+        num_layers = len(self.layers)
+        if any(not 0 <= i < num_layers for i in layers):
+            raise ValueError(f"auxiliary hidden-state layers {layers} outside 0..{num_layers - 1}")
+        weight = self.embed_tokens.weight
+        hidden = weight.shape[1]
+        self.aux_hidden_states = torch.zeros(
+            max_tokens, len(layers) * hidden, dtype=weight.dtype, device=weight.device
+        )
+        for n, i in enumerate(layers):
+            columns = slice(n * hidden, (n + 1) * hidden)
+            self.layers[i] = AuxHiddenTap(self.layers[i], self.aux_hidden_states, columns)
 
     def forward(
         self,

@@ -1,5 +1,6 @@
-"""compressed-tensors checkpoints (llm-compressor's output) with 4-bit integer weights and
-16-bit activations (W4A16, the ``pack-quantized`` format).
+"""compressed-tensors checkpoints (llm-compressor's output): 4-bit integer weights with
+16-bit activations (W4A16, the ``pack-quantized`` format), and FP8 weights with FP8 or
+16-bit activations (the ``float-quantized`` format; run by ``quantization.fp8``).
 
 Per layer: ``weight_packed [N, K/8]`` int32 (signed values plus 8, packed along K),
 ``weight_scale [N, K/G]``, ``weight_shape [2]``, and for asymmetric schemes
@@ -50,9 +51,7 @@ def parse_w4a16(qc: dict[str, Any]) -> dict[str, Any]:
     weights = group.get("weights") or {}
     fmt = group.get("format") or qc.get("format")
     if weights.get("type") == "float" or "float" in str(fmt):
-        raise QuantizationError(
-            f"compressed-tensors {fmt} (FP8) is not implemented yet; supported: {SUPPORTED}"
-        )
+        raise QuantizationError(f"compressed-tensors {fmt} is FP8, not W4A16")
     if (
         fmt != "pack-quantized"
         or weights.get("num_bits") != 4
@@ -73,6 +72,74 @@ def parse_w4a16(qc: dict[str, Any]) -> dict[str, Any]:
             "(32, 64 or 128)"
         )
     return weights
+
+
+FP8_SUPPORTED = (
+    "compressed-tensors FP8: format float-quantized, 8-bit float weights per tensor, channel "
+    "or block, activations dynamic per token or tensor, static per tensor, dynamic per group "
+    "(with block weights) or not quantized"
+)
+
+
+def is_fp8(qc: dict[str, Any]) -> bool:
+    """Whether a compressed-tensors ``quantization_config`` holds FP8 weights."""
+    for group in (qc.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if weights.get("type") == "float" or "float" in str(group.get("format") or ""):
+            return True
+    return "float" in str(qc.get("format") or "")
+
+
+def parse_fp8(qc: dict[str, Any]):
+    """The ``Fp8Scheme`` of a compressed-tensors FP8 ``quantization_config`` (one group).
+
+    Raises:
+        QuantizationError: any other FP8 layout (one line naming it and what is supported).
+    """
+    from tokenmill.model.layers.quantization.fp8 import Fp8Scheme
+
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise QuantizationError(
+            f"compressed-tensors with {len(groups)} config groups is not supported "
+            f"({FP8_SUPPORTED})"
+        )
+    group = next(iter(groups.values()))
+    w = group.get("weights") or {}
+    a = group.get("input_activations") or None
+    fmt = group.get("format") or qc.get("format")
+    strategy = w.get("strategy")
+    block = w.get("block_structure")
+    ok = (fmt == "float-quantized" and w.get("num_bits") == 8 and w.get("type") == "float"
+          and w.get("symmetric", True) and not w.get("dynamic")
+          and strategy in ("tensor", "channel", "block"))
+    if strategy == "block":
+        ok = ok and isinstance(block, (list, tuple)) and len(block) == 2
+    activations = "none"
+    if a is not None:
+        a_strategy = a.get("strategy")
+        dynamic = bool(a.get("dynamic"))
+        activations = {(True, "token"): "token", (True, "tensor"): "tensor",
+                       (False, "tensor"): "static", (True, "group"): "group"}.get(
+            (dynamic, a_strategy), "")
+        ok = ok and a.get("num_bits") == 8 and a.get("type") == "float" and bool(activations)
+        if activations == "group":
+            ok = ok and strategy == "block" and a.get("group_size") == block[1]
+    if not ok:
+        raise QuantizationError(
+            f"compressed-tensors scheme (format {fmt}, {w.get('num_bits')}-bit {w.get('type')} "
+            f"weights per {strategy}, activations {_describe_activations(a)}) is not "
+            f"supported; supported: {FP8_SUPPORTED}"
+        )
+    kind = {"tensor": "tensor", "channel": "channel", "block": "block"}[strategy]
+    return Fp8Scheme(kind, activations, tuple(block) if strategy == "block" else None)
+
+
+def _describe_activations(a: dict[str, Any] | None) -> str:
+    if not a:
+        return "not quantized"
+    return (f"{a.get('num_bits')}-bit {a.get('type')} {'dynamic' if a.get('dynamic') else 'static'}"
+            f" per {a.get('strategy')}")
 
 
 class CompressedTensorsW4A16Method(Int4LinearMethod):
@@ -143,8 +210,18 @@ class CompressedTensorsConfig(QuantizationConfig):
         self.ignore = ignore
 
     @classmethod
-    def from_config(cls, qc: dict[str, Any]) -> CompressedTensorsConfig:
-        return cls(parse_w4a16(qc), list(qc.get("ignore") or []))
+    def from_config(cls, qc: dict[str, Any]) -> QuantizationConfig:
+        """The config of a W4A16 or FP8 (``Fp8Config``) ``quantization_config``.
+
+        Raises:
+            QuantizationError: an unsupported scheme.
+        """
+        ignore = list(qc.get("ignore") or [])
+        if is_fp8(qc):
+            from tokenmill.model.layers.quantization.fp8 import Fp8Config
+
+            return Fp8Config(parse_fp8(qc), ignore, cls.name)
+        return cls(parse_w4a16(qc), ignore)
 
     def _ignored(self, prefix: str) -> bool:
         for entry in self.ignore:

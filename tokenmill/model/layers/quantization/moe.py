@@ -130,8 +130,9 @@ class _ExpertLinear(nn.Module):
 
 
 class Int4MoEMethod:
-    """Experts of an AWQ/GPTQ/compressed-tensors checkpoint: one int4 linear per expert's
-    gate/up (merged) and down projection, computed in the routed loop."""
+    """Experts of an AWQ/GPTQ/compressed-tensors checkpoint, or quantized to FP8 while
+    loading: one linear of the config's method (int4 or FP8) per expert's gate/up (merged)
+    and down projection, computed in the routed loop."""
 
     def __init__(self, config: Any, prefix: str) -> None:
         self.config = config
@@ -169,6 +170,8 @@ class Int4MoEMethod:
 
             placeholder = nn.Parameter(torch.empty(0, dtype=template.dtype), requires_grad=False)
             placeholder.weight_loader = load
+            if getattr(template, "tm_optional", False):  # e.g. FP8 zero points
+                placeholder.tm_optional = True  # type: ignore[attr-defined]
             sink.register_parameter(name, placeholder)
         return sink
 

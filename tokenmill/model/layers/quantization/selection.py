@@ -21,14 +21,16 @@ FLAG_METHODS = {
     "bitsandbytes": "bitsandbytes",
     "gguf": "gguf",
     "mxfp4": "mxfp4",
+    "fp8": "fp8",
 }
 # MXFP4 (OCP Microscaling FP4) experts are held by these architectures' MoE layers.
 MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)
 # Methods vLLM knows that tokenmill does not run yet (refused by name).
-FP8_METHODS = ("fp8", "fbgemm_fp8", "ptpc_fp8", "modelopt", "modelopt_fp4", "fp_quant")
+FP8_METHODS = ("fbgemm_fp8", "ptpc_fp8", "modelopt", "modelopt_fp4", "fp_quant")
 SUPPORTED_TEXT = (
     "supported: awq, gptq (and their _marlin spellings), compressed-tensors W4A16 "
-    "(pack-quantized), bitsandbytes, gguf, mxfp4 (gpt-oss experts)"
+    "(pack-quantized) and FP8 (float-quantized), fp8, bitsandbytes, gguf, mxfp4 "
+    "(gpt-oss experts)"
 )
 INT4_GROUP_SIZES = (32, 64, 128, -1)
 
@@ -53,7 +55,7 @@ def resolve_quantization(
     if flag is not None and flag not in FLAG_METHODS:
         if flag in FP8_METHODS:
             raise QuantizationError(
-                f"--quantization {flag}: FP8/FP4 methods are not implemented yet; "
+                f"--quantization {flag}: this FP8/FP4 method is not implemented yet; "
                 f"{SUPPORTED_TEXT}"
             )
         raise QuantizationError(f"--quantization {flag}: unknown method; {SUPPORTED_TEXT}")
@@ -68,10 +70,12 @@ def resolve_quantization(
             "--gguf-dequantize and --quantization gguf contradict each other: pass one of them"
         )
     if is_gguf:
+        if method == "fp8" and not gguf_dequantize:
+            return method  # the GGUF blocks dequantized, then quantized to FP8 at load
         if method not in (None, "gguf"):
             raise QuantizationError(
                 f"--quantization {flag}: the model is a GGUF file, whose weights are GGUF "
-                "blocks (leave the flag out or pass --quantization gguf)"
+                "blocks (leave the flag out, or pass --quantization gguf or fp8)"
             )
         return None if gguf_dequantize else "gguf"
     if method == "gguf":
@@ -83,11 +87,11 @@ def resolve_quantization(
     if method is None or method == detected:
         return detected
     if detected is None:
-        if method == "bitsandbytes":
+        if method in ("bitsandbytes", "fp8"):
             return method  # quantized while loading an unquantized checkpoint
         raise QuantizationError(
             f"--quantization {flag}: the checkpoint has no quantization_config; {flag} needs "
-            "a checkpoint quantized with it (only bitsandbytes quantizes while loading)"
+            "a checkpoint quantized with it (only bitsandbytes and fp8 quantize while loading)"
         )
     raise QuantizationError(
         f"--quantization {flag}: the checkpoint is quantized with {detected} "
@@ -108,11 +112,19 @@ def detect_checkpoint_method(config: dict[str, Any]) -> str:
     elif name == "gptq":
         _check_gptq(config)
     elif name == "compressed-tensors":
-        from tokenmill.model.layers.quantization.compressed_tensors import parse_w4a16
+        from tokenmill.model.layers.quantization.compressed_tensors import (
+            is_fp8,
+            parse_fp8,
+            parse_w4a16,
+        )
 
-        parse_w4a16(config)
+        parse_fp8(config) if is_fp8(config) else parse_w4a16(config)
     elif name in ("bitsandbytes", "mxfp4"):
         pass
+    elif name == "fp8":
+        from tokenmill.model.layers.quantization.fp8 import Fp8Config
+
+        Fp8Config.from_config(config)
     elif name in FP8_METHODS or "fp8" in name:
         raise QuantizationError(
             f"checkpoint quantization {name!r} (FP8) is not implemented yet; {SUPPORTED_TEXT}"

@@ -1,0 +1,121 @@
+"""Multi-LoRA generation against transformers + peft on SmolLM2's real weights (float32,
+CPU): three adapters and the base model in one batch, greedy tokens and their logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.lora.conftest import ADAPTERS
+from tokenmill import SamplingParams
+from tokenmill.lora.request import LoRARequest
+
+pytestmark = pytest.mark.slow
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_float_dir):
+    from tokenmill import LLM
+
+    return LLM(
+        smollm2_float_dir, dtype="float32", device="cpu", kv_cache_memory=64 << 20,
+        max_model_len=512, enable_lora=True, max_loras=3, max_lora_rank=16,
+        max_cpu_loras=3,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lora_requests(adapter_dirs):
+    return {name: LoRARequest(name, i, adapter_dirs[name]) for i, name in enumerate(ADAPTERS, 1)}
+
+
+def _reference(peft_model, tokenizer, prompt: str, adapter: str | None):
+    """Greedy tokens and their logprobs from transformers + peft."""
+    model = peft_model
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        if adapter is None:
+            with model.disable_adapter():
+                out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+                logits = model(out).logits
+        else:
+            model.set_adapter(adapter)
+            out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+            logits = model(out).logits
+    gen = out[0, ids.shape[1]:]
+    logprobs = torch.log_softmax(logits[0, ids.shape[1] - 1 : -1].float(), dim=-1)
+    return gen.tolist(), logprobs.gather(1, gen[:, None])[:, 0]
+
+
+def test_mixed_batch_matches_peft(llm, lora_requests, peft_model):
+    adapters = [None, "qv", "all", "mlp"]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+    prompts = PROMPTS * 2
+    loras = [lora_requests[a] if a else None for a in adapters] + [
+        lora_requests[a] if a else None for a in reversed(adapters)
+    ]
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    tokenizer = llm.get_tokenizer()
+    seen = set()
+    for prompt, lora, out in zip(prompts, loras, outputs, strict=True):
+        name = lora.lora_name if lora else None
+        tokens, ref_logprobs = _reference(peft_model, tokenizer, prompt, name)
+        got = out.outputs[0]
+        assert got.token_ids == tokens, (name, prompt)
+        got_lp = torch.tensor([lp[t].logprob for lp, t in zip(got.logprobs, tokens, strict=True)])
+        torch.testing.assert_close(got_lp, ref_logprobs, atol=2e-3, rtol=1e-3)
+        seen.add((prompt, tuple(tokens)))
+    # The adapters change the output: not every adapter answers one prompt the same way.
+    assert len(seen) > len(PROMPTS)
+
+
+def test_adapters_never_share_kv(llm, lora_requests):
+    """The same long prompt under two adapters: the second finds no prefix-cache hit."""
+    prompt = "Tell me a story about a robot who learns to paint. " * 6
+    params = SamplingParams(temperature=0, max_tokens=2)
+    first = llm.generate(prompt, params, use_tqdm=False, lora_request=lora_requests["qv"])
+    other = llm.generate(prompt, params, use_tqdm=False, lora_request=lora_requests["mlp"])
+    same = llm.generate(prompt, params, use_tqdm=False, lora_request=lora_requests["qv"])
+    assert first[0].num_cached_tokens == 0
+    assert other[0].num_cached_tokens == 0
+    assert same[0].num_cached_tokens > 0
+    llm.llm_engine.engine_core.check_integrity()
+
+
+def test_unknown_adapter_folder_is_refused(llm, tmp_path):
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        llm.generate("hi", SamplingParams(max_tokens=1), use_tqdm=False,
+                     lora_request=LoRARequest("nope", 99, str(tmp_path)))
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_unloading_an_adapter_in_use_waits_for_its_requests(llm, lora_requests, peft_model):
+    """``remove_lora`` while a request runs with the adapter: the request finishes with it
+    (its tokens as peft's), and the adapter is dropped after the request's last step."""
+    from tokenmill.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    lora = lora_requests["mlp"]
+    manager = engine.engine_core.executor.worker.model_runner.lora
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+    engine.add_request("unload-in-use", PROMPTS[0], params, lora_request=lora)
+    outputs = engine.step()
+    engine.engine_core.remove_lora(lora.lora_int_id)
+    assert lora.lora_int_id in manager.known  # still in use
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (final,) = [o for o in outputs if o.finished]
+    tokens, _ = _reference(peft_model, llm.get_tokenizer(), PROMPTS[0], "mlp")
+    assert final.outputs[0].token_ids == tokens
+    assert lora.lora_int_id not in manager.known and lora.lora_int_id not in manager.slot_of
+    # Named again, the adapter is read from its folder again.
+    again = llm.generate(PROMPTS[0], params, use_tqdm=False, lora_request=lora)
+    assert again[0].outputs[0].token_ids == tokens

@@ -1,0 +1,92 @@
+"""PEFT adapter folders and the LoRA flags: what is served and what is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tokenmill.config import ConfigError
+from tokenmill.engine_args import EngineArgs
+from tokenmill.lora.config import create_lora_config, parse_lora_module
+from tokenmill.lora.peft import LoRAAdapterError, load_peft_weights, read_peft_config
+
+
+def _folder(tmp_path, config: dict, tensors: dict | None = None):
+    base = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**base, **config}))
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors = tensors or {f"{key}.lora_A.weight": torch.ones(8, 4),
+                          f"{key}.lora_B.weight": torch.ones(4, 8)}
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    return str(tmp_path)
+
+
+def test_scale_and_rslora(tmp_path):
+    assert read_peft_config(_folder(tmp_path, {}), 16).scale == 2.0
+    assert read_peft_config(_folder(tmp_path, {"use_rslora": True, "r": 16,
+                                                "lora_alpha": 8}), 16).scale == 2.0
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"r": 32}, "rank 32 is greater than max_lora_rank 16"),
+        ({"use_dora": True}, "DoRA"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "embed_tokens"),
+        ({"bias": "all"}, "biases"),
+        ({"peft_type": "IA3"}, "IA3"),
+    ],
+)
+def test_refused_configs(tmp_path, config, message):
+    with pytest.raises(LoRAAdapterError, match=message):
+        read_peft_config(_folder(tmp_path, config), 16)
+
+
+def test_refused_folders_and_tensors(tmp_path):
+    with pytest.raises(LoRAAdapterError, match="no adapter folder"):
+        read_peft_config(str(tmp_path / "missing"), 16)
+    with pytest.raises(LoRAAdapterError, match="adapter_config.json"):
+        read_peft_config(str(tmp_path), 16)
+    folder = _folder(tmp_path, {}, {
+        "base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(8, 4)})
+    with pytest.raises(LoRAAdapterError, match="embedding"):
+        load_peft_weights(folder)
+
+
+def test_lora_module_forms():
+    assert parse_lora_module("sql=/a/sql").path == "/a/sql"
+    m = parse_lora_module('{"name": "chat", "path": "/a/chat", "base_model_name": "llama"}')
+    assert (m.name, m.path, m.base_model_name) == ("chat", "/a/chat", "llama")
+    with pytest.raises(ValueError, match="name=path"):
+        parse_lora_module("nopath")
+
+
+def test_flag_checks():
+    assert create_lora_config(False, None, 1, 16, None, "auto", False) is None
+    config = create_lora_config(True, ["a=/x"], 2, 64, None, "auto", False)
+    assert (config.max_loras, config.max_cpu_loras, config.max_lora_rank) == (2, 2, 64)
+    for args, message in [
+        ((False, ["a=/x"], 1, 16, None, "auto", False), "needs --enable-lora"),
+        ((True, None, 1, 15, None, "auto", False), "--max-lora-rank"),
+        ((True, None, 4, 16, 2, "auto", False), "--max-cpu-loras"),
+        ((True, ["a=/x", "a=/y"], 1, 16, None, "auto", False), "repeat"),
+        ((True, None, 1, 16, None, "auto", True), "--fully-sharded-loras"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            create_lora_config(*args)
+
+
+def test_lora_on_a_quantized_model_is_refused(smollm2_gguf_path):
+    with pytest.raises(ConfigError, match="unquantized.*--gguf-dequantize"):
+        EngineArgs(model=smollm2_gguf_path, device="cpu", enable_lora=True).create_engine_config()
+
+
+def test_a_wrong_lora_modules_folder_fails_before_the_model_loads(smollm2_gguf_path, tmp_path):
+    args = EngineArgs(model=smollm2_gguf_path, device="cpu", gguf_dequantize=True,
+                      enable_lora=True, lora_modules=[f"bad={tmp_path}"])  # fmt: skip
+    with pytest.raises(ConfigError, match="--lora-modules bad=.*adapter_config.json"):
+        args.create_engine_config()

@@ -1,0 +1,52 @@
+"""Start-up checks of engine features that do not combine yet (each refused in one line).
+
+The parallel layouts' own checks are in ``distributed/config_checks.py``; per-request
+refusals (beam search with speculative decoding, LoRA or pipeline stages) in
+``engine/input_processor.py``.
+"""
+
+from __future__ import annotations
+
+from tokenmill.config import ConfigError, ModelConfig
+
+
+def check_feature_combinations(
+    model_config: ModelConfig,
+    *,
+    speculative: bool,
+    lora: bool,
+    kv_cache_dtype: str,
+    enable_sleep_mode: bool,
+    kv_offloading: bool,
+) -> None:
+    """Refuse the feature pairs the engine does not implement.
+
+    Raises:
+        ConfigError: speculative decoding with an MLA model, a model that takes images,
+            sleep mode or KV offloading (the proposer's own weights and KV cache are
+            neither released nor offloaded); LoRA with sleep mode (level 2 reloads the
+            checkpoint, not the adapter slots); an FP8 KV cache with an MLA model (its
+            latent cache has no FP8 path), as are FP8 weights (``--quantization fp8``).
+    """
+    mla = model_config.use_mla
+    images = model_config.multimodal_config is not None
+    fp8_kv = kv_cache_dtype.startswith("fp8")
+    refused = (
+        (speculative and mla, "--speculative-config is not implemented for MLA models "
+                              "(DeepSeek): their MTP layers are not served yet"),
+        (speculative and images, "--speculative-config is not implemented for models that "
+                                 "take images"),
+        (speculative and enable_sleep_mode, "--speculative-config does not combine with "
+                                            "--enable-sleep-mode yet"),
+        (speculative and kv_offloading, "--speculative-config does not combine with "
+                                        "--kv-offloading-size yet"),
+        (lora and enable_sleep_mode, "--enable-lora does not combine with --enable-sleep-mode "
+                                     "yet"),
+        (fp8_kv and mla, f"--kv-cache-dtype {kv_cache_dtype} is not implemented for MLA models "
+                         "(DeepSeek): use auto"),
+        (mla and model_config.quantization == "fp8", "--quantization fp8 is not implemented "
+                                                     "for MLA models (DeepSeek)"),
+    )  # fmt: skip
+    for on, message in refused:
+        if on:
+            raise ConfigError(message)

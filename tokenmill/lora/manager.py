@@ -1,0 +1,220 @@
+"""The worker's adapters: LoRA layers wrapped around a model's projections, the slots on the
+device (``max_loras``) and an LRU of adapters loaded in host memory (``max_cpu_loras``),
+as S-LoRA (Sheng et al. 2023) keeps many adapters in host memory and few on the device.
+
+The scheduler never runs more distinct adapters in a step than there are slots, so
+``slots_for`` can always give every adapter of a step a slot, evicting the least recently
+used adapters that the step does not use.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.lora.config import LoRAConfig
+from tokenmill.lora.layers import LoRABatch, LoRALinear
+from tokenmill.lora.peft import (
+    SUPPORTED_TARGETS,
+    LoRAAdapterError,
+    load_peft_weights,
+    read_peft_config,
+)
+from tokenmill.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+# shard id -> (A [r, in], B [part out, r] scaled), per tokenmill module name
+AdapterWeights = dict[str, dict[Any, tuple[torch.Tensor, torch.Tensor]]]
+
+
+@dataclass
+class LoadedAdapter:
+    request: LoRARequest
+    weights: AdapterWeights
+
+
+def _target_map(model: nn.Module) -> dict[str, tuple[str, Any]]:
+    """Checkpoint projection name -> (tokenmill module name part, shard id), from the model
+    class's ``stacked_params_mapping`` (q_proj -> (qkv_proj, "q"), ...)."""
+    mapping = {name: (name, None) for name in SUPPORTED_TARGETS}
+    for param, weight, shard in getattr(model, "stacked_params_mapping", []):
+        if weight in mapping:
+            mapping[weight] = (param, shard)
+    return mapping
+
+
+def wrap_lora_layers(
+    model: nn.Module, config: LoRAConfig, dtype: torch.dtype, batch: LoRABatch
+) -> dict[str, LoRALinear]:
+    """Replace every projection an adapter may target with a ``LoRALinear`` around it.
+
+    Returns:
+        Module name -> its LoRA layer.
+    """
+    targets = _target_map(model)
+    parts_of: dict[str, list[Any]] = {}
+    for param, shard in targets.values():
+        parts_of.setdefault(param, []).append(shard)
+    wrapped: dict[str, LoRALinear] = {}
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in parts_of or not hasattr(module, "shard_slices"):
+            continue
+        parts = []
+        for shard in parts_of[leaf]:
+            if shard is None:
+                parts.append((None, 0, module.output_size))
+            else:
+                s = module.shard_slices(shard)[0]
+                parts.append((shard, s.dst_start, s.size))
+        layer = LoRALinear(
+            module, parts, config.max_loras + 1, config.max_lora_rank, dtype, batch
+        )
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        setattr(parent, leaf, layer)
+        wrapped[name] = layer
+    return wrapped
+
+
+class LoRAManager:
+    """Adapters of one model runner.
+
+    Args:
+        model: the loaded model; its projections are wrapped in place.
+        config: slots, rank, host cache size.
+        dtype: the slots' dtype.
+        token_slots: the runner's persistent ``[max_num_batched_tokens]`` int32 buffer of
+            the step's slot per token.
+    """
+
+    def __init__(
+        self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype, token_slots: torch.Tensor
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.batch = LoRABatch(token_slots)
+        self.layers = wrap_lora_layers(model, config, dtype, self.batch)
+        self.targets = _target_map(model)
+        self.host: OrderedDict[int, LoadedAdapter] = OrderedDict()
+        self.known: dict[int, LoRARequest] = {}
+        # adapter id -> slot (1..max_loras), least recently used first
+        self.slot_of: OrderedDict[int, int] = OrderedDict()
+        self._slot_table = np.zeros(1, dtype=np.int32)
+
+    # ---- host cache --------------------------------------------------------------------
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Load ``request``'s adapter into host memory (a no-op when loaded).
+
+        Raises:
+            LoRAAdapterError: the folder cannot be served or does not fit the model.
+        """
+        self.known[request.lora_int_id] = request
+        self._load(request.lora_int_id)
+
+    def _load(self, lora_id: int) -> LoadedAdapter:
+        loaded = self.host.get(lora_id)
+        if loaded is not None:
+            self.host.move_to_end(lora_id)
+            return loaded
+        request = self.known.get(lora_id)
+        if request is None:
+            raise LoRAAdapterError(f"adapter id {lora_id} is not loaded")
+        loaded = LoadedAdapter(request, self._read(request))
+        self.host[lora_id] = loaded
+        while len(self.host) > self.config.max_cpu_loras:
+            evicted, _ = self.host.popitem(last=False)
+            logger.info("LoRA adapter %d evicted from host memory", evicted)
+        return loaded
+
+    def _read(self, request: LoRARequest) -> AdapterWeights:
+        path = request.lora_path
+        peft = read_peft_config(path, self.config.max_lora_rank)
+        pin = any(layer.lora_a.is_cuda for layer in self.layers.values())
+        weights: AdapterWeights = {}
+        for module, ab in load_peft_weights(path).items():
+            prefix, _, leaf = module.rpartition(".")
+            param, shard = self.targets[leaf]
+            name = f"{prefix}.{param}" if prefix else param
+            layer = self.layers.get(name)
+            if layer is None:
+                raise LoRAAdapterError(f"{path!r}: the model has no layer {module}")
+            a, b = ab["lora_A"], ab["lora_B"]
+            _, start, size = layer.parts[shard]
+            if a.shape[0] > self.config.max_lora_rank or tuple(a.shape) != (
+                b.shape[1], layer.input_size
+            ) or b.shape[0] != size:
+                raise LoRAAdapterError(
+                    f"{path!r}: {module}'s lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
+                    f"do not fit the model's layer ({layer.input_size} in, {size} out, rank "
+                    f"<= {self.config.max_lora_rank})"
+                )
+            a = a.to(self.dtype)
+            b = (b.float() * peft.scale).to(self.dtype)
+            if pin:
+                a, b = a.pin_memory(), b.pin_memory()
+            weights.setdefault(name, {})[shard] = (a, b)
+        return weights
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter (its slot is freed); False when it was not known."""
+        known = self.known.pop(lora_id, None) is not None
+        self.host.pop(lora_id, None)
+        slot = self.slot_of.pop(lora_id, None)
+        if slot is not None:
+            for layer in self.layers.values():
+                layer.clear_slot(slot)
+        return known
+
+    # ---- slots -------------------------------------------------------------------------
+
+    def slots_for(self, lora_ids: np.ndarray) -> np.ndarray:
+        """The slot of each entry of ``lora_ids`` (0 for 0: no adapter), putting adapters
+        that have none into a free slot or the least recently used one this call does not
+        need.
+
+        Raises:
+            RuntimeError: more distinct adapters than slots (a scheduler bug).
+        """
+        wanted = [int(i) for i in np.unique(lora_ids) if i]
+        if len(wanted) > self.config.max_loras:
+            raise RuntimeError(
+                f"{len(wanted)} adapters in one step, more than max_loras={self.config.max_loras}"
+            )
+        for lora_id in wanted:
+            if lora_id in self.slot_of:
+                self.slot_of.move_to_end(lora_id)
+            else:
+                self._activate(lora_id, set(wanted))
+        table = self._slot_table
+        top = int(lora_ids.max(initial=0))
+        if top >= len(table):
+            table = self._slot_table = np.zeros(top + 1, dtype=np.int32)
+        table[:] = 0
+        for lora_id in wanted:
+            table[lora_id] = self.slot_of[lora_id]
+        return table[lora_ids]
+
+    def _activate(self, lora_id: int, keep: set[int]) -> None:
+        used = set(self.slot_of.values())
+        free = [s for s in range(1, self.config.max_loras + 1) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(i for i in self.slot_of if i not in keep)
+            slot = self.slot_of.pop(victim)
+        weights = self._load(lora_id).weights
+        for name, layer in self.layers.items():
+            parts = weights.get(name)
+            if parts:
+                layer.set_slot(slot, parts)
+            else:
+                layer.clear_slot(slot)
+        self.slot_of[lora_id] = slot

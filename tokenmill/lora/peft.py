@@ -1,0 +1,164 @@
+"""PEFT adapter folders: ``adapter_config.json`` + ``adapter_model.safetensors`` (or
+``adapter_model.bin`` is refused: safetensors only), as ``peft``'s ``save_pretrained``
+writes them.
+
+A LoRA adapter adds ``scale * B (A x)`` to a linear layer's output, ``A [r, in]``,
+``B [out, r]``; ``scale = lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA (Kalajdzievski
+2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA"). Weight names are
+``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``, ``<module>`` the base
+model's (e.g. ``model.layers.3.self_attn.q_proj``).
+
+Checked here, so that an adapter the engine cannot serve is refused in one line: a rank above
+``--max-lora-rank``, DoRA, ``modules_to_save``, embedding or LM-head targets, LoRA biases,
+per-module rank or alpha patterns, and targets other than the attention and MLP projections.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+# The projections an adapter may target: tokenmill's LoRA layers wrap these.
+SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<ab>lora_[AB])(?:\.default)?\.weight$"
+)
+
+
+class LoRAAdapterError(ValueError):
+    """An adapter folder that cannot be served; the message says why."""
+
+
+@dataclass(frozen=True)
+class PEFTConfig:
+    """The parts of ``adapter_config.json`` serving needs.
+
+    Attributes:
+        rank: ``r``.
+        scale: the factor on ``B A x`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA).
+        target_modules: module names (last name parts) the adapter targets, or a regular
+            expression over full module names.
+        base_model_name: ``base_model_name_or_path``, if given.
+    """
+
+    rank: int
+    scale: float
+    target_modules: tuple[str, ...] | str
+    base_model_name: str | None
+
+
+def read_peft_config(path: str, max_rank: int) -> PEFTConfig:
+    """Read and check an adapter folder's ``adapter_config.json`` (no weights are read).
+
+    Args:
+        path: the adapter folder.
+        max_rank: ``--max-lora-rank``.
+
+    Raises:
+        LoRAAdapterError: no such folder or files, not a LoRA adapter, a rank above
+            ``max_rank``, or a feature tokenmill does not serve (the message names it).
+    """
+    config_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.isdir(path):
+        raise LoRAAdapterError(f"no adapter folder at {path!r}")
+    if not os.path.isfile(config_path):
+        raise LoRAAdapterError(f"{path!r} has no {CONFIG_NAME}")
+    if not os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
+        raise LoRAAdapterError(f"{path!r} has no {WEIGHTS_NAME} (only safetensors are read)")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoRAAdapterError(f"cannot read {config_path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise LoRAAdapterError(f"{config_path} is not a JSON object")
+    return _check_config(raw, path, max_rank)
+
+
+def _check_config(raw: dict[str, Any], path: str, max_rank: int) -> PEFTConfig:
+    peft_type = str(raw.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise LoRAAdapterError(f"{path!r} is a {peft_type} adapter; only LoRA adapters are served")
+    refused = {
+        "use_dora": "DoRA adapters",
+        "modules_to_save": "adapters with modules_to_save (fully trained layers)",
+        "rank_pattern": "per-module ranks (rank_pattern)",
+        "alpha_pattern": "per-module alphas (alpha_pattern)",
+        "fan_in_fan_out": "fan_in_fan_out weights",
+        "layers_to_transform": "layers_to_transform",
+        "lora_bias": "LoRA biases (lora_bias)",
+        "layer_replication": "layer_replication",
+        "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
+        "target_parameters": "adapters of parameters (target_parameters)",
+    }
+    for key, what in refused.items():
+        if raw.get(key):
+            raise LoRAAdapterError(f"{path!r}: {what} are not supported")
+    if raw.get("bias", "none") != "none":
+        raise LoRAAdapterError(f"{path!r}: LoRA biases (bias={raw['bias']!r}) are not supported")
+    rank = raw.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise LoRAAdapterError(f"{path!r}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise LoRAAdapterError(
+            f"{path!r}: LoRA rank {rank} is greater than max_lora_rank {max_rank}"
+        )
+    alpha = raw.get("lora_alpha", 8)
+    scale = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
+    targets = raw.get("target_modules")
+    if isinstance(targets, list):
+        bad = sorted(set(targets) - set(SUPPORTED_TARGETS))
+        if bad:
+            raise LoRAAdapterError(
+                f"{path!r}: target modules {bad} are not supported (only "
+                f"{', '.join(SUPPORTED_TARGETS)})"
+            )
+        targets = tuple(targets)
+    elif not isinstance(targets, str):
+        raise LoRAAdapterError(f"{path!r}: target_modules must be a list or a regex")
+    return PEFTConfig(rank, float(scale), targets, raw.get("base_model_name_or_path"))
+
+
+def load_peft_weights(path: str) -> dict[str, dict[str, Any]]:
+    """The adapter's tensors by module: ``{module: {"lora_A": [r, in], "lora_B": [out, r]}}``
+    (torch tensors, the checkpoint's dtype, on the CPU).
+
+    Raises:
+        LoRAAdapterError: an unreadable file, a tensor that is not a LoRA A/B weight (e.g.
+            embedding adapters, ``lora_embedding_A``), an A without its B, or a target other
+            than the supported projections.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(os.path.join(path, WEIGHTS_NAME))
+    except (OSError, SafetensorError) as e:
+        raise LoRAAdapterError(f"cannot read {path!r}'s {WEIGHTS_NAME}: {e}") from None
+    modules: dict[str, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY_RE.match(key)
+        if match is None:
+            raise LoRAAdapterError(
+                f"{path!r}: tensor {key!r} is not a LoRA A/B weight of a linear layer "
+                "(embedding, LM-head and fully trained modules are not supported)"
+            )
+        module = match["module"]
+        if module.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS:
+            raise LoRAAdapterError(
+                f"{path!r}: {module} is not a supported target (only "
+                f"{', '.join(SUPPORTED_TARGETS)})"
+            )
+        modules.setdefault(module, {})[match["ab"]] = tensor
+    for module, ab in modules.items():
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise LoRAAdapterError(f"{path!r}: {module} lacks its lora_A or lora_B weight")
+    if not modules:
+        raise LoRAAdapterError(f"{path!r}: the adapter has no LoRA weights")
+    return modules
