@@ -17,7 +17,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from tokenmill.kernels.attention.common import cast_to_cache
+    from tokenmill.kernels.cache_cast import cast_to_cache
     from tokenmill.kernels.pdl import wait_for_prior_grid
 
     @triton.jit

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.attention.common import cast_to_cache
+from tokenmill.kernels.cache_cast import cast_to_cache
 from tokenmill.math_utils import next_power_of_2
 
 

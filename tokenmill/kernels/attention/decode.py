@@ -15,7 +15,6 @@ from tokenmill.kernels.attention.common import (
     M_INIT,
     SPLIT_RUNTIME_INTS,
     attend_tiles,
-    cast_to_cache,
     local_start,
     merge_splits,
     scaled_scores,
@@ -24,6 +23,7 @@ from tokenmill.kernels.attention.common import (
     tile_rows,
     tile_scores,
 )
+from tokenmill.kernels.cache_cast import cast_to_cache
 from tokenmill.kernels.pdl import allow_next_grid, wait_for_prior_results
 from tokenmill.kernels.rotary import rotary_pairs
 
