@@ -30,7 +30,6 @@ from tokenmill.config import (
     KernelConfig,
     LoadConfig,
     ModelConfig,
-    SchedulerConfig,
     UnsupportedQuantizationError,
     check_kv_offloading_flags,
 )
@@ -41,9 +40,10 @@ from tokenmill.distributed.config_checks import (
     check_parallel_layout,
     parallel_config_from_flags,
 )
-from tokenmill.feature_checks import check_feature_combinations
+from tokenmill.feature_checks import check_feature_combinations, check_kv_cache_dtype
 from tokenmill.lora.config import LoRAConfig, check_lora_model, create_lora_config
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
+from tokenmill.scheduler_flags import create_scheduler_config
 from tokenmill.spec_decode.config import parse_speculative_json, resolve_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -370,9 +370,9 @@ class EngineArgs:
             speculative_config = resolve_speculative_config(
                 speculative_fields, model_config, device
             )
-        self._check_kv_cache_dtype(device)
-        scheduler_config = self._create_scheduler_config(
-            device, usage_context, model_config, speculative_config is not None
+        check_kv_cache_dtype(self.kv_cache_dtype, device)
+        scheduler_config = create_scheduler_config(
+            self, device, usage_context == "server", model_config, speculative_config is not None
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -580,17 +580,6 @@ class EngineArgs:
         except MultiModalConfigError as e:
             raise ConfigError(str(e)) from None
 
-    def _check_kv_cache_dtype(self, device: str) -> None:
-        """Raises ConfigError: an FP8 cache on a GPU whose kernels cannot convert to FP8."""
-        if self.kv_cache_dtype.startswith("fp8") and device == "cuda":
-            import torch
-
-            if torch.cuda.get_device_capability() < (8, 9):
-                raise ConfigError(
-                    f"--kv-cache-dtype {self.kv_cache_dtype} needs a GPU of compute capability "
-                    "8.9 or newer (Ada, Hopper); use auto"
-                )
-
     def _resolve_quantization(
         self, hf_config: Any, model: str, device: str, dtype: str
     ) -> str | None:
@@ -614,94 +603,6 @@ class EngineArgs:
         except ValueError as e:
             raise UnsupportedQuantizationError(str(e)) from None
         return method
-
-    def _create_scheduler_config(
-        self,
-        device: str,
-        usage_context: UsageContext,
-        model_config: ModelConfig,
-        speculative: bool = False,
-    ) -> SchedulerConfig:
-        server = usage_context == "server"
-        if device == "cuda":
-            default_tokens, default_seqs = (8192 if server else 16384), 1024
-        else:
-            default_tokens, default_seqs = (2048 if server else 4096), (128 if server else 256)
-        max_tokens = self.max_num_batched_tokens or default_tokens
-        max_seqs = self.max_num_seqs or default_seqs
-        if not self.enable_chunked_prefill:
-            if self.max_num_batched_tokens is None:
-                max_tokens = max(max_tokens, model_config.max_model_len)
-            elif max_tokens < model_config.max_model_len:
-                raise ConfigError(
-                    f"--max-num-batched-tokens {max_tokens} is smaller than --max-model-len "
-                    f"{model_config.max_model_len}: without chunked prefill a whole prompt must "
-                    "fit in one step's budget"
-                )
-        _check_token_table_fits(max_seqs, model_config.max_model_len)
-        pacing_tokens = self._prefill_pacing_tokens(device, server)
-        if self.prefill_pacing_mode is not None and not pacing_tokens:
-            raise ConfigError(
-                f"--prefill-pacing-mode {self.prefill_pacing_mode} needs prefill pacing: pass "
-                "--prefill-pacing-tokens N (it is on by default only for servers on CUDA with "
-                "CUDA graphs)"
-            )
-        return SchedulerConfig(
-            max_num_batched_tokens=max_tokens,
-            max_num_seqs=max_seqs,
-            max_model_len=model_config.max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            async_scheduling=self._async_scheduling(device, speculative),
-            prefill_pacing_tokens=pacing_tokens,
-            prefill_pacing_mode=self.prefill_pacing_mode or "step",  # type: ignore[arg-type]
-        )
-
-    def _async_scheduling(self, device: str, speculative: bool) -> bool:
-        if speculative:
-            # NOTE: the next step's drafts are proposed from this step's accepted tokens, so
-            # a speculating engine plans each step after the previous one's tokens are known.
-            if self.async_scheduling:
-                raise ConfigError(
-                    "--async-scheduling does not combine with --speculative-config yet: "
-                    "speculative decoding plans each step after the previous one"
-                )
-            return False
-        if self.async_scheduling is None:
-            return device == "cuda" and self.pipeline_parallel_size == 1
-        return self.async_scheduling
-
-    def _prefill_pacing_tokens(self, device: str, server: bool) -> int:
-        if self.prefill_pacing_tokens is not None:
-            return self.prefill_pacing_tokens
-        # Pacing makes most steps mix prompt chunks with decodes; only the piecewise CUDA
-        # graphs make those cheap, so eager servers keep full-budget steps.
-        paced = (
-            server and device == "cuda" and self.enable_chunked_prefill and not self.enforce_eager
-        )
-        return SERVING_PACING_TOKENS if paced else 0
-
-
-def _check_token_table_fits(max_num_seqs: int, max_model_len: int) -> None:
-    """The worker keeps every running request's token ids in a host table of
-    ``max_num_seqs x max_model_len`` int32 (``worker/input_batch.py``): refuse, before the
-    model loads, a table larger than the machine's memory.
-
-    Raises:
-        ConfigError: the table would not fit.
-    """
-    table_bytes = 4 * max_num_seqs * max_model_len
-    try:
-        memory_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # no sysconf (not POSIX): unchecked
-        return
-    if table_bytes > memory_bytes:
-        raise ConfigError(
-            f"--max-num-seqs {max_num_seqs} with --max-model-len {max_model_len} needs a "
-            f"{table_bytes / 2**30:,.1f} GiB table of token ids in host memory, more than "
-            f"this machine's {memory_bytes / 2**30:,.1f} GiB: lower one of them"
-        )
 
 
 def _default_served_name(model: str) -> str:

@@ -50,3 +50,15 @@ def check_feature_combinations(
     for on, message in refused:
         if on:
             raise ConfigError(message)
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, device: str) -> None:
+    """Raises ConfigError: an FP8 cache on a GPU whose kernels cannot convert to FP8."""
+    if kv_cache_dtype.startswith("fp8") and device == "cuda":
+        import torch
+
+        if torch.cuda.get_device_capability() < (8, 9):
+            raise ConfigError(
+                f"--kv-cache-dtype {kv_cache_dtype} needs a GPU of compute capability "
+                "8.9 or newer (Ada, Hopper); use auto"
+            )

@@ -13,7 +13,6 @@ host-device sync of a step is reading the sampled token ids.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,7 +24,7 @@ from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.distributed.parallel_state import broadcast_from_first_tp_rank
 from tokenmill.math_utils import cdiv
-from tokenmill.model.attention.backend import AttentionMetadata, KVCacheSpec
+from tokenmill.model.attention.backend import KVCacheSpec
 from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.layers.attention import (
     Attention,
@@ -34,6 +33,7 @@ from tokenmill.model.layers.attention import (
     kv_cache_specs,
 )
 from tokenmill.model.loader.model_loader import get_model, reload_weights, torch_dtype
+from tokenmill.worker.buffer_metadata import BufferMetadata
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.host_memory import zeroed_tensor
@@ -43,12 +43,6 @@ from tokenmill.worker.kv_offload import KVOffloadStore
 from tokenmill.worker.multimodal import MultiModalState, StepImages
 from tokenmill.worker.pipeline_stage import PipelineStage
 from tokenmill.worker.sampler import Sampler
-from tokenmill.worker.sampling_metadata import (
-    SamplingMetadata,
-    SamplingRow,
-    build_plain_sampling_metadata,
-    build_sampling_metadata,
-)
 from tokenmill.worker.sleep_mode import SleepMode
 from tokenmill.worker.spec_decode_step import SpecDecodeStep
 from tokenmill.worker.step_graphs import StepGraphs
@@ -58,6 +52,7 @@ from tokenmill.worker.step_io import (
     leading_ones,
     prompt_logprobs_of_step,
 )
+from tokenmill.worker.step_sampling import StepSampling
 from tokenmill.worker.step_staging import DeviceArena, StepStaging
 
 if TYPE_CHECKING:
@@ -92,7 +87,7 @@ def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dt
     return table[cache_dtype]
 
 
-class ModelRunner:
+class ModelRunner(StepSampling, BufferMetadata):
     """Owns the model, the KV cache tensors and the persistent batch of one device."""
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
@@ -499,66 +494,6 @@ class ModelRunner:
         size = padded or n
         return self.model(self.input_ids.device[:size], self.positions.device[:size], metadata)
 
-    def pad_token_inputs(self, num_tokens: int, padded: int) -> None:
-        """Make rows ``num_tokens..padded`` of the token buffers inert padding: token 0 at
-        position 0 with slot -1 (its K/V is never written)."""
-        self.input_ids.device[num_tokens:padded].zero_()
-        self.positions.device[num_tokens:padded].zero_()
-        self.slot_mapping.device[num_tokens:padded].fill_(-1)
-
-    def pad_decode_batch(self, num_reqs: int, padded: int) -> AttentionMetadata:
-        """Fill rows ``num_reqs..padded`` of the device buffers with inert padding requests
-        (one token each, slot -1 so nothing is written, context length 0) and return the
-        metadata of the padded batch, as a captured CUDA graph sees it (planned for
-        contexts up to ``max_model_len``)."""
-        self.pad_token_inputs(num_reqs, padded)
-        self.seq_lens.device[num_reqs:padded].zero_()
-        self.seq_lens.np[num_reqs:padded] = 0  # what ``decode_metadata`` reports
-        qsl = self.query_start_loc.device
-        torch.arange(num_reqs + 1, padded + 1, out=qsl[num_reqs + 1 : padded + 1])
-        return self.decode_metadata(padded)
-
-    def single_request_metadata(self, num_tokens: int, seq_len: int) -> AttentionMetadata:
-        """Metadata over the persistent buffers for one request computing the last
-        ``num_tokens`` of its ``seq_len`` positions; filling the device buffers is the
-        caller's business."""
-        qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
-        return self.buffer_metadata(
-            num_tokens,
-            1,
-            max_query_len=num_tokens,
-            max_seq_len=seq_len,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=torch.tensor([seq_len], dtype=torch.int32),
-        )
-
-    def decode_metadata(self, batch_size: int, max_seq_len: int | None = None) -> AttentionMetadata:
-        """Metadata over the persistent buffers for a decode batch of ``batch_size``, planned
-        for contexts up to ``max_seq_len`` tokens (default ``max_model_len``)."""
-        return self.buffer_metadata(
-            batch_size,
-            batch_size,
-            max_query_len=1,
-            max_seq_len=max_seq_len or self.max_model_len,
-            query_start_loc_cpu=torch.arange(batch_size + 1, dtype=torch.int32),
-            seq_lens_cpu=torch.from_numpy(self.seq_lens.np[:batch_size].copy()),
-            num_decodes=batch_size,
-        )
-
-    def buffer_metadata(self, num_tokens: int, num_reqs: int, **fields) -> AttentionMetadata:
-        """``AttentionMetadata`` whose device tensors are views of the persistent buffers:
-        the first ``num_reqs`` rows of the request buffers (query starts, context lengths,
-        block table) and the first ``num_tokens`` slots; ``fields`` gives the rest."""
-        return AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            num_reqs=num_reqs,
-            query_start_loc=self.query_start_loc.device[: num_reqs + 1],
-            seq_lens=self.seq_lens.device[:num_reqs],
-            block_table=self.block_table.device[:num_reqs],
-            slot_mapping=self.slot_mapping.device[:num_tokens],
-            **fields,
-        )
-
     @torch.inference_mode()
     def execute_model_async(self, so: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Launch one step and return before its sampled tokens reach the host.
@@ -626,97 +561,9 @@ class ModelRunner:
         self._advance_computed(inputs)
         return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs)
 
-    def sample_tokens(
-        self,
-        inputs: StepInputs,
-        hidden: torch.Tensor,
-        grammar_bitmasks: Mapping[str, np.ndarray],
-    ) -> tuple[list[int], dict[str, LogprobsLists]]:
-        """One token for each of the step's sampling requests (``inputs.sample_rows``), and
-        the logprobs of those that asked, by request id; the step's one sync."""
-        assert self.model is not None
-        logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
-        sample_batch_rows = inputs.batch_rows[inputs.sample_rows]
-        metadata = inputs.sampling_metadata or self._sampling_metadata(
-            inputs, sample_batch_rows, grammar_bitmasks
-        )
-        out = self.sampler(logits, metadata)
-        broadcast_from_first_tp_rank(out.sampled_token_ids)
-        token_ids = out.sampled_token_ids.tolist()  # the step's one sync
-        logprobs: dict[str, LogprobsLists] = {}
-        if out.logprobs is not None:
-            per_row = out.logprobs.to_lists_per_row(metadata.num_logprobs)
-            for i, lp in zip(inputs.sample_rows, per_row, strict=False):
-                if lp is not None:
-                    logprobs[inputs.req_ids[i]] = lp
-        return token_ids, logprobs
-
-    def _copy_sampled(self, sampled: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event | None:
-        """Start copying ``sampled`` to the pinned ``host`` tensor; returns the event that
-        marks its end on CUDA (None elsewhere, where the copy is done on return)."""
-        if self.device.type != "cuda":
-            host.copy_(sampled)
-            return None
-        stream = self._copy_stream
-        assert stream is not None
-        stream.wait_stream(torch.cuda.current_stream())
-        sampled.record_stream(stream)  # its memory is not reused before the copy
-        with torch.cuda.stream(stream):
-            host.copy_(sampled, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        return event
-
-    @staticmethod
-    def _sample_hidden(hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
-        """The hidden states of the step's sampling tokens: a view when every token samples
-        (then each request has one token, and the indices are 0..n-1), else a gather."""
-        if len(inputs.sample_rows) == inputs.num_tokens:
-            return hidden[: inputs.num_tokens]
-        return hidden[inputs.logits_indices]
-
     def _advance_computed(self, inputs: StepInputs) -> None:
         batch = self.input_batch
         new_computed = inputs.num_computed + inputs.num_scheduled
         batch.num_computed_tokens[inputs.batch_rows] = new_computed
         for req_id, c in zip(inputs.req_ids, new_computed.tolist(), strict=False):
             batch.requests[req_id].num_computed_tokens = c
-
-    def _plain_sampling_metadata(
-        self, rows: np.ndarray, to_device: Callable[[np.ndarray], torch.Tensor] | None = None
-    ) -> SamplingMetadata:
-        """The sampler's metadata for InputBatch ``rows`` that all sample on the plain path
-        (temperature/top-k/top-p/min-p only): a numpy gather of per-row parameters, put on
-        the device by ``to_device`` (default: a copy per array)."""
-        b = self.input_batch
-        return build_plain_sampling_metadata(
-            b.greedy[rows], b.temperature[rows], b.top_k[rows], b.top_p[rows], b.min_p[rows],
-            self.vocab_size, self.device, to_device,
-        )  # fmt: skip
-
-    def _sampling_metadata(
-        self,
-        inputs: StepInputs,
-        rows: np.ndarray,
-        grammar_bitmasks: Mapping[str, np.ndarray] | None = None,
-    ) -> SamplingMetadata:
-        """The sampler's metadata: ``_plain_sampling_metadata`` when every row is plain,
-        else the general per-row builder (with the grammar bitmasks of requests with
-        structured outputs)."""
-        b = self.input_batch
-        if not b.simple_sampling[rows].all():
-            bitmasks = grammar_bitmasks or {}
-            sampling_rows = []
-            for i in inputs.sample_rows:
-                req_id = inputs.req_ids[i]
-                s = b.requests[req_id]
-                sampling_rows.append(
-                    SamplingRow(
-                        s.sampling_params,
-                        s.prompt_token_ids,
-                        s.output_token_ids,
-                        bitmasks.get(req_id),
-                    )
-                )
-            return build_sampling_metadata(sampling_rows, self.vocab_size, self.device)
-        return self._plain_sampling_metadata(rows)
