@@ -35,6 +35,9 @@ MOE = {
 }
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
+
+
 def _folder(tmp_path, config):
     (tmp_path / "config.json").write_text(json.dumps(config))
     return str(tmp_path)
@@ -195,6 +198,21 @@ MLA = {
          "--enable-sleep-mode is not implemented with pipeline parallelism"),
         (CONFIG, {"pipeline_parallel_size": 2, "kv_offloading_size": 1.0},
          "--kv-offloading-size is not implemented with pipeline parallelism"),
+        (CONFIG, {"tensor_parallel_size": 2, "speculative_config": NGRAM},
+         "--speculative-config is not implemented with parallelism"),
+        (CONFIG, {"pipeline_parallel_size": 3, "enable_lora": True},
+         "--enable-lora is not implemented with parallelism"),
+        (CONFIG, {"tensor_parallel_size": 2, "kv_cache_dtype": "fp8"},
+         "--kv-cache-dtype fp8 is not implemented with parallelism"),
+        (MLA, {"speculative_config": NGRAM}, "--speculative-config is not implemented for MLA"),
+        (MLA, {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8 is not implemented for MLA"),
+        (MLA, {"quantization": "fp8"}, "--quantization fp8 is not implemented for MLA"),
+        (CONFIG, {"speculative_config": NGRAM, "enable_sleep_mode": True},
+         "--speculative-config does not combine with --enable-sleep-mode"),
+        (CONFIG, {"speculative_config": NGRAM, "kv_offloading_size": 1.0},
+         "--speculative-config does not combine with --kv-offloading-size"),
+        (CONFIG, {"enable_lora": True, "enable_sleep_mode": True},
+         "--enable-lora does not combine with --enable-sleep-mode"),
     ],
 )  # fmt: skip
 def test_combinations_refused_at_start_up(tmp_path, config, kwargs, message):

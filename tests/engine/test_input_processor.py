@@ -262,3 +262,19 @@ def test_beam_search_is_refused_under_pipeline_parallelism(smollm2_tokenizer):
     with pytest.raises(InvalidRequestError, match="beam search is not implemented with "
                                                   "pipeline parallelism"):  # fmt: skip
         processor.process("r1", "Hello", BeamSearchParams(beam_width=2, max_tokens=4))
+
+
+def test_beam_search_is_refused_with_speculation_or_an_adapter(smollm2_tokenizer, tmp_path):
+    from tokenmill.lora.request import LoRARequest
+    from tokenmill.sampling_params import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    processor = InputProcessor(
+        make_config(), smollm2_tokenizer, max_logprobs=20, max_num_seqs=8, speculative=True
+    )
+    with pytest.raises(InvalidRequestError, match="not implemented with speculative decoding"):
+        processor.process("r1", "Hello", params)
+    processor = InputProcessor(make_config(), smollm2_tokenizer, max_logprobs=20, max_num_seqs=8)
+    adapter = LoRARequest("a", 1, str(tmp_path))
+    with pytest.raises(InvalidRequestError, match="not implemented with LoRA adapters"):
+        processor.process("r2", "Hello", params, lora_request=adapter)
