@@ -204,6 +204,8 @@ MLA = {
          "--enable-lora is not implemented with parallelism"),
         (CONFIG, {"tensor_parallel_size": 2, "kv_cache_dtype": "fp8"},
          "--kv-cache-dtype fp8 is not implemented with parallelism"),
+        (CONFIG, {"tensor_parallel_size": 2, "quantization": "fp8"},
+         r"FP8 weights \(fp8\) are not implemented with tensor or pipeline parallelism"),
         (MLA, {"speculative_config": NGRAM}, "--speculative-config is not implemented for MLA"),
         (MLA, {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8 is not implemented for MLA"),
         (MLA, {"quantization": "fp8"}, "--quantization fp8 is not implemented for MLA"),
