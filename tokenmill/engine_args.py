@@ -362,6 +362,9 @@ class EngineArgs:
             kv_cache_dtype=self.kv_cache_dtype,
             enable_sleep_mode=self.enable_sleep_mode,
             kv_offloading=bool(self.kv_offloading_size),
+            model_parallel_size=(
+                parallel_config.tensor_parallel_size * parallel_config.pipeline_parallel_size
+            ),
         )
         speculative_config = None
         if speculative_fields is not None:

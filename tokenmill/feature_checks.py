@@ -18,6 +18,7 @@ def check_feature_combinations(
     kv_cache_dtype: str,
     enable_sleep_mode: bool,
     kv_offloading: bool,
+    model_parallel_size: int = 1,
 ) -> None:
     """Refuse the feature pairs the engine does not implement.
 
@@ -26,7 +27,9 @@ def check_feature_combinations(
             sleep mode or KV offloading (the proposer's own weights and KV cache are
             neither released nor offloaded); LoRA with sleep mode (level 2 reloads the
             checkpoint, not the adapter slots); an FP8 KV cache with an MLA model (its
-            latent cache has no FP8 path), as are FP8 weights (``--quantization fp8``).
+            latent cache has no FP8 path), as are FP8 weights (``--quantization fp8``);
+            FP8 weights with tensor or pipeline parallelism (``model_parallel_size``: tensor
+            x pipeline ranks; their loaders take whole tensors).
     """
     mla = model_config.use_mla
     images = model_config.multimodal_config is not None
@@ -50,6 +53,21 @@ def check_feature_combinations(
     for on, message in refused:
         if on:
             raise ConfigError(message)
+    if model_parallel_size > 1 and _fp8_weights(model_config):
+        raise ConfigError(
+            f"FP8 weights ({model_config.quantization}) are not implemented with tensor or "
+            "pipeline parallelism yet: run them on one GPU per engine (-dp replicates it)"
+        )
+
+
+def _fp8_weights(model_config: ModelConfig) -> bool:
+    """Whether the model runs FP8 weights (``fp8``, or a compressed-tensors FP8 checkpoint)."""
+    method = model_config.quantization
+    if method == "compressed-tensors":
+        from tokenmill.model.layers.quantization.compressed_tensors import is_fp8
+
+        return is_fp8(model_config.hf_config.get("quantization_config") or {})
+    return method == "fp8"
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str, device: str) -> None:

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 
 
 def _tokens(target, tokenizer, prompts, backend, monkeypatch, spec=None):
-    monkeypatch.setattr(model_runner, "get_attn_backend", lambda device: backend)
-    monkeypatch.setattr(model_proposer, "get_attn_backend", lambda device: backend)
+    monkeypatch.setattr(model_runner, "get_attn_backend", lambda device, **kw: backend)
+    monkeypatch.setattr(model_proposer, "get_attn_backend", lambda device, **kw: backend)
     extra = {"speculative_config": spec} if spec else {}
     llm = LLM(target, tokenizer=tokenizer, max_model_len=128, kv_cache_memory=8 << 20,
               max_num_batched_tokens=32, **extra)  # fmt: skip

@@ -205,11 +205,6 @@ def _check_quantization(model_config: ModelConfig, pc: ParallelConfig) -> None:
     """GGUF blocks and quantized experts are held whole by one rank (their kernels take
     whole tensors); the other methods split as the float weights do."""
     tp, method = pc.tensor_parallel_size, model_config.quantization
-    if _fp8_weights(model_config) and tp * pc.pipeline_parallel_size > 1:
-        raise ConfigError(
-            f"FP8 weights ({method}) are not implemented with tensor or pipeline parallelism "
-            "yet: run them on one GPU per engine (-dp replicates it)"
-        )
     if tp == 1 or method is None:
         return
     if method == "gguf":
@@ -222,16 +217,6 @@ def _check_quantization(model_config: ModelConfig, pc: ParallelConfig) -> None:
             f"quantized experts ({method}) do not split over {tp} tensor-parallel ranks yet: "
             "use -pp, or an unquantized checkpoint"
         )
-
-
-def _fp8_weights(model_config: ModelConfig) -> bool:
-    """Whether the model runs FP8 weights (``fp8``, or a compressed-tensors FP8 checkpoint)."""
-    method = model_config.quantization
-    if method == "compressed-tensors":
-        from tokenmill.model.layers.quantization.compressed_tensors import is_fp8
-
-        return is_fp8(model_config.hf_config.get("quantization_config") or {})
-    return method == "fp8"
 
 
 def _check_mlp(model_config: ModelConfig, pc: ParallelConfig) -> None:
