@@ -60,11 +60,20 @@ class MLAAttention(Attention):
         self.rotary_emb = rotary_emb
         self.rope_in_decode = False
         self.kv_cache: torch.Tensor | None = None
+        # Attention's FP8 cache scales: the latent cache is never FP8 (refused at start-up).
+        self.k_scale = self.v_scale = 1.0
+        self._kv_scales: tuple[float, float] | None = None
         self.impl = impl_cls(dims, scale, kv_b_proj)
 
     @property
     def output_size(self) -> int:
         return self.num_heads * self.dims.v_head_dim
+
+    def bind_cache(self, kv_cache: torch.Tensor | None) -> None:
+        """Attend over ``kv_cache`` from now on (None: unbind). The latent cache is in the
+        model's dtype: an FP8 cache is refused at start-up for MLA models, so there is no
+        K/V scale to apply."""
+        self.kv_cache = kv_cache
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """One latent of ``kv_lora_rank + qk_rope_head_dim`` values per token."""
