@@ -549,7 +549,8 @@ class AsyncLLM:
     async def add_lora(self, lora_request: LoRARequest) -> str | None:
         """Load an adapter in the engine (checked against the model, kept in host memory);
         returns None, or why it cannot be served."""
-        return await self._utility("add_lora", lora_request, timeout_s=300.0)
+        errors = await self._utility("add_lora", lora_request, timeout_s=300.0)
+        return next((e for e in errors if e is not None), None)  # the same on every core
 
     async def remove_lora(self, lora_int_id: int) -> None:
         """Drop an adapter once the requests using it have finished."""
