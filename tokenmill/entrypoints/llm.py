@@ -191,7 +191,8 @@ class LLM:
             prompts: a prompt or a list of prompts: text, token ids, or
                 ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``.
             params: the beam width, length and scoring (``BeamSearchParams``).
-            lora_request: accepted in vLLM's position; must be None (no LoRA adapters).
+            lora_request: accepted in vLLM's position; must be None (beam search does not combine
+                with LoRA adapters yet).
             use_tqdm: show a progress bar.
             concurrency_limit: the most prompts searched at once (None: all of them);
                 the others wait for a group to finish, as in vLLM.
@@ -207,7 +208,9 @@ class LLM:
         """
         engine = self._generation_engine()
         if lora_request is not None:
-            raise ValueError("beam_search: LoRA adapters are not supported (lora_request)")
+            raise ValueError(
+                "beam_search: LoRA adapters are not implemented with beam search (lora_request)"
+            )
         prompt_list = self._as_prompt_list(prompts)
         limit = len(prompt_list) if concurrency_limit is None else concurrency_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
