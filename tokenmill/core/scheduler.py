@@ -34,7 +34,7 @@ from tokenmill.core.lora_slots import LoRASlots, count_adapters
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import create_request_queue
-from tokenmill.core.scheduler_checks import check_scheduler_config, take_stats
+from tokenmill.core.scheduler_checks import check_request_fits, check_scheduler_config, take_stats
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.core.speculation import Speculation
 from tokenmill.core.step_plan import StepPlan
@@ -191,23 +191,8 @@ class Scheduler:
                 (the message gives the numbers).
         """
         req_id = request.request_id
-        num_prompt = request.num_prompt_tokens
-        if req_id in self.requests or req_id in self.beams.groups:
-            raise ValueError(f"request id {req_id!r} is already in use")
-        if num_prompt == 0:
-            raise ValueError(f"request {req_id!r} has an empty prompt")
-        if num_prompt > self.max_model_len:
-            raise ValueError(
-                f"request {req_id!r}: prompt of {num_prompt} tokens is longer than "
-                f"max_model_len={self.max_model_len}"
-            )
-        num_prompt_blocks = cdiv(num_prompt, self.block_size)
-        if num_prompt_blocks > self.num_blocks:
-            raise ValueError(
-                f"request {req_id!r}: prompt of {num_prompt} tokens needs {num_prompt_blocks} "
-                f"KV blocks of {self.block_size} tokens, but the KV cache has only "
-                f"{self.num_blocks} blocks ({self.num_blocks * self.block_size} tokens)"
-            )
+        live = req_id in self.requests or req_id in self.beams.groups
+        check_request_fits(request, live, self.max_model_len, self.block_size, self.num_blocks)
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus

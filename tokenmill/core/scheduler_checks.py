@@ -6,11 +6,13 @@ from typing import TYPE_CHECKING
 
 from tokenmill.core.engine_io import SchedulerStats
 from tokenmill.core.prefill_pacing import PrefillPacing
+from tokenmill.math_utils import cdiv
 
 if TYPE_CHECKING:
     from tokenmill.config import SchedulerConfig
     from tokenmill.core.encoder_cache import EncoderCacheManager
     from tokenmill.core.kv_cache_manager import KVCacheManager
+    from tokenmill.core.request import Request
 
 
 def check_scheduler_config(c: SchedulerConfig) -> PrefillPacing | None:
@@ -80,3 +82,33 @@ def take_stats(
         stats.kv_offload_stats = {f"{tier}_hit_tokens": n for tier, n in hits.items()}
     encoder_cache.queries = encoder_cache.hits = 0
     return stats
+
+
+def check_request_fits(
+    request: Request, live: bool, max_model_len: int, block_size: int, num_blocks: int
+) -> None:
+    """Raise if ``request`` could never be scheduled (``live``: its id is in use).
+
+    Raises:
+        ValueError: the id is already live, the prompt is empty, longer than
+            ``max_model_len``, or needs more blocks than the whole KV cache has
+            (the message gives the numbers).
+    """
+    req_id = request.request_id
+    num_prompt = request.num_prompt_tokens
+    if live:
+        raise ValueError(f"request id {req_id!r} is already in use")
+    if num_prompt == 0:
+        raise ValueError(f"request {req_id!r} has an empty prompt")
+    if num_prompt > max_model_len:
+        raise ValueError(
+            f"request {req_id!r}: prompt of {num_prompt} tokens is longer than "
+            f"max_model_len={max_model_len}"
+        )
+    num_prompt_blocks = cdiv(num_prompt, block_size)
+    if num_prompt_blocks > num_blocks:
+        raise ValueError(
+            f"request {req_id!r}: prompt of {num_prompt} tokens needs {num_prompt_blocks} "
+            f"KV blocks of {block_size} tokens, but the KV cache has only "
+            f"{num_blocks} blocks ({num_blocks * block_size} tokens)"
+        )
