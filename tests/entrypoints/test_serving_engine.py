@@ -39,6 +39,7 @@ class FakeEngine:
         self.config = SimpleNamespace(scheduler_config=SimpleNamespace(scheduling_policy="fcfs"))
         self.input_processor = SimpleNamespace(default_sampling_params=SamplingParams)
         self.errored = False
+        self.sleeping = False
         self.dead_error: str | None = None
         self.aborted: list[str] = []
         self._queues: dict[str, asyncio.Queue] = {}

@@ -206,7 +206,13 @@ def test_fp8_checkpoint_on_cuda(tmp_path, scheme, kv):
     hook_reference(ref, activations)
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
-    _check(torch.cat([prompt, decode]), expected, 5e-2)
+    # A static per-tensor activation scale (coarse steps), or FP8 activations beside an FP8
+    # KV cache (rounded twice): bfloat16 inputs land on the neighbouring FP8 step (6-12% of
+    # a value) more often than the float32 reference's; measured 0.069-0.083 of the largest
+    # logit on an H100.
+    w8a8 = activations in ("static", "tensor", "token")
+    coarse = scheme == "ct-tensor-static" or (kv == "fp8" and w8a8)
+    _check(torch.cat([prompt, decode]), expected, 0.1 if coarse else 5e-2)
 
 
 @pytest.fixture(scope="module")
