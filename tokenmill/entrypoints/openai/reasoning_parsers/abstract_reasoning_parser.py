@@ -14,7 +14,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import import_plugin
+from tokenmill.entrypoints.openai.tool_parsers.abstract_tool_parser import (
+    import_plugin,
+    lookup_parser,
+    parser_registrar,
+)
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, DeltaMessage
@@ -88,10 +92,7 @@ class ReasoningParserManager:
         Raises:
             KeyError: no parser has that name (the message lists the names).
         """
-        if name not in cls.reasoning_parsers:
-            known = ", ".join(sorted(cls.reasoning_parsers))
-            raise KeyError(f"unknown reasoning parser {name!r} (known: {known})")
-        return cls.reasoning_parsers[name]
+        return lookup_parser(cls.reasoning_parsers, name, "reasoning parser")
 
     @classmethod
     def register_module(
@@ -108,17 +109,9 @@ class ReasoningParserManager:
             KeyError: the name is taken and ``force`` is false.
         """
 
-        def register(parser: type[ReasoningParser]) -> type[ReasoningParser]:
-            if not (isinstance(parser, type) and issubclass(parser, ReasoningParser)):
-                raise TypeError(f"a reasoning parser must subclass ReasoningParser: {parser!r}")
-            names = [name] if isinstance(name, str) else list(name or [parser.__name__])
-            for n in names:
-                if not force and n in cls.reasoning_parsers:
-                    raise KeyError(f"reasoning parser {n!r} is already registered")
-                cls.reasoning_parsers[n] = parser
-            return parser
-
-        return register if module is None else register(module)
+        return parser_registrar(
+            cls.reasoning_parsers, ReasoningParser, "reasoning parser", name, force, module
+        )
 
     @classmethod
     def import_reasoning_parser(cls, plugin_path: str) -> None:

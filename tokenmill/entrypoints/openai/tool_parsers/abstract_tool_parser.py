@@ -105,10 +105,7 @@ class ToolParserManager:
         Raises:
             KeyError: no parser has that name (the message lists the names).
         """
-        if name not in cls.tool_parsers:
-            known = ", ".join(sorted(cls.tool_parsers))
-            raise KeyError(f"unknown tool call parser {name!r} (known: {known})")
-        return cls.tool_parsers[name]
+        return lookup_parser(cls.tool_parsers, name, "tool call parser")
 
     @classmethod
     def register_module(
@@ -125,17 +122,7 @@ class ToolParserManager:
             KeyError: the name is taken and ``force`` is false.
         """
 
-        def register(parser: type[ToolParser]) -> type[ToolParser]:
-            if not (isinstance(parser, type) and issubclass(parser, ToolParser)):
-                raise TypeError(f"a tool parser must subclass ToolParser, got {parser!r}")
-            names = [name] if isinstance(name, str) else list(name or [parser.__name__])
-            for n in names:
-                if not force and n in cls.tool_parsers:
-                    raise KeyError(f"tool parser {n!r} is already registered")
-                cls.tool_parsers[n] = parser
-            return parser
-
-        return register if module is None else register(module)
+        return parser_registrar(cls.tool_parsers, ToolParser, "tool parser", name, force, module)
 
     @classmethod
     def import_tool_parser(cls, plugin_path: str) -> None:
@@ -145,6 +132,48 @@ class ToolParserManager:
             ImportError: the file does not exist or fails to import (the reason given).
         """
         import_plugin(plugin_path, "tool parser")
+
+
+def lookup_parser(registry: dict[str, type], name: str, what: str) -> type:
+    """``registry[name]`` (the tool and reasoning parser managers' lookup).
+
+    Raises:
+        KeyError: no parser has that name (the message lists the names).
+    """
+    if name not in registry:
+        known = ", ".join(sorted(registry))
+        raise KeyError(f"unknown {what} {name!r} (known: {known})")
+    return registry[name]
+
+
+def parser_registrar(
+    registry: dict[str, type],
+    base: type,
+    what: str,
+    name: str | list[str] | None,
+    force: bool,
+    module: type | None,
+) -> Any:
+    """The parser managers' ``register_module``: registers a subclass of ``base`` under
+    ``name`` (or several; default: the class name) in ``registry``; a decorator, or applied
+    at once to ``module``.
+
+    Raises:
+        TypeError: the class is not a subclass of ``base``.
+        KeyError: the name is taken and ``force`` is false.
+    """
+
+    def register(parser: type) -> type:
+        if not (isinstance(parser, type) and issubclass(parser, base)):
+            raise TypeError(f"a {what} must subclass {base.__name__}, got {parser!r}")
+        names = [name] if isinstance(name, str) else list(name or [parser.__name__])
+        for n in names:
+            if not force and n in registry:
+                raise KeyError(f"{what} {n!r} is already registered")
+            registry[n] = parser
+        return parser
+
+    return register if module is None else register(module)
 
 
 def import_plugin(plugin_path: str, what: str) -> None:
