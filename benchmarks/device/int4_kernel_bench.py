@@ -18,6 +18,7 @@ import argparse
 from functools import partial
 
 import torch
+from prefill_gemm_bench import time_graph  # this folder: the scripts run by path
 
 from tokenmill.kernels.device import num_sms
 from tokenmill.kernels.gemm import int4 as k4
@@ -29,21 +30,13 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
 
 def time_us(fn, reps: int = 50) -> float:
     """Median of ``reps`` replays of a CUDA graph of 10 calls, per call."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+
+    def ten_calls() -> int:
         for _ in range(10):
             fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 100.0)  # ms per 10 calls -> us per call
-    return sorted(times)[len(times) // 2]
+        return 10
+
+    return time_graph(ten_calls, replays=reps) * 1e6
 
 
 def sweep_configs(m: int, n: int, k: int, g: int, sms: int) -> dict[str, dict]:
