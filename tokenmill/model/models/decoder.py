@@ -13,7 +13,7 @@ layer indices and checkpoint names stay those of the whole model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.stage import PPMissingLayer, last_stage
 from tokenmill.model.loader.weights import load_model_weights
 
@@ -105,6 +106,16 @@ class DecoderModel(nn.Module):
 
     # ``[max_tokens, n * H]`` after ``keep_aux_hidden_states``, else None.
     aux_hidden_states: torch.Tensor | None = None
+
+    def build_stack(
+        self, config: Any, make_layer: Callable[[int], nn.Module], eps: float, **norm_kwargs: Any
+    ) -> None:
+        """Whole-model ``embed_tokens``, ``layers`` (``make_layer(i)`` for each of
+        ``config.num_hidden_layers``) and ``norm`` (RMSNorm with ``config.rms_norm_eps``,
+        else ``eps``), for families that are not split over pipeline stages."""
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", eps), **norm_kwargs)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings ``[T, H]`` (families that scale them override this)."""

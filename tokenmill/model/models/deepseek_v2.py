@@ -34,7 +34,6 @@ from tokenmill.hf_config import HFConfig
 from tokenmill.kernels.moe.routing import grouped_topk
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.attention.mla import MLADims
-from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.fused_moe import FusedMoE
 from tokenmill.model.layers.linear import (
     ColumnParallelLinear,
@@ -237,12 +236,9 @@ class DeepseekV2Model(DecoderModel):
         self, config: HFConfig, max_model_len: int, backend: type[AttentionBackend], is_v3: bool
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, i, max_model_len, backend, is_v3)
-            for i in range(config.num_hidden_layers)
+        self.build_stack(
+            config, lambda i: DeepseekV2DecoderLayer(config, i, max_model_len, backend, is_v3), 1e-6
         )
-        self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6))
 
 
 def deepseek_params_mapping(config: HFConfig) -> list[tuple[str, str, Any]]:

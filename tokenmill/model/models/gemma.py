@@ -9,12 +9,10 @@ multi-query attention with ``head_dim`` 256, and the LM head tied to the embeddi
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.hf_config import HFConfig
 from tokenmill.model.attention.backend import AttentionBackend
-from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.models.decoder import DecoderForCausalLM, DecoderModel, PreNormDecoderLayer
 from tokenmill.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
@@ -53,13 +51,10 @@ class GemmaModel(DecoderModel):
         self, config: HFConfig, max_model_len: int, backend: type[AttentionBackend]
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = config.hidden_size**0.5
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, i, max_model_len, backend)
-            for i in range(config.num_hidden_layers)
+        self.build_stack(
+            config, lambda i: GemmaDecoderLayer(config, i, max_model_len, backend), 1e-6, offset=1.0
         )
-        self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6), offset=1.0)
+        self.embed_scale = config.hidden_size**0.5
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

@@ -27,7 +27,6 @@ from tokenmill.hf_config import HFConfig, ModelLoadError
 from tokenmill.kernels.moe.fused_moe import GatedActivation
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.attention import Attention
-from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.fused_moe import FusedMoE
 from tokenmill.model.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.model.layers.norm import RMSNorm
@@ -171,12 +170,9 @@ class GptOssModel(DecoderModel):
         self, config: HFConfig, max_model_len: int, backend: type[AttentionBackend]
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            GptOssDecoderLayer(config, i, max_model_len, backend)
-            for i in range(config.num_hidden_layers)
+        self.build_stack(
+            config, lambda i: GptOssDecoderLayer(config, i, max_model_len, backend), 1e-5
         )
-        self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-5))
 
 
 class GptOssForCausalLM(DecoderForCausalLM):

@@ -29,7 +29,6 @@ from tokenmill.config import ModelConfig
 from tokenmill.hf_config import HFConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.attention import Attention
-from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.fused_moe import FusedMoE
 from tokenmill.model.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.model.layers.norm import RMSNorm
@@ -198,12 +197,9 @@ class Llama4Model(DecoderModel):
         self, config: HFConfig, max_model_len: int, backend: type[AttentionBackend]
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Llama4DecoderLayer(config, i, max_model_len, backend)
-            for i in range(config.num_hidden_layers)
+        self.build_stack(
+            config, lambda i: Llama4DecoderLayer(config, i, max_model_len, backend), 1e-5
         )
-        self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-5))
 
 
 class Llama4ForCausalLM(DecoderForCausalLM):

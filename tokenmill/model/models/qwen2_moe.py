@@ -17,7 +17,6 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.hf_config import HFConfig
 from tokenmill.model.attention.backend import AttentionBackend
-from tokenmill.model.layers.embedding import VocabEmbedding
 from tokenmill.model.layers.fused_moe import FusedMoE
 from tokenmill.model.layers.linear import ReplicatedLinear
 from tokenmill.model.layers.norm import RMSNorm
@@ -84,12 +83,9 @@ class Qwen2MoeModel(DecoderModel):
         self, config: HFConfig, max_model_len: int, backend: type[AttentionBackend]
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Qwen2MoeDecoderLayer(config, i, max_model_len, backend)
-            for i in range(config.num_hidden_layers)
+        self.build_stack(
+            config, lambda i: Qwen2MoeDecoderLayer(config, i, max_model_len, backend), 1e-6
         )
-        self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6))
 
 
 class Qwen2MoeForCausalLM(DecoderForCausalLM):
