@@ -259,9 +259,7 @@ async def send_request(
     record.start_s = start - bench_start
     reader = StreamReader(record, config.chat, start)
     try:
-        async with session.post(
-            config.api_url, json=build_payload(config, sample, index), headers=config.headers
-        ) as response:
+        async with await _post(session, config, sample, index) as response:
             if response.status != 200:
                 body = await response.text(errors="replace")
                 record.error = _one_line(f"HTTP {response.status}: {_error_text(body)}")
@@ -283,6 +281,21 @@ async def send_request(
     if record.success and record.ttft_s is None:
         record.ttft_s = record.latency_s  # a response without text: first = last byte
     return record
+
+
+async def _post(
+    session: aiohttp.ClientSession, config: ClientConfig, sample: SampleRequest, index: int
+) -> aiohttp.ClientResponse:
+    """POST the request; sent again once if the pooled keep-alive connection turns out to be
+    closed by the server before the request was written (llama.cpp's server closes idle
+    connections): that request never reached the server, so resending it is safe."""
+    import aiohttp
+
+    payload = build_payload(config, sample, index)
+    try:
+        return await session.post(config.api_url, json=payload, headers=config.headers)
+    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+        return await session.post(config.api_url, json=payload, headers=config.headers)
 
 
 # ---- the run ---------------------------------------------------------------------------------

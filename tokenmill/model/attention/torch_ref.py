@@ -122,10 +122,10 @@ class TorchAttentionImpl(AttentionImpl):
     ) -> None:
         n = num_tokens
         slots = slot_mapping[:n]
-        valid = slots >= 0  # padding tokens of CUDA-graph-shaped batches have slot -1
-        if bool(valid.all()):
+        if n == 0 or int(slots.min()) >= 0:
             write_to_kv_cache(key[:n], value[:n], kv_cache, slots)
-        else:
+        else:  # padding tokens of CUDA-graph-shaped batches have slot -1
+            valid = slots >= 0
             write_to_kv_cache(key[:n][valid], value[:n][valid], kv_cache, slots[valid])
 
     def attend(
@@ -183,21 +183,58 @@ class TorchAttentionImpl(AttentionImpl):
     def _decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, plan: dict
     ) -> torch.Tensor:
-        reqs = plan["decode_reqs"]
-        lens = plan["decode_seq_lens"]
-        max_len = plan["decode_max_len"]
-        bs = kv_cache.shape[2]
-        nb = cdiv(max_len, bs)
-        block_ids = metadata.block_table[reqs, :nb]
-        # [B, Hkv, L, D]
-        k = gather_kv(kv_cache[0], block_ids, max_len).to(q.dtype).transpose(1, 2)
-        v = gather_kv(kv_cache[1], block_ids, max_len).to(q.dtype).transpose(1, 2)
+        slots = _decode_slots(plan, metadata, kv_cache.shape[2])  # [B, L]
+        b, length = slots.shape
+        h, d = kv_cache.shape[-2:]
+        flat = slots.view(-1)
+        # One row copy per context token through the step's slot table (shared by every
+        # layer), instead of indexing blocks and reshaping per layer.
+        k, v = (
+            _gather_slots(kv_cache[i], flat).view(b, length, h, d).to(q.dtype).transpose(1, 2)
+            for i in (0, 1)
+        )  # [B, Hkv, L, D]
         qd = q[plan["decode_tokens"]].unsqueeze(2)  # [B, H, 1, D]
-        k_pos = torch.arange(max_len, device=q.device)[None, :]
-        mask = self._window_mask((lens - 1)[:, None], k_pos)[:, None, None, :]
+        mask = self._decode_mask(plan, q.device)
         return _attend(
             qd, k, v, mask, self.scale, self.logits_soft_cap, sinks=self.sinks
         ).squeeze(2)
+
+    def _decode_mask(self, plan: dict, device: torch.device) -> torch.Tensor | None:
+        """``[B, 1, 1, L]`` keys each decode query may see, made once per step for each
+        (window, chunk) pair; None when every request sees all ``L`` keys."""
+        key = (self.sliding_window, self.attention_chunk_size)
+        masks = plan.setdefault("decode_masks", {})
+        if key not in masks:
+            lens = plan["decode_seq_lens"]
+            uniform = bool((lens == plan["decode_max_len"]).all())
+            if uniform and key == (None, None):
+                masks[key] = None
+            else:
+                k_pos = torch.arange(plan["decode_max_len"], device=device)[None, :]
+                masks[key] = self._window_mask((lens - 1)[:, None], k_pos)[:, None, None, :]
+        return masks[key]
+
+
+def _gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows of ``cache [num_blocks, block_size, H, D]`` at flat ``slots [n]`` -> ``[n, H, D]``."""
+    if cache.dtype in FP8_TYPES:  # gathered as bytes (no FP8 indexing on CPU)
+        return _gather_slots(cache.view(torch.uint8), slots).view(cache.dtype)
+    return cache.reshape(-1, *cache.shape[-2:]).index_select(0, slots)
+
+
+def _decode_slots(plan: dict, metadata: AttentionMetadata, block_size: int) -> torch.Tensor:
+    """``[B, max_len]`` int64 cache slots of the decode requests' context tokens, made once
+    per step. Slots past a request's length point into valid blocks (the block table's
+    unused entries are valid ids) and are masked."""
+    slots = plan.get("decode_slots")
+    if slots is None:
+        max_len = plan["decode_max_len"]
+        nb = cdiv(max_len, block_size)
+        blocks = metadata.block_table[plan["decode_reqs"], :nb].long()
+        offsets = torch.arange(block_size, device=blocks.device)
+        slots = (blocks[:, :, None] * block_size + offsets).view(blocks.shape[0], -1)
+        slots = plan["decode_slots"] = slots[:, :max_len].contiguous()
+    return slots
 
 
 def _batch_plan(metadata: AttentionMetadata) -> dict:
