@@ -1,4 +1,4 @@
-"""tokenmill.envs: the CPU worker's thread count leaves a core to the server's front end."""
+"""tokenmill.envs: the CPU worker's thread count follows the cores it may use."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def cores(monkeypatch):
     return set_cores
 
 
-@pytest.mark.parametrize(("num_cores", "threads"), [(1, 1), (2, 1), (16, 15)])
-def test_default_leaves_one_core(cores, num_cores, threads):
+@pytest.mark.parametrize(("num_cores", "threads"), [(1, 1), (2, 2), (16, 16)])
+def test_default_is_one_thread_per_usable_core(cores, num_cores, threads):
     cores(num_cores)
     assert envs.cpu_threads() == threads
 

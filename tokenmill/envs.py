@@ -21,18 +21,17 @@ def cpu_threads() -> int:
     """TOKENMILL_CPU_THREADS: torch threads of a CPU worker; 0 = torch's default (all cores,
     or OMP_NUM_THREADS).
 
-    Default: one less than the cores this process may run on (at least 1), which leaves a
-    core to the server's front end (HTTP, tokenizing, detokenizing). NOTE: torch's OpenMP
-    threads busy-wait at every barrier, so one more thread than there are free cores makes
-    each step wait for a descheduled thread: with all cores on a 2-core machine and one other
-    busy process, decode slowed ~3x (TPOT 288 vs 96 ms); see README.md for the figures. When
-    OMP_NUM_THREADS is set it is honoured instead.
+    Default: the cores this process may run on (its affinity mask). NOTE: torch's OpenMP
+    threads busy-wait at every barrier, so where another busy process shares the cores, a
+    thread per core makes each step wait for a descheduled thread (README.md "CPU threads"
+    has the figures); set this to the free cores there. When OMP_NUM_THREADS is set it is
+    honoured instead.
     """
     if os.environ.get("TOKENMILL_CPU_THREADS", "").strip():
         return _int("TOKENMILL_CPU_THREADS", 0)
     if os.environ.get("OMP_NUM_THREADS", "").strip():
         return 0
-    return max(1, _num_usable_cores() - 1)
+    return _num_usable_cores()
 
 
 def _num_usable_cores() -> int:

@@ -64,8 +64,7 @@ class Worker:
                 )
         else:
             self.device = torch.device("cpu")
-            # Leave one core for the front end (tokenizing, HTTP) when there are several;
-            # the ranks of every engine core on this machine share the rest.
+            # The ranks of every engine core on this machine share the usable cores.
             threads = envs.cpu_threads()
             if threads:
                 torch.set_num_threads(max(1, threads // self._processes_per_machine()))
