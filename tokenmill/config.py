@@ -22,6 +22,7 @@ from tokenmill.multimodal.config import MultiModalConfig
 DType = Literal["float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 SkinnyGemm = Literal["auto", "all", "off"]
+CpuBf16Weights = Literal["auto", "on", "off"]
 SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "mtp"]
 
 
@@ -343,9 +344,9 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Which kernel computes a product where tokenmill has more than one (CUDA; the CPU runs
-    torch). The defaults are the measured fastest; other values are for GPUs and shapes
-    where they were not measured, and for diagnosis.
+    """Which kernel computes a product where tokenmill has more than one. The defaults are
+    the measured fastest; other values are for machines and shapes where they were not
+    measured, and for diagnosis.
 
     Attributes:
         skinny_gemm: linear layers of decode-sized batches (at most 32 rows, bf16/fp16
@@ -353,9 +354,15 @@ class KernelConfig:
             shapes tuned on this GPU model (Llama-3.1-8B's on an H200) and cuBLAS for the
             rest; ``"all"`` the skinny GEMM for every such product; ``"off"`` cuBLAS for
             every product.
+        cpu_bf16_weights: quantized weights on the CPU (GGUF blocks, AWQ/GPTQ int4) also
+            keep a bfloat16 copy for products of many rows (prompt chunks, decode batches
+            of 14 or more; ``tokenmill.kernels.quant.int4_cpu``), at two more bytes per
+            weight: ``"auto"`` where the CPU has bfloat16 dot products (AVX-512 BF16 or
+            AMX), ``"on"`` always, ``"off"`` never (every product on the int4 kernel).
     """
 
     skinny_gemm: SkinnyGemm = "auto"
+    cpu_bf16_weights: CpuBf16Weights = "auto"
 
     @classmethod
     def parse(cls, value: KernelConfig | dict[str, Any] | str | None) -> KernelConfig:

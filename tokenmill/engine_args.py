@@ -222,8 +222,8 @@ class EngineArgs:
     )
     kernel_config: str | dict[str, Any] | KernelConfig | None = _flag(
         "Kernel choices, as a JSON object, e.g. '{\"skinny_gemm\": \"off\"}' (cuBLAS for "
-        "every linear layer); fields: skinny_gemm (auto, all or off). Default: the measured "
-        "fastest."
+        "every linear layer); fields: skinny_gemm (auto, all or off), cpu_bf16_weights "
+        "(auto, on or off). Default: the measured fastest."
     )
     speculative_config: str | dict[str, Any] | None = _flag(
         "Speculative decoding, as a JSON object (vLLM's fields), e.g. "

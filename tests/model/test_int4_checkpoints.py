@@ -35,17 +35,19 @@ CASES = [
 BF16_RELATIVE = 2e-2
 
 
-def _load(path: str, monkeypatch):
+def _load(path: str, monkeypatch, cpu_bf16_weights: str = "auto"):
     captured = {}
     original = int4_module.set_device_form
 
-    def capture(layer, w):
+    def capture(layer, w, *args):
         captured[id(layer)] = w.dequantize()
-        original(layer, w)
+        original(layer, w, *args)
 
     monkeypatch.setattr(int4_module, "set_device_form", capture)
-    cfg = EngineArgs(model=path, dtype="float32", device="cpu").create_engine_config()
-    model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), TorchAttentionBackend)
+    cfg = EngineArgs(model=path, dtype="float32", device="cpu",
+                     kernel_config={"cpu_bf16_weights": cpu_bf16_weights}).create_engine_config()
+    model = get_model(cfg.model_config, LoadConfig(), torch.device("cpu"), TorchAttentionBackend,
+                      cfg.kernel_config)
     return cfg, model, captured
 
 
@@ -54,13 +56,16 @@ def _logits(model, cfg, ids):
     return runner.step({"a": ids}, {"a": ids})
 
 
+@pytest.mark.parametrize("cpu_bf16_weights", ["off", "on"])
 @pytest.mark.parametrize("fmt, group, sym, act_order", CASES)
 def test_int4_checkpoint_matches_dequantized_reference(tmp_path, monkeypatch, fmt, group, sym,
-                                                       act_order):
+                                                       act_order, cpu_bf16_weights):
+    """The 42-token prompt's products run on the int4 kernel ("off") or on the bfloat16 copy
+    ("on", 14 rows or more), the act-order permutation included."""
     from transformers import AutoModelForCausalLM
 
     folder = make_int4_checkpoint(str(tmp_path), fmt, group, sym, act_order)
-    cfg, model, captured = _load(f"{folder}/quant", monkeypatch)
+    cfg, model, captured = _load(f"{folder}/quant", monkeypatch, cpu_bf16_weights)
     ref = AutoModelForCausalLM.from_pretrained(f"{folder}/reference").eval()
     state = ref.state_dict()
     for name, module in model.named_modules():

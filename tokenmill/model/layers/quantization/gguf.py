@@ -10,8 +10,9 @@ are joined, since rows of blocks are independent). The product then depends on t
 - CPU: the 32-weight group types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) are repacked
   exactly into int4 planes for torch's int4 kernel (``tokenmill.kernels.quant.int4_cpu``:
   one plane for 4-bit values, two for wider ones; scales in bfloat16, the kernel's format),
-  and the products run in bfloat16. The 16-weight group types (Q2_K, Q3_K, Q6_K) keep their
-  blocks and are dequantized per product (correct, slower).
+  and the products run in bfloat16; where ``KernelConfig.cpu_bf16_weights`` keeps a
+  bfloat16 copy too, products of many rows run on it. The 16-weight group types (Q2_K,
+  Q3_K, Q6_K) keep their blocks and are dequantized per product (correct, slower).
 
 Token embeddings keep their blocks too; a lookup dequantizes only the rows it reads, and a
 tied LM head shares them.
@@ -22,7 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.config import current_kernel_config
 from tokenmill.kernels.quant.gguf_blocks import dequantize
+from tokenmill.kernels.quant.int4_cpu import keeps_bf16_copy
 from tokenmill.model.layers.quantization.base import (
     LinearMethod,
     QuantizationConfig,
@@ -51,6 +54,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.weight = _placeholder()
         layer.gguf_parts = []
         layer.gguf_dtype = dtype
+        layer.gguf_bf16_copy = keeps_bf16_copy(current_kernel_config().cpu_bf16_weights)
 
     def load_weight(
         self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, s: ShardSlice
@@ -78,7 +82,8 @@ class GGUFLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         device = layer.bias.device if layer.bias is not None else layer.weight.device
-        segments = build_segments(layer.gguf_parts, layer.gguf_dtype, device)
+        segments = build_segments(layer.gguf_parts, layer.gguf_dtype, device,
+                                  layer.gguf_bf16_copy)
         layer.gguf_parts = []
         register_segments(layer, segments)
 
@@ -98,6 +103,7 @@ class GGUFEmbeddingMethod:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self.bf16_copy = keeps_bf16_copy(current_kernel_config().cpu_bf16_weights)
         self.raw: torch.Tensor | None = None
         self.qtype: int | None = None
         self.dense: torch.Tensor | None = None
@@ -138,7 +144,7 @@ class GGUFEmbeddingMethod:
         part = GGUFTensor(self.raw, self.qtype, (layer.num_embeddings, layer.embedding_dim)) \
             if self.raw is not None else self.dense
         device = (self.raw if self.raw is not None else self.dense).device
-        self.segments = build_segments([(0, part)], self.dtype, device)
+        self.segments = build_segments([(0, part)], self.dtype, device, self.bf16_copy)
         # The planes are new tensors (the embedding keeps the blocks): count them.
         for i, seg in enumerate(self.segments):
             for j, t in enumerate(seg.tensors()):

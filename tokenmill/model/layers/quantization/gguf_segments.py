@@ -20,7 +20,8 @@ class GGUFSegment:
     """Consecutive output rows of one layer held in one form.
 
     Exactly one of ``raw`` (blocks, ``[rows, row_bytes]`` uint8), ``planes`` (CPU int4
-    planes) or ``dense`` (float ``[rows, K]``) is set.
+    planes) or ``dense`` (float ``[rows, K]``) is set; ``bf16_copy`` (``[rows, K]``) may
+    join ``planes`` for many-row products (``int4_cpu.planes_mm``).
     """
 
     start: int
@@ -29,11 +30,12 @@ class GGUFSegment:
     raw: torch.Tensor | None = None
     planes: list[int4_cpu.Int4Plane] = field(default_factory=list)
     dense: torch.Tensor | None = None
+    bf16_copy: torch.Tensor | None = None
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K]`` -> ``[M, rows]`` in ``x``'s dtype."""
         if self.planes:
-            return int4_cpu.planes_mm(x, self.planes)
+            return int4_cpu.planes_mm(x, self.planes, self.bf16_copy)
         if self.dense is not None:
             return torch.nn.functional.linear(x, self.dense)
         assert self.raw is not None and self.qtype is not None
@@ -46,13 +48,15 @@ class GGUFSegment:
     def tensors(self) -> list[torch.Tensor]:
         """The tensors this segment keeps (for memory accounting)."""
         out = [t for p in self.planes for t in (p.packed, p.scales_and_zeros)]
-        return out + [t for t in (self.raw, self.dense) if t is not None]
+        return out + [t for t in (self.raw, self.dense, self.bf16_copy) if t is not None]
 
 
 def build_segments(
-    parts: list[tuple[int, torch.Tensor | GGUFTensor]], dtype: torch.dtype, device: torch.device
+    parts: list[tuple[int, torch.Tensor | GGUFTensor]], dtype: torch.dtype, device: torch.device,
+    bf16_copy: bool = False,
 ) -> list[GGUFSegment]:
-    """Join the loaded parts (output offset, tensor) into segments in their device form."""
+    """Join the loaded parts (output offset, tensor) into segments in their device form;
+    ``bf16_copy``: CPU int4 planes also keep the weights in bfloat16 (``GGUFSegment``)."""
     segments: list[GGUFSegment] = []
     pending: list[tuple[int, torch.Tensor | GGUFTensor]] = []
 
@@ -62,7 +66,7 @@ def build_segments(
         start, first = pending[0]
         if isinstance(first, GGUFTensor):
             raw = torch.cat([p.data for _, p in pending]) if len(pending) > 1 else first.data
-            segments.append(_device_segment(start, raw, first.qtype, device))
+            segments.append(_device_segment(start, raw, first.qtype, device, bf16_copy))
         else:
             dense = torch.cat([p for _, p in pending]).to(device=device, dtype=dtype)
             segments.append(GGUFSegment(start, dense.shape[0], dense=dense))
@@ -82,10 +86,11 @@ def build_segments(
     return segments
 
 
-def _device_segment(start: int, raw: torch.Tensor, qtype: int, device: torch.device
-                    ) -> GGUFSegment:
+def _device_segment(start: int, raw: torch.Tensor, qtype: int, device: torch.device,
+                    bf16_copy: bool) -> GGUFSegment:
     """Blocks in the form the device's product reads: as they are on CUDA; int4 planes on
-    the CPU where torch's kernel takes the type's groups and the shape, else as they are."""
+    the CPU where torch's kernel takes the type's groups and the shape (with a bfloat16
+    copy if asked), else as they are."""
     rows = raw.shape[0]
     if device.type != "cpu":
         return GGUFSegment(start, rows, qtype=qtype, raw=raw.to(device).contiguous())
@@ -93,7 +98,8 @@ def _device_segment(start: int, raw: torch.Tensor, qtype: int, device: torch.dev
     k = raw.shape[1] // size * qk
     if int4_cpu.supports(group, rows, k):
         u = unpack_blocks(raw, qtype)
-        return GGUFSegment(start, rows, qtype=qtype,
+        dense = dequantize(raw, qtype).to(torch.bfloat16) if bf16_copy else None
+        return GGUFSegment(start, rows, qtype=qtype, bf16_copy=dense,
                            planes=int4_cpu.make_planes(u.q, u.scale, u.offset, group))
     return GGUFSegment(start, rows, qtype=qtype, raw=raw.contiguous())
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.config import current_kernel_config
 from tokenmill.kernels.quant import int4_cpu
 from tokenmill.kernels.quant.int4_pack import AWQ_ORDER, pack_k, unpack_cols, unpack_rows
 from tokenmill.model.layers.quantization.base import (
@@ -102,6 +103,8 @@ class Int4LinearMethod(LinearMethod):
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
+        # Read while the model is built (inside its kernel_config_scope).
+        self.bf16_copy = int4_cpu.keeps_bf16_copy(current_kernel_config().cpu_bf16_weights)
 
     def group(self, input_size: int) -> int:
         return input_size if self.group_size == -1 else self.group_size
@@ -120,7 +123,7 @@ class Int4LinearMethod(LinearMethod):
         w = self.to_int4(layer)
         for name in self.checkpoint_params:
             delattr(layer, name)
-        set_device_form(layer, w)
+        set_device_form(layer, w, self.bf16_copy)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
@@ -130,9 +133,10 @@ class Int4LinearMethod(LinearMethod):
     checkpoint_params: tuple[str, ...] = ()
 
 
-def set_device_form(layer: nn.Module, w: Int4Weights) -> None:
+def set_device_form(layer: nn.Module, w: Int4Weights, bf16_copy: bool = False) -> None:
     """Keep ``w`` on ``layer`` in the form its device's kernel reads (buffers, so the model's
-    weight bytes count them)."""
+    weight bytes count them); on the CPU with ``bf16_copy``, also the weights in bfloat16 in
+    the kernel's input-channel order, for many-row products (``int4_cpu.planes_mm``)."""
     n, k = w.q.shape
     device = w.q.device
     layer.int4_perm = w.perm
@@ -150,6 +154,13 @@ def set_device_form(layer: nn.Module, w: Int4Weights) -> None:
         layer.int4_planes = [plane]
         layer.register_buffer("int4_packed", plane.packed, persistent=False)
         layer.register_buffer("int4_scales_zeros", plane.scales_and_zeros, persistent=False)
+        layer.int4_bf16 = None
+        if bf16_copy:
+            g = w.group
+            q = w.q.float().view(n, k // g, g)
+            dense = (q - w.zeros.unsqueeze(-1)) * w.scales.float().unsqueeze(-1)
+            layer.int4_bf16 = dense.view(n, k).to(torch.bfloat16)
+            layer.register_buffer("int4_bf16_buf", layer.int4_bf16, persistent=False)
         return
     dtype = layer.int4_dtype
     layer.register_buffer("int4_qweight", pack_k(w.q), persistent=False)
@@ -171,7 +182,7 @@ def int4_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = int4_linear(x2, layer.int4_qweight, layer.int4_scales, layer.int4_zeros,
                         layer.int4_group)
     else:
-        y = int4_cpu.planes_mm(x2, layer.int4_planes)
+        y = int4_cpu.planes_mm(x2, layer.int4_planes, layer.int4_bf16)
     return y.reshape(*shape[:-1], y.shape[-1])
 
 
