@@ -248,16 +248,30 @@ class Sampler(torch.nn.Module):
 
     def _exponential_noise(self, out: torch.Tensor, seeds: dict[int, int] | None) -> torch.Tensor:
         """Fill ``out`` ([B, V] float32) with Exp(1) noise; seeded rows get their own stream
-        (the one Python loop). Returns ``out``."""
-        noise = out.exponential_()
+        (the one Python loop). Returns ``out``.
+
+        On the CPU the noise is ``-log U`` for uniform ``U`` (inverse transform sampling):
+        torch's CPU ``exponential_`` is ~7x slower than ``uniform_`` (13.7 vs 2.1 ms for 16
+        rows of a 49,152-token vocabulary on two cores). ``U = 0`` (one draw in 2^24) gives
+        infinite noise, which only rules that token out of that draw.
+        """
+        cpu = out.device.type == "cpu"
+
+        def fill(t: torch.Tensor, generator: torch.Generator | None = None) -> None:
+            if cpu:
+                t.uniform_(generator=generator).log_().neg_()
+            else:
+                t.exponential_(generator=generator)
+
+        fill(out)
         if seeds:
             generator = self._generator(out.device)
             for row, seed in seeds.items():
                 generator.manual_seed(seed)
-                noise[row].exponential_(generator=generator)
+                fill(out[row], generator)
         # NOTE: some torch versions can return an exact 0 from exponential_, whose log is
         # -inf; the smallest normal float keeps every log E finite (about -87.3).
-        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+        return out.clamp_min_(torch.finfo(torch.float32).tiny)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:

@@ -136,11 +136,13 @@ class TorchAttentionImpl(AttentionImpl):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n = metadata.num_actual_tokens
+        q = query[:n].view(n, self.num_heads, self.head_dim)
+        plan = _batch_plan(metadata)
+        if plan["all_decode"] and out is None and n == query.shape[0]:
+            return self._decode(q, kv_cache, metadata, plan).reshape(n, -1)
         if out is None:
             out = torch.zeros_like(query)
-        q = query[:n].view(n, self.num_heads, self.head_dim)
         o = out[:n].view(n, self.num_heads, self.head_dim)
-        plan = _batch_plan(metadata)
         if plan["decode_reqs"].numel():
             o[plan["decode_tokens"]] = self._decode(q, kv_cache, metadata, plan)
         starts = plan["starts"]
@@ -193,7 +195,7 @@ class TorchAttentionImpl(AttentionImpl):
             _gather_slots(kv_cache[i], flat).view(b, length, h, d).to(q.dtype).transpose(1, 2)
             for i in (0, 1)
         )  # [B, Hkv, L, D]
-        qd = q[plan["decode_tokens"]].unsqueeze(2)  # [B, H, 1, D]
+        qd = (q if plan["all_decode"] else q[plan["decode_tokens"]]).unsqueeze(2)  # [B, H, 1, D]
         mask = self._decode_mask(plan, q.device)
         return _attend(
             qd, k, v, mask, self.scale, self.logits_soft_cap, sinks=self.sinks
@@ -258,6 +260,8 @@ def _batch_plan(metadata: AttentionMetadata) -> dict:
         "decode_tokens": torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
         "decode_seq_lens": torch.tensor([seq_lens[i] for i in decode], device=device),
         "decode_max_len": max((seq_lens[i] for i in decode), default=0),
+        # Every token is a decode, request i's at row i: no gather or scatter of rows.
+        "all_decode": bool(decode) and len(decode) == num_reqs == metadata.num_actual_tokens,
     }
     metadata._torch_plan = plan  # type: ignore[attr-defined]
     return plan

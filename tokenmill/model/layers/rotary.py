@@ -196,12 +196,45 @@ class RotaryEmbedding(nn.Module):
                 self.is_neox_style,
             )
             return q, k
-        cos_sin = self.cos_sin_cache.index_select(0, positions)
-        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
+        cos, sin = self._cos_sin(positions)
         t = positions.shape[0]
+        qk = _adjacent(q, k) if not q.is_cuda else None
+        if qk is not None:  # q and k side by side in one projection output: one rotation
+            out = self._rotate(qk.view(t, -1, self.head_dim), cos, sin).view(t, -1)
+            return out[:, : q.shape[1]], out[:, q.shape[1] :]
         q = self._rotate(q.view(t, -1, self.head_dim), cos, sin).view(t, -1)
         k = self._rotate(k.view(t, -1, self.head_dim), cos, sin).view(t, -1)
         return q, k
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` ``[T, 1, rotary_dim / 2]`` at ``positions``. On the CPU they are looked
+        up once per forward pass: the layers sharing this table get the same ``positions``
+        tensor object, which the runner makes anew (a slice of its buffer) for every pass
+        and nothing writes while the pass runs. (Not under CUDA graphs or compilation,
+        where this Python-side state would be captured.)"""
+        if positions.is_cuda or torch.compiler.is_compiling():
+            return self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        cached = self.__dict__.get("_step_cos_sin")
+        if cached is not None and cached[0] is positions:
+            return cached[1], cached[2]
+        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        # Keeping the positions object keeps its id from being reused by a later tensor.
+        self.__dict__["_step_cos_sin"] = (positions, cos, sin)
+        return cos, sin
+
+
+def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``[T, Nq + Nk]``: a view of ``q [T, Nq]`` and ``k [T, Nk]`` as one tensor when ``k``'s
+    columns directly follow ``q``'s in the same storage (the split of a QKV product), else
+    None."""
+    if (q.dim() != 2 or k.dim() != 2 or q.dtype != k.dtype or q.shape[0] != k.shape[0]
+            or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+            or q.stride(1) != 1
+            or k.stride(1) != 1 or q.stride(0) != k.stride(0)
+            or k.data_ptr() != q.data_ptr() + q.shape[1] * q.element_size()
+            or q.shape[1] + k.shape[1] > q.stride(0)):
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride())
 
 
 # Weak: a table lives as long as a model that uses it.
