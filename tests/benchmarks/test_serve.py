@@ -422,3 +422,38 @@ def test_lora_modules_name_an_adapter_per_request():
     sample = SampleRequest([1, 2], "hi", 2, 3)
     assert [build_payload(config, sample, i)["model"] for i in range(40)] == list(models)
     assert build_payload(config, sample, -1)["model"] == "base"
+
+
+def test_a_request_on_a_connection_the_server_closed_is_sent_again():
+    """llama-server closes keep-alive connections after a few requests; a request written to
+    such a pooled connection never reached the server and is sent again, while other
+    connection errors are not retried."""
+    import asyncio
+
+    import aiohttp
+
+    from tokenmill.benchmarks import serve_client
+    from tokenmill.benchmarks.datasets import SampleRequest
+
+    class Session:
+        def __init__(self, failures: list[Exception]) -> None:
+            self.failures, self.calls = failures, 0
+
+        async def post(self, url, json, headers):
+            self.calls += 1
+            if self.failures:
+                raise self.failures.pop(0)
+            return "response"
+
+    config = serve_client.ClientConfig(
+        api_url="http://x/v1/completions", chat=False, model_name="m", sampling={}, headers={}
+    )
+    sample = SampleRequest(prompt_token_ids=[1], prompt="hi", prompt_len=1, expected_output_len=4)
+    stale = aiohttp.ClientOSError(None, "Can not write request body for http://x")
+    session = Session([stale, stale])
+    assert asyncio.run(serve_client._post(session, config, sample, 0)) == "response"
+    assert session.calls == 3
+    session = Session([aiohttp.ClientOSError(None, "Connection reset by peer")])
+    with pytest.raises(aiohttp.ClientOSError):
+        asyncio.run(serve_client._post(session, config, sample, 0))
+    assert session.calls == 1

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 # A request may legitimately stream for a long time under heavy load.
 REQUEST_TIMEOUT_S = 6 * 3600
+# Resends of a request whose pooled connection the server had closed (``_post``).
+STALE_RETRIES = 8
 # The longest error text kept per failed request.
 MAX_ERROR_CHARS = 300
 # NOTE: no proxies from the environment, as for the aiohttp session (trust_env=False): the
@@ -286,16 +288,23 @@ async def send_request(
 async def _post(
     session: aiohttp.ClientSession, config: ClientConfig, sample: SampleRequest, index: int
 ) -> aiohttp.ClientResponse:
-    """POST the request; sent again once if the pooled keep-alive connection turns out to be
-    closed by the server before the request was written (llama.cpp's server closes idle
-    connections): that request never reached the server, so resending it is safe."""
+    """POST the request; sent again (up to ``STALE_RETRIES`` times) when a pooled keep-alive
+    connection turns out to be closed by the server before the request was written
+    (llama.cpp's server closes a connection after a few requests): that request never
+    reached the server, so resending it is safe, and each failure drops one stale
+    connection from the pool."""
     import aiohttp
 
     payload = build_payload(config, sample, index)
-    try:
-        return await session.post(config.api_url, json=payload, headers=config.headers)
-    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
-        return await session.post(config.api_url, json=payload, headers=config.headers)
+    for _ in range(STALE_RETRIES):
+        try:
+            return await session.post(config.api_url, json=payload, headers=config.headers)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
+            if "write request body" not in str(e) and not isinstance(
+                e, aiohttp.ServerDisconnectedError
+            ):
+                raise
+    return await session.post(config.api_url, json=payload, headers=config.headers)
 
 
 # ---- the run ---------------------------------------------------------------------------------

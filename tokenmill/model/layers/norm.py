@@ -32,7 +32,8 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if dtype == torch.float32 == self.weight.dtype and not self.offset:  # torch's fused kernel, same values
+        if dtype == torch.float32 == self.weight.dtype and not self.offset:
+            # torch's fused kernel: the same values in one pass
             return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
