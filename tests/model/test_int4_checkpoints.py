@@ -17,6 +17,7 @@ from tests.model.paged import PagedRunner
 from tests.model.quant_checkpoints import make_int4_checkpoint
 from tokenmill.config import LoadConfig
 from tokenmill.engine_args import EngineArgs
+from tokenmill.kernels.quant import int4_cpu
 from tokenmill.model.attention.torch_ref import TorchAttentionBackend
 from tokenmill.model.layers.quantization import int4 as int4_module
 from tokenmill.model.loader.model_loader import get_model
@@ -61,7 +62,7 @@ def _logits(model, cfg, ids):
 def test_int4_checkpoint_matches_dequantized_reference(tmp_path, monkeypatch, fmt, group, sym,
                                                        act_order, cpu_bf16_weights):
     """The 42-token prompt's products run on the int4 kernel ("off") or on the bfloat16 copy
-    ("on", 14 rows or more), the act-order permutation included."""
+    ("on": prompt rows), the act-order permutation included."""
     from transformers import AutoModelForCausalLM
 
     folder = make_int4_checkpoint(str(tmp_path), fmt, group, sym, act_order)
@@ -79,7 +80,9 @@ def test_int4_checkpoint_matches_dequantized_reference(tmp_path, monkeypatch, fm
         assert torch.equal(captured[id(module)], expected), name
     assert len(captured) == 2 * 4  # every projection of both layers
     ids = list(range(3, 45))
-    logits = _logits(model, cfg, ids)
+    # The model runner marks prompt rows; here every row of the pass is one.
+    with int4_cpu.prompt_rows(int4_cpu.PromptRows(len(ids), None, None)):
+        logits = _logits(model, cfg, ids)
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
     assert (logits - expected).abs().max() <= BF16_RELATIVE * expected.abs().max()

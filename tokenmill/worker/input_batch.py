@@ -54,6 +54,7 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
         # Per-row sampling parameters, so a step's SamplingMetadata is a numpy gather.
@@ -98,6 +99,7 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_computed_tokens[row] = new.num_computed_tokens
+        self.num_prompt_tokens[row] = len(state.prompt_token_ids)
         self.num_blocks[row] = 0
         self.lora_id[row] = new.lora_request.lora_int_id if new.lora_request else 0
         self.requests[new.req_id] = state

@@ -23,6 +23,7 @@ from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.distributed.parallel_state import broadcast_from_first_tp_rank
+from tokenmill.kernels.quant import int4_cpu
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import KVCacheSpec
 from tokenmill.model.attention.selector import get_attn_backend
@@ -430,6 +431,11 @@ class ModelRunner(StepSampling, BufferMetadata):
             common_prefix_len=prefix_len,
             reads_step_kv=so.reads_step_kv,
         )
+        prompt_rows = sample_prompt_rows = None
+        if self.device.type == "cpu":  # which rows take the quantized weights' bf16 copy
+            is_prompt = positions < batch.num_prompt_tokens[token_rows]
+            prompt_rows = int4_cpu.PromptRows.from_mask(is_prompt)
+            sample_prompt_rows = int4_cpu.PromptRows.from_mask(is_prompt[last])
         return StepInputs(
             req_ids,
             n,
@@ -440,6 +446,8 @@ class ModelRunner(StepSampling, BufferMetadata):
             computed,
             rows,
             sampling_metadata,
+            prompt_rows,
+            sample_prompt_rows,
         )
 
     def _stage_pending_tokens(
@@ -461,6 +469,10 @@ class ModelRunner(StepSampling, BufferMetadata):
         """Hidden states ``[>= num_tokens, H]`` of the step (a graph's output is padded);
         on a pipeline stage other than the last, hidden states and residual ``[>= T, 2H]``,
         already on their way to the next stage."""
+        with int4_cpu.prompt_rows(inputs.prompt_rows):
+            return self._run_stage(inputs)
+
+    def _run_stage(self, inputs: StepInputs) -> torch.Tensor:
         assert self.stage is not None
         self.stage.before_forward(inputs.num_tokens)
         if self._step_images is not None:  # image placeholders: eager, with inputs_embeds
@@ -512,7 +524,8 @@ class ModelRunner(StepSampling, BufferMetadata):
         host = self.sampled_host[self._parity][: len(inputs.sample_rows)]
         event = None
         if inputs.sample_rows:
-            logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
+            with int4_cpu.prompt_rows(inputs.sample_prompt_rows):
+                logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
             rows = inputs.batch_rows[inputs.sample_rows]
             metadata = inputs.sampling_metadata or self._sampling_metadata(inputs, rows)
             sampled = self.sampler(logits, metadata).sampled_token_ids

@@ -24,6 +24,7 @@ from torch import nn
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.kernels.quant import int4_cpu
 from tokenmill.spec_decode.proposer import Proposer, VerifiedStep
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.rejection_sampler import greedy_verify, rejection_sample
@@ -205,7 +206,8 @@ class SpecDecodeStep:
         ``inputs.sample_rows`` order) and logprobs by request id."""
         assert runner.model is not None
         batch = runner.input_batch
-        logits = runner.model.compute_logits(hidden[inputs.logits_indices])
+        with int4_cpu.prompt_rows(inputs.sample_prompt_rows):
+            logits = runner.model.compute_logits(hidden[inputs.logits_indices])
         counts = num_drafts.tolist()
         starts = batch.num_tokens[rows].astype(np.int64)
         cols = np.repeat(starts, num_drafts) + (

@@ -11,6 +11,7 @@ import torch
 
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.kernels.quant.int4_cpu import PromptRows
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.worker.input_batch import InputBatch
 from tokenmill.worker.sampler import compute_prompt_logprobs
@@ -31,6 +32,9 @@ class StepInputs:
         num_scheduled: ``[num_reqs]`` tokens per request (host).
         num_computed: ``[num_reqs]`` tokens cached before this step (host).
         batch_rows: ``[num_reqs]`` InputBatch rows of the requests (host).
+        prompt_rows, sample_prompt_rows: which tokens, and which sampling rows, are prompt
+            tokens, for the CPU's quantized products (``int4_cpu.prompt_rows``); None on
+            CUDA and where none is.
         sampling_metadata: the sampler's parameters, staged with the step's inputs, when
             every sampling request samples on the plain path; else None (built later).
     """
@@ -44,6 +48,8 @@ class StepInputs:
     num_computed: np.ndarray
     batch_rows: np.ndarray
     sampling_metadata: SamplingMetadata | None = None
+    prompt_rows: PromptRows | None = None
+    sample_prompt_rows: PromptRows | None = None
 
     @property
     def is_decode_only(self) -> bool:

@@ -12,6 +12,7 @@ import torch
 
 from tokenmill.core.engine_io import LogprobsLists
 from tokenmill.distributed.parallel_state import broadcast_from_first_tp_rank
+from tokenmill.kernels.quant import int4_cpu
 from tokenmill.worker.sampling_metadata import (
     SamplingMetadata,
     SamplingRow,
@@ -44,7 +45,8 @@ class StepSampling:
         """One token for each of the step's sampling requests (``inputs.sample_rows``), and
         the logprobs of those that asked, by request id; the step's one sync."""
         assert self.model is not None
-        logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
+        with int4_cpu.prompt_rows(inputs.sample_prompt_rows):
+            logits = self.model.compute_logits(self._sample_hidden(hidden, inputs))
         sample_batch_rows = inputs.batch_rows[inputs.sample_rows]
         metadata = inputs.sampling_metadata or self._sampling_metadata(
             inputs, sample_batch_rows, grammar_bitmasks

@@ -13,22 +13,71 @@ up: ``s q + o = (16 s) h + (s l + o)``.
 
 The kernel's cost grows with the rows of ``x`` (it expands the weights for each block of
 rows), while a bfloat16 GEMM reads its weight once: on a CPU with native bfloat16 dot
-products (AVX-512 BF16, AMX) a product of ``BF16_COPY_MIN_ROWS`` rows or more (prompt chunks,
-large decode batches) runs on a bfloat16 copy of the weight where the layer keeps one
-(``KernelConfig.cpu_bf16_weights``), at two more bytes per weight.
+products (AVX-512 BF16, AMX) the rows of prompt tokens run on a bfloat16 copy of the weight
+where the layer keeps one (``KernelConfig.cpu_bf16_weights``, two more bytes per weight), and
+the rows of generated tokens on the int4 kernel. The choice follows each token's role, never
+the size of the step, so a request's greedy output does not depend on what else is in the
+batch: the int4 kernel gives each row the same bits whatever the other rows are, and the
+bfloat16 GEMM (oneDNN) does at a fixed row count but not across row counts (its kernel and
+accumulation order change with the rows), so it always runs on tiles of ``BF16_TILE_ROWS``
+rows, the last one padded with zeros. The model
+runner says which rows are prompt tokens (``prompt_rows``); a product without that (other
+callers, padded batches) runs every row on the int4 kernel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 
 KERNEL_GROUPS = (32, 64, 128, 256)
-# Rows from which the bfloat16 copy is faster: the two products cross at 13-14 rows on a
-# 2-core AVX-512 BF16 machine (SmolLM2-135M's 30 layers: 17.9 vs 20.0 ms at 12 rows, 23.2 vs
-# 19.9 ms at 16, two threads).
-BF16_COPY_MIN_ROWS = 14
+# Rows of each bfloat16 product (see the module docstring): at 64 rows the GEMM is past the
+# bandwidth-bound sizes (the 30 layers of SmolLM2-135M: 27.8 ms at 64 rows, 19.9 at 16).
+BF16_TILE_ROWS = 64
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Which rows of a forward pass's products are prompt tokens.
+
+    Attributes:
+        num_rows: rows of the products this applies to (a product of another row count
+            runs every row on the int4 kernel).
+        prompt: ``[P]`` int64 indices of the prompt rows, None when every row is one.
+        generated: ``[G]`` int64 indices of the other rows, None when there are none.
+    """
+
+    num_rows: int
+    prompt: torch.Tensor | None
+    generated: torch.Tensor | None
+
+    @classmethod
+    def from_mask(cls, is_prompt) -> PromptRows | None:
+        """From a host boolean array ``[num_rows]``; None when no row is a prompt row."""
+        is_prompt = torch.as_tensor(is_prompt, dtype=torch.bool)
+        n = int(is_prompt.numel())
+        if not bool(is_prompt.any()):
+            return None
+        if bool(is_prompt.all()):
+            return cls(n, None, None)
+        return cls(n, torch.nonzero(is_prompt).view(-1), torch.nonzero(~is_prompt).view(-1))
+
+
+_PROMPT_ROWS: ContextVar[PromptRows | None] = ContextVar("prompt_rows", default=None)
+
+
+@contextmanager
+def prompt_rows(rows: PromptRows | None) -> Iterator[None]:
+    """Products inside the block take ``rows`` as their prompt rows (see module docstring)."""
+    token = _PROMPT_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _PROMPT_ROWS.reset(token)
 
 
 def native_bf16() -> bool:
@@ -112,12 +161,39 @@ def make_planes(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | Non
 
 def planes_mm(x: torch.Tensor, planes: list[Int4Plane],
               bf16_copy: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W^T`` over the planes of ``W``: ``[M, K]`` -> ``[M, N]`` in ``x``'s dtype; on
-    ``bf16_copy`` (``W`` as ``[N, K]`` bfloat16) when given and ``M >= BF16_COPY_MIN_ROWS``."""
+    """``x @ W^T`` over the planes of ``W``: ``[M, K]`` -> ``[M, N]`` in ``x``'s dtype; the
+    prompt rows (``prompt_rows``) on ``bf16_copy`` (``W`` as ``[N, K]`` bfloat16) when given."""
     xb = x.to(torch.bfloat16)
-    if bf16_copy is not None and x.shape[0] >= BF16_COPY_MIN_ROWS:
-        return torch.nn.functional.linear(xb, bf16_copy).to(x.dtype)
+    rows = _PROMPT_ROWS.get() if bf16_copy is not None else None
+    if rows is not None and rows.num_rows == x.shape[0]:
+        if rows.prompt is None:
+            return _bf16_mm(xb, bf16_copy).to(x.dtype)
+        y = torch.empty(x.shape[0], bf16_copy.shape[0], dtype=x.dtype, device=x.device)
+        y[rows.prompt] = _bf16_mm(xb[rows.prompt], bf16_copy).to(x.dtype)
+        y[rows.generated] = _int4_mm(xb[rows.generated], planes).to(x.dtype)
+        return y
+    return _int4_mm(xb, planes).to(x.dtype)
+
+
+def _bf16_mm(xb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``[M, K]`` bfloat16 ``@ weight^T`` in tiles of ``BF16_TILE_ROWS`` rows -> ``[M, N]``
+    bfloat16."""
+    m = xb.shape[0]
+    pad = -m % BF16_TILE_ROWS
+    if pad:
+        xb = torch.cat([xb, xb.new_zeros(pad, xb.shape[1])])
+    if xb.shape[0] == BF16_TILE_ROWS:
+        return torch.nn.functional.linear(xb, weight)[:m]
+    out = xb.new_empty(xb.shape[0], weight.shape[0])
+    for start in range(0, xb.shape[0], BF16_TILE_ROWS):
+        end = start + BF16_TILE_ROWS
+        torch.nn.functional.linear(xb[start:end], weight, out=out[start:end])
+    return out[:m]
+
+
+def _int4_mm(xb: torch.Tensor, planes: list[Int4Plane]) -> torch.Tensor:
+    """``[M, K]`` bfloat16 through the planes -> ``[M, N]`` float32."""
     y = planes[0].mm(xb).float()
     for plane in planes[1:]:
         y += plane.mm(xb)
-    return y.to(x.dtype)
+    return y

@@ -214,12 +214,12 @@ class RotaryEmbedding(nn.Module):
         where this Python-side state would be captured.)"""
         if positions.is_cuda or torch.compiler.is_compiling():
             return self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-        cached = self.__dict__.get("_step_cos_sin")
+        cached = self.__dict__.get("_pass_cos_sin")
         if cached is not None and cached[0] is positions:
             return cached[1], cached[2]
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         # Keeping the positions object keeps its id from being reused by a later tensor.
-        self.__dict__["_step_cos_sin"] = (positions, cos, sin)
+        self.__dict__["_pass_cos_sin"] = (positions, cos, sin)
         return cos, sin
 
 
