@@ -8,8 +8,9 @@ machine shows as a difference between rounds rather than between servers. For to
 records the time from start to a healthy ``/health`` and the engine process's resident memory
 after start-up.
 
-llama-server comes from ``peer-llamacpp/build.sh`` (llama.cpp's sources, built natively) and
-runs as its README says: ``-np 16 -c 8192 -t <cores>``.
+llama-server is llama.cpp's server built from its sources (CMake target ``llama-server``;
+benchmarks/RESULTS.md gives the build options); it runs with 16 parallel slots and continuous
+batching: ``-np 16 -c 8192 -t <cores>``.
 
 usage:
     python benchmarks/cpu_vs_llamacpp.py --llama-server /path/to/bin/llama-server \\

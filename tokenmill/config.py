@@ -355,10 +355,11 @@ class KernelConfig:
             rest; ``"all"`` the skinny GEMM for every such product; ``"off"`` cuBLAS for
             every product.
         cpu_bf16_weights: quantized weights on the CPU (GGUF blocks, AWQ/GPTQ int4) also
-            keep a bfloat16 copy for products of many rows (prompt chunks, decode batches
-            of 14 or more; ``tokenmill.kernels.quant.int4_cpu``), at two more bytes per
-            weight: ``"auto"`` where the CPU has bfloat16 dot products (AVX-512 BF16 or
-            AMX), ``"on"`` always, ``"off"`` never (every product on the int4 kernel).
+            keep a bfloat16 copy, which the prompt tokens' products run on (generated
+            tokens stay on the int4 kernel; ``tokenmill.kernels.quant.int4_cpu``), at two
+            more bytes per weight: ``"auto"`` where the CPU has bfloat16 dot products
+            (AVX-512 BF16 or AMX), ``"on"`` always, ``"off"`` never (every product on the
+            int4 kernel).
     """
 
     skinny_gemm: SkinnyGemm = "auto"
