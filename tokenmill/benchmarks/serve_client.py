@@ -296,15 +296,16 @@ async def _post(
     import aiohttp
 
     payload = build_payload(config, sample, index)
-    for _ in range(STALE_RETRIES):
+    for attempt in range(STALE_RETRIES + 1):
         try:
             return await session.post(config.api_url, json=payload, headers=config.headers)
         except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
-            if "write request body" not in str(e) and not isinstance(
-                e, aiohttp.ServerDisconnectedError
-            ):
+            stale = isinstance(e, aiohttp.ServerDisconnectedError) or (
+                "write request body" in str(e)
+            )
+            if not stale or attempt == STALE_RETRIES:
                 raise
-    return await session.post(config.api_url, json=payload, headers=config.headers)
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
 # ---- the run ---------------------------------------------------------------------------------

@@ -20,9 +20,9 @@ the size of the step, so a request's greedy output does not depend on what else 
 batch: the int4 kernel gives each row the same bits whatever the other rows are, and the
 bfloat16 GEMM (oneDNN) does at a fixed row count but not across row counts (its kernel and
 accumulation order change with the rows), so it always runs on tiles of ``BF16_TILE_ROWS``
-rows, the last one padded with zeros. The model
-runner says which rows are prompt tokens (``prompt_rows``); a product without that (other
-callers, padded batches) runs every row on the int4 kernel.
+rows, the last one padded with zeros. The model runner says which rows are prompt tokens
+(``prompt_rows``); a product without that (other callers, padded batches) runs every row on
+the int4 kernel.
 """
 
 from __future__ import annotations
@@ -82,10 +82,10 @@ def prompt_rows(rows: PromptRows | None) -> Iterator[None]:
 
 def native_bf16() -> bool:
     """Whether this CPU has bfloat16 dot-product instructions (AVX-512 BF16 or AMX)."""
-    cpu = torch.backends.cpu
-    return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-                or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-                ) and cpu.get_cpu_capability() != "DEFAULT"
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        return False
+    return any(getattr(torch.cpu, probe, lambda: False)()
+               for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
 def keeps_bf16_copy(choice: str) -> bool:
@@ -182,8 +182,6 @@ def _bf16_mm(xb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     pad = -m % BF16_TILE_ROWS
     if pad:
         xb = torch.cat([xb, xb.new_zeros(pad, xb.shape[1])])
-    if xb.shape[0] == BF16_TILE_ROWS:
-        return torch.nn.functional.linear(xb, weight)[:m]
     out = xb.new_empty(xb.shape[0], weight.shape[0])
     for start in range(0, xb.shape[0], BF16_TILE_ROWS):
         end = start + BF16_TILE_ROWS

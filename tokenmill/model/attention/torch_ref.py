@@ -52,23 +52,29 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of K or V through a block table row (or rows).
+def context_slots(block_ids: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Cache slots of the first ``length`` tokens through block table rows.
 
     Args:
-        cache: ``[num_blocks, block_size, H, D]``.
-        block_ids: ``[nb]`` or ``[B, nb]`` int block ids covering ``length`` tokens.
-        length: tokens to return.
+        block_ids: ``[..., nb]`` int block ids covering ``length`` tokens.
+        length: tokens.
+        block_size: tokens per block.
 
     Returns:
-        ``[length, H, D]`` or ``[B, length, H, D]``.
+        ``[..., length]`` int64 ``block_id * block_size + offset``.
     """
+    offsets = torch.arange(block_size, device=block_ids.device)
+    slots = block_ids.long()[..., None] * block_size + offsets  # [..., nb, block_size]
+    return slots.flatten(-2)[..., :length]
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """K or V of ``cache [num_blocks, block_size, H, D]`` at ``slots [...]`` -> ``[..., H,
+    D]``: one row copy per slot."""
     if cache.dtype in FP8_TYPES:  # gathered as bytes (no FP8 indexing on CPU)
-        return gather_kv(cache.view(torch.uint8), block_ids, length).view(cache.dtype)
-    blocks = cache[block_ids.long()]  # [..., nb, bs, H, D]
-    shape = blocks.shape
-    flat = blocks.reshape(*shape[:-4], shape[-4] * shape[-3], *shape[-2:])
-    return flat[..., :length, :, :]
+        return gather_slots(cache.view(torch.uint8), slots).view(cache.dtype)
+    rows = cache.reshape(-1, *cache.shape[-2:]).index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *cache.shape[-2:])
 
 
 def _attend(
@@ -167,9 +173,8 @@ class TorchAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         q_len = q.shape[0]
         bs = kv_cache.shape[2]
-        nb = cdiv(seq_len, bs)
-        k = gather_kv(kv_cache[0], block_ids[:nb], seq_len).to(q.dtype)
-        v = gather_kv(kv_cache[1], block_ids[:nb], seq_len).to(q.dtype)
+        slots = context_slots(block_ids[: cdiv(seq_len, bs)], seq_len, bs)
+        k, v = (gather_slots(kv_cache[i], slots).to(q.dtype) for i in (0, 1))
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         local = self.sliding_window is not None or self.attention_chunk_size is not None
         if q_len == seq_len and not local:
@@ -186,14 +191,9 @@ class TorchAttentionImpl(AttentionImpl):
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, plan: dict
     ) -> torch.Tensor:
         slots = _decode_slots(plan, metadata, kv_cache.shape[2])  # [B, L]
-        b, length = slots.shape
-        h, d = kv_cache.shape[-2:]
-        flat = slots.view(-1)
-        # One row copy per context token through the step's slot table (shared by every
-        # layer), instead of indexing blocks and reshaping per layer.
+        # Through the step's slot table, made once and shared by every layer.
         k, v = (
-            _gather_slots(kv_cache[i], flat).view(b, length, h, d).to(q.dtype).transpose(1, 2)
-            for i in (0, 1)
+            gather_slots(kv_cache[i], slots).to(q.dtype).transpose(1, 2) for i in (0, 1)
         )  # [B, Hkv, L, D]
         qd = (q if plan["all_decode"] else q[plan["decode_tokens"]]).unsqueeze(2)  # [B, H, 1, D]
         mask = self._decode_mask(plan, q.device)
@@ -217,13 +217,6 @@ class TorchAttentionImpl(AttentionImpl):
         return masks[key]
 
 
-def _gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Rows of ``cache [num_blocks, block_size, H, D]`` at flat ``slots [n]`` -> ``[n, H, D]``."""
-    if cache.dtype in FP8_TYPES:  # gathered as bytes (no FP8 indexing on CPU)
-        return _gather_slots(cache.view(torch.uint8), slots).view(cache.dtype)
-    return cache.reshape(-1, *cache.shape[-2:]).index_select(0, slots)
-
-
 def _decode_slots(plan: dict, metadata: AttentionMetadata, block_size: int) -> torch.Tensor:
     """``[B, max_len]`` int64 cache slots of the decode requests' context tokens, made once
     per step. Slots past a request's length point into valid blocks (the block table's
@@ -231,11 +224,8 @@ def _decode_slots(plan: dict, metadata: AttentionMetadata, block_size: int) -> t
     slots = plan.get("decode_slots")
     if slots is None:
         max_len = plan["decode_max_len"]
-        nb = cdiv(max_len, block_size)
-        blocks = metadata.block_table[plan["decode_reqs"], :nb].long()
-        offsets = torch.arange(block_size, device=blocks.device)
-        slots = (blocks[:, :, None] * block_size + offsets).view(blocks.shape[0], -1)
-        slots = plan["decode_slots"] = slots[:, :max_len].contiguous()
+        blocks = metadata.block_table[plan["decode_reqs"], : cdiv(max_len, block_size)]
+        slots = plan["decode_slots"] = context_slots(blocks, max_len, block_size).contiguous()
     return slots
 
 

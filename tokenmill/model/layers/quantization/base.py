@@ -19,8 +19,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.config import current_kernel_config
+from tokenmill.kernels.quant.int4_cpu import keeps_bf16_copy
 from tokenmill.model.layers.quantization.tensors import as_float
 from tokenmill.model.layers.weight_shape import check_shape
+
+
+def keeps_cpu_bf16_copy() -> bool:
+    """Whether the quantized CPU weights of the model being built keep a bfloat16 copy
+    (``KernelConfig.cpu_bf16_weights``); read while the model is built, inside its
+    ``kernel_config_scope``."""
+    return keeps_bf16_copy(current_kernel_config().cpu_bf16_weights)
 
 
 class QuantizationError(ValueError):

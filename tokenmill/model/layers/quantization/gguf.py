@@ -11,7 +11,7 @@ are joined, since rows of blocks are independent). The product then depends on t
   exactly into int4 planes for torch's int4 kernel (``tokenmill.kernels.quant.int4_cpu``:
   one plane for 4-bit values, two for wider ones; scales in bfloat16, the kernel's format),
   and the products run in bfloat16; where ``KernelConfig.cpu_bf16_weights`` keeps a
-  bfloat16 copy too, products of many rows run on it. The 16-weight group types (Q2_K,
+  bfloat16 copy too, the prompt tokens' products run on it. The 16-weight group types (Q2_K,
   Q3_K, Q6_K) keep their blocks and are dequantized per product (correct, slower).
 
 Token embeddings keep their blocks too; a lookup dequantizes only the rows it reads, and a
@@ -23,14 +23,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.config import current_kernel_config
 from tokenmill.kernels.quant.gguf_blocks import dequantize
-from tokenmill.kernels.quant.int4_cpu import keeps_bf16_copy
 from tokenmill.model.layers.quantization.base import (
     LinearMethod,
     QuantizationConfig,
     QuantizationError,
     ShardSlice,
+    keeps_cpu_bf16_copy,
 )
 from tokenmill.model.layers.quantization.gguf_segments import (
     GGUFSegment,
@@ -54,7 +53,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.weight = _placeholder()
         layer.gguf_parts = []
         layer.gguf_dtype = dtype
-        layer.gguf_bf16_copy = keeps_bf16_copy(current_kernel_config().cpu_bf16_weights)
+        layer.gguf_bf16_copy = keeps_cpu_bf16_copy()
 
     def load_weight(
         self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, s: ShardSlice
@@ -103,7 +102,7 @@ class GGUFEmbeddingMethod:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.bf16_copy = keeps_bf16_copy(current_kernel_config().cpu_bf16_weights)
+        self.bf16_copy = keeps_cpu_bf16_copy()
         self.raw: torch.Tensor | None = None
         self.qtype: int | None = None
         self.dense: torch.Tensor | None = None

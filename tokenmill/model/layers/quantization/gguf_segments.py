@@ -21,7 +21,7 @@ class GGUFSegment:
 
     Exactly one of ``raw`` (blocks, ``[rows, row_bytes]`` uint8), ``planes`` (CPU int4
     planes) or ``dense`` (float ``[rows, K]``) is set; ``bf16_copy`` (``[rows, K]``) may
-    join ``planes`` for many-row products (``int4_cpu.planes_mm``).
+    join ``planes`` for the prompt tokens' products (``int4_cpu.planes_mm``).
     """
 
     start: int

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.config import current_kernel_config
 from tokenmill.kernels.quant import int4_cpu
 from tokenmill.kernels.quant.int4_pack import AWQ_ORDER, pack_k, unpack_cols, unpack_rows
 from tokenmill.model.layers.quantization.base import (
@@ -32,6 +31,7 @@ from tokenmill.model.layers.quantization.base import (
     QuantizationError,
     ShardSlice,
     copy_shard,
+    keeps_cpu_bf16_copy,
     set_layout,
 )
 
@@ -55,14 +55,15 @@ class Int4Weights:
     group: int
     perm: torch.Tensor | None = None
 
-    def dequantize(self) -> torch.Tensor:
-        """``[N, K]`` float32 in the checkpoint's input order."""
+    def dequantize(self, kernel_order: bool = False) -> torch.Tensor:
+        """``[N, K]`` float32 in the checkpoint's input order, or with ``kernel_order`` in
+        ``q``'s (group) order."""
         n, k = self.q.shape
         g = self.group
         q = self.q.float().view(n, k // g, g)
         w = (q - self.zeros.unsqueeze(-1)) * self.scales.unsqueeze(-1)
         w = w.view(n, k)
-        if self.perm is None:
+        if self.perm is None or kernel_order:
             return w
         out = torch.empty_like(w)
         out[:, self.perm] = w
@@ -103,8 +104,7 @@ class Int4LinearMethod(LinearMethod):
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
-        # Read while the model is built (inside its kernel_config_scope).
-        self.bf16_copy = int4_cpu.keeps_bf16_copy(current_kernel_config().cpu_bf16_weights)
+        self.bf16_copy = keeps_cpu_bf16_copy()
 
     def group(self, input_size: int) -> int:
         return input_size if self.group_size == -1 else self.group_size
@@ -136,7 +136,7 @@ class Int4LinearMethod(LinearMethod):
 def set_device_form(layer: nn.Module, w: Int4Weights, bf16_copy: bool = False) -> None:
     """Keep ``w`` on ``layer`` in the form its device's kernel reads (buffers, so the model's
     weight bytes count them); on the CPU with ``bf16_copy``, also the weights in bfloat16 in
-    the kernel's input-channel order, for many-row products (``int4_cpu.planes_mm``)."""
+    the kernel's input-channel order, for prompt tokens' products (``int4_cpu.planes_mm``)."""
     n, k = w.q.shape
     device = w.q.device
     layer.int4_perm = w.perm
@@ -156,10 +156,7 @@ def set_device_form(layer: nn.Module, w: Int4Weights, bf16_copy: bool = False) -
         layer.register_buffer("int4_scales_zeros", plane.scales_and_zeros, persistent=False)
         layer.int4_bf16 = None
         if bf16_copy:
-            g = w.group
-            q = w.q.float().view(n, k // g, g)
-            dense = (q - w.zeros.unsqueeze(-1)) * w.scales.float().unsqueeze(-1)
-            layer.int4_bf16 = dense.view(n, k).to(torch.bfloat16)
+            layer.int4_bf16 = w.dequantize(kernel_order=True).to(torch.bfloat16)
             layer.register_buffer("int4_bf16_buf", layer.int4_bf16, persistent=False)
         return
     dtype = layer.int4_dtype
