@@ -186,3 +186,10 @@ def _run_worker(fd: int) -> None:
 
 if __name__ == "__main__":
     _serve(int(sys.argv[1]))
+    # NOTE: skip the interpreter's finalisation: xgrammar's C++ runtime, preloaded here,
+    # may still hold joinable threads whose static destructors call std::terminate
+    # ("terminate called without an active exception") while the process exits.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import time
 import traceback
 from typing import Any
@@ -300,3 +301,10 @@ def run_engine_core(
     finally:
         if proc is not None:
             proc.close()
+    # NOTE: skip the interpreter's finalisation once everything is closed: a C++ runtime
+    # loaded here (xgrammar's) may still hold joinable threads whose static destructors
+    # call std::terminate ("terminate called without an active exception") at exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
