@@ -3,6 +3,9 @@ server keeps serving."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import httpx
 import pytest
 
@@ -117,6 +120,8 @@ CASES = [
         "temperature",
         "temperature",
     ),
+    ("NaN temperature", CHAT, json.dumps({"messages": MSG, "temperature": math.nan}).encode(),
+     400, "temperature", "temperature must be a finite number"),  # fmt: skip
     ("top_p zero", CHAT, {"messages": MSG, "top_p": 0}, 400, "top_p", "top_p"),
     ("top_p above one", CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p", "top_p"),
     ("n zero", CHAT, {"messages": MSG, "n": 0}, 400, "n", "n must"),

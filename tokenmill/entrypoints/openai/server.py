@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import re
 from http import HTTPStatus
 from typing import Any
@@ -285,7 +286,10 @@ def _bound_text(error: dict[str, Any]) -> str | None:
     ctx = error.get("ctx") or {}
     if kind is None or kind[0] not in ctx:
         return None
-    return f"must be {kind[1]} {ctx[kind[0]]}, got {error.get('input')!r}."
+    value = error.get("input")
+    if isinstance(value, float) and math.isnan(value):  # fails every bound: say what is wrong
+        return f"must be a finite number, got {value!r}."
+    return f"must be {kind[1]} {ctx[kind[0]]}, got {value!r}."
 
 
 def add_error_handlers(app: FastAPI) -> None:
