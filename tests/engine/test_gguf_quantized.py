@@ -79,3 +79,14 @@ def test_weights_stay_near_the_file_size(quantized, float_path, smollm2_gguf_pat
     assert quant_bytes < 0.25 * float_bytes
     assert quant_bytes < 1.5 * os.path.getsize(smollm2_gguf_path)
     assert quantized.llm_engine.engine_core.config.model_config.quantization == "gguf"
+
+
+def test_output_does_not_depend_on_the_batch(quantized):
+    """Each prompt alone and beside a longer one (whose context is longer at every decode
+    step): the same tokens with the same log-probabilities, to the bit."""
+    companion = "Hello there, how are you doing today my friend? " * 3
+    alone = [quantized.generate(p, GREEDY, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
+    for prompt, ref in zip(PROMPTS, alone, strict=True):
+        got = quantized.generate([prompt, companion], GREEDY, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == ref.token_ids, prompt
+        assert got.logprobs == ref.logprobs, prompt

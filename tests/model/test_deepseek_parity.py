@@ -207,3 +207,22 @@ def test_dummy_weights_from_a_config_alone(tmp_path, arch):
     model = get_model(cfg.model_config, cfg.load_config, torch.device("cpu"), TorchMLABackend)
     assert type(model).__name__ == arch
     assert all(bool(p.abs().max() > 0) for p in model.parameters())
+
+
+
+def test_latent_decode_does_not_depend_on_the_batch():
+    """One request's latent attention alone and beside requests with longer contexts: the
+    same output, to the bit (each over its own keys, padded to DECODE_KEY_GRANULE)."""
+    from tokenmill.model.attention.mla import attend_latent_torch
+
+    gen = torch.Generator().manual_seed(3)
+    heads, rank, rope, block_size = 16, 512, 64, 16  # DeepSeek-V3's latent and rope widths
+    cache = torch.randn(305, block_size, rank + rope, generator=gen)
+    table = torch.randperm(305, generator=gen)[:300].view(3, 100).int()
+    q_lat = torch.randn(heads, 3, rank, generator=gen)
+    q_pe = torch.randn(3, heads, rope, generator=gen)
+    # Padded to the batch's longest context, the first request's sums changed in the last bit.
+    lens = torch.tensor([1000, 1300, 1590])
+    alone = attend_latent_torch(q_lat[:, :1], q_pe[:1], cache, table[:1], lens[:1], rank, 0.05)
+    batched = attend_latent_torch(q_lat, q_pe, cache, table, lens, rank, 0.05)
+    assert torch.equal(alone[:, 0], batched[:, 0])

@@ -27,6 +27,7 @@ from torch import nn
 
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.model.attention.torch_ref import padded_block_ids, padded_len_groups
 
 
 @dataclass(frozen=True)
@@ -126,19 +127,21 @@ def attend_latent_torch(
         context's latents ``c``.
     """
     num_heads, batch, rank = q_lat.shape
-    if batch == 0:
-        return q_lat.new_zeros(num_heads, 0, rank)
-    max_len = int(seq_lens.max())
-    block_size = kv_cache.shape[1]
-    nb = max(1, cdiv(max_len, block_size))
-    ctx = kv_cache[block_table[:, :nb].long()].reshape(batch, nb * block_size, -1)[:, :max_len]
-    c, pe = ctx[..., :kv_lora_rank].float(), ctx[..., kv_lora_rank:].float()
-    scores = torch.einsum("hbr,blr->bhl", q_lat.float(), c)
-    scores = (scores + torch.einsum("bhp,blp->bhl", q_pe.float(), pe)) * scale
-    visible = torch.arange(max_len, device=q_lat.device)[None, :] < seq_lens[:, None]
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a context of 0 has no key
-    return torch.einsum("bhl,blr->hbr", probs, c).to(q_lat.dtype)
+    out = q_lat.new_zeros(num_heads, batch, rank)
+    # Each request over its own context rounded up to DECODE_KEY_GRANULE keys, those of one
+    # padded length together: a request's result then does not depend on the batch.
+    for length, rows in padded_len_groups(seq_lens):
+        if length == 0:
+            continue  # a context of 0 has no key: zeros
+        blocks = padded_block_ids(block_table[rows], length, kv_cache.shape[1]).long()
+        ctx = kv_cache[blocks].reshape(rows.numel(), -1, kv_cache.shape[-1])[:, :length]
+        c, pe = ctx[..., :kv_lora_rank].float(), ctx[..., kv_lora_rank:].float()
+        scores = torch.einsum("hbr,blr->bhl", q_lat[:, rows].float(), c)
+        scores = (scores + torch.einsum("bhp,blp->bhl", q_pe[rows].float(), pe)) * scale
+        visible = torch.arange(length, device=q_lat.device)[None, :] < seq_lens[rows, None]
+        probs = torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+        out[:, rows] = torch.einsum("bhl,blr->hbr", probs, c).to(q_lat.dtype)
+    return out
 
 
 class MLAImpl:

@@ -1,14 +1,18 @@
 """Reference paged attention in plain torch: the CPU backend, and the ground truth the GPU
 kernels are tested against.
 
-Decode requests (one query token each) are attended in one batched call over their gathered
-blocks; prompt chunks one request at a time, with a causal mask aligned to the end of the
-context (query ``r`` of a chunk after ``c`` cached tokens sees keys ``0..c+r``), narrowed by
-the layer's sliding window or attention chunk. Soft-capped scores and attention sinks take
-an explicit float32 softmax; plain layers take torch's fused attention.
+Decode requests (one query token each) are attended in batched calls over their gathered
+blocks, one call per padded key length (``DECODE_KEY_GRANULE``, which keeps a request's
+result independent of the batch); prompt chunks one request at a time, with a causal mask
+aligned to the end of the context (query ``r`` of a chunk after ``c`` cached tokens sees keys
+``0..c+r``), narrowed by the layer's sliding window or attention chunk. Soft-capped scores
+and attention sinks take an explicit float32 softmax; plain layers take torch's fused
+attention.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -190,43 +194,105 @@ class TorchAttentionImpl(AttentionImpl):
     def _decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, plan: dict
     ) -> torch.Tensor:
-        slots = _decode_slots(plan, metadata, kv_cache.shape[2])  # [B, L]
-        # Through the step's slot table, made once and shared by every layer.
+        qd = q if plan["all_decode"] else q[plan["decode_tokens"]]  # [B, H, D]
+        groups = _decode_groups(plan, metadata, kv_cache.shape[2])
+        if len(groups) == 1:
+            return self._decode_group(qd, kv_cache, groups[0])
+        out = torch.empty_like(qd)
+        for group in groups:
+            out[group.rows] = self._decode_group(qd[group.rows], kv_cache, group)
+        return out
+
+    def _decode_group(
+        self, qd: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup
+    ) -> torch.Tensor:
+        """The group's decode queries ``[Bg, H, D]`` over their keys -> ``[Bg, H, D]``."""
+        # Through the group's slot table, made once per step and shared by every layer.
         k, v = (
-            gather_slots(kv_cache[i], slots).to(q.dtype).transpose(1, 2) for i in (0, 1)
-        )  # [B, Hkv, L, D]
-        qd = (q if plan["all_decode"] else q[plan["decode_tokens"]]).unsqueeze(2)  # [B, H, 1, D]
-        mask = self._decode_mask(plan, q.device)
+            gather_slots(kv_cache[i], group.slots).to(qd.dtype).transpose(1, 2) for i in (0, 1)
+        )  # [Bg, Hkv, Lp, D]
+        mask = self._decode_mask(group, qd.device)
         return _attend(
-            qd, k, v, mask, self.scale, self.logits_soft_cap, sinks=self.sinks
+            qd.unsqueeze(2), k, v, mask, self.scale, self.logits_soft_cap, sinks=self.sinks
         ).squeeze(2)
 
-    def _decode_mask(self, plan: dict, device: torch.device) -> torch.Tensor | None:
-        """``[B, 1, 1, L]`` keys each decode query may see, made once per step for each
-        (window, chunk) pair; None when every request sees all ``L`` keys."""
+    def _decode_mask(self, group: DecodeGroup, device: torch.device) -> torch.Tensor | None:
+        """``[Bg, 1, 1, Lp]`` keys each of the group's queries may see, made once per step
+        for each (window, chunk) pair; None when every query sees all ``Lp`` keys."""
         key = (self.sliding_window, self.attention_chunk_size)
-        masks = plan.setdefault("decode_masks", {})
-        if key not in masks:
-            lens = plan["decode_seq_lens"]
-            uniform = bool((lens == plan["decode_max_len"]).all())
-            if uniform and key == (None, None):
-                masks[key] = None
+        if key not in group.masks:
+            if key == (None, None) and bool((group.seq_lens == group.padded_len).all()):
+                group.masks[key] = None
             else:
-                k_pos = torch.arange(plan["decode_max_len"], device=device)[None, :]
-                masks[key] = self._window_mask((lens - 1)[:, None], k_pos)[:, None, None, :]
-        return masks[key]
+                k_pos = torch.arange(group.padded_len, device=device)[None, :]
+                mask = self._window_mask((group.seq_lens - 1)[:, None], k_pos)
+                group.masks[key] = mask[:, None, None, :]
+        return group.masks[key]
 
 
-def _decode_slots(plan: dict, metadata: AttentionMetadata, block_size: int) -> torch.Tensor:
-    """``[B, max_len]`` int64 cache slots of the decode requests' context tokens, made once
-    per step. Slots past a request's length point into valid blocks (the block table's
-    unused entries are valid ids) and are masked."""
-    slots = plan.get("decode_slots")
-    if slots is None:
-        max_len = plan["decode_max_len"]
-        blocks = metadata.block_table[plan["decode_reqs"], : cdiv(max_len, block_size)]
-        slots = plan["decode_slots"] = context_slots(blocks, max_len, block_size).contiguous()
-    return slots
+# Decode requests attend over their keys padded to a multiple of this many tokens, those
+# with the same padded length in one call. torch's attention gives a row different bits at
+# different key lengths (its blocking follows the length), so padding a request's keys to the
+# longest request of the step would make its greedy output depend on the batch.
+DECODE_KEY_GRANULE = 64
+
+
+@dataclass
+class DecodeGroup:
+    """Decode requests whose contexts round up to the same ``padded_len`` keys.
+
+    Attributes:
+        rows: ``[Bg]`` int64 positions among the step's decode requests.
+        slots: ``[Bg, padded_len]`` int64 cache slots; those past a request's length point
+            into valid blocks and are masked.
+        seq_lens: ``[Bg]`` context lengths.
+        padded_len: keys per request, a multiple of ``DECODE_KEY_GRANULE``.
+        masks: attention masks by (sliding window, chunk), made on first use.
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    seq_lens: torch.Tensor
+    padded_len: int
+    masks: dict = field(default_factory=dict)
+
+
+def _decode_groups(
+    plan: dict, metadata: AttentionMetadata, block_size: int
+) -> list[DecodeGroup]:
+    """The step's decode requests grouped by padded context length, made once per step."""
+    groups = plan.get("decode_groups")
+    if groups is None:
+        lens = plan["decode_seq_lens"]
+        groups = plan["decode_groups"] = []
+        for padded_len, rows in padded_len_groups(lens):
+            blocks = padded_block_ids(
+                metadata.block_table[plan["decode_reqs"][rows]], padded_len, block_size
+            )
+            slots = context_slots(blocks, padded_len, block_size).contiguous()
+            groups.append(DecodeGroup(rows, slots, lens[rows], padded_len))
+    return groups
+
+
+def padded_len_groups(seq_lens: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """``(padded_len, rows)`` for each distinct context length rounded up to
+    ``DECODE_KEY_GRANULE`` (``seq_lens [B]`` int; rows ``[Bg]`` int64), shortest first."""
+    padded = (seq_lens + DECODE_KEY_GRANULE - 1) // DECODE_KEY_GRANULE * DECODE_KEY_GRANULE
+    return [
+        (length, torch.nonzero(padded == length).view(-1))
+        for length in sorted(set(padded.tolist()))
+    ]
+
+
+def padded_block_ids(table: torch.Tensor, padded_len: int, block_size: int) -> torch.Tensor:
+    """Block table rows ``[B, >= 0]`` cut or widened to the ``cdiv(padded_len, block_size)``
+    blocks that cover ``padded_len`` tokens; block 0 stands in past the table's width (its
+    keys are masked)."""
+    need = cdiv(padded_len, block_size)
+    blocks = table[:, :need]
+    if blocks.shape[1] < need:
+        blocks = torch.cat([blocks, blocks.new_zeros(blocks.shape[0], need - blocks.shape[1])], 1)
+    return blocks
 
 
 def _batch_plan(metadata: AttentionMetadata) -> dict:
@@ -249,7 +315,6 @@ def _batch_plan(metadata: AttentionMetadata) -> dict:
         "decode_reqs": torch.tensor(decode, dtype=torch.long, device=device),
         "decode_tokens": torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device),
         "decode_seq_lens": torch.tensor([seq_lens[i] for i in decode], device=device),
-        "decode_max_len": max((seq_lens[i] for i in decode), default=0),
         # Every token is a decode, request i's at row i: no gather or scatter of rows.
         "all_decode": bool(decode) and len(decode) == num_reqs == metadata.num_actual_tokens,
     }
