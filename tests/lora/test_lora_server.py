@@ -118,3 +118,22 @@ def test_load_and_unload_at_run_time(server, adapter_dirs, references, tmp_path)
     r = server.post("/v1/completions", {"model": "mlp", "prompt": "x", "max_tokens": 1})
     assert r.status_code == 404
     assert "mlp" not in {c["id"] for c in server.get("/v1/models").json()["data"]}
+
+
+def test_adapter_folder_gone_after_eviction_is_a_400(server, adapter_dirs, tmp_path):
+    """An adapter evicted from host memory is read again from its folder when next named;
+    with the folder deleted, the request gets a 400 with the reason (the server goes on)."""
+    import shutil
+
+    folder = shutil.copytree(adapter_dirs["mlp"], tmp_path / "gone")
+    load = {"lora_name": "gone", "lora_path": str(folder)}
+    assert server.post("/v1/load_lora_adapter", load).status_code == 200
+    _complete(server, "gone")
+    for model in ("qv", "all"):  # --max-cpu-loras 2: "gone" leaves host memory
+        _complete(server, model)
+    shutil.rmtree(folder)
+    r = server.post("/v1/completions", {"model": "gone", "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert "no adapter folder" in r.json()["error"]["message"]
+    assert _complete(server, "qv")
+    assert server.post("/v1/unload_lora_adapter", {"lora_name": "gone"}).status_code == 200

@@ -83,6 +83,10 @@ CONSTRAINT_FAILURE_PREFIX = "structured_outputs:"
 # The stop reason of a request refused because the grammar compilers were busy with other
 # constraints (the server answers 429): the rest of the reason is the user's message.
 CONSTRAINT_BUSY_PREFIX = "structured_outputs (busy):"
+# The stop reason of a request the engine refused when it arrived (an adapter folder gone
+# since it was loaded, beams that cannot fit the KV cache; the server answers 400): the rest
+# of the reason is the user's message.
+REQUEST_REFUSED_PREFIX = "refused:"
 
 
 @dataclass

@@ -30,6 +30,7 @@ import zmq
 from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.engine_io import (
+    REQUEST_REFUSED_PREFIX,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -137,7 +138,10 @@ class EngineCoreProc:
                 # since it was loaded) ends this request, not the engine.
                 logger.warning("request %s refused: %s", request.request_id, e)
                 out = EngineCoreOutput(
-                    request.request_id, [], finish_reason=FinishReason.ABORT, stop_reason=str(e)
+                    request.request_id,
+                    [],
+                    finish_reason=FinishReason.ABORT,
+                    stop_reason=f"{REQUEST_REFUSED_PREFIX} {e}",
                 )
                 self.output.send_multipart(
                     [MSG_OUT, _encoder.encode(EngineCoreOutputs(outputs=[out]))]

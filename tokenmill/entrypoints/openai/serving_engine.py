@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from fastapi.responses import Response
 
-from tokenmill.core.engine_io import CONSTRAINT_BUSY_PREFIX, CONSTRAINT_FAILURE_PREFIX
+from tokenmill.core.engine_io import (
+    CONSTRAINT_BUSY_PREFIX,
+    CONSTRAINT_FAILURE_PREFIX,
+    REQUEST_REFUSED_PREFIX,
+)
 from tokenmill.engine.async_llm import EngineDeadError
 from tokenmill.engine.input_processor import InvalidRequestError, truncate_prompt
 from tokenmill.entrypoints.openai.beam_search import beam_search_params, check_beam_search_request
@@ -381,8 +385,9 @@ class OpenAIServing:
     ) -> OpenAIError:
         """The error for a request that ended with finish_reason "abort": its structured-output
         constraint failed (400, the engine's reason, naming the field of ``request`` that
-        carried the constraint) or found the grammar compilers busy (429), the engine died
-        (503), the server is shutting down (503), or it was aborted otherwise (500)."""
+        carried the constraint) or found the grammar compilers busy (429), the engine refused
+        it on arrival (400, the engine's reason), the engine died (503), the server is shutting
+        down (503), or it was aborted otherwise (500)."""
         field = "structured_outputs" if request is None else constraint_field(request)
         if isinstance(stop_reason, str) and stop_reason.startswith(CONSTRAINT_FAILURE_PREFIX):
             return constraint_error(stop_reason, field)
@@ -390,6 +395,10 @@ class OpenAIServing:
             message = f"{field}: {stop_reason.removeprefix(CONSTRAINT_BUSY_PREFIX).strip()}"
             return OpenAIError(
                 message, HTTPStatus.TOO_MANY_REQUESTS, field, code="rate_limit_exceeded"
+            )
+        if isinstance(stop_reason, str) and stop_reason.startswith(REQUEST_REFUSED_PREFIX):
+            return OpenAIError(
+                stop_reason.removeprefix(REQUEST_REFUSED_PREFIX).strip(), HTTPStatus.BAD_REQUEST
             )
         if self.engine.errored:
             return engine_dead(self.engine.dead_error or "unknown error")
