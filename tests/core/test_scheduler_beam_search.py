@@ -191,3 +191,14 @@ def test_abort_frees_every_beam():
     assert sched.kv_cache_manager.num_free_blocks == sched.num_blocks
     so = sched.schedule()
     assert beam_ids <= so.finished_req_ids  # the worker drops them (and beams pruned before)
+
+
+def test_beams_that_cannot_fit_the_cache_are_refused():
+    # 14 blocks of 4: a 13-token prompt shares 3 full blocks, and each beam needs one more.
+    sched = make_scheduler(budget=16, max_num_seqs=16, max_model_len=48, num_blocks=14)
+    fits = BeamSearchParams(beam_width=11, max_tokens=4, ignore_eos=True)
+    sched.add_request(beam_request("a", list(range(10, 23)), fits), fits)
+    too_wide = BeamSearchParams(beam_width=12, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="width 12 needs at least 15 KV blocks"):
+        sched.add_request(beam_request("b", list(range(10, 23)), too_wide), too_wide)
+    assert sched.get_num_unfinished_requests() == 1

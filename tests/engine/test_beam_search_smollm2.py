@@ -154,6 +154,7 @@ def test_invalid_beam_search_is_refused(llm):
     with pytest.raises(ValueError, match="max-num-seqs"):
         llm.beam_search("hi", BeamSearchParams(beam_width=17, max_tokens=4))
     params = BeamSearchParams(beam_width=2, max_tokens=4)
+    assert llm.beam_search([], params) == []
     with pytest.raises(ValueError, match="concurrency_limit"):
         llm.beam_search("hi", params, concurrency_limit=0)
     with pytest.raises(ValueError, match="LoRA"):

@@ -34,7 +34,12 @@ from tokenmill.core.lora_slots import LoRASlots, count_adapters
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import create_request_queue
-from tokenmill.core.scheduler_checks import check_request_fits, check_scheduler_config, take_stats
+from tokenmill.core.scheduler_checks import (
+    check_beams_fit,
+    check_request_fits,
+    check_scheduler_config,
+    take_stats,
+)
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.core.speculation import Speculation
 from tokenmill.core.step_plan import StepPlan
@@ -172,10 +177,12 @@ class Scheduler:
                 (id ``f"{request_id}/beam0"``); see ``core/beam_group.py``.
 
         Raises:
-            ValueError: as ``check_request``.
+            ValueError: as ``check_request``; beams that cannot fit the KV cache
+                (``check_beams_fit``).
         """
         self.check_request(request)
         if beam_search is not None:
+            check_beams_fit(request, beam_search.beam_width, self.block_size, self.num_blocks)
             group_id = request.request_id
             request.request_id = f"{group_id}/beam0"
             self.beams.add(group_id, request, beam_search)

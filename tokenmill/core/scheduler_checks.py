@@ -112,3 +112,21 @@ def check_request_fits(
             f"KV blocks of {block_size} tokens, but the KV cache has only "
             f"{num_blocks} blocks ({num_blocks * block_size} tokens)"
         )
+
+
+def check_beams_fit(request: Request, width: int, block_size: int, num_blocks: int) -> None:
+    """Raise if ``width`` beams of ``request`` could never run at once: beams share the
+    prompt's full blocks, but once they differ each holds at least one block of its own (the
+    one its next token is written to), so they need at least ``full prompt blocks + width``
+    blocks. (Fewer blocks than that would have the beams preempt one another for ever.)
+
+    Raises:
+        ValueError: the KV cache has fewer blocks (the message gives the numbers).
+    """
+    need = request.num_prompt_tokens // block_size + width
+    if need > num_blocks:
+        raise ValueError(
+            f"beam search of width {width} needs at least {need} KV blocks of {block_size} "
+            f"tokens (one per beam besides the prompt's shared ones), but the KV cache has "
+            f"only {num_blocks}; lower the beam width or give the cache more memory"
+        )

@@ -212,7 +212,7 @@ class LLM:
                 "beam_search: LoRA adapters are not implemented with beam search (lora_request)"
             )
         prompt_list = self._as_prompt_list(prompts)
-        limit = len(prompt_list) if concurrency_limit is None else concurrency_limit
+        limit = max(1, len(prompt_list)) if concurrency_limit is None else concurrency_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"concurrency_limit must be a positive integer, got {limit!r}")
         if limit < len(prompt_list):
