@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.hf_config import ModelLoadError
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def test_sleep_with_weights_kept_in_gguf_blocks(smollm2_gguf_path):
+def test_sleep_with_weights_kept_in_gguf_blocks(smollm2_gguf_path, tmp_path):
     """SmolLM2's GGUF weights kept quantized (their converted forms live in buffers): level 1
     frees them and the KV cache and wakes up identical; level 2 and an update from the same
     file rebuild them from the checkpoint, identical too."""
@@ -58,6 +59,10 @@ def test_sleep_with_weights_kept_in_gguf_blocks(smollm2_gguf_path):
     assert tokens(llm) == before
     llm.update_weights(smollm2_gguf_path)
     assert core.memory_bytes() == awake
+    assert tokens(llm) == before
+    # GGUF blocks take new weights from a .gguf file only: a safetensors folder is refused.
+    with pytest.raises(ModelLoadError, match="must come as a .gguf file"):
+        llm.update_weights(str(tmp_path))
     assert tokens(llm) == before
     core.check_integrity()
 

@@ -241,15 +241,24 @@ def reload_weights(
             model's own checkpoint, in its load format.
 
     Raises:
-        ModelLoadError: unreadable files, or tensors that do not fit the model (the message
-            names the tensor).
+        ModelLoadError: unreadable files, tensors that do not fit the model (the message
+            names the tensor), or a checkpoint of the other kind than the running model's
+            quantized weights (a safetensors one for GGUF blocks, or a ``.gguf`` file for
+            a safetensors quantization).
     """
     fmt = resolve_load_format(model_config, load_config)
     if path is not None:
         fmt = "gguf" if path.endswith(".gguf") else "safetensors"
-    if loaded_quantization(model_config, fmt) is None:
+    method = loaded_quantization(model_config, fmt)
+    if method is None:
         load_weights(model, model_config, fmt, path)
         return
+    if (method == "gguf") != (fmt == "gguf"):
+        want = "a .gguf file" if method == "gguf" else "a model folder or .safetensors file"
+        raise ModelLoadError(
+            f"{path}: the running model keeps its weights {method}-quantized, so new weights "
+            f"must come as {want} quantized the same way"
+        )
     fresh_config = dataclasses.replace(model_config, model=path or model_config.model)
     fresh_load = dataclasses.replace(load_config, load_format=fmt)
     fresh = get_model(fresh_config, fresh_load, device, backend, kernel_config)
