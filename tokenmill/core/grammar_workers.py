@@ -29,7 +29,7 @@ import struct
 import subprocess
 import sys
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,19 @@ class WorkerProcess:
         self.conn.close()
 
 
+def exit_skipping_finalisation(code: int) -> NoReturn:
+    """End a process that has loaded xgrammar once its own resources are closed: flush the
+    logs and standard streams, then ``os._exit(code)``.
+
+    NOTE: the interpreter's finalisation is skipped on purpose: xgrammar's C++ runtime may
+    still hold joinable threads whose static destructors call std::terminate ("terminate
+    called without an active exception") while the process exits."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 # ---- the fork server (its own process) -----------------------------------------------------
 
 
@@ -186,10 +199,4 @@ def _run_worker(fd: int) -> None:
 
 if __name__ == "__main__":
     _serve(int(sys.argv[1]))
-    # NOTE: skip the interpreter's finalisation: xgrammar's C++ runtime, preloaded here,
-    # may still hold joinable threads whose static destructors call std::terminate
-    # ("terminate called without an active exception") while the process exits.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_skipping_finalisation(0)  # xgrammar is preloaded here

@@ -19,7 +19,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 import time
 import traceback
 from typing import Any
@@ -36,6 +35,7 @@ from tokenmill.core.engine_io import (
     EngineCoreRequest,
     FinishReason,
 )
+from tokenmill.core.grammar_workers import exit_skipping_finalisation
 from tokenmill.gc_freeze import freeze_startup_heap
 from tokenmill.hf_config import ModelLoadError
 from tokenmill.lora.request import LoRARequest
@@ -305,10 +305,4 @@ def run_engine_core(
     finally:
         if proc is not None:
             proc.close()
-    # NOTE: skip the interpreter's finalisation once everything is closed: a C++ runtime
-    # loaded here (xgrammar's) may still hold joinable threads whose static destructors
-    # call std::terminate ("terminate called without an active exception") at exit.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_skipping_finalisation(0)  # everything is closed; xgrammar may be loaded here
