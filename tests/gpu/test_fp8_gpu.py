@@ -91,6 +91,32 @@ def test_scaled_mm_rowwise(m, n, k):
     assert scaled_mm_rowwise(xq, xs, q, s.view(1, -1), torch.float16).dtype == torch.float16
 
 
+@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("m", DECODE_M + [32])
+def test_skinny_fp8_weights(m, n, k):
+    """The decode products of FP8 layers: the skinny GEMM with per-channel scales, with its
+    default configuration at Llama-3.1-8B's shapes (split-K included), plain and gated."""
+    from tokenmill.kernels.gemm.skinny import skinny_linear
+
+    q, s = q8.quantize_per_channel(_weight(n, k, n + 3))
+    x = _x(m, k, m + 4)
+    expected = x.float() @ q8.dequantize(q, s).t()
+    _check(skinny_linear(x, q, weight_scale=s), expected)
+    gate, up = expected.to(torch.bfloat16).float().chunk(2, dim=1)
+    _check(skinny_linear(x, q, gated=True, weight_scale=s), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("m, k", [(1, 4096), (256, 4096), (2048, 14336), (7, 20000)])
+def test_quantize_rows_on_cuda(m, k):
+    from tokenmill.kernels.gemm.fp8 import quantize_rows
+
+    x = _x(m, k, k)
+    q, s = quantize_rows(x)
+    eq, es = q8.quantize_per_token(x)
+    torch.testing.assert_close(s, es, rtol=1e-6, atol=0)
+    assert (q.float() == eq.float()).float().mean() >= 0.999
+
+
 # --- FP8 KV cache ---------------------------------------------------------------------------
 
 

@@ -276,3 +276,58 @@ def test_has_tuned_config_only_on_the_gpu_it_was_measured_on():
     x, w = torch.empty(1, 4096), torch.empty(6144, 4096)
     assert (1, 6144, 4096) in sg.TUNED_CONFIGS
     assert not sg.has_tuned_config(x, w)  # CPU tensors
+
+
+# FP8 weights (W8A16): one scale per output row, applied to the fp32 sums before the bias.
+def _fp8_operands(m: int, n: int, k: int, seed: int):
+    from tokenmill.kernels.quant import fp8 as q8
+
+    x, w, b = _operands(m, n, k, seed=seed)
+    w = w * torch.rand(n, 1, generator=torch.Generator().manual_seed(seed)) * 4
+    q, s = q8.quantize_per_channel(w)
+    return x, q, s, b, q8.dequantize(q, s)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m,cfg", [(1, FMA), (3, FMA), (1, replace(FMA, block_k=512)),
+                                   (2, DOT), (17, DOT)],
+                         ids=["fma-1", "fma-3", "fma-1-one-tile", "dot-2", "dot-17"])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_fp8_weight_matches_the_dequantized_product(m, cfg, split_k):
+    x, q, s, b, w = _fp8_operands(m, 100, 300, seed=7 * m + split_k)
+    out = torch.full((m, 100), float("nan"), device=DEV)
+    got = skinny_linear(x.to(DEV), q.to(DEV), b.to(DEV), out=out, weight_scale=s.to(DEV),
+                        config=replace(cfg, split_k=split_k)).cpu()
+    torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cfg", [FMA, DOT], ids=["fma", "dot"])
+def test_fp8_weight_gated_product(cfg):
+    """The scales of the gate rows and of the up rows each reach their own outputs."""
+    x, q, s, b, w = _fp8_operands(2, 200, 300, seed=3)
+    got = skinny_linear(x.to(DEV), q.to(DEV), b.to(DEV), gated=True, weight_scale=s.to(DEV),
+                        config=replace(cfg, split_k=2)).cpu()
+    torch.testing.assert_close(got.double(), _gated_reference(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_weight_operand_checks():
+    x, q, s, _, _ = _fp8_operands(2, 64, 128, seed=1)
+    with pytest.raises(ValueError, match="weight_scale"):
+        skinny_linear(x, q)  # an FP8 weight without its scales
+    with pytest.raises(ValueError, match="weight_scale must be"):
+        skinny_linear(x, q, weight_scale=s[:10])
+    with pytest.raises(ValueError, match="weight_scale must be"):
+        skinny_linear(x, q, weight_scale=s.double())
+    bf16 = torch.bfloat16
+    assert sg._eligible(torch.zeros(8, 4096, dtype=bf16),
+                        torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("m", [1, 2, 8, 32])
+def test_fp8_default_config_keeps_the_tile_bytes(m):
+    """One byte per weight: twice the K elements per tile, the same rows and warps."""
+    bf16 = sg.default_config(m, 4096, 14336, 132)
+    fp8 = sg.default_config(m, 4096, 14336, 132, weight_bytes=1)
+    assert fp8.block_k == 2 * bf16.block_k and fp8.block_n == bf16.block_n
+    assert fp8.use_dot == bf16.use_dot and fp8.num_warps == bf16.num_warps

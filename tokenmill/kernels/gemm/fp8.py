@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels.device import triton_can_run
-from tokenmill.math_utils import cdiv
+from tokenmill.math_utils import cdiv, next_power_of_2
 
 try:
     import triton
@@ -29,8 +29,10 @@ try:
 except ImportError:  # CPU-only installs
     HAS_TRITON = False
 
-# Rows of x up to which ``fp8_linear`` streams the weight through the W8A16 kernel.
+# Rows of x up to which ``fp8_weight_gemm`` uses its small output tiles.
 SKINNY_MAX_M = 16
+# Elements of a row ``quantize_rows`` holds at once; longer rows take two passes.
+QUANT_BLOCK = 8192
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
@@ -63,6 +65,37 @@ def scaled_mm_rowwise(
         out_dtype=torch.bfloat16,
     )  # fmt: skip
     return y if out_dtype == torch.bfloat16 else y.to(out_dtype)
+
+
+def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 activations for ``scaled_mm_rowwise`` in one launch: ``x [M, K]`` (bf16/fp16,
+    contiguous along K) -> ``(q [M, K] float8_e4m3fn, scale [M, 1] float32)``.
+
+    Dynamic per token (``static_scale`` None): ``scale = max(amax(|x_row|) / 448, 1e-12)``;
+    static: the checkpoint's ``[]`` scale for every row. Then ``q = clamp(x / scale, -448,
+    448)`` rounded to nearest, the rule of ``kernels.quant.fp8.quantize_per_token`` and
+    ``quantize_static``.
+
+    Raises:
+        ValueError: x not 2-D and contiguous along K, or not on CUDA (without
+            ``TRITON_INTERPRET=1``).
+    """
+    if not HAS_TRITON or not triton_can_run(x):
+        raise ValueError("quantize_rows runs on CUDA tensors (or under TRITON_INTERPRET=1)")
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"expected x [M, K] contiguous along K, got {tuple(x.shape)}")
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    block = min(next_power_of_2(k), QUANT_BLOCK)
+    if m:
+        _quantize_rows_kernel[(m,)](
+            x, q, scale, static_scale if static_scale is not None else scale, k, x.stride(0),
+            STATIC=static_scale is not None, BLOCK=block, ONE_BLOCK=block >= k,
+            num_warps=max(1, min(16, block // 512)),
+        )  # fmt: skip
+    return q, scale
 
 
 def fp8_weight_gemm(
@@ -162,3 +195,31 @@ if HAS_TRITON:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _quantize_rows_kernel(
+        x_ptr, q_ptr, scale_ptr, static_ptr, K, stride_x,
+        STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """One row of ``quantize_rows``: its amax (unless ``STATIC``), then the FP8 values."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        x_row = x_ptr + row * stride_x
+        if STATIC:
+            s = tl.load(static_ptr).to(tl.float32)
+        else:
+            if ONE_BLOCK:
+                v = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+                amax = tl.max(tl.abs(v), axis=0)
+            else:
+                amax = 0.0
+                for k0 in range(0, K, BLOCK):
+                    v = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0)
+                    amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=0))
+            s = tl.maximum(amax / 448.0, 1e-12)  # kernels.quant.fp8's FP8_MAX, MIN_SCALE
+        tl.store(scale_ptr + row, s)
+        for k0 in range(0, K, BLOCK):
+            ok = k0 + cols < K
+            v = tl.load(x_row + k0 + cols, mask=ok, other=0.0).to(tl.float32)
+            qv = tl.clamp(tl.div_rn(v, s), -448.0, 448.0)
+            tl.store(q_ptr + row * K + k0 + cols, qv.to(q_ptr.dtype.element_ty), mask=ok)

@@ -23,6 +23,11 @@ pattern; CUTLASS's serial split-K). Two main loops:
   padded to 16 or 32, the weight as the ``tl.dot`` left operand so that its 64-row tiles use
   Hopper's ``wgmma`` ("swap AB"), ``num_stages`` pipelining its loads through shared memory.
 
+**FP8 weights.** A float8_e4m3fn weight with one scale per output row (W8A16) streams
+half the bytes: its tiles are converted in registers (to fp32 on the CUDA cores, to x's dtype
+for the tensor cores) and the scale multiplies the fp32 sums once, before the bias; the
+default tiles take twice the K elements so that a tile keeps its bytes and its 16-byte loads.
+
 Weights are loaded with ``evict_first`` (read once) and ``x`` with ``evict_last`` (every
 program reads it).
 
@@ -86,12 +91,14 @@ MIN_WEIGHT_BYTES = 1 << 20
 # Split-K counters per device (int32): column blocks of one launch must fit; launches with
 # more column blocks already fill the chip without splitting.
 LOCK_SLOTS = 1 << 14
+FP8 = torch.float8_e4m3fn
+
 def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``skinny_linear(x, weight, ...)`` should replace ``F.linear`` here.
 
     True for CUDA tensors of bf16/fp16 with ``1 <= M <= MAX_M`` rows, a contiguous weight of
-    at least ``MIN_N`` x ``MIN_K`` (and ``MIN_WEIGHT_BYTES``) with 16-byte aligned rows, and
-    ``x`` contiguous along K.
+    x's dtype (or float8_e4m3fn, with its scales) of at least ``MIN_N`` x ``MIN_K`` (and
+    ``MIN_WEIGHT_BYTES``) with 16-byte aligned rows, and ``x`` contiguous along K.
     """
     return HAS_TRITON and x.is_cuda and weight.device == x.device and _eligible(x, weight)
 
@@ -100,7 +107,7 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The device-independent part of ``use_skinny_gemm``."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype not in (x.dtype, FP8):
         return False
     (m, k), n = x.shape, weight.shape[0]
     return (
@@ -124,6 +131,7 @@ def skinny_linear(
     out: torch.Tensor | None = None,
     pdl: bool | None = None,
     gated: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``y = x W^T (+ b)`` with fp32 accumulation, one kernel launch; with ``gated``, the
     SwiGLU gate of it, ``silu(y[:, :N/2]) * y[:, N/2:]`` (Shazeer 2020), in the same launch.
@@ -131,9 +139,11 @@ def skinny_linear(
     Args:
         x: ``[M, K]``, float16/bfloat16 (float32 too under the Triton interpreter); rows may
             be strided, columns must be contiguous.
-        weight: ``[N, K]`` of x's dtype, contiguous along K.
+        weight: ``[N, K]`` of x's dtype, or float8_e4m3fn with ``weight_scale``, contiguous
+            along K.
         bias: ``[N]`` or None; added in fp32 before the cast.
-        config: launch configuration (default: ``launch_config`` for this shape).
+        config: launch configuration (default: ``launch_config`` for this shape, or
+            ``default_config(..., weight_bytes=1)`` for an FP8 weight).
         out: ``[M, N]`` (``[M, N/2]`` gated) of x's dtype, contiguous along N, to write
             into (default: a new tensor).
         pdl: launch as a programmatic dependent launch (CUDA Programming Guide,
@@ -147,6 +157,8 @@ def skinny_linear(
             outputs from their gate and up rows and writes the gated values, each of ``y``
             rounded to x's dtype first as the separate product would store it; the gate is
             computed in fp32 as ``kernels.activation.silu_and_mul`` computes it.
+        weight_scale: ``[N]`` float32, one scale per row of an FP8 ``weight``
+            (``W = weight * weight_scale[:, None]``); None for a 16-bit weight.
 
     Returns:
         ``out``, or a new contiguous ``[M, N]`` (``[M, N/2]`` gated) tensor of x's dtype.
@@ -154,12 +166,17 @@ def skinny_linear(
     Raises:
         ValueError: shapes, dtypes, devices or strides the kernel cannot address, a
             CUDA-core ``config`` with more than ``FMA_MAX_M`` rows, a tensor-core one with
-            ``block_n < 16``, an odd N or ``block_n`` when gated, or tensors off CUDA
-            without ``TRITON_INTERPRET=1``.
+            ``block_n < 16``, an odd N or ``block_n`` when gated, a missing or misshapen
+            ``weight_scale``, or tensors off CUDA without ``TRITON_INTERPRET=1``.
     """
-    _check_operands(x, weight, bias)
+    _check_operands(x, weight, bias, weight_scale)
     (m, k), n = x.shape, weight.shape[0]
-    cfg = config or launch_config(m, n, k, num_sms(x.device))
+    if config is not None:
+        cfg = config
+    elif weight_scale is not None:
+        cfg = default_config(m, n, k, num_sms(x.device), weight_bytes=1)
+    else:
+        cfg = launch_config(m, n, k, num_sms(x.device))
     plan = _launch_plan(m, n, k, cfg, gated)
     width = n // 2 if gated else n
     if out is None:
@@ -176,12 +193,13 @@ def skinny_linear(
     else:
         locks = partials = out  # never touched without split-K
     _skinny_gemm_kernel[(plan.n_blocks * splits,)](
-        x, weight, bias if bias is not None else out, out, partials, locks,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0), splits, k_per_split,
+        x, weight, bias if bias is not None else out,
+        weight_scale if weight_scale is not None else out, out, partials, locks, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), splits, k_per_split,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=plan.block_m, USE_DOT=cfg.use_dot,
         USE_SPLIT=splits > 1, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        ONE_TILE=k_per_split == cfg.block_k, GATED=gated,
+        ONE_TILE=k_per_split == cfg.block_k, GATED=gated, W_SCALED=weight_scale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
@@ -211,7 +229,8 @@ def _launch_plan(m: int, n: int, k: int, cfg: SkinnyConfig, gated: bool = False)
     return _LaunchPlan(bm, splits, k_per_split, n_blocks, n_blocks * splits * cfg.block_n * bm)
 
 
-def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    weight_scale: torch.Tensor | None = None) -> None:
     if not HAS_TRITON:
         raise ValueError("skinny_linear needs Triton")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -219,13 +238,22 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                          f"{tuple(weight.shape)}")  # fmt: skip
     if x.shape[0] < 1 or x.shape[0] > MAX_M:
         raise ValueError(f"x must have 1..{MAX_M} rows, got {x.shape[0]}")
-    if weight.dtype != x.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"unsupported dtypes: x {x.dtype}, weight {weight.dtype}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or weight.dtype != (
+        FP8 if weight_scale is not None else x.dtype
+    ):
+        raise ValueError(f"unsupported dtypes: x {x.dtype}, weight {weight.dtype} (an FP8 "
+                         "weight comes with weight_scale, a 16-bit one without)")
+    if weight_scale is not None and (
+        weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32
+        or weight_scale.stride(0) != 1
+    ):
+        raise ValueError(f"weight_scale must be a contiguous [{weight.shape[0]}] float32 "
+                         f"vector, got {weight_scale.dtype} {tuple(weight_scale.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight must be contiguous along K")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [N] vector, got {tuple(bias.shape)}")
-    devices = {t.device for t in (x, weight, bias) if t is not None}
+    devices = {t.device for t in (x, weight, bias, weight_scale) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"operands on several devices: {sorted(map(str, devices))}")
     if not triton_can_run(x):
@@ -370,18 +398,20 @@ if HAS_TRITON:
             k_ok = (offs_k + i * BLOCK_K < K)[None, :]
             w = _load_tile(w_ptrs, k_ok, EVEN_K, "evict_first")
             xt = _load_tile(x_ptrs, k_ok, EVEN_K, "evict_last")
-            acc = tl.dot(w, tl.trans(xt), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(w.to(xt.dtype), tl.trans(xt), acc, input_precision=DOT_PRECISION)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         return acc
 
     @triton.jit
     def _store_output(
-        acc, out_ptr, bias_ptr, pid_n, M, N, stride_om,
+        acc, out_ptr, bias_ptr, scale_ptr, pid_n, M, N, stride_om,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
-        GATED: tl.constexpr,
+        GATED: tl.constexpr, W_SCALED: tl.constexpr,
     ):  # fmt: skip
         offs_m = tl.arange(0, BLOCK_M)
+        if W_SCALED:  # rows past N re-read the last scale; their outputs are not stored
+            acc *= tl.load(scale_ptr + _weight_rows(pid_n, N, BLOCK_N, GATED))[:, None]
         if GATED:
             HALF: tl.constexpr = BLOCK_N // 2
             if HAS_BIAS:
@@ -407,9 +437,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_k_combine(
-        acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits, M, N, stride_om,
-        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
-        GATED: tl.constexpr,
+        acc, out_ptr, bias_ptr, scale_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits, M, N,
+        stride_om, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+        GATED: tl.constexpr, W_SCALED: tl.constexpr,
     ):  # fmt: skip
         """Publish this split's partial tile; the last split of the column block sums all
         of them in split order and writes the output."""
@@ -430,19 +460,20 @@ if HAS_TRITON:
                 total += tl.load(tiles + s * TILE, mask=live, other=0.0, cache_modifier=".cg")
             # Leave the counter at zero for the next launch (kernel boundaries order it).
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-            _store_output(total, out_ptr, bias_ptr, pid_n, M, N, stride_om,
-                          BLOCK_N, BLOCK_M, HAS_BIAS, GATED)  # fmt: skip
+            _store_output(total, out_ptr, bias_ptr, scale_ptr, pid_n, M, N, stride_om,
+                          BLOCK_N, BLOCK_M, HAS_BIAS, GATED, W_SCALED)  # fmt: skip
 
     @triton.jit
     def _skinny_gemm_kernel(
-        x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-        M, N, K, stride_xm, stride_wn, stride_om, splits, k_per_split,
+        x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr, M, N, K,
+        stride_xm, stride_wn, stride_om, splits, k_per_split,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
         USE_DOT: tl.constexpr, USE_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-        ONE_TILE: tl.constexpr, GATED: tl.constexpr,
+        ONE_TILE: tl.constexpr, GATED: tl.constexpr, W_SCALED: tl.constexpr,
     ):  # fmt: skip
-        """``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``; grid ``(cdiv(N, BLOCK_N) * splits,)``.
+        """``out[M, N] = x[M, K] @ w[N, K]^T (+ bias)``, times ``scale[N]`` per column where
+        ``W_SCALED`` (FP8 weights); grid ``(cdiv(N, BLOCK_N) * splits,)``.
         ``GATED``: ``out[M, N/2]``, the SwiGLU gate of it; grid ``(cdiv(N/2, BLOCK_N/2) *
         splits,)``.
 
@@ -471,8 +502,9 @@ if HAS_TRITON:
                 BLOCK_N, BLOCK_K, BLOCK_M, EVEN_K, USE_PDL, ONE_TILE, GATED,
             )  # fmt: skip
         if USE_SPLIT:
-            _split_k_combine(acc, out_ptr, bias_ptr, part_ptr, lock_ptr, pid_n, pid_k, splits,
-                             M, N, stride_om, BLOCK_N, BLOCK_M, HAS_BIAS, GATED)  # fmt: skip
+            _split_k_combine(acc, out_ptr, bias_ptr, scale_ptr, part_ptr, lock_ptr, pid_n, pid_k,
+                             splits, M, N, stride_om, BLOCK_N, BLOCK_M, HAS_BIAS, GATED,
+                             W_SCALED)  # fmt: skip
         else:
-            _store_output(acc, out_ptr, bias_ptr, pid_n, M, N, stride_om,
-                          BLOCK_N, BLOCK_M, HAS_BIAS, GATED)  # fmt: skip
+            _store_output(acc, out_ptr, bias_ptr, scale_ptr, pid_n, M, N, stride_om,
+                          BLOCK_N, BLOCK_M, HAS_BIAS, GATED, W_SCALED)  # fmt: skip

@@ -82,8 +82,11 @@ def m_bucket(m: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> SkinnyConfig:
-    """The reasoned launch configuration for an ``[m, k] x [n, k]^T`` product.
+def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
+                   weight_bytes: int = 2) -> SkinnyConfig:
+    """The reasoned launch configuration for an ``[m, k] x [n, k]^T`` product with
+    ``weight_bytes`` per weight (2 for bf16/fp16; 1 for FP8, whose tiles take twice the K
+    elements so that each keeps the bytes and 16-byte loads described here).
 
     CUDA cores up to ``FMA_DEFAULT_MAX_M`` rows: 16 x 256 weight tiles (8 KB of bf16, one
     512-byte row segment per warp), 32 elements per thread with 4 warps at M = 1, 16 with
@@ -98,12 +101,13 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> Sk
         block_n, block_k, warps, stages, use_dot = 16, 256, (4 if m == 1 else 8), 1, False
     else:
         block_n, block_k, warps, stages, use_dot = 64, 128, 4, 4, True
+    block_k = block_k * 2 // weight_bytes
     n_blocks = cdiv(n, block_n)
     max_split = min(
         MAX_SPLIT_K,
         max(1, cdiv(k, block_k) // MIN_TILES_PER_SPLIT),
-        # round trip of s*M*N fp32 partials against 2*N*K weight bytes: 4*s*M / K
-        max(1, int(PARTIAL_TRAFFIC_BUDGET * k / (4 * m))),
+        # round trip of s*M*N fp32 partials against w*N*K weight bytes: 8*s*M / (w*K)
+        max(1, int(PARTIAL_TRAFFIC_BUDGET * weight_bytes * k / (8 * m))),
     )
     split = 1
     while split * 2 <= max_split and n_blocks * split < TARGET_PROGRAMS_PER_SM * num_sms:

@@ -7,10 +7,12 @@ Every layout becomes one FP8 weight ``[N, K]`` with either one scale per output 
 (per-tensor scales of merged parts become per-channel, exactly) or one per 128x128 block,
 and one activation rule (``Fp8Scheme.activations``). Products:
 
-- CUDA: ``kernels.gemm.fp8``. Up to ``SKINNY_MAX_M`` rows (decode) the Triton W8A16
-  kernel streams the FP8 weight into bf16 tensor-core products (no activation
-  quantization); larger batches quantize activations to FP8 as the scheme says and run
-  ``torch._scaled_mm``; block-scaled weights always take the Triton kernel.
+- CUDA: up to ``skinny.MAX_M`` rows (decode) the skinny GEMM (``kernels.gemm.skinny``)
+  streams the FP8 weight with its per-channel scales (W8A16: no activation quantization),
+  the gate/up pair's SwiGLU in the same launch; larger batches quantize activations to FP8
+  as the scheme says (per token: one Triton launch) and run ``torch._scaled_mm``;
+  block-scaled weights, and shapes the skinny GEMM does not take, the W8A16 Triton kernel
+  of ``kernels.gemm.fp8``.
 - CPU: the scheme emulated in float32: activations quantized and dequantized as the
   scheme says, the FP8 weight dequantized exactly, ``F.linear``.
 
@@ -164,6 +166,10 @@ class Fp8LinearMethod(LinearMethod):
     def _quantize_input(self, layer: nn.Module, x: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         act = self.scheme.activations
+        if x.is_cuda and act in ("token", "static"):
+            from tokenmill.kernels.gemm import fp8 as gemm
+
+            return gemm.quantize_rows(x, layer.fp8_input_scale if act == "static" else None)
         if act == "token":
             return q8.quantize_per_token(x)
         if act == "tensor":
@@ -187,14 +193,42 @@ class Fp8LinearMethod(LinearMethod):
         y = F.linear(xd, w, None if bias is None else bias.float())
         return y.to(x.dtype)
 
+    def apply_gated(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> torch.Tensor | None:
+        """The gate/up pair's SwiGLU in the skinny GEMM's launch where it runs the product."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if not self._runs_skinny(layer, x2):
+            return None
+        from tokenmill.kernels.gemm import skinny
+
+        y = skinny.skinny_linear(x2, layer.fp8_weight, bias, gated=True,
+                                 weight_scale=layer.fp8_scale)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _runs_skinny(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Per-channel (or per-tensor) scales, decode-sized ``x [M, K]`` on CUDA, a shape
+        the skinny GEMM takes (``KernelConfig.skinny_gemm`` "off" sends every product to
+        the other kernels)."""
+        from tokenmill.kernels.gemm import skinny
+
+        return (
+            x.is_cuda
+            and self.scheme.weights != "block"
+            and getattr(layer, "skinny_gemm", "auto") != "off"
+            and x.shape[0] <= skinny.MAX_M
+            and skinny.use_skinny_gemm(x, layer.fp8_weight)
+        )
+
     def _cuda_product(self, layer, x, bias) -> torch.Tensor:
         from tokenmill.kernels.gemm import fp8 as gemm
+        from tokenmill.kernels.gemm import skinny
 
-        if self.scheme.weights == "block" or self.scheme.activations == "none":
+        if self._runs_skinny(layer, x):
+            return skinny.skinny_linear(x, layer.fp8_weight, bias, weight_scale=layer.fp8_scale)
+        if (self.scheme.weights == "block" or self.scheme.activations == "none"
+                or x.shape[0] <= skinny.MAX_M or not _scaled_mm_shapes(layer.fp8_weight)):
             return gemm.fp8_weight_gemm(x, layer.fp8_weight, layer.fp8_scale, bias,
                                         self.scheme.block)
-        if x.shape[0] <= gemm.SKINNY_MAX_M or not _scaled_mm_shapes(layer.fp8_weight):
-            return gemm.fp8_weight_gemm(x, layer.fp8_weight, layer.fp8_scale, bias)
         xq, xs = self._quantize_input(layer, x)
         y = gemm.scaled_mm_rowwise(xq, xs, layer.fp8_weight, layer.fp8_scale_row, x.dtype)
         return y if bias is None else y + bias
