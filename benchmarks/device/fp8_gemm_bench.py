@@ -8,7 +8,8 @@
 - prefill rows: the per-token activation quantization in torch ops against ``quantize_rows``
   (one launch), each followed by ``torch._scaled_mm``.
 
-usage: fp8_gemm_bench.py [--ms 1,4,16,32] [--prefill-ms 256,2048,8192]
+usage: fp8_gemm_bench.py [--shapes qkv,o_proj,gate_up,down] [--ms 1,4,16,32]
+                         [--prefill-ms 256,2048,8192] [--sweep]
 Prints one ``FP8GEMM`` line per shape and row count.
 """
 
@@ -108,19 +109,21 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ms", default="1,4,16,32")
     p.add_argument("--prefill-ms", default="256,2048,8192")
+    p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--sweep", action="store_true",
                    help="also time candidate skinny configurations at M = 1 and 16")
     a = p.parse_args()
     dev = "cuda"
     print(f"FP8GEMM gpu={torch.cuda.get_device_name()}", flush=True)
-    for name, (n, k) in SHAPES.items():
+    for name in a.shapes.split(","):
+        n, k = SHAPES[name]
         w = torch.randn(n, k, device=dev) * 0.02
         wb = w.to(torch.bfloat16)
         q, s = q8.quantize_per_channel(w)
         s_row = s.view(1, -1)
         rb, rq = Rotating(wb), Rotating(q, s, s_row)
         floor = n * k / _peak_bytes_per_s() * 1e6
-        for m in map(int, a.ms.split(",")):
+        for m in [int(v) for v in a.ms.split(",") if v]:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             t_bf16 = _us(_bf16, x, rb)
             t_skinny = _us(_skinny, x, rq)
@@ -136,7 +139,7 @@ def main() -> None:
                   f"{gated} fp8_weight_gemm={t_old:.1f} w8a8_scaled_mm={t_w8a8:.1f} "
                   f"floor_us={floor:.1f} skinny_floor_fraction={floor / t_skinny:.2f}",
                   flush=True)
-        for m in map(int, a.prefill_ms.split(",")):
+        for m in [int(v) for v in a.prefill_ms.split(",") if v]:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             t_q_torch = _us(q8.quantize_per_token, x)
             t_q_one = _us(g.quantize_rows, x)

@@ -319,7 +319,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     int4_kernels) stage int4_kernels 300 python3 benchmarks/device/int4_kernel_bench.py --sweep ;;
     quant_lat) stage quant_lat 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_lat1,awq_lat1,gguf_lat1}" --engines "${QUANT_ENGINES:-tokenmill,vllm}" ;;
     fp8) stage fp8 590 python3 benchmarks/device/fp8_bench.py "$M8" /tmp/tm_fp8 --cases "${FP8_CASES:-lat1,tp,kvcap}" --engines "${FP8_ENGINES:-tokenmill,vllm}" ;;
-    fp8_gemm) TAIL_LINES=120 stage fp8_gemm 240 python3 benchmarks/device/fp8_gemm_bench.py ${FP8_GEMM_ARGS:-} ;;
+    fp8_gemm) TAIL_LINES=120 stage fp8_gemm 240 python3 benchmarks/device/fp8_gemm_bench.py --shapes "${FP8_GEMM_SHAPES:-qkv,o_proj,gate_up,down}" --ms "${FP8_GEMM_MS:-1,4,16,32}" --prefill-ms "${FP8_GEMM_PMS-256,2048,8192}" ${FP8_GEMM_ARGS:-} ;;
     fp8_serve) LOADS=random serve_diag fp8kv --quantization fp8 --kv-cache-dtype fp8; LOADS=random serve_diag vllm_fp8kv --quantization fp8 --kv-cache-dtype fp8 ;;
     gputests_fp8) PYTHONPATH="$XGP" stage gputests_fp8 400 python3 -m pytest -q tests/gpu/test_fp8_gpu.py tests/kernels/test_fp8_gemm.py tests/kernels/test_skinny_gemm.py -p no:cacheprovider --timeout 300 ;;
     quant_tp) stage quant_tp 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_tp,awq_tp}" --engines "${QUANT_ENGINES:-tokenmill,vllm}" ;;
