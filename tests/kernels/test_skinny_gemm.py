@@ -331,3 +331,19 @@ def test_fp8_default_config_keeps_the_tile_bytes(m):
     fp8 = sg.default_config(m, 4096, 14336, 132, weight_bytes=1)
     assert fp8.block_k == 2 * bf16.block_k and fp8.block_n == bf16.block_n
     assert fp8.use_dot == bf16.use_dot and fp8.num_warps == bf16.num_warps
+
+
+def test_fp8_one_row_takes_whole_weight_rows():
+    """One row of FP8 weights with K = 4096: whole rows in one tile (``FP8_ONE_TILE_MAX_K``);
+    a K that is not a power of two keeps the tiled loop."""
+    cfg = sg.default_config(1, 28672, 4096, 132, weight_bytes=1)
+    assert (cfg.block_n, cfg.block_k, cfg.split_k, cfg.use_dot) == (4, 4096, 1, False)
+    assert sg.default_config(1, 4096, 14336, 132, weight_bytes=1).block_k == 512
+    assert sg.default_config(2, 28672, 4096, 132, weight_bytes=1).block_k == 512
+
+
+@needs_kernels
+def test_fp8_default_one_tile_config_runs():
+    x, q, s, b, w = _fp8_operands(1, 64, 256, seed=11)
+    got = skinny_linear(x.to(DEV), q.to(DEV), b.to(DEV), weight_scale=s.to(DEV)).cpu()
+    torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)
