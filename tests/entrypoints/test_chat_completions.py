@@ -11,7 +11,9 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+# Greedy answers to this keep a clear margin between the top two tokens (>= 0.9 in log
+# probability over the first eight) on CPUs whose bfloat16 kernels round differently.
+PARIS = [{"role": "user", "content": "Name the capital of France."}]
 MODEL = "SmolLM2-135M-Instruct"
 
 
