@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from tokenmill.config import ParallelConfig
-from tokenmill.engine import async_llm
+from tokenmill.engine import async_llm, engine_core_proc
 
 
 def idle_engine(*args) -> None:
@@ -20,7 +20,7 @@ def idle_engine(*args) -> None:
 
 
 def test_tokenizer_failure_stops_the_engine_and_releases_its_sockets(monkeypatch, tmp_path):
-    monkeypatch.setattr(async_llm, "run_engine_core", idle_engine)
+    monkeypatch.setattr(engine_core_proc, "run_engine_core", idle_engine)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     spawned = []
     spawn = async_llm.AsyncLLM._spawn_engine

@@ -13,11 +13,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-import multiprocessing
-import os
-import tempfile
 import time
-import uuid
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
@@ -29,13 +25,8 @@ from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import EngineCoreOutputs, SchedulerStats
 from tokenmill.engine.async_tokenizer import AsyncTokenizer
-from tokenmill.engine.engine_core_proc import (
-    MSG_ABORT,
-    MSG_ADD,
-    MSG_OUT,
-    MSG_UTILITY,
-    run_engine_core,
-)
+from tokenmill.engine.engine_core_proc import MSG_ABORT, MSG_ADD, MSG_OUT, MSG_UTILITY
+from tokenmill.engine.engine_procs import EngineDeadError, EngineProcs
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.output_processor import IterationStats, OutputProcessor
 from tokenmill.engine.request_collector import RequestOutputCollector
@@ -67,10 +58,6 @@ def merge_engine_stats(
         num_free_blocks=sum(s.num_free_blocks for s in snapshots),
         num_total_blocks=sum(s.num_total_blocks for s in snapshots),
     )
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process failed or exited; no request can be served."""
 
 
 class EngineCallError(ValueError):
@@ -153,50 +140,14 @@ class AsyncLLM:
     # ---- engine process ----------------------------------------------------------------
 
     def _spawn_engine(self) -> None:
-        """Start the engine core process, or one per data-parallel rank (``-dp N``): each
-        reads its own input socket; all push outputs to one socket here."""
-        self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-")
-        tag = uuid.uuid4().hex[:8]
-        output_address = f"ipc://{self._ipc_dir}/out-{tag}"
-        self._zmq = zmq.asyncio.Context()
-        self._output_sock = self._zmq.socket(zmq.PULL)
-        self._output_sock.bind(output_address)
-        mp = multiprocessing.get_context("spawn")
-        pc = self.config.parallel_config
-        self.engine_procs: list[Any] = []
-        self._input_socks: list[Any] = []
-        self._ready_conns: list[Any] = []
-        for rank in range(pc.data_parallel_size):
-            input_address = f"ipc://{self._ipc_dir}/in-{tag}-{rank}"
-            sock = self._zmq.socket(zmq.PUSH)
-            sock.connect(input_address)
-            config = self.config
-            if pc.data_parallel_size > 1:
-                config = dataclasses.replace(
-                    config, parallel_config=dataclasses.replace(pc, data_parallel_rank=rank)
-                )
-            parent_conn, child_conn = mp.Pipe(duplex=False)
-            proc = mp.Process(
-                target=run_engine_core,
-                args=(
-                    config,
-                    input_address,
-                    output_address,
-                    child_conn,
-                    logging.getLogger().getEffectiveLevel(),
-                ),
-                name="tokenmill-engine-core" + (f"-dp{rank}" if pc.data_parallel_size > 1 else ""),
-                daemon=True,
-            )
-            proc.start()
-            child_conn.close()
-            self.engine_procs.append(proc)
-            self._input_socks.append(sock)
-            self._ready_conns.append(parent_conn)
+        """Start the engine core process, or one per data-parallel rank (``-dp N``)."""
+        self._procs = EngineProcs.spawn(self.config)
+        self.engine_procs = self._procs.procs
+        self._output_sock = self._procs.output_sock
+        self._input_socks = self._procs.input_socks
         # The first (or only) engine core; an embedding engine has only this one.
         self.engine_proc = self.engine_procs[0]
         self._input_sock = self._input_socks[0]
-        self._ready_conn = self._ready_conns[0]
         # Requests in flight per engine core: a new one goes to the least loaded.
         self._engine_load = [0] * len(self.engine_procs)
         self._engine_stats: list[SchedulerStats | None] = [None] * len(self.engine_procs)
@@ -207,46 +158,15 @@ class AsyncLLM:
         Raises:
             EngineDeadError: a process exited, failed, or did not report in ``timeout_s``.
         """
-        deadline = time.monotonic() + timeout_s
-        infos = [
-            self._wait_for_one(proc, conn, deadline, timeout_s)
-            for proc, conn in zip(self.engine_procs, self._ready_conns, strict=True)
-        ]
+        infos = self._procs.wait_ready(timeout_s)
         # The cores may have fitted max_model_len to their KV caches (--max-model-len -1).
         max_model_len = min(info["max_model_len"] for info in infos)
         self.model_config.max_model_len = max_model_len
         self.config.scheduler_config.max_model_len = max_model_len
         self.config.cache_config.num_blocks = infos[0]["num_blocks"]
 
-    def _wait_for_one(
-        self, proc: Any, parent_conn: Any, deadline: float, timeout_s: float
-    ) -> dict[str, Any]:
-        while not parent_conn.poll(0.2):
-            if not proc.is_alive():
-                self._kill_engines()
-                raise EngineDeadError(
-                    f"the engine process exited during start-up (exit code "
-                    f"{proc.exitcode}); see its log above"
-                )
-            if time.monotonic() > deadline:
-                self._kill_engines()
-                raise EngineDeadError(f"the engine did not start within {timeout_s:.0f} s")
-        try:
-            info = parent_conn.recv()
-        except EOFError:
-            info = {"status": "failed", "error": "the engine process exited during start-up"}
-        parent_conn.close()
-        if info.get("status") != "ready":
-            proc.join(timeout=5)
-            self._kill_engines()
-            raise EngineDeadError(f"the engine failed to start: {info.get('error')}")
-        return info
-
     def _kill_engines(self) -> None:
-        for proc in self.engine_procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2)
+        self._procs.kill()
 
     def _ensure_background_tasks(self) -> None:
         if self._tasks:
@@ -602,28 +522,9 @@ class AsyncLLM:
                 asyncio.get_running_loop().remove_reader(proc.sentinel)
             except (RuntimeError, ValueError):
                 pass
-            if proc.is_alive():
-                proc.terminate()
-        deadline = time.monotonic() + timeout_s
-        for proc in self.engine_procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        self._kill_engines()
+        self._procs.terminate(timeout_s)
         self._release_ipc()
 
     def _release_ipc(self) -> None:
-        """Close the engine sockets and the start-up pipe; remove the socket files."""
-        for sock in self._input_socks:
-            sock.close(linger=0)
-        self._output_sock.close(linger=0)
-        self._zmq.term()
-        for conn in self._ready_conns:
-            conn.close()
-        for name in os.listdir(self._ipc_dir):
-            try:
-                os.unlink(os.path.join(self._ipc_dir, name))
-            except OSError:
-                pass
-        try:
-            os.rmdir(self._ipc_dir)
-        except OSError:
-            pass
+        """Close the engine sockets and the start-up pipes; remove the socket files."""
+        self._procs.release()
