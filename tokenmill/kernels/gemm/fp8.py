@@ -1,7 +1,9 @@
-"""Products with FP8 (float8_e4m3fn) weights on CUDA.
+"""Products with FP8 (float8_e4m3fn) weights on CUDA, and the activation quantization W8A8
+needs. Decode-sized products of per-channel-scaled weights run on the skinny GEMM
+(``kernels.gemm.skinny``, ``weight_scale``); this module has the rest:
 
-Two kernels:
-
+- ``quantize_rows``: activations to FP8 with one scale per row (dynamic) or the
+  checkpoint's static scale, in one launch.
 - ``scaled_mm_rowwise``: W8A8 through ``torch._scaled_mm`` (cuBLASLt / CUTLASS on FP8
   tensor cores, sm_89+): activations quantized to FP8 with one scale per row, weights with
   one scale per output channel, fp32 accumulation, bf16 output. For prefill-sized batches,
@@ -9,9 +11,9 @@ Two kernels:
 - ``fp8_weight_gemm``: W8A16 in Triton: FP8 weight tiles converted to the activations'
   dtype in registers and multiplied on bf16/fp16 tensor cores, the weight scale applied
   per output channel after the K loop or, for 128x128 block scales (DeepSeek-V3,
-  arXiv:2412.19437), to each K tile's partial product. For decode-sized batches, whose
-  cost is streaming the weight once: FP8 halves its bytes, and the activations need no
-  quantization launch. Also the product of block-scaled weights at every batch size.
+  arXiv:2412.19437), to each K tile's partial product. The product of block-scaled weights
+  at every batch size, of W8A16 checkpoints above the skinny GEMM's rows, and of shapes
+  the skinny GEMM does not take.
 """
 
 from __future__ import annotations
