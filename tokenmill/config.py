@@ -353,7 +353,8 @@ class KernelConfig:
             weights of at least 1 MiB): ``"auto"`` runs the Triton skinny GEMM for the
             shapes tuned on this GPU model (Llama-3.1-8B's on an H200) and cuBLAS for the
             rest; ``"all"`` the skinny GEMM for every such product; ``"off"`` cuBLAS for
-            every product.
+            every product. FP8 weights take the skinny GEMM under "auto" and "all", and
+            ``kernels.gemm.fp8.fp8_weight_gemm`` under "off".
         cpu_bf16_weights: quantized weights on the CPU (GGUF blocks, AWQ/GPTQ int4) also
             keep a bfloat16 copy, which the prompt tokens' products run on (generated
             tokens stay on the int4 kernel; ``tokenmill.kernels.quant.int4_cpu``), at two
