@@ -169,7 +169,8 @@ class Fp8LinearMethod(LinearMethod):
         if x.is_cuda and act in ("token", "static"):
             from tokenmill.kernels.gemm import fp8 as gemm
 
-            return gemm.quantize_rows(x, layer.fp8_input_scale if act == "static" else None)
+            return gemm.quantize_rows(x if x.stride(-1) == 1 else x.contiguous(),
+                                      layer.fp8_input_scale if act == "static" else None)
         if act == "token":
             return q8.quantize_per_token(x)
         if act == "tensor":
