@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels.device import triton_can_run
+from tokenmill.kernels.quant.fp8 import FP8_MAX, MIN_SCALE
 from tokenmill.math_utils import cdiv, next_power_of_2
 
 try:
@@ -95,6 +96,7 @@ def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None
         _quantize_rows_kernel[(m,)](
             x, q, scale, static_scale if static_scale is not None else scale, k, x.stride(0),
             STATIC=static_scale is not None, BLOCK=block, ONE_BLOCK=block >= k,
+            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
             num_warps=max(1, min(16, block // 512)),
         )  # fmt: skip
     return q, scale
@@ -202,6 +204,7 @@ if HAS_TRITON:
     def _quantize_rows_kernel(
         x_ptr, q_ptr, scale_ptr, static_ptr, K, stride_x,
         STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+        FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
     ):  # fmt: skip
         """One row of ``quantize_rows``: its amax (unless ``STATIC``), then the FP8 values."""
         row = tl.program_id(0).to(tl.int64)
@@ -218,10 +221,10 @@ if HAS_TRITON:
                 for k0 in range(0, K, BLOCK):
                     v = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0)
                     amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=0))
-            s = tl.maximum(amax / 448.0, 1e-12)  # kernels.quant.fp8's FP8_MAX, MIN_SCALE
+            s = tl.maximum(amax / FP8_MAX, MIN_SCALE)
         tl.store(scale_ptr + row, s)
         for k0 in range(0, K, BLOCK):
             ok = k0 + cols < K
             v = tl.load(x_row + k0 + cols, mask=ok, other=0.0).to(tl.float32)
-            qv = tl.clamp(tl.div_rn(v, s), -448.0, 448.0)
+            qv = tl.clamp(tl.div_rn(v, s), -FP8_MAX, FP8_MAX)
             tl.store(q_ptr + row * K + k0 + cols, qv.to(q_ptr.dtype.element_ty), mask=ok)

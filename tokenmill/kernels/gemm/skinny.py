@@ -70,6 +70,7 @@ from tokenmill.kernels.gemm.skinny_configs import (  # noqa: F401 (re-exported)
     split_plan,
 )
 from tokenmill.kernels.pdl import supported as supports_pdl
+from tokenmill.kernels.quant.fp8 import FP8_DTYPE
 from tokenmill.math_utils import cdiv
 
 try:
@@ -91,7 +92,7 @@ MIN_WEIGHT_BYTES = 1 << 20
 # Split-K counters per device (int32): column blocks of one launch must fit; launches with
 # more column blocks already fill the chip without splitting.
 LOCK_SLOTS = 1 << 14
-FP8 = torch.float8_e4m3fn
+
 
 def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``skinny_linear(x, weight, ...)`` should replace ``F.linear`` here.
@@ -107,7 +108,7 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The device-independent part of ``use_skinny_gemm``."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype not in (x.dtype, FP8):
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype not in (x.dtype, FP8_DTYPE):
         return False
     (m, k), n = x.shape, weight.shape[0]
     return (
@@ -239,7 +240,7 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if x.shape[0] < 1 or x.shape[0] > MAX_M:
         raise ValueError(f"x must have 1..{MAX_M} rows, got {x.shape[0]}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or weight.dtype != (
-        FP8 if weight_scale is not None else x.dtype
+        FP8_DTYPE if weight_scale is not None else x.dtype
     ):
         raise ValueError(f"unsupported dtypes: x {x.dtype}, weight {weight.dtype} (an FP8 "
                          "weight comes with weight_scale, a 16-bit one without)")
