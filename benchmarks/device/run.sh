@@ -106,6 +106,8 @@
 #   lora_serve tokenmill serve M8 without LoRA, then with 8 rank-16 adapters (--max-loras 8),
 #              each under vLLM's client, random 1024/256 c=64 (LORA_PROMPTS, default 400);
 #              with LoRA every request names one of the 8 adapters at random
+#   tm_lora_serve  lora_serve's second half only (with the adapters)
+#   lora_kernels  the batched LoRA products at M8's shapes beside cuBLAS (lora_kernel_bench.py)
 #   vllm_lora_serve  vLLM serving the same 8 adapters under the same load; run
 #              "lora_serve vllm_lora_serve" in one call to compare on one GPU
 #   first_token  cProfile of a one-token generate (32-token prompt): the host's share of a
@@ -436,10 +438,14 @@ run_stage() {  # run_stage NAME: one stage of the list below
     beam_sleep) TAIL_LINES=40 stage beam_sleep 1200 python3 benchmarks/device/beam_sleep_bench.py "$M8" --output-json "$OUT/beam_sleep.json" ;;
     kvoffload) stage kvoffload 900 python3 benchmarks/kv_offload_multiturn.py --model "$M8" --load-format dummy --conversations 48 --prompt-len 4096 --kv-cache-gib 8 --offload-gib 48 --output-json "$OUT/kvoffload.json" ;;
     gputests_beam) PYTHONPATH="$XGP" stage gputests_beam 300 python3 -m pytest -q tests/gpu/test_beam_sleep_offload_gpu.py -p no:cacheprovider --timeout 200 ;;
+    lora_kernels) TAIL_LINES=40 stage lora_kernels 150 python3 benchmarks/device/lora_kernel_bench.py ;;
     gputests_lora) stage gputests_lora 300 python3 -m pytest -q tests/gpu/test_lora_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     lora_serve)
       lora_adapters
       serve_lora tm_nolora_serve tm 0
+      serve_lora tm_lora_serve tm 1 "${LORA_ARGS[@]}" --lora-modules "${LORA_MODULES[@]}" ;;
+    tm_lora_serve)
+      lora_adapters
       serve_lora tm_lora_serve tm 1 "${LORA_ARGS[@]}" --lora-modules "${LORA_MODULES[@]}" ;;
     vllm_lora_serve)
       lora_adapters

@@ -68,6 +68,27 @@ def test_kernels_match_per_row_reference(num_tokens, k, n, rank, dtype):
     assert torch.equal(got[none], y[none])
 
 
+@pytest.mark.parametrize("num_tokens", [1, 64, 700])
+@pytest.mark.parametrize("part_sizes", [(4096, 1024, 1024), (14336, 14336)])
+def test_merged_parts_at_llama_shapes(num_tokens, part_sizes):
+    """q/k/v and gate/up of Llama-3.1-8B at rank 16 per part: B zero outside each part's
+    block (as ``LoRALinear`` stores it), the expand reading one block per column tile."""
+    rank, n = 16, sum(part_sizes)
+    y, x, a, b, slots = _case(num_tokens, 4096, n, 9, rank * len(part_sizes), torch.bfloat16, 3)
+    start = 0
+    for i, size in enumerate(part_sizes):
+        b[:, i * rank : (i + 1) * rank, :start] = 0
+        b[:, i * rank : (i + 1) * rank, start + size :] = 0
+        start += size
+    want = y.float().clone()
+    lora_reference(want, x, a, b, slots)
+    got = y.clone()
+    starts = tuple(sum(part_sizes[: i + 1]) for i in range(len(part_sizes) - 1))
+    lora_triton(got, x, a, b, slots, starts)
+    err = (got.float() - want).abs().max().item()
+    assert err <= TOLERANCE[torch.bfloat16] * want.abs().max().item()
+
+
 def test_kernels_in_a_cuda_graph_follow_the_slot_buffer():
     """Captured once, replayed after the rows' adapters changed in the persistent slot
     buffer (as the model runner refills it each step): each replay matches the reference."""

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from tokenmill.kernels.device import HAS_TRITON
-from tokenmill.kernels.lora.sgmv import lora_reference, lora_torch, lora_triton
+from tokenmill.kernels.lora.sgmv import (
+    SHRINK_BLOCK_K,
+    lora_reference,
+    lora_torch,
+    lora_triton,
+    shrink_split,
+)
 
 
 def _case(num_tokens: int, k: int, n: int, num_slots: int, rank: int, seed: int, segments: bool):
@@ -35,6 +41,7 @@ CASES = [
     (13, 64, 48, 3, 16, False),
     (70, 40, 130, 5, 8, True),
     (20, 32, 40, 3, 200, False),  # stacked rank above one 64-rank tile
+    (9, 300, 24, 3, 16, False),  # K in five split-K chunks, the last one partial
 ]
 
 
@@ -52,6 +59,37 @@ def test_lora_products_match_per_row_reference(case, impl):
     # Rows without an adapter are left exactly as they were.
     none = slots == 0
     assert torch.equal(got[none], y[none])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("part_sizes", [(128, 64, 64), (192, 64)])
+def test_merged_parts_expand_only_their_rank_block(part_sizes):
+    """A merged layer (q/k/v, gate/up): B is zero outside each part's rank block and column
+    range, and the expand that reads one block per column tile matches the reference."""
+    rank = 8
+    n = sum(part_sizes)
+    y, x, a, b, slots = _case(37, 160, n, 4, rank * len(part_sizes), seed=5, segments=True)
+    mask = torch.zeros(rank * len(part_sizes), n)
+    start = 0
+    for i, size in enumerate(part_sizes):
+        mask[i * rank : (i + 1) * rank, start : start + size] = 1
+        start += size
+    b = b * mask
+    want = y.clone()
+    lora_reference(want, x, a, b, slots)
+    got = y.clone()
+    starts = tuple(sum(part_sizes[: i + 1]) for i in range(len(part_sizes) - 1))
+    lora_triton(got, x, a, b, slots, starts)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_shrink_split_fills_the_device():
+    """Split-K chunks: a decode batch's one tile over K = 4,096 gets many chunks, each a
+    whole number of K blocks covering K; a prompt-sized step of many tiles gets one."""
+    chunks, size = shrink_split(1, 4096, 132)
+    assert chunks >= 32 and size % SHRINK_BLOCK_K == 0 and (chunks - 1) * size < 4096
+    assert shrink_split(300, 4096, 132) == (1, 4096)
+    assert shrink_split(1, 40, 132) == (1, SHRINK_BLOCK_K)
 
 
 def test_no_adapter_rows_cost_nothing():

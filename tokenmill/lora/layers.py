@@ -57,6 +57,13 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.parts = {shard: (i, start, size) for i, (shard, start, size) in enumerate(parts)}
+        # Where parts 1.. start when they tile the output in slot-block order (the expand
+        # then reads one part's rank block per column tile); otherwise every rank.
+        starts = [start for _, start, _ in parts]
+        tiled = starts[0] == 0 and all(
+            starts[i + 1] == starts[i] + parts[i][2] for i in range(len(parts) - 1)
+        )
+        self.part_starts = tuple(starts[1:]) if tiled and len(parts) <= 3 else ()
         self.max_rank = max_rank
         self.batch = batch
         device = next(base.parameters()).device
@@ -82,7 +89,10 @@ class LoRALinear(nn.Module):
         a, b = self.lora_a, self.lora_b
         xl = x if x.dtype == a.dtype and x.stride(-1) == 1 else x.to(a.dtype).contiguous()
         slots = self.batch.token_slots[: x.shape[0]]
-        (lora_triton if use_triton(x) else lora_torch)(y, xl, a, b, slots)
+        if use_triton(x):
+            lora_triton(y, xl, a, b, slots, self.part_starts)
+        else:
+            lora_torch(y, xl, a, b, slots)
         return y
 
     def forward_gated(self, x: torch.Tensor) -> None:

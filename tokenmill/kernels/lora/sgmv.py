@@ -10,8 +10,12 @@ LoRA Serving": SGMV for prefill segments, BGMV for decode rows) and S-LoRA (Shen
 
 A program owns a tile of ``BLOCK_M`` rows and loops over the distinct slots in it (one for
 the rows of one request's prompt; a few for a tile of decode rows), each a tensor-core
-product masked to that slot's rows. Tiles of rows without adapters do no work. The slot
-ids are read on the device, so CUDA graphs replay the launch for any mix of adapters.
+product masked to that slot's rows. Tiles of rows without adapters do no work. The shrink
+splits K into chunks (split-K) so that a decode batch, one or two row tiles, still spreads
+over the GPU; the chunks' partial sums are added in a fixed order (deterministic). The
+expand of a merged layer (q/k/v, gate/up) reads, per column tile, only the rank block of
+the part that owns those columns. The slot ids are read on the device, so CUDA graphs
+replay the launch for any mix of adapters.
 
 ``lora_torch`` is the CPU path: every slot's shrink in one GEMM, the rows' own blocks kept by
 a one-hot mask, one expand GEMM (no per-request loop). ``lora_reference`` is the per-row
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels.device import HAS_TRITON
+from tokenmill.kernels.device import HAS_TRITON, num_sms
 from tokenmill.math_utils import cdiv
 
 if HAS_TRITON:
@@ -31,13 +35,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _shrink_kernel(
-        x_ptr, a_ptr, slot_ptr, t_ptr, T, K, R,
-        sx, sa0, sa1, st,
+        x_ptr, a_ptr, slot_ptr, t_ptr, T, K, R, K_CHUNK,
+        sx, sa0, sa1, st_split, st,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr,
     ):  # fmt: skip
+        # Program (row tile, rank tile, K chunk): the chunk's partial product of each row
+        # with its own slot's A, stored in the chunk's plane of t (summed afterwards).
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        k_lo = tl.program_id(2) * K_CHUNK
+        k_hi = tl.minimum(k_lo + K_CHUNK, K)
         row_ok = rows < T
         slots = tl.load(slot_ptr + rows, mask=row_ok, other=0)
         lo = tl.min(tl.where(slots > 0, slots, 2147483647))
@@ -49,15 +57,17 @@ if HAS_TRITON:
             if tl.sum(mine.to(tl.int32)) > 0:
                 part = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
                 a_base = a_ptr + s * sa0
-                for k0 in range(0, K, BLOCK_K):
+                for k0 in range(k_lo, k_hi, BLOCK_K):
                     ks = k0 + tl.arange(0, BLOCK_K)
                     xt = tl.load(
                         x_ptr + rows64[:, None] * sx + ks[None, :],
-                        mask=mine[:, None] & (ks[None, :] < K), other=0.0,
+                        mask=mine[:, None] & (ks[None, :] < k_hi),
+                        other=0.0,
                     )
                     at = tl.load(
                         a_base + ranks[None, :] * sa1 + ks[:, None],
-                        mask=(ranks[None, :] < R) & (ks[:, None] < K), other=0.0,
+                        mask=(ranks[None, :] < R) & (ks[:, None] < k_hi),
+                        other=0.0,
                     )
                     if IEEE:
                         part += tl.dot(xt, at, input_precision="ieee")
@@ -65,19 +75,26 @@ if HAS_TRITON:
                         part += tl.dot(xt, at)
                 acc = tl.where(mine[:, None], part, acc)
         tl.store(
-            t_ptr + rows64[:, None] * st + ranks[None, :], acc,
+            t_ptr + tl.program_id(2) * st_split + rows64[:, None] * st + ranks[None, :],
+            acc,
             mask=row_ok[:, None] & (ranks[None, :] < R),
         )
 
     @triton.jit
     def _expand_kernel(
-        t_ptr, b_ptr, slot_ptr, y_ptr, T, N, R,
+        t_ptr, b_ptr, slot_ptr, y_ptr, T, N, R, PART_R, START1, START2,
         st, sb0, sb1, sy,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         IEEE: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        c0 = tl.program_id(1) * BLOCK_N
+        cols = c0 + tl.arange(0, BLOCK_N)
+        # The merged part whose output features hold this column tile: only its block of
+        # PART_R ranks has non-zero B entries here.
+        p = (c0 >= START1).to(tl.int32) + (c0 >= START2).to(tl.int32)
+        r_lo = p * PART_R
+        r_hi = tl.minimum(r_lo + PART_R, R)
         row_ok = rows < T
         slots = tl.load(slot_ptr + rows, mask=row_ok, other=0)
         lo = tl.min(tl.where(slots > 0, slots, 2147483647))
@@ -88,15 +105,17 @@ if HAS_TRITON:
             for s in range(lo, hi + 1):
                 mine = slots == s
                 if tl.sum(mine.to(tl.int32)) > 0:
-                    for r0 in range(0, R, BLOCK_R):
+                    for r0 in range(r_lo, r_hi, BLOCK_R):
                         ranks = r0 + tl.arange(0, BLOCK_R)
                         tt = tl.load(
                             t_ptr + rows64[:, None] * st + ranks[None, :],
-                            mask=mine[:, None] & (ranks[None, :] < R), other=0.0,
+                            mask=mine[:, None] & (ranks[None, :] < r_hi),
+                            other=0.0,
                         )
                         bt = tl.load(
                             b_ptr + s * sb0 + ranks[:, None] * sb1 + cols[None, :],
-                            mask=(ranks[:, None] < R) & (cols[None, :] < N), other=0.0,
+                            mask=(ranks[:, None] < r_hi) & (cols[None, :] < N),
+                            other=0.0,
                         )
                         if IEEE:
                             acc += tl.dot(tt, bt.to(tl.float32), input_precision="ieee")
@@ -109,13 +128,33 @@ if HAS_TRITON:
             tl.store(ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+SHRINK_BLOCK_K = 64
+EXPAND_BLOCK_N = 64
+
+
 def _block_m(num_rows: int) -> int:
-    """Row tile: 16 for decode-sized batches (most tiles mix adapters), 64 above."""
-    return 16 if num_rows <= 64 else 64
+    """Row tile: the batch rounded up to 16 or 32 for decode-sized batches, 64 above (a
+    tile's rows share the slots' A and B loads)."""
+    return 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
+
+
+def shrink_split(num_tiles: int, k: int, sms: int) -> tuple[int, int]:
+    """``(chunks, chunk size)`` of the shrink's reduction dimension: enough chunks that the
+    row x rank tiles times the chunks fill two waves of ``sms`` programs, each chunk at
+    least ``SHRINK_BLOCK_K`` wide (a batch of a few rows over K = 4,096 would otherwise be a
+    handful of programs each streaming every slot's whole A)."""
+    chunks = max(1, min((2 * sms) // max(num_tiles, 1), cdiv(k, SHRINK_BLOCK_K)))
+    size = cdiv(cdiv(k, chunks), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
+    return cdiv(k, size), size
 
 
 def lora_triton(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    part_starts: tuple[int, ...] = (),
 ) -> None:
     """``y[t] += (x[t] A[slots[t]]^T) B[slots[t]]`` in place, by the two kernels.
 
@@ -125,6 +164,9 @@ def lora_triton(
         a: ``[S, R, K]`` A stacks by slot (slot 0 unused: no adapter).
         b: ``[S, R, N]`` B stacks by slot, the adapter scale folded in.
         slots: ``[T]`` int32 slot per row, in ``[0, S)``.
+        part_starts: for a merged layer of ``P`` (2 or 3) parts, the first output feature
+            of parts 1.. ``P-1``: part ``p`` owns ranks ``[p R/P, (p+1) R/P)`` and B is zero
+            outside them, so the expand reads only that block. Empty: every rank.
     """
     num_rows, k = x.shape
     _, rank, n = b.shape
@@ -135,15 +177,24 @@ def lora_triton(
     # Rank tiles of at most 64: a slot's stacked rank reaches parts x max_lora_rank (1,536
     # for q/k/v at rank 512), which one tile could not hold in registers or shared memory.
     block_r = min(64, max(16, triton.next_power_of_2(rank)))
-    t = torch.empty(num_rows, rank, dtype=torch.float32, device=x.device)
-    _shrink_kernel[(cdiv(num_rows, block_m), cdiv(rank, block_r))](
-        x, a, slots, t, num_rows, k, rank, x.stride(0), a.stride(0), a.stride(1), t.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, IEEE=ieee,
+    row_tiles, rank_tiles = cdiv(num_rows, block_m), cdiv(rank, block_r)
+    chunks, chunk = shrink_split(row_tiles * rank_tiles, k, num_sms(x.device))
+    t = torch.empty(chunks, num_rows, rank, dtype=torch.float32, device=x.device)
+    _shrink_kernel[(row_tiles, rank_tiles, chunks)](
+        x, a, slots, t, num_rows, k, rank, chunk,
+        x.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=SHRINK_BLOCK_K, IEEE=ieee,
     )  # fmt: skip
-    block_n = 64
-    _expand_kernel[(cdiv(num_rows, block_m), cdiv(n, block_n))](
-        t, b, slots, y, num_rows, n, rank, t.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=ieee,
+    t = t[0] if chunks == 1 else t.sum(0)
+    part_rank, starts = rank, (n, n)
+    if part_starts and all(s % EXPAND_BLOCK_N == 0 for s in part_starts):
+        part_rank = rank // (len(part_starts) + 1)
+        starts = (tuple(part_starts) + (n,))[:2]
+    block_r = min(64, max(16, triton.next_power_of_2(part_rank)))
+    _expand_kernel[(row_tiles, cdiv(n, EXPAND_BLOCK_N))](
+        t, b, slots, y, num_rows, n, rank, part_rank, starts[0], starts[1],
+        t.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=block_r, IEEE=ieee,
     )  # fmt: skip
 
 
