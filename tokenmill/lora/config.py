@@ -61,10 +61,8 @@ def parse_lora_module(text: str) -> LoRAModule:
         except json.JSONDecodeError as e:
             raise ValueError(f"--lora-modules: not valid JSON: {text!r} ({e})") from None
         unknown = set(value) - {"name", "path", "base_model_name"}
-        if (
-            unknown
-            or not isinstance(value.get("name"), str)
-            or not isinstance(value.get("path"), str)
+        if unknown or not isinstance(value.get("name"), str) or not isinstance(
+            value.get("path"), str
         ):
             raise ValueError(
                 f"--lora-modules: a JSON entry needs string fields name and path (and "
@@ -104,7 +102,9 @@ def create_lora_config(
             raise ValueError("--lora-modules needs --enable-lora")
         return None
     if fully_sharded_loras:
-        raise ValueError("--fully-sharded-loras: tokenmill runs LoRA adapters on one device only")
+        raise ValueError(
+            "--fully-sharded-loras: tokenmill runs LoRA adapters on one device only"
+        )
     if max_loras < 1:
         raise ValueError(f"--max-loras must be at least 1, got {max_loras}")
     if max_lora_rank not in SUPPORTED_RANKS:
@@ -114,7 +114,9 @@ def create_lora_config(
         )
     cpu = max_loras if max_cpu_loras is None else max_cpu_loras
     if cpu < max_loras:
-        raise ValueError(f"--max-cpu-loras ({cpu}) must be at least --max-loras ({max_loras})")
+        raise ValueError(
+            f"--max-cpu-loras ({cpu}) must be at least --max-loras ({max_loras})"
+        )
     if lora_dtype not in LORA_DTYPES:
         raise ValueError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}")
     modules = [parse_lora_module(e) if isinstance(e, str) else e for e in entries]

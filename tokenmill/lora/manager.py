@@ -74,7 +74,9 @@ def wrap_lora_layers(
             else:
                 s = module.shard_slices(shard)[0]
                 parts.append((shard, s.dst_start, s.size))
-        layer = LoRALinear(module, parts, config.max_loras + 1, config.max_lora_rank, dtype, batch)
+        layer = LoRALinear(
+            module, parts, config.max_loras + 1, config.max_lora_rank, dtype, batch
+        )
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(parent, leaf, layer)
         wrapped[name] = layer
@@ -146,11 +148,9 @@ class LoRAManager:
                 raise LoRAAdapterError(f"{path!r}: the model has no layer {module}")
             a, b = ab["lora_A"], ab["lora_B"]
             _, start, size = layer.parts[shard]
-            if (
-                a.shape[0] > self.config.max_lora_rank
-                or tuple(a.shape) != (b.shape[1], layer.input_size)
-                or b.shape[0] != size
-            ):
+            if a.shape[0] > self.config.max_lora_rank or tuple(a.shape) != (
+                b.shape[1], layer.input_size
+            ) or b.shape[0] != size:
                 raise LoRAAdapterError(
                     f"{path!r}: {module}'s lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
                     f"do not fit the model's layer ({layer.input_size} in, {size} out, rank "
