@@ -33,6 +33,7 @@ from tokenmill.core.pipeline_scheduler import PipelineScheduler
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
+from tokenmill.executor.multiproc import WorkerDiedError
 from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,9 @@ class EngineCore:
         self._failed: list[EngineCoreOutput] = []  # requests refused here, to report
         self._asleep: set[str] = set()  # sleep mode: "weights", "kv_cache" while freed
         self._num_constraint_failures = 0  # of those, not yet in a SchedulerStats
+        # Set once a worker died: the engine cannot run another step, and every later step
+        # raises at once rather than spinning on requests that can never be scheduled.
+        self._dead_error: str | None = None
         sc = config.scheduler_config
         logger.info(
             "Scheduler: %d tokens and %d requests per step, chunked prefill %s, prefill pacing "
@@ -266,7 +270,19 @@ class EngineCore:
         With async scheduling the step launched here is collected by the next call: the
         host schedules and processes outputs while the device computes, and the outputs
         returned are those of the previous step.
+
+        Raises:
+            WorkerDiedError: a worker died, in this step or an earlier one.
         """
+        if self._dead_error is not None:
+            raise WorkerDiedError(self._dead_error)
+        try:
+            return self._step()
+        except WorkerDiedError as e:
+            self._dead_error = str(e)
+            raise
+
+    def _step(self) -> EngineCoreOutputs:
         if self._asleep:
             return EngineCoreOutputs(timestamp=time.time())
         if len(self._grammars):
