@@ -138,6 +138,13 @@ def _block_m(num_rows: int) -> int:
     return 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
 
 
+def _rank_tile(rank: int) -> int:
+    """Ranks per tile: at least 16 (the tensor-core product's minimum), at most 64 (a slot's
+    stacked rank reaches parts x max_lora_rank, 1,536 for q/k/v at rank 512, which one tile
+    could not hold in registers or shared memory)."""
+    return min(64, max(16, triton.next_power_of_2(rank)))
+
+
 def shrink_split(num_tiles: int, k: int, sms: int) -> tuple[int, int]:
     """``(chunks, chunk size)`` of the shrink's reduction dimension: enough chunks that the
     row x rank tiles times the chunks fill two waves of ``sms`` programs, each chunk at
@@ -174,9 +181,7 @@ def lora_triton(
         return
     ieee = x.dtype == torch.float32
     block_m = _block_m(num_rows)
-    # Rank tiles of at most 64: a slot's stacked rank reaches parts x max_lora_rank (1,536
-    # for q/k/v at rank 512), which one tile could not hold in registers or shared memory.
-    block_r = min(64, max(16, triton.next_power_of_2(rank)))
+    block_r = _rank_tile(rank)
     row_tiles, rank_tiles = cdiv(num_rows, block_m), cdiv(rank, block_r)
     chunks, chunk = shrink_split(row_tiles * rank_tiles, k, num_sms(x.device))
     t = torch.empty(chunks, num_rows, rank, dtype=torch.float32, device=x.device)
@@ -190,7 +195,7 @@ def lora_triton(
     if part_starts and all(s % EXPAND_BLOCK_N == 0 for s in part_starts):
         part_rank = rank // (len(part_starts) + 1)
         starts = (tuple(part_starts) + (n,))[:2]
-    block_r = min(64, max(16, triton.next_power_of_2(part_rank)))
+    block_r = _rank_tile(part_rank)
     _expand_kernel[(row_tiles, cdiv(n, EXPAND_BLOCK_N))](
         t, b, slots, y, num_rows, n, rank, part_rank, starts[0], starts[1],
         t.stride(0), b.stride(0), b.stride(1), y.stride(0),
