@@ -141,14 +141,9 @@ def write_draft_1b() -> None:
 
 
 def prepare(args: argparse.Namespace) -> None:
+    """The rewrite load and the draft first (they need no GGUF), then the bf16 SmolLM2 when
+    every carried piece of the GGUF is there (pieces may arrive over several calls)."""
     os.makedirs(WORK, exist_ok=True)
-    if not os.path.isfile(os.path.join(SMOLLM2, "model.safetensors")):
-        sys.path.insert(0, HERE)
-        from gguf_to_safetensors import convert
-
-        start = time.perf_counter()
-        convert(find_gguf(args.gguf), SMOLLM2, "bfloat16")
-        log(f"SPEC prepare: converted SmolLM2 to bf16 in {time.perf_counter() - start:.1f} s")
     rows = [
         {"conversations": [
             {"from": "human", "value": f"Rewrite the following passage, keeping its meaning and "
@@ -160,6 +155,18 @@ def prepare(args: argparse.Namespace) -> None:
     json.dump(rows, open(DATASET, "w"), indent=1)
     if os.environ.get("M8"):
         write_draft_1b()
+    if not os.path.isfile(os.path.join(SMOLLM2, "model.safetensors")):
+        sys.path.insert(0, HERE)
+        from gguf_to_safetensors import convert
+
+        try:
+            gguf = find_gguf(args.gguf)
+        except SystemExit as e:
+            log(f"SPEC prepare: no bf16 SmolLM2 yet ({e})")
+            return
+        start = time.perf_counter()
+        convert(gguf, SMOLLM2, "bfloat16")
+        log(f"SPEC prepare: converted SmolLM2 to bf16 in {time.perf_counter() - start:.1f} s")
     log(f"SPEC prepare: {SMOLLM2}, {DATASET}, {DRAFT_1B}")
 
 
