@@ -29,6 +29,7 @@ from tokenmill.config import (
     EngineConfig,
     KernelConfig,
     LoadConfig,
+    LoRAConfig,
     ModelConfig,
     UnsupportedQuantizationError,
     check_kv_offloading_flags,
@@ -41,7 +42,7 @@ from tokenmill.distributed.config_checks import (
     parallel_config_from_flags,
 )
 from tokenmill.feature_checks import check_feature_combinations, check_kv_cache_dtype
-from tokenmill.lora.config import LoRAConfig, check_lora_model, create_lora_config
+from tokenmill.lora.config import check_lora_model, create_lora_config
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
 from tokenmill.scheduler_flags import create_scheduler_config
 from tokenmill.spec_decode.config import parse_speculative_json, resolve_speculative_config

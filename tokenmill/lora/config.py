@@ -1,55 +1,21 @@
-"""LoRAConfig and the flags that make it (``--enable-lora``, ``--lora-modules``,
+"""The flags that make a LoRAConfig (``--enable-lora``, ``--lora-modules``,
 ``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``, ``--lora-dtype``,
 ``--fully-sharded-loras``), vLLM's names and defaults. Torch-free: the engine core and the
 API server both read it. Errors are ``ValueError``s whose message names the flag
-(``EngineArgs`` reports them as ``ConfigError``)."""
+(``EngineArgs`` reports them as ``ConfigError``). ``LoRAConfig`` itself sits with the
+engine's other config dataclasses (``tokenmill.config``), below the LoRA layers."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
+from tokenmill.config import LoRAConfig, LoRAModule
 from tokenmill.lora.peft import read_peft_config
 from tokenmill.lora.request import LoRARequest
 
 # The ranks a slot may hold, as vLLM allows them.
 SUPPORTED_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
-
-
-@dataclass(frozen=True)
-class LoRAModule:
-    """An adapter given at start-up (``--lora-modules``)."""
-
-    name: str
-    path: str
-    base_model_name: str | None = None
-
-
-@dataclass
-class LoRAConfig:
-    """Resolved LoRA settings of an engine.
-
-    Attributes:
-        max_loras: adapter slots on the device: the most distinct adapters in one step.
-        max_lora_rank: the largest rank an adapter may have (the slots' rank).
-        max_cpu_loras: adapters kept loaded in host memory (an LRU, >= max_loras).
-        lora_dtype: the slots' dtype (``auto``: the model's).
-        lora_modules: adapters to serve from start-up.
-        fully_sharded_loras: under tensor parallelism, shard every adapter's A and B over
-            the ranks (``tokenmill.lora.layers``), not only the halves the base layers'
-            split dictates.
-    """
-
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 1
-    lora_dtype: str = "auto"
-    lora_modules: list[LoRAModule] = field(default_factory=list)
-    fully_sharded_loras: bool = False
-
-    def resolved_dtype(self, model_dtype: str) -> str:
-        return model_dtype if self.lora_dtype == "auto" else self.lora_dtype
 
 
 def parse_lora_module(text: str) -> LoRAModule:

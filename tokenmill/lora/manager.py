@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.lora.config import LoRAConfig
+from tokenmill.config import LoRAConfig
 from tokenmill.lora.layers import LoRABatch, LoRALinear, lora_layer
 from tokenmill.lora.peft import (
     SUPPORTED_TARGETS,
