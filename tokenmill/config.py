@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
 
 from tokenmill.hf_config import HFConfig
-from tokenmill.lora.config import LoRAConfig
 from tokenmill.multimodal.config import MultiModalConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -421,6 +420,41 @@ def current_kernel_config() -> KernelConfig:
     """The kernel choices of the model being built; the defaults outside
     ``kernel_config_scope``."""
     return _current_kernel_config.get() or KernelConfig()
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """An adapter given at start-up (``--lora-modules``)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+@dataclass
+class LoRAConfig:
+    """Resolved LoRA settings of an engine.
+
+    Attributes:
+        max_loras: adapter slots on the device: the most distinct adapters in one step.
+        max_lora_rank: the largest rank an adapter may have (the slots' rank).
+        max_cpu_loras: adapters kept loaded in host memory (an LRU, >= max_loras).
+        lora_dtype: the slots' dtype (``auto``: the model's).
+        lora_modules: adapters to serve from start-up.
+        fully_sharded_loras: under tensor parallelism, shard every adapter's A and B over
+            the ranks (``tokenmill.lora.layers``), not only the halves the base layers'
+            split dictates.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+    lora_dtype: str = "auto"
+    lora_modules: list[LoRAModule] = field(default_factory=list)
+    fully_sharded_loras: bool = False
+
+    def resolved_dtype(self, model_dtype: str) -> str:
+        return model_dtype if self.lora_dtype == "auto" else self.lora_dtype
 
 
 @dataclass

@@ -29,6 +29,7 @@ from tokenmill.config import (
     EngineConfig,
     KernelConfig,
     LoadConfig,
+    LoRAConfig,
     ModelConfig,
     UnsupportedQuantizationError,
     check_kv_offloading_flags,
@@ -41,7 +42,7 @@ from tokenmill.distributed.config_checks import (
     parallel_config_from_flags,
 )
 from tokenmill.feature_checks import check_feature_combinations, check_kv_cache_dtype
-from tokenmill.lora.config import LoRAConfig, check_lora_model, create_lora_config
+from tokenmill.lora.config import check_lora_model, create_lora_config
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
 from tokenmill.scheduler_flags import create_scheduler_config
 from tokenmill.spec_decode.config import parse_speculative_json, resolve_speculative_config
@@ -298,7 +299,11 @@ class EngineArgs:
         choices=["auto", "float16", "bfloat16", "float32"],
     )
     fully_sharded_loras: bool = _flag(
-        "Shard adapters across tensor-parallel ranks (not supported: refused).", default=False
+        "By default only half of the LoRA computation is sharded with tensor parallelism "
+        "(B of column-parallel layers, A of row-parallel ones); this shards all of it: each "
+        "rank holds 1/tp of every adapter, for one more small collective per projection. Needs "
+        "--max-lora-rank divisible by --tensor-parallel-size.",
+        default=False,
     )
 
     # ---- CLI -------------------------------------------------------------------------
@@ -352,7 +357,6 @@ class EngineArgs:
             enable_sleep_mode=self.enable_sleep_mode,
             kv_offloading=bool(self.kv_offloading_size),
             speculative=speculative_fields is not None,
-            lora=self.enable_lora,
             fp8_kv_cache=self.kv_cache_dtype.startswith("fp8"),
         )
         check_feature_combinations(
@@ -416,6 +420,7 @@ class EngineArgs:
             config = create_lora_config(
                 self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank,
                 self.max_cpu_loras, self.lora_dtype, self.fully_sharded_loras,
+                self.tensor_parallel_size,
             )  # fmt: skip
             if config is not None:
                 check_lora_model(config, model_config.is_pooling_model,

@@ -100,6 +100,22 @@ def test_defaults_resolve_the_executor(tmp_path):
     assert dp.parallel_config.data_parallel_size == 2
 
 
+def test_lora_with_every_layout(tmp_path):
+    """LoRA adapters run under tensor and pipeline parallelism and in each data-parallel
+    engine; ``--fully-sharded-loras`` splits each slot's ranks over the tensor-parallel
+    ranks (a no-op on one)."""
+    path = _folder(tmp_path, CONFIG)
+    for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 3},
+                   {"tensor_parallel_size": 2, "pipeline_parallel_size": 3},
+                   {"data_parallel_size": 2}):
+        cfg = _config(path, enable_lora=True, **layout).create_engine_config("server")
+        assert cfg.lora_config is not None and not cfg.lora_config.fully_sharded_loras
+    for tp in (1, 2):
+        cfg = _config(path, enable_lora=True, fully_sharded_loras=True, max_lora_rank=8,
+                      tensor_parallel_size=tp).create_engine_config()
+        assert cfg.lora_config.fully_sharded_loras
+
+
 def test_more_ranks_than_gpus(tmp_path, monkeypatch):
     import torch
 
@@ -200,8 +216,10 @@ MLA = {
          "--kv-offloading-size is not implemented with pipeline parallelism"),
         (CONFIG, {"tensor_parallel_size": 2, "speculative_config": NGRAM},
          "--speculative-config is not implemented with parallelism"),
-        (CONFIG, {"pipeline_parallel_size": 3, "enable_lora": True},
-         "--enable-lora is not implemented with parallelism"),
+        (CONFIG, {"tensor_parallel_size": 2, "enable_lora": True, "fully_sharded_loras": True,
+                  "max_lora_rank": 1},
+         r"--fully-sharded-loras: --max-lora-rank \(1\) must be divisible by "
+         r"--tensor-parallel-size \(2\)"),
         (CONFIG, {"tensor_parallel_size": 2, "kv_cache_dtype": "fp8"},
          "--kv-cache-dtype fp8 is not implemented with parallelism"),
         (CONFIG, {"tensor_parallel_size": 2, "quantization": "fp8"},

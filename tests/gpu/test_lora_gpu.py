@@ -122,7 +122,6 @@ def model_and_adapters(tmp_path_factory):
     src = os.environ.get("M135")
     if not src or not os.path.isdir(src):
         pytest.skip("set M135 to a SmolLM2-135M config + tokenizer folder")
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = tmp_path_factory.mktemp("smollm2-random")
@@ -132,6 +131,14 @@ def model_and_adapters(tmp_path_factory):
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src)).float().eval()
     hf.save_pretrained(path)
+    folders = _write_adapters(hf, tmp_path_factory)
+    return hf, str(path), folders
+
+
+def _write_adapters(hf, tmp_path_factory) -> dict[str, str]:
+    """PEFT folders of ``ADAPTERS`` for ``hf``, random A and B: ``{name: folder}``."""
+    from safetensors.torch import save_file
+
     modules = dict(hf.named_modules())
     folders = {}
     for seed, (name, (targets, r, alpha)) in enumerate(ADAPTERS.items(), 1):
@@ -150,7 +157,7 @@ def model_and_adapters(tmp_path_factory):
                   "target_modules": list(targets)}  # fmt: skip
         (folder / "adapter_config.json").write_text(json.dumps(config))
         folders[name] = str(folder)
-    return hf, str(path), folders
+    return folders
 
 
 def _merged(hf, folder: str):
@@ -214,3 +221,59 @@ def test_generation_with_adapters_matches_merged_weights(model_and_adapters, enf
                 base = refs[None](ids).logits[0, len(prompt) - 1 : -1].float()
             differs += int((base - logits).abs().max() > 1e-2)
     assert differs >= 3, "the adapters should change the logits"
+
+
+# ---- tensor and pipeline parallelism ----------------------------------------------------
+
+PARALLEL = {
+    "tp2": dict(tensor_parallel_size=2),
+    "tp2-eager": dict(tensor_parallel_size=2, enforce_eager=True),
+    "tp2-fully-sharded": dict(tensor_parallel_size=2, fully_sharded_loras=True),
+    "pp2": dict(pipeline_parallel_size=2),
+}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("layout", list(PARALLEL))
+def test_adapters_over_two_gpus_give_one_gpus_tokens(layout, tmp_path_factory):
+    """A tiny random Llama with one KV head (k/v replicated on both ranks) and the adapters
+    of ``ADAPTERS`` mixed with the base model in one batch: 2 GPUs (NCCL, the LoRA
+    collectives inside CUDA graphs but for ``tp2-eager``) give one GPU's greedy tokens and
+    logprobs, in float32."""
+    src = os.environ.get("M135")
+    if not src or not os.path.isdir(src):
+        pytest.skip("set M135 to a SmolLM2-135M config + tokenizer folder")
+    from transformers import LlamaConfig
+
+    from tests.distributed.models import ENGINE, LAYERS, PROMPTS, SCALE
+    from tests.model.test_qwen3_parity import save_random_model
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.lora.request import LoRARequest
+
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    hf = save_random_model(LlamaConfig(**{**LAYERS, "num_key_value_heads": 1}), path, SCALE)
+    folders = _write_adapters(hf, tmp_path_factory)
+    loras = [None, *(LoRARequest(n, i, f) for i, (n, f) in enumerate(folders.items(), 1))]
+    requests = [loras[i % len(loras)] for i in range(2 * len(PROMPTS))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def generate(**layout):
+        llm = LLM(path, tokenizer=src, device="cuda", **dict(ENGINE, max_num_seqs=8),
+                  enable_lora=True, max_loras=2, max_lora_rank=16, **layout)  # fmt: skip
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS * 2], params,
+                                use_tqdm=False, lora_request=requests)  # fmt: skip
+        finally:
+            llm.llm_engine.shutdown()
+        result = []
+        for out in outs:
+            got = out.outputs[0]
+            lps = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids, strict=True)]
+            result.append((list(got.token_ids), torch.tensor(lps)))
+        return result
+
+    one = generate()
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(generate(**PARALLEL[layout]), one,
+                                                    strict=True):  # fmt: skip
+        assert tokens == ref_tokens
+        torch.testing.assert_close(lps, ref_lps, atol=1e-3, rtol=0)

@@ -10,7 +10,11 @@ import torch
 from tokenmill.kernels.device import HAS_TRITON
 from tokenmill.kernels.lora.sgmv import (
     SHRINK_BLOCK_K,
+    lora_expand_torch,
+    lora_expand_triton,
     lora_reference,
+    lora_shrink_torch,
+    lora_shrink_triton,
     lora_torch,
     lora_triton,
     shrink_split,
@@ -80,6 +84,32 @@ def test_merged_parts_expand_only_their_rank_block(part_sizes):
     got = y.clone()
     starts = tuple(sum(part_sizes[: i + 1]) for i in range(len(part_sizes) - 1))
     lora_triton(got, x, a, b, slots, starts)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("case", CASES[:4])
+def test_shrink_and_expand_apart_match_the_reference(case, impl):
+    """The shrink alone gives each row's ``x A[s]^T`` (float32, zero for rows without an
+    adapter); the expand alone adds ``t B[s]`` into a column slice of a wider output (as
+    tensor-parallel layers use them, with a collective in between)."""
+    if impl == "triton" and not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    shrink, expand = {
+        "torch": (lora_shrink_torch, lora_expand_torch),
+        "triton": (lora_shrink_triton, lora_expand_triton),
+    }[impl]
+    y, x, a, b, slots = _case(*case[:5], seed=sum(case[:5]) + 1, segments=case[5])
+    t = shrink(x, a, slots)
+    assert t.dtype == torch.float32 and t.shape == (x.shape[0], a.shape[1])
+    want_t = torch.stack([x[i] @ a[s].T if s else torch.zeros(a.shape[1])
+                          for i, s in enumerate(slots.tolist())])  # fmt: skip
+    torch.testing.assert_close(t, want_t, atol=1e-4, rtol=1e-4)
+    wide = torch.randn(y.shape[0], y.shape[1] + 24)
+    want = wide.clone()
+    lora_reference(want[:, 8 : 8 + y.shape[1]], x, a, b, slots)
+    got = wide.clone()
+    expand(got[:, 8 : 8 + y.shape[1]], t, b, slots)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 

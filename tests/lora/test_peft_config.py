@@ -74,10 +74,13 @@ def test_flag_checks():
         ((True, None, 1, 15, None, "auto", False), "--max-lora-rank"),
         ((True, None, 4, 16, 2, "auto", False), "--max-cpu-loras"),
         ((True, ["a=/x", "a=/y"], 1, 16, None, "auto", False), "repeat"),
-        ((True, None, 1, 16, None, "auto", True), "--fully-sharded-loras"),
     ]:
         with pytest.raises(ValueError, match=message):
             create_lora_config(*args)
+    # --fully-sharded-loras splits each slot's ranks over the tensor-parallel ranks.
+    assert create_lora_config(True, None, 1, 16, None, "auto", True, 2).fully_sharded_loras
+    with pytest.raises(ValueError, match=r"--max-lora-rank \(16\) .* --tensor-parallel-size \(3\)"):
+        create_lora_config(True, None, 1, 16, None, "auto", True, 3)
 
 
 def test_lora_on_a_quantized_model_is_refused(smollm2_gguf_path):

@@ -109,7 +109,6 @@ def check_parallel_features(
     enable_sleep_mode: bool,
     kv_offloading: bool,
     speculative: bool = False,
-    lora: bool = False,
     fp8_kv_cache: bool = False,
 ) -> None:
     """Engine features that several ranks do not carry yet (beam search is refused per
@@ -117,8 +116,8 @@ def check_parallel_features(
 
     Raises:
         ConfigError: ``--enable-sleep-mode`` or ``--kv-offloading-size`` with pipeline
-            parallelism; ``--speculative-config``, ``--enable-lora`` or an FP8
-            ``--kv-cache-dtype`` with more than one rank (tensor, pipeline or data parallel).
+            parallelism; ``--speculative-config`` or an FP8 ``--kv-cache-dtype`` with more
+            than one rank (tensor, pipeline or data parallel).
     """
     pp = pc.pipeline_parallel_size
     sizes = (
@@ -128,7 +127,6 @@ def check_parallel_features(
     ranks = pc.tensor_parallel_size * pp * pc.data_parallel_size
     for flag, on in (
         ("--speculative-config", speculative),
-        ("--enable-lora", lora),
         ("--kv-cache-dtype fp8", fp8_kv_cache),
     ):
         if on and ranks > 1:

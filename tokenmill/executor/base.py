@@ -7,6 +7,7 @@ import abc
 from tokenmill.config import EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
+from tokenmill.lora.peft import LoRAAdapterError
 from tokenmill.lora.request import LoRARequest
 
 
@@ -52,9 +53,13 @@ class Executor(abc.ABC):
         """Load a LoRA adapter into every worker's host memory (a no-op when loaded).
 
         Raises:
-            ValueError: LoRA is off, or the adapter cannot be served (the message says why).
+            ValueError: LoRA is off, or the adapter cannot be served (the message says why;
+                a worker in this process raises it, a rank of several answers it).
         """
-        self.collective_rpc("add_lora", (lora_request,))
+        errors = self.collective_rpc("add_lora", (lora_request,))
+        error = next((e for e in errors if e), None)
+        if error is not None:
+            raise LoRAAdapterError(error)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop a LoRA adapter from every worker; False when it was not loaded."""

@@ -24,7 +24,7 @@ from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.executor.base import Executor
-from tokenmill.executor.worker_proc import run_worker
+from tokenmill.executor.worker_proc import check_rank_method, run_worker
 from tokenmill.hf_config import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -201,6 +201,15 @@ class MultiprocExecutor(Executor):
 
     def initialize_cache(self, num_blocks: int) -> None:
         self._call("initialize_cache", num_blocks)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """``RankWorker.<method>(*args)`` on every rank (e.g. ``add_lora``), in rank order.
+
+        Raises:
+            NotImplementedError: a method ``RankWorker`` does not serve.
+        """
+        check_rank_method(type(self).__name__, method)
+        return self._call(method, *args)
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None

@@ -22,6 +22,7 @@ from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.executor.base import Executor
 from tokenmill.executor.multiproc import WorkerDiedError, log_layout, raise_rank_error
+from tokenmill.executor.worker_proc import check_rank_method
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,15 @@ class RayExecutor(Executor):
 
     def initialize_cache(self, num_blocks: int) -> None:
         self._get(self._call("initialize_cache", num_blocks))
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """``RankWorker.<method>(*args)`` on every actor (e.g. ``add_lora``), in rank order.
+
+        Raises:
+            NotImplementedError: a method ``RankWorker`` does not serve.
+        """
+        check_rank_method(type(self).__name__, method)
+        return self._get(self._call(method, *args))
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None

@@ -25,6 +25,7 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
+from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,19 @@ class RankWorker:
         """Launch a step; returns its handle (``get()`` gives the ModelRunnerOutput)."""
         return self.worker.execute_model_async(scheduler_output)
 
+    def add_lora(self, lora_request: LoRARequest) -> str | None:
+        """Load a LoRA adapter into this rank's host memory; returns None, or why it cannot
+        be served. (Every rank reads the same folder, so all answer alike; an adapter the
+        engine refuses must not end the rank, as a raised error would.)"""
+        try:
+            self.worker.add_lora(lora_request)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.worker.remove_lora(lora_int_id)
+
     def layout(self) -> str:
         """This rank's share of the model, for the start-up log."""
         from tokenmill.distributed.parallel_state import (
@@ -104,6 +118,13 @@ class RankWorker:
         if heads is not None:
             text += f", {heads.num_heads} query / {heads.num_kv_heads} KV heads per layer"
         return text + f", {runner.model_weight_bytes() / 2**20:,.1f} MiB of weights"
+
+
+def check_rank_method(executor: str, method: str) -> None:
+    """Raises NotImplementedError unless ``RankWorker`` serves ``method`` (a call it lacks
+    would end every rank)."""
+    if not callable(getattr(RankWorker, method, None)):
+        raise NotImplementedError(f"{executor} does not call {method} on its ranks")
 
 
 def serve_calls(worker: RankWorker, cmd_conn: Any, result_conn: Any) -> None:

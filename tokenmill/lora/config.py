@@ -1,50 +1,21 @@
-"""LoRAConfig and the flags that make it (``--enable-lora``, ``--lora-modules``,
-``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``, ``--lora-dtype``), vLLM's names
-and defaults. Torch-free: the engine core and the API server both read it. Errors are
-``ValueError``s whose message names the flag (``EngineArgs`` reports them as ``ConfigError``)."""
+"""The flags that make a LoRAConfig (``--enable-lora``, ``--lora-modules``,
+``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``, ``--lora-dtype``,
+``--fully-sharded-loras``), vLLM's names and defaults. Torch-free: the engine core and the
+API server both read it. Errors are ``ValueError``s whose message names the flag
+(``EngineArgs`` reports them as ``ConfigError``). ``LoRAConfig`` itself sits with the
+engine's other config dataclasses (``tokenmill.config``), below the LoRA layers."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 
+from tokenmill.config import LoRAConfig, LoRAModule
 from tokenmill.lora.peft import read_peft_config
 from tokenmill.lora.request import LoRARequest
 
 # The ranks a slot may hold, as vLLM allows them.
 SUPPORTED_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
-
-
-@dataclass(frozen=True)
-class LoRAModule:
-    """An adapter given at start-up (``--lora-modules``)."""
-
-    name: str
-    path: str
-    base_model_name: str | None = None
-
-
-@dataclass
-class LoRAConfig:
-    """Resolved LoRA settings of an engine.
-
-    Attributes:
-        max_loras: adapter slots on the device: the most distinct adapters in one step.
-        max_lora_rank: the largest rank an adapter may have (the slots' rank).
-        max_cpu_loras: adapters kept loaded in host memory (an LRU, >= max_loras).
-        lora_dtype: the slots' dtype (``auto``: the model's).
-        lora_modules: adapters to serve from start-up.
-    """
-
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 1
-    lora_dtype: str = "auto"
-    lora_modules: list[LoRAModule] = field(default_factory=list)
-
-    def resolved_dtype(self, model_dtype: str) -> str:
-        return model_dtype if self.lora_dtype == "auto" else self.lora_dtype
 
 
 def parse_lora_module(text: str) -> LoRAModule:
@@ -87,24 +58,21 @@ def create_lora_config(
     max_cpu_loras: int | None,
     lora_dtype: str,
     fully_sharded_loras: bool,
+    tensor_parallel_size: int = 1,
 ) -> LoRAConfig | None:
     """Check the LoRA flags; None when ``--enable-lora`` is off.
 
     Raises:
         ValueError: LoRA flags without ``--enable-lora``, a rank vLLM does not allow,
             ``--max-cpu-loras`` below ``--max-loras``, a repeated adapter name, or
-            ``--fully-sharded-loras`` (it shards adapters across tensor-parallel ranks,
-            which tokenmill's LoRA layers do not run).
+            ``--fully-sharded-loras`` with a ``--max-lora-rank`` that
+            ``tensor_parallel_size`` does not divide (each rank holds an equal block).
     """
     entries = [lora_modules] if isinstance(lora_modules, str) else list(lora_modules or [])
     if not enable_lora:
         if entries:
             raise ValueError("--lora-modules needs --enable-lora")
         return None
-    if fully_sharded_loras:
-        raise ValueError(
-            "--fully-sharded-loras: tokenmill runs LoRA adapters on one device only"
-        )
     if max_loras < 1:
         raise ValueError(f"--max-loras must be at least 1, got {max_loras}")
     if max_lora_rank not in SUPPORTED_RANKS:
@@ -119,11 +87,16 @@ def create_lora_config(
         )
     if lora_dtype not in LORA_DTYPES:
         raise ValueError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}")
+    if fully_sharded_loras and max_lora_rank % tensor_parallel_size:
+        raise ValueError(
+            f"--fully-sharded-loras: --max-lora-rank ({max_lora_rank}) must be divisible by "
+            f"--tensor-parallel-size ({tensor_parallel_size})"
+        )
     modules = [parse_lora_module(e) if isinstance(e, str) else e for e in entries]
     names = [m.name for m in modules]
     if len(set(names)) != len(names):
         raise ValueError(f"--lora-modules: adapter names repeat: {names}")
-    return LoRAConfig(max_loras, max_lora_rank, cpu, lora_dtype, modules)
+    return LoRAConfig(max_loras, max_lora_rank, cpu, lora_dtype, modules, fully_sharded_loras)
 
 
 def check_lora_model(

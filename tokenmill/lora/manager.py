@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.lora.config import LoRAConfig
-from tokenmill.lora.layers import LoRABatch, LoRALinear
+from tokenmill.config import LoRAConfig
+from tokenmill.lora.layers import LoRABatch, LoRALinear, lora_layer
 from tokenmill.lora.peft import (
     SUPPORTED_TARGETS,
     LoRAAdapterError,
@@ -27,6 +27,7 @@ from tokenmill.lora.peft import (
     read_peft_config,
 )
 from tokenmill.lora.request import LoRARequest
+from tokenmill.model.loader.weights import other_stage_prefixes
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +54,16 @@ def _target_map(model: nn.Module) -> dict[str, tuple[str, Any]]:
 def wrap_lora_layers(
     model: nn.Module, config: LoRAConfig, dtype: torch.dtype, batch: LoRABatch
 ) -> dict[str, LoRALinear]:
-    """Replace every projection an adapter may target with a ``LoRALinear`` around it.
+    """Replace every projection an adapter may target with a LoRA layer around it, for its
+    tensor-parallel split (``lora_layer``). Under pipeline parallelism only this stage's
+    layers exist, so only they are wrapped.
 
     Returns:
         Module name -> its LoRA layer.
+
+    Raises:
+        ValueError: ``--fully-sharded-loras`` with sizes the tensor-parallel size does not
+            divide.
     """
     targets = _target_map(model)
     parts_of: dict[str, list[Any]] = {}
@@ -74,8 +81,9 @@ def wrap_lora_layers(
             else:
                 s = module.shard_slices(shard)[0]
                 parts.append((shard, s.dst_start, s.size))
-        layer = LoRALinear(
-            module, parts, config.max_loras + 1, config.max_lora_rank, dtype, batch
+        layer = lora_layer(
+            module, parts, config.max_loras + 1, config.max_lora_rank, dtype, batch,
+            config.fully_sharded_loras,
         )
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(parent, leaf, layer)
@@ -102,6 +110,8 @@ class LoRAManager:
         self.batch = LoRABatch(token_slots)
         self.layers = wrap_lora_layers(model, config, dtype, self.batch)
         self.targets = _target_map(model)
+        # Modules other pipeline stages hold: an adapter's weights for them are skipped.
+        self.other_stages = other_stage_prefixes(model)
         self.host: OrderedDict[int, LoadedAdapter] = OrderedDict()
         self.known: dict[int, LoRARequest] = {}
         # adapter id -> slot (1..max_loras), least recently used first
@@ -135,6 +145,12 @@ class LoRAManager:
         return loaded
 
     def _read(self, request: LoRARequest) -> AdapterWeights:
+        """The adapter's weights as this rank's layers hold them (``shard_weights``: its
+        tensor-parallel slices, this pipeline stage's layers only), B scaled.
+
+        Raises:
+            LoRAAdapterError: a module the model lacks, or A/B shapes that do not fit it.
+        """
         path = request.lora_path
         peft = read_peft_config(path, self.config.max_lora_rank)
         pin = any(layer.lora_a.is_cuda for layer in self.layers.values())
@@ -145,18 +161,22 @@ class LoRAManager:
             name = f"{prefix}.{param}" if prefix else param
             layer = self.layers.get(name)
             if layer is None:
+                if f"{name}.".startswith(self.other_stages):
+                    continue
                 raise LoRAAdapterError(f"{path!r}: the model has no layer {module}")
             a, b = ab["lora_A"], ab["lora_B"]
-            _, start, size = layer.parts[shard]
+            out, inp = layer.checkpoint_shape(shard)
             if a.shape[0] > self.config.max_lora_rank or tuple(a.shape) != (
-                b.shape[1], layer.input_size
-            ) or b.shape[0] != size:
+                b.shape[1], inp
+            ) or b.shape[0] != out:
                 raise LoRAAdapterError(
                     f"{path!r}: {module}'s lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
-                    f"do not fit the model's layer ({layer.input_size} in, {size} out, rank "
+                    f"do not fit the model's layer ({inp} in, {out} out, rank "
                     f"<= {self.config.max_lora_rank})"
                 )
-            a = a.to(self.dtype)
+            a, b = layer.shard_weights(shard, a, b)
+            # Copies of this rank's slices only: the whole tensors are not kept.
+            a = a.to(self.dtype, copy=True)
             b = (b.float() * peft.scale).to(self.dtype)
             if pin:
                 a, b = a.pin_memory(), b.pin_memory()

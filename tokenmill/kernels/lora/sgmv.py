@@ -20,6 +20,10 @@ replay the launch for any mix of adapters.
 ``lora_torch`` is the CPU path: every slot's shrink in one GEMM, the rows' own blocks kept by
 a one-hot mask, one expand GEMM (no per-request loop). ``lora_reference`` is the per-row
 reference both are tested against.
+
+The shrink and the expand also run apart (``lora_shrink_*``, ``lora_expand_*``): a layer
+whose adapters are sharded over tensor-parallel ranks puts a collective on ``t`` between
+them (``tokenmill.lora.layers``).
 """
 
 from __future__ import annotations
@@ -175,32 +179,76 @@ def lora_triton(
             of parts 1.. ``P-1``: part ``p`` owns ranks ``[p R/P, (p+1) R/P)`` and B is zero
             outside them, so the expand reads only that block. Empty: every rank.
     """
-    num_rows, k = x.shape
-    _, rank, n = b.shape
-    if num_rows == 0:
+    if x.shape[0] == 0:
         return
-    ieee = x.dtype == torch.float32
-    block_m = _block_m(num_rows)
-    block_r = _rank_tile(rank)
+    lora_expand_triton(y, lora_shrink_triton(x, a, slots), b, slots, part_starts)
+
+
+def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The shrink alone: ``t[t] = x[t] A[slots[t]]^T`` (zero for rows of slot 0).
+
+    Args:
+        x: ``[T, K]``, rows contiguous, the dtype of ``a``.
+        a: ``[S, R, K]`` A stacks by slot.
+        slots: ``[T]`` int32.
+
+    Returns:
+        ``t [T, R]`` float32, contiguous.
+    """
+    num_rows, k = x.shape
+    rank = a.shape[1]
+    block_m, block_r = _block_m(num_rows), _rank_tile(rank)
     row_tiles, rank_tiles = cdiv(num_rows, block_m), cdiv(rank, block_r)
     chunks, chunk = shrink_split(row_tiles * rank_tiles, k, num_sms(x.device))
     t = torch.empty(chunks, num_rows, rank, dtype=torch.float32, device=x.device)
+    if num_rows == 0:
+        return t[0]
     _shrink_kernel[(row_tiles, rank_tiles, chunks)](
         x, a, slots, t, num_rows, k, rank, chunk,
         x.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=SHRINK_BLOCK_K, IEEE=ieee,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=SHRINK_BLOCK_K,
+        IEEE=x.dtype == torch.float32,
     )  # fmt: skip
-    t = t[0] if chunks == 1 else t.sum(0)
+    return t[0] if chunks == 1 else t.sum(0)
+
+
+def lora_expand_triton(
+    y: torch.Tensor,
+    t: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    part_starts: tuple[int, ...] = (),
+) -> None:
+    """The expand alone: ``y[t] += t[t] B[slots[t]]`` in place (rows of slot 0 untouched).
+
+    Args:
+        y: ``[T, N]``, rows contiguous (a column slice of a wider output is fine).
+        t: ``[T, R]`` float32, contiguous (``lora_shrink_triton``'s, or gathered).
+        b: ``[S, R, N]`` B stacks by slot.
+        slots: ``[T]`` int32.
+        part_starts: as ``lora_triton``'s.
+    """
+    num_rows, rank, n = t.shape[0], b.shape[1], b.shape[2]
+    if num_rows == 0:
+        return
     part_rank, starts = rank, (n, n)
     if part_starts and all(s % EXPAND_BLOCK_N == 0 for s in part_starts):
         part_rank = rank // (len(part_starts) + 1)
         starts = (tuple(part_starts) + (n,))[:2]
-    block_r = _rank_tile(part_rank)
-    _expand_kernel[(row_tiles, cdiv(n, EXPAND_BLOCK_N))](
+    block_m = _block_m(num_rows)
+    _expand_kernel[(cdiv(num_rows, block_m), cdiv(n, EXPAND_BLOCK_N))](
         t, b, slots, y, num_rows, n, rank, part_rank, starts[0], starts[1],
         t.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=block_r, IEEE=ieee,
+        BLOCK_M=block_m, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=_rank_tile(part_rank),
+        IEEE=b.dtype == torch.float32,
     )  # fmt: skip
+
+
+def _slot_mask(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """``[T, S]`` bool: each row's own slot, none for rows of slot 0."""
+    keep = slots.to(torch.int64)[:, None] == torch.arange(num_slots, device=slots.device)
+    keep[:, 0] = False
+    return keep
 
 
 def lora_torch(
@@ -215,10 +263,29 @@ def lora_torch(
     num_slots, rank, k = a.shape
     n = b.shape[2]
     t = (x @ a.reshape(num_slots * rank, k).T).view(-1, num_slots, rank)
-    keep = slots.to(torch.int64)[:, None] == torch.arange(num_slots, device=x.device)
-    keep[:, 0] = False
-    t = t * keep[:, :, None].to(t.dtype)
+    t = t * _slot_mask(slots, num_slots)[:, :, None].to(t.dtype)
     y += (t.view(-1, num_slots * rank) @ b.reshape(num_slots * rank, n)).to(y.dtype)
+
+
+def lora_shrink_torch(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``lora_shrink_triton`` in torch: every slot's shrink in one GEMM, then each row's own
+    block (zero for slot 0). Shapes as ``lora_shrink_triton``; returns float32 ``[T, R]``."""
+    num_slots, rank, k = a.shape
+    t = (x @ a.reshape(num_slots * rank, k).T).view(-1, num_slots, rank)
+    idx = slots.to(torch.int64)
+    t = t[torch.arange(t.shape[0], device=x.device), idx]
+    return (t * (idx > 0)[:, None].to(t.dtype)).float()
+
+
+def lora_expand_torch(
+    y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """``lora_expand_triton`` in torch: each row's ``t`` placed in its slot's block of a
+    ``[T, S*R]`` operand, one GEMM with every slot's B. Shapes as ``lora_expand_triton``."""
+    num_slots, rank, n = b.shape
+    keep = _slot_mask(slots, num_slots).to(b.dtype)
+    tt = (t.to(b.dtype)[:, None, :] * keep[:, :, None]).view(-1, num_slots * rank)
+    y += (tt @ b.reshape(num_slots * rank, n)).to(y.dtype)
 
 
 def lora_reference(

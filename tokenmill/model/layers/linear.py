@@ -94,6 +94,11 @@ class LinearBase(nn.Module):
         """Where a checkpoint tensor (a merged part ``shard_id``) goes, in features."""
         return [ShardSlice()]
 
+    def checkpoint_shape(self, shard_id: str | int | None = None) -> tuple[int, int]:
+        """``(output, input)`` features of the checkpoint tensor ``shard_id`` (a merged
+        part, None: every part), unsharded."""
+        return self.output_size, self.input_size
+
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
@@ -136,6 +141,9 @@ class ColumnParallelLinear(LinearBase):
         size = self.output_size
         return [ShardSlice(size=size, src_start=self.tp_rank * size)]
 
+    def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:
+        return self.full_output_size, self.input_size
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs (e.g. gate and up projections) in one weight.
@@ -165,6 +173,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             src = self.tp_rank * per_rank + (sum(self.output_sizes[:i]) if shard_id is None else 0)
             slices.append(ShardSlice(i, sum(self.output_sizes[:i]) // self.tp_size, per_rank, src))
         return slices
+
+    def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:
+        out = sum(self.output_sizes) if shard_id is None else self.output_sizes[int(shard_id)]
+        return out, self.input_size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -225,6 +237,12 @@ class QKVParallelLinear(ColumnParallelLinear):
             slices.append(ShardSlice(sid, dst, size, src))
         return slices
 
+    def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:
+        q = self.num_heads * self.tp_size * self.head_dim
+        kv = self.total_num_kv_heads * self.head_dim
+        out = {None: q + 2 * kv, "q": q, "k": kv, "v": kv}[shard_id]
+        return out, self.input_size
+
 
 class RowParallelLinear(LinearBase):
     """Input dimension split across ranks; partial outputs are summed (all-reduce).
@@ -243,8 +261,15 @@ class RowParallelLinear(LinearBase):
         size = self.input_size
         return [ShardSlice(in_start=self.tp_rank * size, in_size=size)]
 
+    def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:
+        return self.output_size, self.input_size * self.tp_size
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x)  # type: ignore[union-attr]
+        return self.reduce_output(self.quant_method.apply(self, x))  # type: ignore[union-attr]
+
+    def reduce_output(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product ``y [T, output_size]`` summed over the ranks (in
+        place), then the bias. A LoRA layer adds its term to ``y`` before this."""
         if self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:
