@@ -7,7 +7,10 @@
 # Stages:
 #   vision     a Qwen2.5-VL-7B-shaped dummy (make_vl_model.py) served by tokenmill, then vLLM:
 #              128 chat requests of one random 1024x1024 image, 128 in / 128 out, 64 at a time
-#              (bench serve --dataset-name random-mm); gputests_vision tests/gpu/test_vision_gpu.py
+#              (bench serve --dataset-name random-mm); gputests_vision tests/gpu/test_vision_gpu.py;
+#              tm_vision / vllm_vision one engine (VISION_DIAG=1: tokenmill's step and front-end
+#              timings); vision_profile the front end's per-image work and the vision tower
+#              (vision_profile.py)
 #   gputests_quant  the int4 and GGUF dequantize-in-GEMM kernels on CUDA (tests/gpu/
 #              test_quant_gemm_gpu.py, tests/kernels' quantized GEMM and GGUF block tests)
 #   gputests_parallel  tests/gpu/test_parallel_gpu.py (TP, PP, EP on 2 GPUs against one)
@@ -162,7 +165,7 @@ stage() {  # stage NAME TIMEOUT CMD... (NAME gets $SFX, the STAGE@VARS label)
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "^BEAMSLEEP|^KVOFF|^QUANT|^FP8|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|^MLA|^SPEC|preempt" "$LOGS/$name.log" \
+  grep -aE "^VPROF|^BEAMSLEEP|^KVOFF|^QUANT|^FP8|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|^MLA|^SPEC|preempt" "$LOGS/$name.log" \
     | grep -v "warnings.warn" | tail -${TAIL_LINES:-25} | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
@@ -261,7 +264,7 @@ vision_pair() {
   local eng=$1 VL=/tmp/tm_vl7b
   [ -f $VL/config.json ] || python3 benchmarks/device/make_vl_model.py "$M135" $VL >> "$LOGS/setup.log" 2>&1
   local args=(--load-format dummy --port 8000 --max-model-len 8192 --limit-mm-per-prompt '{"image": 1, "video": 0}')
-  if [ "$eng" = tm ]; then setsid "${TM[@]}" serve $VL "${args[@]}" --disable-log-requests --served-model-name $VL > "$LOGS/${eng}_vl_server.log" 2>&1 &
+  if [ "$eng" = tm ]; then TOKENMILL_LOG_STEP_STATS=${VISION_DIAG:-0} setsid "${TM[@]}" serve $VL "${args[@]}" --disable-log-requests --served-model-name $VL > "$LOGS/${eng}_vl_server.log" 2>&1 &
   else setsid vllm serve $VL "${args[@]}" > "$LOGS/${eng}_vl_server.log" 2>&1 & fi
   local pid=$!
   local ready; ready=$(wait_health $pid)
@@ -270,6 +273,7 @@ vision_pair() {
   local B=("${TM[@]}" bench serve); [ "$eng" = vllm ] && B=(vllm bench serve)
   stage ${eng}_vision 400 "${B[@]}" --backend openai-chat --endpoint /v1/chat/completions --model $VL --port 8000 "${VL_MM[@]}" --random-input-len 128 --random-output-len 128 --num-prompts 128 --max-concurrency 64 --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$LOGS" --result-filename ${eng}_vision.json
   addjson ${eng}_vision "$LOGS/${eng}_vision.json"
+  [ "$eng" = tm ] && [ "${VISION_DIAG:-0}" = 1 ] && grep -aE "Engine steps|front end|event loop|Avg prompt" "$LOGS/${eng}_vl_server.log" | tail -30 | sed 's/^/  | /' | tee -a "$SUM"
   stop_server $pid
 }
 
@@ -326,6 +330,11 @@ run_stage() {  # run_stage NAME: one stage of the list below
     gputests_fp8) PYTHONPATH="$XGP" stage gputests_fp8 400 python3 -m pytest -q tests/gpu/test_fp8_gpu.py tests/kernels/test_fp8_gemm.py tests/kernels/test_skinny_gemm.py -p no:cacheprovider --timeout 300 ;;
     quant_tp) stage quant_tp 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_tp,awq_tp}" --engines "${QUANT_ENGINES:-tokenmill,vllm}" ;;
     vision) vision_pair tm; vision_pair vllm ;;
+    tm_vision) vision_pair tm ;;
+    vllm_vision) vision_pair vllm ;;
+    vision_profile)
+      [ -f /tmp/tm_vl7b/config.json ] || python3 benchmarks/device/make_vl_model.py "$M135" /tmp/tm_vl7b >> "$LOGS/setup.log" 2>&1
+      TAIL_LINES=80 stage vision_profile 200 python3 benchmarks/device/vision_profile.py /tmp/tm_vl7b ;;
     gputests_vision) PYTHONPATH="$XGP" stage gputests_vision 300 python3 -m pytest -q tests/gpu/test_vision_gpu.py -p no:cacheprovider --timeout 250 ;;
     gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;

@@ -1,5 +1,5 @@
 """Qwen2.5-VL on CUDA: greedy tokens of image prompts are the same with CUDA graphs as
-eagerly (float32), and bf16 stays close to float32 (the first generated tokens agree).
+eagerly (float32), and the bf16 vision tower stays close to its float32 run.
 
 The model is a small Qwen2.5-VL shape (2 text layers of 256, a 4-block vision tower with
 window and full attention) with ``--load-format dummy`` weights: nothing is downloaded.
@@ -62,9 +62,35 @@ def test_cuda_graphs_give_the_eager_greedy_tokens(vl_folder):
     assert _greedy(vl_folder, "float32", False) == _greedy(vl_folder, "float32", True)
 
 
-def test_bfloat16_starts_as_float32(vl_folder):
-    bf16, fp32 = _greedy(vl_folder, "bfloat16", False), _greedy(vl_folder, "float32", True)
-    assert sum(a[:4] == b[:4] for a, b in zip(bf16, fp32, strict=True)) >= 2
+def test_bfloat16_tower_stays_close_to_float32(vl_folder):
+    """The vision tower (varlen window attention in bf16) on the same weights and pixels as
+    its float32 run: image embeddings within 3% relative error. (Greedy tokens of random
+    dummy weights are near-ties, so they are no check of bf16 precision.)"""
+    import json
+    import os
+
+    from transformers import AutoImageProcessor
+
+    from tokenmill.model.models.qwen2_5_vl import _vision_tower
+
+    config = json.load(open(os.path.join(vl_folder, "config.json")))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        tower = _vision_tower(config["vision_config"]).float().eval()
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.normal_(0, 0.05)
+    chats = _chats()
+    images = [chat[0]["content"][1]["image_pil"] for chat in chats]
+    out = AutoImageProcessor.from_pretrained(vl_folder)(images=images, return_tensors="pt")
+    pixels, grid = out["pixel_values"].cuda(), out["image_grid_thw"].cuda()
+    with torch.no_grad():
+        ref = tower(pixels, grid_thw=grid)
+        ref = getattr(ref, "pooler_output", ref).float()
+        low = tower.to(torch.bfloat16)(pixels.bfloat16(), grid_thw=grid)
+        low = getattr(low, "pooler_output", low).float()
+    assert low.shape == ref.shape
+    assert ((low - ref).norm() / ref.norm()).item() < 0.03
 
 
 def test_window_attention_varlen_matches_per_window_sdpa():
