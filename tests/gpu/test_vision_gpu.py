@@ -80,6 +80,8 @@ def test_bfloat16_tower_stays_close_to_float32(vl_folder):
     with torch.no_grad():
         for p in tower.parameters():
             p.normal_(0, 0.05)
+        for block in tower.blocks:
+            block.mlp._zero_padding()
     chats = _chats()
     images = [chat[0]["content"][1]["image_pil"] for chat in chats]
     out = AutoImageProcessor.from_pretrained(vl_folder)(images=images, return_tensors="pt")
@@ -91,6 +93,41 @@ def test_bfloat16_tower_stays_close_to_float32(vl_folder):
         low = getattr(low, "pooler_output", low).float()
     assert low.shape == ref.shape
     assert ((low - ref).norm() / ref.norm()).item() < 0.03
+
+
+def test_fused_tower_equals_the_torch_tower(vl_folder):
+    """The tower's CUDA path (fused RMSNorm, patch rotary and SiLU gate kernels) in float32
+    against its CPU torch path (transformers' formulas, checked against transformers on CPU)
+    on the same weights and pixels."""
+    import json
+    import os
+
+    from transformers import AutoImageProcessor
+
+    from tokenmill.model.models.qwen2_5_vl import _vision_tower
+
+    config = json.load(open(os.path.join(vl_folder, "config.json")))
+    torch.manual_seed(0)
+    tower = _vision_tower(config["vision_config"]).float().eval()
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.normal_(0, 0.05)
+        for block in tower.blocks:  # padding stays zero, as loading keeps it
+            block.mlp._zero_padding()
+    images = [chat[0]["content"][1]["image_pil"] for chat in _chats()]
+    out = AutoImageProcessor.from_pretrained(vl_folder)(images=images, return_tensors="pt")
+    pixels, grid = out["pixel_values"], out["image_grid_thw"]
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # the patch embedding's Conv3d in full float32
+    try:
+        with torch.no_grad():
+            ref = tower(pixels, grid_thw=grid)
+            ref = getattr(ref, "pooler_output", ref)
+            got = tower.cuda()(pixels.cuda(), grid_thw=grid.cuda())
+            got = getattr(got, "pooler_output", got).cpu()
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-4)
 
 
 def test_window_attention_varlen_matches_per_window_sdpa():

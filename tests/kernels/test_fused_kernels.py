@@ -153,3 +153,25 @@ def test_dependent_launches_are_never_asked_of_rocm(monkeypatch):
     assert not pdl.supported(torch.device("cuda", 0))
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     assert pdl.supported(torch.device("cuda", 0)) == pdl.HAS_TRITON
+
+
+@pytest.mark.parametrize("heads,head_dim", [(16, 80), (3, 8)])
+def test_vision_rotary_inplace(heads, head_dim):
+    """The vision tower's patch rotary (a half of 40: no power of two) on q and k views of
+    a fused qkv output, in place, equals transformers' float32 formula; v is left alone."""
+    from tokenmill.kernels.vision import vision_rotary_inplace, vision_rotary_torch
+
+    torch.manual_seed(0)
+    s = 37
+    qkv = torch.randn(s, 3 * heads * head_dim)
+    freqs = torch.randn(s, head_dim // 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    q, k, v = qkv.view(s, 3, heads, head_dim).unbind(1)
+    ref_q, ref_k = vision_rotary_torch(q, cos, sin), vision_rotary_torch(k, cos, sin)
+    dev = qkv.to(DEV)
+    qd, kd, vd = dev.view(s, 3, heads, head_dim).unbind(1)
+    vision_rotary_inplace(qd, kd, cos.to(DEV), sin.to(DEV))
+    torch.testing.assert_close(qd.cpu(), ref_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kd.cpu(), ref_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(vd.cpu(), v)

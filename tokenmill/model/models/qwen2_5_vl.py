@@ -3,10 +3,11 @@ front of the Qwen2 language model, with multimodal rotary positions (M-RoPE).
 
 The language model is Qwen2's (``llama.py``) with ``MRotaryEmbedding`` in every layer. The
 vision tower is transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` (patch embedding,
-RMSNorm/SwiGLU blocks, merger) with tokenmill's window attention
-(``qwen2_5_vl_vision.py``); its weights load from the checkpoint's ``visual.*`` tensors like
-every other parameter. Image embeddings ``[num_placeholders, H]`` replace the embeddings of the
-``<|image_pad|>`` placeholders (``MultiModalFeature.offset/length``).
+rotary angles, windows, merger) with tokenmill's blocks (``qwen2_5_vl_vision.py``: window
+attention, fused kernels, the merged MLP); its weights load from the checkpoint's
+``visual.*`` tensors like every other parameter. Image embeddings ``[num_placeholders, H]``
+replace the embeddings of the ``<|image_pad|>`` placeholders
+(``MultiModalFeature.offset/length``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.mrope import MRotaryEmbedding
 from tokenmill.model.models.llama import Qwen2ForCausalLM
-from tokenmill.model.models.qwen2_5_vl_vision import VisionWindowAttention
+from tokenmill.model.models.qwen2_5_vl_vision import VisionBlock, VisionMLP, VisionWindowAttention
 
 
 def mrope_positions(
@@ -138,6 +139,15 @@ def _vision_tower(vision_config: dict) -> torch.nn.Module:
     config = Qwen2_5_VLVisionConfig(**vision_config)
     config._attn_implementation = "sdpa"
     tower = Qwen2_5_VisionTransformerPretrainedModel(config)
-    for block in tower.blocks:  # all windows in one varlen call (see qwen2_5_vl_vision.py)
-        block.attn = VisionWindowAttention(config.hidden_size, config.num_heads)
+    # tokenmill's blocks (see qwen2_5_vl_vision.py): all windows in one varlen call, fused
+    # norms, rotary and gate on CUDA, the MLP merged and padded.
+    tower.blocks = torch.nn.ModuleList(
+        VisionBlock(
+            block.norm1,
+            block.norm2,
+            VisionWindowAttention(config.hidden_size, config.num_heads),
+            VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act),
+        )
+        for block in tower.blocks
+    )
     return tower
