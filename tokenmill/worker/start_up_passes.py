@@ -138,11 +138,34 @@ def warm_up_attention(runner: ModelRunner) -> None:
 
 
 @torch.inference_mode()
-def short_chunk_pass(runner: ModelRunner) -> bool:
+def warm_up_multimodal(runner: ModelRunner) -> None:
+    """Models that take images: compile what a step with images runs and no other start-up
+    pass does. The vision encoder over one small blank image (its norms, rotary and gate
+    kernels), and the eager step with image placeholders (input embeddings and M-RoPE's
+    three position streams: the rotary and the cache write as separate kernels). CUDA
+    only."""
+    if runner.device.type != "cuda" or runner.mm is None or runner.model is None:
+        return
+    embed = getattr(getattr(runner.model, "visual", None), "patch_embed", None)
+    if embed is not None and hasattr(embed, "temporal_patch_size"):
+        side = 2 * int(getattr(runner.model, "spatial_merge_size", 2))
+        width = embed.in_channels * embed.temporal_patch_size * embed.patch_size**2
+        runner.model.encode_images([{
+            "pixel_values": np.zeros((side * side, width), dtype=np.float32),
+            "image_grid_thw": np.array([1, side, side], dtype=np.int64),
+        }])  # fmt: skip
+    short_chunk_pass(runner, with_images=True)
+    torch.cuda.synchronize(runner.device)
+
+
+@torch.inference_mode()
+def short_chunk_pass(runner: ModelRunner, with_images: bool = False) -> bool:
     """An eager forward pass of 16 tokens after up to 2,048 positions over block ids
     0.., which writes nothing to the cache (slot -1) and leaves the input buffers as
     any step may (each step rewrites what it reads). Returns False when the cache or
-    the model length is too small for one."""
+    the model length is too small for one. ``with_images``: as a step with image
+    placeholders runs it (input embeddings, and M-RoPE's three streams where the model
+    has them)."""
     if runner.model is None or not runner.kv_caches:
         return False
     chunk = 16
@@ -157,7 +180,14 @@ def short_chunk_pass(runner: ModelRunner) -> bool:
     runner.query_start_loc.device[:2].copy_(metadata.query_start_loc_cpu)
     runner.seq_lens.device[:1].copy_(metadata.seq_lens_cpu)
     torch.arange(num_blocks, out=runner.block_table.device[0, :num_blocks])
-    runner.model(runner.input_ids.device[:chunk], runner.positions.device[:chunk], metadata)
+    ids, pos = runner.input_ids.device[:chunk], runner.positions.device[:chunk]
+    if not with_images:
+        runner.model(ids, pos, metadata)
+        return True
+    kwargs = {"inputs_embeds": runner.model.embed_input_ids(ids)}
+    if getattr(runner.model, "uses_mrope", False):
+        kwargs["mrope_positions"] = pos.expand(3, -1).contiguous()
+    runner.model(ids, pos, metadata, **kwargs)
     return True
 
 

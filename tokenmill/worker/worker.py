@@ -18,7 +18,12 @@ from tokenmill.worker.kv_offload import KVOffloadStore
 from tokenmill.worker.model_runner import ModelRunner
 from tokenmill.worker.parallel_compile import compile_first
 from tokenmill.worker.sleep_mode import SleepMode
-from tokenmill.worker.start_up_passes import profile_run, warm_up_attention, warm_up_sampler
+from tokenmill.worker.start_up_passes import (
+    profile_run,
+    warm_up_attention,
+    warm_up_multimodal,
+    warm_up_sampler,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +205,7 @@ class Worker:
         compile_first(self.device, passes)
         warm_up_attention(runner)
         warm_up_sampler(runner)
+        warm_up_multimodal(runner)
         if graphs is not None:
             runner.capture_cuda_graphs()
 
