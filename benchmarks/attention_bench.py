@@ -40,6 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from tokenmill.benchmarks.cuda_timing import graph_replay_ms
 from tokenmill.kernels import rotary as fused_kernels
 from tokenmill.kernels.attention import decode as decode_kernels
 from tokenmill.kernels.attention import paged
@@ -267,20 +268,7 @@ GRAPH_REPS = 20
 
 def _graph_ms(body: Callable[[], None], replays: int = 10) -> float:
     """Median milliseconds of one replay of a graph holding ``GRAPH_REPS`` calls of ``body``."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_REPS):
-            body()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return graph_replay_ms(lambda: [body() for _ in range(GRAPH_REPS)], replays)
 
 
 def bench(fn: Callable[[], None]) -> tuple[float, float]:

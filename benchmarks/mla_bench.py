@@ -16,6 +16,7 @@ import itertools
 
 import torch
 
+from tokenmill.benchmarks.cuda_timing import graph_replay_ms
 from tokenmill.kernels.attention.mla_decode import MLADecodeTiles, mla_decode, mla_decode_tiles
 
 HEADS, RANK, ROPE, BLOCK = 128, 512, 64, 16
@@ -32,19 +33,9 @@ def _problem(batch: int, context: int):
     return q_lat, q_pe, cache, table, lens
 
 
-def _time(fn, iters: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters * 1000.0
+def _time(fn, iters: int = 10, calls: int = 20) -> float:
+    """µs per call of ``fn``, ``calls`` of them in one CUDA graph (median of ``iters``)."""
+    return graph_replay_ms(lambda: [fn() for _ in range(calls)], iters) * 1000.0 / calls
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from tokenmill.benchmarks.cuda_timing import graph_replay_ms
 from tokenmill.kernels.gemm import skinny as sg
 from tokenmill.kernels.gemm.skinny import SkinnyConfig, skinny_linear
 
@@ -112,22 +113,9 @@ class Problem:
         """Milliseconds per call in a replayed graph of ``calls`` calls over the copies."""
         for w in self.weights:  # compile and allocate outside capture
             fn(self.x, w)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(self.calls):
-                fn(self.x, self.weights[i % len(self.weights)])
-        graph.replay()
-        times = []
-        for _ in range(REPLAYS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        del graph
-        return sorted(times)[len(times) // 2] / self.calls
+        n = len(self.weights)
+        calls = [lambda i=i: fn(self.x, self.weights[i % n]) for i in range(self.calls)]
+        return graph_replay_ms(lambda: [c() for c in calls], REPLAYS) / self.calls
 
 
 def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,10 @@ the sum over one layer and over the 32 layers of a decode step.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from tokenmill.benchmarks.cuda_timing import graph_replay_ms
 from tokenmill.kernels.lora import sgmv
 
 SHAPES = {  # name: (K, part output features)
@@ -30,21 +30,8 @@ SHAPES = {  # name: (K, part output features)
 
 
 def _graph_us(fn, calls: int = 20, reps: int = 15) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
+    """µs per call of ``fn``, ``calls`` of them in one CUDA graph (median of ``reps``)."""
+    return graph_replay_ms(lambda: [fn() for _ in range(calls)], reps) * 1000 / calls
 
 
 def _measure(

@@ -19,6 +19,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from tokenmill.benchmarks.cuda_timing import graph_replay_ms
+
 SHAPES = {
     "qkv": (6144, 4096),
     "o_proj": (4096, 4096),
@@ -28,26 +30,11 @@ SHAPES = {
 
 
 def time_graph(fn, replays: int = 5) -> float:
-    """Seconds per call of ``fn`` captured in a CUDA graph (median of ``replays``)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    """Seconds per call of ``fn`` captured in a CUDA graph (median of ``replays``); ``fn``
+    returns how many calls it made."""
+    calls = []
+    ms = graph_replay_ms(lambda: calls.append(fn()), replays)
+    return ms / 1e3 / calls[-1]
 
 
 def main() -> None:
