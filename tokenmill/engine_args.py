@@ -356,7 +356,6 @@ class EngineArgs:
         check_parallel_layout(model_config, parallel_config)
         check_parallel_features(
             parallel_config,
-            enable_sleep_mode=self.enable_sleep_mode,
             kv_offloading=bool(self.kv_offloading_size),
             speculative=speculative_fields is not None,
             fp8_kv_cache=self.kv_cache_dtype.startswith("fp8"),
