@@ -137,11 +137,11 @@ def test_region_maps_unmaps_and_maps_again_at_the_same_address():
     assert lib.mappings == {ptr: 1}
     # The primary context is made current (once: then it is found current), the range
     # reserved, physical memory created, mapped and made accessible.
-    assert names(lib) == ["cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent",
-                          "cuMemAddressReserve", "cuMemCreate", "cuMemMap", "cuMemSetAccess"]
-    assert [c[1:] for c in lib.calls if c[0] == "cuMemAddressReserve"][0][1:] == (
-        6 * MiB, 2 * MiB, 0, 0
-    )
+    context = ["cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent"]
+    mapping = ["cuMemCreate", "cuMemMap", "cuMemSetAccess"]
+    assert names(lib) == [*context, "cuMemAddressReserve", *mapping]
+    reserve = next(c for c in lib.calls if c[0] == "cuMemAddressReserve")
+    assert reserve[2:] == (6 * MiB, 2 * MiB, 0, 0)  # size, alignment, no fixed address
     assert device_vmm.region_of(torch.empty(0)) is None  # a CPU tensor has none
     interface = region.__cuda_array_interface__
     assert interface["shape"] == (5 * MiB + 7,) and interface["data"] == (ptr, False)
@@ -153,7 +153,7 @@ def test_region_maps_unmaps_and_maps_again_at_the_same_address():
     region.unmap()  # a no-op while unmapped
     lib.calls.clear()
     region.map()
-    assert names(lib) == ["cuMemCreate", "cuMemMap", "cuMemSetAccess"]
+    assert names(lib) == mapping
     assert region.ptr == ptr and lib.mappings == {ptr: 2}
     region.close()
     assert names(lib)[-1] == "cuMemAddressFree" and not lib.mappings and not lib.live_handles
