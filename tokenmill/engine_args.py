@@ -136,7 +136,8 @@ class EngineArgs:
     kv_offloading_size: float | None = _flag(
         "GiB of host memory for a second KV tier (vLLM's flag): prefix-cache blocks evicted "
         "from the device move there, and a later request whose prefix is there loads it "
-        "back instead of computing it again. Off by default."
+        "back instead of computing it again. With -tp, the total over the ranks (each holds "
+        "its share). Off by default."
     )
     kv_offloading_backend: str | None = _flag(
         "How KV blocks are offloaded: native (the default with --kv-offloading-size).",
@@ -147,7 +148,8 @@ class EngineArgs:
         "memory move there (needs --kv-offloading-size and --kv-offloading-disk-size)."
     )
     kv_offloading_disk_size: float | None = _flag(
-        "GiB of the disk tier (with --kv-offloading-disk-path)."
+        "GiB of the disk tier (with --kv-offloading-disk-path); with -tp, the total over the "
+        "ranks."
     )
     enable_chunked_prefill: bool = _flag("Split long prompts across steps.", default=True)
     scheduling_policy: str = _flag(
@@ -354,7 +356,6 @@ class EngineArgs:
         check_parallel_layout(model_config, parallel_config)
         check_parallel_features(
             parallel_config,
-            enable_sleep_mode=self.enable_sleep_mode,
             kv_offloading=bool(self.kv_offloading_size),
             speculative=speculative_fields is not None,
             fp8_kv_cache=self.kv_cache_dtype.startswith("fp8"),

@@ -210,8 +210,6 @@ MLA = {
          r"DeepseekV3ForCausalLM \(multi-head latent attention\) does not split"),
         ({**CONFIG, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss"},
          {"pipeline_parallel_size": 2}, "GptOssForCausalLM .* does not split"),
-        (CONFIG, {"pipeline_parallel_size": 2, "enable_sleep_mode": True},
-         "--enable-sleep-mode is not implemented with pipeline parallelism"),
         (CONFIG, {"pipeline_parallel_size": 2, "kv_offloading_size": 1.0},
          "--kv-offloading-size is not implemented with pipeline parallelism"),
         (CONFIG, {"tensor_parallel_size": 2, "speculative_config": NGRAM},

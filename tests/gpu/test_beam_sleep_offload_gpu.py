@@ -117,3 +117,74 @@ def test_offload_tier_gives_the_same_outputs(tiny_llama):
     offloaded, stats = run(kv_offloading_size=0.5)
     assert offloaded == plain
     assert stats["host_hit_tokens"] > 0
+
+
+def _greedy_tokens(llm, prompts) -> list[list[int]]:
+    from tokenmill import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+
+def test_sleep_keeps_addresses_and_cuda_graphs(tiny_llama):
+    """With CUDA virtual memory the weights and the KV cache wake up at their old addresses:
+    every parameter and the KV arena keep their data_ptr(), the captured graphs are the same
+    objects (not captured again), the device's free memory rises by the arenas' size while
+    asleep, and greedy outputs are those before the nap, at level 1 and level 2."""
+    from tokenmill import LLM
+
+    _, path = tiny_llama
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory=2 << 30, enable_sleep_mode=True)
+    core = llm.llm_engine.engine_core
+    runner = core.executor.worker.model_runner
+    mode = runner.sleep_mode
+    assert mode.vmm is not None, "CUDA virtual memory management unavailable (see the log)"
+    assert runner.graphs is not None
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4)]
+    before = _greedy_tokens(llm, prompts)
+    graphs = runner.graphs
+    addresses = (mode.weights.buffer.data_ptr(), runner.kv_arena.data_ptr())
+    params = [p.data_ptr() for p in runner.model.parameters()]
+    held = core.memory_bytes()
+    # The mapped sizes: the arenas' bytes rounded up to the 2 MiB granularity.
+    assert 0 <= held["weights"] - mode.weights.nbytes < 2 << 20
+    kv_bytes = runner.kv_arena.numel() * runner.kv_arena.element_size()
+    assert 0 <= held["kv_cache"] - kv_bytes < 2 << 20
+    for level in (1, 2):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # sleeping empties torch's cache too: not the arenas' bytes
+        free_awake = torch.cuda.mem_get_info()[0]
+        llm.sleep(level=level)
+        assert core.memory_bytes() == {"weights": 0, "kv_cache": 0}
+        freed = torch.cuda.mem_get_info()[0] - free_awake
+        assert freed >= held["weights"] + held["kv_cache"] - (64 << 20)
+        llm.wake_up()
+        torch.cuda.synchronize()
+        assert torch.cuda.mem_get_info()[0] - free_awake < 64 << 20  # all of it back
+        assert (mode.weights.buffer.data_ptr(), runner.kv_arena.data_ptr()) == addresses
+        assert [p.data_ptr() for p in runner.model.parameters()] == params
+        assert runner.graphs is graphs  # replayed as captured, never captured again
+        assert core.memory_bytes() == held
+        assert _greedy_tokens(llm, prompts) == before
+    llm.llm_engine.shutdown()
+
+
+def test_sleep_without_virtual_memory_falls_back(tiny_llama, monkeypatch):
+    """Where VMM is unavailable, the storages are freed and allocated again through torch:
+    outputs are the same after waking (the graphs are captured again if an address moved)."""
+    from tokenmill import LLM
+    from tokenmill.worker import sleep_mode
+
+    monkeypatch.setattr(sleep_mode, "stable_device_memory", lambda device: None)
+    _, path = tiny_llama
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory=1 << 30, enable_sleep_mode=True)
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    assert runner.sleep_mode.vmm is None
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4)]
+    before = _greedy_tokens(llm, prompts)
+    for level in (1, 2):
+        llm.sleep(level=level)
+        llm.wake_up()
+        assert _greedy_tokens(llm, prompts) == before
+    assert runner.graphs is not None
+    llm.llm_engine.shutdown()

@@ -132,6 +132,9 @@ class KVOffloadManager:
         self.transfers = KVTransfers()
         # Tokens found in each tier by admitted requests since the last snapshot.
         self.hit_tokens = {HOST: 0, DISK: 0}
+        # Steps that handed the worker moves: the engine asks the workers for their copy
+        # statistics only after new ones (a round trip to every rank).
+        self.num_transfer_steps = 0
 
     def begin_step(self) -> None:
         """Unpin the slots of the moves already handed to the worker."""
@@ -141,6 +144,8 @@ class KVOffloadManager:
 
     def take_transfers(self) -> KVTransfers:
         transfers, self.transfers = self.transfers, KVTransfers()
+        if transfers:
+            self.num_transfer_steps += 1
         return transfers
 
     # ---- eviction from the device ----------------------------------------------------------

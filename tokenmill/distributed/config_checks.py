@@ -106,7 +106,6 @@ def parallel_config_from_flags(
 def check_parallel_features(
     pc: ParallelConfig,
     *,
-    enable_sleep_mode: bool,
     kv_offloading: bool,
     speculative: bool = False,
     fp8_kv_cache: bool = False,
@@ -114,10 +113,14 @@ def check_parallel_features(
     """Engine features that several ranks do not carry yet (beam search is refused per
     request under pipeline parallelism, ``InputProcessor``).
 
+    Sleep mode runs on every rank (each frees its stage's share); the KV offload tiers run
+    under tensor parallelism, where every rank's share of a block has the same size.
+
     Raises:
-        ConfigError: ``--enable-sleep-mode`` or ``--kv-offloading-size`` with pipeline
-            parallelism; ``--speculative-config`` or an FP8 ``--kv-cache-dtype`` with more
-            than one rank (tensor, pipeline or data parallel).
+        ConfigError: ``--kv-offloading-size`` with pipeline parallelism (stages of
+            different depths hold blocks of different sizes); ``--speculative-config`` or
+            an FP8 ``--kv-cache-dtype`` with more than one rank (tensor, pipeline or data
+            parallel).
     """
     pp = pc.pipeline_parallel_size
     sizes = (
@@ -131,17 +134,11 @@ def check_parallel_features(
     ):
         if on and ranks > 1:
             raise ConfigError(f"{flag} is not implemented with parallelism yet ({sizes})")
-    if pp == 1:
-        return
-    for flag, on in (
-        ("--enable-sleep-mode", enable_sleep_mode),
-        ("--kv-offloading-size", kv_offloading),
-    ):
-        if on:
-            raise ConfigError(
-                f"{flag} is not implemented with pipeline parallelism "
-                f"(--pipeline-parallel-size {pp})"
-            )
+    if pp > 1 and kv_offloading:
+        raise ConfigError(
+            f"--kv-offloading-size is not implemented with pipeline parallelism "
+            f"(--pipeline-parallel-size {pp})"
+        )
 
 
 def num_experts(model_config: ModelConfig) -> int:

@@ -21,6 +21,7 @@ from tokenmill.core.engine_io import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    SchedulerStats,
 )
 from tokenmill.core.grammar_compilation import (
     WORKER_NICE,
@@ -82,8 +83,9 @@ class EngineCore:
         self.executor = (executor_factory or _default_executor)(config)
         num_blocks = self._init_kv_cache()
         self._offload = bool(config.cache_config.kv_offloading_bytes)
+        self._offload_steps_seen = 0  # KVOffloadManager.num_transfer_steps when last asked
         offload_slots = (
-            self.executor.collective_rpc("kv_offload_slots")[0] if self._offload else (0, 0)
+            self.executor.kv_offload_slots() if self._offload else (0, 0)
         )
         # Pipeline parallelism: up to one micro-batch in flight per stage.
         self.num_stages = config.parallel_config.pipeline_parallel_size
@@ -300,14 +302,22 @@ class EngineCore:
         if self._failed:
             outputs.outputs[:0], self._failed = self._failed, []
         if outputs.scheduler_stats is not None and self._offload:
-            worker_stats = self.executor.collective_rpc("take_kv_offload_stats")[0]
-            outputs.scheduler_stats.kv_offload_stats.update(worker_stats)
+            self._add_kv_offload_stats(outputs.scheduler_stats)
         if outputs.scheduler_stats is not None:
             # Requests whose grammars compile are waiting too (vLLM's WAITING_FOR_FSM).
             outputs.scheduler_stats.num_waiting_reqs += len(self._grammars)
             outputs.scheduler_stats.num_constraint_failures += self._num_constraint_failures
             self._num_constraint_failures = 0
         return outputs
+
+    def _add_kv_offload_stats(self, stats: SchedulerStats) -> None:
+        """The workers' bytes and seconds of the offload copies made since the last call
+        that found new ones (the workers count them until asked)."""
+        offload = self.scheduler.kv_cache_manager.offload
+        if offload is None or offload.num_transfer_steps == self._offload_steps_seen:
+            return
+        self._offload_steps_seen = offload.num_transfer_steps
+        stats.kv_offload_stats.update(self.executor.take_kv_offload_stats())
 
     def _step_sync(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()
@@ -402,7 +412,7 @@ class EngineCore:
         if self._asleep:
             return None
         outputs = self._drop_kv_cache()
-        self.executor.collective_rpc("sleep", (level,))
+        self.executor.sleep(level)
         self._asleep = {"weights", "kv_cache"}
         return outputs
 
@@ -418,7 +428,7 @@ class EngineCore:
         if unknown:
             raise ValueError(f"unknown wake-up tags {sorted(unknown)}: use weights, kv_cache")
         if self._asleep:
-            self.executor.collective_rpc("wake_up", (tags,))
+            self.executor.wake_up(tags)
             self._asleep -= set(tags)
 
     def update_weights(self, path: str) -> EngineCoreOutputs | None:
@@ -435,22 +445,26 @@ class EngineCore:
         if "weights" in self._asleep:
             raise ValueError("the weights are asleep: wake them first (tags=['weights'])")
         outputs = self._drop_kv_cache()
-        self.executor.collective_rpc("update_weights", (path,))
+        self.executor.update_weights(path)
         return outputs
 
     def memory_bytes(self) -> dict[str, int]:
-        """Device bytes the weights and the KV cache hold now."""
-        return self.executor.collective_rpc("memory_bytes")[0]
+        """Device bytes the weights and the KV cache hold now (summed over the ranks)."""
+        return self.executor.memory_bytes()
 
     def _drop_kv_cache(self) -> EngineCoreOutputs | None:
-        """Finish the step in flight, preempt the running requests and empty the prefix
-        cache: nothing may read the KV cache after this. The encoder cache is emptied too
-        (the worker drops its outputs with the next step): images encoded by the old
-        weights must not be read after ``update_weights``."""
+        """Finish the steps in flight (async scheduling's, pipeline micro-batches), preempt
+        the running requests and empty the prefix cache: nothing may read the KV cache
+        after this. The encoder cache is emptied too (the worker drops its outputs with the
+        next step): images encoded by the old weights must not be read after
+        ``update_weights``."""
         outputs = None
         if self._pending is not None:
             outputs = self._collect(self._pending)
             self._pending = None
+        while self._batches:
+            collected = self._collect(self._batches.popleft())
+            outputs = collected if outputs is None else _merge(outputs, collected)
         self.scheduler.preempt_all()
         reset = self.scheduler.reset_prefix_cache()
         assert reset, "blocks still in use after preempting every request"

@@ -99,6 +99,33 @@ class RankWorker:
     def remove_lora(self, lora_int_id: int) -> bool:
         return self.worker.remove_lora(lora_int_id)
 
+    # ---- sleep mode, weight updates, KV offload tiers -------------------------------------
+    # A call that fails here (no sleep mode, weights asleep, an unreadable checkpoint, the
+    # device out of memory on waking) answers (error type name, message) rather than
+    # raising, which would end the rank: the engine reports it and goes on (every rank
+    # reads the same checkpoint and has the same state, so all answer alike).
+
+    def sleep(self, level: int = 1) -> RankError | None:
+        return _answer(self.rank, self.worker.sleep, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> RankError | None:
+        return _answer(self.rank, self.worker.wake_up, tags)
+
+    def update_weights(self, path: str) -> RankError | None:
+        return _answer(self.rank, self.worker.update_weights, path)
+
+    def is_sleeping(self) -> bool:
+        return self.worker.is_sleeping()
+
+    def memory_bytes(self) -> dict[str, int]:
+        return self.worker.memory_bytes()
+
+    def kv_offload_slots(self) -> tuple[int, int]:
+        return self.worker.kv_offload_slots()
+
+    def take_kv_offload_stats(self) -> dict[str, float]:
+        return self.worker.take_kv_offload_stats()
+
     def layout(self) -> str:
         """This rank's share of the model, for the start-up log."""
         from tokenmill.distributed.parallel_state import (
@@ -118,6 +145,26 @@ class RankWorker:
         if heads is not None:
             text += f", {heads.num_heads} query / {heads.num_kv_heads} KV heads per layer"
         return text + f", {runner.model_weight_bytes() / 2**20:,.1f} MiB of weights"
+
+
+# A rank's failed call: (error type name, message).
+RankError = tuple[str, str]
+
+
+def _answer(rank: int, method: Any, *args: Any) -> RankError | None:
+    """``method(*args)``; None, or the error it raised (logged here, with a traceback when
+    it is not a user's error)."""
+    from tokenmill.hf_config import ModelLoadError
+
+    try:
+        method(*args)
+    except (ValueError, ModelLoadError) as e:
+        logger.error("rank %d: %s", rank, e)
+        return type(e).__name__, str(e)
+    except Exception as e:  # noqa: BLE001 - e.g. the device out of memory on waking
+        logger.exception("rank %d: %s failed", rank, getattr(method, "__name__", method))
+        return type(e).__name__, str(e)
+    return None
 
 
 def check_rank_method(executor: str, method: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,6 +45,7 @@ def allocate_kv_arena(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    allocate: Callable[[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One zero-filled ``[layers, *layout]`` tensor for the layers' caches, ``layout`` being
     the backend's (``get_kv_cache_shape``) for each layer's ``KVCacheSpec``.
@@ -52,6 +53,10 @@ def allocate_kv_arena(
     Zero-filled: attention reads padded block-table entries under a mask, and masked
     garbage could be NaN, which a mask does not cancel (0 * NaN = NaN). On the CPU the
     zeros come from the kernel page by page as blocks are first used.
+
+    Args:
+        allocate: gives a ``uint8`` device tensor of that many bytes for the cache (sleep
+            mode's stable-address memory); default: ``torch``'s allocator.
 
     Raises:
         ValueError: layers that cache different shapes.
@@ -65,4 +70,8 @@ def allocate_kv_arena(
         shapes.add(tuple(shape))
     if len(shapes) != 1:
         raise ValueError(f"the attention layers cache different shapes: {sorted(shapes)}")
-    return zeroed_tensor((len(specs), *shapes.pop()), dtype, device)
+    shape = (len(specs), *shapes.pop())
+    if allocate is None:
+        return zeroed_tensor(shape, dtype, device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return allocate(nbytes).view(dtype).view(shape).zero_()

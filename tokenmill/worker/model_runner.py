@@ -275,15 +275,17 @@ class ModelRunner(StepSampling, BufferMetadata):
         in its backend's layout (``[2, num_blocks, block_size, kv_heads, head_dim]``, or
         ``[num_blocks, block_size, latent]`` for MLA), and bind each layer its view. One
         tensor: sleep mode frees it at once, and the offload tiers move a block of every
-        layer with one copy; zero-filled (see ``allocate_kv_arena``).
+        layer with one copy; zero-filled (see ``allocate_kv_arena``). With sleep mode on
+        CUDA it lives in stable-address memory (``SleepMode.allocate``).
 
         Raises:
             ValueError: layers that cache different shapes (no model here does).
         """
         self.num_blocks = num_blocks
+        allocate = self.sleep_mode.allocate if self.sleep_mode is not None else None
         self.kv_arena = allocate_kv_arena(
             self.kv_cache_specs(), self.attn_backend, num_blocks, self.block_size,
-            self.kv_cache_dtype, self.device,
+            self.kv_cache_dtype, self.device, allocate,
         )  # fmt: skip
         self.kv_caches = list(self.kv_arena.unbind(0))
         assert self.model is not None

@@ -1,13 +1,17 @@
 """Sleep mode: release a model runner's weights and KV cache, and bring them back.
 
 With ``--enable-sleep-mode`` the model's weights (its parameters, and the buffers of
-quantized layers) are packed into one storage (a ``WeightArena``) when the model loads, and
-the KV cache is one tensor whose layers are views. Sleeping then frees two storages: level 1
+quantized layers) are packed into one buffer (a ``WeightArena``) when the model loads, and
+the KV cache is one tensor whose layers are views. Sleeping then frees two buffers: level 1
 copies the weights to the host first (pinned memory on CUDA; on the CPU, where the device is
-host memory, a temporary file) and level 2 drops them. Waking re-allocates both storages in
-place: every parameter and every layer's KV view follows its storage, so nothing is rebound.
-On CUDA the storages usually come back at their old addresses, and the captured CUDA graphs
-stay valid; when an address moved, the graphs are captured again.
+host memory, a temporary file) and level 2 drops them. Waking brings both back in place:
+every parameter and every layer's KV view follows its buffer, so nothing is rebound.
+
+On CUDA both buffers live in CUDA virtual memory (``device_vmm.py``): sleeping unmaps their
+physical memory and waking maps new memory at the same addresses, so the captured CUDA
+graphs stay valid. Where virtual memory management is unavailable (and on the CPU) the
+buffers' storages are resized to nothing and back instead; on CUDA they then may come back
+elsewhere, and the graphs are captured again when an address moved.
 
 A woken KV cache is zero-filled (its content is gone); weights dropped at level 2 are read
 again from the model's checkpoint unless new ones were loaded (``update_weights``).
@@ -19,12 +23,14 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from tokenmill.model.layers.attention import unbind_kv_caches
 from tokenmill.model.loader.model_loader import loaded_tensors
+from tokenmill.worker.device_vmm import region_of, stable_device_memory
 from tokenmill.worker.host_memory import release_free_host_memory
 
 logger = logging.getLogger(__name__)
@@ -32,6 +38,39 @@ logger = logging.getLogger(__name__)
 # Byte alignment of each packed storage (the widest vector loads of any kernel).
 _ALIGN = 256
 SLEEP_TAGS = ("weights", "kv_cache")
+# Allocates a uint8 device tensor of that many bytes (stable addresses: ``DeviceVmm.empty``).
+Allocate = Callable[[int], torch.Tensor]
+
+
+def free_buffer(buffer: torch.Tensor) -> None:
+    """Give a buffer's device memory back: unmap its VMM region, or resize its storage to
+    nothing. Its views stay, unreadable until ``refill_buffer``."""
+    region = region_of(buffer)
+    if region is not None:
+        region.unmap()
+    else:
+        buffer.untyped_storage().resize_(0)
+
+
+def refill_buffer(buffer: torch.Tensor, nbytes: int) -> None:
+    """Give a freed buffer ``nbytes`` of device memory again (content undefined): at the
+    same addresses for a VMM region; a no-op while it holds memory.
+
+    Raises:
+        RuntimeError: the device is out of memory.
+    """
+    region = region_of(buffer)
+    if region is not None:
+        region.map()
+    else:
+        buffer.untyped_storage().resize_(nbytes)
+
+
+def buffer_device_bytes(buffer: torch.Tensor) -> int:
+    """Bytes of device memory a buffer holds now (a VMM region's, rounded up to its
+    granularity)."""
+    region = region_of(buffer)
+    return region.mapped_bytes if region is not None else buffer.untyped_storage().nbytes()
 
 
 class WeightArena:
@@ -42,9 +81,11 @@ class WeightArena:
 
     Args:
         params: the tensors (any device, one device for all).
+        allocate: allocates the buffer (stable-address device memory); default
+            ``torch.empty``.
     """
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, params: list[torch.Tensor], allocate: Allocate | None = None) -> None:
         params = list({id(p): p for p in params}.values())  # each tensor object once
         device = params[0].device
         offsets: dict[int, int] = {}  # old storage address -> byte offset in the arena
@@ -59,7 +100,10 @@ class WeightArena:
             storages.append((size, storage))
             size += storage.nbytes()
         self.nbytes = size
-        self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        if allocate is not None:
+            self.buffer = allocate(size)
+        else:
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
         with torch.no_grad():
             for offset, storage in storages:
                 old = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
@@ -71,16 +115,24 @@ class WeightArena:
                 p.set_(arena, byte_offset // p.element_size(), p.size(), p.stride())
 
     @property
+    def device_bytes(self) -> int:
+        return buffer_device_bytes(self.buffer)
+
+    @property
     def resident(self) -> bool:
-        return self.buffer.untyped_storage().nbytes() > 0
+        return self.device_bytes > 0
 
     def release(self) -> None:
         """Free the buffer's memory (every parameter becomes unreadable)."""
-        self.buffer.untyped_storage().resize_(0)
+        free_buffer(self.buffer)
 
     def restore(self) -> None:
-        """Allocate the buffer again (its content undefined until filled)."""
-        self.buffer.untyped_storage().resize_(self.nbytes)
+        """Allocate the buffer again (its content undefined until filled).
+
+        Raises:
+            RuntimeError: the device is out of memory.
+        """
+        refill_buffer(self.buffer, self.nbytes)
 
 
 class HostBackup:
@@ -150,10 +202,10 @@ class SleepHost(Protocol):
 
 def release_kv_cache(runner: SleepHost) -> None:
     """Free the runner's KV cache memory. On CUDA the layers keep their views of the
-    empty storage, which ``restore_kv_cache`` re-allocates in place."""
+    freed buffer, which ``restore_kv_cache`` fills again in place."""
     assert runner.kv_arena is not None and runner.model is not None
     if runner.device.type == "cuda":
-        runner.kv_arena.untyped_storage().resize_(0)
+        free_buffer(runner.kv_arena)
         return
     unbind_kv_caches(runner.model)
     runner.kv_caches, runner.kv_arena = [], None
@@ -164,7 +216,7 @@ def restore_kv_cache(runner: SleepHost) -> None:
     arena = runner.kv_arena
     if runner.device.type == "cuda":
         assert arena is not None
-        arena.untyped_storage().resize_(arena.numel() * arena.element_size())
+        refill_buffer(arena, arena.numel() * arena.element_size())
         arena.zero_()
         return
     runner.initialize_kv_cache(runner.num_blocks)
@@ -180,14 +232,30 @@ class SleepMode:
     def __init__(self, runner: SleepHost) -> None:
         assert runner.model is not None
         self.runner = runner
+        # Stable-address device memory for the weights and the KV cache (None: off CUDA,
+        # or no virtual memory management).
+        self.vmm = stable_device_memory(runner.device)
         # Quantized layers keep their converted weights (int4 planes, GGUF blocks) in
         # buffers: those sleep too. Computed buffers (rotary tables) stay: level 2 could
         # not read them back from the checkpoint.
-        self.weights = WeightArena([t for _, t in loaded_tensors(runner.model)])
+        self.weights = WeightArena(
+            [t for _, t in loaded_tensors(runner.model)], self.allocate
+        )
+        if self.vmm is not None:
+            logger.info(
+                "Sleep mode: %.2f GiB of weights and the KV cache in CUDA virtual memory "
+                "(they wake up at the same addresses)", self.weights.nbytes / 2**30,
+            )  # fmt: skip
         self.backup = HostBackup()
         self.asleep: set[str] = set()  # of SLEEP_TAGS
         self._weights_saved = False  # level 1: the backup holds them
         self._addresses: tuple[int, int] = (0, 0)
+
+    @property
+    def allocate(self) -> Allocate | None:
+        """How the KV cache and the weights get their device memory (None: ``torch``'s
+        allocator)."""
+        return self.vmm.empty if self.vmm is not None else None
 
     @property
     def is_sleeping(self) -> bool:
@@ -251,6 +319,8 @@ class SleepMode:
         runner = self.runner
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
+            # NOTE: with CUDA virtual memory the addresses never move; the storages resized
+            # by the fallback may.
             if runner.graphs is not None and self._storage_addresses() != self._addresses:
                 # The captured graphs read the old addresses: capture them again.
                 logger.info("Weights or KV cache moved while asleep: capturing CUDA graphs again")
@@ -264,8 +334,7 @@ class SleepMode:
     def memory_bytes(self) -> dict[str, int]:
         """Bytes the weights and the KV cache hold on the device now."""
         kv = self.runner.kv_arena
-        kv_bytes = kv.untyped_storage().nbytes() if kv is not None else 0
         return {
-            "weights": self.weights.buffer.untyped_storage().nbytes(),
-            "kv_cache": kv_bytes,
+            "weights": self.weights.device_bytes,
+            "kv_cache": buffer_device_bytes(kv) if kv is not None else 0,
         }

@@ -39,14 +39,16 @@ def profile_run(runner: ModelRunner) -> int:
     n = runner.max_num_tokens
     num_reqs = max(1, min(runner.max_num_reqs, n // max(1, runner.max_model_len)))
     per_req = [n // num_reqs + (1 if i < n % num_reqs else 0) for i in range(num_reqs)]
-    saved, saved_blocks = runner.kv_caches, runner.num_blocks
+    saved, saved_arena, saved_blocks = runner.kv_caches, runner.kv_arena, runner.num_blocks
     cuda = runner.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(runner.device)
         torch.cuda.reset_peak_memory_stats(runner.device)
         before = torch.cuda.memory_allocated(runner.device)
     runner.initialize_kv_cache(sum(cdiv(p, runner.block_size) for p in per_req))
-    scratch = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    # What torch's allocator counted for the scratch cache (nothing when sleep mode puts it
+    # in CUDA virtual memory, which torch's peak does not see either).
+    scratch = torch.cuda.memory_allocated(runner.device) - before if cuda else 0
     try:
         slots, tables, block = [], [], 0
         for p in per_req:
@@ -90,8 +92,9 @@ def profile_run(runner: ModelRunner) -> int:
             return max(0, torch.cuda.max_memory_allocated(runner.device) - before - scratch)
         return 0
     finally:
-        runner.kv_caches, runner.num_blocks = saved, saved_blocks
-        # Rebinding releases the scratch cache, which the layers still reference.
+        runner.kv_caches, runner.kv_arena, runner.num_blocks = saved, saved_arena, saved_blocks
+        # Rebinding releases the scratch cache, which the layers still reference (its memory
+        # must be free before the caller measures the device's free memory).
         unbind_kv_caches(runner.model)
         if saved:
             bind_kv_caches(runner.model, saved)

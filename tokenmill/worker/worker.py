@@ -162,6 +162,10 @@ class Worker:
     def kv_offload_slots(self) -> tuple[int, int]:
         """Blocks the host and disk offload tiers hold ((0, 0) without offloading).
 
+        ``--kv-offloading-size`` and ``--kv-offloading-disk-size`` are the engine's, summed
+        over its ranks (as vLLM's): each of the ``world_size`` ranks holds an equal share,
+        its part of every block (its KV heads).
+
         Raises:
             ConfigError: a tier smaller than one block, a host tier larger than the
                 memory available, or a disk tier larger than its file system's free space.
@@ -171,8 +175,9 @@ class Worker:
             return 0, 0
         assert self.model_runner is not None
         per_block = self.model_runner.kv_cache_bytes_per_block()
-        host = cc.kv_offloading_bytes // per_block
-        disk = cc.kv_offloading_disk_bytes // per_block
+        ranks = self.config.parallel_config.world_size
+        host = cc.kv_offloading_bytes // ranks // per_block
+        disk = cc.kv_offloading_disk_bytes // ranks // per_block
         if host < 1 or (cc.kv_offloading_disk_path and disk < 1):
             raise ConfigError(
                 f"--kv-offloading-size / --kv-offloading-disk-size must hold at least one KV "
