@@ -22,12 +22,7 @@ from typing import TYPE_CHECKING
 from tokenmill.core.admission import AdmissionHeadroom
 from tokenmill.core.beam_group import BeamScheduling
 from tokenmill.core.encoder_cache import EncoderCacheManager
-from tokenmill.core.engine_io import (
-    CONSTRAINT_FAILURE_PREFIX,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    SchedulerStats,
-)
+from tokenmill.core.engine_io import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_offload import KVOffloadManager
 from tokenmill.core.lora_slots import LoRASlots, count_adapters
@@ -43,7 +38,7 @@ from tokenmill.core.scheduler_checks import (
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.core.speculation import Speculation
 from tokenmill.core.step_plan import StepPlan
-from tokenmill.core.stop_conditions import stop_status
+from tokenmill.core.stop_conditions import append_until_stop
 from tokenmill.math_utils import cdiv
 
 if TYPE_CHECKING:
@@ -482,17 +477,7 @@ class Scheduler:
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         kv = self.kv_cache_manager
         new_reqs = [
-            NewRequestData(
-                req_id=r.request_id,
-                prompt_token_ids=list(r.prompt_token_ids),
-                output_token_ids=list(r.output_token_ids),
-                sampling_params=r.sampling_params,
-                block_ids=kv.get_block_ids(r.request_id),
-                num_computed_tokens=r.num_computed_tokens,
-                mm_features=r.mm_features or None,
-                lora_request=r.lora_request,
-            )
-            for r in plan.new_reqs
+            NewRequestData.of(r, kv.get_block_ids(r.request_id)) for r in plan.new_reqs
         ]
         cached_reqs = CachedRequestData(
             req_ids=[r.request_id for r in plan.running_reqs],
@@ -565,7 +550,10 @@ class Scheduler:
                 if beam_output is not None:
                     outputs.append(beam_output)
                 continue
-            new_token_ids = self._append_tokens(request, step_tokens)
+            new_token_ids = append_until_stop(request, step_tokens, self.max_context_len)
+            if new_token_ids is None:
+                self._num_constraint_failures += 1
+                new_token_ids = []
             prompt_logprobs = runner.prompt_logprobs.get(req_id)
             finished = request.is_finished()
             if self.speculation is not None and not finished:
@@ -602,29 +590,6 @@ class Scheduler:
             timestamp=time.time(),
             first_scheduled=first_scheduled,
         )
-
-    def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
-        """Append sampled tokens one at a time until one ends the request.
-
-        Returns:
-            The tokens kept (those after a stop are dropped).
-        """
-        kept: list[int] = []
-        grammar = request.grammar
-        if token_ids and grammar is not None and grammar.failure is not None:
-            # Given up while its mask was filled: the token was drawn without the mask.
-            request.stop_reason = f"{CONSTRAINT_FAILURE_PREFIX} {grammar.failure}"
-            request.status = RequestStatus.FINISHED_ABORTED
-            self._num_constraint_failures += 1
-            return kept
-        for token_id in token_ids:
-            request.append_output_token_ids([token_id])
-            kept.append(token_id)
-            status = stop_status(request, token_id, self.max_context_len)
-            if status is not None:
-                request.status = status
-                break
-        return kept
 
     def free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.core.kv_offload import KVTransfers
 from tokenmill.lora.request import LoRARequest
 from tokenmill.multimodal.inputs import MultiModalFeature
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.core.request import Request
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,20 @@ class NewRequestData:
     num_computed_tokens: int
     mm_features: list[MultiModalFeature] | None = None
     lora_request: LoRARequest | None = None
+
+    @classmethod
+    def of(cls, request: Request, block_ids: list[int]) -> NewRequestData:
+        """The data of ``request`` (its tokens copied) with its KV ``block_ids``."""
+        return cls(
+            req_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+            mm_features=request.mm_features or None,
+            lora_request=request.lora_request,
+        )
 
 
 @dataclass(frozen=True)

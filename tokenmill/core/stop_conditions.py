@@ -41,3 +41,30 @@ def stop_status(request: Request, token_id: int, max_context_len: int) -> Reques
     if request.num_tokens >= max_context_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None
+
+
+def append_until_stop(
+    request: Request, token_ids: list[int], max_context_len: int
+) -> list[int] | None:
+    """Append sampled tokens to ``request`` one at a time until one ends it (its status set
+    by ``stop_status``).
+
+    Returns:
+        The tokens kept (those after a stop are dropped); None when the request's grammar
+        had failed while its mask was filled (the tokens were drawn without the mask): the
+        request is then aborted with the failure as its stop reason and keeps no token.
+    """
+    grammar = request.grammar
+    if token_ids and grammar is not None and grammar.failure is not None:
+        request.stop_reason = f"{CONSTRAINT_FAILURE_PREFIX} {grammar.failure}"
+        request.status = RequestStatus.FINISHED_ABORTED
+        return None
+    kept: list[int] = []
+    for token_id in token_ids:
+        request.append_output_token_ids([token_id])
+        kept.append(token_id)
+        status = stop_status(request, token_id, max_context_len)
+        if status is not None:
+            request.status = status
+            break
+    return kept
