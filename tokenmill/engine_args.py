@@ -19,7 +19,6 @@ from tokenmill.arg_types import (
     add_dataclass_flags,
     byte_size_arg,
     human_readable_int,
-    parse_bytes,
 )
 from tokenmill.arg_types import flag as _flag
 from tokenmill.config import (
@@ -32,7 +31,6 @@ from tokenmill.config import (
     LoRAConfig,
     ModelConfig,
     UnsupportedQuantizationError,
-    check_kv_offloading_flags,
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
 from tokenmill.distributed.config_checks import (
@@ -42,8 +40,8 @@ from tokenmill.distributed.config_checks import (
     parallel_config_from_flags,
 )
 from tokenmill.feature_checks import check_feature_combinations, check_kv_cache_dtype
+from tokenmill.flag_checks import KV_CACHE_DTYPES, check_flag_values
 from tokenmill.lora.config import check_lora_model, create_lora_config
-from tokenmill.sampling_params import INT64_MAX, INT64_MIN
 from tokenmill.scheduler_flags import create_scheduler_config
 from tokenmill.spec_decode.config import parse_speculative_json, resolve_speculative_config
 
@@ -71,7 +69,6 @@ def default_model_path() -> str:
 
 
 # --kv-cache-dtype values (vLLM's spellings; fp8 is e4m3).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -336,7 +333,7 @@ class EngineArgs:
             ConfigError: an invalid or unimplemented value (the message names the flag).
             ModelLoadError: the model cannot be read.
         """
-        kv_bytes = self._check_flags()
+        kv_bytes = check_flag_values(self)
         kernel_config = KernelConfig.parse(self.kernel_config)
         parallel_config = parallel_config_from_flags(
             self.tensor_parallel_size,
@@ -431,71 +428,6 @@ class EngineArgs:
         if config is not None and model_config.multimodal_config is not None:
             raise ConfigError("--enable-lora is not implemented for models that take images")
         return config
-
-    def _check_flags(self) -> int | None:
-        """The checks that need no model (before its config is read, which takes seconds
-        for a large GGUF file); returns ``--kv-cache-memory`` in bytes (None: unset)."""
-        try:
-            kv_bytes = parse_bytes(self.kv_cache_memory) if self.kv_cache_memory else None
-        except ValueError as e:
-            raise ConfigError(f"--kv-cache-memory: {e}") from None
-        if kv_bytes is not None and kv_bytes <= 0:
-            raise ConfigError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(
-                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.max_model_len is not None and self.max_model_len != -1 and self.max_model_len < 1:
-            raise ConfigError(f"--max-model-len must be positive or -1, got {self.max_model_len}")
-        if self.quantization is not None:
-            from tokenmill.model.layers.quantization.selection import (
-                FLAG_METHODS,
-                resolve_quantization,
-            )
-
-            if self.quantization not in FLAG_METHODS:  # refused before the model is read
-                try:
-                    resolve_quantization(self.quantization, {}, False)
-                except ValueError as e:
-                    raise UnsupportedQuantizationError(str(e)) from None
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(
-                f"--kv-cache-dtype {self.kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}"
-            )
-        if not INT64_MIN <= self.seed <= INT64_MAX:
-            raise ConfigError(f"--seed must be a 64-bit signed integer, got {self.seed}")
-        names = self.served_model_name
-        if names is not None and any(
-            not n.strip() for n in ([names] if isinstance(names, str) else names)
-        ):
-            raise ConfigError("--served-model-name: a served model name cannot be empty")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        for name in ("prefill_pacing_tokens", "long_prefill_token_threshold"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be non-negative, got {value}")
-        if self.prefill_pacing_mode not in (None, "prompt", "step"):
-            raise ConfigError(
-                f"--prefill-pacing-mode must be prompt or step, got {self.prefill_pacing_mode!r}"
-            )
-        if self.prefill_pacing_tokens and not self.enable_chunked_prefill:
-            raise ConfigError(
-                "--prefill-pacing-tokens needs chunked prefill: without it a prompt is "
-                "computed whole in one step"
-            )
-        if self.max_logprobs < 0:
-            raise ConfigError(f"--max-logprobs must be non-negative, got {self.max_logprobs}")
-        check_kv_offloading_flags(
-            self.kv_offloading_size,
-            self.kv_offloading_backend,
-            self.kv_offloading_disk_path,
-            self.kv_offloading_disk_size,
-            self.enable_prefix_caching,
-        )
-        return kv_bytes
 
     def _resolve_device(self) -> str:
         import torch
