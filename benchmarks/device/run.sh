@@ -127,6 +127,7 @@
 #              spec_verify_tm / spec_verify_vllm: M8 steps with and without speculation (and
 #              tokenmill's forced k=4 verify step against a decode step); spec_report compares
 #   gputests_spec  the speculative decoding GPU tests (tests/gpu/test_spec_decode_gpu.py)
+#   timing_smoke  tokenmill.benchmarks.cuda_timing on a trivial graph (the kernel benchmarks' timer)
 # Results: $OUT/summary.log, $OUT/results.jsonl, $OUT/tails.log, $OUT/logs.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -165,7 +166,7 @@ stage() {  # stage NAME TIMEOUT CMD... (NAME gets $SFX, the STAGE@VARS label)
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "^VPROF|^BEAMSLEEP|^KVOFF|^QUANT|^FP8|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|^MLA|^SPEC|preempt" "$LOGS/$name.log" \
+  grep -aE "^GRAPH|^VPROF|^BEAMSLEEP|^KVOFF|^QUANT|^FP8|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|^MLA|^SPEC|preempt" "$LOGS/$name.log" \
     | grep -v "warnings.warn" | tail -${TAIL_LINES:-25} | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
@@ -446,7 +447,8 @@ run_stage() {  # run_stage NAME: one stage of the list below
     gputests_arch) stage gputests_arch 300 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     beam_sleep) TAIL_LINES=40 stage beam_sleep 1200 python3 benchmarks/device/beam_sleep_bench.py "$M8" --output-json "$OUT/beam_sleep.json" ;;
     kvoffload) stage kvoffload 900 python3 benchmarks/kv_offload_multiturn.py --model "$M8" --load-format dummy --conversations 48 --prompt-len 4096 --kv-cache-gib 8 --offload-gib 48 --output-json "$OUT/kvoffload.json" ;;
-    gputests_beam) PYTHONPATH="$XGP" stage gputests_beam 300 python3 -m pytest -q tests/gpu/test_beam_sleep_offload_gpu.py -p no:cacheprovider --timeout 200 ;;
+    gputests_beam) PYTHONPATH="$XGP" stage gputests_beam 300 python3 -m pytest -q tests/gpu/test_beam_sleep_offload_gpu.py tests/gpu/test_device_vmm_gpu.py -p no:cacheprovider --timeout 200 ;;
+    timing_smoke) stage timing_smoke 60 python3 -c "import torch; from tokenmill.benchmarks.cuda_timing import graph_replay_ms as g; x = torch.ones(1 << 20, device='cuda'); print('GRAPH replay of 20 scales: %.4f ms' % g(lambda: [x.mul_(1.0) for _ in range(20)]))" ;;
     lora_kernels) TAIL_LINES=40 stage lora_kernels 150 python3 benchmarks/device/lora_kernel_bench.py ;;
     gputests_lora) stage gputests_lora 300 python3 -m pytest -q tests/gpu/test_lora_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     lora_serve)
