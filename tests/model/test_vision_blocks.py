@@ -39,3 +39,38 @@ def test_dummy_fill_keeps_the_padding_zero():
     assert w[:i].abs().sum() > 0 and w[p : p + i].abs().sum() > 0
     assert not w[i:p].any() and not w[p + i :].any() and not mlp.gate_up_proj.bias[i:p].any()
     assert not mlp.down_proj.weight[:, i:].any()
+
+
+def test_fused_tower_path_equals_the_torch_path(monkeypatch):
+    """The blocks' CUDA branch (fused RMSNorm with the residual, the patch rotary, the SiLU
+    gate) run by Triton's interpreter on CPU tensors equals the torch branch in float32."""
+    import os
+
+    import pytest
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter")
+    from tokenmill.model.models import qwen2_5_vl_vision as vv
+    from tokenmill.model.models.qwen2_5_vl import _vision_tower
+
+    vision = dict(depth=2, hidden_size=64, intermediate_size=100, num_heads=2,
+                  out_hidden_size=32, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],
+                  hidden_act="silu")  # fmt: skip
+    torch.manual_seed(0)
+    tower = _vision_tower(vision).float().eval()
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.normal_(0, 0.05)
+        for block in tower.blocks:
+            block.mlp._zero_padding()
+    grid = torch.tensor([[1, 8, 12], [1, 4, 4]])
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 14 * 14)
+    with torch.no_grad():
+        ref = tower(pixels, grid_thw=grid)
+        ref = getattr(ref, "pooler_output", ref)
+        monkeypatch.setattr(vv, "use_triton", lambda x: True)
+        got = tower(pixels, grid_thw=grid)
+        got = getattr(got, "pooler_output", got)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
