@@ -217,7 +217,7 @@ MLA = {
         (CONFIG, {"tensor_parallel_size": 2, "enable_lora": True, "fully_sharded_loras": True,
                   "max_lora_rank": 1},
          r"--fully-sharded-loras: --max-lora-rank \(1\) must be divisible by "
-         r"--tensor-parallel-size \(2\)"),
+         r"--tensor-parallel-size \(2\); e.g. 8"),
         (CONFIG, {"tensor_parallel_size": 2, "kv_cache_dtype": "fp8"},
          "--kv-cache-dtype fp8 is not implemented with parallelism"),
         (CONFIG, {"tensor_parallel_size": 2, "quantization": "fp8"},

@@ -65,6 +65,7 @@ def test_update_weights(sleepy_server, tiny_llama_checkpoints):
     assert updated != original
     r = server.post("/update_weights", {"model_path": "/nonexistent/folder"})
     assert r.status_code == 400
+    assert "no such file or directory" in r.json()["error"]["message"]
     assert completion(server) == updated  # a failed update leaves the weights as they were
     assert server.post("/update_weights", {"model_path": first}).status_code == 200
     assert completion(server) == original

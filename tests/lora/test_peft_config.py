@@ -81,6 +81,11 @@ def test_flag_checks():
     assert create_lora_config(True, None, 1, 16, None, "auto", True, 2).fully_sharded_loras
     with pytest.raises(ValueError, match=r"--max-lora-rank \(16\) .* --tensor-parallel-size \(3\)"):
         create_lora_config(True, None, 1, 16, None, "auto", True, 3)
+    # No rank vLLM allows divides 3: the message says so instead of asking for one.
+    with pytest.raises(ValueError, match="no allowed rank is: drop --fully-sharded-loras"):
+        create_lora_config(True, None, 1, 8, None, "auto", True, 3)
+    with pytest.raises(ValueError, match=r"\(4\); e.g. 8$"):
+        create_lora_config(True, None, 1, 1, None, "auto", True, 4)
 
 
 def test_lora_on_a_quantized_model_is_refused(smollm2_gguf_path):

@@ -88,9 +88,16 @@ def create_lora_config(
     if lora_dtype not in LORA_DTYPES:
         raise ValueError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}")
     if fully_sharded_loras and max_lora_rank % tensor_parallel_size:
+        fits = [r for r in SUPPORTED_RANKS if r % tensor_parallel_size == 0]
+        above = [r for r in fits if r >= max_lora_rank] or fits[-1:]
+        hint = (
+            f"e.g. {above[0]}" if above
+            else "no allowed rank is: drop --fully-sharded-loras (the default shards half of "
+            "the adapters' work)"
+        )
         raise ValueError(
             f"--fully-sharded-loras: --max-lora-rank ({max_lora_rank}) must be divisible by "
-            f"--tensor-parallel-size ({tensor_parallel_size})"
+            f"--tensor-parallel-size ({tensor_parallel_size}); {hint}"
         )
     modules = [parse_lora_module(e) if isinstance(e, str) else e for e in entries]
     names = [m.name for m in modules]

@@ -12,6 +12,7 @@ from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
+from tokenmill.hf_config import ModelLoadError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.worker.host_memory import GiB, check_host_memory
 from tokenmill.worker.kv_offload import KVOffloadStore
@@ -242,6 +243,8 @@ class Worker:
             ModelLoadError: the checkpoint cannot be read or does not fit the model.
         """
         assert self.model_runner is not None
+        if not os.path.exists(path):
+            raise ModelLoadError(f"{path}: no such file or directory")
         mode = self.model_runner.sleep_mode
         if mode is not None and "weights" in mode.asleep:
             raise ValueError(
