@@ -37,6 +37,9 @@ def test_text_answer_with_instructions_and_usage(default_server):
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     if response.status == "incomplete":
         assert response.incomplete_details.reason == "max_output_tokens"
+    cut = client.responses.create(model=MODEL, input="Tell me a long story.",
+                                  max_output_tokens=3, temperature=0)  # fmt: skip
+    assert cut.status == "incomplete" and cut.output[-1].status == "incomplete"
     assert client.responses.retrieve(response.id).output_text == response.output_text
 
 

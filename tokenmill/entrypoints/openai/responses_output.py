@@ -119,10 +119,15 @@ def usage(chat_usage: UsageInfo | None, reasoning_tokens: int) -> dict[str, Any]
 
 
 def finish(body: dict[str, Any], finish_reason: str | None) -> None:
-    """Set the final status: ``incomplete`` (max_output_tokens) when the answer was cut."""
+    """Set the final status: ``incomplete`` (max_output_tokens) when the answer was cut, and
+    then so is the output item it was writing (its last message or reasoning), as OpenAI's."""
     if finish_reason == "length":
         body["status"] = "incomplete"
         body["incomplete_details"] = {"reason": "max_output_tokens"}
+        for item in reversed(body.get("output") or []):
+            if item.get("type") in ("message", "reasoning"):
+                item["status"] = "incomplete"
+                break
     else:
         body["status"] = "completed"
 
