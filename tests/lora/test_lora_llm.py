@@ -119,3 +119,41 @@ def test_unloading_an_adapter_in_use_waits_for_its_requests(llm, lora_requests, 
     # Named again, the adapter is read from its folder again.
     again = llm.generate(PROMPTS[0], params, use_tqdm=False, lora_request=lora)
     assert again[0].outputs[0].token_ids == tokens
+
+
+def _altered_copy(src: str, dst, alter) -> str:
+    """``src``'s adapter with its weights (and config) changed by ``alter(weights, config)``."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(f"{dst}/adapter_model.safetensors")
+    config = json.load(open(f"{dst}/adapter_config.json"))
+    alter(weights, config)
+    save_file(weights, f"{dst}/adapter_model.safetensors")
+    json.dump(config, open(f"{dst}/adapter_config.json", "w"))
+    return str(dst)
+
+
+def test_non_finite_or_misranked_adapters_are_refused(llm, adapter_dirs, tmp_path):
+    """A NaN in an adapter would reach every row of a CPU batch (all slots are computed and
+    masked), and a config ``r`` other than the weights' rank would scale them wrongly: both
+    are refused when loaded, and the base model serves on."""
+
+    def nan(weights, config):
+        for t in weights.values():
+            t.fill_(float("nan"))
+
+    def misranked(weights, config):
+        config["r"] = config["r"] // 2
+
+    params = SamplingParams(max_tokens=4, temperature=0)
+    base = llm.generate("The capital of France is", params, use_tqdm=False)
+    for i, (alter, word) in enumerate([(nan, "NaN or Inf"), (misranked, "says r=")], 90):
+        path = _altered_copy(adapter_dirs["qv"], tmp_path / str(i), alter)
+        with pytest.raises(ValueError, match=word):
+            llm.generate("hi", params, use_tqdm=False, lora_request=LoRARequest(str(i), i, path))
+    again = llm.generate("The capital of France is", params, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == base[0].outputs[0].token_ids

@@ -71,6 +71,7 @@ def test_flag_checks():
     assert (config.max_loras, config.max_cpu_loras, config.max_lora_rank) == (2, 2, 64)
     for args, message in [
         ((False, ["a=/x"], 1, 16, None, "auto", False), "needs --enable-lora"),
+        ((False, None, 1, 16, None, "auto", True), "--fully-sharded-loras needs --enable-lora"),
         ((True, None, 1, 15, None, "auto", False), "--max-lora-rank"),
         ((True, None, 4, 16, 2, "auto", False), "--max-cpu-loras"),
         ((True, ["a=/x", "a=/y"], 1, 16, None, "auto", False), "repeat"),

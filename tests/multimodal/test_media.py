@@ -158,6 +158,11 @@ def test_processor_expands_placeholders_and_counts_images(qwen_path):
         proc.process([tok, tok], [image, image])
     with pytest.raises(MediaError, match="placeholder"):
         proc.process([1, 2], [image])
+    # What the model's own processor refuses (Qwen2-VL: an aspect ratio above 200) is a
+    # MediaError too (a 400), not an internal error.
+    sliver = Image.fromarray(np.zeros((10, 2100, 3), dtype=np.uint8))
+    with pytest.raises(MediaError, match="aspect ratio"):
+        proc.process([1, tok, 2], [sliver])
 
 
 def test_mm_processor_kwargs_reach_the_image_processor_and_bad_ones_are_refused(qwen_path):

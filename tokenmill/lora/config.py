@@ -72,6 +72,8 @@ def create_lora_config(
     if not enable_lora:
         if entries:
             raise ValueError("--lora-modules needs --enable-lora")
+        if fully_sharded_loras:
+            raise ValueError("--fully-sharded-loras needs --enable-lora")
         return None
     if max_loras < 1:
         raise ValueError(f"--max-loras must be at least 1, got {max_loras}")

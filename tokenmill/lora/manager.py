@@ -174,6 +174,15 @@ class LoRAManager:
                     f"do not fit the model's layer ({inp} in, {out} out, rank "
                     f"<= {self.config.max_lora_rank})"
                 )
+            if a.shape[0] != peft.rank:
+                raise LoRAAdapterError(
+                    f"{path!r}: {module}'s lora_A has rank {a.shape[0]}, adapter_config.json "
+                    f"says r={peft.rank}"
+                )
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                # On the CPU every slot's product is computed and masked: a NaN would reach
+                # every row of the batch, not only this adapter's.
+                raise LoRAAdapterError(f"{path!r}: {module}'s lora_A/lora_B hold NaN or Inf")
             a, b = layer.shard_weights(shard, a, b)
             # Copies of this rank's slices only: the whole tensors are not kept.
             a = a.to(self.dtype, copy=True)

@@ -115,7 +115,10 @@ class MultiModalProcessor:
             return list(prompt_ids), []
         images = [check_image(im) for im in images]
         hashes = [image_hash(im) for im in images]
-        out = self.image_processor(images=images, return_tensors="np", **self.processor_kwargs)
+        try:
+            out = self.image_processor(images=images, return_tensors="np", **self.processor_kwargs)
+        except ValueError as e:  # e.g. Qwen2-VL's resize refuses an aspect ratio above 200
+            raise MediaError(f"the model's image processor refused the image: {e}") from None
         per_image = self._split(out, len(images))
         ids: list[int] = []
         features = []

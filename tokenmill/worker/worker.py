@@ -250,7 +250,14 @@ class Worker:
             raise ValueError(
                 "the weights are asleep: wake them first (wake_up with tags=['weights'])"
             )
-        self.model_runner.reload_weights(path)
+        try:
+            self.model_runner.reload_weights(path)
+        except ModelLoadError as e:
+            # Tensors stream into the running weights: those before the bad one are written.
+            raise ModelLoadError(
+                f"{e} (weights read before it were written: load a complete checkpoint with "
+                "update_weights, or sleep at level 2 and wake up for the model's own)"
+            ) from None
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes the weights and the KV cache hold on the device now."""
