@@ -73,5 +73,5 @@ def allocate_kv_arena(
     shape = (len(specs), *shapes.pop())
     if allocate is None:
         return zeroed_tensor(shape, dtype, device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return allocate(nbytes).view(dtype).view(shape).zero_()

@@ -260,11 +260,7 @@ def lora_torch(
 
     Shapes as ``lora_triton``.
     """
-    num_slots, rank, k = a.shape
-    n = b.shape[2]
-    t = (x @ a.reshape(num_slots * rank, k).T).view(-1, num_slots, rank)
-    t = t * _slot_mask(slots, num_slots)[:, :, None].to(t.dtype)
-    y += (t.view(-1, num_slots * rank) @ b.reshape(num_slots * rank, n)).to(y.dtype)
+    lora_expand_torch(y, lora_shrink_torch(x, a, slots), b, slots)
 
 
 def lora_shrink_torch(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
