@@ -110,11 +110,9 @@ def tower(model_dir: str, counts: list[int], size: int) -> None:
                 start_ev.record()
                 run(n)
                 end_ev.record()
-                host = time.perf_counter() - start
                 torch.cuda.synchronize()
                 walls.append(time.perf_counter() - start)
                 gpus.append(start_ev.elapsed_time(end_ev))
-                del host
         wall, gpu = 1e3 * statistics.median(walls), statistics.median(gpus)
         log(f"tower: {n} image(s) of {size}x{size} ({one.shape[0]} patches each): wall "
             f"{wall:.1f} ms, GPU {gpu:.1f} ms, {gpu / n:.1f} ms/image")
