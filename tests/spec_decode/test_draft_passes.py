@@ -18,6 +18,7 @@ from tokenmill.spec_decode.draft_passes import (
     first_pass_table_width,
     single_token_seq_lens,
 )
+from tokenmill.worker.step_graphs import StepGraphs
 
 # Tensor methods that bring device values to the host.
 HOST_READS = {"tolist", "item", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"}
@@ -50,6 +51,14 @@ def test_graph_buckets_pad_to_the_next_captured_size():
     assert not graphs.can_run(1)  # nothing captured: the passes run eagerly
     small = DraftGraphs(DraftBuffers(64, 6, 4, 64, 4, torch.device("cpu")))
     assert small.sizes == [1, 2, 4]
+
+
+def test_the_runner_captures_the_proposers_graphs_last_in_its_pool():
+    graphs = StepGraphs(pool=(1, 2))
+    seen = []
+    sentinel = DraftGraphs(DraftBuffers(8, 2, 2, 32, 2, torch.device("cpu")))
+    graphs.add_proposer(lambda pool: seen.append(pool) or sentinel)
+    assert seen == [(1, 2)] and graphs.sets == [sentinel]
 
 
 class _HostReads(TorchFunctionMode):

@@ -295,6 +295,8 @@ class ModelRunner(StepSampling, BufferMetadata):
         None off CUDA."""
         if self.device.type == "cuda" and self.graphs is None:
             self.graphs = StepGraphs.plan(self, self.attn_backend)
+            if self.spec_decode is not None:
+                self.graphs.add_proposer(self.spec_decode.proposer.plan_graphs)
         return self.graphs
 
     def capture_cuda_graphs(self) -> None:
