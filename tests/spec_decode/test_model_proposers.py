@@ -155,10 +155,16 @@ def plain_outputs(tiny_target, smollm2_gguf_path):
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model"])
+@pytest.mark.parametrize(
+    "method, padded",
+    [("eagle", False), ("eagle3", False), ("draft_model", False), ("eagle", True),
+     ("draft_model", True)],
+)  # fmt: skip
 def test_drafts_match_a_reference_at_every_step(
-    method, request, tiny_target, smollm2_gguf_path, hf_target, plain_outputs
+    method, padded, request, tiny_target, smollm2_gguf_path, hf_target, plain_outputs
 ):
+    """``padded``: the single-token passes run padded with inert rows, as their CUDA
+    graphs do (batches of 1..3 proposing requests padded to 4)."""
     k = 3
     if method == "draft_model":
         from transformers import AutoModelForCausalLM
@@ -173,6 +179,9 @@ def test_drafts_match_a_reference_at_every_step(
         reference = lambda tokens: drafts(weights, hf_target, tokens, k)  # noqa: E731
     spec = {"method": method, "model": path, "num_speculative_tokens": k}
     llm = LLM(tiny_target, tokenizer=smollm2_gguf_path, speculative_config=spec, **KW)
+    if padded:
+        runner = llm.llm_engine.engine_core.executor.worker.model_runner
+        runner.spec_decode.proposer.pad_batches_to = [4, 8]
     outputs, records = run_recording(llm, plain_outputs["prompts"], 10)
     assert outputs == plain_outputs["batch"]
     # The second run hits the first prompt's cached blocks (EAGLE recomputes the last).

@@ -121,6 +121,14 @@ class EagleProposer(ModelProposer):
             self._aux_layers = eagle3_aux_layers(len(target.model.layers), head_config.hf_config)
         self.module = head
 
+    def carried_shape(self) -> tuple[int, torch.dtype] | None:
+        # An EAGLE head carries its own output, of its hidden size; MTP layers the target's.
+        spec = self.config.speculative_config
+        assert spec is not None
+        head = self.config.model_config if self.method == "mtp" else spec.draft_model_config
+        assert head is not None
+        return head.hf_config.hidden_size, torch_dtype(head.dtype)
+
     def aux_hidden_layers(self) -> tuple[int, ...]:
         return self._aux_layers
 

@@ -2,14 +2,16 @@
 
 A proposer drafts up to ``k`` tokens for each request of a step that asks for them; the
 target verifies them in the request's next step. Proposers see plain arrays and tensors (the
-model runner's batch as numpy, the step's hidden states on the device), so this package
-does not depend on the worker.
+model runner's batch as numpy, the step's hidden states on the device); those with layers
+of their own reuse the worker's input staging and CUDA-graph machinery
+(``draft_passes.py``), not the model runner.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -102,6 +104,12 @@ class Proposer(abc.ABC):
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:  # noqa: B027
         """Take the caches of ``kv_cache_layers`` (``[2, num_blocks, block_size, heads,
         head_dim]`` each, in that order)."""
+
+    def plan_graphs(self, pool: tuple[int, int] | None) -> Any:
+        """CUDA graphs of the proposer's passes, uncaptured (a ``worker.cuda_graph.
+        PaddedGraphs``, which the model runner captures with its own, in its memory
+        ``pool``), or None: the proposer runs no graphs (the default)."""
+        return None
 
     @abc.abstractmethod
     def propose(self, step: VerifiedStep) -> list[list[int]]:

@@ -5,9 +5,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenmill.model.attention.backend import AttentionMetadata
+
+
+class StagedBuffer:
+    """A persistent device tensor (a view of a device arena) and the host array a step
+    fills before it is staged (``StepStaging.put_into``).
+
+    Args:
+        device: the device tensor, int64 or int32.
+        host: keep a host array of the same shape (else an empty one).
+    """
+
+    def __init__(self, device: torch.Tensor, host: bool = True) -> None:
+        self.device = device
+        dtype = {torch.int64: np.int64, torch.int32: np.int32}[device.dtype]
+        self.np = np.zeros(tuple(device.shape) if host else (0,), dtype=dtype)
 
 
 class BufferMetadata:

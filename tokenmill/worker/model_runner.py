@@ -34,7 +34,7 @@ from tokenmill.model.layers.attention import (
     kv_cache_specs,
 )
 from tokenmill.model.loader.model_loader import get_model, reload_weights, torch_dtype
-from tokenmill.worker.buffer_metadata import BufferMetadata
+from tokenmill.worker.buffer_metadata import BufferMetadata, StagedBuffer
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.host_memory import zeroed_tensor
@@ -61,16 +61,6 @@ if TYPE_CHECKING:
     from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
-
-
-class _Buffer:
-    """A persistent device tensor (a view of the runner's device arena) and the host array
-    a step fills before it is staged (``StepStaging.put_into``)."""
-
-    def __init__(self, device: torch.Tensor, host: bool = True) -> None:
-        self.device = device
-        dtype = {torch.int64: np.int64, torch.int32: np.int32}[device.dtype]
-        self.np = np.zeros(tuple(device.shape) if host else (0,), dtype=dtype)
 
 
 def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -156,12 +146,12 @@ class ModelRunner(StepSampling, BufferMetadata):
             d,
         )
         bufs = arena.buffers
-        self.input_ids, self.positions, self.slot_mapping = (_Buffer(t) for t in bufs[:3])
-        self.query_start_loc, self.seq_lens = _Buffer(bufs[3]), _Buffer(bufs[4])
+        self.input_ids, self.positions, self.slot_mapping = (StagedBuffer(t) for t in bufs[:3])
+        self.query_start_loc, self.seq_lens = StagedBuffer(bufs[3]), StagedBuffer(bufs[4])
         # A step stages its block-table rows straight from the InputBatch's table.
-        self.block_table = _Buffer(bufs[5], host=False)
-        self.prefill_range = _Buffer(bufs[6])
-        self.lora_slots = _Buffer(bufs[7])
+        self.block_table = StagedBuffer(bufs[5], host=False)
+        self.prefill_range = StagedBuffer(bufs[6])
+        self.lora_slots = StagedBuffer(bufs[7])
         # The most a step stages: its token arrays, request arrays, block-table rows, the
         # sampling rows and up to eight per-row sampling arrays of 8 bytes.
         capacity = 3 * n * 8 + n * 4 + (3 * r + 3) * 4 + r * self.max_blocks_per_req * 4 + 9 * r * 8
@@ -307,6 +297,8 @@ class ModelRunner(StepSampling, BufferMetadata):
         None off CUDA."""
         if self.device.type == "cuda" and self.graphs is None:
             self.graphs = StepGraphs.plan(self, self.attn_backend)
+            if self.spec_decode is not None:
+                self.graphs.add_proposer(self.spec_decode.proposer.plan_graphs)
         return self.graphs
 
     def capture_cuda_graphs(self) -> None:

@@ -5,12 +5,16 @@ step (``StepGraphs.try_run``).
 - whole-step graphs per padded token count for steps that mix prompt chunks with decodes,
   where the attention backend has uniform grids (``mixed_graph.py``);
 - piecewise graphs around eager attention for the other steps with prompt tokens
-  (``piecewise_graph.py``).
+  (``piecewise_graph.py``);
+- a speculative proposer's graphs of its single-token passes
+  (``spec_decode/draft_passes.py``), replayed by the proposer itself.
 
 All share one memory pool: no two of them replay at once.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -35,6 +39,7 @@ class StepGraphs:
         piecewise: piecewise graphs of steps with prompt tokens, or None.
         uniform_max_prefills: the most requests after the leading decodes that a mixed
             graph takes (the attention backend's).
+        pool: the memory pool the sets share.
     """
 
     def __init__(
@@ -43,11 +48,15 @@ class StepGraphs:
         mixed: MixedCUDAGraphRunner | None = None,
         piecewise: PiecewiseCUDAGraphRunner | None = None,
         uniform_max_prefills: int = 0,
+        pool: tuple[int, int] | None = None,
     ) -> None:
         self.decode = decode
         self.mixed = mixed
         self.piecewise = piecewise
         self.uniform_max_prefills = uniform_max_prefills
+        self.pool = pool
+        # A speculative proposer's graphs (``add_proposer``); the proposer replays them.
+        self.proposer: PaddedGraphs | None = None
 
     @classmethod
     def plan(cls, runner: GraphHost, backend: type[AttentionBackend]) -> StepGraphs:
@@ -62,12 +71,19 @@ class StepGraphs:
             mixed=mixed,
             piecewise=PiecewiseCUDAGraphRunner(runner, pool=pool),
             uniform_max_prefills=backend.uniform_max_prefills,
+            pool=pool,
         )
+
+    def add_proposer(self, plan: Callable[[tuple[int, int] | None], PaddedGraphs | None]) -> None:
+        """Plan a speculative proposer's graphs in the shared pool: ``plan(pool)``
+        (``Proposer.plan_graphs``), captured after the runner's own."""
+        self.proposer = plan(self.pool)
 
     @property
     def sets(self) -> list[PaddedGraphs]:
-        """The sets in capture order: piecewise, mixed, decode."""
-        return [g for g in (self.piecewise, self.mixed, self.decode) if g is not None]
+        """The sets in capture order: piecewise, mixed, decode, the proposer's."""
+        sets = (self.piecewise, self.mixed, self.decode, self.proposer)
+        return [g for g in sets if g is not None]
 
     def compile_passes(self) -> None:
         """Each set's warm-up passes (``PaddedGraphs.compile_pass``)."""
