@@ -1,28 +1,33 @@
-"""Group-quantized int4 products on the CPU with torch's own weight-only kernel.
+"""Quantized products on the CPU: tokenmill's native block product, or torch's int4 kernel.
 
-``torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)`` computes
-``x @ W^T`` with ``W[n, k] = (q[n, k] - 8) * s[g, n] + z[g, n]`` for ``g = k // group``
-(``q`` in 0..15, groups of 32, 64, 128 or 256 along ``K``), reading four bits per weight. It
-is vectorised (AVX2/AVX-512) for bfloat16 activations only; float32 activations take a
-scalar loop 20-50x slower, so products run in bfloat16 and the scales and zeros are stored
-in bfloat16 (the kernel's requirement), with float32 accumulation inside the kernel.
+Where the native kernels are built with AVX-512 VNNI (``tokenmill.kernels.cpu.block_gemm``),
+weights whose integers fit int8 and whose groups are multiples of 32 are packed for it: the
+activations are quantized to int8 per block of 32 (llama.cpp's Q8 activations) and every
+row, prompt or generated, runs on it; its cost barely grows with the rows, and each row's
+result is independent of the others.
 
+Elsewhere, ``torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)``
+computes ``x @ W^T`` with ``W[n, k] = (q[n, k] - 8) * s[g, n] + z[g, n]`` for ``g = k //
+group`` (``q`` in 0..15, groups of 32, 64, 128 or 256 along ``K``), reading four bits per
+weight. It is vectorised (AVX2/AVX-512) for bfloat16 activations only; float32 activations
+take a scalar loop 20-50x slower, so products run in bfloat16 and the scales and zeros are
+stored in bfloat16 (the kernel's requirement), with float32 accumulation inside the kernel.
 Integer values wider than four bits (5-, 6- and 8-bit quants) are split exactly into two
 int4 planes, ``q = 16 * h + l`` with ``l = q & 15`` and ``h = q >> 4``, whose products add
 up: ``s q + o = (16 s) h + (s l + o)``.
 
-The kernel's cost grows with the rows of ``x`` (it expands the weights for each block of
-rows), while a bfloat16 GEMM reads its weight once: on a CPU with native bfloat16 dot
-products (AVX-512 BF16, AMX) the rows of prompt tokens run on a bfloat16 copy of the weight
-where the layer keeps one (``KernelConfig.cpu_bf16_weights``, two more bytes per weight), and
-the rows of generated tokens on the int4 kernel. The choice follows each token's role, never
-the size of the step, so a request's greedy output does not depend on what else is in the
-batch: the int4 kernel gives each row the same bits whatever the other rows are, and the
-bfloat16 GEMM (oneDNN) does at a fixed row count but not across row counts (its kernel and
-accumulation order change with the rows), so it always runs on tiles of ``BF16_TILE_ROWS``
-rows, the last one padded with zeros. The model runner says which rows are prompt tokens
-(``prompt_rows``); a product without that (other callers, padded batches) runs every row on
-the int4 kernel.
+torch's kernel's cost grows with the rows of ``x`` (it expands the weights for each block
+of rows), while a bfloat16 GEMM reads its weight once: on a CPU with native bfloat16 dot
+products (AVX-512 BF16, AMX) and no native block product, the rows of prompt tokens run on
+a bfloat16 copy of the weight where the layer keeps one (``KernelConfig.cpu_bf16_weights``,
+two more bytes per weight), and the rows of generated tokens on the int4 kernel. The choice
+follows each token's role, never the size of the step, so a request's greedy output does
+not depend on what else is in the batch: the int4 kernel gives each row the same bits
+whatever the other rows are, and the bfloat16 GEMM (oneDNN) does at a fixed row count but
+not across row counts (its kernel and accumulation order change with the rows), so it
+always runs on tiles of ``BF16_TILE_ROWS`` rows, the last one padded with zeros. The model
+runner says which rows are prompt tokens (``prompt_rows``); a product without that (other
+callers, padded batches) runs every row on the int4 kernel.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+
+from tokenmill.kernels.cpu import block_gemm
+from tokenmill.kernels.cpu.block_gemm import BlockWeights
 
 KERNEL_GROUPS = (32, 64, 128, 256)
 # Rows of each bfloat16 product (see the module docstring): at 64 rows the GEMM is past the
@@ -90,8 +98,11 @@ def native_bf16() -> bool:
 
 def keeps_bf16_copy(choice: str) -> bool:
     """Whether quantized CPU weights keep a bfloat16 copy under ``choice``
-    (``KernelConfig.cpu_bf16_weights``: "auto" where ``native_bf16()``, "on", "off")."""
-    return choice == "on" or (choice == "auto" and native_bf16())
+    (``KernelConfig.cpu_bf16_weights``: "auto" where ``native_bf16()`` and the native block
+    product is not available, "on", "off")."""
+    if choice == "auto":
+        return native_bf16() and not block_gemm.available()
+    return choice == "on"
 
 
 @dataclass
@@ -118,10 +129,21 @@ class Int4Plane:
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_and_zeros.nbytes
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scales_and_zeros]
+
+
+# A weight in the form the CPU's products read: the native block product's packing, or
+# torch's int4 planes (one, or two for integers wider than four bits).
+Planes = list[Int4Plane] | list[BlockWeights]
+
 
 def supports(group: int, n: int, k: int) -> bool:
-    """Whether the CPU kernel takes this shape: a kernel group size dividing ``K`` and ``N``
-    a multiple of 16 (the packing's requirement)."""
+    """Whether a CPU kernel takes this shape: the native block product's (groups of a
+    multiple of 32), or torch's (a kernel group size dividing ``K``); ``N`` a multiple of 16
+    (both packings' requirement)."""
+    if block_gemm.available() and block_gemm.supports(group, n, k):
+        return True
     return group in KERNEL_GROUPS and k % group == 0 and n % 16 == 0
 
 
@@ -159,20 +181,20 @@ def make_planes(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | Non
     ]
 
 
-def planes_mm(x: torch.Tensor, planes: list[Int4Plane],
+def planes_mm(x: torch.Tensor, planes: Planes,
               bf16_copy: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T`` over the planes of ``W``: ``[M, K]`` -> ``[M, N]`` in ``x``'s dtype; the
     prompt rows (``prompt_rows``) on ``bf16_copy`` (``W`` as ``[N, K]`` bfloat16) when given."""
-    xb = x.to(torch.bfloat16)
     rows = _PROMPT_ROWS.get() if bf16_copy is not None else None
     if rows is not None and rows.num_rows == x.shape[0]:
+        xb = x.to(torch.bfloat16)
         if rows.prompt is None:
             return _bf16_mm(xb, bf16_copy).to(x.dtype)
         y = torch.empty(x.shape[0], bf16_copy.shape[0], dtype=x.dtype, device=x.device)
         y[rows.prompt] = _bf16_mm(xb[rows.prompt], bf16_copy).to(x.dtype)
-        y[rows.generated] = _int4_mm(xb[rows.generated], planes).to(x.dtype)
+        y[rows.generated] = _int4_mm(x[rows.generated], planes).to(x.dtype)
         return y
-    return _int4_mm(xb, planes).to(x.dtype)
+    return _int4_mm(x, planes).to(x.dtype)
 
 
 def _bf16_mm(xb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -189,8 +211,11 @@ def _bf16_mm(xb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out[:m]
 
 
-def _int4_mm(xb: torch.Tensor, planes: list[Int4Plane]) -> torch.Tensor:
-    """``[M, K]`` bfloat16 through the planes -> ``[M, N]`` float32."""
+def _int4_mm(x: torch.Tensor, planes: Planes) -> torch.Tensor:
+    """``[M, K]`` through the planes -> ``[M, N]`` float32."""
+    if isinstance(planes[0], BlockWeights):
+        return planes[0].mm(x)
+    xb = x.to(torch.bfloat16)
     y = planes[0].mm(xb).float()
     for plane in planes[1:]:
         y += plane.mm(xb)

@@ -3,10 +3,14 @@
 // layout of GGUF's Q4_0/Q4_1/Q5_x/Q8_0 and of 4-bit GPTQ/AWQ groups cut into 32s.
 //
 // Each activation row is quantized to int8 in blocks of 32 (d = max|x| / 127, q = round(x /
-// d)), and each block's integer dot product runs on u8 x s8 instructions (AVX-512 VNNI
-// vpdpbusd where the CPU has it, AVX2 vpmaddubsw + vpmaddwd otherwise), as llama.cpp's
-// Q4_1 x Q8_1 product does (ggml-quants.c). The offset term uses the exact float sum of the
-// block's activations: y = sum_b scale * d * <q_w, q_x> + offset * sum(x_b).
+// d)), as llama.cpp's Q8 activations are (ggml-quants.c), and each block's integer dot
+// product runs on AVX-512 VNNI (vpdpbusd: u8 x s8, four products per 32-bit lane). The
+// weights are packed for it (pack_blocks): a 64-byte vector holds four consecutive K of
+// sixteen output columns, so one vpdpbusd with four broadcast activation bytes advances
+// sixteen dot products, and a block of 32 K takes eight. The activations enter as u8
+// (q + 128); the 128 * sum(q_w) this adds is the accumulator's starting value, a per-block
+// constant of the weights. The offset term uses the exact float sum of the block's
+// activations: y = sum_b scale * d * <q_w, q_x> + offset * sum(x_b).
 //
 // A row's result depends only on that row: blocks add up in a fixed order and threads split
 // the output columns, so the output of one request does not change with the batch.
@@ -21,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -46,154 +51,139 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s) {
   }
 }
 
-#if defined(__AVX2__)
-// 16 bytes of nibbles -> 32 u8: low nibbles are elements 0..15, high nibbles 16..31 (GGUF's
-// order within a block).
-inline __m256i unpack_nibbles(const uint8_t* p) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  return _mm256_set_m128i(hi, lo);
-}
+constexpr int64_t kTile = 16;  // output columns per vector
 
-// Eight int32 partial sums of a (u8) x b (s8) over 32 lanes.
-inline __m256i dot_u8s8(__m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+bool vnni_built() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+  return false;
 #endif
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Rows m0..m0+MT of y[:, n] for one weight row. kNibble: w holds 16 bytes of nibbles per
-// block (values 0..15); else 32 int8 per block.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Rows r0..r0+MT of y[:, 16 t .. 16 t + 16]. Packed weights of the tile: per block, 4 x 64
+// bytes of nibbles (low nibbles K 0..3 of a group of 8, high nibbles K 4..7) or 8 x 64
+// bytes of int8, lane-major (16 columns x 4 K).
 template <bool kNibble, int MT>
-inline void block_dot(const uint8_t* wn, const float* sn, const float* on, int64_t nb,
-                      const int8_t* xq, const float* xd, const float* xs, int64_t k,
+inline void tile_rows(const uint8_t* wt, const int32_t* corr, const float* sc, const float* of,
+                      int64_t nb, const uint8_t* xu, const float* xd, const float* xs, int64_t k,
                       float* y, int64_t ldy) {
-  __m256 acc[MT];
-  for (int r = 0; r < MT; ++r) acc[r] = _mm256_setzero_ps();
+  __m512 acc[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i wa, wsign;
+    __m512i w[8];
     if constexpr (kNibble) {
-      wa = unpack_nibbles(wn + b * (kBlock / 2));
-    } else {
-      wsign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + b * kBlock));
-      wa = _mm256_sign_epi8(wsign, wsign);  // |w| as u8 (-128 -> 128)
-    }
-    for (int r = 0; r < MT; ++r) {
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock));
-      if constexpr (!kNibble) xv = _mm256_sign_epi8(xv, wsign);
-      const __m256i p = dot_u8s8(wa, xv);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sn[b] * xd[r * nb + b]),
-                               acc[r]);
-    }
-  }
-  for (int r = 0; r < MT; ++r) {
-    float off = 0.f;
-    for (int64_t b = 0; b < nb; ++b) off += on[b] * xs[r * nb + b];
-    y[r * ldy] = hsum(acc[r]) + off;
-  }
-}
-#else
-template <bool kNibble, int MT>
-inline void block_dot(const uint8_t* wn, const float* sn, const float* on, int64_t nb,
-                      const int8_t* xq, const float* xd, const float* xs, int64_t k,
-                      float* y, int64_t ldy) {
-  for (int r = 0; r < MT; ++r) {
-    float acc = 0.f, off = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      int32_t dot = 0;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        int32_t w;
-        if constexpr (kNibble) {
-          const uint8_t byte = wn[b * (kBlock / 2) + (j & 15)];
-          w = j < 16 ? (byte & 15) : (byte >> 4);
-        } else {
-          w = static_cast<int8_t>(wn[b * kBlock + j]);
-        }
-        dot += w * xq[r * k + b * kBlock + j];
+      const uint8_t* p = wt + b * 256;
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(p + j * 64);
+        w[2 * j] = _mm512_and_si512(v, mask);
+        w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
       }
-      acc += static_cast<float>(dot) * (sn[b] * xd[r * nb + b]);
-      off += on[b] * xs[r * nb + b];
+    } else {
+      const uint8_t* p = wt + b * 512;
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(p + j * 64);
     }
-    y[r * ldy] = acc + off;
+    const __m512i init = _mm512_loadu_si512(corr + b * kTile);
+    const __m512 svec = _mm512_loadu_ps(sc + b * kTile);
+    const __m512 ovec = _mm512_loadu_ps(of + b * kTile);
+    for (int r = 0; r < MT; ++r) {
+      const uint8_t* xb = xu + r * k + b * kBlock;
+      __m512i p = init;
+      for (int j = 0; j < 8; ++j) {
+        int32_t four;
+        std::memcpy(&four, xb + 4 * j, 4);
+        p = _mm512_dpbusd_epi32(p, _mm512_set1_epi32(four), w[j]);
+      }
+      const __m512 scale = _mm512_mul_ps(svec, _mm512_set1_ps(xd[r * nb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(ovec, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
+    }
   }
+  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
-#endif
 
 template <bool kNibble>
-void gemm(const int8_t* xq, const float* xd, const float* xs, int64_t m, int64_t k,
-          const uint8_t* w, const float* scales, const float* offsets, int64_t n, float* y) {
+void gemm(const uint8_t* xu, const float* xd, const float* xs, int64_t m, int64_t k,
+          const uint8_t* w, const int32_t* corr, const float* scales, const float* offsets,
+          int64_t n, float* y) {
   const int64_t nb = k / kBlock;
-  const int64_t row_bytes = kNibble ? k / 2 : k;
-  // Columns per task: enough work to amortize a task, and every thread busy on wide outputs.
-  const int64_t grain = std::max<int64_t>(8, 4096 / std::max<int64_t>(1, m * nb));
-  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t j = n0; j < n1; ++j) {
-      const uint8_t* wn = w + j * row_bytes;
-      const float* sn = scales + j * nb;
-      const float* on = offsets + j * nb;
+  const int64_t tile_bytes = kTile * (kNibble ? k / 2 : k);
+  const int64_t tiles = n / kTile;
+  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, m * nb));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* wt = w + t * tile_bytes;
+      const int32_t* ct = corr + t * nb * kTile;
+      const float* st = scales + t * nb * kTile;
+      const float* ot = offsets + t * nb * kTile;
+      float* yt = y + t * kTile;
       int64_t r = 0;
       for (; r + 4 <= m; r += 4) {
-        block_dot<kNibble, 4>(wn, sn, on, nb, xq + r * k, xd + r * nb, xs + r * nb, k,
-                              y + r * n + j, n);
+        tile_rows<kNibble, 4>(wt, ct, st, ot, nb, xu + r * k, xd + r * nb, xs + r * nb, k,
+                              yt + r * n, n);
       }
       const int64_t left = m - r;
-      const int8_t* q = xq + r * k;
+      const uint8_t* q = xu + r * k;
       const float* d = xd + r * nb;
       const float* s = xs + r * nb;
-      if (left == 3) block_dot<kNibble, 3>(wn, sn, on, nb, q, d, s, k, y + r * n + j, n);
-      if (left == 2) block_dot<kNibble, 2>(wn, sn, on, nb, q, d, s, k, y + r * n + j, n);
-      if (left == 1) block_dot<kNibble, 1>(wn, sn, on, nb, q, d, s, k, y + r * n + j, n);
+      if (left == 3) tile_rows<kNibble, 3>(wt, ct, st, ot, nb, q, d, s, k, yt + r * n, n);
+      if (left == 2) tile_rows<kNibble, 2>(wt, ct, st, ot, nb, q, d, s, k, yt + r * n, n);
+      if (left == 1) tile_rows<kNibble, 1>(wt, ct, st, ot, nb, q, d, s, k, yt + r * n, n);
     }
   });
 }
+#endif
 
-// x [M, K] float32, w [N, K / 2] (nibbles) or [N, K] (int8, as uint8) -> [M, N] float32.
-at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                      const at::Tensor& offsets, bool nibbles) {
+// x [M, K] float32 through packed weights (pack_blocks) -> [M, N] float32.
+at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& corr,
+                      const at::Tensor& scales, const at::Tensor& offsets, bool nibbles) {
+  TORCH_CHECK(vnni_built(), "block_gemm: built without AVX-512 VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "block_gemm: x must be a contiguous float32 [M, K]");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "block_gemm: w must be uint8");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const int64_t m = x.size(0), k = x.size(1), nb = k / kBlock;
   TORCH_CHECK(k % kBlock == 0, "block_gemm: K must be a multiple of 32");
-  TORCH_CHECK(w.size(1) == (nibbles ? k / 2 : k), "block_gemm: w does not match K");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && offsets.scalar_type() == at::kFloat &&
-                  scales.is_contiguous() && offsets.is_contiguous() &&
-                  scales.numel() == n * (k / kBlock) && offsets.numel() == n * (k / kBlock),
-              "block_gemm: scales and offsets must be contiguous float32 [N, K / 32]");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(1) == nb && scales.size(2) == kTile,
+              "block_gemm: scales must be [N / 16, K / 32, 16]");
+  const int64_t n = scales.size(0) * kTile;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.numel() == n * (nibbles ? k / 2 : k),
+              "block_gemm: w does not match [N, K]");
+  TORCH_CHECK(corr.scalar_type() == at::kInt && corr.is_contiguous() &&
+                  corr.numel() == scales.numel() && scales.scalar_type() == at::kFloat &&
+                  scales.is_contiguous() && offsets.scalar_type() == at::kFloat &&
+                  offsets.is_contiguous() && offsets.numel() == scales.numel(),
+              "block_gemm: corr (int32), scales and offsets (float32) must be contiguous "
+              "[N / 16, K / 32, 16]");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  const int64_t nb = k / kBlock;
   std::vector<int8_t> xq(m * k);
+  std::vector<uint8_t> xu(m * k);
   std::vector<float> xd(m * nb), xs(m * nb);
   const float* xp = x.data_ptr<float>();
   for (int64_t r = 0; r < m; ++r) {
     quantize_row(xp + r * k, k, xq.data() + r * k, xd.data() + r * nb, xs.data() + r * nb);
   }
+  for (int64_t i = 0; i < m * k; ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (nibbles) {
-    gemm<true>(xq.data(), xd.data(), xs.data(), m, k, wp, scales.data_ptr<float>(),
-               offsets.data_ptr<float>(), n, y.data_ptr<float>());
+    gemm<true>(xu.data(), xd.data(), xs.data(), m, k, wp, corr.data_ptr<int32_t>(),
+               scales.data_ptr<float>(), offsets.data_ptr<float>(), n, y.data_ptr<float>());
   } else {
-    gemm<false>(xq.data(), xd.data(), xs.data(), m, k, wp, scales.data_ptr<float>(),
-                offsets.data_ptr<float>(), n, y.data_ptr<float>());
+    gemm<false>(xu.data(), xd.data(), xs.data(), m, k, wp, corr.data_ptr<int32_t>(),
+                scales.data_ptr<float>(), offsets.data_ptr<float>(), n, y.data_ptr<float>());
   }
+#endif
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
-  m.def("block_gemm(Tensor x, Tensor w, Tensor scales, Tensor offsets, bool nibbles) -> Tensor");
+  m.def("block_gemm(Tensor x, Tensor w, Tensor corr, Tensor scales, Tensor offsets, "
+        "bool nibbles) -> Tensor");
   m.impl("block_gemm", c10::DispatchKey::CPU, TORCH_FN(block_gemm));
+  m.def("block_gemm_available() -> bool", [] { return vnni_built(); });
 }

@@ -19,8 +19,8 @@ from tokenmill.model.layers.quantization.tensors import GGUFTensor
 class GGUFSegment:
     """Consecutive output rows of one layer held in one form.
 
-    Exactly one of ``raw`` (blocks, ``[rows, row_bytes]`` uint8), ``planes`` (CPU int4
-    planes) or ``dense`` (float ``[rows, K]``) is set; ``bf16_copy`` (``[rows, K]``) may
+    Exactly one of ``raw`` (blocks, ``[rows, row_bytes]`` uint8), ``planes`` (a CPU kernel's
+    packing) or ``dense`` (float ``[rows, K]``) is set; ``bf16_copy`` (``[rows, K]``) may
     join ``planes`` for the prompt tokens' products (``int4_cpu.planes_mm``).
     """
 
@@ -28,7 +28,7 @@ class GGUFSegment:
     rows: int
     qtype: int | None = None
     raw: torch.Tensor | None = None
-    planes: list[int4_cpu.Int4Plane] = field(default_factory=list)
+    planes: int4_cpu.Planes = field(default_factory=list)
     dense: torch.Tensor | None = None
     bf16_copy: torch.Tensor | None = None
 
@@ -47,7 +47,7 @@ class GGUFSegment:
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors this segment keeps (for memory accounting)."""
-        out = [t for p in self.planes for t in (p.packed, p.scales_and_zeros)]
+        out = [t for p in self.planes for t in p.tensors()]
         return out + [t for t in (self.raw, self.dense, self.bf16_copy) if t is not None]
 
 

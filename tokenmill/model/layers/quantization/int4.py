@@ -7,7 +7,7 @@ every format becomes one ``Int4Weights`` (values unpacked, input channels sorted
 so that groups are contiguous, the sort kept as a permutation applied to ``x``), and then
 the device's form:
 
-- CPU: torch's int4 kernel (``tokenmill.kernels.quant.int4_cpu``; bfloat16 products).
+- CPU: the native block product, or torch's int4 kernel (``tokenmill.kernels.quant.int4_cpu``).
 - CUDA: the Triton dequantize-in-GEMM kernels of ``tokenmill.kernels.gemm.int4``.
 
 Layouts: AutoAWQ's GEMM packing (``awq/utils/packing_utils.py``) and AutoGPTQ's
@@ -150,10 +150,10 @@ def set_device_form(layer: nn.Module, w: Int4Weights, bf16_copy: bool = False) -
             scales = scales.repeat_interleave(group // sub, dim=1)
             zeros = zeros.repeat_interleave(group // sub, dim=1)
             group = sub
-        plane = int4_cpu.make_plane(w.q, scales, (8 - zeros) * scales, group)
-        layer.int4_planes = [plane]
-        layer.register_buffer("int4_packed", plane.packed, persistent=False)
-        layer.register_buffer("int4_scales_zeros", plane.scales_and_zeros, persistent=False)
+        # W = (q - zeros) * scales
+        layer.int4_planes = int4_cpu.make_planes(w.q, scales, -zeros * scales, group)
+        for i, t in enumerate(t for p in layer.int4_planes for t in p.tensors()):
+            layer.register_buffer(f"int4_plane_{i}", t, persistent=False)
         layer.int4_bf16 = None
         if bf16_copy:
             layer.int4_bf16 = w.dequantize(kernel_order=True).to(torch.bfloat16)
