@@ -1,12 +1,14 @@
 """The embedded SmolLM2 (Q4_1 GGUF) with its weights kept in their blocks against the float32
 path (weights dequantized at load): greedy output, and the weights' memory; with and without
-the bfloat16 copy that products of many rows (the prompts here) run on."""
+the bfloat16 copy that products of many rows (the prompts here) run on, and on the native
+block product where it runs."""
 
 from __future__ import annotations
 
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.kernels.cpu import block_gemm
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +67,23 @@ def test_greedy_output_equals_float_path(quantized, float_path):
                 assert lp_best - lp_second < NEAR_TIE and a == second, (prompt, i)
                 break
             assert abs(got.logprobs[i][a].logprob - lp_best) < LOGPROB_TOL, (prompt, i)
+
+
+@pytest.mark.skipif(not block_gemm.available(), reason="native block product not built here")
+def test_native_block_product_gives_the_float_path_greedy_output(quantized, float_path):
+    """The native block product (two int8 digits per activation, exact to ~2^-16 of a
+    block's largest) keeps every greedy token of the float32 path and each chosen token's
+    log-probability within 0.02 of it; without the bfloat16 copy nothing rounds to
+    bfloat16."""
+    if quantized.llm_engine.engine_core.config.kernel_config.cpu_bf16_weights != "off":
+        pytest.skip("the bfloat16 copy rounds the prompt's products")
+    reference, _ = float_path
+    out = quantized.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for prompt, o, ref in zip(PROMPTS, out, reference, strict=True):
+        got = o.outputs[0]
+        assert got.token_ids == ref.token_ids, prompt
+        for i, a in enumerate(got.token_ids):
+            assert abs(got.logprobs[i][a].logprob - ref.logprobs[i][a].logprob) < 0.02, prompt
 
 
 def test_weights_stay_near_the_file_size(quantized, float_path, smollm2_gguf_path):

@@ -1,11 +1,24 @@
-"""torch's CPU int4 kernel with a bfloat16 copy for prompt rows: each row's result depends
-only on its own role (prompt or generated), not on the other rows of the product."""
+"""torch's CPU int4 kernel (and the native block product where it runs) with a bfloat16 copy
+for prompt rows: each row's result depends only on its own role (prompt or generated), not on
+the other rows of the product."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from tokenmill.kernels.cpu import block_gemm
 from tokenmill.kernels.quant import int4_cpu
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def kernel(request, monkeypatch):
+    """Each test on the native block product and on torch's int4 kernel."""
+    if request.param == "native" and not block_gemm.available():
+        pytest.skip("native block product not built")
+    if request.param == "torch":
+        monkeypatch.setattr(block_gemm, "available", lambda: False)
+    return request.param
 
 
 def _weight(n: int = 64, k: int = 128, group: int = 32):

@@ -36,7 +36,8 @@ class BlockWeights:
 
     Attributes:
         packed: uint8, ``N * K / 2`` bytes (nibbles) or ``N * K`` (int8), tile-major.
-        corr: ``[N / 16, K / 32, 16]`` int32, ``-128 * sum(q)`` of each block.
+        corr: ``[N / 16, K / 32, 16]`` int32, ``-128 * sum(q)`` of each block (int8
+            weights; empty for nibbles).
         scales, offsets: ``[N / 16, K / 32, 16]`` float32.
         nibbles: whether ``packed`` holds four-bit values.
     """
@@ -53,6 +54,21 @@ class BlockWeights:
         return native_ops().block_gemm(
             x, self.packed, self.corr, self.scales, self.offsets, self.nibbles
         )
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (``[T]`` int) of ``W``, dequantized: ``[T, K]`` float32 (an
+        embedding lookup through the tied LM head's packing)."""
+        tiles, nb = self.scales.shape[:2]
+        ids = ids.reshape(-1).long()
+        t, lane = ids // TILE, ids % TILE
+        if self.nibbles:  # bytes (tile, block, group of 8 K, lane, 4 K): lo | hi << 4
+            v = self.packed.view(tiles, nb, 4, TILE, 4)[t, :, :, lane, :]
+            q = torch.stack([v & 15, v >> 4], dim=-2)
+        else:  # int8 (tile, block, group of 4 K, lane, 4 K)
+            q = self.packed.view(torch.int8).view(tiles, nb, 8, TILE, 4)[t, :, :, lane, :]
+        q = q.reshape(len(ids), nb, BLOCK).float()
+        scale, offset = self.scales[t, :, lane], self.offsets[t, :, lane]  # [T, nb]
+        return (q * scale[..., None] + offset[..., None]).view(len(ids), nb * BLOCK)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.packed, self.corr, self.scales, self.offsets]
@@ -84,10 +100,12 @@ def pack_blocks(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | Non
     else:
         packed = q.to(torch.int8).view(torch.uint8).view(tiles, TILE, nb, 8, 4)
         packed = packed.permute(0, 2, 3, 1, 4)
-    corr = (-128 * q.to(torch.int32).view(n, nb, BLOCK).sum(-1)).to(torch.int32)
 
     def by_tile(t: torch.Tensor) -> torch.Tensor:  # [N, nb] -> [N / 16, nb, 16]
         return t.view(tiles, TILE, nb).transpose(1, 2).contiguous()
 
-    return BlockWeights(packed.contiguous().view(-1), by_tile(corr), by_tile(scale),
-                        by_tile(offset), nibbles)
+    corr = torch.zeros(0, dtype=torch.int32)
+    if not nibbles:
+        corr = by_tile((-128 * q.to(torch.int32).view(n, nb, BLOCK).sum(-1)).to(torch.int32))
+    return BlockWeights(packed.contiguous().view(-1), corr, by_tile(scale), by_tile(offset),
+                        nibbles)

@@ -164,9 +164,14 @@ def make_plane(nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 
 
 def make_planes(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                group: int) -> list[Int4Plane]:
-    """``W = scale * q (+ offset)`` (``q`` int8 ``[N, K]``, per-group ``[N, K / group]``) as
-    one int4 plane when ``q`` fits four bits, else two (see the module docstring)."""
+                group: int) -> Planes:
+    """``W = scale * q (+ offset)`` (``q`` integer ``[N, K]``, per-group ``[N, K / group]``)
+    packed for the native block product where it runs and takes it, else as one int4 plane
+    when ``q`` fits four bits, else two (see the module docstring)."""
+    if block_gemm.available():
+        packed = block_gemm.pack_blocks(q, scale, offset, group)
+        if packed is not None:
+            return [packed]
     q = q.to(torch.int16)
     offset = torch.zeros_like(scale) if offset is None else offset
     lo, hi = int(q.min()), int(q.max())

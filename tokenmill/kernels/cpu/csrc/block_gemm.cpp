@@ -2,15 +2,18 @@
 // one offset per block (W[n, k] = scale[n, b] * q[n, k] + offset[n, b], b = k / 32): the
 // layout of GGUF's Q4_0/Q4_1/Q5_x/Q8_0 and of 4-bit GPTQ/AWQ groups cut into 32s.
 //
-// Each activation row is quantized to int8 in blocks of 32 (d = max|x| / 127, q = round(x /
-// d)), as llama.cpp's Q8 activations are (ggml-quants.c), and each block's integer dot
-// product runs on AVX-512 VNNI (vpdpbusd: u8 x s8, four products per 32-bit lane). The
-// weights are packed for it (pack_blocks): a 64-byte vector holds four consecutive K of
-// sixteen output columns, so one vpdpbusd with four broadcast activation bytes advances
-// sixteen dot products, and a block of 32 K takes eight. The activations enter as u8
-// (q + 128); the 128 * sum(q_w) this adds is the accumulator's starting value, a per-block
-// constant of the weights. The offset term uses the exact float sum of the block's
-// activations: y = sum_b scale * d * <q_w, q_x> + offset * sum(x_b).
+// Each activation row is quantized in blocks of 32 to two int8 digits (quantize_row: the
+// int8 of llama.cpp's Q8 activations, ggml-quants.c, plus a second digit for its rounding
+// error), and each block's integer dot products run on AVX-512 VNNI (vpdpbusd: u8 x s8,
+// four products per 32-bit lane). The weights are packed for it (pack_blocks): a 64-byte
+// vector holds four consecutive K of sixteen output columns, so one vpdpbusd with four
+// broadcast activation bytes advances sixteen dot products, and a block of 32 K takes
+// eight. Nibbles are the unsigned operand; against int8 weights the digits enter as u8
+// (digit + 128) and the 128 * sum(q_w) this adds is the accumulator's starting value, a
+// per-block constant of the weights. The two digits' dot
+// products join exactly in int32 (256 * hi + lo) before one float multiply by scale * d /
+// 256. The offset term uses the exact float sum of the block's activations:
+// y = sum_b scale * d * <q_w, hi + lo / 256> + offset * sum(x_b).
 //
 // A row's result depends only on that row: blocks add up in a fixed order and threads split
 // the output columns, so the output of one request does not change with the batch.
@@ -32,8 +35,13 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 
-// x [K] -> q [K] int8, d [K / 32] block scales, s [K / 32] float sums of the blocks.
-void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s) {
+// x [K] -> two int8 digits per value, x ~ d * (hi + lo / 256), block by block of 32: d =
+// max|x| / 127, hi = round(x / d), lo = round(256 * (x - d * hi) / d) (|lo| <= 128, held
+// to 127); d [K / 32] the block scales and s [K / 32] the float sums of the blocks. The
+// second digit makes the activations exact to about 2^-16 of the block's largest, finer than
+// bfloat16, so the products match float32 ones closely.
+void quantize_row(const float* x, int64_t k, int bias, uint8_t* hi, uint8_t* lo, float* d,
+                  float* s) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f, sum = 0.f;
@@ -44,7 +52,11 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* d, float* s) {
     const float db = amax / 127.f;
     const float inv = db > 0.f ? 1.f / db : 0.f;
     for (int64_t j = 0; j < kBlock; ++j) {
-      q[b * kBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      const float h = std::nearbyint(xb[j] * inv);
+      const float l = std::nearbyint((xb[j] * inv - h) * 256.f);
+      // bias 128: held as u8 for vpdpbusd's unsigned operand; 0: the int8 bits
+      hi[b * kBlock + j] = static_cast<uint8_t>(static_cast<int>(h) + bias);
+      lo[b * kBlock + j] = static_cast<uint8_t>(static_cast<int>(std::min(l, 127.f)) + bias);
     }
     d[b] = db;
     s[b] = sum;
@@ -67,8 +79,8 @@ bool vnni_built() {
 // bytes of int8, lane-major (16 columns x 4 K).
 template <bool kNibble, int MT>
 inline void tile_rows(const uint8_t* wt, const int32_t* corr, const float* sc, const float* of,
-                      int64_t nb, const uint8_t* xu, const float* xd, const float* xs, int64_t k,
-                      float* y, int64_t ldy) {
+                      int64_t nb, const uint8_t* xh, const uint8_t* xl, const float* xd,
+                      const float* xs, int64_t k, float* y, int64_t ldy) {
   __m512 acc[MT];
   for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi8(0x0F);
@@ -85,18 +97,32 @@ inline void tile_rows(const uint8_t* wt, const int32_t* corr, const float* sc, c
       const uint8_t* p = wt + b * 512;
       for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(p + j * 64);
     }
-    const __m512i init = _mm512_loadu_si512(corr + b * kTile);
+    // int8 weights are the signed operand and the digits enter as u8 (+ 128): the sums start
+    // at -128 * sum(q_w); nibbles are the unsigned operand and the digits the signed one.
+    const __m512i init = kNibble ? _mm512_setzero_si512() : _mm512_loadu_si512(corr + b * kTile);
     const __m512 svec = _mm512_loadu_ps(sc + b * kTile);
     const __m512 ovec = _mm512_loadu_ps(of + b * kTile);
     for (int r = 0; r < MT; ++r) {
-      const uint8_t* xb = xu + r * k + b * kBlock;
-      __m512i p = init;
+      const uint8_t* hb = xh + r * k + b * kBlock;
+      const uint8_t* lb = xl + r * k + b * kBlock;
+      __m512i ph = init, pl = init;
       for (int j = 0; j < 8; ++j) {
         int32_t four;
-        std::memcpy(&four, xb + 4 * j, 4);
-        p = _mm512_dpbusd_epi32(p, _mm512_set1_epi32(four), w[j]);
+        std::memcpy(&four, hb + 4 * j, 4);
+        const __m512i xh4 = _mm512_set1_epi32(four);
+        std::memcpy(&four, lb + 4 * j, 4);
+        const __m512i xl4 = _mm512_set1_epi32(four);
+        if constexpr (kNibble) {
+          ph = _mm512_dpbusd_epi32(ph, w[j], xh4);
+          pl = _mm512_dpbusd_epi32(pl, w[j], xl4);
+        } else {
+          ph = _mm512_dpbusd_epi32(ph, xh4, w[j]);
+          pl = _mm512_dpbusd_epi32(pl, xl4, w[j]);
+        }
       }
-      const __m512 scale = _mm512_mul_ps(svec, _mm512_set1_ps(xd[r * nb + b]));
+      // exact in int32: |<q_w, hi>| <= 32 * 127 * 128 < 2^23
+      const __m512i p = _mm512_add_epi32(_mm512_slli_epi32(ph, 8), pl);
+      const __m512 scale = _mm512_mul_ps(svec, _mm512_set1_ps(xd[r * nb + b] * (1.f / 256.f)));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc[r]);
       acc[r] = _mm512_fmadd_ps(ovec, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
     }
@@ -105,7 +131,7 @@ inline void tile_rows(const uint8_t* wt, const int32_t* corr, const float* sc, c
 }
 
 template <bool kNibble>
-void gemm(const uint8_t* xu, const float* xd, const float* xs, int64_t m, int64_t k,
+void gemm(const uint8_t* xh, const uint8_t* xl, const float* xd, const float* xs, int64_t m, int64_t k,
           const uint8_t* w, const int32_t* corr, const float* scales, const float* offsets,
           int64_t n, float* y) {
   const int64_t nb = k / kBlock;
@@ -121,16 +147,18 @@ void gemm(const uint8_t* xu, const float* xd, const float* xs, int64_t m, int64_
       float* yt = y + t * kTile;
       int64_t r = 0;
       for (; r + 4 <= m; r += 4) {
-        tile_rows<kNibble, 4>(wt, ct, st, ot, nb, xu + r * k, xd + r * nb, xs + r * nb, k,
-                              yt + r * n, n);
+        tile_rows<kNibble, 4>(wt, ct, st, ot, nb, xh + r * k, xl + r * k, xd + r * nb,
+                              xs + r * nb, k, yt + r * n, n);
       }
       const int64_t left = m - r;
-      const uint8_t* q = xu + r * k;
+      const uint8_t* h = xh + r * k;
+      const uint8_t* l = xl + r * k;
       const float* d = xd + r * nb;
       const float* s = xs + r * nb;
-      if (left == 3) tile_rows<kNibble, 3>(wt, ct, st, ot, nb, q, d, s, k, yt + r * n, n);
-      if (left == 2) tile_rows<kNibble, 2>(wt, ct, st, ot, nb, q, d, s, k, yt + r * n, n);
-      if (left == 1) tile_rows<kNibble, 1>(wt, ct, st, ot, nb, q, d, s, k, yt + r * n, n);
+      float* yr = yt + r * n;
+      if (left == 3) tile_rows<kNibble, 3>(wt, ct, st, ot, nb, h, l, d, s, k, yr, n);
+      if (left == 2) tile_rows<kNibble, 2>(wt, ct, st, ot, nb, h, l, d, s, k, yr, n);
+      if (left == 1) tile_rows<kNibble, 1>(wt, ct, st, ot, nb, h, l, d, s, k, yr, n);
     }
   });
 }
@@ -151,29 +179,32 @@ at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
                   w.numel() == n * (nibbles ? k / 2 : k),
               "block_gemm: w does not match [N, K]");
   TORCH_CHECK(corr.scalar_type() == at::kInt && corr.is_contiguous() &&
-                  corr.numel() == scales.numel() && scales.scalar_type() == at::kFloat &&
+                  corr.numel() == (nibbles ? 0 : scales.numel()) &&
+                  scales.scalar_type() == at::kFloat &&
                   scales.is_contiguous() && offsets.scalar_type() == at::kFloat &&
                   offsets.is_contiguous() && offsets.numel() == scales.numel(),
-              "block_gemm: corr (int32), scales and offsets (float32) must be contiguous "
-              "[N / 16, K / 32, 16]");
+              "block_gemm: corr (int32; empty for nibbles), scales and offsets (float32) "
+              "must be contiguous [N / 16, K / 32, 16]");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  std::vector<int8_t> xq(m * k);
-  std::vector<uint8_t> xu(m * k);
+  std::vector<uint8_t> xh(m * k), xl(m * k);
   std::vector<float> xd(m * nb), xs(m * nb);
   const float* xp = x.data_ptr<float>();
   for (int64_t r = 0; r < m; ++r) {
-    quantize_row(xp + r * k, k, xq.data() + r * k, xd.data() + r * nb, xs.data() + r * nb);
+    quantize_row(xp + r * k, k, nibbles ? 0 : 128, xh.data() + r * k, xl.data() + r * k, xd.data() + r * nb,
+                 xs.data() + r * nb);
   }
-  for (int64_t i = 0; i < m * k; ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int32_t* cp = nibbles ? nullptr : corr.data_ptr<int32_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.data_ptr<float>();
   if (nibbles) {
-    gemm<true>(xu.data(), xd.data(), xs.data(), m, k, wp, corr.data_ptr<int32_t>(),
-               scales.data_ptr<float>(), offsets.data_ptr<float>(), n, y.data_ptr<float>());
+    gemm<true>(xh.data(), xl.data(), xd.data(), xs.data(), m, k, wp, cp, sp, op, n,
+               y.data_ptr<float>());
   } else {
-    gemm<false>(xu.data(), xd.data(), xs.data(), m, k, wp, corr.data_ptr<int32_t>(),
-                scales.data_ptr<float>(), offsets.data_ptr<float>(), n, y.data_ptr<float>());
+    gemm<false>(xh.data(), xl.data(), xd.data(), xs.data(), m, k, wp, cp, sp, op, n,
+                y.data_ptr<float>());
   }
 #endif
   return y;

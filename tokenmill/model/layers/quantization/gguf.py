@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.kernels.cpu.block_gemm import BlockWeights
 from tokenmill.kernels.quant.gguf_blocks import dequantize
 from tokenmill.model.layers.quantization.base import (
     LinearMethod,
@@ -97,7 +98,9 @@ class GGUFEmbeddingMethod:
     """Token embeddings (and a tied or separate LM head) over GGUF blocks.
 
     ``embed(ids [T]) -> [T, H]`` dequantizes only the rows read; ``apply(hidden [N, H]) ->
-    [N, V]`` is the LM head's product (shared with the tied embedding's blocks).
+    [N, V]`` is the LM head's product (shared with the tied embedding's blocks). Where the
+    head is packed for the native block product, the tied embedding reads its rows from that
+    packing and the blocks are dropped (one copy of the vocabulary's weights).
     """
 
     def __init__(self, dtype: torch.dtype) -> None:
@@ -107,6 +110,8 @@ class GGUFEmbeddingMethod:
         self.qtype: int | None = None
         self.dense: torch.Tensor | None = None
         self.segments: list[GGUFSegment] = []
+        self.head_rows: BlockWeights | None = None  # the embedding's rows, in the head
+        self.raw_owner: nn.Module | None = None
 
     def load(self, layer: nn.Module, loaded: torch.Tensor | GGUFTensor) -> None:
         if isinstance(loaded, GGUFTensor):
@@ -125,12 +130,15 @@ class GGUFEmbeddingMethod:
         if self.raw is not None:
             self.raw = self.raw.to(device).contiguous()
             layer.register_buffer("gguf_raw", self.raw, persistent=False)
+            self.raw_owner = layer
         else:
             assert self.dense is not None
             self.dense = self.dense.to(device=device, dtype=self.dtype)
             layer.register_buffer("gguf_dense", self.dense, persistent=False)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.head_rows is not None:
+            return self.head_rows.rows(ids).to(self.dtype).reshape(*ids.shape, -1)
         if self.raw is None:
             return torch.nn.functional.embedding(ids, self.dense)
         rows = self.raw.index_select(0, ids.reshape(-1))
@@ -149,6 +157,12 @@ class GGUFEmbeddingMethod:
             for j, t in enumerate(seg.tensors()):
                 if t is not self.raw and t is not self.dense:
                     layer.register_buffer(f"gguf_head_{i}_{j}", t, persistent=False)
+        planes = self.segments[0].planes if len(self.segments) == 1 else []
+        if self.raw is not None and planes and isinstance(planes[0], BlockWeights):
+            self.head_rows = planes[0]
+            if self.raw_owner is not None:
+                del self.raw_owner._buffers["gguf_raw"]
+            self.raw = None
 
     def apply(self, hidden: torch.Tensor) -> torch.Tensor:
         return segments_mm(self.segments, hidden)
