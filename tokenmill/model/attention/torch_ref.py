@@ -1,26 +1,36 @@
 """Reference paged attention in plain torch: the CPU backend, and the ground truth the GPU
 kernels are tested against.
 
-Decode requests (one query token each) are attended in batched calls over their gathered
-blocks, one call per padded key length (``DECODE_KEY_GRANULE``, which keeps a request's
-result independent of the batch); prompt chunks one request at a time, with a causal mask
-aligned to the end of the context (query ``r`` of a chunk after ``c`` cached tokens sees keys
-``0..c+r``), narrowed by the layer's sliding window or attention chunk. Soft-capped scores
-and attention sinks take an explicit float32 softmax; plain layers take torch's fused
-attention.
+Decode requests (one query token each) take the native paged decode kernel
+(``tokenmill_cpu.paged_decode_attention``, ``kernels/cpu/csrc/paged_attention.cpp``) where it
+applies: a contiguous float32, bfloat16 or float16 cache on the CPU, a head size that is a
+multiple of 16, and a layer with at most a sliding window (no soft cap, sinks or attention
+chunks). It reads each request's keys straight from its blocks, one task per (request, kv
+head). Elsewhere they are attended in batched torch calls over their gathered blocks, one call
+per padded key length (``DECODE_KEY_GRANULE``). Either way a request's result is
+bit-identical whatever else is in the batch: the kernel's sums run over the request's own keys
+in a fixed order, and torch's are cut to the same padded length. Prompt chunks go one request
+at a time, with a causal mask aligned to the end of the context (query ``r`` of a chunk after
+``c`` cached tokens sees keys ``0..c+r``), narrowed by the layer's sliding window or attention
+chunk. Soft-capped scores and attention sinks take an explicit float32 softmax; plain layers
+take torch's fused attention.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels.cpu.native import native_ops
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
 
 FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Cache dtypes the native decode kernel reads.
+NATIVE_DECODE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def write_to_kv_cache(
@@ -194,7 +204,16 @@ class TorchAttentionImpl(AttentionImpl):
     def _decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, plan: dict
     ) -> torch.Tensor:
+        """The step's decode queries ``[B, H, D]`` over their contexts -> ``[B, H, D]``, by
+        the native kernel where it applies, else by torch over the padded-length groups."""
         qd = q if plan["all_decode"] else q[plan["decode_tokens"]]  # [B, H, D]
+        ops = self._native_decode_ops(kv_cache)
+        if ops is not None:
+            table, seq_lens = _native_decode_rows(plan, metadata)
+            window = self.sliding_window or 0
+            out = ops.paged_decode_attention(qd.float(), kv_cache, table, seq_lens, self.scale,
+                                             window)  # fmt: skip
+            return out.to(qd.dtype)
         groups = _decode_groups(plan, metadata, kv_cache.shape[2])
         if len(groups) == 1:
             return self._decode_group(qd, kv_cache, groups[0])
@@ -202,6 +221,21 @@ class TorchAttentionImpl(AttentionImpl):
         for group in groups:
             out[group.rows] = self._decode_group(qd[group.rows], kv_cache, group)
         return out
+
+    def _native_decode_ops(self, kv_cache: torch.Tensor) -> Any | None:
+        """``torch.ops.tokenmill_cpu`` where this layer's decode rows can take its paged
+        decode kernel (see the module docstring), else None (the torch path)."""
+        if (
+            kv_cache.device.type != "cpu"
+            or kv_cache.dtype not in NATIVE_DECODE_DTYPES
+            or not kv_cache.is_contiguous()
+            or self.head_dim % 16
+            or self.logits_soft_cap is not None
+            or self.sinks is not None
+            or self.attention_chunk_size is not None
+        ):
+            return None
+        return native_ops()
 
     def _decode_group(
         self, qd: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup
@@ -230,10 +264,11 @@ class TorchAttentionImpl(AttentionImpl):
         return group.masks[key]
 
 
-# Decode requests attend over their keys padded to a multiple of this many tokens, those
-# with the same padded length in one call. torch's attention gives a row different bits at
-# different key lengths (its blocking follows the length), so padding a request's keys to the
-# longest request of the step would make its greedy output depend on the batch.
+# On the torch path, decode requests attend over their keys padded to a multiple of this many
+# tokens, those with the same padded length in one call. torch's attention gives a row
+# different bits at different key lengths (its blocking follows the length), so padding a
+# request's keys to the longest request of the step would make its greedy output depend on
+# the batch.
 DECODE_KEY_GRANULE = 64
 
 
@@ -272,6 +307,22 @@ def _decode_groups(
             slots = context_slots(blocks, padded_len, block_size).contiguous()
             groups.append(DecodeGroup(rows, slots, lens[rows], padded_len))
     return groups
+
+
+def _native_decode_rows(
+    plan: dict, metadata: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's decode requests' block table rows ``[B, W]`` and context lengths ``[B]``,
+    int32, as the native kernel takes them; made once per step."""
+    rows = plan.get("native_decode_rows")
+    if rows is None:
+        if plan["all_decode"]:
+            table = metadata.block_table[: metadata.num_reqs]
+        else:
+            table = metadata.block_table[plan["decode_reqs"]]
+        seq_lens = plan["decode_seq_lens"].to(torch.int32)
+        rows = plan["native_decode_rows"] = (table.to(torch.int32).contiguous(), seq_lens)
+    return rows
 
 
 def padded_len_groups(seq_lens: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
