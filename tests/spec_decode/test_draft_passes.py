@@ -1,4 +1,4 @@
-"""The model proposers' passes over persistent buffers (``spec_decode/draft_passes.py``): the
+"""The model proposers' passes over persistent buffers (``worker/proposers/draft_passes.py``): the
 host side of the single-token passes, the graphs' batch buckets, and a step that uploads
 nothing one array at a time and reads the device once (the draft table), not once per
 pass."""
@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.spec_decode.draft_passes import (
+from tokenmill.worker.proposers.draft_passes import (
     MAX_GRAPH_BATCH,
     DraftBuffers,
     DraftGraphs,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tests.spec_decode.conftest import HEADS, KV_HEADS, save_llama
 from tokenmill import LLM, SamplingParams
-from tokenmill.spec_decode.eagle import read_head_weights
+from tokenmill.worker.proposers.eagle import read_head_weights
 
 EPS = 1e-5
 THETA = 10000.0

@@ -20,7 +20,7 @@ from tokenmill.model.loader.weights import initialize_dummy_weights
 from tokenmill.model.models.eagle import EagleHead
 from tokenmill.model.models.llama import LlamaForCausalLM
 from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.spec_decode.eagle import SupportsMTP
+from tokenmill.worker.proposers.eagle import SupportsMTP
 
 K = 3
 

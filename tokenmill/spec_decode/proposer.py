@@ -4,7 +4,7 @@ A proposer drafts up to ``k`` tokens for each request of a step that asks for th
 target verifies them in the request's next step. Proposers see plain arrays and tensors (the
 model runner's batch as numpy, the step's hidden states on the device); those with layers
 of their own reuse the worker's input staging and CUDA-graph machinery
-(``draft_passes.py``), not the model runner.
+(``worker/proposers/``).
 """
 
 from __future__ import annotations

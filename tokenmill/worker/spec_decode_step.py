@@ -72,10 +72,10 @@ def create_proposer(config: EngineConfig, device: torch.device) -> Proposer:
             config.model_config.max_model_len,
         )
     if spec.method == "draft_model":
-        from tokenmill.spec_decode.draft_model import DraftModelProposer
+        from tokenmill.worker.proposers.draft_model import DraftModelProposer
 
         return DraftModelProposer(config, device)
-    from tokenmill.spec_decode.eagle import EagleProposer
+    from tokenmill.worker.proposers.eagle import EagleProposer
 
     return EagleProposer(config, device)
 

@@ -7,7 +7,7 @@ step (``StepGraphs.try_run``).
 - piecewise graphs around eager attention for the other steps with prompt tokens
   (``piecewise_graph.py``);
 - a speculative proposer's graphs of its single-token passes
-  (``spec_decode/draft_passes.py``), replayed by the proposer itself.
+  (``worker/proposers/draft_passes.py``), replayed by the proposer itself.
 
 All share one memory pool: no two of them replay at once.
 """

@@ -19,8 +19,8 @@ from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.loader.model_loader import torch_dtype
 from tokenmill.model.loader.weights import initialize_dummy_weights
 from tokenmill.model.models.eagle import Eagle3Head, EagleHead
-from tokenmill.spec_decode.model_proposer import ModelProposer
 from tokenmill.spec_decode.proposer import VerifiedStep
+from tokenmill.worker.proposers.model_proposer import ModelProposer
 
 
 @runtime_checkable

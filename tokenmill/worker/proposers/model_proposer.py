@@ -36,15 +36,15 @@ from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.attention.selector import get_attn_backend
 from tokenmill.model.layers.attention import Attention, bind_kv_caches
-from tokenmill.spec_decode.draft_passes import (
+from tokenmill.spec_decode.proposer import Proposer, VerifiedStep
+from tokenmill.worker.cuda_graph import next_size
+from tokenmill.worker.proposers.draft_passes import (
     DecodePasses,
     DraftBuffers,
     DraftGraphs,
     first_pass_table_width,
     single_token_seq_lens,
 )
-from tokenmill.spec_decode.proposer import Proposer, VerifiedStep
-from tokenmill.worker.cuda_graph import next_size
 
 
 class ModelProposer(Proposer):

@@ -24,7 +24,7 @@ proposing requests replay the graph of the smallest ``P >= B``, rows ``B..P`` in
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -36,8 +36,18 @@ from tokenmill.worker.buffer_metadata import BufferMetadata, StagedBuffer
 from tokenmill.worker.cuda_graph import WholePassGraphs, default_capture_sizes
 from tokenmill.worker.step_staging import DeviceArena, StepStaging
 
-if TYPE_CHECKING:
-    from tokenmill.spec_decode.model_proposer import ModelProposer
+
+class DraftModel(Protocol):
+    """What the passes call on a proposer (``model_proposer.ModelProposer``)."""
+
+    block_size: int
+    shifted: bool
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden: torch.Tensor | None, metadata: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def greedy_tokens(self, out: torch.Tensor) -> torch.Tensor: ...
 
 # Single-token passes of more requests than this run eagerly: each captured size costs
 # ``k - 1`` passes of the draft's activations and logits in the graph pool, and past a few
@@ -139,7 +149,7 @@ class DecodePasses(nn.Module):
         num_passes: ``k - 1``.
     """
 
-    def __init__(self, proposer: ModelProposer, buffers: DraftBuffers, num_passes: int) -> None:
+    def __init__(self, proposer: DraftModel, buffers: DraftBuffers, num_passes: int) -> None:
         super().__init__()
         # Not a submodule: the proposer's layers are not this module's parameters.
         self.__dict__["proposer"] = proposer

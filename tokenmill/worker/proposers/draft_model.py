@@ -9,7 +9,7 @@ import torch
 from tokenmill.config import LoadConfig
 from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.model.loader.model_loader import get_model
-from tokenmill.spec_decode.model_proposer import ModelProposer
+from tokenmill.worker.proposers.model_proposer import ModelProposer
 
 
 class DraftModelProposer(ModelProposer):
