@@ -29,6 +29,9 @@ KV_SCALE_SUFFIXES = {
     ".q_scale": None, ".prob_scale": None, ".q_proj.output_scale": None,
 }
 
+# Problems (and missing parameters) a load error lists.
+MAX_LISTED = 8
+
 
 def load_model_weights(
     model: nn.Module,
@@ -48,11 +51,12 @@ def load_model_weights(
         source: the file(s) the tensors come from, for error messages.
 
     Checkpoint tensors of modules another pipeline stage holds (``PPMissingLayer``) are
-    skipped unread.
+    skipped unread. A tensor that does not fit is noted and the others still load, so one
+    error names every problem (the first ``MAX_LISTED``).
 
     Raises:
-        ModelLoadError: a tensor has the wrong shape, a checkpoint tensor matches no
-            parameter, or a parameter got no tensor. The message names the tensor.
+        ModelLoadError: tensors of the wrong shape, checkpoint tensors that match no
+            parameter, or parameters that got no tensor. The message names them.
     """
     elsewhere = other_stage_prefixes(model)
     params = dict(model.named_parameters())
@@ -64,6 +68,7 @@ def load_model_weights(
             if f".{part}." in name or name.startswith(f"{part}."):
                 expected_shards.setdefault(name, set()).add(shard_id)
     loaded: dict[str, set] = {}
+    problems: list[str] = []
     for ckpt_name, tensor in weights:
         if ckpt_name in skip or ckpt_name.endswith(IGNORED_SUFFIXES):
             continue
@@ -81,10 +86,11 @@ def load_model_weights(
                     break
         param = params.get(name)
         if param is None:
-            raise ModelLoadError(
-                f"{source}: tensor {ckpt_name!r} does not belong to any parameter of "
-                f"{type(model).__name__}"
+            problems.append(
+                f"tensor {ckpt_name!r} does not belong to any parameter of {type(model).__name__}"
             )
+            continue
+        loaded.setdefault(name, set()).add(shard_id)  # a wrong shape is its own problem
         loader = getattr(param, "weight_loader", None)
         try:
             if loader is None:
@@ -92,8 +98,21 @@ def load_model_weights(
             else:
                 loader(param, tensor, shard_id)
         except WeightShapeError as e:
-            raise ModelLoadError(f"{source}: tensor {ckpt_name!r}: {e}") from e
-        loaded.setdefault(name, set()).add(shard_id)
+            problems.append(f"tensor {ckpt_name!r}: {e}")
+    missing = _missing_parameters(params, loaded, expected_shards)
+    if missing:
+        problems.append(
+            f"no weights for {len(missing)} parameter(s) of {type(model).__name__}: "
+            f"{', '.join(missing[:MAX_LISTED])}{' ...' if len(missing) > MAX_LISTED else ''}"
+        )
+    if problems:
+        raise ModelLoadError(_problems_message(source, problems))
+
+
+def _missing_parameters(
+    params: dict[str, nn.Parameter], loaded: dict[str, set], expected_shards: dict[str, set]
+) -> list[str]:
+    """The parameters (or merged parts: ``name (shards ['k'])``) no tensor filled."""
     missing = []
     for name in params:
         got = loaded.get(name)
@@ -102,11 +121,15 @@ def load_model_weights(
                 missing.append(name)
         elif name in expected_shards and None not in got and got != expected_shards[name]:
             missing.append(f"{name} (shards {sorted(map(str, expected_shards[name] - got))})")
-    if missing:
-        raise ModelLoadError(
-            f"{source}: no weights for {len(missing)} parameter(s) of {type(model).__name__}: "
-            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
-        )
+    return missing
+
+
+def _problems_message(source: str, problems: list[str]) -> str:
+    if len(problems) == 1:
+        return f"{source}: {problems[0]}"
+    listed = "; ".join(problems[:MAX_LISTED])
+    more = f"; and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+    return f"{source}: {len(problems)} problems: {listed}{more}"
 
 
 def _load_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor, source: str) -> None:
