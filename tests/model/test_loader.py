@@ -135,6 +135,18 @@ def test_missing_tensor_is_named(hf_folder, tmp_path):
         _load(folder)
 
 
+def test_merged_part_too_small_is_a_shape_error(hf_folder, tmp_path):
+    """A part of a merged weight (q of qkv) with fewer rows than its slice is refused as a
+    wrong shape, not an IndexError of the narrowing."""
+    folder = _copy_folder(hf_folder, tmp_path / "small")
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(16, 32)
+    save_file(tensors, path)
+    with pytest.raises(ModelLoadError, match=r"q_proj\.weight.*\(16, 32\), too small"):
+        _load(folder)
+
+
 def test_unknown_architecture_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps({**CONFIG, "architectures": ["FooForCausalLM"]})
