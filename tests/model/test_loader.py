@@ -279,6 +279,31 @@ def test_reload_checks_the_whole_checkpoint_before_writing(hf_folder, tmp_path):
     _assert_unchanged(model, before)
 
 
+def test_dry_run_reads_no_values_and_writes_nothing(hf_folder, tmp_path, monkeypatch):
+    """``load_weights(dry_run=True)`` works from the file's header: no tensor's values are
+    read and no weight is written."""
+    import tokenmill.model.loader.safetensors_loader as st
+    from tokenmill.model.loader.model_loader import load_weights
+
+    class HeaderOnly:  # a tensor's handle whose values cannot be read
+        def __init__(self, handle) -> None:
+            self.get_shape, self.get_dtype = handle.get_shape, handle.get_dtype
+
+        def __getitem__(self, index):
+            pytest.fail("a tensor's values were read")
+
+    model = _load(hf_folder)
+    before = _weights(model)
+    path = str(tmp_path / "model.safetensors")
+    save_file(_shifted(hf_folder), path)
+    init = st.TensorSlice.__init__
+    monkeypatch.setattr(st.TensorSlice, "__init__",
+                        lambda self, handle, *a, **k: init(self, HeaderOnly(handle), *a, **k))
+    load_weights(model, _engine_config(hf_folder).model_config, "safetensors", path,
+                 dry_run=True)  # fmt: skip
+    _assert_unchanged(model, before)
+
+
 def _write_gguf(path: str, tensors: dict[str, torch.Tensor]) -> None:
     """``tensors`` (Hugging Face names) as a Llama GGUF file, llama.cpp's names, in order."""
     import gguf

@@ -3,14 +3,19 @@
 A model declares how checkpoint names map onto its merged parameters
 (``stacked_params_mapping``: ``(our_param_part, checkpoint_part, shard_id)``); each
 parameter's ``weight_loader`` slices and copies (and, with tensor parallelism, shards).
+Under ``skip_weight_writes`` the same code is a dry run: every check, no write.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from tokenmill.hf_config import ModelLoadError
 from tokenmill.model.layers.linear import default_weight_loader
@@ -106,7 +111,7 @@ def load_model_weights(
             f"{', '.join(missing[:MAX_LISTED])}{' ...' if len(missing) > MAX_LISTED else ''}"
         )
     if problems:
-        raise ModelLoadError(_problems_message(source, problems))
+        raise ModelLoadError(problems_message(source, problems))
 
 
 def _missing_parameters(
@@ -124,7 +129,9 @@ def _missing_parameters(
     return missing
 
 
-def _problems_message(source: str, problems: list[str]) -> str:
+def problems_message(source: str, problems: list[str]) -> str:
+    """One error message for ``problems`` of the checkpoint ``source`` (the first
+    ``MAX_LISTED``)."""
     if len(problems) == 1:
         return f"{source}: {problems[0]}"
     listed = "; ".join(problems[:MAX_LISTED])
@@ -153,10 +160,45 @@ def _load_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor, source: st
     if len(layers) != 1 or tensor.numel() != 1:
         raise ModelLoadError(f"{source}: tensor {name!r} is not one KV-cache scale of an "
                              "attention layer")
+    if tensor.is_meta:  # a dry run: no value to check or set
+        return
     value = float(tensor.float().reshape(()))
     if not value > 0:
         raise ModelLoadError(f"{source}: tensor {name!r}: KV-cache scale {value} is not positive")
     setattr(layers[0], attr, value)
+
+
+class _SkipWrites(TorchFunctionMode):
+    """Runs every in-place torch call (``copy_``, ``zero_``, ``t[i] = x``, ``out=``,
+    ``.data = x``) on meta stand-ins of its tensors instead: the same shape and dtype
+    checks, nothing written. Other calls run as they are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        writes = name.endswith("_") and not name.endswith("__")
+        if not (writes or name in ("__setitem__", "__set__") or "out" in kwargs):
+            return func(*args, **kwargs)
+        func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+        return kwargs["out"] if "out" in kwargs else args[0]
+
+
+def _meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and not x.is_meta:
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
+@contextmanager
+def skip_weight_writes() -> Iterator[None]:
+    """A dry run of loading code: every in-place torch call made in this thread runs on
+    meta tensors of its arguments' shapes (the checks run, no tensor is written).
+
+    With checkpoint tensors that are meta too (``iterate_safetensors(shapes_only=True)``)
+    a whole load runs from the file headers: names, shapes per rank, missing tensors.
+    """
+    with _SkipWrites():
+        yield
 
 
 def other_stage_prefixes(model: nn.Module) -> tuple[str, ...]:
