@@ -52,6 +52,21 @@ def test_answers_are_combined_over_the_ranks():
     assert ranks.calls[-1] == ("sleep", (2,))
 
 
+def test_weights_load_on_no_rank_when_one_refuses_them():
+    """Every rank checks a checkpoint before any loads it (``check_weights``)."""
+    from tokenmill.engine.engine_core import EngineCore
+
+    ranks = FakeRanks({
+        "check_weights": [None, ("ModelLoadError", "rank 1's slice does not fit")],
+        "update_weights": [None, None],
+    })  # fmt: skip
+    core = EngineCore.__new__(EngineCore)  # only what update_weights reads
+    core.executor, core._asleep = ranks, set()
+    with pytest.raises(ModelLoadError, match="rank 1's slice"):
+        core.update_weights("/checkpoint")
+    assert [method for method, _ in ranks.calls] == ["check_weights"]
+
+
 def test_rank_errors_keep_the_user_error_types():
     raise_rank_errors([None, None])
     with pytest.raises(ValueError, match="the weights are asleep"):

@@ -101,6 +101,63 @@ def test_update_weights_changes_outputs_as_the_new_weights_do(tiny_llm, tiny_lla
     assert tokens(tiny_llm) == hf_greedy(first, tokenizer)
 
 
+def _without(name: str):
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        del tensors[name]
+
+    return change
+
+
+def _with(name: str, tensor: torch.Tensor):
+    def change(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name] = tensor
+
+    return change
+
+
+# Checkpoints that do not fit the model, each bad only after good tensors in the file's
+# (sorted) order: ``(change to the tensors, what the error says)``.
+NOT_FITTING = {
+    "wrong shape": (
+        _with("model.layers.1.mlp.down_proj.weight", torch.zeros(128, 64)),
+        r"model\.layers\.1\.mlp\.down_proj\.weight.*\(128, 64\)",
+    ),
+    "unknown tensor": (
+        _with("model.layers.1.mlp.extra.weight", torch.zeros(4)),
+        r"'model\.layers\.1\.mlp\.extra\.weight' does not belong to any parameter",
+    ),
+    "missing tensor": (
+        _without("model.layers.1.self_attn.v_proj.weight"),
+        r"no weights for .*qkv_proj\.weight \(shards \['v'\]\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", NOT_FITTING)
+def test_update_weights_refuses_a_checkpoint_that_does_not_fit_before_writing(
+    tiny_llm, tiny_llama_checkpoints, tmp_path, case
+):
+    """The whole checkpoint is checked before any tensor is written: the running weights
+    and the outputs stay as they were."""
+    from safetensors.torch import load_file, save_file
+
+    first, second = tiny_llama_checkpoints
+    tiny_llm.update_weights(first)
+    before = tokens(tiny_llm)
+    model = tiny_llm.llm_engine.engine_core.executor.worker.model_runner.model
+    weights = {name: p.clone() for name, p in model.named_parameters()}
+    tensors = load_file(f"{second}/model.safetensors")
+    change, message = NOT_FITTING[case]
+    change(tensors)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=message) as e:
+        tiny_llm.update_weights(str(tmp_path / "model.safetensors"))
+    for name, p in model.named_parameters():
+        assert torch.equal(p, weights[name]), name
+    assert tokens(tiny_llm) == before
+    assert "written" not in str(e.value)  # nothing was
+
+
 def test_level_2_then_weights_then_kv_cache(tiny_llm, tiny_llama_checkpoints):
     """The training-loop sequence: drop everything, wake the weights, load new ones, wake
     the KV cache."""

@@ -135,6 +135,18 @@ def test_missing_tensor_is_named(hf_folder, tmp_path):
         _load(folder)
 
 
+def test_merged_part_too_small_is_a_shape_error(hf_folder, tmp_path):
+    """A part of a merged weight (q of qkv) with fewer rows than its slice is refused as a
+    wrong shape, not an IndexError of the narrowing."""
+    folder = _copy_folder(hf_folder, tmp_path / "small")
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(16, 32)
+    save_file(tensors, path)
+    with pytest.raises(ModelLoadError, match=r"q_proj\.weight.*\(16, 32\), too small"):
+        _load(folder)
+
+
 def test_unknown_architecture_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps({**CONFIG, "architectures": ["FooForCausalLM"]})
@@ -218,3 +230,110 @@ def test_tensor_slice_dtype_comes_from_the_header(tmp_path, monkeypatch):
     monkeypatch.setattr(TensorSlice, "read", lambda self: pytest.fail("read"))
     assert tensors["f"].dtype == torch.bfloat16 and tensors["f"].is_floating_point()
     assert tensors["q"].dtype == torch.uint8 and not tensors["q"].is_floating_point()
+
+
+def _engine_config(path: str):
+    return EngineArgs(model=path, dtype="float32", device="cpu").create_engine_config()
+
+
+def _reload(model, path: str, model_path: str) -> None:
+    from tokenmill.model.loader.model_loader import reload_weights
+
+    cfg = _engine_config(model_path)
+    reload_weights(model, cfg.model_config, LoadConfig(), torch.device("cpu"),
+                   TorchAttentionBackend, path=path)  # fmt: skip
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {name: p.clone() for name, p in model.named_parameters()}
+
+
+def _shifted(folder: str) -> dict[str, torch.Tensor]:
+    """``folder``'s tensors plus one: other weights of the same shapes."""
+    return {n: t + 1 for n, t in load_file(os.path.join(folder, "model.safetensors")).items()}
+
+
+def _assert_unchanged(model, before: dict[str, torch.Tensor]) -> None:
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_reload_checks_the_whole_checkpoint_before_writing(hf_folder, tmp_path):
+    """Weights loaded in place are checked from the file's header first: a wrong shape after
+    good tensors (in the file's order), an unknown tensor and a missing one are all named in
+    one error, and no weight was written."""
+    model = _load(hf_folder)
+    before = _weights(model)
+    tensors = _shifted(hf_folder)
+    tensors["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 32)  # transposed
+    tensors["model.layers.1.mlp.extra.weight"] = torch.zeros(4)
+    del tensors["model.layers.1.self_attn.v_proj.weight"]
+    path = str(tmp_path / "model.safetensors")
+    save_file(tensors, path)
+    with pytest.raises(ModelLoadError) as e:
+        _reload(model, path, hf_folder)
+    message = str(e.value)
+    assert "model.layers.1.mlp.down_proj.weight" in message and "(64, 32)" in message
+    assert "'model.layers.1.mlp.extra.weight' does not belong to any parameter" in message
+    assert "qkv_proj.weight (shards ['v'])" in message
+    _assert_unchanged(model, before)
+
+
+def test_dry_run_reads_no_values_and_writes_nothing(hf_folder, tmp_path, monkeypatch):
+    """``load_weights(dry_run=True)`` works from the file's header: no tensor's values are
+    read and no weight is written."""
+    import tokenmill.model.loader.safetensors_loader as st
+    from tokenmill.model.loader.model_loader import load_weights
+
+    class HeaderOnly:  # a tensor's handle whose values cannot be read
+        def __init__(self, handle) -> None:
+            self.get_shape, self.get_dtype = handle.get_shape, handle.get_dtype
+
+        def __getitem__(self, index):
+            pytest.fail("a tensor's values were read")
+
+    model = _load(hf_folder)
+    before = _weights(model)
+    path = str(tmp_path / "model.safetensors")
+    save_file(_shifted(hf_folder), path)
+    init = st.TensorSlice.__init__
+    monkeypatch.setattr(st.TensorSlice, "__init__",
+                        lambda self, handle, *a, **k: init(self, HeaderOnly(handle), *a, **k))
+    load_weights(model, _engine_config(hf_folder).model_config, "safetensors", path,
+                 dry_run=True)  # fmt: skip
+    _assert_unchanged(model, before)
+
+
+def _write_gguf(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` (Hugging Face names) as a Llama GGUF file, llama.cpp's names, in order."""
+    import gguf
+
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, CONFIG["num_hidden_layers"])
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(CONFIG["num_hidden_layers"])
+    for name, tensor in tensors.items():
+        writer.add_tensor(name_map.get_name(name, try_suffixes=(".weight",)), tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_reload_checks_a_gguf_file_before_writing(hf_folder, tmp_path):
+    """The same check for a GGUF file (from its tensor infos): a tensor of the wrong shape
+    written last leaves the weights as they were; the file without it loads."""
+    model = _load(hf_folder)
+    before = _weights(model)
+    tensors = _shifted(hf_folder)
+    down = "model.layers.1.mlp.down_proj.weight"
+    good = {**{n: t for n, t in tensors.items() if n != down}, down: tensors[down]}
+    bad = {**good, down: tensors[down].T.contiguous()}
+    _write_gguf(str(tmp_path / "bad.gguf"), bad)
+    with pytest.raises(ModelLoadError, match=r"down_proj\.weight.*\(64, 32\)"):
+        _reload(model, str(tmp_path / "bad.gguf"), hf_folder)
+    _assert_unchanged(model, before)
+    _write_gguf(str(tmp_path / "good.gguf"), good)
+    _reload(model, str(tmp_path / "good.gguf"), hf_folder)
+    embed = model.model.embed_tokens.weight
+    torch.testing.assert_close(embed, tensors["model.embed_tokens.weight"])
+    torch.testing.assert_close(model.model.layers[1].mlp.down_proj.weight, tensors[down])

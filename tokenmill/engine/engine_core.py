@@ -432,18 +432,21 @@ class EngineCore:
             self._asleep -= set(tags)
 
     def update_weights(self, path: str) -> EngineCoreOutputs | None:
-        """Load new weights in place (safetensors folder or file, or GGUF). The prefix cache
-        is emptied and running requests are preempted, so no KV of the old weights is read.
+        """Load new weights in place (safetensors folder or file, or GGUF). Every rank
+        checks the checkpoint first; then the prefix cache is emptied and running requests
+        are preempted, so no KV of the old weights is read.
 
         Returns:
             As ``sleep``.
 
         Raises:
             ValueError: the weights are asleep.
-            ModelLoadError: the checkpoint cannot be read or does not fit the model.
+            ModelLoadError: the checkpoint cannot be read or does not fit the model (the
+                weights, the requests and the prefix cache are as they were).
         """
         if "weights" in self._asleep:
             raise ValueError("the weights are asleep: wake them first (tags=['weights'])")
+        self.executor.check_weights(path)
         outputs = self._drop_kv_cache()
         self.executor.update_weights(path)
         return outputs

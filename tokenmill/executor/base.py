@@ -86,8 +86,20 @@ class Executor(abc.ABC):
         """
         raise_rank_errors(self.collective_rpc("wake_up", (tags,)))
 
+    def check_weights(self, path: str) -> None:
+        """Check on every worker that ``path`` fits its share of the model (its slices, its
+        pipeline stage's layers), writing nothing. ``update_weights`` after this: a worker
+        checks only its own share, so one must not load while another would refuse.
+
+        Raises:
+            ValueError: the weights are asleep; ModelLoadError: the checkpoint cannot be
+                read or does not fit the model.
+        """
+        raise_rank_errors(self.collective_rpc("check_weights", (path,)))
+
     def update_weights(self, path: str) -> None:
-        """Load new weights in place on every worker (each reads its share of ``path``).
+        """Load new weights in place on every worker (each reads its share of ``path``),
+        after ``check_weights``.
 
         Raises:
             ValueError: the weights are asleep; ModelLoadError: the checkpoint cannot be

@@ -111,6 +111,9 @@ class RankWorker:
     def wake_up(self, tags: list[str] | None = None) -> RankError | None:
         return _answer(self.rank, self.worker.wake_up, tags)
 
+    def check_weights(self, path: str) -> RankError | None:
+        return _answer(self.rank, self.worker.check_weights, path)
+
     def update_weights(self, path: str) -> RankError | None:
         return _answer(self.rank, self.worker.update_weights, path)
 

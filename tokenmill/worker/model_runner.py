@@ -33,7 +33,12 @@ from tokenmill.model.layers.attention import (
     describe_kv_cache,
     kv_cache_specs,
 )
-from tokenmill.model.loader.model_loader import get_model, reload_weights, torch_dtype
+from tokenmill.model.loader.model_loader import (
+    check_weights,
+    get_model,
+    reload_weights,
+    torch_dtype,
+)
 from tokenmill.worker.buffer_metadata import BufferMetadata, StagedBuffer
 from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
@@ -194,12 +199,24 @@ class ModelRunner(StepSampling, BufferMetadata):
             lora_dtype = torch_dtype(c.lora_config.resolved_dtype(c.model_config.dtype))
             self.lora = LoRAManager(self.model, c.lora_config, lora_dtype, self.lora_slots.device)
 
+    def check_weights(self, path: str) -> None:
+        """Check that ``path`` fits the model as ``reload_weights`` would load it, writing
+        nothing (the loader's ``check_weights``).
+
+        Raises:
+            ModelLoadError: unreadable files, or tensors that do not fit the model.
+        """
+        assert self.model is not None
+        c = self.config
+        check_weights(self.model, c.model_config, c.load_config, path)
+
     def reload_weights(self, path: str | None = None) -> None:
         """Load the weights again, in place, from ``path`` (a model folder, ``.safetensors``
         or ``.gguf`` file; default: the model's own checkpoint, in its load format).
 
         Raises:
-            ModelLoadError: unreadable files, or tensors that do not fit the model.
+            ModelLoadError: unreadable files, or tensors that do not fit the model (then
+                nothing was written).
         """
         assert self.model is not None
         c = self.config

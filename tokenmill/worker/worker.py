@@ -235,13 +235,30 @@ class Worker:
         mode = self.model_runner.sleep_mode if self.model_runner is not None else None
         return mode is not None and mode.is_sleeping
 
-    def update_weights(self, path: str) -> None:
-        """Load new weights in place from ``path`` (safetensors folder or file, or GGUF).
+    def check_weights(self, path: str) -> None:
+        """Check that ``path`` fits this worker's share of the model as ``update_weights``
+        would load it, writing nothing.
 
         Raises:
             ValueError: the weights are asleep (wake them first).
             ModelLoadError: the checkpoint cannot be read or does not fit the model.
         """
+        self._weights_runner(path).check_weights(path)
+
+    def update_weights(self, path: str) -> None:
+        """Load new weights in place from ``path`` (safetensors folder or file, or GGUF),
+        once the whole checkpoint is checked.
+
+        Raises:
+            ValueError: the weights are asleep (wake them first).
+            ModelLoadError: the checkpoint cannot be read or does not fit the model (the
+                weights are as they were).
+        """
+        self._weights_runner(path).reload_weights(path)
+
+    def _weights_runner(self, path: str) -> ModelRunner:
+        """The model runner, once ``path`` exists and the weights are awake (raises as
+        ``update_weights``)."""
         assert self.model_runner is not None
         if not os.path.exists(path):
             raise ModelLoadError(f"{path}: no such file or directory")
@@ -250,14 +267,7 @@ class Worker:
             raise ValueError(
                 "the weights are asleep: wake them first (wake_up with tags=['weights'])"
             )
-        try:
-            self.model_runner.reload_weights(path)
-        except ModelLoadError as e:
-            # Tensors stream into the running weights: those before the bad one are written.
-            raise ModelLoadError(
-                f"{e} (weights read before it were written: load a complete checkpoint with "
-                "update_weights, or sleep at level 2 and wake up for the model's own)"
-            ) from None
+        return self.model_runner
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes the weights and the KV cache hold on the device now."""

@@ -40,10 +40,8 @@ def _arch_enum(arch: str):
 EXPERT_NAME = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<leaf>\w+)\.weight$")
 
 
-def _tensor_items(t, template: str, keep_quantized: bool, path: str):
+def _tensor_items(t, template: str, keep_quantized: bool, path: str, shapes_only: bool):
     """The experts of a stacked ``[E, rows, cols]`` GGUF tensor, one HF name each."""
-    import gguf
-
     quantized = keep_quantized and int(t.tensor_type) in BLOCK_TYPES
     if quantized:
         data = np.array(t.data)
@@ -52,11 +50,8 @@ def _tensor_items(t, template: str, keep_quantized: bool, path: str):
         for e in range(shape[0]):
             yield template.format(e=e), whole[e]
         return
-    try:
-        data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-    except Exception as err:
-        raise ModelLoadError(f"{path}: cannot dequantize tensor {t.name!r}: {err}") from err
-    tensor = torch.from_numpy(np.array(data, copy=True))
+    data = _dequantize(t, path, shapes_only)
+    tensor = torch.from_numpy(data if shapes_only else np.array(data, copy=True))
     for e in range(tensor.shape[0]):
         yield template.format(e=e), tensor[e]
 
@@ -84,9 +79,14 @@ def merge_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
     return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, rank)
 
 
-def _dequantize(t, path: str) -> np.ndarray:
+def _dequantize(t, path: str, shapes_only: bool = False) -> np.ndarray:
+    """``t``'s values as float32; with ``shapes_only`` zeros of its shape (nothing is read:
+    a dry run of a load)."""
     import gguf
 
+    if shapes_only:
+        # GGUF lists dimensions inner first; zeros are allocated lazily, never touched.
+        return np.zeros(tuple(int(d) for d in reversed(t.shape)), dtype=np.float32)
     try:
         return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
     except Exception as e:
@@ -107,6 +107,7 @@ def iterate_gguf(
     num_kv_heads: int,
     keep_quantized: bool = False,
     layers: range | None = None,
+    shapes_only: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor of the GGUF file: float32, or with
     ``keep_quantized`` a ``GGUFTensor`` of the file's blocks for quantized types.
@@ -120,6 +121,8 @@ def iterate_gguf(
             blocks: a row of blocks is one output feature).
         layers: the layers (llama.cpp's blocks) to read; the others' tensors are skipped
             undequantized (a pipeline stage). None: all.
+        shapes_only: zeros of each tensor's shape instead of its values, from the tensor
+            infos (a dry run of a load; blocks kept by ``keep_quantized`` are still read).
 
     Raises:
         ModelLoadError: unreadable file, or a tensor with no known Hugging Face name.
@@ -164,13 +167,12 @@ def iterate_gguf(
         if layers is not None and not _in_layers(t.name, layers):
             continue  # another pipeline stage's layer
         if t.name in experts:  # [E, rows, ...]: one tensor per expert, as HF names them
-            for hf_name, tensor in _tensor_items(t, experts[t.name], keep_quantized, path):
-                yield hf_name, tensor
+            yield from _tensor_items(t, experts[t.name], keep_quantized, path, shapes_only)
             continue
         if t.name in kv_b_parts:
             hf_name, part = kv_b_parts[t.name]
             halves = kv_b_read.setdefault(hf_name, {})
-            halves[part] = _dequantize(t, path)
+            halves[part] = _dequantize(t, path, shapes_only)
             if len(halves) == 2:
                 del kv_b_read[hf_name]
                 yield hf_name, torch.from_numpy(merge_kv_b(halves["k_b_proj"], halves["v_b_proj"]))
@@ -184,7 +186,7 @@ def iterate_gguf(
         if quantized:
             data = np.asarray(t.data)
         else:
-            data = _dequantize(t, path)
+            data = _dequantize(t, path, shapes_only)
             if hf_name.endswith("shared_expert_gate.weight") and data.ndim == 1:
                 data = data[None, :]  # llama.cpp stores this [1, H] gate as a vector
         if permute and ".q_proj." in hf_name:

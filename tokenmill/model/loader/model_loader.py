@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -17,7 +18,11 @@ from tokenmill.distributed.parallel_state import (
 )
 from tokenmill.hf_config import ModelLoadError
 from tokenmill.model.attention.backend import AttentionBackend
-from tokenmill.model.loader.weights import other_stage_prefixes
+from tokenmill.model.loader.weights import (
+    other_stage_prefixes,
+    problems_message,
+    skip_weight_writes,
+)
 from tokenmill.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -168,6 +173,7 @@ def load_weights(
     fmt: str,
     path: str | None = None,
     keep_quantized: bool = False,
+    dry_run: bool = False,
 ) -> None:
     """Fill ``model``'s parameters in place from a checkpoint.
 
@@ -179,17 +185,23 @@ def load_weights(
             model's own.
         keep_quantized: GGUF files: hand the layers their blocks instead of dequantized
             tensors (the model was built with the GGUF quantization methods).
+        dry_run: run the same load from the files' headers (safetensors) or tensor infos
+            (GGUF) with every write skipped (``skip_weight_writes``): it raises what the
+            load would (names, shapes as each rank's weight loaders check them, missing
+            tensors) and leaves the weights as they are.
 
     Raises:
         ModelLoadError: missing or corrupt files or tensors, or a checkpoint that does not
-            fill every parameter (the message names the tensor).
+            fill every parameter (the message names the tensors).
     """
     from tokenmill.model.loader.weights import initialize_dummy_weights
 
     path = path or model_config.model
-    with torch.no_grad():
+    dry = skip_weight_writes() if dry_run else contextlib.nullcontext()
+    with torch.no_grad(), dry:
         if fmt == "dummy":
-            initialize_dummy_weights(model, seed=model_config.seed)
+            if not dry_run:
+                initialize_dummy_weights(model, seed=model_config.seed)
         elif fmt == "gguf":
             from tokenmill.model.loader.gguf_loader import iterate_gguf
 
@@ -205,6 +217,7 @@ def load_weights(
                     get_pipeline_parallel_rank(),
                     get_pipeline_parallel_world_size(),
                 )),
+                shapes_only=dry_run,
             )  # fmt: skip
             model.load_weights(weights, source=path)
         else:
@@ -214,7 +227,56 @@ def load_weights(
             )
 
             files = [path] if path.endswith(".safetensors") else list_safetensors_files(path)
-            model.load_weights(iterate_safetensors(files), source=path)
+            model.load_weights(iterate_safetensors(files, shapes_only=dry_run), source=path)
+
+
+def check_weights(
+    model: nn.Module,
+    model_config: ModelConfig,
+    load_config: LoadConfig,
+    path: str | None = None,
+) -> None:
+    """Check that the checkpoint at ``path`` fits the running ``model`` as
+    ``reload_weights`` would load it, writing nothing.
+
+    Unquantized weights: a dry run of the load (``load_weights(dry_run=True)``: the same
+    name mapping and weight loaders, this rank's slices and pipeline stage) from the files'
+    headers (safetensors) or tensor infos (GGUF). Quantized weights are converted after
+    loading, so only their checkpoint's kind is checked here; ``reload_weights`` checks
+    their tensors on the second model it builds, before copying any.
+
+    Args:
+        model, model_config, load_config, path: as given to ``reload_weights``.
+
+    Raises:
+        ModelLoadError: as ``reload_weights`` (the message names every tensor that does not
+            fit, the first few).
+    """
+    fmt, method = _reload_format(model_config, load_config, path)
+    if method is None:
+        load_weights(model, model_config, fmt, path, dry_run=True)
+
+
+def _reload_format(
+    model_config: ModelConfig, load_config: LoadConfig, path: str | None
+) -> tuple[str, str | None]:
+    """``(load format, quantization method)`` of weights loaded in place from ``path``.
+
+    Raises:
+        ModelLoadError: a checkpoint of the other kind than the running model's quantized
+            weights.
+    """
+    fmt = resolve_load_format(model_config, load_config)
+    if path is not None:
+        fmt = "gguf" if path.endswith(".gguf") else "safetensors"
+    method = loaded_quantization(model_config, fmt)
+    if method is not None and (method == "gguf") != (fmt == "gguf"):
+        want = "a .gguf file" if method == "gguf" else "a model folder or .safetensors file"
+        raise ModelLoadError(
+            f"{path}: the running model keeps its weights {method}-quantized, so new weights "
+            f"must come as {want} quantized the same way"
+        )
+    return fmt, method
 
 
 def reload_weights(
@@ -227,12 +289,17 @@ def reload_weights(
     path: str | None = None,
 ) -> None:
     """Load weights again into the running ``model``, in place (its tensors keep their
-    storage, so CUDA graphs and views of them stay valid).
+    storage, so CUDA graphs and views of them stay valid). Nothing is written unless the
+    whole checkpoint fits the model.
 
-    Unquantized weights stream from the checkpoint into the parameters. Quantized ones are
-    converted after loading (repacked, split into segments), so a second model is built from
-    the checkpoint beside the running one and its tensors are copied over by name: that
-    takes a second copy of the weights on ``device`` while it runs.
+    Unquantized weights stream from the checkpoint into the parameters once
+    ``check_weights`` has passed. Quantized ones are converted after loading (repacked,
+    split into segments), so a second model is built from the checkpoint beside the running
+    one and its tensors are copied over by name once all of them match: that takes a second
+    copy of the weights on ``device`` while it runs. A file that passes the check and then
+    cannot be read (an I/O error, GGUF blocks that do not dequantize) can still fail after
+    some weights are written. With several ranks each checks its own share: call
+    ``check_weights`` on every rank first (``Executor.check_weights``).
 
     Args:
         model: the running model, built by ``get_model`` from these configurations.
@@ -242,41 +309,39 @@ def reload_weights(
 
     Raises:
         ModelLoadError: unreadable files, tensors that do not fit the model (the message
-            names the tensor), or a checkpoint of the other kind than the running model's
-            quantized weights (a safetensors one for GGUF blocks, or a ``.gguf`` file for
-            a safetensors quantization).
+            names them; nothing was written), or a checkpoint of the other kind than the
+            running model's quantized weights (a safetensors one for GGUF blocks, or a
+            ``.gguf`` file for a safetensors quantization).
     """
-    fmt = resolve_load_format(model_config, load_config)
-    if path is not None:
-        fmt = "gguf" if path.endswith(".gguf") else "safetensors"
-    method = loaded_quantization(model_config, fmt)
+    check_weights(model, model_config, load_config, path)
+    fmt, method = _reload_format(model_config, load_config, path)
     if method is None:
         load_weights(model, model_config, fmt, path)
         return
-    if (method == "gguf") != (fmt == "gguf"):
-        want = "a .gguf file" if method == "gguf" else "a model folder or .safetensors file"
-        raise ModelLoadError(
-            f"{path}: the running model keeps its weights {method}-quantized, so new weights "
-            f"must come as {want} quantized the same way"
-        )
     fresh_config = dataclasses.replace(model_config, model=path or model_config.model)
     fresh_load = dataclasses.replace(load_config, load_format=fmt)
     fresh = get_model(fresh_config, fresh_load, device, backend, kernel_config)
     source = dict(loaded_tensors(fresh))
+    pairs = [(tensor, source.get(name), name) for name, tensor in loaded_tensors(model)]
+    problems = [
+        f"tensor {name!r} is {_describe(new)} after loading, the running model's is "
+        f"{_describe(tensor)}"
+        for tensor, new, name in pairs
+        if new is None or new.shape != tensor.shape or new.dtype != tensor.dtype
+    ]
+    if problems:
+        raise ModelLoadError(problems_message(fresh_config.model, problems))
     with torch.no_grad():
-        for name, tensor in loaded_tensors(model):
-            new = source.get(name)
-            if new is None or new.shape != tensor.shape or new.dtype != tensor.dtype:
-                got = "missing" if new is None else f"{new.dtype} {tuple(new.shape)}"
-                raise ModelLoadError(
-                    f"{fresh_config.model}: tensor {name!r} is {got} after loading, the "
-                    f"running model's is {tensor.dtype} {tuple(tensor.shape)}"
-                )
+        for tensor, new, _ in pairs:
             tensor.copy_(new)
         _copy_dense_up_weights(fresh, model)
-    del fresh, source
+    del fresh, source, pairs
     if device.type == "cpu":
         release_freed_host_memory()
+
+
+def _describe(tensor: torch.Tensor | None) -> str:
+    return "missing" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
 
 
 def _copy_dense_up_weights(fresh: nn.Module, model: nn.Module) -> None:

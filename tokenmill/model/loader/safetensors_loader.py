@@ -2,7 +2,8 @@
 
 Files are memory-mapped and each tensor is handed out as a ``TensorSlice``: the weight
 loaders narrow it to the part their rank holds (tensor, pipeline and expert parallelism)
-and only that part is read, so no rank reads or holds a full copy of the model.
+and only that part is read, so no rank reads or holds a full copy of the model. For a dry
+run of a load the slices read nothing: they stand for meta tensors of the header's shapes.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class TensorSlice:
         shape: the region's shape.
         where: ``"file: tensor 'name'"``, for errors.
         index: the region, one slice per dimension (None: the whole tensor).
+        shapes_only: ``read()`` gives a meta tensor of the region's shape and dtype (no
+            values are read unless the header's dtype is not one torch names).
     """
 
     def __init__(
@@ -104,11 +107,13 @@ class TensorSlice:
         shape: tuple[int, ...],
         where: str,
         index: tuple[slice, ...] | None = None,
+        shapes_only: bool = False,
     ) -> None:
         self._handle = handle
         self.shape = torch.Size(shape)
         self._where = where
         self._index = index if index is not None else tuple(slice(0, n) for n in shape)
+        self._shapes_only = shapes_only
 
     def dim(self) -> int:
         return len(self.shape)
@@ -137,7 +142,9 @@ class TensorSlice:
         index[dim] = slice(offset + start, offset + start + length)
         shape = list(self.shape)
         shape[dim] = length
-        return TensorSlice(self._handle, tuple(shape), self._where, tuple(index))
+        return TensorSlice(
+            self._handle, tuple(shape), self._where, tuple(index), self._shapes_only
+        )
 
     def read(self) -> torch.Tensor:
         """The region as a CPU tensor (read from the file now).
@@ -145,10 +152,14 @@ class TensorSlice:
         Raises:
             ModelLoadError: the file cannot be read there (truncated, corrupt).
         """
+        dtype = _DTYPES.get(self._handle.get_dtype())
+        if self._shapes_only and dtype is not None:
+            return torch.empty(self.shape, dtype=dtype, device="meta")
         try:
-            return self._handle[self._index]  # () for a scalar
+            values = self._handle[self._index]  # () for a scalar
         except Exception as e:
             raise ModelLoadError(f"{self._where}: cannot read: {e}") from e
+        return values.to("meta") if self._shapes_only else values
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         return self.read()[index]
@@ -169,8 +180,11 @@ class TensorSlice:
         return getattr(self.read(), name)
 
 
-def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, TensorSlice]]:
-    """Yield ``(name, TensorSlice)`` for every tensor of ``files``, one at a time (mmap).
+def iterate_safetensors(
+    files: list[str], shapes_only: bool = False
+) -> Iterator[tuple[str, TensorSlice]]:
+    """Yield ``(name, TensorSlice)`` for every tensor of ``files``, one at a time (mmap);
+    with ``shapes_only`` the slices read nothing (``TensorSlice``).
 
     Raises:
         ModelLoadError: a file is missing, truncated or corrupt (names the tensor when it
@@ -188,7 +202,8 @@ def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, TensorSlice]]:
                 try:
                     handle = f.get_slice(name)
                     where = f"{path}: tensor {name!r}"
-                    tensor = TensorSlice(handle, tuple(handle.get_shape()), where)
+                    shape = tuple(handle.get_shape())
+                    tensor = TensorSlice(handle, shape, where, shapes_only=shapes_only)
                 except Exception as e:
                     raise ModelLoadError(f"{path}: cannot read tensor {name!r}: {e}") from e
                 yield name, tensor

@@ -3,14 +3,19 @@
 A model declares how checkpoint names map onto its merged parameters
 (``stacked_params_mapping``: ``(our_param_part, checkpoint_part, shard_id)``); each
 parameter's ``weight_loader`` slices and copies (and, with tensor parallelism, shards).
+Under ``skip_weight_writes`` the same code is a dry run: every check, no write.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from tokenmill.hf_config import ModelLoadError
 from tokenmill.model.layers.linear import default_weight_loader
@@ -28,6 +33,9 @@ KV_SCALE_SUFFIXES = {
     ".k_proj.output_scale": "k_scale", ".v_proj.output_scale": "v_scale",
     ".q_scale": None, ".prob_scale": None, ".q_proj.output_scale": None,
 }
+
+# Problems (and missing parameters) a load error lists.
+MAX_LISTED = 8
 
 
 def load_model_weights(
@@ -48,11 +56,12 @@ def load_model_weights(
         source: the file(s) the tensors come from, for error messages.
 
     Checkpoint tensors of modules another pipeline stage holds (``PPMissingLayer``) are
-    skipped unread.
+    skipped unread. A tensor that does not fit is noted and the others still load, so one
+    error names every problem (the first ``MAX_LISTED``).
 
     Raises:
-        ModelLoadError: a tensor has the wrong shape, a checkpoint tensor matches no
-            parameter, or a parameter got no tensor. The message names the tensor.
+        ModelLoadError: tensors of the wrong shape, checkpoint tensors that match no
+            parameter, or parameters that got no tensor. The message names them.
     """
     elsewhere = other_stage_prefixes(model)
     params = dict(model.named_parameters())
@@ -64,6 +73,7 @@ def load_model_weights(
             if f".{part}." in name or name.startswith(f"{part}."):
                 expected_shards.setdefault(name, set()).add(shard_id)
     loaded: dict[str, set] = {}
+    problems: list[str] = []
     for ckpt_name, tensor in weights:
         if ckpt_name in skip or ckpt_name.endswith(IGNORED_SUFFIXES):
             continue
@@ -81,10 +91,11 @@ def load_model_weights(
                     break
         param = params.get(name)
         if param is None:
-            raise ModelLoadError(
-                f"{source}: tensor {ckpt_name!r} does not belong to any parameter of "
-                f"{type(model).__name__}"
+            problems.append(
+                f"tensor {ckpt_name!r} does not belong to any parameter of {type(model).__name__}"
             )
+            continue
+        loaded.setdefault(name, set()).add(shard_id)  # a wrong shape is its own problem
         loader = getattr(param, "weight_loader", None)
         try:
             if loader is None:
@@ -92,8 +103,21 @@ def load_model_weights(
             else:
                 loader(param, tensor, shard_id)
         except WeightShapeError as e:
-            raise ModelLoadError(f"{source}: tensor {ckpt_name!r}: {e}") from e
-        loaded.setdefault(name, set()).add(shard_id)
+            problems.append(f"tensor {ckpt_name!r}: {e}")
+    missing = _missing_parameters(params, loaded, expected_shards)
+    if missing:
+        problems.append(
+            f"no weights for {len(missing)} parameter(s) of {type(model).__name__}: "
+            f"{', '.join(missing[:MAX_LISTED])}{' ...' if len(missing) > MAX_LISTED else ''}"
+        )
+    if problems:
+        raise ModelLoadError(problems_message(source, problems))
+
+
+def _missing_parameters(
+    params: dict[str, nn.Parameter], loaded: dict[str, set], expected_shards: dict[str, set]
+) -> list[str]:
+    """The parameters (or merged parts: ``name (shards ['k'])``) no tensor filled."""
     missing = []
     for name in params:
         got = loaded.get(name)
@@ -102,11 +126,17 @@ def load_model_weights(
                 missing.append(name)
         elif name in expected_shards and None not in got and got != expected_shards[name]:
             missing.append(f"{name} (shards {sorted(map(str, expected_shards[name] - got))})")
-    if missing:
-        raise ModelLoadError(
-            f"{source}: no weights for {len(missing)} parameter(s) of {type(model).__name__}: "
-            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
-        )
+    return missing
+
+
+def problems_message(source: str, problems: list[str]) -> str:
+    """One error message for ``problems`` of the checkpoint ``source`` (the first
+    ``MAX_LISTED``)."""
+    if len(problems) == 1:
+        return f"{source}: {problems[0]}"
+    listed = "; ".join(problems[:MAX_LISTED])
+    more = f"; and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+    return f"{source}: {len(problems)} problems: {listed}{more}"
 
 
 def _load_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor, source: str) -> None:
@@ -130,10 +160,45 @@ def _load_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor, source: st
     if len(layers) != 1 or tensor.numel() != 1:
         raise ModelLoadError(f"{source}: tensor {name!r} is not one KV-cache scale of an "
                              "attention layer")
+    if tensor.is_meta:  # a dry run: no value to check or set
+        return
     value = float(tensor.float().reshape(()))
     if not value > 0:
         raise ModelLoadError(f"{source}: tensor {name!r}: KV-cache scale {value} is not positive")
     setattr(layers[0], attr, value)
+
+
+class _SkipWrites(TorchFunctionMode):
+    """Runs every in-place torch call (``copy_``, ``zero_``, ``t[i] = x``, ``out=``,
+    ``.data = x``) on meta stand-ins of its tensors instead: the same shape and dtype
+    checks, nothing written. Other calls run as they are."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        writes = name.endswith("_") and not name.endswith("__")
+        if not (writes or name in ("__setitem__", "__set__") or "out" in kwargs):
+            return func(*args, **kwargs)
+        func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+        return kwargs["out"] if "out" in kwargs else args[0]
+
+
+def _meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and not x.is_meta:
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
+@contextmanager
+def skip_weight_writes() -> Iterator[None]:
+    """A dry run of loading code: every in-place torch call made in this thread runs on
+    meta tensors of its arguments' shapes (the checks run, no tensor is written).
+
+    With checkpoint tensors that are meta too (``iterate_safetensors(shapes_only=True)``)
+    a whole load runs from the file headers: names, shapes per rank, missing tensors.
+    """
+    with _SkipWrites():
+        yield
 
 
 def other_stage_prefixes(model: nn.Module) -> tuple[str, ...]:

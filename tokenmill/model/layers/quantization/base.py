@@ -22,7 +22,7 @@ from torch import nn
 from tokenmill.config import current_kernel_config
 from tokenmill.kernels.quant.int4_cpu import keeps_bf16_copy
 from tokenmill.model.layers.quantization.tensors import as_float
-from tokenmill.model.layers.weight_shape import check_shape
+from tokenmill.model.layers.weight_shape import WeightShapeError, check_shape
 
 
 def keeps_cpu_bf16_copy() -> bool:
@@ -87,6 +87,20 @@ def _units(features: int, div: int | Fraction, what: str) -> int:
     return int(value)
 
 
+def _narrow(loaded: torch.Tensor, dim: int, start: int, size: int, name: str) -> torch.Tensor:
+    """``loaded.narrow(dim, start, size)``.
+
+    Raises:
+        WeightShapeError: the range runs past the tensor (it is too small for this rank).
+    """
+    if start + size > loaded.shape[dim]:
+        raise WeightShapeError(
+            f"tensor {name!r} has shape {tuple(loaded.shape)}, too small for elements "
+            f"{start}..{start + size} along dimension {dim}"
+        )
+    return loaded.narrow(dim, start, size)
+
+
 def copy_shard(param: torch.Tensor, loaded: torch.Tensor, s: ShardSlice, name: str) -> None:
     """Copy the slice ``s`` of ``loaded`` into ``param`` following ``param``'s layout.
 
@@ -103,11 +117,11 @@ def copy_shard(param: torch.Tensor, loaded: torch.Tensor, s: ShardSlice, name: s
         if s.dst_start is not None:
             target = target.narrow(out_dim, _units(s.dst_start, div, name), size)
         if s.src_start or loaded.shape[out_dim] != size:
-            loaded = loaded.narrow(out_dim, _units(s.src_start, div, name), size)
+            loaded = _narrow(loaded, out_dim, _units(s.src_start, div, name), size, name)
     if in_dim is not None and s.in_start is not None and s.in_size is not None:
         div = getattr(param, "input_div", 1)
-        loaded = loaded.narrow(
-            in_dim, _units(s.in_start, div, name), _units(s.in_size, div, name)
+        loaded = _narrow(
+            loaded, in_dim, _units(s.in_start, div, name), _units(s.in_size, div, name), name
         )
     label = name if s.shard_id is None else f"{name}[{s.shard_id}]"
     check_shape(label, target.shape, loaded.shape)
