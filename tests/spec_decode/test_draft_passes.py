@@ -76,7 +76,7 @@ class _HostReads(TorchFunctionMode):
 
         name = getattr(func, "__name__", "")
         caller = sys._getframe(1).f_code.co_filename
-        if "spec_decode" in caller:
+        if "proposers" in caller:
             kwargs_ = kwargs or {}
             to_device = name == "to" and (
                 "device" in kwargs_ or any(isinstance(a, (str, torch.device)) for a in args[1:])

@@ -20,6 +20,14 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _rotate_heads(base, stride, head_stride, row, h, i, half, cos, sin, mask):
+        a_ptr = base + row * stride + h * head_stride + i[None, :]
+        a = tl.load(a_ptr, mask=mask).to(tl.float32)
+        b = tl.load(a_ptr + half, mask=mask).to(tl.float32)
+        tl.store(a_ptr, (a * cos - b * sin).to(base.dtype.element_ty), mask=mask)
+        tl.store(a_ptr + half, (b * cos + a * sin).to(base.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _vision_rotary_kernel(
         q_ptr, k_ptr, cos_ptr, sin_ptr,
         q_stride, k_stride, head_stride, cs_stride, num_heads, half,
@@ -34,12 +42,8 @@ if HAS_TRITON:
         cos, sin = cos[None, :], sin[None, :]
         h = tl.arange(0, HEADS)[:, None]
         mask = (h < num_heads) & cols[None, :]
-        for base, stride in ((q_ptr, q_stride), (k_ptr, k_stride)):
-            a_ptr = base + row * stride + h * head_stride + i[None, :]
-            a = tl.load(a_ptr, mask=mask).to(tl.float32)
-            b = tl.load(a_ptr + half, mask=mask).to(tl.float32)
-            tl.store(a_ptr, (a * cos - b * sin).to(base.dtype.element_ty), mask=mask)
-            tl.store(a_ptr + half, (b * cos + a * sin).to(base.dtype.element_ty), mask=mask)
+        _rotate_heads(q_ptr, q_stride, head_stride, row, h, i, half, cos, sin, mask)
+        _rotate_heads(k_ptr, k_stride, head_stride, row, h, i, half, cos, sin, mask)
 
 
 def vision_rotary_torch(
