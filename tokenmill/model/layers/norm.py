@@ -6,8 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels.cpu.native import native_ops
 from tokenmill.kernels.device import use_triton
 from tokenmill.kernels.norm import rms_norm
+
+_NO_RESIDUAL = torch.empty(0)
 
 
 class RMSNorm(nn.Module):
@@ -15,7 +18,7 @@ class RMSNorm(nn.Module):
 
     ``forward(x, residual)`` with a residual first adds it (``x = x + residual``) and returns
     ``(normed, new_residual)``, the pre-norm transformer pattern, so the add and the norm
-    can be one fused kernel on the GPU.
+    can be one fused kernel (Triton on the GPU, the native CPU kernels on float32 rows).
 
     Args:
         hidden_size: size of the last dimension.
@@ -45,6 +48,13 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if use_triton(x):
             return rms_norm(x, self.weight, self.eps, residual, self.offset)
+        ops = native_ops() if x.device.type == "cpu" else None
+        if (ops is not None and x.dtype == torch.float32 == self.weight.dtype and x.dim() == 2
+                and x.is_contiguous()
+                and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))):
+            y, s = ops.add_rms_norm(x, _NO_RESIDUAL if residual is None else residual,
+                                    self.weight, self.eps, self.offset)
+            return y if residual is None else (y, s)
         if residual is None:
             return self._norm(x)
         x = x + residual
