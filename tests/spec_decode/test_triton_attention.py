@@ -17,8 +17,8 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.model.attention import selector  # noqa: E402
 from tokenmill.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from tokenmill.worker.proposers import model_proposer  # noqa: E402
 from tokenmill.worker import model_runner  # noqa: E402
+from tokenmill.worker.proposers import model_proposer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
