@@ -81,11 +81,25 @@ def fake_quantize_input(x: torch.Tensor, activations: str) -> torch.Tensor:
 
 
 def hook_reference(model: torch.nn.Module, activations: str) -> None:
-    """Quantize the inputs of ``model``'s projections as the scheme does."""
+    """Quantize the inputs of ``model``'s projections as the scheme does, and normalize with
+    tokenmill's RMSNorm: FP8 rounding turns a last-bit difference in a normed activation
+    (another summation order) into a whole FP8 step, so both sides share the norm's float32
+    rounding."""
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in LINEARS:
             module.register_forward_pre_hook(
                 lambda _m, args: (fake_quantize_input(args[0], activations),))
+        elif type(module).__name__.endswith("RMSNorm"):
+            module.forward = _tokenmill_norm(module)
+
+
+def _tokenmill_norm(module: torch.nn.Module):
+    """``module``'s RMSNorm as tokenmill computes it, on rows as the engine passes them."""
+    from tokenmill.model.layers.norm import RMSNorm
+
+    norm = RMSNorm(module.weight.numel(), module.variance_epsilon)
+    norm.weight = module.weight
+    return lambda x: norm(x.reshape(-1, x.shape[-1]).contiguous()).view_as(x)
 
 
 def make_fp8_checkpoint(folder: str, scheme: str, seed: int = 0, **config: int
