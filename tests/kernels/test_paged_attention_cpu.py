@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.paged_cases import scattered_cache
 from tokenmill.kernels.cpu.native import native_ops
 
 BLOCK_SIZE = 16
@@ -28,18 +29,8 @@ def make_case(lengths, num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.flo
     """Query ``[B, H, D]``, a NaN-filled cache with each request's keys in shuffled blocks,
     block table rows with spare columns of other valid ids, and the lengths (int32)."""
     gen = torch.Generator().manual_seed(seed)
-    needed = [-(-n // BLOCK_SIZE) for n in lengths]
-    num_blocks = sum(needed) + 5
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    width = max(needed) + 2
-    table = torch.randint(num_blocks, (len(lengths), width), generator=gen, dtype=torch.int32)
-    cache = torch.full((2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim), float("nan"))
-    flat = cache.view(2, -1, num_kv_heads, head_dim)
-    for i, n in enumerate(lengths):
-        blocks = [free.pop() for _ in range(needed[i])]
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)]
-        flat[:, slots] = torch.randn(2, n, num_kv_heads, head_dim, generator=gen)
+    cache, table = scattered_cache(lengths, num_kv_heads, head_dim, BLOCK_SIZE, gen,
+                                   float("nan"), spare_blocks=5, spare_columns=2)
     q = torch.randn(len(lengths), num_heads, head_dim, generator=gen) * 2.0
     return q, cache.to(dtype), table, torch.tensor(lengths, dtype=torch.int32)
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.kernels.paged_cases import scattered_cache
 from tokenmill.kernels.cpu.native import native_ops
 from tokenmill.model.attention import torch_ref
 from tokenmill.model.attention.backend import AttentionMetadata
@@ -25,18 +26,8 @@ def make_step(q_lens, seq_lens, num_heads=9, num_kv_heads=3, head_dim=64, seed=0
     """A step's query ``[T, H * D]``, a cache holding every request's context (scattered
     blocks, zeros elsewhere) and its metadata."""
     gen = torch.Generator().manual_seed(seed)
-    needed = [-(-n // BLOCK_SIZE) for n in seq_lens]
-    num_blocks = sum(needed) + 4
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    width = max(needed) + 1
-    table = torch.randint(num_blocks, (len(seq_lens), width), generator=gen, dtype=torch.int32)
-    cache = torch.zeros(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    flat = cache.view(2, -1, num_kv_heads, head_dim)
-    for i, n in enumerate(seq_lens):
-        blocks = [free.pop() for _ in range(needed[i])]
-        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)]
-        flat[:, slots] = torch.randn(2, n, num_kv_heads, head_dim, generator=gen)
+    cache, table = scattered_cache(seq_lens, num_kv_heads, head_dim, BLOCK_SIZE, gen, 0.0,
+                                   spare_blocks=4, spare_columns=1)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     t = sum(q_lens)
