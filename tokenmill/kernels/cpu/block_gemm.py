@@ -1,10 +1,11 @@
 """Weights in blocks of 32 integers for the native CPU product (``csrc/block_gemm.cpp``).
 
 ``W[n, k] = scale[n, b] * q[n, k] + offset[n, b]`` with ``b = k // 32``; ``q`` is held as
-nibbles when it fits 0..15, else as int8 (-128..127). Activations are quantized to int8 per
-block of 32 inside the product (llama.cpp's Q8 activations), so a product differs from the
-float one by that rounding (about 0.4% of a block's largest activation per element); each
-row's result is independent of the other rows.
+nibbles when it fits 0..15, else as int8 (-128..127). Inside the product each activation is
+held as two int8 digits per block of 32 (llama.cpp's Q8 digit and one for its rounding
+error), exact to about 2^-16 of the block's largest activation, so a product matches the
+float32 one to about float32 rounding of the sums; each row's result is independent of the
+other rows.
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ class GGUFEmbeddingMethod:
         if self.raw is not None and planes and isinstance(planes[0], BlockWeights):
             self.head_rows = planes[0]
             if self.raw_owner is not None:
-                del self.raw_owner._buffers["gguf_raw"]
+                delattr(self.raw_owner, "gguf_raw")
             self.raw = None
 
     def apply(self, hidden: torch.Tensor) -> torch.Tensor:
