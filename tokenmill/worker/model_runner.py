@@ -210,9 +210,10 @@ class ModelRunner(StepSampling, BufferMetadata):
         c = self.config
         check_weights(self.model, c.model_config, c.load_config, path)
 
-    def reload_weights(self, path: str | None = None) -> None:
+    def reload_weights(self, path: str | None = None, checked: bool = False) -> None:
         """Load the weights again, in place, from ``path`` (a model folder, ``.safetensors``
-        or ``.gguf`` file; default: the model's own checkpoint, in its load format).
+        or ``.gguf`` file; default: the model's own checkpoint, in its load format);
+        ``checked``: ``check_weights`` has passed on ``path`` (not run again).
 
         Raises:
             ModelLoadError: unreadable files, or tensors that do not fit the model (then
@@ -222,7 +223,7 @@ class ModelRunner(StepSampling, BufferMetadata):
         c = self.config
         reload_weights(
             self.model, c.model_config, c.load_config, self.device, self.attn_backend,
-            c.kernel_config, path,
+            c.kernel_config, path, checked,
         )  # fmt: skip
 
     def add_lora(self, request: LoRARequest) -> None:

@@ -247,14 +247,14 @@ class Worker:
 
     def update_weights(self, path: str) -> None:
         """Load new weights in place from ``path`` (safetensors folder or file, or GGUF),
-        once the whole checkpoint is checked.
+        after ``check_weights`` passed on every worker (``Executor.check_weights``, which
+        ``EngineCore.update_weights`` runs first), so the check is not run again here.
 
         Raises:
             ValueError: the weights are asleep (wake them first).
-            ModelLoadError: the checkpoint cannot be read or does not fit the model (the
-                weights are as they were).
+            ModelLoadError: the checkpoint cannot be read or does not fit the model.
         """
-        self._weights_runner(path).reload_weights(path)
+        self._weights_runner(path).reload_weights(path, checked=True)
 
     def _weights_runner(self, path: str) -> ModelRunner:
         """The model runner, once ``path`` exists and the weights are awake (raises as

@@ -287,6 +287,7 @@ def reload_weights(
     backend: type[AttentionBackend],
     kernel_config: KernelConfig | None = None,
     path: str | None = None,
+    checked: bool = False,
 ) -> None:
     """Load weights again into the running ``model``, in place (its tensors keep their
     storage, so CUDA graphs and views of them stay valid). Nothing is written unless the
@@ -306,6 +307,7 @@ def reload_weights(
         model_config, load_config, device, backend, kernel_config: as given to ``get_model``.
         path: a model folder, a ``.safetensors`` file or a ``.gguf`` file; default: the
             model's own checkpoint, in its load format.
+        checked: the caller has run ``check_weights`` on ``path`` (not run again).
 
     Raises:
         ModelLoadError: unreadable files, tensors that do not fit the model (the message
@@ -313,7 +315,8 @@ def reload_weights(
             running model's quantized weights (a safetensors one for GGUF blocks, or a
             ``.gguf`` file for a safetensors quantization).
     """
-    check_weights(model, model_config, load_config, path)
+    if not checked:
+        check_weights(model, model_config, load_config, path)
     fmt, method = _reload_format(model_config, load_config, path)
     if method is None:
         load_weights(model, model_config, fmt, path)
