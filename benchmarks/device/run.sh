@@ -137,7 +137,9 @@ SUM="$OUT/summary.log"
 T0=$(date +%s)
 BUDGET_S="${BUDGET_S:-570}"
 say() { echo "$*" | tee -a "$SUM"; }
-source .carry/peer-vllm/tools/device_setup.sh .carry/peer-vllm/parts > "$LOGS/setup.log" 2>&1
+# PV_PARTS: the bundle parts gathered elsewhere (a bundle over the carry limit arrives one part
+# per call, each copied out of the checkout first); skipped once this machine has unpacked one
+source .carry/peer-vllm/tools/device_setup.sh "${PV_PARTS:-.carry/peer-vllm/parts}" > "$LOGS/setup.log" 2>&1
 cat "$LOGS/setup.log" >> "$SUM"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # tokenmill's pinned xgrammar and its apache-tvm-ffi (the bundle carries vLLM's older ones),
