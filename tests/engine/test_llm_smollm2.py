@@ -259,7 +259,7 @@ def test_attention_warm_up_passes_write_nothing(llm, pass_name):
 
 def test_plain_decode_warm_up_passes_write_nothing(llm):
     """The start-up passes that compile the decode kernel's tiles on CUDA (decode steps of
-    1-token contexts, and cascade steps, at chosen batch sizes) leave the KV cache and
+    chosen batch sizes and contexts, and cascade steps) leave the KV cache and
     later outputs as they were; the backend on CPU asks for none."""
     import torch
 
@@ -270,7 +270,7 @@ def test_plain_decode_warm_up_passes_write_nothing(llm):
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     before = [c.clone() for c in runner.kv_caches]
     assert not start_up_passes.plain_decode_passes(runner)
-    assert start_up_passes.plain_decode_passes(runner, sizes=[1, 5])
+    assert start_up_passes.plain_decode_passes(runner, cases=[(1, 1), (5, 40)])
     assert start_up_passes.shared_prefix_pass(runner, 5)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
     assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference

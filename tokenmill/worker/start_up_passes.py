@@ -16,7 +16,7 @@ from tokenmill.kernels.sampling import top_p as top_p_select
 from tokenmill.kernels.sampling.gumbel import gumbel_argmax
 from tokenmill.math_utils import cdiv
 from tokenmill.model.attention.backend import AttentionMetadata
-from tokenmill.model.layers.attention import bind_kv_caches, unbind_kv_caches
+from tokenmill.model.layers.attention import Attention, bind_kv_caches, unbind_kv_caches
 from tokenmill.worker import sampler
 from tokenmill.worker.cascade import CASCADE_MIN_DECODES, CASCADE_MIN_PREFIX_TOKENS
 from tokenmill.worker.sampling_metadata import SamplingMetadata, uses_fused_sampler
@@ -123,19 +123,20 @@ def warm_up_attention(runner: ModelRunner) -> None:
     """Compile the attention variants that neither the profiling pass (a full-budget
     prompt step) nor the graph captures run: the prompt kernel's key splits and their
     merge, used when a short chunk follows a long context; the cascade attention kernel,
-    used when decoding requests share a prompt prefix; and the decode kernel's tiles at
-    the decode counts that pick them (``decode_warm_up_sizes``), for steps outside the
-    graphs. A compile in the middle of serving would stall every request for most of a
+    used when decoding requests share a prompt prefix; and the decode kernel's variants
+    at the decode counts and contexts that pick them (``decode_warm_up_cases``), for steps
+    outside the graphs. A compile in the middle of serving would stall every request for most of a
     second. CUDA only."""
     if runner.device.type != "cuda":
         return
     ran = short_chunk_pass(runner)
-    sizes = decode_warm_up_sizes(runner)
+    cases = decode_warm_up_cases(runner)
+    sizes = [n for n, ctx in cases if ctx == 1]
     if runner.cascade_attn:
         # The decode kernel of a cascade step writes split partials: its own variants.
         for n in [CASCADE_MIN_DECODES] + [n for n in sizes if n > CASCADE_MIN_DECODES]:
             ran = shared_prefix_pass(runner, n) or ran
-    ran = plain_decode_passes(runner, sizes) or ran
+    ran = plain_decode_passes(runner, cases) or ran
     if ran:
         torch.cuda.synchronize(runner.device)
 
@@ -194,50 +195,58 @@ def short_chunk_pass(runner: ModelRunner, with_images: bool = False) -> bool:
     return True
 
 
-def decode_warm_up_sizes(runner: ModelRunner) -> list[int]:
-    """The decode counts at which the attention backend's decode kernel variants first
-    appear for this model (``AttentionBackend.decode_warm_up_sizes``); none without a
-    KV cache."""
-    if not runner.kv_caches:
+def decode_warm_up_cases(runner: ModelRunner) -> list[tuple[int, int]]:
+    """The (decode count, context tokens) pairs at which the attention backend's decode
+    kernel variants first appear for this model (``AttentionBackend.decode_warm_up_cases``);
+    none without a KV cache."""
+    if not runner.kv_caches or runner.model is None:
         return []
-    spec = runner.kv_cache_specs()[0]
-    return runner.attn_backend.decode_warm_up_sizes(
-        spec.num_kv_heads,
-        spec.head_size,
+    layer = next(m for m in runner.model.modules() if isinstance(m, Attention))
+    return runner.attn_backend.decode_warm_up_cases(
+        layer.num_kv_heads,
+        max(1, layer.num_heads // max(1, layer.num_kv_heads)),
+        layer.head_dim,
         runner.dtype,
         min(runner.max_num_reqs, runner.max_num_tokens),
+        min(runner.max_model_len, runner.num_blocks * runner.block_size),
         runner.device,
     )
 
 
 @torch.inference_mode()
-def plain_decode_passes(runner: ModelRunner, sizes: list[int] | None = None) -> bool:
-    """Eager decode steps of 1-token contexts through the plain decode kernel (the one that
-    steps outside the graphs run: with prompt chunks, or cascade), one per decode count in
-    ``sizes`` (default: the backend's ``decode_warm_up_sizes``, where its kernel variant
-    changes). They write nothing to the cache (slot -1) and leave the input buffers as
-    any step may. Returns False when there was nothing to run."""
+def plain_decode_passes(
+    runner: ModelRunner, cases: list[tuple[int, int]] | None = None
+) -> bool:
+    """Eager decode steps through the plain decode kernel (the one that steps outside the
+    graphs run: with prompt chunks, images, or cascade), one per (decode count, context
+    tokens) in ``cases`` (default: the backend's ``decode_warm_up_cases``, where its kernel
+    variant changes), every request reading blocks 0.. of the cache. They write nothing
+    to the cache (slot -1) and leave the input buffers as any step may. Returns False when
+    there was nothing to run."""
     if runner.model is None or not runner.kv_caches:
         return False
-    if sizes is None:
-        sizes = decode_warm_up_sizes(runner)
-    for n in sizes:
+    if cases is None:
+        cases = decode_warm_up_cases(runner)
+    for n, ctx in cases:
+        num_blocks = cdiv(ctx, runner.block_size)
         runner.input_ids.device[:n].zero_()
-        runner.positions.device[:n].zero_()
+        runner.positions.device[:n].fill_(ctx - 1)
         runner.slot_mapping.device[:n].fill_(-1)
-        runner.seq_lens.device[:n].fill_(1)
+        runner.seq_lens.device[:n].fill_(ctx)
         torch.arange(n + 1, out=runner.query_start_loc.device[: n + 1])
-        runner.block_table.device[:n, :1].zero_()
+        runner.block_table.device[:n, :num_blocks].copy_(
+            torch.arange(num_blocks, device=runner.device).expand(n, num_blocks)
+        )
         # A query length of 2 as the longest keeps the layers off the decode-only kernel
         # that rotates and writes the new K/V itself (the graphs compile that one); every
         # request is still one of the ``n`` leading decodes.
         metadata = dataclasses.replace(
-            runner.decode_metadata(n, max_seq_len=1),
+            runner.decode_metadata(n, max_seq_len=ctx),
             max_query_len=2,
-            seq_lens_cpu=torch.ones(n, dtype=torch.int32),
+            seq_lens_cpu=torch.full((n,), ctx, dtype=torch.int32),
         )
         runner.model(runner.input_ids.device[:n], runner.positions.device[:n], metadata)
-    return bool(sizes)
+    return bool(cases)
 
 
 @torch.inference_mode()

@@ -49,6 +49,7 @@ from tokenmill.kernels.attention.batch_split import BatchSplit, Launches, PagedB
 from tokenmill.kernels.attention.launch import (
     MAX_SPLITS,
     MERGE_COUNTER_SLOTS,
+    MIN_SPLIT_TOKENS,
     VARLEN_MAX_SPLITS,
     TileConfig,
     decode_tile_config,
@@ -551,15 +552,27 @@ class PagedAttention:
         return launch
 
 
-def decode_warm_up_sizes(
-    num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_decodes: int,
-    device: torch.device,
-) -> list[int]:  # fmt: skip
-    """The smallest decode count (at most ``max_decodes``) for each decode tile
-    (``decode_tile_config``) that a step of 1-token contexts (one key split) launches."""
+def decode_warm_up_cases(
+    num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, max_decodes: int,
+    max_context: int, device: torch.device,
+) -> list[tuple[int, int]]:  # fmt: skip
+    """(decode count, context tokens) pairs whose eager decode steps (no whole-step graph,
+    no shared prefix, no rotary in the kernel) launch every variant of the decode kernel
+    that such steps of up to ``max_decodes`` requests of up to ``max_context`` tokens
+    reach: one per tile (``decode_tile_config``), per whether the key split count is 1 or a
+    multiple of 16 (Triton specialises integer arguments on both), and per where the
+    splits merge (in the kernel, or in a reduction). The smallest decode count, then the
+    shortest context, of each; sorted. ``group``: query heads per KV head."""
     sms = num_sms(device)
-    first: dict[TileConfig, int] = {}
+    head_dim_p, group_p = _pow2(head_dim, 16), _pow2(group, 16)
+    first: dict[tuple, tuple[int, int]] = {}
     for n in range(1, max_decodes + 1):
-        tile = decode_tile_config(_pow2(head_dim, 16), dtype, n * num_kv_heads, sms)
-        first.setdefault(tile, n)
+        in_kernel_merge = n * num_kv_heads <= MERGE_COUNTER_SLOTS
+        for splits in range(1, num_decode_splits(n, num_kv_heads, max_context, sms) + 1):
+            tile = decode_tile_config(
+                head_dim_p, dtype, n * splits * num_kv_heads, sms, False, False, group_p, splits
+            )  # fmt: skip
+            key = (tile, splits == 1, splits % 16 == 0, in_kernel_merge or splits == 1)
+            # (splits - 1) * MIN_SPLIT_TOKENS + 1 keys are the fewest that split this far
+            first.setdefault(key, (n, (splits - 1) * MIN_SPLIT_TOKENS + 1))
     return sorted(first.values())

@@ -307,13 +307,14 @@ class AttentionBackend(abc.ABC):
     def get_impl_cls() -> type[AttentionImpl]: ...
 
     @staticmethod
-    def decode_warm_up_sizes(
-        num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_decodes: int,
-        device: torch.device,
-    ) -> list[int]:  # fmt: skip
-        """Decode counts (at most ``max_decodes``) at which decode steps of 1-token contexts
-        launch every decode kernel variant that the backend picks by batch size, so that
-        start-up can compile them all; empty where nothing depends on it."""
+    def decode_warm_up_cases(
+        num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, max_decodes: int,
+        max_context: int, device: torch.device,
+    ) -> list[tuple[int, int]]:  # fmt: skip
+        """(decode count, context tokens) pairs at which eager decode steps launch every
+        decode kernel variant that the backend picks by batch size and context length, so
+        that start-up can compile them all; empty where nothing depends on them.
+        ``group``: query heads per KV head."""
         return []
 
     @staticmethod

@@ -94,8 +94,10 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonAttentionImpl
 
     @staticmethod
-    def decode_warm_up_sizes(
-        num_kv_heads: int, head_dim: int, dtype: torch.dtype, max_decodes: int,
-        device: torch.device,
-    ) -> list[int]:  # fmt: skip
-        return paged.decode_warm_up_sizes(num_kv_heads, head_dim, dtype, max_decodes, device)
+    def decode_warm_up_cases(
+        num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, max_decodes: int,
+        max_context: int, device: torch.device,
+    ) -> list[tuple[int, int]]:  # fmt: skip
+        return paged.decode_warm_up_cases(
+            num_kv_heads, group, head_dim, dtype, max_decodes, max_context, device
+        )
