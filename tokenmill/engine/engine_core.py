@@ -60,6 +60,10 @@ def _default_executor(config: EngineConfig):
     return UniProcExecutor(config)
 
 
+class EngineDeadError(RuntimeError):
+    """A step of this engine failed earlier; it runs no more steps."""
+
+
 class EngineCore:
     """Owns the scheduler and the executor; ``step()`` runs one iteration.
 
@@ -111,9 +115,10 @@ class EngineCore:
         self._failed: list[EngineCoreOutput] = []  # requests refused here, to report
         self._asleep: set[str] = set()  # sleep mode: "weights", "kv_cache" while freed
         self._num_constraint_failures = 0  # of those, not yet in a SchedulerStats
-        # Set once a worker died: the engine cannot run another step, and every later step
-        # raises at once rather than spinning on requests that can never be scheduled.
-        self._dead_error: str | None = None
+        # Set once a worker died or a step failed: the engine cannot run another step, and
+        # every later step raises at once rather than spinning on requests that can never
+        # be scheduled.
+        self._dead_error: Exception | None = None
         sc = config.scheduler_config
         logger.info(
             "Scheduler: %d tokens and %d requests per step, chunked prefill %s, prefill pacing "
@@ -275,13 +280,22 @@ class EngineCore:
 
         Raises:
             WorkerDiedError: a worker died, in this step or an earlier one.
+            EngineDeadError: an earlier step failed (vLLM's engine-dead state: a step that
+                raised may have left the scheduler and the workers disagreeing about what
+                it ran, so no later step is trusted; the served engine core exits there).
         """
         if self._dead_error is not None:
-            raise WorkerDiedError(self._dead_error)
+            raise self._dead_error
         try:
             return self._step()
         except WorkerDiedError as e:
-            self._dead_error = str(e)
+            self._dead_error = WorkerDiedError(str(e))
+            raise
+        except Exception as e:
+            self._dead_error = EngineDeadError(
+                f"the engine failed in an earlier step ({type(e).__name__}: {e}); "
+                "start a new one"
+            )
             raise
 
     def _step(self) -> EngineCoreOutputs:
