@@ -37,8 +37,8 @@ from tokenmill.core.scheduler_checks import (
 )
 from tokenmill.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.core.speculation import Speculation
+from tokenmill.core.step_outputs import request_step_output
 from tokenmill.core.step_plan import StepPlan
-from tokenmill.core.stop_conditions import append_until_stop
 from tokenmill.math_utils import cdiv
 
 if TYPE_CHECKING:
@@ -550,32 +550,15 @@ class Scheduler:
                 if beam_output is not None:
                     outputs.append(beam_output)
                 continue
-            new_token_ids = append_until_stop(request, step_tokens, self.max_context_len)
-            if new_token_ids is None:
-                self._num_constraint_failures += 1
-                new_token_ids = []
-            prompt_logprobs = runner.prompt_logprobs.get(req_id)
+            output, constraint_failed = request_step_output(
+                request, step_tokens, runner, self.max_context_len
+            )
+            self._num_constraint_failures += constraint_failed
             finished = request.is_finished()
             if self.speculation is not None and not finished:
                 self.speculation.set_drafts(request, drafts.get(req_id, []), self.max_context_len)
-            if not (new_token_ids or finished or prompt_logprobs):
-                continue
-            logprobs = runner.logprobs.get(req_id)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=new_token_ids,
-                    new_logprobs=(
-                        logprobs.slice(0, len(new_token_ids))
-                        if logprobs is not None and new_token_ids
-                        else None
-                    ),
-                    new_prompt_logprobs=prompt_logprobs,
-                    finish_reason=request.get_finished_reason(),
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(0, request.num_cached_tokens),
-                )
-            )
+            if output is not None:
+                outputs.append(output)
             if finished:
                 finished_ids.add(req_id)
                 if self.headroom is not None:
@@ -611,4 +594,3 @@ class Scheduler:
             stats.waiting_lora_adapters = count_adapters(self.waiting)
         self._num_preemptions = self._num_constraint_failures = 0
         return stats
-
