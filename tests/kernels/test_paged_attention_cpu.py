@@ -141,7 +141,8 @@ def _rotate_ref(x, cs, rot, neox):
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("rot", [64, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_rotary_variant_writes_the_new_kv_then_attends(ops, neox, rot, dtype):
+@pytest.mark.parametrize("k_normed", [False, True])
+def test_rotary_variant_writes_the_new_kv_then_attends(ops, neox, rot, dtype, k_normed):
     """The rotary variant equals: rotate q and k at position seq_len - 1, store k and v in
     that token's slot, then the plain kernel."""
     q, cache, table, lens = make_case(LENGTHS, dtype=dtype, seed=3)
@@ -150,6 +151,8 @@ def test_rotary_variant_writes_the_new_kv_then_attends(ops, neox, rot, dtype):
     # k and v as column slices of one projection output, like a QKV split
     qkv = torch.randn(b, (9 + 2 * hkv) * d, generator=gen)
     k, v = qkv[:, 9 * d : 12 * d], qkv[:, 12 * d :]
+    if k_normed:  # a QK-norm's output (Gemma 3, Qwen3): k contiguous, v still a slice
+        k = k.contiguous()
     cos_sin = torch.randn(300, rot, generator=gen)
     pos = (lens - 1).long()
     expected_cache = cache.clone()

@@ -353,11 +353,11 @@ struct Problem {
   int64_t window;  // 0: none
   float scale;
   float* out;  // [B, H, D] contiguous
-  // Rotary variant: this step's unrotated K/V rows [B, Hkv * D] (kv_stride apart), written
+  // Rotary variant: this step's unrotated K/V rows [B, Hkv * D] (k_stride, v_stride apart), written
   // at position seq_len - 1; the cos | sin table [positions, rotary_dim]. k_new null: none.
   const float* k_new = nullptr;
   const float* v_new = nullptr;
-  int64_t kv_stride = 0;
+  int64_t k_stride = 0, v_stride = 0;
   const float* cos_sin = nullptr;
   int64_t rotary_dim = 0;
   bool neox = true;
@@ -422,8 +422,8 @@ void run(const Problem& pb, T* k_cache, T* v_cache, int64_t num_reqs, int64_t ma
         cs = pb.cos_sin + pos * pb.rotary_dim;
         const int64_t block = pb.table[b * pb.table_stride + pos / pb.block_size];
         const int64_t slot = (block * pb.block_size + pos % pb.block_size) * row_stride + h * d;
-        rotate(pb.k_new + b * pb.kv_stride + h * d, cs, pb.rotary_dim, pb.neox, d, qh);
-        const float* vn = pb.v_new + b * pb.kv_stride + h * d;
+        rotate(pb.k_new + b * pb.k_stride + h * d, cs, pb.rotary_dim, pb.neox, d, qh);
+        const float* vn = pb.v_new + b * pb.v_stride + h * d;
         for (int64_t j = 0; j < d; ++j) {
           k_cache[slot + j] = to_cache<T>(qh[j]);
           v_cache[slot + j] = to_cache<T>(vn[j]);
@@ -494,10 +494,8 @@ at::Tensor paged_decode_attention_rotary(const at::Tensor& q, const at::Tensor& 
   const int64_t hkv = kv_cache.dim() == 5 ? kv_cache.size(3) : 0;
   for (const at::Tensor* t : {&k, &v}) {
     TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kFloat && t->stride(1) == 1 &&
-                    t->size(0) == q.size(0) && t->size(1) == hkv * d &&
-                    t->stride(0) == k.stride(0),
-                "paged_decode_attention_rotary: k and v must be float32 [B, Hkv * D] rows "
-                "with one stride");
+                    t->size(0) == q.size(0) && t->size(1) == hkv * d,
+                "paged_decode_attention_rotary: k and v must be float32 [B, Hkv * D] rows");
   }
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < seq_lens.numel(); ++b) {
@@ -558,7 +556,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   if (nk.k != nullptr) {
     pb.k_new = nk.k->data_ptr<float>();
     pb.v_new = nk.v->data_ptr<float>();
-    pb.kv_stride = nk.k->stride(0);
+    pb.k_stride = nk.k->stride(0);
+    pb.v_stride = nk.v->stride(0);
     pb.cos_sin = nk.cos_sin->data_ptr<float>();
     pb.rotary_dim = nk.rotary_dim;
     pb.neox = nk.neox;
