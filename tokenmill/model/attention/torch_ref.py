@@ -201,19 +201,31 @@ class TorchAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         ops = self._native_decode_ops(kv_cache)
         plan = _batch_plan(metadata)
-        n = metadata.num_actual_tokens
-        if ops is None or not plan["all_decode"] or n != query.shape[0]:
+        if ops is None or plan["prefill_reqs"]:
             raise ValueError("the CPU's rotary decode takes decode-only steps on a cache its "
                              "native kernel reads")  # fmt: skip
+        n = query.shape[0]
+        q = query.view(n, self.num_heads, self.head_dim)
+        k, v = key, value
+        if not plan["all_decode"] or n != metadata.num_actual_tokens:
+            # Padded rows (CUDA-graph sizes, context 0) attend to nothing and store nothing:
+            # the kernel takes the real decodes' rows only, the rest of the output is zero.
+            rows = plan["decode_tokens"]
+            q, k, v = q[rows], key[rows], value[rows]
         table, seq_lens = _native_decode_rows(plan, metadata)
-        q = query.view(n, self.num_heads, self.head_dim).float()
         o = ops.paged_decode_attention_rotary(
-            q, key.float(), value.float(), kv_cache, table, seq_lens, rotary.cos_sin_cache,
+            q.float(), k.float(), v.float(), kv_cache, table, seq_lens, rotary.cos_sin_cache,
             rotary.rotary_dim, rotary.is_neox_style, self.scale, self.sliding_window or 0,
-        ).reshape(n, -1).to(query.dtype)
-        if out is None:
+        ).reshape(q.shape[0], -1).to(query.dtype)
+        if out is None and q.shape[0] == n:
             return o
-        out[:n].copy_(o)
+        if out is None:
+            out = torch.zeros_like(query)
+        if q.shape[0] == n:
+            out[:n].copy_(o)
+        else:
+            out[:n].zero_()
+            out[plan["decode_tokens"]] = o
         return out
 
     def _window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
