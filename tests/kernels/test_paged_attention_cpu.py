@@ -122,3 +122,56 @@ def test_bad_arguments_are_refused(ops):
         attend(q, cache.double(), table, lens, 0.1, 0)
     with pytest.raises(RuntimeError, match="seq_lens must be"):
         attend(q, cache, table, lens.long(), 0.1, 0)
+
+
+def _rotate_ref(x, cs, rot, neox):
+    """``x [..., D]`` rotated by table rows ``cs [..., rot]`` (cos | sin), float64."""
+    x = x.double().clone()
+    half = rot // 2
+    cos, sin = cs[..., :half].double(), cs[..., half:].double()
+    if neox:
+        a, b = x[..., :half].clone(), x[..., half:rot].clone()
+        x[..., :half], x[..., half:rot] = a * cos - b * sin, b * cos + a * sin
+    else:
+        a, b = x[..., 0:rot:2].clone(), x[..., 1:rot:2].clone()
+        x[..., 0:rot:2], x[..., 1:rot:2] = a * cos - b * sin, b * cos + a * sin
+    return x
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rot", [64, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k_normed", [False, True])
+def test_rotary_variant_writes_the_new_kv_then_attends(ops, neox, rot, dtype, k_normed):
+    """The rotary variant equals: rotate q and k at position seq_len - 1, store k and v in
+    that token's slot, then the plain kernel."""
+    q, cache, table, lens = make_case(LENGTHS, dtype=dtype, seed=3)
+    b, hkv, d = len(LENGTHS), 3, 64
+    gen = torch.Generator().manual_seed(4)
+    # k and v as column slices of one projection output, like a QKV split
+    qkv = torch.randn(b, (9 + 2 * hkv) * d, generator=gen)
+    k, v = qkv[:, 9 * d : 12 * d], qkv[:, 12 * d :]
+    if k_normed:  # a QK-norm's output (Gemma 3, Qwen3): k contiguous, v still a slice
+        k = k.contiguous()
+    cos_sin = torch.randn(300, rot, generator=gen)
+    pos = (lens - 1).long()
+    expected_cache = cache.clone()
+    flat = expected_cache.view(2, -1, hkv, d)
+    slots = table.long()[torch.arange(b), pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    flat[0, slots] = _rotate_ref(k.view(b, hkv, d), cos_sin[pos][:, None], rot, neox).to(dtype)
+    flat[1, slots] = v.view(b, hkv, d).to(dtype)
+    q_rot = _rotate_ref(q, cos_sin[pos][:, None], rot, neox).float()
+    expected = ops.paged_decode_attention(q_rot, expected_cache, table, lens, 0.125, 0)
+    out = ops.paged_decode_attention_rotary(q, k, v, cache, table, lens, cos_sin, rot, neox,
+                                            0.125, 0)  # fmt: skip
+    torch.testing.assert_close(cache.float(), expected_cache.float(), rtol=1e-6, atol=1e-6,
+                               equal_nan=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_variant_refuses_positions_past_the_table(ops):
+    q, cache, table, lens = make_case([5, 300])
+    kv = torch.zeros(2, 3 * 64)
+    with pytest.raises(RuntimeError, match="rotary table has 100"):
+        ops.paged_decode_attention_rotary(q, kv, kv, cache, table, lens, torch.zeros(100, 64),
+                                          64, True, 0.125, 0)  # fmt: skip

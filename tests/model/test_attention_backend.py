@@ -39,12 +39,15 @@ def test_a_backend_without_it_says_so():
     x = torch.zeros(1, 64)
     rotary = DecodeRotary(torch.zeros(8, 16), 16, True)
     with pytest.raises(NotImplementedError, match="does not rotate inside attention"):
-        impl.attend_decode_rotary(x, x[:, :32], x[:, :32], torch.zeros(2, 1, 16, 2, 16), None,
-                                  rotary)  # fmt: skip
+        AttentionImpl.attend_decode_rotary(impl, x, x[:, :32], x[:, :32],
+                                           torch.zeros(2, 1, 16, 2, 16), None, rotary)
+    assert not AttentionImpl.host_decode_rotary(impl, x, torch.zeros(2, 1, 16, 2, 16), None)
 
 
-def test_the_layer_takes_the_fused_decode_path_only_where_declared():
+def test_the_layer_takes_the_fused_decode_path_only_where_declared(monkeypatch):
     from tokenmill.model.layers.attention import Attention
 
     layer = Attention(4, 16, 0.25, 2, 0, TorchAttentionBackend)
-    assert not layer.rope_in_decode
+    assert layer.rope_in_decode == TorchAttentionBackend.supports_decode_rotary
+    monkeypatch.setattr(TorchAttentionBackend, "supports_decode_rotary", False)
+    assert not Attention(4, 16, 0.25, 2, 0, TorchAttentionBackend).rope_in_decode

@@ -287,6 +287,12 @@ class AttentionImpl(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not rotate inside attention")
 
+    def host_decode_rotary(self, query: torch.Tensor, kv_cache: torch.Tensor, rope: Any) -> bool:
+        """Whether ``attend_decode_rotary`` takes this decode step where the rotary embedding
+        has no fused GPU kernel (``rope.runs_fused`` is False): backends with a host path
+        (the CPU's native kernel) say so; the others take such steps unfused."""
+        return False
+
 
 class AttentionBackend(abc.ABC):
     """A family of attention kernels: names itself and builds per-layer implementations."""

@@ -6,7 +6,9 @@ Decode requests (one query token each) take the native paged decode kernel
 applies: a contiguous float32, bfloat16 or float16 cache on the CPU, a head size that is a
 multiple of 16, and a layer with at most a sliding window (no soft cap, sinks or attention
 chunks). It reads each request's keys straight from its blocks, one task per (request, kv
-head). Elsewhere they are attended in batched torch calls over their gathered blocks, one call
+head); in a decode-only step of a layer with RoPE (``attend_decode_rotary``) the same task
+first rotates and stores its kv head's new key and value and rotates its query heads. Elsewhere
+they are attended in batched torch calls over their gathered blocks, one call
 per padded key length (``DECODE_KEY_GRANULE``). Either way a request's result is
 bit-identical whatever else is in the batch: the kernel's sums run over the request's own keys
 in a fixed order, and torch's are cut to the same padded length. Prompt chunks go one request
@@ -26,7 +28,12 @@ import torch.nn.functional as F
 
 from tokenmill.kernels.cpu.native import native_ops
 from tokenmill.math_utils import cdiv
-from tokenmill.model.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+from tokenmill.model.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    DecodeRotary,
+)
 
 FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Cache dtypes the native decode kernel reads.
@@ -170,6 +177,55 @@ class TorchAttentionImpl(AttentionImpl):
         for i in plan["prefill_reqs"]:
             s, e = starts[i], starts[i + 1]
             o[s:e] = self._prefill(q[s:e], kv_cache, metadata.block_table[i], seq_lens[i])
+        return out
+
+    def host_decode_rotary(self, query: torch.Tensor, kv_cache: torch.Tensor, rope: Any) -> bool:
+        """The native kernel rotates and stores the new K/V of CPU decode steps: a cache it
+        reads, and a rotary table of positions (``rope.rotates_at_context_end``)."""
+        return (
+            query.device.type == "cpu"
+            and getattr(rope, "rotates_at_context_end", False)
+            and rope.cos_sin_cache.dtype == torch.float32
+            and self._native_decode_ops(kv_cache) is not None
+        )
+
+    def attend_decode_rotary(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        rotary: DecodeRotary,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        ops = self._native_decode_ops(kv_cache)
+        plan = _batch_plan(metadata)
+        if ops is None or plan["prefill_reqs"]:
+            raise ValueError("the CPU's rotary decode takes decode-only steps on a cache its "
+                             "native kernel reads")  # fmt: skip
+        n = query.shape[0]
+        q = query.view(n, self.num_heads, self.head_dim)
+        k, v = key, value
+        if not plan["all_decode"] or n != metadata.num_actual_tokens:
+            # Padded rows (CUDA-graph sizes, context 0) attend to nothing and store nothing:
+            # the kernel takes the real decodes' rows only, the rest of the output is zero.
+            rows = plan["decode_tokens"]
+            q, k, v = q[rows], key[rows], value[rows]
+        table, seq_lens = _native_decode_rows(plan, metadata)
+        o = ops.paged_decode_attention_rotary(
+            q.float(), k.float(), v.float(), kv_cache, table, seq_lens, rotary.cos_sin_cache,
+            rotary.rotary_dim, rotary.is_neox_style, self.scale, self.sliding_window or 0,
+        ).reshape(q.shape[0], -1).to(query.dtype)
+        if out is None and q.shape[0] == n:
+            return o
+        if out is None:
+            out = torch.zeros_like(query)
+        if q.shape[0] == n:
+            out[:n].copy_(o)
+        else:
+            out[:n].zero_()
+            out[plan["decode_tokens"]] = o
         return out
 
     def _window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -377,6 +433,8 @@ class TorchAttentionBackend(AttentionBackend):
     """The torch reference backend (CPU, and the test oracle for GPU kernels)."""
 
     name = "torch"
+    # On the CPU, where ``TorchAttentionImpl.host_decode_rotary`` says so.
+    supports_decode_rotary = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

@@ -142,7 +142,7 @@ class Attention(nn.Module):
             and not metadata.common_prefix_len
             and not metadata.uniform_grids
             and not metadata.reads_step_kv
-            and rope.runs_fused(query)
+            and (rope.runs_fused(query) or self.impl.host_decode_rotary(query, self._cache(), rope))
         ):
             # Decode-only step: the decode kernel rotates and writes the new K/V itself.
             rotary = DecodeRotary(rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style)

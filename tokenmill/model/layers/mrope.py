@@ -64,6 +64,9 @@ class MRotaryEmbedding(RotaryEmbedding):
         index = self.stream_of_column.view(1, 1, -1).expand(1, positions.shape[1], -1)
         self._step_cos_sin = table.gather(0, index).squeeze(0)
 
+    # Positions of the three streams, offset by the images: not the context's last.
+    rotates_at_context_end = False
+
     def runs_fused(self, q: torch.Tensor) -> bool:
         return self._step_cos_sin is None and super().runs_fused(q)
 

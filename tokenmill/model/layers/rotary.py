@@ -181,6 +181,10 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return self._rotate(x, cos, sin)
 
+    # A decode launch may rotate each new token at its context's last position from
+    # ``cos_sin_cache`` (``DecodeRotary``); not so where positions follow other rules (M-RoPE).
+    rotates_at_context_end = True
+
     def runs_fused(self, q: torch.Tensor) -> bool:
         """Whether ``q``'s rotation runs as a fused Triton kernel (CUDA, and a power-of-two
         half rotary dimension)."""

@@ -12,6 +12,12 @@
 // Each pass fetches rows a few keys ahead into cache (the blocks lie anywhere in memory). The
 // keys of a sliding window are positions max(0, seq_len - window) .. seq_len - 1.
 //
+// The rotary variant (paged_decode_attention_rotary) also takes this step's unrotated key
+// and value rows: each task rotates its kv head's key at position seq_len - 1 (RoPE, Su et
+// al. 2021: the halves of the first rotary_dim dims, or adjacent pairs, by the cos | sin
+// table row of that position), writes it and the value into that token's cache slot, and
+// rotates its query heads before attending, in place of three separate passes.
+//
 // Every sum runs in a fixed order over the request's own keys and threads split whole
 // tasks, so a request's output is bit-identical whatever else is in the batch and however
 // the work is spread over threads.
@@ -347,11 +353,45 @@ struct Problem {
   int64_t window;  // 0: none
   float scale;
   float* out;  // [B, H, D] contiguous
+  // Rotary variant: this step's unrotated K/V rows [B, Hkv * D] (k_stride, v_stride apart), written
+  // at position seq_len - 1; the cos | sin table [positions, rotary_dim]. k_new null: none.
+  const float* k_new = nullptr;
+  const float* v_new = nullptr;
+  int64_t k_stride = 0, v_stride = 0;
+  const float* cos_sin = nullptr;
+  int64_t rotary_dim = 0;
+  bool neox = true;
 };
 
+// x [d] rotated by one cos | sin table row ``cs`` [rot] into y [d] (the dims past rot copied).
+inline void rotate(const float* x, const float* cs, int64_t rot, bool neox, int64_t d,
+                   float* y) {
+  const int64_t half = rot / 2;
+  const float* cos = cs;
+  const float* sin = cs + half;
+  if (neox) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x[i], b = x[i + half];
+      y[i] = a * cos[i] - b * sin[i];
+      y[i + half] = b * cos[i] + a * sin[i];
+    }
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x[2 * i], b = x[2 * i + 1];
+      y[2 * i] = a * cos[i] - b * sin[i];
+      y[2 * i + 1] = b * cos[i] + a * sin[i];
+    }
+  }
+  for (int64_t j = rot; j < d; ++j) y[j] = x[j];
+}
+
 template <typename T>
-void run(const Problem& pb, const T* k_cache, const T* v_cache, int64_t num_reqs,
-         int64_t max_keys) {
+inline T to_cache(float x) {
+  return static_cast<T>(x);
+}
+
+template <typename T>
+void run(const Problem& pb, T* k_cache, T* v_cache, int64_t num_reqs, int64_t max_keys) {
   const int64_t hkv = pb.num_kv_heads, d = pb.head_dim, group = pb.num_heads / hkv;
   const int64_t row_stride = hkv * d;
   const int64_t ld = (max_keys + kLanes - 1) / kLanes * kLanes;
@@ -376,6 +416,19 @@ void run(const Problem& pb, const T* k_cache, const T* v_cache, int64_t num_reqs
       }
       const int64_t start = pb.window > 0 ? std::max<int64_t>(0, len - pb.window) : 0;
       const int64_t n = len - start;
+      const float* cs = nullptr;
+      if (pb.k_new != nullptr) {  // write this step's key (rotated) and value first
+        const int64_t pos = len - 1;
+        cs = pb.cos_sin + pos * pb.rotary_dim;
+        const int64_t block = pb.table[b * pb.table_stride + pos / pb.block_size];
+        const int64_t slot = (block * pb.block_size + pos % pb.block_size) * row_stride + h * d;
+        rotate(pb.k_new + b * pb.k_stride + h * d, cs, pb.rotary_dim, pb.neox, d, qh);
+        const float* vn = pb.v_new + b * pb.v_stride + h * d;
+        for (int64_t j = 0; j < d; ++j) {
+          k_cache[slot + j] = to_cache<T>(qh[j]);
+          v_cache[slot + j] = to_cache<T>(vn[j]);
+        }
+      }
       row_offsets(pb.table + b * pb.table_stride, start, len, pb.block_size, row_stride,
                   offs.data());
       const T* k = k_cache + h * d;
@@ -384,7 +437,11 @@ void run(const Problem& pb, const T* k_cache, const T* v_cache, int64_t num_reqs
         const int nq = static_cast<int>(std::min<int64_t>(kMaxHeads, group - g0));
         for (int g = 0; g < nq; ++g) {
           const float* src = pb.q + b * pb.q_stride_b + (h * group + g0 + g) * pb.q_stride_h;
-          std::memcpy(qh + g * d, src, d * sizeof(float));
+          if (cs != nullptr) {
+            rotate(src, cs, pb.rotary_dim, pb.neox, d, qh + g * d);
+          } else {
+            std::memcpy(qh + g * d, src, d * sizeof(float));
+          }
         }
         float* o = out + g0 * d;
         const int64_t* r = offs.data();
@@ -399,11 +456,59 @@ void run(const Problem& pb, const T* k_cache, const T* v_cache, int64_t num_reqs
   });
 }
 
+struct NewKV {
+  const at::Tensor* k = nullptr;
+  const at::Tensor* v = nullptr;
+  const at::Tensor* cos_sin = nullptr;
+  int64_t rotary_dim = 0;
+  bool neox = true;
+};
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                  const at::Tensor& seq_lens, double scale, int64_t window, const NewKV& nk);
+
 // q [B, H, D] float32, kv_cache [2, NB, BS, Hkv, D] (float32, bfloat16 or float16),
 // block_table [B, W] int32, seq_lens [B] int32 -> [B, H, D] float32.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_table, const at::Tensor& seq_lens,
                                   double scale, int64_t window) {
+  return attend(q, kv_cache, block_table, seq_lens, scale, window, NewKV{});
+}
+
+// The same, after writing this step's K/V: q [B, H, D] and k, v [B, Hkv * D] float32 rows,
+// unrotated; cos_sin [P, rotary_dim] float32 (cos | sin halves); the new token of request b
+// is at position seq_lens[b] - 1 (its cache slot through the block table). kv_cache is
+// written in place.
+at::Tensor paged_decode_attention_rotary(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, const at::Tensor& kv_cache,
+                                         const at::Tensor& block_table,
+                                         const at::Tensor& seq_lens, const at::Tensor& cos_sin,
+                                         int64_t rotary_dim, bool neox, double scale,
+                                         int64_t window) {
+  const int64_t d = q.dim() == 3 ? q.size(2) : 0;
+  TORCH_CHECK(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= d,
+              "paged_decode_attention_rotary: rotary_dim must be even, in 1..head_dim");
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.scalar_type() == at::kFloat &&
+                  cos_sin.is_contiguous() && cos_sin.size(1) == rotary_dim,
+              "paged_decode_attention_rotary: cos_sin must be contiguous float32 [P, rotary_dim]");
+  const int64_t hkv = kv_cache.dim() == 5 ? kv_cache.size(3) : 0;
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kFloat && t->stride(1) == 1 &&
+                    t->size(0) == q.size(0) && t->size(1) == hkv * d,
+                "paged_decode_attention_rotary: k and v must be float32 [B, Hkv * D] rows");
+  }
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < seq_lens.numel(); ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= cos_sin.size(0),
+                "paged_decode_attention_rotary: request ", b, " is at position ", lens[b] - 1,
+                "; the rotary table has ", cos_sin.size(0));
+  }
+  return attend(q, kv_cache, block_table, seq_lens, scale, window,
+                NewKV{&k, &v, &cos_sin, rotary_dim, neox});
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                  const at::Tensor& seq_lens, double scale, int64_t window, const NewKV& nk) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1,
               "paged_decode_attention: q must be float32 [B, H, D] with contiguous dims");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -446,18 +551,26 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   }
   at::Tensor out = at::empty({num_reqs, num_heads, d}, q.options());
   if (num_reqs == 0 || num_heads == 0) return out;
-  const Problem pb{q.data_ptr<float>(), q.stride(0), q.stride(1), table, table_stride, lens,
-                   num_heads, hkv, d, bs, window, static_cast<float>(scale),
-                   out.data_ptr<float>()};
+  Problem pb{q.data_ptr<float>(), q.stride(0), q.stride(1), table, table_stride, lens,
+             num_heads, hkv, d, bs, window, static_cast<float>(scale), out.data_ptr<float>()};
+  if (nk.k != nullptr) {
+    pb.k_new = nk.k->data_ptr<float>();
+    pb.v_new = nk.v->data_ptr<float>();
+    pb.k_stride = nk.k->stride(0);
+    pb.v_stride = nk.v->stride(0);
+    pb.cos_sin = nk.cos_sin->data_ptr<float>();
+    pb.rotary_dim = nk.rotary_dim;
+    pb.neox = nk.neox;
+  }
   const int64_t half = num_blocks * bs * hkv * d;  // elements of the K (or V) half
   if (dtype == at::kFloat) {
-    const float* base = kv_cache.data_ptr<float>();
+    float* base = kv_cache.data_ptr<float>();
     run<float>(pb, base, base + half, num_reqs, max_keys);
   } else if (dtype == at::kBFloat16) {
-    const c10::BFloat16* base = kv_cache.data_ptr<c10::BFloat16>();
+    c10::BFloat16* base = kv_cache.data_ptr<c10::BFloat16>();
     run<c10::BFloat16>(pb, base, base + half, num_reqs, max_keys);
   } else {
-    const c10::Half* base = kv_cache.data_ptr<c10::Half>();
+    c10::Half* base = kv_cache.data_ptr<c10::Half>();
     run<c10::Half>(pb, base, base + half, num_reqs, max_keys);
   }
   return out;
@@ -470,4 +583,10 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
       "paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "float scale, int window) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+  m.def(
+      "paged_decode_attention_rotary(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, "
+      "Tensor block_table, Tensor seq_lens, Tensor cos_sin, int rotary_dim, bool neox, "
+      "float scale, int window) -> Tensor");
+  m.impl("paged_decode_attention_rotary", c10::DispatchKey::CPU,
+         TORCH_FN(paged_decode_attention_rotary));
 }
