@@ -21,14 +21,28 @@ def _dense(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: in
 @pytest.mark.parametrize("low,high", [(0, 15), (-8, 7), (-128, 127), (-32, 31), (0, 31)])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 16])
-def test_product_matches_float64(low, high, group, m):
+@pytest.mark.parametrize("scales", ["float32", "float16", "symmetric"])
+def test_product_matches_float64(low, high, group, m, scales):
+    """``float16``: scales and offsets that are float16 values (GGUF's), packed as such;
+    ``symmetric``: no offsets (Q8_0, GPTQ's symmetric groups), none packed."""
     torch.manual_seed(low * 7 + group + m)
     n, k = 48, 256
     q = torch.randint(low, high + 1, (n, k))
     scale = torch.rand(n, k // group) * 0.02 + 0.005
     offset = torch.randn(n, k // group) * 0.05
+    if scales != "float32":
+        scale, offset = scale.half().float(), offset.half().float()
+    if scales == "symmetric":
+        offset = torch.zeros_like(scale)
     w = block_gemm.pack_blocks(q, scale, offset, group)
     assert w is not None and w.nibbles == (high - low <= 15)
+    shifted = -8 <= low and high <= 7 and low < 0  # signed four bits: offset -8 * scale
+    # shifting signed four bits adds -8 * scale to an offset: a float16 sum only by chance
+    half = scales == "symmetric" or (scales == "float16" and not shifted)
+    if scales == "float16" and shifted:
+        half = torch.equal((offset - 8 * scale).half().float(), offset - 8 * scale)
+    assert w.scales.dtype == (torch.float16 if half else torch.float32)
+    assert (w.offsets.numel() == 0) == (scales == "symmetric" and not shifted)
     x = torch.randn(m, k) * 3
     x[0, 5] = 40.0  # an outlier in one block
     got = w.mm(x).double()
@@ -71,10 +85,13 @@ def test_bad_inputs_raise_clear_errors():
 
 
 @pytest.mark.parametrize("low,high", [(0, 15), (-128, 127)])
-def test_rows_dequantize_the_packed_weights(low, high):
+@pytest.mark.parametrize("half", [False, True])
+def test_rows_dequantize_the_packed_weights(low, high, half):
     torch.manual_seed(2)
     q = torch.randint(low, high + 1, (48, 128))
     scale, offset = torch.rand(48, 4) * 0.02, torch.randn(48, 4) * 0.01
+    if half:
+        scale, offset = scale.half().float(), offset.half().float()
     w = block_gemm.pack_blocks(q, scale, offset, 32)
     ids = torch.tensor([0, 47, 17, 17, 5])
     want = _dense(q, scale, offset, 32)[ids].float()

@@ -39,7 +39,9 @@ class BlockWeights:
         packed: uint8, ``N * K / 2`` bytes (nibbles) or ``N * K`` (int8), tile-major.
         corr: ``[N / 16, K / 32, 16]`` int32, ``-128 * sum(q)`` of each block (int8
             weights; empty for nibbles).
-        scales, offsets: ``[N / 16, K / 32, 16]`` float32.
+        scales, offsets: ``[N / 16, K / 32, 16]``, float16 where every value is one
+            exactly (GGUF's block scales), else float32; ``offsets`` empty for symmetric
+            blocks (no offset term).
         nibbles: whether ``packed`` holds four-bit values.
     """
 
@@ -68,8 +70,11 @@ class BlockWeights:
         else:  # int8 (tile, block, group of 4 K, lane, 4 K)
             q = self.packed.view(torch.int8).view(tiles, nb, 8, TILE, 4)[t, :, :, lane, :]
         q = q.reshape(len(ids), nb, BLOCK).float()
-        scale, offset = self.scales[t, :, lane], self.offsets[t, :, lane]  # [T, nb]
-        return (q * scale[..., None] + offset[..., None]).view(len(ids), nb * BLOCK)
+        scale = self.scales[t, :, lane].float()  # [T, nb]
+        w = q * scale[..., None]
+        if self.offsets.numel():
+            w = w + self.offsets[t, :, lane].float()[..., None]
+        return w.view(len(ids), nb * BLOCK)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.packed, self.corr, self.scales, self.offsets]
@@ -108,5 +113,9 @@ def pack_blocks(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | Non
     corr = torch.zeros(0, dtype=torch.int32)
     if not nibbles:
         corr = by_tile((-128 * q.to(torch.int32).view(n, nb, BLOCK).sum(-1)).to(torch.int32))
-    return BlockWeights(packed.contiguous().view(-1), corr, by_tile(scale), by_tile(offset),
+    # float16 halves the scale bytes each product streams, where it changes no value
+    exact_half = all(torch.equal(t.half().float(), t) for t in (scale, offset))
+    dtype = torch.float16 if exact_half else torch.float32
+    offsets = by_tile(offset).to(dtype) if offset.any() else torch.zeros(0, dtype=dtype)
+    return BlockWeights(packed.contiguous().view(-1), corr, by_tile(scale).to(dtype), offsets,
                         nibbles)

@@ -15,6 +15,10 @@
 // 256. The offset term uses the exact float sum of the block's activations:
 // y = sum_b scale * d * <q_w, hi + lo / 256> + offset * sum(x_b).
 //
+// Scales and offsets are float16 where each value is one exactly (GGUF stores its block
+// scales in float16), float32 otherwise; a weight without offsets (symmetric blocks) has
+// none stored, and the offset term is skipped.
+//
 // A row's result depends only on that row: blocks add up in a fixed order and threads split
 // the output columns, so the output of one request does not change with the batch.
 #include <ATen/Parallel.h>
@@ -29,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -74,11 +79,21 @@ bool vnni_built() {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Sixteen scales (or offsets) of a tile's block as floats.
+template <typename S>
+inline __m512 load16(const S* p) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
 // Rows r0..r0+MT of y[:, 16 t .. 16 t + 16]. Packed weights of the tile: per block, 4 x 64
 // bytes of nibbles (low nibbles K 0..3 of a group of 8, high nibbles K 4..7) or 8 x 64
 // bytes of int8, lane-major (16 columns x 4 K).
-template <bool kNibble, int MT>
-inline void tile_rows(const uint8_t* wt, const int32_t* corr, const float* sc, const float* of,
+template <bool kNibble, int MT, typename S>
+inline void tile_rows(const uint8_t* wt, const int32_t* corr, const S* sc, const S* of,
                       int64_t nb, const uint8_t* xh, const uint8_t* xl, const float* xd,
                       const float* xs, int64_t k, float* y, int64_t ldy) {
   __m512 acc[MT];
@@ -100,8 +115,8 @@ inline void tile_rows(const uint8_t* wt, const int32_t* corr, const float* sc, c
     // int8 weights are the signed operand and the digits enter as u8 (+ 128): the sums start
     // at -128 * sum(q_w); nibbles are the unsigned operand and the digits the signed one.
     const __m512i init = kNibble ? _mm512_setzero_si512() : _mm512_loadu_si512(corr + b * kTile);
-    const __m512 svec = _mm512_loadu_ps(sc + b * kTile);
-    const __m512 ovec = _mm512_loadu_ps(of + b * kTile);
+    const __m512 svec = load16(sc + b * kTile);
+    const __m512 ovec = of != nullptr ? load16(of + b * kTile) : _mm512_setzero_ps();
     for (int r = 0; r < MT; ++r) {
       const uint8_t* hb = xh + r * k + b * kBlock;
       const uint8_t* lb = xl + r * k + b * kBlock;
@@ -124,15 +139,15 @@ inline void tile_rows(const uint8_t* wt, const int32_t* corr, const float* sc, c
       const __m512i p = _mm512_add_epi32(_mm512_slli_epi32(ph, 8), pl);
       const __m512 scale = _mm512_mul_ps(svec, _mm512_set1_ps(xd[r * nb + b] * (1.f / 256.f)));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc[r]);
-      acc[r] = _mm512_fmadd_ps(ovec, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
+      if (of != nullptr) acc[r] = _mm512_fmadd_ps(ovec, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
     }
   }
   for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
 }
 
-template <bool kNibble>
+template <bool kNibble, typename S>
 void gemm(const uint8_t* xh, const uint8_t* xl, const float* xd, const float* xs, int64_t m, int64_t k,
-          const uint8_t* w, const int32_t* corr, const float* scales, const float* offsets,
+          const uint8_t* w, const int32_t* corr, const S* scales, const S* offsets,
           int64_t n, float* y) {
   const int64_t nb = k / kBlock;
   const int64_t tile_bytes = kTile * (kNibble ? k / 2 : k);
@@ -142,12 +157,12 @@ void gemm(const uint8_t* xh, const uint8_t* xl, const float* xd, const float* xs
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = w + t * tile_bytes;
       const int32_t* ct = corr + t * nb * kTile;
-      const float* st = scales + t * nb * kTile;
-      const float* ot = offsets + t * nb * kTile;
+      const S* st = scales + t * nb * kTile;
+      const S* ot = offsets != nullptr ? offsets + t * nb * kTile : nullptr;
       float* yt = y + t * kTile;
       int64_t r = 0;
       for (; r + 4 <= m; r += 4) {
-        tile_rows<kNibble, 4>(wt, ct, st, ot, nb, xh + r * k, xl + r * k, xd + r * nb,
+        tile_rows<kNibble, 4, S>(wt, ct, st, ot, nb, xh + r * k, xl + r * k, xd + r * nb,
                               xs + r * nb, k, yt + r * n, n);
       }
       const int64_t left = m - r;
@@ -156,9 +171,9 @@ void gemm(const uint8_t* xh, const uint8_t* xl, const float* xd, const float* xs
       const float* d = xd + r * nb;
       const float* s = xs + r * nb;
       float* yr = yt + r * n;
-      if (left == 3) tile_rows<kNibble, 3>(wt, ct, st, ot, nb, h, l, d, s, k, yr, n);
-      if (left == 2) tile_rows<kNibble, 2>(wt, ct, st, ot, nb, h, l, d, s, k, yr, n);
-      if (left == 1) tile_rows<kNibble, 1>(wt, ct, st, ot, nb, h, l, d, s, k, yr, n);
+      if (left == 3) tile_rows<kNibble, 3, S>(wt, ct, st, ot, nb, h, l, d, s, k, yr, n);
+      if (left == 2) tile_rows<kNibble, 2, S>(wt, ct, st, ot, nb, h, l, d, s, k, yr, n);
+      if (left == 1) tile_rows<kNibble, 1, S>(wt, ct, st, ot, nb, h, l, d, s, k, yr, n);
     }
   });
 }
@@ -178,13 +193,14 @@ at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() &&
                   w.numel() == n * (nibbles ? k / 2 : k),
               "block_gemm: w does not match [N, K]");
+  const bool half = scales.scalar_type() == at::kHalf;
   TORCH_CHECK(corr.scalar_type() == at::kInt && corr.is_contiguous() &&
                   corr.numel() == (nibbles ? 0 : scales.numel()) &&
-                  scales.scalar_type() == at::kFloat &&
-                  scales.is_contiguous() && offsets.scalar_type() == at::kFloat &&
-                  offsets.is_contiguous() && offsets.numel() == scales.numel(),
-              "block_gemm: corr (int32; empty for nibbles), scales and offsets (float32) "
-              "must be contiguous [N / 16, K / 32, 16]");
+                  (half || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
+                  offsets.scalar_type() == scales.scalar_type() && offsets.is_contiguous() &&
+                  (offsets.numel() == scales.numel() || offsets.numel() == 0),
+              "block_gemm: corr (int32; empty for nibbles), scales and offsets (float32 or "
+              "float16, one dtype; offsets may be empty) must be contiguous [N / 16, K / 32, 16]");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   std::vector<uint8_t> xh(m * k), xl(m * k);
@@ -197,14 +213,23 @@ at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int32_t* cp = nibbles ? nullptr : corr.data_ptr<int32_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* op = offsets.data_ptr<float>();
-  if (nibbles) {
-    gemm<true>(xh.data(), xl.data(), xd.data(), xs.data(), m, k, wp, cp, sp, op, n,
-               y.data_ptr<float>());
+  const bool has_offsets = offsets.numel() > 0;
+  auto run = [&](auto* sp, auto* op) {
+    if (nibbles) {
+      gemm<true>(xh.data(), xl.data(), xd.data(), xs.data(), m, k, wp, cp, sp, op, n,
+                 y.data_ptr<float>());
+    } else {
+      gemm<false>(xh.data(), xl.data(), xd.data(), xs.data(), m, k, wp, cp, sp, op, n,
+                  y.data_ptr<float>());
+    }
+  };
+  if (half) {
+    const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+    const auto* op = has_offsets ? reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>())
+                                 : nullptr;
+    run(sp, op);
   } else {
-    gemm<false>(xh.data(), xl.data(), xd.data(), xs.data(), m, k, wp, cp, sp, op, n,
-                y.data_ptr<float>());
+    run(scales.data_ptr<float>(), has_offsets ? offsets.data_ptr<float>() : nullptr);
   }
 #endif
   return y;
