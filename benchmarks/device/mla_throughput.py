@@ -8,7 +8,7 @@ expert, 8 of them per token by grouped sigmoid routing, YaRN) with fewer layers 
 so that it fits one H100/H200, random weights (``--load-format dummy``) and the tokenizer of
 ``--tokenizer-from`` (default ``$M8``). Each engine runs its own ``bench throughput`` CLI with
 the same flags, one after the other; their logs give the KV capacity (tokenmill: ``KV cache:
-N blocks of B tokens = T tokens``; vLLM: ``GPU KV cache size: T tokens``) and vLLM's MLA
+N blocks of B tokens = T tokens``, the dtype in brackets; vLLM: ``GPU KV cache size: T tokens``) and vLLM's MLA
 backend (FlashMLA or its Triton MLA, depending on what its install carries).
 
     python3 benchmarks/device/mla_throughput.py --out "$OUT" [--engines tokenmill,vllm]
@@ -103,7 +103,7 @@ def parse(engine: str, log: str, result_json: str) -> dict:
     if m:
         out["output_tokens_per_s"] = float(m[-1])
     if engine == "tokenmill":
-        m = re.findall(r"KV cache: (\d+) blocks of (\d+) tokens = (\d+) tokens", text)
+        m = re.findall(r"KV cache(?: \(\w+\))?: (\d+) blocks of (\d+) tokens = (\d+) tokens", text)
         if m:
             out["kv_blocks"], out["block_size"], out["kv_tokens"] = map(int, m[-1])
         m = re.findall(r"KV cache per token: (.*)", text)
