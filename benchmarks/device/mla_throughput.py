@@ -7,9 +7,9 @@ q_lora_rank 1536, kv_lora_rank 512, rope 64, nope 128, v 128, experts of 2048 wi
 expert, 8 of them per token by grouped sigmoid routing, YaRN) with fewer layers and experts
 so that it fits one H100/H200, random weights (``--load-format dummy``) and the tokenizer of
 ``--tokenizer-from`` (default ``$M8``). Each engine runs its own ``bench throughput`` CLI with
-the same flags, one after the other; their logs give the KV capacity (tokenmill: ``KV cache:
-N blocks of B tokens = T tokens``, the dtype in brackets; vLLM: ``GPU KV cache size: T tokens``) and vLLM's MLA
-backend (FlashMLA or its Triton MLA, depending on what its install carries).
+the same flags, one after the other; their logs give the KV capacity (tokenmill: ``KV cache
+(DTYPE): N blocks of B tokens = T tokens``; vLLM: ``GPU KV cache size: T tokens``) and vLLM's
+MLA backend (FlashMLA or its Triton MLA, depending on what its install carries).
 
     python3 benchmarks/device/mla_throughput.py --out "$OUT" [--engines tokenmill,vllm]
 

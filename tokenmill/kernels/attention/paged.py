@@ -51,7 +51,6 @@ from tokenmill.kernels.attention.launch import (
     MERGE_COUNTER_SLOTS,
     MIN_SPLIT_TOKENS,
     VARLEN_MAX_SPLITS,
-    TileConfig,
     decode_tile_config,
     merge_splits_per_load,
     num_decode_splits,
