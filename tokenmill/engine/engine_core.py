@@ -61,7 +61,8 @@ def _default_executor(config: EngineConfig):
 
 
 class EngineDeadError(RuntimeError):
-    """A step of this engine failed earlier; it runs no more steps."""
+    """The engine failed (its process exited, or a step raised); it serves no more
+    requests."""
 
 
 class EngineCore:
