@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine import engine_core_proc
-from tokenmill.engine.engine_core import EngineDeadError
+from tokenmill.engine.errors import EngineDeadError
 
 
 @dataclasses.dataclass
