@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.engine_core import EngineDeadError
+from tokenmill.engine.errors import EngineDeadError
 
 
 def test_a_failed_step_fails_every_later_call_at_once(tiny_llama_checkpoints, monkeypatch):
@@ -23,5 +23,8 @@ def test_a_failed_step_fails_every_later_call_at_once(tiny_llama_checkpoints, mo
     with pytest.raises(RuntimeError, match="kernel exploded"):
         llm.generate(["Hello again"], params, use_tqdm=False)
     monkeypatch.undo()  # the executor works again; the engine's state is still unknown
-    with pytest.raises(EngineDeadError, match="kernel exploded"):
-        llm.generate(["And again"], params, use_tqdm=False)
+    try:
+        with pytest.raises(EngineDeadError, match="kernel exploded"):
+            llm.generate(["And again"], params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()

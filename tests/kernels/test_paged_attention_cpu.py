@@ -162,8 +162,8 @@ def test_rotary_variant_writes_the_new_kv_then_attends(ops, neox, rot, dtype, k_
     flat[1, slots] = v.view(b, hkv, d).to(dtype)
     q_rot = _rotate_ref(q, cos_sin[pos][:, None], rot, neox).float()
     expected = ops.paged_decode_attention(q_rot, expected_cache, table, lens, 0.125, 0)
-    out = ops.paged_decode_attention_rotary(q, k, v, cache, table, lens, cos_sin, rot, neox,
-                                            0.125, 0)  # fmt: skip
+    out = ops.paged_decode_attention_rotary(q, k, v, cache, slots, table, lens, cos_sin, rot,
+                                            neox, 0.125, 0)  # fmt: skip
     torch.testing.assert_close(cache.float(), expected_cache.float(), rtol=1e-6, atol=1e-6,
                                equal_nan=True)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -173,5 +173,27 @@ def test_rotary_variant_refuses_positions_past_the_table(ops):
     q, cache, table, lens = make_case([5, 300])
     kv = torch.zeros(2, 3 * 64)
     with pytest.raises(RuntimeError, match="rotary table has 100"):
-        ops.paged_decode_attention_rotary(q, kv, kv, cache, table, lens, torch.zeros(100, 64),
-                                          64, True, 0.125, 0)  # fmt: skip
+        ops.paged_decode_attention_rotary(q, kv, kv, cache, torch.zeros(2, dtype=torch.long),
+                                          table, lens, torch.zeros(100, 64), 64, True, 0.125,
+                                          0)  # fmt: skip
+
+
+def test_rotary_variant_writes_nothing_for_a_negative_slot(ops):
+    """A row whose slot is -1 (a draft past the model length) writes no K/V, as the cache
+    write of the other paths; the rows around it still write theirs."""
+    q, cache, table, lens = make_case(LENGTHS, seed=5)
+    b, hkv, d = len(LENGTHS), 3, 64
+    k = torch.randn(b, hkv * d)
+    pos = (lens - 1).long()
+    slots = table.long()[torch.arange(b), pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    skipped = slots.clone()
+    skipped[1] = -1
+    cos_sin, expected = torch.randn(300, 64), cache.clone()
+    ops.paged_decode_attention_rotary(q, k, k, expected, slots, table, lens, cos_sin, 64, True,
+                                      0.125, 0)  # fmt: skip
+    ops.paged_decode_attention_rotary(q, k, k, cache, skipped, table, lens, cos_sin, 64, True,
+                                      0.125, 0)  # fmt: skip
+    flat, want = cache.view(2, -1, hkv, d), expected.view(2, -1, hkv, d)
+    assert not torch.equal(flat[:, slots[1]], want[:, slots[1]])  # row 1 not written
+    others = slots[torch.arange(b) != 1]
+    torch.testing.assert_close(flat[:, others], want[:, others], rtol=1e-6, atol=1e-6)

@@ -34,6 +34,7 @@ from tokenmill.core.pipeline_scheduler import PipelineScheduler
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
+from tokenmill.engine.errors import EngineDeadError
 from tokenmill.executor.multiproc import WorkerDiedError
 from tokenmill.lora.request import LoRARequest
 
@@ -58,10 +59,6 @@ def _default_executor(config: EngineConfig):
     from tokenmill.executor.uniproc import UniProcExecutor
 
     return UniProcExecutor(config)
-
-
-class EngineDeadError(RuntimeError):
-    """A step of this engine failed earlier; it runs no more steps."""
 
 
 class EngineCore:

@@ -20,10 +20,7 @@ import zmq.asyncio
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine import engine_core_proc
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process failed or exited; no request can be served."""
+from tokenmill.engine.errors import EngineDeadError
 
 
 @dataclasses.dataclass

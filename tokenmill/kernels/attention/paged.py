@@ -558,10 +558,11 @@ def decode_warm_up_cases(
     """(decode count, context tokens) pairs whose eager decode steps (no whole-step graph,
     no shared prefix, no rotary in the kernel) launch every variant of the decode kernel
     that such steps of up to ``max_decodes`` requests of up to ``max_context`` tokens
-    reach: one per tile (``decode_tile_config``), per whether the key split count is 1 or a
-    multiple of 16 (Triton specialises integer arguments on both), and per where the
-    splits merge (in the kernel, or in a reduction). The smallest decode count, then the
-    shortest context, of each; sorted. ``group``: query heads per KV head."""
+    reach: one per tile (``decode_tile_config``), per whether the keys split (several
+    splits pass float32 partial buffers where one split passes the output: another
+    argument signature, so another compile), and per whether the splits merge in the kernel
+    (``MERGE_S``). The smallest decode count, then the shortest context, of each; sorted.
+    ``group``: query heads per KV head."""
     sms = num_sms(device)
     head_dim_p, group_p = _pow2(head_dim, 16), _pow2(group, 16)
     first: dict[tuple, tuple[int, int]] = {}
@@ -571,7 +572,7 @@ def decode_warm_up_cases(
             tile = decode_tile_config(
                 head_dim_p, dtype, n * splits * num_kv_heads, sms, False, False, group_p, splits
             )  # fmt: skip
-            key = (tile, splits == 1, splits % 16 == 0, in_kernel_merge or splits == 1)
+            key = (tile, splits == 1, in_kernel_merge)
             # (splits - 1) * MIN_SPLIT_TOKENS + 1 keys are the fewest that split this far
             first.setdefault(key, (n, (splits - 1) * MIN_SPLIT_TOKENS + 1))
     return sorted(first.values())

@@ -207,15 +207,17 @@ class TorchAttentionImpl(AttentionImpl):
         n = query.shape[0]
         q = query.view(n, self.num_heads, self.head_dim)
         k, v = key, value
+        slots = metadata.slot_mapping[:n]
         if not plan["all_decode"] or n != metadata.num_actual_tokens:
             # Padded rows (CUDA-graph sizes, context 0) attend to nothing and store nothing:
             # the kernel takes the real decodes' rows only, the rest of the output is zero.
             rows = plan["decode_tokens"]
-            q, k, v = q[rows], key[rows], value[rows]
+            q, k, v, slots = q[rows], key[rows], value[rows], metadata.slot_mapping[rows]
         table, seq_lens = _native_decode_rows(plan, metadata)
         o = ops.paged_decode_attention_rotary(
-            q.float(), k.float(), v.float(), kv_cache, table, seq_lens, rotary.cos_sin_cache,
-            rotary.rotary_dim, rotary.is_neox_style, self.scale, self.sliding_window or 0,
+            q.float(), k.float(), v.float(), kv_cache, slots.long().contiguous(), table,
+            seq_lens, rotary.cos_sin_cache, rotary.rotary_dim, rotary.is_neox_style,
+            self.scale, self.sliding_window or 0,
         ).reshape(q.shape[0], -1).to(query.dtype)
         if out is None and q.shape[0] == n:
             return o

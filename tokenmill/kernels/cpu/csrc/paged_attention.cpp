@@ -15,8 +15,10 @@
 // The rotary variant (paged_decode_attention_rotary) also takes this step's unrotated key
 // and value rows: each task rotates its kv head's key at position seq_len - 1 (RoPE, Su et
 // al. 2021: the halves of the first rotary_dim dims, or adjacent pairs, by the cos | sin
-// table row of that position), writes it and the value into that token's cache slot, and
-// rotates its query heads before attending, in place of three separate passes.
+// table row of that position), writes it and the value into the step's slot of that token
+// (slot_mapping: block * block_size + offset; a negative slot writes nothing, as the cache
+// write of the other paths), and rotates its query heads before attending, in place of
+// three separate passes.
 //
 // Every sum runs in a fixed order over the request's own keys and threads split whole
 // tasks, so a request's output is bit-identical whatever else is in the batch and however
@@ -358,6 +360,7 @@ struct Problem {
   const float* k_new = nullptr;
   const float* v_new = nullptr;
   int64_t k_stride = 0, v_stride = 0;
+  const int64_t* slots = nullptr;  // [B] the new token's cache slot; negative: not written
   const float* cos_sin = nullptr;
   int64_t rotary_dim = 0;
   bool neox = true;
@@ -420,13 +423,14 @@ void run(const Problem& pb, T* k_cache, T* v_cache, int64_t num_reqs, int64_t ma
       if (pb.k_new != nullptr) {  // write this step's key (rotated) and value first
         const int64_t pos = len - 1;
         cs = pb.cos_sin + pos * pb.rotary_dim;
-        const int64_t block = pb.table[b * pb.table_stride + pos / pb.block_size];
-        const int64_t slot = (block * pb.block_size + pos % pb.block_size) * row_stride + h * d;
-        rotate(pb.k_new + b * pb.k_stride + h * d, cs, pb.rotary_dim, pb.neox, d, qh);
-        const float* vn = pb.v_new + b * pb.v_stride + h * d;
-        for (int64_t j = 0; j < d; ++j) {
-          k_cache[slot + j] = to_cache<T>(qh[j]);
-          v_cache[slot + j] = to_cache<T>(vn[j]);
+        if (pb.slots[b] >= 0) {
+          const int64_t slot = pb.slots[b] * row_stride + h * d;
+          rotate(pb.k_new + b * pb.k_stride + h * d, cs, pb.rotary_dim, pb.neox, d, qh);
+          const float* vn = pb.v_new + b * pb.v_stride + h * d;
+          for (int64_t j = 0; j < d; ++j) {
+            k_cache[slot + j] = to_cache<T>(qh[j]);
+            v_cache[slot + j] = to_cache<T>(vn[j]);
+          }
         }
       }
       row_offsets(pb.table + b * pb.table_stride, start, len, pb.block_size, row_stride,
@@ -459,6 +463,7 @@ void run(const Problem& pb, T* k_cache, T* v_cache, int64_t num_reqs, int64_t ma
 struct NewKV {
   const at::Tensor* k = nullptr;
   const at::Tensor* v = nullptr;
+  const at::Tensor* slots = nullptr;
   const at::Tensor* cos_sin = nullptr;
   int64_t rotary_dim = 0;
   bool neox = true;
@@ -477,10 +482,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 // The same, after writing this step's K/V: q [B, H, D] and k, v [B, Hkv * D] float32 rows,
 // unrotated; cos_sin [P, rotary_dim] float32 (cos | sin halves); the new token of request b
-// is at position seq_lens[b] - 1 (its cache slot through the block table). kv_cache is
-// written in place.
+// is at position seq_lens[b] - 1 and goes to cache slot slot_mapping[b] (int64 [B]; negative:
+// not written). kv_cache is written in place.
 at::Tensor paged_decode_attention_rotary(const at::Tensor& q, const at::Tensor& k,
                                          const at::Tensor& v, const at::Tensor& kv_cache,
+                                         const at::Tensor& slot_mapping,
                                          const at::Tensor& block_table,
                                          const at::Tensor& seq_lens, const at::Tensor& cos_sin,
                                          int64_t rotary_dim, bool neox, double scale,
@@ -497,14 +503,21 @@ at::Tensor paged_decode_attention_rotary(const at::Tensor& q, const at::Tensor& 
                     t->size(0) == q.size(0) && t->size(1) == hkv * d,
                 "paged_decode_attention_rotary: k and v must be float32 [B, Hkv * D] rows");
   }
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous() && slot_mapping.size(0) == q.size(0),
+              "paged_decode_attention_rotary: slot_mapping must be contiguous int64 [B]");
+  const int64_t num_slots = kv_cache.dim() == 5 ? kv_cache.size(1) * kv_cache.size(2) : 0;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < seq_lens.numel(); ++b) {
+    TORCH_CHECK(slots[b] < num_slots, "paged_decode_attention_rotary: request ", b,
+                "'s slot ", slots[b], " is past the cache's ", num_slots);
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= cos_sin.size(0),
                 "paged_decode_attention_rotary: request ", b, " is at position ", lens[b] - 1,
                 "; the rotary table has ", cos_sin.size(0));
   }
   return attend(q, kv_cache, block_table, seq_lens, scale, window,
-                NewKV{&k, &v, &cos_sin, rotary_dim, neox});
+                NewKV{&k, &v, &slot_mapping, &cos_sin, rotary_dim, neox});
 }
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
@@ -558,6 +571,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
     pb.v_new = nk.v->data_ptr<float>();
     pb.k_stride = nk.k->stride(0);
     pb.v_stride = nk.v->stride(0);
+    pb.slots = nk.slots->data_ptr<int64_t>();
     pb.cos_sin = nk.cos_sin->data_ptr<float>();
     pb.rotary_dim = nk.rotary_dim;
     pb.neox = nk.neox;
@@ -585,7 +599,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill_cpu, m) {
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
   m.def(
       "paged_decode_attention_rotary(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, "
-      "Tensor block_table, Tensor seq_lens, Tensor cos_sin, int rotary_dim, bool neox, "
+      "Tensor slot_mapping, Tensor block_table, Tensor seq_lens, Tensor cos_sin, int rotary_dim, bool neox, "
       "float scale, int window) -> Tensor");
   m.impl("paged_decode_attention_rotary", c10::DispatchKey::CPU,
          TORCH_FN(paged_decode_attention_rotary));
