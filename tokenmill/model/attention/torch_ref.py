@@ -206,28 +206,24 @@ class TorchAttentionImpl(AttentionImpl):
                              "native kernel reads")  # fmt: skip
         n = query.shape[0]
         q = query.view(n, self.num_heads, self.head_dim)
-        k, v = key, value
-        slots = metadata.slot_mapping[:n]
-        if not plan["all_decode"] or n != metadata.num_actual_tokens:
-            # Padded rows (CUDA-graph sizes, context 0) attend to nothing and store nothing:
-            # the kernel takes the real decodes' rows only, the rest of the output is zero.
-            rows = plan["decode_tokens"]
-            q, k, v, slots = q[rows], key[rows], value[rows], metadata.slot_mapping[rows]
+        # Padded rows (CUDA-graph sizes, context 0) attend to nothing and store nothing: the
+        # kernel takes the real decodes' rows only, the rest of the output is zero.
+        padded = not plan["all_decode"] or n != metadata.num_actual_tokens
+        rows = plan["decode_tokens"] if padded else slice(0, n)
         table, seq_lens = _native_decode_rows(plan, metadata)
         o = ops.paged_decode_attention_rotary(
-            q.float(), k.float(), v.float(), kv_cache, slots.long().contiguous(), table,
-            seq_lens, rotary.cos_sin_cache, rotary.rotary_dim, rotary.is_neox_style,
-            self.scale, self.sliding_window or 0,
-        ).reshape(q.shape[0], -1).to(query.dtype)
-        if out is None and q.shape[0] == n:
+            q[rows].float(), key[rows].float(), value[rows].float(), kv_cache,
+            metadata.slot_mapping[rows].long().contiguous(), table, seq_lens,
+            rotary.cos_sin_cache, rotary.rotary_dim, rotary.is_neox_style, self.scale,
+            self.sliding_window or 0,
+        ).flatten(1).to(query.dtype)
+        if out is None and not padded:
             return o
         if out is None:
             out = torch.zeros_like(query)
-        if q.shape[0] == n:
-            out[:n].copy_(o)
-        else:
+        elif padded:
             out[:n].zero_()
-            out[plan["decode_tokens"]] = o
+        out[rows] = o
         return out
 
     def _window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

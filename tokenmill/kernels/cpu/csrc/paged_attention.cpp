@@ -389,11 +389,6 @@ inline void rotate(const float* x, const float* cs, int64_t rot, bool neox, int6
 }
 
 template <typename T>
-inline T to_cache(float x) {
-  return static_cast<T>(x);
-}
-
-template <typename T>
 void run(const Problem& pb, T* k_cache, T* v_cache, int64_t num_reqs, int64_t max_keys) {
   const int64_t hkv = pb.num_kv_heads, d = pb.head_dim, group = pb.num_heads / hkv;
   const int64_t row_stride = hkv * d;
@@ -428,8 +423,8 @@ void run(const Problem& pb, T* k_cache, T* v_cache, int64_t num_reqs, int64_t ma
           rotate(pb.k_new + b * pb.k_stride + h * d, cs, pb.rotary_dim, pb.neox, d, qh);
           const float* vn = pb.v_new + b * pb.v_stride + h * d;
           for (int64_t j = 0; j < d; ++j) {
-            k_cache[slot + j] = to_cache<T>(qh[j]);
-            v_cache[slot + j] = to_cache<T>(vn[j]);
+            k_cache[slot + j] = static_cast<T>(qh[j]);
+            v_cache[slot + j] = static_cast<T>(vn[j]);
           }
         }
       }
