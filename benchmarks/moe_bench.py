@@ -37,6 +37,7 @@ from tokenmill.kernels.moe.fused_moe import (
     moe_tile_config,
     select_experts,
 )
+from tokenmill.kernels.moe.mxfp4_experts import mxfp4_tile_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TILE_SWEEP = [
@@ -52,6 +53,21 @@ TILE_SWEEP = [
     dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+]
+# MXFP4 experts (weights the left operand): BLOCK_N weight rows x BLOCK_M token rows.
+MXFP4_SWEEP = [
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3),
+    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, GROUP_M=1, num_warps=8, num_stages=3),
+    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
 ]
 
 
@@ -69,6 +85,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-tiles", action="store_true", help="time each tile shape per row")
     p.add_argument("--mxfp4", action="store_true",
                    help="gpt-oss experts: MXFP4 weights, biases, clamped SwiGLU")
+    p.add_argument("--mxfp4-kernels", default="scaled",
+                   help="MXFP4 kernel variants to time, comma-separated: legacy, bits, scaled")
     return p.parse_args()
 
 
@@ -111,12 +129,15 @@ def bench_row(
     weights, ids = select_experts(logits, args.top_k, renormalize=True)
 
     ref = fused_experts_torch(x, w13, w2, weights, ids, **extra)
-    got = fused_experts_triton(x, w13, w2, weights, ids, **extra)
+    t_torch = time_ms(lambda: fused_experts_torch(x, w13, w2, weights, ids, **extra))
+    try:
+        got = fused_experts_triton(x, w13, w2, weights, ids, **extra)
+        t_triton = time_ms(lambda: fused_experts_triton(x, w13, w2, weights, ids, **extra))
+    except Exception as e:  # a variant that does not compile on this GPU: report, go on
+        got, t_triton = ref, float("nan")
+        print(f"#   default kernel failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     scale = ref.float().abs().max().item()
     rel_err = (got.float() - ref.float()).abs().max().item() / max(scale, 1e-12)
-
-    t_torch = time_ms(lambda: fused_experts_torch(x, w13, w2, weights, ids, **extra))
-    t_triton = time_ms(lambda: fused_experts_triton(x, w13, w2, weights, ids, **extra))
     flops = 6 * tokens * args.top_k * h * i
     touched = int(torch.unique(ids).numel())
     # MXFP4: half a byte a value and a scale byte per 32
@@ -126,7 +147,10 @@ def bench_row(
         f"{tokens:>6} {t_torch:>10.3f} {t_triton:>10.3f} {t_torch / t_triton:>8.2f}x "
         f"{flops / t_triton / 1e9:>9.1f} {weight_bytes / t_triton / 1e6:>9.0f} {rel_err:>9.2e}"
     )
-    if args.sweep_tiles:
+    if args.mxfp4:
+        for variant in args.mxfp4_kernels.split(","):
+            row += "\n" + sweep_mxfp4(args, variant, x, w13, w2, weights, ids, extra, ref)
+    elif args.sweep_tiles:
         timed = []
         for k, c in enumerate(TILE_SWEEP):
             try:
@@ -141,6 +165,39 @@ def bench_row(
         row += f"   best {best[0]:.3f} ms with {TILE_SWEEP[best[1]]} (default {chosen})"
         row += "\n#   " + "  ".join(f"{t:.3f}" for t, _ in sorted(timed, key=lambda tk: tk[1]))
     return row
+
+
+def sweep_mxfp4(args, variant, x, w13, w2, weights, ids, extra, ref) -> str:
+    """One MXFP4 kernel variant: its default tiles' time and error, and with
+    ``--sweep-tiles`` the fastest of its tile list."""
+    slots = ids.numel()
+    if variant == "legacy":
+        default, sweep = moe_tile_config(slots, args.experts, x.dtype), TILE_SWEEP
+    else:
+        default, sweep = mxfp4_tile_config(slots, args.experts, x.dtype), MXFP4_SWEEP
+    scale = ref.float().abs().max().item()
+
+    def run(c):
+        return fused_experts_triton(x, w13, w2, weights, ids, config=dict(c, KERNEL=variant),
+                                    **extra)  # fmt: skip
+
+    try:
+        err = (run(default).float() - ref.float()).abs().max().item() / max(scale, 1e-12)
+        line = f"#   {variant:>6}: default {time_ms(lambda: run(default)):.3f} ms err {err:.2e}"
+    except Exception as e:  # a variant that does not compile on this GPU: report, go on
+        line = f"#   {variant:>6}: default failed: {type(e).__name__}: {str(e)[:300]}"
+    if args.sweep_tiles and variant != "legacy":
+        timed = []
+        for c in sweep:
+            try:
+                timed.append((time_ms(lambda c=c: run(c)), str(c)))
+            except Exception as e:  # e.g. tiles needing more shared memory than the GPU has
+                timed.append((float("inf"), f"{c} {type(e).__name__}"))
+                print(f"#   {variant} {c}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        best = min(timed)
+        line += f"; best {best[0]:.3f} ms with {best[1]}; all " + " ".join(
+            f"{t:.3f}" for t, _ in timed)
+    return line
 
 
 def main() -> None:

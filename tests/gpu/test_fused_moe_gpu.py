@@ -121,12 +121,16 @@ def test_mxfp4_kernel_against_fp32_reference(tokens, hidden, inter, experts):
     assert err <= 2e-2 * scale, (err, scale)
 
 
-def test_mxfp4_every_tile_config():
+@pytest.mark.parametrize("variant", ["legacy", "bits", "scaled"])
+def test_mxfp4_every_tile_config(variant):
+    from tokenmill.kernels.moe.mxfp4_experts import mxfp4_tile_config
+
     x, w13, w2, weights, ids, extra = _mxfp4_problem(97, 512, 320, 8, 2)
     exact = fused_experts_torch(x.float(), w13, w2, weights, ids, **dict(
         extra, w13_bias=extra["w13_bias"].float(), w2_bias=extra["w2_bias"].float()))
     scale = exact.abs().max().item()
+    choose = moe_tile_config if variant == "legacy" else mxfp4_tile_config
     for slots_per_expert in (4, 32, 512):
-        config = moe_tile_config(slots_per_expert * 8, 8, torch.bfloat16)
+        config = dict(choose(slots_per_expert * 8, 8, torch.bfloat16), KERNEL=variant)
         got = fused_experts_triton(x, w13, w2, weights, ids, config, **extra)
         assert (got.float() - exact).abs().max().item() <= 2e-2 * scale

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from tokenmill.kernels.device import HAS_TRITON
 from tokenmill.kernels.moe.mxfp4 import MXFP4_BLOCK, check_mxfp4_shapes, dequantize_mxfp4
+from tokenmill.kernels.moe.mxfp4_experts import launch_mxfp4_gemm, mxfp4_tile_config
 from tokenmill.math_utils import cdiv
 
 if HAS_TRITON:
@@ -46,6 +47,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from tokenmill.kernels.moe.mxfp4 import mxfp4_tile
+    from tokenmill.kernels.moe.tiles import gated_tile, grouped_tile_ids
 
 
 @dataclass(frozen=True)
@@ -290,15 +292,6 @@ if HAS_TRITON:
         return acc, acc_up
 
     @triton.jit
-    def _gated(gate, up, alpha, limit, SWIGLUOAI: tl.constexpr):
-        """``GatedActivation`` in registers (float32 tiles)."""
-        if SWIGLUOAI:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            return (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
-        return gate / (1.0 + tl.exp(-gate)) * up
-
-    @triton.jit
     def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, block_experts_ptr, num_padded_ptr,
         scale_ptr, bias_ptr, N, K, num_slots, max_padded,
@@ -319,15 +312,8 @@ if HAS_TRITON:
         ``bias_ptr [E, rows]`` are added before the activation. With ``MUL_WEIGHT`` each
         row is scaled by its slot's routing weight, last.
         """
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(max_padded, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        # Grouped launch order: GROUP_M row tiles share each weight column tile in L2.
-        per_group = GROUP_M * num_pid_n
-        first_m = (pid // per_group) * GROUP_M
-        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_size
-        pid_n = (pid % per_group) // group_size
+        pid_m, pid_n = grouped_tile_ids(tl.program_id(0), max_padded, N, BLOCK_M, BLOCK_N,
+                                        GROUP_M)  # fmt: skip
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -360,7 +346,7 @@ if HAS_TRITON:
             if GATED:
                 acc_up += tl.load(bias_row + N, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            acc = _gated(acc, acc_up, alpha, limit, SWIGLUOAI)
+            acc = gated_tile(acc, acc_up, alpha, limit, SWIGLUOAI)
         if MUL_WEIGHT:
             acc = acc * tl.load(weights_ptr + slots, mask=row_mask, other=0.0)[:, None]
         c_ptrs = c_ptr + slots.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -476,17 +462,29 @@ def fused_experts_triton(
     if w13_scale is not None:
         check_mxfp4_shapes(w13, w13_scale)
         check_mxfp4_shapes(w2, w2_scale)
-    config = config or moe_tile_config(num_slots, num_experts, hidden.dtype)
-    if w13_scale is not None and config["BLOCK_K"] % MXFP4_BLOCK:
+    mxfp4 = w13_scale is not None
+    if config is None:
+        choose = mxfp4_tile_config if mxfp4 else moe_tile_config
+        config = choose(num_slots, num_experts, hidden.dtype)
+    if mxfp4 and config["BLOCK_K"] % MXFP4_BLOCK:
         raise ValueError(f"MXFP4 needs BLOCK_K a multiple of {MXFP4_BLOCK}")
     aligned = align_tokens_by_expert(topk_ids, num_experts, config["BLOCK_M"])
     weights = topk_weights.reshape(-1).float().contiguous()
     hidden = hidden.contiguous()
     act = torch.empty(num_slots, two_i // 2, dtype=hidden.dtype, device=hidden.device)
-    _launch_moe_gemm(hidden, w13, act, weights, aligned, num_slots, top_k, True, config,
-                     w13_scale, w13_bias, activation)  # fmt: skip
     make = torch.zeros if remote_experts else torch.empty
     down = make(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    variant = config.get("KERNEL", "scaled")
+    if mxfp4 and variant != "legacy":
+        act_args = (float(activation.alpha), float(activation.limit),
+                    activation.kind == "swigluoai", variant == "scaled")  # fmt: skip
+        launch_mxfp4_gemm(hidden, w13, w13_scale, act, weights, aligned, num_slots, top_k,
+                          True, config, w13_bias, *act_args)  # fmt: skip
+        launch_mxfp4_gemm(act, w2, w2_scale, down, weights, aligned, num_slots, 1, False,
+                          config, w2_bias, *act_args)  # fmt: skip
+        return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    _launch_moe_gemm(hidden, w13, act, weights, aligned, num_slots, top_k, True, config,
+                     w13_scale, w13_bias, activation)  # fmt: skip
     _launch_moe_gemm(act, w2, down, weights, aligned, num_slots, 1, False, config,
                      w2_scale, w2_bias, activation)  # fmt: skip
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)

@@ -8,8 +8,8 @@ two to a byte, the even-indexed value in the low nibble. A weight ``[rows, K]`` 
 as ``blocks`` uint8 ``[rows, K / 2]`` and ``scales`` uint8 ``[rows, K / 32]``; gpt-oss
 checkpoints hold the blocks as ``[..., K / 32, 16]``, the same bytes in the same order.
 
-``dequantize_mxfp4`` is the torch path (the CPU's, and the reference); ``mxfp4_tile`` decodes
-a tile inside a Triton kernel.
+``dequantize_mxfp4`` is the torch path (the CPU's, and the reference); ``mxfp4_tile`` and
+``mxfp4_rows`` decode a tile inside a Triton kernel.
 """
 
 from __future__ import annotations
@@ -114,3 +114,22 @@ if HAS_TRITON:
         even = _fp4_e2m1(codes & 15, scale_bits)
         odd = _fp4_e2m1(codes >> 4, scale_bits)
         return even.to(dtype), odd.to(dtype)
+
+    @triton.jit
+    def mxfp4_rows(packed, scale, dtype: tl.constexpr):
+        """Decode rows of packed MXFP4 in their stored order.
+
+        Args:
+            packed: uint8 ``[R, H]``, ``H`` bytes of each row (``2H`` values along the
+                reduction dimension, a multiple of 32).
+            scale: uint8 ``[R, H / 16]``, the rows' E8M0 scales.
+            dtype: the result's element type.
+
+        Returns:
+            ``[R, 2H]`` values in ``dtype``.
+        """
+        R: tl.constexpr = packed.shape[0]
+        H: tl.constexpr = packed.shape[1]
+        per_byte = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, H // 16, 16)), (R, H))
+        even, odd = mxfp4_tile(packed, per_byte, dtype)
+        return tl.reshape(tl.join(even, odd), (R, 2 * H))
