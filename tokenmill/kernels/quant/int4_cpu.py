@@ -78,6 +78,11 @@ class PromptRows:
 _PROMPT_ROWS: ContextVar[PromptRows | None] = ContextVar("prompt_rows", default=None)
 
 
+def current_prompt_rows() -> PromptRows | None:
+    """The prompt rows set by the innermost ``prompt_rows`` block, or None."""
+    return _PROMPT_ROWS.get()
+
+
 @contextmanager
 def prompt_rows(rows: PromptRows | None) -> Iterator[None]:
     """Products inside the block take ``rows`` as their prompt rows (see module docstring)."""

@@ -164,7 +164,7 @@ class TorchAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         n = metadata.num_actual_tokens
         q = query[:n].view(n, self.num_heads, self.head_dim)
-        plan = _batch_plan(metadata)
+        plan = batch_plan(metadata)
         if plan["all_decode"] and out is None and n == query.shape[0]:
             return self._decode(q, kv_cache, metadata, plan).reshape(n, -1)
         if out is None:
@@ -186,7 +186,7 @@ class TorchAttentionImpl(AttentionImpl):
             query.device.type == "cpu"
             and getattr(rope, "rotates_at_context_end", False)
             and rope.cos_sin_cache.dtype == torch.float32
-            and self._native_decode_ops(kv_cache) is not None
+            and self.native_decode_ops(kv_cache) is not None
         )
 
     def attend_decode_rotary(
@@ -199,8 +199,8 @@ class TorchAttentionImpl(AttentionImpl):
         rotary: DecodeRotary,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        ops = self._native_decode_ops(kv_cache)
-        plan = _batch_plan(metadata)
+        ops = self.native_decode_ops(kv_cache)
+        plan = batch_plan(metadata)
         if ops is None or plan["prefill_reqs"]:
             raise ValueError("the CPU's rotary decode takes decode-only steps on a cache its "
                              "native kernel reads")  # fmt: skip
@@ -210,7 +210,7 @@ class TorchAttentionImpl(AttentionImpl):
         # kernel takes the real decodes' rows only, the rest of the output is zero.
         padded = not plan["all_decode"] or n != metadata.num_actual_tokens
         rows = plan["decode_tokens"] if padded else slice(0, n)
-        table, seq_lens = _native_decode_rows(plan, metadata)
+        table, seq_lens = native_decode_rows(plan, metadata)
         o = ops.paged_decode_attention_rotary(
             q[rows].float(), key[rows].float(), value[rows].float(), kv_cache,
             metadata.slot_mapping[rows].long().contiguous(), table, seq_lens,
@@ -261,9 +261,9 @@ class TorchAttentionImpl(AttentionImpl):
         """The step's decode queries ``[B, H, D]`` over their contexts -> ``[B, H, D]``, by
         the native kernel where it applies, else by torch over the padded-length groups."""
         qd = q if plan["all_decode"] else q[plan["decode_tokens"]]  # [B, H, D]
-        ops = self._native_decode_ops(kv_cache)
+        ops = self.native_decode_ops(kv_cache)
         if ops is not None:
-            table, seq_lens = _native_decode_rows(plan, metadata)
+            table, seq_lens = native_decode_rows(plan, metadata)
             window = self.sliding_window or 0
             out = ops.paged_decode_attention(qd.float(), kv_cache, table, seq_lens, self.scale,
                                              window)  # fmt: skip
@@ -276,7 +276,7 @@ class TorchAttentionImpl(AttentionImpl):
             out[group.rows] = self._decode_group(qd[group.rows], kv_cache, group)
         return out
 
-    def _native_decode_ops(self, kv_cache: torch.Tensor) -> Any | None:
+    def native_decode_ops(self, kv_cache: torch.Tensor) -> Any | None:
         """``torch.ops.tokenmill_cpu`` where this layer's decode rows can take its paged
         decode kernel (see the module docstring), else None (the torch path)."""
         if (
@@ -363,7 +363,7 @@ def _decode_groups(
     return groups
 
 
-def _native_decode_rows(
+def native_decode_rows(
     plan: dict, metadata: AttentionMetadata
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's decode requests' block table rows ``[B, W]`` and context lengths ``[B]``,
@@ -400,7 +400,7 @@ def padded_block_ids(table: torch.Tensor, padded_len: int, block_size: int) -> t
     return blocks
 
 
-def _batch_plan(metadata: AttentionMetadata) -> dict:
+def batch_plan(metadata: AttentionMetadata) -> dict:
     """Split the batch into decode and prefill requests, once per step (cached on the
     metadata object, since every layer needs the same split)."""
     plan = getattr(metadata, "_torch_plan", None)

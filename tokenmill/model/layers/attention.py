@@ -211,6 +211,11 @@ AttentionHook = Callable[
 _attention_hook: AttentionHook | None = None
 
 
+def attention_hook_active() -> bool:
+    """Whether an ``attention_hook`` block is running."""
+    return _attention_hook is not None
+
+
 @contextmanager
 def attention_hook(hook: AttentionHook) -> Iterator[None]:
     """Route every ``Attention.forward`` through ``hook(layer, query, key, value, metadata,

@@ -13,6 +13,11 @@ from tokenmill.kernels.norm import rms_norm
 _NO_RESIDUAL = torch.empty(0)
 
 
+def no_residual() -> torch.Tensor:
+    """The empty tensor ``add_rms_norm`` takes for "no residual to add"."""
+    return _NO_RESIDUAL
+
+
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32.
 

@@ -106,6 +106,25 @@ class DecoderModel(nn.Module):
 
     # ``[max_tokens, n * H]`` after ``keep_aux_hidden_states``, else None.
     aux_hidden_states: torch.Tensor | None = None
+    # The decode-only CPU path over ``layers`` (``build_cpu_decode_stack``), built at the
+    # first CPU forward pass; None where it does not apply. It holds the weights' tensors,
+    # which a reload overwrites in place (``model_loader.reload_weights``).
+    _cpu_decode: Any = None
+    _cpu_decode_built = False
+
+    def build_cpu_decode_stack(self) -> Any:
+        """An object with ``applies(hidden, metadata) -> bool`` and ``run(hidden,
+        metadata) -> (hidden, residual)`` that runs the layers of decode-only CPU steps
+        exactly as they run themselves (``models/cpu_decode_stack.py``), or None
+        (the default: the layers always run themselves)."""
+        return None
+
+    def _decode_stack(self, hidden: torch.Tensor) -> Any:
+        if hidden.device.type != "cpu":
+            return None
+        if not self._cpu_decode_built:
+            self._cpu_decode, self._cpu_decode_built = self.build_cpu_decode_stack(), True
+        return self._cpu_decode
 
     def build_stack(
         self, config: Any, make_layer: Callable[[int], nn.Module], eps: float, **norm_kwargs: Any
@@ -157,9 +176,13 @@ class DecoderModel(nn.Module):
             hidden, residual = hidden.contiguous(), residual.contiguous()
         else:
             hidden = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        for layer in self.layers:
-            if not isinstance(layer, PPMissingLayer):
-                hidden, residual = layer(positions, hidden, residual, metadata)
+        stack = self._decode_stack(hidden)
+        if stack is not None and residual is None and stack.applies(hidden, metadata):
+            hidden, residual = stack.run(hidden, metadata)
+        else:
+            for layer in self.layers:
+                if not isinstance(layer, PPMissingLayer):
+                    hidden, residual = layer(positions, hidden, residual, metadata)
         if isinstance(self.norm, PPMissingLayer):
             return torch.cat((hidden, residual), dim=-1)
         hidden, _ = self.norm(hidden, residual)

@@ -23,6 +23,7 @@ from tokenmill.model.layers.linear import (
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import get_rope
 from tokenmill.model.layers.stage import first_stage, last_stage, stage_layers
+from tokenmill.model.models.cpu_decode_stack import CpuDecodeStack
 from tokenmill.model.models.decoder import (
     DecoderForCausalLM,
     DecoderModel,
@@ -162,6 +163,9 @@ class LlamaModel(DecoderModel):
         self.norm = last_stage(
             lambda: RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6))
         )
+
+    def build_cpu_decode_stack(self) -> CpuDecodeStack | None:
+        return CpuDecodeStack.build(self.layers, LlamaAttention, LlamaMLP)
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
