@@ -14,9 +14,9 @@ bounds decode-sized batches. ``--sweep-tiles`` also times a list of tile shapes 
 prints the fastest, to tune ``moe_tile_config`` in ``tokenmill/model/layers/fused_moe.py``.
 
 ``--mxfp4`` makes the experts gpt-oss': MXFP4 weights (random FP4 codes, small E8M0
-scales), biases and the clamped SwiGLU; the kernel decodes them in registers, the torch loop
-one expert at a time (``--experts 32 --top-k 4 --hidden 2880 --intermediate 2880`` is
-gpt-oss-20b's layer).
+scales), biases and the clamped SwiGLU; the kernel decodes them tile by tile, the torch loop
+one expert at a time (by a Triton kernel on CUDA). ``--experts 32 --top-k 4 --hidden 2880
+--intermediate 2880`` is gpt-oss-20b's layer.
 
 Usage: python benchmarks/moe_bench.py [--tokens 1,16,256,4096] [--sweep-tiles] [--mxfp4]
 """
@@ -85,8 +85,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep-tiles", action="store_true", help="time each tile shape per row")
     p.add_argument("--mxfp4", action="store_true",
                    help="gpt-oss experts: MXFP4 weights, biases, clamped SwiGLU")
-    p.add_argument("--mxfp4-kernels", default="scaled",
-                   help="MXFP4 kernel variants to time, comma-separated: legacy, bits, scaled")
     return p.parse_args()
 
 
@@ -133,7 +131,7 @@ def bench_row(
     try:
         got = fused_experts_triton(x, w13, w2, weights, ids, **extra)
         t_triton = time_ms(lambda: fused_experts_triton(x, w13, w2, weights, ids, **extra))
-    except Exception as e:  # a variant that does not compile on this GPU: report, go on
+    except Exception as e:  # a kernel that does not compile on this GPU: report, go on
         got, t_triton = ref, float("nan")
         print(f"#   default kernel failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     scale = ref.float().abs().max().item()
@@ -147,9 +145,8 @@ def bench_row(
         f"{tokens:>6} {t_torch:>10.3f} {t_triton:>10.3f} {t_torch / t_triton:>8.2f}x "
         f"{flops / t_triton / 1e9:>9.1f} {weight_bytes / t_triton / 1e6:>9.0f} {rel_err:>9.2e}"
     )
-    if args.mxfp4:
-        for variant in args.mxfp4_kernels.split(","):
-            row += "\n" + sweep_mxfp4(args, variant, x, w13, w2, weights, ids, extra, ref)
+    if args.mxfp4 and args.sweep_tiles:
+        row += "\n" + sweep_mxfp4(args, x, w13, w2, weights, ids, extra)
     elif args.sweep_tiles:
         timed = []
         for k, c in enumerate(TILE_SWEEP):
@@ -167,37 +164,21 @@ def bench_row(
     return row
 
 
-def sweep_mxfp4(args, variant, x, w13, w2, weights, ids, extra, ref) -> str:
-    """One MXFP4 kernel variant: its default tiles' time and error, and with
-    ``--sweep-tiles`` the fastest of its tile list."""
-    slots = ids.numel()
-    if variant == "legacy":
-        default, sweep = moe_tile_config(slots, args.experts, x.dtype), TILE_SWEEP
-    else:
-        default, sweep = mxfp4_tile_config(slots, args.experts, x.dtype), MXFP4_SWEEP
-    scale = ref.float().abs().max().item()
-
-    def run(c):
-        return fused_experts_triton(x, w13, w2, weights, ids, config=dict(c, KERNEL=variant),
-                                    **extra)  # fmt: skip
-
-    try:
-        err = (run(default).float() - ref.float()).abs().max().item() / max(scale, 1e-12)
-        line = f"#   {variant:>6}: default {time_ms(lambda: run(default)):.3f} ms err {err:.2e}"
-    except Exception as e:  # a variant that does not compile on this GPU: report, go on
-        line = f"#   {variant:>6}: default failed: {type(e).__name__}: {str(e)[:300]}"
-    if args.sweep_tiles and variant != "legacy":
-        timed = []
-        for c in sweep:
-            try:
-                timed.append((time_ms(lambda c=c: run(c)), str(c)))
-            except Exception as e:  # e.g. tiles needing more shared memory than the GPU has
-                timed.append((float("inf"), f"{c} {type(e).__name__}"))
-                print(f"#   {variant} {c}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        best = min(timed)
-        line += f"; best {best[0]:.3f} ms with {best[1]}; all " + " ".join(
-            f"{t:.3f}" for t, _ in timed)
-    return line
+def sweep_mxfp4(args, x, w13, w2, weights, ids, extra) -> str:
+    """The MXFP4 kernel's time under each tile shape of ``MXFP4_SWEEP``, and the fastest."""
+    timed = []
+    for c in MXFP4_SWEEP:
+        try:
+            run = lambda c=c: fused_experts_triton(  # noqa: E731
+                x, w13, w2, weights, ids, config=c, **extra
+            )
+            timed.append((time_ms(run), str(c)))
+        except Exception as e:  # e.g. tiles needing more shared memory than the GPU has
+            timed.append((float("inf"), f"{c} {type(e).__name__}"))
+    best = min(timed)
+    chosen = mxfp4_tile_config(ids.numel(), args.experts, x.dtype)
+    return (f"#   best {best[0]:.3f} ms with {best[1]} (default {chosen}); all "
+            + " ".join(f"{t:.3f}" for t, _ in timed))  # fmt: skip
 
 
 def main() -> None:

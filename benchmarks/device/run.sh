@@ -411,7 +411,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     moe)      stage moe 150 python3 benchmarks/moe_bench.py ;;
     moetest)  stage moetest 150 python3 -m pytest -q tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider --timeout 120 ;;
     moe_sweep) stage moe_sweep 200 python3 benchmarks/moe_bench.py --sweep-tiles --tokens 64,256,512,1024,2048,4096 ;;
-    moe_mxfp4) stage moe_mxfp4 480 python3 benchmarks/moe_bench.py --mxfp4 --mxfp4-kernels "${MXFP4_KERNELS:-scaled}" --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --sweep-tiles --tokens 1,8,64,256,1024,4096,16384 ;;
+    moe_mxfp4) stage moe_mxfp4 480 python3 benchmarks/moe_bench.py --mxfp4 --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --sweep-tiles --tokens 1,8,64,256,1024,2048,4096,16384 ;;
     kprof_long) stage kprof_long 200 python3 benchmarks/device/kernel_profile.py "$M8" 300 1024 256 ;;
     kprof_prefill) stage kprof_prefill 200 python3 benchmarks/device/kernel_profile.py "$M8" 192 1024 1 ;;
     kprof_gptoss) gptoss_model; stage kprof_gptoss 240 python3 benchmarks/device/kernel_profile.py "$MGPTOSS" 300 1024 256 ;;

@@ -3,13 +3,12 @@ operand.
 
 ``fused_moe.py`` sorts the (token, expert) assignments by expert and pads each expert's group
 to the row-tile height; this kernel computes one output tile of ``C[slot] = A[row] @ W[e]^T``
-as its transpose, ``W[e] tile [BLOCK_N, K] @ A^T [K, BLOCK_M]`` (the operands swapped, as
-FasterTransformer's and Marlin's weight-only kernels do for skinny batches): the decoded
-weight tile, the large operand, is the MMA's left operand straight from registers, and the
-few token rows of an expert fill its narrow side. Each K tile of packed bytes is decoded once
-per output tile, either by Triton's scaled dot (``tl.dot_scaled`` with an ``e2m1`` operand
-and E8M0 scales, which the compiler lowers to the GPU's fastest decode) or bit by bit
-(``mxfp4.mxfp4_rows``, the interpreter's path: it has no scaled dot).
+as its transpose, ``W[e] tile [BLOCK_N, K] @ A^T [K, BLOCK_M]``: the weight tile, the operand
+to decode, is the left one, and the few token rows an expert gets in a decode step fill the
+narrow side of the product (down to 16). Each K tile of packed bytes is decoded once per
+output tile, by Triton's scaled dot on CUDA (``tl.dot_scaled`` with an ``e2m1`` operand and
+its E8M0 scales, which Triton lowers for the GPU it compiles for) or bit by bit
+(``mxfp4.mxfp4_rows``) under the interpreter, which has no scaled dot.
 
 Weights: ``w`` uint8 ``[E, rows, K / 2]`` with E8M0 scales ``[E, rows, K / 32]`` (``mxfp4.py``
 for the format). With ``GATED`` the tile computes the gate rows ``n`` and the up rows
@@ -36,8 +35,13 @@ _SCALED_DOT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 def mxfp4_tile_config(num_slots: int, num_experts: int, dtype: torch.dtype) -> dict[str, int]:
     """Tile sizes of the MXFP4 expert GEMM, from the average rows per expert: ``BLOCK_N``
-    weight rows by ``BLOCK_M`` token rows by ``BLOCK_K`` reduction values per tile. float32
-    (the interpreter) keeps tiles small."""
+    weight rows by ``BLOCK_M`` token rows by ``BLOCK_K`` reduction values per tile.
+
+    Measured on an H100 at gpt-oss-20b's experts (``benchmarks/moe_bench.py --mxfp4
+    --sweep-tiles``): 16 x 64 tiles up to 16 rows per expert, 32 x 128 up to 64, then
+    128 x 128 with 64-wide K tiles and 8 warps (2.26 ms at 1,024 tokens, against 3.26 with
+    128-wide K tiles). float32 (the interpreter) keeps tiles small.
+    """
     if dtype == torch.float32:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=2)
     rows_per_expert = num_slots / max(1, num_experts)
@@ -45,20 +49,21 @@ def mxfp4_tile_config(num_slots: int, num_experts: int, dtype: torch.dtype) -> d
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     if rows_per_expert <= 64:
         return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
 
 
 if HAS_TRITON:
 
     @triton.jit
-    def _mxfp4_dot(packed, scale, a, acc, A_FORMAT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _mxfp4_dot(packed, scale, a, acc, SCALED_DOT: tl.constexpr, A_FORMAT: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):  # fmt: skip
         """``acc + decode(packed, scale) @ a``: packed ``[R, BLOCK_K / 2]``, scale
-        ``[R, BLOCK_K / 32]``, a ``[BLOCK_K, C]``. ``A_FORMAT`` names ``a``'s dtype for the
-        scaled dot; empty: decode bit by bit."""
-        if A_FORMAT == "":
-            w = mxfp4_rows(packed, scale, a.dtype)
-            return tl.dot(w, a, acc, input_precision=DOT_PRECISION)
-        return tl.dot_scaled(packed, scale, "e2m1", a, None, A_FORMAT, acc)
+        ``[R, BLOCK_K / 32]``, a ``[BLOCK_K, C]``; by the scaled dot (``A_FORMAT`` names
+        ``a``'s dtype) or decoded bit by bit."""
+        if SCALED_DOT:
+            return tl.dot_scaled(packed, scale, "e2m1", a, None, A_FORMAT, acc)
+        w = mxfp4_rows(packed, scale, a.dtype)
+        return tl.dot(w, a, acc, input_precision=DOT_PRECISION)
 
     @triton.jit
     def _moe_mxfp4_kernel(
@@ -67,9 +72,9 @@ if HAS_TRITON:
         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm, stride_bias,
         alpha, limit,
         A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-        HAS_BIAS: tl.constexpr, SWIGLUOAI: tl.constexpr, A_FORMAT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SWIGLUOAI: tl.constexpr, SCALED_DOT: tl.constexpr,
+        A_FORMAT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):  # fmt: skip
         """One output tile of ``C[slot, n] = A[slot // A_ROW_DIV] . W[e, n]``, computed as
         ``acc [BLOCK_N, BLOCK_M]`` (see the module docstring)."""
@@ -104,11 +109,12 @@ if HAS_TRITON:
             s_mask = n_mask[:, None] & (offs_s < left // 32)[None, :]
             packed = tl.load(w_ptrs, mask=w_mask, other=0)
             scale = tl.load(s_ptrs, mask=s_mask, other=0)
-            acc = _mxfp4_dot(packed, scale, a, acc, A_FORMAT, DOT_PRECISION)
+            acc = _mxfp4_dot(packed, scale, a, acc, SCALED_DOT, A_FORMAT, DOT_PRECISION)
             if GATED:
                 packed = tl.load(w_ptrs + up_w, mask=w_mask, other=0)
                 scale = tl.load(s_ptrs + up_s, mask=s_mask, other=0)
-                acc_up = _mxfp4_dot(packed, scale, a, acc_up, A_FORMAT, DOT_PRECISION)
+                acc_up = _mxfp4_dot(packed, scale, a, acc_up, SCALED_DOT, A_FORMAT,
+                                    DOT_PRECISION)  # fmt: skip
             a_ptrs += BLOCK_K
             w_ptrs += HALF
             s_ptrs += SCALES
@@ -140,7 +146,6 @@ def launch_mxfp4_gemm(
     alpha: float,
     limit: float,
     swigluoai: bool,
-    scaled_dot: bool = True,
 ) -> None:
     """One grouped GEMM over MXFP4 experts into ``c [num_slots, N]``.
 
@@ -153,14 +158,13 @@ def launch_mxfp4_gemm(
         a_row_div: slot ``s`` reads row ``s // a_row_div`` of ``a``.
         bias: ``[E, rows_w]`` or None.
         alpha, limit, swigluoai: the gated activation (``fused_moe.GatedActivation``).
-        scaled_dot: decode with ``tl.dot_scaled`` where the activations' dtype allows it
-            (bf16/fp16 on CUDA) rather than bit by bit.
     """
     sorted_slots, block_experts, num_padded = aligned
     n, k = c.shape[1], a.shape[1]
     max_padded = sorted_slots.numel()
     grid = (cdiv(max_padded, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),)
-    a_format = _SCALED_DOT_FORMATS.get(a.dtype, "") if scaled_dot and a.is_cuda else ""
+    # The scaled dot on CUDA (the interpreter has none), bf16/fp16 activations.
+    a_format = _SCALED_DOT_FORMATS.get(a.dtype) if a.is_cuda else None
     bias_arg = bias if bias is not None else c  # unread stand-in, a fixed dtype
     _moe_mxfp4_kernel[grid](
         a, w, scale, c, topk_weights, sorted_slots, block_experts, num_padded, bias_arg,
@@ -169,7 +173,7 @@ def launch_mxfp4_gemm(
         bias.stride(0) if bias is not None else 0,
         alpha, limit,
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated, HAS_BIAS=bias is not None,
-        SWIGLUOAI=swigluoai, A_FORMAT=a_format,
+        SWIGLUOAI=swigluoai, SCALED_DOT=a_format is not None, A_FORMAT=a_format or "bf16",
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],
