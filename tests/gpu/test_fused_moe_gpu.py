@@ -101,13 +101,13 @@ def _mxfp4_problem(tokens: int, hidden: int, inter: int, experts: int, top_k: in
     return x, w13, w2, weights, ids, extra
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 64, 600, 4096])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 600, 4096, 12288])
 @pytest.mark.parametrize("hidden,inter,experts", [(2880, 2880, 32), (512, 320, 8)])
 def test_mxfp4_kernel_against_fp32_reference(tokens, hidden, inter, experts):
     """MXFP4 experts in bf16 against the torch path on the float32 dequantized weights, at
     gpt-oss-20b's expert shapes (K = 2880, not a multiple of the 64- and 128-wide K tiles)
     and a small one; through ``fused_experts``: the scaled-dot kernel below
-    ``TORCH_MIN_TOKENS`` tokens, the experts decoded one at a time from there on."""
+    ``MXFP4_TORCH_MIN_TOKENS`` tokens, the experts decoded one at a time from there on."""
     from tokenmill.kernels.moe.fused_moe import fused_experts
 
     x, w13, w2, weights, ids, extra = _mxfp4_problem(tokens, hidden, inter, experts, 4)

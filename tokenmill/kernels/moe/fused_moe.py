@@ -96,8 +96,9 @@ def _dense_expert(
 
 
 # Batches of at least this many tokens take the torch expert loop on CUDA (see
-# ``fused_experts``).
+# ``fused_experts``): plain weights, and MXFP4 ones.
 TORCH_MIN_TOKENS = 2048
+MXFP4_TORCH_MIN_TOKENS = 12288
 
 
 def select_experts(
@@ -447,9 +448,11 @@ def fused_experts(
 
     From ``TORCH_MIN_TOKENS`` tokens on, outside CUDA-graph capture, CUDA runs the torch
     loop too: its per-expert cuBLAS GEMMs beat the grouped kernel there (H200, Mixtral
-    shapes: 3.07 against 3.26 ms at 2048 tokens, 5.52 against 6.13 ms at 4096), and MXFP4
-    experts, decoded one at a time into bfloat16 by a Triton kernel, add a pass over
-    each expert's bytes that the products of so many tokens dwarf.
+    shapes: 3.07 against 3.26 ms at 2048 tokens, 5.52 against 6.13 ms at 4096). MXFP4
+    experts, which the loop decodes one at a time into bfloat16 with a Triton kernel, do
+    so from ``MXFP4_TORCH_MIN_TOKENS`` (H100, gpt-oss-20b's experts: the loop 18.3 ms
+    against the kernel's 22.3 at 16,384 tokens, 11.6 against 6.5 at 4,096; the lines
+    cross near 12,000).
 
     Args:
         expert_map: expert parallelism: ``[E]`` int32, each global expert id's index in
@@ -460,7 +463,9 @@ def fused_experts(
     if remote:
         topk_ids = expert_map[topk_ids]
     if HAS_TRITON and hidden.is_cuda:
-        if hidden.shape[0] < TORCH_MIN_TOKENS or torch.cuda.is_current_stream_capturing():
+        mxfp4 = experts.get("w13_scale") is not None
+        large = hidden.shape[0] >= (MXFP4_TORCH_MIN_TOKENS if mxfp4 else TORCH_MIN_TOKENS)
+        if not large or torch.cuda.is_current_stream_capturing():
             return fused_experts_triton(
                 hidden, w13, w2, topk_weights, topk_ids, remote_experts=remote, **experts
             )
