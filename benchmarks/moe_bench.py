@@ -14,9 +14,9 @@ bounds decode-sized batches. ``--sweep-tiles`` also times a list of tile shapes 
 prints the fastest, to tune ``moe_tile_config`` in ``tokenmill/model/layers/fused_moe.py``.
 
 ``--mxfp4`` makes the experts gpt-oss': MXFP4 weights (random FP4 codes, small E8M0
-scales), biases and the clamped SwiGLU; the kernel decodes them in registers, the torch loop
-one expert at a time (``--experts 32 --top-k 4 --hidden 2880 --intermediate 2880`` is
-gpt-oss-20b's layer).
+scales), biases and the clamped SwiGLU; the kernel decodes them tile by tile, the torch loop
+one expert at a time (by a Triton kernel on CUDA). ``--experts 32 --top-k 4 --hidden 2880
+--intermediate 2880`` is gpt-oss-20b's layer.
 
 Usage: python benchmarks/moe_bench.py [--tokens 1,16,256,4096] [--sweep-tiles] [--mxfp4]
 """
@@ -37,6 +37,7 @@ from tokenmill.kernels.moe.fused_moe import (
     moe_tile_config,
     select_experts,
 )
+from tokenmill.kernels.moe.mxfp4_experts import mxfp4_tile_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TILE_SWEEP = [
@@ -52,6 +53,21 @@ TILE_SWEEP = [
     dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+]
+# MXFP4 experts (weights the left operand): BLOCK_N weight rows x BLOCK_M token rows.
+MXFP4_SWEEP = [
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3),
+    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, GROUP_M=1, num_warps=8, num_stages=3),
+    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
 ]
 
 
@@ -111,12 +127,15 @@ def bench_row(
     weights, ids = select_experts(logits, args.top_k, renormalize=True)
 
     ref = fused_experts_torch(x, w13, w2, weights, ids, **extra)
-    got = fused_experts_triton(x, w13, w2, weights, ids, **extra)
+    t_torch = time_ms(lambda: fused_experts_torch(x, w13, w2, weights, ids, **extra))
+    try:
+        got = fused_experts_triton(x, w13, w2, weights, ids, **extra)
+        t_triton = time_ms(lambda: fused_experts_triton(x, w13, w2, weights, ids, **extra))
+    except Exception as e:  # a kernel that does not compile on this GPU: report, go on
+        got, t_triton = ref, float("nan")
+        print(f"#   default kernel failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     scale = ref.float().abs().max().item()
     rel_err = (got.float() - ref.float()).abs().max().item() / max(scale, 1e-12)
-
-    t_torch = time_ms(lambda: fused_experts_torch(x, w13, w2, weights, ids, **extra))
-    t_triton = time_ms(lambda: fused_experts_triton(x, w13, w2, weights, ids, **extra))
     flops = 6 * tokens * args.top_k * h * i
     touched = int(torch.unique(ids).numel())
     # MXFP4: half a byte a value and a scale byte per 32
@@ -126,7 +145,9 @@ def bench_row(
         f"{tokens:>6} {t_torch:>10.3f} {t_triton:>10.3f} {t_torch / t_triton:>8.2f}x "
         f"{flops / t_triton / 1e9:>9.1f} {weight_bytes / t_triton / 1e6:>9.0f} {rel_err:>9.2e}"
     )
-    if args.sweep_tiles:
+    if args.mxfp4 and args.sweep_tiles:
+        row += "\n" + sweep_mxfp4(args, x, w13, w2, weights, ids, extra)
+    elif args.sweep_tiles:
         timed = []
         for k, c in enumerate(TILE_SWEEP):
             try:
@@ -141,6 +162,23 @@ def bench_row(
         row += f"   best {best[0]:.3f} ms with {TILE_SWEEP[best[1]]} (default {chosen})"
         row += "\n#   " + "  ".join(f"{t:.3f}" for t, _ in sorted(timed, key=lambda tk: tk[1]))
     return row
+
+
+def sweep_mxfp4(args, x, w13, w2, weights, ids, extra) -> str:
+    """The MXFP4 kernel's time under each tile shape of ``MXFP4_SWEEP``, and the fastest."""
+    timed = []
+    for c in MXFP4_SWEEP:
+        try:
+            run = lambda c=c: fused_experts_triton(  # noqa: E731
+                x, w13, w2, weights, ids, config=c, **extra
+            )
+            timed.append((time_ms(run), str(c)))
+        except Exception as e:  # e.g. tiles needing more shared memory than the GPU has
+            timed.append((float("inf"), f"{c} {type(e).__name__}"))
+    best = min(timed)
+    chosen = mxfp4_tile_config(ids.numel(), args.experts, x.dtype)
+    return (f"#   best {best[0]:.3f} ms with {best[1]} (default {chosen}); all "
+            + " ".join(f"{t:.3f}" for t, _ in timed))  # fmt: skip
 
 
 def main() -> None:

@@ -134,6 +134,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--timeout", type=int, default=420, help="seconds per engine")
     p.add_argument("--extra", default="", help="more flags for both engines' CLI")
+    p.add_argument("--model-only", action="store_true",
+                   help="write the model folder, print its path, run nothing")
     args = p.parse_args()
     if not os.path.isdir(args.tokenizer_from):
         sys.exit("mla_throughput: --tokenizer-from (or $M8) must be a tokenizer folder")
@@ -141,6 +143,9 @@ def main() -> None:
     os.makedirs(logs, exist_ok=True)
     model = os.path.join("/tmp", f"dsv3-{args.layers}l-{args.experts}e-dummy")
     write_model(model, args.tokenizer_from, args.layers, args.experts)
+    if args.model_only:
+        print(model)
+        return
     common = [
         "bench", "throughput", "--model", model, "--load-format", "dummy",
         "--dataset-name", "random", "--random-input-len", str(args.input_len),

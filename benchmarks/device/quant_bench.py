@@ -81,8 +81,8 @@ def make_gguf(m8: str, out: str) -> str:
     rng = np.random.default_rng(0)
 
     def add(name: str, qtype: int, rows: int, k: int) -> None:
-        raw = _random_blocks(rng, qtype, rows, k)
-        w.add_tensor(name, raw, raw_shape=(rows, k), raw_dtype=gguf.GGMLQuantizationType(qtype))
+        raw = _random_blocks(rng, qtype, rows, k)  # uint8 [rows, bytes]: gguf reads the shape
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType(qtype))
 
     add("token_embd.weight", Q4_K, c["vocab_size"], h)
     add("output.weight", Q6_K, c["vocab_size"], h)

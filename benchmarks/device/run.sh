@@ -115,6 +115,8 @@
 #              "lora_serve vllm_lora_serve" in one call to compare on one GPU
 #   first_token  cProfile of a one-token generate (32-token prompt): the host's share of a
 #              request's first step (first_token_profile.py)
+#   kprof_gptoss kprof_mla  kernel_profile.py (kernel totals of 300 x 1,024/256) on the
+#              gpt-oss-20b-shaped and the MLA model
 #   mla_tp     a DeepSeek-V3-shaped MLA model (6 layers, 32 experts; mla_throughput.py):
 #              tokenmill and vLLM bench throughput 1,024/256 x 1,000 and their KV capacity in
 #              tokens ($OUT/mla_throughput.json); mla_tp_tm / mla_tp_vllm one engine each.
@@ -310,6 +312,10 @@ gptoss_model() {
   MGPTOSS=/tmp/tm_arch_models/gpt-oss-20b-dummy
   [ -f "$MGPTOSS/config.json" ] || python3 benchmarks/device/make_arch_models.py /tmp/tm_arch_models --tokenizer-from "$M8" >> "$LOGS/setup.log" 2>&1
 }
+# The MLA model of mla_tp (DeepSeek-V3 shapes, 6 layers, 32 experts).
+mla_model() {
+  MMLA=$(python3 benchmarks/device/mla_throughput.py --model-only --out "$LOGS" 2>>"$LOGS/setup.log")
+}
 GPTOSS_TP=(--random-input-len 1024 --random-output-len 256 --num-prompts 1000)
 run_stage() {  # run_stage NAME: one stage of the list below
   local st=$1
@@ -405,9 +411,11 @@ run_stage() {  # run_stage NAME: one stage of the list below
     moe)      stage moe 150 python3 benchmarks/moe_bench.py ;;
     moetest)  stage moetest 150 python3 -m pytest -q tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider --timeout 120 ;;
     moe_sweep) stage moe_sweep 200 python3 benchmarks/moe_bench.py --sweep-tiles --tokens 64,256,512,1024,2048,4096 ;;
-    moe_mxfp4) stage moe_mxfp4 300 python3 benchmarks/moe_bench.py --mxfp4 --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --sweep-tiles --tokens 1,8,64,256,1024,4096,16384 ;;
+    moe_mxfp4) stage moe_mxfp4 480 python3 benchmarks/moe_bench.py --mxfp4 --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --sweep-tiles --tokens 1,8,64,256,1024,2048,4096,16384 ;;
     kprof_long) stage kprof_long 200 python3 benchmarks/device/kernel_profile.py "$M8" 300 1024 256 ;;
     kprof_prefill) stage kprof_prefill 200 python3 benchmarks/device/kernel_profile.py "$M8" 192 1024 1 ;;
+    kprof_gptoss) gptoss_model; stage kprof_gptoss 240 python3 benchmarks/device/kernel_profile.py "$MGPTOSS" 300 1024 256 ;;
+    kprof_mla) mla_model; stage kprof_mla 240 python3 benchmarks/device/kernel_profile.py "$MMLA" 300 1024 256 ;;
     kprof_lat1) stage kprof_lat1 200 python3 benchmarks/device/kernel_profile.py "$M8" 1 32 256 ;;
     ncu_lat1)  # Nsight Compute on a batch-1 decode's kernels, each replayed alone (NCU_SKIP, NCU_COUNT)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -101,13 +101,13 @@ def _mxfp4_problem(tokens: int, hidden: int, inter: int, experts: int, top_k: in
     return x, w13, w2, weights, ids, extra
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 64, 600, 4096])
+@pytest.mark.parametrize("tokens", [1, 8, 64, 600, 4096, 12288])
 @pytest.mark.parametrize("hidden,inter,experts", [(2880, 2880, 32), (512, 320, 8)])
 def test_mxfp4_kernel_against_fp32_reference(tokens, hidden, inter, experts):
-    """The kernel decoding MXFP4 in registers (bf16 products) against the torch path on the
-    float32 dequantized weights, at gpt-oss-20b's expert shapes (K = 2880, not a multiple of
-    the 64- and 128-wide K tiles) and a small one; through ``fused_experts``, which keeps
-    MXFP4 on the kernel at every batch size."""
+    """MXFP4 experts in bf16 against the torch path on the float32 dequantized weights, at
+    gpt-oss-20b's expert shapes (K = 2880, not a multiple of the 64- and 128-wide K tiles)
+    and a small one; through ``fused_experts``: the scaled-dot kernel below
+    ``MXFP4_TORCH_MIN_TOKENS`` tokens, the experts decoded one at a time from there on."""
     from tokenmill.kernels.moe.fused_moe import fused_experts
 
     x, w13, w2, weights, ids, extra = _mxfp4_problem(tokens, hidden, inter, experts, 4)
@@ -122,11 +122,24 @@ def test_mxfp4_kernel_against_fp32_reference(tokens, hidden, inter, experts):
 
 
 def test_mxfp4_every_tile_config():
+    from tokenmill.kernels.moe.mxfp4_experts import mxfp4_tile_config
+
     x, w13, w2, weights, ids, extra = _mxfp4_problem(97, 512, 320, 8, 2)
     exact = fused_experts_torch(x.float(), w13, w2, weights, ids, **dict(
         extra, w13_bias=extra["w13_bias"].float(), w2_bias=extra["w2_bias"].float()))
     scale = exact.abs().max().item()
     for slots_per_expert in (4, 32, 512):
-        config = moe_tile_config(slots_per_expert * 8, 8, torch.bfloat16)
+        config = mxfp4_tile_config(slots_per_expert * 8, 8, torch.bfloat16)
         got = fused_experts_triton(x, w13, w2, weights, ids, config, **extra)
         assert (got.float() - exact).abs().max().item() <= 2e-2 * scale
+
+
+def test_mxfp4_decode_kernel_is_exact():
+    """``decode_mxfp4`` on CUDA equals the torch dequantization, bit for bit, in bf16 and
+    float32, on gpt-oss-20b's expert shapes."""
+    from tokenmill.kernels.moe.mxfp4 import decode_mxfp4, dequantize_mxfp4
+
+    _, w13, _, _, _, extra = _mxfp4_problem(1, 2880, 2880, 4, 2)
+    for dtype in (torch.bfloat16, torch.float32):
+        got = decode_mxfp4(w13, extra["w13_scale"], dtype)
+        assert torch.equal(got, dequantize_mxfp4(w13, extra["w13_scale"], dtype))

@@ -119,3 +119,24 @@ def test_triton_kernel_with_biases_and_clamped_swiglu_on_plain_weights():
     expected = fused_experts_torch(x, w13, w2, weights, ids, **kw)
     got = fused_experts_triton(x, w13, w2, weights, ids, **kw)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+
+
+@needs_triton
+def test_triton_decode_equals_the_torch_dequantization(monkeypatch):
+    """``decode_mxfp4``'s kernel (the interpreter standing in for CUDA) against
+    ``dequantize_mxfp4``, bit for bit, on rows and bytes that do not fill its tiles."""
+    pytest.importorskip("triton")
+    from tokenmill.kernels.moe import mxfp4
+
+    gen = torch.Generator().manual_seed(3)
+    blocks, scales = random_mxfp4(2, 19, 96, gen=gen, low=100, high=150)
+    out = torch.empty(2 * 19, 96)
+    grid = (triton_cdiv(2 * 19, mxfp4._DECODE_ROWS), triton_cdiv(48, mxfp4._DECODE_BYTES))
+    mxfp4._decode_kernel[grid](blocks.reshape(-1, 48), scales.reshape(-1, 3), out, 2 * 19, 48,
+                               BLOCK_R=mxfp4._DECODE_ROWS, BLOCK_H=mxfp4._DECODE_BYTES)
+    expected = dequantize_mxfp4(blocks, scales, torch.float32)
+    torch.testing.assert_close(out.view(2, 19, 96), expected, atol=0, rtol=0)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

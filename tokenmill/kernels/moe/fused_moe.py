@@ -38,14 +38,15 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.device import HAS_TRITON
-from tokenmill.kernels.moe.mxfp4 import MXFP4_BLOCK, check_mxfp4_shapes, dequantize_mxfp4
+from tokenmill.kernels.moe.mxfp4 import MXFP4_BLOCK, check_mxfp4_shapes, decode_mxfp4
+from tokenmill.kernels.moe.mxfp4_experts import launch_mxfp4_gemm, mxfp4_tile_config
 from tokenmill.math_utils import cdiv
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from tokenmill.kernels.moe.mxfp4 import mxfp4_tile
+    from tokenmill.kernels.moe.tiles import gated_tile, grouped_tile_ids
 
 
 @dataclass(frozen=True)
@@ -89,14 +90,15 @@ def _dense_expert(
     if w13_scale is None or w2_scale is None:
         return w13[expert], w2[expert]
     return (
-        dequantize_mxfp4(w13[expert], w13_scale[expert], dtype),
-        dequantize_mxfp4(w2[expert], w2_scale[expert], dtype),
+        decode_mxfp4(w13[expert], w13_scale[expert], dtype),
+        decode_mxfp4(w2[expert], w2_scale[expert], dtype),
     )
 
 
 # Batches of at least this many tokens take the torch expert loop on CUDA (see
-# ``fused_experts``).
+# ``fused_experts``): plain weights, and MXFP4 ones.
 TORCH_MIN_TOKENS = 2048
+MXFP4_TORCH_MIN_TOKENS = 12288
 
 
 def select_experts(
@@ -253,59 +255,13 @@ if HAS_TRITON:
         return acc, acc_up
 
     @triton.jit
-    def _products_mxfp4(
-        a_ptrs, b_ptrs, s_ptrs, row_mask, n_mask, K, up_offset, up_scale_offset,
-        GATED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """``_products_dense`` over MXFP4 weights: ``b_ptrs [BLOCK_K / 2, BLOCK_N]`` bytes
-        and ``s_ptrs`` their scales; ``a_ptrs [BLOCK_M, BLOCK_K]`` as in ``_products_dense``.
-        Each byte holds an even and an odd K position, so each K tile is two dot products:
-        A's even columns with the low nibbles, its odd columns with the high ones (A is read
-        whole and split in registers)."""
-        HALF: tl.constexpr = BLOCK_K // 2
-        offs_h = tl.arange(0, HALF)
-        offs_k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            h_mask = offs_h < (K - k0) // 2
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, HALF, 2)))
-            b_mask = h_mask[:, None] & n_mask[None, :]
-            packed = tl.load(b_ptrs, mask=b_mask, other=0)
-            scale = tl.load(s_ptrs, mask=b_mask, other=0)
-            b_even, b_odd = mxfp4_tile(packed, scale, a_even.dtype)
-            acc = tl.dot(a_even, b_even, acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(a_odd, b_odd, acc, input_precision=DOT_PRECISION)
-            if GATED:
-                packed = tl.load(b_ptrs + up_offset, mask=b_mask, other=0)
-                scale = tl.load(s_ptrs + up_scale_offset, mask=b_mask, other=0)
-                b_even, b_odd = mxfp4_tile(packed, scale, a_even.dtype)
-                acc_up = tl.dot(a_even, b_even, acc_up, input_precision=DOT_PRECISION)
-                acc_up = tl.dot(a_odd, b_odd, acc_up, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += HALF
-            s_ptrs += BLOCK_K // 32
-        return acc, acc_up
-
-    @triton.jit
-    def _gated(gate, up, alpha, limit, SWIGLUOAI: tl.constexpr):
-        """``GatedActivation`` in registers (float32 tiles)."""
-        if SWIGLUOAI:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            return (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
-        return gate / (1.0 + tl.exp(-gate)) * up
-
-    @triton.jit
     def _moe_gemm_kernel(
         a_ptr, b_ptr, c_ptr, weights_ptr, sorted_slots_ptr, block_experts_ptr, num_padded_ptr,
-        scale_ptr, bias_ptr, N, K, num_slots, max_padded,
-        stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_bias,
+        bias_ptr, N, K, num_slots, max_padded,
+        stride_am, stride_be, stride_bn, stride_cm, stride_bias,
         alpha, limit,
         A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-        MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLUOAI: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SWIGLUOAI: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):  # fmt: skip
@@ -313,21 +269,12 @@ if HAS_TRITON:
 
         ``B`` is ``[E, N(*2 if GATED), K]``; with ``GATED`` the tile also computes the up
         projection (rows ``N + n`` of ``B``) and stores ``act(gate, up)`` (SiLU, or with
-        ``SWIGLUOAI`` gpt-oss' clamped form with ``alpha`` and ``limit``). ``MXFP4``: ``B``
-        is uint8 ``[E, rows, K / 2]`` with E8M0 scales ``[E, rows, K / 32]`` at
-        ``scale_ptr``, decoded in registers (``mxfp4.mxfp4_tile``). ``HAS_BIAS``: rows of
+        ``SWIGLUOAI`` gpt-oss' clamped form with ``alpha`` and ``limit``). ``HAS_BIAS``: rows of
         ``bias_ptr [E, rows]`` are added before the activation. With ``MUL_WEIGHT`` each
         row is scaled by its slot's routing weight, last.
         """
-        pid = tl.program_id(0)
-        num_pid_m = tl.cdiv(max_padded, BLOCK_M)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        # Grouped launch order: GROUP_M row tiles share each weight column tile in L2.
-        per_group = GROUP_M * num_pid_n
-        first_m = (pid // per_group) * GROUP_M
-        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_size
-        pid_n = (pid % per_group) // group_size
+        pid_m, pid_n = grouped_tile_ids(tl.program_id(0), max_padded, N, BLOCK_M, BLOCK_N,
+                                        GROUP_M)  # fmt: skip
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -341,26 +288,17 @@ if HAS_TRITON:
         b_rows = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-        if MXFP4:
-            offs_h = tl.arange(0, BLOCK_K // 2)
-            s_ptrs = scale_ptr + expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn
-            s_ptrs += offs_h[:, None] // (32 // 2)
-            acc, acc_up = _products_mxfp4(
-                a_ptrs, b_rows + offs_h[:, None], s_ptrs, row_mask, n_mask, K,
-                N * stride_bn, N * stride_sn, GATED, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-        else:
-            acc, acc_up = _products_dense(
-                a_ptrs, b_rows + offs_k[:, None], row_mask, n_mask, K, N * stride_bn,
-                GATED, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
+        acc, acc_up = _products_dense(
+            a_ptrs, b_rows + offs_k[:, None], row_mask, n_mask, K, N * stride_bn,
+            GATED, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         if HAS_BIAS:
             bias_row = bias_ptr + expert * stride_bias + offs_n
             acc += tl.load(bias_row, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if GATED:
                 acc_up += tl.load(bias_row + N, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            acc = _gated(acc, acc_up, alpha, limit, SWIGLUOAI)
+            acc = gated_tile(acc, acc_up, alpha, limit, SWIGLUOAI)
         if MUL_WEIGHT:
             acc = acc * tl.load(weights_ptr + slots, mask=row_mask, other=0.0)[:, None]
         c_ptrs = c_ptr + slots.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -396,7 +334,6 @@ def _launch_moe_gemm(
     a_row_div: int,
     gated: bool,
     config: dict[str, int],
-    scale: torch.Tensor | None,
     bias: torch.Tensor | None,
     activation: GatedActivation,
 ) -> None:
@@ -406,22 +343,16 @@ def _launch_moe_gemm(
     max_padded = sorted_slots.numel()
     tiles = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"], config["GROUP_M"]
     grid = (cdiv(max_padded, tiles[0]) * cdiv(n, tiles[1]),)
-    # Unread stand-ins where a variant has no scales or bias (a fixed dtype each: no other
-    # variant compiles).
-    scale_arg = scale if scale is not None else block_experts
-    bias_arg = bias if bias is not None else c
+    bias_arg = bias if bias is not None else c  # an unread stand-in, a fixed dtype
     _moe_gemm_kernel[grid](
-        a, b, c, topk_weights, sorted_slots, block_experts, num_padded, scale_arg, bias_arg,
+        a, b, c, topk_weights, sorted_slots, block_experts, num_padded, bias_arg,
         n, k, num_slots, max_padded,
         a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        scale_arg.stride(0) if scale is not None else 0,
-        scale_arg.stride(1) if scale is not None else 0,
         bias.stride(0) if bias is not None else 0,
         float(activation.alpha), float(activation.limit),
         A_ROW_DIV=a_row_div,
         GATED=gated,
         MUL_WEIGHT=not gated,
-        MXFP4=scale is not None,
         HAS_BIAS=bias is not None,
         SWIGLUOAI=activation.kind == "swigluoai",
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -476,19 +407,30 @@ def fused_experts_triton(
     if w13_scale is not None:
         check_mxfp4_shapes(w13, w13_scale)
         check_mxfp4_shapes(w2, w2_scale)
-    config = config or moe_tile_config(num_slots, num_experts, hidden.dtype)
-    if w13_scale is not None and config["BLOCK_K"] % MXFP4_BLOCK:
+    mxfp4 = w13_scale is not None
+    if config is None:
+        choose = mxfp4_tile_config if mxfp4 else moe_tile_config
+        config = choose(num_slots, num_experts, hidden.dtype)
+    if mxfp4 and config["BLOCK_K"] % MXFP4_BLOCK:
         raise ValueError(f"MXFP4 needs BLOCK_K a multiple of {MXFP4_BLOCK}")
     aligned = align_tokens_by_expert(topk_ids, num_experts, config["BLOCK_M"])
     weights = topk_weights.reshape(-1).float().contiguous()
     hidden = hidden.contiguous()
     act = torch.empty(num_slots, two_i // 2, dtype=hidden.dtype, device=hidden.device)
-    _launch_moe_gemm(hidden, w13, act, weights, aligned, num_slots, top_k, True, config,
-                     w13_scale, w13_bias, activation)  # fmt: skip
     make = torch.zeros if remote_experts else torch.empty
     down = make(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    _launch_moe_gemm(act, w2, down, weights, aligned, num_slots, 1, False, config,
-                     w2_scale, w2_bias, activation)  # fmt: skip
+    if mxfp4:
+        act_args = (float(activation.alpha), float(activation.limit),
+                    activation.kind == "swigluoai")  # fmt: skip
+        launch_mxfp4_gemm(hidden, w13, w13_scale, act, weights, aligned, num_slots, top_k,
+                          True, config, w13_bias, *act_args)  # fmt: skip
+        launch_mxfp4_gemm(act, w2, w2_scale, down, weights, aligned, num_slots, 1, False,
+                          config, w2_bias, *act_args)  # fmt: skip
+    else:
+        _launch_moe_gemm(hidden, w13, act, weights, aligned, num_slots, top_k, True, config,
+                         w13_bias, activation)  # fmt: skip
+        _launch_moe_gemm(act, w2, down, weights, aligned, num_slots, 1, False, config,
+                         w2_bias, activation)  # fmt: skip
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 
@@ -505,10 +447,12 @@ def fused_experts(
     ``experts``: its keyword arguments, MXFP4 scales, biases, the activation).
 
     From ``TORCH_MIN_TOKENS`` tokens on, outside CUDA-graph capture, CUDA runs the torch
-    loop too for plain weights: its per-expert cuBLAS GEMMs beat the grouped kernel there
-    (H200, Mixtral shapes: 3.07 against 3.26 ms at 2048 tokens, 5.52 against 6.13 ms at
-    4096). MXFP4 experts always take the kernel, which decodes them in registers instead of
-    writing every expert out dense each step.
+    loop too: its per-expert cuBLAS GEMMs beat the grouped kernel there (H200, Mixtral
+    shapes: 3.07 against 3.26 ms at 2048 tokens, 5.52 against 6.13 ms at 4096). MXFP4
+    experts, which the loop decodes one at a time into bfloat16 with a Triton kernel, do
+    so from ``MXFP4_TORCH_MIN_TOKENS`` (H100, gpt-oss-20b's experts: the loop 18.3 ms
+    against the kernel's 22.3 at 16,384 tokens, 11.6 against 6.5 at 4,096; the lines
+    cross near 12,000).
 
     Args:
         expert_map: expert parallelism: ``[E]`` int32, each global expert id's index in
@@ -519,7 +463,8 @@ def fused_experts(
     if remote:
         topk_ids = expert_map[topk_ids]
     if HAS_TRITON and hidden.is_cuda:
-        large = hidden.shape[0] >= TORCH_MIN_TOKENS and experts.get("w13_scale") is None
+        mxfp4 = experts.get("w13_scale") is not None
+        large = hidden.shape[0] >= (MXFP4_TORCH_MIN_TOKENS if mxfp4 else TORCH_MIN_TOKENS)
         if not large or torch.cuda.is_current_stream_capturing():
             return fused_experts_triton(
                 hidden, w13, w2, topk_weights, topk_ids, remote_experts=remote, **experts

@@ -8,8 +8,9 @@ two to a byte, the even-indexed value in the low nibble. A weight ``[rows, K]`` 
 as ``blocks`` uint8 ``[rows, K / 2]`` and ``scales`` uint8 ``[rows, K / 32]``; gpt-oss
 checkpoints hold the blocks as ``[..., K / 32, 16]``, the same bytes in the same order.
 
-``dequantize_mxfp4`` is the torch path (the CPU's, and the reference); ``mxfp4_tile`` decodes
-a tile inside a Triton kernel.
+``dequantize_mxfp4`` is the torch path (the CPU's, and the reference); ``decode_mxfp4``
+takes a Triton kernel on CUDA (one pass over the bytes) and the torch path elsewhere;
+``mxfp4_tile`` and ``mxfp4_rows`` decode a tile inside a Triton kernel.
 """
 
 from __future__ import annotations
@@ -75,7 +76,50 @@ def dequantize_mxfp4(
     return torch.ldexp(values, exponents).reshape(*blocks.shape[:-1], k).to(dtype)
 
 
+def decode_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """``dequantize_mxfp4``'s result, by one Triton launch where the tensors are on CUDA
+    (bit for bit the same values).
+
+    Raises:
+        ValueError: see ``check_mxfp4_shapes``.
+    """
+    if not (HAS_TRITON and blocks.is_cuda):
+        return dequantize_mxfp4(blocks, scales, dtype)
+    k = check_mxfp4_shapes(blocks, scales)
+    blocks2 = blocks.reshape(-1, k // 2).contiguous()
+    scales2 = scales.reshape(-1, k // MXFP4_BLOCK).contiguous()
+    rows = blocks2.shape[0]
+    out = torch.empty(rows, k, dtype=dtype, device=blocks.device)
+    grid = (triton.cdiv(rows, _DECODE_ROWS), triton.cdiv(k // 2, _DECODE_BYTES))
+    _decode_kernel[grid](blocks2, scales2, out, rows, k // 2, BLOCK_R=_DECODE_ROWS,
+                         BLOCK_H=_DECODE_BYTES)  # fmt: skip
+    return out.view(*blocks.shape[:-1], k)
+
+
+# Rows and bytes per program of ``decode_mxfp4``'s kernel.
+_DECODE_ROWS = 16
+_DECODE_BYTES = 128
+
 if HAS_TRITON:
+
+    @triton.jit
+    def _decode_kernel(blocks_ptr, scales_ptr, out_ptr, R, H, BLOCK_R: tl.constexpr,
+                       BLOCK_H: tl.constexpr):  # fmt: skip
+        """Rows ``[BLOCK_R]`` x bytes ``[BLOCK_H]`` of ``blocks [R, H]`` (scales ``[R,
+        H / 16]``) -> values ``2j`` and ``2j + 1`` of ``out [R, 2H]``."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (rows < R)[:, None] & (cols < H)[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        packed = tl.load(blocks_ptr + rows64 * H + cols[None, :], mask=mask, other=0)
+        scale = tl.load(scales_ptr + rows64 * (H // 16) + cols[None, :] // 16, mask=mask,
+                        other=0)  # fmt: skip
+        even, odd = mxfp4_tile(packed, scale, out_ptr.dtype.element_ty)
+        out = out_ptr + rows64 * (2 * H) + 2 * cols[None, :]
+        tl.store(out, even, mask=mask)
+        tl.store(out + 1, odd, mask=mask)
 
     @triton.jit
     def _fp4_e2m1(code, scale_bits):
@@ -114,3 +158,22 @@ if HAS_TRITON:
         even = _fp4_e2m1(codes & 15, scale_bits)
         odd = _fp4_e2m1(codes >> 4, scale_bits)
         return even.to(dtype), odd.to(dtype)
+
+    @triton.jit
+    def mxfp4_rows(packed, scale, dtype: tl.constexpr):
+        """Decode rows of packed MXFP4 in their stored order.
+
+        Args:
+            packed: uint8 ``[R, H]``, ``H`` bytes of each row (``2H`` values along the
+                reduction dimension, a multiple of 32).
+            scale: uint8 ``[R, H / 16]``, the rows' E8M0 scales.
+            dtype: the result's element type.
+
+        Returns:
+            ``[R, 2H]`` values in ``dtype``.
+        """
+        R: tl.constexpr = packed.shape[0]
+        H: tl.constexpr = packed.shape[1]
+        per_byte = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, H // 16, 16)), (R, H))
+        even, odd = mxfp4_tile(packed, per_byte, dtype)
+        return tl.reshape(tl.join(even, odd), (R, 2 * H))
