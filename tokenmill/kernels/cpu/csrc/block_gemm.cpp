@@ -152,7 +152,9 @@ void gemm(const uint8_t* xh, const uint8_t* xl, const float* xd, const float* xs
   const int64_t nb = k / kBlock;
   const int64_t tile_bytes = kTile * (kNibble ? k / 2 : k);
   const int64_t tiles = n / kTile;
-  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(1, m * nb));
+  // Chunks of at least ~256 row-blocks: a one-row product of a few hundred columns still
+  // splits over the threads, which stream its weights from memory faster together.
+  const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(1, m * nb));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* wt = w + t * tile_bytes;
