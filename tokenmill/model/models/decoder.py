@@ -159,6 +159,7 @@ class DecoderModel(nn.Module):
         for n, i in enumerate(layers):
             columns = slice(n * hidden, (n + 1) * hidden)
             self.layers[i] = AuxHiddenTap(self.layers[i], self.aux_hidden_states, columns)
+        self._cpu_decode_built = False  # the taps run as layers: build over them again
 
     def forward(
         self,
