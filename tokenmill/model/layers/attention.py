@@ -134,17 +134,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if _attention_hook is not None:
             return _attention_hook(self, query, key, value, metadata, positions)
-        rope = self.rotary_emb
-        if (
-            self.rope_in_decode
-            and rope is not None
-            and metadata.max_query_len == 1
-            and not metadata.common_prefix_len
-            and not metadata.uniform_grids
-            and not metadata.reads_step_kv
-            and (rope.runs_fused(query) or self.impl.host_decode_rotary(query, self._cache(), rope))
-        ):
-            # Decode-only step: the decode kernel rotates and writes the new K/V itself.
+        if self.decodes_with_rotary(query, metadata):
+            rope = self.rotary_emb
             rotary = DecodeRotary(rope.cos_sin_cache, rope.rotary_dim, rope.is_neox_style)
             key, value = self._scaled_kv(key, value)
             return self._unscale(self.impl.attend_decode_rotary(
@@ -154,6 +145,28 @@ class Attention(nn.Module):
             query, key, value, metadata.slot_mapping, metadata.num_actual_tokens, positions
         )
         return self.attend(query, metadata)
+
+    def decodes_with_rotary(self, query: torch.Tensor, metadata: AttentionMetadata) -> bool:
+        """Whether this step's attention is a decode-only one whose kernel rotates the query
+        and key and writes the new K/V itself (``impl.attend_decode_rotary``): the backend
+        takes the rotation in decode, every request brings one token, there is no cascade,
+        uniform grid or read of this step's K/V, and the rotation runs fused (CUDA) or in
+        the host's native decode kernel. ``query``: the step's queries (or a tensor on
+        their device, of their dtype).
+
+        Raises:
+            RuntimeError: it is such a step and no KV cache is bound.
+        """
+        rope = self.rotary_emb
+        return bool(
+            self.rope_in_decode
+            and rope is not None
+            and metadata.max_query_len == 1
+            and not metadata.common_prefix_len
+            and not metadata.uniform_grids
+            and not metadata.reads_step_kv
+            and (rope.runs_fused(query) or self.impl.host_decode_rotary(query, self._cache(), rope))
+        )
 
     def store_kv(
         self,

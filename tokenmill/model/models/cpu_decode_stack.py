@@ -118,17 +118,9 @@ def _bind_layer(layer: nn.Module, attention_cls: type, mlp_cls: type) -> _Layer 
         return None
     attn = attn_block.attn
     rope = attn.rotary_emb
-    if (
-        rope is None
-        or not attn.rope_in_decode
-        or attn.k_scale != 1.0
-        or attn.v_scale != 1.0
-        or attn._kv_scales is not None
-        or not isinstance(attn.impl, TorchAttentionImpl)
-        or not getattr(rope, "rotates_at_context_end", False)
-        or rope.cos_sin_cache.dtype != torch.float32
-        or rope.cos_sin_cache.device.type != "cpu"
-    ):
+    # Whether a step rotates inside the native decode kernel is the attention layer's own
+    # test, run per step (``CpuDecodeStack.applies``); here what the loop cannot do.
+    if rope is None or attn._kv_scales is not None or not isinstance(attn.impl, TorchAttentionImpl):
         return None
     products = [_product(lin) for lin in (qkv, o, gate_up, down)]
     norms = [_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)]
@@ -177,25 +169,23 @@ class CpuDecodeStack:
         return cls(bound)  # type: ignore[arg-type]
 
     def applies(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> bool:
-        """Whether this step takes the stack: float32 rows on the CPU, one new token per
-        request and nothing padded, no cascade, no attention hook, no prompt rows routed
-        to a bfloat16 copy, and caches the native decode kernel reads."""
+        """Whether this step takes the stack: float32 rows, nothing padded, no attention
+        hook, no prompt rows routed to a bfloat16 copy, and a step whose attention the
+        layers would run in the native decode kernel with the rotation and K/V write inside
+        (``Attention.decodes_with_rotary``, asked of the first layer on the embeddings, on
+        the queries' device and of their dtype)."""
         if (
             hidden.dtype != torch.float32
             or hidden.device.type != "cpu"
-            or metadata.max_query_len != 1
-            or metadata.common_prefix_len
-            or metadata.uniform_grids
-            or metadata.reads_step_kv
             or hidden.shape[0] != metadata.num_actual_tokens
             or attention_layer.attention_hook_active()
             or int4_cpu.current_prompt_rows() is not None
         ):
             return False
-        first = self.layers[0].attn
-        if first.kv_cache is None or first.impl.native_decode_ops(first.kv_cache) is None:
-            return False
-        return batch_plan(metadata)["all_decode"]
+        return (
+            self.layers[0].attn.decodes_with_rotary(hidden, metadata)
+            and batch_plan(metadata)["all_decode"]
+        )
 
     def run(
         self, hidden: torch.Tensor, metadata: AttentionMetadata
