@@ -31,13 +31,13 @@ import torch
 import triton.testing
 
 from tokenmill.kernels.moe.fused_moe import (
-    GatedActivation,
     fused_experts_torch,
     fused_experts_triton,
     moe_tile_config,
     select_experts,
 )
 from tokenmill.kernels.moe.mxfp4_experts import mxfp4_tile_config
+from tokenmill.kernels.moe.tiles import GatedActivation
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TILE_SWEEP = [

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from tokenmill.kernels.moe.fused_moe import (
-    GatedActivation,
     fused_experts_torch,
     fused_experts_triton,
     moe_tile_config,
     select_experts,
 )
+from tokenmill.kernels.moe.tiles import GatedActivation
 from tokenmill.model.layers.fused_moe import FusedMoE
 
 pytestmark = pytest.mark.gpu

@@ -10,8 +10,9 @@ import os
 import pytest
 import torch
 
-from tokenmill.kernels.moe.fused_moe import GatedActivation, fused_experts_torch, select_experts
+from tokenmill.kernels.moe.fused_moe import fused_experts_torch, select_experts
 from tokenmill.kernels.moe.mxfp4 import FP4_E2M1_VALUES, dequantize_mxfp4
+from tokenmill.kernels.moe.tiles import GatedActivation
 
 SWIGLUOAI = GatedActivation("swigluoai", alpha=1.702, limit=7.0)
 

@@ -31,15 +31,13 @@ gpt-oss' clamped variant (``GatedActivation``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels.device import HAS_TRITON
 from tokenmill.kernels.moe.mxfp4 import MXFP4_BLOCK, check_mxfp4_shapes, decode_mxfp4
 from tokenmill.kernels.moe.mxfp4_experts import launch_mxfp4_gemm, mxfp4_tile_config
+from tokenmill.kernels.moe.tiles import SILU, GatedActivation
 from tokenmill.math_utils import cdiv
 
 if HAS_TRITON:
@@ -47,35 +45,6 @@ if HAS_TRITON:
     import triton.language as tl
 
     from tokenmill.kernels.moe.tiles import gated_tile, grouped_tile_ids
-
-
-@dataclass(frozen=True)
-class GatedActivation:
-    """How an expert combines its gate and up projections.
-
-    Attributes:
-        kind: ``"silu"``: ``silu(gate) * up`` (SwiGLU, Shazeer 2020); ``"swigluoai"``:
-            gpt-oss' clamped form, ``(up + 1) * g * sigmoid(alpha * g)`` with
-            ``g = min(gate, limit)`` and ``up`` clamped to ``[-limit, limit]`` (OpenAI's
-            gpt-oss reference; vLLM's name for it).
-        alpha: the sigmoid's gain (swigluoai).
-        limit: the clamp (swigluoai).
-    """
-
-    kind: Literal["silu", "swigluoai"] = "silu"
-    alpha: float = 1.702
-    limit: float = 7.0
-
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """The torch form: ``gate``, ``up`` ``[..., I]`` -> ``[..., I]``."""
-        if self.kind == "silu":
-            return F.silu(gate) * up
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(-self.limit, self.limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
-
-
-SILU = GatedActivation()
 
 
 def _dense_expert(
@@ -420,12 +389,10 @@ def fused_experts_triton(
     make = torch.zeros if remote_experts else torch.empty
     down = make(num_slots, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if mxfp4:
-        act_args = (float(activation.alpha), float(activation.limit),
-                    activation.kind == "swigluoai")  # fmt: skip
         launch_mxfp4_gemm(hidden, w13, w13_scale, act, weights, aligned, num_slots, top_k,
-                          True, config, w13_bias, *act_args)  # fmt: skip
+                          True, config, w13_bias, activation)  # fmt: skip
         launch_mxfp4_gemm(act, w2, w2_scale, down, weights, aligned, num_slots, 1, False,
-                          config, w2_bias, *act_args)  # fmt: skip
+                          config, w2_bias, activation)  # fmt: skip
     else:
         _launch_moe_gemm(hidden, w13, act, weights, aligned, num_slots, top_k, True, config,
                          w13_bias, activation)  # fmt: skip

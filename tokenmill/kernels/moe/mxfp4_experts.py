@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels.device import HAS_TRITON
+from tokenmill.kernels.moe.tiles import GatedActivation
 from tokenmill.math_utils import cdiv
 
 if HAS_TRITON:
@@ -143,9 +144,7 @@ def launch_mxfp4_gemm(
     gated: bool,
     config: dict[str, int],
     bias: torch.Tensor | None,
-    alpha: float,
-    limit: float,
-    swigluoai: bool,
+    activation: GatedActivation,
 ) -> None:
     """One grouped GEMM over MXFP4 experts into ``c [num_slots, N]``.
 
@@ -157,7 +156,7 @@ def launch_mxfp4_gemm(
         aligned: ``fused_moe.align_tokens_by_expert``'s result for ``config["BLOCK_M"]``.
         a_row_div: slot ``s`` reads row ``s // a_row_div`` of ``a``.
         bias: ``[E, rows_w]`` or None.
-        alpha, limit, swigluoai: the gated activation (``fused_moe.GatedActivation``).
+        activation: how gate and up combine (read with ``gated``).
     """
     sorted_slots, block_experts, num_padded = aligned
     n, k = c.shape[1], a.shape[1]
@@ -171,9 +170,10 @@ def launch_mxfp4_gemm(
         n, k, num_slots, max_padded,
         a.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1), c.stride(0),
         bias.stride(0) if bias is not None else 0,
-        alpha, limit,
+        float(activation.alpha), float(activation.limit),
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated, HAS_BIAS=bias is not None,
-        SWIGLUOAI=swigluoai, SCALED_DOT=a_format is not None, A_FORMAT=a_format or "bf16",
+        SWIGLUOAI=activation.kind == "swigluoai", SCALED_DOT=a_format is not None,
+        A_FORMAT=a_format or "bf16",
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         GROUP_M=config["GROUP_M"], num_warps=config["num_warps"],

@@ -1,9 +1,46 @@
-"""Triton helpers shared by the grouped MoE GEMMs (``fused_moe.py``, ``mxfp4_experts.py``):
-the launch order of their output tiles and the gated activation applied in registers."""
+"""What the grouped MoE GEMMs (``fused_moe.py``, ``mxfp4_experts.py``) share: the gated
+activation of the experts (``GatedActivation``, and ``gated_tile``, its form in registers)
+and the launch order of their output tiles."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
 from tokenmill.kernels.device import HAS_TRITON
+
+
+@dataclass(frozen=True)
+class GatedActivation:
+    """How an expert combines its gate and up projections.
+
+    Attributes:
+        kind: ``"silu"``: ``silu(gate) * up`` (SwiGLU, Shazeer 2020); ``"swigluoai"``:
+            gpt-oss' clamped form, ``(up + 1) * g * sigmoid(alpha * g)`` with
+            ``g = min(gate, limit)`` and ``up`` clamped to ``[-limit, limit]`` (OpenAI's
+            gpt-oss reference; vLLM's name for it).
+        alpha: the sigmoid's gain (swigluoai).
+        limit: the clamp (swigluoai).
+    """
+
+    kind: Literal["silu", "swigluoai"] = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The torch form: ``gate``, ``up`` ``[..., I]`` -> ``[..., I]``."""
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
+SILU = GatedActivation()
+
 
 if HAS_TRITON:
     import triton

@@ -22,13 +22,9 @@ from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from tokenmill.kernels.moe.fused_moe import (
-    SILU,
-    GatedActivation,
-    fused_experts,
-    select_experts,
-)
+from tokenmill.kernels.moe.fused_moe import fused_experts, select_experts
 from tokenmill.kernels.moe.mxfp4 import MXFP4_BLOCK
+from tokenmill.kernels.moe.tiles import SILU, GatedActivation
 from tokenmill.model.layers.expert_weights import (
     CheckpointLayout,
     ExpertWeights,

@@ -24,7 +24,7 @@ from tokenmill.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
 )
 from tokenmill.hf_config import HFConfig, ModelLoadError
-from tokenmill.kernels.moe.fused_moe import GatedActivation
+from tokenmill.kernels.moe.tiles import GatedActivation
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.attention import Attention
 from tokenmill.model.layers.fused_moe import FusedMoE
