@@ -81,6 +81,7 @@ def test_both_paths_ragged_shape_with_bias(dtype, use_dot, split_k):
 
 def test_split_k_is_deterministic_and_leaves_counters_zero():
     from tokenmill.kernels.gemm import skinny as sg
+    from tokenmill.kernels.gemm import split_k
 
     x, w, b = _operands(8, 4096, 14336, torch.bfloat16)
     cfg = sg.launch_config(8, 4096, 14336)
@@ -89,7 +90,7 @@ def test_split_k_is_deterministic_and_leaves_counters_zero():
     for _ in range(3):
         assert torch.equal(sg.skinny_linear(x, w, b), first)
     torch.cuda.synchronize()
-    assert int(sg._LOCKS[first.device].abs().sum()) == 0
+    assert int(split_k._COUNTERS[first.device].abs().sum()) == 0
 
 
 def _capture(fn, calls: int) -> torch.cuda.CUDAGraph:
@@ -118,6 +119,7 @@ def test_cuda_graph_replay_with_new_inputs():
 
 def test_capture_before_the_counters_exist_falls_back_to_one_split():
     from tokenmill.kernels.gemm import skinny as sg
+    from tokenmill.kernels.gemm import split_k
 
     x, w, _ = _operands(2, 4096, 4096, torch.bfloat16)
     out = torch.empty(2, 4096, dtype=torch.bfloat16, device=DEVICE)
@@ -125,16 +127,16 @@ def test_capture_before_the_counters_exist_falls_back_to_one_split():
     unsplit = dataclasses.replace(sg.launch_config(2, 4096, 4096), split_k=1)
     sg.skinny_linear(x, w, out=out, config=unsplit)  # compile outside capture
     torch.cuda.synchronize()
-    saved = sg._LOCKS.pop(x.device)
+    saved = split_k._COUNTERS.pop(x.device)
     try:
         graph = _capture(lambda: sg.skinny_linear(x, w, out=out), calls=1)
-        assert x.device not in sg._LOCKS
+        assert x.device not in split_k._COUNTERS
         out.zero_()
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), _reference(x, w), atol=ATOL, rtol=RTOL)
     finally:
-        sg._LOCKS[x.device] = saved
+        split_k._COUNTERS[x.device] = saved
 
 
 def test_use_skinny_gemm_on_cuda():

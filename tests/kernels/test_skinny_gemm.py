@@ -13,6 +13,7 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 
 from tokenmill.kernels.gemm import skinny as sg  # noqa: E402
+from tokenmill.kernels.gemm import split_k  # noqa: E402
 from tokenmill.kernels.gemm.skinny import SkinnyConfig, skinny_linear  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(
@@ -162,7 +163,7 @@ def test_split_k_counters_reset_and_results_repeat():
     x, w, b = _operands(2, 100, 300, seed=5)
     cfg = replace(FMA, split_k=4, block_k=32)
     first = _run(x, w, b, config=cfg)
-    locks = sg._LOCKS[torch.empty(0, device=DEV).device]
+    locks = split_k._COUNTERS[torch.empty(0, device=DEV).device]
     assert int(locks.abs().sum()) == 0
     second = _run(x, w, b, config=cfg)
     assert torch.equal(first, second)
@@ -173,9 +174,9 @@ def test_split_k_counters_reset_and_results_repeat():
 
 @needs_kernels
 def test_too_many_column_blocks_for_the_counters_run_unsplit(monkeypatch):
-    monkeypatch.setattr(sg, "LOCK_SLOTS", 3)  # 7 column blocks of 16
+    monkeypatch.setattr(split_k, "COUNTER_SLOTS", 3)  # 7 column blocks of 16
     untouched = torch.full((3,), 100, dtype=torch.int32, device=DEV)
-    monkeypatch.setitem(sg._LOCKS, untouched.device, untouched)
+    monkeypatch.setitem(split_k._COUNTERS, untouched.device, untouched)
     x, w, b = _operands(1, 100, 300, seed=7)
     got = _run(x, w, b, config=replace(FMA, split_k=3))
     torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=1e-5, atol=1e-5)

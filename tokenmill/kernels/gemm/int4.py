@@ -15,9 +15,11 @@ and masks out the values, applies the group's scale and zero in float32 and feed
   applies the group's scale and zero point once per group instead of per weight, by
   ``sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)`` (the factoring of exllama's
   and Marlin's decode kernels); split-K spreads the weight reads over every SM;
-- decode (``M <= DECODE_MAX_M``): 16-row tiles and split-K (partial sums added with float32
-  atomics);
+- decode (``M <= DECODE_MAX_M``): 16-row tiles and split-K;
 - prefill: 64 x 128 tiles, no split.
+
+Split-K is combined inside the launch by the last split of each tile (``split_k``): no
+zero-filled float32 buffer and no cast afterwards, and the same sum at any batch.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels.device import num_sms
+from tokenmill.kernels.gemm import split_k
 from tokenmill.math_utils import cdiv
 
 try:
@@ -41,14 +44,15 @@ DECODE_MAX_M = 32
 
 
 if HAS_TRITON:
+    from tokenmill.kernels.gemm.split_k import store_tile
 
     @triton.jit
     def _int4_gemm_kernel(
-        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
-        M, N, K, stride_xm, stride_om, k_per_split,
+        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, lock_ptr,
+        M, N, K, stride_xm, stride_om, k_per_split, splits,
         GROUP: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        ATOMIC: tl.constexpr,
+        SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -93,18 +97,16 @@ if HAS_TRITON:
                 w = ((q.to(tl.float32) - z) * s).to(x.dtype)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        if ATOMIC:
-            tl.atomic_add(out_ptrs, acc, mask=mask)
-        else:
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        idx = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        store_tile(acc, out_ptrs, m_mask[:, None] & n_mask[None, :], part_ptr, lock_ptr,
+                   pid_mn, pid_k, splits, idx, SPLIT, BLOCK_M * BLOCK_N)  # fmt: skip
 
     @triton.jit
     def _int4_gemv_kernel(
-        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
-        M, N, K, stride_xm, stride_om, k_per_split,
+        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, lock_ptr,
+        M, N, K, stride_xm, stride_om, k_per_split, splits,
         GROUP: tl.constexpr,
-        ATOMIC: tl.constexpr,
+        SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_KW: tl.constexpr,
@@ -138,11 +140,9 @@ if HAS_TRITON:
             xq = tl.sum(x[:, :, None] * q[None, :, :], axis=1)
             acc += s[None, :] * (xq - z[None, :] * tl.sum(x, axis=1)[:, None])
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        if ATOMIC:
-            tl.atomic_add(out_ptrs, acc, mask=mask)
-        else:
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        idx = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        store_tile(acc, out_ptrs, m_mask[:, None] & n_mask[None, :], part_ptr, lock_ptr,
+                   pid_n, pid_k, splits, idx, SPLIT, BLOCK_M * BLOCK_N)  # fmt: skip
 
 
 def launch_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> dict[str, int]:
@@ -218,29 +218,28 @@ def int4_linear(
         cfg = launch_config(m, n, k, x.dtype, num_sms(x.device))
     gemv = "BLOCK_KW" in cfg
     block_k = 8 * cfg["BLOCK_KW"] if gemv else cfg["BLOCK_K"]
-    split = cfg["SPLIT_K"]
+    tiles = cdiv(n, cfg["BLOCK_N"]) * (1 if gemv else cdiv(m, cfg["BLOCK_M"]))
+    split = split_k.usable_splits(x.device, tiles, cfg["SPLIT_K"])
     k_per_split = cdiv(cdiv(k, split), block_k) * block_k
     split = cdiv(k, k_per_split)
-    atomic = split > 1
-    out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
-           else torch.empty(m, n, dtype=x.dtype, device=x.device))
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    parts, locks = split_k.buffers(out, tiles, split, cfg["BLOCK_M"] * cfg["BLOCK_N"])
     if gemv:
-        _int4_gemv_kernel[(cdiv(n, cfg["BLOCK_N"]), split)](
-            x, qweight, scales, zeros, out,
-            m, n, k, x.stride(0), out.stride(0), k_per_split,
-            GROUP=group, ATOMIC=atomic,
+        _int4_gemv_kernel[(tiles, split)](
+            x, qweight, scales, zeros, out, parts, locks,
+            m, n, k, x.stride(0), out.stride(0), k_per_split, split,
+            GROUP=group, SPLIT=split > 1,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-        return out.to(x.dtype) if atomic else out
-    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
-    _int4_gemm_kernel[grid](
-        x, qweight, scales, zeros, out,
-        m, n, k, x.stride(0), out.stride(0), k_per_split,
+        return out
+    _int4_gemm_kernel[(tiles, split)](
+        x, qweight, scales, zeros, out, parts, locks,
+        m, n, k, x.stride(0), out.stride(0), k_per_split, split,
         GROUP=group,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        ATOMIC=atomic,
+        SPLIT=split > 1,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return out.to(x.dtype) if atomic else out
+    return out

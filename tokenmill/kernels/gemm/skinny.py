@@ -37,7 +37,7 @@ wait for that kernel (``griddepcontrol.wait``) before they read ``x``.
 
 **CUDA graphs.** No host sync and no device-to-host read. The partial workspace is allocated
 per call; under capture it comes from the graph's memory pool, which keeps it for replays.
-The counters (``device.DeviceCounters``) are zero before every launch and created by the
+The counters (``split_k.counters``) are zero before every launch and created by the
 first call outside capture; a call made during capture before that runs without split-K.
 Launches that share the counters must not run concurrently: one stream at a time.
 """
@@ -49,7 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.kernels.device import DeviceCounters, triton_can_run
+from tokenmill.kernels.device import triton_can_run
+from tokenmill.kernels.gemm import split_k
 from tokenmill.kernels.gemm.skinny_configs import (  # noqa: F401 (re-exported)
     DEFAULT_NUM_SMS,
     FMA_DEFAULT_MAX_M,
@@ -89,9 +90,6 @@ MAX_M = 32
 MIN_N = 256
 MIN_K = 256
 MIN_WEIGHT_BYTES = 1 << 20
-# Split-K counters per device (int32): column blocks of one launch must fit; launches with
-# more column blocks already fill the chip without splitting.
-LOCK_SLOTS = 1 << 14
 
 
 def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -185,9 +183,9 @@ def skinny_linear(
     elif out.shape != (m, width) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be [{m}, {width}] {x.dtype} contiguous along N")
     pdl = supports_pdl(x.device) if pdl is None else pdl and supports_pdl(x.device)
-    locks = _LOCKS.get_or_create(x.device, LOCK_SLOTS)
+    locks = split_k.counters(x.device)
     splits, k_per_split = plan.splits, plan.k_per_split
-    if splits > 1 and (locks is None or plan.n_blocks > LOCK_SLOTS):
+    if splits > 1 and (locks is None or plan.n_blocks > split_k.COUNTER_SLOTS):
         splits, k_per_split = 1, cdiv(k, cfg.block_k) * cfg.block_k
     if splits > 1:
         partials = torch.empty(plan.partial_elems, dtype=torch.float32, device=x.device)
@@ -261,12 +259,8 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError("skinny_linear runs on CUDA tensors (or under TRITON_INTERPRET=1)")
 
 
-# The split-K counters (``device.DeviceCounters``); a launch made while a graph is captured
-# before they exist runs without split-K.
-_LOCKS = DeviceCounters()
-
-
 if HAS_TRITON:
+    from tokenmill.kernels.gemm.split_k import publish_partial, sum_partials
 
     @triton.jit
     def _load_tile(ptrs, k_ok, EVEN_K: tl.constexpr, EVICT: tl.constexpr):
@@ -443,24 +437,13 @@ if HAS_TRITON:
         GATED: tl.constexpr, W_SCALED: tl.constexpr,
     ):  # fmt: skip
         """Publish this split's partial tile; the last split of the column block sums all
-        of them in split order and writes the output."""
+        of them in split order and writes the output (``split_k``)."""
         TILE: tl.constexpr = BLOCK_N * BLOCK_M
         cols = tl.arange(0, BLOCK_M)[None, :]
         idx = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + cols
         live = (idx >= 0) & (cols < M)  # padded rows of x are neither written nor read
-        tiles = part_ptr + pid_n.to(tl.int64) * splits * TILE + idx
-        # .cg: partials go to L2, the one level every SM sees coherently.
-        tl.store(tiles + pid_k * TILE, acc, mask=live, cache_modifier=".cg")
-        # Every thread's partial store precedes the counter update (bar.sync), which is a
-        # release at GPU scope; the reader's acquire orders its partial loads after it.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(0, splits):
-                total += tl.load(tiles + s * TILE, mask=live, other=0.0, cache_modifier=".cg")
-            # Leave the counter at zero for the next launch (kernel boundaries order it).
-            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        if publish_partial(acc, part_ptr, lock_ptr, pid_n, pid_k, splits, idx, live, TILE):
+            total = sum_partials(acc, part_ptr, lock_ptr, pid_n, splits, idx, live, TILE)
             _store_output(total, out_ptr, bias_ptr, scale_ptr, pid_n, M, N, stride_om,
                           BLOCK_N, BLOCK_M, HAS_BIAS, GATED, W_SCALED)  # fmt: skip
 
