@@ -5,12 +5,14 @@ group size 128) and a random Q4_K_M GGUF file (Q4_K blocks, Q6_K for attn_v, ffn
 the output, as llama.cpp's Q4_K_M mix).
 
 usage: quant_bench.py M8_FOLDER OUT_DIR [--cases gptq_lat1,awq_lat1,gguf_lat1,gptq_tp,awq_tp]
-                      [--engines tokenmill,vllm]
+                      [--engines tokenmill,vllm,tokenmill_base]
 
 Cases: ``*_lat1`` batch-1 decode (``bench latency``, 32 prompt tokens, 256 output tokens,
 batch 1: ms per output token); ``*_tp`` offline 1024/256 (``bench throughput``, 1,000
 prompts: output tokens per second). vLLM runs awq_marlin / gptq_marlin (its defaults for
-these checkpoints on Hopper) and its GGUF path. Prints one ``QUANT`` line per run.
+these checkpoints on Hopper) and its GGUF path. ``tokenmill_base`` runs the tree in
+``.carry/base`` (a ``git archive`` of another commit's ``tokenmill/``), to compare two commits
+on one GPU. Prints one ``QUANT`` line per run.
 """
 
 from __future__ import annotations
@@ -107,8 +109,15 @@ def make_gguf(m8: str, out: str) -> str:
 def run(engine: str, case: str, model: str, tokenizer: str, out: str) -> None:
     kind, mode = case.split("_")
     result = os.path.join(out, f"{engine}_{case}.json")
-    cli = [sys.executable, "-m", "tokenmill.entrypoints.cli.main"] if engine == "tokenmill" \
-        else ["vllm"]
+    env = None
+    if engine == "vllm":
+        cli = ["vllm"]
+    else:
+        cli = [sys.executable, "-m", "tokenmill.entrypoints.cli.main"]
+    if engine == "tokenmill_base":  # another commit's tree, to compare two on one GPU
+        cli.insert(1, "-P")
+        env = {**os.environ, "PYTHONPATH": os.path.abspath(".carry/base") + os.pathsep
+               + os.environ.get("PYTHONPATH", "")}  # fmt: skip
     args = ["--model", model, "--tokenizer", tokenizer]
     if kind != "gguf":
         args += ["--load-format", "dummy"]
@@ -128,7 +137,7 @@ def run(engine: str, case: str, model: str, tokenizer: str, out: str) -> None:
                "--num-prompts", "1000"]
     cmd += ["--output-json", result]
     start = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.time() - start
     if proc.returncode != 0 or not os.path.exists(result):
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
