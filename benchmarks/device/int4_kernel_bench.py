@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""The int4 GEMM kernels at Llama-3.1-8B's linear shapes on one GPU: the GEMV path and the
-tensor-core path of ``tokenmill.kernels.gemm.int4`` against cuBLAS on the same shape in
-bf16, with each result checked against the dequantized product.
+"""The int4 GEMM kernels at Llama-3.1-8B's linear shapes on one GPU: the GEMV path, the
+tensor-core path and (from 64 rows) the dequantize-then-cuBLAS path of
+``tokenmill.kernels.gemm.int4`` against cuBLAS on the same shape in bf16, with each result
+checked against the dequantized product.
 
-usage: int4_kernel_bench.py [--ms 1,2,4,16] [--group 128] [--sweep]
+usage: int4_kernel_bench.py [--ms 1,2,4,16,256,1024,4096] [--group 128] [--sweep]
 
 --sweep also times the GEMV kernel under other tiles (BLOCK_N, packed words per K step,
 programs per SM) at M = 1 and 4 and prints the fastest per (shape, M) as an ``INT4BEST`` line.
@@ -57,7 +58,7 @@ def sweep_configs(m: int, n: int, k: int, g: int, sms: int) -> dict[str, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ms", default="1,2,4,16")
+    ap.add_argument("--ms", default="1,2,4,16,256,1024,4096")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--sweep", action="store_true")
     a = ap.parse_args()
@@ -80,6 +81,8 @@ def main() -> None:
             gemv = k4.gemv_config(m, n, k, g, sms) if m <= k4.GEMV_MAX_M else None
             if gemv:
                 paths["gemv"] = gemv
+            if m >= 64:
+                paths["dequant_cublas"] = {"DEQUANT": 1}
             if gemv and a.sweep and m in (1, 4):
                 paths.update(sweep_configs(m, n, k, g, sms))
             timed = {}

@@ -18,8 +18,9 @@
 #              several GPUs (multi_gpu.sh): Llama-3.1-8B TP=2 offline 1024/256 and batch-1
 #              decode, Llama-3.1-70B TP=4/8 offline, Mixtral-8x7B-shaped EP served;
 #              vllm_mgpu_* the same with vLLM's CLI (results and comparisons in $OUT/mgpu)
-#   int4_kernels  the int4 GEMV and tensor-core kernels against cuBLAS bf16 at Llama-3.1-8B's
-#              shapes, M = 1, 2, 4, 16, with a sweep of the GEMV's tiles (int4_kernel_bench.py)
+#   int4_kernels  the int4 GEMV, tensor-core and dequantize-then-cuBLAS paths against cuBLAS
+#              bf16 at Llama-3.1-8B's shapes, M = 1 to 4,096, with a sweep of the GEMV's tiles
+#              (int4_kernel_bench.py; INT4_ARGS replaces its arguments, "" for no sweep)
 #   quant_lat quant_tp  4-bit weights beside vLLM (benchmarks/device/quant_bench.py): batch-1
 #              decode of GPTQ, AWQ (random int4, dummy load) and a random Q4_K_M GGUF; offline
 #              1024/256 of GPTQ and AWQ (QUANT_CASES picks the cases)
@@ -331,7 +332,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     stagingtest) stage stagingtest 90 python3 -m pytest -q tests/worker/test_step_staging.py -p no:cacheprovider ;;
     gputests_staging) PYTHONPATH="$XGP" stage gputests_staging 300 python3 -m pytest -q tests/worker/test_step_staging.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_quant) PYTHONPATH="$XGP" stage gputests_quant 400 python3 -m pytest -q tests/gpu/test_quant_gemm_gpu.py tests/kernels/test_gguf_blocks.py -p no:cacheprovider --timeout 300 ;;
-    int4_kernels) stage int4_kernels 300 python3 benchmarks/device/int4_kernel_bench.py --sweep ;;
+    int4_kernels) stage int4_kernels 300 python3 benchmarks/device/int4_kernel_bench.py ${INT4_ARGS---sweep} ;;
     quant_lat) stage quant_lat 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_lat1,awq_lat1,gguf_lat1}" --engines "${QUANT_ENGINES:-tokenmill,vllm}" ;;
     fp8) stage fp8 590 python3 benchmarks/device/fp8_bench.py "$M8" /tmp/tm_fp8 --cases "${FP8_CASES:-lat1,tp,kvcap}" --engines "${FP8_ENGINES:-tokenmill,vllm}" ;;
     fp8_gemm) TAIL_LINES=120 stage fp8_gemm 240 python3 benchmarks/device/fp8_gemm_bench.py --shapes "${FP8_GEMM_SHAPES:-qkv,o_proj,gate_up,down}" --ms "${FP8_GEMM_MS:-1,4,16,32}" --prefill-ms "${FP8_GEMM_PMS-256,2048,8192}" ${FP8_GEMM_ARGS:-} ;;

@@ -76,6 +76,24 @@ def test_int4_split_k_repeats_bitwise_and_leaves_counters_zero():
     torch.testing.assert_close(first, unsplit, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_dequantize_then_product(group):
+    """Large batches dequantize W once (``int4_dequantize``, the GEMM kernels' arithmetic)
+    and multiply with torch: the weight equals the reference bit for bit."""
+    n, k = 72, 256
+    gen = torch.Generator().manual_seed(group)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(k // group, n, generator=gen)
+    zeros = torch.randint(0, 16, (k // group, n), dtype=torch.uint8, generator=gen)
+    w_t = (q.float().t() - zeros.float().repeat_interleave(group, 0)) * scales.repeat_interleave(
+        group, 0)
+    got = int4_gemm.int4_dequantize(pack_k(q), scales, zeros, group, torch.float32)
+    assert torch.equal(got, w_t)
+    x = torch.randn(5, k, generator=gen)
+    y = int4_gemm.int4_linear(x, pack_k(q), scales, zeros, group, {"DEQUANT": 1})
+    torch.testing.assert_close(y, x @ w_t, rtol=1e-5, atol=1e-5)
+
+
 TYPES = sorted(BLOCK_TYPES)
 
 

@@ -16,7 +16,9 @@ and masks out the values, applies the group's scale and zero in float32 and feed
   ``sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)`` (the factoring of exllama's
   and Marlin's decode kernels); split-K spreads the weight reads over every SM;
 - decode (``M <= DECODE_MAX_M``): 16-row tiles and split-K;
-- prefill: 64 x 128 tiles, no split.
+- prefill: 64 x 128 tiles, no split;
+- from ``DEQUANT_MIN_M`` rows: the weight dequantized once (``int4_dequantize``) and the
+  product left to cuBLAS.
 
 Split-K is combined inside the launch by the last split of each tile (``split_k``): no
 zero-filled float32 buffer and no cast afterwards, and the same sum at any batch.
@@ -41,6 +43,10 @@ except ImportError:  # CPU-only installs
 # Two rows and more run faster on the tensor-core kernel (int4_kernel_bench.py, H100).
 GEMV_MAX_M = 1
 DECODE_MAX_M = 32
+# From this many rows the weight is dequantized to x's dtype once and multiplied by cuBLAS:
+# the product's FLOPs then dwarf one pass over the weight, and cuBLAS's large-M tiles run
+# closer to the card's peak than a Triton kernel that dequantizes in its K loop.
+DEQUANT_MIN_M = 1024
 
 
 if HAS_TRITON:
@@ -145,6 +151,31 @@ if HAS_TRITON:
                    pid_n, pid_k, splits, idx, SPLIT, BLOCK_M * BLOCK_N)  # fmt: skip
 
 
+    @triton.jit
+    def _int4_dequant_kernel(
+        qw_ptr, s_ptr, z_ptr, w_ptr, N, K,
+        GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # W^T[k, n] = (q - z) * s over a [8 * BLOCK_KW, BLOCK_N] tile, rounded once to the
+        # output dtype as the GEMM kernels round their weight tiles.
+        BLOCK_K: tl.constexpr = 8 * BLOCK_KW
+        rows = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=(rows * 8 < K)[:, None] & n_mask[None, :], other=0)
+        q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
+        offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (offs_k < K)[:, None] & n_mask[None, :]
+        g = (offs_k // GROUP)[:, None].to(tl.int64) * N + offs_n[None, :]
+        s = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g, mask=mask, other=0).to(tl.float32)
+        w = (q.to(tl.float32) - z) * s
+        tl.store(w_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :],
+                 w.to(w_ptr.dtype.element_ty), mask=mask)
+
+
 def launch_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> dict[str, int]:
     """Tile sizes and the K split for an ``[m, k] x [k, n]`` product.
 
@@ -182,6 +213,24 @@ def gemv_config(m: int, n: int, k: int, group: int, num_sms: int) -> dict[str, i
                 num_warps=4, num_stages=3)
 
 
+def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """``W^T [K, N]`` in ``dtype``, ``(q - zeros) * scales`` (layout in the module docstring),
+    computed in float32 and rounded once.
+
+    Raises:
+        ValueError: Triton is not installed.
+    """
+    if not HAS_TRITON:
+        raise ValueError("the int4 dequantization kernel needs Triton")
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    w = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    _int4_dequant_kernel[(cdiv(k, 32), cdiv(n, 128))](
+        qweight, scales, zeros, w, n, k, GROUP=group, BLOCK_KW=4, BLOCK_N=128, num_warps=4,
+    )  # fmt: skip
+    return w
+
+
 def int4_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -197,8 +246,9 @@ def int4_linear(
         qweight: ``[K/8, N]`` int32. scales: ``[K/G, N]``. zeros: ``[K/G, N]`` uint8.
         group: ``G``, input channels per group (a multiple of ``BLOCK_K`` or of 8 dividing it).
         config: tiles: ``gemv_config``'s keys for the GEMV kernel, ``launch_config``'s for
-            the tensor-core one; chosen by those functions if None (the GEMV for up to
-            ``GEMV_MAX_M`` rows in float16/bfloat16).
+            the tensor-core one, ``{"DEQUANT": 1}`` for ``int4_dequantize`` and cuBLAS;
+            chosen if None: the GEMV for up to ``GEMV_MAX_M`` rows in float16/bfloat16, the
+            dequantized weight from ``DEQUANT_MIN_M`` rows.
 
     Returns:
         ``[M, N]`` in ``x``'s dtype.
@@ -212,6 +262,10 @@ def int4_linear(
     n = qweight.shape[1]
     x = x.contiguous()
     cfg = config
+    if cfg is None and m >= DEQUANT_MIN_M and x.dtype != torch.float32:
+        cfg = {"DEQUANT": 1}
+    if cfg is not None and cfg.get("DEQUANT"):
+        return x @ int4_dequantize(qweight, scales, zeros, group, x.dtype)
     if cfg is None and m <= GEMV_MAX_M and x.dtype != torch.float32:
         cfg = gemv_config(m, n, k, group, num_sms(x.device))
     if cfg is None:
