@@ -118,7 +118,7 @@ if HAS_TRITON:
         x_ptr, w_ptr, out_ptr, part_ptr, lock_ptr,
         M, N, K, row_bytes, stride_xm, stride_om, k_per_split, splits,
         QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pid_mn = tl.program_id(0)
@@ -142,7 +142,7 @@ if HAS_TRITON:
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         idx = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         store_tile(acc, out_ptrs, m_mask[:, None] & n_mask[None, :], part_ptr, lock_ptr,
-                   pid_mn, pid_k, splits, idx, SPLIT, BLOCK_M * BLOCK_N)  # fmt: skip
+                   pid_mn, pid_k, splits, idx, SPLIT, BLOCK_M * BLOCK_N, MAX_SPLITS)  # fmt: skip
 
 
 def launch_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> dict[str, int]:
@@ -192,7 +192,7 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int,
         k_per_split, split,
         QTYPE=qtype, QK=qk, TYPE_SIZE=type_size,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SPLIT=split > 1,
+        SPLIT=split > 1, MAX_SPLITS=split_k.unrolled(split),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -44,13 +44,21 @@ except ImportError:  # CPU-only installs
 GEMV_MAX_M = 1
 DECODE_MAX_M = 32
 # From this many rows the weight is dequantized to x's dtype once and multiplied by cuBLAS:
-# the product's FLOPs then dwarf one pass over the weight, and cuBLAS's large-M tiles run
-# closer to the card's peak than a Triton kernel that dequantizes in its K loop.
-DEQUANT_MIN_M = 1024
+# one pass over the weight costs less than the in-loop dequantization of a tensor-core
+# kernel whose tiles each unpack it again (H100, Llama-3.1-8B's products at 256 rows: 0.6
+# to 0.7 of the in-loop kernel's time, int4_kernel_bench.py; the two meet near 128).
+DEQUANT_MIN_M = 128
 
 
 if HAS_TRITON:
     from tokenmill.kernels.gemm.split_k import store_tile
+
+    @triton.jit
+    def _nibbles_f32(q):
+        # float(q) for int32 0 <= q < 2**23 without an int-to-float conversion (16 per SM
+        # and clock on sm_80/sm_90, the unpacking's bottleneck): q's bits as the mantissa
+        # of 2**23, minus 2**23, both exact.
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
     def _int4_gemm_kernel(
@@ -58,7 +66,7 @@ if HAS_TRITON:
         M, N, K, stride_xm, stride_om, k_per_split, splits,
         GROUP: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -91,7 +99,7 @@ if HAS_TRITON:
                 g = offs_n.to(tl.int64) + (k0 // GROUP) * N
                 s = tl.load(s_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + g, mask=n_mask, other=0).to(tl.float32)
-                w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
+                w = ((_nibbles_f32(q) - z[None, :]) * s[None, :]).to(x.dtype)
             else:
                 w_mask = k_mask[:, None] & n_mask[None, :]
                 words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N
@@ -100,19 +108,19 @@ if HAS_TRITON:
                 g = (offs_k // GROUP)[:, None].to(tl.int64) * N + offs_n[None, :]
                 s = tl.load(s_ptr + g, mask=w_mask, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + g, mask=w_mask, other=0).to(tl.float32)
-                w = ((q.to(tl.float32) - z) * s).to(x.dtype)
+                w = ((_nibbles_f32(q) - z) * s).to(x.dtype)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         idx = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         store_tile(acc, out_ptrs, m_mask[:, None] & n_mask[None, :], part_ptr, lock_ptr,
-                   pid_mn, pid_k, splits, idx, SPLIT, BLOCK_M * BLOCK_N)  # fmt: skip
+                   pid_mn, pid_k, splits, idx, SPLIT, BLOCK_M * BLOCK_N, MAX_SPLITS)  # fmt: skip
 
     @triton.jit
     def _int4_gemv_kernel(
         x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, lock_ptr,
         M, N, K, stride_xm, stride_om, k_per_split, splits,
         GROUP: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_KW: tl.constexpr,
@@ -135,7 +143,7 @@ if HAS_TRITON:
             words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
                             mask=(rows * 8 < k_end)[:, None] & n_mask[None, :], other=0)
             q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
-            q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+            q = _nibbles_f32(tl.reshape(q, (BLOCK_K, BLOCK_N)))
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0
@@ -148,7 +156,7 @@ if HAS_TRITON:
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         idx = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         store_tile(acc, out_ptrs, m_mask[:, None] & n_mask[None, :], part_ptr, lock_ptr,
-                   pid_n, pid_k, splits, idx, SPLIT, BLOCK_M * BLOCK_N)  # fmt: skip
+                   pid_n, pid_k, splits, idx, SPLIT, BLOCK_M * BLOCK_N, MAX_SPLITS)  # fmt: skip
 
 
     @triton.jit
@@ -171,7 +179,7 @@ if HAS_TRITON:
         g = (offs_k // GROUP)[:, None].to(tl.int64) * N + offs_n[None, :]
         s = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g, mask=mask, other=0).to(tl.float32)
-        w = (q.to(tl.float32) - z) * s
+        w = (_nibbles_f32(q) - z) * s
         tl.store(w_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :],
                  w.to(w_ptr.dtype.element_ty), mask=mask)
 
@@ -282,7 +290,7 @@ def int4_linear(
         _int4_gemv_kernel[(tiles, split)](
             x, qweight, scales, zeros, out, parts, locks,
             m, n, k, x.stride(0), out.stride(0), k_per_split, split,
-            GROUP=group, SPLIT=split > 1,
+            GROUP=group, SPLIT=split > 1, MAX_SPLITS=split_k.unrolled(split),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
@@ -292,7 +300,7 @@ def int4_linear(
         m, n, k, x.stride(0), out.stride(0), k_per_split, split,
         GROUP=group,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SPLIT=split > 1,
+        SPLIT=split > 1, MAX_SPLITS=split_k.unrolled(split),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

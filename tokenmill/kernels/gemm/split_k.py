@@ -40,6 +40,12 @@ def counters(device: torch.device) -> torch.Tensor | None:
     return _COUNTERS.get_or_create(device, COUNTER_SLOTS)
 
 
+def unrolled(splits: int) -> int:
+    """``MAX_SPLITS`` for ``store_tile``: ``splits`` rounded up to a power of two (a few
+    compiled variants per kernel)."""
+    return 1 << (splits - 1).bit_length()
+
+
 def usable_splits(device: torch.device, tiles: int, splits: int) -> int:
     """``splits``, or 1 where a launch of ``tiles`` output tiles cannot split: no counters
     yet (a graph being captured before they exist) or more tiles than counters."""
@@ -80,26 +86,38 @@ if HAS_TRITON:
         return arrived == splits - 1
 
     @triton.jit
-    def sum_partials(acc, part_ptr, lock_ptr, tile, splits, idx, live, TILE: tl.constexpr):
+    def sum_partials(acc, part_ptr, lock_ptr, tile, splits, idx, live, TILE: tl.constexpr,
+                     MAX_SPLITS: tl.constexpr = 0):  # fmt: skip
         """The partials of ``tile`` summed in split order (float32, ``acc``'s shape); leaves
-        the tile's counter at zero for the next launch."""
+        the tile's counter at zero for the next launch. ``MAX_SPLITS`` (a power of two
+        ``>= splits``, or 0): unrolled, so that every partial's load is in flight at once
+        rather than one L2 round trip per split; for small tiles."""
         base = part_ptr + tile.to(tl.int64) * splits * TILE + idx
         total = tl.zeros_like(acc)
-        for s in range(0, splits):
-            total += tl.load(base + s * TILE, mask=live, other=0.0, cache_modifier=".cg")
+        if MAX_SPLITS > 0:
+            for s in tl.static_range(MAX_SPLITS):
+                total += tl.load(base + s * TILE, mask=live & (s < splits), other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+        else:
+            for s in range(0, splits):
+                total += tl.load(base + s * TILE, mask=live, other=0.0, cache_modifier=".cg")
         # Kernel boundaries order this reset before the next launch's counting.
         tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
         return total
 
     @triton.jit
-    def store_tile(acc, out_ptrs, mask, part_ptr, lock_ptr, tile, pid_k, splits, idx,
-                   SPLIT: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    def store_tile(
+        acc, out_ptrs, mask, part_ptr, lock_ptr, tile, pid_k, splits, idx,
+        SPLIT: tl.constexpr, TILE: tl.constexpr, MAX_SPLITS: tl.constexpr = 0,
+    ):  # fmt: skip
         """Store a float32 output tile in ``out_ptrs``' dtype: at once without split-K,
-        else by the last split of ``tile`` after the combine. ``mask``: the output
-        elements that exist (also which partial elements are written and read)."""
+        else by the last split of ``tile`` after the combine (``MAX_SPLITS`` as
+        ``sum_partials``'). ``mask``: the output elements that exist (also which partial
+        elements are written and read)."""
         if SPLIT:
             if publish_partial(acc, part_ptr, lock_ptr, tile, pid_k, splits, idx, mask, TILE):
-                total = sum_partials(acc, part_ptr, lock_ptr, tile, splits, idx, mask, TILE)
+                total = sum_partials(acc, part_ptr, lock_ptr, tile, splits, idx, mask, TILE,
+                                     MAX_SPLITS)  # fmt: skip
                 tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
         else:
             tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
