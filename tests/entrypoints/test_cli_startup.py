@@ -104,3 +104,20 @@ def test_busy_port_fails_before_the_engine_starts():
     assert output == [
         f"tokenmill serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
     ], output
+
+
+def test_a_bad_flag_is_reported_even_on_a_busy_port():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [*SERVE_COMMAND, "--host", "127.0.0.1", "--port", str(port), "--quantization",
+             "bogus"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 2
+    output = (result.stdout + result.stderr).strip().splitlines()
+    assert len(output) == 1 and "--quantization bogus" in output[0], output

@@ -274,3 +274,4 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(default_server, stream):
     assert all(math.isfinite(v) and v <= 0 for v in logprobs["token_logprobs"][1:])
     plain = default_server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 0})
     assert plain.status_code == 400 and plain.json()["error"]["param"] == "max_tokens"
+    assert "only with echo" in plain.json()["error"]["message"]

@@ -336,9 +336,9 @@ def run(args: argparse.Namespace) -> int:
 
     Start-up errors (invalid settings, an unreadable model, a port that cannot be bound, an
     engine that fails to start) are reported in one line with exit code 1; flag errors and
-    a quantization method or layout tokenmill does not run exit with 2. The port is bound
-    before the engine starts, so a busy port fails in a second, not after the model has
-    loaded.
+    a quantization method or layout tokenmill does not run exit with 2. The settings are
+    checked, then the port bound, before the engine starts: a busy port fails in a second,
+    not after the model has loaded, and a bad flag is reported as such on a busy port.
     """
     from tokenmill.engine.async_llm import EngineDeadError
     from tokenmill.tokenizer import ChatTemplateError, load_chat_template
@@ -362,14 +362,17 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: until the server installs its own handlers, SIGTERM exits through Python's normal
     # path, whose atexit hooks terminate the (daemonic) engine process instead of orphaning it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    listeners = []
     try:
-        listeners = bind_listeners(args.host, args.port)
-    except OSError as e:
-        return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}", 1)
-    try:
+        # The settings first (no weights are read), so that a bad flag is reported as such
+        # even when the port is busy; then the port, before the engine starts.
         config = EngineArgs.from_cli_args(args).create_engine_config("server")
         if chat_template is not None:
             config.model_config.chat_template = chat_template
+        try:
+            listeners = bind_listeners(args.host, args.port)
+        except OSError as e:
+            return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}", 1)
         logger.info(
             "tokenmill %s serve: starting for %s", __version__, config.model_config.model
         )

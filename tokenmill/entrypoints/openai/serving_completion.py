@@ -212,6 +212,12 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         if request.suffix:
             raise bad_request("tokenmill does not implement suffix (insertion) yet.", "suffix")
+        if request.max_tokens == 0 and not request.echo:
+            raise bad_request(
+                "max_tokens must be at least 1, got 0 (0 is allowed only with echo, which "
+                "returns the prompt and generates nothing).",
+                "max_tokens",
+            )
         if _echo_only(request) and request.min_tokens:
             # (Scoring the prompt samples one token internally, which must not leak here.)
             raise bad_request(
