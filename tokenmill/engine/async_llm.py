@@ -103,6 +103,9 @@ class AsyncLLM:
         self._utility_waiters: dict[str, list[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
         self.dead_error: str | None = None
+        # True when the engine process ended through its SIGTERM handler (exit code 0): a
+        # stop signal sent to the whole process group, not a failure.
+        self.stopped_by_signal = False
         self._death_callbacks: list[Callable[[str], None]] = []
         self._closed = False
         # Sleep mode: True from a sleep() call until wake_up() brings everything back.
@@ -191,9 +194,17 @@ class AsyncLLM:
         if not self._closed:
             self._read_pending_outputs()
             if self.dead_error is None:
-                self._fail_all(
-                    f"the engine process exited unexpectedly (exit code {proc.exitcode})"
-                )
+                self._engine_exited(proc)
+
+    def _engine_exited(self, proc: Any) -> None:
+        """Fail everything for an engine process that has exited without sending an error.
+        Exit code 0 is its SIGTERM handler's: a stop signal (often one sent to the server's
+        whole process group), logged as a stop rather than a failure."""
+        if proc.exitcode == 0:
+            self.stopped_by_signal = True
+            self._fail_all("the engine process was stopped by SIGTERM")
+        else:
+            self._fail_all(f"the engine process exited unexpectedly (exit code {proc.exitcode})")
 
     def _read_pending_outputs(self) -> None:
         """Handle the messages already received, without waiting. An engine that fails
@@ -215,7 +226,8 @@ class AsyncLLM:
         first = self.dead_error is None
         if first:
             self.dead_error = error
-            logger.error("Engine is dead: %s", error)
+            log = logger.warning if self.stopped_by_signal else logger.error
+            log("Engine is dead: %s", error)
         self.output_processor.fail_all(error)
         for collector in self._collectors.values():
             collector.put(EngineDeadError(error))
@@ -320,7 +332,7 @@ class AsyncLLM:
             if self.dead_error is None and not proc.is_alive() and not self._closed:
                 self._read_pending_outputs()  # the error it sent names the cause
             if self.dead_error is None and not proc.is_alive() and not self._closed:
-                self._fail_all(f"the engine process is not running (exit code {proc.exitcode})")
+                self._engine_exited(proc)
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
 

@@ -152,11 +152,14 @@ def exit_on_engine_death(server: uvicorn.Server, engine: AsyncLLM) -> None:
     from ``serve`` when the running responses (each failed with a 503) have ended."""
 
     def on_death(error: str) -> None:
-        logger.error(
-            "The engine died (%s): the server exits (--keep-alive-on-engine-death keeps it "
-            "answering 503 instead)",
-            error,
-        )
+        if getattr(engine, "stopped_by_signal", False):
+            logger.warning("The engine stopped (%s): the server exits", error)
+        else:
+            logger.error(
+                "The engine died (%s): the server exits (--keep-alive-on-engine-death keeps "
+                "it answering 503 instead)",
+                error,
+            )
         server.should_exit = True
 
     engine.add_death_callback(on_death)
