@@ -7,8 +7,7 @@ the bytes its block type keeps it in (quant bits, the block's fp16 scale(s), the
 6-bit sub-block scales), forms ``scale * q (+ offset)`` in float32 with the same
 arithmetic as ``gguf_blocks.unpack_blocks`` and feeds ``tl.dot``. Block layouts: ggml's
 ``block_q4_0 ... block_q6_K`` (ggml-common.h). Launch shapes as ``tokenmill.kernels.gemm.int4``
-(split-K 16-row tiles for decode, combined in the launch by ``split_k``; 64 x 128 tiles
-for prefill).
+(split-K 16-row tiles for decode, 64 x 128 tiles for prefill).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels.device import num_sms
-from tokenmill.kernels.gemm import split_k
 from tokenmill.kernels.gemm.int4 import DECODE_MAX_M
 from tokenmill.kernels.quant.gguf_blocks import block_info
 from tokenmill.math_utils import cdiv
@@ -31,7 +29,6 @@ except ImportError:  # CPU-only installs
 
 
 if HAS_TRITON:
-    from tokenmill.kernels.gemm.split_k import store_tile
 
     @triton.jit
     def _u8(ptr, mask):
@@ -115,10 +112,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _gguf_gemm_kernel(
-        x_ptr, w_ptr, out_ptr, part_ptr, lock_ptr,
-        M, N, K, row_bytes, stride_xm, stride_om, k_per_split, splits,
+        x_ptr, w_ptr, out_ptr,
+        M, N, K, row_bytes, stride_xm, stride_om, k_per_split,
         QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pid_mn = tl.program_id(0)
@@ -140,9 +137,11 @@ if HAS_TRITON:
                               k_mask[:, None] & n_mask[None, :], QTYPE, QK, TYPE_SIZE)
             acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        idx = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        store_tile(acc, out_ptrs, m_mask[:, None] & n_mask[None, :], part_ptr, lock_ptr,
-                   pid_mn, pid_k, splits, idx, SPLIT, BLOCK_M * BLOCK_N, MAX_SPLITS)  # fmt: skip
+        mask = m_mask[:, None] & n_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(out_ptrs, acc, mask=mask)
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def launch_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> dict[str, int]:
@@ -181,19 +180,18 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int,
     n, row_bytes = raw.shape
     x = x.contiguous()
     cfg = config or launch_config(m, n, k, x.dtype, num_sms(x.device))
-    tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
-    split = split_k.usable_splits(x.device, tiles, cfg["SPLIT_K"])
-    k_per_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    k_per_split = cdiv(cdiv(k, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = cdiv(k, k_per_split)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    parts, locks = split_k.buffers(out, tiles, split, cfg["BLOCK_M"] * cfg["BLOCK_N"])
-    _gguf_gemm_kernel[(tiles, split)](
-        x, raw, out, parts, locks, m, n, k, row_bytes, x.stride(0), out.stride(0),
-        k_per_split, split,
+    atomic = split > 1
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
+           else torch.empty(m, n, dtype=x.dtype, device=x.device))
+    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
+    _gguf_gemm_kernel[grid](
+        x, raw, out, m, n, k, row_bytes, x.stride(0), out.stride(0), k_per_split,
         QTYPE=qtype, QK=qk, TYPE_SIZE=type_size,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SPLIT=split > 1, MAX_SPLITS=split_k.unrolled(split),
+        ATOMIC=atomic,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return out
+    return out.to(x.dtype) if atomic else out

@@ -15,13 +15,11 @@ and masks out the values, applies the group's scale and zero in float32 and feed
   applies the group's scale and zero point once per group instead of per weight, by
   ``sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)`` (the factoring of exllama's
   and Marlin's decode kernels); split-K spreads the weight reads over every SM;
-- decode (``M <= DECODE_MAX_M``): 16-row tiles and split-K;
+- decode (``M <= DECODE_MAX_M``): 16-row tiles and split-K (partial sums added with float32
+  atomics);
 - prefill: 64 x 128 tiles, no split;
 - from ``DEQUANT_MIN_M`` rows: the weight dequantized once (``int4_dequantize``) and the
   product left to cuBLAS.
-
-Split-K is combined inside the launch by the last split of each tile (``split_k``): no
-zero-filled float32 buffer and no cast afterwards, and the same sum at any batch.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels.device import num_sms
-from tokenmill.kernels.gemm import split_k
 from tokenmill.math_utils import cdiv
 
 try:
@@ -45,28 +42,20 @@ GEMV_MAX_M = 1
 DECODE_MAX_M = 32
 # From this many rows the weight is dequantized to x's dtype once and multiplied by cuBLAS:
 # one pass over the weight costs less than the in-loop dequantization of a tensor-core
-# kernel whose tiles each unpack it again (H100, Llama-3.1-8B's products at 256 rows: 0.6
-# to 0.7 of the in-loop kernel's time, int4_kernel_bench.py; the two meet near 128).
-DEQUANT_MIN_M = 128
+# kernel whose tiles each unpack it again (H100, Llama-3.1-8B's four products at 256 rows:
+# 0.53-0.71 of the in-loop kernel's time; at 1,024 rows 0.35-0.39; int4_kernel_bench.py).
+DEQUANT_MIN_M = 256
 
 
 if HAS_TRITON:
-    from tokenmill.kernels.gemm.split_k import store_tile
-
-    @triton.jit
-    def _nibbles_f32(q):
-        # float(q) for int32 0 <= q < 2**23 without an int-to-float conversion (16 per SM
-        # and clock on sm_80/sm_90, the unpacking's bottleneck): q's bits as the mantissa
-        # of 2**23, minus 2**23, both exact.
-        return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
     def _int4_gemm_kernel(
-        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, lock_ptr,
-        M, N, K, stride_xm, stride_om, k_per_split, splits,
+        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+        M, N, K, stride_xm, stride_om, k_per_split,
         GROUP: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
+        ATOMIC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -99,7 +88,7 @@ if HAS_TRITON:
                 g = offs_n.to(tl.int64) + (k0 // GROUP) * N
                 s = tl.load(s_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + g, mask=n_mask, other=0).to(tl.float32)
-                w = ((_nibbles_f32(q) - z[None, :]) * s[None, :]).to(x.dtype)
+                w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
             else:
                 w_mask = k_mask[:, None] & n_mask[None, :]
                 words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N
@@ -108,19 +97,21 @@ if HAS_TRITON:
                 g = (offs_k // GROUP)[:, None].to(tl.int64) * N + offs_n[None, :]
                 s = tl.load(s_ptr + g, mask=w_mask, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + g, mask=w_mask, other=0).to(tl.float32)
-                w = ((_nibbles_f32(q) - z) * s).to(x.dtype)
+                w = ((q.to(tl.float32) - z) * s).to(x.dtype)
             acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        idx = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        store_tile(acc, out_ptrs, m_mask[:, None] & n_mask[None, :], part_ptr, lock_ptr,
-                   pid_mn, pid_k, splits, idx, SPLIT, BLOCK_M * BLOCK_N, MAX_SPLITS)  # fmt: skip
+        mask = m_mask[:, None] & n_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(out_ptrs, acc, mask=mask)
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _int4_gemv_kernel(
-        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, lock_ptr,
-        M, N, K, stride_xm, stride_om, k_per_split, splits,
+        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+        M, N, K, stride_xm, stride_om, k_per_split,
         GROUP: tl.constexpr,
-        SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr,
+        ATOMIC: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_KW: tl.constexpr,
@@ -143,7 +134,7 @@ if HAS_TRITON:
             words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
                             mask=(rows * 8 < k_end)[:, None] & n_mask[None, :], other=0)
             q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
-            q = _nibbles_f32(tl.reshape(q, (BLOCK_K, BLOCK_N)))
+            q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0
@@ -154,9 +145,11 @@ if HAS_TRITON:
             xq = tl.sum(x[:, :, None] * q[None, :, :], axis=1)
             acc += s[None, :] * (xq - z[None, :] * tl.sum(x, axis=1)[:, None])
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        idx = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        store_tile(acc, out_ptrs, m_mask[:, None] & n_mask[None, :], part_ptr, lock_ptr,
-                   pid_n, pid_k, splits, idx, SPLIT, BLOCK_M * BLOCK_N, MAX_SPLITS)  # fmt: skip
+        mask = m_mask[:, None] & n_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(out_ptrs, acc, mask=mask)
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
     @triton.jit
@@ -179,7 +172,7 @@ if HAS_TRITON:
         g = (offs_k // GROUP)[:, None].to(tl.int64) * N + offs_n[None, :]
         s = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g, mask=mask, other=0).to(tl.float32)
-        w = (_nibbles_f32(q) - z) * s
+        w = (q.to(tl.float32) - z) * s
         tl.store(w_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :],
                  w.to(w_ptr.dtype.element_ty), mask=mask)
 
@@ -280,28 +273,29 @@ def int4_linear(
         cfg = launch_config(m, n, k, x.dtype, num_sms(x.device))
     gemv = "BLOCK_KW" in cfg
     block_k = 8 * cfg["BLOCK_KW"] if gemv else cfg["BLOCK_K"]
-    tiles = cdiv(n, cfg["BLOCK_N"]) * (1 if gemv else cdiv(m, cfg["BLOCK_M"]))
-    split = split_k.usable_splits(x.device, tiles, cfg["SPLIT_K"])
+    split = cfg["SPLIT_K"]
     k_per_split = cdiv(cdiv(k, split), block_k) * block_k
     split = cdiv(k, k_per_split)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    parts, locks = split_k.buffers(out, tiles, split, cfg["BLOCK_M"] * cfg["BLOCK_N"])
+    atomic = split > 1
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
+           else torch.empty(m, n, dtype=x.dtype, device=x.device))
     if gemv:
-        _int4_gemv_kernel[(tiles, split)](
-            x, qweight, scales, zeros, out, parts, locks,
-            m, n, k, x.stride(0), out.stride(0), k_per_split, split,
-            GROUP=group, SPLIT=split > 1, MAX_SPLITS=split_k.unrolled(split),
+        _int4_gemv_kernel[(cdiv(n, cfg["BLOCK_N"]), split)](
+            x, qweight, scales, zeros, out,
+            m, n, k, x.stride(0), out.stride(0), k_per_split,
+            GROUP=group, ATOMIC=atomic,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-        return out
-    _int4_gemm_kernel[(tiles, split)](
-        x, qweight, scales, zeros, out, parts, locks,
-        m, n, k, x.stride(0), out.stride(0), k_per_split, split,
+        return out.to(x.dtype) if atomic else out
+    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
+    _int4_gemm_kernel[grid](
+        x, qweight, scales, zeros, out,
+        m, n, k, x.stride(0), out.stride(0), k_per_split,
         GROUP=group,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SPLIT=split > 1, MAX_SPLITS=split_k.unrolled(split),
+        ATOMIC=atomic,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return out
+    return out.to(x.dtype) if atomic else out

@@ -1,4 +1,4 @@
-"""Split-K combined inside one launch, shared by the GEMM kernels that split K.
+"""Split-K combined inside one launch (the skinny GEMM's; ``kernels.gemm.skinny``).
 
 A product whose output tiles are too few to fill the GPU splits its reduction dimension K
 over several programs per tile. Each program writes its float32 partial tile to a
@@ -7,7 +7,8 @@ partials in split order (deterministic, unlike float atomics), writes the output
 dtype and resets the counter (CUDA's threadFenceReduction "last block" pattern; CUTLASS's
 serial split-K). Against float32 atomics into a zeroed buffer this saves two launches per
 product (the zero fill and the cast back to the activations' dtype) and gives the same
-result at every batch composition.
+result at every batch composition; the last program's serial sum costs one L2 round trip
+per split.
 
 Use in a kernel::
 
@@ -40,33 +41,6 @@ def counters(device: torch.device) -> torch.Tensor | None:
     return _COUNTERS.get_or_create(device, COUNTER_SLOTS)
 
 
-def unrolled(splits: int) -> int:
-    """``MAX_SPLITS`` for ``store_tile``: ``splits`` rounded up to a power of two (a few
-    compiled variants per kernel)."""
-    return 1 << (splits - 1).bit_length()
-
-
-def usable_splits(device: torch.device, tiles: int, splits: int) -> int:
-    """``splits``, or 1 where a launch of ``tiles`` output tiles cannot split: no counters
-    yet (a graph being captured before they exist) or more tiles than counters."""
-    if splits > 1 and (tiles > COUNTER_SLOTS or counters(device) is None):
-        return 1
-    return splits
-
-
-def buffers(out: torch.Tensor, tiles: int, splits: int,
-            tile_elems: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(partials, counters)`` for a launch of ``splits`` (> 1, after ``usable_splits``)
-    over ``tiles`` tiles of ``tile_elems`` outputs; ``(out, out)`` (never touched) for one
-    split."""
-    if splits == 1:
-        return out, out
-    locks = counters(out.device)
-    assert locks is not None, "usable_splits gives one split without counters"
-    parts = torch.empty(tiles * splits * tile_elems, dtype=torch.float32, device=out.device)
-    return parts, locks
-
-
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -86,38 +60,13 @@ if HAS_TRITON:
         return arrived == splits - 1
 
     @triton.jit
-    def sum_partials(acc, part_ptr, lock_ptr, tile, splits, idx, live, TILE: tl.constexpr,
-                     MAX_SPLITS: tl.constexpr = 0):  # fmt: skip
+    def sum_partials(acc, part_ptr, lock_ptr, tile, splits, idx, live, TILE: tl.constexpr):
         """The partials of ``tile`` summed in split order (float32, ``acc``'s shape); leaves
-        the tile's counter at zero for the next launch. ``MAX_SPLITS`` (a power of two
-        ``>= splits``, or 0): unrolled, so that every partial's load is in flight at once
-        rather than one L2 round trip per split; for small tiles."""
+        the tile's counter at zero for the next launch."""
         base = part_ptr + tile.to(tl.int64) * splits * TILE + idx
         total = tl.zeros_like(acc)
-        if MAX_SPLITS > 0:
-            for s in tl.static_range(MAX_SPLITS):
-                total += tl.load(base + s * TILE, mask=live & (s < splits), other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
-        else:
-            for s in range(0, splits):
-                total += tl.load(base + s * TILE, mask=live, other=0.0, cache_modifier=".cg")
+        for s in range(0, splits):
+            total += tl.load(base + s * TILE, mask=live, other=0.0, cache_modifier=".cg")
         # Kernel boundaries order this reset before the next launch's counting.
         tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
         return total
-
-    @triton.jit
-    def store_tile(
-        acc, out_ptrs, mask, part_ptr, lock_ptr, tile, pid_k, splits, idx,
-        SPLIT: tl.constexpr, TILE: tl.constexpr, MAX_SPLITS: tl.constexpr = 0,
-    ):  # fmt: skip
-        """Store a float32 output tile in ``out_ptrs``' dtype: at once without split-K,
-        else by the last split of ``tile`` after the combine (``MAX_SPLITS`` as
-        ``sum_partials``'). ``mask``: the output elements that exist (also which partial
-        elements are written and read)."""
-        if SPLIT:
-            if publish_partial(acc, part_ptr, lock_ptr, tile, pid_k, splits, idx, mask, TILE):
-                total = sum_partials(acc, part_ptr, lock_ptr, tile, splits, idx, mask, TILE,
-                                     MAX_SPLITS)  # fmt: skip
-                tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
-        else:
-            tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
