@@ -88,36 +88,30 @@ def test_bind_listeners_covers_every_address_of_a_name():
             sock.close()
 
 
-def test_busy_port_fails_before_the_engine_starts():
+def serve_on_a_busy_port(*flags: str) -> tuple[int, int, list[str]]:
+    """``tokenmill serve ... --port P`` while P is held: ``(P, exit code, output lines)``."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         result = subprocess.run(
-            [*SERVE_COMMAND, "--host", "127.0.0.1", "--port", str(port)],
+            [*SERVE_COMMAND, "--host", "127.0.0.1", "--port", str(port), *flags],
             capture_output=True,
             text=True,
             timeout=120,
         )
-    assert result.returncode == 1
-    output = (result.stdout + result.stderr).strip().splitlines()
+    return port, result.returncode, (result.stdout + result.stderr).strip().splitlines()
+
+
+def test_busy_port_fails_before_the_engine_starts():
+    port, code, output = serve_on_a_busy_port()
+    assert code == 1
     assert output == [
         f"tokenmill serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
     ], output
 
 
 def test_a_bad_flag_is_reported_even_on_a_busy_port():
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        result = subprocess.run(
-            [*SERVE_COMMAND, "--host", "127.0.0.1", "--port", str(port), "--quantization",
-             "bogus"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert result.returncode == 2
-    output = (result.stdout + result.stderr).strip().splitlines()
+    _port, code, output = serve_on_a_busy_port("--quantization", "bogus")
+    assert code == 2
     assert len(output) == 1 and "--quantization bogus" in output[0], output
