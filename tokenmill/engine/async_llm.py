@@ -102,6 +102,7 @@ class AsyncLLM:
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._utility_waiters: dict[str, list[asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
+        self._watching = False
         self.dead_error: str | None = None
         # True when the engine process ended through its SIGTERM handler (exit code 0): a
         # stop signal sent to the whole process group, not a failure.
@@ -181,7 +182,15 @@ class AsyncLLM:
         ]
         if envs.log_step_stats():
             self._tasks.append(loop.create_task(self._lag_probe(), name="tokenmill-lag-probe"))
-        # A process sentinel becomes readable the moment its engine process exits.
+        self.watch_engine_processes()
+
+    def watch_engine_processes(self) -> None:
+        """Notice an engine process's exit the moment it happens, not at the next request
+        (its sentinel becomes readable then); on the running event loop, once."""
+        if self._watching:
+            return
+        self._watching = True
+        loop = asyncio.get_running_loop()
         for proc in self.engine_procs:
             loop.add_reader(proc.sentinel, self._on_engine_exit, proc)
 

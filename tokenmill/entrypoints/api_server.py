@@ -174,8 +174,10 @@ async def run_server(
         shutdown = GracefulShutdown(server, engine, [s for s in servings if s], timeout_s)
         shutdown.install()
         keep_alive = getattr(args, "keep_alive_on_engine_death", False)
-        if isinstance(engine, AsyncLLM) and not keep_alive:
-            exit_on_engine_death(server, engine)
+        if isinstance(engine, AsyncLLM):
+            if not keep_alive:
+                exit_on_engine_death(server, engine)
+            engine.watch_engine_processes()  # an idle server notices a dead engine too
         freeze_startup_heap("API server")
         logger.info(
             "Serving %s on %s (max_model_len=%d)",
