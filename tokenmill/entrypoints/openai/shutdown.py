@@ -152,7 +152,7 @@ def exit_on_engine_death(server: uvicorn.Server, engine: AsyncLLM) -> None:
     from ``serve`` when the running responses (each failed with a 503) have ended."""
 
     def on_death(error: str) -> None:
-        if getattr(engine, "stopped_by_signal", False):
+        if engine.stopped_by_signal:
             logger.warning("The engine stopped (%s): the server exits", error)
         else:
             logger.error(
