@@ -283,8 +283,9 @@ class EngineArgs:
     enable_lora: bool = _flag("Serve LoRA adapters (PEFT folders) on the model.", default=False)
     lora_modules: list[str] | None = _flag(
         "Adapters served from start-up: name=path, or a JSON object "
-        '\'{"name": ..., "path": ..., "base_model_name": ...}\'.',
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (the flag may repeat).',
         nargs="+",
+        action="extend",
     )
     max_loras: int = _flag("Adapter slots on the device: distinct adapters per step.", default=1)
     max_lora_rank: int = _flag("Largest adapter rank (the slots' rank).", default=16)
@@ -411,8 +412,8 @@ class EngineArgs:
         """``--enable-lora`` and its flags (``tokenmill.lora.config``), checked.
 
         Raises:
-            ConfigError: an invalid LoRA flag or ``--lora-modules`` folder, or LoRA on a
-                model it does not apply to.
+            ConfigError: an invalid LoRA flag or ``--lora-modules`` folder, an adapter
+                named as the base model, or LoRA on a model it does not apply to.
         """
         try:
             config = create_lora_config(
@@ -421,6 +422,12 @@ class EngineArgs:
                 self.tensor_parallel_size,
             )  # fmt: skip
             if config is not None:
+                for module in config.lora_modules:
+                    if module.name in model_config.served_model_names:
+                        raise ValueError(
+                            f"--lora-modules: {module.name!r} is the base model's served "
+                            "name; give the adapter another name"
+                        )
                 check_lora_model(config, model_config.is_pooling_model,
                                  model_config.quantization, model_config.is_gguf)  # fmt: skip
         except ValueError as e:

@@ -99,3 +99,51 @@ def test_a_wrong_lora_modules_folder_fails_before_the_model_loads(smollm2_gguf_p
                       enable_lora=True, lora_modules=[f"bad={tmp_path}"])  # fmt: skip
     with pytest.raises(ConfigError, match="--lora-modules bad=.*adapter_config.json"):
         args.create_engine_config()
+
+
+def test_an_adapter_named_as_the_base_model_is_refused(smollm2_gguf_path, tmp_path):
+    """An adapter given the served name would take the base model's place in requests: a
+    start-up error, as the run-time load's 400."""
+    args = EngineArgs(model=smollm2_gguf_path, device="cpu", gguf_dequantize=True,
+                      served_model_name=["smol", "alias"], enable_lora=True,
+                      lora_modules=[f"alias={tmp_path}"])  # fmt: skip
+    with pytest.raises(ConfigError, match="'alias' is the base model's served name"):
+        args.create_engine_config()
+
+
+def test_repeated_lora_modules_flags_add_up():
+    from tokenmill.entrypoints.cli.main import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "m", "--lora-modules", "a=/x", "--lora-modules", "b=/y", "c=/z"]
+    )
+    assert args.lora_modules == ["a=/x", "b=/y", "c=/z"]
+
+
+def test_adapter_slots_that_do_not_fit_are_refused_before_allocation(monkeypatch):
+    """Slots are sized for every wrapped layer before any is allocated: more than the free
+    memory is a one-line error naming the flags."""
+    import psutil
+
+    from tokenmill.config import LoRAConfig
+    from tokenmill.lora import manager
+    from tokenmill.model.layers.linear import ColumnParallelLinear
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.o_proj = ColumnParallelLinear(64, 64, bias=False)
+
+    class Mem:
+        available = 10_000  # bytes: less than 3 slots of A [16, 64] and B [16, 64] in fp32
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Mem)
+    config = LoRAConfig(2, 16, 2, "auto", [], False)
+    batch = manager.LoRABatch(torch.zeros(8, dtype=torch.int32))
+    model = Tiny()
+    with pytest.raises(ValueError, match=r"--max-loras 2, --max-lora-rank 16\) need"):
+        manager.wrap_lora_layers(model, config, torch.float32, batch)
+    assert isinstance(model.o_proj, ColumnParallelLinear)  # nothing replaced
+    Mem.available = 10**9
+    layers = manager.wrap_lora_layers(model, config, torch.float32, batch)
+    assert layers["o_proj"].lora_a.shape == (3, 16, 64)

@@ -101,14 +101,27 @@ class LoRALinear(nn.Module):
         self.batch = batch
         self.tp_rank = getattr(base, "tp_rank", 0)
         self.tp_size = getattr(base, "tp_size", 1)
-        device = next(base.parameters()).device
-        a_ranks, b_ranks, b_out = self._stack_shape(len(parts))
+        self.num_parts = len(parts)
+        self.allocate_slots(num_slots, dtype)
+
+    def allocate_slots(self, num_slots: int, dtype: torch.dtype) -> None:
+        """(Re)create the zeroed stacks ``lora_a``/``lora_b`` for ``num_slots`` slots on the
+        base layer's device (``wrap_lora_layers`` builds layers with none first, to check
+        that the slots fit before any is allocated)."""
+        device = next(self.base.parameters()).device
+        a_ranks, b_ranks, b_out = self._stack_shape(self.num_parts)
         self.register_buffer(
-            "lora_a", torch.zeros(num_slots, a_ranks, base.input_size, dtype=dtype, device=device)
+            "lora_a", torch.zeros(num_slots, a_ranks, self.base.input_size, dtype=dtype,
+                                  device=device)  # fmt: skip
         )
         self.register_buffer(
             "lora_b", torch.zeros(num_slots, b_ranks, b_out, dtype=dtype, device=device)
         )
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot's A and B stacks on this rank."""
+        a_ranks, b_ranks, b_out = self._stack_shape(self.num_parts)
+        return (a_ranks * self.base.input_size + b_ranks * b_out) * self.lora_a.element_size()
 
     def _stack_shape(self, num_parts: int) -> tuple[int, int, int]:
         """``(A's ranks, B's ranks, B's output features)`` of a slot on this rank."""

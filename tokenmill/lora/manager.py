@@ -63,7 +63,7 @@ def wrap_lora_layers(
 
     Raises:
         ValueError: ``--fully-sharded-loras`` with sizes the tensor-parallel size does not
-            divide.
+            divide, or slots that do not fit in the free memory (``check_slots_fit``).
     """
     targets = _target_map(model)
     parts_of: dict[str, list[Any]] = {}
@@ -81,14 +81,43 @@ def wrap_lora_layers(
             else:
                 s = module.shard_slices(shard)[0]
                 parts.append((shard, s.dst_start, s.size))
-        layer = lora_layer(
-            module, parts, config.max_loras + 1, config.max_lora_rank, dtype, batch,
-            config.fully_sharded_loras,
+        # No slots yet: the stacks are allocated once all of them are known to fit.
+        wrapped[name] = lora_layer(
+            module, parts, 0, config.max_lora_rank, dtype, batch, config.fully_sharded_loras
         )
+    num_slots = config.max_loras + 1
+    if wrapped:
+        device = next(iter(wrapped.values())).lora_a.device
+        check_slots_fit(num_slots * sum(w.slot_bytes() for w in wrapped.values()), device,
+                        config)  # fmt: skip
+    for name, layer in wrapped.items():
+        layer.allocate_slots(num_slots, dtype)
+        leaf = name.rsplit(".", 1)[-1]
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(parent, leaf, layer)
-        wrapped[name] = layer
     return wrapped
+
+
+def check_slots_fit(need: int, device: torch.device, config: LoRAConfig) -> None:
+    """Refuse adapter slots of ``need`` bytes that the free memory of ``device`` cannot
+    hold (host memory on the CPU), before any is allocated.
+
+    Raises:
+        ValueError: names the flags that size the slots.
+    """
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    if need > 0.9 * free:
+        raise ValueError(
+            f"the adapter slots (--max-loras {config.max_loras}, --max-lora-rank "
+            f"{config.max_lora_rank}) need {need / 2**30:.1f} GiB and only "
+            f"{free / 2**30:.1f} GiB of {device.type} memory are free: lower --max-loras or "
+            "--max-lora-rank"
+        )
 
 
 class LoRAManager:
