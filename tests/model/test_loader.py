@@ -135,15 +135,17 @@ def test_missing_tensor_is_named(hf_folder, tmp_path):
         _load(folder)
 
 
-def test_merged_part_too_small_is_a_shape_error(hf_folder, tmp_path):
-    """A part of a merged weight (q of qkv) with fewer rows than its slice is refused as a
-    wrong shape, not an IndexError of the narrowing."""
-    folder = _copy_folder(hf_folder, tmp_path / "small")
+@pytest.mark.parametrize("rows", [16, 48])
+def test_merged_part_of_the_wrong_size_is_a_shape_error(hf_folder, tmp_path, rows):
+    """A part of a merged weight (q of qkv) with fewer or more rows than the config gives it
+    is refused as a wrong shape: not an IndexError of the narrowing, and not cut down to
+    its first rows."""
+    folder = _copy_folder(hf_folder, tmp_path / "wrong")
     path = os.path.join(folder, "model.safetensors")
     tensors = load_file(path)
-    tensors["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(16, 32)
+    tensors["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(rows, 32)
     save_file(tensors, path)
-    with pytest.raises(ModelLoadError, match=r"q_proj\.weight.*\(16, 32\), too small"):
+    with pytest.raises(ModelLoadError, match=rf"q_proj\.weight.*\({rows}, 32\), expected 32"):
         _load(folder)
 
 

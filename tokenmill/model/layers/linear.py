@@ -139,7 +139,8 @@ class ColumnParallelLinear(LinearBase):
         if self.tp_size == 1:
             return [ShardSlice()]
         size = self.output_size
-        return [ShardSlice(size=size, src_start=self.tp_rank * size)]
+        return [ShardSlice(size=size, src_start=self.tp_rank * size,
+                           src_size=self.full_output_size)]  # fmt: skip
 
     def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:
         return self.full_output_size, self.input_size
@@ -171,7 +172,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         for i in parts:
             per_rank = self.output_sizes[i] // self.tp_size
             src = self.tp_rank * per_rank + (sum(self.output_sizes[:i]) if shard_id is None else 0)
-            slices.append(ShardSlice(i, sum(self.output_sizes[:i]) // self.tp_size, per_rank, src))
+            full = self.output_sizes[i] if shard_id is not None else sum(self.output_sizes)
+            slices.append(ShardSlice(i, sum(self.output_sizes[:i]) // self.tp_size, per_rank, src,
+                                     src_size=full))  # fmt: skip
         return slices
 
     def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:
@@ -234,7 +237,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         for sid in parts:
             dst, size, src, fused_start = table[sid]
             src += fused_start if shard_id is None else 0
-            slices.append(ShardSlice(sid, dst, size, src))
+            full = (q_full if sid == "q" else kv_full) if shard_id is not None else (
+                q_full + 2 * kv_full)  # fmt: skip
+            slices.append(ShardSlice(sid, dst, size, src, src_size=full))
         return slices
 
     def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:

@@ -46,6 +46,9 @@ class ShardSlice:
         size: output features of the part on this rank (None: the whole layer).
         src_start: output offset to read from the checkpoint tensor (tensor-parallel rank).
         in_start, in_size: input features to read (row-parallel ranks); None: all.
+        src_size: output features the checkpoint tensor must have (the whole part, or the
+            fused parts, unsharded); None: not checked here. A tensor of another size is
+            refused rather than cut to this rank's slice.
     """
 
     shard_id: Any = None
@@ -54,6 +57,7 @@ class ShardSlice:
     src_start: int = 0
     in_start: int | None = None
     in_size: int | None = None
+    src_size: int | None = None
 
 
 def set_layout(
@@ -116,6 +120,11 @@ def copy_shard(param: torch.Tensor, loaded: torch.Tensor, s: ShardSlice, name: s
         size = _units(s.size, div, name)
         if s.dst_start is not None:
             target = target.narrow(out_dim, _units(s.dst_start, div, name), size)
+        if s.src_size is not None and loaded.shape[out_dim] != _units(s.src_size, div, name):
+            raise WeightShapeError(
+                f"tensor {name!r} has shape {tuple(loaded.shape)}, expected "
+                f"{_units(s.src_size, div, name)} along dimension {out_dim}"
+            )
         if s.src_start or loaded.shape[out_dim] != size:
             loaded = _narrow(loaded, out_dim, _units(s.src_start, div, name), size, name)
     if in_dim is not None and s.in_start is not None and s.in_size is not None:
