@@ -123,12 +123,14 @@ def test_fp8_checkpoints_of_moe_models_refused(tmp_path):
     (_ct_fp8({"symmetric": False}), None, "is not supported; supported: compressed-tensors FP8"),
     (_ct_fp8(activations={**FP8_TOKEN, "dynamic": False}), None, "static per token"),
     (_ct_fp8({"num_bits": 4}), None, "4-bit float weights"),
-    ({**GPTQ, "bits": 8}, None, "gptq with 8-bit weights is not supported"),
+    ({**GPTQ, "bits": 8}, None, "gptq bits 8 is not supported"),
     ({**GPTQ, "checkpoint_format": "marlin"}, None, "checkpoint_format 'marlin'"),
     ({**GPTQ, "group_size": 256}, None, "group_size 256"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, None,
      "awq version 'gemv'"),
     ({"quant_method": "hqq"}, None, "'hqq' is not supported"),
+    ({**GPTQ, "bits": "4"}, None, "gptq bits '4' is not supported (the integer 4 only)"),
+    (["gptq"], None, "quantization_config must be a JSON object, got ['gptq']"),
     ({**CT_W4A16, "config_groups": {"g": {**CT_W4A16["config_groups"]["group_0"],
                                           "input_activations": {"num_bits": 8}}}}, None,
      "activations quantized"),
@@ -147,6 +149,9 @@ def test_gguf_files_default_to_their_blocks(smollm2_gguf_path):
     assert args.create_engine_config().model_config.quantization is None
     with pytest.raises(ConfigError, match="GGUF file"):
         EngineArgs(model=smollm2_gguf_path, quantization="awq").create_engine_config()
+    with pytest.raises(ConfigError, match="fp8 and --gguf-dequantize contradict"):
+        EngineArgs(model=smollm2_gguf_path, quantization="fp8",
+                   gguf_dequantize=True).create_engine_config()  # fmt: skip
 
 
 def test_gguf_dequantize_is_a_flag():

@@ -70,7 +70,13 @@ def resolve_quantization(
             "--gguf-dequantize and --quantization gguf contradict each other: pass one of them"
         )
     if is_gguf:
-        if method == "fp8" and not gguf_dequantize:
+        if method == "fp8":
+            if gguf_dequantize:
+                raise QuantizationError(
+                    "--quantization fp8 and --gguf-dequantize contradict each other: fp8 "
+                    "already dequantizes the GGUF blocks, then quantizes them to FP8 at load; "
+                    "pass one of them"
+                )
             return method  # the GGUF blocks dequantized, then quantized to FP8 at load
         if method not in (None, "gguf"):
             raise QuantizationError(
@@ -81,6 +87,10 @@ def resolve_quantization(
     if method == "gguf":
         raise QuantizationError("--quantization gguf needs a .gguf model file")
     config = hf_config.get("quantization_config")
+    if config is not None and not isinstance(config, dict):
+        raise QuantizationError(
+            f"config.json's quantization_config must be a JSON object, got {config!r}"
+        )
     detected = detect_checkpoint_method(config) if config else None
     if "mxfp4" in (method, detected):
         _check_mxfp4_architecture(hf_config)
@@ -147,7 +157,8 @@ def _check_mxfp4_architecture(hf_config: Any) -> None:
 def _check_group(method: str, group: Any) -> None:
     if group not in INT4_GROUP_SIZES:
         raise QuantizationError(
-            f"{method} group_size {group} is not supported (32, 64, 128 or -1 for per-channel)"
+            f"{method} group_size {group!r} is not supported (the integers 32, 64, 128, or -1 "
+            "for per-channel)"
         )
 
 
@@ -155,7 +166,7 @@ def _check_awq(config: dict[str, Any]) -> None:
     bits = config.get("bits", config.get("w_bit"))
     version = str(config.get("version", "gemm")).lower()
     if bits != 4:
-        raise QuantizationError(f"awq with {bits}-bit weights is not supported (4-bit only)")
+        raise QuantizationError(f"awq bits {bits!r} is not supported (the integer 4 only)")
     if version != "gemm":
         raise QuantizationError(
             f"awq version {version!r} is not supported (the GEMM layout, version 'gemm', is)"
@@ -167,7 +178,7 @@ def _check_gptq(config: dict[str, Any]) -> None:
     bits = config.get("bits")
     fmt = str(config.get("checkpoint_format", "gptq")).lower()
     if bits != 4:
-        raise QuantizationError(f"gptq with {bits}-bit weights is not supported (4-bit only)")
+        raise QuantizationError(f"gptq bits {bits!r} is not supported (the integer 4 only)")
     if fmt not in ("gptq", "gptq_v2"):
         raise QuantizationError(
             f"gptq checkpoint_format {fmt!r} is not supported (gptq and gptq_v2 are)"
