@@ -178,6 +178,10 @@ def read_gguf_config(path: str) -> dict[str, Any]:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         if tokens is not None:
             data["vocab_size"] = len(tokens.data)
+    for key, hf_key in (("attention.head_count", "num_attention_heads"),
+                        ("embedding_length", "hidden_size")):  # fmt: skip
+        if not isinstance(data.get(hf_key), int) or data[hf_key] < 1:
+            raise ModelLoadError(f"GGUF file {path} has no positive {arch}.{key}")
     if "head_dim" not in data:
         data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
     data.setdefault("num_key_value_heads", data["num_attention_heads"])
@@ -359,7 +363,31 @@ def load_hf_config(model: str) -> tuple[HFConfig, dict[str, Any]]:
     for key in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         if key not in data:
             raise ModelLoadError(f"the config of {model} has no {key!r}")
+    _check_heads(data, model)
     return HFConfig(normalize_rope(data)), generation_config
+
+
+def _check_heads(data: dict[str, Any], model: str) -> None:
+    """Head counts the attention layers can be built from.
+
+    Raises:
+        ModelLoadError: a head count that is not a positive integer, or query heads that
+            the key/value heads do not divide.
+    """
+    heads = data["num_attention_heads"]
+    kv = data.get("num_key_value_heads")
+    for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+        if isinstance(value, (list, tuple)):  # per-layer counts: checked by the model
+            continue
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ModelLoadError(
+                f"the config of {model}: {key} must be a positive integer, got {value!r}"
+            )
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ModelLoadError(
+            f"the config of {model}: num_attention_heads ({heads}) is not a multiple of "
+            f"num_key_value_heads ({kv})"
+        )
 
 
 def derive_max_model_len(config: HFConfig) -> int:

@@ -339,3 +339,17 @@ def test_reload_checks_a_gguf_file_before_writing(hf_folder, tmp_path):
     embed = model.model.embed_tokens.weight
     torch.testing.assert_close(embed, tensors["model.embed_tokens.weight"])
     torch.testing.assert_close(model.model.layers[1].mlp.down_proj.weight, tensors[down])
+
+
+@pytest.mark.parametrize("heads, kv_heads, words", [
+    (4, 0, "num_key_value_heads must be a positive integer, got 0"),
+    (0, None, "num_attention_heads must be a positive integer, got 0"),
+    (4, 3, r"num_attention_heads \(4\) is not a multiple of num_key_value_heads \(3\)"),
+])  # fmt: skip
+def test_head_counts_are_checked_with_the_config(tmp_path, heads, kv_heads, words):
+    """Head counts the attention layers cannot be built from: one error when the config is
+    read, not a ZeroDivisionError in the engine."""
+    config = {**CONFIG, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=words):
+        load_hf_config(str(tmp_path))
