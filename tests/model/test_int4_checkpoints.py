@@ -140,3 +140,22 @@ def test_moe_experts_stay_int4(tmp_path, monkeypatch, kind, fmt):
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
     assert (logits - expected).abs().max() <= BF16_RELATIVE * expected.abs().max()
+
+
+def test_packed_integers_stored_as_floats_are_refused(tmp_path, monkeypatch):
+    """A GPTQ qweight saved as float32 (its int32 words would lose bits in a conversion) is
+    refused with the tensor's name and dtypes."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.hf_config import ModelLoadError
+
+    folder = make_int4_checkpoint(str(tmp_path), "gptq", 32, sym=True)
+    path = os.path.join(folder, "quant", "model.safetensors")
+    tensors = load_file(path)
+    name = next(k for k in tensors if k.endswith("qweight"))
+    tensors[name] = tensors[name].float()
+    save_file(tensors, path)
+    with pytest.raises(ModelLoadError, match=r"qweight.* is torch.float32; .* torch.int32"):
+        _load(os.path.join(folder, "quant"), monkeypatch)

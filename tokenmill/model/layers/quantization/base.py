@@ -112,6 +112,12 @@ def copy_shard(param: torch.Tensor, loaded: torch.Tensor, s: ShardSlice, name: s
         WeightShapeError: the shapes disagree (the message names the tensor).
     """
     loaded = as_float(loaded)
+    if loaded.is_floating_point() and not (param.is_floating_point() or param.dtype == torch.bool):
+        # Packed integers (int4 words, zero points, g_idx) read from floats lose bits.
+        raise WeightShapeError(
+            f"tensor {name!r} is {loaded.dtype}; this layout keeps it as {param.dtype} "
+            "(packed integers)"
+        )
     out_dim = getattr(param, "output_dim", 0)
     in_dim = getattr(param, "input_dim", None if param.dim() == 1 else 1)
     target = param.data
