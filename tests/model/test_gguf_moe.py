@@ -150,3 +150,25 @@ def test_unknown_gguf_architecture_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises((ModelLoadError, ConfigError), match="'mamba'"):
         EngineArgs(model=path).create_engine_config()
+
+
+def test_a_layer_past_the_block_count_is_refused(tmp_path):
+    """A file whose block_count is below its layers' indices would lose those layers: the
+    loader names the tensor instead of skipping it."""
+    import gguf
+
+    from tokenmill.hf_config import ModelLoadError
+    from tokenmill.model.loader.gguf_loader import iterate_gguf
+
+    path = str(tmp_path / "x.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    for i in (0, 1):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    names = [f"model.layers.{i}.input_layernorm.weight" for i in (0, 1)]
+    with pytest.raises(ModelLoadError, match=r"'blk\.1\.attn_norm\.weight' belongs to no layer"):
+        list(iterate_gguf(path, names, num_heads=1, num_kv_heads=1))

@@ -125,7 +125,8 @@ def iterate_gguf(
             infos (a dry run of a load; blocks kept by ``keep_quantized`` are still read).
 
     Raises:
-        ModelLoadError: unreadable file, or a tensor with no known Hugging Face name.
+        ModelLoadError: unreadable file, a tensor with no known Hugging Face name, or one of
+            a layer past the file's block count.
     """
     import gguf
 
@@ -164,6 +165,11 @@ def iterate_gguf(
     permute = arch in PERMUTED_QK_ARCHS
     norm_plus_one = arch in NORM_PLUS_ONE_ARCHS
     for t in reader.tensors:
+        if not _in_layers(t.name, range(num_blocks)):
+            raise ModelLoadError(
+                f"{path}: tensor {t.name!r} belongs to no layer: the file's "
+                f"{arch}.block_count is {num_blocks}"
+            )
         if layers is not None and not _in_layers(t.name, layers):
             continue  # another pipeline stage's layer
         if t.name in experts:  # [E, rows, ...]: one tensor per expert, as HF names them
