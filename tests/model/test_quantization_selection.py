@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tokenmill.config import ConfigError
 from tokenmill.engine_args import EngineArgs
@@ -130,6 +131,8 @@ def test_fp8_checkpoints_of_moe_models_refused(tmp_path):
      "awq version 'gemv'"),
     ({"quant_method": "hqq"}, None, "'hqq' is not supported"),
     ({**GPTQ, "bits": "4"}, None, "gptq bits '4' is not supported (the integer 4 only)"),
+    ({**GPTQ, "lm_head": True}, None, "gptq lm_head: true (a quantized LM head) is not supported"),
+    ({**GPTQ, "dynamic": {"-:model\\.layers\\.1\\..*": {}}}, None, "gptq dynamic"),
     (["gptq"], None, "quantization_config must be a JSON object, got ['gptq']"),
     ({**CT_W4A16, "config_groups": {"g": {**CT_W4A16["config_groups"]["group_0"],
                                           "input_activations": {"num_bits": 8}}}}, None,
@@ -197,3 +200,17 @@ def test_mxfp4_is_gpt_oss_experts(tmp_path):
         args = EngineArgs(model=str(tmp_path), quantization=flag, device="cpu")
         assert args.create_engine_config().model_config.quantization == "mxfp4"
     assert "GptOssForCausalLM" in _refused(tmp_path, {"quant_method": "mxfp4"})
+
+
+def test_modules_to_not_convert_match_as_substrings():
+    """As vLLM: an entry skips every layer whose name contains it ("model.layers.1."
+    keeps that layer's projections in float)."""
+    from tokenmill.model.layers.quantization.int4 import Int4Config
+    from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod
+
+    config = Int4Config("awq", 128, ["model.layers.1."])
+    layer = torch.nn.Linear(4, 4)
+    assert isinstance(config.get_linear_method(layer, "model.layers.1.mlp.down_proj"),
+                      UnquantizedLinearMethod)  # fmt: skip
+    assert not isinstance(config.get_linear_method(layer, "model.layers.2.mlp.down_proj"),
+                          UnquantizedLinearMethod)  # fmt: skip

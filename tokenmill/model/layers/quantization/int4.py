@@ -276,8 +276,9 @@ class Int4Config(QuantizationConfig):
         # MoE routers (the only replicated linear layers) stay unquantized, as in vLLM.
         if getattr(layer, "replicated", False):
             return UnquantizedLinearMethod()
-        if any(s and (prefix == s or prefix.endswith("." + s) or s in prefix.split("."))
-               for s in self.skip):
+        # A substring of the layer's name, as vLLM matches modules_to_not_convert
+        # ("model.layers.1." skips that layer's projections).
+        if any(s and s in prefix for s in self.skip):
             return UnquantizedLinearMethod()
         if self.name == "awq":
             return AWQLinearMethod(self.group_size)

@@ -183,4 +183,10 @@ def _check_gptq(config: dict[str, Any]) -> None:
         raise QuantizationError(
             f"gptq checkpoint_format {fmt!r} is not supported (gptq and gptq_v2 are)"
         )
+    if config.get("lm_head"):
+        raise QuantizationError("gptq lm_head: true (a quantized LM head) is not supported")
+    if config.get("dynamic"):
+        raise QuantizationError(
+            "gptq dynamic (per-module bits, group sizes or skipped modules) is not supported"
+        )
     _check_group("gptq", config.get("group_size"))
