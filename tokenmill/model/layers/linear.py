@@ -140,7 +140,7 @@ class ColumnParallelLinear(LinearBase):
             return [ShardSlice()]
         size = self.output_size
         return [ShardSlice(size=size, src_start=self.tp_rank * size,
-                           src_size=self.full_output_size)]  # fmt: skip
+                           src_size=self.checkpoint_shape()[0])]  # fmt: skip
 
     def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:
         return self.full_output_size, self.input_size
@@ -172,9 +172,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         for i in parts:
             per_rank = self.output_sizes[i] // self.tp_size
             src = self.tp_rank * per_rank + (sum(self.output_sizes[:i]) if shard_id is None else 0)
-            full = self.output_sizes[i] if shard_id is not None else sum(self.output_sizes)
             slices.append(ShardSlice(i, sum(self.output_sizes[:i]) // self.tp_size, per_rank, src,
-                                     src_size=full))  # fmt: skip
+                                     src_size=self.checkpoint_shape(shard_id)[0]))  # fmt: skip
         return slices
 
     def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:
@@ -237,9 +236,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         for sid in parts:
             dst, size, src, fused_start = table[sid]
             src += fused_start if shard_id is None else 0
-            full = (q_full if sid == "q" else kv_full) if shard_id is not None else (
-                q_full + 2 * kv_full)  # fmt: skip
-            slices.append(ShardSlice(sid, dst, size, src, src_size=full))
+            slices.append(ShardSlice(sid, dst, size, src,
+                                     src_size=self.checkpoint_shape(shard_id)[0]))  # fmt: skip
         return slices
 
     def checkpoint_shape(self, shard_id=None) -> tuple[int, int]:
