@@ -150,18 +150,37 @@ def _gguf_field(reader: Any, key: str) -> Any:
     return value
 
 
+def open_gguf(path: str) -> Any:
+    """Open a GGUF file with the gguf package's reader.
+
+    Raises:
+        ModelLoadError: the file cannot be parsed; one that ends before its last tensor's
+            data (an interrupted download) is named as truncated.
+    """
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError/struct errors on bad files
+        # The reader maps each tensor's bytes and reshapes them: a file cut short yields
+        # fewer elements than the tensor's shape and numpy's reshape is what fails.
+        if isinstance(e, ValueError) and "reshape" in str(e):
+            size = os.path.getsize(path)
+            raise ModelLoadError(
+                f"GGUF file {path} is truncated: its {size} bytes end before its tensor "
+                "data does (an interrupted download?)"
+            ) from e
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+
+
 def read_gguf_config(path: str) -> dict[str, Any]:
     """Map a GGUF file's metadata onto config.json keys.
 
     Raises:
         ModelLoadError: the file cannot be parsed or its architecture is not known.
     """
-    import gguf  # imported here: only GGUF users pay for it
 
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError/struct errors on bad files
-        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    reader = open_gguf(path)
     arch = _gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(

@@ -172,3 +172,15 @@ def test_a_layer_past_the_block_count_is_refused(tmp_path):
     names = [f"model.layers.{i}.input_layernorm.weight" for i in (0, 1)]
     with pytest.raises(ModelLoadError, match=r"'blk\.1\.attn_norm\.weight' belongs to no layer"):
         list(iterate_gguf(path, names, num_heads=1, num_kv_heads=1))
+
+
+def test_a_truncated_gguf_is_named_truncated(tmp_path, smollm2_gguf_path):
+    """A file cut short (an interrupted download) is refused as truncated, not with the
+    array error the gguf reader hits."""
+    from tokenmill.hf_config import ModelLoadError
+
+    path = tmp_path / "cut.gguf"
+    with open(smollm2_gguf_path, "rb") as src:
+        path.write_bytes(src.read(4_000_000))
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf is truncated: its 4000000 bytes"):
+        EngineArgs(model=str(path)).create_engine_config()

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from tokenmill.hf_config import ModelLoadError
+from tokenmill.hf_config import ModelLoadError, open_gguf
 from tokenmill.kernels.quant.gguf_blocks import BLOCK_TYPES
 from tokenmill.model.layers.quantization.tensors import GGUFTensor
 
@@ -130,10 +130,7 @@ def iterate_gguf(
     """
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    reader = open_gguf(path)
     arch = str(reader.fields["general.architecture"].contents())
     num_blocks = int(reader.fields[f"{arch}.block_count"].contents())
     name_map = gguf.get_tensor_name_map(_arch_enum(arch), num_blocks)
