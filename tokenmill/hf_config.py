@@ -179,7 +179,6 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     Raises:
         ModelLoadError: the file cannot be parsed or its architecture is not known.
     """
-
     reader = open_gguf(path)
     arch = _gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
