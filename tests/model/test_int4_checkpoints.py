@@ -159,3 +159,25 @@ def test_packed_integers_stored_as_floats_are_refused(tmp_path, monkeypatch):
     save_file(tensors, path)
     with pytest.raises(ModelLoadError, match=r"qweight.* is torch.float32; .* torch.int32"):
         _load(os.path.join(folder, "quant"), monkeypatch)
+
+
+@pytest.mark.parametrize("column, part", [(0, "k_proj"), (1, "q_proj"), (0, "down_proj")])
+def test_compressed_tensors_weight_shape_must_match_the_layer(tmp_path, monkeypatch, column,
+                                                              part):
+    """A ``weight_shape`` that disagrees with the layer's part (output or input features) is
+    refused with the tensor's name."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.hf_config import ModelLoadError
+
+    folder = make_int4_checkpoint(str(tmp_path), "ct", 32, sym=True)
+    path = os.path.join(folder, "quant", "model.safetensors")
+    tensors = load_file(path)
+    name = next(k for k in tensors if k.endswith(f"{part}.weight_shape"))
+    tensors[name][column] += 8
+    save_file(tensors, path)
+    what = "output" if column == 0 else "input"
+    with pytest.raises(ModelLoadError, match=rf"{part}\.weight_shape.* says \d+ {what} features"):
+        _load(os.path.join(folder, "quant"), monkeypatch)

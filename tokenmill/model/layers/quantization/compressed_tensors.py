@@ -31,6 +31,7 @@ from tokenmill.model.layers.quantization.int4 import (
     _param,
     sort_by_group,
 )
+from tokenmill.model.layers.weight_shape import WeightShapeError
 
 SUPPORTED = "compressed-tensors W4A16: format pack-quantized, 4-bit int weights, group or " \
     "channel strategy, no activation quantization"
@@ -175,14 +176,20 @@ class CompressedTensorsW4A16Method(Int4LinearMethod):
 
     def load_weight(self, layer, param, loaded, s: ShardSlice) -> None:
         if param is layer.weight_shape:
-            # Row-parallel layers split their input across ranks (the others hold it whole).
-            split = s.in_size is not None
-            full = layer.input_size * (layer.tp_size if split else 1)
-            if int(loaded[-1]) != full:
-                raise QuantizationError(
-                    f"tensor {getattr(param, '_tm_name', '?')!r} says {int(loaded[-1])} input "
-                    f"features, the layer has {full}"
-                )
+            # [output, input] of the unsharded checkpoint part; a shape that disagrees
+            # with the layer means the checkpoint was written for another model.
+            # WeightShapeError: the loader names the checkpoint tensor.
+            if loaded.numel() != 2:
+                raise WeightShapeError(f"has {loaded.numel()} values, not [output features, "
+                                       "input features]")
+            # src_size: the part's rows, or the fused parts' where one tensor holds them all
+            expected = layer.checkpoint_shape(s.shard_id)
+            if s.src_size is not None:
+                expected = (s.src_size, expected[1])
+            for dim, what in ((1, "input"), (0, "output")):
+                if int(loaded[dim]) != expected[dim]:
+                    raise WeightShapeError(f"says {int(loaded[dim])} {what} features, the "
+                                           f"layer's part has {expected[dim]}")
             return
         super().load_weight(layer, param, loaded, s)
 
