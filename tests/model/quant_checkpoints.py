@@ -62,7 +62,7 @@ def dequantized(q, scales, zeros, group) -> torch.Tensor:
 
 
 def make_int4_checkpoint(folder: str, fmt: str, group: int, sym: bool, act_order: bool = False,
-                         seed: int = 0) -> str:
+                         seed: int = 0, skip: tuple[str, ...] = ()) -> str:
     """Write ``folder/quant`` (the ``fmt`` checkpoint) and ``folder/reference`` (float32 with
     the dequantized weights); return ``folder``.
 
@@ -70,6 +70,8 @@ def make_int4_checkpoint(folder: str, fmt: str, group: int, sym: bool, act_order
         fmt: ``gptq`` (original format), ``gptq_v2``, ``awq`` or ``ct``.
         group: group size along K (-1: per channel).
         act_order: GPTQ/compressed-tensors act-order (a random ``g_idx``).
+        skip: layers left in float32 (``model.layers.0.self_attn.q_proj``), listed in the
+            config's ``ignore`` / ``modules_to_not_convert``.
     """
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -80,7 +82,8 @@ def make_int4_checkpoint(folder: str, fmt: str, group: int, sym: bool, act_order
     quant_state: dict[str, torch.Tensor] = {}
     orders: dict[str, torch.Tensor] = {}
     for name in list(state):
-        if not any(f".{lin}." in name for lin in LINEARS) or not name.endswith(".weight"):
+        if (not any(f".{lin}." in name for lin in LINEARS) or not name.endswith(".weight")
+                or name[: -len(".weight")] in skip):
             quant_state[name] = state[name]
             continue
         w = state[name]
@@ -110,6 +113,10 @@ def make_int4_checkpoint(folder: str, fmt: str, group: int, sym: bool, act_order
               os.path.join(qdir, "model.safetensors"))
     config = hf.config.to_dict()
     config["quantization_config"] = _quant_config(fmt, group, sym, act_order)
+    if skip:
+        key = "ignore" if fmt == "ct" else "modules_to_not_convert"
+        config["quantization_config"][key] = [*(config["quantization_config"].get(key) or []),
+                                              *skip]
     with open(os.path.join(qdir, "config.json"), "w") as f:
         json.dump(config, f)
     return folder

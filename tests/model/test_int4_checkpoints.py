@@ -181,3 +181,38 @@ def test_compressed_tensors_weight_shape_must_match_the_layer(tmp_path, monkeypa
     what = "output" if column == 0 else "input"
     with pytest.raises(ModelLoadError, match=rf"{part}\.weight_shape.* says \d+ {what} features"):
         _load(os.path.join(folder, "quant"), monkeypatch)
+
+
+ATTENTION = "model.layers.0.self_attn"
+
+
+@pytest.mark.parametrize("fmt", ["ct", "awq"])
+def test_merged_layer_left_unquantized_by_its_parts(tmp_path, monkeypatch, fmt):
+    """An ignore list naming q_proj, k_proj and v_proj leaves the merged qkv_proj in float:
+    the logits match the reference with those layers' float weights."""
+    skip = tuple(f"{ATTENTION}.{p}" for p in ("q_proj", "k_proj", "v_proj"))
+    folder = make_int4_checkpoint(str(tmp_path), fmt, 32, sym=True, skip=skip)
+    cfg, model, captured = _load(f"{folder}/quant", monkeypatch)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert id(qkv) not in captured and len(captured) > 0
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(f"{folder}/reference").float().eval()
+    ids = [3, 17, 92, 5, 44, 8]
+    logits = _logits(model, cfg, ids)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert (logits - expected).abs().max() <= BF16_RELATIVE * expected.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["ct", "awq"])
+def test_merged_layer_with_one_part_unquantized_is_refused(tmp_path, monkeypatch, fmt):
+    """One layer holds one precision: an ignore list naming only k_proj is refused at
+    start-up, naming the part."""
+    from tokenmill.hf_config import ModelLoadError
+    from tokenmill.model.layers.quantization.base import QuantizationError
+
+    folder = make_int4_checkpoint(str(tmp_path), fmt, 32, sym=True, skip=(f"{ATTENTION}.k_proj",))
+    with pytest.raises((ModelLoadError, QuantizationError),
+                       match=r"qkv_proj: the checkpoint leaves k_proj unquantized"):
+        _load(f"{folder}/quant", monkeypatch)

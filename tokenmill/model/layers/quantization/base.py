@@ -11,7 +11,9 @@ packed in int32, the group size for group scales).
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -58,6 +60,53 @@ class ShardSlice:
     in_start: int | None = None
     in_size: int | None = None
     src_size: int | None = None
+
+
+# Merged layers and the checkpoint layers each holds (a checkpoint's ignore list names those).
+MERGED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def checkpoint_parts(prefix: str) -> list[str]:
+    """The checkpoint layers a layer called ``prefix`` holds (its own name unless merged)."""
+    head, _, leaf = prefix.rpartition(".")
+    parts = MERGED_PARTS.get(leaf)
+    if parts is None:
+        return [prefix]
+    return [f"{head}.{p}" if head else p for p in parts]
+
+
+def name_listed(name: str, patterns: list[str]) -> bool:
+    """``name`` is one of ``patterns`` (full names, name suffixes, or ``re:`` regexes), as
+    compressed-tensors' ``ignore`` and FP8's ``ignored_layers`` list layers."""
+    for entry in patterns:
+        if entry.startswith("re:"):
+            if re.match(entry[3:], name):
+                return True
+        elif name == entry or name.endswith("." + entry):
+            return True
+    return False
+
+
+def layer_ignored(prefix: str, skipped: Callable[[str], bool]) -> bool:
+    """Whether the checkpoint leaves the layer ``prefix`` unquantized, ``skipped`` telling
+    for each checkpoint layer; a merged layer is checked by its parts.
+
+    Raises:
+        QuantizationError: some of a merged layer's parts are left unquantized and others
+            not (one layer holds one precision, as in vLLM).
+    """
+    names = checkpoint_parts(prefix)
+    parts = [skipped(name) for name in names]
+    if any(parts) and not all(parts):
+        kept = [n.rpartition(".")[2] for n, p in zip(names, parts, strict=True) if p]
+        raise QuantizationError(
+            f"{prefix}: the checkpoint leaves {', '.join(kept)} unquantized but not the other "
+            "parts of this merged layer; its parts must share one precision"
+        )
+    return all(parts)
 
 
 def set_layout(

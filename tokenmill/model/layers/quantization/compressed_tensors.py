@@ -12,7 +12,6 @@ Per layer: ``weight_packed [N, K/8]`` int32 (signed values plus 8, packed along 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -24,6 +23,8 @@ from tokenmill.model.layers.quantization.base import (
     QuantizationConfig,
     QuantizationError,
     ShardSlice,
+    layer_ignored,
+    name_listed,
 )
 from tokenmill.model.layers.quantization.int4 import (
     Int4LinearMethod,
@@ -231,13 +232,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         return cls(parse_w4a16(qc), ignore)
 
     def _ignored(self, prefix: str) -> bool:
-        for entry in self.ignore:
-            if entry.startswith("re:"):
-                if re.match(entry[3:], prefix):
-                    return True
-            elif prefix == entry or prefix.endswith("." + entry):
-                return True
-        return False
+        return layer_ignored(prefix, lambda name: name_listed(name, self.ignore))
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod

@@ -37,18 +37,14 @@ from tokenmill.model.layers.quantization.base import (
     QuantizationError,
     ShardSlice,
     copy_shard,
+    layer_ignored,
+    name_listed,
     set_layout,
 )
 
 WeightForm = Literal["online", "tensor", "channel", "block"]
 Activations = Literal["token", "tensor", "static", "group", "none"]
 # Merged layers and the checkpoint layers they hold.
-MERGED_PARTS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-
-
 @dataclass(frozen=True)
 class Fp8Scheme:
     """How a checkpoint stores FP8 weights and how activations are quantized.
@@ -261,28 +257,6 @@ def _load_part_scalar(layer: nn.Module, param: nn.Parameter, loaded: torch.Tenso
     param.data[offsets.index(s.dst_start)] = value
 
 
-def checkpoint_parts(prefix: str) -> list[str]:
-    """The checkpoint layers a layer called ``prefix`` holds (its own name unless merged)."""
-    head, _, leaf = prefix.rpartition(".")
-    parts = MERGED_PARTS.get(leaf)
-    if parts is None:
-        return [prefix]
-    return [f"{head}.{p}" if head else p for p in parts]
-
-
-def _matches(name: str, patterns: list[str]) -> bool:
-    """``name`` is one of ``patterns`` (full names, name suffixes, or ``re:`` regexes)."""
-    import re
-
-    for entry in patterns:
-        if entry.startswith("re:"):
-            if re.match(entry[3:], name):
-                return True
-        elif name == entry or name.endswith("." + entry):
-            return True
-    return False
-
-
 class Fp8Config(QuantizationConfig):
     """Every linear layer FP8 but MoE routers and the layers the checkpoint leaves
     unquantized (``ignore`` names or ``re:`` patterns; vLLM's ``ignored_layers`` /
@@ -319,14 +293,7 @@ class Fp8Config(QuantizationConfig):
         return cls(Fp8Scheme("tensor", activations), ignore)
 
     def _ignored(self, prefix: str) -> bool:
-        """Whether the checkpoint leaves ``prefix`` unquantized; a merged layer is checked
-        by its checkpoint parts, which must agree."""
-        parts = [_matches(p, self.ignore) for p in checkpoint_parts(prefix)]
-        if any(parts) and not all(parts):
-            raise QuantizationError(
-                f"{prefix}: the checkpoint quantizes some of its merged parts and not others"
-            )
-        return all(parts)
+        return layer_ignored(prefix, lambda name: name_listed(name, self.ignore))
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod

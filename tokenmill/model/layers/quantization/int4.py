@@ -32,6 +32,7 @@ from tokenmill.model.layers.quantization.base import (
     ShardSlice,
     copy_shard,
     keeps_cpu_bf16_copy,
+    layer_ignored,
     set_layout,
 )
 
@@ -278,7 +279,7 @@ class Int4Config(QuantizationConfig):
             return UnquantizedLinearMethod()
         # A substring of the layer's name, as vLLM matches modules_to_not_convert
         # ("model.layers.1." skips that layer's projections).
-        if any(s and s in prefix for s in self.skip):
+        if layer_ignored(prefix, lambda name: any(s and s in name for s in self.skip)):
             return UnquantizedLinearMethod()
         if self.name == "awq":
             return AWQLinearMethod(self.group_size)
