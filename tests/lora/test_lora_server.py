@@ -135,5 +135,11 @@ def test_adapter_folder_gone_after_eviction_is_a_400(server, adapter_dirs, tmp_p
     r = server.post("/v1/completions", {"model": "gone", "prompt": "x", "max_tokens": 1})
     assert r.status_code == 400, r.text
     assert "no adapter folder" in r.json()["error"]["message"]
+    # Streamed, the refusal comes as a status code too, before any event.
+    for path, body in (("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        r = server.post(path, {"model": "gone", "max_tokens": 1, "stream": True, **body})
+        assert r.status_code == 400, r.text
+        assert "no adapter folder" in r.json()["error"]["message"]
     assert _complete(server, "qv")
     assert server.post("/v1/unload_lora_adapter", {"lora_name": "gone"}).status_code == 200

@@ -37,7 +37,7 @@ from tokenmill.entrypoints.openai.chat_tools import (
     ToolSettings,
     plan_tool_calls,
 )
-from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request
 from tokenmill.entrypoints.openai.logprobs import (
     TokenBytes,
     clamp_logprob,
@@ -230,6 +230,11 @@ class OpenAIServingChat(OpenAIServing):
             prompt_ids, None, params, request_id, request.priority, mm_features, request.model
         )
         first = await first_output(stream)
+        try:
+            self.check_first_output(first, request)
+        except OpenAIError:
+            await stream.aclose()  # type: ignore[attr-defined]
+            raise
         return ChatRun(request, request_id, first, stream, start, parsers)
 
     async def full_response(self, run: ChatRun) -> ChatCompletionResponse:

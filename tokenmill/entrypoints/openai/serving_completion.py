@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tokenmill import envs
 from tokenmill.engine.stage_timings import FRONT_END_TIMINGS
-from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.errors import OpenAIError, bad_request
 from tokenmill.entrypoints.openai.logprobs import (
     clamp_logprob,
     per_prompt_position,
@@ -173,7 +173,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.generate(ids, text, params, sub_id, request.priority, model=request.model)
             )
         submitted = time.monotonic()
-        firsts = await self._first_outputs(streams)
+        firsts = await self._first_outputs(streams, request)
         if timed:
             FRONT_END_TIMINGS.record("submitted->first output", time.monotonic() - submitted)
         if request.stream:
@@ -247,7 +247,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return await self.engine.encode(text, add_special_tokens=True, param="prompt")
 
     async def _first_outputs(
-        self, streams: list[AsyncIterator[RequestOutput]]
+        self, streams: list[AsyncIterator[RequestOutput]], request: CompletionRequest
     ) -> list[RequestOutput]:
         """Submit every prompt at once and wait for each one's first output.
 
@@ -256,6 +256,12 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         results = await asyncio.gather(*(first_output(s) for s in streams), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            try:
+                for r in results:
+                    self.check_first_output(r, request)  # type: ignore[arg-type]
+            except OpenAIError as e:
+                errors.append(e)
         if errors:
             for stream in streams:
                 await stream.aclose()  # type: ignore[attr-defined]

@@ -409,6 +409,18 @@ class OpenAIServing:
             )
         return OpenAIError("The request was aborted.", HTTPStatus.INTERNAL_SERVER_ERROR)
 
+    def check_first_output(self, first: RequestOutput, request: SamplingFields) -> None:
+        """Raise the error of a request the engine ended before its first token (refused on
+        arrival: an adapter that cannot be read, a grammar that does not compile, ...), so
+        that a streaming response fails with a status code instead of after its 200.
+
+        Raises:
+            OpenAIError: see ``aborted_error``.
+        """
+        for c in first.outputs:
+            if c.finish_reason == "abort":
+                raise self.aborted_error(c.stop_reason, request)
+
     def num_running(self) -> int:
         """Requests of this handler in the engine now."""
         return len(self._running)
