@@ -149,9 +149,26 @@ def test_non_finite_or_misranked_adapters_are_refused(llm, adapter_dirs, tmp_pat
     def misranked(weights, config):
         config["r"] = config["r"] // 2
 
+    def overflowing(weights, config):  # finite alpha, B * alpha / r past float32's range
+        config["lora_alpha"] = 1e300
+
+    def untargeted(weights, config):  # v_proj weights of an adapter that targets q_proj
+        config["target_modules"] = ["q_proj"]
+
+    def one_dimensional(weights, config):
+        key = next(k for k in weights if k.endswith("lora_B.weight"))
+        weights[key] = weights[key].reshape(-1)
+
+    def float8(weights, config):
+        key = next(k for k in weights if k.endswith("lora_A.weight"))
+        weights[key] = weights[key].to(torch.float8_e4m3fn)
+
     params = SamplingParams(max_tokens=4, temperature=0)
     base = llm.generate("The capital of France is", params, use_tqdm=False)
-    for i, (alter, word) in enumerate([(nan, "NaN or Inf"), (misranked, "says r=")], 90):
+    cases = [(nan, "NaN or Inf"), (misranked, "says r="), (overflowing, "overflows"),
+             (untargeted, "does not name"), (one_dimensional, "1-dimensional"),
+             (float8, "float8_e4m3fn tensor; LoRA weights are matrices")]
+    for i, (alter, word) in enumerate(cases, 90):
         path = _altered_copy(adapter_dirs["qv"], tmp_path / str(i), alter)
         with pytest.raises(ValueError, match=word):
             llm.generate("hi", params, use_tqdm=False, lora_request=LoRARequest(str(i), i, path))

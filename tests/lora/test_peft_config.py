@@ -39,6 +39,15 @@ def test_scale_and_rslora(tmp_path):
         ({"target_modules": ["q_proj", "embed_tokens"]}, "embed_tokens"),
         ({"bias": "all"}, "biases"),
         ({"peft_type": "IA3"}, "IA3"),
+        ({"r": True}, "r must be a positive integer"),
+        ({"lora_alpha": "16"}, "lora_alpha must be a number"),
+        ({"lora_alpha": None}, "lora_alpha must be a number"),
+        ({"lora_alpha": float("nan")}, "not a finite number"),
+        ({"lora_alpha": float("inf")}, "not a finite number"),
+        ({"lora_alpha": 10**400}, "not a finite number"),
+        ({"use_rslora": "yes"}, "use_rslora must be true or false"),
+        ({"target_modules": [["q_proj"]]}, "target_modules must list module names"),
+        ({"target_modules": "[unclosed"}, "is not a regular expression"),
     ],
 )
 def test_refused_configs(tmp_path, config, message):

@@ -23,6 +23,7 @@ from tokenmill.lora.layers import LoRABatch, LoRALinear, lora_layer
 from tokenmill.lora.peft import (
     SUPPORTED_TARGETS,
     LoRAAdapterError,
+    is_targeted,
     load_peft_weights,
     read_peft_config,
 )
@@ -193,6 +194,12 @@ class LoRAManager:
                 if f"{name}.".startswith(self.other_stages):
                     continue
                 raise LoRAAdapterError(f"{path!r}: the model has no layer {module}")
+            if not is_targeted(peft, module):
+                # peft would leave such weights unused; serving them would differ from it.
+                raise LoRAAdapterError(
+                    f"{path!r}: has weights for {module}, which its target_modules "
+                    f"{peft.target_modules!r} does not name"
+                )
             a, b = ab["lora_A"], ab["lora_B"]
             out, inp = layer.checkpoint_shape(shard)
             if a.shape[0] > self.config.max_lora_rank or tuple(a.shape) != (
@@ -216,6 +223,11 @@ class LoRAManager:
             # Copies of this rank's slices only: the whole tensors are not kept.
             a = a.to(self.dtype, copy=True)
             b = (b.float() * peft.scale).to(self.dtype)
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise LoRAAdapterError(
+                    f"{path!r}: {module}'s lora_A, or lora_B times its scale {peft.scale:g}, "
+                    f"overflows {self.dtype}"
+                )
             if pin:
                 a, b = a.pin_memory(), b.pin_memory()
             weights.setdefault(name, {})[shard] = (a, b)

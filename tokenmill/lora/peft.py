@@ -25,6 +25,7 @@ from typing import Any
 # The projections an adapter may target: tokenmill's LoRA layers wrap these.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_NAME = "adapter_config.json"
+WEIGHT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 WEIGHTS_NAME = "adapter_model.safetensors"
 _KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<ab>lora_[AB])(?:\.default)?\.weight$"
@@ -103,16 +104,32 @@ def _check_config(raw: dict[str, Any], path: str, max_rank: int) -> PEFTConfig:
     if raw.get("bias", "none") != "none":
         raise LoRAAdapterError(f"{path!r}: LoRA biases (bias={raw['bias']!r}) are not supported")
     rank = raw.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    # bool is an int in Python: `"r": true` is not a rank.
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise LoRAAdapterError(f"{path!r}: r must be a positive integer, got {rank!r}")
     if rank > max_rank:
         raise LoRAAdapterError(
             f"{path!r}: LoRA rank {rank} is greater than max_lora_rank {max_rank}"
         )
     alpha = raw.get("lora_alpha", 8)
-    scale = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise LoRAAdapterError(f"{path!r}: lora_alpha must be a number, got {alpha!r}")
+    rslora = raw.get("use_rslora", False)
+    if not isinstance(rslora, bool) and rslora is not None:
+        raise LoRAAdapterError(f"{path!r}: use_rslora must be true or false, got {rslora!r}")
+    try:
+        scale = float(alpha) / (math.sqrt(rank) if rslora else rank)
+    except OverflowError:
+        scale = math.inf
+    # A NaN or Inf scale would reach the other rows of a batch (see ``LoRAManager._read``).
+    if not math.isfinite(scale):
+        raise LoRAAdapterError(
+            f"{path!r}: lora_alpha {alpha!r} gives a scale that is not a finite number"
+        )
     targets = raw.get("target_modules")
     if isinstance(targets, list):
+        if not all(isinstance(t, str) for t in targets):
+            raise LoRAAdapterError(f"{path!r}: target_modules must list module names (strings)")
         bad = sorted(set(targets) - set(SUPPORTED_TARGETS))
         if bad:
             raise LoRAAdapterError(
@@ -120,9 +137,26 @@ def _check_config(raw: dict[str, Any], path: str, max_rank: int) -> PEFTConfig:
                 f"{', '.join(SUPPORTED_TARGETS)})"
             )
         targets = tuple(targets)
-    elif not isinstance(targets, str):
+    elif isinstance(targets, str):
+        try:
+            re.compile(targets)
+        except re.error as e:
+            raise LoRAAdapterError(
+                f"{path!r}: target_modules {targets!r} is not a regular expression: {e}"
+            ) from None
+    else:
         raise LoRAAdapterError(f"{path!r}: target_modules must be a list or a regex")
-    return PEFTConfig(rank, float(scale), targets, raw.get("base_model_name_or_path"))
+    base = raw.get("base_model_name_or_path")
+    base = base if isinstance(base, str) else None
+    return PEFTConfig(rank, scale, targets, base)
+
+
+def is_targeted(config: PEFTConfig, module: str) -> bool:
+    """Whether ``module`` (a full module name) is one the adapter's ``target_modules`` names:
+    a listed last name part, or a full match of the regular expression (peft's rule)."""
+    if isinstance(config.target_modules, str):
+        return re.fullmatch(config.target_modules, module) is not None
+    return module.rsplit(".", 1)[-1] in config.target_modules
 
 
 def load_peft_weights(path: str) -> dict[str, dict[str, Any]]:
@@ -134,8 +168,11 @@ def load_peft_weights(path: str) -> dict[str, dict[str, Any]]:
             embedding adapters, ``lora_embedding_A``), an A without its B, or a target other
             than the supported projections.
     """
+    import torch
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    dtypes = {getattr(torch, name) for name in WEIGHT_DTYPES}
 
     try:
         tensors = load_file(os.path.join(path, WEIGHTS_NAME))
@@ -154,6 +191,11 @@ def load_peft_weights(path: str) -> dict[str, dict[str, Any]]:
             raise LoRAAdapterError(
                 f"{path!r}: {module} is not a supported target (only "
                 f"{', '.join(SUPPORTED_TARGETS)})"
+            )
+        if tensor.dtype not in dtypes or tensor.dim() != 2:
+            raise LoRAAdapterError(
+                f"{path!r}: tensor {key!r} is a {tensor.dim()}-dimensional {tensor.dtype} "
+                f"tensor; LoRA weights are matrices of {', '.join(WEIGHT_DTYPES)}"
             )
         modules.setdefault(module, {})[match["ab"]] = tensor
     for module, ab in modules.items():
