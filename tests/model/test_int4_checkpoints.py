@@ -142,22 +142,30 @@ def test_moe_experts_stay_int4(tmp_path, monkeypatch, kind, fmt):
     assert (logits - expected).abs().max() <= BF16_RELATIVE * expected.abs().max()
 
 
-def test_packed_integers_stored_as_floats_are_refused(tmp_path, monkeypatch):
-    """A GPTQ qweight saved as float32 (its int32 words would lose bits in a conversion) is
-    refused with the tensor's name and dtypes."""
+@pytest.mark.parametrize("fmt, leaf, dtype", [
+    ("gptq", "qweight", torch.float32),  # int32 words would lose bits in a conversion
+    ("gptq", "qweight", torch.uint8),  # narrower integers lost their upper nibbles
+    ("awq", "qweight", torch.int16),
+    ("ct", "weight_packed", torch.int16),
+    ("awq", "scales", torch.int32),  # integer scales: written wrongly
+    ("ct", "weight_scale", torch.int32),
+])
+def test_tensors_of_the_wrong_dtype_are_refused(tmp_path, monkeypatch, fmt, leaf, dtype):
+    """A packed or scale tensor stored in a dtype its layout cannot take losslessly is refused
+    with the tensor's name and both dtypes."""
     import os
 
     from safetensors.torch import load_file, save_file
 
     from tokenmill.hf_config import ModelLoadError
 
-    folder = make_int4_checkpoint(str(tmp_path), "gptq", 32, sym=True)
+    folder = make_int4_checkpoint(str(tmp_path), fmt, 32, sym=True)
     path = os.path.join(folder, "quant", "model.safetensors")
     tensors = load_file(path)
-    name = next(k for k in tensors if k.endswith("qweight"))
-    tensors[name] = tensors[name].float()
+    name = next(k for k in tensors if k.endswith(f"o_proj.{leaf}"))
+    tensors[name] = tensors[name].to(dtype)
     save_file(tensors, path)
-    with pytest.raises(ModelLoadError, match=r"qweight.* is torch.float32; .* torch.int32"):
+    with pytest.raises(ModelLoadError, match=rf"{leaf}.* is {dtype}; this layout keeps it"):
         _load(os.path.join(folder, "quant"), monkeypatch)
 
 

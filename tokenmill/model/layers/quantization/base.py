@@ -167,6 +167,20 @@ def copy_shard(param: torch.Tensor, loaded: torch.Tensor, s: ShardSlice, name: s
             f"tensor {name!r} is {loaded.dtype}; this layout keeps it as {param.dtype} "
             "(packed integers)"
         )
+    if not loaded.is_floating_point() and param.is_floating_point():
+        # Integer scales would be converted silently: the checkpoint was written wrongly.
+        raise WeightShapeError(
+            f"tensor {name!r} is {loaded.dtype}; this layout keeps it as {param.dtype} "
+            "(floating point)"
+        )
+    if not (loaded.is_floating_point() or param.is_floating_point()) and (
+        loaded.element_size() < param.element_size()
+    ):
+        # int4 words read from 8- or 16-bit integers lost their upper nibbles.
+        raise WeightShapeError(
+            f"tensor {name!r} is {loaded.dtype}; this layout keeps it as {param.dtype} "
+            f"(packed {8 * param.element_size()}-bit integers)"
+        )
     out_dim = getattr(param, "output_dim", 0)
     in_dim = getattr(param, "input_dim", None if param.dim() == 1 else 1)
     target = param.data
