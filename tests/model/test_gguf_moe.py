@@ -184,3 +184,10 @@ def test_a_truncated_gguf_is_named_truncated(tmp_path, smollm2_gguf_path):
         path.write_bytes(src.read(4_000_000))
     with pytest.raises(ModelLoadError, match=r"cut\.gguf is truncated: its 4000000 bytes"):
         EngineArgs(model=str(path)).create_engine_config()
+
+
+def test_q_rows_that_are_not_whole_heads_are_refused():
+    from tokenmill.model.loader.gguf_loader import unpermute_qk
+
+    with pytest.raises(ValueError, match="192 rows are not 9 heads of an even size"):
+        unpermute_qk(np.zeros((192, 4), dtype=np.float32), 9)

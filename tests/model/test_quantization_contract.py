@@ -141,6 +141,21 @@ def test_qkv_parts(method, fused):
     assert (layer(x) - expected).abs().max() <= tol * expected.abs().max()
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_part_of_another_parts_size_is_refused(method):
+    """k_proj given q_proj's rows (larger) is refused, not cut to k's rows."""
+    from tokenmill.model.layers.weight_shape import WeightShapeError
+
+    if method == "bitsandbytes":
+        pytest.importorskip("bitsandbytes")
+    layer = _build(method, lambda: linear_module.QKVParallelLinear(K, 16, 4, 2, bias=False))
+    tensors, _ = checkpoint_tensors(method, torch.randn(PARTS["q"], K) * 0.1, 0)
+    # (AWQ packs 8 output features per int32 word: 32 rows are 4 words)
+    rows = PARTS["k"] // 8 if method == "awq" else PARTS["k"]
+    with pytest.raises(WeightShapeError, match=f"expected {rows} along dimension"):
+        _load(layer, tensors, "k")
+
+
 @pytest.mark.parametrize("method", ["unquantized", "gptq", "awq", "ct", "ct_fp8"])
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_tensor_parallel_slices(method, kind, monkeypatch):

@@ -62,8 +62,13 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     Args:
         w: ``[n_head * head_dim, ...]`` (weight or bias) in llama.cpp's row order.
         n_head: heads in this projection (KV heads for K).
+
+    Raises:
+        ValueError: the rows are not a whole number of heads of even size.
     """
     shape = w.shape
+    if shape[0] % (2 * n_head):
+        raise ValueError(f"{shape[0]} rows are not {n_head} heads of an even size")
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
@@ -192,10 +197,11 @@ def iterate_gguf(
             data = _dequantize(t, path, shapes_only)
             if hf_name.endswith("shared_expert_gate.weight") and data.ndim == 1:
                 data = data[None, :]  # llama.cpp stores this [1, H] gate as a vector
-        if permute and ".q_proj." in hf_name:
-            data = unpermute_qk(data, num_heads)
-        elif permute and ".k_proj." in hf_name:
-            data = unpermute_qk(data, num_kv_heads)
+        if permute and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            try:
+                data = unpermute_qk(data, num_heads if ".q_proj." in hf_name else num_kv_heads)
+            except ValueError as e:
+                raise ModelLoadError(f"{path}: tensor {t.name!r}: {e}") from None
         elif norm_plus_one and hf_name.endswith("norm.weight"):
             data = data - 1.0
         if not data.flags.writeable or not data.flags.c_contiguous:

@@ -39,6 +39,7 @@ from tokenmill.model.layers.quantization.gguf_segments import (
     segments_mm,
 )
 from tokenmill.model.layers.quantization.tensors import GGUFTensor
+from tokenmill.model.layers.weight_shape import WeightShapeError
 
 
 def _placeholder() -> nn.Parameter:
@@ -63,21 +64,22 @@ class GGUFLinearMethod(LinearMethod):
             raise QuantizationError("GGUF weights with tensor parallelism are not supported")
         start = s.dst_start or 0
         size = s.size if s.size is not None else sum(layer.output_partition_sizes)
+        if s.src_size is not None and loaded.shape[-2] != s.src_size:
+            # A larger tensor is refused, not cut to the part's rows (WeightShapeError: the
+            # loader names the checkpoint tensor).
+            raise WeightShapeError(
+                f"has shape {tuple(loaded.shape)}, expected {s.src_size} along dimension 0"
+            )
         if loaded.shape[-2] != size and s.size is not None:  # a part of a fused tensor
             loaded = (loaded.rows(s.src_start, size) if isinstance(loaded, GGUFTensor)
                       else loaded.narrow(0, s.src_start, size))
         if isinstance(loaded, GGUFTensor):
             n, k = loaded.shape[-2:]
             if loaded.data.shape[-2] != size or k != layer.input_size:
-                raise QuantizationError(
-                    f"tensor {getattr(param, '_tm_name', '?')!r} has shape {(n, k)}, expected "
-                    f"{(size, layer.input_size)}"
-                )
+                raise WeightShapeError(f"has shape {(n, k)}, expected {(size, layer.input_size)}")
         elif tuple(loaded.shape) != (size, layer.input_size):
-            raise QuantizationError(
-                f"tensor {getattr(param, '_tm_name', '?')!r} has shape {tuple(loaded.shape)}, "
-                f"expected {(size, layer.input_size)}"
-            )
+            raise WeightShapeError(
+                f"has shape {tuple(loaded.shape)}, expected {(size, layer.input_size)}")
         layer.gguf_parts.append((start, loaded))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
