@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.model.paged import PagedRunner
-from tests.model.quant_checkpoints import make_int4_checkpoint
+from tests.model.quant_checkpoints import _quant_config, make_int4_checkpoint
 from tokenmill.config import LoadConfig
 from tokenmill.engine_args import EngineArgs
 from tokenmill.kernels.quant import int4_cpu
@@ -224,3 +224,44 @@ def test_merged_layer_with_one_part_unquantized_is_refused(tmp_path, monkeypatch
     with pytest.raises((ModelLoadError, QuantizationError),
                        match=r"qkv_proj: the checkpoint leaves k_proj unquantized"):
         _load(f"{folder}/quant", monkeypatch)
+
+
+@pytest.mark.parametrize("targets", [["re:.*self_attn.*"], ["q_proj", "k_proj", "v_proj",
+                                                           "o_proj"]])
+def test_compressed_tensors_targets_pick_the_quantized_layers(tmp_path, monkeypatch, targets):
+    """A config group whose targets name only the attention projections leaves the MLP in
+    float (as llm-compressor writes such checkpoints): the logits match the reference."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    mlp = tuple(f"model.layers.{i}.mlp.{p}" for i in range(2)
+                for p in ("gate_proj", "up_proj", "down_proj"))
+    folder = make_int4_checkpoint(str(tmp_path), "ct", 32, sym=True, skip=mlp)
+    config_path = f"{folder}/quant/config.json"
+    config = json.load(open(config_path))
+    qc = config["quantization_config"]
+    qc["ignore"] = ["lm_head"]
+    qc["config_groups"]["group_0"]["targets"] = targets
+    json.dump(config, open(config_path, "w"))
+    cfg, model, captured = _load(f"{folder}/quant", monkeypatch)
+    assert len(captured) == 2 * 2  # qkv_proj and o_proj of each layer
+    ref = AutoModelForCausalLM.from_pretrained(f"{folder}/reference").float().eval()
+    ids = [3, 17, 92, 5, 44, 8]
+    logits = _logits(model, cfg, ids)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert (logits - expected).abs().max() <= BF16_RELATIVE * expected.abs().max()
+
+
+@pytest.mark.parametrize("key, value", [("ignore", "lm_head"), ("modules_to_not_convert", "q")])
+def test_an_ignore_list_that_is_not_a_list_is_refused(key, value):
+    from tokenmill.model.layers.quantization import get_quantization_config
+    from tokenmill.model.layers.quantization.base import QuantizationError
+
+    fmt = "ct" if key == "ignore" else "awq"
+    qc = _quant_config(fmt, 32, True, False)
+    qc[key] = value
+    name = "compressed-tensors" if fmt == "ct" else "awq"
+    with pytest.raises(QuantizationError, match=f"{key} must be a list of layer names"):
+        get_quantization_config(name, {"quantization_config": qc}, "cpu")

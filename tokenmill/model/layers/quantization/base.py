@@ -90,6 +90,30 @@ def name_listed(name: str, patterns: list[str]) -> bool:
     return False
 
 
+def name_targeted(name: str, targets: list[str]) -> bool:
+    """Whether a linear layer ``name`` is one of a compressed-tensors config group's
+    ``targets``: the class name ``Linear`` (every linear layer), a full name or name
+    suffix, or a ``re:`` regex; other class names (``Embedding``) name no linear layer."""
+    return "Linear" in targets or name_listed(name, targets)
+
+
+def layer_names(config: dict[str, Any], key: str) -> list[str]:
+    """``config[key]``: a list of layer names or patterns (absent or null: empty).
+
+    Raises:
+        QuantizationError: anything but a list of strings (a bare string would otherwise
+            be read character by character).
+    """
+    value = config.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise QuantizationError(
+            f"quantization_config {key} must be a list of layer names, got {value!r}"
+        )
+    return value
+
+
 def layer_ignored(prefix: str, skipped: Callable[[str], bool]) -> bool:
     """Whether the checkpoint leaves the layer ``prefix`` unquantized, ``skipped`` telling
     for each checkpoint layer; a merged layer is checked by its parts.

@@ -24,7 +24,9 @@ from tokenmill.model.layers.quantization.base import (
     QuantizationError,
     ShardSlice,
     layer_ignored,
+    layer_names,
     name_listed,
+    name_targeted,
 )
 from tokenmill.model.layers.quantization.int4 import (
     Int4LinearMethod,
@@ -81,6 +83,19 @@ FP8_SUPPORTED = (
     "or block, activations dynamic per token or tensor, static per tensor, dynamic per group "
     "(with block weights) or not quantized"
 )
+
+
+def group_targets(qc: dict[str, Any]) -> list[str]:
+    """The layers the (one) config group quantizes: its ``targets`` (``Linear`` when the
+    group names none).
+
+    Raises:
+        QuantizationError: targets that are not a list of names.
+    """
+    group = next(iter((qc.get("config_groups") or {}).values()), None) or {}
+    if "targets" not in group:
+        return ["Linear"]
+    return layer_names(group, "targets")
 
 
 def is_fp8(qc: dict[str, Any]) -> bool:
@@ -213,9 +228,11 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     name = "compressed-tensors"
 
-    def __init__(self, weights: dict[str, Any], ignore: list[str]) -> None:
+    def __init__(self, weights: dict[str, Any], ignore: list[str],
+                 targets: list[str] | None = None) -> None:
         self.weights = weights
         self.ignore = ignore
+        self.targets = ["Linear"] if targets is None else targets
 
     @classmethod
     def from_config(cls, qc: dict[str, Any]) -> QuantizationConfig:
@@ -224,15 +241,16 @@ class CompressedTensorsConfig(QuantizationConfig):
         Raises:
             QuantizationError: an unsupported scheme.
         """
-        ignore = list(qc.get("ignore") or [])
+        ignore = layer_names(qc, "ignore")
         if is_fp8(qc):
             from tokenmill.model.layers.quantization.fp8 import Fp8Config
 
-            return Fp8Config(parse_fp8(qc), ignore, cls.name)
-        return cls(parse_w4a16(qc), ignore)
+            return Fp8Config(parse_fp8(qc), ignore, cls.name, group_targets(qc))
+        return cls(parse_w4a16(qc), ignore, group_targets(qc))
 
     def _ignored(self, prefix: str) -> bool:
-        return layer_ignored(prefix, lambda name: name_listed(name, self.ignore))
+        return layer_ignored(prefix, lambda name: name_listed(name, self.ignore)
+                             or not name_targeted(name, self.targets))
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod

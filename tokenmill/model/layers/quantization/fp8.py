@@ -38,7 +38,9 @@ from tokenmill.model.layers.quantization.base import (
     ShardSlice,
     copy_shard,
     layer_ignored,
+    layer_names,
     name_listed,
+    name_targeted,
     set_layout,
 )
 
@@ -262,10 +264,12 @@ class Fp8Config(QuantizationConfig):
     unquantized (``ignore`` names or ``re:`` patterns; vLLM's ``ignored_layers`` /
     ``modules_to_not_convert``). Token embeddings and the LM head stay 16-bit."""
 
-    def __init__(self, scheme: Fp8Scheme, ignore: list[str], name: str = "fp8") -> None:
+    def __init__(self, scheme: Fp8Scheme, ignore: list[str], name: str = "fp8",
+                 targets: list[str] | None = None) -> None:
         self.scheme = scheme
         self.ignore = ignore
         self.name = name
+        self.targets = targets  # compressed-tensors' config group targets; None: every layer
 
     @classmethod
     def from_config(cls, qc: dict[str, Any] | None) -> Fp8Config:
@@ -281,7 +285,7 @@ class Fp8Config(QuantizationConfig):
         if act not in ("dynamic", "static"):
             raise QuantizationError(f"fp8 activation_scheme {act!r} (dynamic or static)")
         block = qc.get("weight_block_size")
-        ignore = list(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
+        ignore = layer_names(qc, "ignored_layers") or layer_names(qc, "modules_to_not_convert")
         if block is not None:
             if act != "dynamic" or len(block) != 2:
                 raise QuantizationError("fp8 block-wise weights need activation_scheme "
@@ -293,7 +297,8 @@ class Fp8Config(QuantizationConfig):
         return cls(Fp8Scheme("tensor", activations), ignore)
 
     def _ignored(self, prefix: str) -> bool:
-        return layer_ignored(prefix, lambda name: name_listed(name, self.ignore))
+        return layer_ignored(prefix, lambda name: name_listed(name, self.ignore) or (
+            self.targets is not None and not name_targeted(name, self.targets)))
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod

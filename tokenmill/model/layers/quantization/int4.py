@@ -33,6 +33,7 @@ from tokenmill.model.layers.quantization.base import (
     copy_shard,
     keeps_cpu_bf16_copy,
     layer_ignored,
+    layer_names,
     set_layout,
 )
 
@@ -299,11 +300,11 @@ def awq_config(qc: dict[str, Any]) -> Int4Config:
     if not qc.get("zero_point", True):
         raise QuantizationError("awq without zero points (zero_point: false) is not supported")
     group = int(qc.get("group_size", qc.get("q_group_size", 128)))
-    return Int4Config("awq", group, list(qc.get("modules_to_not_convert") or []))
+    return Int4Config("awq", group, layer_names(qc, "modules_to_not_convert"))
 
 
 def gptq_config(qc: dict[str, Any]) -> Int4Config:
     fmt = str(qc.get("checkpoint_format", "gptq")).lower()
-    skip = list(qc.get("modules_to_not_convert") or [])
+    skip = layer_names(qc, "modules_to_not_convert")
     return Int4Config("gptq", int(qc.get("group_size", 128)), skip,
                       zeros_minus_one=fmt == "gptq")
