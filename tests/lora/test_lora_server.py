@@ -143,3 +143,27 @@ def test_adapter_folder_gone_after_eviction_is_a_400(server, adapter_dirs, tmp_p
         assert "no adapter folder" in r.json()["error"]["message"]
     assert _complete(server, "qv")
     assert server.post("/v1/unload_lora_adapter", {"lora_name": "gone"}).status_code == 200
+
+
+def test_a_request_running_when_its_adapter_is_unloaded_names_the_adapter(server, adapter_dirs):
+    """Unloading lets a running request finish with its adapter; its (non-streamed) response
+    still names the adapter, not the base model."""
+    import threading
+    import time
+
+    load = {"lora_name": "late", "lora_path": adapter_dirs["mlp"]}
+    assert server.post("/v1/load_lora_adapter", load).status_code == 200
+    body = {"model": "late", "prompt": PROMPT, "max_tokens": 120, "ignore_eos": True}
+    result = {}
+    thread = threading.Thread(
+        target=lambda: result.update(r=server.post("/v1/completions", body, timeout=120)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while server.metrics().get("tokenmill:num_requests_running", 0) < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert server.post("/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 200
+    thread.join()
+    assert result["r"].status_code == 200, result["r"].text
+    assert result["r"].json()["model"] == "late"
+    assert result["r"].json()["usage"]["completion_tokens"] == 120

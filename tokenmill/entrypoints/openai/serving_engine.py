@@ -179,9 +179,12 @@ class OpenAIServing:
 
     def response_model(self, model: str | None) -> str:
         """The ``model`` a response carries: the LoRA adapter's name when the request named
-        one (as vLLM answers), else the served model's first name."""
-        if self.models is not None and self.models.lora_request(model) is not None:
-            assert model is not None
+        one (as vLLM answers), else the served model's first name.
+
+        ``check_model`` admitted the request's ``model`` on arrival, so a name other than
+        the served ones is an adapter's, even one unloaded while the request ran (it
+        finished with that adapter)."""
+        if model is not None and model not in self.model_config.served_model_names:
             return model
         return self.model_name
 
