@@ -467,6 +467,11 @@ class EngineArgs:
         if dtype == "auto":
             dtype = "bfloat16" if device == "cuda" else "float32"
         model_len = derive_max_model_len(hf_config)
+        if model_len < 1:
+            raise ConfigError(
+                f"the config of {model} gives a context of {model_len} tokens "
+                "(max_position_embeddings)"
+            )
         pooler_config = None
         if is_pooling_model(hf_config.architectures[0]):
             from tokenmill.model.layers.pooler import parse_pooler_config, resolve_pooler_config

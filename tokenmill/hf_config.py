@@ -9,6 +9,7 @@ wrote the file. Torch-free, so configuration can be resolved without loading tor
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -200,6 +201,8 @@ def read_gguf_config(path: str) -> dict[str, Any]:
                         ("embedding_length", "hidden_size")):  # fmt: skip
         if not isinstance(data.get(hf_key), int) or data[hf_key] < 1:
             raise ModelLoadError(f"GGUF file {path} has no positive {arch}.{key}")
+    if "intermediate_size" not in data:
+        raise ModelLoadError(f"GGUF file {path} has no {arch}.feed_forward_length")
     if "head_dim" not in data:
         data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
     data.setdefault("num_key_value_heads", data["num_attention_heads"])
@@ -382,7 +385,9 @@ def load_hf_config(model: str) -> tuple[HFConfig, dict[str, Any]]:
         if key not in data:
             raise ModelLoadError(f"the config of {model} has no {key!r}")
     _check_heads(data, model)
-    return HFConfig(normalize_rope(data)), generation_config
+    data = normalize_rope(data)
+    _check_numbers(data, model)
+    return HFConfig(data), generation_config
 
 
 def _check_heads(data: dict[str, Any], model: str) -> None:
@@ -406,6 +411,40 @@ def _check_heads(data: dict[str, Any], model: str) -> None:
             f"the config of {model}: num_attention_heads ({heads}) is not a multiple of "
             f"num_key_value_heads ({kv})"
         )
+
+
+# Sizes that must be positive integers and constants that must be positive finite numbers,
+# where a config has them (a wrong one would build a model that answers garbage or fails
+# mid-start-up).
+POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
+                 "head_dim", "moe_intermediate_size", "num_local_experts", "num_experts")
+POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta")
+_GGUF_KEY_OF = {hf: gguf for gguf, hf in GGUF_KEYS.items()}
+
+
+def _check_numbers(data: dict[str, Any], model: str) -> None:
+    """Sizes and numeric constants a model can be built from.
+
+    Raises:
+        ModelLoadError: a size that is not a positive integer, an epsilon or RoPE base that
+            is not a positive finite number (GGUF files: the message names the GGUF key).
+    """
+
+    def refuse(key: str, what: str) -> None:
+        where = f"{key} (GGUF key {_GGUF_KEY_OF[key]})" if model.endswith(".gguf") and \
+            key in _GGUF_KEY_OF else key
+        raise ModelLoadError(f"the config of {model}: {where} must be {what}, got {data[key]!r}")
+
+    for key in POSITIVE_INTS:
+        value = data.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            refuse(key, "a positive integer")
+    for key in POSITIVE_FLOATS:
+        value = data.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not math.isfinite(value) or value <= 0):
+            refuse(key, "a positive finite number")
 
 
 def derive_max_model_len(config: HFConfig) -> int:

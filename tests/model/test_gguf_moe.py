@@ -191,3 +191,40 @@ def test_q_rows_that_are_not_whole_heads_are_refused():
 
     with pytest.raises(ValueError, match="192 rows are not 9 heads of an even size"):
         unpermute_qk(np.zeros((192, 4), dtype=np.float32), 9)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"llama.attention.layer_norm_rms_epsilon": -1.0},
+     r"rms_norm_eps \(GGUF key attention.layer_norm_rms_epsilon\) must be a positive finite"),
+    ({"llama.rope.freq_base": float("nan")}, "rope_theta .* must be a positive finite"),
+    ({"llama.feed_forward_length": None}, "has no llama.feed_forward_length"),
+    ({"llama.context_length": 0}, "gives a context of 0 tokens"),
+])
+def test_gguf_settings_out_of_range_are_refused(tmp_path, change, message):
+    """Metadata that would build a model answering garbage (a negative epsilon, a NaN RoPE
+    base) or failing mid-start-up is refused at start-up, naming the GGUF key."""
+    import gguf
+
+    from tokenmill.config import ConfigError
+    from tokenmill.hf_config import ModelLoadError
+
+    fields = {"llama.block_count": 1, "llama.context_length": 64, "llama.embedding_length": 8,
+              "llama.feed_forward_length": 16, "llama.attention.head_count": 2,
+              "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.rope.freq_base": 1e4}
+    fields.update(change)
+    path = str(tmp_path / "x.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_float32(key, value)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises((ModelLoadError, ConfigError), match=message):
+        EngineArgs(model=path, tokenizer=path).create_engine_config()

@@ -265,3 +265,20 @@ def test_an_ignore_list_that_is_not_a_list_is_refused(key, value):
     name = "compressed-tensors" if fmt == "ct" else "awq"
     with pytest.raises(QuantizationError, match=f"{key} must be a list of layer names"):
         get_quantization_config(name, {"quantization_config": qc}, "cpu")
+
+
+def test_a_gptq_g_idx_of_the_wrong_length_is_named(tmp_path, monkeypatch):
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.hf_config import ModelLoadError
+
+    folder = make_int4_checkpoint(str(tmp_path), "gptq", 32, sym=True, act_order=True)
+    path = os.path.join(folder, "quant", "model.safetensors")
+    tensors = load_file(path)
+    name = next(k for k in tensors if k.endswith("k_proj.g_idx"))
+    tensors[name] = tensors[name][:-8].contiguous()
+    save_file(tensors, path)
+    with pytest.raises(ModelLoadError, match=r"k_proj\.g_idx.*has shape \(120,\), expected"):
+        _load(os.path.join(folder, "quant"), monkeypatch)

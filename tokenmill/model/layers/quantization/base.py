@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import current_kernel_config
+from tokenmill.hf_config import ModelLoadError
 from tokenmill.kernels.quant.int4_cpu import keeps_bf16_copy
 from tokenmill.model.layers.quantization.tensors import as_float
 from tokenmill.model.layers.weight_shape import WeightShapeError, check_shape
@@ -34,8 +35,9 @@ def keeps_cpu_bf16_copy() -> bool:
     return keeps_bf16_copy(current_kernel_config().cpu_bf16_weights)
 
 
-class QuantizationError(ValueError):
-    """A checkpoint's quantization is unsupported or inconsistent; the message says which."""
+class QuantizationError(ModelLoadError, ValueError):
+    """A checkpoint's quantization is unsupported or inconsistent; the message says which.
+    (A ``ModelLoadError``: reported at start-up in one line, without a traceback.)"""
 
 
 @dataclass(frozen=True)

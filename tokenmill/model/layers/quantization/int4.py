@@ -36,6 +36,7 @@ from tokenmill.model.layers.quantization.base import (
     layer_names,
     set_layout,
 )
+from tokenmill.model.layers.weight_shape import WeightShapeError
 
 
 @dataclass
@@ -211,6 +212,11 @@ class GPTQLinearMethod(Int4LinearMethod):
         layer.int4_dtype = dtype
 
     def load_weight(self, layer, param, loaded, s: ShardSlice) -> None:
+        if param is layer.g_idx and loaded.shape != (layer.checkpoint_shape(s.shard_id)[1],):
+            # WeightShapeError: the loader names the checkpoint tensor.
+            raise WeightShapeError(f"has shape {tuple(loaded.shape)}, expected "
+                                   f"({layer.checkpoint_shape(s.shard_id)[1]},) (one group "
+                                   "index per input feature)")
         if param is layer.g_idx and getattr(layer, "g_idx_loaded", False):
             # Merged parts share their input, so their g_idx must agree.
             if not torch.equal(layer.g_idx.data,

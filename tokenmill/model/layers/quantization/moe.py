@@ -128,6 +128,12 @@ class _ExpertLinear(nn.Module):
         self.bias = None
         method.create_weights(self, input_size, output_sizes, torch.get_default_dtype())
 
+    def checkpoint_shape(self, shard_id: Any = None) -> tuple[int, int]:  # noqa: ARG002
+        """``(output, input)`` features of the expert's whole product (its gate and up
+        tensors' own rows are each ``ShardSlice.src_size``); ``shard_id`` is the MoE
+        layer's and does not index the parts."""
+        return sum(self.output_partition_sizes), self.input_size
+
 
 class Int4MoEMethod:
     """Experts of an AWQ/GPTQ/compressed-tensors checkpoint, or quantized to FP8 while
@@ -163,7 +169,7 @@ class Int4MoEMethod:
                 if part == "down":
                     s = ShardSlice(shard_id)
                 else:
-                    s = ShardSlice(shard_id, 0 if part == "gate" else i, i, 0)
+                    s = ShardSlice(shard_id, 0 if part == "gate" else i, i, 0, src_size=i)
                 target_param = getattr(target, name)
                 target_param._tm_name = getattr(param, "_tm_name", name)
                 target.quant_method.load_weight(target, target_param, loaded, s)
