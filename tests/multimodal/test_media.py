@@ -62,6 +62,20 @@ def test_unusable_images_raise_a_clear_media_error(url, words):
 def test_byte_and_pixel_bounds(monkeypatch):
     with pytest.raises(MediaError, match="pixels"):
         load_image_url(data_url(encoded("PNG", (8000, 6000), mode="1")))
+    # A ~100-byte PNG whose header claims 100,000 x 100,000 pixels (past PIL's own bomb
+    # limit, which is checked when the file is opened).
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(
+            ">I", zlib.crc32(kind + body))
+
+    bomb = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100_000, 100_000,
+                                                           8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+    with pytest.raises(MediaError, match="pixels allowed"):
+        load_image_url("data:image/png;base64," + base64.b64encode(bomb).decode())
     monkeypatch.setattr(media, "MAX_IMAGE_BYTES", 100)
     with pytest.raises(MediaError, match="bytes"):
         load_image_url(data_url(encoded("PNG", (64, 64))))

@@ -67,6 +67,11 @@ def decode_image(data: bytes) -> Any:
         )
     try:
         image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        # PIL's own limit (above ours) is checked on opening, from the header.
+        raise MediaError(
+            f"the image has more than the {MAX_IMAGE_PIXELS:,} pixels allowed"
+        ) from None
     except (UnidentifiedImageError, OSError, ValueError):
         raise MediaError("the image cannot be decoded (PNG, JPEG or WebP expected)") from None
     if image.format not in IMAGE_FORMATS:
