@@ -173,3 +173,31 @@ def test_a_plugin_file_registers_its_parser(tmp_path):
         ToolParserManager.import_tool_parser(str(broken))
     with pytest.raises(KeyError, match="known: "):
         ToolParserManager.get_tool_parser("no_such_parser")
+
+
+@pytest.mark.parametrize("output", [
+    '<tool_call>{"name": "nope", "arguments": {"city": "X"}}</tool_call>',  # not a tool
+    '<tool_call>{"name": "get_weather", "arguments": 5}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": "str"}</tool_call>',  # not an object
+])
+def test_a_call_that_cannot_be_made_is_content_whole_and_streamed(output):
+    """An unknown tool or arguments that are no object: the whole output is content, streamed
+    in any chunking as whole, and no call is sent."""
+    cls = ToolParserManager.get_tool_parser("hermes")
+    info = cls(None).extract_tool_calls(output, REQUEST)
+    assert not info.tools_called and info.content == output
+    for pieces in chunkings(output):
+        content, calls = stream(cls(None), pieces)
+        assert calls == {} and content == output, pieces
+
+
+def test_a_repeated_name_never_renames_a_call():
+    """A key repeated after the arguments (the call may already be streaming): the whole
+    output is content, and a stream never sends the second name."""
+    output = ('<tool_call>{"name": "get_weather", "arguments": {"city": "X"}, "name": "x"}'
+              "</tool_call>")
+    cls = ToolParserManager.get_tool_parser("hermes")
+    assert not cls(None).extract_tool_calls(output, REQUEST).tools_called
+    for pieces in chunkings(output):
+        _, calls = stream(cls(None), pieces)
+        assert all(c["name"] == "get_weather" for c in calls.values()), pieces

@@ -131,6 +131,10 @@ def scan_object(text: str, i: int) -> ObjectScan:
         j = skip_ws(text, j + 1)
         if j >= n:
             return scan
+        if key in scan.members:
+            # Parsers disagree on which of two values wins; a call must not be read
+            # differently streamed and whole.
+            raise MalformedJSON(f"duplicate key {key!r} at {j}")
         end = value_end(text, j)
         scan.members[key] = (j, end)
         if end is None:

@@ -102,11 +102,26 @@ def call_from_object(
         call.arguments = text[begin:end] if end is not None else text[begin:]
     elif first == '"':
         call.arguments = json.loads(text[begin:end]) if end is not None else ""
+        if end is not None and not is_json_object(call.arguments):
+            raise MalformedJSON("the arguments of a tool call must be an object")
     elif text.startswith("null", begin) or (end is None and "null".startswith(text[begin:])):
         call.arguments = "{}" if end is not None else ""
     else:
         raise MalformedJSON("the arguments of a tool call must be an object")
     return call
+
+
+def _known_name(name: str, request: ChatCompletionRequest) -> bool:
+    """Whether ``name`` is one of the request's tools (any name when it lists none)."""
+    tools = getattr(request, "tools", None)
+    return not tools or any(t.function.name == name for t in tools)
+
+
+def _valid(call: PartialToolCall, request: ChatCompletionRequest) -> bool:
+    """A call that can be made: complete, named after one of the request's tools, with a
+    JSON object as arguments."""
+    return (call.name is not None and call.complete and is_json_object(call.arguments)
+            and _known_name(call.name, request))
 
 
 class MarkupToolParser(ToolParser):
@@ -141,12 +156,10 @@ class MarkupToolParser(ToolParser):
         self, model_output: str, request: ChatCompletionRequest
     ) -> ExtractedToolCallInformation:
         parsed = self.parse(model_output, True, request)
-        if not parsed.calls:
+        if not parsed.calls or not all(_valid(c, request) for c in parsed.calls):
             return ExtractedToolCallInformation(tools_called=False, content=model_output)
         calls = []
         for call in parsed.calls:
-            if call.name is None or not call.complete or not is_json_object(call.arguments):
-                return ExtractedToolCallInformation(tools_called=False, content=model_output)
             function = FunctionCall(name=call.name, arguments=call.arguments)
             calls.append(ToolCall(id=self.new_call_id(), function=function))
         content = parsed.content.strip() or None
@@ -163,13 +176,22 @@ class MarkupToolParser(ToolParser):
         request: ChatCompletionRequest,
     ) -> DeltaMessage | None:
         self._text = current_text
-        return self._delta(self.parse(current_text, False, request), final=False)
+        return self._delta(self.parse(current_text, False, request), final=False,
+                           request=request)
 
     def finish_streaming(self, request: ChatCompletionRequest) -> DeltaMessage | None:
-        return self._delta(self.parse(self._text, True, request), final=True)
+        parsed = self.parse(self._text, True, request)
+        if not self._sent_calls and not all(_valid(c, request) for c in parsed.calls):
+            # As ``extract_tool_calls``: calls that cannot be made leave the whole output
+            # content (what was sent so far is a prefix of it: the text before any markup).
+            rest = self._text[self._sent_content :]
+            return DeltaMessage(content=rest) if rest else None
+        return self._delta(parsed, final=True, request=request)
 
-    def _delta(self, parsed: ParsedToolOutput, final: bool) -> DeltaMessage | None:
-        """What grew since the last delta."""
+    def _delta(self, parsed: ParsedToolOutput, final: bool,
+               request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
+        """What grew since the last delta. A call is sent once its name is one of the
+        request's tools and its arguments have begun (an object, or a string holding one)."""
         content = parsed.content
         if not (final and not parsed.calls):
             content = content.rstrip()
@@ -178,8 +200,10 @@ class MarkupToolParser(ToolParser):
         deltas: list[DeltaToolCall] = []
         for index, call in enumerate(parsed.calls):
             if index == len(self._sent_calls):
-                if call.name is None:
-                    break  # calls are sent in order
+                if call.name is None or not (call.arguments or call.complete) or (
+                    request is not None and not _known_name(call.name, request)
+                ):
+                    break  # calls are sent in order, each once it is known to be one
                 call_id = self.new_call_id()
                 self._sent_calls.append((call_id, 0))
                 deltas.append(
