@@ -238,3 +238,23 @@ def test_unsupported_or_bad_fields_are_400s_naming_the_field(default_server, ext
 def test_a_missing_input_is_a_400(default_server):
     response = httpx.post(default_server.url + "/v1/responses", json={"model": MODEL})
     assert response.status_code == 400 and response.json()["error"]["param"] == "input"
+
+
+def test_a_streamed_call_cut_by_max_output_tokens_is_incomplete_and_continuable(default_server):
+    """A forced call that max_output_tokens cuts is an incomplete item, and the stored
+    response still continues (the cut call is not part of the conversation)."""
+    client = default_server.openai()
+    with client.responses.stream(
+        model=MODEL, input="What is the weather in Paris?", tools=TOOLS,
+        tool_choice="required", max_output_tokens=20, temperature=0,
+    ) as stream:
+        streamed = stream.get_final_response()
+    response = client.responses.retrieve(streamed.id)  # as stored (response.completed's body)
+    assert response.status == "incomplete"
+    assert response.output[-1].type == "function_call"
+    assert response.output[-1].status == "incomplete"
+    follow_up = client.responses.create(
+        model=MODEL, previous_response_id=response.id, input="Go on.", max_output_tokens=4,
+        temperature=0,
+    )
+    assert follow_up.status in ("completed", "incomplete")

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 
 from tokenmill.entrypoints.openai.protocol import ChatCompletionMessage, UsageInfo
 from tokenmill.entrypoints.openai.responses_input import ResponsesRequest
+from tokenmill.entrypoints.openai.tool_parsers.json_scan import is_json_object
 
 
 def item_id(prefix: str) -> str:
@@ -120,14 +121,14 @@ def usage(chat_usage: UsageInfo | None, reasoning_tokens: int) -> dict[str, Any]
 
 def finish(body: dict[str, Any], finish_reason: str | None) -> None:
     """Set the final status: ``incomplete`` (max_output_tokens) when the answer was cut, and
-    then so is the output item it was writing (its last message or reasoning), as OpenAI's."""
+    then so is the output item it was writing (its last message, reasoning or function
+    call), as OpenAI's."""
     if finish_reason == "length":
         body["status"] = "incomplete"
         body["incomplete_details"] = {"reason": "max_output_tokens"}
-        for item in reversed(body.get("output") or []):
-            if item.get("type") in ("message", "reasoning"):
-                item["status"] = "incomplete"
-                break
+        output = body.get("output") or []
+        if output and output[-1].get("type") in ("message", "reasoning", "function_call"):
+            output[-1]["status"] = "incomplete"
     else:
         body["status"] = "completed"
 
@@ -141,6 +142,8 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif item["type"] == "message":
             message["content"] = "".join(part["text"] for part in item["content"])
         elif item["type"] == "function_call":
+            if item.get("status") == "incomplete" and not is_json_object(item["arguments"]):
+                continue  # cut by max_output_tokens: no call was made (nothing can answer it)
             call = {"name": item["name"], "arguments": item["arguments"]}
             message.setdefault("tool_calls", []).append(
                 {"id": item["call_id"], "type": "function", "function": call}
