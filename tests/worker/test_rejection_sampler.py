@@ -172,3 +172,25 @@ def test_the_host_greedy_verdict_is_the_samplers():
                                               strict=True)]  # fmt: skip
         host = greedy_verify(logits.argmax(-1).numpy(), drafts.numpy(), counts)
         assert host == expected
+
+
+def test_seeded_tokens_do_not_depend_on_the_number_of_drafts():
+    """A seeded request emits the same token at each position whether a step verified two
+    one-hot drafts, one or none (a step's draft count follows the batch), so its output is
+    that of decoding without drafts."""
+    torch.manual_seed(5)
+    seeded = SamplingParams(temperature=1.0, seed=77)
+    target = torch.randn(3, 50)
+    drafts = [int(target[0].argmax()), int(target[1].argmax())]
+
+    def tokens(num: int) -> list[int]:
+        """The tokens emitted at positions 0..num (the drafts' rows, then the bonus row)."""
+        meta = build_sampling_metadata(_rows(seeded, [5], drafts[:num]), 50, torch.device("cpu"))
+        ids = torch.tensor(drafts[:num], dtype=torch.int64)
+        out = rejection_sample(target[: num + 1], meta, ids, [num])
+        return out.token_ids[0][: int(out.num_tokens[0])].tolist()
+
+    two = tokens(2)
+    assert tokens(0) == two[:1]
+    one = tokens(1)
+    assert one == two[: len(one)]

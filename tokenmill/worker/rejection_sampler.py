@@ -127,20 +127,25 @@ def _draws(
     device: torch.device,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``[N]`` uniforms in [0, 1) (acceptance tests) and ``[N, V]`` Exp(1) noise (the race
-    that draws residual and bonus tokens); seeded rows draw both from their own stream."""
+    that draws residual and bonus tokens). A seeded row's noise is the plain sampler's for
+    that position (``Sampler._exponential_noise``); its uniform comes from a stream of its
+    own (a derived seed), so that drawing it leaves the noise as it is."""
     if not random:
         return None, None
     rows, vocab = shape
+    noise = sampler._exponential_noise(torch.empty(rows, vocab, device=device), seeds)
     uniform = torch.rand(rows, device=device)
-    noise = torch.empty(rows, vocab, device=device).exponential_()
     if seeds:
         generator = sampler._generator(device)
         for row, seed in seeds.items():
-            generator.manual_seed(seed)
+            generator.manual_seed(seed ^ _UNIFORM_SEED_MASK)
             uniform[row : row + 1].uniform_(generator=generator)
-            noise[row].exponential_(generator=generator)
-    # As in the sampler: an exact 0 from exponential_ would make a ratio infinite.
-    return uniform, noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    return uniform, noise
+
+
+# Mixed into a row's seed for its acceptance uniform (any constant: a stream apart from
+# the noise's).
+_UNIFORM_SEED_MASK = 0x5DEECE66D
 
 
 def _verify(
@@ -161,21 +166,24 @@ def _verify(
     final = torch.empty(len(draft_rows) + len(bonus_rows), dtype=torch.int64,
                         device=draft_rows.device)  # fmt: skip
     accepted = torch.zeros(len(draft_rows), dtype=torch.bool, device=draft_rows.device)
-    if probs is not None:
+    if probs is not None and draft_probs is None:
+        assert noise is not None
+        # A one-hot proposal (n-gram, greedy drafter): take the token the plain sampler
+        # draws at each row with that row's noise, t = argmax(p / E), and accept the draft
+        # iff it is t. P(accept) = p(d), and t given t != d is distributed as the residual
+        # p without d: the standard rule's distribution, and each position's token is a
+        # function of its own noise, so a seeded request's output does not depend on how
+        # many drafts a step verified (or on the batch that decided it).
+        sample = (probs / noise).argmax(dim=-1)
+        accepted = sample[draft_rows] == draft_ids
+        final = sample
+    elif probs is not None:
         assert uniform is not None and noise is not None
         p_draft = probs[draft_rows, draft_ids]
-        q_draft = (
-            draft_probs[torch.arange(len(draft_ids), device=draft_ids.device), draft_ids]
-            if draft_probs is not None
-            else torch.ones_like(p_draft)
-        )
+        q_draft = draft_probs[torch.arange(len(draft_ids), device=draft_ids.device), draft_ids]
         # u < p / q, written without the division (q > 0 for a proposed token).
         accepted = uniform[draft_rows] * q_draft < p_draft
-        residual = probs[draft_rows]
-        if draft_probs is None:
-            residual = residual.scatter(1, draft_ids[:, None], 0.0)
-        else:
-            residual = (residual - draft_probs).clamp_min_(0.0)
+        residual = (probs[draft_rows] - draft_probs).clamp_min_(0.0)
         # A residual of zero mass (p == q, so the draft was accepted anyway) falls back to p.
         empty = residual.sum(dim=-1, keepdim=True) <= 0
         residual = torch.where(empty, probs[draft_rows], residual)
