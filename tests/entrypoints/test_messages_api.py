@@ -187,6 +187,10 @@ def test_count_tokens(default_server):
             },
             "tool_choice",
         ),
+        ({"model": MODEL, "max_tokens": 5, "messages": ASK, "tools": [{"name": "f"}]},
+         "tools.0.input_schema"),
+        ({"model": MODEL, "max_tokens": 5, "messages": ASK,
+          "tools": [{"name": "f", "input_schema": "bad"}]}, "tools.0.input_schema"),
     ],
 )
 def test_bad_requests_answer_in_anthropics_shape(default_server, body, field):

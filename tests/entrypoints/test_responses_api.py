@@ -221,6 +221,9 @@ def test_openai_agents_sdk_calls_a_function_tool(default_server, api):
         ),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
         ({"truncation": "auto"}, "truncation"),
+        ({"input": []}, "input"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#"}}}},
+         "text.format"),
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # SmolLM2's template
         ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"reasoning": {"summary": "auto"}}, "reasoning"),

@@ -177,6 +177,10 @@ def _tools(request: MessagesRequest) -> list[dict[str, Any]] | None:
                 "custom tools with input_schema.",
                 f"tools.{i}.type",
             )
+        if not isinstance(tool.get("input_schema"), dict):
+            # Anthropic requires it: an object (a JSON schema of the tool's input).
+            raise bad_request(f"tools.{i}.input_schema: Field required (a JSON schema object).",
+                              f"tools.{i}.input_schema")
         function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
@@ -245,8 +249,7 @@ def to_chat_request(request: MessagesRequest) -> ChatCompletionRequest:
         error = e.errors()[0]
         loc = ".".join(str(p) for p in error.get("loc", ()))
         loc = loc.replace("max_completion_tokens", "max_tokens").replace(
-            "parameters", "input_schema"
-        )
+            ".function.parameters", ".input_schema").replace(".function.", ".")
         raise bad_request(f"{loc}: {error.get('msg')}", loc.split(".")[0] or None) from None
 
 

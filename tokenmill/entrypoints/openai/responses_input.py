@@ -237,6 +237,16 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": fmt.get("type")}
 
 
+# The chat request's fields under the names a Responses request gives them (errors name
+# the field the client sent).
+CHAT_TO_RESPONSES_NAMES = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "reasoning_effort": "reasoning.effort",
+    "response_format": "text.format",
+}
+
+
 def to_chat_request(
     request: ResponsesRequest, history: list[dict[str, Any]], messages: list[dict[str, Any]]
 ) -> ChatCompletionRequest:
@@ -272,8 +282,9 @@ def to_chat_request(
         )
     except ValidationError as e:
         error = e.errors()[0]
-        loc = ".".join(str(p) for p in error.get("loc", ()))
-        loc = loc.replace("max_completion_tokens", "max_output_tokens")
-        loc = loc.replace("reasoning_effort", "reasoning.effort")
-        param = loc if loc.startswith("reasoning.") else loc.split(".")[0] or None
+        parts = [str(p) for p in error.get("loc", ())]
+        if parts and parts[0] in CHAT_TO_RESPONSES_NAMES:
+            parts[0] = CHAT_TO_RESPONSES_NAMES[parts[0]]
+        loc = ".".join(parts)
+        param = parts[0] if parts else None
         raise bad_request(f"{loc}: {error.get('msg')}", param) from None

@@ -23,6 +23,7 @@ from tokenmill.entrypoints.openai import responses_output as out
 from tokenmill.entrypoints.openai.errors import OpenAIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionStreamResponse, UsageInfo
 from tokenmill.entrypoints.openai.responses_input import (
+    CHAT_TO_RESPONSES_NAMES,
     ResponsesRequest,
     check_served,
     input_messages,
@@ -88,12 +89,7 @@ class OpenAIServingResponses:
         try:
             run = await self.chat.start_chat(chat_request)
         except OpenAIError as e:
-            names = {
-                "messages": "input",
-                "max_completion_tokens": "max_output_tokens",
-                "reasoning_effort": "reasoning.effort",
-            }
-            raise rename_param(e, names) from None
+            raise rename_param(e, CHAT_TO_RESPONSES_NAMES) from None
         body = out.envelope(request, out.item_id("resp"), self.chat.response_model(request.model))
         if request.stream:
             events = self._events(request, run, body, conversation)
