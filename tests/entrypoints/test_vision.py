@@ -145,3 +145,14 @@ def test_beam_search_with_images_is_a_400(vl_server):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "multi_modal_data"
     assert vl_server.get("/health").status_code == 200
+
+
+def test_tokenize_counts_an_images_placeholders(vl_server):
+    """/tokenize of a conversation with an image gives the prompt the engine gets: the
+    image's placeholder tokens expanded, as the usage of a chat request counts them."""
+    messages = image_message(png_data_url(3))
+    r = vl_server.post("/tokenize", {"messages": messages})
+    assert r.status_code == 200, r.text
+    chat = vl_server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert chat.status_code == 200, chat.text
+    assert r.json()["count"] == chat.json()["usage"]["prompt_tokens"]

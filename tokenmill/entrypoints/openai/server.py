@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_llm import AsyncLLM, EngineDeadError
 from tokenmill.engine.input_processor import InvalidRequestError
+from tokenmill.entrypoints.openai.chat_images import attach_images, check_model_takes_images
 from tokenmill.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
@@ -191,7 +192,11 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
     try:
         if request.messages is not None:
             if off_loop and isinstance(serving, OpenAIServingChat):
-                tokens = await serving.render_prompt_async(request.messages, request)
+                check_model_takes_images(serving.engine, request.messages)
+                images: list[tuple[str, str]] = []
+                tokens = await serving.render_prompt_async(request.messages, request, images)
+                if images:  # the prompt as the engine gets it: each image's placeholders
+                    tokens, _ = await attach_images(serving.engine, tokens, images)
             else:
                 tokens = serving.render_prompt(request.messages, request)
         elif off_loop:
