@@ -156,3 +156,14 @@ def test_tokenize_counts_an_images_placeholders(vl_server):
     chat = vl_server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 1})
     assert chat.status_code == 200, chat.text
     assert r.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+
+
+def test_image_placeholders_without_an_image_are_a_400(vl_server, vl_model):
+    """A completion prompt holding the image token but no image is refused, as chat refuses
+    a count of placeholders other than the images'."""
+    import json
+
+    token = json.load(open(f"{vl_model}/config.json"))["image_token_id"]
+    r = vl_server.post("/v1/completions", {"prompt": [1, token, 2], "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert "image placeholder" in r.json()["error"]["message"]

@@ -231,6 +231,15 @@ class InputProcessor:
                 prompt_ids, mm_features = self.process_multimodal(
                     prompt_ids, prompt["multi_modal_data"]
                 )
+        if not mm_features and self.mm_processor is not None and (
+            self.mm_processor.image_token_id in prompt_ids
+        ):
+            # Placeholders without an image would run the model on its embedding of the
+            # placeholder token alone.
+            raise InvalidRequestError(
+                f"the prompt holds the image placeholder token "
+                f"(id {self.mm_processor.image_token_id}) but no image was given.", "prompt"
+            )
         if mm_features and params.truncate_prompt_tokens is not None:
             raise InvalidRequestError(
                 "truncate_prompt_tokens cannot be used with images (it could cut an image's "
