@@ -194,6 +194,18 @@ def test_compressed_tensors_weight_shape_must_match_the_layer(tmp_path, monkeypa
 ATTENTION = "model.layers.0.self_attn"
 
 
+def _assert_matches_reference(model, cfg, folder: str) -> None:
+    """Logits of ``model`` against transformers on ``folder/reference``'s float weights."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(f"{folder}/reference").float().eval()
+    ids = [3, 17, 92, 5, 44, 8]
+    logits = _logits(model, cfg, ids)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert (logits - expected).abs().max() <= BF16_RELATIVE * expected.abs().max()
+
+
 @pytest.mark.parametrize("fmt", ["ct", "awq"])
 def test_merged_layer_left_unquantized_by_its_parts(tmp_path, monkeypatch, fmt):
     """An ignore list naming q_proj, k_proj and v_proj leaves the merged qkv_proj in float:
@@ -203,14 +215,7 @@ def test_merged_layer_left_unquantized_by_its_parts(tmp_path, monkeypatch, fmt):
     cfg, model, captured = _load(f"{folder}/quant", monkeypatch)
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert id(qkv) not in captured and len(captured) > 0
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(f"{folder}/reference").float().eval()
-    ids = [3, 17, 92, 5, 44, 8]
-    logits = _logits(model, cfg, ids)
-    with torch.no_grad():
-        expected = ref(torch.tensor([ids])).logits[0]
-    assert (logits - expected).abs().max() <= BF16_RELATIVE * expected.abs().max()
+    _assert_matches_reference(model, cfg, folder)
 
 
 @pytest.mark.parametrize("fmt", ["ct", "awq"])
@@ -233,7 +238,6 @@ def test_compressed_tensors_targets_pick_the_quantized_layers(tmp_path, monkeypa
     float (as llm-compressor writes such checkpoints): the logits match the reference."""
     import json
 
-    from transformers import AutoModelForCausalLM
 
     mlp = tuple(f"model.layers.{i}.mlp.{p}" for i in range(2)
                 for p in ("gate_proj", "up_proj", "down_proj"))
@@ -246,12 +250,7 @@ def test_compressed_tensors_targets_pick_the_quantized_layers(tmp_path, monkeypa
     json.dump(config, open(config_path, "w"))
     cfg, model, captured = _load(f"{folder}/quant", monkeypatch)
     assert len(captured) == 2 * 2  # qkv_proj and o_proj of each layer
-    ref = AutoModelForCausalLM.from_pretrained(f"{folder}/reference").float().eval()
-    ids = [3, 17, 92, 5, 44, 8]
-    logits = _logits(model, cfg, ids)
-    with torch.no_grad():
-        expected = ref(torch.tensor([ids])).logits[0]
-    assert (logits - expected).abs().max() <= BF16_RELATIVE * expected.abs().max()
+    _assert_matches_reference(model, cfg, folder)
 
 
 @pytest.mark.parametrize("key, value", [("ignore", "lm_head"), ("modules_to_not_convert", "q")])
