@@ -386,26 +386,23 @@ def load_hf_config(model: str) -> tuple[HFConfig, dict[str, Any]]:
             raise ModelLoadError(f"the config of {model} has no {key!r}")
     _check_heads(data, model)
     data = normalize_rope(data)
-    _check_numbers(data, model)
+    _check_numbers(data, model, POSITIVE_INTS, POSITIVE_FLOATS)
     return HFConfig(data), generation_config
 
 
 def _check_heads(data: dict[str, Any], model: str) -> None:
-    """Head counts the attention layers can be built from.
+    """Head counts the attention layers can be built from (lists of per-layer counts are
+    checked by the model).
 
     Raises:
         ModelLoadError: a head count that is not a positive integer, or query heads that
             the key/value heads do not divide.
     """
+    counts = ("num_attention_heads", "num_key_value_heads")
+    _check_numbers(data, model, tuple(k for k in counts
+                                      if not isinstance(data.get(k), (list, tuple))), ())
     heads = data["num_attention_heads"]
     kv = data.get("num_key_value_heads")
-    for key, value in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
-        if isinstance(value, (list, tuple)):  # per-layer counts: checked by the model
-            continue
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ModelLoadError(
-                f"the config of {model}: {key} must be a positive integer, got {value!r}"
-            )
     if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
         raise ModelLoadError(
             f"the config of {model}: num_attention_heads ({heads}) is not a multiple of "
@@ -422,29 +419,32 @@ POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope
 _GGUF_KEY_OF = {hf: gguf for gguf, hf in GGUF_KEYS.items()}
 
 
-def _check_numbers(data: dict[str, Any], model: str) -> None:
-    """Sizes and numeric constants a model can be built from.
+def _check_numbers(
+    data: dict[str, Any], model: str, ints: tuple[str, ...], floats: tuple[str, ...]
+) -> None:
+    """The keys ``ints`` positive integers and ``floats`` positive finite numbers, where
+    ``data`` has them.
 
     Raises:
-        ModelLoadError: a size that is not a positive integer, an epsilon or RoPE base that
-            is not a positive finite number (GGUF files: the message names the GGUF key).
+        ModelLoadError: a value out of range, naming its key (and for GGUF files the GGUF
+            key it came from).
     """
-
-    def refuse(key: str, what: str) -> None:
-        where = f"{key} (GGUF key {_GGUF_KEY_OF[key]})" if model.endswith(".gguf") and \
-            key in _GGUF_KEY_OF else key
-        raise ModelLoadError(f"the config of {model}: {where} must be {what}, got {data[key]!r}")
-
-    for key in POSITIVE_INTS:
-        value = data.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
-            refuse(key, "a positive integer")
-    for key in POSITIVE_FLOATS:
-        value = data.get(key)
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                                  or not math.isfinite(value) or value <= 0):
-            refuse(key, "a positive finite number")
+    for keys, what, ok in (
+        (ints, "a positive integer", lambda v: isinstance(v, int) and v >= 1),
+        (floats, "a positive finite number",
+         lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v > 0),
+    ):
+        for key in keys:
+            value = data.get(key)
+            # bool is an int in Python: `true` is not a size.
+            if value is None or (ok(value) and not isinstance(value, bool)):
+                continue
+            where = key
+            if model.endswith(".gguf") and key in _GGUF_KEY_OF:
+                where = f"{key} (GGUF key {_GGUF_KEY_OF[key]})"
+            raise ModelLoadError(
+                f"the config of {model}: {where} must be {what}, got {value!r}"
+            )
 
 
 def derive_max_model_len(config: HFConfig) -> int:

@@ -97,7 +97,9 @@ def rejection_sample(
     greedy = None if metadata.all_random else wide_argmax(processed)
     probs = None if metadata.all_greedy else _target_probs(sampler, processed, metadata)
     seeds = metadata.seeds or {}
-    uniform, noise = _draws(sampler, logits.shape, seeds, probs is not None, device)
+    uniform, noise = _draws(
+        sampler, logits.shape, seeds, probs is not None, draft_probs is not None, device
+    )
 
     accepted, final = _verify(
         probs, greedy, metadata, draft_rows, bonus_rows, draft_token_ids, draft_probs,
@@ -124,16 +126,20 @@ def _draws(
     shape: torch.Size,
     seeds: dict[int, int],
     random: bool,
+    acceptance_tests: bool,
     device: torch.device,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``[N]`` uniforms in [0, 1) (acceptance tests) and ``[N, V]`` Exp(1) noise (the race
-    that draws residual and bonus tokens). A seeded row's noise is the plain sampler's for
-    that position (``Sampler._exponential_noise``); its uniform comes from a stream of its
-    own (a derived seed), so that drawing it leaves the noise as it is."""
+    """``[N]`` uniforms in [0, 1) (the acceptance tests of drafts with proposal
+    distributions; None for one-hot drafts, which take none) and ``[N, V]`` Exp(1) noise
+    (the race that draws tokens). A seeded row's noise is the plain sampler's for that
+    position (``Sampler._exponential_noise``); its uniform comes from a stream of its own (a
+    derived seed), so that drawing it leaves the noise as it is."""
     if not random:
         return None, None
     rows, vocab = shape
     noise = sampler._exponential_noise(torch.empty(rows, vocab, device=device), seeds)
+    if not acceptance_tests:
+        return None, noise
     uniform = torch.rand(rows, device=device)
     if seeds:
         generator = sampler._generator(device)

@@ -176,8 +176,7 @@ class MarkupToolParser(ToolParser):
         request: ChatCompletionRequest,
     ) -> DeltaMessage | None:
         self._text = current_text
-        return self._delta(self.parse(current_text, False, request), final=False,
-                           request=request)
+        return self._delta(self.parse(current_text, False, request), False, request)
 
     def finish_streaming(self, request: ChatCompletionRequest) -> DeltaMessage | None:
         parsed = self.parse(self._text, True, request)
@@ -186,10 +185,10 @@ class MarkupToolParser(ToolParser):
             # content (what was sent so far is a prefix of it: the text before any markup).
             rest = self._text[self._sent_content :]
             return DeltaMessage(content=rest) if rest else None
-        return self._delta(parsed, final=True, request=request)
+        return self._delta(parsed, True, request)
 
     def _delta(self, parsed: ParsedToolOutput, final: bool,
-               request: ChatCompletionRequest | None = None) -> DeltaMessage | None:
+               request: ChatCompletionRequest) -> DeltaMessage | None:
         """What grew since the last delta. A call is sent once its name is one of the
         request's tools and its arguments have begun (an object, or a string holding one)."""
         content = parsed.content
@@ -201,7 +200,7 @@ class MarkupToolParser(ToolParser):
         for index, call in enumerate(parsed.calls):
             if index == len(self._sent_calls):
                 if call.name is None or not (call.arguments or call.complete) or (
-                    request is not None and not _known_name(call.name, request)
+                    not _known_name(call.name, request)
                 ):
                     break  # calls are sent in order, each once it is known to be one
                 call_id = self.new_call_id()

@@ -99,6 +99,14 @@ def name_targeted(name: str, targets: list[str]) -> bool:
     return "Linear" in targets or name_listed(name, targets)
 
 
+def left_unquantized(prefix: str, ignore: list[str], targets: list[str]) -> bool:
+    """Whether a checkpoint whose ``ignore`` list and config group ``targets`` (names or
+    ``re:`` patterns, see ``name_listed`` and ``name_targeted``) leave the layer ``prefix``
+    unquantized (``layer_ignored``: a merged layer by its parts)."""
+    return layer_ignored(prefix, lambda name: name_listed(name, ignore)
+                         or not name_targeted(name, targets))
+
+
 def layer_names(config: dict[str, Any], key: str) -> list[str]:
     """``config[key]``: a list of layer names or patterns (absent or null: empty).
 

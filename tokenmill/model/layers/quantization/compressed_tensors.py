@@ -23,10 +23,8 @@ from tokenmill.model.layers.quantization.base import (
     QuantizationConfig,
     QuantizationError,
     ShardSlice,
-    layer_ignored,
     layer_names,
-    name_listed,
-    name_targeted,
+    left_unquantized,
 )
 from tokenmill.model.layers.quantization.int4 import (
     Int4LinearMethod,
@@ -228,11 +226,10 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     name = "compressed-tensors"
 
-    def __init__(self, weights: dict[str, Any], ignore: list[str],
-                 targets: list[str] | None = None) -> None:
+    def __init__(self, weights: dict[str, Any], ignore: list[str], targets: list[str]) -> None:
         self.weights = weights
         self.ignore = ignore
-        self.targets = ["Linear"] if targets is None else targets
+        self.targets = targets
 
     @classmethod
     def from_config(cls, qc: dict[str, Any]) -> QuantizationConfig:
@@ -249,8 +246,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         return cls(parse_w4a16(qc), ignore, group_targets(qc))
 
     def _ignored(self, prefix: str) -> bool:
-        return layer_ignored(prefix, lambda name: name_listed(name, self.ignore)
-                             or not name_targeted(name, self.targets))
+        return left_unquantized(prefix, self.ignore, self.targets)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod

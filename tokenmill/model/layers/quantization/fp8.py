@@ -37,16 +37,15 @@ from tokenmill.model.layers.quantization.base import (
     QuantizationError,
     ShardSlice,
     copy_shard,
-    layer_ignored,
     layer_names,
-    name_listed,
-    name_targeted,
+    left_unquantized,
     set_layout,
 )
 
 WeightForm = Literal["online", "tensor", "channel", "block"]
 Activations = Literal["token", "tensor", "static", "group", "none"]
-# Merged layers and the checkpoint layers they hold.
+
+
 @dataclass(frozen=True)
 class Fp8Scheme:
     """How a checkpoint stores FP8 weights and how activations are quantized.
@@ -269,7 +268,8 @@ class Fp8Config(QuantizationConfig):
         self.scheme = scheme
         self.ignore = ignore
         self.name = name
-        self.targets = targets  # compressed-tensors' config group targets; None: every layer
+        # compressed-tensors' config group targets; every linear layer otherwise
+        self.targets = ["Linear"] if targets is None else targets
 
     @classmethod
     def from_config(cls, qc: dict[str, Any] | None) -> Fp8Config:
@@ -297,8 +297,7 @@ class Fp8Config(QuantizationConfig):
         return cls(Fp8Scheme("tensor", activations), ignore)
 
     def _ignored(self, prefix: str) -> bool:
-        return layer_ignored(prefix, lambda name: name_listed(name, self.ignore) or (
-            self.targets is not None and not name_targeted(name, self.targets)))
+        return left_unquantized(prefix, self.ignore, self.targets)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod

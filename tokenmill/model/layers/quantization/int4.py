@@ -212,11 +212,11 @@ class GPTQLinearMethod(Int4LinearMethod):
         layer.int4_dtype = dtype
 
     def load_weight(self, layer, param, loaded, s: ShardSlice) -> None:
-        if param is layer.g_idx and loaded.shape != (layer.checkpoint_shape(s.shard_id)[1],):
+        expected = (layer.checkpoint_shape(s.shard_id)[1],)
+        if param is layer.g_idx and loaded.shape != expected:
             # WeightShapeError: the loader names the checkpoint tensor.
-            raise WeightShapeError(f"has shape {tuple(loaded.shape)}, expected "
-                                   f"({layer.checkpoint_shape(s.shard_id)[1]},) (one group "
-                                   "index per input feature)")
+            raise WeightShapeError(f"has shape {tuple(loaded.shape)}, expected {expected} "
+                                   "(one group index per input feature)")
         if param is layer.g_idx and getattr(layer, "g_idx_loaded", False):
             # Merged parts share their input, so their g_idx must agree.
             if not torch.equal(layer.g_idx.data,
