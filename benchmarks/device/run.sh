@@ -18,6 +18,8 @@
 #              several GPUs (multi_gpu.sh): Llama-3.1-8B TP=2 offline 1024/256 and batch-1
 #              decode, Llama-3.1-70B TP=4/8 offline, Mixtral-8x7B-shaped EP served;
 #              vllm_mgpu_* the same with vLLM's CLI (results and comparisons in $OUT/mgpu)
+#   gguf_kernels  the Q4_K/Q6_K GEMV (and a sweep of its tiles) and the GGUF tile kernel against
+#              cuBLAS at M8's shapes (gguf_kernel_bench.py; GGUF_ARGS passes its flags)
 #   int4_kernels  the int4 GEMV, tensor-core and dequantize-then-cuBLAS paths against cuBLAS
 #              bf16 at Llama-3.1-8B's shapes, M = 1 to 4,096, with a sweep of the GEMV's tiles
 #              (int4_kernel_bench.py; INT4_ARGS replaces its arguments, "" for no sweep)
@@ -171,7 +173,7 @@ stage() {  # stage NAME TIMEOUT CMD... (NAME gets $SFX, the STAGE@VARS label)
   local rc=$?
   local wall=$(python3 -c "print(round($(date +%s.%N)-$t,1))")
   say "STAGE $name rc=$rc wall=${wall}s (t=$(( $(date +%s) - T0 ))s)"
-  grep -aE "^GRAPH|^VPROF|^BEAMSLEEP|^KVOFF|^QUANT|^FP8|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|^MLA|^SPEC|preempt" "$LOGS/$name.log" \
+  grep -aE "^GGUF|^GRAPH|^VPROF|^BEAMSLEEP|^KVOFF|^QUANT|^FP8|^FIRST|^KPROF|^SPROF|Throughput:|Avg latency|passed|failed|error|Error|Traceback|KV cache|CUDA graphs|ready in|Loaded|Memory:|Mean TTFT|Median TTFT|Median TPOT|Mean TPOT|Output token throughput|Request throughput|^ATTN|^GEMV|^STEP|^PGEMM|^CURVE|^LM head|^PROFILE|^SAMPLER|^ABL|^TIMELINE|^MLA|^SPEC|preempt" "$LOGS/$name.log" \
     | grep -v "warnings.warn" | tail -${TAIL_LINES:-25} | sed 's/^/  | /' | tee -a "$SUM"
   { echo "===== $name rc=$rc"; tr '\r' '\n' < "$LOGS/$name.log" | grep -av "it/s\]$" | tail -60; } >> "$OUT/tails.log"
   return $rc
@@ -332,6 +334,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     stagingtest) stage stagingtest 90 python3 -m pytest -q tests/worker/test_step_staging.py -p no:cacheprovider ;;
     gputests_staging) PYTHONPATH="$XGP" stage gputests_staging 300 python3 -m pytest -q tests/worker/test_step_staging.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_quant) PYTHONPATH="$XGP" stage gputests_quant 400 python3 -m pytest -q tests/gpu/test_quant_gemm_gpu.py tests/kernels/test_gguf_blocks.py -p no:cacheprovider --timeout 300 ;;
+    gguf_kernels) TAIL_LINES=80 stage gguf_kernels 300 python3 benchmarks/device/gguf_kernel_bench.py ${GGUF_ARGS:-} ;;
     int4_kernels) stage int4_kernels 300 python3 benchmarks/device/int4_kernel_bench.py ${INT4_ARGS---sweep} ;;
     quant_lat) stage quant_lat 560 python3 benchmarks/device/quant_bench.py "$M8" /tmp/tm_quant --cases "${QUANT_CASES:-gptq_lat1,awq_lat1,gguf_lat1}" --engines "${QUANT_ENGINES:-tokenmill,vllm}" ;;
     fp8) stage fp8 590 python3 benchmarks/device/fp8_bench.py "$M8" /tmp/tm_fp8 --cases "${FP8_CASES:-lat1,tp,kvcap}" --engines "${FP8_ENGINES:-tokenmill,vllm}" ;;

@@ -64,8 +64,10 @@ def test_int4_gemv_groups(m, group):
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_TYPES), ids=[BLOCK_TYPES[t][0]
                                                             for t in sorted(BLOCK_TYPES)])
-@pytest.mark.parametrize("m", [1, 16, 512])
+@pytest.mark.parametrize("m", [1, 3, 16, 512])
 def test_gguf_kernel(qtype, m):
+    """Every block type through ``gguf_linear`` (Q4_K/Q6_K up to ``GEMV_MAX_M`` rows by the
+    GEMV kernel, the rest by the tile kernel)."""
     n, k = 4096, 4096
     raw = random_blocks(qtype, n, k, seed=qtype).cuda()
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)

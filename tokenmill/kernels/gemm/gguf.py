@@ -7,7 +7,8 @@ the bytes its block type keeps it in (quant bits, the block's fp16 scale(s), the
 6-bit sub-block scales), forms ``scale * q (+ offset)`` in float32 with the same
 arithmetic as ``gguf_blocks.unpack_blocks`` and feeds ``tl.dot``. Block layouts: ggml's
 ``block_q4_0 ... block_q6_K`` (ggml-common.h). Launch shapes as ``tokenmill.kernels.gemm.int4``
-(split-K 16-row tiles for decode, 64 x 128 tiles for prefill).
+(split-K 16-row tiles for decode, 64 x 128 tiles for prefill); up to ``GEMV_MAX_M`` rows of
+Q4_K and Q6_K take the GEMV of ``tokenmill.kernels.gemm.gguf_gemv``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels.device import num_sms
+from tokenmill.kernels.gemm.gguf_gemv import GEMV_MAX_M, GEMV_TYPES, gguf_gemv
 from tokenmill.kernels.gemm.int4 import DECODE_MAX_M
 from tokenmill.kernels.quant.gguf_blocks import block_info
 from tokenmill.math_utils import cdiv
@@ -165,7 +167,8 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int,
         x: ``[M, K]`` float16/bfloat16 (float32 under the interpreter).
         raw: ``[N, row_bytes]`` uint8 blocks of type ``qtype``.
         qtype: a GGML block type id (Q4_0 ... Q6_K).
-        config: tiles (``launch_config`` keys); chosen by ``launch_config`` if None.
+        config: tiles (``launch_config`` keys); chosen by ``launch_config`` if None (and
+            then up to ``GEMV_MAX_M`` rows of Q4_K/Q6_K take ``gguf_gemv``).
 
     Returns:
         ``[M, N]`` in ``x``'s dtype.
@@ -178,6 +181,8 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int,
     _name, qk, type_size, _group = block_info(qtype)
     m, k = x.shape
     n, row_bytes = raw.shape
+    if config is None and qtype in GEMV_TYPES and m <= GEMV_MAX_M:
+        return gguf_gemv(x, raw, qtype, num_sms=num_sms(x.device))
     x = x.contiguous()
     cfg = config or launch_config(m, n, k, x.dtype, num_sms(x.device))
     k_per_split = cdiv(cdiv(k, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""The GGUF K-quant products at Llama-3.1-8B's linear shapes on one GPU: the Q4_K/Q6_K GEMV
+of ``tokenmill.kernels.gemm.gguf_gemv`` (its default tiles and a sweep around them) and the
+general tile kernel of ``tokenmill.kernels.gemm.gguf``, against cuBLAS on the same shape in
+bf16, each result checked against the dequantized product.
+
+usage: gguf_kernel_bench.py [--ms 1,2,4] [--no-sweep]
+
+Prints one ``GGUFK`` line per (type, shape, M, path): microseconds per product (CUDA-graph
+replays, median) and the block bytes read per microsecond (GB/s); ``GGUFBEST`` the fastest
+GEMV tiles per (type, shape, M).
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+from int4_kernel_bench import SHAPES, time_us  # this folder: the scripts run by path
+
+from tokenmill.kernels.device import num_sms
+from tokenmill.kernels.gemm import gguf as kg
+from tokenmill.kernels.gemm import gguf_gemv as kv
+from tokenmill.kernels.quant.gguf_blocks import dequantize
+
+TYPES = {"Q4_K": 12, "Q6_K": 14}
+FP16_FIELDS = {12: (0, 2), 14: (208,)}
+
+
+def random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
+    """``[n, row_bytes]`` uint8 on the GPU: random bits, fp16 scale fields small and finite."""
+    size = 144 if qtype == 12 else 210
+    raw = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, device="cuda")
+    for off in FP16_FIELDS[qtype]:
+        vals = (torch.randn(n, k // 256, device="cuda") * 0.01).to(torch.float16)
+        raw[..., off:off + 2] = vals.view(torch.uint8).view(n, k // 256, 2)
+    return raw.view(n, -1)
+
+
+def sweep(m: int, n: int, k: int, sms: int) -> dict[str, dict]:
+    base = kv.gemv_config(m, n, k, sms)
+    out = {}
+    for bn in (8, 16, 32):
+        for sb in (1, 2, 4):
+            for per_sm in (2, 4, 8):
+                programs = -(-n // bn) * m
+                split = max(1, min(-(-per_sm * sms // programs), -(-(k // 256) // sb)))
+                out[f"sweep_n{bn}_sb{sb}_s{per_sm}"] = dict(base, BLOCK_N=bn, SB=sb,
+                                                             SPLIT_K=split)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="1,2,4")
+    ap.add_argument("--no-sweep", action="store_true")
+    a = ap.parse_args()
+    sms = num_sms(torch.device("cuda"))
+    for tname, qtype in TYPES.items():
+        for name, (n, k) in SHAPES.items():
+            raw = random_blocks(qtype, n, k)
+            w = dequantize(raw, qtype)
+            w_bf16 = w.to(torch.bfloat16)
+            nbytes = raw.numel()
+            for m in (int(v) for v in a.ms.split(",")):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = x.float() @ w.t()
+                paths = {"gemv": kv.gemv_config(m, n, k, sms),
+                         "tile": kg.launch_config(m, n, k, x.dtype, sms)}
+                if not a.no_sweep and m == 1:
+                    paths.update(sweep(m, n, k, sms))
+                timed = {}
+                for path, cfg in paths.items():
+                    fn = (partial(kg.gguf_linear, x, raw, qtype, cfg) if path == "tile"
+                          else partial(kv.gguf_gemv, x, raw, qtype, cfg))
+                    y = fn()
+                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                    if err > 2e-2:
+                        print(f"GGUFK {tname} {name} m={m} path={path} WRONG rel_err={err:.2e}",
+                              flush=True)
+                        continue
+                    us = time_us(fn)
+                    timed[path] = (us, cfg)
+                    if not path.startswith("sweep"):
+                        print(f"GGUFK {tname} {name} m={m} path={path} us={us:.1f} "
+                              f"GB/s={nbytes / us / 1e3:.0f} rel_err={err:.2e} cfg={cfg}",
+                              flush=True)
+                gemv_paths = {p: v for p, v in timed.items() if p != "tile"}
+                if len(gemv_paths) > 1:
+                    best = min(gemv_paths.items(), key=lambda kv_: kv_[1][0])
+                    print(f"GGUFBEST {tname} {name} m={m} {best[0]} us={best[1][0]:.1f} "
+                          f"GB/s={nbytes / best[1][0] / 1e3:.0f} cfg={best[1][1]}", flush=True)
+                us = time_us(partial(torch.matmul, x, w_bf16.t()))
+                print(f"GGUFK {tname} {name} m={m} path=cublas_bf16 us={us:.1f} "
+                      f"GB/s={w_bf16.numel() * 2 / us / 1e3:.0f}", flush=True)
+            del raw, w, w_bf16
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""GEMV for llama.cpp's K-quant blocks (Q4_K, Q6_K): ``y = x @ W^T`` for a few rows of ``x``.
+
+Batch-1 decode reads every weight byte once per token, so its speed is the rate at which the
+kernel streams ``W [N, row_bytes]`` (uint8, ``K / 256`` super-blocks per row). The general
+kernel of ``tokenmill.kernels.gemm.gguf`` builds a ``[BLOCK_K, BLOCK_N]`` tile weight by weight
+for ``tl.dot``, which reads the blocks byte by byte across rows; these kernels instead read
+each row's quant bytes as contiguous runs (16 or 32 bytes, vector loads) and factor the
+block arithmetic out of the inner product, as llama.cpp's ``vec_dot_q4_K_q8_K`` and
+``vec_dot_q6_K_q8_K`` do (ggml-quants.c), but with ``x`` kept in float32:
+
+- Q4_K (144 bytes: ``d``, ``dmin``, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles):
+  a 32-byte run holds the low-nibble sub-block ``2c`` and the high-nibble sub-block ``2c + 1``
+  of chunk ``c``, so ``sum_j w_j x_j = d * sum_sb sc_sb * (q . x)_sb - dmin * sum_sb m_sb *
+  (sum x)_sb``.
+- Q6_K (210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, ``d``):
+  a 16-byte run of ``ql`` and its 16 ``qh`` bytes hold two 16-weight groups (low and high
+  nibble), each with its own scale: ``sum_j w_j x_j = d * sum_g sc_g * (q . x)_g``.
+
+Each program takes ``BLOCK_N`` rows of one row of ``x`` over a range of super-blocks
+(split-K; partial sums added with float32 atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.math_utils import cdiv
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs
+    HAS_TRITON = False
+
+Q4_K, Q6_K = 12, 14
+GEMV_TYPES = (Q4_K, Q6_K)
+# One program per row of x: from this many rows the tensor-core kernel (which unpacks each
+# weight once for all rows) takes over.
+GEMV_MAX_M = 4
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _u8(ptr, mask):
+        return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+    @triton.jit
+    def _f16(ptr, mask):
+        lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+        hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _q4k_scale_min(scales_ptr, sb, mask):
+        """Sub-block ``sb``'s 6-bit scale and min (ggml's ``get_scale_min_k4``), float32."""
+        lo4 = sb < 4
+        s_a = _u8(scales_ptr + sb, mask & lo4)
+        s_b = _u8(scales_ptr + sb + 4, mask)
+        s_c = _u8(scales_ptr + sb - 4, mask & (sb >= 4))
+        sc = tl.where(lo4, s_a & 63, (s_b & 0xF) | ((s_c >> 6) << 4))
+        mn = tl.where(lo4, s_b & 63, (s_b >> 4) | ((_u8(scales_ptr + sb, mask) >> 6) << 4))
+        return sc.to(tl.float32), mn.to(tl.float32)
+
+    @triton.jit
+    def _q4k_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_om, row_bytes,
+                         num_blocks, blocks_per_split,
+                         ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        # G = 4 * SB runs of 32 bytes per iteration: run g is chunk g % 4 of super-block g // 4.
+        G: tl.constexpr = 4 * SB
+        pid_n = tl.program_id(0)
+        m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        g = tl.arange(0, G)
+        c = g % 4
+        t = tl.arange(0, 32)
+        row = offs_n.to(tl.int64) * row_bytes
+        x_row = x_ptr + m.to(tl.int64) * stride_xm
+        acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+        b_start = pid_k * blocks_per_split
+        b_end = tl.minimum(b_start + blocks_per_split, num_blocks)
+        for b0 in range(b_start, b_end, SB):
+            blk = b0 + g // 4
+            g_mask = blk < b_end
+            mask = n_mask[:, None] & g_mask[None, :]
+            base = w_ptr + row[:, None] + (blk * 144)[None, :]  # [BLOCK_N, G]
+            qs = tl.load(base[:, :, None] + (16 + c * 32)[None, :, None] + t[None, None, :],
+                         mask=mask[:, :, None], other=0).to(tl.int32)
+            xk = blk * 256 + c * 64
+            x_lo = tl.load(x_row + xk[:, None] + t[None, :], mask=g_mask[:, None],
+                           other=0.0).to(tl.float32)
+            x_hi = tl.load(x_row + xk[:, None] + 32 + t[None, :], mask=g_mask[:, None],
+                           other=0.0).to(tl.float32)
+            qx_lo = tl.sum((qs & 0xF).to(tl.float32) * x_lo[None, :, :], axis=2)
+            qx_hi = tl.sum((qs >> 4).to(tl.float32) * x_hi[None, :, :], axis=2)
+            sc_lo, mn_lo = _q4k_scale_min(base + 4, (2 * c)[None, :], mask)
+            sc_hi, mn_hi = _q4k_scale_min(base + 4, (2 * c + 1)[None, :], mask)
+            xs_lo = tl.sum(x_lo, axis=1)[None, :]
+            xs_hi = tl.sum(x_hi, axis=1)[None, :]
+            acc += _f16(base, mask) * (sc_lo * qx_lo + sc_hi * qx_hi) \
+                - _f16(base + 2, mask) * (mn_lo * xs_lo + mn_hi * xs_hi)
+        y = tl.sum(acc, axis=1)
+        out_ptrs = out_ptr + m.to(tl.int64) * stride_om + offs_n
+        if ATOMIC:
+            tl.atomic_add(out_ptrs, y, mask=n_mask)
+        else:
+            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+    @triton.jit
+    def _q6k_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_om, row_bytes,
+                         num_blocks, blocks_per_split,
+                         ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+        # G = 8 * SB runs of 16 ql bytes per iteration: run g of super-block g // 8 is half
+        # ``h`` of the 32-byte quarter (c, u): ql byte c*64 + h*32 + u*16 + t holds weight
+        # c*128 + h*32 + u*16 + t (low nibble) and that + 64 (high nibble); their two high
+        # bits are bit pairs h and h + 2 of qh byte c*32 + u*16 + t.
+        G: tl.constexpr = 8 * SB
+        pid_n = tl.program_id(0)
+        m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        g = tl.arange(0, G)
+        c = (g % 8) // 4
+        h = (g % 4) // 2
+        u = g % 2
+        t = tl.arange(0, 16)
+        row = offs_n.to(tl.int64) * row_bytes
+        x_row = x_ptr + m.to(tl.int64) * stride_xm
+        acc = tl.zeros((BLOCK_N, G), dtype=tl.float32)
+        b_start = pid_k * blocks_per_split
+        b_end = tl.minimum(b_start + blocks_per_split, num_blocks)
+        for b0 in range(b_start, b_end, SB):
+            blk = b0 + g // 8
+            g_mask = blk < b_end
+            mask = n_mask[:, None] & g_mask[None, :]
+            mask3 = mask[:, :, None]
+            base = w_ptr + row[:, None] + (blk * 210)[None, :]  # [BLOCK_N, G]
+            ql = tl.load(base[:, :, None] + (c * 64 + h * 32 + u * 16)[None, :, None]
+                         + t[None, None, :], mask=mask3, other=0).to(tl.int32)
+            qh = tl.load(base[:, :, None] + (128 + c * 32 + u * 16)[None, :, None]
+                         + t[None, None, :], mask=mask3, other=0).to(tl.int32)
+            shift = (2 * h)[None, :, None]
+            q_lo = ((ql & 0xF) | (((qh >> shift) & 3) << 4)) - 32
+            q_hi = ((ql >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
+            xk = blk * 256 + c * 128 + h * 32 + u * 16
+            x_lo = tl.load(x_row + xk[:, None] + t[None, :], mask=g_mask[:, None],
+                           other=0.0).to(tl.float32)
+            x_hi = tl.load(x_row + xk[:, None] + 64 + t[None, :], mask=g_mask[:, None],
+                           other=0.0).to(tl.float32)
+            qx_lo = tl.sum(q_lo.to(tl.float32) * x_lo[None, :, :], axis=2)
+            qx_hi = tl.sum(q_hi.to(tl.float32) * x_hi[None, :, :], axis=2)
+            s = base + 192 + (c * 8 + h * 2 + u)[None, :]
+            sc_lo = tl.load(s, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            sc_hi = tl.load(s + 4, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            acc += _f16(base + 208, mask) * (sc_lo * qx_lo + sc_hi * qx_hi)
+        y = tl.sum(acc, axis=1)
+        out_ptrs = out_ptr + m.to(tl.int64) * stride_om + offs_n
+        if ATOMIC:
+            tl.atomic_add(out_ptrs, y, mask=n_mask)
+        else:
+            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def gemv_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
+    """Rows per program, super-blocks per iteration and the K split: enough programs for
+    two waves of ``num_sms`` (each SM then keeps several loads in flight)."""
+    block_n, sb = 16, 2
+    num_blocks = k // 256
+    programs = cdiv(n, block_n) * m
+    split = max(1, min(cdiv(4 * num_sms, programs), cdiv(num_blocks, sb)))
+    return dict(BLOCK_N=block_n, SB=sb, SPLIT_K=split, num_warps=4)
+
+
+def gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int,
+              config: dict[str, int] | None = None, num_sms: int = 132) -> torch.Tensor:
+    """``x @ W^T`` for ``W`` in Q4_K or Q6_K blocks.
+
+    Args:
+        x: ``[M, K]`` float16/bfloat16/float32, ``K`` a multiple of 256.
+        raw: ``[N, row_bytes]`` uint8, ``row_bytes = K / 256 * (144 | 210)``.
+        qtype: 12 (Q4_K) or 14 (Q6_K).
+        config: ``gemv_config``'s keys; chosen by ``gemv_config`` if None.
+        num_sms: the device's streaming multiprocessors (sizes the K split).
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype.
+
+    Raises:
+        ValueError: Triton missing, another block type, or ``raw`` not ``K``'s row size.
+    """
+    if not HAS_TRITON:
+        raise ValueError("the GGUF GEMV kernel needs Triton")
+    if qtype not in GEMV_TYPES:
+        raise ValueError(f"the GGUF GEMV kernel reads Q4_K and Q6_K, not type {qtype}")
+    m, k = x.shape
+    n, row_bytes = raw.shape
+    type_size = 144 if qtype == Q4_K else 210
+    if k % 256 or row_bytes != k // 256 * type_size:
+        raise ValueError(f"GGUF GEMV: K={k} does not match rows of {row_bytes} bytes")
+    x = x.contiguous()
+    cfg = config or gemv_config(m, n, k, num_sms)
+    num_blocks = k // 256
+    per_split = cdiv(cdiv(num_blocks, cfg["SPLIT_K"]), cfg["SB"]) * cfg["SB"]
+    split = cdiv(num_blocks, per_split)
+    atomic = split > 1
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
+           else torch.empty(m, n, dtype=x.dtype, device=x.device))
+    kernel = _q4k_gemv_kernel if qtype == Q4_K else _q6k_gemv_kernel
+    grid = (cdiv(n, cfg["BLOCK_N"]), m, split)
+    kernel[grid](x, raw, out, n, x.stride(0), out.stride(0), row_bytes, num_blocks, per_split,
+                 ATOMIC=atomic, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"],
+                 num_warps=cfg["num_warps"])
+    return out.to(x.dtype) if atomic else out
