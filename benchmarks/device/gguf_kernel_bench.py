@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """The GGUF K-quant products at Llama-3.1-8B's linear shapes on one GPU: the Q4_K/Q6_K GEMV
-of ``tokenmill.kernels.gemm.gguf_gemv`` (its default tiles and a sweep around them) and the
-general tile kernel of ``tokenmill.kernels.gemm.gguf``, against cuBLAS on the same shape in
-bf16, each result checked against the dequantized product.
+of ``tokenmill.kernels.gemm.gguf_kquant`` (its default tiles and, at one row, a sweep around
+them) and its tensor-core kernel, the general tile kernel of ``tokenmill.kernels.gemm.gguf``
+and (from 64 rows) dequantize-then-cuBLAS, against cuBLAS on the same shape in bf16, each
+result checked against the dequantized product.
 
-usage: gguf_kernel_bench.py [--ms 1,2,4] [--no-sweep]
+usage: gguf_kernel_bench.py [--ms 1,4,8,16,64,256] [--no-sweep]
 
 Prints one ``GGUFK`` line per (type, shape, M, path): microseconds per product (CUDA-graph
 replays, median) and the block bytes read per microsecond (GB/s); ``GGUFBEST`` the fastest
@@ -21,7 +22,7 @@ from int4_kernel_bench import SHAPES, time_us  # this folder: the scripts run by
 
 from tokenmill.kernels.device import num_sms
 from tokenmill.kernels.gemm import gguf as kg
-from tokenmill.kernels.gemm import gguf_gemv as kv
+from tokenmill.kernels.gemm import gguf_kquant as kv
 from tokenmill.kernels.quant.gguf_blocks import dequantize
 
 TYPES = {"Q4_K": 12, "Q6_K": 14}
@@ -53,7 +54,7 @@ def sweep(m: int, n: int, k: int, sms: int) -> dict[str, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ms", default="1,2,4")
+    ap.add_argument("--ms", default="1,4,8,16,64,256")
     ap.add_argument("--no-sweep", action="store_true")
     a = ap.parse_args()
     sms = num_sms(torch.device("cuda"))
@@ -66,14 +67,22 @@ def main() -> None:
             for m in (int(v) for v in a.ms.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = x.float() @ w.t()
-                paths = {"gemv": kv.gemv_config(m, n, k, sms),
+                paths = {"mm": kv.mm_config(m, n, k, x.dtype, sms),
                          "tile": kg.launch_config(m, n, k, x.dtype, sms)}
+                if m <= 8:
+                    paths["gemv"] = kv.gemv_config(m, n, k, sms)
+                if m >= 64:
+                    paths["dequant_cublas"] = {"DEQUANT": 1}
                 if not a.no_sweep and m == 1:
                     paths.update(sweep(m, n, k, sms))
                 timed = {}
                 for path, cfg in paths.items():
-                    fn = (partial(kg.gguf_linear, x, raw, qtype, cfg) if path == "tile"
-                          else partial(kv.gguf_gemv, x, raw, qtype, cfg))
+                    if path in ("tile", "dequant_cublas"):
+                        fn = partial(kg.gguf_linear, x, raw, qtype, cfg)
+                    elif path == "mm":
+                        fn = partial(kv.kquant_mm, x, raw, qtype, cfg)
+                    else:
+                        fn = partial(kv.gguf_gemv, x, raw, qtype, cfg)
                     y = fn()
                     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                     if err > 2e-2:
@@ -86,7 +95,7 @@ def main() -> None:
                         print(f"GGUFK {tname} {name} m={m} path={path} us={us:.1f} "
                               f"GB/s={nbytes / us / 1e3:.0f} rel_err={err:.2e} cfg={cfg}",
                               flush=True)
-                gemv_paths = {p: v for p, v in timed.items() if p != "tile"}
+                gemv_paths = {p: v for p, v in timed.items() if p == "gemv" or "sweep" in p}
                 if len(gemv_paths) > 1:
                     best = min(gemv_paths.items(), key=lambda kv_: kv_[1][0])
                     print(f"GGUFBEST {tname} {name} m={m} {best[0]} us={best[1][0]:.1f} "

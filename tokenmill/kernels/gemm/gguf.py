@@ -7,8 +7,11 @@ the bytes its block type keeps it in (quant bits, the block's fp16 scale(s), the
 6-bit sub-block scales), forms ``scale * q (+ offset)`` in float32 with the same
 arithmetic as ``gguf_blocks.unpack_blocks`` and feeds ``tl.dot``. Block layouts: ggml's
 ``block_q4_0 ... block_q6_K`` (ggml-common.h). Launch shapes as ``tokenmill.kernels.gemm.int4``
-(split-K 16-row tiles for decode, 64 x 128 tiles for prefill); up to ``GEMV_MAX_M`` rows of
-Q4_K and Q6_K take the GEMV of ``tokenmill.kernels.gemm.gguf_gemv``.
+(split-K 16-row tiles for decode, 64 x 128 tiles for prefill). Q4_K and Q6_K (the bulk of
+Q4_K_M files) take the kernels of ``tokenmill.kernels.gemm.gguf_kquant`` instead, which read
+each row's quant bytes as contiguous runs; from ``DEQUANT_MIN_M`` rows every type is
+dequantized once (``gguf_dequantize``) and the product left to cuBLAS, as the int4 path
+does (each tile of an in-loop kernel would decode the blocks again).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels.device import num_sms
-from tokenmill.kernels.gemm.gguf_gemv import GEMV_MAX_M, GEMV_TYPES, gguf_gemv
-from tokenmill.kernels.gemm.int4 import DECODE_MAX_M
+from tokenmill.kernels.gemm.gguf_kquant import GEMV_MAX_M, KQUANT_TYPES, gguf_gemv, kquant_mm
+from tokenmill.kernels.gemm.int4 import DECODE_MAX_M, DEQUANT_MIN_M
 from tokenmill.kernels.quant.gguf_blocks import block_info
 from tokenmill.math_utils import cdiv
 
@@ -145,6 +148,35 @@ if HAS_TRITON:
         else:
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _gguf_dequant_kernel(w_ptr, out_ptr, N, K, row_bytes,
+                             QTYPE: tl.constexpr, QK: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
+        w = _dequant_tile(w_ptr, offs_k, offs_n, row_bytes, mask, QTYPE, QK, TYPE_SIZE)
+        out = out_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gguf_dequantize(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """``W [N, K]`` in ``dtype`` from ``[N, row_bytes]`` blocks, computed in float32 with
+    ``gguf_blocks.unpack_blocks``' arithmetic and rounded once (one Triton pass).
+
+    Raises:
+        ValueError: Triton is not installed, or an unsupported type.
+    """
+    if not HAS_TRITON:
+        raise ValueError("the GGUF dequantize kernel needs Triton")
+    _name, qk, type_size, _group = block_info(qtype)
+    n, row_bytes = raw.shape
+    out = torch.empty(n, k, dtype=dtype, device=raw.device)
+    grid = (cdiv(n, 32), cdiv(k, 64))
+    _gguf_dequant_kernel[grid](raw, out, n, k, row_bytes, QTYPE=qtype, QK=qk,
+                               TYPE_SIZE=type_size, BLOCK_N=32, BLOCK_K=64, num_warps=4)
+    return out
+
 
 def launch_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> dict[str, int]:
     """Tiles and K split (see ``tokenmill.kernels.gemm.int4.launch_config``)."""
@@ -167,8 +199,10 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int,
         x: ``[M, K]`` float16/bfloat16 (float32 under the interpreter).
         raw: ``[N, row_bytes]`` uint8 blocks of type ``qtype``.
         qtype: a GGML block type id (Q4_0 ... Q6_K).
-        config: tiles (``launch_config`` keys); chosen by ``launch_config`` if None (and
-            then up to ``GEMV_MAX_M`` rows of Q4_K/Q6_K take ``gguf_gemv``).
+        config: tiles of this module's kernel (``launch_config`` keys), or ``{"DEQUANT":
+            1}`` for ``gguf_dequantize`` and cuBLAS. None: from ``DEQUANT_MIN_M`` rows the
+            latter; else Q4_K/Q6_K take ``gguf_gemv`` (up to ``GEMV_MAX_M`` rows) or
+            ``kquant_mm``, other types this module's kernel with ``launch_config``.
 
     Returns:
         ``[M, N]`` in ``x``'s dtype.
@@ -181,8 +215,14 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int,
     _name, qk, type_size, _group = block_info(qtype)
     m, k = x.shape
     n, row_bytes = raw.shape
-    if config is None and qtype in GEMV_TYPES and m <= GEMV_MAX_M:
-        return gguf_gemv(x, raw, qtype, num_sms=num_sms(x.device))
+    if (config is None and m >= DEQUANT_MIN_M and x.dtype != torch.float32) or (
+            config is not None and config.get("DEQUANT")):
+        return x @ gguf_dequantize(raw, qtype, k, x.dtype).t()
+    if config is None and qtype in KQUANT_TYPES:
+        sms = num_sms(x.device)
+        if m <= GEMV_MAX_M:
+            return gguf_gemv(x, raw, qtype, num_sms=sms)
+        return kquant_mm(x, raw, qtype, num_sms=sms)
     x = x.contiguous()
     cfg = config or launch_config(m, n, k, x.dtype, num_sms(x.device))
     k_per_split = cdiv(cdiv(k, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]

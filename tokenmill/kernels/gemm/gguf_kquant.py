@@ -1,4 +1,5 @@
-"""GEMV for llama.cpp's K-quant blocks (Q4_K, Q6_K): ``y = x @ W^T`` for a few rows of ``x``.
+"""llama.cpp's K-quant blocks (Q4_K, Q6_K) in the product ``y = x @ W^T``: a GEMV for a few
+rows of ``x`` and a tensor-core tile kernel for decode batches.
 
 Batch-1 decode reads every weight byte once per token, so its speed is the rate at which the
 kernel streams ``W [N, row_bytes]`` (uint8, ``K / 256`` super-blocks per row). The general
@@ -16,8 +17,10 @@ block arithmetic out of the inner product, as llama.cpp's ``vec_dot_q4_K_q8_K`` 
   a 16-byte run of ``ql`` and its 16 ``qh`` bytes hold two 16-weight groups (low and high
   nibble), each with its own scale: ``sum_j w_j x_j = d * sum_g sc_g * (q . x)_g``.
 
-Each program takes ``BLOCK_N`` rows of one row of ``x`` over a range of super-blocks
-(split-K; partial sums added with float32 atomics).
+A GEMV program takes ``BLOCK_N`` rows of ``W`` for one row of ``x`` over a range of
+super-blocks (split-K; partial sums added with float32 atomics). The tile kernel reads the
+same runs, applies the scales per run in float32 and feeds ``tl.dot`` twice per super-block:
+the low-nibble weights against the columns of ``x`` they multiply, then the high ones.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ except ImportError:  # CPU-only installs
     HAS_TRITON = False
 
 Q4_K, Q6_K = 12, 14
-GEMV_TYPES = (Q4_K, Q6_K)
+KQUANT_TYPES = (Q4_K, Q6_K)
 # One program per row of x: from this many rows the tensor-core kernel (which unpacks each
 # weight once for all rows) takes over.
 GEMV_MAX_M = 4
@@ -70,8 +73,8 @@ if HAS_TRITON:
                          ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
         # G = 4 * SB runs of 32 bytes per iteration: run g is chunk g % 4 of super-block g // 4.
         G: tl.constexpr = 4 * SB
-        pid_n = tl.program_id(0)
-        m = tl.program_id(1)
+        m = tl.program_id(0)
+        pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -119,8 +122,8 @@ if HAS_TRITON:
         # c*128 + h*32 + u*16 + t (low nibble) and that + 64 (high nibble); their two high
         # bits are bit pairs h and h + 2 of qh byte c*32 + u*16 + t.
         G: tl.constexpr = 8 * SB
-        pid_n = tl.program_id(0)
-        m = tl.program_id(1)
+        m = tl.program_id(0)
+        pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -165,6 +168,126 @@ if HAS_TRITON:
         else:
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
 
+    @triton.jit
+    def _q4k_mm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_om, row_bytes,
+                       num_blocks, blocks_per_split,
+                       DOT_PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # Per super-block: the 128 quant bytes as 4 runs of 32 (chunk c); byte t of run c
+        # holds weight c*64 + t (low nibble, sub-block 2c) and c*64 + 32 + t (high, 2c + 1).
+        pid_mn = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_n = tl.cdiv(N, BLOCK_N)
+        offs_m = (pid_mn // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = (pid_mn % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        c = tl.arange(0, 4)
+        t = tl.arange(0, 32)
+        kk = tl.arange(0, 128)
+        x_cols = (kk // 32) * 64 + kk % 32  # the low nibbles' columns, in run order
+        row = offs_n.to(tl.int64) * row_bytes
+        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        b_start = pid_k * blocks_per_split
+        b_end = tl.minimum(b_start + blocks_per_split, num_blocks)
+        for blk in range(b_start, b_end):
+            base = w_ptr + row + blk * 144  # [BLOCK_N]
+            nb = base[:, None]
+            mask = n_mask[:, None]
+            qs = tl.load(nb[:, :, None] + (16 + c * 32)[None, :, None] + t[None, None, :],
+                         mask=mask[:, :, None], other=0).to(tl.int32)
+            d = _f16(nb, mask)
+            dmin = _f16(nb + 2, mask)
+            sc_lo, mn_lo = _q4k_scale_min(nb + 4, (2 * c)[None, :], mask)
+            sc_hi, mn_hi = _q4k_scale_min(nb + 4, (2 * c + 1)[None, :], mask)
+            w_lo = (d * sc_lo)[:, :, None] * (qs & 0xF).to(tl.float32) \
+                - (dmin * mn_lo)[:, :, None]
+            w_hi = (d * sc_hi)[:, :, None] * (qs >> 4).to(tl.float32) \
+                - (dmin * mn_hi)[:, :, None]
+            x_lo = tl.load(x_rows + blk * 256 + x_cols[None, :], mask=m_mask[:, None], other=0.0)
+            x_hi = tl.load(x_rows + blk * 256 + 32 + x_cols[None, :], mask=m_mask[:, None],
+                           other=0.0)
+            w_lo = tl.reshape(w_lo, (BLOCK_N, 128)).to(x_lo.dtype)
+            w_hi = tl.reshape(w_hi, (BLOCK_N, 128)).to(x_lo.dtype)
+            acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=DOT_PRECISION)
+        _store_tile(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, stride_om, ATOMIC)
+
+    @triton.jit
+    def _q6k_mm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_om, row_bytes,
+                       num_blocks, blocks_per_split,
+                       DOT_PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # Per super-block: ql as 8 runs of 16 (g = 4c + 2h + u, bytes 16g..16g+15, as in
+        # the GEMV kernel), each run's qh bytes at 128 + 32c + 16u.
+        pid_mn = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_n = tl.cdiv(N, BLOCK_N)
+        offs_m = (pid_mn // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = (pid_mn % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        g = tl.arange(0, 8)
+        c = g // 4
+        h = (g // 2) % 2
+        u = g % 2
+        t = tl.arange(0, 16)
+        kk = tl.arange(0, 128)
+        gk = kk // 16
+        x_cols = (gk // 4) * 128 + ((gk // 2) % 2) * 32 + (gk % 2) * 16 + kk % 16
+        row = offs_n.to(tl.int64) * row_bytes
+        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        b_start = pid_k * blocks_per_split
+        b_end = tl.minimum(b_start + blocks_per_split, num_blocks)
+        for blk in range(b_start, b_end):
+            nb = (w_ptr + row + blk * 210)[:, None]
+            mask = n_mask[:, None]
+            mask3 = mask[:, :, None]
+            ql = tl.load(nb[:, :, None] + (g * 16)[None, :, None] + t[None, None, :],
+                         mask=mask3, other=0).to(tl.int32)
+            qh = tl.load(nb[:, :, None] + (128 + c * 32 + u * 16)[None, :, None]
+                         + t[None, None, :], mask=mask3, other=0).to(tl.int32)
+            shift = (2 * h)[None, :, None]
+            q_lo = ((ql & 0xF) | (((qh >> shift) & 3) << 4)) - 32
+            q_hi = ((ql >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
+            d = _f16(nb + 208, mask)
+            s = nb + 192 + (c * 8 + h * 2 + u)[None, :]
+            sc_lo = tl.load(s, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            sc_hi = tl.load(s + 4, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            w_lo = (d * sc_lo)[:, :, None] * q_lo.to(tl.float32)
+            w_hi = (d * sc_hi)[:, :, None] * q_hi.to(tl.float32)
+            x_lo = tl.load(x_rows + blk * 256 + x_cols[None, :], mask=m_mask[:, None], other=0.0)
+            x_hi = tl.load(x_rows + blk * 256 + 64 + x_cols[None, :], mask=m_mask[:, None],
+                           other=0.0)
+            w_lo = tl.reshape(w_lo, (BLOCK_N, 128)).to(x_lo.dtype)
+            w_hi = tl.reshape(w_hi, (BLOCK_N, 128)).to(x_lo.dtype)
+            acc = tl.dot(x_lo, tl.trans(w_lo), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(x_hi, tl.trans(w_hi), acc, input_precision=DOT_PRECISION)
+        _store_tile(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, stride_om, ATOMIC)
+
+    @triton.jit
+    def _store_tile(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, stride_om,
+                    ATOMIC: tl.constexpr):
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(out_ptrs, acc, mask=mask)
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> None:
+    if not HAS_TRITON:
+        raise ValueError("the GGUF K-quant kernels need Triton")
+    if qtype not in KQUANT_TYPES:
+        raise ValueError(f"the GGUF K-quant kernels read Q4_K and Q6_K, not type {qtype}")
+    k = x.shape[1]
+    row_bytes = raw.shape[1]
+    if k % 256 or row_bytes != k // 256 * (144 if qtype == Q4_K else 210):
+        raise ValueError(f"GGUF K-quant product: K={k} does not match rows of {row_bytes} bytes")
+
 
 def gemv_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
     """Rows per program, super-blocks per iteration and the K split: enough programs for
@@ -193,15 +316,9 @@ def gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int,
     Raises:
         ValueError: Triton missing, another block type, or ``raw`` not ``K``'s row size.
     """
-    if not HAS_TRITON:
-        raise ValueError("the GGUF GEMV kernel needs Triton")
-    if qtype not in GEMV_TYPES:
-        raise ValueError(f"the GGUF GEMV kernel reads Q4_K and Q6_K, not type {qtype}")
     m, k = x.shape
+    _check(x, raw, qtype)
     n, row_bytes = raw.shape
-    type_size = 144 if qtype == Q4_K else 210
-    if k % 256 or row_bytes != k // 256 * type_size:
-        raise ValueError(f"GGUF GEMV: K={k} does not match rows of {row_bytes} bytes")
     x = x.contiguous()
     cfg = config or gemv_config(m, n, k, num_sms)
     num_blocks = k // 256
@@ -211,8 +328,48 @@ def gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int,
     out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
     kernel = _q4k_gemv_kernel if qtype == Q4_K else _q6k_gemv_kernel
-    grid = (cdiv(n, cfg["BLOCK_N"]), m, split)
+    # The rows of x vary fastest, so the programs that read one weight tile run together and
+    # all but the first find it in L2.
+    grid = (m, cdiv(n, cfg["BLOCK_N"]), split)
     kernel[grid](x, raw, out, n, x.stride(0), out.stride(0), row_bytes, num_blocks, per_split,
                  ATOMIC=atomic, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"],
                  num_warps=cfg["num_warps"])
+    return out.to(x.dtype) if atomic else out
+
+
+def mm_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> dict[str, int]:
+    """Tiles of the tensor-core kernel: 16 to 64 rows of ``x``, 64 rows of ``W``, the K
+    split filling two waves of ``num_sms``. float32 (the interpreter) keeps tiles small."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=1, num_warps=4, num_stages=1)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_n = 64
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    split = max(1, min(cdiv(2 * num_sms, tiles), k // 256))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split, num_warps=4, num_stages=2)
+
+
+def kquant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: int,
+              config: dict[str, int] | None = None, num_sms: int = 132) -> torch.Tensor:
+    """``x @ W^T`` for ``W`` in Q4_K or Q6_K blocks by the tensor-core tile kernel.
+
+    Arguments, result and errors as ``gguf_gemv``; ``config``: ``mm_config``'s keys.
+    """
+    m, k = x.shape
+    _check(x, raw, qtype)
+    x = x.contiguous()
+    n, row_bytes = raw.shape
+    cfg = config or mm_config(m, n, k, x.dtype, num_sms)
+    num_blocks = k // 256
+    per_split = cdiv(num_blocks, cfg["SPLIT_K"])
+    split = cdiv(num_blocks, per_split)
+    atomic = split > 1
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
+           else torch.empty(m, n, dtype=x.dtype, device=x.device))
+    kernel = _q4k_mm_kernel if qtype == Q4_K else _q6k_mm_kernel
+    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
+    kernel[grid](x, raw, out, m, n, x.stride(0), out.stride(0), row_bytes, num_blocks,
+                 per_split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                 ATOMIC=atomic, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out.to(x.dtype) if atomic else out

@@ -1,7 +1,8 @@
-"""The Q4_K/Q6_K GEMV kernels by Triton's interpreter on CPU, in float32, against the product
-of the gguf package's dequantization: odd super-block counts (a partial last iteration), a
-K split, rows past the last full tile, and more than one row of ``x``. The interpreter is
-process-wide and read when kernels are defined, so the check runs in a child process."""
+"""The Q4_K/Q6_K GEMV and tile kernels by Triton's interpreter on CPU, in float32, against
+the product of the gguf package's dequantization: odd super-block counts (a partial last
+iteration), a K split, rows past the last full tile, more than one row of ``x``; and the
+one-pass dequantization of every block type, bit for bit. The interpreter is process-wide
+and read when kernels are defined, so the check runs in a child process."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent("""
     import torch
     from tests.kernels.gguf_cases import random_blocks
-    from tokenmill.kernels.gemm.gguf import gguf_linear
-    from tokenmill.kernels.gemm.gguf_gemv import gguf_gemv
-    from tokenmill.kernels.quant.gguf_blocks import dequantize
+    from tokenmill.kernels.gemm.gguf import gguf_dequantize, gguf_linear
+    from tokenmill.kernels.gemm.gguf_kquant import gguf_gemv, kquant_mm
+    from tokenmill.kernels.quant.gguf_blocks import BLOCK_TYPES, dequantize
 
     torch.manual_seed(0)
     for qtype in (12, 14):
@@ -34,6 +35,21 @@ SCRIPT = textwrap.dedent("""
             err = (y.double() - expected).abs().max().item()
             assert y.shape == (m, n), (qtype, y.shape)
             assert err <= 1e-4 * expected.abs().max().item(), (qtype, n, k, m, err)
+        for n, k, m, cfg in [(37, 768, 5, dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=2, num_warps=4,
+                                                num_stages=1)),
+                             (20, 512, 17, None)]:
+            raw = random_blocks(qtype, n, k, seed=qtype + m)
+            x = torch.randn(m, k)
+            expected = x.double() @ dequantize(raw, qtype).double().t()
+            y = kquant_mm(x, raw, qtype, cfg) if cfg else gguf_linear(x, raw, qtype)
+            err = (y.double() - expected).abs().max().item()
+            assert y.shape == (m, n), (qtype, y.shape)
+            assert err <= 1e-4 * expected.abs().max().item(), ("mm", qtype, n, k, m, err)
+    for qtype, (_name, qk, _size, _group) in BLOCK_TYPES.items():
+        k = 2 * 256
+        raw = random_blocks(qtype, 40, k, seed=qtype)
+        assert torch.equal(gguf_dequantize(raw, qtype, k, torch.float32),
+                           dequantize(raw, qtype)), qtype
     print("OK")
 """)
 
@@ -50,7 +66,7 @@ def test_gemv_kernels_by_interpreter():
 def test_gemv_refuses_other_types_and_row_sizes():
     import torch
 
-    from tokenmill.kernels.gemm.gguf_gemv import gguf_gemv
+    from tokenmill.kernels.gemm.gguf_kquant import gguf_gemv
 
     x = torch.zeros(1, 256)
     with pytest.raises(ValueError, match="Q4_K and Q6_K"):
