@@ -115,6 +115,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_KW: tl.constexpr,
+        SHIFT_LOOP: tl.constexpr,
     ):
         # BLOCK_KW packed words along K (8 * BLOCK_KW input channels) per iteration; the
         # launcher keeps 8 * BLOCK_KW a divisor of GROUP, so one scale/zero row per iteration.
@@ -133,17 +134,32 @@ if HAS_TRITON:
             rows = k0 // 8 + tl.arange(0, BLOCK_KW)
             words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
                             mask=(rows * 8 < k_end)[:, None] & n_mask[None, :], other=0)
-            q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
-            q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                        mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0
-                        ).to(tl.float32)
             g = offs_n.to(tl.int64) + (k0 // GROUP) * N
             s = tl.load(s_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g, mask=n_mask, other=0).to(tl.float32)
-            xq = tl.sum(x[:, :, None] * q[None, :, :], axis=1)
-            acc += s[None, :] * (xq - z[None, :] * tl.sum(x, axis=1)[:, None])
+            if SHIFT_LOOP:
+                # Value j of every word at once: x's channels 8r + j against [BLOCK_KW,
+                # BLOCK_N] values, so no [BLOCK_K, BLOCK_N] tile is ever live.
+                xq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                xs = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                for j in tl.static_range(8):
+                    kj = rows * 8 + j
+                    xj = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+                                 + kj[None, :], mask=m_mask[:, None] & (kj < k_end)[None, :],
+                                 other=0.0).to(tl.float32)
+                    qj = ((words >> (4 * j)) & 0xF).to(tl.float32)
+                    xq += tl.sum(xj[:, :, None] * qj[None, :, :], axis=1)
+                    xs += tl.sum(xj, axis=1)
+                acc += s[None, :] * (xq - z[None, :] * xs[:, None])
+            else:
+                q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+                q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                            mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0
+                            ).to(tl.float32)
+                xq = tl.sum(x[:, :, None] * q[None, :, :], axis=1)
+                acc += s[None, :] * (xq - z[None, :] * tl.sum(x, axis=1)[:, None])
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         if ATOMIC:
@@ -285,6 +301,7 @@ def int4_linear(
             m, n, k, x.stride(0), out.stride(0), k_per_split,
             GROUP=group, ATOMIC=atomic,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"],
+            SHIFT_LOOP=bool(cfg.get("SHIFT_LOOP", 0)),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         return out.to(x.dtype) if atomic else out
