@@ -42,13 +42,27 @@ def random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
 def sweep(m: int, n: int, k: int, sms: int) -> dict[str, dict]:
     base = kv.gemv_config(m, n, k, sms)
     out = {}
-    for bn in (8, 16, 32):
-        for sb in (1, 2, 4):
-            for per_sm in (2, 4, 8):
+    for bn in (4, 8, 16):
+        for sb in (2, 4, 8):
+            for per_sm in (1, 2, 4):
                 programs = -(-n // bn) * m
                 split = max(1, min(-(-per_sm * sms // programs), -(-(k // 256) // sb)))
-                out[f"sweep_n{bn}_sb{sb}_s{per_sm}"] = dict(base, BLOCK_N=bn, SB=sb,
-                                                             SPLIT_K=split)
+                for warps in (2, 4):
+                    out[f"sweep_n{bn}_sb{sb}_s{per_sm}_w{warps}"] = dict(
+                        base, BLOCK_N=bn, SB=sb, SPLIT_K=split, num_warps=warps)
+    return out
+
+
+def mm_sweep(m: int, n: int, k: int, sms: int) -> dict[str, dict]:
+    base = kv.mm_config(m, n, k, torch.bfloat16, sms)
+    out = {}
+    for bn in (32, 64, 128):
+        for warps in (4, 8):
+            for stages in (1, 3):
+                tiles = -(-m // base["BLOCK_M"]) * -(-n // bn)
+                split = max(1, min(-(-2 * sms // tiles), k // 256))
+                out[f"mmsweep_n{bn}_w{warps}_st{stages}"] = dict(
+                    base, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -69,17 +83,19 @@ def main() -> None:
                 ref = x.float() @ w.t()
                 paths = {"mm": kv.mm_config(m, n, k, x.dtype, sms),
                          "tile": kg.launch_config(m, n, k, x.dtype, sms)}
-                if m <= 8:
+                if m <= 4:
                     paths["gemv"] = kv.gemv_config(m, n, k, sms)
                 if m >= 64:
                     paths["dequant_cublas"] = {"DEQUANT": 1}
                 if not a.no_sweep and m == 1:
                     paths.update(sweep(m, n, k, sms))
+                if not a.no_sweep and m == 16:
+                    paths.update(mm_sweep(m, n, k, sms))
                 timed = {}
                 for path, cfg in paths.items():
                     if path in ("tile", "dequant_cublas"):
                         fn = partial(kg.gguf_linear, x, raw, qtype, cfg)
-                    elif path == "mm":
+                    elif path.startswith("mm"):
                         fn = partial(kv.kquant_mm, x, raw, qtype, cfg)
                     else:
                         fn = partial(kv.gguf_gemv, x, raw, qtype, cfg)
@@ -91,15 +107,19 @@ def main() -> None:
                         continue
                     us = time_us(fn)
                     timed[path] = (us, cfg)
-                    if not path.startswith("sweep"):
+                    if "sweep" not in path:
                         print(f"GGUFK {tname} {name} m={m} path={path} us={us:.1f} "
                               f"GB/s={nbytes / us / 1e3:.0f} rel_err={err:.2e} cfg={cfg}",
                               flush=True)
-                gemv_paths = {p: v for p, v in timed.items() if p == "gemv" or "sweep" in p}
-                if len(gemv_paths) > 1:
-                    best = min(gemv_paths.items(), key=lambda kv_: kv_[1][0])
-                    print(f"GGUFBEST {tname} {name} m={m} {best[0]} us={best[1][0]:.1f} "
-                          f"GB/s={nbytes / best[1][0] / 1e3:.0f} cfg={best[1][1]}", flush=True)
+                for kind in ("gemv", "mm"):
+                    group = {p: v for p, v in timed.items()
+                             if p == kind or p.startswith(f"{kind}sweep") or (
+                                 kind == "gemv" and p.startswith("sweep"))}
+                    if len(group) > 1:
+                        best = min(group.items(), key=lambda kv_: kv_[1][0])
+                        print(f"GGUFBEST {tname} {name} m={m} {best[0]} us={best[1][0]:.1f} "
+                              f"GB/s={nbytes / best[1][0] / 1e3:.0f} cfg={best[1][1]}",
+                              flush=True)
                 us = time_us(partial(torch.matmul, x, w_bf16.t()))
                 print(f"GGUFK {tname} {name} m={m} path=cublas_bf16 us={us:.1f} "
                       f"GB/s={w_bf16.numel() * 2 / us / 1e3:.0f}", flush=True)
