@@ -53,6 +53,10 @@ class RemoteServer:
         RuntimeError: the server exited or did not answer /health in time (with its log).
     """
 
+    # HTTPS servers (--ssl-certfile) set these: the scheme and httpx's ``verify`` (a CA file).
+    scheme = "http"
+    verify: Any = True
+
     def __init__(self, args: list[str], api_key: str | None = None) -> None:
         self.port = free_port()
         self.args = args
@@ -79,7 +83,7 @@ class RemoteServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     @property
     def headers(self) -> dict[str, str]:
@@ -93,7 +97,8 @@ class RemoteServer:
                     f"server exited with code {self.proc.returncode}:\n{self.log_text()}"
                 )
             try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                health = httpx.get(self.url + "/health", timeout=2.0, verify=self.verify)
+                if health.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -108,10 +113,12 @@ class RemoteServer:
 
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
         kwargs.setdefault("timeout", 60.0)
+        kwargs.setdefault("verify", self.verify)
         return httpx.get(self.url + path, headers=self.headers, **kwargs)
 
     def post(self, path: str, body: Any = None, **kwargs: Any) -> httpx.Response:
         kwargs.setdefault("timeout", 120.0)
+        kwargs.setdefault("verify", self.verify)
         headers = {**self.headers, **kwargs.pop("headers", {})}
         if body is not None:
             kwargs["json"] = body

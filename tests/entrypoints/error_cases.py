@@ -271,12 +271,12 @@ CASES = [
         "",
     ),
     (
-        "return_tokens_as_token_ids",
+        "return_tokens_as_token_ids not a boolean",
         CHAT,
-        {"messages": MSG, "return_tokens_as_token_ids": True},
+        {"messages": MSG, "return_tokens_as_token_ids": "yes"},
         400,
         "return_tokens_as_token_ids",
-        "does not implement",
+        "",
     ),
     (
         "prompt_embeds",

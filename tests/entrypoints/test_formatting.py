@@ -63,11 +63,26 @@ def test_completion_logprobs_offsets_and_first_prompt_token():
         {4: Logprob(-1.0, 2, " b"), 3: Logprob(-0.5, 1, " a")},
         {9: Logprob(float("-inf"), 1, "!")},
     ]
-    result = completion_logprobs([1, 4, 9], entries, 1, {1: "x"}, initial_offset=0)
+    result, end = completion_logprobs([1, 4, 9], entries, 1, {1: "x"}, initial_offset=0)
     assert result.tokens == ["x", " b", "!"]
     assert result.token_logprobs == [None, -1.0, MIN_LOGPROB]
     assert result.top_logprobs == [None, {" a": -0.5, " b": -1.0}, {"!": MIN_LOGPROB}]
     assert result.text_offset == [0, 1, 3]
+    assert end == 4
+
+
+def test_logprobs_name_tokens_by_id_when_asked():
+    """vLLM's return_tokens_as_token_ids: "token_id:<id>" in tokens and top_logprobs' keys,
+    offsets still counted in the tokens' texts; bytes stay the text's."""
+    entries = [None, {4: Logprob(-1.0, 2, " b"), 3: Logprob(-0.5, 1, " a")}]
+    result, end = completion_logprobs([1, 4], entries, 1, {1: "x"}, 0, as_ids=True)
+    assert result.tokens == ["token_id:1", "token_id:4"]
+    assert result.top_logprobs == [None, {"token_id:3": -0.5, "token_id:4": -1.0}]
+    assert result.text_offset == [0, 1] and end == 3
+    entry = {7: Logprob(-0.1, 1, "hi"), 8: Logprob(-2.0, 2, "ho")}
+    chat = chat_logprobs([7], [entry], 1, _Bytes(), as_ids=True).content[0]
+    assert chat.token == "token_id:7" and chat.top_logprobs[0].token == "token_id:7"
+    assert chat.bytes == list(b"hi")
 
 
 def test_token_bytes_of_split_characters(smollm2_tokenizer):

@@ -54,6 +54,7 @@ from tokenmill.entrypoints.openai.shutdown import (
     Server,
     exit_on_engine_death,
 )
+from tokenmill.entrypoints.openai.transport import install_transport, uvicorn_tls
 from tokenmill.gc_freeze import freeze_startup_heap
 from tokenmill.metrics import make_registry
 from tokenmill.version import __version__
@@ -86,6 +87,7 @@ def build_app(
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     add_body_size_limit(app, error_response_for)  # outside the key check
+    install_transport(app, args)  # --middleware, --enable-server-load-tracking, GET /load
     # Added last, so it is the outermost layer: preflight answers never need a key.
     app.add_middleware(
         CORSMiddleware,
@@ -114,6 +116,9 @@ def build_app(
         getattr(args, "tool_settings", None),
     )
     state.serving_completion = OpenAIServingCompletion(engine, request_logger)
+    as_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
+    state.serving_chat.return_tokens_as_token_ids = as_ids
+    state.serving_completion.return_tokens_as_token_ids = as_ids
     state.models = state.serving_chat.models = state.serving_completion.models = (
         ServingModels(engine)
     )
@@ -168,6 +173,7 @@ async def run_server(
             root_path=args.root_path or "",
             timeout_graceful_shutdown=timeout_s + ABORTED_RESPONSE_GRACE_S,
             timeout_keep_alive=5,
+            **uvicorn_tls(args),
         )
         server = Server(uv_config)
         servings = [app.state.serving_chat, app.state.serving_completion]
@@ -182,7 +188,7 @@ async def run_server(
         logger.info(
             "Serving %s on %s (max_model_len=%d)",
             config.model_config.served_model_name,
-            _listen_url(args.host, args.port, listeners),
+            _listen_url(args.host, args.port, listeners, bool(uvicorn_tls(args))),
             engine.model_config.max_model_len,
         )
         await server.serve(sockets=listeners)
@@ -195,7 +201,10 @@ async def run_server(
         logger.info("Engine shut down.")
 
 
-def _listen_url(host: str, port: int, listeners: list[socket.socket] | None) -> str:
+def _listen_url(
+    host: str, port: int, listeners: list[socket.socket] | None, tls: bool = False
+) -> str:
     if listeners:
         port = listeners[0].getsockname()[1]  # the chosen one, for --port 0
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"

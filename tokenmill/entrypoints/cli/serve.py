@@ -23,6 +23,7 @@ from tokenmill.config import ConfigError, UnsupportedQuantizationError
 from tokenmill.engine_args import EngineArgs
 from tokenmill.entrypoints.openai.agent_args import AgentArgs
 from tokenmill.entrypoints.openai.observability import add_observability_args
+from tokenmill.entrypoints.openai.transport import add_transport_args, check_transport
 from tokenmill.hf_config import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -53,16 +54,10 @@ UNIMPLEMENTED_FLAGS = (
     "--master-port",
     "--cpu-offload-gb",
     "--swap-space",
-    "--ssl-keyfile",
-    "--ssl-certfile",
-    "--ssl-ca-certs",
     "--enable-ssl-refresh",
-    "--return-tokens-as-token-ids",
-    "--enable-prompt-tokens-details",
     "--override-generation-config",
     "--rope-scaling",
     "--hf-overrides",
-    "--middleware",
     "--uds",
     "--api-server-count",
     "--headless",
@@ -223,6 +218,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="URL prefix when served behind a path-based reverse proxy.",
     )
+    group.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="With logprobs, name tokens \"token_id:<id>\" instead of by their text (the "
+        "default of the request field of that name).",
+    )
+    group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="Accepted as vLLM's flag: usage always carries prompt_tokens_details "
+        "(cached_tokens: prompt tokens served from the prefix cache).",
+    )
+    add_transport_args(group)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -350,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--max-log-len must be non-negative, got {args.max_log_len}", 2)
     try:
         args.tool_settings = AgentArgs.from_cli_args(args).tool_settings()
+        check_transport(args)
     except ConfigError as e:
         return _fail(str(e), 2)
     chat_template = None

@@ -88,6 +88,13 @@ class TokenBytes:
         return list(text.encode("utf-8"))
 
 
+def token_label(token_id: int, text: str, as_ids: bool) -> str:
+    """How a token appears in logprobs: its text, or ``"token_id:<id>"`` for clients that
+    asked for ids (vLLM's ``return_tokens_as_token_ids``; a token that is not valid text on
+    its own is then still identifiable)."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
 def per_prompt_position(
     prompt_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None
 ) -> list[dict[int, Logprob] | None]:

@@ -109,9 +109,11 @@ class SamplingFields(OpenAIBaseModel):
     use_beam_search: bool | None = None
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # With logprobs: tokens named "token_id:<id>" (None: the server's
+    # --return-tokens-as-token-ids).
+    return_tokens_as_token_ids: bool | None = None
     # Accepted so that they can be rejected with a clear message (not implemented):
     # ignored, they would silently change what a client asked for.
-    return_tokens_as_token_ids: bool | None = None
     prompt_embeds: Any = None
     logits_processors: Any = None
 

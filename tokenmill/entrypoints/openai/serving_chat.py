@@ -42,6 +42,7 @@ from tokenmill.entrypoints.openai.logprobs import (
     TokenBytes,
     clamp_logprob,
     prompt_logprobs_json,
+    token_label,
 )
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionChoice,
@@ -79,9 +80,11 @@ def chat_logprobs(
     logprobs: list[dict[int, Logprob]],
     num_top: int,
     token_bytes: TokenBytes,
+    as_ids: bool = False,
 ) -> ChatCompletionLogProbs:
     """OpenAI's chat ``logprobs.content``: per output token its text, logprob, bytes and the
     ``num_top`` most likely tokens (rank order). Logprobs are clamped to finite values.
+    ``as_ids``: tokens named ``"token_id:<id>"`` instead of their text (``token_label``).
     """
     content = []
     for token_id, entry in zip(token_ids, logprobs, strict=False):
@@ -98,12 +101,12 @@ def chat_logprobs(
         )[:num_top]
         content.append(
             ChatCompletionLogProbsContent(
-                token=chosen.decoded_token or "",
+                token=token_label(token_id, chosen.decoded_token or "", as_ids),
                 logprob=clamp_logprob(chosen.logprob),
                 bytes=token_bytes(token_id, chosen.decoded_token or ""),
                 top_logprobs=[
                     ChatCompletionLogProb(
-                        token=lp.decoded_token or "",
+                        token=token_label(tid, lp.decoded_token or "", as_ids),
                         logprob=clamp_logprob(lp.logprob),
                         bytes=token_bytes(tid, lp.decoded_token or ""),
                     )
@@ -366,10 +369,13 @@ class OpenAIServingChat(OpenAIServing):
 
     # ---- outputs -> response ----------------------------------------------------------------
 
-    def _logprobs(self, output: CompletionOutput, num_top: int) -> ChatCompletionLogProbs | None:
+    def _logprobs(
+        self, output: CompletionOutput, num_top: int, request: ChatCompletionRequest
+    ) -> ChatCompletionLogProbs | None:
         if output.logprobs is None:
             return None
-        return chat_logprobs(output.token_ids, output.logprobs, num_top, self.token_bytes)
+        return chat_logprobs(output.token_ids, output.logprobs, num_top, self.token_bytes,
+                             self.tokens_as_ids(request))
 
     def _usage(self, prompt_tokens: int, completion_tokens: int, cached: int) -> UsageInfo:
         return UsageInfo(
@@ -411,7 +417,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionChoice(
                     index=output.index,
                     message=message,
-                    logprobs=self._logprobs(output, num_top),
+                    logprobs=self._logprobs(output, num_top, run.request),
                     finish_reason=finish_reason,
                     stop_reason=output.stop_reason,
                 )
@@ -484,7 +490,7 @@ class OpenAIServingChat(OpenAIServing):
                 for c in output.outputs:
                     self._check_not_aborted(c, request)
                     completion_tokens[c.index] += len(c.token_ids)
-                    logprobs = self._logprobs(c, num_top)
+                    logprobs = self._logprobs(c, num_top, request)
                     if not c.text and c.finish_reason is None and not c.token_ids:
                         continue
                     delta, finish_reason = self._delta(run, c)

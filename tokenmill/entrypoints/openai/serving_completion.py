@@ -23,6 +23,7 @@ from tokenmill.entrypoints.openai.logprobs import (
     clamp_logprob,
     per_prompt_position,
     prompt_logprobs_json,
+    token_label,
 )
 from tokenmill.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -64,7 +65,8 @@ def completion_logprobs(
     num_top: int,
     token_text: dict[int, str],
     initial_offset: int = 0,
-) -> CompletionLogProbs:
+    as_ids: bool = False,
+) -> tuple[CompletionLogProbs, int]:
     """OpenAI's legacy ``logprobs`` object for a run of tokens.
 
     Args:
@@ -74,10 +76,13 @@ def completion_logprobs(
         num_top: how many alternatives go into ``top_logprobs`` (besides the chosen token).
         token_text: texts of tokens without an entry (decoded by the caller).
         initial_offset: character offset of the first token in the choice's text.
+        as_ids: tokens (and top_logprobs' keys) named ``"token_id:<id>"`` instead of their
+            text (``token_label``); offsets still count the texts.
 
     Returns:
-        tokens, token_logprobs, top_logprobs ({token text: logprob}) and text_offset
-        (characters into the choice's text); logprobs are clamped to finite values.
+        tokens, token_logprobs, top_logprobs ({token: logprob}) and text_offset (characters
+        into the choice's text), logprobs clamped to finite values; and the offset after
+        the last token's text.
     """
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
@@ -94,22 +99,27 @@ def completion_logprobs(
             text = chosen.decoded_token or ""
             token_logprobs.append(clamp_logprob(chosen.logprob))
             ranked = sorted(
-                (lp for lp in entry.values() if lp.rank is not None and lp.rank <= num_top),
-                key=lambda lp: lp.rank or 0,
+                (item for item in entry.items()
+                 if item[1].rank is not None and item[1].rank <= num_top),
+                key=lambda item: item[1].rank or 0,
             )[:num_top]
-            top = {lp.decoded_token or "": clamp_logprob(lp.logprob) for lp in ranked}
-            top.setdefault(text, clamp_logprob(chosen.logprob))
+            top = {
+                token_label(tid, lp.decoded_token or "", as_ids): clamp_logprob(lp.logprob)
+                for tid, lp in ranked
+            }
+            top.setdefault(token_label(token_id, text, as_ids), clamp_logprob(chosen.logprob))
             top_logprobs.append(top)
-        tokens.append(text)
+        tokens.append(token_label(token_id, text, as_ids))
         text_offset.append(offset)
         offset += len(text)
     # Every field is passed explicitly: streamed chunks are dumped with exclude_unset.
-    return CompletionLogProbs(
+    result = CompletionLogProbs(
         text_offset=text_offset,
         token_logprobs=token_logprobs,
         tokens=tokens,
         top_logprobs=top_logprobs,
     )
+    return result, offset
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -275,12 +285,12 @@ class OpenAIServingCompletion(OpenAIServing):
         return text if text is not None else self.tokenizer.decode(ids)
 
     def _echo_logprobs(
-        self, prompt_ids: list[int], prompt_logprobs: list | None, num_top: int
+        self, prompt_ids: list[int], prompt_logprobs: list | None, num_top: int, as_ids: bool
     ) -> CompletionLogProbs:
         entries = per_prompt_position(prompt_ids, prompt_logprobs)
         bare = [t for t, e in zip(prompt_ids, entries, strict=True) if e is None]
         texts = dict(zip(bare, decode_token_texts(self.tokenizer, bare), strict=True))
-        return completion_logprobs(prompt_ids, entries, num_top, texts)
+        return completion_logprobs(prompt_ids, entries, num_top, texts, 0, as_ids)[0]
 
     def _choice(
         self,
@@ -304,20 +314,21 @@ class OpenAIServingCompletion(OpenAIServing):
         if c.finish_reason == "abort":
             raise self.aborted_error(c.stop_reason, request)
         num_top = request.logprobs or 0
+        as_ids = self.tokens_as_ids(request)
         prefix = self._prompt_text(prompt) if echo else ""
         logprobs = None
         if echo and request.logprobs is not None:
-            logprobs = self._echo_logprobs(prompt[1], prompt_logprobs, num_top)
+            logprobs = self._echo_logprobs(prompt[1], prompt_logprobs, num_top, as_ids)
         text = prefix + c.text
         end = text_offset + len(text)
         if c.logprobs is not None:
-            generated = completion_logprobs(
-                c.token_ids, c.logprobs, num_top, {}, text_offset + len(prefix)
+            generated, after = completion_logprobs(
+                c.token_ids, c.logprobs, num_top, {}, text_offset + len(prefix), as_ids
             )
             if generated.tokens:
                 # Offsets follow the tokens' texts: a token whose character is not complete
                 # yet sends no text in its chunk but still takes its place in the offsets.
-                end = generated.text_offset[-1] + len(generated.tokens[-1])
+                end = after
             if logprobs is None:
                 logprobs = generated
             else:

@@ -165,9 +165,17 @@ class OpenAIServing:
         self.token_bytes = TokenBytes(self.tokenizer)
         # The served names and LoRA adapters (``build_app`` sets it); None: the base only.
         self.models: ServingModels | None = None
+        # --return-tokens-as-token-ids: the default of the request field of that name.
+        self.return_tokens_as_token_ids = False
         # Ids of the requests whose streams this handler has open; aborted at shutdown.
         self._running: set[str] = set()
         self._closed = False
+
+    def tokens_as_ids(self, request: SamplingFields) -> bool:
+        """Whether logprobs name tokens ``"token_id:<id>"``: the request's
+        ``return_tokens_as_token_ids``, else the server's flag."""
+        asked = request.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if asked is None else asked
 
     def check_model(self, model: str | None) -> None:
         """Raises a 404 OpenAIError unless ``model`` is None, one of the served names or a
@@ -451,12 +459,6 @@ def check_implemented(request: SamplingFields) -> None:
     for name in UNIMPLEMENTED_FIELDS:
         if getattr(request, name) is not None:
             raise bad_request(f"tokenmill does not implement {name} yet.", name)
-    # vLLM's flag: false asks for the default behaviour, which is served.
-    if request.return_tokens_as_token_ids:
-        raise bad_request(
-            "tokenmill does not implement return_tokens_as_token_ids yet.",
-            "return_tokens_as_token_ids",
-        )
     if request.use_beam_search:
         check_beam_search_request(request)
 
