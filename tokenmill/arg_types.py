@@ -121,3 +121,24 @@ def human_readable_int(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"invalid int value: {text!r} (an integer, or one like 1k or 1K)"
         ) from None
+
+
+def json_object(value: str | dict[str, Any] | None, flag_name: str) -> dict[str, Any]:
+    """A flag given as a JSON object (text on the command line, a dict from ``LLM(...)``);
+    None is ``{}``.
+
+    Raises:
+        ValueError: not valid JSON, or not an object (the message names ``flag_name``).
+    """
+    import json
+
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag_name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag_name} must be a JSON object, got {value!r}")
+    return value

@@ -234,6 +234,16 @@ class EngineArgs:
         "computes, for comparisons).",
         default=False,
     )
+    override_generation_config: str | dict[str, Any] | None = _flag(
+        "Sampling defaults as a JSON object, e.g. '{\"temperature\": 0.5}' (fields: "
+        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); merged over "
+        "the model's generation_config.json with --generation-config auto, used alone with "
+        "vllm."
+    )
+    hf_overrides: str | dict[str, Any] | None = _flag(
+        "Keys of the model's config.json to replace, as a JSON object, e.g. "
+        "'{\"max_position_embeddings\": 65536}' (applied before the config is checked)."
+    )
     pooler_config: str | dict[str, Any] | None = _flag(
         "Embedding models: a JSON object overriding the pooling of the model folder's "
         'sentence-transformers files, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '

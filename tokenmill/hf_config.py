@@ -343,11 +343,15 @@ def _derive_gemma3_config(data: dict[str, Any], pattern: Any) -> None:
     data.setdefault("query_pre_attn_scalar", data["head_dim"])
 
 
-def load_hf_config(model: str) -> tuple[HFConfig, dict[str, Any]]:
+def load_hf_config(
+    model: str, overrides: dict[str, Any] | None = None
+) -> tuple[HFConfig, dict[str, Any]]:
     """Read a model's config and generation config.
 
     Args:
         model: a Hugging Face model folder (with config.json) or a ``.gguf`` file.
+        overrides: keys replacing the config's (``--hf-overrides``), applied to the
+            language model's settings before they are checked.
 
     Returns:
         ``(config, generation_config)``; the second is ``{}`` when the model has none.
@@ -381,6 +385,8 @@ def load_hf_config(model: str) -> tuple[HFConfig, dict[str, Any]]:
             if key != "text_config":
                 text.setdefault(key, value)
         data = text
+    if overrides:
+        data = {**data, **overrides}
     for key in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         if key not in data:
             raise ModelLoadError(f"the config of {model} has no {key!r}")

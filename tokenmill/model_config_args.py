@@ -9,6 +9,7 @@ import logging
 import os
 from typing import Any
 
+from tokenmill.arg_types import json_object
 from tokenmill.config import ConfigError, ModelConfig, UnsupportedQuantizationError
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,12 @@ def create_model_config(args: Any, device: str) -> ModelConfig:
 
     model = args.model or default_model_path()
     model = os.path.expanduser(model)
-    hf_config, generation_config = load_hf_config(model)
+    try:
+        hf_overrides = json_object(args.hf_overrides, "--hf-overrides")
+        overrides = json_object(args.override_generation_config, "--override-generation-config")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    hf_config, generation_config = load_hf_config(model, hf_overrides)
     if hf_config.get("auto_map") and not args.trust_remote_code:
         logger.warning("%s ships custom code (auto_map); tokenmill ignores it", model)
     if args.generation_config == "vllm":
@@ -55,6 +61,7 @@ def create_model_config(args: Any, device: str) -> ModelConfig:
         if not os.path.isfile(path):
             raise ConfigError(f"--generation-config: {path} does not exist")
         generation_config = _read_json(path)
+    generation_config = _override_generation(generation_config, overrides)
     dtype = {"half": "float16", "float": "float32"}.get(args.dtype, args.dtype)
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
@@ -106,6 +113,33 @@ def create_model_config(args: Any, device: str) -> ModelConfig:
         quantization=quantization,
         multimodal_config=multimodal_config,
     )
+
+def _override_generation(
+    generation_config: dict[str, Any], overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """``--override-generation-config`` merged over the model's generation config.
+
+    Raises:
+        ConfigError: a field that is not a sampling default, or a value SamplingParams
+            refuses.
+    """
+    from tokenmill.sampling_params import GENERATION_CONFIG_FIELDS, SamplingParams
+
+    if not overrides:
+        return generation_config
+    unknown = sorted(set(overrides) - set(GENERATION_CONFIG_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"--override-generation-config: unknown field(s) {unknown}; known: "
+            f"{', '.join(GENERATION_CONFIG_FIELDS)}"
+        )
+    merged = {**generation_config, **overrides}
+    try:
+        SamplingParams.from_generation_config(merged)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"--override-generation-config: {e}") from None
+    return merged
+
 
 def _multimodal_config(args: Any, hf_config: Any, model: str) -> Any:
     """The image settings of a model that takes images (None for text models).

@@ -1,0 +1,59 @@
+"""``--override-generation-config`` and ``--hf-overrides`` (vLLM's flags): what they change
+in the engine configuration, and their errors in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.config import ConfigError
+from tokenmill.engine_args import EngineArgs
+from tokenmill.hf_config import ModelLoadError
+
+
+@pytest.fixture
+def model_dir(tmp_path, smollm2_tokenizer):
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152,
+              "max_position_embeddings": 2048, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "rms_norm_eps": 1e-5, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6,
+                                                                 "top_p": 0.9}))
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _config(model_dir, **kwargs):
+    return EngineArgs(model=model_dir, load_format="dummy", **kwargs).create_engine_config()
+
+
+def test_generation_overrides_merge_over_the_models_defaults(model_dir):
+    cfg = _config(model_dir, override_generation_config='{"temperature": 0.2, "top_k": 5}')
+    assert cfg.model_config.generation_config == {"temperature": 0.2, "top_p": 0.9, "top_k": 5}
+    alone = _config(model_dir, generation_config="vllm",
+                    override_generation_config={"max_new_tokens": 9})
+    assert alone.model_config.generation_config == {"max_new_tokens": 9}
+
+
+@pytest.mark.parametrize("value, words", [
+    ('{"seed": 1}', "unknown field(s) ['seed']"),
+    ('{"top_p": 2}', "top_p"),
+    ("[1]", "must be a JSON object"),
+    ("{", "not valid JSON"),
+])
+def test_generation_overrides_refused(model_dir, value, words):
+    with pytest.raises(ConfigError, match="--override-generation-config") as e:
+        _config(model_dir, override_generation_config=value)
+    assert words in str(e.value)
+
+
+def test_hf_overrides_replace_config_keys_before_the_checks(model_dir):
+    cfg = _config(model_dir, hf_overrides='{"max_position_embeddings": 512}')
+    assert cfg.model_config.max_model_len == 512
+    assert cfg.model_config.hf_config.max_position_embeddings == 512
+    with pytest.raises(ModelLoadError, match="num_key_value_heads"):
+        _config(model_dir, hf_overrides={"num_key_value_heads": 3})
+    with pytest.raises(ConfigError, match="--hf-overrides must be a JSON object"):
+        _config(model_dir, hf_overrides='"x"')
