@@ -39,8 +39,8 @@ def random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
     return raw.view(n, -1)
 
 
-def sweep(m: int, n: int, k: int, sms: int) -> dict[str, dict]:
-    base = kv.gemv_config(m, n, k, sms)
+def sweep(m: int, n: int, k: int, sms: int, qtype: int) -> dict[str, dict]:
+    base = kv.gemv_config(m, n, k, sms, qtype)
     out = {}
     for bn in (4, 8, 16):
         for sb in (2, 4, 8):
@@ -84,11 +84,11 @@ def main() -> None:
                 paths = {"mm": kv.mm_config(m, n, k, x.dtype, sms),
                          "tile": kg.launch_config(m, n, k, x.dtype, sms)}
                 if m <= 4:
-                    paths["gemv"] = kv.gemv_config(m, n, k, sms)
+                    paths["gemv"] = kv.gemv_config(m, n, k, sms, qtype)
                 if m >= 64:
                     paths["dequant_cublas"] = {"DEQUANT": 1}
                 if not a.no_sweep and m == 1:
-                    paths.update(sweep(m, n, k, sms))
+                    paths.update(sweep(m, n, k, sms, qtype))
                 if not a.no_sweep and m == 16:
                     paths.update(mm_sweep(m, n, k, sms))
                 timed = {}

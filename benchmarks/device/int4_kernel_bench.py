@@ -7,7 +7,7 @@ checked against the dequantized product.
 usage: int4_kernel_bench.py [--ms 1,2,4,16,256,1024,4096] [--group 128] [--sweep]
 
 --sweep also times the GEMV kernel under other tiles (BLOCK_N, packed words per K step,
-programs per SM, warps) and both unpackings (SHIFT_LOOP) at M = 1 and 4 and prints the
+programs per SM, warps) at M = 1 and 4 and prints the
 fastest per (shape, M) as an ``INT4BEST`` line.
 
 Prints one ``INT4`` line per (shape, M, path): microseconds per product (CUDA-graph replays,
@@ -52,11 +52,9 @@ def sweep_configs(m: int, n: int, k: int, g: int, sms: int) -> dict[str, dict]:
             for per_sm in (2, 4):
                 tiles = -(-n // bn)
                 split = max(1, min(-(-per_sm * sms // tiles), -(-k // (8 * kw))))
-                for shift in (0, 1):
-                    for warps in (4, 8):
-                        cfg = dict(base, BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=split,
-                                   SHIFT_LOOP=shift, num_warps=warps)
-                        out[f"sweep_n{bn}_kw{kw}_s{per_sm}_sh{shift}_w{warps}"] = cfg
+                for warps in (4, 8):
+                    cfg = dict(base, BLOCK_N=bn, BLOCK_KW=kw, SPLIT_K=split, num_warps=warps)
+                    out[f"sweep_n{bn}_kw{kw}_s{per_sm}_w{warps}"] = cfg
     return out
 
 

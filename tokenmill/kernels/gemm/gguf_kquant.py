@@ -289,19 +289,20 @@ def _check(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> None:
         raise ValueError(f"GGUF K-quant product: K={k} does not match rows of {row_bytes} bytes")
 
 
-def gemv_config(m: int, n: int, k: int, num_sms: int) -> dict[str, int]:
-    """Rows per program, super-blocks per iteration and the K split.
+def gemv_config(m: int, n: int, k: int, num_sms: int, qtype: int = Q4_K) -> dict[str, int]:
+    """Rows per program, super-blocks per iteration, warps and the K split.
 
-    Eight rows and four super-blocks (1,024 weights of a row) per iteration, K split until
-    there are about two programs per SM: the fastest of a sweep over 8-32 rows, 1-4
-    super-blocks and 2-8 programs per SM at Llama-3.1-8B's shapes on an H100 (1.0-1.2 TB/s
-    against 0.6-1.1 for 16 rows and two super-blocks; gguf_kernel_bench.py).
+    Q4_K: four rows and eight super-blocks (2,048 weights of a row) per iteration, two
+    warps; Q6_K: eight rows, four super-blocks, four warps; K split until there are about
+    two programs per SM. The fastest of a sweep over 4-16 rows, 2-8 super-blocks, 2-4 warps
+    and 1-4 programs per SM at Llama-3.1-8B's shapes on an H100 (1.0-1.4 TB/s of blocks;
+    gguf_kernel_bench.py).
     """
-    block_n, sb = 8, 4
+    block_n, sb, warps = (4, 8, 2) if qtype == Q4_K else (8, 4, 4)
     num_blocks = k // 256
     programs = cdiv(n, block_n) * m
     split = max(1, min(cdiv(2 * num_sms, programs), cdiv(num_blocks, sb)))
-    return dict(BLOCK_N=block_n, SB=sb, SPLIT_K=split, num_warps=4)
+    return dict(BLOCK_N=block_n, SB=sb, SPLIT_K=split, num_warps=warps)
 
 
 def gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int,
@@ -325,7 +326,7 @@ def gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int,
     _check(x, raw, qtype)
     n, row_bytes = raw.shape
     x = x.contiguous()
-    cfg = config or gemv_config(m, n, k, num_sms)
+    cfg = config or gemv_config(m, n, k, num_sms, qtype)
     num_blocks = k // 256
     per_split = cdiv(cdiv(num_blocks, cfg["SPLIT_K"]), cfg["SB"]) * cfg["SB"]
     split = cdiv(num_blocks, per_split)

@@ -115,7 +115,6 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_KW: tl.constexpr,
-        SHIFT_LOOP: tl.constexpr,
     ):
         # BLOCK_KW packed words along K (8 * BLOCK_KW input channels) per iteration; the
         # launcher keeps 8 * BLOCK_KW a divisor of GROUP, so one scale/zero row per iteration.
@@ -137,29 +136,14 @@ if HAS_TRITON:
             g = offs_n.to(tl.int64) + (k0 // GROUP) * N
             s = tl.load(s_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g, mask=n_mask, other=0).to(tl.float32)
-            if SHIFT_LOOP:
-                # Value j of every word at once: x's channels 8r + j against [BLOCK_KW,
-                # BLOCK_N] values, so no [BLOCK_K, BLOCK_N] tile is ever live.
-                xq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                xs = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                for j in tl.static_range(8):
-                    kj = rows * 8 + j
-                    xj = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-                                 + kj[None, :], mask=m_mask[:, None] & (kj < k_end)[None, :],
-                                 other=0.0).to(tl.float32)
-                    qj = ((words >> (4 * j)) & 0xF).to(tl.float32)
-                    xq += tl.sum(xj[:, :, None] * qj[None, :, :], axis=1)
-                    xs += tl.sum(xj, axis=1)
-                acc += s[None, :] * (xq - z[None, :] * xs[:, None])
-            else:
-                q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
-                q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                            mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0
-                            ).to(tl.float32)
-                xq = tl.sum(x[:, :, None] * q[None, :, :], axis=1)
-                acc += s[None, :] * (xq - z[None, :] * tl.sum(x, axis=1)[:, None])
+            q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+            q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0
+                        ).to(tl.float32)
+            xq = tl.sum(x[:, :, None] * q[None, :, :], axis=1)
+            acc += s[None, :] * (xq - z[None, :] * tl.sum(x, axis=1)[:, None])
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         if ATOMIC:
@@ -214,12 +198,13 @@ def gemv_config(m: int, n: int, k: int, group: int, num_sms: int) -> dict[str, i
     """The GEMV kernel's tiles and K split for ``m <= GEMV_MAX_M`` rows, or None where its
     K step cannot divide ``group``.
 
-    128 x 128 weight tiles and about four programs per SM (the fastest of a sweep over
-    BLOCK_N 32-128, BLOCK_K 32-128 and 1-4 programs per SM at Llama-3.1-8B's shapes on an
-    H100: benchmarks/device/int4_kernel_bench.py --sweep). The K step halves for groups
-    smaller than 128.
+    [128, 256] weight tiles (K x N), four warps and about four programs per SM (the fastest
+    of a sweep over BLOCK_N 64-256, BLOCK_K 64-128, 4-8 warps and 2-4 programs per SM at
+    Llama-3.1-8B's shapes on an H100, 0.92 of the time of 128-wide tiles:
+    benchmarks/device/int4_kernel_bench.py --sweep). The K step halves for groups smaller
+    than 128.
     """
-    block_m, block_n, block_k = 1 << (m - 1).bit_length(), 128, 128
+    block_m, block_n, block_k = 1 << (m - 1).bit_length(), 256, 128
     while block_k > 32 and group % block_k:
         block_k //= 2
     if group % block_k:
@@ -301,7 +286,6 @@ def int4_linear(
             m, n, k, x.stride(0), out.stride(0), k_per_split,
             GROUP=group, ATOMIC=atomic,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"],
-            SHIFT_LOOP=bool(cfg.get("SHIFT_LOOP", 0)),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         return out.to(x.dtype) if atomic else out
