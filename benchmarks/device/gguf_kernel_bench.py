@@ -53,8 +53,8 @@ def sweep(m: int, n: int, k: int, sms: int, qtype: int) -> dict[str, dict]:
     return out
 
 
-def mm_sweep(m: int, n: int, k: int, sms: int) -> dict[str, dict]:
-    base = kv.mm_config(m, n, k, torch.bfloat16, sms)
+def mm_sweep(m: int, n: int, k: int, sms: int, qtype: int) -> dict[str, dict]:
+    base = kv.mm_config(m, n, k, torch.bfloat16, sms, qtype)
     out = {}
     for bn in (32, 64, 128):
         for warps in (4, 8):
@@ -81,7 +81,7 @@ def main() -> None:
             for m in (int(v) for v in a.ms.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = x.float() @ w.t()
-                paths = {"mm": kv.mm_config(m, n, k, x.dtype, sms),
+                paths = {"mm": kv.mm_config(m, n, k, x.dtype, sms, qtype),
                          "tile": kg.launch_config(m, n, k, x.dtype, sms)}
                 if m <= 4:
                     paths["gemv"] = kv.gemv_config(m, n, k, sms, qtype)
@@ -90,7 +90,7 @@ def main() -> None:
                 if not a.no_sweep and m == 1:
                     paths.update(sweep(m, n, k, sms, qtype))
                 if not a.no_sweep and m == 16:
-                    paths.update(mm_sweep(m, n, k, sms))
+                    paths.update(mm_sweep(m, n, k, sms, qtype))
                 timed = {}
                 for path, cfg in paths.items():
                     if path in ("tile", "dequant_cublas"):
@@ -107,10 +107,10 @@ def main() -> None:
                         continue
                     us = time_us(fn)
                     timed[path] = (us, cfg)
-                    if "sweep" not in path:
-                        print(f"GGUFK {tname} {name} m={m} path={path} us={us:.1f} "
-                              f"GB/s={nbytes / us / 1e3:.0f} rel_err={err:.2e} cfg={cfg}",
-                              flush=True)
+                    # Every variant, the sweep's too: the stage's log keeps them all.
+                    print(f"GGUFK {tname} {name} m={m} path={path} us={us:.1f} "
+                          f"GB/s={nbytes / us / 1e3:.0f} rel_err={err:.2e} cfg={cfg}",
+                          flush=True)
                 for kind in ("gemv", "mm"):
                     group = {p: v for p, v in timed.items()
                              if p == kind or p.startswith(f"{kind}sweep") or (
