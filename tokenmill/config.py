@@ -193,6 +193,8 @@ class CacheConfig:
             or ``fp8_e5m2``: K and V stored in one byte each, divided by the layer's
             per-tensor scale (the checkpoint's ``k_scale`` / ``v_scale``, else 1.0).
         num_blocks: filled in once the worker has sized the cache.
+        num_gpu_blocks_override: if set, the cache gets exactly this many blocks, whatever
+            the memory sizing found (vLLM's flag, for tests of preemption and small caches).
         kv_offloading_bytes: size of the host-memory tier that prefix-cache blocks evicted
             from the device move to (0: none); see ``tokenmill.core.kv_offload``.
         kv_offloading_disk_path: folder of the disk tier behind the host tier, or None.
@@ -206,6 +208,7 @@ class CacheConfig:
     cpu_kv_cache_memory: int = 4 << 30
     cache_dtype: str = "auto"
     num_blocks: int | None = None
+    num_gpu_blocks_override: int | None = None
     kv_offloading_bytes: int = 0
     kv_offloading_disk_path: str | None = None
     kv_offloading_disk_bytes: int = 0

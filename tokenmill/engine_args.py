@@ -63,6 +63,12 @@ class EngineArgs:
         "SmolLM2-135M-Instruct.",
     )
     tokenizer: str | None = _flag("Tokenizer folder or .gguf file (default: the model).")
+    tokenizer_mode: str = _flag(
+        "auto or hf: the model's Hugging Face fast tokenizer (tokenizer.json) or its GGUF "
+        "vocabulary; vLLM's slow, mistral and custom modes are refused.",
+        default="auto",
+        choices=["auto", "hf", "slow", "mistral", "custom"],
+    )
     served_model_name: str | list[str] | None = _flag(
         "Name(s) clients use for the model: requests may name any of them, responses carry "
         "the first (default: the model path's base name; SmolLM2-135M-Instruct for the "
@@ -95,6 +101,10 @@ class EngineArgs:
         f"CPU default: {DEFAULT_CPU_KV_CACHE_BYTES >> 30} GiB.",
         aliases=["--kv-cache-memory-bytes"],
         type=byte_size_arg,
+    )
+    num_gpu_blocks_override: int | None = _flag(
+        "KV cache blocks to allocate, whatever the memory sizing finds (vLLM's flag, for "
+        "testing preemption and small caches); must be positive."
     )
     kv_cache_dtype: str = _flag(
         "Data type of the KV cache: auto (the model's dtype); fp8 or fp8_e4m3 "
@@ -383,6 +393,7 @@ class EngineArgs:
             kv_offloading_disk_path=self.kv_offloading_disk_path,
             kv_offloading_disk_bytes=int((self.kv_offloading_disk_size or 0) * (1 << 30)),
             cache_dtype=self.kv_cache_dtype,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
         )
         return EngineConfig(
             model_config=model_config,

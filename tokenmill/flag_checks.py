@@ -38,6 +38,15 @@ def check_flag_values(args: Any) -> int | None:
         )
     if args.max_model_len is not None and args.max_model_len != -1 and args.max_model_len < 1:
         raise ConfigError(f"--max-model-len must be positive or -1, got {args.max_model_len}")
+    override = args.num_gpu_blocks_override
+    if override is not None and (isinstance(override, bool) or not isinstance(override, int)
+                                 or override < 1):
+        raise ConfigError(f"--num-gpu-blocks-override must be a positive integer, got {override!r}")
+    if args.tokenizer_mode not in ("auto", "hf"):
+        raise ConfigError(
+            f"--tokenizer-mode {args.tokenizer_mode} is not supported: tokenmill reads Hugging "
+            "Face fast tokenizers (tokenizer.json) and GGUF vocabularies (auto or hf)"
+        )
     if args.quantization is not None:
         from tokenmill.model.layers.quantization.selection import (
             FLAG_METHODS,

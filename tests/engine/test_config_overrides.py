@@ -1,5 +1,6 @@
-"""``--override-generation-config`` and ``--hf-overrides`` (vLLM's flags): what they change
-in the engine configuration, and their errors in one line."""
+"""vLLM's configuration flags ``--override-generation-config``, ``--hf-overrides``,
+``--tokenizer-mode`` and ``--num-gpu-blocks-override``: what they change in the engine, and
+their errors in one line."""
 
 from __future__ import annotations
 
@@ -57,3 +58,22 @@ def test_hf_overrides_replace_config_keys_before_the_checks(model_dir):
         _config(model_dir, hf_overrides={"num_key_value_heads": 3})
     with pytest.raises(ConfigError, match="--hf-overrides must be a JSON object"):
         _config(model_dir, hf_overrides='"x"')
+
+
+def test_tokenizer_modes_other_than_hf_are_refused(model_dir):
+    assert _config(model_dir, tokenizer_mode="hf").model_config is not None
+    with pytest.raises(ConfigError, match="--tokenizer-mode mistral is not supported"):
+        _config(model_dir, tokenizer_mode="mistral")
+
+
+def test_num_gpu_blocks_override_sizes_the_cache(model_dir):
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model_dir, load_format="dummy", max_model_len=64, num_gpu_blocks_override=7,
+              max_num_seqs=4)
+    assert llm.llm_engine.config.cache_config.num_blocks == 7
+    # Three 44-token sequences need 9 blocks: some are preempted, all finish.
+    out = llm.generate(["hello"] * 3, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [40] * 3
+    with pytest.raises(ConfigError, match="--num-gpu-blocks-override must be a positive"):
+        _config(model_dir, num_gpu_blocks_override=0)

@@ -92,7 +92,7 @@ class Worker:
         ``--kv-cache-memory`` fixes the bytes. Otherwise on CUDA: the card's memory times
         ``--gpu-memory-utilization``, minus what is in use after loading the weights, minus
         the activation peak of a forward pass at the full token budget; on CPU: the CPU
-        default (4 GiB).
+        default (4 GiB). ``--num-gpu-blocks-override`` replaces the result.
 
         Raises:
             ConfigError: no memory is left for the KV cache, or the CPU's KV cache would
@@ -110,6 +110,11 @@ class Worker:
         else:
             # The CPU default is the machine's: its processes share it.
             budget = cc.cpu_kv_cache_memory // self._processes_per_machine()
+        override = cc.num_gpu_blocks_override
+        if override is not None:
+            logger.info("KV cache: %d blocks (--num-gpu-blocks-override) instead of the %d "
+                        "that fit", override, budget // per_block)
+            budget = override * per_block
         if self.device.type == "cpu":
             check_host_memory(budget)
         num_blocks = budget // per_block
