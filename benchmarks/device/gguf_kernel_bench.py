@@ -25,13 +25,13 @@ from tokenmill.kernels.gemm import gguf as kg
 from tokenmill.kernels.gemm import gguf_kquant as kv
 from tokenmill.kernels.quant.gguf_blocks import dequantize
 
-TYPES = {"Q4_K": 12, "Q6_K": 14}
-FP16_FIELDS = {12: (0, 2), 14: (208,)}
+TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+FP16_FIELDS = {12: (0, 2), 13: (0, 2), 14: (208,)}
 
 
 def random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
     """``[n, row_bytes]`` uint8 on the GPU: random bits, fp16 scale fields small and finite."""
-    size = 144 if qtype == 12 else 210
+    size = kv.BLOCK_BYTES[qtype]
     raw = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, device="cuda")
     for off in FP16_FIELDS[qtype]:
         vals = (torch.randn(n, k // 256, device="cuda") * 0.01).to(torch.float16)

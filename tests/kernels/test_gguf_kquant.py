@@ -1,4 +1,4 @@
-"""The Q4_K/Q6_K GEMV and tile kernels by Triton's interpreter on CPU, in float32, against
+"""The Q4_K/Q5_K/Q6_K GEMV and tile kernels by Triton's interpreter on CPU, in float32, against
 the product of the gguf package's dequantization: odd super-block counts (a partial last
 iteration), a K split, rows past the last full tile, more than one row of ``x``; and the
 one-pass dequantization of every block type, bit for bit. The interpreter is process-wide
@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     from tokenmill.kernels.quant.gguf_blocks import BLOCK_TYPES, dequantize
 
     torch.manual_seed(0)
-    for qtype in (12, 14):
+    for qtype in (12, 13, 14):
         for n, k, m, cfg in [(37, 768, 1, dict(BLOCK_N=16, SB=2, SPLIT_K=1, num_warps=4)),
                              (40, 1280, 3, dict(BLOCK_N=8, SB=2, SPLIT_K=2, num_warps=4)),
                              (16, 512, 2, dict(BLOCK_N=16, SB=1, SPLIT_K=2, num_warps=4)),
@@ -69,7 +69,7 @@ def test_gemv_refuses_other_types_and_row_sizes():
     from tokenmill.kernels.gemm.gguf_kquant import gguf_gemv
 
     x = torch.zeros(1, 256)
-    with pytest.raises(ValueError, match="Q4_K and Q6_K"):
+    with pytest.raises(ValueError, match="Q4_K, Q5_K and Q6_K"):
         gguf_gemv(x, torch.zeros(4, 18, dtype=torch.uint8), 2)
     with pytest.raises(ValueError, match="does not match"):
         gguf_gemv(x, torch.zeros(4, 210, dtype=torch.uint8), 12)

@@ -7,11 +7,11 @@ the bytes its block type keeps it in (quant bits, the block's fp16 scale(s), the
 6-bit sub-block scales), forms ``scale * q (+ offset)`` in float32 with the same
 arithmetic as ``gguf_blocks.unpack_blocks`` and feeds ``tl.dot``. Block layouts: ggml's
 ``block_q4_0 ... block_q6_K`` (ggml-common.h). Launch shapes as ``tokenmill.kernels.gemm.int4``
-(split-K 16-row tiles for decode, 64 x 128 tiles for prefill). Q4_K and Q6_K (the bulk of
-Q4_K_M files) take the kernels of ``tokenmill.kernels.gemm.gguf_kquant`` instead, which read
-each row's quant bytes as contiguous runs; from ``DEQUANT_MIN_M`` rows every type is
-dequantized once (``gguf_dequantize``) and the product left to cuBLAS, as the int4 path
-does (each tile of an in-loop kernel would decode the blocks again).
+(split-K 16-row tiles for decode, 64 x 128 tiles for prefill). Q4_K, Q5_K and Q6_K (the bulk
+of Q4_K_M and Q5_K_M files) take the kernels of ``tokenmill.kernels.gemm.gguf_kquant``
+instead, which read each row's quant bytes as contiguous runs; from ``DEQUANT_MIN_M`` rows
+every type is dequantized once (``gguf_dequantize``) and the product left to cuBLAS, as the
+int4 path does (each tile of an in-loop kernel would decode the blocks again).
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def gguf_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int,
         qtype: a GGML block type id (Q4_0 ... Q6_K).
         config: tiles of this module's kernel (``launch_config`` keys), or ``{"DEQUANT":
             1}`` for ``gguf_dequantize`` and cuBLAS. None: from ``DEQUANT_MIN_M`` rows the
-            latter; else Q4_K/Q6_K take ``gguf_gemv`` (up to ``GEMV_MAX_M`` rows) or
+            latter; else Q4_K/Q5_K/Q6_K take ``gguf_gemv`` (up to ``GEMV_MAX_M`` rows) or
             ``kquant_mm``, other types this module's kernel with ``launch_config``.
 
     Returns:

@@ -1,5 +1,5 @@
-"""llama.cpp's K-quant blocks (Q4_K, Q6_K) in the product ``y = x @ W^T``: a GEMV for a few
-rows of ``x`` and a tensor-core tile kernel for decode batches.
+"""llama.cpp's K-quant blocks (Q4_K, Q5_K, Q6_K) in the product ``y = x @ W^T``: a GEMV for
+one row of ``x`` and a tensor-core tile kernel for decode batches.
 
 Batch-1 decode reads every weight byte once per token, so its speed is the rate at which the
 kernel streams ``W [N, row_bytes]`` (uint8, ``K / 256`` super-blocks per row). The general
@@ -12,7 +12,8 @@ block arithmetic out of the inner product, as llama.cpp's ``vec_dot_q4_K_q8_K`` 
 - Q4_K (144 bytes: ``d``, ``dmin``, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles):
   a 32-byte run holds the low-nibble sub-block ``2c`` and the high-nibble sub-block ``2c + 1``
   of chunk ``c``, so ``sum_j w_j x_j = d * sum_sb sc_sb * (q . x)_sb - dmin * sum_sb m_sb *
-  (sum x)_sb``.
+  (sum x)_sb``. Q5_K (176 bytes) is Q4_K's layout with each weight's fifth bit in 32 bytes of
+  ``qh`` before the nibbles (bits 2c and 2c + 1 of byte t for run c).
 - Q6_K (210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, ``d``):
   a 16-byte run of ``ql`` and its 16 ``qh`` bytes hold two 16-weight groups (low and high
   nibble), each with its own scale: ``sum_j w_j x_j = d * sum_g sc_g * (q . x)_g``.
@@ -37,8 +38,10 @@ try:
 except ImportError:  # CPU-only installs
     HAS_TRITON = False
 
-Q4_K, Q6_K = 12, 14
-KQUANT_TYPES = (Q4_K, Q6_K)
+Q4_K, Q5_K, Q6_K = 12, 13, 14
+KQUANT_TYPES = (Q4_K, Q5_K, Q6_K)
+# Bytes of one 256-weight super-block.
+BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}
 # One program per row of x: above this many rows the tensor-core kernel, which unpacks each
 # weight once for all rows, takes over (H100: at 4 rows the GEMV took 1.7-2.0x its time).
 GEMV_MAX_M = 1
@@ -68,11 +71,30 @@ if HAS_TRITON:
         return sc.to(tl.float32), mn.to(tl.float32)
 
     @triton.jit
+    def _nibbles(qs, base, c, t, mask, FIVE: tl.constexpr):
+        """The weights of Q4_K/Q5_K runs ``qs [BLOCK_N, G, 32]`` (chunk ``c [G]``): low
+        nibbles (sub-block 2c) and high ones (2c + 1), with Q5_K's fifth bits from qh (bits
+        2c and 2c + 1 of qh byte t)."""
+        q_lo = qs & 0xF
+        q_hi = qs >> 4
+        if FIVE:
+            qh = tl.load(base[:, :, None] + 16 + t[None, None, :], mask=mask[:, :, None],
+                         other=0).to(tl.int32)
+            shift = (2 * c)[None, :, None]
+            q_lo = q_lo | (((qh >> shift) & 1) << 4)
+            q_hi = q_hi | (((qh >> (shift + 1)) & 1) << 4)
+        return q_lo, q_hi
+
+    @triton.jit
     def _q4k_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_om, row_bytes,
                          num_blocks, blocks_per_split,
-                         ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+                         ATOMIC: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr,
+                         FIVE: tl.constexpr):
         # G = 4 * SB runs of 32 bytes per iteration: run g is chunk g % 4 of super-block g // 4.
+        # FIVE: Q5_K, Q4_K's layout with a fifth bit per weight (qh, 32 bytes before qs).
         G: tl.constexpr = 4 * SB
+        BLOCK_BYTES: tl.constexpr = 176 if FIVE else 144
+        QS: tl.constexpr = 48 if FIVE else 16
         m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -90,16 +112,17 @@ if HAS_TRITON:
             blk = b0 + g // 4
             g_mask = blk < b_end
             mask = n_mask[:, None] & g_mask[None, :]
-            base = w_ptr + row[:, None] + (blk * 144)[None, :]  # [BLOCK_N, G]
-            qs = tl.load(base[:, :, None] + (16 + c * 32)[None, :, None] + t[None, None, :],
+            base = w_ptr + row[:, None] + (blk * BLOCK_BYTES)[None, :]  # [BLOCK_N, G]
+            qs = tl.load(base[:, :, None] + (QS + c * 32)[None, :, None] + t[None, None, :],
                          mask=mask[:, :, None], other=0).to(tl.int32)
+            q_lo, q_hi = _nibbles(qs, base, c, t, mask, FIVE)
             xk = blk * 256 + c * 64
             x_lo = tl.load(x_row + xk[:, None] + t[None, :], mask=g_mask[:, None],
                            other=0.0).to(tl.float32)
             x_hi = tl.load(x_row + xk[:, None] + 32 + t[None, :], mask=g_mask[:, None],
                            other=0.0).to(tl.float32)
-            qx_lo = tl.sum((qs & 0xF).to(tl.float32) * x_lo[None, :, :], axis=2)
-            qx_hi = tl.sum((qs >> 4).to(tl.float32) * x_hi[None, :, :], axis=2)
+            qx_lo = tl.sum(q_lo.to(tl.float32) * x_lo[None, :, :], axis=2)
+            qx_hi = tl.sum(q_hi.to(tl.float32) * x_hi[None, :, :], axis=2)
             sc_lo, mn_lo = _q4k_scale_min(base + 4, (2 * c)[None, :], mask)
             sc_hi, mn_hi = _q4k_scale_min(base + 4, (2 * c + 1)[None, :], mask)
             xs_lo = tl.sum(x_lo, axis=1)[None, :]
@@ -172,7 +195,7 @@ if HAS_TRITON:
     def _q4k_mm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_om, row_bytes,
                        num_blocks, blocks_per_split,
                        DOT_PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FIVE: tl.constexpr):
         # Per super-block: the 128 quant bytes as 4 runs of 32 (chunk c); byte t of run c
         # holds weight c*64 + t (low nibble, sub-block 2c) and c*64 + 32 + t (high, 2c + 1).
         pid_mn = tl.program_id(0)
@@ -191,20 +214,21 @@ if HAS_TRITON:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         b_start = pid_k * blocks_per_split
         b_end = tl.minimum(b_start + blocks_per_split, num_blocks)
+        BLOCK_BYTES: tl.constexpr = 176 if FIVE else 144
+        QS: tl.constexpr = 48 if FIVE else 16
         for blk in range(b_start, b_end):
-            base = w_ptr + row + blk * 144  # [BLOCK_N]
+            base = w_ptr + row + blk * BLOCK_BYTES  # [BLOCK_N]
             nb = base[:, None]
             mask = n_mask[:, None]
-            qs = tl.load(nb[:, :, None] + (16 + c * 32)[None, :, None] + t[None, None, :],
+            qs = tl.load(nb[:, :, None] + (QS + c * 32)[None, :, None] + t[None, None, :],
                          mask=mask[:, :, None], other=0).to(tl.int32)
+            q_lo, q_hi = _nibbles(qs, nb, c, t, mask, FIVE)
             d = _f16(nb, mask)
             dmin = _f16(nb + 2, mask)
             sc_lo, mn_lo = _q4k_scale_min(nb + 4, (2 * c)[None, :], mask)
             sc_hi, mn_hi = _q4k_scale_min(nb + 4, (2 * c + 1)[None, :], mask)
-            w_lo = (d * sc_lo)[:, :, None] * (qs & 0xF).to(tl.float32) \
-                - (dmin * mn_lo)[:, :, None]
-            w_hi = (d * sc_hi)[:, :, None] * (qs >> 4).to(tl.float32) \
-                - (dmin * mn_hi)[:, :, None]
+            w_lo = (d * sc_lo)[:, :, None] * q_lo.to(tl.float32) - (dmin * mn_lo)[:, :, None]
+            w_hi = (d * sc_hi)[:, :, None] * q_hi.to(tl.float32) - (dmin * mn_hi)[:, :, None]
             x_lo = tl.load(x_rows + blk * 256 + x_cols[None, :], mask=m_mask[:, None], other=0.0)
             x_hi = tl.load(x_rows + blk * 256 + 32 + x_cols[None, :], mask=m_mask[:, None],
                            other=0.0)
@@ -282,23 +306,23 @@ def _check(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> None:
     if not HAS_TRITON:
         raise ValueError("the GGUF K-quant kernels need Triton")
     if qtype not in KQUANT_TYPES:
-        raise ValueError(f"the GGUF K-quant kernels read Q4_K and Q6_K, not type {qtype}")
+        raise ValueError(f"the GGUF K-quant kernels read Q4_K, Q5_K and Q6_K, not type {qtype}")
     k = x.shape[1]
     row_bytes = raw.shape[1]
-    if k % 256 or row_bytes != k // 256 * (144 if qtype == Q4_K else 210):
+    if k % 256 or row_bytes != k // 256 * BLOCK_BYTES[qtype]:
         raise ValueError(f"GGUF K-quant product: K={k} does not match rows of {row_bytes} bytes")
 
 
 def gemv_config(m: int, n: int, k: int, num_sms: int, qtype: int = Q4_K) -> dict[str, int]:
     """Rows per program, super-blocks per iteration, warps and the K split.
 
-    Q4_K: four rows and eight super-blocks (2,048 weights of a row) per iteration, two
-    warps; Q6_K: eight rows, four super-blocks, four warps; K split until there are about
-    two programs per SM. The fastest of a sweep over 4-16 rows, 2-8 super-blocks, 2-4 warps
-    and 1-4 programs per SM at Llama-3.1-8B's shapes on an H100 (1.0-1.4 TB/s of blocks;
-    gguf_kernel_bench.py).
+    Q4_K (and Q5_K, whose runs are read the same way): four rows and eight super-blocks
+    (2,048 weights of a row) per iteration, two warps; Q6_K: eight rows, four super-blocks,
+    four warps; K split until there are about two programs per SM. The fastest of a sweep
+    over 4-16 rows, 2-8 super-blocks, 2-4 warps and 1-4 programs per SM at Llama-3.1-8B's
+    shapes on an H100 (1.0-1.4 TB/s of blocks; gguf_kernel_bench.py).
     """
-    block_n, sb, warps = (4, 8, 2) if qtype == Q4_K else (8, 4, 4)
+    block_n, sb, warps = (8, 4, 4) if qtype == Q6_K else (4, 8, 2)
     num_blocks = k // 256
     programs = cdiv(n, block_n) * m
     split = max(1, min(cdiv(2 * num_sms, programs), cdiv(num_blocks, sb)))
@@ -307,12 +331,12 @@ def gemv_config(m: int, n: int, k: int, num_sms: int, qtype: int = Q4_K) -> dict
 
 def gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int,
               config: dict[str, int] | None = None, num_sms: int = 132) -> torch.Tensor:
-    """``x @ W^T`` for ``W`` in Q4_K or Q6_K blocks.
+    """``x @ W^T`` for ``W`` in Q4_K, Q5_K or Q6_K blocks.
 
     Args:
         x: ``[M, K]`` float16/bfloat16/float32, ``K`` a multiple of 256.
-        raw: ``[N, row_bytes]`` uint8, ``row_bytes = K / 256 * (144 | 210)``.
-        qtype: 12 (Q4_K) or 14 (Q6_K).
+        raw: ``[N, row_bytes]`` uint8, ``row_bytes = K / 256 * BLOCK_BYTES[qtype]``.
+        qtype: 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K).
         config: ``gemv_config``'s keys; chosen by ``gemv_config`` if None.
         num_sms: the device's streaming multiprocessors (sizes the K split).
 
@@ -333,13 +357,15 @@ def gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int,
     atomic = split > 1
     out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
-    kernel = _q4k_gemv_kernel if qtype == Q4_K else _q6k_gemv_kernel
     # The rows of x vary fastest, so the programs that read one weight tile run together and
     # all but the first find it in L2.
     grid = (m, cdiv(n, cfg["BLOCK_N"]), split)
-    kernel[grid](x, raw, out, n, x.stride(0), out.stride(0), row_bytes, num_blocks, per_split,
-                 ATOMIC=atomic, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"],
-                 num_warps=cfg["num_warps"])
+    args = (x, raw, out, n, x.stride(0), out.stride(0), row_bytes, num_blocks, per_split)
+    tiles = dict(ATOMIC=atomic, BLOCK_N=cfg["BLOCK_N"], SB=cfg["SB"], num_warps=cfg["num_warps"])
+    if qtype == Q6_K:
+        _q6k_gemv_kernel[grid](*args, **tiles)
+    else:
+        _q4k_gemv_kernel[grid](*args, **tiles, FIVE=qtype == Q5_K)
     return out.to(x.dtype) if atomic else out
 
 
@@ -353,7 +379,7 @@ def mm_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int,
     if dtype == torch.float32:
         return dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=1, num_warps=4, num_stages=1)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n, stages = ((128 if qtype == Q4_K else 32), 3) if block_m == 16 else (64, 2)
+    block_n, stages = ((32 if qtype == Q6_K else 128), 3) if block_m == 16 else (64, 2)
     tiles = cdiv(m, block_m) * cdiv(n, block_n)
     split = max(1, min(cdiv(2 * num_sms, tiles), k // 256))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split, num_warps=4,
@@ -362,7 +388,7 @@ def mm_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int,
 
 def kquant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: int,
               config: dict[str, int] | None = None, num_sms: int = 132) -> torch.Tensor:
-    """``x @ W^T`` for ``W`` in Q4_K or Q6_K blocks by the tensor-core tile kernel.
+    """``x @ W^T`` for ``W`` in Q4_K, Q5_K or Q6_K blocks by the tensor-core tile kernel.
 
     Arguments, result and errors as ``gguf_gemv``; ``config``: ``mm_config``'s keys.
     """
@@ -377,10 +403,13 @@ def kquant_mm(x: torch.Tensor, raw: torch.Tensor, qtype: int,
     atomic = split > 1
     out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if atomic
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
-    kernel = _q4k_mm_kernel if qtype == Q4_K else _q6k_mm_kernel
     grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
-    kernel[grid](x, raw, out, m, n, x.stride(0), out.stride(0), row_bytes, num_blocks,
-                 per_split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                 ATOMIC=atomic, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    args = (x, raw, out, m, n, x.stride(0), out.stride(0), row_bytes, num_blocks, per_split)
+    tiles = dict(DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", ATOMIC=atomic,
+                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+                 num_stages=cfg["num_stages"])
+    if qtype == Q6_K:
+        _q6k_mm_kernel[grid](*args, **tiles)
+    else:
+        _q4k_mm_kernel[grid](*args, **tiles, FIVE=qtype == Q5_K)
     return out.to(x.dtype) if atomic else out
