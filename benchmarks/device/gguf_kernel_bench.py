@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The GGUF K-quant products at Llama-3.1-8B's linear shapes on one GPU: the Q4_K/Q6_K GEMV
 of ``tokenmill.kernels.gemm.gguf_kquant`` (its default tiles and, at one row, a sweep around
-them) and its tensor-core kernel, the general tile kernel of ``tokenmill.kernels.gemm.gguf``
-and (from 64 rows) dequantize-then-cuBLAS, against cuBLAS on the same shape in bf16, each
-result checked against the dequantized product.
+them), its tensor-core kernel (and, at 16 rows, a sweep of its tiles) and (from 64 rows)
+dequantize-then-cuBLAS, against cuBLAS on the same shape in bf16, each result checked
+against the dequantized product; and for Q4_0 and Q8_0 the 32-weight-block GEMV of
+``gguf_q32`` at one row beside dequantize-then-cuBLAS.
 
 usage: gguf_kernel_bench.py [--ms 1,4,8,16,64,256] [--no-sweep]
 
@@ -23,19 +24,21 @@ from int4_kernel_bench import SHAPES, time_us  # this folder: the scripts run by
 from tokenmill.kernels.device import num_sms
 from tokenmill.kernels.gemm import gguf as kg
 from tokenmill.kernels.gemm import gguf_kquant as kv
+from tokenmill.kernels.gemm import gguf_q32 as kq32
 from tokenmill.kernels.quant.gguf_blocks import dequantize
 
-TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-FP16_FIELDS = {12: (0, 2), 13: (0, 2), 14: (208,)}
+TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q4_0": 2, "Q8_0": 8}
+FP16_FIELDS = {12: (0, 2), 13: (0, 2), 14: (208,), 2: (0,), 8: (0,)}
 
 
 def random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
     """``[n, row_bytes]`` uint8 on the GPU: random bits, fp16 scale fields small and finite."""
-    size = kv.BLOCK_BYTES[qtype]
-    raw = torch.randint(0, 256, (n, k // 256, size), dtype=torch.uint8, device="cuda")
+    qk = 32 if qtype in kq32.Q32_TYPES else 256
+    size = kq32.BLOCK_BYTES[qtype] if qk == 32 else kv.BLOCK_BYTES[qtype]
+    raw = torch.randint(0, 256, (n, k // qk, size), dtype=torch.uint8, device="cuda")
     for off in FP16_FIELDS[qtype]:
-        vals = (torch.randn(n, k // 256, device="cuda") * 0.01).to(torch.float16)
-        raw[..., off:off + 2] = vals.view(torch.uint8).view(n, k // 256, 2)
+        vals = (torch.randn(n, k // qk, device="cuda") * 0.01).to(torch.float16)
+        raw[..., off:off + 2] = vals.view(torch.uint8).view(n, k // qk, 2)
     return raw.view(n, -1)
 
 
@@ -81,22 +84,27 @@ def main() -> None:
             for m in (int(v) for v in a.ms.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = x.float() @ w.t()
-                paths = {"mm": kv.mm_config(m, n, k, x.dtype, sms, qtype),
-                         "tile": kg.launch_config(m, n, k, x.dtype, sms)}
-                if m <= 4:
-                    paths["gemv"] = kv.gemv_config(m, n, k, sms, qtype)
-                if m >= 64:
-                    paths["dequant_cublas"] = {"DEQUANT": 1}
-                if not a.no_sweep and m == 1:
-                    paths.update(sweep(m, n, k, sms, qtype))
-                if not a.no_sweep and m == 16:
-                    paths.update(mm_sweep(m, n, k, sms, qtype))
+                if qtype in kq32.Q32_TYPES:  # one-row GEMV, else dequantize first
+                    paths = {"q32gemv": kq32.q32_gemv_config(n, k, sms)} if m == 1 else {}
+                    paths["dequant_cublas"] = {}
+                else:
+                    paths = {"mm": kv.mm_config(m, n, k, x.dtype, sms, qtype)}
+                    if m <= 4:
+                        paths["gemv"] = kv.gemv_config(m, n, k, sms, qtype)
+                    if m >= 64:
+                        paths["dequant_cublas"] = {}
+                    if not a.no_sweep and m == 1:
+                        paths.update(sweep(m, n, k, sms, qtype))
+                    if not a.no_sweep and m == 16:
+                        paths.update(mm_sweep(m, n, k, sms, qtype))
                 timed = {}
                 for path, cfg in paths.items():
-                    if path in ("tile", "dequant_cublas"):
-                        fn = partial(kg.gguf_linear, x, raw, qtype, cfg)
+                    if path == "dequant_cublas":
+                        fn = partial(kg.gguf_linear, x, raw, qtype, True)
                     elif path.startswith("mm"):
                         fn = partial(kv.kquant_mm, x, raw, qtype, cfg)
+                    elif path == "q32gemv":
+                        fn = partial(kq32.q32_gemv, x, raw, qtype, cfg)
                     else:
                         fn = partial(kv.gguf_gemv, x, raw, qtype, cfg)
                     y = fn()

@@ -9,6 +9,7 @@ import torch
 from tests.kernels.gguf_cases import random_blocks
 from tokenmill.kernels.gemm import gguf as gguf_gemm
 from tokenmill.kernels.gemm import int4 as int4_gemm
+from tokenmill.kernels.gemm.gguf_q32 import Q32_TYPES, q32_gemv
 from tokenmill.kernels.quant.gguf_blocks import BLOCK_TYPES, dequantize
 from tokenmill.kernels.quant.int4_pack import pack_k
 
@@ -80,11 +81,30 @@ TYPES = sorted(BLOCK_TYPES)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[BLOCK_TYPES[t][0] for t in TYPES])
-@pytest.mark.parametrize("m, split", [(1, 2), (20, 1)])
-def test_gguf_kernel(qtype, m, split):
+@pytest.mark.parametrize("m, dequantize_first", [(1, False), (20, False), (3, True)])
+def test_gguf_linear(qtype, m, dequantize_first):
+    """Every block type through ``gguf_linear``'s choice of product (GEMV, tensor-core
+    kernel or dequantize-then-product) against the gguf package's dequantization."""
     k = 512 if BLOCK_TYPES[qtype][1] == 256 else 128
     raw = random_blocks(qtype, 40, k, seed=qtype)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(qtype))
     expected = x @ dequantize(raw, qtype).t()
-    y = gguf_gemm.gguf_linear(x, raw, qtype, _config(split))
+    y = gguf_gemm.gguf_linear(x, raw, qtype, dequantize_first)
     torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", sorted(Q32_TYPES), ids=[BLOCK_TYPES[t][0]
+                                                          for t in sorted(Q32_TYPES)])
+@pytest.mark.parametrize("split", [1, 2])
+def test_q32_gemv_partial_iterations_and_split(qtype, split):
+    """The 32-weight-block GEMV over 20 blocks (a partial last iteration of 16), 37 rows (a
+    partial row tile) and a K split."""
+    n, k = 37, 640
+    raw = random_blocks(qtype, n, k, seed=qtype + split)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(split))
+    expected = x @ dequantize(raw, qtype).t()
+    cfg = dict(BLOCK_N=8, NB=16, SPLIT_K=split, num_warps=2)
+    y = q32_gemv(x, raw, qtype, cfg)
+    torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    with pytest.raises(ValueError, match="one row"):
+        q32_gemv(torch.zeros(2, k), raw, qtype)
