@@ -8,13 +8,13 @@ resolution (``auto`` dtype, device defaults, the model's context length).
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_type_hints
 
+from tokenmill.arg_types import json_object
 from tokenmill.hf_config import HFConfig
 from tokenmill.multimodal.config import MultiModalConfig
 
@@ -378,13 +378,10 @@ class KernelConfig:
         """
         if value is None or isinstance(value, cls):
             return value or cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--kernel-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"--kernel-config must be a JSON object, got {value!r}")
+        try:
+            value = json_object(value, "--kernel-config")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - set(fields))
         if unknown:

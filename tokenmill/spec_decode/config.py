@@ -9,10 +9,10 @@ name, unless they carry their default value.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
+from tokenmill.arg_types import json_object
 from tokenmill.config import (
     ConfigError,
     ModelConfig,
@@ -59,13 +59,10 @@ def parse_speculative_json(value: str | dict[str, Any] | None) -> dict[str, Any]
     """
     if value is None or value == {}:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"--speculative-config must be a JSON object, got {value!r}")
+    try:
+        value = json_object(value, "--speculative-config")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for name, choice in value.items():
         if name in _DEFAULT_ONLY:
             if choice not in _DEFAULT_ONLY[name]:

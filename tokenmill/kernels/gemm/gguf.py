@@ -38,16 +38,7 @@ except ImportError:  # CPU-only installs
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _u8(ptr, mask):
-        return tl.load(ptr, mask=mask, other=0).to(tl.int32)
-
-    @triton.jit
-    def _f16(ptr, mask):
-        lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-        hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    from tokenmill.kernels.gemm.gguf_bytes import load_f16, load_u8
 
     @triton.jit
     def _dequant_tile(w_ptr, offs_k, offs_n, row_bytes, mask,
@@ -58,65 +49,65 @@ if HAS_TRITON:
             + (offs_k[:, None] // QK).to(tl.int64) * TYPE_SIZE
         if QTYPE == 8:  # Q8_0: d, 32 x int8
             q = tl.load(base + 2 + j, mask=mask, other=0).to(tl.int8, bitcast=True)
-            w = q.to(tl.float32) * _f16(base, mask)
+            w = q.to(tl.float32) * load_f16(base, mask)
         elif QTYPE == 2 or QTYPE == 3 or QTYPE == 6 or QTYPE == 7:  # Q4_0, Q4_1, Q5_0, Q5_1
             QS: tl.constexpr = 2 if QTYPE == 2 else (4 if QTYPE == 3 else (6 if QTYPE == 6 else 8))
-            byte = _u8(base + QS + j % 16, mask)
+            byte = load_u8(base + QS + j % 16, mask)
             q = tl.where(j < 16, byte & 0xF, byte >> 4)
             if QTYPE == 6 or QTYPE == 7:  # fifth bit from qh (4 bytes after d [, m])
                 QH: tl.constexpr = 2 if QTYPE == 6 else 4
-                q = q | (((_u8(base + QH + j // 8, mask) >> (j % 8)) & 1) << 4)
-            d = _f16(base, mask)
+                q = q | (((load_u8(base + QH + j // 8, mask) >> (j % 8)) & 1) << 4)
+            d = load_f16(base, mask)
             if QTYPE == 2:
                 w = d * (q - 8).to(tl.float32)
             elif QTYPE == 6:
                 w = d * (q - 16).to(tl.float32)
             else:
-                w = d * q.to(tl.float32) + _f16(base + 2, mask)
+                w = d * q.to(tl.float32) + load_f16(base + 2, mask)
         elif QTYPE == 12 or QTYPE == 13:  # Q4_K, Q5_K: d, dmin, 12 scale bytes, [qh,] qs
             sb = j // 32
             lo4 = sb < 4
-            s_a = _u8(base + 4 + sb, mask & lo4)  # scales[sb] (sb < 4)
-            s_b = _u8(base + 4 + sb + 4, mask)  # scales[sb + 4]
-            s_c = _u8(base + 4 + sb - 4, mask & (sb >= 4))  # scales[sb - 4]
+            s_a = load_u8(base + 4 + sb, mask & lo4)  # scales[sb] (sb < 4)
+            s_b = load_u8(base + 4 + sb + 4, mask)  # scales[sb + 4]
+            s_c = load_u8(base + 4 + sb - 4, mask & (sb >= 4))  # scales[sb - 4]
             sc = tl.where(lo4, s_a & 63, (s_b & 0xF) | ((s_c >> 6) << 4))
-            mn = tl.where(lo4, s_b & 63, (s_b >> 4) | ((_u8(base + 4 + sb, mask) >> 6) << 4))
+            mn = tl.where(lo4, s_b & 63, (s_b >> 4) | ((load_u8(base + 4 + sb, mask) >> 6) << 4))
             QS: tl.constexpr = 16 if QTYPE == 12 else 48
-            byte = _u8(base + QS + (j // 64) * 32 + j % 32, mask)
+            byte = load_u8(base + QS + (j // 64) * 32 + j % 32, mask)
             q = tl.where((j % 64) < 32, byte & 0xF, byte >> 4)
             if QTYPE == 13:
-                q = q | (((_u8(base + 16 + j % 32, mask) >> (j // 32)) & 1) << 4)
-            scale = _f16(base, mask) * sc.to(tl.float32)
-            offset = _f16(base + 2, mask) * mn.to(tl.float32)
+                q = q | (((load_u8(base + 16 + j % 32, mask) >> (j // 32)) & 1) << 4)
+            scale = load_f16(base, mask) * sc.to(tl.float32)
+            offset = load_f16(base + 2, mask) * mn.to(tl.float32)
             w = scale * q.to(tl.float32) - offset
         elif QTYPE == 14:  # Q6_K: ql[128], qh[64], int8 scales[16], d
             c = j // 128
             r = j % 128
-            low = _u8(base + c * 64 + r % 64, mask)
+            low = load_u8(base + c * 64 + r % 64, mask)
             low = tl.where(r < 64, low & 0xF, low >> 4)
-            high = (_u8(base + 128 + c * 32 + r % 32, mask) >> (2 * (r // 32))) & 3
+            high = (load_u8(base + 128 + c * 32 + r % 32, mask) >> (2 * (r // 32))) & 3
             q = (low | (high << 4)) - 32
             sc = tl.load(base + 192 + j // 16, mask=mask, other=0).to(tl.int8, bitcast=True)
-            w = (_f16(base + 208, mask) * sc.to(tl.float32)) * q.to(tl.float32)
+            w = (load_f16(base + 208, mask) * sc.to(tl.float32)) * q.to(tl.float32)
         elif QTYPE == 10:  # Q2_K: scales[16], qs[64], d, dmin
             c = j // 128
             r = j % 128
-            q = (_u8(base + 16 + c * 32 + r % 32, mask) >> (2 * (r // 32))) & 3
-            sc = _u8(base + j // 16, mask)
-            dl = _f16(base + 80, mask) * (sc & 0xF).to(tl.float32)
-            ml = _f16(base + 82, mask) * (sc >> 4).to(tl.float32)
+            q = (load_u8(base + 16 + c * 32 + r % 32, mask) >> (2 * (r // 32))) & 3
+            sc = load_u8(base + j // 16, mask)
+            dl = load_f16(base + 80, mask) * (sc & 0xF).to(tl.float32)
+            ml = load_f16(base + 82, mask) * (sc >> 4).to(tl.float32)
             w = dl * q.to(tl.float32) - ml
         else:  # Q3_K (11): hmask[32], qs[64], scales[12], d
             c = j // 128
             r = j % 128
-            ql = (_u8(base + 32 + c * 32 + r % 32, mask) >> (2 * (r // 32))) & 3
-            hbit = (_u8(base + j % 32, mask) >> (j // 32)) & 1
+            ql = (load_u8(base + 32 + c * 32 + r % 32, mask) >> (2 * (r // 32))) & 3
+            hbit = (load_u8(base + j % 32, mask) >> (j // 32)) & 1
             q = ql - 4 * (1 - hbit)
             g = j // 16
-            low = (_u8(base + 96 + g % 8, mask) >> (4 * (g // 8))) & 0xF
-            high = (_u8(base + 104 + g % 4, mask) >> (2 * (g // 4))) & 3
+            low = (load_u8(base + 96 + g % 8, mask) >> (4 * (g // 8))) & 0xF
+            high = (load_u8(base + 104 + g % 4, mask) >> (2 * (g // 4))) & 3
             sc = (low | (high << 4)) - 32
-            w = (_f16(base + 108, mask) * sc.to(tl.float32)) * q.to(tl.float32)
+            w = (load_f16(base + 108, mask) * sc.to(tl.float32)) * q.to(tl.float32)
         return w
 
     @triton.jit

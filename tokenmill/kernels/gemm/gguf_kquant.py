@@ -48,26 +48,17 @@ GEMV_MAX_M = 1
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _u8(ptr, mask):
-        return tl.load(ptr, mask=mask, other=0).to(tl.int32)
-
-    @triton.jit
-    def _f16(ptr, mask):
-        lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-        hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    from tokenmill.kernels.gemm.gguf_bytes import load_f16, load_u8, store_row
 
     @triton.jit
     def _q4k_scale_min(scales_ptr, sb, mask):
         """Sub-block ``sb``'s 6-bit scale and min (ggml's ``get_scale_min_k4``), float32."""
         lo4 = sb < 4
-        s_a = _u8(scales_ptr + sb, mask & lo4)
-        s_b = _u8(scales_ptr + sb + 4, mask)
-        s_c = _u8(scales_ptr + sb - 4, mask & (sb >= 4))
+        s_a = load_u8(scales_ptr + sb, mask & lo4)
+        s_b = load_u8(scales_ptr + sb + 4, mask)
+        s_c = load_u8(scales_ptr + sb - 4, mask & (sb >= 4))
         sc = tl.where(lo4, s_a & 63, (s_b & 0xF) | ((s_c >> 6) << 4))
-        mn = tl.where(lo4, s_b & 63, (s_b >> 4) | ((_u8(scales_ptr + sb, mask) >> 6) << 4))
+        mn = tl.where(lo4, s_b & 63, (s_b >> 4) | ((load_u8(scales_ptr + sb, mask) >> 6) << 4))
         return sc.to(tl.float32), mn.to(tl.float32)
 
     @triton.jit
@@ -127,14 +118,10 @@ if HAS_TRITON:
             sc_hi, mn_hi = _q4k_scale_min(base + 4, (2 * c + 1)[None, :], mask)
             xs_lo = tl.sum(x_lo, axis=1)[None, :]
             xs_hi = tl.sum(x_hi, axis=1)[None, :]
-            acc += _f16(base, mask) * (sc_lo * qx_lo + sc_hi * qx_hi) \
-                - _f16(base + 2, mask) * (mn_lo * xs_lo + mn_hi * xs_hi)
-        y = tl.sum(acc, axis=1)
-        out_ptrs = out_ptr + m.to(tl.int64) * stride_om + offs_n
-        if ATOMIC:
-            tl.atomic_add(out_ptrs, y, mask=n_mask)
-        else:
-            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+            acc += load_f16(base, mask) * (sc_lo * qx_lo + sc_hi * qx_hi) \
+                - load_f16(base + 2, mask) * (mn_lo * xs_lo + mn_hi * xs_hi)
+        store_row(out_ptr + m.to(tl.int64) * stride_om + offs_n, tl.sum(acc, axis=1), n_mask,
+                  ATOMIC)
 
     @triton.jit
     def _q6k_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_xm, stride_om, row_bytes,
@@ -183,13 +170,9 @@ if HAS_TRITON:
             s = base + 192 + (c * 8 + h * 2 + u)[None, :]
             sc_lo = tl.load(s, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
             sc_hi = tl.load(s + 4, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-            acc += _f16(base + 208, mask) * (sc_lo * qx_lo + sc_hi * qx_hi)
-        y = tl.sum(acc, axis=1)
-        out_ptrs = out_ptr + m.to(tl.int64) * stride_om + offs_n
-        if ATOMIC:
-            tl.atomic_add(out_ptrs, y, mask=n_mask)
-        else:
-            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+            acc += load_f16(base + 208, mask) * (sc_lo * qx_lo + sc_hi * qx_hi)
+        store_row(out_ptr + m.to(tl.int64) * stride_om + offs_n, tl.sum(acc, axis=1), n_mask,
+                  ATOMIC)
 
     @triton.jit
     def _q4k_mm_kernel(x_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_om, row_bytes,
@@ -223,8 +206,8 @@ if HAS_TRITON:
             qs = tl.load(nb[:, :, None] + (QS + c * 32)[None, :, None] + t[None, None, :],
                          mask=mask[:, :, None], other=0).to(tl.int32)
             q_lo, q_hi = _nibbles(qs, nb, c, t, mask, FIVE)
-            d = _f16(nb, mask)
-            dmin = _f16(nb + 2, mask)
+            d = load_f16(nb, mask)
+            dmin = load_f16(nb + 2, mask)
             sc_lo, mn_lo = _q4k_scale_min(nb + 4, (2 * c)[None, :], mask)
             sc_hi, mn_hi = _q4k_scale_min(nb + 4, (2 * c + 1)[None, :], mask)
             w_lo = (d * sc_lo)[:, :, None] * q_lo.to(tl.float32) - (dmin * mn_lo)[:, :, None]
@@ -276,7 +259,7 @@ if HAS_TRITON:
             shift = (2 * h)[None, :, None]
             q_lo = ((ql & 0xF) | (((qh >> shift) & 3) << 4)) - 32
             q_hi = ((ql >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
-            d = _f16(nb + 208, mask)
+            d = load_f16(nb + 208, mask)
             s = nb + 192 + (c * 8 + h * 2 + u)[None, :]
             sc_lo = tl.load(s, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
             sc_hi = tl.load(s + 4, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
@@ -295,11 +278,7 @@ if HAS_TRITON:
     def _store_tile(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, stride_om,
                     ATOMIC: tl.constexpr):
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        mask = m_mask[:, None] & n_mask[None, :]
-        if ATOMIC:
-            tl.atomic_add(out_ptrs, acc, mask=mask)
-        else:
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        store_row(out_ptrs, acc, m_mask[:, None] & n_mask[None, :], ATOMIC)
 
 
 def _check(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> None:

@@ -35,12 +35,7 @@ Q32_TYPES = tuple(BLOCK_BYTES)
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _f16(ptr, mask):
-        lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-        hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    from tokenmill.kernels.gemm.gguf_bytes import load_f16, store_row
 
     @triton.jit
     def _q32_gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_om, row_bytes, num_blocks,
@@ -68,7 +63,7 @@ if HAS_TRITON:
                             other=0).to(tl.int8, bitcast=True).to(tl.float32)
                 xv = tl.load(x_ptr + blk[:, None] * 32 + t[None, :], mask=b_mask[:, None],
                              other=0.0).to(tl.float32)
-                acc += _f16(base, mask) * tl.sum(q * xv[None, :, :], axis=2)
+                acc += load_f16(base, mask) * tl.sum(q * xv[None, :, :], axis=2)
             else:
                 t = tl.arange(0, 16)
                 qs = tl.load(base[:, :, None] + QS + t[None, None, :], mask=mask3,
@@ -90,18 +85,13 @@ if HAS_TRITON:
                 qx = tl.sum(q_lo.to(tl.float32) * x_lo[None, :, :], axis=2) \
                     + tl.sum(q_hi.to(tl.float32) * x_hi[None, :, :], axis=2)
                 xs = (tl.sum(x_lo, axis=1) + tl.sum(x_hi, axis=1))[None, :]
-                d = _f16(base, mask)
+                d = load_f16(base, mask)
                 if QTYPE == 3 or QTYPE == 7:  # w = d q + m
-                    acc += d * qx + _f16(base + 2, mask) * xs
+                    acc += d * qx + load_f16(base + 2, mask) * xs
                 else:  # w = d (q - 8) / d (q - 16)
                     OFFSET: tl.constexpr = 8.0 if QTYPE == 2 else 16.0
                     acc += d * (qx - OFFSET * xs)
-        y = tl.sum(acc, axis=1)
-        out_ptrs = out_ptr + offs_n
-        if ATOMIC:
-            tl.atomic_add(out_ptrs, y, mask=n_mask)
-        else:
-            tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+        store_row(out_ptr + offs_n, tl.sum(acc, axis=1), n_mask, ATOMIC)
 
 
 def q32_gemv_config(n: int, k: int, num_sms: int) -> dict[str, int]:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.arg_types import json_object
 from tokenmill.config import ConfigError, PoolerConfig
 from tokenmill.hf_config import ModelLoadError
 
@@ -156,13 +157,10 @@ def parse_pooler_config(value: PoolerConfig | dict[str, Any] | str | None) -> Po
     """
     if value is None or isinstance(value, PoolerConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--pooler-config is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise ConfigError(f"--pooler-config must be a JSON object, got {value!r}")
+    try:
+        value = json_object(value, "--pooler-config")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     unknown = set(value) - {"pooling_type", "normalize"}
     if unknown:
         raise ConfigError(
