@@ -28,3 +28,11 @@ async def tag_function(request, call_next):
 
 
 NOT_MIDDLEWARE = 42
+
+
+class NeedsArgs:
+    """A middleware class that cannot be built from the app alone."""
+
+    def __init__(self, app: ASGIApp, secret: str) -> None:
+        self.app = app
+        self.secret = secret

@@ -15,7 +15,7 @@ import pytest
 from tests.entrypoints.conftest import SERVE_COMMAND, RemoteServer, tiny_args
 
 
-def _self_signed(folder) -> tuple[str, str]:
+def _self_signed(folder, passphrase: bytes | None = None) -> tuple[str, str]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -35,9 +35,10 @@ def _self_signed(folder) -> tuple[str, str]:
         .sign(key, hashes.SHA256())
     )
     key_path, cert_path = folder / "key.pem", folder / "cert.pem"
+    encryption = (serialization.BestAvailableEncryption(passphrase) if passphrase
+                  else serialization.NoEncryption())
     key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+                                           serialization.PrivateFormat.PKCS8, encryption))
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return str(key_path), str(cert_path)
 
@@ -56,6 +57,7 @@ def tls_server(tmp_path_factory, tiny_model_dir, chat_template_file):
         "--middleware", "tests.entrypoints.middleware_samples.TagResponses",
         "--middleware", "tests.entrypoints.middleware_samples.tag_function",
         "--enable-server-load-tracking", "--return-tokens-as-token-ids",
+        "--root-path", "/api",  # load tracking must see through the prefix
     ])
     yield server
     server.stop()
@@ -107,10 +109,24 @@ def test_load_counts_requests_in_flight(tls_server):
     (["--middleware", "tests.entrypoints.middleware_samples.missing"], "cannot import"),
     (["--middleware", "tests.entrypoints.middleware_samples.NOT_MIDDLEWARE"],
      "neither a class"),
+    (["--middleware", "tests.entrypoints.middleware_samples."], "not an import path"),
+    (["--middleware", "tests.entrypoints.middleware_samples.NeedsArgs"],
+     "the app as its only argument"),
+    (["--middleware", "tests.entrypoints.middleware_broken.x"], "RuntimeError"),
+    (["@TLS", "--ssl-cert-reqs", "2"], "needs --ssl-ca-certs"),
+    (["@TLS", "--ssl-ca-certs", "@DIR"], "--ssl-ca-certs"),
+    (["@TLS", "--ssl-ca-certs", __file__], "not PEM certificates"),
+    (["@ENCRYPTED"], "the key is encrypted"),
 ])
-def test_transport_flag_errors_in_one_line(flags, words):
+def test_transport_flag_errors_in_one_line(tmp_path, flags, words):
+    key, cert = _self_signed(tmp_path)
+    (tmp_path / "enc").mkdir()
+    enc_key, enc_cert = _self_signed(tmp_path / "enc", b"secret")
+    expand = {"@TLS": ["--ssl-keyfile", key, "--ssl-certfile", cert], "@DIR": [str(tmp_path)],
+              "@ENCRYPTED": ["--ssl-keyfile", enc_key, "--ssl-certfile", enc_cert]}
+    flags = [part for flag in flags for part in expand.get(flag, [flag])]
     result = subprocess.run([*SERVE_COMMAND, *flags], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, stdin=subprocess.DEVNULL)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], result.stderr

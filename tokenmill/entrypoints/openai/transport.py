@@ -64,14 +64,27 @@ def check_transport(args: argparse.Namespace) -> None:
                        ("--ssl-ca-certs", getattr(args, "ssl_ca_certs", None))):
         if path and not os.access(path, os.R_OK):
             raise ConfigError(f"{flag}: cannot read {path}")
-    if not cert and (getattr(args, "ssl_ca_certs", None)
-                     or getattr(args, "ssl_cert_reqs", 0)):
+    ca_certs = getattr(args, "ssl_ca_certs", None)
+    if not cert and (ca_certs or getattr(args, "ssl_cert_reqs", 0)):
         raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
+    if getattr(args, "ssl_cert_reqs", 0) and not ca_certs:
+        raise ConfigError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs, the CAs that client "
+                          "certificates are checked against")
     if cert:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         try:
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+            context.load_cert_chain(cert, key, password=_no_passphrase)
+        except _EncryptedKey:
+            raise ConfigError(f"--ssl-keyfile {key}: the key is encrypted; give an "
+                              "unencrypted one") from None
         except (ssl.SSLError, OSError) as e:
             raise ConfigError(f"--ssl-certfile/--ssl-keyfile: not a usable pair: {e}") from None
+        if ca_certs:
+            try:
+                context.load_verify_locations(cafile=ca_certs)
+            except (ssl.SSLError, OSError) as e:
+                raise ConfigError(f"--ssl-ca-certs {ca_certs}: not PEM certificates: {e}"
+                                  ) from None
     for path in getattr(args, "middleware", None) or []:
         _import_middleware(path)
 
@@ -112,7 +125,11 @@ class LoadTrackingMiddleware:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") not in LOAD_TRACKED_PATHS:
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # behind --root-path the prefix is still there
+            path = path[len(root):]
+        if scope["type"] != "http" or path not in LOAD_TRACKED_PATHS:
             await self.app(scope, receive, send)
             return
         self.state.server_load += 1
@@ -122,14 +139,30 @@ class LoadTrackingMiddleware:
             self.state.server_load -= 1
 
 
+class _EncryptedKey(Exception):
+    pass
+
+
+def _no_passphrase() -> str:
+    # ssl asks for a passphrase only for an encrypted key; a server cannot type one.
+    raise _EncryptedKey
+
+
 def _import_middleware(path: str) -> Any:
     module_name, _, attr = path.rpartition(".")
-    if not module_name:
+    if not module_name or not attr:
         raise ConfigError(f"--middleware {path}: not an import path (module.name)")
     try:
         obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"--middleware {path}: cannot import it: {e}") from None
-    if not (inspect.isclass(obj) or inspect.iscoroutinefunction(obj)):
+    except Exception as e:  # noqa: BLE001 (the module's own error, whatever it is)
+        raise ConfigError(f"--middleware {path}: cannot import it: "
+                          f"{type(e).__name__}: {e}") from None
+    if inspect.isclass(obj):
+        try:  # an ASGI middleware class is built with the app alone
+            inspect.signature(obj).bind(object())
+        except (TypeError, ValueError):
+            raise ConfigError(f"--middleware {path}: the class must be constructible with "
+                              "the app as its only argument") from None
+    elif not inspect.iscoroutinefunction(obj):
         raise ConfigError(f"--middleware {path}: neither a class nor an async function")
     return obj
