@@ -391,9 +391,42 @@ def load_hf_config(
         if key not in data:
             raise ModelLoadError(f"the config of {model} has no {key!r}")
     _check_heads(data, model)
+    _check_kinds(data, model)
     data = normalize_rope(data)
     _check_numbers(data, model, POSITIVE_INTS, POSITIVE_FLOATS)
     return HFConfig(data), generation_config
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_kinds(data: dict[str, Any], model: str) -> None:
+    """The keys whose wrong kind of value would fail later, deep in the engine.
+
+    Raises:
+        ModelLoadError: ``architectures`` not a non-empty list of names, ``eos_token_id``
+            not a token id or list of them, ``sliding_window`` not null or an integer >= 0.
+    """
+    arch = data["architectures"]
+    if not isinstance(arch, list) or not arch or not all(isinstance(a, str) for a in arch):
+        raise ModelLoadError(
+            f"the config of {model}: architectures must be a non-empty list of names, got "
+            f"{arch!r}"
+        )
+    eos = data.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    if eos is not None and not all(_is_int(i) and i >= 0 for i in ids):
+        raise ModelLoadError(
+            f"the config of {model}: eos_token_id must be a token id or a list of them, got "
+            f"{eos!r}"
+        )
+    window = data.get("sliding_window")
+    if window is not None and not (_is_int(window) and window >= 0):
+        raise ModelLoadError(
+            f"the config of {model}: sliding_window must be null or an integer >= 0, got "
+            f"{window!r}"
+        )
 
 
 def _check_heads(data: dict[str, Any], model: str) -> None:
@@ -420,7 +453,8 @@ def _check_heads(data: dict[str, Any], model: str) -> None:
 # where a config has them (a wrong one would build a model that answers garbage or fails
 # mid-start-up).
 POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
-                 "head_dim", "moe_intermediate_size", "num_local_experts", "num_experts")
+                 "head_dim", "moe_intermediate_size", "num_local_experts", "num_experts",
+                 "max_position_embeddings")
 POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta")
 _GGUF_KEY_OF = {hf: gguf for gguf, hf in GGUF_KEYS.items()}
 

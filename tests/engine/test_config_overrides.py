@@ -77,3 +77,19 @@ def test_num_gpu_blocks_override_sizes_the_cache(model_dir):
     assert [len(o.outputs[0].token_ids) for o in out] == [40] * 3
     with pytest.raises(ConfigError, match="--num-gpu-blocks-override must be a positive"):
         _config(model_dir, num_gpu_blocks_override=0)
+
+
+@pytest.mark.parametrize("override, words", [
+    ({"architectures": []}, "architectures must be a non-empty list"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures must be a non-empty list"),
+    ({"eos_token_id": "x"}, "eos_token_id must be a token id"),
+    ({"eos_token_id": [2, True]}, "eos_token_id must be a token id"),
+    ({"sliding_window": -3}, "sliding_window must be null or an integer >= 0"),
+    ({"max_position_embeddings": True}, "max_position_embeddings must be a positive integer"),
+    ({"max_position_embeddings": "big"}, "max_position_embeddings must be a positive integer"),
+])
+def test_config_values_of_the_wrong_kind_are_refused_at_start_up(model_dir, override, words):
+    """Values that would otherwise fail deep in the engine (or silently mean something else)
+    are refused when the config is read, whether from config.json or --hf-overrides."""
+    with pytest.raises(ModelLoadError, match=words):
+        _config(model_dir, hf_overrides=override)
