@@ -82,6 +82,23 @@ def test_echo_with_logprobs_of_a_one_token_prompt(default_server):
     assert "".join(logprobs["tokens"]) == choice["text"]
 
 
+def test_echo_offsets_do_not_overlap_after_a_split_character(default_server):
+    """A character split over tokens (an emoji: three tokens, each decoding to a replacement
+    character alone) makes the prompt tokens' texts longer than the prompt; the generated
+    tokens' offsets go on from them, streamed or not."""
+    ids = default_server.post("/tokenize", {"prompt": "Héllo 🌍 w",
+                                            "add_special_tokens": False}).json()["tokens"]
+    body = {"prompt": ids, "temperature": 0, "max_tokens": 3, "echo": True, "logprobs": 0}
+    logprobs = default_server.post("/v1/completions", body).json()["choices"][0]["logprobs"]
+    offsets, tokens = logprobs["text_offset"], logprobs["tokens"]
+    for i in range(1, len(tokens)):
+        assert offsets[i] == offsets[i - 1] + len(tokens[i - 1]), (tokens, offsets)
+    events = sse_events(default_server, "/v1/completions", {**body, "stream": True})
+    streamed = [o for e in events[:-1] if e["choices"]
+                for o in (e["choices"][0]["logprobs"] or {}).get("text_offset", [])]
+    assert streamed == offsets
+
+
 def test_prompt_logprobs(default_server):
     ids = default_server.post("/tokenize", {"prompt": PROMPT}).json()["tokens"]
     body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 2, "prompt_logprobs": 1}

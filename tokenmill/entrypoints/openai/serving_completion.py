@@ -286,11 +286,11 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _echo_logprobs(
         self, prompt_ids: list[int], prompt_logprobs: list | None, num_top: int, as_ids: bool
-    ) -> CompletionLogProbs:
+    ) -> tuple[CompletionLogProbs, int]:
         entries = per_prompt_position(prompt_ids, prompt_logprobs)
         bare = [t for t, e in zip(prompt_ids, entries, strict=True) if e is None]
         texts = dict(zip(bare, decode_token_texts(self.tokenizer, bare), strict=True))
-        return completion_logprobs(prompt_ids, entries, num_top, texts, 0, as_ids)[0]
+        return completion_logprobs(prompt_ids, entries, num_top, texts, 0, as_ids)
 
     def _choice(
         self,
@@ -317,13 +317,16 @@ class OpenAIServingCompletion(OpenAIServing):
         as_ids = self.tokens_as_ids(request)
         prefix = self._prompt_text(prompt) if echo else ""
         logprobs = None
+        start = text_offset + len(prefix)
         if echo and request.logprobs is not None:
-            logprobs = self._echo_logprobs(prompt[1], prompt_logprobs, num_top, as_ids)
+            # The generated tokens' offsets go on from the prompt tokens' (whose texts, one
+            # token at a time, may count a split character twice), so none overlap.
+            logprobs, start = self._echo_logprobs(prompt[1], prompt_logprobs, num_top, as_ids)
         text = prefix + c.text
         end = text_offset + len(text)
         if c.logprobs is not None:
             generated, after = completion_logprobs(
-                c.token_ids, c.logprobs, num_top, {}, text_offset + len(prefix), as_ids
+                c.token_ids, c.logprobs, num_top, {}, start, as_ids
             )
             if generated.tokens:
                 # Offsets follow the tokens' texts: a token whose character is not complete
