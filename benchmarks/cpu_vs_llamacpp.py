@@ -30,7 +30,7 @@ import urllib.request
 
 import psutil
 
-from tokenmill.engine_args import default_model_path
+from tokenmill.model_config_args import default_model_path
 
 LOADS = ({"concurrency": 16, "num_prompts": 64}, {"concurrency": 1, "num_prompts": 16})
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine_args import default_model_path
+from tokenmill.model_config_args import default_model_path
 
 TOPICS = ["the ocean", "a robot", "Paris", "mathematics", "a small dog", "the moon", "coffee",
           "history", "music", "a mountain village"]

@@ -39,7 +39,10 @@ from tokenmill.distributed.config_checks import (
 from tokenmill.feature_checks import check_feature_combinations, check_kv_cache_dtype
 from tokenmill.flag_checks import KV_CACHE_DTYPES, check_flag_values
 from tokenmill.lora.config import check_lora_model, create_lora_config
-from tokenmill.model_config_args import create_model_config
+from tokenmill.model_config_args import (
+    create_model_config,
+    default_model_path,  # noqa: F401 (the API's name for it)
+)
 from tokenmill.scheduler_flags import create_scheduler_config
 from tokenmill.spec_decode.config import parse_speculative_json, resolve_speculative_config
 

@@ -99,7 +99,7 @@ def find_gguf(explicit: str | None) -> str:
         if path and os.path.isfile(path):
             return path
     try:
-        from tokenmill.engine_args import default_model_path
+        from tokenmill.model_config_args import default_model_path
 
         return default_model_path()
     except Exception:  # noqa: BLE001 - not installed: look for carried pieces

@@ -327,7 +327,7 @@ def test_remote_tokenizer_is_the_servers(server, tiny_model, smollm2_tokenizer):
 
 def test_embedded_model_is_found_by_its_served_name():
     from tokenmill.benchmarks.bench_tokenizer import find_tokenizer
-    from tokenmill.engine_args import default_model_path
+    from tokenmill.model_config_args import default_model_path
 
     tokenizer, tokenizer_id = find_tokenizer(
         None, "SmolLM2-135M-Instruct", "http://127.0.0.1:9", "SmolLM2-135M-Instruct"

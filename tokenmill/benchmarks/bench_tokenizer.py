@@ -116,7 +116,7 @@ def find_tokenizer(
         return load_local(candidate), candidate
     if EMBEDDED_MODEL_NAME in (candidate, model_name):
         from tokenmill.config import ConfigError
-        from tokenmill.engine_args import default_model_path
+        from tokenmill.model_config_args import default_model_path
 
         try:
             path = default_model_path()
