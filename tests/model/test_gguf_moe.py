@@ -198,7 +198,8 @@ def test_q_rows_that_are_not_whole_heads_are_refused():
      r"rms_norm_eps \(GGUF key attention.layer_norm_rms_epsilon\) must be a positive finite"),
     ({"llama.rope.freq_base": float("nan")}, "rope_theta .* must be a positive finite"),
     ({"llama.feed_forward_length": None}, "has no llama.feed_forward_length"),
-    ({"llama.context_length": 0}, "gives a context of 0 tokens"),
+    ({"llama.context_length": 0},
+     r"max_position_embeddings \(GGUF key context_length\) must be a positive integer"),
 ])
 def test_gguf_settings_out_of_range_are_refused(tmp_path, change, message):
     """Metadata that would build a model answering garbage (a negative epsilon, a NaN RoPE
