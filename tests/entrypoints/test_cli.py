@@ -11,7 +11,7 @@ from tests.entrypoints.conftest import SERVE_COMMAND
 from tokenmill.config import ConfigError
 from tokenmill.engine_args import EngineArgs
 from tokenmill.entrypoints.cli.main import build_parser, main
-from tokenmill.entrypoints.cli.serve import UNIMPLEMENTED_FLAGS
+from tokenmill.entrypoints.cli.serve import HUB_FLAGS, UNIMPLEMENTED_FLAGS
 from tokenmill.version import __version__
 
 
@@ -34,6 +34,14 @@ def test_unimplemented_vllm_flags_are_rejected(capsys, flag):
     code, out, err = run_main(capsys, ["serve", flag, "some-value"])
     assert code == 2
     assert err == f"tokenmill serve: error: tokenmill does not implement {flag} yet\n"
+
+
+@pytest.mark.parametrize("flag", HUB_FLAGS)
+def test_hub_flags_are_refused_with_the_reason(capsys, flag):
+    code, out, err = run_main(capsys, ["serve", flag, "main"])
+    assert code == 2
+    assert err == (f"tokenmill serve: error: {flag}: tokenmill never downloads models; give a "
+                   "local folder or .gguf file\n")
 
 
 @pytest.mark.parametrize(

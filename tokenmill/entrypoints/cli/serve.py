@@ -61,6 +61,11 @@ UNIMPLEMENTED_FLAGS = (
     "--headless",
 )
 
+# vLLM flags about fetching a model from the Hugging Face Hub, which tokenmill never does:
+# refused with the reason, so a copied command line is not half obeyed.
+HUB_FLAGS = ("--revision", "--code-revision", "--tokenizer-revision", "--download-dir",
+             "--hf-token")
+
 
 class _Unimplemented(argparse.Action):
     """Rejects a known vLLM flag that tokenmill does not implement (one line, exit 2), or
@@ -84,6 +89,9 @@ class _Unimplemented(argparse.Action):
     ) -> None:
         if self.accepted and len(values) == 1 and values[0] in self.accepted:
             return
+        if option_string in HUB_FLAGS:
+            parser.exit(2, f"{parser.prog}: error: {option_string}: tokenmill never downloads "
+                           "models; give a local folder or .gguf file\n")
         shown = f"{option_string} {' '.join(values)}" if self.accepted else option_string
         also = f" (only {', '.join(self.accepted)})" if self.accepted else ""
         parser.exit(2, f"{parser.prog}: error: tokenmill does not implement {shown} yet{also}\n")
@@ -251,7 +259,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_observability_args(parser)
     AgentArgs.add_cli_args(parser)
     EngineArgs.add_cli_args(parser, positional_model=True)
-    for flag in UNIMPLEMENTED_FLAGS:
+    for flag in UNIMPLEMENTED_FLAGS + HUB_FLAGS:
         parser.add_argument(flag, action=_Unimplemented)
     parser.set_defaults(dispatch=run)
     return parser
