@@ -25,7 +25,7 @@ from tokenmill.kernels.device import num_sms
 from tokenmill.kernels.gemm import gguf as kg
 from tokenmill.kernels.gemm import gguf_kquant as kv
 from tokenmill.kernels.gemm import gguf_q32 as kq32
-from tokenmill.kernels.quant.gguf_blocks import dequantize
+from tokenmill.kernels.quant.gguf_blocks import block_info, dequantize
 
 TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q4_0": 2, "Q8_0": 8}
 FP16_FIELDS = {12: (0, 2), 13: (0, 2), 14: (208,), 2: (0,), 8: (0,)}
@@ -33,8 +33,7 @@ FP16_FIELDS = {12: (0, 2), 13: (0, 2), 14: (208,), 2: (0,), 8: (0,)}
 
 def random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
     """``[n, row_bytes]`` uint8 on the GPU: random bits, fp16 scale fields small and finite."""
-    qk = 32 if qtype in kq32.Q32_TYPES else 256
-    size = kq32.BLOCK_BYTES[qtype] if qk == 32 else kv.BLOCK_BYTES[qtype]
+    _name, qk, size, _group = block_info(qtype)
     raw = torch.randint(0, 256, (n, k // qk, size), dtype=torch.uint8, device="cuda")
     for off in FP16_FIELDS[qtype]:
         vals = (torch.randn(n, k // qk, device="cuda") * 0.01).to(torch.float16)

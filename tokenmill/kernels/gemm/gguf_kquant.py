@@ -28,26 +28,21 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.kernels.device import HAS_TRITON
+from tokenmill.kernels.quant.gguf_blocks import block_info
 from tokenmill.math_utils import cdiv
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs
-    HAS_TRITON = False
 
 Q4_K, Q5_K, Q6_K = 12, 13, 14
 KQUANT_TYPES = (Q4_K, Q5_K, Q6_K)
-# Bytes of one 256-weight super-block.
-BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}
 # One program per row of x: above this many rows the tensor-core kernel, which unpacks each
 # weight once for all rows, takes over (H100: at 4 rows the GEMV took 1.7-2.0x its time).
 GEMV_MAX_M = 1
 
 
 if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
     from tokenmill.kernels.gemm.gguf_bytes import load_f16, load_u8, store_row
 
     @triton.jit
@@ -288,7 +283,7 @@ def _check(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> None:
         raise ValueError(f"the GGUF K-quant kernels read Q4_K, Q5_K and Q6_K, not type {qtype}")
     k = x.shape[1]
     row_bytes = raw.shape[1]
-    if k % 256 or row_bytes != k // 256 * BLOCK_BYTES[qtype]:
+    if k % 256 or row_bytes != k // 256 * block_info(qtype)[2]:
         raise ValueError(f"GGUF K-quant product: K={k} does not match rows of {row_bytes} bytes")
 
 
@@ -314,7 +309,8 @@ def gguf_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int,
 
     Args:
         x: ``[M, K]`` float16/bfloat16/float32, ``K`` a multiple of 256.
-        raw: ``[N, row_bytes]`` uint8, ``row_bytes = K / 256 * BLOCK_BYTES[qtype]``.
+        raw: ``[N, row_bytes]`` uint8, ``K / 256`` super-blocks per row
+            (``gguf_blocks.block_info``).
         qtype: 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K).
         config: ``gemv_config``'s keys; chosen by ``gemv_config`` if None.
         num_sms: the device's streaming multiprocessors (sizes the K split).

@@ -17,24 +17,20 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.kernels.device import HAS_TRITON
+from tokenmill.kernels.quant.gguf_blocks import block_info
 from tokenmill.math_utils import cdiv
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs
-    HAS_TRITON = False
-
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
-# Bytes of one block, and where its quants start.
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}
+# Where each type's quants start in its block (after d [, m] [, qh]).
 QS_OFFSET = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8, Q8_0: 2}
-Q32_TYPES = tuple(BLOCK_BYTES)
+Q32_TYPES = tuple(QS_OFFSET)
 
 
 if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
     from tokenmill.kernels.gemm.gguf_bytes import load_f16, store_row
 
     @triton.jit
@@ -109,7 +105,7 @@ def q32_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int,
 
     Args:
         x: ``[1, K]`` float16/bfloat16/float32, ``K`` a multiple of 32.
-        raw: ``[N, row_bytes]`` uint8, ``row_bytes = K / 32 * BLOCK_BYTES[qtype]``.
+        raw: ``[N, row_bytes]`` uint8, ``K / 32`` blocks per row (``gguf_blocks.block_info``).
         qtype: a GGML type id of ``Q32_TYPES``.
         config: ``q32_gemv_config``'s keys; chosen by it if None.
         num_sms: the device's streaming multiprocessors (sizes the K split).
@@ -123,14 +119,15 @@ def q32_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int,
     """
     if not HAS_TRITON:
         raise ValueError("the GGUF GEMV kernel needs Triton")
-    if qtype not in BLOCK_BYTES:
+    if qtype not in QS_OFFSET:
         raise ValueError(f"the 32-weight-block GEMV reads Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, not type "
                          f"{qtype}")
     m, k = x.shape
     n, row_bytes = raw.shape
     if m != 1:
         raise ValueError(f"the 32-weight-block GEMV takes one row of x, got {m}")
-    if k % 32 or row_bytes != k // 32 * BLOCK_BYTES[qtype]:
+    block_bytes = block_info(qtype)[2]
+    if k % 32 or row_bytes != k // 32 * block_bytes:
         raise ValueError(f"GGUF GEMV: K={k} does not match rows of {row_bytes} bytes")
     x = x.contiguous()
     cfg = config or q32_gemv_config(n, k, num_sms)
@@ -142,7 +139,7 @@ def q32_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: int,
            else torch.empty(1, n, dtype=x.dtype, device=x.device))
     grid = (cdiv(n, cfg["BLOCK_N"]), split)
     _q32_gemv_kernel[grid](x, raw, out, n, out.stride(0), row_bytes, num_blocks, per_split,
-                           QTYPE=qtype, BLOCK_BYTES=BLOCK_BYTES[qtype], QS=QS_OFFSET[qtype],
+                           QTYPE=qtype, BLOCK_BYTES=block_bytes, QS=QS_OFFSET[qtype],
                            ATOMIC=atomic, BLOCK_N=cfg["BLOCK_N"], NB=cfg["NB"],
                            num_warps=cfg["num_warps"])
     return out.to(x.dtype) if atomic else out
