@@ -164,6 +164,7 @@ async def run_server(
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         timeout_s = getattr(args, "shutdown_timeout", 0)
+        tls = uvicorn_tls(args)
         uv_config = uvicorn.Config(
             app,
             host=args.host,
@@ -173,7 +174,7 @@ async def run_server(
             root_path=args.root_path or "",
             timeout_graceful_shutdown=timeout_s + ABORTED_RESPONSE_GRACE_S,
             timeout_keep_alive=5,
-            **uvicorn_tls(args),
+            **tls,
         )
         server = Server(uv_config)
         servings = [app.state.serving_chat, app.state.serving_completion]
@@ -188,7 +189,7 @@ async def run_server(
         logger.info(
             "Serving %s on %s (max_model_len=%d)",
             config.model_config.served_model_name,
-            _listen_url(args.host, args.port, listeners, bool(uvicorn_tls(args))),
+            _listen_url(args.host, args.port, listeners, bool(tls)),
             engine.model_config.max_model_len,
         )
         await server.serve(sockets=listeners)

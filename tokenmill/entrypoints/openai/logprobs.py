@@ -88,6 +88,15 @@ class TokenBytes:
         return list(text.encode("utf-8"))
 
 
+def top_ranked(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
+    """The ``num_top`` most likely ``(token id, Logprob)`` of a position's entry, rank
+    order (the chosen token appears only if it ranks among them)."""
+    return sorted(
+        (item for item in entry.items() if item[1].rank is not None and item[1].rank <= num_top),
+        key=lambda item: item[1].rank or 0,
+    )[:num_top]
+
+
 def token_label(token_id: int, text: str, as_ids: bool) -> str:
     """How a token appears in logprobs: its text, or ``"token_id:<id>"`` for clients that
     asked for ids (vLLM's ``return_tokens_as_token_ids``; a token that is not valid text on

@@ -43,6 +43,7 @@ from tokenmill.entrypoints.openai.logprobs import (
     clamp_logprob,
     prompt_logprobs_json,
     token_label,
+    top_ranked,
 )
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionChoice,
@@ -91,14 +92,7 @@ def chat_logprobs(
         chosen = entry.get(token_id)
         if chosen is None:  # cannot happen with engine outputs; keep the schema valid anyway
             chosen = Logprob(float("-inf"), None, None)
-        top = sorted(
-            (
-                item
-                for item in entry.items()
-                if item[1].rank is not None and item[1].rank <= num_top
-            ),
-            key=lambda item: item[1].rank or 0,
-        )[:num_top]
+        top = top_ranked(entry, num_top)
         content.append(
             ChatCompletionLogProbsContent(
                 token=token_label(token_id, chosen.decoded_token or "", as_ids),

@@ -24,6 +24,7 @@ from tokenmill.entrypoints.openai.logprobs import (
     per_prompt_position,
     prompt_logprobs_json,
     token_label,
+    top_ranked,
 )
 from tokenmill.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -98,14 +99,9 @@ def completion_logprobs(
         else:
             text = chosen.decoded_token or ""
             token_logprobs.append(clamp_logprob(chosen.logprob))
-            ranked = sorted(
-                (item for item in entry.items()
-                 if item[1].rank is not None and item[1].rank <= num_top),
-                key=lambda item: item[1].rank or 0,
-            )[:num_top]
             top = {
                 token_label(tid, lp.decoded_token or "", as_ids): clamp_logprob(lp.logprob)
-                for tid, lp in ranked
+                for tid, lp in top_ranked(entry, num_top)
             }
             top.setdefault(token_label(token_id, text, as_ids), clamp_logprob(chosen.logprob))
             top_logprobs.append(top)
