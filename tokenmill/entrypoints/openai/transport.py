@@ -58,16 +58,16 @@ def check_transport(args: argparse.Namespace) -> None:
             or is neither a class nor a function.
     """
     key, cert = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
+    ca_certs, cert_reqs = getattr(args, "ssl_ca_certs", None), getattr(args, "ssl_cert_reqs", 0)
     if bool(key) != bool(cert):
         raise ConfigError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
     for flag, path in (("--ssl-keyfile", key), ("--ssl-certfile", cert),
-                       ("--ssl-ca-certs", getattr(args, "ssl_ca_certs", None))):
+                       ("--ssl-ca-certs", ca_certs)):
         if path and not os.access(path, os.R_OK):
             raise ConfigError(f"{flag}: cannot read {path}")
-    ca_certs = getattr(args, "ssl_ca_certs", None)
-    if not cert and (ca_certs or getattr(args, "ssl_cert_reqs", 0)):
+    if not cert and (ca_certs or cert_reqs):
         raise ConfigError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
-    if getattr(args, "ssl_cert_reqs", 0) and not ca_certs:
+    if cert_reqs and not ca_certs:
         raise ConfigError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs, the CAs that client "
                           "certificates are checked against")
     if cert:
