@@ -356,7 +356,7 @@ class EngineArgs:
             raise ConfigError("--speculative-config does not combine with --enable-lora yet")
         device = self._resolve_device()
         check_device_count(parallel_config, device)
-        model_config = self._create_model_config(device)
+        model_config = create_model_config(self, device)
         check_parallel_layout(model_config, parallel_config)
         check_parallel_features(
             parallel_config,
@@ -451,6 +451,3 @@ class EngineArgs:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA device is available")
         return self.device
-
-    def _create_model_config(self, device: str) -> ModelConfig:
-        return create_model_config(self, device)
