@@ -5,10 +5,14 @@ tensor-core path and (from 64 rows) the dequantize-then-cuBLAS path of
 checked against the dequantized product.
 
 usage: int4_kernel_bench.py [--ms 1,2,4,16,256,1024,4096] [--group 128] [--sweep]
+                           [--tc-sweep]
 
 --sweep also times the GEMV kernel under other tiles (BLOCK_N, packed words per K step,
 programs per SM, warps) at M = 1 and 4 and prints the
-fastest per (shape, M) as an ``INT4BEST`` line.
+fastest per (shape, M) as an ``INT4BEST`` line. --tc-sweep times the tensor-core kernel from
+M = 2 under other tiles, each with the weights read as ``OFFSET + q`` and dequantized in
+float32 (``OFFSET`` 1 / 0), and prints the fastest per (shape, M), the dequantize-then-cuBLAS
+path included, as an ``INT4TCBEST`` line.
 
 Prints one ``INT4`` line per (shape, M, path): microseconds per product (CUDA-graph replays,
 median) and the weight bytes read per microsecond (GB/s: packed words, scales and zeros).
@@ -58,11 +62,36 @@ def sweep_configs(m: int, n: int, k: int, g: int, sms: int) -> dict[str, dict]:
     return out
 
 
+# Tensor-core tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); the decode ones up to 32 rows.
+TC_DECODE_TILES = [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (32, 64, 128, 4, 3),
+                   (32, 128, 64, 4, 3)]
+TC_TILES = [(64, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 128, 64, 8, 3),
+            (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3),
+            (128, 64, 128, 4, 3), (128, 128, 64, 4, 4)]
+
+
+def tc_sweep_configs(m: int, n: int, k: int, g: int, sms: int) -> dict[str, dict]:
+    """Tensor-core tile variants, K split until the grid covers the SMs once (at least four K
+    steps per split), each with OFFSET 1 and 0."""
+    out = {}
+    for bm, bn, bk, warps, stages in TC_DECODE_TILES if m <= 32 else TC_TILES:
+        if g % bk:
+            continue
+        tiles = -(-m // bm) * -(-n // bn)
+        split = max(1, min(-(-sms // tiles), -(-k // (4 * bk))))
+        for offset in (1, 0):
+            out[f"tc_m{bm}_n{bn}_k{bk}_w{warps}_s{stages}_o{offset}"] = dict(
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
+                num_stages=stages, OFFSET=offset)  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,2,4,16,256,1024,4096")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--tc-sweep", action="store_true")
     a = ap.parse_args()
     dev = torch.device("cuda")
     sms = num_sms(dev)
@@ -87,13 +116,15 @@ def main() -> None:
                 paths["dequant_cublas"] = {"DEQUANT": 1}
             if gemv and a.sweep and m in (1, 4):
                 paths.update(sweep_configs(m, n, k, g, sms))
+            if a.tc_sweep and m > 1:
+                paths.update(tc_sweep_configs(m, n, k, g, sms))
             timed = {}
             for path, cfg in paths.items():
                 y = k4.int4_linear(x, qw, scales, zeros, g, cfg)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 us = time_us(partial(k4.int4_linear, x, qw, scales, zeros, g, cfg))
                 timed[path] = (us, cfg)
-                if path.startswith("sweep") and err > 2e-2:
+                if path.startswith(("sweep", "tc_")) and err > 2e-2:
                     print(f"INT4 {name} m={m} path={path} WRONG rel_err={err:.2e}", flush=True)
                     continue
                 print(f"INT4 {name} m={m} path={path} us={us:.1f} GB/s={nbytes / us / 1e3:.0f} "
@@ -102,6 +133,10 @@ def main() -> None:
                 best = min(timed.items(), key=lambda kv: kv[1][0])
                 print(f"INT4BEST {name} m={m} {best[0]} us={best[1][0]:.1f} cfg={best[1][1]}",
                       flush=True)
+            if a.tc_sweep and m > 1:
+                best = min(timed.items(), key=lambda kv: kv[1][0])
+                print(f"INT4TCBEST {name} m={m} {best[0]} us={best[1][0]:.1f} "
+                      f"default={timed['tensor_core'][0]:.1f} cfg={best[1][1]}", flush=True)
             us = time_us(partial(torch.matmul, x, w_bf16.t()))
             print(f"INT4 {name} m={m} path=cublas_bf16 us={us:.1f} "
                   f"GB/s={w_bf16.numel() * 2 / us / 1e3:.0f}", flush=True)

@@ -9,7 +9,7 @@ import torch
 
 from tests.kernels.gguf_cases import random_blocks
 from tokenmill.kernels.gemm.gguf import gguf_linear
-from tokenmill.kernels.gemm.int4 import gemv_config, int4_linear
+from tokenmill.kernels.gemm.int4 import gemv_config, int4_linear, launch_config
 from tokenmill.kernels.quant.gguf_blocks import BLOCK_TYPES, dequantize
 from tokenmill.kernels.quant.int4_pack import pack_k
 
@@ -41,6 +41,30 @@ def test_int4_kernel_llama_shapes(m, n, k):
     ).repeat_interleave(group, 0)
     x = torch.randn(m, k, **kw).to(torch.bfloat16)
     y = int4_linear(x, pack_k(q), scales, zeros, group)
+    _check(y, x.float() @ w_t)
+
+
+@pytest.mark.parametrize("offset", [1, 0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("m", [8, 96])
+def test_int4_tensor_core_offset(m, group, dtype, offset):
+    """The tensor-core kernel with the 4-bit values read as ``OFFSET + q`` (offset=1, the
+    default) and with each weight dequantized in float32 (offset=0), in both 16-bit dtypes,
+    at a decode and a prompt-sized batch (down projection's shape: K split)."""
+    n, k = 4096, 14336
+    gen = torch.Generator(device="cuda").manual_seed(m + group)
+    kw = dict(device="cuda", generator=gen)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, **kw)
+    scales = (torch.rand(k // group, n, **kw) * 0.01).to(dtype)
+    zeros = torch.randint(0, 16, (k // group, n), dtype=torch.uint8, **kw)
+    w_t = (q.float().t() - zeros.float().repeat_interleave(group, 0)) * scales.float(
+    ).repeat_interleave(group, 0)
+    x = torch.randn(m, k, **kw).to(dtype)
+    cfg = dict(launch_config(m, n, k, dtype, torch.cuda.get_device_properties(0)
+                             .multi_processor_count), OFFSET=offset)
+    y = int4_linear(x, pack_k(q), scales, zeros, group, cfg)
+    assert y.dtype == dtype
     _check(y, x.float() @ w_t)
 
 

@@ -40,6 +40,30 @@ def test_int4_kernel(m, n, k, split, group, block_k):
     torch.testing.assert_close(y, x @ w_t, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("offset", [1, 0])
+@pytest.mark.parametrize("m, n, k, split", [(20, 48, 256, 1), (5, 40, 320, 2)])
+def test_int4_kernel_float16_offset(m, n, k, split, offset):
+    """float16 activations: the tensor-core kernel's tiles read the 4-bit values as
+    ``1024 + q`` and apply offset, zero and scale to the tile's product (``offset=1``), or
+    dequantize each weight (``offset=0``); both equal the float32 product of the dequantized
+    weight within float16's rounding; with masked rows (m = 5, 20 in 16-row tiles),
+    masked columns (n = 40) and K split into three tiles and two (k = 320)."""
+    group = 64
+    gen = torch.Generator().manual_seed(m + offset)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(k // group, n, generator=gen) * 0.1).half()
+    zeros = torch.randint(0, 16, (k // group, n), dtype=torch.uint8, generator=gen)
+    w_t = (q.float().t() - zeros.float().repeat_interleave(group, 0)) * scales.float(
+    ).repeat_interleave(group, 0)
+    x = torch.randn(m, k, generator=gen).half()
+    cfg = dict(_config(split, 64), BLOCK_N=16, OFFSET=offset)
+    y = int4_gemm.int4_linear(x, pack_k(q), scales, zeros, group, cfg)
+    assert y.dtype == torch.float16
+    ref = x.float() @ w_t
+    # float16 rounds the output (and, with offset=0, each weight) at 2^-11 relative
+    assert (y.float() - ref).abs().max() <= 2e-3 * ref.abs().max()
+
+
 @pytest.mark.parametrize("m, split", [(1, 3), (3, 1)])
 @pytest.mark.parametrize("group", [32, 64, 128, 256])
 def test_int4_gemv_kernel(m, split, group):

@@ -7,8 +7,11 @@ zeros[k // G, n]) * scales[k // G, n]`` (the AWQ/GPTQ dequantization).
 
 Each program computes a ``[BLOCK_M, BLOCK_N]`` output tile over a range of K: it loads the
 packed words of its ``[BLOCK_K, BLOCK_N]`` weight tile (each word serves eight rows), shifts
-and masks out the values, applies the group's scale and zero in float32 and feeds
-``tl.dot``. Three launch shapes:
+and masks out the values and feeds ``tl.dot``. Where a tile lies in one group and the
+activations are 16-bit, the values become floats without a conversion instruction (OR-ed into
+the mantissa of a power of two, ``OFFSET_FLOATS``) and the group's offset, zero and scale are
+applied to the tile's product; otherwise each weight is dequantized in float32. Three launch
+shapes:
 
 - one row (``M <= GEMV_MAX_M``, batch-1 decode): a GEMV without
   tensor cores. Each program unpacks its ``[BLOCK_K, BLOCK_N]`` tile once for all rows and
@@ -17,7 +20,7 @@ and masks out the values, applies the group's scale and zero in float32 and feed
   and Marlin's decode kernels); split-K spreads the weight reads over every SM;
 - decode (``M <= DECODE_MAX_M``): 16-row tiles and split-K (partial sums added with float32
   atomics);
-- prefill: 64 x 128 tiles, no split;
+- prefill: 64 x 128 tiles, K split where the output has few tiles;
 - from ``DEQUANT_MIN_M`` rows: the weight dequantized once (``int4_dequantize``) and the
   product left to cuBLAS.
 """
@@ -45,6 +48,9 @@ DECODE_MAX_M = 32
 # kernel whose tiles each unpack it again (H100, Llama-3.1-8B's four products at 256 rows:
 # 0.53-0.71 of the in-loop kernel's time; at 1,024 rows 0.35-0.39; int4_kernel_bench.py).
 DEQUANT_MIN_M = 256
+# A 4-bit value q OR-ed into these bits of a 16-bit float reads as OFFSET + q exactly (the
+# exponent of OFFSET, whose last mantissa bit is worth 1): bfloat16 128 + q, float16 1024 + q.
+OFFSET_FLOATS = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
 if HAS_TRITON:
@@ -59,6 +65,8 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        OFFSET_BITS: tl.constexpr,
+        OFFSET: tl.constexpr,
     ):
         pid_mn = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -88,7 +96,20 @@ if HAS_TRITON:
                 g = offs_n.to(tl.int64) + (k0 // GROUP) * N
                 s = tl.load(s_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + g, mask=n_mask, other=0).to(tl.float32)
-                w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
+                if OFFSET_BITS != 0:
+                    # (q | OFFSET_BITS) read as x's 16-bit float is exactly OFFSET + q (the
+                    # exponent of OFFSET, q in the low mantissa bits), so no weight goes
+                    # through an int-to-float conversion (a quarter-rate instruction); the
+                    # offset, zero point and scale are applied to the tile's product:
+                    # s * (x . (OFFSET + q) - (OFFSET + z) * sum_k x). Rows past k_end have
+                    # x = 0 and add nothing to either term.
+                    w = (q | OFFSET_BITS).to(tl.int16).to(x.dtype, bitcast=True)
+                    part = tl.dot(x, w, input_precision=DOT_PRECISION)
+                    x_sum = tl.sum(x.to(tl.float32), axis=1)
+                    acc += (part - x_sum[:, None] * (z + OFFSET)[None, :]) * s[None, :]
+                else:
+                    w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
+                    acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
             else:
                 w_mask = k_mask[:, None] & n_mask[None, :]
                 words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N
@@ -98,7 +119,7 @@ if HAS_TRITON:
                 s = tl.load(s_ptr + g, mask=w_mask, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + g, mask=w_mask, other=0).to(tl.float32)
                 w = ((q.to(tl.float32) - z) * s).to(x.dtype)
-            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+                acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
         if ATOMIC:
@@ -191,7 +212,11 @@ def launch_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> d
         split = max(1, min(cdiv(2 * num_sms, tiles), cdiv(k, block_k)))
         return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
                     num_warps=4, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
+    # Products with few output tiles (Llama-8B's down projection: 32 column tiles) split K
+    # until the grid covers the SMs once, keeping at least four K steps per split.
+    tiles = cdiv(m, 64) * cdiv(n, 128)
+    split = max(1, min(cdiv(num_sms, tiles), cdiv(k, 4 * 64)))
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=split, num_warps=8, num_stages=3)
 
 
 def gemv_config(m: int, n: int, k: int, group: int, num_sms: int) -> dict[str, int] | None:
@@ -248,7 +273,8 @@ def int4_linear(
         qweight: ``[K/8, N]`` int32. scales: ``[K/G, N]``. zeros: ``[K/G, N]`` uint8.
         group: ``G``, input channels per group (a multiple of ``BLOCK_K`` or of 8 dividing it).
         config: tiles: ``gemv_config``'s keys for the GEMV kernel, ``launch_config``'s for
-            the tensor-core one, ``{"DEQUANT": 1}`` for ``int4_dequantize`` and cuBLAS;
+            the tensor-core one (and ``"OFFSET": 0`` to dequantize each weight in float32
+            instead of ``OFFSET_FLOATS``), ``{"DEQUANT": 1}`` for ``int4_dequantize`` and cuBLAS;
             chosen if None: the GEMV for up to ``GEMV_MAX_M`` rows in float16/bfloat16, the
             dequantized weight from ``DEQUANT_MIN_M`` rows.
 
@@ -290,6 +316,9 @@ def int4_linear(
         )
         return out.to(x.dtype) if atomic else out
     grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
+    offset_bits, offset = OFFSET_FLOATS.get(x.dtype, (0, 0.0))
+    if not cfg.get("OFFSET", 1):
+        offset_bits, offset = 0, 0.0
     _int4_gemm_kernel[grid](
         x, qweight, scales, zeros, out,
         m, n, k, x.stride(0), out.stride(0), k_per_split,
@@ -297,6 +326,7 @@ def int4_linear(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         ATOMIC=atomic,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        OFFSET_BITS=offset_bits, OFFSET=offset,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out.to(x.dtype) if atomic else out
