@@ -4,7 +4,7 @@
         [--rank 16]
 
 For each layer product (q/k/v, output, gate/up, down) and row count: the time of one
-``lora_triton`` call (shrink, chunk sum, expand) with ``--adapters`` adapters of ``--rank``
+``lora_triton`` call (shrink; expand adding the chunks) with ``--adapters`` adapters of ``--rank``
 per part spread over the rows at random (one adapter for every row at 1,024: a prompt),
 beside the base bf16 product ``x @ W^T`` of the same shape (cuBLAS), and the same LoRA call
 with the shrink in one K chunk and the expand over every rank (``unsplit``). Each figure is

@@ -12,10 +12,10 @@ A program owns a tile of ``BLOCK_M`` rows and loops over the distinct slots in i
 the rows of one request's prompt; a few for a tile of decode rows), each a tensor-core
 product masked to that slot's rows. Tiles of rows without adapters do no work. The shrink
 splits K into chunks (split-K) so that a decode batch, one or two row tiles, still spreads
-over the GPU; the chunks' partial sums are added in a fixed order (deterministic). The
-expand of a merged layer (q/k/v, gate/up) reads, per column tile, only the rank block of
-the part that owns those columns. The slot ids are read on the device, so CUDA graphs
-replay the launch for any mix of adapters.
+over the GPU; the expand adds the chunks' partial sums in a fixed order (deterministic), so
+a product is two launches. The expand of a merged layer (q/k/v, gate/up) reads, per column
+tile, only the rank block of the part that owns those columns. The slot ids are read on the
+device, so CUDA graphs replay the launches for any mix of adapters.
 
 ``lora_torch`` is the CPU path: every slot's shrink in one GEMM, the rows' own blocks kept by
 a one-hot mask, one expand GEMM (no per-request loop). ``lora_reference`` is the per-row
@@ -86,8 +86,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _expand_kernel(
-        t_ptr, b_ptr, slot_ptr, y_ptr, T, N, R, PART_R, START1, START2,
-        st, sb0, sb1, sy,
+        t_ptr, b_ptr, slot_ptr, y_ptr, T, N, R, PART_R, START1, START2, CHUNKS,
+        st_split, st, sb0, sb1, sy,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         IEEE: tl.constexpr,
     ):  # fmt: skip
@@ -111,11 +111,14 @@ if HAS_TRITON:
                 if tl.sum(mine.to(tl.int32)) > 0:
                     for r0 in range(r_lo, r_hi, BLOCK_R):
                         ranks = r0 + tl.arange(0, BLOCK_R)
-                        tt = tl.load(
-                            t_ptr + rows64[:, None] * st + ranks[None, :],
-                            mask=mine[:, None] & (ranks[None, :] < r_hi),
-                            other=0.0,
-                        )
+                        # the shrink's K chunks, added in chunk order (deterministic)
+                        tt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                        for c in range(0, CHUNKS):
+                            tt += tl.load(
+                                t_ptr + c * st_split + rows64[:, None] * st + ranks[None, :],
+                                mask=mine[:, None] & (ranks[None, :] < r_hi),
+                                other=0.0,
+                            )
                         bt = tl.load(
                             b_ptr + s * sb0 + ranks[:, None] * sb1 + cols[None, :],
                             mask=(ranks[:, None] < r_hi) & (cols[None, :] < N),
@@ -181,7 +184,7 @@ def lora_triton(
     """
     if x.shape[0] == 0:
         return
-    lora_expand_triton(y, lora_shrink_triton(x, a, slots), b, slots, part_starts)
+    _expand(y, _shrink_chunks(x, a, slots), b, slots, part_starts)
 
 
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -195,6 +198,14 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) ->
     Returns:
         ``t [T, R]`` float32, contiguous.
     """
+    t = _shrink_chunks(x, a, slots)
+    return t[0] if t.shape[0] == 1 else t.sum(0)
+
+
+def _shrink_chunks(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The shrink's partial products by K chunk (``shrink_split``): ``[C, T, R]`` float32,
+    summed by ``lora_shrink_triton`` or inside the expand (``lora_triton``: no launch of its
+    own for the sum)."""
     num_rows, k = x.shape
     rank = a.shape[1]
     block_m, block_r = _block_m(num_rows), _rank_tile(rank)
@@ -202,14 +213,14 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) ->
     chunks, chunk = shrink_split(row_tiles * rank_tiles, k, num_sms(x.device))
     t = torch.empty(chunks, num_rows, rank, dtype=torch.float32, device=x.device)
     if num_rows == 0:
-        return t[0]
+        return t
     _shrink_kernel[(row_tiles, rank_tiles, chunks)](
         x, a, slots, t, num_rows, k, rank, chunk,
         x.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=SHRINK_BLOCK_K,
         IEEE=x.dtype == torch.float32,
     )  # fmt: skip
-    return t[0] if chunks == 1 else t.sum(0)
+    return t
 
 
 def lora_expand_triton(
@@ -228,7 +239,18 @@ def lora_expand_triton(
         slots: ``[T]`` int32.
         part_starts: as ``lora_triton``'s.
     """
-    num_rows, rank, n = t.shape[0], b.shape[1], b.shape[2]
+    _expand(y, t[None], b, slots, part_starts)
+
+
+def _expand(
+    y: torch.Tensor,
+    t: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    part_starts: tuple[int, ...],
+) -> None:
+    """``lora_expand_triton`` of ``t [C, T, R]``, the sum of ``C`` chunk planes."""
+    num_rows, rank, n = t.shape[1], b.shape[1], b.shape[2]
     if num_rows == 0:
         return
     part_rank, starts = rank, (n, n)
@@ -237,8 +259,8 @@ def lora_expand_triton(
         starts = (tuple(part_starts) + (n,))[:2]
     block_m = _block_m(num_rows)
     _expand_kernel[(cdiv(num_rows, block_m), cdiv(n, EXPAND_BLOCK_N))](
-        t, b, slots, y, num_rows, n, rank, part_rank, starts[0], starts[1],
-        t.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        t, b, slots, y, num_rows, n, rank, part_rank, starts[0], starts[1], t.shape[0],
+        t.stride(0), t.stride(1), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=_rank_tile(part_rank),
         IEEE=b.dtype == torch.float32,
     )  # fmt: skip
