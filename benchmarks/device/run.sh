@@ -146,6 +146,14 @@ say() { echo "$*" | tee -a "$SUM"; }
 # per call, each copied out of the checkout first); skipped once this machine has unpacked one
 source .carry/peer-vllm/tools/device_setup.sh "${PV_PARTS:-.carry/peer-vllm/parts}" > "$LOGS/setup.log" 2>&1
 cat "$LOGS/setup.log" >> "$SUM"
+# Without the bundle (a call carrying only part of it, or none: tokenmill-only stages), M8 is
+# the folder in .carry/m8 and tokenmill's server dependencies come from the wheels in
+# .carry/tmdeps (fastapi, uvicorn, pydantic, pyzmq, msgspec; the device image lacks them).
+if [ -z "${M8:-}" ] && [ -f .carry/m8/config.json ]; then export M8="$PWD/.carry/m8"; fi
+if ! python3 -c "import fastapi, msgspec, zmq" 2>/dev/null && ls .carry/tmdeps/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/tmdeps .carry/tmdeps/*.whl >> "$LOGS/setup.log" 2>&1 \
+    && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/tmdeps"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # tokenmill's pinned xgrammar and its apache-tvm-ffi (the bundle carries vLLM's older ones),
 # for tokenmill's tests only.
