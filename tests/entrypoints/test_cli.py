@@ -3,6 +3,7 @@ start-up errors in one line with a non-zero exit code."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from tests.entrypoints.conftest import SERVE_COMMAND
 from tokenmill.config import ConfigError
 from tokenmill.engine_args import EngineArgs
-from tokenmill.entrypoints.cli.main import build_parser, main
+from tokenmill.entrypoints.cli.config_file import expand_config_file
+from tokenmill.entrypoints.cli.main import build_parser, main, parse_args
 from tokenmill.entrypoints.cli.serve import HUB_FLAGS, UNIMPLEMENTED_FLAGS
 from tokenmill.version import __version__
 
@@ -229,3 +231,73 @@ def test_flag_ranges_are_checked_before_the_model_is_read(kwargs, words):
     # A missing model would be reported first if the model were read first.
     with pytest.raises(ConfigError, match=words):
         EngineArgs(model="/no/such/model", **kwargs).create_engine_config("server")
+
+
+CONFIG_YAML = """\
+model: /models/from-file
+port: 9000
+tensor_parallel_size: 1
+enable-prefix-caching: false
+enforce-eager: true
+max-num-seqs: 8
+lora-modules: [sql=/adapters/sql, chat=/adapters/chat]
+speculative-config: {method: ngram, num_speculative_tokens: 4}
+"""
+
+
+def _parsed(argv: list[str]):
+    parser = build_parser()
+    return parse_args(parser, expand_config_file(parser, argv))
+
+
+def test_config_file_flags_and_command_line_precedence(tmp_path):
+    """``--config FILE.yaml`` as vllm's: keys are flags (underscores read as dashes), true a
+    bare flag, false the --no- form, lists and mappings as the flag's values; a flag on the
+    command line wins over the file's, and a positional model over the file's model."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(CONFIG_YAML)
+    args = _parsed(["serve", "--config", str(path), "--port", "9100"])
+    assert (args.model, args.port, args.tensor_parallel_size) == ("/models/from-file", 9100, 1)
+    assert args.enable_prefix_caching is False and args.enforce_eager is True
+    assert args.max_num_seqs == 8
+    assert args.lora_modules == ["sql=/adapters/sql", "chat=/adapters/chat"]
+    assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 4}
+    args = _parsed(["serve", "/models/cli", f"--config={path}"])
+    assert (args.model_tag, args.model, args.port) == ("/models/cli", None, 9000)
+
+
+@pytest.mark.parametrize(
+    "text, name, words",
+    [
+        ("port: [1", "bad.yaml", "not valid YAML"),
+        ("- port\n- 1\n", "list.yaml", "expected a mapping"),
+        ("port:\n", "null.yaml", "port has no value"),
+        ("port: 1\n", "flags.json", "must be YAML"),
+        (None, "missing.yaml", "No such file"),
+    ],
+)
+def test_bad_config_files_fail_in_one_line(capsys, tmp_path, text, name, words):
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    code, out, err = run_main(capsys, ["serve", "--config", str(path)])
+    assert code == 2 and out == ""
+    assert err.startswith(f"tokenmill: error: --config {path}: ") and words in err
+    assert err.count("\n") == 1
+
+
+def test_config_flag_given_twice_or_without_a_file(capsys, tmp_path):
+    path = tmp_path / "a.yaml"
+    path.write_text("port: 1\n")
+    assert run_main(capsys, ["serve", "--config", str(path), "--config", str(path)])[:2] == (
+        2, "")  # fmt: skip
+    code, _, err = run_main(capsys, ["serve", "--config"])
+    assert code == 2 and "--config needs a YAML file" in err
+
+
+def test_config_file_flags_reach_bench_commands(tmp_path):
+    """The file's flags go after a nested command's name (``bench throughput``)."""
+    path = tmp_path / "bench.yaml"
+    path.write_text("num-prompts: 7\ninput-len: 16\n")
+    args = _parsed(["bench", "throughput", "--config", str(path), "--input-len", "32"])
+    assert (args.num_prompts, args.random_input_len) == (7, 32)

@@ -1,4 +1,5 @@
-"""The ``tokenmill`` command: ``serve``, ``router``, ``bench``, ``version``; ``--version``.
+"""The ``tokenmill`` command: ``serve``, ``router``, ``bench``, ``version``; ``--version``;
+``--config FILE.yaml`` reads a command's flags from a file (``config_file``).
 
 Errors in the command line are reported in one line (no usage dump, no traceback) with
 exit code 2, as a script calling the command can show them as they are.
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from tokenmill.entrypoints.cli.config_file import ConfigFileError, expand_config_file
 from tokenmill.version import __version__
 
 
@@ -79,6 +81,12 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tokenmill`` command; returns the exit code."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        argv = expand_config_file(parser, argv)
+    except ConfigFileError as e:
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        return 2
     args = parse_args(parser, argv)
     dispatch = getattr(args, "dispatch", None)
     if dispatch is None:

@@ -255,6 +255,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="Model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).",
     )
     parser.add_argument("--model", dest="model", default=None, help="Same as MODEL.")
+    parser.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        help="Flags read from a YAML file of flag names and values (as vllm serve --config); "
+        "flags on the command line win over the file's.",
+    )
     add_server_args(parser)
     add_observability_args(parser)
     AgentArgs.add_cli_args(parser)
