@@ -276,6 +276,11 @@ class EngineArgs:
         "without it image URLs are refused and images come as base64 data URLs.",
         nargs="+",
     )
+    allowed_local_media_path: str | None = _flag(
+        "A folder whose image files requests may name as file:///path URLs (each at most 20 "
+        "MB; links are resolved, so none leads out of it). Any client of the server can then "
+        "read the images in it: only for trusted clients. Without it file URLs are refused."
+    )
     enable_sleep_mode: bool = _flag(
         "Let the engine sleep (POST /sleep, LLM.sleep): level 1 frees the weights (kept in "
         "host memory) and the KV cache, level 2 drops the weights too; /wake_up brings them "

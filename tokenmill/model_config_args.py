@@ -154,7 +154,7 @@ def _multimodal_config(args: Any, hf_config: Any, model: str) -> Any:
         return build_multimodal_config(
             hf_config, model, is_multimodal_model(hf_config.architectures[0]),
             args.limit_mm_per_prompt, args.allowed_media_domains,
-            args.mm_processor_kwargs,
+            args.mm_processor_kwargs, args.allowed_local_media_path,
         )  # fmt: skip
     except MultiModalConfigError as e:
         raise ConfigError(str(e)) from None

@@ -48,19 +48,27 @@ def vl_server(vl_model):
     )  # fmt: skip
 
 
-def test_openai_sdk_base64_image_gets_llm_chat_text(vl_server, vl_model):
+def test_openai_sdk_base64_image_gets_llm_chat_text(vl_server, vl_model, tmp_path):
+    """The SDK's base64 image and LLM.chat agree; LLM.chat reads the same image from a file
+    URL under allowed_local_media_path alike."""
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.sampling_params import SamplingParams
 
-    messages = image_message(png_data_url(0), text="Describe it.")
+    url = png_data_url(0)
+    messages = image_message(url, text="Describe it.")
     reply = vl_server.openai().chat.completions.create(
         model=vl_model.rstrip("/").split("/")[-1], messages=messages, max_tokens=12,
         temperature=0,
     )  # fmt: skip
-    llm = LLM(model=vl_model, dtype="float32", device="cpu", max_model_len=1024)
-    out = llm.chat(messages, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+    llm = LLM(model=vl_model, dtype="float32", device="cpu", max_model_len=1024,
+              allowed_local_media_path=str(tmp_path))  # fmt: skip
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    out = llm.chat(messages, greedy, use_tqdm=False)[0]
     assert reply.choices[0].message.content == out.outputs[0].text
     assert reply.usage.prompt_tokens == len(out.prompt_token_ids)
+    (tmp_path / "image.png").write_bytes(base64.b64decode(url.split(",", 1)[1]))
+    from_file = image_message((tmp_path / "image.png").as_uri(), text="Describe it.")
+    assert llm.chat(from_file, greedy, use_tqdm=False)[0].outputs[0].text == out.outputs[0].text
 
 
 def test_a_repeated_image_shows_in_the_encoder_and_prefix_cache_metrics(vl_server):
@@ -98,7 +106,9 @@ def test_a_repeated_image_shows_in_the_encoder_and_prefix_cache_metrics(vl_serve
         (["data:image/png;base64,%%%"], "messages.0.content.0.image_url", "base64"),
         (["https://example.com/cat.png"], "messages.0.content.0.image_url",
          "--allowed-media-domains"),
-        (["file:///etc/passwd"], "messages.0.content.0.image_url", "scheme"),
+        (["file:///etc/passwd"], "messages.0.content.0.image_url",
+         "--allowed-local-media-path"),
+        (["ftp://example.com/cat.png"], "messages.0.content.0.image_url", "scheme"),
         ([png_data_url(0, 8000, 6000, mode="1")], "messages.0.content.0.image_url", "pixels"),
         ([png_data_url(2)] * 3, "messages", "at most 2 image"),
         # counted before any is loaded: the refused host is not the error

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -203,6 +204,42 @@ def test_mm_processor_kwargs_reach_the_image_processor_and_bad_ones_are_refused(
 
     text_only = HFConfig({"architectures": ["LlamaForCausalLM"]})
     assert build_multimodal_config(text_only, qwen_path, False, None, None, None) is None
+    mm = build_multimodal_config(config, qwen_path, True, None, None, None, qwen_path + "/.")
+    assert mm.allowed_local_media_path == os.path.realpath(qwen_path)
+    with pytest.raises(MultiModalConfigError, match="--allowed-local-media-path .*: not a folder"):
+        build_multimodal_config(config, qwen_path, True, None, None, None, qwen_path + "/none")
     for limit, kwargs in [('{"image": 1}', None), (None, {"max_pixels": 3136})]:
         with pytest.raises(MultiModalConfigError, match="does not take images"):
             build_multimodal_config(text_only, qwen_path, False, limit, None, kwargs)
+
+
+def test_file_urls_are_read_only_under_the_allowed_folder(tmp_path, monkeypatch):
+    """file: URLs (vLLM's --allowed-local-media-path): refused without a folder; read from
+    under it; a path or a symbolic link leading out of it, a missing file, a file URL with a
+    host and an oversized file are refused with the reason."""
+    root = tmp_path / "media"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "a b.png").write_bytes(encoded("PNG"))
+    outside = tmp_path / "secret.png"
+    outside.write_bytes(encoded("PNG"))
+    (root / "link.png").symlink_to(outside)
+    local = str(root.resolve())
+    url = (root / "sub" / "a b.png").as_uri()  # file:///.../a%20b.png
+    with pytest.raises(MediaError, match="--allowed-local-media-path"):
+        load_image_url(url)
+    assert load_image_url(url, (), local).size == (32, 24)
+    assert load_image_url("file://localhost" + url[len("file://"):], (), local).size == (32, 24)
+    for bad, words in [
+        (outside.as_uri(), "not under --allowed-local-media-path"),
+        (f"file://{root}/../secret.png", "not under --allowed-local-media-path"),
+        ((root / "link.png").as_uri(), "not under --allowed-local-media-path"),
+        ((root / "none.png").as_uri(), "cannot be read"),
+        ((root / "sub").as_uri(), "cannot be read"),
+        (f"file://example.com{root}/sub/x.png", "names a host"),
+    ]:
+        with pytest.raises(MediaError, match=words):
+            load_image_url(bad, (), local)
+    monkeypatch.setattr(media, "MAX_IMAGE_BYTES", 100)
+    (root / "big.png").write_bytes(encoded("PNG", (64, 64)))
+    with pytest.raises(MediaError, match="bytes"):
+        load_image_url((root / "big.png").as_uri(), (), local)

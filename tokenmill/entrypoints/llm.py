@@ -281,12 +281,13 @@ class LLM:
         engine = self._generation_engine()
         mm_config = engine.config.model_config.multimodal_config
         domains = mm_config.allowed_media_domains if mm_config else ()
+        local_root = mm_config.allowed_local_media_path if mm_config else None
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         template = load_chat_template(chat_template) if chat_template else None
         tokenizer = self.get_tokenizer()
         prompts: list[PromptInput] = []
         for conv in conversations:  # type: ignore[union-attr]
-            conv, images = split_chat_images(conv, domains)
+            conv, images = split_chat_images(conv, domains, local_root)
             # The rendered text rides along, so outputs carry it as ``prompt`` (as vLLM's).
             text = render_chat_template(tokenizer, conv, template, add_generation_prompt)
             ids = encode_prompt(tokenizer, text, add_special_tokens=False)

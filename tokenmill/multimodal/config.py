@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,8 +14,8 @@ DEFAULT_IMAGE_LIMIT = 999
 
 
 class MultiModalConfigError(ValueError):
-    """An invalid --limit-mm-per-prompt, --allowed-media-domains or --mm-processor-kwargs
-    value, or a vision encoder tokenmill does not run."""
+    """An invalid --limit-mm-per-prompt, --allowed-media-domains, --allowed-local-media-path
+    or --mm-processor-kwargs value, or a vision encoder tokenmill does not run."""
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,14 @@ class MultiModalConfig:
         allowed_media_domains: host names http(s) image URLs may point at; empty: URLs are
             refused (only ``data:`` URLs and in-memory images are served).
         processor_kwargs: keyword arguments of every image processor call.
+        allowed_local_media_path: the folder (resolved, absolute) ``file:`` image URLs may
+            read from; None: ``file:`` URLs are refused.
     """
 
     limit_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 999})
     allowed_media_domains: tuple[str, ...] = ()
     processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    allowed_local_media_path: str | None = None
 
 
 # Checkpoints with a vision encoder whose language model tokenmill serves alone (the vision
@@ -45,6 +49,7 @@ def build_multimodal_config(
     limit_mm_per_prompt: str | dict[str, Any] | None,
     allowed_media_domains: list[str] | None,
     mm_processor_kwargs: str | dict[str, Any] | None,
+    allowed_local_media_path: str | None = None,
 ) -> MultiModalConfig | None:
     """The image settings of the model in folder ``model`` from the image flags; None for
     a text-only model (``takes_images``: tokenmill runs the model's vision encoder).
@@ -52,8 +57,16 @@ def build_multimodal_config(
     Raises:
         MultiModalConfigError: a checkpoint with a vision encoder tokenmill does not run (it
             is not served as text-only, unless in ``TEXT_ONLY_ARCHITECTURES``), image flags
-            for a text-only model, or a bad flag value (see the parsers).
+            for a text-only model, a local media path that is not a folder, or a bad flag
+            value (see the parsers).
     """
+    local_root = None
+    if allowed_local_media_path is not None:
+        local_root = os.path.realpath(allowed_local_media_path)
+        if not os.path.isdir(local_root):
+            raise MultiModalConfigError(
+                f"--allowed-local-media-path {allowed_local_media_path}: not a folder"
+            )
     arch = hf_config.architectures[0]
     if not takes_images:
         if hf_config.get("vision_config") is not None and arch not in TEXT_ONLY_ARCHITECTURES:
@@ -72,7 +85,7 @@ def build_multimodal_config(
     kwargs = parse_mm_processor_kwargs(mm_processor_kwargs)
     if kwargs:
         check_processor_kwargs(model, kwargs)
-    return MultiModalConfig(limits, domains, kwargs)
+    return MultiModalConfig(limits, domains, kwargs, local_root)
 
 
 def parse_mm_processor_kwargs(value: str | dict[str, Any] | None) -> dict[str, Any]:

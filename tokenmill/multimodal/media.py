@@ -1,5 +1,6 @@
-"""Loading the images of a request: ``data:`` URLs, http(s) URLs on allowed hosts, and
-PIL images, each bounded in bytes, pixels and (for URLs) fetch time.
+"""Loading the images of a request: ``data:`` URLs, http(s) URLs on allowed hosts, ``file:``
+URLs under an allowed folder, and PIL images, each bounded in bytes, pixels and (for http(s)
+URLs) fetch time.
 
 Formats: PNG, JPEG and WebP (decoded by Pillow). Anything else, a corrupt file or an image
 past a bound is a ``MediaError`` whose message says which.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import os
 import time
 import urllib.error
 import urllib.parse
@@ -148,11 +150,46 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None  # a 3xx then fails as an HTTPError
 
 
-def load_image_url(url: str, allowed_domains: tuple[str, ...] = ()) -> Any:
-    """An ``image_url`` content part's URL -> an RGB image (``data:`` or http(s)).
+def read_local_image(url: str, local_root: str | None) -> Any:
+    """A ``file:`` URL's image, read only from under ``local_root`` (a resolved directory).
+
+    Symbolic links are resolved before the check, so a link cannot lead out of the folder.
 
     Raises:
-        MediaError: another scheme, or see ``decode_data_url`` / ``fetch_image``.
+        MediaError: local files not allowed (no ``--allowed-local-media-path``), a file
+            outside the folder, missing or unreadable, or see ``decode_image``.
+    """
+    if local_root is None:
+        raise MediaError(
+            "local image files are not read by this server: send the image as a base64 data "
+            "URL, or start the server with --allowed-local-media-path"
+        )
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise MediaError(f"a file URL names a host ({parsed.netloc!r}); file:///path expected")
+    path = os.path.realpath(urllib.parse.unquote(parsed.path))
+    if os.path.commonpath([path, local_root]) != local_root:
+        raise MediaError("the file is not under --allowed-local-media-path")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_IMAGE_BYTES + 1)
+    except OSError as e:
+        raise MediaError(f"the image file cannot be read: {e.strerror or e}") from None
+    return decode_image(data)
+
+
+def load_image_url(
+    url: str, allowed_domains: tuple[str, ...] = (), local_root: str | None = None
+) -> Any:
+    """An ``image_url`` content part's URL -> an RGB image (``data:``, http(s) or ``file:``).
+
+    Args:
+        allowed_domains: hosts http(s) URLs may name (``fetch_image``).
+        local_root: the folder ``file:`` URLs may read from (``read_local_image``).
+
+    Raises:
+        MediaError: another scheme, or see ``decode_data_url`` / ``fetch_image`` /
+            ``read_local_image``.
     """
     if not isinstance(url, str) or not url:
         raise MediaError("image_url.url must be a non-empty string")
@@ -161,11 +198,17 @@ def load_image_url(url: str, allowed_domains: tuple[str, ...] = ()) -> Any:
         return decode_data_url(url)
     if scheme in ("http", "https"):
         return fetch_image(url, allowed_domains)
-    raise MediaError(f"image URLs of scheme {scheme!r} are not supported (data:, http(s):)")
+    if scheme == "file":
+        return read_local_image(url, local_root)
+    raise MediaError(
+        f"image URLs of scheme {scheme!r} are not supported (data:, http(s):, file:)"
+    )
 
 
 def split_chat_images(
-    messages: list[dict[str, Any]], allowed_domains: tuple[str, ...] = ()
+    messages: list[dict[str, Any]],
+    allowed_domains: tuple[str, ...] = (),
+    local_root: str | None = None,
 ) -> tuple[list[dict[str, Any]], list[Any]]:
     """Replace the image parts of chat messages (``image_url`` with a URL, or vLLM's
     ``image_pil`` with a PIL image) by the template's ``{"type": "image"}`` parts.
@@ -188,7 +231,7 @@ def split_chat_images(
             if kind == "image_url":
                 url = part.get("image_url")
                 url = url.get("url") if isinstance(url, dict) else url
-                images.append(load_image_url(url, allowed_domains))
+                images.append(load_image_url(url, allowed_domains, local_root))
             elif kind == "image_pil":
                 images.append(check_image(part.get("image_pil")))
             else:

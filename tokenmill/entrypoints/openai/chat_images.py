@@ -51,8 +51,8 @@ def check_model_takes_images(engine: Any, messages: list[Any]) -> None:
 async def attach_images(
     engine: Any, prompt_ids: list[int], images: list[tuple[str, str]]
 ) -> tuple[list[int], list[MultiModalFeature]]:
-    """Load the images (data: or allowed http(s) URLs) and process them with the model's
-    processor, in a worker thread.
+    """Load the images (data:, allowed http(s) and file: URLs) and process them with the
+    model's processor, in a worker thread.
 
     Args:
         engine: the AsyncLLM (its input processor and model config).
@@ -86,7 +86,8 @@ async def attach_images(
         loaded = []
         for url, param in images:
             try:
-                loaded.append(load_image_url(url, mm_config.allowed_media_domains))
+                loaded.append(load_image_url(url, mm_config.allowed_media_domains,
+                                             mm_config.allowed_local_media_path))
             except MediaError as e:
                 raise bad_request(f"{param}: {e}", param) from None
         return processor.process_multimodal(prompt_ids, {"image": loaded}, "messages")
