@@ -239,6 +239,8 @@ class SchedulerConfig:
         prefill_pacing_mode: what ``prefill_pacing_tokens`` counts: ``step`` (all of a
             paced step's tokens, its decodes first) or ``prompt`` (the prompt tokens of a
             paced step, beside its decodes).
+        stream_interval: streamed (DELTA) outputs carry a request's tokens in chunks of at
+            least this many, but for its first output and its last (vLLM's).
     """
 
     max_num_batched_tokens: int
@@ -251,6 +253,7 @@ class SchedulerConfig:
     admission_headroom: bool = True
     prefill_pacing_tokens: int = 0
     prefill_pacing_mode: Literal["prompt", "step"] = "step"
+    stream_interval: int = 1
 
 
 DistributedExecutorBackend = Literal["uni", "mp", "ray"]

@@ -153,6 +153,12 @@ class EngineArgs:
     long_prefill_token_threshold: int = _flag(
         "If > 0, a prompt chunk takes at most this many tokens of a step.", default=0
     )
+    stream_interval: int = _flag(
+        "Streamed responses send a request's tokens in chunks of this many (the first token "
+        "and the last chunk at once): fewer, larger chunks cost the server less per token. "
+        "1 sends every step's tokens.",
+        default=1,
+    )
     prefill_pacing_tokens: int | None = _flag(
         "If > 0, while requests decode, steps compute at most this many tokens (see "
         "--prefill-pacing-mode) of the queued prompts, up to two steps' budget of them (the "

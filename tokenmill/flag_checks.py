@@ -69,7 +69,7 @@ def check_flag_values(args: Any) -> int | None:
         not n.strip() for n in ([names] if isinstance(names, str) else names)
     ):
         raise ConfigError("--served-model-name: a served model name cannot be empty")
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "stream_interval"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

@@ -54,6 +54,7 @@ def create_scheduler_config(
         async_scheduling=_async_scheduling(args, device, speculative),
         prefill_pacing_tokens=pacing_tokens,
         prefill_pacing_mode=args.prefill_pacing_mode or "step",  # type: ignore[arg-type]
+        stream_interval=args.stream_interval,
     )
 
 def _async_scheduling(args: Any, device: str, speculative: bool) -> bool:

@@ -94,6 +94,27 @@ def test_delta_concatenates_to_final_text(tok, inputs):
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
 
 
+@pytest.mark.parametrize("interval", [3, 100])
+def test_stream_interval_sends_chunks(tok, inputs, interval):
+    """--stream-interval: the first token at once, then chunks of ``interval`` tokens (their
+    text and logprobs with them), the rest with the finish; nothing lost or repeated."""
+    proc = OutputProcessor(tok, stream_interval=interval)
+    add(proc, inputs, "r", SamplingParams(output_kind=DELTA, logprobs=1))
+    ids = tok.encode(TEXT)  # 10 tokens
+    logprobs = [_lists([[(t, -0.5), (t + 1, -1.0)]], [1]) for t in ids]
+    outs = []
+    for i, token_id in enumerate(ids):
+        finish = FinishReason.LENGTH if i == len(ids) - 1 else None
+        outs += step(proc, "r", [token_id], finish, new_logprobs=logprobs[i]).request_outputs
+    sizes = [len(o.outputs[0].token_ids) for o in outs]
+    expected = [1, 3, 3, 3] if interval == 3 else [1, len(ids) - 1]
+    assert sizes == expected and sum(sizes) == len(ids)
+    assert [t for o in outs for t in o.outputs[0].token_ids] == ids
+    assert "".join(o.outputs[0].text for o in outs) == tok.decode(ids)
+    assert sum(len(o.outputs[0].logprobs) for o in outs) == len(ids)
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+
+
 def test_final_only(tok, inputs):
     proc = OutputProcessor(tok)
     add(proc, inputs, "r", SamplingParams(output_kind=FINAL_ONLY))

@@ -116,6 +116,12 @@ def test_several_served_names_resolve_to_one_model(tiny_model_dir):
     assert one.create_engine_config().model_config.served_model_names == ("solo",)
 
 
+def test_stream_interval_reaches_the_scheduler_config(tiny_model_dir):
+    args = build_parser().parse_args(["serve", tiny_model_dir, "--stream-interval", "8"])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config.scheduler_config.stream_interval == 8
+
+
 def test_kernel_config_reaches_the_engine_config(tiny_model_dir):
     from tokenmill.config import KernelConfig
 
@@ -225,6 +231,7 @@ def test_bench_throughput_checks_its_dataset_flags_before_the_engine(monkeypatch
         ({"served_model_name": "  "}, "a served model name cannot be empty"),
         ({"kernel_config": '{"skinny_gemm": "fast"}'}, "skinny_gemm must be one of"),
         ({"kernel_config": "{"}, "--kernel-config is not valid JSON"),
+        ({"stream_interval": 0}, "--stream-interval must be at least 1"),
     ],
 )
 def test_flag_ranges_are_checked_before_the_model_is_read(kwargs, words):

@@ -124,8 +124,9 @@ class AsyncLLM:
                 speculative=config.speculative_config is not None,
             )
             self.output_processor = OutputProcessor(
-                self.tokenizer, log_stats=bool(self.stat_loggers)
-            )
+                self.tokenizer, log_stats=bool(self.stat_loggers),
+                stream_interval=config.scheduler_config.stream_interval,
+            )  # fmt: skip
             self.async_tokenizer = AsyncTokenizer(self.tokenizer, max_model_len=mc.max_model_len)
         except BaseException:
             self._kill_engines()

@@ -71,7 +71,10 @@ class LLMEngine:
             config.parallel_config.pipeline_parallel_size,
             speculative=config.speculative_config is not None,
         )
-        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, log_stats=log_stats,
+            stream_interval=config.scheduler_config.stream_interval,
+        )  # fmt: skip
         self.last_iteration_stats: IterationStats | None = None
         self.last_scheduler_stats: SchedulerStats | None = None
         self.counters = EngineCounters()

@@ -174,6 +174,7 @@ class RequestState:
         self.max_tokens: int | None = params.max_tokens
         self.params_n: int | None = None  # the user's n, on a request's first state only
         self._sent_tokens = 0
+        self.stream_interval = 1
 
     @property
     def token_ids(self) -> list[int]:
@@ -187,7 +188,8 @@ class RequestState:
     ) -> CompletionOutput | None:
         """This step's CompletionOutput under the request's output kind, or None for none.
 
-        DELTA outputs carry the tokens, text and logprobs since the last output. A step
+        DELTA outputs carry the tokens, text and logprobs since the last output, at least
+        ``stream_interval`` tokens of them but in the first output and the last. A step
         that adds tokens but no text (text held back for a possible stop string, or an
         incomplete character) still emits an output, with empty text, as vLLM does: a
         stream's first chunk then marks the first token, whatever its text.
@@ -197,6 +199,13 @@ class RequestState:
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind == RequestOutputKind.DELTA
+        if (
+            delta
+            and not finished
+            and self._sent_tokens > 0
+            and len(self.token_ids) - self._sent_tokens < self.stream_interval
+        ):
+            return None  # the tokens (and their text) wait for a full chunk
         text = self.detokenizer.get_next_output_text(finished, delta)
         if delta:
             new_tokens = len(self.token_ids) > self._sent_tokens
@@ -239,11 +248,16 @@ class OutputProcessor:
     Args:
         tokenizer: the model's fast tokenizer.
         log_stats: collect IterationStats each step.
+        stream_interval: the smallest chunk of tokens a streamed output carries
+            (``SchedulerConfig.stream_interval``).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, log_stats: bool = True) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, log_stats: bool = True, stream_interval: int = 1
+    ) -> None:
         self.tokenizer = tokenizer
         self.log_stats = log_stats
+        self.stream_interval = stream_interval
         # Aborted requests' stats, reported with the next step's IterationStats.
         self._aborted_stats = IterationStats(iteration_timestamp=0.0) if log_stats else None
         self.request_states: dict[str, RequestState] = {}  # engine request id -> state
@@ -302,6 +316,7 @@ class OutputProcessor:
             )
             state.max_tokens = req.sampling_params.max_tokens
             state.params_n = params.n if index == 0 else None
+            state.stream_interval = self.stream_interval
             states.append(state)
             self.request_states[req.request_id] = state
         if parent is not None:
