@@ -282,6 +282,11 @@ class EngineArgs:
         "without it image URLs are refused and images come as base64 data URLs.",
         nargs="+",
     )
+    disable_sliding_window: bool = _flag(
+        "Models with sliding-window layers (Mistral, Gemma 2/3, gpt-oss, ...): every layer "
+        "attends to the whole context, and the context is capped to the window (as vLLM's).",
+        default=False,
+    )
     allowed_local_media_path: str | None = _flag(
         "A folder whose image files requests may name as file:///path URLs (each at most 20 "
         "MB; links are resolved, so none leads out of it). Any client of the server can then "

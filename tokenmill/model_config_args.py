@@ -71,6 +71,12 @@ def create_model_config(args: Any, device: str) -> ModelConfig:
             f"the config of {model} gives a context of {model_len} tokens "
             "(max_position_embeddings)"
         )
+    window = sliding_window(hf_config)
+    if args.disable_sliding_window and window:
+        # As vLLM's: every layer attends to the whole context, which is capped to the
+        # window, so the local layers see what they saw before.
+        hf_config.sliding_window = None
+        model_len = min(model_len, window)
     pooler_config = None
     if is_pooling_model(hf_config.architectures[0]):
         from tokenmill.model.layers.pooler import parse_pooler_config, resolve_pooler_config
@@ -90,9 +96,14 @@ def create_model_config(args: Any, device: str) -> ModelConfig:
         # the cache; start from the model's limit.
         max_model_len = model_len
     elif max_model_len > model_len:
+        source = (
+            "--disable-sliding-window caps it to the sliding window"
+            if args.disable_sliding_window and window
+            else "from its config"
+        )
         raise ConfigError(
             f"--max-model-len {max_model_len} is larger than the model's maximum context "
-            f"length of {model_len} tokens (from its config)"
+            f"length of {model_len} tokens ({source})"
         )
     quantization = _resolve_quantization(args, hf_config, model, device, dtype)
     multimodal_config = _multimodal_config(args, hf_config, model)
@@ -113,6 +124,19 @@ def create_model_config(args: Any, device: str) -> ModelConfig:
         quantization=quantization,
         multimodal_config=multimodal_config,
     )
+
+def sliding_window(hf_config: Any) -> int | None:
+    """The model's sliding window in tokens (its local layers'), or None where no layer has
+    one (Qwen2-family configs use theirs only with ``use_sliding_window``)."""
+    window = hf_config.get("sliding_window")
+    if not window:
+        return None
+    if hf_config.get("model_type") in ("qwen2", "qwen3", "qwen2_moe") and not hf_config.get(
+        "use_sliding_window", False
+    ):
+        return None
+    return int(window)
+
 
 def _override_generation(
     generation_config: dict[str, Any], overrides: dict[str, Any]

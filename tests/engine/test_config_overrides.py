@@ -1,6 +1,6 @@
 """vLLM's configuration flags ``--override-generation-config``, ``--hf-overrides``,
-``--tokenizer-mode`` and ``--num-gpu-blocks-override``: what they change in the engine, and
-their errors in one line."""
+``--tokenizer-mode``, ``--num-gpu-blocks-override`` and ``--disable-sliding-window``: what
+they change in the engine, and their errors in one line."""
 
 from __future__ import annotations
 
@@ -93,3 +93,33 @@ def test_config_values_of_the_wrong_kind_are_refused_at_start_up(model_dir, over
     are refused when the config is read, whether from config.json or --hf-overrides."""
     with pytest.raises(ModelLoadError, match=words):
         _config(model_dir, hf_overrides=override)
+
+
+def test_disable_sliding_window_caps_the_context_to_the_window(model_dir):
+    windowed = {"sliding_window": 48}
+    cfg = _config(model_dir, hf_overrides=windowed, disable_sliding_window=True)
+    assert cfg.model_config.max_model_len == 48
+    assert cfg.model_config.hf_config.get("sliding_window") is None
+    assert _config(model_dir, hf_overrides=windowed).model_config.max_model_len == 2048
+    with pytest.raises(ConfigError, match="--disable-sliding-window caps it to the sliding"):
+        _config(model_dir, hf_overrides=windowed, disable_sliding_window=True, max_model_len=64)
+    # no window, or a Qwen2 config that does not use its window: the flag changes nothing
+    assert _config(model_dir, disable_sliding_window=True).model_config.max_model_len == 2048
+    qwen = {"sliding_window": 48, "model_type": "qwen2", "use_sliding_window": False}
+    cfg = _config(model_dir, hf_overrides=qwen, disable_sliding_window=True)
+    assert cfg.model_config.max_model_len == 2048
+
+
+def test_disable_sliding_window_keeps_greedy_output_within_the_window(model_dir):
+    """Within the window, full attention sees what the windowed layers saw: the same greedy
+    tokens with and without the flag."""
+    from tokenmill import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outputs = []
+    for disable in (False, True):
+        llm = LLM(model_dir, load_format="dummy", hf_overrides={"sliding_window": 48},
+                  max_model_len=48, disable_sliding_window=disable, seed=3)  # fmt: skip
+        outputs.append(llm.generate(["Once upon a time"], params)[0].outputs[0].token_ids)
+        del llm
+    assert len(outputs[0]) == 30 and outputs[0] == outputs[1]
