@@ -23,6 +23,8 @@ LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 SkinnyGemm = Literal["auto", "all", "off"]
 CpuBf16Weights = Literal["auto", "on", "off"]
 SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "mtp"]
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 class ConfigError(ValueError):
@@ -107,6 +109,10 @@ class ModelConfig:
             ``compressed-tensors``, ``bitsandbytes``, ``gguf``), None when they are not (a
             GGUF file loaded with ``--gguf-dequantize`` included).
         multimodal_config: image limits and sources; set for models that take images.
+        logprobs_mode: what sampled positions' logprobs hold (vLLM's ``--logprobs-mode``):
+            ``raw_logprobs`` (log-softmax of the model's logits), ``raw_logits``, or
+            ``processed_logprobs`` / ``processed_logits`` (after penalties, logits
+            processors, temperature, min-p, top-k and top-p; dropped tokens at -inf).
     """
 
     model: str
@@ -123,6 +129,7 @@ class ModelConfig:
     served_model_aliases: tuple[str, ...] = ()
     quantization: str | None = None
     multimodal_config: MultiModalConfig | None = None
+    logprobs_mode: LogprobsMode = "raw_logprobs"
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

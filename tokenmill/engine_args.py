@@ -20,6 +20,7 @@ from tokenmill.arg_types import (
 )
 from tokenmill.arg_types import flag as _flag
 from tokenmill.config import (
+    LOGPROBS_MODES,
     CacheConfig,
     ConfigError,
     DeviceConfig,
@@ -234,6 +235,14 @@ class EngineArgs:
         "draft_model, eagle, eagle3, mtp. Default: off."
     )
     max_logprobs: int = _flag("Most logprobs a request may ask for per position.", default=20)
+    logprobs_mode: str = _flag(
+        "What returned logprobs hold: raw_logprobs (of the model's logits), raw_logits, "
+        "processed_logprobs or processed_logits (after penalties, logits processors, "
+        "temperature, min-p, top-k and top-p: the distribution tokens are drawn from). "
+        "Prompt logprobs are always raw logprobs.",
+        default="raw_logprobs",
+        choices=list(LOGPROBS_MODES),
+    )
     disable_log_stats: bool = _flag("Do not log engine statistics.", default=False)
     generation_config: str = _flag(
         "auto: take sampling defaults from the model's generation_config.json; vllm: "

@@ -29,7 +29,8 @@ def check_feature_combinations(
             checkpoint, not the adapter slots); an FP8 KV cache with an MLA model (its
             latent cache has no FP8 path), as are FP8 weights (``--quantization fp8``);
             FP8 weights with tensor or pipeline parallelism (``model_parallel_size``: tensor
-            x pipeline ranks; their loaders take whole tensors).
+            x pipeline ranks; their loaders take whole tensors); a ``--logprobs-mode``
+            other than raw logprobs with speculative decoding.
     """
     mla = model_config.use_mla
     images = model_config.multimodal_config is not None
@@ -49,6 +50,9 @@ def check_feature_combinations(
                          "(DeepSeek): use auto"),
         (mla and model_config.quantization == "fp8", "--quantization fp8 is not implemented "
                                                      "for MLA models (DeepSeek)"),
+        (speculative and model_config.logprobs_mode != "raw_logprobs",
+         f"--logprobs-mode {model_config.logprobs_mode} does not combine with "
+         "--speculative-config yet (its verification returns raw logprobs)"),
     )  # fmt: skip
     for on, message in refused:
         if on:

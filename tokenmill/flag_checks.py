@@ -6,7 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.arg_types import parse_bytes
-from tokenmill.config import ConfigError, UnsupportedQuantizationError, check_kv_offloading_flags
+from tokenmill.config import (
+    LOGPROBS_MODES,
+    ConfigError,
+    UnsupportedQuantizationError,
+    check_kv_offloading_flags,
+)
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -85,6 +90,10 @@ def check_flag_values(args: Any) -> int | None:
         raise ConfigError(
             "--prefill-pacing-tokens needs chunked prefill: without it a prompt is "
             "computed whole in one step"
+        )
+    if args.logprobs_mode not in LOGPROBS_MODES:
+        raise ConfigError(
+            f"--logprobs-mode {args.logprobs_mode!r}: one of {', '.join(LOGPROBS_MODES)}"
         )
     if args.max_logprobs < 0:
         raise ConfigError(f"--max-logprobs must be non-negative, got {args.max_logprobs}")

@@ -120,6 +120,7 @@ def create_model_config(args: Any, device: str) -> ModelConfig:
         max_model_len=max_model_len,
         seed=args.seed,
         max_logprobs=args.max_logprobs,
+        logprobs_mode=args.logprobs_mode,
         pooler_config=pooler_config,
         quantization=quantization,
         multimodal_config=multimodal_config,

@@ -1,6 +1,6 @@
 """vLLM's configuration flags ``--override-generation-config``, ``--hf-overrides``,
-``--tokenizer-mode``, ``--num-gpu-blocks-override`` and ``--disable-sliding-window``: what
-they change in the engine, and their errors in one line."""
+``--tokenizer-mode``, ``--num-gpu-blocks-override``, ``--disable-sliding-window`` and
+``--logprobs-mode``: what they change in the engine, and their errors in one line."""
 
 from __future__ import annotations
 
@@ -123,3 +123,26 @@ def test_disable_sliding_window_keeps_greedy_output_within_the_window(model_dir)
         outputs.append(llm.generate(["Once upon a time"], params)[0].outputs[0].token_ids)
         del llm
     assert len(outputs[0]) == 30 and outputs[0] == outputs[1]
+
+
+def test_logprobs_mode_reaches_the_sampler_and_its_refusals(model_dir):
+    """processed_logprobs: the returned logprobs are those of the distribution drawn from (a
+    top-2 row: two finite values summing to probability one); the modes other than raw
+    logprobs are refused with speculative decoding, and unknown modes in one line."""
+    import math
+
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model_dir, load_format="dummy", max_model_len=64, seed=1,
+              logprobs_mode="processed_logprobs")  # fmt: skip
+    params = SamplingParams(max_tokens=3, temperature=0.8, top_k=2, logprobs=4, seed=7)
+    positions = llm.generate(["hello"], params)[0].outputs[0].logprobs
+    assert len(positions) == 3
+    for top in positions:
+        finite = [lp.logprob for lp in top.values() if math.isfinite(lp.logprob)]
+        assert len(finite) == 2 and sum(math.exp(v) for v in finite) == pytest.approx(1.0)
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    with pytest.raises(ConfigError, match="--logprobs-mode raw_logits does not combine with"):
+        _config(model_dir, logprobs_mode="raw_logits", speculative_config=ngram)
+    with pytest.raises(ConfigError, match="--logprobs-mode 'probs': one of raw_logprobs"):
+        _config(model_dir, logprobs_mode="probs")

@@ -278,3 +278,19 @@ def test_beam_search_is_refused_with_speculation_or_an_adapter(smollm2_tokenizer
     adapter = LoRARequest("a", 1, str(tmp_path))
     with pytest.raises(InvalidRequestError, match="not implemented with LoRA adapters"):
         processor.process("r2", "Hello", params, lora_request=adapter)
+
+
+def test_beam_search_is_refused_when_the_server_returns_logits(smollm2_tokenizer):
+    import dataclasses
+
+    from tokenmill.sampling_params import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    for mode in ("raw_logits", "processed_logits"):
+        config = dataclasses.replace(make_config(), logprobs_mode=mode)
+        processor = InputProcessor(config, smollm2_tokenizer, max_logprobs=20, max_num_seqs=8)
+        with pytest.raises(InvalidRequestError, match=f"--logprobs-mode {mode}"):
+            processor.process("r1", "Hello", params)
+    config = dataclasses.replace(make_config(), logprobs_mode="processed_logprobs")
+    processor = InputProcessor(config, smollm2_tokenizer, max_logprobs=20, max_num_seqs=8)
+    assert processor.process("r1", "Hello", params).engine_requests

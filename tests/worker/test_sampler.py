@@ -466,6 +466,57 @@ def test_logprob_of_chosen_token_is_finite_under_masks() -> None:
     assert out.logprobs.ranks.tolist() == [4, 4, 4]
 
 
+def _processed_reference(logits: torch.Tensor, params: list[SamplingParams], meta) -> torch.Tensor:
+    """The processed distribution by hand: processors, then temperature (1 for greedy rows)
+    and top-k / top-p (vLLM's ``processed_*`` modes)."""
+    x = apply_logits_processors(logits.clone(), meta)
+    temps = torch.tensor([1.0 if p.temperature == 0 else p.temperature for p in params])
+    x = x / temps[:, None]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else x.shape[1] for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    return apply_top_k_top_p(x, top_k, top_p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes(mode: str, device: str) -> None:
+    """--logprobs-mode: raw logits as they are; processed values after penalties,
+    temperature and truncation (dropped tokens at -inf), for the chosen token and the top
+    ranks; an all-greedy batch is processed but not divided by a temperature. (CUDA runs the
+    fused Gumbel path.)"""
+    logits = torch.randn(3, 24, generator=torch.Generator().manual_seed(8))
+    params = [
+        SamplingParams(logprobs=3, temperature=0.5, presence_penalty=1.0, top_k=5),
+        SamplingParams(logprobs=2, temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(logprobs=4, temperature=1.3, top_p=0.6),
+    ]
+    meta = _meta(params, vocab_size=24, prompts=[[1, 2]] * 3, outputs=[[3, 4]] * 3)
+    on_device = _meta(params, 24, [[1, 2]] * 3, [[3, 4]] * 3, device=device)
+    out = Sampler(mode)(logits.to(device), on_device)
+    sampled, values = out.sampled_token_ids.cpu(), out.logprobs.logprobs.cpu()
+    if mode == "raw_logits":
+        want = logits
+    else:
+        want = _processed_reference(logits, params, meta)
+        if mode == "processed_logprobs":
+            want = torch.log_softmax(want, dim=-1)
+    chosen = want.gather(1, sampled[:, None])[:, 0]
+    torch.testing.assert_close(values[:, 0], chosen, rtol=1e-5, atol=1e-5)
+    top = want.topk(4, dim=-1)
+    torch.testing.assert_close(values[:, 1:], top.values, rtol=1e-5, atol=1e-5)
+    if mode != "raw_logits":  # the top-k row keeps 5 tokens: its 6th is dropped
+        assert torch.isneginf(want[0]).sum() == 24 - 5
+        assert torch.isfinite(chosen).all()  # drawn tokens are never dropped ones
+
+    greedy = [SamplingParams(logprobs=2, temperature=0.0, frequency_penalty=2.0)]
+    meta = _meta(greedy, vocab_size=24, outputs=[[int(logits[0].argmax())]])
+    lp = Sampler(mode)(logits[:1].clone(), meta).logprobs
+    want = logits[:1] if mode == "raw_logits" else apply_logits_processors(logits[:1].clone(), meta)
+    if mode == "processed_logprobs":
+        want = torch.log_softmax(want, dim=-1)
+    torch.testing.assert_close(lp.logprobs[:, 1:], want.topk(2, dim=-1).values)
+
+
 def test_compute_prompt_logprobs() -> None:
     logits = torch.randn(5, 20, generator=torch.Generator().manual_seed(7)).bfloat16()
     next_ids = torch.tensor([3, 0, 19, 7, 7])

@@ -214,6 +214,12 @@ class InputProcessor:
                 f"priority must be a 64-bit signed integer, got {priority!r}.", "priority"
             )
         if isinstance(params, BeamSearchParams):
+            if self.model_config.logprobs_mode.endswith("logits"):
+                # A beam's score sums its tokens' logprobs; logits would not add up to one.
+                raise InvalidRequestError(
+                    "beam search needs logprobs, and this server returns logits "
+                    f"(--logprobs-mode {self.model_config.logprobs_mode}).", "model"
+                )
             if lora_request is not None:
                 # Forked beams do not carry the adapter: refuse rather than decode with the
                 # base model.

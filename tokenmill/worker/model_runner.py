@@ -116,7 +116,7 @@ class ModelRunner(StepSampling, BufferMetadata):
         self.sleep_mode: SleepMode | None = None
         # The KV offload tiers' host pool and disk file (``--kv-offloading-size``).
         self.kv_offload: KVOffloadStore | None = None
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.model_config.logprobs_mode)
         # The CUDA graphs (``plan_cuda_graphs``); None: every step runs eagerly.
         self.graphs: StepGraphs | None = None
         # Tests set these (ascending sizes) on CPU to run batches padded like CUDA-graph

@@ -6,8 +6,12 @@ host-device syncs: branches depend on ``SamplingMetadata``'s Python flags only.
 
 Order of operations:
 
-1. Logprobs returned to users are those of the model's raw distribution: ``log_softmax`` of the
-   logits in float32 before any processing (vLLM's default ``--logprobs-mode raw_logprobs``).
+1. Logprobs returned to users are by default those of the model's raw distribution:
+   ``log_softmax`` of the logits in float32 before any processing (vLLM's default
+   ``--logprobs-mode raw_logprobs``; ``raw_logits`` returns the logits themselves). The
+   ``processed_*`` modes return the distribution rows are drawn from instead: after step 2,
+   divided by temperature (1 for greedy rows; an all-greedy batch is not divided) and
+   truncated by min-p, top-k and top-p (dropped tokens at -inf), as vLLM's.
 2. Processing, on float32 logits: allowed_token_ids mask, logit_bias (added), min_tokens (stop
    and EOS ids set to -inf), bad words (the token that would complete one set to -inf; both
    bans are lifted in a row they would leave with no token at all),
@@ -138,10 +142,15 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
-    """Samples one token per row from a batch of logits (see the module docstring)."""
+    """Samples one token per row from a batch of logits (see the module docstring).
 
-    def __init__(self) -> None:
+    Args:
+        logprobs_mode: what the returned logprobs hold (``ModelConfig.logprobs_mode``).
+    """
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs") -> None:
         super().__init__()
+        self.logprobs_mode = logprobs_mode
         # One reusable generator per device for seeded rows: reseeding is cheap, creating
         # CUDA generators every step is not.
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -163,12 +172,12 @@ class Sampler(torch.nn.Module):
         # sampler's peak is part of the memory the KV cache must leave free.
         owned = logits.dtype != torch.float32
         logits = logits.float()
-        raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        returned = self._raw_values(logits, metadata)
         processed = apply_logits_processors(logits, metadata)
         owned = owned or processed is not logits
         logits = processed
+        if returned is None:
+            returned = self._processed_values(logits, metadata)
         if metadata.all_greedy:
             sampled = wide_argmax(logits)
         else:
@@ -179,9 +188,38 @@ class Sampler(torch.nn.Module):
             if greedy is not None:
                 sampled = torch.where(metadata.greedy_mask, greedy, sampled)
         logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        if returned is not None:
+            logprobs = gather_logprobs(returned, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, logprobs)
+
+    def _raw_values(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor | None:
+        """[B, V] float32 logprobs (or logits) of a ``raw_*`` mode; None when none are asked
+        for or the mode is a ``processed_*`` one. ``logits`` is not modified."""
+        if metadata.max_num_logprobs is None or not self.logprobs_mode.startswith("raw"):
+            return None
+        if self.logprobs_mode == "raw_logits":
+            return logits.float().clone()
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _processed_values(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> torch.Tensor | None:
+        """[B, V] float32 logprobs (or logits) of a ``processed_*`` mode from the processed
+        logits (not modified): scaled by temperature and truncated unless the batch is all
+        greedy; None when none are asked for or the mode is a ``raw_*`` one."""
+        if metadata.max_num_logprobs is None or not self.logprobs_mode.startswith("processed"):
+            return None
+        if metadata.all_greedy:
+            values = logits.float().clone()
+        else:
+            # ``_scaled_truncated`` takes the row's maximum off before dividing (for the
+            # Gumbel draw's precision); the logits mode puts it back.
+            values = self._scaled_truncated(logits.float(), metadata)
+            if self.logprobs_mode == "processed_logits":
+                values += wide_amax(logits.float()) / metadata.temperature[:, None]
+        if self.logprobs_mode == "processed_logits":
+            return values
+        return torch.log_softmax(values, dim=-1)
 
     def _forward_gumbel(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``forward`` through the fused kernel: processors and truncation (when a row uses
@@ -191,12 +229,12 @@ class Sampler(torch.nn.Module):
         so a row that drops nothing gets exactly the draw it would get in a batch without
         truncation: a seeded row's tokens do not depend on the rest of the batch.
         """
-        raw_logprobs = None
-        if metadata.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        returned = self._raw_values(logits, metadata)
         owned = False  # whether ``logits`` is a tensor of this method's own
         if _has_processors(metadata):
             logits, owned = apply_logits_processors(logits.float(), metadata), True
+        if returned is None:
+            returned = self._processed_values(logits, metadata)
         if metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None:
             copy = logits.dtype != torch.float32  # .float() makes a new tensor: scale it in place
             dropped = torch.isneginf(self._scaled_truncated(logits.float(), metadata, copy))
@@ -207,8 +245,8 @@ class Sampler(torch.nn.Module):
             )
         sampled = gumbel_argmax(logits, metadata.gumbel_temperature, metadata.gumbel_seeds)
         logprobs = None
-        if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        if returned is not None:
+            logprobs = gather_logprobs(returned, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled, logprobs)
 
     def _scaled_truncated(
