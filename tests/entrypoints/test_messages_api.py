@@ -81,7 +81,7 @@ def test_tool_use_round_trip(default_server):
     )
     assert first.stop_reason == "tool_use"
     use = next(block for block in first.content if block.type == "tool_use")
-    assert use.name == "get_weather"
+    assert use.name == "get_weather" and use.id.startswith("toolu_")
     jsonschema.validate(use.input, WEATHER)
     second = anth.messages.create(
         model=MODEL,
@@ -121,6 +121,7 @@ def test_streamed_tool_use(default_server):
     )
     assert final.stop_reason == "tool_use" and final.content[0].type == "tool_use"
     assert json.loads(partial) == final.content[0].input
+    assert final.content[0].id.startswith("toolu_")
     jsonschema.validate(final.content[0].input, WEATHER)
 
 

@@ -30,6 +30,12 @@ from tokenmill.entrypoints.openai.serving_responses import rename_param
 logger = logging.getLogger(__name__)
 
 
+def tool_use_id(call_id: str) -> str:
+    """A chat tool call's id in Anthropic's form (``call_x`` -> ``toolu_x``); a
+    ``tool_result`` answers it by this id, which the chat path then takes as the call's."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def _stop_reason(
     finish_reason: str | None, stop_reason: Any, called_tools: bool, stop_sequences: list[str]
 ) -> tuple[str, str | None]:
@@ -59,7 +65,8 @@ def content_blocks(message: ChatCompletionMessage) -> list[dict[str, Any]]:
             logger.warning("tool call %s: arguments are not a JSON object", call.id)
             arguments = {}
         blocks.append(
-            {"type": "tool_use", "id": call.id, "name": call.function.name, "input": arguments}
+            {"type": "tool_use", "id": tool_use_id(call.id), "name": call.function.name,
+             "input": arguments}
         )
     return blocks
 
@@ -211,7 +218,7 @@ class _BlockWriter:
                 self.call_index = call.index
                 self.called_tools = True
                 name = function.name if function and function.name else ""
-                block = {"type": "tool_use", "id": call.id, "name": name, "input": {}}
+                block = {"type": "tool_use", "id": tool_use_id(call.id), "name": name, "input": {}}
                 events += self._start("tool_use", block, new=True)
             if function is not None and function.arguments and self.open == "tool_use":
                 events.append(

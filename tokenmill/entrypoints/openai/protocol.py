@@ -11,11 +11,12 @@ carries them (rules across fields, such as ``best_of >= n``, are checked after).
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.entrypoints.openai.protocol_tools import (
     ChatCompletionToolsParam,
@@ -52,10 +53,31 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+logger = logging.getLogger(__name__)
+
+
 class OpenAIBaseModel(BaseModel):
-    """Base of every request model: strict types, unknown fields ignored."""
+    """Base of every request model: strict types, unknown fields ignored with a warning in
+    the log (as vLLM's: a client's misspelt or misplaced field is then visible)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.model_config.get("extra") != "allow":
+            known = set(cls.model_fields) | {
+                f.alias for f in cls.model_fields.values() if f.alias is not None
+            }
+            ignored = [str(k) for k in data if k not in known]
+            if ignored:
+                shown = ", ".join(repr(k[:40]) for k in ignored[:8])
+                more = f" and {len(ignored) - 8} more" if len(ignored) > 8 else ""
+                logger.warning(
+                    "%s: fields present in the request but ignored: %s%s",
+                    cls.__name__, shown, more,
+                )  # fmt: skip
+        return data
 
 
 class StreamOptions(OpenAIBaseModel):
