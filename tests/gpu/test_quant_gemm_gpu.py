@@ -61,8 +61,9 @@ def test_int4_tensor_core_offset(m, group, dtype, offset):
     w_t = (q.float().t() - zeros.float().repeat_interleave(group, 0)) * scales.float(
     ).repeat_interleave(group, 0)
     x = torch.randn(m, k, **kw).to(dtype)
-    cfg = dict(launch_config(m, n, k, dtype, torch.cuda.get_device_properties(0)
-                             .multi_processor_count), OFFSET=offset)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = dict(launch_config(m, n, k, dtype, sms, group), OFFSET=offset)
+    assert group % cfg["BLOCK_K"] == 0  # one scale row per tile: the OFFSET arithmetic
     y = int4_linear(x, pack_k(q), scales, zeros, group, cfg)
     assert y.dtype == dtype
     _check(y, x.float() @ w_t)

@@ -40,6 +40,15 @@ def test_int4_kernel(m, n, k, split, group, block_k):
     torch.testing.assert_close(y, x @ w_t, rtol=1e-4, atol=1e-4)
 
 
+def test_int4_k_step_divides_the_group():
+    """16-bit tiles never span two groups (the one-scale-row tile and its OFFSET arithmetic):
+    the K step shrinks to the group, down to 32 channels."""
+    for group, decode, prefill in [(32, 32, 32), (64, 64, 64), (128, 128, 64), (4096, 128, 64)]:
+        for m, want in ((8, decode), (300, prefill)):
+            cfg = int4_gemm.launch_config(m, 4096, 4096, torch.bfloat16, 132, group)
+            assert cfg["BLOCK_K"] == want and group % cfg["BLOCK_K"] == 0
+
+
 @pytest.mark.parametrize("offset", [1, 0])
 @pytest.mark.parametrize("m, n, k, split", [(20, 48, 256, 1), (5, 40, 320, 2)])
 def test_int4_kernel_float16_offset(m, n, k, split, offset):

@@ -198,25 +198,41 @@ if HAS_TRITON:
                  w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
-def launch_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int) -> dict[str, int]:
-    """Tile sizes and the K split for an ``[m, k] x [k, n]`` product.
+def launch_config(
+    m: int, n: int, k: int, dtype: torch.dtype, num_sms: int, group: int = 128
+) -> dict[str, int]:
+    """Tile sizes and the K split for an ``[m, k] x [k, n]`` product of ``group``-channel
+    groups.
 
     float32 (the interpreter, CPU tests) keeps tiles small; small batches split K until
-    the grid covers the SMs about twice.
+    the grid covers the SMs about twice. The K step never exceeds a group (down to 32
+    channels), so each tile takes one scale and zero row and the 16-bit tiles the
+    ``OFFSET_FLOATS`` arithmetic.
     """
     if dtype == torch.float32:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1)
     if m <= DECODE_MAX_M:
-        block_n, block_k = 64, 128
+        block_n, block_k = 64, _k_step(128, group)
         tiles = cdiv(m, 16) * cdiv(n, block_n)
         split = max(1, min(cdiv(2 * num_sms, tiles), cdiv(k, block_k)))
         return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
                     num_warps=4, num_stages=3)
     # Products with few output tiles (Llama-8B's down projection: 32 column tiles) split K
     # until the grid covers the SMs once, keeping at least four K steps per split.
+    block_k = _k_step(64, group)
     tiles = cdiv(m, 64) * cdiv(n, 128)
-    split = max(1, min(cdiv(num_sms, tiles), cdiv(k, 4 * 64)))
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=split, num_warps=8, num_stages=3)
+    split = max(1, min(cdiv(num_sms, tiles), cdiv(k, 4 * block_k)))
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, SPLIT_K=split, num_warps=8,
+                num_stages=3)  # fmt: skip
+
+
+def _k_step(widest: int, group: int) -> int:
+    """The widest K step up to ``widest`` (a power of two, at least 32) dividing ``group``;
+    ``widest`` for a group it cannot divide (per-element scales)."""
+    step = widest
+    while step > 32 and group % step:
+        step //= 2
+    return step if group % step == 0 else widest
 
 
 def gemv_config(m: int, n: int, k: int, group: int, num_sms: int) -> dict[str, int] | None:
@@ -297,7 +313,7 @@ def int4_linear(
     if cfg is None and m <= GEMV_MAX_M and x.dtype != torch.float32:
         cfg = gemv_config(m, n, k, group, num_sms(x.device))
     if cfg is None:
-        cfg = launch_config(m, n, k, x.dtype, num_sms(x.device))
+        cfg = launch_config(m, n, k, x.dtype, num_sms(x.device), group)
     gemv = "BLOCK_KW" in cfg
     block_k = 8 * cfg["BLOCK_KW"] if gemv else cfg["BLOCK_K"]
     split = cfg["SPLIT_K"]
