@@ -101,3 +101,102 @@ def test_prequantized_8bit_checkpoint(float_folder, tmp_path):
     logits = _logits(str(tmp_path / "q8"))
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     assert (logits - int8_logits).abs().max() <= 3e-2 * int8_logits.abs().max()
+
+
+@pytest.fixture(scope="module")
+def nf4_double(float_folder, tmp_path_factory):
+    """A transformers NF4 checkpoint with double quantization (nested absmax)."""
+    path = tmp_path_factory.mktemp("bnb") / "nf4_double"
+    _hf_bnb(float_folder, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True).save_pretrained(path)  # fmt: skip
+    return path
+
+
+def _broken_copy(src, dst, edit) -> str:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+DOWN = "model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        # a layer of one part: nothing else would notice it (its output went wrong silently)
+        (lambda t: t.pop(f"{DOWN}.nested_absmax"), "lacks weight.nested_absmax"),
+        (lambda t: t.pop(f"{DOWN}.absmax"), "lacks weight.absmax"),
+        (lambda t: t.pop(f"{DOWN}.quant_map"), "lacks weight.quant_map"),
+        (lambda t: [t.pop(k) for k in list(t) if k.startswith(f"{DOWN}.")],
+         "lacks weight.absmax, weight.quant_map, weight.quant_state"),
+        (lambda t: t[f"{DOWN}.quant_state.bitsandbytes__nf4"].zero_(), "not valid JSON"),
+        (lambda t: t.update({DOWN: t[DOWN][: t[DOWN].shape[0] // 2]}), "cannot read"),
+    ],
+)  # fmt: skip
+def test_broken_4bit_state_is_refused_naming_the_tensor(nf4_double, tmp_path, edit, words):
+    from tokenmill.model.layers.quantization.base import QuantizationError
+
+    folder = _broken_copy(nf4_double, tmp_path / "broken", edit)
+    with pytest.raises(QuantizationError, match=words) as e:
+        _logits(folder)
+    assert "down_proj" in str(e.value)
+
+
+def test_broken_8bit_state_is_refused(float_folder, tmp_path):
+    from tokenmill.model.layers.quantization.base import QuantizationError
+
+    _hf_bnb(float_folder, load_in_8bit=True).save_pretrained(tmp_path / "q8")
+    scb = DOWN.removesuffix(".weight") + ".SCB"  # LLM.int8() names it beside the weight
+    folder = _broken_copy(tmp_path / "q8", tmp_path / "no_scb", lambda t: t.pop(scb))
+    with pytest.raises(QuantizationError, match="down_proj.*without its SCB"):
+        _logits(folder)
+    folder = _broken_copy(tmp_path / "q8", tmp_path / "short_scb",
+                          lambda t: t.update({scb: t[scb][:3]}))
+    with pytest.raises(QuantizationError, match=r"SCB has shape \(3,\)"):
+        _logits(folder)
+
+
+@pytest.mark.parametrize(
+    "qc, words",
+    [
+        ({"load_in_4bit": True, "bnb_4bit_blocksize": 100}, "bnb_4bit_blocksize 100: one of 64"),
+        ({"load_in_4bit": True, "bnb_4bit_blocksize": "big"}, "bnb_4bit_blocksize 'big'"),
+        ({"load_in_4bit": True, "load_in_8bit": True}, "both load_in_4bit and load_in_8bit"),
+        ({"load_in_4bit": True, "llm_int8_skip_modules": "lm_head"}, "must be a list"),
+        ({"load_in_4bit": True, "llm_int8_skip_modules": ["q_proj"]},
+         "leaves q_proj unquantized but not the other parts"),
+    ],
+)  # fmt: skip
+def test_bad_bitsandbytes_configs_are_refused(float_folder, tmp_path, qc, words):
+    import json
+    import shutil
+
+    from tokenmill.config import UnsupportedQuantizationError
+    from tokenmill.model.layers.quantization.base import QuantizationError
+
+    folder = tmp_path / "cfg"
+    shutil.copytree(float_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", **qc}
+    (folder / "config.json").write_text(json.dumps(config))
+    # refused with the config (exit code 2), or the partial skip when the layer is built
+    with pytest.raises((UnsupportedQuantizationError, QuantizationError), match=words):
+        _logits(str(folder), load_format="dummy")
+
+
+def test_skipping_every_part_of_a_merged_layer_keeps_it_16_bit(float_folder, tmp_path):
+    """llm_int8_skip_modules naming q, k and v: the merged q/k/v layer is left unquantized
+    (transformers saves those weights as floats), so logits match transformers' model."""
+    skip = ["q_proj", "k_proj", "v_proj", "lm_head"]
+    hf = _hf_bnb(float_folder, load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                 llm_int8_skip_modules=skip)  # fmt: skip
+    hf.save_pretrained(tmp_path / "skip")
+    torch.testing.assert_close(_logits(str(tmp_path / "skip")), _expected(hf, float_folder),
+                               rtol=1e-4, atol=1e-4)  # fmt: skip

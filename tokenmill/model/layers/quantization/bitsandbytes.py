@@ -18,6 +18,7 @@ Products: ``bitsandbytes.matmul_4bit`` (4-bit) and the int8 rows times their sca
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -29,6 +30,8 @@ from tokenmill.model.layers.quantization.base import (
     QuantizationError,
     ShardSlice,
     copy_shard,
+    layer_ignored,
+    layer_names,
     set_layout,
 )
 from tokenmill.model.layers.weight_shape import check_shape
@@ -36,6 +39,10 @@ from tokenmill.model.layers.weight_shape import check_shape
 # Checkpoint names ``<layer>.weight.<state>`` -> our parameter ``<layer>.weight_<state>``.
 STATE_SUFFIXES = ("absmax", "quant_map", "nested_absmax", "nested_quant_map",
                   "quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
+
+
+# bitsandbytes' 4-bit block sizes.
+BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def checkpoint_param_name(name: str) -> str:
@@ -102,10 +109,12 @@ class BitsAndBytesLinearMethod(LinearMethod):
         device = weight.device
         # Rows' absmax of a pre-quantized 8-bit checkpoint (0: none), kept as they are.
         row_absmax = torch.zeros(weight.shape[0], device=device)
+        name = getattr(layer.weight, "_tm_name", "weight")
         for (start, size), state in sorted(layer.bnb_parts.items()):
             s = layer.bnb_slices[(start, size)]
-            part = _rank_slice(_dequantize_part(bnb, state, device), s, size, layer.input_size,
-                               getattr(layer.weight, "_tm_name", "weight"))
+            part_name = name if len(layer.bnb_parts) == 1 else f"{name} (rows from {start})"
+            part = _rank_slice(_dequantize_part(bnb, state, device, part_name), s, size,
+                               layer.input_size, name)  # fmt: skip
             weight[start : start + size] = part.to(weight.dtype)
             if "SCB" in state:
                 scb = state["SCB"].to(device).float()
@@ -163,14 +172,69 @@ def _rank_slice(weight: torch.Tensor, s: ShardSlice, rows: int, cols: int,
     return weight[s.src_start : s.src_start + rows, in_start : in_start + cols]
 
 
-def _dequantize_part(bnb: Any, state: dict[str, torch.Tensor],
-                     device: torch.device) -> torch.Tensor:
-    """A pre-quantized checkpoint tensor -> its whole ``[N, K]`` weight in float32."""
+def _check_state(state: dict[str, torch.Tensor], name: str) -> None:
+    """Refuse a pre-quantized part whose state is incomplete or does not fit its weight.
+
+    Raises:
+        QuantizationError: naming the missing or misshapen tensor.
+    """
     packed = state.get("weight")
     if packed is None:
-        raise QuantizationError("a bitsandbytes checkpoint part has state but no weight")
+        raise QuantizationError(f"{name}: the bitsandbytes checkpoint has its quantization "
+                                "state but not the quantized weight")  # fmt: skip
+    if packed.dtype == torch.int8 or "SCB" in state:  # LLM.int8(): int8 rows, their absmax
+        scb = state.get("SCB")
+        if scb is None:
+            raise QuantizationError(f"{name}: an 8-bit bitsandbytes weight without its SCB "
+                                    "(row absmax) tensor")  # fmt: skip
+        if packed.dim() != 2 or scb.shape != (packed.shape[0],):
+            raise QuantizationError(
+                f"{name}: SCB has shape {tuple(scb.shape)}, the int8 weight "
+                f"{tuple(packed.shape)} needs ({packed.shape[0]},)"
+            )
+        return
+    missing = [k for k in ("absmax", "quant_map") if f"weight_{k}" not in state]
+    header = [k for k in state if k.startswith("weight_quant_state_")]
+    if not header:
+        missing.append("quant_state.bitsandbytes__nf4 (or __fp4)")
+    else:
+        try:
+            fields = json.loads(bytes(state[header[0]].to(torch.uint8).tolist()))
+        except (ValueError, UnicodeDecodeError):
+            raise QuantizationError(f"{name}: its bitsandbytes quant_state is not valid "
+                                    "JSON") from None  # fmt: skip
+        if isinstance(fields, dict) and "nested_offset" in fields:  # double quantization
+            missing += [k for k in ("nested_absmax", "nested_quant_map")
+                        if f"weight_{k}" not in state]  # fmt: skip
+    if missing:
+        raise QuantizationError(
+            f"{name}: the 4-bit bitsandbytes state lacks "
+            + ", ".join(f"weight.{k}" for k in missing)
+        )
+
+
+def _dequantize_part(bnb: Any, state: dict[str, torch.Tensor], device: torch.device,
+                     name: str) -> torch.Tensor:  # fmt: skip
+    """A pre-quantized checkpoint tensor -> its whole ``[N, K]`` weight in float32.
+
+    Raises:
+        QuantizationError: an incomplete or inconsistent state (``_check_state``), or one
+            bitsandbytes cannot read.
+    """
+    _check_state(state, name)
+    packed = state["weight"]
     if "SCB" in state:  # 8-bit: int8 rows and their absmax
         return packed.to(device).float() * (state["SCB"].to(device).float()[:, None] / 127)
+    try:
+        return _dequantize_4bit(bnb, state, device, packed)
+    except (ValueError, KeyError, RuntimeError, TypeError) as e:
+        reason = " ".join(str(e).split())[:200]
+        raise QuantizationError(f"{name}: bitsandbytes cannot read its 4-bit state: "
+                                f"{reason}") from None  # fmt: skip
+
+
+def _dequantize_4bit(bnb: Any, state: dict[str, torch.Tensor], device: torch.device,
+                     packed: torch.Tensor) -> torch.Tensor:
     from bitsandbytes.functional import QuantState
 
     qs_dict = {}
@@ -199,23 +263,40 @@ class BitsAndBytesConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, qc: dict[str, Any], device: str) -> BitsAndBytesConfig:
+        """The config of a ``quantization_config`` (transformers' BitsAndBytesConfig keys).
+
+        Raises:
+            QuantizationError: both 4-bit and 8-bit, a 4-bit type or block size
+                bitsandbytes does not have, or ``llm_int8_skip_modules`` that is not a list
+                of names.
+        """
         _import_bnb()
-        if qc.get("load_in_8bit"):
-            bits = 8
-        else:
-            bits = 4
+        if qc.get("load_in_8bit") and qc.get("load_in_4bit"):
+            raise QuantizationError(
+                "bitsandbytes quantization_config sets both load_in_4bit and load_in_8bit"
+            )
+        bits = 8 if qc.get("load_in_8bit") else 4
         quant_type = str(qc.get("bnb_4bit_quant_type", "nf4"))
         if quant_type not in ("nf4", "fp4"):
             raise QuantizationError(f"bitsandbytes 4-bit type {quant_type!r} (nf4 or fp4)")
-        skip = list(qc.get("llm_int8_skip_modules") or [])
-        return cls(bits, quant_type, int(qc.get("bnb_4bit_blocksize", 64)), skip)
+        blocksize = qc.get("bnb_4bit_blocksize", 64)
+        if blocksize not in BLOCK_SIZES or isinstance(blocksize, bool):
+            raise QuantizationError(
+                f"bitsandbytes quantization_config bnb_4bit_blocksize {blocksize!r}: one of "
+                f"{', '.join(map(str, BLOCK_SIZES))}"
+            )
+        skip = layer_names(qc, "llm_int8_skip_modules")
+        return cls(bits, quant_type, int(blocksize), skip)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         from tokenmill.model.layers.quantization.unquantized import UnquantizedLinearMethod
 
-        if getattr(layer, "replicated", False) or any(
-            s and (prefix == s or prefix.endswith("." + s)) for s in self.skip
-        ):
+        # A checkpoint layer named (or ending with) a skipped module stays 16-bit; a merged
+        # layer by its parts, which must agree.
+        def skipped(name: str) -> bool:
+            return any(s and (name == s or name.endswith("." + s)) for s in self.skip)
+
+        if getattr(layer, "replicated", False) or layer_ignored(prefix, skipped):
             return UnquantizedLinearMethod()
         return BitsAndBytesLinearMethod(self.bits, self.quant_type, self.blocksize)
 
