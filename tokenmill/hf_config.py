@@ -161,17 +161,49 @@ def open_gguf(path: str) -> Any:
     import gguf
 
     try:
-        return gguf.GGUFReader(path)
+        reader = gguf.GGUFReader(path)
     except Exception as e:  # gguf raises ValueError/struct errors on bad files
         # The reader maps each tensor's bytes and reshapes them: a file cut short yields
-        # fewer elements than the tensor's shape and numpy's reshape is what fails.
-        if isinstance(e, ValueError) and "reshape" in str(e):
+        # fewer elements than the tensor's shape and numpy's reshape (or, cut inside the
+        # header's last values, a view of the wrong size) is what fails.
+        if isinstance(e, ValueError) and ("reshape" in str(e) or "larger dtype" in str(e)):
             size = os.path.getsize(path)
             raise ModelLoadError(
                 f"GGUF file {path} is truncated: its {size} bytes end before its tensor "
                 "data does (an interrupted download?)"
             ) from e
+        if isinstance(e, ValueError) and "GGMLQuantizationType" in str(e):
+            raise ModelLoadError(
+                f"GGUF file {path} has a tensor of a type the gguf package does not know "
+                f"({e}): a newer llama.cpp type, or a corrupt header"
+            ) from e
         raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    check_tensor_layout(reader, path)
+    return reader
+
+
+def check_tensor_layout(reader: Any, path: str) -> None:
+    """Each tensor's data must start where the one before it ends (padded to the file's
+    alignment), as llama.cpp's loader requires: a header whose types or shapes were
+    changed without the data would otherwise be read as other values.
+
+    Raises:
+        ModelLoadError: naming the first tensor whose data is not where the header puts it.
+    """
+    align = int(reader.alignment)
+    expected = int(reader.data_offset)
+    before = None
+    for t in reader.tensors:
+        if int(t.data_offset) != expected:
+            after = f"the end of tensor {before.name!r} ({before.tensor_type.name}, " \
+                f"{int(before.n_bytes)} bytes)" if before is not None else "the data section"
+            raise ModelLoadError(
+                f"GGUF file {path} is inconsistent: tensor {t.name!r} starts at byte "
+                f"{int(t.data_offset)}, not at {after} (byte {expected}): the tensor types "
+                "or shapes in its header do not match its data"
+            )
+        expected += -(-int(t.n_bytes) // align) * align
+        before = t
 
 
 def read_gguf_config(path: str) -> dict[str, Any]:

@@ -229,3 +229,67 @@ def test_gguf_settings_out_of_range_are_refused(tmp_path, change, message):
     writer.close()
     with pytest.raises((ModelLoadError, ConfigError), match=message):
         EngineArgs(model=path, tokenizer=path).create_engine_config()
+
+
+def _one_tensor_gguf(path, data, raw_dtype=None, shape=None):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    if raw_dtype is None:
+        writer.add_tensor("blk.0.attn_norm.weight", data)
+    else:
+        writer.add_tensor("blk.0.ffn_down.weight", data, raw_shape=shape, raw_dtype=raw_dtype)
+    writer.add_tensor("blk.0.ffn_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_header_that_does_not_match_the_data_is_refused(tmp_path):
+    """A tensor type changed in the header but not in the data (float32 read as float16)
+    leaves the next tensor's data where the header does not put it: refused, as llama.cpp's
+    loader does, instead of reading other values."""
+    import struct
+
+    from tokenmill.hf_config import ModelLoadError, open_gguf
+
+    path = tmp_path / "patched.gguf"
+    _one_tensor_gguf(path, np.ones(64, dtype=np.float32))
+    raw = bytearray(path.read_bytes())
+    name = b"blk.0.attn_norm.weight"
+    at = raw.index(name) + len(name) + 4 + 8  # past n_dims (u32) and the one dimension (u64)
+    assert struct.unpack_from("<I", raw, at)[0] == 0  # F32
+    struct.pack_into("<I", raw, at, 1)  # F16: half the bytes
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ModelLoadError, match=r"inconsistent: tensor 'blk\.0\.ffn_norm\.weight' "
+                                             r"starts at byte \d+, not at the end of tensor "
+                                             r"'blk\.0\.attn_norm\.weight' \(F16, 128 bytes\)"):
+        open_gguf(str(path))
+    struct.pack_into("<I", raw, at, 99)  # no such type
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ModelLoadError, match="a type the gguf package does not know"):
+        open_gguf(str(path))
+
+
+def test_quantized_types_without_a_kernel_are_named_when_dequantized(tmp_path, caplog):
+    """IQ4_NL blocks (no kernel here) load dequantized; the log says so and what it costs
+    instead of the start-up line alone calling the weights kept in their blocks."""
+    import logging
+
+    import gguf
+
+    from tokenmill.model.loader.gguf_loader import iterate_gguf
+
+    path = tmp_path / "iq.gguf"
+    # IQ4_NL: blocks of 32 weights in 18 bytes (an fp16 scale, 16 bytes of 4-bit indices)
+    blocks = np.zeros((64, 2 * 18), dtype=np.uint8)
+    _one_tensor_gguf(path, blocks, gguf.GGMLQuantizationType.IQ4_NL, blocks.shape)
+    names = ["model.layers.0.mlp.down_proj.weight",
+             "model.layers.0.post_attention_layernorm.weight"]  # fmt: skip
+    caplog.set_level(logging.WARNING, "tokenmill.model.loader.gguf_loader")
+    tensors = dict(iterate_gguf(str(path), names, 1, 1, keep_quantized=True))
+    assert tensors["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
+    [record] = caplog.records
+    assert "1 tensor(s) of type IQ4_NL are not kept in their blocks" in record.getMessage()

@@ -11,6 +11,7 @@ since Gemma models apply ``(1 + w)`` to the Hugging Face weight ``w``.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Iterator
 
@@ -20,6 +21,8 @@ import torch
 from tokenmill.hf_config import ModelLoadError, open_gguf
 from tokenmill.kernels.quant.gguf_blocks import BLOCK_TYPES
 from tokenmill.model.layers.quantization.tensors import GGUFTensor
+
+logger = logging.getLogger(__name__)
 
 # llama.cpp architectures whose converter permutes Q/K rows.
 PERMUTED_QK_ARCHS = ("llama", "mistral")
@@ -166,6 +169,8 @@ def iterate_gguf(
                     kv_b_parts[split] = (hf_name, part)
     permute = arch in PERMUTED_QK_ARCHS
     norm_plus_one = arch in NORM_PLUS_ONE_ARCHS
+    # quantized types without a kernel here (IQ*, TQ*): type -> [tensors, file bytes, elements]
+    unkept: dict[str, list[int]] = {}
     for t in reader.tensors:
         if not _in_layers(t.name, range(num_blocks)):
             raise ModelLoadError(
@@ -191,6 +196,11 @@ def iterate_gguf(
                 continue
             raise ModelLoadError(f"{path}: tensor {t.name!r} has no Hugging Face equivalent")
         quantized = keep_quantized and int(t.tensor_type) in BLOCK_TYPES
+        block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
+        if keep_quantized and not quantized and not shapes_only and block > 1:
+            seen = unkept.setdefault(t.tensor_type.name, [0, 0, 0])
+            seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + int(t.n_bytes), seen[2] + int(
+                t.n_elements)  # fmt: skip
         if quantized:
             data = np.asarray(t.data)
         else:
@@ -211,3 +221,9 @@ def iterate_gguf(
             yield hf_name, GGUFTensor(torch.from_numpy(data), int(t.tensor_type), shape)
         else:
             yield hf_name, torch.from_numpy(data)
+    for name, (count, file_bytes, elements) in unkept.items():
+        logger.warning(
+            "%s: %d tensor(s) of type %s are not kept in their blocks (no kernel for it): "
+            "dequantized, %.1f MiB of float32 for %.1f MiB in the file", path, count, name,
+            elements * 4 / 2**20, file_bytes / 2**20,
+        )  # fmt: skip
