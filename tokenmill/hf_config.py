@@ -375,6 +375,23 @@ def _derive_gemma3_config(data: dict[str, Any], pattern: Any) -> None:
     data.setdefault("query_pre_attn_scalar", data["head_dim"])
 
 
+# Quantization settings that older AutoGPTQ / AutoAWQ checkpoints keep beside config.json
+# instead of in its quantization_config (vLLM reads them too): file -> method when unnamed.
+SEPARATE_QUANT_CONFIGS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def _with_separate_quant_config(model: str, data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the ``quantization_config`` of a separate file, if the folder has one."""
+    for name, method in SEPARATE_QUANT_CONFIGS.items():
+        path = os.path.join(model, name)
+        if os.path.isfile(path):
+            qc = _read_json(path)
+            if not isinstance(qc, dict):
+                raise ModelLoadError(f"{path} must hold a JSON object")
+            return {**data, "quantization_config": {"quant_method": method, **qc}}
+    return data
+
+
 def load_hf_config(
     model: str, overrides: dict[str, Any] | None = None
 ) -> tuple[HFConfig, dict[str, Any]]:
@@ -406,6 +423,8 @@ def load_hf_config(
         if not os.path.isfile(config_path):
             raise ModelLoadError(f"{model} has no config.json")
         data = _read_json(config_path)
+        if "quantization_config" not in data:
+            data = _with_separate_quant_config(model, data)
         gen_path = os.path.join(model, "generation_config.json")
         if os.path.isfile(gen_path):
             generation_config = _read_json(gen_path)

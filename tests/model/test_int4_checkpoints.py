@@ -112,6 +112,37 @@ def test_marlin_spelling_loads_the_same_checkpoint(tmp_path):
     assert cfg.model_config.quantization == "gptq"
 
 
+@pytest.mark.parametrize("fmt, file, legacy", [
+    ("gptq", "quantize_config.json", {}),
+    # AutoAWQ's own keys, without quant_method
+    ("awq", "quant_config.json", {"w_bit": 4, "q_group_size": 32, "version": "GEMM"}),
+])  # fmt: skip
+def test_quantization_settings_in_a_separate_file(tmp_path, monkeypatch, fmt, file, legacy):
+    """Older AutoGPTQ / AutoAWQ checkpoints keep their settings in quantize_config.json /
+    quant_config.json beside a config.json without quantization_config (vLLM reads them):
+    the same logits as the checkpoint with them in config.json."""
+    import json
+    import shutil
+
+    folder = make_int4_checkpoint(str(tmp_path), fmt, 32, True)
+    cfg, model, _ = _load(f"{folder}/quant", monkeypatch)
+    ids = list(range(5, 30))
+    expected = _logits(model, cfg, ids)
+    moved = tmp_path / "moved"
+    shutil.copytree(f"{folder}/quant", moved)
+    config = json.loads((moved / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    if legacy:
+        qc = {"zero_point": True, **legacy}
+    else:
+        qc.pop("quant_method")
+    (moved / "config.json").write_text(json.dumps(config))
+    (moved / file).write_text(json.dumps(qc))
+    cfg, model, _ = _load(str(moved), monkeypatch)
+    assert cfg.model_config.quantization == fmt
+    torch.testing.assert_close(_logits(model, cfg, ids), expected)
+
+
 @pytest.mark.parametrize("kind, fmt", [("qwen3-moe", "gptq"), ("mixtral", "awq")])
 def test_moe_experts_stay_int4(tmp_path, monkeypatch, kind, fmt):
     """Per-expert int4 tensors of an MoE checkpoint (routers unquantized, as the formats
