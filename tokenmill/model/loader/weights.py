@@ -103,7 +103,8 @@ def load_model_weights(
             else:
                 loader(param, tensor, shard_id)
         except WeightShapeError as e:
-            problems.append(f"tensor {ckpt_name!r}: {e}")
+            named = str(e).startswith(f"tensor {ckpt_name!r}")  # the message names it already
+            problems.append(str(e) if named else f"tensor {ckpt_name!r}: {e}")
     missing = _missing_parameters(params, loaded, expected_shards)
     if missing:
         problems.append(
