@@ -59,6 +59,21 @@ UNIMPLEMENTED_FLAGS = (
     "--uds",
     "--api-server-count",
     "--headless",
+    # torch.compile and CUDA-graph settings: tokenmill compiles no torch graphs, and its CUDA
+    # graphs are on unless --enforce-eager
+    "--compilation-config",
+    "-O",
+    "--cudagraph-capture-sizes",
+    "--max-cudagraph-capture-size",
+    "--skip-tokenizer-init",
+    "--enable-prompt-embeds",
+    "--logits-processors",
+    "--max-num-partial-prefills",
+    "--max-long-partial-prefills",
+    "--otlp-traces-endpoint",
+    "--enable-eplb",
+    "--eplb-config",
+    "--model-impl",
 )
 
 # vLLM flags about fetching a model from the Hugging Face Hub, which tokenmill never does:
