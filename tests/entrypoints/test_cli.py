@@ -281,6 +281,11 @@ def test_config_file_flags_and_command_line_precedence(tmp_path):
         ("port:\n", "null.yaml", "port has no value"),
         ("port: 1\n", "flags.json", "must be YAML"),
         (None, "missing.yaml", "No such file"),
+        ("config: other.yaml\n", "nested.yaml", "a config file cannot name another"),
+        ("base: 1\n", "unknown.yaml", "base is not a flag of this command"),
+        ("512: 1\n", "number.yaml", "512 is not a flag of this command"),
+        ("stream-interval: [4, 2]\n", "list.yaml", "stream-interval takes one value"),
+        ("enforce-eager: 1\n", "int.yaml", "enforce-eager takes true or false, got 1"),
     ],
 )
 def test_bad_config_files_fail_in_one_line(capsys, tmp_path, text, name, words):

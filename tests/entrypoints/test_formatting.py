@@ -33,7 +33,8 @@ def test_clamp_logprob_is_json_safe():
     assert clamp_logprob(float("nan")) == MIN_LOGPROB
     assert clamp_logprob(-1e30) == MIN_LOGPROB
     assert clamp_logprob(-0.5) == -0.5
-    assert clamp_logprob(float("inf")) == 0.0
+    assert clamp_logprob(float("inf")) == -MIN_LOGPROB
+    assert clamp_logprob(17.5) == 17.5  # a logit (--logprobs-mode raw_logits)
 
 
 class _Bytes:

@@ -204,6 +204,8 @@ def test_mm_processor_kwargs_reach_the_image_processor_and_bad_ones_are_refused(
 
     text_only = HFConfig({"architectures": ["LlamaForCausalLM"]})
     assert build_multimodal_config(text_only, qwen_path, False, None, None, None) is None
+    mm = build_multimodal_config(config, qwen_path, True, None, None, None, "")
+    assert mm.allowed_local_media_path is None  # vLLM's default "": file URLs refused
     mm = build_multimodal_config(config, qwen_path, True, None, None, None, qwen_path + "/.")
     assert mm.allowed_local_media_path == os.path.realpath(qwen_path)
     with pytest.raises(MultiModalConfigError, match="--allowed-local-media-path .*: not a folder"):
@@ -234,11 +236,18 @@ def test_file_urls_are_read_only_under_the_allowed_folder(tmp_path, monkeypatch)
         (f"file://{root}/../secret.png", "not under --allowed-local-media-path"),
         ((root / "link.png").as_uri(), "not under --allowed-local-media-path"),
         ((root / "none.png").as_uri(), "cannot be read"),
-        ((root / "sub").as_uri(), "cannot be read"),
+        ((root / "sub").as_uri(), "not a regular file"),
         (f"file://example.com{root}/sub/x.png", "names a host"),
     ]:
         with pytest.raises(MediaError, match=words):
             load_image_url(bad, (), local)
+    import os
+
+    os.mkfifo(root / "fifo")  # would block an open() for reading until a writer comes
+    with pytest.raises(MediaError, match="not a regular file"):
+        load_image_url((root / "fifo").as_uri(), (), local)
+    with pytest.raises(MediaError, match="not valid"):
+        load_image_url(f"file://{root}/a%00.png", (), local)
     monkeypatch.setattr(media, "MAX_IMAGE_BYTES", 100)
     (root / "big.png").write_bytes(encoded("PNG", (64, 64)))
     with pytest.raises(MediaError, match="bytes"):

@@ -61,7 +61,7 @@ def build_multimodal_config(
             value (see the parsers).
     """
     local_root = None
-    if allowed_local_media_path is not None:
+    if allowed_local_media_path:  # vLLM's default is "": file URLs refused
         local_root = os.path.realpath(allowed_local_media_path)
         if not os.path.isdir(local_root):
             raise MultiModalConfigError(

@@ -12,6 +12,7 @@ import base64
 import binascii
 import io
 import os
+import stat
 import time
 import urllib.error
 import urllib.parse
@@ -167,14 +168,25 @@ def read_local_image(url: str, local_root: str | None) -> Any:
     parsed = urllib.parse.urlsplit(url)
     if parsed.netloc not in ("", "localhost"):
         raise MediaError(f"a file URL names a host ({parsed.netloc!r}); file:///path expected")
-    path = os.path.realpath(urllib.parse.unquote(parsed.path))
+    try:
+        path = os.path.realpath(urllib.parse.unquote(parsed.path))
+    except ValueError as e:  # a NUL byte in the path
+        raise MediaError(f"the file URL's path is not valid: {e}") from None
     if os.path.commonpath([path, local_root]) != local_root:
         raise MediaError("the file is not under --allowed-local-media-path")
     try:
-        with open(path, "rb") as f:
+        # Non-blocking, then checked: a FIFO would otherwise hold the reading thread.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (OSError, ValueError) as e:
+        raise MediaError(f"the image file cannot be read: {getattr(e, 'strerror', e)}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise MediaError("the image path is not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        try:
             data = f.read(MAX_IMAGE_BYTES + 1)
-    except OSError as e:
-        raise MediaError(f"the image file cannot be read: {e.strerror or e}") from None
+        except OSError as e:
+            raise MediaError(f"the image file cannot be read: {e.strerror or e}") from None
     return decode_image(data)
 
 

@@ -45,16 +45,21 @@ def _subcommand_parser(
     return parser, depth
 
 
-def file_flags(path: str, known: set[str], skip: frozenset[str] = frozenset()) -> list[str]:
+def file_flags(
+    path: str, known: dict[str, argparse.Action], skip: frozenset[str] = frozenset()
+) -> list[str]:
     """The command-line tokens of a ``--config`` file (module docstring).
 
     Args:
         path: a ``.yaml``/``.yml`` file.
-        known: the command's option strings (for the ``--no-`` form of ``false``).
+        known: the command's option strings and their actions (a key must name one; a
+            flag without a value takes a boolean, one with a single value no list).
         skip: flags to leave out (``--model`` where the command line names the model).
 
     Raises:
-        ConfigFileError: not a YAML file, unreadable, not a mapping, or a key without a value.
+        ConfigFileError: not a YAML file, unreadable, not a mapping, a key that is no flag
+            of the command (``config`` included: files do not nest), or a value of the
+            wrong kind for its flag.
     """
     if not path.endswith((".yaml", ".yml")):
         raise ConfigFileError(f"--config {path}: the file must be YAML (.yaml or .yml)")
@@ -75,9 +80,21 @@ def file_flags(path: str, known: set[str], skip: frozenset[str] = frozenset()) -
         flag = "--" + str(key).lstrip("-").replace("_", "-")
         if flag in skip:
             continue
+        if flag == "--config":
+            raise ConfigFileError(f"--config {path}: a config file cannot name another")
+        action = known.get(flag)
+        if action is None:
+            raise ConfigFileError(f"--config {path}: {key} is not a flag of this command")
         if value is None:
             raise ConfigFileError(f"--config {path}: {key} has no value")
-        if isinstance(value, bool):
+        takes_value = action.nargs != 0
+        if not takes_value and not isinstance(value, bool):
+            raise ConfigFileError(f"--config {path}: {key} takes true or false, got {value!r}")
+        if action.nargs is None and isinstance(value, list):
+            raise ConfigFileError(f"--config {path}: {key} takes one value, got a list")
+        if isinstance(value, bool) and takes_value:
+            tokens += [flag, str(value).lower()]
+        elif isinstance(value, bool):
             negative = "--no-" + flag[2:]
             if value:
                 tokens.append(flag)
@@ -119,5 +136,4 @@ def expand_config_file(parser: argparse.ArgumentParser, argv: Sequence[str]) -> 
     while depth < len(rest) and not rest[depth].startswith("-"):
         depth += 1
     skip = frozenset({"--model"}) if depth > named else frozenset()
-    known = set(command._option_string_actions)
-    return rest[:depth] + file_flags(path, known, skip) + rest[depth:]
+    return rest[:depth] + file_flags(path, command._option_string_actions, skip) + rest[depth:]

@@ -19,10 +19,12 @@ MIN_LOGPROB = -9999.0
 
 
 def clamp_logprob(value: float) -> float:
-    """A JSON-safe logprob: -inf and NaN become MIN_LOGPROB (JSON has neither)."""
+    """A JSON-safe logprob: -inf and NaN become MIN_LOGPROB (JSON has neither), as does
+    anything below it; +inf becomes ``-MIN_LOGPROB``. Positive values stay: the logits
+    modes of ``--logprobs-mode`` return unnormalised logits."""
     if math.isnan(value):
         return MIN_LOGPROB
-    return min(max(value, MIN_LOGPROB), 0.0)
+    return min(max(value, MIN_LOGPROB), -MIN_LOGPROB)
 
 
 @lru_cache(maxsize=1)
