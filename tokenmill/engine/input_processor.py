@@ -218,7 +218,7 @@ class InputProcessor:
                 # A beam's score sums its tokens' logprobs; logits would not add up to one.
                 raise InvalidRequestError(
                     "beam search needs logprobs, and this server returns logits "
-                    f"(--logprobs-mode {self.model_config.logprobs_mode}).", "model"
+                    f"(--logprobs-mode {self.model_config.logprobs_mode}).", "use_beam_search"
                 )
             if lora_request is not None:
                 # Forked beams do not carry the adapter: refuse rather than decode with the
