@@ -24,7 +24,7 @@ SkinnyGemm = Literal["auto", "all", "off"]
 CpuBf16Weights = Literal["auto", "on", "off"]
 SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "mtp"]
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 
 
 class ConfigError(ValueError):

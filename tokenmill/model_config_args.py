@@ -126,17 +126,16 @@ def create_model_config(args: Any, device: str) -> ModelConfig:
         multimodal_config=multimodal_config,
     )
 
+
 def sliding_window(hf_config: Any) -> int | None:
     """The model's sliding window in tokens (its local layers'), or None where no layer has
-    one (Qwen2-family configs use theirs only with ``use_sliding_window``)."""
-    window = hf_config.get("sliding_window")
-    if not window:
-        return None
-    if hf_config.get("model_type") in ("qwen2", "qwen3", "qwen2_moe") and not hf_config.get(
-        "use_sliding_window", False
-    ):
-        return None
-    return int(window)
+    one, by the models' own per-layer rule (``layer_sliding_window``: Qwen2-family configs
+    use theirs only with ``use_sliding_window``, from ``max_window_layers``)."""
+    from tokenmill.model.models.llama import layer_sliding_window
+
+    layers = range(int(hf_config.get("num_hidden_layers", 0)))
+    windows = [w for w in (layer_sliding_window(hf_config, i) for i in layers) if w]
+    return int(max(windows)) if windows else None
 
 
 def _override_generation(

@@ -177,8 +177,8 @@ def read_local_image(url: str, local_root: str | None) -> Any:
     try:
         # Non-blocking, then checked: a FIFO would otherwise hold the reading thread.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except (OSError, ValueError) as e:
-        raise MediaError(f"the image file cannot be read: {getattr(e, 'strerror', e)}") from None
+    except OSError as e:
+        raise MediaError(f"the image file cannot be read: {e.strerror or e}") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise MediaError("the image path is not a regular file")

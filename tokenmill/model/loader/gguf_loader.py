@@ -199,8 +199,9 @@ def iterate_gguf(
         block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
         if keep_quantized and not quantized and not shapes_only and block > 1:
             seen = unkept.setdefault(t.tensor_type.name, [0, 0, 0])
-            seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + int(t.n_bytes), seen[2] + int(
-                t.n_elements)  # fmt: skip
+            seen[0] += 1
+            seen[1] += int(t.n_bytes)
+            seen[2] += int(t.n_elements)
         if quantized:
             data = np.asarray(t.data)
         else:

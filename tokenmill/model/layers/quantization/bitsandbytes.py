@@ -32,6 +32,7 @@ from tokenmill.model.layers.quantization.base import (
     copy_shard,
     layer_ignored,
     layer_names,
+    name_listed,
     set_layout,
 )
 from tokenmill.model.layers.weight_shape import check_shape
@@ -226,15 +227,15 @@ def _dequantize_part(bnb: Any, state: dict[str, torch.Tensor], device: torch.dev
     if "SCB" in state:  # 8-bit: int8 rows and their absmax
         return packed.to(device).float() * (state["SCB"].to(device).float()[:, None] / 127)
     try:
-        return _dequantize_4bit(bnb, state, device, packed)
+        return _dequantize_4bit(bnb, state, device)
     except (ValueError, KeyError, RuntimeError, TypeError) as e:
         reason = " ".join(str(e).split())[:200]
         raise QuantizationError(f"{name}: bitsandbytes cannot read its 4-bit state: "
                                 f"{reason}") from None  # fmt: skip
 
 
-def _dequantize_4bit(bnb: Any, state: dict[str, torch.Tensor], device: torch.device,
-                     packed: torch.Tensor) -> torch.Tensor:
+def _dequantize_4bit(bnb: Any, state: dict[str, torch.Tensor],
+                     device: torch.device) -> torch.Tensor:  # fmt: skip
     from bitsandbytes.functional import QuantState
 
     qs_dict = {}
@@ -246,8 +247,8 @@ def _dequantize_4bit(bnb: Any, state: dict[str, torch.Tensor], device: torch.dev
             key = "quant_state." + key[len("quant_state_"):]
         qs_dict[key] = value
     quant_state = QuantState.from_dict(qs_dict, device=device)
-    return bnb.functional.dequantize_4bit(packed.to(device), quant_state).float().reshape(
-        quant_state.shape)
+    return bnb.functional.dequantize_4bit(state["weight"].to(device), quant_state).float(
+    ).reshape(quant_state.shape)
 
 
 class BitsAndBytesConfig(QuantizationConfig):
@@ -293,10 +294,9 @@ class BitsAndBytesConfig(QuantizationConfig):
 
         # A checkpoint layer named (or ending with) a skipped module stays 16-bit; a merged
         # layer by its parts, which must agree.
-        def skipped(name: str) -> bool:
-            return any(s and (name == s or name.endswith("." + s)) for s in self.skip)
-
-        if getattr(layer, "replicated", False) or layer_ignored(prefix, skipped):
+        if getattr(layer, "replicated", False) or layer_ignored(
+            prefix, lambda name: name_listed(name, self.skip)
+        ):
             return UnquantizedLinearMethod()
         return BitsAndBytesLinearMethod(self.bits, self.quant_type, self.blocksize)
 
