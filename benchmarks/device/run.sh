@@ -332,12 +332,12 @@ run_stage() {  # run_stage NAME: one stage of the list below
   local st=$1
   case "$st" in
     gputests) PYTHONPATH="$XGP" stage gputests 480 python3 -m pytest -q -n 8 tests/gpu tests/kernels/test_fused_kernels.py -p no:cacheprovider --timeout 200 --durations=8 ;;
-    gputests_all) PYTHONPATH="$XGP" stage gputests_all 330 python3 -m pytest -q tests/gpu tests/kernels/test_fused_kernels.py tests/kernels/test_skinny_gemm.py tests/worker/test_sampler.py tests/kernels/test_gumbel_sampling.py tests/kernels/test_top_p_select.py -p no:cacheprovider --timeout 200 --durations=5 ;;
+    gputests_all) PYTHONPATH="$XGP" stage gputests_all 330 python3 -m pytest -q tests/gpu tests/kernels/test_fused_kernels.py tests/kernels/test_skinny_gemm.py tests/worker/test_sampler.py tests/worker/test_sampler_logprobs.py tests/kernels/test_gumbel_sampling.py tests/kernels/test_top_p_select.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_mixed) stage gputests_mixed 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "mixed_step_graphs or split_decode" -p no:cacheprovider --timeout 120 ;;
     gputests_k) PYTHONPATH="$XGP" stage gputests_k 300 python3 -m pytest -q tests/gpu -k "$K" -p no:cacheprovider --timeout 200 --durations=5 ;;
     gputests_attn) PYTHONPATH="$XGP" stage gputests_attn 300 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
-    gputests_topp_unit) stage gputests_topp_unit 200 python3 -m pytest -q tests/kernels/test_top_p_select.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 150 ;;
-    gputests_sampler) PYTHONPATH="$XGP" stage gputests_sampler 240 python3 -m pytest -q tests/worker/test_sampler.py tests/kernels/test_gumbel_sampling.py tests/kernels/test_top_p_select.py tests/gpu/test_engine_gpu.py tests/gpu/test_skinny_gemm_gpu.py -p no:cacheprovider --timeout 150 ;;
+    gputests_topp_unit) stage gputests_topp_unit 200 python3 -m pytest -q tests/kernels/test_top_p_select.py tests/worker/test_sampler.py tests/worker/test_sampler_logprobs.py -p no:cacheprovider --timeout 150 ;;
+    gputests_sampler) PYTHONPATH="$XGP" stage gputests_sampler 240 python3 -m pytest -q tests/worker/test_sampler.py tests/worker/test_sampler_logprobs.py tests/kernels/test_gumbel_sampling.py tests/kernels/test_top_p_select.py tests/gpu/test_engine_gpu.py tests/gpu/test_skinny_gemm_gpu.py -p no:cacheprovider --timeout 150 ;;
     gputests_quick) stage gputests_quick 200 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py -p no:cacheprovider --timeout 150 ;;
     stagingtest) stage stagingtest 90 python3 -m pytest -q tests/worker/test_step_staging.py -p no:cacheprovider ;;
     gputests_staging) PYTHONPATH="$XGP" stage gputests_staging 300 python3 -m pytest -q tests/worker/test_step_staging.py tests/gpu/test_engine_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
@@ -357,7 +357,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
       [ -f /tmp/tm_vl7b/config.json ] || python3 benchmarks/device/make_vl_model.py "$M135" /tmp/tm_vl7b >> "$LOGS/setup.log" 2>&1
       TAIL_LINES=80 stage vision_profile 200 python3 benchmarks/device/vision_profile.py /tmp/tm_vl7b ;;
     gputests_vision) PYTHONPATH="$XGP" stage gputests_vision 300 python3 -m pytest -q tests/gpu/test_vision_gpu.py -p no:cacheprovider --timeout 250 ;;
-    gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py -p no:cacheprovider --timeout 200 ;;
+    gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py tests/worker/test_sampler_logprobs.py -p no:cacheprovider --timeout 200 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
     attn_rope) stage attn_rope 120 python3 benchmarks/attention_bench.py --only cache --prefill-tokens 1,64,272,1024 ;;
     attn_chunk) stage attn_chunk 240 python3 benchmarks/attention_bench.py --only prefill --prefill-tokens 1024 --chunk-tokens "${CHUNK:-256}" --chunk-contexts 0,256,512,768 --sweep-tiles ;;
