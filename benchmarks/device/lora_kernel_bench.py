@@ -7,7 +7,7 @@ For each layer product (q/k/v, output, gate/up, down) and row count: the time of
 ``lora_triton`` call (shrink; expand adding the chunks) with ``--adapters`` adapters of ``--rank``
 per part spread over the rows at random (one adapter for every row at 1,024: a prompt),
 beside the base bf16 product ``x @ W^T`` of the same shape (cuBLAS), and the same LoRA call
-with the shrink in one K chunk and the expand over every rank (``unsplit``). Each figure is
+with the shrink in one K chunk (``unsplit``) and in at most 16 (``cap16``). Each figure is
 the median of CUDA-graph replays of 20 calls. Lines start with ``LORAK``; the last lines give
 the sum over one layer and over the 32 layers of a decode step.
 """
@@ -34,10 +34,26 @@ def _graph_us(fn, calls: int = 20, reps: int = 15) -> float:
     return graph_replay_ms(lambda: [fn() for _ in range(calls)], reps) * 1000 / calls
 
 
+def _capped(cap: int):
+    """``shrink_split`` with at most ``cap`` K chunks."""
+    split = sgmv.shrink_split
+
+    def capped(tiles: int, k: int, sms: int) -> tuple[int, int]:
+        chunks, size = split(tiles, k, sms)
+        if chunks <= cap:
+            return chunks, size
+        size = -(-k // cap)
+        size = -(-size // sgmv.SHRINK_BLOCK_K) * sgmv.SHRINK_BLOCK_K
+        return -(-k // size), size
+
+    return capped
+
+
 def _measure(
     slots: torch.Tensor, k: int, parts: tuple[int, ...], rank: int, g: torch.Generator
-) -> tuple[float, float, float]:
-    """``(base, lora, unsplit)`` µs of one product for the rows of ``slots``."""
+) -> tuple[float, float, float, float]:
+    """``(base, lora, unsplit, capped at 16 chunks)`` µs of one product for the rows of
+    ``slots``."""
     dev, dt = slots.device, torch.bfloat16
     rows, slots_n = slots.shape[0], int(slots.max()) + 1
     n, r = sum(parts), rank * len(parts)
@@ -50,12 +66,14 @@ def _measure(
     base = _graph_us(lambda: torch.matmul(x, w.T, out=y))
     lora = _graph_us(lambda: sgmv.lora_triton(y, x, a, b, slots, starts))
     split = sgmv.shrink_split
-    sgmv.shrink_split = lambda tiles, kk, sms: (1, kk)
     try:
-        unsplit = _graph_us(lambda: sgmv.lora_triton(y, x, a, b, slots))
+        sgmv.shrink_split = lambda tiles, kk, sms: (1, kk)
+        unsplit = _graph_us(lambda: sgmv.lora_triton(y, x, a, b, slots, starts))
+        sgmv.shrink_split = _capped(16)
+        cap16 = _graph_us(lambda: sgmv.lora_triton(y, x, a, b, slots, starts))
     finally:
         sgmv.shrink_split = split
-    return base, lora, unsplit
+    return base, lora, unsplit, cap16
 
 
 def main() -> None:
@@ -74,20 +92,22 @@ def main() -> None:
         else:
             slots = torch.randint(1, slots_n, (rows,), generator=g, device=dev).to(torch.int32)
         for name, (k, parts) in SHAPES.items():
-            base, lora, unsplit = _measure(slots, k, parts, args.rank, g)
-            for key, us in (("base", base), ("lora", lora), ("unsplit", unsplit)):
+            base, lora, unsplit, cap16 = _measure(slots, k, parts, args.rank, g)
+            for key, us in (("base", base), ("lora", lora), ("unsplit", unsplit),
+                            ("cap16", cap16)):
                 totals[(rows, key)] = totals.get((rows, key), 0.0) + us
             print(
                 f"LORAK rows={rows} {name}: base {base:.1f} us, lora {lora:.1f} us "
-                f"({lora / base:.2f} of base), unsplit {unsplit:.1f} us",
+                f"({lora / base:.2f} of base), unsplit {unsplit:.1f} us, cap16 {cap16:.1f} us",
                 flush=True,
             )
     for rows in sorted({r for r, _ in totals}):
-        base, lora, unsplit = (totals[(rows, key)] for key in ("base", "lora", "unsplit"))
+        base, lora, unsplit, cap16 = (
+            totals[(rows, key)] for key in ("base", "lora", "unsplit", "cap16"))
         print(
             f"LORAK rows={rows} layer: base {base:.1f} us, lora {lora:.1f} us "
-            f"({lora / base:.2f}), unsplit {unsplit:.1f} us; 32 layers: lora "
-            f"{32 * lora / 1000:.2f} ms, unsplit {32 * unsplit / 1000:.2f} ms",
+            f"({lora / base:.2f}), unsplit {unsplit:.1f} us, cap16 {cap16:.1f} us; 32 layers: "
+            f"lora {32 * lora / 1000:.2f} ms, unsplit {32 * unsplit / 1000:.2f} ms",
             flush=True,
         )
 

@@ -44,14 +44,14 @@ def test_int4_kernel_llama_shapes(m, n, k):
     _check(y, x.float() @ w_t)
 
 
-@pytest.mark.parametrize("offset", [1, 0])
+@pytest.mark.parametrize("swap", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("m", [8, 96])
-def test_int4_tensor_core_offset(m, group, dtype, offset):
-    """The tensor-core kernel with the 4-bit values read as ``OFFSET + q`` (offset=1, the
-    default) and with each weight dequantized in float32 (offset=0), in both 16-bit dtypes,
-    at a decode and a prompt-sized batch (down projection's shape: K split)."""
+def test_int4_tensor_core(m, group, dtype, swap):
+    """Both tensor-core kernels (``swap``: the transposed product, the weight tile on the
+    left), in both 16-bit dtypes, at a decode and a prompt-sized batch (down projection's
+    shape: K split)."""
     n, k = 4096, 14336
     gen = torch.Generator(device="cuda").manual_seed(m + group)
     kw = dict(device="cuda", generator=gen)
@@ -62,8 +62,8 @@ def test_int4_tensor_core_offset(m, group, dtype, offset):
     ).repeat_interleave(group, 0)
     x = torch.randn(m, k, **kw).to(dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = dict(launch_config(m, n, k, dtype, sms, group), OFFSET=offset)
-    assert group % cfg["BLOCK_K"] == 0  # one scale row per tile: the OFFSET arithmetic
+    cfg = dict(launch_config(m, n, k, dtype, sms, group), SWAP_AB=swap)
+    assert group % cfg["BLOCK_K"] == 0  # one scale row per tile
     y = int4_linear(x, pack_k(q), scales, zeros, group, cfg)
     assert y.dtype == dtype
     _check(y, x.float() @ w_t)
@@ -102,6 +102,8 @@ def test_gguf_kernel(qtype, m):
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "ct"])
 def test_int4_checkpoint_on_cuda(tmp_path, fmt):
+    if fmt == "ct":
+        pytest.importorskip("compressed_tensors")  # writes the compressed-tensors packing
     from transformers import AutoModelForCausalLM
 
     from tests.model.paged import PagedRunner

@@ -41,35 +41,34 @@ def test_int4_kernel(m, n, k, split, group, block_k):
 
 
 def test_int4_k_step_divides_the_group():
-    """16-bit tiles never span two groups (the one-scale-row tile and its OFFSET arithmetic):
-    the K step shrinks to the group, down to 32 channels."""
+    """16-bit tiles never span two groups (one scale and zero row per tile): the K step
+    shrinks to the group, down to 32 channels."""
     for group, decode, prefill in [(32, 32, 32), (64, 64, 64), (128, 128, 64), (4096, 128, 64)]:
         for m, want in ((8, decode), (300, prefill)):
             cfg = int4_gemm.launch_config(m, 4096, 4096, torch.bfloat16, 132, group)
             assert cfg["BLOCK_K"] == want and group % cfg["BLOCK_K"] == 0
 
 
-@pytest.mark.parametrize("offset", [1, 0])
+@pytest.mark.parametrize("swap", [0, 1])
 @pytest.mark.parametrize("m, n, k, split", [(20, 48, 256, 1), (5, 40, 320, 2)])
-def test_int4_kernel_float16_offset(m, n, k, split, offset):
-    """float16 activations: the tensor-core kernel's tiles read the 4-bit values as
-    ``1024 + q`` and apply offset, zero and scale to the tile's product (``offset=1``), or
-    dequantize each weight (``offset=0``); both equal the float32 product of the dequantized
-    weight within float16's rounding; with masked rows (m = 5, 20 in 16-row tiles),
-    masked columns (n = 40) and K split into three tiles and two (k = 320)."""
+def test_int4_kernel_float16(m, n, k, split, swap):
+    """float16 activations, both tensor-core kernels (``swap``: the transposed product with
+    the weight tile on the left) equal the float32 product of the dequantized weight within
+    float16's rounding; with masked rows (m = 5, 20 in 16-row tiles), masked columns (n = 40)
+    and K split into three tiles and two (k = 320)."""
     group = 64
-    gen = torch.Generator().manual_seed(m + offset)
+    gen = torch.Generator().manual_seed(m + swap)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
     scales = (torch.rand(k // group, n, generator=gen) * 0.1).half()
     zeros = torch.randint(0, 16, (k // group, n), dtype=torch.uint8, generator=gen)
     w_t = (q.float().t() - zeros.float().repeat_interleave(group, 0)) * scales.float(
     ).repeat_interleave(group, 0)
     x = torch.randn(m, k, generator=gen).half()
-    cfg = dict(_config(split, 64), BLOCK_N=16, OFFSET=offset)
+    cfg = dict(_config(split, 64), BLOCK_N=16, SWAP_AB=swap)
     y = int4_gemm.int4_linear(x, pack_k(q), scales, zeros, group, cfg)
     assert y.dtype == torch.float16
     ref = x.float() @ w_t
-    # float16 rounds the output (and, with offset=0, each weight) at 2^-11 relative
+    # float16 rounds each weight and the output at 2^-11 relative
     assert (y.float() - ref).abs().max() <= 2e-3 * ref.abs().max()
 
 

@@ -312,3 +312,16 @@ def test_a_gptq_g_idx_of_the_wrong_length_is_named(tmp_path, monkeypatch):
     save_file(tensors, path)
     with pytest.raises(ModelLoadError, match=r"k_proj\.g_idx.*has shape \(120,\), expected"):
         _load(os.path.join(folder, "quant"), monkeypatch)
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_a_gptq_g_idx_outside_the_groups_is_refused(shift):
+    """A g_idx whose groups lie past the last group or below 0 is refused with one line,
+    not re-based or left to a torch error."""
+    from tokenmill.model.layers.quantization.base import QuantizationError
+    from tokenmill.model.layers.quantization.int4 import sort_by_group
+
+    k, group = 64, 16
+    g_idx = torch.arange(k)[torch.randperm(k, generator=torch.Generator().manual_seed(0))]
+    with pytest.raises(QuantizationError, match=r"g_idx holds groups outside 0\.\.3"):
+        sort_by_group(torch.zeros(8, k, dtype=torch.uint8), g_idx // group + shift, group)

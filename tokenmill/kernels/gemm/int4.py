@@ -7,20 +7,16 @@ zeros[k // G, n]) * scales[k // G, n]`` (the AWQ/GPTQ dequantization).
 
 Each program computes a ``[BLOCK_M, BLOCK_N]`` output tile over a range of K: it loads the
 packed words of its ``[BLOCK_K, BLOCK_N]`` weight tile (each word serves eight rows), shifts
-and masks out the values and feeds ``tl.dot``. Where a tile lies in one group and the
-activations are 16-bit, the values become floats without a conversion instruction (OR-ed into
-the mantissa of a power of two, ``OFFSET_FLOATS``) and the group's offset, zero and scale are
-applied to the tile's product; otherwise each weight is dequantized in float32. Three launch
-shapes:
+and masks out the values, dequantizes each in float32 (one scale and zero row per tile where
+the tile lies in one group) and feeds ``tl.dot``. Launch shapes:
 
 - one row (``M <= GEMV_MAX_M``, batch-1 decode): a GEMV without
   tensor cores. Each program unpacks its ``[BLOCK_K, BLOCK_N]`` tile once for all rows and
   applies the group's scale and zero point once per group instead of per weight, by
   ``sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k)`` (the factoring of exllama's
   and Marlin's decode kernels); split-K spreads the weight reads over every SM;
-- decode (``M <= DECODE_MAX_M``): 16-row tiles and split-K (partial sums added with float32
-  atomics);
-- prefill: 64 x 128 tiles, K split where the output has few tiles;
+- up to ``DEQUANT_MIN_M`` rows: the tensor-core kernel, tiles by row count (``TC_TILES``),
+  K split where the output has few tiles (partial sums added with float32 atomics);
 - from ``DEQUANT_MIN_M`` rows: the weight dequantized once (``int4_dequantize``) and the
   product left to cuBLAS.
 """
@@ -42,15 +38,11 @@ except ImportError:  # CPU-only installs
 
 # Two rows and more run faster on the tensor-core kernel (int4_kernel_bench.py, H100).
 GEMV_MAX_M = 1
-DECODE_MAX_M = 32
 # From this many rows the weight is dequantized to x's dtype once and multiplied by cuBLAS:
 # one pass over the weight costs less than the in-loop dequantization of a tensor-core
 # kernel whose tiles each unpack it again (H100, Llama-3.1-8B's four products at 256 rows:
 # 0.53-0.71 of the in-loop kernel's time; at 1,024 rows 0.35-0.39; int4_kernel_bench.py).
 DEQUANT_MIN_M = 256
-# A 4-bit value q OR-ed into these bits of a 16-bit float reads as OFFSET + q exactly (the
-# exponent of OFFSET, whose last mantissa bit is worth 1): bfloat16 128 + q, float16 1024 + q.
-OFFSET_FLOATS = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
 if HAS_TRITON:
@@ -65,8 +57,6 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        OFFSET_BITS: tl.constexpr,
-        OFFSET: tl.constexpr,
     ):
         pid_mn = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -96,20 +86,8 @@ if HAS_TRITON:
                 g = offs_n.to(tl.int64) + (k0 // GROUP) * N
                 s = tl.load(s_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + g, mask=n_mask, other=0).to(tl.float32)
-                if OFFSET_BITS != 0:
-                    # (q | OFFSET_BITS) read as x's 16-bit float is exactly OFFSET + q (the
-                    # exponent of OFFSET, q in the low mantissa bits), so no weight goes
-                    # through an int-to-float conversion (a quarter-rate instruction); the
-                    # offset, zero point and scale are applied to the tile's product:
-                    # s * (x . (OFFSET + q) - (OFFSET + z) * sum_k x). Rows past k_end have
-                    # x = 0 and add nothing to either term.
-                    w = (q | OFFSET_BITS).to(tl.int16).to(x.dtype, bitcast=True)
-                    part = tl.dot(x, w, input_precision=DOT_PRECISION)
-                    x_sum = tl.sum(x.to(tl.float32), axis=1)
-                    acc += (part - x_sum[:, None] * (z + OFFSET)[None, :]) * s[None, :]
-                else:
-                    w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
-                    acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+                w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
+                acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
             else:
                 w_mask = k_mask[:, None] & n_mask[None, :]
                 words = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * N
@@ -122,6 +100,53 @@ if HAS_TRITON:
                 acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
+        if ATOMIC:
+            tl.atomic_add(out_ptrs, acc, mask=mask)
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _int4_gemm_swap_kernel(
+        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
+        M, N, K, stride_xm, stride_om, k_per_split,
+        GROUP: tl.constexpr,
+        ATOMIC: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # The transposed product out^T = W x^T: the dequantized weight tile is the left
+        # operand [BLOCK_N, BLOCK_K], which Hopper's warpgroup MMA takes from registers (the
+        # right operand, x^T, from shared memory); K steps stay within one group.
+        pid_mn = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_n = tl.cdiv(N, BLOCK_N)
+        pid_m = pid_mn // num_n
+        pid_n = pid_mn % num_n
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        shifts = tl.arange(0, 8) * 4
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        k_start = pid_k * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None],
+                         mask=m_mask[None, :] & (offs_k < k_end)[:, None], other=0.0)
+            rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            words = tl.load(qw_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None],
+                            mask=(rows * 8 < k_end)[None, :] & n_mask[:, None], other=0)
+            q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF,
+                           (BLOCK_N, BLOCK_K))
+            g = offs_n.to(tl.int64) + (k0 // GROUP) * N
+            s = tl.load(s_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g, mask=n_mask, other=0).to(tl.float32)
+            w = ((q.to(tl.float32) - z[:, None]) * s[:, None]).to(xt.dtype)
+            acc = tl.dot(w, xt, acc)
+        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        mask = m_mask[None, :] & n_mask[:, None]
         if ATOMIC:
             tl.atomic_add(out_ptrs, acc, mask=mask)
         else:
@@ -198,32 +223,33 @@ if HAS_TRITON:
                  w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
+# Tensor-core tiles by batch rows (up to the first bound): (BLOCK_M, BLOCK_N, widest K step,
+# warps, stages) -- the fastest over Llama-3.1-8B's four products at 8, 32, 64 and 128 rows of
+# an H100 sweep (int4_kernel_bench.py --tc-sweep).
+TC_TILES = ((16, (16, 64, 128, 4, 3)), (32, (32, 64, 128, 4, 3)), (64, (64, 128, 128, 8, 3)),
+            (DEQUANT_MIN_M, (128, 128, 64, 8, 3)))
+
+
 def launch_config(
     m: int, n: int, k: int, dtype: torch.dtype, num_sms: int, group: int = 128
 ) -> dict[str, int]:
     """Tile sizes and the K split for an ``[m, k] x [k, n]`` product of ``group``-channel
     groups.
 
-    float32 (the interpreter, CPU tests) keeps tiles small; small batches split K until
-    the grid covers the SMs about twice. The K step never exceeds a group (down to 32
-    channels), so each tile takes one scale and zero row and the 16-bit tiles the
-    ``OFFSET_FLOATS`` arithmetic.
+    float32 (the interpreter, CPU tests) keeps tiles small. 16-bit tiles come from
+    ``TC_TILES`` by row count; K is split until the grid covers the SMs once, keeping at
+    least four K steps per split (Llama-8B's down projection has 32 column tiles). The K step
+    never exceeds a group (down to 32 channels), so each tile takes one scale and zero row.
     """
     if dtype == torch.float32:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, num_warps=4, num_stages=1)
-    if m <= DECODE_MAX_M:
-        block_n, block_k = 64, _k_step(128, group)
-        tiles = cdiv(m, 16) * cdiv(n, block_n)
-        split = max(1, min(cdiv(2 * num_sms, tiles), cdiv(k, block_k)))
-        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-                    num_warps=4, num_stages=3)
-    # Products with few output tiles (Llama-8B's down projection: 32 column tiles) split K
-    # until the grid covers the SMs once, keeping at least four K steps per split.
-    block_k = _k_step(64, group)
-    tiles = cdiv(m, 64) * cdiv(n, 128)
+    tile = next((t for bound, t in TC_TILES if m <= bound), TC_TILES[-1][1])
+    block_m, block_n, widest, warps, stages = tile
+    block_k = _k_step(widest, group)
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
     split = max(1, min(cdiv(num_sms, tiles), cdiv(k, 4 * block_k)))
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=block_k, SPLIT_K=split, num_warps=8,
-                num_stages=3)  # fmt: skip
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+                num_warps=warps, num_stages=stages)
 
 
 def _k_step(widest: int, group: int) -> int:
@@ -289,8 +315,8 @@ def int4_linear(
         qweight: ``[K/8, N]`` int32. scales: ``[K/G, N]``. zeros: ``[K/G, N]`` uint8.
         group: ``G``, input channels per group (a multiple of ``BLOCK_K`` or of 8 dividing it).
         config: tiles: ``gemv_config``'s keys for the GEMV kernel, ``launch_config``'s for
-            the tensor-core one (and ``"OFFSET": 0`` to dequantize each weight in float32
-            instead of ``OFFSET_FLOATS``), ``{"DEQUANT": 1}`` for ``int4_dequantize`` and cuBLAS;
+            the tensor-core one (with ``"SWAP_AB": 1``, the transposed kernel: the weight
+            tile as the left operand), ``{"DEQUANT": 1}`` for ``int4_dequantize`` and cuBLAS;
             chosen if None: the GEMV for up to ``GEMV_MAX_M`` rows in float16/bfloat16, the
             dequantized weight from ``DEQUANT_MIN_M`` rows.
 
@@ -332,9 +358,15 @@ def int4_linear(
         )
         return out.to(x.dtype) if atomic else out
     grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
-    offset_bits, offset = OFFSET_FLOATS.get(x.dtype, (0, 0.0))
-    if not cfg.get("OFFSET", 1):
-        offset_bits, offset = 0, 0.0
+    if cfg.get("SWAP_AB"):
+        _int4_gemm_swap_kernel[grid](
+            x, qweight, scales, zeros, out,
+            m, n, k, x.stride(0), out.stride(0), k_per_split,
+            GROUP=group, ATOMIC=atomic,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        return out.to(x.dtype) if atomic else out
     _int4_gemm_kernel[grid](
         x, qweight, scales, zeros, out,
         m, n, k, x.stride(0), out.stride(0), k_per_split,
@@ -342,7 +374,6 @@ def int4_linear(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         ATOMIC=atomic,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        OFFSET_BITS=offset_bits, OFFSET=offset,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out.to(x.dtype) if atomic else out

@@ -106,28 +106,30 @@ if HAS_TRITON:
         if hi > 0:
             rows64 = rows.to(tl.int64)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(lo, hi + 1):
-                mine = slots == s
-                if tl.sum(mine.to(tl.int32)) > 0:
-                    for r0 in range(r_lo, r_hi, BLOCK_R):
-                        ranks = r0 + tl.arange(0, BLOCK_R)
-                        # the shrink's K chunks, added in chunk order (deterministic)
-                        tt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                        for c in range(0, CHUNKS):
-                            tt += tl.load(
-                                t_ptr + c * st_split + rows64[:, None] * st + ranks[None, :],
-                                mask=mine[:, None] & (ranks[None, :] < r_hi),
-                                other=0.0,
-                            )
+            for r0 in range(r_lo, r_hi, BLOCK_R):
+                ranks = r0 + tl.arange(0, BLOCK_R)
+                # the shrink's K chunks, added once for every row of the tile (each row's
+                # t is its own slot's), in chunk order (deterministic)
+                tt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                for c in range(0, CHUNKS):
+                    tt += tl.load(
+                        t_ptr + c * st_split + rows64[:, None] * st + ranks[None, :],
+                        mask=(slots > 0)[:, None] & (ranks[None, :] < r_hi),
+                        other=0.0,
+                    )
+                for s in range(lo, hi + 1):
+                    mine = slots == s
+                    if tl.sum(mine.to(tl.int32)) > 0:
+                        ts = tl.where(mine[:, None], tt, 0.0)
                         bt = tl.load(
                             b_ptr + s * sb0 + ranks[:, None] * sb1 + cols[None, :],
                             mask=(ranks[:, None] < r_hi) & (cols[None, :] < N),
                             other=0.0,
                         )
                         if IEEE:
-                            acc += tl.dot(tt, bt.to(tl.float32), input_precision="ieee")
+                            acc += tl.dot(ts, bt.to(tl.float32), input_precision="ieee")
                         else:
-                            acc += tl.dot(tt.to(bt.dtype), bt)
+                            acc += tl.dot(ts.to(bt.dtype), bt)
             has = (slots > 0) & row_ok
             ptrs = y_ptr + rows64[:, None] * sy + cols[None, :]
             mask = has[:, None] & (cols[None, :] < N)

@@ -85,12 +85,18 @@ def sort_by_group(q: torch.Tensor, g_idx: torch.Tensor, group: int
         ``(q sorted, perm)``; perm is None when ``g_idx`` is already ``k // group``.
 
     Raises:
-        QuantizationError: a group does not hold exactly ``group`` channels.
+        QuantizationError: a group index outside ``[0, K/group)``, or a group that does not
+            hold exactly ``group`` channels.
     """
     k = q.shape[1]
     g_idx = g_idx.to(torch.int64)
     if torch.equal(g_idx, torch.arange(k, device=g_idx.device) // group):
         return q, None
+    if bool(((g_idx < 0) | (g_idx >= k // group)).any()):
+        raise QuantizationError(
+            f"g_idx holds groups outside 0..{k // group - 1} (input channels {k}, group size "
+            f"{group})"
+        )
     counts = torch.bincount(g_idx, minlength=k // group)
     if counts.numel() != k // group or bool((counts != group).any()):
         raise QuantizationError(
