@@ -129,6 +129,13 @@ def get_model(
     model_cls = model_cls or get_model_class(model_config.architecture)
     start = time.perf_counter()
     method = loaded_quantization(model_config, fmt)
+    if fmt == "dummy" and model_config.quantization == "gguf":
+        # random GGUF blocks would need a type per tensor the file names; dense weights of
+        # the model's dtype stand in, at their size rather than the file's
+        logger.warning(
+            "--load-format dummy: random %s weights stand in for %s's GGUF blocks (memory and "
+            "speed are not the quantized model's)", model_config.dtype, model_config.model,
+        )
     quant_config = get_quantization_config(method, model_config.hf_config, device.type)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype(model_config.dtype))
