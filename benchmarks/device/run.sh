@@ -110,7 +110,8 @@
 #   gputests_lora  the batched LoRA kernels on CUDA against the per-row reference, in CUDA
 #              graphs, and LoRA generation against merged weights (tests/gpu/test_lora_gpu.py)
 #   lora_serve tokenmill serve M8 without LoRA, then with 8 rank-16 adapters (--max-loras 8),
-#              each under vLLM's client, random 1024/256 c=64 (LORA_PROMPTS, default 400);
+#              each under vLLM's client (tokenmill's without the bundle), random 1024/256 c=64
+#              (LORA_PROMPTS, default 400);
 #              with LoRA every request names one of the 8 adapters at random
 #   tm_lora_serve  lora_serve's second half only (with the adapters)
 #   lora_kernels  the batched LoRA products at M8's shapes beside cuBLAS (lora_kernel_bench.py)
@@ -293,7 +294,8 @@ vision_pair() {
   stop_server $pid
 }
 
-# serve_lora LABEL ENGINE(tm|vllm) LORA(0|1) [server args...]: one server under vLLM's client,
+# serve_lora LABEL ENGINE(tm|vllm) LORA(0|1) [server args...]: one server under vLLM's client
+# (tokenmill's where vLLM is not installed),
 # random 1024/256 c=64; LORA=1: each request names one of the adapters in LORA_NAMES.
 serve_lora() {
   local label=$1 eng=$2 lora=$3; shift 3
@@ -307,7 +309,10 @@ serve_lora() {
   say "STAGE ${label}_server ready after ${ready}s"
   grep -aE "KV cache|CUDA graphs|LoRA|ready in|Memory:|Error|Traceback" "$LOGS/${label}_server.log" | head -8 | sed 's/^/  | /' | tee -a "$SUM"
   local L=(); [ "$lora" = 1 ] && L=(--lora-modules "${LORA_NAMES[@]}")
-  stage "$label" 300 vllm bench serve --backend vllm --model "$M8" --port 8000 "${SERVE_ARGS[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts "${LORA_PROMPTS:-400}" --max-concurrency 64 ${L[@]+"${L[@]}"} --result-filename "$label.json"
+  # vLLM's client where the bundle is installed, else tokenmill's (the same flags): a
+  # tokenmill-only call compares tokenmill with and without adapters under one client.
+  local C=(vllm bench serve --backend vllm); command -v vllm > /dev/null || C=("${TM[@]}" bench serve)
+  stage "$label" 300 "${C[@]}" --model "$M8" --port 8000 "${SERVE_ARGS[@]}" --random-input-len 1024 --random-output-len 256 --num-prompts "${LORA_PROMPTS:-400}" --max-concurrency 64 ${L[@]+"${L[@]}"} --result-filename "$label.json"
   addjson "$label" "$LOGS/$label.json"
   [ "$eng" = tm ] && curl -s http://127.0.0.1:8000/metrics | grep -a "lora_requests_info" | head -2 | sed 's/^/  | /' | tee -a "$SUM"
   stop_server $pid
