@@ -94,6 +94,10 @@ def test_unknown_adapter_folder_is_refused(llm, tmp_path):
         llm.generate("hi", SamplingParams(max_tokens=1), use_tqdm=False,
                      lora_request=LoRARequest("nope", 99, str(tmp_path)))
     assert not llm.llm_engine.has_unfinished_requests()
+    # a name instead of a LoRARequest is not taken for a list of its characters
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest, None or a list"):
+        llm.generate(["hi", "yo"], SamplingParams(max_tokens=1), use_tqdm=False,
+                     lora_request="qv")
 
 
 def test_unloading_an_adapter_in_use_waits_for_its_requests(llm, lora_requests, peft_model):
@@ -119,6 +123,38 @@ def test_unloading_an_adapter_in_use_waits_for_its_requests(llm, lora_requests, 
     # Named again, the adapter is read from its folder again.
     again = llm.generate(PROMPTS[0], params, use_tqdm=False, lora_request=lora)
     assert again[0].outputs[0].token_ids == tokens
+
+
+def test_an_adapter_that_no_longer_loads_ends_its_requests_only(llm, lora_requests, adapter_dirs,
+                                                                tmp_path):
+    """An adapter that left host memory is read again when a step needs it; when its folder
+    went meanwhile, its request ends refused with the reason, the step runs for the others
+    and the engine goes on."""
+    import shutil
+
+    from tokenmill.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    manager = engine.engine_core.executor.worker.model_runner.lora
+    folder = shutil.copytree(adapter_dirs["mlp"], tmp_path / "moving")
+    moving = LoRARequest("moving", 50, str(folder))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+    engine.add_request("moving", PROMPTS[0], params, lora_request=moving)
+    engine.add_request("steady", PROMPTS[1], params, lora_request=lora_requests["qv"])
+    manager.host.pop(moving.lora_int_id)  # as when later adapters push it out of host memory
+    shutil.rmtree(folder)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = {o.request_id: o.outputs[0] for o in outputs if o.finished}
+    assert final["moving"].finish_reason == "abort"
+    assert "no adapter folder" in str(final["moving"].stop_reason)
+    alone = llm.generate(PROMPTS[1], params, use_tqdm=False, lora_request=lora_requests["qv"])
+    assert final["steady"].token_ids == alone[0].outputs[0].token_ids
+    assert moving.lora_int_id not in manager.known
+    with pytest.raises(ValueError, match="no adapter folder"):  # named again: refused
+        llm.generate("hi", params, use_tqdm=False, lora_request=moving)
 
 
 def _altered_copy(src: str, dst, alter) -> str:

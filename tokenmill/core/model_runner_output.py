@@ -24,6 +24,8 @@ class ModelRunnerOutput:
             proposed for its next step (empty: none); None without speculative decoding.
             With drafts verified this step, ``sampled_token_ids`` holds the accepted drafts
             and one token of the target's own.
+        failed_requests: request id -> why it cannot go on (its LoRA adapter no longer
+            loads); the step ran its rows without the adapter, and the core ends it.
     """
 
     req_ids: list[str]
@@ -31,6 +33,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     spec_token_ids: list[list[int]] | None = None
+    failed_requests: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> ModelRunnerOutput:

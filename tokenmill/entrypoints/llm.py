@@ -157,7 +157,12 @@ class LLM:
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras = [lora_request] * len(prompt_list)
         else:
-            loras = list(lora_request)
+            loras = [] if isinstance(lora_request, (str, bytes)) else list(lora_request)
+            if not all(r is None or isinstance(r, LoRARequest) for r in loras) or not loras:
+                raise ValueError(
+                    "lora_request must be a LoRARequest, None or a list of them (one per "
+                    f"prompt), got {type(lora_request).__name__}"
+                )
             if len(loras) != len(prompt_list):
                 raise ValueError(f"{len(prompt_list)} prompts but {len(loras)} LoRA requests")
         ids = []

@@ -146,7 +146,7 @@ class LoRAManager:
         self.known: dict[int, LoRARequest] = {}
         # adapter id -> slot (1..max_loras), least recently used first
         self.slot_of: OrderedDict[int, int] = OrderedDict()
-        self._slot_table = np.zeros(1, dtype=np.int32)
+        self.failures: dict[int, str] = {}  # see ``slots_for``
 
     # ---- host cache --------------------------------------------------------------------
 
@@ -157,7 +157,15 @@ class LoRAManager:
             LoRAAdapterError: the folder cannot be served or does not fit the model.
         """
         self.known[request.lora_int_id] = request
-        self._load(request.lora_int_id)
+        try:
+            self._load(request.lora_int_id)
+        except LoRAAdapterError:
+            del self.known[request.lora_int_id]
+            raise
+
+    def remember(self, request: LoRARequest) -> None:
+        """Know ``request``'s adapter without reading it (read when a step needs it)."""
+        self.known.setdefault(request.lora_int_id, request)
 
     def _load(self, lora_id: int) -> LoadedAdapter:
         loaded = self.host.get(lora_id)
@@ -250,6 +258,10 @@ class LoRAManager:
         that have none into a free slot or the least recently used one this call does not
         need.
 
+        An adapter that no longer loads (it had left host memory and its folder changed or
+        went since it was loaded) is forgotten, its rows take slot 0 and the reason waits in
+        ``take_failures``: its requests end, the step runs for the others.
+
         Raises:
             RuntimeError: more distinct adapters than slots (a scheduler bug).
         """
@@ -261,18 +273,24 @@ class LoRAManager:
         for lora_id in wanted:
             if lora_id in self.slot_of:
                 self.slot_of.move_to_end(lora_id)
-            else:
+                continue
+            try:
                 self._activate(lora_id, set(wanted))
-        table = self._slot_table
-        top = int(lora_ids.max(initial=0))
-        if top >= len(table):
-            table = self._slot_table = np.zeros(top + 1, dtype=np.int32)
-        table[:] = 0
-        for lora_id in wanted:
-            table[lora_id] = self.slot_of[lora_id]
-        return table[lora_ids]
+            except LoRAAdapterError as e:
+                logger.warning("LoRA adapter %d no longer loads: %s", lora_id, e)
+                self.failures[lora_id] = str(e)
+                self.remove_lora(lora_id)
+        ids, inverse = np.unique(lora_ids, return_inverse=True)
+        slots = np.array([self.slot_of.get(int(i), 0) for i in ids], dtype=np.int32)
+        return slots[inverse.reshape(-1)]
+
+    def take_failures(self) -> dict[int, str]:
+        """Adapters ``slots_for`` could not load since the last call: id -> reason."""
+        failures, self.failures = self.failures, {}
+        return failures
 
     def _activate(self, lora_id: int, keep: set[int]) -> None:
+        weights = self._load(lora_id).weights  # first: a failed load takes no slot
         used = set(self.slot_of.values())
         free = [s for s in range(1, self.config.max_loras + 1) if s not in used]
         if free:
@@ -280,7 +298,6 @@ class LoRAManager:
         else:
             victim = next(i for i in self.slot_of if i not in keep)
             slot = self.slot_of.pop(victim)
-        weights = self._load(lora_id).weights
         for name, layer in self.layers.items():
             parts = weights.get(name)
             if parts:

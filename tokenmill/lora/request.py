@@ -3,6 +3,7 @@ it crosses to the engine core inside ``EngineCoreRequest``."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -20,7 +21,7 @@ class LoRARequest:
             ``/v1/models``); None: the served model.
 
     Raises:
-        ValueError: ``lora_int_id`` below 1 or an empty name or path.
+        ValueError: ``lora_int_id`` not an int in ``[1, 2**63)``, or an empty name or path.
     """
 
     lora_name: str
@@ -29,7 +30,14 @@ class LoRARequest:
     base_model_name: str | None = None
 
     def __post_init__(self) -> None:
-        if self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be at least 1, got {self.lora_int_id}")
+        lora_id = self.lora_int_id
+        # the engine keeps ids in int64 arrays: a float, a bool or a wider int is refused here
+        # rather than in a step
+        if type(lora_id) is not int or not 1 <= lora_id < 2**63:
+            raise ValueError(
+                f"lora_int_id must be an int from 1 to 2**63 - 1, got {lora_id!r}"
+            )
         if not self.lora_name or not self.lora_path:
             raise ValueError("a LoRARequest needs a lora_name and a lora_path")
+        # as vLLM reads adapter paths: "~" is the user's home folder
+        object.__setattr__(self, "lora_path", os.path.expanduser(self.lora_path))

@@ -335,8 +335,10 @@ class ModelRunner(StepSampling, BufferMetadata):
             if self.mm is not None:
                 self.mm.remove_request(req_id)
         for new in so.scheduled_new_reqs:
-            if new.lora_request is not None:
-                self.add_lora(new.lora_request)  # a no-op for an adapter in host memory
+            if new.lora_request is not None and self.lora is not None:
+                # read from its folder when a step needs it (``LoRAManager.slots_for``,
+                # where a folder gone since ends the request, not the step)
+                self.lora.remember(new.lora_request)
             batch.add(new)
             if self.mm is not None:
                 self.mm.add_request(new)
@@ -406,9 +408,13 @@ class ModelRunner(StepSampling, BufferMetadata):
         staging.put_into(self.seq_lens.np[:num_reqs], self.seq_lens.device[:num_reqs])
         staging.put_into(block_table, self.block_table.device[:num_reqs, :max_blocks])
         staging.put_into(self.prefill_range.np, self.prefill_range.device)
+        failed: dict[str, str] = {}
         if self.lora is not None:
-            token_slots = self.lora.slots_for(batch.lora_id[rows])[req_idx]
+            req_lora = batch.lora_id[rows]
+            token_slots = self.lora.slots_for(req_lora)[req_idx]
             staging.put_into(token_slots, self.lora_slots.device[:n])
+            for lora_id, reason in self.lora.take_failures().items():
+                failed.update((req_ids[i], reason) for i in np.flatnonzero(req_lora == lora_id))
         last = cu[1:][sample_rows].astype(np.int64) - 1
         if so.scheduled_spec_decode_tokens:
             assert self.spec_decode is not None
@@ -460,6 +466,7 @@ class ModelRunner(StepSampling, BufferMetadata):
             sampling_metadata,
             prompt_rows,
             sample_prompt_rows,
+            failed,
         )
 
     def _stage_pending_tokens(
@@ -568,7 +575,10 @@ class ModelRunner(StepSampling, BufferMetadata):
         hidden = self._run_model(inputs)
         if not self.is_last_stage:
             self._advance_computed(inputs)
-            return ModelRunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids])
+            return ModelRunnerOutput(
+                inputs.req_ids, [[] for _ in inputs.req_ids],
+                failed_requests=inputs.failed_requests,
+            )  # fmt: skip
         prompt_logprobs = prompt_logprobs_of_step(
             self.model, self.input_batch, inputs, hidden, self.device
         )
@@ -584,7 +594,10 @@ class ModelRunner(StepSampling, BufferMetadata):
                 sampled[i] = [tok]
                 batch.append_token(req_ids[i], tok)
         self._advance_computed(inputs)
-        return ModelRunnerOutput(inputs.req_ids, sampled, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(
+            inputs.req_ids, sampled, logprobs, prompt_logprobs,
+            failed_requests=inputs.failed_requests,
+        )  # fmt: skip
 
     def _advance_computed(self, inputs: StepInputs) -> None:
         batch = self.input_batch

@@ -191,7 +191,9 @@ class SpecDecodeStep:
         drafts = self.proposer.propose(
             self._verified_step(runner, inputs, hidden, sampled, num_rejected)
         )
-        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs, drafts)
+        return ModelRunnerOutput(
+            req_ids, sampled, logprobs, prompt_logprobs, drafts, inputs.failed_requests
+        )
 
     def _verify(
         self,

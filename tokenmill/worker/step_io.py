@@ -4,7 +4,7 @@ under async scheduling, its output still on its way to the host (``AsyncModelRun
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +37,8 @@ class StepInputs:
             CUDA and where none is.
         sampling_metadata: the sampler's parameters, staged with the step's inputs, when
             every sampling request samples on the plain path; else None (built later).
+        failed_requests: requests whose LoRA adapter no longer loads (id -> reason), run
+            without it this step and reported in the step's output.
     """
 
     req_ids: list[str]
@@ -50,6 +52,7 @@ class StepInputs:
     sampling_metadata: SamplingMetadata | None = None
     prompt_rows: PromptRows | None = None
     sample_prompt_rows: PromptRows | None = None
+    failed_requests: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_decode_only(self) -> bool:
@@ -93,7 +96,7 @@ class AsyncModelRunnerOutput:
             sampled[i] = [tok]
             if req_id in batch.row_of:  # it may have finished or been preempted meanwhile
                 batch.append_token(req_id, tok)
-        return ModelRunnerOutput(inputs.req_ids, sampled)
+        return ModelRunnerOutput(inputs.req_ids, sampled, failed_requests=inputs.failed_requests)
 
 
 def prompt_logprobs_of_step(

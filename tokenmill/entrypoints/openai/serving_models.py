@@ -69,8 +69,18 @@ class ServingModels:
                 raise model_not_found(model)
 
     def lora_request(self, model: str | None) -> LoRARequest | None:
-        """The adapter ``model`` names; None for the base model."""
-        return self.adapters.get(model) if model is not None else None
+        """The adapter ``model`` names; None for the base model.
+
+        Raises:
+            OpenAIError: 404, ``model`` names neither (an adapter unloaded since the request
+                was checked on arrival, while its prompt was rendered).
+        """
+        if model is None or model in self.model_config.served_model_names:
+            return None
+        lora = self.adapters.get(model)
+        if lora is None:
+            raise model_not_found(model)
+        return lora
 
     def cards(self) -> list[ModelCard]:
         """The base model's cards (one per served name), then one per adapter whose
@@ -140,7 +150,7 @@ class ServingModels:
             if lora is None:
                 raise OpenAIError(
                     f"The lora adapter '{name}' cannot be found.", HTTPStatus.NOT_FOUND,
-                    "lora_name", "NotFoundError",
+                    "lora_name", "NotFoundError", err_type="NotFoundError",  # vLLM's type
                 )  # fmt: skip
             await self.engine.remove_lora(lora.lora_int_id)
         logger.info("Unloading LoRA adapter %s once its requests finish", name)

@@ -1,0 +1,45 @@
+"""LoRARequest's checks and the server's adapter lookup (fast: no model)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from tokenmill.lora.request import LoRARequest
+
+
+@pytest.mark.parametrize("lora_id", [0, -3, 7.5, True, 2**63, 2**64, "3"])
+def test_an_id_the_engine_cannot_hold_is_refused(lora_id):
+    """Ids go into the engine's int64 arrays: a float, a bool, a string or an int outside
+    [1, 2**63) is refused when the request is made, not in a step."""
+    with pytest.raises(ValueError, match="lora_int_id must be an int from 1 to 2\\*\\*63 - 1"):
+        LoRARequest("a", lora_id, "/x")
+
+
+def test_the_home_folder_is_expanded():
+    assert LoRARequest("a", 2**63 - 1, "~/adapters/a").lora_path == os.path.expanduser(
+        "~/adapters/a"
+    )
+
+
+def test_an_adapter_unloaded_while_its_request_renders_is_a_404():
+    """``check`` accepts the adapter on arrival; unloaded before the prompt is submitted, the
+    lookup is a 404, never the base model under the adapter's name."""
+    from tokenmill.entrypoints.openai.errors import OpenAIError
+    from tokenmill.entrypoints.openai.serving_models import ServingModels
+
+    engine = SimpleNamespace(
+        model_config=SimpleNamespace(served_model_names=["base"]),
+        config=SimpleNamespace(lora_config=None),
+    )
+    models = ServingModels(engine)
+    models.adapters["sql"] = LoRARequest("sql", 1, "/adapters/sql")
+    models.check("sql")
+    assert models.lora_request("sql").lora_int_id == 1
+    assert models.lora_request("base") is None and models.lora_request(None) is None
+    del models.adapters["sql"]
+    with pytest.raises(OpenAIError) as e:
+        models.lora_request("sql")
+    assert e.value.status == 404 and e.value.code == "model_not_found"
