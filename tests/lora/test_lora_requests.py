@@ -43,3 +43,16 @@ def test_an_adapter_unloaded_while_its_request_renders_is_a_404():
     with pytest.raises(OpenAIError) as e:
         models.lora_request("sql")
     assert e.value.status == 404 and e.value.code == "model_not_found"
+
+
+def test_slots_past_the_free_memory_are_a_config_error():
+    """Slots that cannot fit are a user error (ConfigError: one line, no traceback) naming
+    the flags that size them."""
+    import torch
+
+    from tokenmill.config import ConfigError, LoRAConfig
+    from tokenmill.lora.manager import check_slots_fit
+
+    config = LoRAConfig(max_loras=64, max_lora_rank=512)
+    with pytest.raises(ConfigError, match="lower --max-loras or --max-lora-rank"):
+        check_slots_fit(2**62, torch.device("cpu"), config)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.config import LoRAConfig
+from tokenmill.config import ConfigError, LoRAConfig
 from tokenmill.lora.layers import LoRABatch, LoRALinear, lora_layer
 from tokenmill.lora.peft import (
     SUPPORTED_TARGETS,
@@ -104,7 +104,7 @@ def check_slots_fit(need: int, device: torch.device, config: LoRAConfig) -> None
     hold (host memory on the CPU), before any is allocated.
 
     Raises:
-        ValueError: names the flags that size the slots.
+        ConfigError: names the flags that size the slots (a user error: no traceback).
     """
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
@@ -113,7 +113,7 @@ def check_slots_fit(need: int, device: torch.device, config: LoRAConfig) -> None
 
         free = psutil.virtual_memory().available
     if need > 0.9 * free:
-        raise ValueError(
+        raise ConfigError(
             f"the adapter slots (--max-loras {config.max_loras}, --max-lora-rank "
             f"{config.max_lora_rank}) need {need / 2**30:.1f} GiB and only "
             f"{free / 2**30:.1f} GiB of {device.type} memory are free: lower --max-loras or "
