@@ -172,3 +172,11 @@ def test_the_flag_reaches_the_engine_and_serve_fails_in_one_line(tiny_model_dir)
     assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "num_speculative_tokens is required" in lines[0], result.stderr
+
+
+def test_a_missing_draft_model_is_named_as_the_draft(tiny_model_dir, tmp_path):
+    from tokenmill.hf_config import ModelLoadError
+
+    spec = {"model": str(tmp_path / "nonexistent"), "num_speculative_tokens": 2}
+    with pytest.raises(ModelLoadError, match=r"^--speculative-config: the draft model: model path"):
+        _config(tiny_model_dir, spec)

@@ -43,13 +43,17 @@ def normalize_url(url: str) -> str:
     """``url`` without a trailing slash, with ``http://`` when no scheme is given.
 
     Raises:
-        ValueError: not an http(s) URL with a host.
+        ValueError: not an http(s) URL with a host and, if one, a valid port.
     """
     if "://" not in url:
         url = "http://" + url
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not an http(s) URL: {url!r}")
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number in 0..65535)
+    except ValueError:
+        raise ValueError(f"not a port number in {url!r}") from None
     return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
 
 
@@ -76,6 +80,9 @@ class BackendPool:
         timeout_s: how long a health check may take.
         on_change: called with (url, healthy) when a backend's health changes, and with
             (url, None) when one leaves the pool.
+
+    Raises:
+        ValueError: no URL, or one ``normalize_url`` refuses.
     """
 
     def __init__(
@@ -86,6 +93,8 @@ class BackendPool:
         timeout_s: float = 3.0,
         on_change: Callable[[str, bool | None], None] | None = None,
     ) -> None:
+        if not urls:
+            raise ValueError("--backend: no backend URL given")
         self.configured = [normalize_url(u) for u in urls]
         self.resolve_names = resolve_names
         self.interval_s = interval_s

@@ -25,6 +25,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tokenmill import envs
 from tokenmill.router.backends import Backend, BackendPool
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import PrefixAwarePolicy, RoutingKey, RoutingPolicy
@@ -50,10 +51,30 @@ HOP_BY_HOP = frozenset(
 )
 # Bodies larger than this are forwarded without being read for a routing key (bytes).
 MAX_KEYED_BODY = 32 << 20
+# Segments of one prompt the prefix map keeps (a prefix this long already tells replicas
+# apart): one huge prompt would otherwise push every other conversation out of the map.
+MAX_SEGMENTS = 1024
+# The largest body the router reads: the engine server's own limit
+# (TOKENMILL_MAX_REQUEST_BODY_BYTES, default 128 MiB), so a larger one gets the same 413
+# here instead of being read into memory and cut off while it is forwarded.
 CONNECT_TIMEOUT_S = 10.0
 # Characters per prefix segment of a completion prompt: about one KV block of 16 tokens
 # (a prefix shorter than a block gives the engine no cache hit).
 PROMPT_BLOCK_CHARS = 64
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own refusal of a body over ``client_max_size``, in OpenAI's format."""
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(
+            413,
+            f"The request body is larger than the limit of {envs.max_request_body_bytes()} "
+            "bytes (TOKENMILL_MAX_REQUEST_BODY_BYTES).",
+            "request_too_large",
+        )
 
 
 class ConnectFailed(Exception):
@@ -90,7 +111,7 @@ def prompt_segments(body: Any, block_chars: int) -> tuple[str, ...]:
     if isinstance(body.get("messages"), list) or isinstance(body.get("input"), list):
         messages = body.get("messages") or body.get("input") or []
         system = () if body.get("system") is None else ("system\n" + _content_text(body["system"]),)
-        return system + tuple(_message(m) for m in messages)
+        return (system + tuple(_message(m) for m in messages[:MAX_SEGMENTS]))[:MAX_SEGMENTS]
     text = body.get("prompt", body.get("input"))
     if isinstance(text, list) and text and not isinstance(text[0], int):
         text = text[0]  # a batch of prompts: route on the first
@@ -98,9 +119,8 @@ def prompt_segments(body: Any, block_chars: int) -> tuple[str, ...]:
         return ()
     if not isinstance(text, str):
         text = json.dumps(text)  # token ids
-    return tuple(
-        text[i : i + block_chars] for i in range(0, len(text) - block_chars + 1, block_chars)
-    )
+    end = min(len(text) - block_chars + 1, MAX_SEGMENTS * block_chars)
+    return tuple(text[i : i + block_chars] for i in range(0, end, block_chars))
 
 
 def routing_key(
@@ -111,10 +131,12 @@ def routing_key(
         return RoutingKey(session=session)
     try:
         parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return RoutingKey(session=session)  # the backend will answer it with a 400
-    model = str(parsed.get("model", "")) if isinstance(parsed, dict) else ""
-    return RoutingKey(model, prompt_segments(parsed, block_chars), session)
+        model = str(parsed.get("model", "")) if isinstance(parsed, dict) else ""
+        return RoutingKey(model, prompt_segments(parsed, block_chars), session)
+    except (ValueError, TypeError, AttributeError, RecursionError):
+        # Not JSON, nested past the parser's depth, or fields of the wrong type: routed by
+        # load; the backend answers it (a 400 naming the field).
+        return RoutingKey(session=session)
 
 
 class Router:
@@ -149,7 +171,10 @@ class Router:
             self.policy.forget(url)
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        limit = envs.max_request_body_bytes()
+        app = web.Application(
+            client_max_size=limit or 2**63 - 1, middlewares=[_openai_errors]
+        )
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/router/backends", self.list_backends)

@@ -197,7 +197,7 @@ def _draft_model_config(
     """The draft's configuration: the target's dtype and context; its quantization from
     ``flag`` (the ``quantization`` field) or, as vLLM, its own checkpoint (a ``.gguf`` draft
     keeps its GGUF blocks unless the target is a GGUF file loaded dequantized)."""
-    from tokenmill.hf_config import load_hf_config
+    from tokenmill.hf_config import ModelLoadError, load_hf_config
     from tokenmill.model.layers.quantization import get_quantization_config
     from tokenmill.model.layers.quantization.selection import resolve_quantization
 
@@ -206,7 +206,11 @@ def _draft_model_config(
         # checks): its config is already read, and a GGUF header takes seconds to parse.
         hf_config, generation_config = target.hf_config, target.generation_config
     else:
-        hf_config, generation_config = load_hf_config(model)
+        try:
+            hf_config, generation_config = load_hf_config(model)
+        except ModelLoadError as e:
+            # named as the draft's: the message alone reads as the target model's path
+            raise ModelLoadError(f"--speculative-config: the draft model: {e}") from None
     is_gguf = model.endswith(".gguf")
     dequantize = is_gguf and flag is None and _gguf_dequantized(target)
     try:

@@ -1,0 +1,65 @@
+"""The router's request side: routing keys of malformed bodies, the prefix map's bound per
+prompt, start-up checks of --backend, and the body size limit (an aiohttp app on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from tokenmill.router.backends import BackendPool, normalize_url
+from tokenmill.router.policy import make_policy
+from tokenmill.router.proxy import MAX_SEGMENTS, Router, prompt_segments, routing_key
+
+
+def _key(body: bytes):
+    request = SimpleNamespace(headers={}, content_type="application/json")
+    return routing_key(request, body, "x-session-id", 64)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+        b'{"system": [{"type": "text", "text": 7}], "messages": []}',
+        b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b"\xff\xfe not json",
+    ],
+)
+def test_a_body_the_router_cannot_read_is_routed_by_load(body):
+    """Fields of the wrong type, nesting past the parser's depth or bytes that are not JSON
+    give no routing key (the backend answers them with a 400), never a router error."""
+    key = _key(body)
+    assert key.segments == () and key.model == ""
+
+
+def test_one_prompt_fills_at_most_max_segments():
+    assert len(prompt_segments({"prompt": "a" * 64 * (MAX_SEGMENTS + 50)}, 64)) == MAX_SEGMENTS
+    messages = [{"role": "user", "content": str(i)} for i in range(MAX_SEGMENTS + 5)]
+    assert len(prompt_segments({"system": "s", "messages": messages}, 64)) == MAX_SEGMENTS
+
+
+def test_backend_urls_are_checked_at_start_up():
+    with pytest.raises(ValueError, match="no backend URL"):
+        BackendPool([])
+    with pytest.raises(ValueError, match="not a port number"):
+        normalize_url("http://127.0.0.1:notaport")
+
+
+def test_a_body_over_the_limit_is_an_openai_413(monkeypatch):
+    monkeypatch.setenv("TOKENMILL_MAX_REQUEST_BODY_BYTES", "1000")
+
+    async def scenario() -> tuple[int, dict]:
+        pool = BackendPool(["http://127.0.0.1:9"], interval_s=60)
+        router = Router(pool, make_policy("roundrobin", 16, 16, 1.5), "x-session-id")
+        async with TestClient(TestServer(router.build_app())) as client:
+            r = await client.post("/v1/completions", data=b"x" * 5000,
+                                  headers={"Content-Type": "application/json"})  # fmt: skip
+            return r.status, json.loads(await r.text())
+
+    status, body = asyncio.run(scenario())
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    assert "1000 bytes" in body["error"]["message"]
