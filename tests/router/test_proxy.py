@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from tokenmill.router.backends import BackendPool, normalize_url
@@ -63,3 +64,54 @@ def test_a_body_over_the_limit_is_an_openai_413(monkeypatch):
     status, body = asyncio.run(scenario())
     assert status == 413 and body["error"]["code"] == "request_too_large"
     assert "1000 bytes" in body["error"]["message"]
+
+
+async def _backend(name: str) -> tuple[web.AppRunner, str]:
+    """A stand-in engine server serving the model ``name``: /health, /v1/models, and
+    /v1/completions answering with its own name."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": name, "object": "model"}]})
+
+    async def complete(request: web.Request) -> web.Response:
+        return web.json_response({"served_by": name, "model": (await request.json())["model"]})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", complete)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+@pytest.mark.parametrize("logic", ["roundrobin", "prefixaware", "session"])
+def test_requests_go_to_a_backend_serving_their_model(logic):
+    """Backends serving different models: a request goes to one that lists its ``model``;
+    ``/v1/models`` merges every healthy backend's list; a model none lists is left to a
+    backend to answer."""
+
+    async def scenario() -> None:
+        (ra, url_a), (rb, url_b) = await _backend("alpha"), await _backend("beta")
+        try:
+            pool = BackendPool([url_a, url_b], interval_s=60)
+            router = Router(pool, make_policy(logic, 1024, 16, 1.5), "x-session-id")
+            async with TestClient(TestServer(router.build_app())) as client:
+                for i in range(6):
+                    model = "alpha" if i % 2 else "beta"
+                    r = await client.post("/v1/completions", json={"model": model, "prompt": "hi"})
+                    assert (await r.json())["served_by"] == model
+                r = await client.get("/v1/models")
+                assert sorted(m["id"] for m in (await r.json())["data"]) == ["alpha", "beta"]
+                r = await client.post("/v1/completions", json={"model": "gamma", "prompt": "x"})
+                assert (await r.json())["served_by"] in ("alpha", "beta")
+        finally:
+            await ra.cleanup()
+            await rb.cleanup()
+
+    asyncio.run(scenario())

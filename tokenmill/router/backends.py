@@ -32,11 +32,14 @@ class Backend:
         url: its base URL (``http://host:port``, no trailing slash).
         healthy: whether it takes requests.
         in_flight: requests routed to it whose responses have not ended.
+        models: the model names its ``/v1/models`` listed at the last health check (empty:
+            not known, e.g. a server that wants an API key there).
     """
 
     url: str
     healthy: bool = False
     in_flight: int = 0
+    models: frozenset[str] = frozenset()
 
 
 def normalize_url(url: str) -> str:
@@ -140,7 +143,26 @@ class BackendPool:
                 healthy = response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             healthy = False
+        if healthy:
+            backend.models = await self._models(session, backend, timeout) or backend.models
         self.set_health(backend, healthy)
+
+    @staticmethod
+    async def _models(
+        session: aiohttp.ClientSession, backend: Backend, timeout: aiohttp.ClientTimeout
+    ) -> frozenset[str]:
+        """The ids of ``backend``'s ``/v1/models``; empty when it does not answer them."""
+        try:
+            async with session.get(backend.url + "/v1/models", timeout=timeout) as response:
+                if response.status != 200:
+                    return frozenset()
+                body = await response.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            return frozenset()
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list):
+            return frozenset()
+        return frozenset(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Check the backends every ``interval_s`` seconds, forever."""

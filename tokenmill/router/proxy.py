@@ -178,6 +178,7 @@ class Router:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/router/backends", self.list_backends)
+        app.router.add_get("/v1/models", self.list_models)
         app.router.add_route("*", "/{path:.*}", self.forward)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -218,6 +219,36 @@ class Router:
         ]
         return web.json_response({"backends": backends})
 
+    async def list_models(self, request: web.Request) -> web.StreamResponse:
+        """``GET /v1/models``: the healthy backends' lists merged (each id once, as the
+        first backend listing it gives it); forwarded to one backend when none answers it
+        with a list (its error, e.g. a 401, then reaches the client)."""
+        assert self.session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        timeout = aiohttp.ClientTimeout(total=self.pool.timeout_s)
+
+        async def fetch(backend: Backend) -> Any:
+            try:
+                async with self.session.get(  # type: ignore[union-attr]
+                    backend.url + "/v1/models", headers=headers, timeout=timeout
+                ) as response:
+                    if response.status == 200:
+                        return await response.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+                pass
+            return None
+
+        lists = await asyncio.gather(*(fetch(b) for b in self.pool.healthy()))
+        cards: dict[str, Any] = {}
+        for body in lists:
+            data = body.get("data") if isinstance(body, dict) else None
+            for card in data if isinstance(data, list) else ():
+                if isinstance(card, dict) and "id" in card:
+                    cards.setdefault(str(card["id"]), card)
+        if not any(isinstance(body, dict) for body in lists):
+            return await self.forward(request)
+        return web.json_response({"object": "list", "data": list(cards.values())})
+
     # ---- forwarding -----------------------------------------------------------------------
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
@@ -227,6 +258,9 @@ class Router:
         refused: set[str] = set()
         while True:
             candidates = [b for b in self.pool.healthy() if b.url not in refused]
+            serving = [b for b in candidates if key.model in b.models]
+            if serving:  # else: no backend lists it (or none says): the backend answers
+                candidates = serving
             if not candidates:
                 return error_response(503, "No healthy backend to route to.", "no_healthy_backend")
             decision = self.policy.choose(key, candidates)
