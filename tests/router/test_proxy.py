@@ -66,9 +66,9 @@ def test_a_body_over_the_limit_is_an_openai_413(monkeypatch):
     assert "1000 bytes" in body["error"]["message"]
 
 
-async def _backend(name: str) -> tuple[web.AppRunner, str]:
+async def _backend(name: str, status: int = 200) -> tuple[web.AppRunner, str]:
     """A stand-in engine server serving the model ``name``: /health, /v1/models, and
-    /v1/completions answering with its own name."""
+    /v1/completions answering with its own name (or with ``status``'s error)."""
 
     async def health(_: web.Request) -> web.Response:
         return web.Response()
@@ -77,6 +77,8 @@ async def _backend(name: str) -> tuple[web.AppRunner, str]:
         return web.json_response({"object": "list", "data": [{"id": name, "object": "model"}]})
 
     async def complete(request: web.Request) -> web.Response:
+        if status != 200:
+            return web.json_response({"error": {"message": "shutting down"}}, status=status)
         return web.json_response({"served_by": name, "model": (await request.json())["model"]})
 
     app = web.Application()
@@ -110,6 +112,31 @@ def test_requests_go_to_a_backend_serving_their_model(logic):
                 assert sorted(m["id"] for m in (await r.json())["data"]) == ["alpha", "beta"]
                 r = await client.post("/v1/completions", json={"model": "gamma", "prompt": "x"})
                 assert (await r.json())["served_by"] in ("alpha", "beta")
+        finally:
+            await ra.cleanup()
+            await rb.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_a_backend_refuses_with_503_is_routed_again():
+    """A replica answering 503 (stopping, asleep: the request did not run there) is taken
+    out and the request goes to another; the last one's 503 reaches the client."""
+
+    async def scenario() -> None:
+        (ra, url_a), (rb, url_b) = await _backend("m", 503), await _backend("m")
+        try:
+            pool = BackendPool([url_a, url_b], interval_s=60)
+            router = Router(pool, make_policy("roundrobin", 1024, 16, 1.5), "x-session-id")
+            async with TestClient(TestServer(router.build_app())) as client:
+                for _ in range(4):
+                    r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+                    assert r.status == 200, await r.text()
+                assert [b.healthy for b in pool.backends.values()] == [False, True]
+                pool.backends[url_b].healthy = False
+                pool.backends[url_a].healthy = True  # the only one left: its 503 is relayed
+                r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+                assert r.status == 503 and "shutting down" in await r.text()
         finally:
             await ra.cleanup()
             await rb.cleanup()

@@ -1,15 +1,18 @@
 """The router's HTTP side (aiohttp): every request is passed to the backend a policy chose.
 
 Routes of its own: ``GET /health`` (200 while some backend is healthy, else 503),
-``GET /metrics`` (the router's Prometheus metrics) and ``GET /router/backends`` (JSON: each
-backend's URL, health and requests in flight). Every other path and method is forwarded as
-it is — body, query and headers (the client's ``Authorization`` included), less the
-hop-by-hop ones — and the response comes back byte for byte as the backend writes it:
-streams (server-sent events) are passed through unbuffered, compressed bodies stay
-compressed. When the client disconnects, the handler is cancelled and the connection to the
-backend closed, which aborts the request there. A backend that refuses the connection is
-marked unhealthy and the request is routed again among the others; one that fails after the
-request reached it gets a 502 (the request is not replayed: generation is not idempotent).
+``GET /metrics`` (the router's Prometheus metrics), ``GET /router/backends`` (JSON: each
+backend's URL, health and requests in flight) and ``GET /v1/models`` (the healthy backends'
+lists merged); a request naming a ``model`` goes to the backends that list it. Every other
+path and method is forwarded as it is — body, query and headers (the client's
+``Authorization`` included), less the hop-by-hop ones — and the response comes back byte for
+byte as the backend writes it: streams (server-sent events) are passed through unbuffered,
+compressed bodies stay compressed. When the client disconnects, the handler is cancelled and
+the connection to the backend closed, which aborts the request there. A backend that refuses
+the connection, or answers 503 (stopping, asleep: the request did not run there) while
+another is left, is marked unhealthy and the request is routed again among the others; one
+that fails after the request reached it gets a 502 (the request is not replayed: generation
+is not idempotent).
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ async def _openai_errors(request: web.Request, handler: Any) -> web.StreamRespon
 
 
 class ConnectFailed(Exception):
-    """The backend refused the connection: the request never reached it."""
+    """The backend refused the connection, or answered 503 (shutting down, asleep, no
+    engine): the request never ran there, so another backend may take it."""
 
 
 def error_response(status: int, message: str, code: str) -> web.Response:
@@ -270,18 +274,24 @@ class Router:
                 self.metrics.queried_chars.inc(sum(len(s) for s in key.segments))
                 self.metrics.matched_chars.inc(decision.matched_chars)
             try:
-                return await self._send(request, body, backend)
+                return await self._send(request, body, backend, len(candidates) > 1)
             except ConnectFailed as e:
                 logger.warning(
-                    "backend %s refused the connection (%s); routing again", backend.url, e
+                    "backend %s did not take the request (%s); routing again", backend.url, e
                 )
                 self.pool.set_health(backend, False)
                 self.metrics.retries.labels(backend.url).inc()
                 refused.add(backend.url)
 
     async def _send(
-        self, request: web.Request, body: bytes, backend: Backend
+        self, request: web.Request, body: bytes, backend: Backend, can_reroute: bool = False
     ) -> web.StreamResponse:
+        """Forward to ``backend`` and relay its response.
+
+        Raises:
+            ConnectFailed: the connection was refused, or (``can_reroute``: another backend
+                is left to try) the backend answered 503.
+        """
         assert self.session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         url = backend.url + request.rel_url.raw_path_qs
@@ -302,6 +312,10 @@ class Router:
                 )
             self.metrics.ttfb.labels(backend.url).observe(time.monotonic() - start)
             status = str(upstream.status)
+            if upstream.status == 503 and can_reroute:
+                # Refused before it ran (a replica stopping or asleep): route it again.
+                upstream.release()
+                raise ConnectFailed("it answered 503")
             return await self._relay(request, upstream)
         finally:
             backend.in_flight -= 1
