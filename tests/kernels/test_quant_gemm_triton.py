@@ -140,3 +140,13 @@ def test_q32_gemv_partial_iterations_and_split(qtype, split):
     torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
     with pytest.raises(ValueError, match="one row"):
         q32_gemv(torch.zeros(2, k), raw, qtype)
+
+
+def test_int4_transposed_kernel_refuses_a_k_step_across_groups():
+    """The transposed kernel takes one scale and zero row per tile: a K step wider than the
+    group is refused, not computed with the wrong scales."""
+    q = torch.zeros(16, 128, dtype=torch.uint8)
+    scales, zeros = torch.ones(4, 16), torch.zeros(4, 16, dtype=torch.uint8)
+    cfg = dict(_config(1, 64), BLOCK_N=16, SWAP_AB=1)
+    with pytest.raises(ValueError, match=r"BLOCK_K \(64\) to divide the group \(32\)"):
+        int4_gemm.int4_linear(torch.zeros(2, 128), pack_k(q), scales, zeros, 32, cfg)

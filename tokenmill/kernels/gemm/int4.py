@@ -324,7 +324,8 @@ def int4_linear(
         ``[M, N]`` in ``x``'s dtype.
 
     Raises:
-        ValueError: Triton is not installed.
+        ValueError: Triton is not installed; ``SWAP_AB`` with a K step that does not divide
+            the group.
     """
     if not HAS_TRITON:
         raise ValueError("the int4 GEMM kernel needs Triton")
@@ -359,6 +360,9 @@ def int4_linear(
         return out.to(x.dtype) if atomic else out
     grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
     if cfg.get("SWAP_AB"):
+        if group % block_k:
+            raise ValueError(f"the transposed kernel needs BLOCK_K ({block_k}) to divide the "
+                             f"group ({group})")  # fmt: skip
         _int4_gemm_swap_kernel[grid](
             x, qweight, scales, zeros, out,
             m, n, k, x.stride(0), out.stride(0), k_per_split,
