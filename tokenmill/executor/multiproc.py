@@ -129,7 +129,12 @@ class MultiprocExecutor(Executor):
         self._seq += 1
         for rank, conn in enumerate(self.cmd_conns):
             reply = reply_all or rank == self.output_rank
-            conn.send_bytes(pickle.dumps((self._seq, method, args, reply), protocol=5))
+            try:
+                conn.send_bytes(pickle.dumps((self._seq, method, args, reply), protocol=5))
+            except OSError as e:
+                # The process died after the health check above and before it was reaped:
+                # reported as that rank's death, as the health check would.
+                self._die(f"the worker process of rank {rank} is gone ({type(e).__name__})")
         return self._seq
 
     def _call(self, method: str, *args: Any) -> list[Any]:
