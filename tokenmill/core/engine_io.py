@@ -83,9 +83,9 @@ CONSTRAINT_FAILURE_PREFIX = "structured_outputs:"
 # The stop reason of a request refused because the grammar compilers were busy with other
 # constraints (the server answers 429): the rest of the reason is the user's message.
 CONSTRAINT_BUSY_PREFIX = "structured_outputs (busy):"
-# The stop reason of a request the engine refused when it arrived (an adapter folder gone
-# since it was loaded, beams that cannot fit the KV cache; the server answers 400): the rest
-# of the reason is the user's message.
+# The stop reason of a request the engine refused (on arrival: an adapter folder gone since
+# it was loaded, beams that cannot fit the KV cache; in a step: its adapter no longer loads;
+# the server answers 400): the rest of the reason is the user's message.
 REQUEST_REFUSED_PREFIX = "refused:"
 
 
@@ -120,6 +120,15 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @classmethod
+    def refused(cls, request_id: str, reason: str) -> EngineCoreOutput:
+        """The last output of a request the engine cannot run (``REQUEST_REFUSED_PREFIX``:
+        the server answers it with a 400 and ``reason``)."""
+        return cls(
+            request_id, [], finish_reason=FinishReason.ABORT,
+            stop_reason=f"{REQUEST_REFUSED_PREFIX} {reason}",
+        )  # fmt: skip
 
 
 @dataclass

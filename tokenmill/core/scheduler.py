@@ -22,13 +22,7 @@ from typing import TYPE_CHECKING
 from tokenmill.core.admission import AdmissionHeadroom
 from tokenmill.core.beam_group import BeamScheduling
 from tokenmill.core.encoder_cache import EncoderCacheManager
-from tokenmill.core.engine_io import (
-    REQUEST_REFUSED_PREFIX,
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    FinishReason,
-    SchedulerStats,
-)
+from tokenmill.core.engine_io import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.kv_offload import KVOffloadManager
 from tokenmill.core.lora_slots import LoRASlots, count_adapters
@@ -545,12 +539,7 @@ class Scheduler:
                 continue  # aborted or preempted since it was scheduled
             if req_id in runner.failed_requests:
                 # its adapter no longer loads: the request ends, the server answers 400
-                outputs.append(
-                    EngineCoreOutput(
-                        req_id, [], finish_reason=FinishReason.ABORT,
-                        stop_reason=f"{REQUEST_REFUSED_PREFIX} {runner.failed_requests[req_id]}",
-                    )
-                )  # fmt: skip
+                outputs.append(EngineCoreOutput.refused(req_id, runner.failed_requests[req_id]))
                 request.status = RequestStatus.FINISHED_ABORTED
                 finished_ids.add(req_id)
                 self.free_request(request)

@@ -29,11 +29,9 @@ import zmq
 from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.core.engine_io import (
-    REQUEST_REFUSED_PREFIX,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    FinishReason,
 )
 from tokenmill.core.grammar_workers import exit_skipping_finalisation
 from tokenmill.gc_freeze import freeze_startup_heap
@@ -137,12 +135,7 @@ class EngineCoreProc:
                 # The front end checked the request; what remains (an adapter folder gone
                 # since it was loaded) ends this request, not the engine.
                 logger.warning("request %s refused: %s", request.request_id, e)
-                out = EngineCoreOutput(
-                    request.request_id,
-                    [],
-                    finish_reason=FinishReason.ABORT,
-                    stop_reason=f"{REQUEST_REFUSED_PREFIX} {e}",
-                )
+                out = EngineCoreOutput.refused(request.request_id, str(e))
                 self.output.send_multipart(
                     [MSG_OUT, _encoder.encode(EngineCoreOutputs(outputs=[out]))]
                 )
