@@ -146,7 +146,6 @@ class LoRAManager:
         self.known: dict[int, LoRARequest] = {}
         # adapter id -> slot (1..max_loras), least recently used first
         self.slot_of: OrderedDict[int, int] = OrderedDict()
-        self.failures: dict[int, str] = {}  # see ``slots_for``
 
     # ---- host cache --------------------------------------------------------------------
 
@@ -253,23 +252,35 @@ class LoRAManager:
 
     # ---- slots -------------------------------------------------------------------------
 
-    def slots_for(self, lora_ids: np.ndarray) -> np.ndarray:
+    def slots_for(
+        self, lora_ids: np.ndarray, req_ids: list[str]
+    ) -> tuple[np.ndarray, dict[str, str]]:
         """The slot of each entry of ``lora_ids`` (0 for 0: no adapter), putting adapters
         that have none into a free slot or the least recently used one this call does not
-        need.
+        need; and the requests whose adapter no longer loads.
 
         An adapter that no longer loads (it had left host memory and its folder changed or
-        went since it was loaded) is forgotten, its rows take slot 0 and the reason waits in
-        ``take_failures``: its requests end, the step runs for the others.
+        went since it was loaded) is forgotten and its rows take slot 0: its requests end,
+        the step runs for the others.
+
+        Args:
+            lora_ids: ``[R]`` int64, each request's adapter id (0: none).
+            req_ids: the ``R`` requests' ids.
+
+        Returns:
+            ``(slots [R] int32, failed)``: ``failed`` maps the id of each request whose
+            adapter no longer loads to the reason.
 
         Raises:
             RuntimeError: more distinct adapters than slots (a scheduler bug).
         """
-        wanted = [int(i) for i in np.unique(lora_ids) if i]
+        ids, inverse = np.unique(lora_ids, return_inverse=True)
+        wanted = [int(i) for i in ids if i]
         if len(wanted) > self.config.max_loras:
             raise RuntimeError(
                 f"{len(wanted)} adapters in one step, more than max_loras={self.config.max_loras}"
             )
+        reasons: dict[int, str] = {}
         for lora_id in wanted:
             if lora_id in self.slot_of:
                 self.slot_of.move_to_end(lora_id)
@@ -278,16 +289,14 @@ class LoRAManager:
                 self._activate(lora_id, set(wanted))
             except LoRAAdapterError as e:
                 logger.warning("LoRA adapter %d no longer loads: %s", lora_id, e)
-                self.failures[lora_id] = str(e)
+                reasons[lora_id] = str(e)
                 self.remove_lora(lora_id)
-        ids, inverse = np.unique(lora_ids, return_inverse=True)
+        failed = {}
+        if reasons:  # rare: no per-step work otherwise
+            rows = np.flatnonzero(np.isin(lora_ids, list(reasons)))
+            failed = {req_ids[r]: reasons[int(lora_ids[r])] for r in rows}
         slots = np.array([self.slot_of.get(int(i), 0) for i in ids], dtype=np.int32)
-        return slots[inverse.reshape(-1)]
-
-    def take_failures(self) -> dict[int, str]:
-        """Adapters ``slots_for`` could not load since the last call: id -> reason."""
-        failures, self.failures = self.failures, {}
-        return failures
+        return slots[inverse.reshape(-1)], failed
 
     def _activate(self, lora_id: int, keep: set[int]) -> None:
         weights = self._load(lora_id).weights  # first: a failed load takes no slot

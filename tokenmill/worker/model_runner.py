@@ -410,11 +410,8 @@ class ModelRunner(StepSampling, BufferMetadata):
         staging.put_into(self.prefill_range.np, self.prefill_range.device)
         failed: dict[str, str] = {}
         if self.lora is not None:
-            req_lora = batch.lora_id[rows]
-            token_slots = self.lora.slots_for(req_lora)[req_idx]
-            staging.put_into(token_slots, self.lora_slots.device[:n])
-            for lora_id, reason in self.lora.take_failures().items():
-                failed.update((req_ids[i], reason) for i in np.flatnonzero(req_lora == lora_id))
+            req_slots, failed = self.lora.slots_for(batch.lora_id[rows], req_ids)
+            staging.put_into(req_slots[req_idx], self.lora_slots.device[:n])
         last = cu[1:][sample_rows].astype(np.int64) - 1
         if so.scheduled_spec_decode_tokens:
             assert self.spec_decode is not None

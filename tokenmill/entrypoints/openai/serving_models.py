@@ -64,9 +64,7 @@ class ServingModels:
 
     def check(self, model: str | None) -> None:
         """Raises a 404 unless ``model`` is None, a served name or an adapter's name."""
-        if model is not None and model not in self.model_config.served_model_names:
-            if model not in self.adapters:
-                raise model_not_found(model)
+        self.lora_request(model)
 
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter ``model`` names; None for the base model.
