@@ -17,6 +17,7 @@ import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -71,6 +72,27 @@ async def resolve(url: str) -> list[str]:
         host = f"[{address[0]}]" if family == socket.AF_INET6 else address[0]
         urls.add(urlunsplit((parts.scheme, f"{host}:{port}", parts.path, "", "")))
     return sorted(urls)
+
+
+async def fetch_model_cards(
+    session: aiohttp.ClientSession,
+    url: str,
+    timeout: aiohttp.ClientTimeout,
+    headers: dict[str, str] | None = None,
+) -> list[dict[str, Any]] | None:
+    """The model cards (those with an ``id``) of ``url``'s ``GET /v1/models``; None when it
+    does not answer 200 with a JSON object."""
+    try:
+        async with session.get(url + "/v1/models", headers=headers, timeout=timeout) as response:
+            if response.status != 200:
+                return None
+            body = await response.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    data = body.get("data")
+    return [c for c in data if isinstance(c, dict) and "id" in c] if isinstance(data, list) else []
 
 
 class BackendPool:
@@ -144,25 +166,9 @@ class BackendPool:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             healthy = False
         if healthy:
-            backend.models = await self._models(session, backend, timeout) or backend.models
+            cards = await fetch_model_cards(session, backend.url, timeout)
+            backend.models = frozenset(str(c["id"]) for c in cards or ()) or backend.models
         self.set_health(backend, healthy)
-
-    @staticmethod
-    async def _models(
-        session: aiohttp.ClientSession, backend: Backend, timeout: aiohttp.ClientTimeout
-    ) -> frozenset[str]:
-        """The ids of ``backend``'s ``/v1/models``; empty when it does not answer them."""
-        try:
-            async with session.get(backend.url + "/v1/models", timeout=timeout) as response:
-                if response.status != 200:
-                    return frozenset()
-                body = await response.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
-            return frozenset()
-        data = body.get("data") if isinstance(body, dict) else None
-        if not isinstance(data, list):
-            return frozenset()
-        return frozenset(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Check the backends every ``interval_s`` seconds, forever."""

@@ -29,7 +29,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenmill import envs
-from tokenmill.router.backends import Backend, BackendPool
+from tokenmill.router.backends import Backend, BackendPool, fetch_model_cards
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import PrefixAwarePolicy, RoutingKey, RoutingPolicy
 
@@ -57,9 +57,6 @@ MAX_KEYED_BODY = 32 << 20
 # Segments of one prompt the prefix map keeps (a prefix this long already tells replicas
 # apart): one huge prompt would otherwise push every other conversation out of the map.
 MAX_SEGMENTS = 1024
-# The largest body the router reads: the engine server's own limit
-# (TOKENMILL_MAX_REQUEST_BODY_BYTES, default 128 MiB), so a larger one gets the same 413
-# here instead of being read into memory and cut off while it is forwarded.
 CONNECT_TIMEOUT_S = 10.0
 # Characters per prefix segment of a completion prompt: about one KV block of 16 tokens
 # (a prefix shorter than a block gives the engine no cache hit).
@@ -83,6 +80,11 @@ async def _openai_errors(request: web.Request, handler: Any) -> web.StreamRespon
 class ConnectFailed(Exception):
     """The backend refused the connection, or answered 503 (shutting down, asleep, no
     engine): the request never ran there, so another backend may take it."""
+
+
+def _forwarded_headers(request: web.Request) -> dict[str, str]:
+    """The client's headers a backend gets: all but the hop-by-hop ones."""
+    return {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
 
 
 def error_response(status: int, message: str, code: str) -> web.Response:
@@ -175,10 +177,11 @@ class Router:
             self.policy.forget(url)
 
     def build_app(self) -> web.Application:
-        limit = envs.max_request_body_bytes()
-        app = web.Application(
-            client_max_size=limit or 2**63 - 1, middlewares=[_openai_errors]
-        )
+        # The largest body the router reads is the engine server's own limit, so a larger
+        # one gets the same 413 here instead of being read into memory and cut off while
+        # it is forwarded (0: no limit).
+        limit = envs.max_request_body_bytes() or 2**63 - 1
+        app = web.Application(client_max_size=limit, middlewares=[_openai_errors])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/router/backends", self.list_backends)
@@ -228,30 +231,18 @@ class Router:
         first backend listing it gives it); forwarded to one backend when none answers it
         with a list (its error, e.g. a 401, then reaches the client)."""
         assert self.session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         timeout = aiohttp.ClientTimeout(total=self.pool.timeout_s)
-
-        async def fetch(backend: Backend) -> Any:
-            try:
-                async with self.session.get(  # type: ignore[union-attr]
-                    backend.url + "/v1/models", headers=headers, timeout=timeout
-                ) as response:
-                    if response.status == 200:
-                        return await response.json(content_type=None)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
-                pass
-            return None
-
-        lists = await asyncio.gather(*(fetch(b) for b in self.pool.healthy()))
-        cards: dict[str, Any] = {}
-        for body in lists:
-            data = body.get("data") if isinstance(body, dict) else None
-            for card in data if isinstance(data, list) else ():
-                if isinstance(card, dict) and "id" in card:
-                    cards.setdefault(str(card["id"]), card)
-        if not any(isinstance(body, dict) for body in lists):
+        headers = _forwarded_headers(request)
+        lists = await asyncio.gather(*(
+            fetch_model_cards(self.session, b.url, timeout, headers) for b in self.pool.healthy()
+        ))  # fmt: skip
+        if all(cards is None for cards in lists):
             return await self.forward(request)
-        return web.json_response({"object": "list", "data": list(cards.values())})
+        merged: dict[str, Any] = {}
+        for cards in lists:
+            for card in cards or ():
+                merged.setdefault(str(card["id"]), card)
+        return web.json_response({"object": "list", "data": list(merged.values())})
 
     # ---- forwarding -----------------------------------------------------------------------
 
@@ -293,7 +284,7 @@ class Router:
                 is left to try) the backend answered 503.
         """
         assert self.session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = _forwarded_headers(request)
         url = backend.url + request.rel_url.raw_path_qs
         backend.in_flight += 1
         self.metrics.in_flight.labels(backend.url).set(backend.in_flight)
