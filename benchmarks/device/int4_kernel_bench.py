@@ -10,9 +10,8 @@ usage: int4_kernel_bench.py [--ms 1,2,4,16,256,1024,4096] [--group 128] [--sweep
 --sweep also times the GEMV kernel under other tiles (BLOCK_N, packed words per K step,
 programs per SM, warps) at M = 1 and 4 and prints the
 fastest per (shape, M) as an ``INT4BEST`` line. --tc-sweep times the tensor-core kernel from
-M = 2 under other tiles, in the kernel with the weight tile as the right operand and in the
-transposed one (``SWAP_AB``: the weight tile on the left, ``out^T = W x^T``), and prints the
-fastest per (shape, M), the dequantize-then-cuBLAS path included, as an ``INT4TCBEST`` line.
+M = 2 under other tiles and prints the fastest per (shape, M), the dequantize-then-cuBLAS
+path included, as an ``INT4TCBEST`` line.
 
 Prints one ``INT4`` line per (shape, M, path): microseconds per product (CUDA-graph replays,
 median) and the weight bytes read per microsecond (GB/s: packed words, scales and zeros).
@@ -66,28 +65,19 @@ def sweep_configs(m: int, n: int, k: int, g: int, sms: int) -> dict[str, dict]:
 TC_DECODE_TILES = [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (32, 64, 128, 4, 3),
                    (32, 128, 64, 4, 3)]
 TC_TILES = [(64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4)]
-# The transposed kernel (SWAP_AB): BLOCK_M rows of x, BLOCK_N weight rows (the MMA's M).
-SWAP_DECODE_TILES = [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (32, 64, 128, 4, 3),
-                     (32, 128, 128, 8, 3)]
-SWAP_TILES = [(64, 128, 64, 4, 3), (64, 128, 128, 8, 3), (128, 128, 64, 8, 3),
-              (128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-              (64, 64, 128, 4, 4), (128, 64, 128, 4, 3)]
-
 
 def tc_sweep_configs(m: int, n: int, k: int, g: int, sms: int) -> dict[str, dict]:
-    """Tensor-core tile variants of both kernels, K split until the grid covers the SMs once
-    (at least four K steps per split)."""
+    """Tensor-core tile variants, K split until the grid covers the SMs once (at least four
+    K steps per split)."""
     out = {}
-    for swap, tiles in ((0, TC_DECODE_TILES if m <= 32 else TC_TILES),
-                        (1, SWAP_DECODE_TILES if m <= 32 else SWAP_TILES)):
-        for bm, bn, bk, warps, stages in tiles:
-            if g % bk:
-                continue
-            n_tiles = -(-m // bm) * -(-n // bn)
-            split = max(1, min(-(-sms // n_tiles), -(-k // (4 * bk))))
-            name = f"{'swap' if swap else 'tc'}_m{bm}_n{bn}_k{bk}_w{warps}_s{stages}"
-            out[name] = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                             num_warps=warps, num_stages=stages, SWAP_AB=swap)
+    for bm, bn, bk, warps, stages in TC_DECODE_TILES if m <= 32 else TC_TILES:
+        if g % bk:
+            continue
+        n_tiles = -(-m // bm) * -(-n // bn)
+        split = max(1, min(-(-sms // n_tiles), -(-k // (4 * bk))))
+        out[f"tc_m{bm}_n{bn}_k{bk}_w{warps}_s{stages}"] = dict(
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps,
+            num_stages=stages)
     return out
 
 
@@ -134,7 +124,7 @@ def main() -> None:
                           f"{str(e)[:200]}", flush=True)
                     continue
                 timed[path] = (us, cfg)
-                if path.startswith(("sweep", "tc_", "swap_")) and err > 2e-2:
+                if path.startswith(("sweep", "tc_")) and err > 2e-2:
                     print(f"INT4 {name} m={m} path={path} WRONG rel_err={err:.2e}", flush=True)
                     continue
                 print(f"INT4 {name} m={m} path={path} us={us:.1f} GB/s={nbytes / us / 1e3:.0f} "

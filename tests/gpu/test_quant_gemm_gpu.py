@@ -44,14 +44,12 @@ def test_int4_kernel_llama_shapes(m, n, k):
     _check(y, x.float() @ w_t)
 
 
-@pytest.mark.parametrize("swap", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("m", [8, 96])
-def test_int4_tensor_core(m, group, dtype, swap):
-    """Both tensor-core kernels (``swap``: the transposed product, the weight tile on the
-    left), in both 16-bit dtypes, at a decode and a prompt-sized batch (down projection's
-    shape: K split)."""
+def test_int4_tensor_core(m, group, dtype):
+    """The tensor-core kernel in both 16-bit dtypes, at a decode and a prompt-sized batch
+    (down projection's shape: K split)."""
     n, k = 4096, 14336
     gen = torch.Generator(device="cuda").manual_seed(m + group)
     kw = dict(device="cuda", generator=gen)
@@ -62,7 +60,7 @@ def test_int4_tensor_core(m, group, dtype, swap):
     ).repeat_interleave(group, 0)
     x = torch.randn(m, k, **kw).to(dtype)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = dict(launch_config(m, n, k, dtype, sms, group), SWAP_AB=swap)
+    cfg = launch_config(m, n, k, dtype, sms, group)
     assert group % cfg["BLOCK_K"] == 0  # one scale row per tile
     y = int4_linear(x, pack_k(q), scales, zeros, group, cfg)
     assert y.dtype == dtype

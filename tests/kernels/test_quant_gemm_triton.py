@@ -49,22 +49,20 @@ def test_int4_k_step_divides_the_group():
             assert cfg["BLOCK_K"] == want and group % cfg["BLOCK_K"] == 0
 
 
-@pytest.mark.parametrize("swap", [0, 1])
 @pytest.mark.parametrize("m, n, k, split", [(20, 48, 256, 1), (5, 40, 320, 2)])
-def test_int4_kernel_float16(m, n, k, split, swap):
-    """float16 activations, both tensor-core kernels (``swap``: the transposed product with
-    the weight tile on the left) equal the float32 product of the dequantized weight within
-    float16's rounding; with masked rows (m = 5, 20 in 16-row tiles), masked columns (n = 40)
-    and K split into three tiles and two (k = 320)."""
+def test_int4_kernel_float16(m, n, k, split):
+    """float16 activations: the tensor-core kernel equals the float32 product of the
+    dequantized weight within float16's rounding; with masked rows (m = 5, 20 in 16-row
+    tiles), masked columns (n = 40) and K split into three tiles and two (k = 320)."""
     group = 64
-    gen = torch.Generator().manual_seed(m + swap)
+    gen = torch.Generator().manual_seed(m)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
     scales = (torch.rand(k // group, n, generator=gen) * 0.1).half()
     zeros = torch.randint(0, 16, (k // group, n), dtype=torch.uint8, generator=gen)
     w_t = (q.float().t() - zeros.float().repeat_interleave(group, 0)) * scales.float(
     ).repeat_interleave(group, 0)
     x = torch.randn(m, k, generator=gen).half()
-    cfg = dict(_config(split, 64), BLOCK_N=16, SWAP_AB=swap)
+    cfg = dict(_config(split, 64), BLOCK_N=16)
     y = int4_gemm.int4_linear(x, pack_k(q), scales, zeros, group, cfg)
     assert y.dtype == torch.float16
     ref = x.float() @ w_t
@@ -140,13 +138,3 @@ def test_q32_gemv_partial_iterations_and_split(qtype, split):
     torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
     with pytest.raises(ValueError, match="one row"):
         q32_gemv(torch.zeros(2, k), raw, qtype)
-
-
-def test_int4_transposed_kernel_refuses_a_k_step_across_groups():
-    """The transposed kernel takes one scale and zero row per tile: a K step wider than the
-    group is refused, not computed with the wrong scales."""
-    q = torch.zeros(16, 128, dtype=torch.uint8)
-    scales, zeros = torch.ones(4, 16), torch.zeros(4, 16, dtype=torch.uint8)
-    cfg = dict(_config(1, 64), BLOCK_N=16, SWAP_AB=1)
-    with pytest.raises(ValueError, match=r"BLOCK_K \(64\) to divide the group \(32\)"):
-        int4_gemm.int4_linear(torch.zeros(2, 128), pack_k(q), scales, zeros, 32, cfg)

@@ -106,53 +106,6 @@ if HAS_TRITON:
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _int4_gemm_swap_kernel(
-        x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
-        M, N, K, stride_xm, stride_om, k_per_split,
-        GROUP: tl.constexpr,
-        ATOMIC: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        # The transposed product out^T = W x^T: the dequantized weight tile is the left
-        # operand [BLOCK_N, BLOCK_K], which Hopper's warpgroup MMA takes from registers (the
-        # right operand, x^T, from shared memory); K steps stay within one group.
-        pid_mn = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        num_n = tl.cdiv(N, BLOCK_N)
-        pid_m = pid_mn // num_n
-        pid_n = pid_mn % num_n
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
-        shifts = tl.arange(0, 8) * 4
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        k_start = pid_k * k_per_split
-        k_end = tl.minimum(k_start + k_per_split, K)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None],
-                         mask=m_mask[None, :] & (offs_k < k_end)[:, None], other=0.0)
-            rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            words = tl.load(qw_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None],
-                            mask=(rows * 8 < k_end)[None, :] & n_mask[:, None], other=0)
-            q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF,
-                           (BLOCK_N, BLOCK_K))
-            g = offs_n.to(tl.int64) + (k0 // GROUP) * N
-            s = tl.load(s_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g, mask=n_mask, other=0).to(tl.float32)
-            w = ((q.to(tl.float32) - z[:, None]) * s[:, None]).to(xt.dtype)
-            acc = tl.dot(w, xt, acc)
-        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-        mask = m_mask[None, :] & n_mask[:, None]
-        if ATOMIC:
-            tl.atomic_add(out_ptrs, acc, mask=mask)
-        else:
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
     def _int4_gemv_kernel(
         x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
         M, N, K, stride_xm, stride_om, k_per_split,
@@ -315,8 +268,7 @@ def int4_linear(
         qweight: ``[K/8, N]`` int32. scales: ``[K/G, N]``. zeros: ``[K/G, N]`` uint8.
         group: ``G``, input channels per group (a multiple of ``BLOCK_K`` or of 8 dividing it).
         config: tiles: ``gemv_config``'s keys for the GEMV kernel, ``launch_config``'s for
-            the tensor-core one (with ``"SWAP_AB": 1``, the transposed kernel: the weight
-            tile as the left operand), ``{"DEQUANT": 1}`` for ``int4_dequantize`` and cuBLAS;
+            the tensor-core one, ``{"DEQUANT": 1}`` for ``int4_dequantize`` and cuBLAS;
             chosen if None: the GEMV for up to ``GEMV_MAX_M`` rows in float16/bfloat16, the
             dequantized weight from ``DEQUANT_MIN_M`` rows.
 
@@ -324,8 +276,7 @@ def int4_linear(
         ``[M, N]`` in ``x``'s dtype.
 
     Raises:
-        ValueError: Triton is not installed; ``SWAP_AB`` with a K step that does not divide
-            the group.
+        ValueError: Triton is not installed.
     """
     if not HAS_TRITON:
         raise ValueError("the int4 GEMM kernel needs Triton")
@@ -359,18 +310,6 @@ def int4_linear(
         )
         return out.to(x.dtype) if atomic else out
     grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
-    if cfg.get("SWAP_AB"):
-        if group % block_k:
-            raise ValueError(f"the transposed kernel needs BLOCK_K ({block_k}) to divide the "
-                             f"group ({group})")  # fmt: skip
-        _int4_gemm_swap_kernel[grid](
-            x, qweight, scales, zeros, out,
-            m, n, k, x.stride(0), out.stride(0), k_per_split,
-            GROUP=group, ATOMIC=atomic,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-        return out.to(x.dtype) if atomic else out
     _int4_gemm_kernel[grid](
         x, qweight, scales, zeros, out,
         m, n, k, x.stride(0), out.stride(0), k_per_split,
