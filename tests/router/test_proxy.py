@@ -7,6 +7,7 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -140,5 +141,87 @@ def test_a_request_a_backend_refuses_with_503_is_routed_again():
         finally:
             await ra.cleanup()
             await rb.cleanup()
+
+    asyncio.run(scenario())
+
+
+async def _hanging_backend(health: str) -> tuple[web.AppRunner, str]:
+    """A stand-in engine server whose requests never finish (a stream sends one event
+    first); its /health answers 200, never answers (``"silent"``: a frozen process) or
+    answers 503 (``"draining"``: a server finishing its requests before it stops)."""
+    answer = {"ok": True}
+
+    async def check(_: web.Request) -> web.Response:
+        if answer["ok"] or health == "ok":
+            return web.Response()
+        if health == "draining":
+            return web.Response(status=503)
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        answer["ok"] = False  # from the first request on, the process stops answering
+        if (await request.json()).get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b'data: {"choices": []}\n\n')
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    app = web.Application()
+    app.router.add_get("/health", check)
+    app.router.add_post("/v1/completions", complete)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)  # its handlers never return
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_requests_on_a_frozen_backend_end(stream):
+    """A backend that stops answering its health checks mid-request: the request waiting on
+    it ends with a 502 (or, its stream begun, with the connection closed after what came)
+    instead of waiting for ever."""
+
+    async def scenario() -> None:
+        runner, url = await _hanging_backend("silent")
+        try:
+            pool = BackendPool([url], interval_s=0.05, timeout_s=0.05)
+            router = Router(pool, make_policy("roundrobin", 1024, 16, 1.5), "x-session-id")
+            async with TestClient(TestServer(router.build_app())) as client:
+                body = {"model": "m", "prompt": "x", "stream": stream}
+                r = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)
+                if not stream:
+                    assert r.status == 502
+                    assert "stopped answering" in (await r.json())["error"]["message"]
+                else:
+                    assert r.status == 200
+                    assert await r.content.readline() == b'data: {"choices": []}\n'
+                    with pytest.raises(aiohttp.ClientPayloadError):
+                        await asyncio.wait_for(r.read(), 10)
+                assert pool.backends[url].in_flight == 0
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_requests_on_a_draining_backend_are_left_to_finish():
+    """A backend answering its health checks with 503 (draining before it stops) is out of
+    the pool for new requests, but the requests it runs are not ended."""
+
+    async def scenario() -> None:
+        runner, url = await _hanging_backend("draining")
+        try:
+            pool = BackendPool([url], interval_s=0.05, timeout_s=0.05)
+            router = Router(pool, make_policy("roundrobin", 1024, 16, 1.5), "x-session-id")
+            async with TestClient(TestServer(router.build_app())) as client:
+                body = {"model": "m", "prompt": "x"}
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(client.post("/v1/completions", json=body), 1.0)
+                assert not pool.backends[url].healthy and not pool.backends[url].frozen.is_set()
+        finally:
+            await runner.cleanup()
 
     asyncio.run(scenario())

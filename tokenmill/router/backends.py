@@ -7,7 +7,11 @@ or down join and leave the pool without the router needing the Kubernetes API.
 
 A backend is healthy while its ``GET /health`` answers 200 within the timeout. One that
 refuses a connection while a request is routed to it is marked unhealthy at once (the
-request is routed again, elsewhere) until a health check passes.
+request is routed again, elsewhere) until a health check passes. One whose health check goes
+unanswered ``FROZEN_AFTER_CHECKS`` times in a row (not a non-200 answer: a server draining
+its requests answers 503) is frozen: its ``frozen`` event is set, which ends the requests in
+flight to it (``tokenmill.router.proxy``) instead of leaving their clients waiting on a
+process that no longer answers.
 """
 
 from __future__ import annotations
@@ -16,13 +20,17 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
 logger = logging.getLogger("tokenmill.router")
+
+# Consecutive unanswered health checks after which a backend's requests in flight are ended
+# (with the default interval, 5 s apart: a backend silent for about 15 s).
+FROZEN_AFTER_CHECKS = 3
 
 
 @dataclass
@@ -35,12 +43,18 @@ class Backend:
         in_flight: requests routed to it whose responses have not ended.
         models: the model names its ``/v1/models`` listed at the last health check (empty:
             not known, e.g. a server that wants an API key there).
+        unanswered: consecutive health checks it did not answer (timeouts, lost
+            connections).
+        frozen: set once ``unanswered`` reaches ``FROZEN_AFTER_CHECKS``; a new event when it
+            answers again.
     """
 
     url: str
     healthy: bool = False
     in_flight: int = 0
     models: frozenset[str] = frozenset()
+    unanswered: int = 0
+    frozen: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def normalize_url(url: str) -> str:
@@ -160,15 +174,33 @@ class BackendPool:
 
     async def _check(self, session: aiohttp.ClientSession, backend: Backend) -> None:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        answered = False
         try:
             async with session.get(backend.url + "/health", timeout=timeout) as response:
-                healthy = response.status == 200
+                healthy, answered = response.status == 200, True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             healthy = False
+        self._note_answer(backend, answered)
         if healthy:
             cards = await fetch_model_cards(session, backend.url, timeout)
             backend.models = frozenset(str(c["id"]) for c in cards or ()) or backend.models
         self.set_health(backend, healthy)
+
+    def _note_answer(self, backend: Backend, answered: bool) -> None:
+        """Count ``backend``'s unanswered checks; freeze it at ``FROZEN_AFTER_CHECKS``."""
+        if answered:
+            backend.unanswered = 0
+            if backend.frozen.is_set():
+                backend.frozen = asyncio.Event()
+            return
+        backend.unanswered += 1
+        if backend.unanswered >= FROZEN_AFTER_CHECKS and not backend.frozen.is_set():
+            if backend.in_flight:
+                logger.warning(
+                    "backend %s has not answered %d health checks: ending its %d requests "
+                    "in flight", backend.url, backend.unanswered, backend.in_flight,
+                )  # fmt: skip
+            backend.frozen.set()
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         """Check the backends every ``interval_s`` seconds, forever."""

@@ -12,7 +12,9 @@ the connection to the backend closed, which aborts the request there. A backend 
 the connection, or answers 503 (stopping, asleep: the request did not run there) while
 another is left, is marked unhealthy and the request is routed again among the others; one
 that fails after the request reached it gets a 502 (the request is not replayed: generation
-is not idempotent).
+is not idempotent), as does one that freezes (its health checks unanswered,
+``FROZEN_AFTER_CHECKS``) while the request waits on it — or, once its response has begun,
+the client's connection is closed.
 """
 
 from __future__ import annotations
@@ -277,47 +279,85 @@ class Router:
     async def _send(
         self, request: web.Request, body: bytes, backend: Backend, can_reroute: bool = False
     ) -> web.StreamResponse:
-        """Forward to ``backend`` and relay its response.
+        """Forward to ``backend`` and relay its response; end it with a 502 (or, once the
+        response has started, by closing the client's connection) if the backend freezes
+        (``BackendPool``: health checks unanswered) before the response ends.
 
         Raises:
             ConnectFailed: the connection was refused, or (``can_reroute``: another backend
                 is left to try) the backend answered 503.
         """
-        assert self.session is not None
-        headers = _forwarded_headers(request)
-        url = backend.url + request.rel_url.raw_path_qs
         backend.in_flight += 1
         self.metrics.in_flight.labels(backend.url).set(backend.in_flight)
         start = time.monotonic()
-        status = "error"
+        sent: dict[str, Any] = {"status": "error"}
+        exchange = asyncio.ensure_future(
+            self._exchange(request, body, backend, can_reroute, start, sent)
+        )
+        frozen = asyncio.ensure_future(backend.frozen.wait())
         try:
-            try:
-                upstream = await self.session.request(
-                    request.method, url, headers=headers, data=body or None, allow_redirects=False
-                )
-            except aiohttp.ClientConnectorError as e:
-                raise ConnectFailed(str(e)) from None
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            done, _ = await asyncio.wait({exchange, frozen}, return_when=asyncio.FIRST_COMPLETED)
+            if exchange in done:
+                return exchange.result()
+            logger.warning("backend %s froze mid-request: ending the request", backend.url)
+            sent["status"] = "frozen"
+            exchange.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await exchange
+            response = sent.get("response")
+            if response is None:
                 return error_response(
-                    502, f"The backend failed: {e or type(e).__name__}", "bad_gateway"
-                )
-            self.metrics.ttfb.labels(backend.url).observe(time.monotonic() - start)
-            status = str(upstream.status)
-            if upstream.status == 503 and can_reroute:
-                # Refused before it ran (a replica stopping or asleep): route it again.
-                upstream.release()
-                raise ConnectFailed("it answered 503")
-            return await self._relay(request, upstream)
+                    502, "The backend stopped answering (its health checks time out).",
+                    "bad_gateway",
+                )  # fmt: skip
+            if request.transport is not None:  # a response begun: the client sees it cut
+                request.transport.close()
+            return response
         finally:
+            frozen.cancel()
+            exchange.cancel()  # the client left (this handler cancelled): drop the backend's
             backend.in_flight -= 1
             self.metrics.in_flight.labels(backend.url).set(backend.in_flight)
-            self.metrics.requests.labels(backend.url, status).inc()
+            self.metrics.requests.labels(backend.url, sent["status"]).inc()
             self.metrics.duration.labels(backend.url).observe(time.monotonic() - start)
 
-    async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse
+    async def _exchange(
+        self,
+        request: web.Request,
+        body: bytes,
+        backend: Backend,
+        can_reroute: bool,
+        start: float,
+        sent: dict[str, Any],
     ) -> web.StreamResponse:
-        """Write ``upstream``'s response to the client as its bytes arrive."""
+        """``_send``'s request to the backend and relay of its answer; ``sent`` gets the
+        backend's ``status`` and, once begun, the client's ``response``."""
+        assert self.session is not None
+        headers = _forwarded_headers(request)
+        url = backend.url + request.rel_url.raw_path_qs
+        try:
+            upstream = await self.session.request(
+                request.method, url, headers=headers, data=body or None, allow_redirects=False
+            )
+        except aiohttp.ClientConnectorError as e:
+            raise ConnectFailed(str(e)) from None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return error_response(
+                502, f"The backend failed: {e or type(e).__name__}", "bad_gateway"
+            )
+        self.metrics.ttfb.labels(backend.url).observe(time.monotonic() - start)
+        sent["status"] = str(upstream.status)
+        if upstream.status == 503 and can_reroute:
+            # Refused before it ran (a replica stopping or asleep): route it again.
+            upstream.release()
+            raise ConnectFailed("it answered 503")
+        return await self._relay(request, upstream, sent)
+
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, sent: dict[str, Any]
+    ) -> web.StreamResponse:
+        """Write ``upstream``'s response to the client as its bytes arrive (``sent``'s
+        ``response`` is the client's once begun)."""
         complete = False
         try:
             headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -325,6 +365,7 @@ class Router:
                 status=upstream.status, reason=upstream.reason, headers=headers
             )
             await response.prepare(request)
+            sent["response"] = response
             try:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
