@@ -7,9 +7,10 @@ For each layer product (q/k/v, output, gate/up, down) and row count: the time of
 ``lora_triton`` call (shrink; expand adding the chunks) with ``--adapters`` adapters of ``--rank``
 per part spread over the rows at random (one adapter for every row at 1,024: a prompt),
 beside the base bf16 product ``x @ W^T`` of the same shape (cuBLAS), and the same LoRA call
-with the shrink in one K chunk (``unsplit``) and in at most 16 (``cap16``). Each figure is
-the median of CUDA-graph replays of 20 calls. Lines start with ``LORAK``; the last lines give
-the sum over one layer and over the 32 layers of a decode step.
+with the shrink's K chunks capped at 8, 16 and 32 (``capN``; the default is
+``MAX_SHRINK_CHUNKS``). Each figure is the median of CUDA-graph replays of 20 calls. Lines
+start with ``LORAK``; the last lines give the sum over one layer and over the 32 layers of
+a decode step.
 """
 
 from __future__ import annotations
@@ -34,28 +35,18 @@ def _graph_us(fn, calls: int = 20, reps: int = 15) -> float:
     return graph_replay_ms(lambda: [fn() for _ in range(calls)], reps) * 1000 / calls
 
 
-def _capped(cap: int):
-    """``shrink_split`` with at most ``cap`` K chunks."""
-    split = sgmv.shrink_split
-
-    def capped(tiles: int, k: int, sms: int) -> tuple[int, int]:
-        chunks, size = split(tiles, k, sms)
-        if chunks <= cap:
-            return chunks, size
-        size = -(-k // cap)
-        size = -(-size // sgmv.SHRINK_BLOCK_K) * sgmv.SHRINK_BLOCK_K
-        return -(-k // size), size
-
-    return capped
+CAPS = (8, 16, 32)  # the shrink's chunk caps timed beside the default (MAX_SHRINK_CHUNKS)
 
 
 def _measure(
-    slots: torch.Tensor, k: int, parts: tuple[int, ...], rank: int, g: torch.Generator
-) -> tuple[float, float, float, float]:
-    """``(base, lora, unsplit, capped at 16 chunks)`` µs of one product for the rows of
-    ``slots``."""
+    slots: torch.Tensor, slots_n: int, k: int, parts: tuple[int, ...], rank: int,
+    g: torch.Generator,
+) -> dict[str, float]:  # fmt: skip
+    """µs of one product for the rows of ``slots`` with ``slots_n`` slots on the GPU (as
+    the engine's ``--max-loras`` + 1): ``base`` (cuBLAS), ``lora`` (the default chunk cap)
+    and ``capN`` for each of ``CAPS``."""
     dev, dt = slots.device, torch.bfloat16
-    rows, slots_n = slots.shape[0], int(slots.max()) + 1
+    rows = slots.shape[0]
     n, r = sum(parts), rank * len(parts)
     x = torch.randn(rows, k, generator=g, device=dev).to(dt)
     w = torch.randn(n, k, generator=g, device=dev).to(dt)
@@ -63,17 +54,18 @@ def _measure(
     b = torch.randn(slots_n, r, n, generator=g, device=dev).to(dt)
     y = torch.zeros(rows, n, device=dev, dtype=dt)
     starts = tuple(sum(parts[: i + 1]) for i in range(len(parts) - 1))
-    base = _graph_us(lambda: torch.matmul(x, w.T, out=y))
-    lora = _graph_us(lambda: sgmv.lora_triton(y, x, a, b, slots, starts))
-    split = sgmv.shrink_split
+    out = {
+        "base": _graph_us(lambda: torch.matmul(x, w.T, out=y)),
+        "lora": _graph_us(lambda: sgmv.lora_triton(y, x, a, b, slots, starts)),
+    }
+    default = sgmv.MAX_SHRINK_CHUNKS
     try:
-        sgmv.shrink_split = lambda tiles, kk, sms: (1, kk)
-        unsplit = _graph_us(lambda: sgmv.lora_triton(y, x, a, b, slots, starts))
-        sgmv.shrink_split = _capped(16)
-        cap16 = _graph_us(lambda: sgmv.lora_triton(y, x, a, b, slots, starts))
+        for cap in CAPS:
+            sgmv.MAX_SHRINK_CHUNKS = cap
+            out[f"cap{cap}"] = _graph_us(lambda: sgmv.lora_triton(y, x, a, b, slots, starts))
     finally:
-        sgmv.shrink_split = split
-    return base, lora, unsplit, cap16
+        sgmv.MAX_SHRINK_CHUNKS = default
+    return out
 
 
 def main() -> None:
@@ -86,28 +78,29 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     slots_n = args.adapters + 1
     totals: dict[tuple[int, str], float] = {}
+    keys = ["base", "lora"] + [f"cap{c}" for c in CAPS]
     for rows in [int(r) for r in args.rows.split(",")]:
         if rows >= 1024:
             slots = torch.ones(rows, dtype=torch.int32, device=dev)
         else:
             slots = torch.randint(1, slots_n, (rows,), generator=g, device=dev).to(torch.int32)
         for name, (k, parts) in SHAPES.items():
-            base, lora, unsplit, cap16 = _measure(slots, k, parts, args.rank, g)
-            for key, us in (("base", base), ("lora", lora), ("unsplit", unsplit),
-                            ("cap16", cap16)):
-                totals[(rows, key)] = totals.get((rows, key), 0.0) + us
+            us = _measure(slots, slots_n, k, parts, args.rank, g)
+            for key in keys:
+                totals[(rows, key)] = totals.get((rows, key), 0.0) + us[key]
+            caps = ", ".join(f"{key} {us[key]:.1f} us" for key in keys[2:])
             print(
-                f"LORAK rows={rows} {name}: base {base:.1f} us, lora {lora:.1f} us "
-                f"({lora / base:.2f} of base), unsplit {unsplit:.1f} us, cap16 {cap16:.1f} us",
+                f"LORAK rows={rows} {name}: base {us['base']:.1f} us, lora {us['lora']:.1f} us "
+                f"({us['lora'] / us['base']:.2f} of base), {caps}",
                 flush=True,
             )
     for rows in sorted({r for r, _ in totals}):
-        base, lora, unsplit, cap16 = (
-            totals[(rows, key)] for key in ("base", "lora", "unsplit", "cap16"))
+        t = {key: totals[(rows, key)] for key in keys}
+        caps = ", ".join(f"{key} {t[key]:.1f} us" for key in keys[2:])
         print(
-            f"LORAK rows={rows} layer: base {base:.1f} us, lora {lora:.1f} us "
-            f"({lora / base:.2f}), unsplit {unsplit:.1f} us, cap16 {cap16:.1f} us; 32 layers: "
-            f"lora {32 * lora / 1000:.2f} ms, unsplit {32 * unsplit / 1000:.2f} ms",
+            f"LORAK rows={rows} layer: base {t['base']:.1f} us, lora {t['lora']:.1f} us "
+            f"({t['lora'] / t['base']:.2f}), {caps}; 32 layers: lora "
+            f"{32 * t['lora'] / 1000:.2f} ms over base {32 * t['base'] / 1000:.2f} ms",
             flush=True,
         )
 

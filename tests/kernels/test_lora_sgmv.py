@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.kernels.device import HAS_TRITON
 from tokenmill.kernels.lora.sgmv import (
+    MAX_SHRINK_CHUNKS,
     SHRINK_BLOCK_K,
     lora_expand_torch,
     lora_expand_triton,
@@ -46,6 +47,7 @@ CASES = [
     (70, 40, 130, 5, 8, True),
     (20, 32, 40, 3, 200, False),  # stacked rank above one 64-rank tile
     (9, 300, 24, 3, 16, False),  # K in five split-K chunks, the last one partial
+    (50, 2200, 40, 9, 16, False),  # eight adapters in one tile; K at the chunk cap
 ]
 
 
@@ -120,6 +122,8 @@ def test_shrink_split_fills_the_device():
     assert chunks >= 32 and size % SHRINK_BLOCK_K == 0 and (chunks - 1) * size < 4096
     assert shrink_split(300, 4096, 132) == (1, 4096)
     assert shrink_split(1, 40, 132) == (1, SHRINK_BLOCK_K)
+    # the partial sums' memory is bounded: never more chunks than the cap
+    assert shrink_split(1, 64 * 1024, 132)[0] == MAX_SHRINK_CHUNKS
 
 
 def test_no_adapter_rows_cost_nothing():

@@ -1,4 +1,4 @@
-"""Multi-adapter LoRA in one launch per product: ``y[t] += (x[t] A[s_t]^T) B[s_t]`` for every
+"""Multi-adapter LoRA for a mixed batch: ``y[t] += (x[t] A[s_t]^T) B[s_t]`` for every
 row ``t`` of a flat batch, ``s_t`` the row's adapter slot (0: no adapter, rows left as they are).
 
 The segmented/batched gather-matmul idea of Punica (Chen et al. 2023, "Punica: Multi-Tenant
@@ -8,14 +8,18 @@ LoRA Serving": SGMV for prefill segments, BGMV for decode rows) and S-LoRA (Shen
 - ``shrink``: ``t = x A[s]^T``, ``x [T, K]``, ``A [S, R, K]`` -> ``t [T, R]`` float32;
 - ``expand``: ``y += t B[s]``, ``B [S, R, N]``, added in place into ``y [T, N]``.
 
-A program owns a tile of ``BLOCK_M`` rows and loops over the distinct slots in it (one for
-the rows of one request's prompt; a few for a tile of decode rows), each a tensor-core
-product masked to that slot's rows. Tiles of rows without adapters do no work. The shrink
-splits K into chunks (split-K) so that a decode batch, one or two row tiles, still spreads
-over the GPU; the expand adds the chunks' partial sums in a fixed order (deterministic), so
-a product is two launches. The expand of a merged layer (q/k/v, gate/up) reads, per column
-tile, only the rank block of the part that owns those columns. The slot ids are read on the
-device, so CUDA graphs replay the launches for any mix of adapters.
+A program owns a tile of ``BLOCK_M`` rows and one adapter slot: a tensor-core product
+masked to that slot's rows (all the rows of one request's prompt; a few of a tile of decode
+rows). Programs of a slot absent from their tile, and tiles of rows without adapters, do no
+work; with one program per slot, a program's serial work does not grow with the number of
+adapters in the batch. The shrink splits K into chunks (split-K) so that a decode batch, one
+or two row tiles, still spreads over the GPU; the chunks' partial sums are added by one
+reduction (deterministic, no atomics) before the expand, which then reads each row's ``t``
+once per column tile (summed inside the expand, the chunks would be summed again in every
+column tile and slot program). The expand of a
+merged layer (q/k/v, gate/up) reads, per column tile, only the rank block of the part that
+owns those columns. The slot ids are read on the device, so CUDA graphs replay the launches
+for any mix of adapters.
 
 ``lora_torch`` is the CPU path: every slot's shrink in one GEMM, the rows' own blocks kept by
 a one-hot mask, one expand GEMM (no per-request loop). ``lora_reference`` is the per-row
@@ -39,28 +43,29 @@ if HAS_TRITON:
 
     @triton.jit
     def _shrink_kernel(
-        x_ptr, a_ptr, slot_ptr, t_ptr, T, K, R, K_CHUNK,
+        x_ptr, a_ptr, slot_ptr, t_ptr, T, K, R, K_CHUNK, RANK_TILES,
         sx, sa0, sa1, st_split, st,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         IEEE: tl.constexpr,
     ):  # fmt: skip
-        # Program (row tile, rank tile, K chunk): the chunk's partial product of each row
-        # with its own slot's A, stored in the chunk's plane of t (summed afterwards).
+        # Program (row tile, slot x rank tile, K chunk): the chunk's partial product of the
+        # tile's rows of one slot with that slot's A, stored in the chunk's plane of t (the
+        # expand sums the planes). One slot per program keeps a program's loop to its chunk
+        # of K; programs of a slot absent from the tile return at once. Slot 0's program
+        # stores zeros for its rows, so every entry of t is written.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        k_lo = tl.program_id(2) * K_CHUNK
-        k_hi = tl.minimum(k_lo + K_CHUNK, K)
+        s = tl.program_id(1) // RANK_TILES
+        ranks = (tl.program_id(1) % RANK_TILES) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < T
-        slots = tl.load(slot_ptr + rows, mask=row_ok, other=0)
-        lo = tl.min(tl.where(slots > 0, slots, 2147483647))
-        hi = tl.max(slots)
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        rows64 = rows.to(tl.int64)
-        for s in range(lo, hi + 1):
-            mine = slots == s
-            if tl.sum(mine.to(tl.int32)) > 0:
-                part = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                a_base = a_ptr + s * sa0
+        slots = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+        mine = slots == s
+        if tl.sum(mine.to(tl.int32)) > 0:
+            k_lo = tl.program_id(2) * K_CHUNK
+            k_hi = tl.minimum(k_lo + K_CHUNK, K)
+            rows64 = rows.to(tl.int64)
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            if s > 0:
+                a_base = a_ptr + s.to(tl.int64) * sa0
                 for k0 in range(k_lo, k_hi, BLOCK_K):
                     ks = k0 + tl.arange(0, BLOCK_K)
                     xt = tl.load(
@@ -74,71 +79,64 @@ if HAS_TRITON:
                         other=0.0,
                     )
                     if IEEE:
-                        part += tl.dot(xt, at, input_precision="ieee")
+                        acc += tl.dot(xt, at, input_precision="ieee")
                     else:
-                        part += tl.dot(xt, at)
-                acc = tl.where(mine[:, None], part, acc)
-        tl.store(
-            t_ptr + tl.program_id(2) * st_split + rows64[:, None] * st + ranks[None, :],
-            acc,
-            mask=row_ok[:, None] & (ranks[None, :] < R),
-        )
+                        acc += tl.dot(xt, at)
+            tl.store(
+                t_ptr + tl.program_id(2) * st_split + rows64[:, None] * st + ranks[None, :],
+                acc,
+                mask=mine[:, None] & (ranks[None, :] < R),
+            )
 
     @triton.jit
     def _expand_kernel(
-        t_ptr, b_ptr, slot_ptr, y_ptr, T, N, R, PART_R, START1, START2, CHUNKS,
-        st_split, st, sb0, sb1, sy,
+        t_ptr, b_ptr, slot_ptr, y_ptr, T, N, R, PART_R, START1, START2,
+        st, sb0, sb1, sy,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         IEEE: tl.constexpr,
     ):  # fmt: skip
+        # Program (row tile, column tile, slot 1..S-1): the tile's rows of that slot only
+        # (slots own disjoint rows, so programs never write the same entry of y).
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         c0 = tl.program_id(1) * BLOCK_N
         cols = c0 + tl.arange(0, BLOCK_N)
-        # The merged part whose output features hold this column tile: only its block of
-        # PART_R ranks has non-zero B entries here.
-        p = (c0 >= START1).to(tl.int32) + (c0 >= START2).to(tl.int32)
-        r_lo = p * PART_R
-        r_hi = tl.minimum(r_lo + PART_R, R)
+        s = tl.program_id(2) + 1
         row_ok = rows < T
         slots = tl.load(slot_ptr + rows, mask=row_ok, other=0)
-        lo = tl.min(tl.where(slots > 0, slots, 2147483647))
-        hi = tl.max(slots)
-        if hi > 0:
+        mine = (slots == s) & row_ok
+        if tl.sum(mine.to(tl.int32)) > 0:
+            # The merged part whose output features hold this column tile: only its block
+            # of PART_R ranks has non-zero B entries here.
+            p = (c0 >= START1).to(tl.int32) + (c0 >= START2).to(tl.int32)
+            r_lo = p * PART_R
+            r_hi = tl.minimum(r_lo + PART_R, R)
             rows64 = rows.to(tl.int64)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for r0 in range(r_lo, r_hi, BLOCK_R):
                 ranks = r0 + tl.arange(0, BLOCK_R)
-                # the shrink's K chunks, added once for every row of the tile (each row's
-                # t is its own slot's), in chunk order (deterministic)
-                tt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for c in range(0, CHUNKS):
-                    tt += tl.load(
-                        t_ptr + c * st_split + rows64[:, None] * st + ranks[None, :],
-                        mask=(slots > 0)[:, None] & (ranks[None, :] < r_hi),
-                        other=0.0,
-                    )
-                for s in range(lo, hi + 1):
-                    mine = slots == s
-                    if tl.sum(mine.to(tl.int32)) > 0:
-                        ts = tl.where(mine[:, None], tt, 0.0)
-                        bt = tl.load(
-                            b_ptr + s * sb0 + ranks[:, None] * sb1 + cols[None, :],
-                            mask=(ranks[:, None] < r_hi) & (cols[None, :] < N),
-                            other=0.0,
-                        )
-                        if IEEE:
-                            acc += tl.dot(ts, bt.to(tl.float32), input_precision="ieee")
-                        else:
-                            acc += tl.dot(ts.to(bt.dtype), bt)
-            has = (slots > 0) & row_ok
+                tt = tl.load(
+                    t_ptr + rows64[:, None] * st + ranks[None, :],
+                    mask=mine[:, None] & (ranks[None, :] < r_hi),
+                    other=0.0,
+                )
+                bt = tl.load(
+                    b_ptr + s.to(tl.int64) * sb0 + ranks[:, None] * sb1 + cols[None, :],
+                    mask=(ranks[:, None] < r_hi) & (cols[None, :] < N),
+                    other=0.0,
+                )
+                if IEEE:
+                    acc += tl.dot(tt, bt.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(tt.to(bt.dtype), bt)
             ptrs = y_ptr + rows64[:, None] * sy + cols[None, :]
-            mask = has[:, None] & (cols[None, :] < N)
+            mask = mine[:, None] & (cols[None, :] < N)
             y = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             tl.store(ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 SHRINK_BLOCK_K = 64
 EXPAND_BLOCK_N = 64
+MAX_SHRINK_CHUNKS = 64
 
 
 def _block_m(num_rows: int) -> int:
@@ -156,10 +154,11 @@ def _rank_tile(rank: int) -> int:
 
 def shrink_split(num_tiles: int, k: int, sms: int) -> tuple[int, int]:
     """``(chunks, chunk size)`` of the shrink's reduction dimension: enough chunks that the
-    row x rank tiles times the chunks fill two waves of ``sms`` programs, each chunk at
-    least ``SHRINK_BLOCK_K`` wide (a batch of a few rows over K = 4,096 would otherwise be a
-    handful of programs each streaming every slot's whole A)."""
-    chunks = max(1, min((2 * sms) // max(num_tiles, 1), cdiv(k, SHRINK_BLOCK_K)))
+    row x rank tiles times the chunks fill two waves of ``sms`` programs (a batch of a few
+    rows over K = 4,096 would otherwise be a handful of programs each streaming its slot's
+    whole A), each chunk at least ``SHRINK_BLOCK_K`` wide, at most ``MAX_SHRINK_CHUNKS`` (a bound on
+    the partial sums' memory)."""
+    chunks = max(1, min((2 * sms) // max(num_tiles, 1), cdiv(k, SHRINK_BLOCK_K), MAX_SHRINK_CHUNKS))
     size = cdiv(cdiv(k, chunks), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
     return cdiv(k, size), size
 
@@ -186,7 +185,7 @@ def lora_triton(
     """
     if x.shape[0] == 0:
         return
-    _expand(y, _shrink_chunks(x, a, slots), b, slots, part_starts)
+    lora_expand_triton(y, lora_shrink_triton(x, a, slots), b, slots, part_starts)
 
 
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -200,14 +199,6 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) ->
     Returns:
         ``t [T, R]`` float32, contiguous.
     """
-    t = _shrink_chunks(x, a, slots)
-    return t[0] if t.shape[0] == 1 else t.sum(0)
-
-
-def _shrink_chunks(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The shrink's partial products by K chunk (``shrink_split``): ``[C, T, R]`` float32,
-    summed by ``lora_shrink_triton`` or inside the expand (``lora_triton``: no launch of its
-    own for the sum)."""
     num_rows, k = x.shape
     rank = a.shape[1]
     block_m, block_r = _block_m(num_rows), _rank_tile(rank)
@@ -215,14 +206,16 @@ def _shrink_chunks(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> tor
     chunks, chunk = shrink_split(row_tiles * rank_tiles, k, num_sms(x.device))
     t = torch.empty(chunks, num_rows, rank, dtype=torch.float32, device=x.device)
     if num_rows == 0:
-        return t
-    _shrink_kernel[(row_tiles, rank_tiles, chunks)](
-        x, a, slots, t, num_rows, k, rank, chunk,
+        return t[0]
+    # every slot's programs, slot 0's included (they zero its rows)
+    _shrink_kernel[(row_tiles, a.shape[0] * rank_tiles, chunks)](
+        x, a, slots, t, num_rows, k, rank, chunk, rank_tiles,
         x.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=SHRINK_BLOCK_K,
         IEEE=x.dtype == torch.float32,
     )  # fmt: skip
-    return t
+    # the K chunks' partial sums, added in one fixed order
+    return t[0] if chunks == 1 else t.sum(0)
 
 
 def lora_expand_triton(
@@ -241,28 +234,18 @@ def lora_expand_triton(
         slots: ``[T]`` int32.
         part_starts: as ``lora_triton``'s.
     """
-    _expand(y, t[None], b, slots, part_starts)
-
-
-def _expand(
-    y: torch.Tensor,
-    t: torch.Tensor,
-    b: torch.Tensor,
-    slots: torch.Tensor,
-    part_starts: tuple[int, ...],
-) -> None:
-    """``lora_expand_triton`` of ``t [C, T, R]``, the sum of ``C`` chunk planes."""
-    num_rows, rank, n = t.shape[1], b.shape[1], b.shape[2]
-    if num_rows == 0:
+    num_rows, rank, n = t.shape[0], b.shape[1], b.shape[2]
+    if num_rows == 0 or b.shape[0] == 1:
         return
     part_rank, starts = rank, (n, n)
     if part_starts and all(s % EXPAND_BLOCK_N == 0 for s in part_starts):
         part_rank = rank // (len(part_starts) + 1)
         starts = (tuple(part_starts) + (n,))[:2]
     block_m = _block_m(num_rows)
-    _expand_kernel[(cdiv(num_rows, block_m), cdiv(n, EXPAND_BLOCK_N))](
-        t, b, slots, y, num_rows, n, rank, part_rank, starts[0], starts[1], t.shape[0],
-        t.stride(0), t.stride(1), b.stride(0), b.stride(1), y.stride(0),
+    # programs for slots 1..S-1 (slot 0's rows keep y as it is)
+    _expand_kernel[(cdiv(num_rows, block_m), cdiv(n, EXPAND_BLOCK_N), b.shape[0] - 1)](
+        t, b, slots, y, num_rows, n, rank, part_rank, starts[0], starts[1],
+        t.stride(0), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=_rank_tile(part_rank),
         IEEE=b.dtype == torch.float32,
     )  # fmt: skip
