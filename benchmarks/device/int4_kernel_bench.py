@@ -2,8 +2,7 @@
 """The int4 GEMM kernels at Llama-3.1-8B's linear shapes on one GPU: the GEMV path, the
 tensor-core path and (from 64 rows) the dequantize-then-cuBLAS path of
 ``tokenmill.kernels.gemm.int4`` against cuBLAS on the same shape in bf16, with each result
-checked against the dequantized product; the GEMV and tensor-core paths also with the
-4-bit values made float by ``_magic_float`` (``*_magic``).
+checked against the dequantized product.
 
 usage: int4_kernel_bench.py [--ms 1,2,4,16,256,1024,4096] [--group 128] [--sweep]
                            [--tc-sweep]
@@ -108,8 +107,6 @@ def main() -> None:
             gemv = k4.gemv_config(m, n, k, g, sms) if m <= k4.GEMV_MAX_M else None
             if gemv:
                 paths["gemv"] = gemv
-            # the same kernels with the int-to-float conversion done by _magic_float
-            paths.update({f"{p}_magic": dict(c, MAGIC=1) for p, c in list(paths.items())})
             if m >= 64:
                 paths["dequant_cublas"] = {"DEQUANT": 1}
             if gemv and a.sweep and m in (1, 4):

@@ -89,25 +89,6 @@ def test_int4_gemv_kernel(m, split, group):
     torch.testing.assert_close(y, x @ w_t, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("gemv", [False, True])
-def test_int4_magic_float_conversion_gives_the_same_product(gemv):
-    """``MAGIC``: the 4-bit values made float32 through the mantissa of 2**23 instead of a
-    conversion: the same product bit for bit (the zero point is subtracted exactly)."""
-    m, n, k, group = (1 if gemv else 20), 48, 256, 64
-    gen = torch.Generator().manual_seed(7)
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
-    scales = torch.rand(k // group, n, generator=gen).half()
-    zeros = torch.randint(0, 16, (k // group, n), dtype=torch.uint8, generator=gen)
-    x = torch.randn(m, k, generator=gen).half()
-    if gemv:
-        cfg = dict(int4_gemm.gemv_config(m, n, k, group, num_sms=1), BLOCK_N=16, num_stages=1)
-    else:
-        cfg = dict(_config(2, 64), BLOCK_N=16)
-    want = int4_gemm.int4_linear(x, pack_k(q), scales, zeros, group, cfg)
-    got = int4_gemm.int4_linear(x, pack_k(q), scales, zeros, group, dict(cfg, MAGIC=1))
-    assert torch.equal(got, want)
-
-
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_dequantize_then_product(group):
     """Large batches dequantize W once (``int4_dequantize``, the GEMM kernels' arithmetic)

@@ -48,13 +48,6 @@ DEQUANT_MIN_M = 256
 if HAS_TRITON:
 
     @triton.jit
-    def _magic_float(q):
-        # 2**23 + q as float32 for 0 <= q < 2**23: q OR-ed into the mantissa of 2**23
-        # (0x4B000000), a logic op and a bitcast instead of an int-to-float conversion,
-        # which runs at a quarter of the float32 rate.
-        return (q | 0x4B000000).to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _int4_gemm_kernel(
         x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
         M, N, K, stride_xm, stride_om, k_per_split,
@@ -64,7 +57,6 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        MAGIC: tl.constexpr = 0,
     ):
         pid_mn = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -94,10 +86,7 @@ if HAS_TRITON:
                 g = offs_n.to(tl.int64) + (k0 // GROUP) * N
                 s = tl.load(s_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
                 z = tl.load(z_ptr + g, mask=n_mask, other=0).to(tl.float32)
-                if MAGIC:
-                    w = ((_magic_float(q) - (z + 8388608.0)[None, :]) * s[None, :]).to(x.dtype)
-                else:
-                    w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
+                w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x.dtype)
                 acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
             else:
                 w_mask = k_mask[:, None] & n_mask[None, :]
@@ -125,7 +114,6 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_KW: tl.constexpr,
-        MAGIC: tl.constexpr = 0,
     ):
         # BLOCK_KW packed words along K (8 * BLOCK_KW input channels) per iteration; the
         # launcher keeps 8 * BLOCK_KW a divisor of GROUP, so one scale/zero row per iteration.
@@ -148,11 +136,7 @@ if HAS_TRITON:
             s = tl.load(s_ptr + g, mask=n_mask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g, mask=n_mask, other=0).to(tl.float32)
             q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
-            q = tl.reshape(q, (BLOCK_K, BLOCK_N))
-            if MAGIC:
-                q = _magic_float(q) - 8388608.0
-            else:
-                q = q.to(tl.float32)
+            q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                         mask=m_mask[:, None] & (offs_k < k_end)[None, :], other=0.0
@@ -284,9 +268,7 @@ def int4_linear(
         qweight: ``[K/8, N]`` int32. scales: ``[K/G, N]``. zeros: ``[K/G, N]`` uint8.
         group: ``G``, input channels per group (a multiple of ``BLOCK_K`` or of 8 dividing it).
         config: tiles: ``gemv_config``'s keys for the GEMV kernel, ``launch_config``'s for
-            the tensor-core one (either with ``"MAGIC": 1``: 4-bit values made float32 by
-            ``_magic_float``, same results), ``{"DEQUANT": 1}`` for ``int4_dequantize`` and
-            cuBLAS;
+            the tensor-core one, ``{"DEQUANT": 1}`` for ``int4_dequantize`` and cuBLAS;
             chosen if None: the GEMV for up to ``GEMV_MAX_M`` rows in float16/bfloat16, the
             dequantized weight from ``DEQUANT_MIN_M`` rows.
 
@@ -324,7 +306,6 @@ def int4_linear(
             m, n, k, x.stride(0), out.stride(0), k_per_split,
             GROUP=group, ATOMIC=atomic,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_KW=cfg["BLOCK_KW"],
-            MAGIC=cfg.get("MAGIC", 0),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         return out.to(x.dtype) if atomic else out
@@ -336,7 +317,6 @@ def int4_linear(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         ATOMIC=atomic,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        MAGIC=cfg.get("MAGIC", 0),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out.to(x.dtype) if atomic else out
