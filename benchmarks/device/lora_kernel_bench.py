@@ -7,7 +7,7 @@ For each layer product (q/k/v, output, gate/up, down) and row count: the time of
 ``lora_triton`` call (shrink; expand adding the chunks) with ``--adapters`` adapters of ``--rank``
 per part spread over the rows at random (one adapter for every row at 1,024: a prompt),
 beside the base bf16 product ``x @ W^T`` of the same shape (cuBLAS), and the same LoRA call
-with the shrink's K chunks capped at 8, 16 and 32 (``capN``; the default is
+with the shrink's K chunks capped at 8, 32 and 64 (``capN``; the default is
 ``MAX_SHRINK_CHUNKS``). Each figure is the median of CUDA-graph replays of 20 calls. Lines
 start with ``LORAK``; the last lines give the sum over one layer and over the 32 layers of
 a decode step.
@@ -35,7 +35,7 @@ def _graph_us(fn, calls: int = 20, reps: int = 15) -> float:
     return graph_replay_ms(lambda: [fn() for _ in range(calls)], reps) * 1000 / calls
 
 
-CAPS = (8, 16, 32)  # the shrink's chunk caps timed beside the default (MAX_SHRINK_CHUNKS)
+CAPS = (8, 32, 64)  # the shrink's chunk caps timed beside the default (MAX_SHRINK_CHUNKS)
 
 
 def _measure(

@@ -119,11 +119,11 @@ def test_shrink_split_fills_the_device():
     """Split-K chunks: a decode batch's one tile over K = 4,096 gets many chunks, each a
     whole number of K blocks covering K; a prompt-sized step of many tiles gets one."""
     chunks, size = shrink_split(1, 4096, 132)
-    assert chunks >= 32 and size % SHRINK_BLOCK_K == 0 and (chunks - 1) * size < 4096
+    assert chunks == MAX_SHRINK_CHUNKS  # the cap (a decode tile would fill 264 programs)
+    assert size % SHRINK_BLOCK_K == 0 and (chunks - 1) * size < 4096
+    assert shrink_split(33, 4096, 132) == (8, 512)  # two waves: 33 tiles x 8 chunks
     assert shrink_split(300, 4096, 132) == (1, 4096)
     assert shrink_split(1, 40, 132) == (1, SHRINK_BLOCK_K)
-    # the partial sums' memory is bounded: never more chunks than the cap
-    assert shrink_split(1, 64 * 1024, 132)[0] == MAX_SHRINK_CHUNKS
 
 
 def test_no_adapter_rows_cost_nothing():

@@ -136,7 +136,7 @@ if HAS_TRITON:
 
 SHRINK_BLOCK_K = 64
 EXPAND_BLOCK_N = 64
-MAX_SHRINK_CHUNKS = 64
+MAX_SHRINK_CHUNKS = 16
 
 
 def _block_m(num_rows: int) -> int:
@@ -156,8 +156,8 @@ def shrink_split(num_tiles: int, k: int, sms: int) -> tuple[int, int]:
     """``(chunks, chunk size)`` of the shrink's reduction dimension: enough chunks that the
     row x rank tiles times the chunks fill two waves of ``sms`` programs (a batch of a few
     rows over K = 4,096 would otherwise be a handful of programs each streaming its slot's
-    whole A), each chunk at least ``SHRINK_BLOCK_K`` wide, at most ``MAX_SHRINK_CHUNKS`` (a bound on
-    the partial sums' memory)."""
+    whole A), each chunk at least ``SHRINK_BLOCK_K`` wide, at most ``MAX_SHRINK_CHUNKS`` (past 16,
+    more chunks cost more in the reduction than they gain: H100, ``lora_kernel_bench.py``)."""
     chunks = max(1, min((2 * sms) // max(num_tiles, 1), cdiv(k, SHRINK_BLOCK_K), MAX_SHRINK_CHUNKS))
     size = cdiv(cdiv(k, chunks), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
     return cdiv(k, size), size
