@@ -59,3 +59,17 @@ def test_prefix_cache_is_per_adapter():
     assert run("other adapter", 2) == 0
     assert run("base", 0) == 0
     assert run("same adapter", 1) > 0
+
+
+def test_every_pipeline_stages_failed_requests_reach_the_core():
+    """A step's answer from every stage (stage order) is the last stage's tokens with the
+    requests any stage failed; the last stage's reason wins; nothing to add: its own."""
+    from tokenmill.core.model_runner_output import ModelRunnerOutput, merge_stage_outputs
+
+    first = ModelRunnerOutput(["a", "b"], [[], []], failed_requests={"a": "stage 0", "b": "s0"})
+    last = ModelRunnerOutput(["a", "b"], [[1], [2]], failed_requests={"b": "last stage"})
+    merged = merge_stage_outputs([first, last])
+    assert merged.sampled_token_ids == [[1], [2]]
+    assert merged.failed_requests == {"a": "stage 0", "b": "last stage"}
+    alone = ModelRunnerOutput(["a"], [[3]])
+    assert merge_stage_outputs([ModelRunnerOutput(["a"], [[]]), alone]) is alone

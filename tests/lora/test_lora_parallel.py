@@ -131,6 +131,44 @@ def test_an_adapter_the_ranks_refuse_leaves_the_engine_running(tiny, tmp_path, s
         llm.llm_engine.shutdown()
 
 
+def test_an_adapter_one_stage_no_longer_loads_ends_its_request(tiny, tmp_path, smollm2_gguf_path):
+    """Each pipeline stage reads its own layers of an adapter. One pushed out of host memory
+    while its request waits, whose folder changed so that only the first stage's layers are
+    refused (a NaN in layer 0), fails its request with the first stage's reason although
+    the last stage ran it; the engine goes on serving."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, requests = tiny
+    folder = shutil.copytree(requests["all"].lora_path, tmp_path / "changed")
+    changed = LoRARequest("changed", 7, str(folder))
+    lora = dict(LORA, max_loras=1, max_cpu_loras=2)
+    llm = LLM(path, tokenizer=smollm2_gguf_path, device="cpu", **ENGINE, **lora,
+              pipeline_parallel_size=2)  # fmt: skip
+    try:
+        prompt = {"prompt_token_ids": PROMPTS[0]}
+        for request in (changed, requests["qv"]):  # "qv" takes the one GPU slot
+            (out,) = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=request)
+            assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+        weights = folder / "adapter_model.safetensors"
+        state = load_file(str(weights))
+        (key,) = [k for k in state if ".layers.0." in k and "q_proj.lora_A" in k]
+        state[key][0, 0] = float("nan")
+        save_file(state, str(weights))
+        # "changed" is in host memory when its request arrives (not read again); the two
+        # adapters arriving after it push it out, so the step that runs it reads the folder.
+        loras = [changed, requests["mlp"], requests["all"]]
+        refused, *served = llm.generate([prompt] * 3, GREEDY, use_tqdm=False, lora_request=loras)
+        assert refused.outputs[0].finish_reason == "abort"
+        assert "NaN or Inf" in str(refused.outputs[0].stop_reason), refused.outputs[0]
+        assert [len(o.outputs[0].token_ids) for o in served] == [GREEDY.max_tokens] * 2
+        (out,) = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=requests["qv"])
+        assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_data_parallel_engines_serve_the_adapters(tiny, tiny_reference, smollm2_gguf_path):
     """``-dp 2``: each engine core loads the adapters its requests name; the batch's tokens
     and logprobs are those of one engine."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenmill.core.engine_io import LogprobsLists
 
@@ -38,3 +38,17 @@ class ModelRunnerOutput:
     @classmethod
     def empty(cls) -> ModelRunnerOutput:
         return cls([], [])
+
+
+def merge_stage_outputs(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+    """One step's output from every pipeline stage's, in stage order: the last stage's (its
+    tokens) with the failed requests of every stage. Each stage loads its own layers'
+    adapters, so one stage may fail a request the last stage ran (the step ran its rows
+    there without the adapter): it must end all the same. The last stage's reason wins."""
+    failed: dict[str, str] = {}
+    for out in outputs:
+        failed.update(out.failed_requests)
+    last = outputs[-1]
+    if len(failed) == len(last.failed_requests):
+        return last
+    return replace(last, failed_requests=failed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import operator
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, ParallelConfig
 from tokenmill.core.model_runner_output import ModelRunnerOutput
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.hf_config import ModelLoadError
@@ -155,3 +155,10 @@ def raise_rank_errors(results: list) -> None:
         if kind == ModelLoadError.__name__:
             raise ModelLoadError(message)
         raise RuntimeError(f"rank {rank} failed: {kind}: {message}")
+
+
+def stage_leaders(parallel_config: ParallelConfig) -> tuple[int, ...]:
+    """The ranks that answer a step: the first tensor-parallel rank of each pipeline stage,
+    in stage order (the last one's answer carries the tokens; ``merge_stage_outputs``)."""
+    tp = parallel_config.tensor_parallel_size
+    return tuple(stage * tp for stage in range(parallel_config.pipeline_parallel_size))

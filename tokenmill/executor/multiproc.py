@@ -21,9 +21,9 @@ import weakref
 from typing import Any
 
 from tokenmill.config import ConfigError, EngineConfig
-from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.model_runner_output import ModelRunnerOutput, merge_stage_outputs
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
-from tokenmill.executor.base import Executor
+from tokenmill.executor.base import Executor, stage_leaders
 from tokenmill.executor.worker_proc import check_rank_method, run_worker
 from tokenmill.hf_config import ModelLoadError
 
@@ -64,7 +64,7 @@ class _StepHandle:
         self.seq = seq
 
     def get(self) -> ModelRunnerOutput:
-        return self.executor._wait({self.executor.output_rank}, self.seq)[0]
+        return merge_stage_outputs(self.executor._wait(set(self.executor.step_ranks), self.seq))
 
 
 class MultiprocExecutor(Executor):
@@ -81,6 +81,7 @@ class MultiprocExecutor(Executor):
         self.world_size = pc.world_size
         # The first tensor-parallel rank of the last stage samples and answers each step.
         self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        self.step_ranks = stage_leaders(pc)
         self._seq = 0
         self._results: dict[tuple[int, int], Any] = {}
         self.dead_error: str | None = None
@@ -128,7 +129,7 @@ class MultiprocExecutor(Executor):
         self.check_health()
         self._seq += 1
         for rank, conn in enumerate(self.cmd_conns):
-            reply = reply_all or rank == self.output_rank
+            reply = reply_all or rank in self.step_ranks
             try:
                 conn.send_bytes(pickle.dumps((self._seq, method, args, reply), protocol=5))
             except OSError as e:

@@ -18,9 +18,9 @@ from typing import Any
 
 from tokenmill import envs
 from tokenmill.config import ConfigError, EngineConfig
-from tokenmill.core.model_runner_output import ModelRunnerOutput
+from tokenmill.core.model_runner_output import ModelRunnerOutput, merge_stage_outputs
 from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
-from tokenmill.executor.base import Executor
+from tokenmill.executor.base import Executor, stage_leaders
 from tokenmill.executor.multiproc import WorkerDiedError, log_layout, raise_rank_error
 from tokenmill.executor.worker_proc import check_rank_method
 
@@ -71,7 +71,8 @@ class _StepHandle:
         self.refs = refs
 
     def get(self) -> ModelRunnerOutput:
-        return self.executor._get(self.refs)[self.executor.output_rank]
+        results = self.executor._get(self.refs)
+        return merge_stage_outputs([results[rank] for rank in self.executor.step_ranks])
 
 
 class RayExecutor(Executor):
@@ -91,6 +92,7 @@ class RayExecutor(Executor):
         pc = config.parallel_config
         self.world_size = pc.world_size
         self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        self.step_ranks = stage_leaders(pc)
         self.dead_error: str | None = None
         self._last_ping = time.monotonic()
         self._owns_ray = not ray.is_initialized()
@@ -158,7 +160,7 @@ class RayExecutor(Executor):
 
     def _call(self, method: str, *args: Any, reply_all: bool = True) -> list[Any]:
         return [
-            a.call.remote(method, reply_all or rank == self.output_rank, *args)
+            a.call.remote(method, reply_all or rank in self.step_ranks, *args)
             for rank, a in enumerate(self.actors)
         ]
 
