@@ -29,3 +29,15 @@ def test_known_fields_and_many_unknown_ones(caplog):
     CompletionRequest.model_validate({"model": "m", "prompt": "x", **many})
     [record] = caplog.records
     assert "'f7'" in record.getMessage() and "and 12 more" in record.getMessage()
+
+
+def test_a_response_message_sent_back_is_not_warned_about(caplog):
+    """OpenAI's SDK sends an answer's message back in the next turn with its ``refusal``
+    (null): a field of OpenAI's API, so no warning."""
+    caplog.set_level(logging.WARNING, "tokenmill.entrypoints.openai.protocol")
+    ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "refusal": None, "tool_calls": None},
+        {"role": "user", "content": "again"},
+    ]})  # fmt: skip
+    assert not caplog.records

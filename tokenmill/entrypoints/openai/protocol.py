@@ -169,6 +169,9 @@ class ChatMessage(OpenAIBaseModel):
     tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    # An assistant message's refusal text, as OpenAI's SDK sends a response's message back
+    # in the next turn: known, not rendered (no chat template has a place for it).
+    refusal: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
