@@ -4,6 +4,7 @@ prompt, start-up checks of --backend, and the body size limit (an aiohttp app on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from types import SimpleNamespace
 
@@ -178,6 +179,20 @@ async def _hanging_backend(health: str) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
 
 
+@contextlib.asynccontextmanager
+async def _router_on_hanging_backend(health: str):
+    """A router whose only backend is ``_hanging_backend(health)``, checked every 50 ms:
+    yields ``(client, pool, url)``."""
+    runner, url = await _hanging_backend(health)
+    try:
+        pool = BackendPool([url], interval_s=0.05, timeout_s=0.05)
+        router = Router(pool, make_policy("roundrobin", 1024, 16, 1.5), "x-session-id")
+        async with TestClient(TestServer(router.build_app())) as client:
+            yield client, pool, url
+    finally:
+        await runner.cleanup()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_requests_on_a_frozen_backend_end(stream):
     """A backend that stops answering its health checks mid-request: the request waiting on
@@ -185,24 +200,18 @@ def test_requests_on_a_frozen_backend_end(stream):
     instead of waiting for ever."""
 
     async def scenario() -> None:
-        runner, url = await _hanging_backend("silent")
-        try:
-            pool = BackendPool([url], interval_s=0.05, timeout_s=0.05)
-            router = Router(pool, make_policy("roundrobin", 1024, 16, 1.5), "x-session-id")
-            async with TestClient(TestServer(router.build_app())) as client:
-                body = {"model": "m", "prompt": "x", "stream": stream}
-                r = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)
-                if not stream:
-                    assert r.status == 502
-                    assert "stopped answering" in (await r.json())["error"]["message"]
-                else:
-                    assert r.status == 200
-                    assert await r.content.readline() == b'data: {"choices": []}\n'
-                    with pytest.raises(aiohttp.ClientPayloadError):
-                        await asyncio.wait_for(r.read(), 10)
-                assert pool.backends[url].in_flight == 0
-        finally:
-            await runner.cleanup()
+        async with _router_on_hanging_backend("silent") as (client, pool, url):
+            body = {"model": "m", "prompt": "x", "stream": stream}
+            r = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)
+            if not stream:
+                assert r.status == 502
+                assert "stopped answering" in (await r.json())["error"]["message"]
+            else:
+                assert r.status == 200
+                assert await r.content.readline() == b'data: {"choices": []}\n'
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await asyncio.wait_for(r.read(), 10)
+            assert pool.backends[url].in_flight == 0
 
     asyncio.run(scenario())
 
@@ -212,16 +221,10 @@ def test_requests_on_a_draining_backend_are_left_to_finish():
     the pool for new requests, but the requests it runs are not ended."""
 
     async def scenario() -> None:
-        runner, url = await _hanging_backend("draining")
-        try:
-            pool = BackendPool([url], interval_s=0.05, timeout_s=0.05)
-            router = Router(pool, make_policy("roundrobin", 1024, 16, 1.5), "x-session-id")
-            async with TestClient(TestServer(router.build_app())) as client:
-                body = {"model": "m", "prompt": "x"}
-                with pytest.raises(asyncio.TimeoutError):
-                    await asyncio.wait_for(client.post("/v1/completions", json=body), 1.0)
-                assert not pool.backends[url].healthy and not pool.backends[url].frozen.is_set()
-        finally:
-            await runner.cleanup()
+        async with _router_on_hanging_backend("draining") as (client, pool, url):
+            body = {"model": "m", "prompt": "x"}
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.post("/v1/completions", json=body), 1.0)
+            assert not pool.backends[url].healthy and not pool.backends[url].frozen.is_set()
 
     asyncio.run(scenario())
