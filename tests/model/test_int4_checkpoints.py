@@ -106,6 +106,19 @@ def test_compressed_tensors_matches_transformers_loading_it(tmp_path, monkeypatc
     assert (logits - expected).abs().max() <= BF16_RELATIVE * expected.abs().max()
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "ct"])
+def test_dummy_weights_of_an_act_order_checkpoint_load(tmp_path, fmt):
+    """``--load-format dummy`` on an act-order checkpoint: the group index, not filled at
+    random, keeps its groups in order, so the layers build (it was left uninitialised)."""
+    folder = make_int4_checkpoint(str(tmp_path), fmt, 32, False, act_order=True)
+    cfg = EngineArgs(model=f"{folder}/quant", dtype="float32", device="cpu",
+                     load_format="dummy").create_engine_config()  # fmt: skip
+    model = get_model(cfg.model_config, cfg.load_config, torch.device("cpu"),
+                      TorchAttentionBackend, cfg.kernel_config)  # fmt: skip
+    logits = _logits(model, cfg, [1, 2, 3])
+    assert torch.isfinite(logits).all()
+
+
 def test_marlin_spelling_loads_the_same_checkpoint(tmp_path):
     folder = make_int4_checkpoint(str(tmp_path), "gptq", 32, True)
     cfg = EngineArgs(model=f"{folder}/quant", quantization="gptq_marlin").create_engine_config()

@@ -30,6 +30,7 @@ from tokenmill.model.layers.quantization.int4 import (
     Int4LinearMethod,
     Int4Weights,
     _param,
+    in_order_g_idx,
     sort_by_group,
 )
 from tokenmill.model.layers.weight_shape import WeightShapeError
@@ -185,7 +186,7 @@ class CompressedTensorsW4A16Method(Int4LinearMethod):
             layer.weight_zero_point = _param((n // 8, k // g), torch.int32, output_dim=0,
                                              input_dim=1, output_div=8, input_div=g)
         if self.act_order:
-            layer.weight_g_idx = _param((k,), torch.int32, output_dim=None, input_dim=0)
+            layer.weight_g_idx = in_order_g_idx(k, g)
         layer.int4_dtype = dtype
 
     def load_weight(self, layer, param, loaded, s: ShardSlice) -> None:

@@ -197,6 +197,14 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, **layout: Any) -> nn.Para
     return set_layout(p, **layout)
 
 
+def in_order_g_idx(input_size: int, group: int) -> nn.Parameter:
+    """An act-order group index ``[K]`` int32 holding ``k // group`` (the groups in order)
+    until a checkpoint says otherwise; ``--load-format dummy`` leaves it so."""
+    p = _param((input_size,), torch.int32, output_dim=None, input_dim=0)
+    p.data.copy_(torch.arange(input_size) // group)
+    return p
+
+
 class GPTQLinearMethod(Int4LinearMethod):
     """GPTQ: ``qweight [K/8, N]``, ``qzeros [K/G, N/8]``, ``scales [K/G, N]``, ``g_idx [K]``."""
 
@@ -213,8 +221,7 @@ class GPTQLinearMethod(Int4LinearMethod):
         layer.qzeros = _param((k // g, n // 8), torch.int32, output_dim=1, input_dim=0,
                               output_div=8, input_div=g)
         layer.scales = _param((k // g, n), dtype, output_dim=1, input_dim=0, input_div=g)
-        layer.g_idx = _param((k,), torch.int32, output_dim=None, input_dim=0)
-        layer.g_idx.data.copy_(torch.arange(k) // g)  # in order until a checkpoint says not
+        layer.g_idx = in_order_g_idx(k, g)
         layer.int4_dtype = dtype
 
     def load_weight(self, layer, param, loaded, s: ShardSlice) -> None:
