@@ -3,11 +3,11 @@ flags that need another one, each refused in one line before the model is read."
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tokenmill.arg_types import parse_bytes
 from tokenmill.config import (
-    LOGPROBS_MODES,
     ConfigError,
     UnsupportedQuantizationError,
     check_kv_offloading_flags,
@@ -31,6 +31,7 @@ def check_flag_values(args: Any) -> int | None:
         ConfigError: a value out of its range, or flags that need another one.
         UnsupportedQuantizationError: a ``--quantization`` method tokenmill does not run.
     """
+    _check_choices(args)
     try:
         kv_bytes = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None
     except ValueError as e:
@@ -91,10 +92,6 @@ def check_flag_values(args: Any) -> int | None:
             "--prefill-pacing-tokens needs chunked prefill: without it a prompt is "
             "computed whole in one step"
         )
-    if args.logprobs_mode not in LOGPROBS_MODES:
-        raise ConfigError(
-            f"--logprobs-mode {args.logprobs_mode!r}: one of {', '.join(LOGPROBS_MODES)}"
-        )
     if args.max_logprobs < 0:
         raise ConfigError(f"--max-logprobs must be non-negative, got {args.max_logprobs}")
     check_kv_offloading_flags(
@@ -105,3 +102,22 @@ def check_flag_values(args: Any) -> int | None:
         args.enable_prefix_caching,
     )
     return kv_bytes
+
+
+def _check_choices(args: Any) -> None:
+    """Flags with a fixed set of values: the command line's parser refuses others, and
+    ``LLM(...)`` / ``EngineArgs(...)`` must too (else a misspelt value runs as the default).
+
+    Raises:
+        ConfigError: a value outside its flag's ``choices``.
+    """
+    for field in dataclasses.fields(args):
+        choices = field.metadata.get("choices")
+        value = getattr(args, field.name)
+        # (a torch.dtype where a dtype name is expected is left to the dtype's own check)
+        if choices is None or not isinstance(value, (str, int)) or value in choices:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        raise ConfigError(
+            f"{flag}: {value!r} is not one of {', '.join(str(c) for c in choices)}"
+        )

@@ -144,5 +144,14 @@ def test_logprobs_mode_reaches_the_sampler_and_its_refusals(model_dir):
     ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
     with pytest.raises(ConfigError, match="--logprobs-mode raw_logits does not combine with"):
         _config(model_dir, logprobs_mode="raw_logits", speculative_config=ngram)
-    with pytest.raises(ConfigError, match="--logprobs-mode 'probs': one of raw_logprobs"):
+    with pytest.raises(ConfigError, match="--logprobs-mode: 'probs' is not one of raw_logprobs"):
         _config(model_dir, logprobs_mode="probs")
+
+
+@pytest.mark.parametrize("field, value", [("load_format", "pt"), ("device", "gpu"),
+                                          ("block_size", 24), ("scheduling_policy", "lifo")])
+def test_values_outside_a_flags_choices_are_refused_from_python(model_dir, field, value):
+    """``LLM(...)`` / ``EngineArgs(...)`` refuse what the command line's parser refuses,
+    naming the flag and its values (a misspelt value ran as the default)."""
+    with pytest.raises(ConfigError, match=f"--{field.replace('_', '-')}: .* is not one of"):
+        EngineArgs(model=model_dir, **{field: value}).create_engine_config()
