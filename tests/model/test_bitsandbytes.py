@@ -200,3 +200,28 @@ def test_skipping_every_part_of_a_merged_layer_keeps_it_16_bit(float_folder, tmp
     hf.save_pretrained(tmp_path / "skip")
     torch.testing.assert_close(_logits(str(tmp_path / "skip")), _expected(hf, float_folder),
                                rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize("qc, words", [
+    ({"bnb_4bit_quant_type": "fp4"}, "stores bitsandbytes 4-bit nf4, block size 64, its "
+     "quantization_config says 4-bit fp4, block size 64"),
+    ({"bnb_4bit_blocksize": 128}, "says 4-bit nf4, block size 128"),
+    ({"load_in_4bit": False, "load_in_8bit": True}, "stores bitsandbytes 4-bit nf4.* says 8-bit"),
+])  # fmt: skip
+def test_a_config_that_disagrees_with_the_stored_state_is_refused(nf4_double, tmp_path, qc,
+                                                                   words):
+    """The weights are quantized again in the format ``quantization_config`` names: a
+    config that disagrees with the checkpoint's stored state (edited, or copied from another
+    model) is refused instead of re-quantizing in the wrong format (other tokens)."""
+    import json
+    import shutil
+
+    from tokenmill.model.layers.quantization.base import QuantizationError
+
+    folder = shutil.copytree(nf4_double, tmp_path / "edited")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"].update(qc)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantizationError, match=words) as e:
+        _logits(str(folder))
+    assert "cannot read" not in str(e.value)

@@ -114,8 +114,8 @@ class BitsAndBytesLinearMethod(LinearMethod):
         for (start, size), state in sorted(layer.bnb_parts.items()):
             s = layer.bnb_slices[(start, size)]
             part_name = name if len(layer.bnb_parts) == 1 else f"{name} (rows from {start})"
-            part = _rank_slice(_dequantize_part(bnb, state, device, part_name), s, size,
-                               layer.input_size, name)  # fmt: skip
+            whole = _dequantize_part(bnb, state, device, part_name, self._format())
+            part = _rank_slice(whole, s, size, layer.input_size, name)
             weight[start : start + size] = part.to(weight.dtype)
             if "SCB" in state:
                 scb = state["SCB"].to(device).float()
@@ -145,6 +145,12 @@ class BitsAndBytesLinearMethod(LinearMethod):
         layer.register_buffer("bnb_packed", packed, persistent=False)
         layer.register_buffer("bnb_absmax", state.absmax, persistent=False)
         layer.bnb_state = state
+
+    def _format(self) -> str:
+        """This method's format as ``_dequantize_part`` names a stored one."""
+        if self.bits == 8:
+            return "8-bit"
+        return f"4-bit {self.quant_type}, block size {self.blocksize}"
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
@@ -215,27 +221,47 @@ def _check_state(state: dict[str, torch.Tensor], name: str) -> None:
 
 
 def _dequantize_part(bnb: Any, state: dict[str, torch.Tensor], device: torch.device,
-                     name: str) -> torch.Tensor:  # fmt: skip
+                     name: str, expected: str) -> torch.Tensor:  # fmt: skip
     """A pre-quantized checkpoint tensor -> its whole ``[N, K]`` weight in float32.
 
+    Args:
+        expected: the format ``quantization_config`` names (``"8-bit"``, or ``"4-bit nf4,
+            block size 64"``): the stored state must be of it, since the weight is
+            quantized again in that format.
+
     Raises:
-        QuantizationError: an incomplete or inconsistent state (``_check_state``), or one
-            bitsandbytes cannot read.
+        QuantizationError: an incomplete or inconsistent state (``_check_state``), one
+            bitsandbytes cannot read, or one of another format than ``expected``.
     """
     _check_state(state, name)
     packed = state["weight"]
     if "SCB" in state:  # 8-bit: int8 rows and their absmax
+        _check_format(name, "8-bit", expected)
         return packed.to(device).float() * (state["SCB"].to(device).float()[:, None] / 127)
     try:
-        return _dequantize_4bit(bnb, state, device)
+        quant_state = _quant_state(state, device)
+        stored = f"4-bit {quant_state.quant_type}, block size {quant_state.blocksize}"
+        _check_format(name, stored, expected)
+        return bnb.functional.dequantize_4bit(state["weight"].to(device), quant_state).float(
+        ).reshape(quant_state.shape)
+    except QuantizationError:
+        raise
     except (ValueError, KeyError, RuntimeError, TypeError) as e:
         reason = " ".join(str(e).split())[:200]
         raise QuantizationError(f"{name}: bitsandbytes cannot read its 4-bit state: "
                                 f"{reason}") from None  # fmt: skip
 
 
-def _dequantize_4bit(bnb: Any, state: dict[str, torch.Tensor],
-                     device: torch.device) -> torch.Tensor:  # fmt: skip
+def _check_format(name: str, stored: str, expected: str) -> None:
+    if stored != expected:
+        raise QuantizationError(
+            f"{name}: the checkpoint stores bitsandbytes {stored}, its quantization_config "
+            f"says {expected}"
+        )
+
+
+def _quant_state(state: dict[str, torch.Tensor], device: torch.device) -> Any:
+    """bitsandbytes' ``QuantState`` of a pre-quantized 4-bit part's state tensors."""
     from bitsandbytes.functional import QuantState
 
     qs_dict = {}
@@ -246,9 +272,7 @@ def _dequantize_4bit(bnb: Any, state: dict[str, torch.Tensor],
         if key.startswith("quant_state_"):
             key = "quant_state." + key[len("quant_state_"):]
         qs_dict[key] = value
-    quant_state = QuantState.from_dict(qs_dict, device=device)
-    return bnb.functional.dequantize_4bit(state["weight"].to(device), quant_state).float(
-    ).reshape(quant_state.shape)
+    return QuantState.from_dict(qs_dict, device=device)
 
 
 class BitsAndBytesConfig(QuantizationConfig):
