@@ -109,6 +109,26 @@ def test_missing_paths_raise(tmp_path):
         get_tokenizer(str(tmp_path))
 
 
+def test_any_tokenizer_load_failure_is_one_line(tmp_path, monkeypatch):
+    """transformers also validates a GGUF file's metadata as a model config while it builds
+    the tokenizer, and huggingface_hub's validation errors are neither OSError nor
+    ValueError: whatever it raises becomes a one-line ModelLoadError."""
+    import transformers
+
+    class StrictValidationError(Exception):  # as huggingface_hub's, multi-line
+        pass
+
+    def fail(*args, **kwargs):
+        raise StrictValidationError("Class validation error for validator 'x':\n  The "
+                                    "hidden size (512) is not a multiple of the heads (9).")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="hidden size .512. is not a multiple") as e:
+        get_tokenizer(str(tmp_path))
+    assert "\n" not in str(e.value)
+
+
 def test_chat_template_renders_tokens(smollm2_tokenizer):
     tok = smollm2_tokenizer
     ids = apply_chat_template(tok, MESSAGES)

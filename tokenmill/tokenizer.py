@@ -111,8 +111,10 @@ def _from_pretrained(path: str, **kwargs: Any) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(
             path, local_files_only=True, use_fast=True, trust_remote_code=False, **kwargs
         )
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - transformers and huggingface_hub raise many kinds
+        # (a GGUF file's metadata is also validated as a model config here): one line.
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {reason}") from e
 
 
 def gguf_tokenizer_cache_key(path: str) -> str:
