@@ -119,6 +119,23 @@ def test_dummy_weights_of_an_act_order_checkpoint_load(tmp_path, fmt):
     assert torch.isfinite(logits).all()
 
 
+def test_compressed_tensors_older_spellings_load_the_same(tmp_path, monkeypatch):
+    """compressed-tensors' own reader takes ``"actorder": true`` (its older form of
+    ``"group"``) and strategy names in any case: so does tokenmill, with the same logits."""
+    import json
+
+    folder = make_int4_checkpoint(str(tmp_path), "ct", 32, False, act_order=True)
+    cfg, model, _ = _load(f"{folder}/quant", monkeypatch)
+    want = _logits(model, cfg, [1, 2, 3])
+    path = f"{folder}/quant/config.json"
+    config = json.load(open(path))
+    weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+    weights.update(actorder=True, strategy="GROUP")
+    json.dump(config, open(path, "w"))
+    cfg, model, _ = _load(f"{folder}/quant", monkeypatch)
+    torch.testing.assert_close(_logits(model, cfg, [1, 2, 3]), want, rtol=0, atol=0)
+
+
 def test_marlin_spelling_loads_the_same_checkpoint(tmp_path):
     folder = make_int4_checkpoint(str(tmp_path), "gptq", 32, True)
     cfg = EngineArgs(model=f"{folder}/quant", quantization="gptq_marlin").create_engine_config()

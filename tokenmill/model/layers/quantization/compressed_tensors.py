@@ -51,7 +51,7 @@ def parse_w4a16(qc: dict[str, Any]) -> dict[str, Any]:
             f"compressed-tensors with {len(groups)} config groups is not supported ({SUPPORTED})"
         )
     group = next(iter(groups.values()))
-    weights = group.get("weights") or {}
+    weights = _normalized(group.get("weights") or {})
     fmt = group.get("format") or qc.get("format")
     if weights.get("type") == "float" or "float" in str(fmt):
         raise QuantizationError(f"compressed-tensors {fmt} is FP8, not W4A16")
@@ -75,6 +75,20 @@ def parse_w4a16(qc: dict[str, Any]) -> dict[str, Any]:
             "(32, 64 or 128)"
         )
     return weights
+
+
+def _normalized(weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` as compressed-tensors reads them: strategy and act-order names in any
+    case, and the older boolean ``actorder`` (true: ``group``, false: none)."""
+    out = dict(weights)
+    if isinstance(out.get("strategy"), str):
+        out["strategy"] = out["strategy"].lower()
+    actorder = out.get("actorder")
+    if isinstance(actorder, bool):
+        out["actorder"] = "group" if actorder else None
+    elif isinstance(actorder, str):
+        out["actorder"] = actorder.lower()
+    return out
 
 
 FP8_SUPPORTED = (
@@ -121,8 +135,8 @@ def parse_fp8(qc: dict[str, Any]):
             f"({FP8_SUPPORTED})"
         )
     group = next(iter(groups.values()))
-    w = group.get("weights") or {}
-    a = group.get("input_activations") or None
+    w = _normalized(group.get("weights") or {})
+    a = _normalized(group["input_activations"]) if group.get("input_activations") else None
     fmt = group.get("format") or qc.get("format")
     strategy = w.get("strategy")
     block = w.get("block_structure")
