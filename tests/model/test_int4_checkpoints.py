@@ -136,6 +136,30 @@ def test_compressed_tensors_older_spellings_load_the_same(tmp_path, monkeypatch)
     torch.testing.assert_close(_logits(model, cfg, [1, 2, 3]), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("qc", [{}, None])
+def test_quantized_tensors_without_a_quantization_config_say_so_first(tmp_path, qc):
+    """A GPTQ folder whose config.json lost its quantization_config (or has an empty one)
+    is built unquantized: the error's first problem says the tensors are quantized, before
+    the tensors that match no parameter."""
+    import json
+
+    from tokenmill.hf_config import ModelLoadError
+
+    folder = make_int4_checkpoint(str(tmp_path), "gptq", 32, True)
+    path = f"{folder}/quant/config.json"
+    config = json.load(open(path))
+    if qc is None:
+        del config["quantization_config"]
+    else:
+        config["quantization_config"] = qc
+    json.dump(config, open(path, "w"))
+    cfg = EngineArgs(model=f"{folder}/quant", dtype="float32", device="cpu").create_engine_config()
+    with pytest.raises(ModelLoadError, match=r"problems: tensors such as '.*\.(qweight|qzeros|"
+                       r"g_idx)' are quantized, but the model was built without"):  # fmt: skip
+        get_model(cfg.model_config, cfg.load_config, torch.device("cpu"),
+                  TorchAttentionBackend, cfg.kernel_config)  # fmt: skip
+
+
 def test_marlin_spelling_loads_the_same_checkpoint(tmp_path):
     folder = make_int4_checkpoint(str(tmp_path), "gptq", 32, True)
     cfg = EngineArgs(model=f"{folder}/quant", quantization="gptq_marlin").create_engine_config()

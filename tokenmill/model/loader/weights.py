@@ -36,6 +36,11 @@ KV_SCALE_SUFFIXES = {
 
 # Problems (and missing parameters) a load error lists.
 MAX_LISTED = 8
+# Names of the tensors of quantized checkpoints (GPTQ/AWQ, compressed-tensors, bitsandbytes,
+# FP8) that an unquantized layer has no parameter for.
+QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".weight_packed", ".weight_scale",
+                      ".weight_zero_point", ".weight_g_idx", ".SCB", ".weight.absmax",
+                      ".weight_scale_inv")  # fmt: skip
 
 
 def load_model_weights(
@@ -74,6 +79,7 @@ def load_model_weights(
                 expected_shards.setdefault(name, set()).add(shard_id)
     loaded: dict[str, set] = {}
     problems: list[str] = []
+    unmatched: list[str] = []
     for ckpt_name, tensor in weights:
         if ckpt_name in skip or ckpt_name.endswith(IGNORED_SUFFIXES):
             continue
@@ -91,6 +97,7 @@ def load_model_weights(
                     break
         param = params.get(name)
         if param is None:
+            unmatched.append(ckpt_name)
             problems.append(
                 f"tensor {ckpt_name!r} does not belong to any parameter of {type(model).__name__}"
             )
@@ -105,6 +112,15 @@ def load_model_weights(
         except WeightShapeError as e:
             named = str(e).startswith(f"tensor {ckpt_name!r}")  # the message names it already
             problems.append(str(e) if named else f"tensor {ckpt_name!r}: {e}")
+    quantized = [name for name in unmatched if name.endswith(QUANTIZED_SUFFIXES)]
+    if quantized:
+        # Quantized tensors matching no parameter: the config names no (or another)
+        # quantization method, which is the one problem worth reading first.
+        problems.insert(0, (
+            f"tensors such as {quantized[0]!r} are quantized, but the model was built "
+            "without that quantization: its config.json's quantization_config "
+            "(quant_method) is missing or names another method"
+        ))
     missing = _missing_parameters(params, loaded, expected_shards)
     if missing:
         problems.append(
