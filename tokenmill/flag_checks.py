@@ -64,10 +64,6 @@ def check_flag_values(args: Any) -> int | None:
                 resolve_quantization(args.quantization, {}, False)
             except ValueError as e:
                 raise UnsupportedQuantizationError(str(e)) from None
-    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError(
-            f"--kv-cache-dtype {args.kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}"
-        )
     if not INT64_MIN <= args.seed <= INT64_MAX:
         raise ConfigError(f"--seed must be a 64-bit signed integer, got {args.seed}")
     names = args.served_model_name
@@ -83,10 +79,6 @@ def check_flag_values(args: Any) -> int | None:
         value = getattr(args, name)
         if value is not None and value < 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be non-negative, got {value}")
-    if args.prefill_pacing_mode not in (None, "prompt", "step"):
-        raise ConfigError(
-            f"--prefill-pacing-mode must be prompt or step, got {args.prefill_pacing_mode!r}"
-        )
     if args.prefill_pacing_tokens and not args.enable_chunked_prefill:
         raise ConfigError(
             "--prefill-pacing-tokens needs chunked prefill: without it a prompt is "
