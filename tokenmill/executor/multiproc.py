@@ -79,8 +79,7 @@ class MultiprocExecutor(Executor):
         super().__init__(config)
         pc = config.parallel_config
         self.world_size = pc.world_size
-        # The first tensor-parallel rank of the last stage samples and answers each step.
-        self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        # The first rank of each stage answers a step (the last stage's: the tokens).
         self.step_ranks = stage_leaders(pc)
         self._seq = 0
         self._results: dict[tuple[int, int], Any] = {}

@@ -91,7 +91,6 @@ class RayExecutor(Executor):
         super().__init__(config)
         pc = config.parallel_config
         self.world_size = pc.world_size
-        self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
         self.step_ranks = stage_leaders(pc)
         self.dead_error: str | None = None
         self._last_ping = time.monotonic()
