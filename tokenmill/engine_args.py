@@ -32,6 +32,7 @@ from tokenmill.config import (
 )
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
 from tokenmill.distributed.config_checks import (
+    BACKENDS,
     check_device_count,
     check_parallel_features,
     check_parallel_layout,
@@ -39,7 +40,7 @@ from tokenmill.distributed.config_checks import (
 )
 from tokenmill.feature_checks import check_feature_combinations, check_kv_cache_dtype
 from tokenmill.flag_checks import KV_CACHE_DTYPES, check_flag_values
-from tokenmill.lora.config import check_lora_model, create_lora_config
+from tokenmill.lora.config import LORA_DTYPES, check_lora_model, create_lora_config
 from tokenmill.model_config_args import (
     create_model_config,
     default_model_path,  # noqa: F401 (the API's name for it)
@@ -209,7 +210,7 @@ class EngineArgs:
         "How ranks run: mp (one process per rank on this node), ray (one Ray actor per "
         "rank, on the cluster RAY_ADDRESS names or a local one), uni (one rank, in the "
         "engine's process). Default: uni for one rank, else mp.",
-        choices=["mp", "ray", "uni"],
+        choices=list(BACKENDS),
     )
     disable_custom_all_reduce: bool = _flag(
         "Accepted as vLLM's flag: tensor-parallel all-reduces always run through "
@@ -327,7 +328,7 @@ class EngineArgs:
     lora_dtype: str = _flag(
         "Dtype of the adapter slots (auto: the model's).",
         default="auto",
-        choices=["auto", "float16", "bfloat16", "float32"],
+        choices=list(LORA_DTYPES),
     )
     fully_sharded_loras: bool = _flag(
         "By default only half of the LoRA computation is sharded with tensor parallelism "

@@ -87,8 +87,6 @@ def create_lora_config(
         raise ValueError(
             f"--max-cpu-loras ({cpu}) must be at least --max-loras ({max_loras})"
         )
-    if lora_dtype not in LORA_DTYPES:
-        raise ValueError(f"--lora-dtype must be one of {', '.join(LORA_DTYPES)}")
     if fully_sharded_loras and max_lora_rank % tensor_parallel_size:
         fits = [r for r in SUPPORTED_RANKS if r % tensor_parallel_size == 0]
         above = [r for r in fits if r >= max_lora_rank] or fits[-1:]
