@@ -379,3 +379,22 @@ def test_a_gptq_g_idx_outside_the_groups_is_refused(shift):
     g_idx = torch.arange(k)[torch.randperm(k, generator=torch.Generator().manual_seed(0))]
     with pytest.raises(QuantizationError, match=r"g_idx holds groups outside 0\.\.3"):
         sort_by_group(torch.zeros(8, k, dtype=torch.uint8), g_idx // group + shift, group)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "ct"])
+def test_a_layer_whose_inputs_do_not_split_into_groups_is_named(tmp_path, monkeypatch, fmt):
+    """A layer whose input features are not a multiple of the group size is refused with
+    the layer's name in the model and both sizes."""
+    import json
+
+    from tokenmill.hf_config import ModelLoadError
+
+    folder = make_int4_checkpoint(str(tmp_path), fmt, 64, sym=True)
+    config_path = f"{folder}/quant/config.json"
+    config = json.load(open(config_path))
+    config["intermediate_size"] = 160  # down_proj's input: not a multiple of 64
+    json.dump(config, open(config_path, "w"))
+    with pytest.raises(ModelLoadError, match=r"layer model\.layers\.0\.mlp\.down_proj has 160 "
+                                             r"input features, not a multiple of the group "
+                                             r"size 64"):
+        _load(f"{folder}/quant", monkeypatch)

@@ -70,6 +70,9 @@ class LinearBase(nn.Module):
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.quant_method: LinearMethod | None = None
+        # The layer's module name in the model (``model.layers.3.mlp.down_proj``), given by
+        # ``create_quantized_weights``; error messages name the layer by it.
+        self.prefix = ""
         if active_config() is None:
             self.create_weights(UnquantizedLinearMethod())
         if bias:

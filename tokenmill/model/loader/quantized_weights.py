@@ -25,6 +25,7 @@ def create_quantized_weights(model: nn.Module, config: QuantizationConfig) -> No
     embeddings: dict[int, VocabEmbedding] = {}
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and module.quant_method is None:
+            module.prefix = name
             module.create_weights(config.get_linear_method(module, name))
         elif isinstance(module, FusedMoE):
             method = config.get_moe_method(module, name)

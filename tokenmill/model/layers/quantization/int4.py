@@ -119,11 +119,22 @@ class Int4LinearMethod(LinearMethod):
         return input_size if self.group_size == -1 else self.group_size
 
     def check_group(self, layer: nn.Module, input_size: int) -> None:
-        if input_size % self.group(input_size) or input_size % 8:
-            raise QuantizationError(
-                f"{type(layer).__name__} with {input_size} input features does not split into "
-                f"groups of {self.group(input_size)}"
-            )
+        """Refuse a layer whose (this rank's) input features do not split into whole groups
+        and whole int32 words of 8 int4 values.
+
+        Raises:
+            QuantizationError: naming the layer (its ``prefix``: its module name in the
+                model) and the sizes.
+        """
+        if input_size % self.group(input_size) == 0 and input_size % 8 == 0:
+            return
+        name = getattr(layer, "prefix", "") or type(layer).__name__
+        whole = layer.checkpoint_shape()[1]
+        split = f" (this rank's share of {whole})" if whole != input_size else ""
+        raise QuantizationError(
+            f"layer {name} has {input_size} input features{split}, not a multiple of the "
+            f"group size {self.group(input_size)} and of 8"
+        )
 
     def to_int4(self, layer: nn.Module) -> Int4Weights:  # pragma: no cover - abstract
         raise NotImplementedError

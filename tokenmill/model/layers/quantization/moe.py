@@ -118,8 +118,10 @@ class _ExpertLinear(nn.Module):
     """One expert's product held by a linear method (not registered on the model: its
     checkpoint tensors arrive through the MoE layer's stacked names)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], method: Any) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int], method: Any, prefix: str
+                 ) -> None:
         super().__init__()
+        self.prefix = prefix  # named in error messages, as ``LinearBase.prefix``
         self.input_size = input_size
         self.output_partition_sizes = output_sizes
         self.tp_size, self.tp_rank = 1, 0
@@ -149,10 +151,12 @@ class Int4MoEMethod:
             raise QuantizationError("quantized experts with tensor parallelism are not supported")
         i, h = layer.intermediate_per_rank, layer.hidden_size
         method = self.config.get_linear_method
-        self.w13 = [_ExpertLinear(h, [i, i], method(layer, f"{self.prefix}.{e}.w13"))
-                    for e in range(layer.num_experts)]
-        self.w2 = [_ExpertLinear(i, [h], method(layer, f"{self.prefix}.{e}.w2"))
-                   for e in range(layer.num_experts)]
+
+        def expert(size: int, sizes: list[int], name: str) -> _ExpertLinear:
+            return _ExpertLinear(size, sizes, method(layer, name), name)
+
+        self.w13 = [expert(h, [i, i], f"{self.prefix}.{e}.w13") for e in range(layer.num_experts)]
+        self.w2 = [expert(i, [h], f"{self.prefix}.{e}.w2") for e in range(layer.num_experts)]
         layer.w13 = self._sink(self.w13, layer, ("gate", "up"))
         layer.w2 = self._sink(self.w2, layer, ("down",))
 
