@@ -260,6 +260,23 @@ def test_truncate_prompt_tokens_minus_one_leaves_room_for_max_tokens(default_ser
     assert result["usage"]["prompt_tokens"] == max_len - 16, result
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_the_request_log_shows_the_truncation_asked_for(default_server, route):
+    """The server cuts the prompt before the engine sees it; the request's log line still
+    shows the truncation the request asked for (as vLLM's does)."""
+    seed = 7_000_001 if route == "/v1/completions" else 7_000_002  # finds the request's line
+    body = {"max_tokens": 1, "seed": seed, "truncate_prompt_tokens": 4}
+    if route == "/v1/completions":
+        body["prompt"] = "one two three four five six seven eight nine ten"
+    else:
+        body["messages"] = [{"role": "user", "content": "one two three four five six"}]
+    result = default_server.post(route, body).json()
+    assert result["usage"]["prompt_tokens"] == 4, result
+    [line] = [ln for ln in default_server.log_text(1_000_000).splitlines()
+              if "Received request" in ln and f"seed={seed}," in ln]
+    assert "truncate_prompt_tokens=4" in line, line
+
+
 def test_bad_words_are_never_generated(default_server):
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 0}
     first = default_server.post("/v1/completions", body).json()["choices"][0]

@@ -5,6 +5,7 @@ context-length error's wording. A fake engine stands in for AsyncLLM (no model, 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -16,10 +17,11 @@ from tokenmill.entrypoints.openai.errors import OpenAIError
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tokenmill.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    RequestLogger,
     max_tokens_field,
     shown_params,
 )
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import BeamSearchParams, SamplingParams
 
 MAX_MODEL_LEN = 64
 
@@ -211,3 +213,18 @@ def test_logged_params_cut_long_lists():
     assert "bad_words=['w0', " in text and "... (1000 in all)" in text and "w999" not in text
     assert "allowed_token_ids=[1, 2]," in text
     assert shown_params(SamplingParams()) == str(SamplingParams())
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=4),
+                                    BeamSearchParams(beam_width=2, max_tokens=4)])
+def test_the_request_log_shows_the_truncation_asked_for(caplog, params):
+    """The server cuts the prompt itself, so the engine's params carry no truncation; the
+    arrival line still shows the one the request asked for."""
+    caplog.set_level(logging.INFO, "tokenmill.entrypoints.openai")
+    logger = RequestLogger()
+    logger.log_arrival("cmpl-1", None, [5, 6, 7, 8], params, truncate_prompt_tokens=4)
+    logger.log_arrival("cmpl-2", "x", [5], params)
+    cut, whole = (r.getMessage() for r in caplog.records)
+    assert cut.count("truncate_prompt_tokens") == 1 and "truncate_prompt_tokens=4" in cut
+    assert "truncate_prompt_tokens=4" not in whole
+    assert shown_params(params) in whole

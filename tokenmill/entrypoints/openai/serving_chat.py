@@ -222,7 +222,8 @@ class OpenAIServingChat(OpenAIServing):
         if self.request_logger is not None:
             # A token holds at least one character: decoding max_log_len tokens is enough.
             shown = prompt_ids[: self.request_logger.max_log_len]
-            self.log_arrival(request_id, self.tokenizer.decode(shown), prompt_ids, params)
+            self.log_arrival(request_id, self.tokenizer.decode(shown), prompt_ids, params,
+                             request.truncate_prompt_tokens)
         stream = self.generate(
             prompt_ids, None, params, request_id, request.priority, mm_features, request.model
         )

@@ -174,7 +174,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 best_of=request.best_of,
             )
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{p}"
-            self.log_arrival(sub_id, text, ids, params)
+            self.log_arrival(sub_id, text, ids, params, request.truncate_prompt_tokens)
             streams.append(
                 self.generate(ids, text, params, sub_id, request.priority, model=request.model)
             )

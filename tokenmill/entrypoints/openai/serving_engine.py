@@ -70,19 +70,22 @@ SHUTTING_DOWN = "The server is shutting down; it takes no new requests."
 LOGGED_ITEMS = 16
 
 
-def shown_params(params: Any) -> str:
+def shown_params(params: Any, shown: dict[str, Any] | None = None) -> str:
     """``str(params)``, with each list or dict field of a dataclass cut to its first
-    ``LOGGED_ITEMS`` items plus a count."""
+    ``LOGGED_ITEMS`` items plus a count; for a dataclass, ``shown`` gives values logged in
+    place of the fields of those names (or after the fields, for names that are no field)."""
     if not dataclasses.is_dataclass(params) or isinstance(params, type):
         return str(params)
+    extra = dict(shown or {})
     parts = []
     for f in dataclasses.fields(params):
-        value = getattr(params, f.name)
+        value = extra.pop(f.name) if f.name in extra else getattr(params, f.name)
         text = repr(value)
         if isinstance(value, (list, dict)) and len(value) > LOGGED_ITEMS:
             items = list(value.items() if isinstance(value, dict) else value)[:LOGGED_ITEMS]
             text = f"{items!r}... ({len(value)} in all)"
         parts.append(f"{f.name}={text}")
+    parts += [f"{name}={value!r}" for name, value in extra.items()]
     return f"{type(params).__name__}({', '.join(parts)})"
 
 
@@ -97,16 +100,27 @@ class RequestLogger:
         self.max_log_len = max_log_len
 
     def log_arrival(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: Any
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: Any,
+        truncate_prompt_tokens: int | None = None,
     ) -> None:
+        """Log an arriving request. ``truncate_prompt_tokens``: the truncation the request
+        asked for, logged among ``params`` (the server cuts the prompt itself, so the
+        engine's params do not carry it; ``prompt_token_ids`` are those kept)."""
         limit = self.max_log_len
+        shown = None
+        if truncate_prompt_tokens is not None:
+            shown = {"truncate_prompt_tokens": truncate_prompt_tokens}
         shown_prompt = prompt if prompt is None or limit is None else prompt[:limit]
         shown_ids = prompt_token_ids if limit is None else prompt_token_ids[:limit]
         logger.info(
             "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
             request_id,
             shown_prompt,
-            shown_params(params),
+            shown_params(params, shown),
             shown_ids,
         )
 
@@ -339,9 +353,12 @@ class OpenAIServing:
         prompt: str | None,
         prompt_ids: list[int],
         params: SamplingParams | BeamSearchParams,
+        truncate_prompt_tokens: int | None = None,
     ) -> None:
         if self.request_logger is not None:
-            self.request_logger.log_arrival(request_id, prompt, prompt_ids, params)
+            self.request_logger.log_arrival(
+                request_id, prompt, prompt_ids, params, truncate_prompt_tokens
+            )
 
     def log_finish(
         self, request_id: str, reasons: list[str | None], usage: UsageInfo, start_time: float
