@@ -65,12 +65,17 @@ def sweep_configs(m: int, n: int, k: int, g: int, sms: int) -> dict[str, dict]:
 TC_DECODE_TILES = [(16, 64, 128, 4, 3), (16, 128, 128, 4, 3), (32, 64, 128, 4, 3),
                    (32, 128, 64, 4, 3)]
 TC_TILES = [(64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4)]
+# From 256 rows also tiles whose weight tile serves 256 rows (each weight unpacked half as
+# often) or whose row tile serves 256 columns: where one beats the dequantized weight with
+# cuBLAS, the in-loop kernel takes those rows.
+TC_WIDE_TILES = [(256, 64, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3)]
 
 def tc_sweep_configs(m: int, n: int, k: int, g: int, sms: int) -> dict[str, dict]:
     """Tensor-core tile variants, K split until the grid covers the SMs once (at least four
     K steps per split)."""
     out = {}
-    for bm, bn, bk, warps, stages in TC_DECODE_TILES if m <= 32 else TC_TILES:
+    tiles = TC_DECODE_TILES if m <= 32 else TC_TILES + (TC_WIDE_TILES if m >= 256 else [])
+    for bm, bn, bk, warps, stages in tiles:
         if g % bk:
             continue
         n_tiles = -(-m // bm) * -(-n // bn)
