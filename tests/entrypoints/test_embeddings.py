@@ -113,14 +113,17 @@ def test_concurrent_requests_each_get_their_embedding(server, reference):
     assert cosine.min().item() >= 0.9999, cosine
 
 
-def test_truncate_prompt_tokens(client):
+def test_truncate_prompt_tokens(client, server):
     response = client.embeddings.create(
         model=MODEL,
         input="word " * 400,
         encoding_format="float",
-        extra_body={"truncate_prompt_tokens": 256},
+        extra_body={"truncate_prompt_tokens": 255},
     )
-    assert response.usage.prompt_tokens == 256
+    assert response.usage.prompt_tokens == 255
+    # the request's log line shows the truncation it asked for
+    assert any("Received request" in line and "truncate_prompt_tokens=255" in line
+               for line in server.log_text(1_000_000).splitlines())  # fmt: skip
 
 
 @pytest.mark.parametrize(

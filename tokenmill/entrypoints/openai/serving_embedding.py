@@ -134,7 +134,8 @@ class OpenAIServingEmbedding:
                 prompt,
                 token_ids[0],
                 f"dimensions={request.dimensions}, "
-                f"encoding_format={request.encoding_format}, inputs={len(token_ids)}",
+                f"encoding_format={request.encoding_format}, inputs={len(token_ids)}, "
+                f"truncate_prompt_tokens={request.truncate_prompt_tokens}",
             )
         try:
             pooled = await self.engine.embed(token_ids)
