@@ -290,7 +290,7 @@ vision_pair() {
   local B=("${TM[@]}" bench serve); [ "$eng" = vllm ] && B=(vllm bench serve)
   stage ${eng}_vision 400 "${B[@]}" --backend openai-chat --endpoint /v1/chat/completions --model $VL --port 8000 "${VL_MM[@]}" --random-input-len 128 --random-output-len 128 --num-prompts 128 --max-concurrency 64 --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$LOGS" --result-filename ${eng}_vision.json
   addjson ${eng}_vision "$LOGS/${eng}_vision.json"
-  [ "$eng" = tm ] && [ "${VISION_DIAG:-0}" = 1 ] && grep -aE "Engine steps|front end|event loop|Avg prompt" "$LOGS/${eng}_vl_server.log" | tail -30 | sed 's/^/  | /' | tee -a "$SUM"
+  [ "$eng" = tm ] && [ "${VISION_DIAG:-0}" = 1 ] && grep -aE "Engine step|front end|event loop|Avg prompt" "$LOGS/${eng}_vl_server.log" | tail -30 | sed 's/^/  | /' | tee -a "$SUM"
   stop_server $pid
 }
 

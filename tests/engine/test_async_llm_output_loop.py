@@ -60,3 +60,25 @@ def test_each_step_reaches_the_stream_before_the_next_is_read():
         return received
 
     assert asyncio.run(main()) == [[0], [1], [2]]
+
+
+def test_step_log_reports_steps_by_path(caplog):
+    """``TOKENMILL_LOG_STEP_STATS``: with the runner's count of steps by path (one GPU, in
+    the core's process), each log interval names the paths its steps took, then restarts."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from tokenmill.engine import engine_core_proc
+
+    paths: Counter[str] = Counter()
+    runner = SimpleNamespace(graphs=SimpleNamespace(paths=paths))
+    core = SimpleNamespace(executor=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))
+    assert engine_core_proc._step_paths(core) is paths
+    assert engine_core_proc._step_paths(SimpleNamespace(executor=None)) is None
+    log = engine_core_proc._StepLog(paths)
+    log.last -= log.INTERVAL_S
+    paths.update({"decode": 3, "images": 1})
+    with caplog.at_level("INFO", logger=engine_core_proc.logger.name):
+        log.record(0.01, 4)
+    assert "Engine step paths: decode 3, images 1" in caplog.text
+    assert not paths

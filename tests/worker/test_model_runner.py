@@ -104,6 +104,8 @@ def test_steps_that_read_kv_written_in_the_step_skip_whole_step_graphs(
 
     assert run(False) == ("decode graph" if max_query_len == 1 else "mixed graph")
     assert run(True) == ("eager", True)
+    # the step log's count of steps by path
+    assert runner.graphs.paths == {"decode" if max_query_len == 1 else "mixed": 1, "eager": 1}
 
 
 def test_padding_rows_of_a_decode_batch_report_no_context(tmp_path):

@@ -21,6 +21,7 @@ import os
 import signal
 import time
 import traceback
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -54,11 +55,14 @@ class _StepLog:
 
     INTERVAL_S = 5.0
 
-    def __init__(self) -> None:
+    def __init__(self, paths: Counter[str] | None = None) -> None:
         self.durations: list[float] = []
         self.outputs = 0
         self.last = time.monotonic()
         self.compiled: list[str] = []
+        # The steps by the path that ran them (``StepGraphs.paths``) where the model runs in
+        # this process; emptied at each log line.
+        self.paths = paths
         try:
             import triton
         except ImportError:
@@ -81,8 +85,20 @@ class _StepLog:
                 1e3 * d[len(d) // 2], 1e3 * d[-1], self.outputs / len(d),
                 ", ".join(self.compiled) or "none",
             )
+            if self.paths:
+                logger.info("Engine step paths: %s", ", ".join(
+                    f"{name} {count}" for name, count in self.paths.most_common()))
+                self.paths.clear()
             self.durations, self.outputs, self.last = [], 0, time.monotonic()
             self.compiled = []
+
+
+def _step_paths(core: Any) -> Counter[str] | None:
+    """The model runner's count of steps by path, where the worker runs in this process
+    (one GPU) and has CUDA graphs; None elsewhere."""
+    worker = getattr(getattr(core, "executor", None), "worker", None)
+    graphs = getattr(getattr(worker, "model_runner", None), "graphs", None)
+    return None if graphs is None else graphs.paths
 
 
 class EngineCoreProc:
@@ -112,7 +128,7 @@ class EngineCoreProc:
         else:
             self.engine_core = EngineCore(config, log_stats=not config.disable_log_stats)
         self.running = True
-        self.step_log = _StepLog() if envs.log_step_stats() else None
+        self.step_log = _StepLog(_step_paths(self.engine_core)) if envs.log_step_stats() else None
         # Data parallelism: tags every output, so the front end knows which core sent it.
         self.engine_index = config.parallel_config.data_parallel_rank
 

@@ -493,6 +493,8 @@ class ModelRunner(StepSampling, BufferMetadata):
         self.stage.before_forward(inputs.num_tokens)
         if self._step_images is not None:  # image placeholders: eager, with inputs_embeds
             assert self.mm is not None
+            if self.graphs is not None:
+                self.graphs.paths["images"] += 1
             n, images, self._step_images = inputs.num_tokens, self._step_images, None
             hidden = self.mm.forward(
                 self.input_ids.device[:n], self.positions.device[:n], inputs.metadata, images

@@ -14,6 +14,7 @@ All share one memory pool: no two of them replay at once.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -57,6 +58,10 @@ class StepGraphs:
         self.pool = pool
         # A speculative proposer's graphs (``add_proposer``); the proposer replays them.
         self.proposer: PaddedGraphs | None = None
+        # Steps by the path that ran them ("decode", "mixed", "piecewise", "eager",
+        # "images": eager with image embeddings), for the step log
+        # (``TOKENMILL_LOG_STEP_STATS``), which empties it.
+        self.paths: Counter[str] = Counter()
 
     @classmethod
     def plan(cls, runner: GraphHost, backend: type[AttentionBackend]) -> StepGraphs:
@@ -113,6 +118,7 @@ class StepGraphs:
         whole_step = not (metadata.common_prefix_len or metadata.reads_step_kv)
         n, num_reqs = inputs.num_tokens, metadata.num_reqs
         if whole_step and inputs.is_decode_only and self.has_decode_graph(num_reqs):
+            self.paths["decode"] += 1
             return self.decode.run(num_reqs)  # type: ignore[union-attr]
         if (
             whole_step
@@ -120,7 +126,10 @@ class StepGraphs:
             and self.mixed.can_run(n)
             and num_reqs - metadata.num_decodes <= self.uniform_max_prefills
         ):
+            self.paths["mixed"] += 1
             return self.mixed.run(n, num_reqs)
         if self.piecewise is not None and self.piecewise.can_run(n):
+            self.paths["piecewise"] += 1
             return self.piecewise.run(n, metadata)
+        self.paths["eager"] += 1
         return None
