@@ -1,4 +1,5 @@
-"""Copies between KV blocks of the paged cache (the worker's half of copy-on-write)."""
+"""The paged KV cache's tensors: their element type, one arena for every layer, and copies
+between blocks (the worker's half of copy-on-write)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,21 @@ def copy_kv_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) 
     for cache in kv_caches:
         blocks = cache.movedim(block_dim(cache), 0)  # a view: writes reach the cache
         blocks[dst] = blocks[src]
+
+
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for ``--kv-cache-dtype``: ``auto`` keeps the model's.
+
+    Raises:
+        ValueError: an unknown spelling.
+    """
+    if cache_dtype == "auto":
+        return model_dtype
+    table = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
+    if cache_dtype not in table:
+        raise ValueError(f"--kv-cache-dtype {cache_dtype!r}: auto, fp8, fp8_e4m3 or fp8_e5m2")
+    return table[cache_dtype]
 
 
 def allocate_kv_arena(

@@ -44,7 +44,7 @@ from tokenmill.worker.cascade import common_prefix_len
 from tokenmill.worker.cuda_graph import next_size
 from tokenmill.worker.host_memory import zeroed_tensor
 from tokenmill.worker.input_batch import InputBatch
-from tokenmill.worker.kv_blocks import allocate_kv_arena, copy_kv_blocks
+from tokenmill.worker.kv_blocks import allocate_kv_arena, copy_kv_blocks, kv_cache_torch_dtype
 from tokenmill.worker.kv_offload import KVOffloadStore
 from tokenmill.worker.multimodal import MultiModalState, StepImages
 from tokenmill.worker.pipeline_stage import PipelineStage
@@ -66,21 +66,6 @@ if TYPE_CHECKING:
     from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
-
-
-def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type for ``--kv-cache-dtype``: ``auto`` keeps the model's.
-
-    Raises:
-        ValueError: an unknown spelling.
-    """
-    if cache_dtype == "auto":
-        return model_dtype
-    table = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-             "fp8_e5m2": torch.float8_e5m2}
-    if cache_dtype not in table:
-        raise ValueError(f"--kv-cache-dtype {cache_dtype!r}: auto, fp8, fp8_e4m3 or fp8_e5m2")
-    return table[cache_dtype]
 
 
 class ModelRunner(StepSampling, BufferMetadata):
