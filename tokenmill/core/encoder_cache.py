@@ -62,8 +62,11 @@ class EncoderCacheManager:
         rule above.
 
         Returns:
-            ``(tokens to schedule, indices of the images to encode for them)``.
+            ``(tokens to schedule, indices of the images to encode for them)``: the chunk
+            as it is for a request without images.
         """
+        if not request.mm_features or num_new == 0:
+            return num_new, []
         to_encode: list[int] = []
         encoding: set[str] = set()  # an image repeated in the prompt is encoded once
         budget = step.budget
@@ -90,7 +93,7 @@ class EncoderCacheManager:
         step: EncoderStep,
     ) -> None:  # fmt: skip
         """Record a scheduled chunk: count lookups, pin what it reads, allocate what it
-        encodes."""
+        encodes (nothing for a request without images)."""
         end = num_computed + num_new
         for i, f in enumerate(request.mm_features):
             if f.offset >= end:

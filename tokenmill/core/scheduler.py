@@ -298,7 +298,8 @@ class Scheduler:
             num_new = self._num_tokens_to_schedule(
                 request, num_computed, plan.budget_for(request)
             )
-            num_new, to_encode = self._clip_for_encoder(request, num_computed, num_new, plan)
+            encoder = self.encoder_cache
+            num_new, to_encode = encoder.clip(request, num_computed, num_new, plan.encoder)
             if num_new == 0:
                 continue
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
@@ -309,7 +310,7 @@ class Scheduler:
                 plan.add_new(request, num_new)
             else:
                 plan.add_running(request, num_new, new_block_ids)
-            self._commit_encoder(request, num_computed, num_new, to_encode, plan)
+            encoder.commit(request, num_computed, num_new, to_encode, plan.encoder)
 
     def _has_all_tokens_pending(self, request: Request) -> bool:
         """Async scheduling: the steps in flight already produce the request's last token
@@ -388,7 +389,8 @@ class Scheduler:
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             budget = plan.budget_for(request)
             num_new = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
-            num_new, to_encode = self._clip_for_encoder(request, num_hit_tokens, num_new, plan)
+            encoder = self.encoder_cache
+            num_new, to_encode = encoder.clip(request, num_hit_tokens, num_new, plan.encoder)
             if num_new == 0:
                 # The prompt does not fit (chunked prefill off), or the step's prefill
                 # allowance is spent: it waits.
@@ -409,7 +411,7 @@ class Scheduler:
             self.waiting.pop_request()
             self._admit(request, num_hit_tokens)
             plan.add_new(request, num_new)
-            self._commit_encoder(request, num_hit_tokens, num_new, to_encode, plan)
+            encoder.commit(request, num_hit_tokens, num_new, to_encode, plan.encoder)
             if lora_slots is not None:
                 lora_slots.take(request)
             if reserved is not None:
@@ -457,22 +459,6 @@ class Scheduler:
         elif num_new > budget:
             return 0
         return max(0, min(num_new, self.max_model_len - num_computed))
-
-    def _clip_for_encoder(
-        self, request: Request, num_computed: int, num_new: int, plan: StepPlan
-    ) -> tuple[int, list[int]]:
-        """A chunk shortened to the encoder budget, with the images it encodes (see
-        core/encoder_cache.py); text prompts pass through."""
-        if not request.mm_features or num_new == 0:
-            return num_new, []
-        return self.encoder_cache.clip(request, num_computed, num_new, plan.encoder)
-
-    def _commit_encoder(
-        self, request: Request, num_computed: int, num_new: int, to_encode: list[int],
-        plan: StepPlan,
-    ) -> None:  # fmt: skip
-        if request.mm_features:
-            self.encoder_cache.commit(request, num_computed, num_new, to_encode, plan.encoder)
 
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         kv = self.kv_cache_manager
