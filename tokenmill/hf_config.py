@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Any
 
 
@@ -112,7 +113,11 @@ GGUF_ARCHITECTURES = {
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # V3 with sigmoid gating
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
 }
+
+# ggml's type id of MXFP4 (GGMLQuantizationType.MXFP4): gpt-oss' experts in GGUF files.
+GGML_MXFP4 = 39
 
 # GGUF metadata key (after "<arch>.") -> config.json key
 GGUF_KEYS = {
@@ -272,7 +277,30 @@ def read_gguf_config(path: str) -> dict[str, Any]:
         _derive_gemma_config(data, arch)
     elif arch == "deepseek2":
         _derive_deepseek2_config(data, lambda key: _gguf_field(reader, f"{arch}.{key}"))
+    elif arch == "gpt-oss":
+        _derive_gpt_oss_config(data, {t.name: int(t.tensor_type) for t in reader.tensors})
     return data
+
+
+def gguf_experts_are_mxfp4(tensor_types: dict[str, int]) -> bool:
+    """Whether every expert weight of a file (``ffn_*_exps.weight`` name -> ggml type) is
+    MXFP4; False for a file without experts."""
+    types = [t for name, t in tensor_types.items() if re.search(r"ffn_\w+_exps\.weight$", name)]
+    return bool(types) and all(t == GGML_MXFP4 for t in types)
+
+
+def _derive_gpt_oss_config(data: dict[str, Any], tensor_types: dict[str, int]) -> None:
+    """What llama.cpp's gpt-oss graph fixes rather than stores: even layers sliding (its
+    sliding-window pattern of 2); the experts' size is the expert feed-forward length. Its
+    YaRN rounds the correction range to whole dimensions (transformers' ``truncate``, the
+    default here, where the released config turns it off). Experts that are all MXFP4 in
+    the file stay MXFP4 (the released checkpoint's ``quantization_config``)."""
+    if data.get("moe_intermediate_size"):
+        data["intermediate_size"] = data.pop("moe_intermediate_size")
+    data["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                           for i in range(data["num_hidden_layers"])]  # fmt: skip
+    if gguf_experts_are_mxfp4(tensor_types):
+        data["quantization_config"] = {"quant_method": "mxfp4"}
 
 
 def _derive_gemma_config(data: dict[str, Any], arch: str) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from tokenmill.hf_config import ModelLoadError, open_gguf
+from tokenmill.hf_config import GGML_MXFP4, ModelLoadError, gguf_experts_are_mxfp4, open_gguf
 from tokenmill.kernels.quant.gguf_blocks import BLOCK_TYPES
 from tokenmill.model.layers.quantization.tensors import GGUFTensor
 
@@ -136,10 +136,32 @@ def iterate_gguf(
         ModelLoadError: unreadable file, a tensor with no known Hugging Face name, or one of
             a layer past the file's block count.
     """
-    import gguf
-
     reader = open_gguf(path)
     arch = str(reader.fields["general.architecture"].contents())
+    if arch == "gpt-oss":  # stacked experts split by gate/up, MXFP4 in ggml's blocks
+        from tokenmill.model.loader import gguf_gpt_oss
+
+        mxfp4 = gguf_experts_are_mxfp4({t.name: int(t.tensor_type) for t in reader.tensors})
+        items = _read_tensors(
+            reader, arch, path, gguf_gpt_oss.lookup_names(hf_names), num_heads, num_kv_heads,
+            keep_quantized, layers, shapes_only,
+            raw_types={GGML_MXFP4} if mxfp4 else set(),
+        )  # fmt: skip
+        yield from gguf_gpt_oss.checkpoint_tensors(items, mxfp4)
+        return
+    yield from _read_tensors(reader, arch, path, hf_names, num_heads, num_kv_heads,
+                             keep_quantized, layers, shapes_only)  # fmt: skip
+
+
+def _read_tensors(
+    reader, arch: str, path: str, hf_names: Iterable[str], num_heads: int, num_kv_heads: int,
+    keep_quantized: bool, layers: range | None, shapes_only: bool,
+    raw_types: set[int] = frozenset(),  # type: ignore[assignment]
+) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:  # fmt: skip
+    """``iterate_gguf`` over an open file; tensors of a type in ``raw_types`` come as their
+    blocks (``GGUFTensor``) whatever ``keep_quantized`` says."""
+    import gguf
+
     num_blocks = int(reader.fields[f"{arch}.block_count"].contents())
     name_map = gguf.get_tensor_name_map(_arch_enum(arch), num_blocks)
     to_hf: dict[str, str] = {}
@@ -195,7 +217,8 @@ def iterate_gguf(
             if t.name in ("rope_freqs.weight",):  # llama3 rope factors: we compute them
                 continue
             raise ModelLoadError(f"{path}: tensor {t.name!r} has no Hugging Face equivalent")
-        quantized = keep_quantized and int(t.tensor_type) in BLOCK_TYPES
+        quantized = (keep_quantized and int(t.tensor_type) in BLOCK_TYPES
+                     or int(t.tensor_type) in raw_types)  # fmt: skip
         block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
         if keep_quantized and not quantized and not shapes_only and block > 1:
             seen = unkept.setdefault(t.tensor_type.name, [0, 0, 0])

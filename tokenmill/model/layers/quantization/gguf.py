@@ -181,6 +181,9 @@ class GGUFConfig(QuantizationConfig):
     def get_moe_method(self, layer: nn.Module, prefix: str):
         from tokenmill.model.layers.quantization.moe import GGUFMoEMethod
 
+        w13 = getattr(layer, "w13", None)
+        if w13 is not None and (w13.bias is not None or w13.mxfp4):
+            return None  # gpt-oss' experts: read as its checkpoint's (MXFP4 or float)
         return GGUFMoEMethod()
 
     def quantizes_embeddings(self) -> bool:
