@@ -35,11 +35,12 @@ def ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     return rows.flatten(-2).numpy().astype(np.uint8)
 
 
-def write_gpt_oss_gguf(hf, tensors: dict[str, torch.Tensor], path: str, q8_0: bool = False
-                       ) -> None:  # fmt: skip
+def write_gpt_oss_gguf(hf, tensors: dict[str, torch.Tensor], path: str, q8_0: bool = False,
+                       fused: bool = False) -> None:  # fmt: skip
     """``tensors`` (the checkpoint's, MXFP4 experts or float ones) as llama.cpp's converter
     writes a gpt-oss file, with ``hf``'s settings. ``q8_0``: the attention projections in
-    Q8_0 blocks, and ``hf``'s set to their dequantized values."""
+    Q8_0 blocks, and ``hf``'s set to their dequantized values. ``fused``: gate and up in
+    one ``ffn_gate_up_exps`` tensor (the gate rows, then the up rows)."""
     import gguf
 
     c = hf.config
@@ -79,6 +80,19 @@ def write_gpt_oss_gguf(hf, tensors: dict[str, torch.Tensor], path: str, q8_0: bo
         else:
             writer.add_tensor(name, data.detach().float().contiguous().numpy())
 
+    def add_gate_up(base: str, kind: str, gate, up, raw: bool = False) -> None:
+        if not fused:
+            add(f"{base}.gate_proj.{kind}", gate, raw)
+            add(f"{base}.up_proj.{kind}", up, raw)
+            return
+        layer = base.split(".")[2]
+        both = (np.concatenate if raw else torch.cat)((gate, up), -1 if kind == "bias" else 1)
+        name = f"blk.{layer}.ffn_gate_up_exps.{kind}"
+        if raw:
+            writer.add_tensor(name, both, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        else:
+            writer.add_tensor(name, both.detach().float().contiguous().numpy())
+
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".experts.")
         if not prefix:
@@ -86,15 +100,14 @@ def write_gpt_oss_gguf(hf, tensors: dict[str, torch.Tensor], path: str, q8_0: bo
             continue
         base = f"{prefix}.experts"
         if leaf == "gate_up_proj":  # [E, H, 2I], gate and up columns alternating
-            add(f"{base}.gate_proj.weight", t[:, :, 0::2].transpose(1, 2))
-            add(f"{base}.up_proj.weight", t[:, :, 1::2].transpose(1, 2))
+            rows = t.transpose(1, 2)
+            add_gate_up(base, "weight", rows[:, 0::2], rows[:, 1::2])
         elif leaf == "gate_up_proj_bias":
-            add(f"{base}.gate_proj.bias", t[:, 0::2])
-            add(f"{base}.up_proj.bias", t[:, 1::2])
+            add_gate_up(base, "bias", t[:, 0::2], t[:, 1::2])
         elif leaf == "gate_up_proj_blocks":
             scales = tensors[f"{base}.gate_up_proj_scales"]
-            add(f"{base}.gate_proj.weight", ggml_mxfp4(t[:, 0::2], scales[:, 0::2]), raw=True)
-            add(f"{base}.up_proj.weight", ggml_mxfp4(t[:, 1::2], scales[:, 1::2]), raw=True)
+            add_gate_up(base, "weight", ggml_mxfp4(t[:, 0::2], scales[:, 0::2]),
+                        ggml_mxfp4(t[:, 1::2], scales[:, 1::2]), raw=True)  # fmt: skip
         elif leaf == "down_proj":  # [E, I, H]
             add(f"{base}.down_proj.weight", t.transpose(1, 2))
         elif leaf == "down_proj_bias":
@@ -108,7 +121,7 @@ def write_gpt_oss_gguf(hf, tensors: dict[str, torch.Tensor], path: str, q8_0: bo
     writer.close()
 
 
-@pytest.fixture(scope="module", params=["float", "mxfp4", "mxfp4+q8_0"])
+@pytest.fixture(scope="module", params=["float", "mxfp4", "mxfp4+q8_0", "mxfp4+fused"])
 def gguf_model(request, tmp_path_factory):
     """(transformers' model, the GGUF file of its weights, the checkpoint's tensors)."""
     from safetensors.torch import load_file
@@ -126,7 +139,8 @@ def gguf_model(request, tmp_path_factory):
         hf = save_mxfp4(str(dense), str(folder))
     tensors = load_file(str(folder / "model.safetensors"))
     path = str(tmp_path_factory.mktemp("gguf") / f"gpt-oss-{request.param}.gguf")
-    write_gpt_oss_gguf(hf, tensors, path, q8_0=request.param.endswith("q8_0"))
+    write_gpt_oss_gguf(hf, tensors, path, q8_0=request.param.endswith("q8_0"),
+                       fused=request.param.endswith("fused"))  # fmt: skip
     return hf, path, tensors
 
 

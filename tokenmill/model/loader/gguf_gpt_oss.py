@@ -2,9 +2,10 @@
 checkpoint's tensors.
 
 llama.cpp's converter (``convert_hf_to_gguf.py``, ``GptOssModel``) writes each layer's
-experts as three stacked tensors: the checkpoint's ``gate_up_proj``, whose gate and up rows
-alternate, split into ``ffn_gate_exps`` and ``ffn_up_exps`` (``[E, I, H]``), and
-``down_proj`` as ``ffn_down_exps`` (``[E, H, I]``), each with a bias. MXFP4 experts keep
+experts as stacked tensors: the checkpoint's ``gate_up_proj``, whose gate and up rows
+alternate, split into ``ffn_gate_exps`` and ``ffn_up_exps`` (``[E, I, H]``; or fused as
+``ffn_gate_up_exps [E, 2I, H]``, the gate rows then the up rows), and ``down_proj`` as
+``ffn_down_exps`` (``[E, H, I]``), each with a bias. MXFP4 experts keep
 their values in ggml's ``block_mxfp4``: per 32 values one byte of E8M0 scale, then 16 bytes
 whose low nibbles hold values 0-15 and high nibbles values 16-31; other experts are stored
 as ``[E, out, in]`` (float, or any other ggml type). The attention sinks are
@@ -29,8 +30,9 @@ from tokenmill.model.layers.quantization.tensors import GGUFTensor
 
 _OUR_EXPERTS = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.w(13|2)\.")
 _FILE_EXPERTS = re.compile(
-    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<proj>gate|up|down)_proj\.(?P<kind>weight|bias)$"
+    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<proj>gate|up|down|gate_up)_proj\.(?P<kind>weight|bias)$"
 )
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
 _SINKS = ".self_attn.sinks"
 
 
@@ -53,6 +55,21 @@ def lookup_names(expected: Iterable[str]) -> list[str]:
         names += [f"{prefix}.{proj}_proj.{kind}" for proj in ("gate", "up", "down")
                   for kind in ("weight", "bias")]  # fmt: skip
     return names
+
+
+def fused_gate_up_names(expected: Iterable[str]) -> dict[str, str]:
+    """File name -> checkpoint name of each layer's fused ``ffn_gate_up_exps`` weight and bias
+    (which the gguf package's tables do not name)."""
+    out = {}
+    for name in expected:
+        match = _OUR_EXPERTS.match(name)
+        if match and ".w13." in name:
+            layer = _LAYER.search(name)
+            if layer is not None:
+                for kind in ("weight", "bias"):
+                    out[f"blk.{layer[1]}.ffn_gate_up_exps.{kind}"] = (
+                        f"{match['prefix']}.gate_up_proj.{kind}")
+    return out
 
 
 def mxfp4_checkpoint_blocks(
@@ -86,6 +103,16 @@ def _is_mxfp4(t: torch.Tensor | GGUFTensor) -> bool:
 def _interleave_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``[E, I, ...]`` twice -> ``[E, 2I, ...]``: row ``2i`` gate row ``i``, ``2i + 1`` up."""
     return torch.stack((gate, up), dim=2).flatten(1, 2)
+
+
+def _halves(t, kind: str) -> tuple:
+    """A fused gate/up tensor's gate and up halves (rows; a bias' last dimension)."""
+    if kind == "bias":
+        return tuple(_float(t).chunk(2, dim=-1))
+    if isinstance(t, GGUFTensor):
+        n = t.shape[1] // 2
+        return t.rows(0, n), t.rows(n, n)
+    return tuple(t.chunk(2, dim=1))
 
 
 def _gate_up(prefix: str, kind: str, gate, up) -> Iterator[tuple[str, torch.Tensor]]:
@@ -138,6 +165,9 @@ def checkpoint_tensors(
             tensor = tensor.dequantize()
         if proj == "down":
             yield from _down(prefix, kind, tensor)
+            continue
+        if proj == "gate_up":  # fused: the gate rows, then the up rows
+            yield from _gate_up(prefix, kind, *_halves(tensor, kind))
             continue
         parts = pending.setdefault((prefix, kind), {})
         parts[proj] = tensor

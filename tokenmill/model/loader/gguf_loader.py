@@ -146,6 +146,7 @@ def iterate_gguf(
             reader, arch, path, gguf_gpt_oss.lookup_names(hf_names), num_heads, num_kv_heads,
             keep_quantized, layers, shapes_only,
             raw_types={GGML_MXFP4} if mxfp4 else set(),
+            extra_names=gguf_gpt_oss.fused_gate_up_names(hf_names),
         )  # fmt: skip
         yield from gguf_gpt_oss.checkpoint_tensors(items, mxfp4)
         return
@@ -157,14 +158,16 @@ def _read_tensors(
     reader, arch: str, path: str, hf_names: Iterable[str], num_heads: int, num_kv_heads: int,
     keep_quantized: bool, layers: range | None, shapes_only: bool,
     raw_types: set[int] = frozenset(),  # type: ignore[assignment]
+    extra_names: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:  # fmt: skip
     """``iterate_gguf`` over an open file; tensors of a type in ``raw_types`` come as their
-    blocks (``GGUFTensor``) whatever ``keep_quantized`` says."""
+    blocks (``GGUFTensor``) whatever ``keep_quantized`` says; ``extra_names`` maps file
+    names the gguf package's tables lack to checkpoint names."""
     import gguf
 
     num_blocks = int(reader.fields[f"{arch}.block_count"].contents())
     name_map = gguf.get_tensor_name_map(_arch_enum(arch), num_blocks)
-    to_hf: dict[str, str] = {}
+    to_hf: dict[str, str] = dict(extra_names or {})
     experts: dict[str, str] = {}  # stacked experts tensor -> HF name with "{e}" for the expert
     # llama.cpp's split attn_k_b / attn_v_b -> (HF kv_b_proj name, which half); merged once
     # both halves are read (dequantized: the key half is stored transposed).
