@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.model.gguf_files import decoder_writer, finish
 from tests.model.paged import PagedRunner
 from tests.model.test_qwen3_parity import TINY, save_random_model
 from tests.model.tolerance import assert_logits_close
@@ -19,18 +20,9 @@ def write_gguf(hf, path: str, arch: str) -> None:
     import gguf
 
     c = hf.config
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    writer = decoder_writer(path, arch, c)
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_vocab_size(c.vocab_size)
     if arch == "gemma2":
         writer.add_sliding_window(c.sliding_window)
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
@@ -45,10 +37,7 @@ def write_gguf(hf, path: str, arch: str) -> None:
         if name.endswith("norm.weight"):
             data = data + 1.0  # llama.cpp multiplies by the stored weight as is
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def _configs():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.model.gguf_files import decoder_writer
 from tests.model.paged import PagedRunner
 from tokenmill.config import LoadConfig
 from tokenmill.engine_args import EngineArgs
@@ -43,17 +44,7 @@ def write_gguf(hf, kind: str, path: str) -> dict[str, torch.Tensor]:
 
     arch = "qwen3moe" if kind == "qwen3moe" else "llama"
     c = hf.config
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    rope = getattr(c, "rope_parameters", None) or {}
-    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(c, "rope_theta", 1e4))))
-    writer.add_vocab_size(c.vocab_size)
+    writer = decoder_writer(path, arch, c)
     writer.add_expert_count(4)
     writer.add_expert_used_count(2)
     if kind == "qwen3moe":

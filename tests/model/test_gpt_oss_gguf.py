@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.model.gguf_files import decoder_writer, finish
 from tests.model.paged import PagedRunner
 from tests.model.test_gpt_oss_parity import _config, _randomize, save_mxfp4
 from tests.model.tolerance import assert_logits_close
@@ -45,21 +46,12 @@ def write_gpt_oss_gguf(hf, tensors: dict[str, torch.Tensor], path: str, q8_0: bo
 
     c = hf.config
     rope = c.rope_parameters
-    writer = gguf.GGUFWriter(path, "gpt-oss")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    writer = decoder_writer(path, "gpt-oss", c)
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     writer.add_rope_scaling_factor(rope["factor"])
     writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    writer.add_vocab_size(c.vocab_size)
     writer.add_expert_count(c.num_local_experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
     writer.add_expert_feed_forward_length(c.intermediate_size)
@@ -115,10 +107,7 @@ def write_gpt_oss_gguf(hf, tensors: dict[str, torch.Tensor], path: str, q8_0: bo
         elif leaf == "down_proj_blocks":
             scales = tensors[f"{base}.down_proj_scales"]
             add(f"{base}.down_proj.weight", ggml_mxfp4(t, scales), raw=True)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 @pytest.fixture(scope="module", params=["float", "mxfp4", "mxfp4+q8_0", "mxfp4+fused"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.model.gguf_files import decoder_writer
 from tests.model.test_qwen3_parity import TINY, VOCAB, mixed_batch_logits, save_random_model
 from tests.model.tolerance import assert_logits_close
 from tokenmill.config import LoadConfig
@@ -109,20 +110,11 @@ def _write_gguf(hf, path: str, quantize: bool = False) -> dict[str, torch.Tensor
     import numpy as np
 
     c = hf.config
-    writer = gguf.GGUFWriter(path, "qwen2moe")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer = decoder_writer(path, "qwen2moe", c)
     writer.add_expert_count(c.num_experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
     writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    writer.add_vocab_size(c.vocab_size)
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2MOE, c.num_hidden_layers)
     qtype = gguf.GGMLQuantizationType.Q8_0
 
