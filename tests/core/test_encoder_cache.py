@@ -114,3 +114,56 @@ def test_block_hashes_differ_by_image_from_the_first_block_holding_it():
         update_block_hashes(r, 4)
     assert a.block_hashes[0] == b.block_hashes[0]  # text only
     assert all(x != y for x, y in zip(a.block_hashes[1:], b.block_hashes[1:], strict=True))
+
+
+def test_an_image_encoded_in_a_chunk_does_not_evict_a_cached_one_the_chunk_reads():
+    """A chunk that encodes one image and reads another from the cache keeps the one it
+    reads: encoding may evict only entries the step does not use (evicting it crashed the
+    scheduler, and the worker would have had no output for its placeholders)."""
+    sched = make_scheduler(budget=24)
+    sched.add_request(image_request("a", [("old", 10), 1]))
+    while sched.requests:
+        run_step(sched)
+    sched.add_request(image_request("b", [("new", 16), ("old", 10), 1]))
+    so = run_step(sched)
+    encoded = [sched.requests["b"].mm_features[i].identifier
+               for i in so.scheduled_encoder_inputs.get("b", [])]  # fmt: skip
+    assert "old" not in so.free_encoder_ids or "old" in encoded
+    while sched.requests:
+        run_step(sched)
+
+
+def _preempting_step(with_bystander: bool):
+    """w (text), x (low priority) and y running; this step x starts encoding "img" and y's
+    chunk reads it, then a request needs a block and x, the lowest priority, is
+    preempted. The allocating request is y itself, or (``with_bystander``) z after it."""
+    from tests.core.test_scheduler import make_scheduler as make_priority_scheduler
+
+    sched = make_priority_scheduler(budget=32, num_blocks=9 if with_bystander else 7,
+                                    policy="priority", threshold=4, caching=False)  # fmt: skip
+    x = image_request("x", [8, ("img", 8), 1])
+    x.priority = 5
+    sched.add_request(image_request("w", [8]))
+    sched.add_request(x)
+    run_step(sched)
+    y = image_request("y", [4, ("img", 8), 1])
+    y.arrival_time = x.arrival_time + 1
+    sched.add_request(y)
+    if with_bystander:
+        z = image_request("z", [4])
+        z.arrival_time = y.arrival_time + 1
+        sched.add_request(z)
+    run_step(sched)
+    return sched, run_step(sched)
+
+
+def test_the_image_of_a_preempted_request_is_encoded_for_the_request_that_reads_it():
+    """An image that a preempted request was to encode in the step is encoded for the
+    request of the step that reads it, whether that one was planned before the preemption
+    or triggered it (the scheduler crashed, or the worker had no output to read)."""
+    for with_bystander in (False, True):
+        sched, so = _preempting_step(with_bystander)
+        assert "x" in so.finished_req_ids and "y" in so.num_scheduled_tokens
+        assert so.scheduled_encoder_inputs == {"y": [0]}
+        while sched.requests:
+            run_step(sched)

@@ -29,6 +29,9 @@ class EncoderStep:
     inputs: dict[str, list[int]] = field(default_factory=dict)
     # identifiers read or encoded this step: they may not be evicted by it
     pinned: set[str] = field(default_factory=set)
+    # identifier -> (request id, index) of the requests that read it this step, encoded
+    # by another request of the step or cached
+    readers: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
 
 
 class EncoderCacheManager:
@@ -71,6 +74,8 @@ class EncoderCacheManager:
         encoding: set[str] = set()  # an image repeated in the prompt is encoded once
         budget = step.budget
         end = num_computed + num_new
+        # The cached outputs the chunk reads may not make room for the ones it encodes.
+        keep = step.pinned | self._read_by(request, num_computed, end)
         for i, f in enumerate(request.mm_features):
             if f.offset >= end:
                 break
@@ -79,7 +84,7 @@ class EncoderCacheManager:
             if self.contains(f.identifier):
                 continue
             starts_chunk = f.offset <= num_computed
-            fits = f.end <= end and f.length <= budget and self._fits(f.length, step)
+            fits = f.end <= end and f.length <= budget and self._fits(f.length, keep)
             if not fits and not (starts_chunk and not to_encode and budget == self.encoder_budget):
                 end = max(f.offset, num_computed)
                 break
@@ -95,6 +100,9 @@ class EncoderCacheManager:
         """Record a scheduled chunk: count lookups, pin what it reads, allocate what it
         encodes (nothing for a request without images)."""
         end = num_computed + num_new
+        # Pinned before anything is allocated: encoding an image of the chunk must not
+        # evict an output that a later image of the same chunk reads.
+        step.pinned |= self._read_by(request, num_computed, end)
         for i, f in enumerate(request.mm_features):
             if f.offset >= end:
                 break
@@ -103,21 +111,33 @@ class EncoderCacheManager:
             if f.offset >= num_computed:  # its first chunk: one lookup per image
                 self.queries += 1
                 self.hits += self.contains(f.identifier) and i not in to_encode
-            if i in to_encode:
+            # (Not cached although the chunk was planned to read it: the request that
+            # was to encode it was preempted meanwhile; this one encodes it.)
+            if i in to_encode or not self.contains(f.identifier):
                 self._allocate(f.identifier, f.length, step.pinned)
                 step.budget -= f.length
                 step.inputs.setdefault(request.request_id, []).append(i)
             else:
                 self._entries.move_to_end(f.identifier)
+                step.readers.setdefault(f.identifier, []).append((request.request_id, i))
             step.pinned.add(f.identifier)
 
     def uncommit(self, request: Request, step: EncoderStep) -> None:
         """A request scheduled earlier in the step is preempted: the images it was to
-        encode are not encoded (nor held by the worker)."""
+        encode are encoded for a request of the step that reads them, or not at all (nor
+        held by the worker)."""
+        for readers in step.readers.values():
+            readers[:] = [r for r in readers if r[0] != request.request_id]
         for i in step.inputs.pop(request.request_id, []):
             f = request.mm_features[i]
+            readers = step.readers.get(f.identifier)
+            if readers:
+                req_id, index = readers.pop(0)
+                step.inputs.setdefault(req_id, []).append(index)
+                continue
             if self._entries.pop(f.identifier, None) is not None:
                 self._used -= f.length
+            step.pinned.discard(f.identifier)
             step.budget += f.length
 
     def take_freed(self) -> list[str]:
@@ -130,8 +150,15 @@ class EncoderCacheManager:
         self._entries.clear()
         self._used = 0
 
-    def _fits(self, size: int, step: EncoderStep) -> bool:
-        evictable = sum(n for k, n in self._entries.items() if k not in step.pinned)
+    def _read_by(self, request: Request, start: int, end: int) -> set[str]:
+        """The cached outputs that the chunk ``[start, end)`` of ``request`` reads."""
+        return {
+            f.identifier for f in request.mm_features
+            if f.offset < end and f.end > start and f.identifier in self._entries
+        }  # fmt: skip
+
+    def _fits(self, size: int, keep: set[str]) -> bool:
+        evictable = sum(n for k, n in self._entries.items() if k not in keep)
         return self._used - evictable + size <= self.capacity
 
     def _allocate(self, identifier: str, size: int, pinned: set[str]) -> None:
