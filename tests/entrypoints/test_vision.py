@@ -157,6 +157,18 @@ def test_beam_search_with_images_is_a_400(vl_server):
     assert vl_server.get("/health").status_code == 200
 
 
+def test_truncate_prompt_tokens_with_images_is_a_400(vl_server):
+    """Truncating a prompt with images would cut the placeholders that the images'
+    features point at (the engine died on the first step of such a request)."""
+    body = {"messages": image_message(png_data_url(6)), "max_tokens": 2,
+            "truncate_prompt_tokens": 10}  # fmt: skip
+    r = vl_server.post("/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "truncate_prompt_tokens"
+    del body["truncate_prompt_tokens"]
+    assert vl_server.post("/v1/chat/completions", body).status_code == 200
+
+
 def test_tokenize_counts_an_images_placeholders(vl_server):
     """/tokenize of a conversation with an image gives the prompt the engine gets: the
     image's placeholder tokens expanded, as the usage of a chat request counts them."""

@@ -192,6 +192,13 @@ class OpenAIServingChat(OpenAIServing):
         prompt_ids = await self.render_prompt_async(request.messages, request, images)
         mm_features = None
         if images:
+            if request.truncate_prompt_tokens is not None:
+                # Left truncation would cut the placeholders the images' features point at.
+                raise bad_request(
+                    "truncate_prompt_tokens cannot be used with images (it could cut an "
+                    "image's placeholder tokens).",
+                    "truncate_prompt_tokens",
+                )
             prompt_ids, mm_features = await attach_images(self.engine, prompt_ids, images)
         max_tokens = (
             request.max_completion_tokens
