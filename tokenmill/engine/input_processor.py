@@ -162,6 +162,48 @@ class InputProcessor:
         except MediaError as e:
             raise InvalidRequestError(f"Invalid image input: {e}.", param) from None
 
+    def _check_mm_features(self, prompt_ids: list[int], features: Any) -> None:
+        """Check processed images given with a prompt (``mm_features``) against it: the
+        engine reads each one's placeholder range of the prompt.
+
+        Raises:
+            InvalidRequestError: the model takes no images, or the features are not
+                ``MultiModalFeature`` objects whose ranges cover exactly the prompt's image
+                placeholders, in order.
+        """
+        if self.mm_processor is None:
+            raise InvalidRequestError(
+                f"The model {self.model_config.served_model_name} does not take images.",
+                "mm_features",
+            )
+        image_id = self.mm_processor.image_token_id
+        features = list(features) if isinstance(features, (list, tuple)) else [features]
+        end = 0
+        for f in features:
+            if not isinstance(f, MultiModalFeature) or f.modality != "image":
+                raise InvalidRequestError(
+                    "mm_features must be a list of image MultiModalFeature objects, got "
+                    f"{type(f).__name__}.",
+                    "mm_features",
+                )
+            if not (isinstance(f.offset, int) and isinstance(f.length, int)
+                    and end <= f.offset and f.length > 0 and f.end <= len(prompt_ids)
+                    and all(t == image_id for t in prompt_ids[f.offset : f.end])):  # fmt: skip
+                raise InvalidRequestError(
+                    f"mm_features: the image at offset {f.offset!r} (length {f.length!r}) "
+                    "does not cover image placeholder tokens of the prompt, after the "
+                    "previous image.",
+                    "mm_features",
+                )
+            end = f.end
+        covered = sum(f.length for f in features)
+        if prompt_ids.count(image_id) != covered:
+            raise InvalidRequestError(
+                f"mm_features cover {covered} of the prompt's "
+                f"{prompt_ids.count(image_id)} image placeholder tokens.",
+                "mm_features",
+            )
+
     def _resolve_eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -237,6 +279,8 @@ class InputProcessor:
                 prompt_ids, mm_features = self.process_multimodal(
                     prompt_ids, prompt["multi_modal_data"]
                 )
+            elif mm_features:
+                self._check_mm_features(prompt_ids, mm_features)
         if not mm_features and self.mm_processor is not None and (
             self.mm_processor.image_token_id in prompt_ids
         ):
