@@ -7,7 +7,8 @@ import base64
 import io
 import os
 import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -84,6 +85,20 @@ def test_byte_and_pixel_bounds(monkeypatch):
 
 class _PNGHandler(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path == "/garbage":  # not an HTTP response
+            self.wfile.write(b"garbage\r\n\r\n")
+            return
+        if self.path == "/drip":  # a byte every 0.2 s, until the client hangs up
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            try:
+                while True:
+                    self.wfile.write(b"\x89")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except OSError:
+                return
         if self.path == "/moved":
             self.send_response(302)
             self.send_header("Location", "http://127.0.0.1/elsewhere.png")
@@ -101,7 +116,8 @@ class _PNGHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def image_host():
-    server = HTTPServer(("127.0.0.1", 0), _PNGHandler)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _PNGHandler)
+    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}"
     server.shutdown()
@@ -115,6 +131,20 @@ def test_urls_are_fetched_only_from_allowed_hosts_without_redirects(image_host):
     assert load_image_url(image_host + "/a.png", ("127.0.0.1",)).size == (32, 24)
     with pytest.raises(MediaError, match="could not be fetched"):
         load_image_url(image_host + "/moved", ("127.0.0.1",))
+
+
+def test_a_broken_or_slow_image_server_is_a_media_error_within_the_time_bound(
+    image_host, monkeypatch
+):
+    """A reply that is not HTTP was an internal error (a 500); a server sending a byte at
+    a time held the request for as long as it kept sending (each read waited for 64 KiB)."""
+    with pytest.raises(MediaError, match="could not be fetched"):
+        load_image_url(image_host + "/garbage", ("127.0.0.1",))
+    monkeypatch.setattr(media, "FETCH_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    with pytest.raises(MediaError, match="took more than 1 s"):
+        load_image_url(image_host + "/drip", ("127.0.0.1",))
+    assert time.monotonic() - start < 5
 
 
 def test_chat_image_parts_become_template_image_parts():

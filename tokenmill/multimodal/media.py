@@ -8,15 +8,14 @@ past a bound is a ``MediaError`` whose message says which.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import concurrent.futures
 import io
 import os
 import stat
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any
 
 # Bounds on one image: its encoded size, its decoded pixels (width * height) and the time
@@ -111,44 +110,62 @@ def decode_data_url(url: str) -> Any:
 def fetch_image(url: str, allowed_domains: tuple[str, ...]) -> Any:
     """Download an http(s) image URL whose host is in ``allowed_domains``.
 
-    At most ``MAX_IMAGE_BYTES`` are read within ``FETCH_TIMEOUT_S`` seconds; redirects are
-    not followed (a redirect could leave the allowed hosts).
+    At most ``MAX_IMAGE_BYTES`` are read, and the whole download (connection, headers and
+    body) ends within ``FETCH_TIMEOUT_S`` seconds however slowly the server sends;
+    redirects are not followed (a redirect could leave the allowed hosts).
 
     Raises:
         MediaError: URLs not allowed (no ``--allowed-media-domains``), a host outside them,
-            a failed or slow download, or see ``decode_image``.
+            a failed, malformed or slow download, or see ``decode_image``.
     """
-    parsed = urllib.parse.urlsplit(url)
+    import yarl
+
     if not allowed_domains:
         raise MediaError(
             "image URLs are not fetched by this server: send the image as a base64 data URL, "
             "or start the server with --allowed-media-domains"
         )
-    host = (parsed.hostname or "").lower()
+    try:
+        # The host is checked on the very URL object that is fetched.
+        parsed = yarl.URL(url)
+    except (TypeError, ValueError) as e:
+        raise MediaError(f"the image URL is not valid: {e}") from None
+    host = (parsed.host or "").lower()
     if host not in allowed_domains:
         raise MediaError(f"the host {host!r} is not in --allowed-media-domains")
-    deadline = time.monotonic() + FETCH_TIMEOUT_S
-    opener = urllib.request.build_opener(_NoRedirect)
+    # asyncio.run on a thread of its own: the caller may be running an event loop.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        data = pool.submit(asyncio.run, _download(parsed)).result()
+    return decode_image(data)
+
+
+async def _download(url: Any) -> bytes:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)
     try:
-        with opener.open(url, timeout=FETCH_TIMEOUT_S) as response:
-            chunks, size = [], 0
-            while chunk := response.read(1 << 16):
-                size += len(chunk)
-                if size > MAX_IMAGE_BYTES:
+        async with aiohttp.ClientSession(timeout=timeout, trust_env=True) as session:
+            async with session.get(url, allow_redirects=False) as response:
+                if not 200 <= response.status < 300:
                     raise MediaError(
-                        f"the image is more than the {MAX_IMAGE_BYTES:,} bytes allowed"
+                        f"the image could not be fetched: HTTP {response.status} "
+                        f"{response.reason or ''}".rstrip()
                     )
-                if time.monotonic() > deadline:
-                    raise MediaError(f"fetching the image took more than {FETCH_TIMEOUT_S:g} s")
-                chunks.append(chunk)
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise MediaError(f"the image could not be fetched: {e}") from None
-    return decode_image(b"".join(chunks))
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None  # a 3xx then fails as an HTTPError
+                chunks, size = [], 0
+                async for chunk in response.content.iter_chunked(1 << 16):
+                    size += len(chunk)
+                    if size > MAX_IMAGE_BYTES:
+                        raise MediaError(
+                            f"the image is more than the {MAX_IMAGE_BYTES:,} bytes allowed"
+                        )
+                    chunks.append(chunk)
+    except MediaError:
+        raise
+    except asyncio.TimeoutError:
+        raise MediaError(f"fetching the image took more than {FETCH_TIMEOUT_S:g} s") from None
+    except (aiohttp.ClientError, OSError, ValueError) as e:
+        raise MediaError(f"the image could not be fetched: {e or type(e).__name__}") from None
+    return b"".join(chunks)
 
 
 def read_local_image(url: str, local_root: str | None) -> Any:
