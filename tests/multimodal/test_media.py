@@ -83,6 +83,22 @@ def test_byte_and_pixel_bounds(monkeypatch):
         load_image_url(data_url(encoded("PNG", (64, 64))))
 
 
+def test_thin_images_are_refused_before_a_processor_resizes_them():
+    """An aspect ratio above 200 is refused for every model: LLaVA's processor scales the
+    shorter side up to its crop size, so a small 1 x 1,000,000 PNG became a
+    56 x 56,000,000 array (over 1 GB per 20,000 pixels of length)."""
+    from PIL import Image
+
+    from tokenmill.multimodal.media import check_image
+
+    assert load_image_url(data_url(encoded("PNG", (1, 200), mode="1"))).size == (1, 200)
+    for size in [(1, 201), (1_000_000, 1)]:
+        with pytest.raises(MediaError, match="aspect ratio"):
+            load_image_url(data_url(encoded("PNG", size, mode="1")))
+        with pytest.raises(MediaError, match="aspect ratio"):
+            check_image(Image.new("1", size))
+
+
 class _PNGHandler(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server's name)
         if self.path == "/garbage":  # not an HTTP response

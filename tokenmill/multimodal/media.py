@@ -22,6 +22,10 @@ from typing import Any
 # to fetch it from a URL.
 MAX_IMAGE_BYTES = 20 << 20
 MAX_IMAGE_PIXELS = 40_000_000
+# Longer side / shorter side, as Qwen2-VL's processor bounds it: processors that resize the
+# shorter side to a fixed length (CLIP's, LLaVA's) would otherwise blow a thin image up
+# (1 x 1,000,000 pixels to 336 x 336,000,000: hundreds of GB).
+MAX_ASPECT_RATIO = 200
 FETCH_TIMEOUT_S = 10.0
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
@@ -34,7 +38,8 @@ def check_image(image: Any) -> Any:
     """An in-memory image (``PIL.Image.Image``) as RGB, checked against the pixel bound.
 
     Raises:
-        MediaError: not a PIL image, or more than ``MAX_IMAGE_PIXELS`` pixels.
+        MediaError: not a PIL image, more than ``MAX_IMAGE_PIXELS`` pixels, or an aspect
+            ratio above ``MAX_ASPECT_RATIO``.
     """
     from PIL import Image
 
@@ -52,6 +57,11 @@ def _check_pixels(size: tuple[int, int]) -> None:
         raise MediaError(
             f"the image is {width}x{height} pixels, more than the {MAX_IMAGE_PIXELS:,} "
             "allowed"
+        )
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise MediaError(
+            f"the image is {width}x{height} pixels: its aspect ratio is above the "
+            f"{MAX_ASPECT_RATIO} allowed"
         )
 
 
