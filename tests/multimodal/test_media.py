@@ -33,6 +33,12 @@ def encoded(fmt: str, size: tuple[int, int] = (32, 24), mode: str = "RGB") -> by
     return buf.getvalue()
 
 
+def encoded_image(image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    return buf.getvalue()
+
+
 def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
@@ -81,6 +87,44 @@ def test_byte_and_pixel_bounds(monkeypatch):
     monkeypatch.setattr(media, "MAX_IMAGE_BYTES", 100)
     with pytest.raises(MediaError, match="bytes"):
         load_image_url(data_url(encoded("PNG", (64, 64))))
+
+
+def test_images_are_upright_and_transparent_pixels_white():
+    """The model sees an image as viewers show it (vLLM's rules): turned as its EXIF
+    orientation says, and with transparent pixels composited onto white; they were seen
+    sideways, and transparent pixels as the color stored under them (mostly black)."""
+    from PIL import Image
+
+    from tokenmill.multimodal.media import check_image
+
+    # 40 wide, 80 tall: left half red, right half blue; tagged "rotate 90 degrees clockwise
+    # to view" (phone cameras' portrait photos), the left half comes out on top.
+    pixels = np.zeros((80, 40, 3), dtype=np.uint8)
+    pixels[:, :20] = (255, 0, 0)
+    pixels[:, 20:] = (0, 0, 255)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", exif=exif.tobytes(), quality=95)
+    image = load_image_url(data_url(buf.getvalue(), "image/jpeg"))
+    assert image.size == (80, 40)
+    top, bottom = image.getpixel((40, 5)), image.getpixel((40, 35))
+    assert top[0] > 200 > top[2] and bottom[2] > 200 > bottom[0]
+
+    clear = Image.new("RGBA", (8, 8), (0, 0, 0, 0))
+    half = Image.new("RGBA", (8, 8), (255, 0, 0, 128))
+    palette = Image.new("P", (8, 8), 0)
+    palette.putpalette([0, 0, 0] * 256)
+    for im, fmt, rgb in [(clear, "PNG", (255, 255, 255)), (half, "WEBP", (255, 127, 127)),
+                         (clear.convert("LA"), "PNG", (255, 255, 255))]:  # fmt: skip
+        got = load_image_url(data_url(encoded_image(im, fmt), f"image/{fmt.lower()}"))
+        assert all(abs(a - b) <= 2 for a, b in zip(got.getpixel((3, 3)), rgb, strict=True))
+    buf = io.BytesIO()
+    palette.save(buf, format="PNG", transparency=0)
+    assert load_image_url(data_url(buf.getvalue())).getpixel((3, 3)) == (255, 255, 255)
+    assert check_image(clear).getpixel((0, 0)) == (255, 255, 255)  # in-memory images alike
+    with pytest.raises(MediaError, match="mode La"):
+        check_image(Image.new("La", (8, 8)))
 
 
 def test_thin_images_are_refused_before_a_processor_resizes_them():

@@ -46,7 +46,29 @@ def check_image(image: Any) -> Any:
     if not isinstance(image, Image.Image):
         raise MediaError(f"an image must be a PIL.Image.Image, got {type(image).__name__}")
     _check_pixels(image.size)
-    return image if image.mode == "RGB" else image.convert("RGB")
+    return to_rgb(image)
+
+
+def to_rgb(image: Any) -> Any:
+    """``image`` in mode RGB. One with transparency (an alpha band, or a transparent
+    palette or color entry) is composited onto white first, as vLLM does: converting it
+    directly would show what lies under its transparent pixels (mostly black).
+
+    Raises:
+        MediaError: a mode Pillow cannot convert to RGB.
+    """
+    from PIL import Image
+
+    if image.mode == "RGB":
+        return image
+    try:
+        if image.mode in ("RGBA", "RGBa", "LA", "PA") or "transparency" in image.info:
+            rgba = image.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB")
+        return image.convert("RGB")
+    except ValueError as e:
+        raise MediaError(f"an image of mode {image.mode} cannot be read as RGB: {e}") from None
 
 
 def _check_pixels(size: tuple[int, int]) -> None:
@@ -66,12 +88,13 @@ def _check_pixels(size: tuple[int, int]) -> None:
 
 
 def decode_image(data: bytes) -> Any:
-    """Encoded PNG / JPEG / WebP bytes -> an RGB ``PIL.Image.Image``.
+    """Encoded PNG / JPEG / WebP bytes -> an RGB ``PIL.Image.Image``, turned as its EXIF
+    orientation says (as viewers show it) and composited onto white where transparent.
 
     Raises:
         MediaError: more than ``MAX_IMAGE_BYTES``, another format, or not decodable.
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     if len(data) > MAX_IMAGE_BYTES:
         raise MediaError(
@@ -93,7 +116,12 @@ def decode_image(data: bytes) -> Any:
         image.load()
     except (OSError, ValueError, Image.DecompressionBombError):
         raise MediaError("the image cannot be decoded (truncated or corrupt data)") from None
-    return image if image.mode == "RGB" else image.convert("RGB")
+    try:
+        # Upright as viewers show it (phone photos store the camera's rotation in EXIF).
+        image = ImageOps.exif_transpose(image)
+    except Exception:  # a corrupt EXIF block: the pixels as stored
+        pass
+    return to_rgb(image)
 
 
 def decode_data_url(url: str) -> Any:
