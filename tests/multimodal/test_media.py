@@ -49,6 +49,21 @@ def test_data_urls_of_each_format_decode_to_rgb(fmt):
     assert image.mode == "RGB" and image.size == (32, 24)
 
 
+def test_phone_jpegs_and_any_spelling_of_a_data_url_are_read():
+    """A JPEG holding two pictures (MPO: phone cameras write them) was refused as an
+    unsupported format; so were data URLs spelled in capitals (RFC 2397's scheme, media
+    type and parameter are case-insensitive)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    first, second = Image.new("RGB", (32, 24), (200, 0, 0)), Image.new("RGB", (32, 24))
+    first.save(buf, format="MPO", save_all=True, append_images=[second])
+    image = load_image_url(data_url(buf.getvalue(), "image/jpeg"))
+    assert image.size == (32, 24) and image.getpixel((5, 5))[0] > 150
+    payload = base64.b64encode(encoded("PNG")).decode()
+    assert load_image_url("DATA:IMAGE/PNG;BASE64," + payload).size == (32, 24)
+
+
 @pytest.mark.parametrize(
     "url, words",
     [

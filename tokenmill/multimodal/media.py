@@ -27,7 +27,9 @@ MAX_IMAGE_PIXELS = 40_000_000
 # (1 x 1,000,000 pixels to 336 x 336,000,000: hundreds of GB).
 MAX_ASPECT_RATIO = 200
 FETCH_TIMEOUT_S = 10.0
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+# Pillow's names; MPO is a JPEG holding more than one picture (phone cameras write them:
+# the photo and a depth map or a preview), read as its first picture.
+IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP")
 
 
 class MediaError(ValueError):
@@ -131,6 +133,7 @@ def decode_data_url(url: str) -> Any:
         MediaError: not a base64 ``data:image/...`` URL, or see ``decode_image``.
     """
     header, sep, payload = url.partition(",")
+    header = header.lower()  # the scheme, media type and ";base64" are case-insensitive
     if not sep or not header.startswith("data:") or not header.endswith(";base64"):
         raise MediaError("a data URL must look like data:image/png;base64,<data>")
     mime = header[len("data:") : -len(";base64")]
