@@ -285,6 +285,43 @@ def test_processor_expands_placeholders_and_counts_images(qwen_path):
         proc.process([1, tok, 2], [sliver])
 
 
+def test_images_are_decoded_one_at_a_time_and_no_further_than_the_context(qwen_path):
+    """A prompt's images are loaded and processed one by one, each released before the
+    next is loaded, and no image is loaded once the prompt reaches the context length: all
+    of them were decoded first, so a request of a hundred 36-megapixel PNGs (a few KB each)
+    held ~25 GB at once."""
+    import gc
+    import weakref
+
+    from PIL import Image
+
+    from tokenmill.hf_config import load_hf_config
+    from tokenmill.multimodal.processor import MultiModalProcessor
+
+    config, _ = load_hf_config(qwen_path)
+    proc = MultiModalProcessor(qwen_path, config, {"image": 50})
+    tok = config.image_token_id
+    alive: list[weakref.ref] = []
+    held_at_load: list[int] = []
+
+    def load(seed: int):
+        gc.collect()
+        held_at_load.append(sum(ref() is not None for ref in alive))
+        image = Image.fromarray(np.full((56, 56, 3), seed, dtype=np.uint8))
+        alive.append(weakref.ref(image))
+        return image
+
+    ids, features = proc.process([1] + [tok] * 5 + [2], list(range(5)), load=load)
+    assert held_at_load == [0] * 5 and [f.length for f in features] == [4] * 5
+    assert ids == [1] + [tok] * 20 + [2]
+    for num_images, loads in [(10, 2), (40, 0)]:  # 1 + 4 + 4 + 8 + 1 tokens; 42 tokens
+        held_at_load.clear()
+        with pytest.raises(MediaError, match="maximum context length of 16 tokens"):
+            proc.process([1] + [tok] * num_images + [2], list(range(num_images)), max_len=16,
+                         load=load)  # fmt: skip
+        assert len(held_at_load) == loads
+
+
 def test_mm_processor_kwargs_reach_the_image_processor_and_bad_ones_are_refused(qwen_path):
     from PIL import Image
 

@@ -8,6 +8,7 @@ as vLLM does), lengths and token ids are checked against the model, and parallel
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -128,15 +129,23 @@ class InputProcessor:
             self.mm_processor.preload()
 
     def process_multimodal(
-        self, prompt_ids: list[int], mm_data: Any, param: str = "multi_modal_data"
+        self,
+        prompt_ids: list[int],
+        mm_data: Any,
+        param: str = "multi_modal_data",
+        load: Callable[[Any], Any] | None = None,
     ) -> tuple[list[int], list[MultiModalFeature]]:
         """Expand a prompt's image placeholders and process its images with the model's
-        image processor (CPU work: callers on an event loop run it in a thread).
+        image processor, one image at a time, stopping once the prompt reaches the context
+        length (CPU work: callers on an event loop run it in a thread).
 
         Args:
             prompt_ids: the prompt with one image token per image.
-            mm_data: ``{"image": image or [images]}`` (``PIL.Image.Image``).
+            mm_data: ``{"image": image or [images]}`` (``PIL.Image.Image``, or what
+                ``load`` turns into one).
             param: the request field named in errors.
+            load: loads each image just before it is processed (see
+                ``MultiModalProcessor.process``).
 
         Raises:
             InvalidRequestError: the model takes no images, another modality, or a bad
@@ -158,7 +167,7 @@ class InputProcessor:
                 f"The model {self.model_config.served_model_name} does not take images.", param
             )
         try:
-            return self.mm_processor.process(prompt_ids, images)
+            return self.mm_processor.process(prompt_ids, images, self.max_model_len, load)
         except MediaError as e:
             raise InvalidRequestError(f"Invalid image input: {e}.", param) from None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -84,20 +85,30 @@ class MultiModalProcessor:
             return self._image_processor
 
     def process(
-        self, prompt_ids: list[int], images: list[Any]
+        self,
+        prompt_ids: list[int],
+        images: list[Any],
+        max_len: int | None = None,
+        load: Callable[[Any], Any] | None = None,
     ) -> tuple[list[int], list[MultiModalFeature]]:
-        """Expand the prompt's image placeholders and process its images.
+        """Expand the prompt's image placeholders and process its images, one at a time:
+        only one decoded image is held at once.
 
         Args:
             prompt_ids: the prompt, one image token per image, in image order.
-            images: RGB ``PIL.Image.Image`` objects.
+            images: ``PIL.Image.Image`` objects, or what ``load`` turns into them.
+            max_len: the context length: processing stops once the expanded prompt
+                reaches it (None: no bound).
+            load: called on each item of ``images`` just before it is processed (e.g. to
+                decode an image URL).
 
         Returns:
             ``(prompt ids with placeholders expanded, one feature per image)``.
 
         Raises:
             MediaError: more images than ``limit_per_prompt``, a count of image tokens
-                other than the count of images, or an image past the pixel bound.
+                other than the count of images, an image past the pixel bound, or a prompt
+                that reaches ``max_len``; ``load``'s errors pass through.
         """
         limit = self.limit_per_prompt.get("image", 0)
         if len(images) > limit:
@@ -113,17 +124,21 @@ class MultiModalProcessor:
             )
         if not images:
             return list(prompt_ids), []
-        images = [check_image(im) for im in images]
-        hashes = [image_hash(im) for im in images]
-        try:
-            out = self.image_processor(images=images, return_tensors="np", **self.processor_kwargs)
-        except ValueError as e:  # e.g. Qwen2-VL's resize refuses an aspect ratio above 200
-            raise MediaError(f"the model's image processor refused the image: {e}") from None
-        per_image = self._split(out, len(images))
         ids: list[int] = []
-        features = []
+        features: list[MultiModalFeature] = []
         prev = 0
-        for pos, data, digest in zip(positions, per_image, hashes, strict=True):
+        self._check_length(len(prompt_ids), 0, len(images), max_len)  # a token per image
+        for n, (pos, item) in enumerate(zip(positions, images, strict=True)):
+            image = check_image(load(item) if load is not None else item)
+            digest = image_hash(image)
+            try:
+                out = self.image_processor(
+                    images=[image], return_tensors="np", **self.processor_kwargs
+                )
+            except ValueError as e:  # e.g. Qwen2-VL's resize refuses an aspect ratio above 200
+                raise MediaError(f"the model's image processor refused the image: {e}") from None
+            del image
+            [data] = self._split(out, 1)
             ids.extend(prompt_ids[prev:pos])
             length = self.tokens_per_image or (
                 int(np.prod(data["image_grid_thw"])) // self.merge_size**2
@@ -139,8 +154,20 @@ class MultiModalProcessor:
             )
             ids.extend([self.image_token_id] * length)
             prev = pos + 1
+            self._check_length(len(ids) + len(prompt_ids) - prev, n + 1, len(images), max_len)
         ids.extend(prompt_ids[prev:])
         return ids, features
+
+    @staticmethod
+    def _check_length(num_tokens: int, done: int, num_images: int, max_len: int | None) -> None:
+        """Raise once the prompt, ``done`` of its images expanded (the others one token
+        each), leaves no room for a completion."""
+        if max_len is not None and num_tokens >= max_len:
+            raise MediaError(
+                f"the prompt has at least {num_tokens} tokens with {done} of its "
+                f"{num_images} image(s) processed, which leaves no room for the completion "
+                f"in the model's maximum context length of {max_len} tokens"
+            )
 
     @staticmethod
     def _split(out: Any, num_images: int) -> list[dict[str, np.ndarray]]:

@@ -82,14 +82,18 @@ async def attach_images(
             "messages",
         )
 
+    def load(image: tuple[str, str]) -> Any:
+        url, param = image
+        try:
+            return load_image_url(
+                url, mm_config.allowed_media_domains, mm_config.allowed_local_media_path
+            )
+        except MediaError as e:
+            raise bad_request(f"{param}: {e}", param) from None
+
     def work() -> tuple[list[int], list[MultiModalFeature]]:
-        loaded = []
-        for url, param in images:
-            try:
-                loaded.append(load_image_url(url, mm_config.allowed_media_domains,
-                                             mm_config.allowed_local_media_path))
-            except MediaError as e:
-                raise bad_request(f"{param}: {e}", param) from None
-        return processor.process_multimodal(prompt_ids, {"image": loaded}, "messages")
+        # Each image is decoded just before it is processed: a prompt of many large
+        # images never holds more than one of them decoded.
+        return processor.process_multimodal(prompt_ids, {"image": images}, "messages", load)
 
     return await asyncio.get_running_loop().run_in_executor(None, work)
