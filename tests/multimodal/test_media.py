@@ -357,6 +357,31 @@ def test_mm_processor_kwargs_reach_the_image_processor_and_bad_ones_are_refused(
             build_multimodal_config(text_only, qwen_path, False, limit, None, kwargs)
 
 
+def test_processor_kwargs_that_the_vision_tower_cannot_take_are_refused(tmp_path, qwen_path):
+    """Processor arguments that change the crop (LLaVA) or the patches (Qwen2-VL) passed
+    the start-up check (one square image), and the first other image killed the engine
+    (its encoder refused the pixels). They are refused at start-up, and an image processed
+    into a shape the tower does not take is a MediaError."""
+    from PIL import Image
+
+    from tests.model.vlm_checkpoints import write_llava
+    from tokenmill.hf_config import load_hf_config
+    from tokenmill.multimodal.processor import MultiModalProcessor
+
+    llava_path = write_llava(str(tmp_path / "llava"))
+    for path, kwargs in [(llava_path, {"do_center_crop": False}), (qwen_path, {"patch_size": 16})]:
+        config, _ = load_hf_config(path)
+        with pytest.raises(MultiModalConfigError, match="the vision tower takes"):
+            build_multimodal_config(config, path, True, None, None, kwargs)
+        proc = MultiModalProcessor(path, config, {"image": 1}, kwargs)
+        with pytest.raises(MediaError, match="the vision tower takes"):
+            proc.process([proc.image_token_id], [Image.new("RGB", (112, 56))])
+    config, _ = load_hf_config(llava_path)  # the default crop: any shape becomes 56x56
+    proc = MultiModalProcessor(llava_path, config, {"image": 1})
+    ids, [feature] = proc.process([proc.image_token_id], [Image.new("RGB", (112, 56))])
+    assert feature.data["pixel_values"].unpack().shape == (3, 56, 56)
+
+
 def test_file_urls_are_read_only_under_the_allowed_folder(tmp_path, monkeypatch):
     """file: URLs (vLLM's --allowed-local-media-path): refused without a folder; read from
     under it; a path or a symbolic link leading out of it, a missing file, a file URL with a

@@ -84,7 +84,7 @@ def build_multimodal_config(
     domains = tuple(d.lower() for d in allowed_media_domains or ())
     kwargs = parse_mm_processor_kwargs(mm_processor_kwargs)
     if kwargs:
-        check_processor_kwargs(model, kwargs)
+        check_processor_kwargs(model, kwargs, hf_config)
     return MultiModalConfig(limits, domains, kwargs, local_root)
 
 
@@ -109,19 +109,30 @@ def parse_mm_processor_kwargs(value: str | dict[str, Any] | None) -> dict[str, A
     return dict(value)
 
 
-def check_processor_kwargs(model: str, kwargs: dict[str, Any]) -> None:
-    """Run the model's image processor with ``kwargs`` on a 64x64 test image, so that a
-    keyword it does not take is refused at start-up rather than on each request.
+def check_processor_kwargs(model: str, kwargs: dict[str, Any], hf_config: Any) -> None:
+    """Run the model's image processor with ``kwargs`` on a square and an oblong test
+    image, so that a keyword it does not take, or one that makes images the vision tower
+    cannot encode (another crop or patch size), is refused at start-up rather than on each
+    request.
 
     Raises:
-        MultiModalConfigError: the processor refuses the keywords or their values.
+        MultiModalConfigError: the processor refuses the keywords or their values, or its
+            output does not fit the model's vision tower.
     """
     from PIL import Image
     from transformers import AutoImageProcessor
 
+    from tokenmill.multimodal.media import MediaError
+    from tokenmill.multimodal.processor import MultiModalProcessor
+
     processor = AutoImageProcessor.from_pretrained(model)
+    images = [Image.new("RGB", (64, 64)), Image.new("RGB", (96, 32))]
     try:
-        processor(images=[Image.new("RGB", (64, 64))], return_tensors="np", **kwargs)
+        processor(images=images[:1], return_tensors="np", **kwargs)
+        mm = MultiModalProcessor(model, hf_config, {"image": 2}, kwargs)
+        mm.process([mm.image_token_id] * 2, images)
+    except MediaError as e:  # the vision tower cannot take the output
+        raise MultiModalConfigError(f"--mm-processor-kwargs {kwargs}: {e}") from None
     except (TypeError, ValueError) as e:
         raise MultiModalConfigError(
             f"--mm-processor-kwargs: the image processor of {model} refuses {kwargs}: {e}"

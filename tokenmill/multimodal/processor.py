@@ -61,11 +61,19 @@ class MultiModalProcessor:
         self.processor_kwargs = dict(processor_kwargs or {})
         token = hf_config.get("image_token_id", hf_config.get("image_token_index"))
         self.image_token_id = int(token)
-        self.merge_size = int(hf_config.get("vision_config", {}).get("spatial_merge_size", 1))
-        # Fixed-size models (LLaVA): placeholders per image; None: from the patch grid.
+        vision = hf_config.get("vision_config") or {}
+        self.merge_size = int(vision.get("spatial_merge_size", 1))
+        # Fixed-size models (LLaVA): placeholders per image and the crop the tower takes;
+        # None: from the patch grid, whose patches the tower takes flattened.
         self.tokens_per_image: int | None = None
+        self.pixel_shape: tuple[int, ...] | None = None
         if (hf_config.get("architectures") or [""])[0] == "LlavaForConditionalGeneration":
             self.tokens_per_image = llava_tokens_per_image(hf_config)
+            size = int(vision["image_size"])
+            self.pixel_shape = (int(vision.get("num_channels", 3)), size, size)
+        channels = vision.get("in_channels", vision.get("in_chans", 3))
+        patch = int(vision.get("patch_size", 14))
+        self.patch_dim = int(channels) * int(vision.get("temporal_patch_size", 2)) * patch * patch
         self.limit_per_prompt = limit_per_prompt
         self._image_processor: Any = None
         self._lock = threading.Lock()
@@ -139,6 +147,7 @@ class MultiModalProcessor:
                 raise MediaError(f"the model's image processor refused the image: {e}") from None
             del image
             [data] = self._split(out, 1)
+            self._check_encoder_input(data)
             ids.extend(prompt_ids[prev:pos])
             length = self.tokens_per_image or (
                 int(np.prod(data["image_grid_thw"])) // self.merge_size**2
@@ -157,6 +166,25 @@ class MultiModalProcessor:
             self._check_length(len(ids) + len(prompt_ids) - prev, n + 1, len(images), max_len)
         ids.extend(prompt_ids[prev:])
         return ids, features
+
+    def _check_encoder_input(self, data: dict[str, np.ndarray]) -> None:
+        """Raise unless the processed image is what the vision tower takes: processor
+        arguments (--mm-processor-kwargs) can change the crop or the patch size, and the
+        encoder would fail on the image in the engine."""
+        shape = list(data["pixel_values"].shape)
+        if "image_grid_thw" in data:
+            t, h, w = (int(x) for x in data["image_grid_thw"])
+            m = self.merge_size
+            takes = f"{[t * h * w, self.patch_dim]} (a patch grid whose sides divide by {m})"
+            ok = shape == [t * h * w, self.patch_dim] and h % m == w % m == 0
+        else:
+            takes = str(list(self.pixel_shape or ()))
+            ok = self.pixel_shape is None or shape == list(self.pixel_shape)
+        if not ok:
+            raise MediaError(
+                f"the model's image processor made pixel values of shape {shape} from the "
+                f"image, where the vision tower takes {takes}; check --mm-processor-kwargs"
+            )
 
     @staticmethod
     def _check_length(num_tokens: int, done: int, num_images: int, max_len: int | None) -> None:
