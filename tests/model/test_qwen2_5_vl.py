@@ -166,6 +166,26 @@ def test_generate_with_multi_modal_data_gives_the_chat_tokens(llm):
     assert by_prompt.outputs[0].token_ids == by_chat.outputs[0].token_ids
 
 
+def test_fanned_out_children_carry_the_image_data_once(llm):
+    """``n = 3``: the first child crosses to the core with the image's data, the other two
+    with its identifier only, and all three decode it (greedy: the single request's tokens);
+    the core and the worker hold one copy."""
+    image = _image(4, 112, 112)
+    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>\n"
+            "<|im_start|>assistant\n")  # fmt: skip
+    prompt = {"prompt": text, "multi_modal_data": {"image": image}}
+    engine = llm._generation_engine()
+    processed = engine.input_processor.process("fan", prompt, SamplingParams(n=3, max_tokens=4))
+    [first, *rest] = [r.mm_features for r in processed.engine_requests]
+    assert first[0].data and len(rest) == 2
+    assert all(f[0].identifier == first[0].identifier and not f[0].data for f in rest)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    alone = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    fanned = llm.generate(prompt, SamplingParams(n=3, max_tokens=6, temperature=0,
+                                                 ignore_eos=True), use_tqdm=False)[0]  # fmt: skip
+    assert [o.token_ids for o in fanned.outputs] == [alone] * 3
+
+
 def test_bad_multi_modal_data_is_an_invalid_request(llm):
     from tokenmill.engine.input_processor import InvalidRequestError
 

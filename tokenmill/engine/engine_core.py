@@ -37,6 +37,7 @@ from tokenmill.core.scheduler_output import GrammarOutput, SchedulerOutput
 from tokenmill.engine.errors import EngineDeadError
 from tokenmill.executor.multiproc import WorkerDiedError
 from tokenmill.lora.request import LoRARequest
+from tokenmill.multimodal.inputs import SharedImageData
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class EngineCore:
         self.config = config
         start = time.perf_counter()
         self.executor = (executor_factory or _default_executor)(config)
+        self._images = SharedImageData()
         num_blocks = self._init_kv_cache()
         self._offload = bool(config.cache_config.kv_offloading_bytes)
         self._offload_steps_seen = 0  # KVOffloadManager.num_transfer_steps when last asked
@@ -181,9 +183,13 @@ class EngineCore:
         aborted (the front end checks the constraints, so this is rare).
 
         Raises:
-            ValueError: the scheduler refuses the request (``Scheduler.check_request``), or
-                its LoRA adapter cannot be served (LoRA off, an unreadable adapter).
+            ValueError: the scheduler refuses the request (``Scheduler.check_request``), its
+                LoRA adapter cannot be served (LoRA off, an unreadable adapter), or an image
+                of it came without data that no other request carries.
         """
+        # One copy of each image for the requests that carry it (fanned-out children
+        # arrive with the first one's data only).
+        self._images.share(request.mm_features)
         req = Request.from_engine_core_request(request, self.config.model_config.max_model_len)
         if req.request_id in self._grammars:
             raise ValueError(f"request id {req.request_id!r} is already in use")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.core.engine_io import EngineCoreRequest
 from tokenmill.engine.parallel_sampling import child_request_id, make_child_params, needs_fan_out
 from tokenmill.lora.request import LoRARequest
-from tokenmill.multimodal.inputs import MultiModalFeature
+from tokenmill.multimodal.inputs import MultiModalFeature, without_data
 from tokenmill.multimodal.media import MediaError
 from tokenmill.sampling_params import (
     INT64_MAX,
@@ -315,7 +315,9 @@ class InputProcessor:
         params = self._validate_params(params)
         arrival = time.time() if arrival_time is None else arrival_time
 
-        def core_request(req_id: str, req_params: SamplingParams) -> EngineCoreRequest:
+        def core_request(
+            req_id: str, req_params: SamplingParams, features=mm_features
+        ) -> EngineCoreRequest:
             return EngineCoreRequest(
                 request_id=req_id,
                 prompt_token_ids=prompt_ids,
@@ -323,16 +325,19 @@ class InputProcessor:
                 arrival_time=arrival,
                 priority=priority,
                 cache_salt=cache_salt,
-                mm_features=mm_features or None,
+                mm_features=features or None,
                 lora_request=lora_request,
             )
 
         if needs_fan_out(params):
             assert params.best_of is not None
+            # The first child carries the images' data; the core gives it to the others
+            # (``SharedImageData``), so the pixels cross to the core once, not best_of times.
             engine_requests = [
-                core_request(child_request_id(i, request_id), make_child_params(params, i))
+                core_request(child_request_id(i, request_id), make_child_params(params, i),
+                             mm_features if i == 0 else without_data(mm_features))
                 for i in range(params.best_of)
-            ]
+            ]  # fmt: skip
         else:
             engine_requests = [core_request(request_id, params)]
         return ProcessedRequest(request_id, text, prompt_ids, params, engine_requests, arrival)

@@ -8,6 +8,7 @@ hash of its content, which keys the encoder cache and enters the prefix-cache bl
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,3 +55,50 @@ class MultiModalFeature:
     def end(self) -> int:
         """One past the item's last placeholder position."""
         return self.offset + self.length
+
+
+class _SharedData(dict):
+    """A feature's ``data``, held once for every request with the same image (a dict that
+    can be weakly referenced)."""
+
+
+class SharedImageData:
+    """One copy of each image's encoder inputs for all the requests that carry it.
+
+    The children of an ``n > 1`` / ``best_of`` request share their parent's images: the
+    first child carries each image's data, the others only its identifier (its ``data``
+    empty), and ``share`` gives them the first one's. Requests that carry the same image
+    again are also given the copy already held, so theirs is freed. The copy lives while
+    some request holds it (a weak registry; nothing to release by hand).
+    """
+
+    def __init__(self) -> None:
+        self._by_identifier: weakref.WeakValueDictionary[str, _SharedData] = (
+            weakref.WeakValueDictionary()
+        )
+
+    def share(self, features: list[MultiModalFeature] | None) -> None:
+        """Point each feature's ``data`` at the one held copy, in place.
+
+        Raises:
+            ValueError: a feature without data whose image no live request carries.
+        """
+        for f in features or ():
+            held = self._by_identifier.get(f.identifier)
+            if held is None:
+                if not f.data:
+                    raise ValueError(
+                        f"image {f.identifier[:12]} arrived without its data and no other "
+                        "request carries it"
+                    )
+                held = _SharedData(f.data)
+                self._by_identifier[f.identifier] = held
+            f.data = held
+
+
+def without_data(features: list[MultiModalFeature] | None) -> list[MultiModalFeature] | None:
+    """The features with their identifiers and placeholder ranges but no data (the later
+    children of a fanned-out request: ``SharedImageData.share`` fills it in)."""
+    if not features:
+        return features
+    return [MultiModalFeature(f.modality, f.identifier, f.offset, f.length) for f in features]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tokenmill.core.scheduler_output import NewRequestData, SchedulerOutput
-from tokenmill.multimodal.inputs import MultiModalFeature
+from tokenmill.multimodal.inputs import MultiModalFeature, SharedImageData
 
 
 @dataclass
@@ -60,11 +60,15 @@ class MultiModalState:
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         self.cache: dict[str, torch.Tensor] = {}  # image hash -> [length, H] embeddings
         self.requests: dict[str, _RequestImages] = {}
+        self.images = SharedImageData()
         self.num_encoded = 0  # images run through the encoder (for tests and logs)
 
     # ---- requests --------------------------------------------------------------------
 
     def add_request(self, new: NewRequestData) -> None:
+        # Requests with the same image (n > 1 children) hold one copy of its inputs here
+        # too, where each reached this process as its own message.
+        self.images.share(new.mm_features)
         features = list(new.mm_features or [])
         state = _RequestImages(features)
         if self.uses_mrope and features:
