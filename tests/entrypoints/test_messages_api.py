@@ -151,8 +151,18 @@ def test_count_tokens(default_server):
                     }
                 ],
             },
-            "messages.0.content.0.type",
+            "messages.0.content.0",  # a text-only model takes no images
         ),
+        ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "file", "file_id": "f"}}]}]},
+         "messages.0.content.0.source.type"),
+        ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/tiff",
+                                         "data": "AA=="}}]}]},
+         "messages.0.content.0.source.media_type"),
+        ({"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "document", "source": {"type": "text", "data": "x"}}]}]},
+         "messages.0.content.0.type"),
         (
             {
                 "model": MODEL,

@@ -189,3 +189,22 @@ def test_image_placeholders_without_an_image_are_a_400(vl_server, vl_model):
     r = vl_server.post("/v1/completions", {"prompt": [1, token, 2], "max_tokens": 1})
     assert r.status_code == 400, r.text
     assert "image placeholder" in r.json()["error"]["message"]
+
+
+def test_anthropic_image_blocks_get_the_chat_text(vl_server, vl_model):
+    """/v1/messages: a base64 image block before the text is the chat request's image part
+    before the text (the same greedy answer)."""
+    import httpx
+
+    url = png_data_url(5)
+    model = vl_model.rstrip("/").split("/")[-1]
+    chat = vl_server.openai().chat.completions.create(
+        model=model, messages=image_message(url, text="Name it."), max_tokens=8, temperature=0)
+    media, data = url.removeprefix("data:").split(";base64,")
+    body = {"model": model, "max_tokens": 8, "temperature": 0, "messages": [{"role": "user",
+            "content": [{"type": "image", "source": {"type": "base64", "media_type": media,
+                                                     "data": data}},
+                        {"type": "text", "text": "Name it."}]}]}  # fmt: skip
+    reply = httpx.post(vl_server.url + "/v1/messages", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["content"][0]["text"] == chat.choices[0].message.content

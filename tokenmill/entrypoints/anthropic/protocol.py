@@ -1,11 +1,12 @@
 """Requests of Anthropic's Messages API and their translation into a chat request.
 
 Served: ``model``, ``max_tokens`` (required), ``messages`` with text, ``tool_use``,
-``tool_result`` and ``thinking`` blocks, ``system`` (text or text blocks), ``stop_sequences``,
+``tool_result``, ``thinking`` and (in user turns) ``image`` blocks (base64 or URL sources,
+as the chat request's ``image_url`` parts), ``system`` (text or text blocks), ``stop_sequences``,
 ``stream``, ``temperature``, ``top_p``, ``top_k``, custom ``tools`` (``input_schema``),
 ``tool_choice`` (auto, any, tool, none; ``disable_parallel_tool_use``), ``thinking``
 (enabled or disabled: the template's ``enable_thinking``), ``metadata``; plus vLLM's
-``chat_template_kwargs``. Images, documents, server tools (web search, code execution...),
+``chat_template_kwargs``. Documents, server tools (web search, code execution...),
 ``container`` and ``mcp_servers`` are a 400 naming the field.
 """
 
@@ -78,18 +79,45 @@ def _str(block: dict[str, Any], key: str, field: str) -> str:
     return value
 
 
+_IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
+def _image_part(block: dict[str, Any], field: str) -> dict[str, Any]:
+    """An image block (``source``: base64 data with its media type, or a URL) as the chat
+    request's ``image_url`` part."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media = _str(source, "media_type", f"{field}.source")
+        if media not in _IMAGE_TYPES:
+            types = ", ".join(_IMAGE_TYPES)
+            raise bad_request(f"{field}.source.media_type must be one of {types}.",
+                              f"{field}.source.media_type")  # fmt: skip
+        url = f"data:{media};base64,{_str(source, 'data', f'{field}.source')}"
+    elif kind == "url":
+        url = _str(source, "url", f"{field}.source")
+    else:
+        raise bad_request(f"{field}.source.type must be 'base64' or 'url', not {kind!r}.",
+                          f"{field}.source.type")  # fmt: skip
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 def _user_messages(content: Any, field: str, tool_ids: set[str]) -> list[dict[str, Any]]:
-    """A user turn: its tool results (each a tool message), then its text."""
+    """A user turn: its tool results (each a tool message), then its text and images in
+    their order."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     if not isinstance(content, list):
         raise bad_request(f"{field} must be a string or a list of content blocks.", field)
-    messages, texts = [], []
+    messages, texts, parts = [], [], []
     for j, block in enumerate(content):
         where = f"{field}.{j}"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             texts.append(_str(block, "text", where))
+            parts.append({"type": "text", "text": texts[-1]})
+        elif kind == "image":
+            parts.append(_image_part(block, where))
         elif kind == "tool_result":
             tool_use_id = _str(block, "tool_use_id", where)
             if tool_use_id not in tool_ids:
@@ -106,7 +134,9 @@ def _user_messages(content: Any, field: str, tool_ids: set[str]) -> list[dict[st
                 f"{where}.type: content blocks of type {kind!r} are not supported.",
                 f"{where}.type",
             )
-    if texts:
+    if len(parts) > len(texts):  # images: the parts in order
+        messages.append({"role": "user", "content": parts})
+    elif texts:
         messages.append({"role": "user", "content": "".join(texts)})
     return messages
 
