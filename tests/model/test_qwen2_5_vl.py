@@ -164,6 +164,10 @@ def test_generate_with_multi_modal_data_gives_the_chat_tokens(llm):
                              use_tqdm=False)[0]  # fmt: skip
     assert by_prompt.prompt_token_ids == by_chat.prompt_token_ids
     assert by_prompt.outputs[0].token_ids == by_chat.outputs[0].token_ids
+    # a uint8 [H, W, 3] numpy array is the same image (as vLLM takes them)
+    by_array = llm.generate({"prompt": text, "multi_modal_data": {"image": np.asarray(image)}},
+                            params, use_tqdm=False)[0]  # fmt: skip
+    assert by_array.outputs[0].token_ids == by_chat.outputs[0].token_ids
 
 
 def test_fanned_out_children_carry_the_image_data_once(llm):
@@ -194,6 +198,8 @@ def test_bad_multi_modal_data_is_an_invalid_request(llm):
     for data, words in [
         ({"video": [1]}, "'image' key"),
         ({"image": "not an image"}, "PIL"),
+        ({"image": np.zeros((8, 8, 3), dtype=np.float32)}, "uint8"),
+        ({"image": np.zeros((8, 8, 2), dtype=np.uint8)}, "1, 3 or 4 channels"),
         ({"image": []}, "placeholder"),
     ]:
         with pytest.raises(InvalidRequestError, match=words) as info:

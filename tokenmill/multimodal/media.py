@@ -18,6 +18,8 @@ import stat
 import urllib.parse
 from typing import Any
 
+import numpy as np
+
 # Bounds on one image: its encoded size, its decoded pixels (width * height) and the time
 # to fetch it from a URL.
 MAX_IMAGE_BYTES = 20 << 20
@@ -37,18 +39,43 @@ class MediaError(ValueError):
 
 
 def check_image(image: Any) -> Any:
-    """An in-memory image (``PIL.Image.Image``) as RGB, checked against the pixel bound.
+    """An in-memory image (``PIL.Image.Image``, or a uint8 numpy array of shape ``[H, W]``
+    or ``[H, W, C]`` with 1, 3 or 4 channels, as vLLM takes them) as RGB, checked against
+    the pixel bound.
 
     Raises:
-        MediaError: not a PIL image, more than ``MAX_IMAGE_PIXELS`` pixels, or an aspect
-            ratio above ``MAX_ASPECT_RATIO``.
+        MediaError: neither, more than ``MAX_IMAGE_PIXELS`` pixels, or an aspect ratio above
+            ``MAX_ASPECT_RATIO``.
     """
     from PIL import Image
 
+    if isinstance(image, np.ndarray):
+        return to_rgb(_from_array(image))
     if not isinstance(image, Image.Image):
-        raise MediaError(f"an image must be a PIL.Image.Image, got {type(image).__name__}")
+        raise MediaError(
+            "an image must be a PIL.Image.Image or a uint8 numpy array, got "
+            f"{type(image).__name__}"
+        )
     _check_pixels(image.size)
     return to_rgb(image)
+
+
+def _from_array(array: np.ndarray) -> Any:
+    """A ``[H, W]`` / ``[H, W, 1|3|4]`` uint8 array as a PIL image (grayscale, RGB, RGBA)."""
+    from PIL import Image
+
+    shape = array.shape
+    if array.dtype != np.uint8 or not (
+        array.ndim == 2 or (array.ndim == 3 and shape[2] in (1, 3, 4))
+    ):
+        raise MediaError(
+            "an image array must be uint8 of shape [height, width] or [height, width, "
+            f"channels] with 1, 3 or 4 channels, got {array.dtype} {list(shape)}"
+        )
+    _check_pixels((shape[1], shape[0]))
+    if array.ndim == 3 and shape[2] == 1:
+        array = array[:, :, 0]
+    return Image.fromarray(np.ascontiguousarray(array))
 
 
 def to_rgb(image: Any) -> Any:
