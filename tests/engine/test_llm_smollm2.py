@@ -328,3 +328,27 @@ def test_decodes_sharing_a_cached_prefix_get_cascade_metadata(llm, monkeypatch):
     shared = [p for p in seen if p]
     assert shared and all(p >= 256 and p % 16 == 0 for p in shared)
     assert max(shared) <= len(llm.get_tokenizer().encode(prefix))
+
+
+def test_a_request_the_core_refuses_leaves_nothing_behind(llm, monkeypatch):
+    """The core refuses the second child of an ``n = 2`` request: ``generate`` raises, the
+    first child is aborted and the request unregistered, so the next ``generate`` runs
+    (it waited for the refused request's outputs for ever)."""
+    engine = llm._generation_engine()
+    add = engine.engine_core.add_request
+    calls = []
+
+    def refuse_second(request):
+        calls.append(request.request_id)
+        if len(calls) == 2:
+            raise ValueError("refused")
+        add(request)
+
+    monkeypatch.setattr(engine.engine_core, "add_request", refuse_second)
+    with pytest.raises(ValueError, match="refused"):
+        llm.generate("Hello", SamplingParams(n=2, max_tokens=4), use_tqdm=False)
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests()
+    assert not engine.engine_core.scheduler.has_unfinished_requests()
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -111,8 +111,14 @@ class LLMEngine:
         if lora_request is not None:
             self.engine_core.add_lora(lora_request)  # refused before anything is queued
         self.output_processor.add_request(processed, processed.params)
-        for req in processed.engine_requests:
-            self.engine_core.add_request(req)
+        try:
+            for req in processed.engine_requests:
+                self.engine_core.add_request(req)
+        except Exception:
+            # Nothing of it may stay registered or queued: the caller's loop would wait
+            # for outputs that never come.
+            self.abort_request(processed.request_id)
+            raise
         return processed
 
     def abort_request(self, request_ids: str | list[str]) -> None:
