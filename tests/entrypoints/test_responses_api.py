@@ -210,9 +210,18 @@ def test_openai_agents_sdk_calls_a_function_tool(default_server, api):
     [
         ({"background": True}, "background"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-        (
+        (  # a text-only model takes no images
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input.0.content.0.type",
+            "input",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+            "input.0.content.0.image_url",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"},
+                                                    {"type": "input_file", "file_id": "f"}]}]},
+            "input.0.content.1.type",
         ),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
         (

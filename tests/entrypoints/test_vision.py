@@ -208,3 +208,19 @@ def test_anthropic_image_blocks_get_the_chat_text(vl_server, vl_model):
     reply = httpx.post(vl_server.url + "/v1/messages", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     assert reply.json()["content"][0]["text"] == chat.choices[0].message.content
+
+
+def test_responses_input_image_gets_the_chat_text(vl_server, vl_model):
+    """/v1/responses: an ``input_image`` part before the text is the chat request's image
+    part before the text (the same greedy answer)."""
+    url = png_data_url(6)
+    model = vl_model.rstrip("/").split("/")[-1]
+    chat = vl_server.openai().chat.completions.create(
+        model=model, messages=image_message(url, text="Name it."), max_tokens=8, temperature=0)
+    body = {"model": model, "max_output_tokens": 8, "temperature": 0, "input": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                     {"type": "input_text", "text": "Name it."}]}]}  # fmt: skip
+    reply = vl_server.post("/v1/responses", body)
+    assert reply.status_code == 200, reply.text
+    [message] = [o for o in reply.json()["output"] if o["type"] == "message"]
+    assert message["content"][0]["text"] == chat.choices[0].message.content

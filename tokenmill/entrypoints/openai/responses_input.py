@@ -1,12 +1,13 @@
 """POST /v1/responses requests (the OpenAI Responses API) and their translation into a chat
 request: input items to messages, function tools, ``tool_choice`` and ``text.format``.
 
-Served: ``input`` as text or items (messages with text parts, ``function_call``,
+Served: ``input`` as text or items (messages with text parts -- and ``input_image`` parts
+with an ``image_url`` in user messages, as the chat request's image parts -- ``function_call``,
 ``function_call_output`` and ``reasoning`` items), ``instructions``, function ``tools``,
 ``tool_choice``, ``parallel_tool_calls``, ``previous_response_id``, ``store``, ``stream``,
 ``temperature``, ``top_p``, ``max_output_tokens``, ``text.format`` (text, json_object,
 json_schema), ``metadata``, ``user``. Anything else that would change the answer (hosted
-tools, images and files, ``background``, ``conversation``, ...) is a 400 naming the field.
+tools, files, ``background``, ``conversation``, ...) is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -140,10 +141,12 @@ class _Conversation:
             raise bad_request(
                 f"{field}.role must be user, system, developer or assistant.", f"{field}.role"
             )
+        content = item.get("content")
         message: dict[str, Any] = {
             "role": role,
-            "content": _text_of(item.get("content"), f"{field}.content"),
-        }
+            "content": (_user_parts(content, f"{field}.content") if role == "user"
+                        and _has_images(content) else _text_of(content, f"{field}.content")),
+        }  # fmt: skip
         if role == "assistant" and self._reasoning is not None:
             message["reasoning_content"], self._reasoning = self._reasoning, None
         self.messages.append(message)
@@ -164,6 +167,41 @@ class _Conversation:
                 last["reasoning_content"], self._reasoning = self._reasoning, None
             self.messages.append(last)
         last.setdefault("tool_calls", []).append(call)
+
+
+def _has_images(content: Any) -> bool:
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in content
+    )
+
+
+def _user_parts(content: list[Any], field: str) -> list[dict[str, Any]]:
+    """A user message's text and ``input_image`` parts (``image_url``: a URL or a data URL)
+    as the chat request's parts, in their order.
+
+    Raises:
+        OpenAIError: 400 naming an image part without an ``image_url`` (a ``file_id``) or a
+            part of another kind.
+    """
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                where = f"{field}.{j}.image_url"
+                raise bad_request(f"{where} must be a URL or a data URL (file_id is not "
+                                  "supported).", where)  # fmt: skip
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(
+            part.get("text"), str
+        ):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else None
+            where = f"{field}.{j}.type"
+            raise bad_request(f"{where}: content parts of type {kind!r} are not supported.",
+                              where)  # fmt: skip
+    return parts
 
 
 def _required_str(item: dict[str, Any], key: str, field: str) -> str:
