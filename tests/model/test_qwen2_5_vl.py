@@ -190,6 +190,30 @@ def test_fanned_out_children_carry_the_image_data_once(llm):
     assert [o.token_ids for o in fanned.outputs] == [alone] * 3
 
 
+def test_an_image_the_encoder_fails_on_fails_its_request_only(llm, monkeypatch):
+    """The vision tower raises on one image of a batch: its request ends with the reason,
+    the other request of the same step gives its tokens, and the engine serves on."""
+    mm = llm._generation_engine().engine_core.executor.worker.model_runner.mm
+    encode = mm.model.encode_images
+
+    def fail_on_one(items):
+        if any(list(np.asarray(d["image_grid_thw"])) == [1, 4, 6] for d in items):
+            raise RuntimeError("tower failed")
+        return encode(items)
+
+    monkeypatch.setattr(mm.model, "encode_images", fail_on_one)
+    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>\n"
+            "<|im_start|>assistant\n")  # fmt: skip
+    good = {"prompt": text, "multi_modal_data": {"image": _image(7, 112, 112)}}
+    bad = {"prompt": text, "multi_modal_data": {"image": _image(8, 56, 84)}}  # grid 1x4x6
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    alone = llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids
+    failed, served = (o.outputs[0] for o in llm.generate([bad, good], params, use_tqdm=False))
+    assert failed.finish_reason == "abort" and "tower failed" in failed.stop_reason
+    assert served.token_ids == alone
+    assert llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids == alone
+
+
 def test_bad_multi_modal_data_is_an_invalid_request(llm):
     from tokenmill.engine.input_processor import InvalidRequestError
 

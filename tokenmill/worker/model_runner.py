@@ -397,6 +397,8 @@ class ModelRunner(StepSampling, BufferMetadata):
         if self.lora is not None:
             req_slots, failed = self.lora.slots_for(batch.lora_id[rows], req_ids)
             staging.put_into(req_slots[req_idx], self.lora_slots.device[:n])
+        if self.mm is not None and self.mm.failed_images:
+            failed.update(self.mm.failed_requests(req_ids))
         last = cu[1:][sample_rows].astype(np.int64) - 1
         if so.scheduled_spec_decode_tokens:
             assert self.spec_decode is not None

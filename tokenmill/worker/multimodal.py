@@ -10,6 +10,7 @@ rows of the cached outputs. A step with placeholders runs eagerly with ``inputs_
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,8 @@ from torch import nn
 
 from tokenmill.core.scheduler_output import NewRequestData, SchedulerOutput
 from tokenmill.multimodal.inputs import MultiModalFeature, SharedImageData
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +65,8 @@ class MultiModalState:
         self.requests: dict[str, _RequestImages] = {}
         self.images = SharedImageData()
         self.num_encoded = 0  # images run through the encoder (for tests and logs)
+        # image hash -> why the vision encoder failed on it (its requests fail)
+        self.failed_images: dict[str, str] = {}
 
     # ---- requests --------------------------------------------------------------------
 
@@ -84,9 +89,16 @@ class MultiModalState:
     # ---- one step ----------------------------------------------------------------------
 
     def run_encoder(self, so: SchedulerOutput) -> None:
-        """Apply the scheduler's evictions and encode the images it scheduled."""
+        """Apply the scheduler's evictions and encode the images it scheduled.
+
+        An image the vision tower fails on (or answers with the wrong number of embeddings)
+        fails the requests that carry it (``failed_requests``), not the engine: the batch
+        is encoded again one image at a time, and a failed image's placeholders read zeros
+        until its requests end.
+        """
         for identifier in so.free_encoder_ids:
             self.cache.pop(identifier, None)
+            self.failed_images.pop(identifier, None)
         todo: dict[str, MultiModalFeature] = {}
         for req_id, indices in so.scheduled_encoder_inputs.items():
             features = self.requests[req_id].features
@@ -94,15 +106,40 @@ class MultiModalState:
                 todo.setdefault(features[i].identifier, features[i])
         if not todo:
             return
-        outputs = self.model.encode_images([_unpack(f) for f in todo.values()])
+        try:
+            outputs = self.model.encode_images([_unpack(f) for f in todo.values()])
+        except Exception:
+            outputs = [self._encode_alone(f) for f in todo.values()]
         for (identifier, f), out in zip(todo.items(), outputs, strict=True):
-            if out.shape[0] != f.length:
-                raise RuntimeError(
-                    f"image {identifier[:12]}: the encoder gave {out.shape[0]} embeddings "
-                    f"for {f.length} placeholders"
-                )
+            if isinstance(out, torch.Tensor) and out.shape[0] != f.length:
+                out = (f"the encoder gave {out.shape[0]} embeddings for {f.length} "
+                       "placeholders")  # fmt: skip
+            if isinstance(out, str):
+                logger.warning("image %s failed in the vision encoder: %s", identifier[:12], out)
+                self.failed_images[identifier] = out
+                out = torch.zeros_like(self.model.embed_input_ids(
+                    torch.zeros(1, dtype=torch.long, device=self.device))).expand(f.length, -1)
             self.cache[identifier] = out
         self.num_encoded += len(todo)
+
+    def _encode_alone(self, feature: MultiModalFeature) -> torch.Tensor | str:
+        """One image's embeddings, or why the vision tower failed on it."""
+        try:
+            return self.model.encode_images([_unpack(feature)])[0]
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
+    def failed_requests(self, req_ids: list[str]) -> dict[str, str]:
+        """Of ``req_ids``, those carrying an image the vision encoder failed on, with why."""
+        failed = {}
+        for req_id in req_ids:
+            state = self.requests.get(req_id)
+            for f in state.features if state is not None else ():
+                reason = self.failed_images.get(f.identifier)
+                if reason is not None:
+                    failed[req_id] = f"its image could not be encoded ({reason})"
+                    break
+        return failed
 
     def rope_positions(
         self, req_ids: list[str], req_idx: np.ndarray, positions: np.ndarray
