@@ -9,18 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.model.vlm_checkpoints import write_qwen2_5_vl
+from tests.model.vlm_checkpoints import random_image, write_qwen2_5_vl
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 
-def _image(seed: int, height: int, width: int):
-    from PIL import Image
-
-    rng = np.random.RandomState(seed)
-    return Image.fromarray(rng.randint(0, 256, (height, width, 3), dtype=np.uint8))
+_image = random_image
 
 
 @pytest.fixture(scope="module")

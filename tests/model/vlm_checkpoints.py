@@ -172,3 +172,12 @@ def write_llava(path: str, tower: str = "clip", seed: int = 0) -> str:
     tok.chat_template = LLAVA_CHAT_TEMPLATE
     tok.save_pretrained(path)
     return path
+
+
+def random_image(seed: int, height: int, width: int):
+    """A PIL RGB image of uniform random pixels (``numpy.random.RandomState(seed)``)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    return Image.fromarray(rng.randint(0, 256, (height, width, 3), dtype=np.uint8))

@@ -4,9 +4,9 @@ keeps serving the next request."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
+from tests.model.vlm_checkpoints import random_image
 from tokenmill.engine.input_processor import InvalidRequestError
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.multimodal.inputs import MultiModalFeature
@@ -20,10 +20,7 @@ GREEDY = SamplingParams(max_tokens=2, temperature=0)
 
 
 def rgb(seed: int = 0, width: int = 56, height: int = 56):
-    from PIL import Image
-
-    rng = np.random.RandomState(seed)
-    return Image.fromarray(rng.randint(0, 256, (height, width, 3), dtype=np.uint8))
+    return random_image(seed, height, width)
 
 
 @pytest.fixture(scope="module")
