@@ -48,6 +48,10 @@ def test_scale_and_rslora(tmp_path):
         ({"use_rslora": "yes"}, "use_rslora must be true or false"),
         ({"target_modules": [["q_proj"]]}, "target_modules must list module names"),
         ({"target_modules": "[unclosed"}, "is not a regular expression"),
+        # peft variants whose forward differs from B A x
+        ({"alora_invocation_tokens": [1, 2]}, "activated LoRA"),
+        ({"arrow_config": {"top_k": 2}}, "Arrow"),
+        ({"kasa_config": {}}, "KaSA"),
     ],
 )
 def test_refused_configs(tmp_path, config, message):

@@ -9,8 +9,10 @@ A LoRA adapter adds ``scale * B (A x)`` to a linear layer's output, ``A [r, in]`
 model's (e.g. ``model.layers.3.self_attn.q_proj``).
 
 Checked here, so that an adapter the engine cannot serve is refused in one line: a rank above
-``--max-lora-rank``, DoRA, ``modules_to_save``, embedding or LM-head targets, LoRA biases,
-per-module rank or alpha patterns, and targets other than the attention and MLP projections.
+``--max-lora-rank``, DoRA and peft's other variants whose forward is not ``B A x``
+(activated LoRA, Arrow, KaSA, MonteCLoRA, BD-LoRA), ``modules_to_save``, embedding or LM-head
+targets, LoRA biases, per-module rank or alpha patterns, and targets other than the
+attention and MLP projections.
 """
 
 from __future__ import annotations
@@ -97,9 +99,22 @@ def _check_config(raw: dict[str, Any], path: str, max_rank: int) -> PEFTConfig:
         "layer_replication": "layer_replication",
         "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
         "target_parameters": "adapters of parameters (target_parameters)",
+        # peft's variants whose forward is not B A x: served as plain LoRA they would give
+        # other outputs than peft's
+        "alora_invocation_tokens": "activated LoRA adapters (alora_invocation_tokens)",
+    }
+    # variants that peft turns on by a config object, even an empty one
+    refused_objects = {
+        "arrow_config": "Arrow routing adapters (arrow_config)",
+        "kasa_config": "KaSA adapters (kasa_config)",
+        "monteclora_config": "MonteCLoRA adapters (monteclora_config)",
+        "use_bdlora": "block-diagonal LoRA adapters (use_bdlora)",
     }
     for key, what in refused.items():
         if raw.get(key):
+            raise LoRAAdapterError(f"{path!r}: {what} are not supported")
+    for key, what in refused_objects.items():
+        if raw.get(key) not in (None, False):
             raise LoRAAdapterError(f"{path!r}: {what} are not supported")
     if raw.get("bias", "none") != "none":
         raise LoRAAdapterError(f"{path!r}: LoRA biases (bias={raw['bias']!r}) are not supported")
