@@ -210,3 +210,27 @@ def test_non_finite_or_misranked_adapters_are_refused(llm, adapter_dirs, tmp_pat
             llm.generate("hi", params, use_tqdm=False, lora_request=LoRARequest(str(i), i, path))
     again = llm.generate("The capital of France is", params, use_tqdm=False)
     assert again[0].outputs[0].token_ids == base[0].outputs[0].token_ids
+
+
+def test_target_modules_in_peft_s_other_forms_serve_the_same_adapter(llm, lora_requests,
+                                                                       adapter_dirs, tmp_path):
+    """peft writes target_modules as dotted suffixes ("self_attn.q_proj") or as its
+    "all-linear" shorthand, and its loader reads them as the plain names: the same weights
+    under those configs give the same tokens (``test_mixed_batch_matches_peft`` checks
+    those against peft)."""
+
+    def suffixes(weights, config):
+        config["target_modules"] = ["self_attn.q_proj", "model.layers.0.self_attn.v_proj",
+                                    "v_proj"]  # fmt: skip
+
+    def all_linear(weights, config):
+        config["target_modules"] = "all-linear"
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, (name, alter) in enumerate([("qv", suffixes), ("all", all_linear)], 80):
+        path = _altered_copy(adapter_dirs[name], tmp_path / name, alter)
+        prompts = PROMPTS[:2]
+        got = llm.generate(prompts, params, use_tqdm=False,
+                           lora_request=LoRARequest(f"{name}-{i}", i, path))  # fmt: skip
+        want = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests[name])
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

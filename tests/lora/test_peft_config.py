@@ -11,7 +11,12 @@ from safetensors.torch import save_file
 from tokenmill.config import ConfigError
 from tokenmill.engine_args import EngineArgs
 from tokenmill.lora.config import create_lora_config, parse_lora_module
-from tokenmill.lora.peft import LoRAAdapterError, load_peft_weights, read_peft_config
+from tokenmill.lora.peft import (
+    LoRAAdapterError,
+    is_targeted,
+    load_peft_weights,
+    read_peft_config,
+)
 
 
 def _folder(tmp_path, config: dict, tensors: dict | None = None):
@@ -57,6 +62,24 @@ def test_scale_and_rslora(tmp_path):
 def test_refused_configs(tmp_path, config, message):
     with pytest.raises(LoRAAdapterError, match=message):
         read_peft_config(_folder(tmp_path, config), 16)
+
+
+def test_target_modules_as_peft_reads_them(tmp_path):
+    """Entries naming a module by a dotted suffix, and peft's "all-linear" shorthand, target
+    the projections as peft's own loader reads them (peft writes both forms)."""
+    q = "model.layers.0.self_attn.q_proj"
+    for targets, hit, miss in [
+        (["self_attn.q_proj", "mlp.down_proj"], [q, "model.layers.3.mlp.down_proj"],
+         ["model.layers.0.self_attn.v_proj", "model.layers.0.mlp.xdown_proj"]),
+        ([q], [q], ["model.layers.10.self_attn.q_proj"]),
+        ("ALL-LINEAR", [q, "model.layers.2.mlp.up_proj"], []),
+        (r".*\.0\..*q_proj", [q], ["model.layers.1.self_attn.q_proj"]),
+    ]:  # fmt: skip
+        config = read_peft_config(_folder(tmp_path, {"target_modules": targets}), 16)
+        assert all(is_targeted(config, m) for m in hit), targets
+        assert not any(is_targeted(config, m) for m in miss), targets
+    with pytest.raises(LoRAAdapterError, match=r"\['mlp.fc1'\] are not supported"):
+        read_peft_config(_folder(tmp_path, {"target_modules": ["q_proj", "mlp.fc1"]}), 16)
 
 
 def test_refused_folders_and_tensors(tmp_path):

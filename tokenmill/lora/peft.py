@@ -27,6 +27,8 @@ from typing import Any
 # The projections an adapter may target: tokenmill's LoRA layers wrap these.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_NAME = "adapter_config.json"
+# peft's shorthand for every linear layer but the output layer, as target_modules
+ALL_LINEAR = "all-linear"
 WEIGHT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 WEIGHTS_NAME = "adapter_model.safetensors"
 _KEY_RE = re.compile(
@@ -45,8 +47,8 @@ class PEFTConfig:
     Attributes:
         rank: ``r``.
         scale: the factor on ``B A x`` (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA).
-        target_modules: module names (last name parts) the adapter targets, or a regular
-            expression over full module names.
+        target_modules: module names (or dotted suffixes of them) the adapter targets, a
+            regular expression over full module names, or ``"all-linear"``.
         base_model_name: ``base_model_name_or_path``, if given.
     """
 
@@ -145,13 +147,17 @@ def _check_config(raw: dict[str, Any], path: str, max_rank: int) -> PEFTConfig:
     if isinstance(targets, list):
         if not all(isinstance(t, str) for t in targets):
             raise LoRAAdapterError(f"{path!r}: target_modules must list module names (strings)")
-        bad = sorted(set(targets) - set(SUPPORTED_TARGETS))
+        # peft's rule: an entry names a module by its name or a dotted suffix of it
+        # ("self_attn.q_proj", "model.layers.0.mlp.down_proj").
+        bad = sorted(t for t in set(targets) if t.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS)
         if bad:
             raise LoRAAdapterError(
                 f"{path!r}: target modules {bad} are not supported (only "
                 f"{', '.join(SUPPORTED_TARGETS)})"
             )
         targets = tuple(targets)
+    elif isinstance(targets, str) and targets.lower() == ALL_LINEAR:
+        targets = ALL_LINEAR
     elif isinstance(targets, str):
         try:
             re.compile(targets)
@@ -167,11 +173,15 @@ def _check_config(raw: dict[str, Any], path: str, max_rank: int) -> PEFTConfig:
 
 
 def is_targeted(config: PEFTConfig, module: str) -> bool:
-    """Whether ``module`` (a full module name) is one the adapter's ``target_modules`` names:
-    a listed last name part, or a full match of the regular expression (peft's rule)."""
-    if isinstance(config.target_modules, str):
-        return re.fullmatch(config.target_modules, module) is not None
-    return module.rsplit(".", 1)[-1] in config.target_modules
+    """Whether ``module`` (a full module name) is one the adapter's ``target_modules`` names
+    (peft's rule): a listed name or dotted suffix of it, a full match of the regular
+    expression, or any linear layer but the LM head for ``"all-linear"``."""
+    targets = config.target_modules
+    if targets == ALL_LINEAR:
+        return True  # the weights name only projections (``load_peft_weights``)
+    if isinstance(targets, str):
+        return re.fullmatch(targets, module) is not None
+    return any(module == t or module.endswith("." + t) for t in targets)
 
 
 def load_peft_weights(path: str) -> dict[str, dict[str, Any]]:
