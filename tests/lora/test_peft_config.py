@@ -99,6 +99,9 @@ def test_lora_module_forms():
     assert (m.name, m.path, m.base_model_name) == ("chat", "/a/chat", "llama")
     with pytest.raises(ValueError, match="name=path"):
         parse_lora_module("nopath")
+    # refused with the flag's message, not when the engine reads the adapter after start-up
+    with pytest.raises(ValueError, match="--lora-modules: a JSON entry needs string fields"):
+        parse_lora_module('{"name": "chat", "path": "/a/chat", "base_model_name": 5}')
 
 
 def test_flag_checks():

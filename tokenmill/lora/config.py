@@ -32,12 +32,15 @@ def parse_lora_module(text: str) -> LoRAModule:
         except json.JSONDecodeError as e:
             raise ValueError(f"--lora-modules: not valid JSON: {text!r} ({e})") from None
         unknown = set(value) - {"name", "path", "base_model_name"}
-        if unknown or not isinstance(value.get("name"), str) or not isinstance(
-            value.get("path"), str
+        if (
+            unknown
+            or not isinstance(value.get("name"), str)
+            or not isinstance(value.get("path"), str)
+            or not isinstance(value.get("base_model_name"), (str, type(None)))
         ):
             raise ValueError(
                 f"--lora-modules: a JSON entry needs string fields name and path (and "
-                f"optionally base_model_name), got {text!r}"
+                f"optionally a string base_model_name), got {text!r}"
             )
         module = LoRAModule(value["name"], value["path"], value.get("base_model_name"))
     else:
