@@ -56,3 +56,48 @@ def test_slots_past_the_free_memory_are_a_config_error():
     config = LoRAConfig(max_loras=64, max_lora_rank=512)
     with pytest.raises(ConfigError, match="lower --max-loras or --max-lora-rank"):
         check_slots_fit(2**62, torch.device("cpu"), config)
+
+
+def test_load_and_unload_errors_name_the_field_at_fault():
+    """Each 400 of the adapter routes names the request field at fault in ``param``, as
+    OpenAI's error body does (the unknown adapter's 404 names ``lora_name``)."""
+    import asyncio
+
+    from tokenmill.config import LoRAConfig
+    from tokenmill.entrypoints.openai.errors import OpenAIError
+    from tokenmill.entrypoints.openai.serving_models import (
+        LoadLoRAAdapterRequest,
+        ServingModels,
+        UnloadLoRAAdapterRequest,
+    )
+
+    async def add_lora(lora):
+        return None if lora.lora_path == "/ok" else "no adapter folder at '/bad'"
+
+    async def remove_lora(lora_id):
+        return None
+
+    engine = SimpleNamespace(
+        model_config=SimpleNamespace(served_model_names=["base"]),
+        config=SimpleNamespace(lora_config=LoRAConfig()),
+        add_lora=add_lora,
+        remove_lora=remove_lora,
+    )
+    models = ServingModels(engine)
+    asyncio.run(models.load(LoadLoRAAdapterRequest(lora_name="sql", lora_path="/ok")))
+    cases = [
+        ({}, "lora_name"),
+        ({"lora_path": "/ok"}, "lora_name"),
+        ({"lora_name": "a"}, "lora_path"),
+        ({"lora_name": "base", "lora_path": "/ok"}, "lora_name"),  # the base model's name
+        ({"lora_name": "sql", "lora_path": "/ok"}, "lora_name"),  # already loaded
+        ({"lora_name": "b", "lora_path": "/bad"}, "lora_path"),  # a folder not served
+    ]
+    for body, param in cases:
+        with pytest.raises(OpenAIError) as e:
+            asyncio.run(models.load(LoadLoRAAdapterRequest(**body)))
+        assert (e.value.status, e.value.param) == (400, param), body
+    for body, status in [({}, 400), ({"lora_name": "zzz"}, 404)]:
+        with pytest.raises(OpenAIError) as e:
+            asyncio.run(models.unload(UnloadLoRAAdapterRequest(**body)))
+        assert (e.value.status, e.value.param) == (status, "lora_name"), body

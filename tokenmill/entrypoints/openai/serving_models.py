@@ -113,21 +113,27 @@ class ServingModels:
         """
         name, path = request.lora_name, request.lora_path
         if not name or not path:
-            raise bad_request("Both 'lora_name' and 'lora_path' must be provided.")
+            raise bad_request(
+                "Both 'lora_name' and 'lora_path' must be provided.",
+                "lora_path" if name else "lora_name",
+            )
         if self.lora_config is None:
             raise bad_request("LoRA is not enabled: start the server with --enable-lora.")
         if name in self.model_config.served_model_names:
-            raise bad_request(f"'{name}' is the base model's name.", code="InvalidUserInput")
+            raise bad_request(
+                f"'{name}' is the base model's name.", "lora_name", code="InvalidUserInput"
+            )
         async with self._lock:
             if name in self.adapters and not request.load_inplace:
                 raise bad_request(
-                    f"The lora adapter '{name}' has already been loaded.", code="InvalidUserInput"
-                )
+                    f"The lora adapter '{name}' has already been loaded.", "lora_name",
+                    code="InvalidUserInput",
+                )  # fmt: skip
             old = self.adapters.get(name)
             lora = LoRARequest(name, next(self._ids), path)
             error = await self.engine.add_lora(lora)
             if error is not None:
-                raise bad_request(f"Failed to load the lora adapter '{name}': {error}")
+                raise bad_request(f"Failed to load the lora adapter '{name}': {error}", "lora_path")
             self.adapters[name] = lora
             if old is not None:
                 await self.engine.remove_lora(old.lora_int_id)
@@ -142,7 +148,9 @@ class ServingModels:
         """
         name = request.lora_name
         if not name:
-            raise bad_request("'lora_name' needs to be provided to unload a LoRA adapter.")
+            raise bad_request(
+                "'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name"
+            )
         async with self._lock:
             lora = self.adapters.pop(name, None)
             if lora is None:
