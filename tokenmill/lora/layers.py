@@ -160,6 +160,19 @@ class LoRALinear(nn.Module):
             a = a[:, s.in_start : s.in_start + s.in_size]
         return a, b
 
+    def split_fused(
+        self, a: torch.Tensor, b: torch.Tensor
+    ) -> list[tuple[str | int | None, torch.Tensor, torch.Tensor]]:
+        """An adapter of a fused checkpoint projection (Phi-3's ``qkv_proj``: ``A [r, in]``,
+        ``B [q + k + v, r]``) as one per merged part: ``(shard, A, B's rows of the part)``,
+        whose ``B_p A x`` side by side are ``B A x``. Each part takes ``r`` of its ranks."""
+        parts, start = [], 0
+        for s in self.base.shard_slices(None):  # the parts in the fused tensor's order
+            size = self.base.checkpoint_shape(s.shard_id)[0]
+            parts.append((s.shard_id, a, b[start : start + size]))
+            start += size
+        return parts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         self._add_lora(y, x)

@@ -21,6 +21,7 @@ from torch import nn
 from tokenmill.config import ConfigError, LoRAConfig
 from tokenmill.lora.layers import LoRABatch, LoRALinear, lora_layer
 from tokenmill.lora.peft import (
+    FUSED_TARGETS,
     SUPPORTED_TARGETS,
     LoRAAdapterError,
     is_targeted,
@@ -194,7 +195,8 @@ class LoRAManager:
         weights: AdapterWeights = {}
         for module, ab in load_peft_weights(path).items():
             prefix, _, leaf = module.rpartition(".")
-            param, shard = self.targets[leaf]
+            fused = leaf in FUSED_TARGETS  # checked whole (shard None), then split by part
+            param, shard = (leaf, None) if fused else self.targets[leaf]
             name = f"{prefix}.{param}" if prefix else param
             layer = self.layers.get(name)
             if layer is None:
@@ -226,19 +228,30 @@ class LoRAManager:
                 # On the CPU every slot's product is computed and masked: a NaN would reach
                 # every row of the batch, not only this adapter's.
                 raise LoRAAdapterError(f"{path!r}: {module}'s lora_A/lora_B hold NaN or Inf")
-            a, b = layer.shard_weights(shard, a, b)
-            # Copies of this rank's slices only: the whole tensors are not kept.
-            a = a.to(self.dtype, copy=True)
-            b = (b.float() * peft.scale).to(self.dtype)
-            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                raise LoRAAdapterError(
-                    f"{path!r}: {module}'s lora_A, or lora_B times its scale {peft.scale:g}, "
-                    f"overflows {self.dtype}"
-                )
-            if pin:
-                a, b = a.pin_memory(), b.pin_memory()
-            weights.setdefault(name, {})[shard] = (a, b)
+            parts = weights.setdefault(name, {})
+            for part, part_a, part_b in layer.split_fused(a, b) if fused else [(shard, a, b)]:
+                if part in parts:  # e.g. q_proj beside a fused qkv_proj of the same layer
+                    raise LoRAAdapterError(f"{path!r}: two adapters of {name} ({module})")
+                parts[part] = self._prepare(layer, part, part_a, part_b, peft.scale, pin,
+                                            module, path)  # fmt: skip
         return weights
+
+    def _prepare(self, layer: LoRALinear, shard: Any, a: torch.Tensor, b: torch.Tensor,
+                 scale: float, pin: bool, module: str, path: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Part ``shard``'s A and scaled B as this rank's ``layer`` holds them, in the slots'
+        dtype (copies: the checkpoint's whole tensors are not kept)."""
+        a, b = layer.shard_weights(shard, a, b)
+        a = a.to(self.dtype, copy=True)
+        b = (b.float() * scale).to(self.dtype)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAAdapterError(
+                f"{path!r}: {module}'s lora_A, or lora_B times its scale {scale:g}, "
+                f"overflows {self.dtype}"
+            )
+        if pin:
+            a, b = a.pin_memory(), b.pin_memory()
+        return a, b
 
     def remove_lora(self, lora_id: int) -> bool:
         """Forget an adapter (its slot is freed); False when it was not known."""

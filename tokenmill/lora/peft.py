@@ -8,6 +8,9 @@ A LoRA adapter adds ``scale * B (A x)`` to a linear layer's output, ``A [r, in]`
 ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``, ``<module>`` the base
 model's (e.g. ``model.layers.3.self_attn.q_proj``).
 
+Targets are the attention and MLP projections, or the checkpoint tensors that fuse them
+(Phi-3's ``qkv_proj`` and ``gate_up_proj``: one A, B over every part's output features).
+
 Checked here, so that an adapter the engine cannot serve is refused in one line: a rank above
 ``--max-lora-rank``, DoRA and peft's other variants whose forward is not ``B A x``
 (activated LoRA, Arrow, KaSA, MonteCLoRA, BD-LoRA), ``modules_to_save``, embedding or LM-head
@@ -26,6 +29,10 @@ from typing import Any
 
 # The projections an adapter may target: tokenmill's LoRA layers wrap these.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Checkpoint projections that hold several of them (Phi-3's): an adapter of one adds
+# ``B A x`` over all of their output features.
+FUSED_TARGETS = ("qkv_proj", "gate_up_proj")
+TARGETS = SUPPORTED_TARGETS + FUSED_TARGETS
 CONFIG_NAME = "adapter_config.json"
 # peft's shorthand for every linear layer but the output layer, as target_modules
 ALL_LINEAR = "all-linear"
@@ -149,11 +156,11 @@ def _check_config(raw: dict[str, Any], path: str, max_rank: int) -> PEFTConfig:
             raise LoRAAdapterError(f"{path!r}: target_modules must list module names (strings)")
         # peft's rule: an entry names a module by its name or a dotted suffix of it
         # ("self_attn.q_proj", "model.layers.0.mlp.down_proj").
-        bad = sorted(t for t in set(targets) if t.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS)
+        bad = sorted(t for t in set(targets) if t.rsplit(".", 1)[-1] not in TARGETS)
         if bad:
             raise LoRAAdapterError(
                 f"{path!r}: target modules {bad} are not supported (only "
-                f"{', '.join(SUPPORTED_TARGETS)})"
+                f"{', '.join(TARGETS)})"
             )
         targets = tuple(targets)
     elif isinstance(targets, str) and targets.lower() == ALL_LINEAR:
@@ -212,10 +219,9 @@ def load_peft_weights(path: str) -> dict[str, dict[str, Any]]:
                 "(embedding, LM-head and fully trained modules are not supported)"
             )
         module = match["module"]
-        if module.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS:
+        if module.rsplit(".", 1)[-1] not in TARGETS:
             raise LoRAAdapterError(
-                f"{path!r}: {module} is not a supported target (only "
-                f"{', '.join(SUPPORTED_TARGETS)})"
+                f"{path!r}: {module} is not a supported target (only {', '.join(TARGETS)})"
             )
         if tensor.dtype not in dtypes or tensor.dim() != 2:
             raise LoRAAdapterError(
