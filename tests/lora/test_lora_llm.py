@@ -234,3 +234,32 @@ def test_target_modules_in_peft_s_other_forms_serve_the_same_adapter(llm, lora_r
                            lora_request=LoRARequest(f"{name}-{i}", i, path))  # fmt: skip
         want = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests[name])
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_an_adapter_of_some_layers_serves_them_only(llm, adapter_dirs, tmp_path):
+    """``layers_to_transform``: peft's adapter holds weights for those layers only, and
+    serves as the same weights listed without it; a weight of another layer is refused."""
+
+    def first_layers(weights, config):
+        for key in [k for k in weights if ".layers.0." not in k and ".layers.1." not in k]:
+            del weights[key]
+
+    def of_layers(weights, config):
+        first_layers(weights, config)
+        config["layers_to_transform"] = [0, 1]
+
+    def too_few(weights, config):
+        first_layers(weights, config)
+        config["layers_to_transform"] = [0]
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = _altered_copy(adapter_dirs["qv"], tmp_path / "plain", first_layers)
+    layers = _altered_copy(adapter_dirs["qv"], tmp_path / "layers", of_layers)
+    want = llm.generate(PROMPTS[:2], params, use_tqdm=False,
+                        lora_request=LoRARequest("plain", 70, plain))  # fmt: skip
+    got = llm.generate(PROMPTS[:2], params, use_tqdm=False,
+                       lora_request=LoRARequest("layers", 71, layers))  # fmt: skip
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    path = _altered_copy(adapter_dirs["qv"], tmp_path / "too-few", too_few)
+    with pytest.raises(ValueError, match="layers.1.self_attn.*does not name"):
+        llm.generate("hi", params, use_tqdm=False, lora_request=LoRARequest("few", 72, path))

@@ -82,6 +82,29 @@ def test_target_modules_as_peft_reads_them(tmp_path):
         read_peft_config(_folder(tmp_path, {"target_modules": ["q_proj", "mlp.fc1"]}), 16)
 
 
+def test_layers_to_transform_and_exclude_modules_as_peft_reads_them(tmp_path):
+    """peft gives a listed target a LoRA layer only in ``layers_to_transform`` (the first
+    number after ``layers_pattern``, or after any name part) and never in
+    ``exclude_modules``: a weight elsewhere is one peft would not load."""
+    layer = "model.layers.{}.self_attn.q_proj".format
+    for extra, hit, miss in [
+        ({"layers_to_transform": [0, 2]}, [layer(0), layer(2)], [layer(1), layer(12)]),
+        ({"layers_to_transform": 1, "layers_pattern": "layers"}, [layer(1)], [layer(0)]),
+        ({"layers_to_transform": [3], "layers_pattern": ["blocks"]}, [], [layer(3)]),
+        ({"layers_to_transform": []}, [layer(0), layer(7)], []),
+        ({"exclude_modules": ["layers.1.self_attn.q_proj"]}, [layer(0)], [layer(1)]),
+        ({"exclude_modules": r".*\.1\..*"}, [layer(0), layer(11)], [layer(1)]),
+    ]:  # fmt: skip
+        config = read_peft_config(_folder(tmp_path, {"target_modules": ["q_proj"], **extra}), 16)
+        assert all(is_targeted(config, m) for m in hit), extra
+        assert not any(is_targeted(config, m) for m in miss), extra
+    for extra in ({"layers_to_transform": "0"}, {"layers_to_transform": [True]},
+                  {"layers_pattern": 3}, {"layers_pattern": ["layers", "(x"]},
+                  {"exclude_modules": "[x"}):  # fmt: skip
+        with pytest.raises(LoRAAdapterError, match=next(iter(extra))):
+            read_peft_config(_folder(tmp_path, extra), 16)
+
+
 def test_refused_folders_and_tensors(tmp_path):
     with pytest.raises(LoRAAdapterError, match="no adapter folder"):
         read_peft_config(str(tmp_path / "missing"), 16)

@@ -57,12 +57,20 @@ class PEFTConfig:
         target_modules: module names (or dotted suffixes of them) the adapter targets, a
             regular expression over full module names, or ``"all-linear"``.
         base_model_name: ``base_model_name_or_path``, if given.
+        layers: ``layers_to_transform``: the layer indices a listed target applies to
+            (None: all).
+        layers_pattern: ``layers_pattern``: the names of the layer lists those indices
+            follow (empty: the first numbered part of a module name).
+        exclude_modules: modules left out, named as in ``target_modules`` (None: none).
     """
 
     rank: int
     scale: float
     target_modules: tuple[str, ...] | str
     base_model_name: str | None
+    layers: tuple[int, ...] | None = None
+    layers_pattern: tuple[str, ...] = ()
+    exclude_modules: tuple[str, ...] | str | None = None
 
 
 def read_peft_config(path: str, max_rank: int) -> PEFTConfig:
@@ -103,7 +111,6 @@ def _check_config(raw: dict[str, Any], path: str, max_rank: int) -> PEFTConfig:
         "rank_pattern": "per-module ranks (rank_pattern)",
         "alpha_pattern": "per-module alphas (alpha_pattern)",
         "fan_in_fan_out": "fan_in_fan_out weights",
-        "layers_to_transform": "layers_to_transform",
         "lora_bias": "LoRA biases (lora_bias)",
         "layer_replication": "layer_replication",
         "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
@@ -176,19 +183,89 @@ def _check_config(raw: dict[str, Any], path: str, max_rank: int) -> PEFTConfig:
         raise LoRAAdapterError(f"{path!r}: target_modules must be a list or a regex")
     base = raw.get("base_model_name_or_path")
     base = base if isinstance(base, str) else None
-    return PEFTConfig(rank, scale, targets, base)
+    return PEFTConfig(rank, scale, targets, base, *_layer_config(raw, path))
+
+
+def _names(value: Any, path: str, key: str) -> tuple[str, ...] | str | None:
+    """``value`` of ``key`` as module names: None, a regular expression or a list of
+    names."""
+    if value is None or isinstance(value, str) and not value:
+        return None
+    if isinstance(value, str):
+        try:
+            re.compile(value)
+        except re.error as e:
+            raise LoRAAdapterError(
+                f"{path!r}: {key} {value!r} is not a regular expression: {e}"
+            ) from None
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise LoRAAdapterError(f"{path!r}: {key} must be a list of module names or a regex")
+
+
+def _layer_config(
+    raw: dict[str, Any], path: str
+) -> tuple[tuple[int, ...] | None, tuple[str, ...], tuple[str, ...] | str | None]:
+    """``(layers, layers_pattern, exclude_modules)`` of ``PEFTConfig``, checked."""
+    layers = raw.get("layers_to_transform")
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = (layers,)
+    elif isinstance(layers, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in layers
+    ):
+        layers = tuple(layers) or None  # peft: an empty list transforms every layer
+    elif layers is not None:
+        raise LoRAAdapterError(
+            f"{path!r}: layers_to_transform must be a layer index or a list of them, "
+            f"got {layers!r}"
+        )
+    pattern = raw.get("layers_pattern") or ()
+    pattern = (pattern,) if isinstance(pattern, str) else pattern
+    if not isinstance(pattern, (list, tuple)) or not all(isinstance(p, str) for p in pattern):
+        raise LoRAAdapterError(f"{path!r}: layers_pattern must be a name or a list of names")
+    for p in pattern:  # peft puts them into a regular expression as they are
+        _names(p, path, "layers_pattern")
+    exclude = _names(raw.get("exclude_modules"), path, "exclude_modules")
+    return layers, tuple(pattern), exclude
+
+
+def _names_match(names: tuple[str, ...] | str, module: str) -> bool:
+    """peft's rule: a full match of a regular expression, or a listed name or dotted
+    suffix."""
+    if isinstance(names, str):
+        return re.fullmatch(names, module) is not None
+    return any(module == n or module.endswith("." + n) for n in names)
+
+
+def _layer_index(module: str, patterns: tuple[str, ...]) -> int | None:
+    """The layer index in ``module``'s name (peft's rule: the first number after one of
+    ``patterns``, or after any name part when there are none)."""
+    if not patterns:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+    else:
+        match = next(
+            (m for p in patterns if (m := re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", module))),
+            None,
+        )
+    return None if match is None else int(match["idx"])
 
 
 def is_targeted(config: PEFTConfig, module: str) -> bool:
-    """Whether ``module`` (a full module name) is one the adapter's ``target_modules`` names
-    (peft's rule): a listed name or dotted suffix of it, a full match of the regular
-    expression, or any linear layer but the LM head for ``"all-linear"``."""
+    """Whether peft gives ``module`` (a full module name) a LoRA layer of this adapter:
+    ``exclude_modules`` does not name it, and ``target_modules`` does (a full match of the
+    regular expression; a listed name or dotted suffix of it; any linear layer but the LM
+    head for ``"all-linear"``), in one of ``layers_to_transform`` for a list."""
+    if config.exclude_modules is not None and _names_match(config.exclude_modules, module):
+        return False
     targets = config.target_modules
     if targets == ALL_LINEAR:
-        return True  # the weights name only projections (``load_peft_weights``)
-    if isinstance(targets, str):
+        pass  # peft lists the model's linear layers; the weights name only projections
+    elif isinstance(targets, str):
         return re.fullmatch(targets, module) is not None
-    return any(module == t or module.endswith("." + t) for t in targets)
+    elif not _names_match(targets, module):
+        return False
+    return config.layers is None or _layer_index(module, config.layers_pattern) in config.layers
 
 
 def load_peft_weights(path: str) -> dict[str, dict[str, Any]]:
