@@ -110,6 +110,14 @@ def test_refused_folders_and_tensors(tmp_path):
         read_peft_config(str(tmp_path / "missing"), 16)
     with pytest.raises(LoRAAdapterError, match="adapter_config.json"):
         read_peft_config(str(tmp_path), 16)
+    # A config that is not UTF-8, or nests past the parser's depth, is an adapter that
+    # cannot be served like any other (not an error that ends the engine's step).
+    folder = _folder(tmp_path, {})
+    config = tmp_path / "adapter_config.json"
+    for text in (b'{"r": 8, "base_model_name_or_path": "caf\xe9"}', b"[" * 100_000):
+        config.write_bytes(text)
+        with pytest.raises(LoRAAdapterError, match="cannot read .*adapter_config.json"):
+            read_peft_config(folder, 16)
     folder = _folder(tmp_path, {}, {
         "base_model.model.model.embed_tokens.lora_embedding_A": torch.ones(8, 4)})
     with pytest.raises(LoRAAdapterError, match="embedding"):

@@ -94,7 +94,7 @@ def read_peft_config(path: str, max_rank: int) -> PEFTConfig:
     try:
         with open(config_path, encoding="utf-8") as f:
             raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not JSON, not UTF-8
         raise LoRAAdapterError(f"cannot read {config_path}: {e}") from None
     if not isinstance(raw, dict):
         raise LoRAAdapterError(f"{config_path} is not a JSON object")
