@@ -263,3 +263,36 @@ def test_an_adapter_of_some_layers_serves_them_only(llm, adapter_dirs, tmp_path)
     path = _altered_copy(adapter_dirs["qv"], tmp_path / "too-few", too_few)
     with pytest.raises(ValueError, match="layers.1.self_attn.*does not name"):
         llm.generate("hi", params, use_tqdm=False, lora_request=LoRARequest("few", 72, path))
+
+
+def test_per_module_ranks_and_alphas_match_peft(llm, smollm2_float_dir, tmp_path):
+    """``rank_pattern``/``alpha_pattern``: each module's own r and alpha, as peft applies
+    them (greedy tokens and logprobs)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(smollm2_float_dir, dtype=torch.float32)
+
+    torch.manual_seed(5)
+    config = LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+        rank_pattern={"layers.1.self_attn.v_proj": 2, "q_proj": 4},
+        alpha_pattern={"down_proj": 4}, init_lora_weights=False,
+    )  # fmt: skip
+    model = get_peft_model(base(), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.2)
+    model.save_pretrained(tmp_path)
+    reference = PeftModel.from_pretrained(base(), str(tmp_path), adapter_name="patterns").eval()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+    lora = LoRARequest("patterns", 60, str(tmp_path))
+    outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False, lora_request=lora)
+    for prompt, out in zip(PROMPTS[:2], outputs, strict=True):
+        tokens, ref_logprobs = _reference(reference, llm.get_tokenizer(), prompt, "patterns")
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        got_lp = torch.tensor([lp[t].logprob for lp, t in zip(got.logprobs, tokens, strict=True)])
+        torch.testing.assert_close(got_lp, ref_logprobs, atol=2e-3, rtol=1e-3)

@@ -105,6 +105,37 @@ def test_layers_to_transform_and_exclude_modules_as_peft_reads_them(tmp_path):
             read_peft_config(_folder(tmp_path, extra), 16)
 
 
+def test_rank_and_alpha_patterns_give_each_module_its_scale(tmp_path):
+    """peft's ``rank_pattern``/``alpha_pattern``: the first key matching the end of a
+    module's name (after a dot) gives its r / alpha, in the file's order."""
+    from tokenmill.lora.peft import module_rank_scale
+
+    q, v = "model.layers.{}.self_attn.q_proj".format, "model.layers.{}.self_attn.v_proj".format
+    config = read_peft_config(_folder(tmp_path, {
+        "target_modules": ["q_proj", "v_proj"],
+        "rank_pattern": {"layers.1.self_attn.v_proj": 2, "q_proj": 4, "v_proj": 16},
+        "alpha_pattern": {r"layers\.[23]\.self_attn\.q_proj": 32},
+    }), 16)  # fmt: skip
+    assert module_rank_scale(config, q(0)) == (4, 16 / 4)
+    assert module_rank_scale(config, q(2)) == (4, 32 / 4)
+    assert module_rank_scale(config, v(1)) == (2, 16 / 2)
+    assert module_rank_scale(config, v(0)) == (16, 16 / 16)
+    assert module_rank_scale(config, "model.layers.0.mlp.xq_proj") == (8, 2.0)  # no dot
+    config = read_peft_config(_folder(tmp_path, {"use_rslora": True, "lora_alpha": 8,
+                                                 "rank_pattern": {"q_proj": 16}}), 16)  # fmt: skip
+    assert module_rank_scale(config, q(0)) == (16, 8 / 4)
+    for extra, message in [
+        ({"rank_pattern": {"q_proj": 32}}, "from 1 to max_lora_rank 16, got 32"),
+        ({"rank_pattern": {"q_proj": 2.0}}, "must be a rank"),
+        ({"rank_pattern": {"(q": 2}}, "not a regular expression"),
+        ({"alpha_pattern": {"q_proj": "8"}}, "must be an alpha"),
+        ({"alpha_pattern": {"q_proj": 10**400}}, "not a finite number"),
+        ({"alpha_pattern": ["q_proj"]}, "must map module patterns"),
+    ]:
+        with pytest.raises(LoRAAdapterError, match=message):
+            read_peft_config(_folder(tmp_path, extra), 16)
+
+
 def test_refused_folders_and_tensors(tmp_path):
     with pytest.raises(LoRAAdapterError, match="no adapter folder"):
         read_peft_config(str(tmp_path / "missing"), 16)

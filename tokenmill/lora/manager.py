@@ -26,6 +26,7 @@ from tokenmill.lora.peft import (
     LoRAAdapterError,
     is_targeted,
     load_peft_weights,
+    module_rank_scale,
     read_peft_config,
 )
 from tokenmill.lora.request import LoRARequest
@@ -219,10 +220,11 @@ class LoRAManager:
                     f"do not fit the model's layer ({inp} in, {out} out, rank "
                     f"<= {self.config.max_lora_rank})"
                 )
-            if a.shape[0] != peft.rank:
+            rank, scale = module_rank_scale(peft, module)
+            if a.shape[0] != rank:
                 raise LoRAAdapterError(
                     f"{path!r}: {module}'s lora_A has rank {a.shape[0]}, adapter_config.json "
-                    f"says r={peft.rank}"
+                    f"says r={rank}"
                 )
             if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
                 # On the CPU every slot's product is computed and masked: a NaN would reach
@@ -232,8 +234,8 @@ class LoRAManager:
             for part, part_a, part_b in layer.split_fused(a, b) if fused else [(shard, a, b)]:
                 if part in parts:  # e.g. q_proj beside a fused qkv_proj of the same layer
                     raise LoRAAdapterError(f"{path!r}: two adapters of {name} ({module})")
-                parts[part] = self._prepare(layer, part, part_a, part_b, peft.scale, pin,
-                                            module, path)  # fmt: skip
+                parts[part] = self._prepare(layer, part, part_a, part_b, scale, pin, module,
+                                            path)  # fmt: skip
         return weights
 
     def _prepare(self, layer: LoRALinear, shard: Any, a: torch.Tensor, b: torch.Tensor,

@@ -4,7 +4,8 @@ writes them.
 
 A LoRA adapter adds ``scale * B (A x)`` to a linear layer's output, ``A [r, in]``,
 ``B [out, r]``; ``scale = lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA (Kalajdzievski
-2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA"). Weight names are
+2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA"), each module's r and
+alpha those of ``rank_pattern``/``alpha_pattern`` where a key names it. Weight names are
 ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``, ``<module>`` the base
 model's (e.g. ``model.layers.3.self_attn.q_proj``).
 
@@ -14,8 +15,7 @@ Targets are the attention and MLP projections, or the checkpoint tensors that fu
 Checked here, so that an adapter the engine cannot serve is refused in one line: a rank above
 ``--max-lora-rank``, DoRA and peft's other variants whose forward is not ``B A x``
 (activated LoRA, Arrow, KaSA, MonteCLoRA, BD-LoRA), ``modules_to_save``, embedding or LM-head
-targets, LoRA biases, per-module rank or alpha patterns, and targets other than the
-attention and MLP projections.
+targets, LoRA biases, and targets other than the attention and MLP projections.
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ class PEFTConfig:
         target_modules: module names (or dotted suffixes of them) the adapter targets, a
             regular expression over full module names, or ``"all-linear"``.
         base_model_name: ``base_model_name_or_path``, if given.
+        rank_pattern, alpha_pattern: ``(pattern, r or lora_alpha)`` of the modules whose
+            rank or alpha is not the adapter's (peft's ``rank_pattern``/``alpha_pattern``;
+            ``module_rank_scale`` reads them).
+        alpha: ``lora_alpha``.
+        rslora: ``use_rslora``.
         layers: ``layers_to_transform``: the layer indices a listed target applies to
             (None: all).
         layers_pattern: ``layers_pattern``: the names of the layer lists those indices
@@ -71,6 +76,10 @@ class PEFTConfig:
     layers: tuple[int, ...] | None = None
     layers_pattern: tuple[str, ...] = ()
     exclude_modules: tuple[str, ...] | str | None = None
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
+    alpha: float = 8.0
+    rslora: bool = False
 
 
 def read_peft_config(path: str, max_rank: int) -> PEFTConfig:
@@ -108,8 +117,6 @@ def _check_config(raw: dict[str, Any], path: str, max_rank: int) -> PEFTConfig:
     refused = {
         "use_dora": "DoRA adapters",
         "modules_to_save": "adapters with modules_to_save (fully trained layers)",
-        "rank_pattern": "per-module ranks (rank_pattern)",
-        "alpha_pattern": "per-module alphas (alpha_pattern)",
         "fan_in_fan_out": "fan_in_fan_out weights",
         "lora_bias": "LoRA biases (lora_bias)",
         "layer_replication": "layer_replication",
@@ -148,15 +155,15 @@ def _check_config(raw: dict[str, Any], path: str, max_rank: int) -> PEFTConfig:
     rslora = raw.get("use_rslora", False)
     if not isinstance(rslora, bool) and rslora is not None:
         raise LoRAAdapterError(f"{path!r}: use_rslora must be true or false, got {rslora!r}")
-    try:
-        scale = float(alpha) / (math.sqrt(rank) if rslora else rank)
-    except OverflowError:
-        scale = math.inf
+    patterns = _patterns(raw, path, max_rank)
     # A NaN or Inf scale would reach the other rows of a batch (see ``LoRAManager._read``).
-    if not math.isfinite(scale):
-        raise LoRAAdapterError(
-            f"{path!r}: lora_alpha {alpha!r} gives a scale that is not a finite number"
-        )
+    for a in {alpha, *(v for _, v in patterns[1])}:
+        for r in {rank, *(v for _, v in patterns[0])}:
+            if not math.isfinite(_scale(a, r, bool(rslora))):
+                raise LoRAAdapterError(
+                    f"{path!r}: lora_alpha {a!r} gives a scale that is not a finite number"
+                )
+    scale = _scale(alpha, rank, bool(rslora))
     targets = raw.get("target_modules")
     if isinstance(targets, list):
         if not all(isinstance(t, str) for t in targets):
@@ -183,7 +190,51 @@ def _check_config(raw: dict[str, Any], path: str, max_rank: int) -> PEFTConfig:
         raise LoRAAdapterError(f"{path!r}: target_modules must be a list or a regex")
     base = raw.get("base_model_name_or_path")
     base = base if isinstance(base, str) else None
-    return PEFTConfig(rank, scale, targets, base, *_layer_config(raw, path))
+    return PEFTConfig(rank, scale, targets, base, *_layer_config(raw, path), *patterns,
+                      float(alpha), bool(rslora))  # fmt: skip
+
+
+def _scale(alpha: float, rank: int, rslora: bool) -> float:
+    try:
+        return float(alpha) / (math.sqrt(rank) if rslora else rank)
+    except OverflowError:
+        return math.inf
+
+
+def _patterns(
+    raw: dict[str, Any], path: str, max_rank: int
+) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, float], ...]]:
+    """``rank_pattern`` and ``alpha_pattern`` as ``(pattern, value)`` pairs, in order."""
+    out = []
+    for key, what in (("rank_pattern", "a rank"), ("alpha_pattern", "an alpha")):
+        value = raw.get(key) or {}
+        if not isinstance(value, dict):
+            raise LoRAAdapterError(f"{path!r}: {key} must map module patterns to {what}s")
+        for pattern, v in value.items():
+            _names(pattern, path, f"{key} key")  # a regular expression, as peft uses it
+            bad = not isinstance(v, (int, float)) or isinstance(v, bool)
+            if key == "rank_pattern":
+                bad = bad or not isinstance(v, int) or not 1 <= v <= max_rank
+            if bad:
+                raise LoRAAdapterError(
+                    f"{path!r}: {key}[{pattern!r}] must be {what}"
+                    + (f" from 1 to max_lora_rank {max_rank}" if key == "rank_pattern" else "")
+                    + f", got {v!r}"
+                )
+        out.append(tuple(value.items()))
+    return out[0], out[1]
+
+
+def module_rank_scale(config: PEFTConfig, module: str) -> tuple[int, float]:
+    """``(r, scale)`` of ``module`` (a full module name): the first ``rank_pattern`` /
+    ``alpha_pattern`` key that matches the end of its name after a dot gives its r / alpha
+    (peft's ``get_pattern_key``), else the adapter's."""
+
+    def pick(pairs, default):
+        return next((v for k, v in pairs if re.match(rf"(.*\.)?({k})$", module)), default)
+
+    rank = pick(config.rank_pattern, config.rank)
+    return rank, _scale(pick(config.alpha_pattern, config.alpha), rank, config.rslora)
 
 
 def _names(value: Any, path: str, key: str) -> tuple[str, ...] | str | None:
