@@ -296,3 +296,20 @@ def test_per_module_ranks_and_alphas_match_peft(llm, smollm2_float_dir, tmp_path
         assert got.token_ids == tokens
         got_lp = torch.tensor([lp[t].logprob for lp, t in zip(got.logprobs, tokens, strict=True)])
         torch.testing.assert_close(got_lp, ref_logprobs, atol=2e-3, rtol=1e-3)
+
+
+def test_an_unloaded_adapter_is_freed_when_its_last_request_is_aborted(llm, lora_requests):
+    """A client that goes away ends its request by an abort, after which the engine may not
+    step again: the unloaded adapter is freed then, not left until the next request."""
+    engine = llm.llm_engine
+    lora = lora_requests["mlp"]
+    manager = engine.engine_core.executor.worker.model_runner.lora
+    engine.add_request("abort-unloaded", PROMPTS[0], SamplingParams(max_tokens=50),
+                       lora_request=lora)  # fmt: skip
+    engine.step()
+    engine.engine_core.remove_lora(lora.lora_int_id)
+    assert lora.lora_int_id in manager.slot_of  # still in use
+    engine.abort_request("abort-unloaded")
+    assert not engine.has_unfinished_requests()
+    assert lora.lora_int_id not in manager.known and lora.lora_int_id not in manager.slot_of
+    assert lora.lora_int_id not in manager.host

@@ -262,6 +262,9 @@ class EngineCore:
         request_ids = list(request_ids)
         self._grammars.discard(request_ids)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        # An unloaded adapter whose last request this was goes now: the engine may not
+        # step again before the next request.
+        self._remove_unused_loras()
 
     def has_unfinished_requests(self) -> bool:
         return (
