@@ -170,3 +170,20 @@ def test_the_time_limit_does_not_count_the_backend_build():
 
 def test_compile_timeout_reads_as_a_client_error():
     assert str(CompileTimeout(5)).startswith("structured_outputs: the constraint took more")
+
+
+def test_exit_waits_for_a_backend_still_being_built(tmp_path):
+    """A process that ends while the grammar backend is built in the background waits for
+    the build: the grammar library's C++ state torn down under a running build aborted the
+    process (exit status 134) at random."""
+    import subprocess
+    import sys
+
+    done = tmp_path / "built"
+    script = (
+        "import time\n"
+        "from tokenmill.core.grammar_compilation import _in_background\n"
+        f"_in_background(lambda: (time.sleep(1.0), open({str(done)!r}, 'w').close()))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], timeout=60)
+    assert result.returncode == 0 and done.exists()

@@ -32,6 +32,7 @@ Torch-free, like the rest of core/.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -57,6 +58,8 @@ logger = logging.getLogger(__name__)
 MAX_COMPILE_S = 5.0
 # Distinct constraints that may wait for a compile worker.
 MAX_QUEUED = 64
+# How long a process's exit waits for a grammar backend still being built (seconds).
+BACKEND_EXIT_WAIT_S = 60.0
 # Compile workers run at this nice value: the engine loop comes first.
 WORKER_NICE = 10
 
@@ -422,5 +425,9 @@ def _in_background(build: Callable[[], Any]) -> Future:
         except BaseException as e:  # reported to whoever asks for the result
             future.set_exception(e)
 
-    threading.Thread(target=run, name="tokenmill-grammar-backend", daemon=True).start()
+    thread = threading.Thread(target=run, name="tokenmill-grammar-backend", daemon=True)
+    thread.start()
+    # A process that exits while the build runs tears the grammar library's C++ state down
+    # under it (std::terminate, exit status 134): exit waits for the build, a bounded time.
+    atexit.register(thread.join, BACKEND_EXIT_WAIT_S)
     return future
