@@ -228,3 +228,67 @@ def test_requests_on_a_draining_backend_are_left_to_finish():
             assert not pool.backends[url].healthy and not pool.backends[url].frozen.is_set()
 
     asyncio.run(scenario())
+
+
+async def _adapter_backend(calls: list, status: int = 200) -> tuple[web.AppRunner, str]:
+    """A stand-in engine server whose runtime LoRA routes record what they got."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def adapter(request: web.Request) -> web.Response:
+        calls.append((request.path, await request.json()))
+        if status != 200:
+            return web.json_response({"error": {"message": "bad folder", "param": "lora_path"}},
+                                     status=status)  # fmt: skip
+        return web.Response(text="Success: LoRA adapter 'sql' added successfully.")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/load_lora_adapter", adapter)
+    app.router.add_post("/v1/unload_lora_adapter", adapter)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+def test_runtime_lora_routes_reach_every_backend():
+    """A runtime adapter load (and unload) reaches every healthy replica, so that any of
+    them serves the requests naming it; one replica's refusal is the answer."""
+
+    async def scenario() -> None:
+        calls_a, calls_b = [], []
+        (ra, url_a), (rb, url_b) = await _adapter_backend(calls_a), await _adapter_backend(calls_b)
+        try:
+            pool = BackendPool([url_a, url_b], interval_s=60)
+            router = Router(pool, make_policy("roundrobin", 1024, 16, 1.5), "x-session-id")
+            body = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+            async with TestClient(TestServer(router.build_app())) as client:
+                r = await client.post("/v1/load_lora_adapter", json=body)
+                assert r.status == 200 and "added" in await r.text()
+                r = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})
+                assert r.status == 200
+            paths = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
+            assert [c[0] for c in calls_a] == paths and calls_a == calls_b
+        finally:
+            await ra.cleanup()
+            await rb.cleanup()
+        calls_c: list = []
+        (rc, url_c), (rd, url_d) = await _adapter_backend(calls_c), await _adapter_backend([], 400)
+        try:
+            pool = BackendPool([url_c, url_d], interval_s=60)
+            router = Router(pool, make_policy("roundrobin", 1024, 16, 1.5), "x-session-id")
+            async with TestClient(TestServer(router.build_app())) as client:
+                r = await client.post("/v1/load_lora_adapter", json=body)
+                assert r.status == 400 and (await r.json())["error"]["param"] == "lora_path"
+        finally:
+            await rc.cleanup()
+            await rd.cleanup()
+
+    asyncio.run(scenario())

@@ -2,8 +2,9 @@
 
 Routes of its own: ``GET /health`` (200 while some backend is healthy, else 503),
 ``GET /metrics`` (the router's Prometheus metrics), ``GET /router/backends`` (JSON: each
-backend's URL, health and requests in flight) and ``GET /v1/models`` (the healthy backends'
-lists merged); a request naming a ``model`` goes to the backends that list it. Every other
+backend's URL, health and requests in flight), ``GET /v1/models`` (the healthy backends'
+lists merged) and the runtime LoRA routes (``ADAPTER_ROUTES``: sent to every healthy
+backend); a request naming a ``model`` goes to the backends that list it. Every other
 path and method is forwarded as it is — body, query and headers (the client's
 ``Authorization`` included), less the hop-by-hop ones — and the response comes back byte for
 byte as the backend writes it: streams (server-sent events) are passed through unbuffered,
@@ -36,6 +37,8 @@ from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import PrefixAwarePolicy, RoutingKey, RoutingPolicy
 
 logger = logging.getLogger("tokenmill.router")
+# Routes that change what a backend serves: sent to every backend, not routed to one.
+ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 # Not forwarded either way (RFC 9110 section 7.6.1), and those aiohttp sets itself.
 HOP_BY_HOP = frozenset(
@@ -188,6 +191,8 @@ class Router:
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/router/backends", self.list_backends)
         app.router.add_get("/v1/models", self.list_models)
+        for path in ADAPTER_ROUTES:
+            app.router.add_post(path, self.to_every_backend)
         app.router.add_route("*", "/{path:.*}", self.forward)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -245,6 +250,34 @@ class Router:
             for card in cards or ():
                 merged.setdefault(str(card["id"]), card)
         return web.json_response({"object": "list", "data": list(merged.values())})
+
+    async def to_every_backend(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``: sent to every
+        healthy backend, since a replica without the adapter could not serve the requests
+        naming it. The first backend's answer when all agree on success, else the first
+        failing one's (others may have applied it: the client loads or unloads again); a
+        backend that cannot be reached is a 502 naming it."""
+        assert self.session is not None
+        backends = self.pool.healthy()
+        if not backends:
+            return error_response(503, "No healthy backend to route to.", "no_healthy_backend")
+        body = await request.read()
+        headers = _forwarded_headers(request)
+        timeout = aiohttp.ClientTimeout(total=self.pool.timeout_s)
+
+        async def send(backend: Backend) -> tuple[int, bytes, str]:
+            url = backend.url + request.rel_url.raw_path_qs
+            async with self.session.post(url, data=body, headers=headers, timeout=timeout) as r:
+                return r.status, await r.read(), r.content_type
+
+        answers = await asyncio.gather(*(send(b) for b in backends), return_exceptions=True)
+        for backend, answer in zip(backends, answers, strict=True):
+            if isinstance(answer, BaseException):
+                return error_response(502, f"backend {backend.url} did not answer "
+                                      f"({type(answer).__name__}: {answer}).", "bad_gateway")
+        failed = [a for a in answers if a[0] >= 300]  # type: ignore[index]
+        status, data, content_type = (failed or answers)[0]  # type: ignore[misc]
+        return web.Response(body=data, status=status, content_type=content_type)
 
     # ---- forwarding -----------------------------------------------------------------------
 
