@@ -180,12 +180,7 @@ def _check_config(raw: dict[str, Any], path: str, max_rank: int) -> PEFTConfig:
     elif isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         targets = ALL_LINEAR
     elif isinstance(targets, str):
-        try:
-            re.compile(targets)
-        except re.error as e:
-            raise LoRAAdapterError(
-                f"{path!r}: target_modules {targets!r} is not a regular expression: {e}"
-            ) from None
+        _regex(targets, path, "target_modules")
     else:
         raise LoRAAdapterError(f"{path!r}: target_modules must be a list or a regex")
     base = raw.get("base_model_name_or_path")
@@ -243,16 +238,25 @@ def _names(value: Any, path: str, key: str) -> tuple[str, ...] | str | None:
     if value is None or isinstance(value, str) and not value:
         return None
     if isinstance(value, str):
-        try:
-            re.compile(value)
-        except re.error as e:
-            raise LoRAAdapterError(
-                f"{path!r}: {key} {value!r} is not a regular expression: {e}"
-            ) from None
-        return value
+        return _regex(value, path, key)
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return tuple(value)
     raise LoRAAdapterError(f"{path!r}: {key} must be a list of module names or a regex")
+
+
+def _regex(value: str, path: str, key: str) -> str:
+    """``value`` of ``key``, checked to be a regular expression (peft matches with it).
+
+    Raises:
+        LoRAAdapterError: it does not compile.
+    """
+    try:
+        re.compile(value)
+    except re.error as e:
+        raise LoRAAdapterError(
+            f"{path!r}: {key} {value!r} is not a regular expression: {e}"
+        ) from None
+    return value
 
 
 def _layer_config(
