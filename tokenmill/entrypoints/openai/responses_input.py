@@ -93,16 +93,22 @@ def _text_of(content: Any, field: str) -> str:
         return content
     if not isinstance(content, list):
         raise bad_request(f"{field} must be a string or a list of content parts.", field)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            where = f"{field}.{j}.type"
-            raise bad_request(
-                f"{where}: content parts of type {kind!r} are not supported (text only).", where
-            )
-        texts.append(part["text"])
-    return "".join(texts)
+    return "".join(_part_text(part, f"{field}.{j}", " (text only)")
+                   for j, part in enumerate(content))  # fmt: skip
+
+
+def _part_text(part: Any, field: str, only: str = "") -> str:
+    """A text part's text.
+
+    Raises:
+        OpenAIError: 400 naming the part's type when it is not a text part.
+    """
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        where = f"{field}.type"
+        raise bad_request(f"{where}: content parts of type {kind!r} are not supported{only}.",
+                          where)  # fmt: skip
+    return part["text"]
 
 
 class _Conversation:
@@ -192,15 +198,8 @@ def _user_parts(content: list[Any], field: str) -> list[dict[str, Any]]:
                 raise bad_request(f"{where} must be a URL or a data URL (file_id is not "
                                   "supported).", where)  # fmt: skip
             parts.append({"type": "image_url", "image_url": {"url": url}})
-        elif isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(
-            part.get("text"), str
-        ):
-            parts.append({"type": "text", "text": part["text"]})
         else:
-            kind = part.get("type") if isinstance(part, dict) else None
-            where = f"{field}.{j}.type"
-            raise bad_request(f"{where}: content parts of type {kind!r} are not supported.",
-                              where)  # fmt: skip
+            parts.append({"type": "text", "text": _part_text(part, f"{field}.{j}")})
     return parts
 
 
