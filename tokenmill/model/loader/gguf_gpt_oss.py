@@ -36,11 +36,17 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 _SINKS = ".self_attn.sinks"
 
 
-def lookup_names(expected: Iterable[str]) -> list[str]:
-    """The checkpoint names to find the file's tensors by: ``expected`` (the model's
-    parameters) with each layer's experts as the converter names them before mapping
-    (``mlp.experts.{gate,up,down}_proj.{weight,bias}``) and the sinks as
-    ``self_attn.sinks.weight``."""
+def lookup_names(expected: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+    """The names to find the file's tensors by.
+
+    Returns:
+        ``(checkpoint names, fused names)``: ``expected`` (the model's parameters) with each
+        layer's experts as the converter names them before mapping
+        (``mlp.experts.{gate,up,down}_proj.{weight,bias}``) and the sinks as
+        ``self_attn.sinks.weight``; and the file name -> checkpoint name of each layer's
+        fused ``ffn_gate_up_exps`` weight and bias (which the gguf package's tables do not
+        name).
+    """
     names, experts = [], []
     for name in expected:
         match = _OUR_EXPERTS.match(name)
@@ -51,25 +57,15 @@ def lookup_names(expected: Iterable[str]) -> list[str]:
             names.append(name + ".weight")
         else:
             names.append(name)
+    fused = {}
     for prefix in experts:
         names += [f"{prefix}.{proj}_proj.{kind}" for proj in ("gate", "up", "down")
                   for kind in ("weight", "bias")]  # fmt: skip
-    return names
-
-
-def fused_gate_up_names(expected: Iterable[str]) -> dict[str, str]:
-    """File name -> checkpoint name of each layer's fused ``ffn_gate_up_exps`` weight and bias
-    (which the gguf package's tables do not name)."""
-    out = {}
-    for name in expected:
-        match = _OUR_EXPERTS.match(name)
-        if match and ".w13." in name:
-            layer = _LAYER.search(name)
-            if layer is not None:
-                for kind in ("weight", "bias"):
-                    out[f"blk.{layer[1]}.ffn_gate_up_exps.{kind}"] = (
-                        f"{match['prefix']}.gate_up_proj.{kind}")
-    return out
+        layer = _LAYER.search(prefix + ".")
+        if layer is not None:
+            fused.update({f"blk.{layer[1]}.ffn_gate_up_exps.{kind}": f"{prefix}.gate_up_proj.{kind}"
+                          for kind in ("weight", "bias")})  # fmt: skip
+    return names, fused
 
 
 def mxfp4_checkpoint_blocks(

@@ -142,11 +142,10 @@ def iterate_gguf(
         from tokenmill.model.loader import gguf_gpt_oss
 
         mxfp4 = gguf_experts_are_mxfp4({t.name: int(t.tensor_type) for t in reader.tensors})
+        names, fused = gguf_gpt_oss.lookup_names(hf_names)
         items = _read_tensors(
-            reader, arch, path, gguf_gpt_oss.lookup_names(hf_names), num_heads, num_kv_heads,
-            keep_quantized, layers, shapes_only,
-            raw_types={GGML_MXFP4} if mxfp4 else set(),
-            extra_names=gguf_gpt_oss.fused_gate_up_names(hf_names),
+            reader, arch, path, names, num_heads, num_kv_heads, keep_quantized, layers,
+            shapes_only, raw_types={GGML_MXFP4} if mxfp4 else set(), extra_names=fused,
         )  # fmt: skip
         yield from gguf_gpt_oss.checkpoint_tensors(items, mxfp4)
         return
