@@ -68,6 +68,14 @@ def test_a_body_over_the_limit_is_an_openai_413(monkeypatch):
     assert "1000 bytes" in body["error"]["message"]
 
 
+async def _serve(runner: web.AppRunner) -> tuple[web.AppRunner, str]:
+    """Start ``runner``'s app on a free loopback port: ``(runner, its URL)``."""
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
 async def _backend(name: str, status: int = 200) -> tuple[web.AppRunner, str]:
     """A stand-in engine server serving the model ``name``: /health, /v1/models, and
     /v1/completions answering with its own name (or with ``status``'s error)."""
@@ -87,11 +95,7 @@ async def _backend(name: str, status: int = 200) -> tuple[web.AppRunner, str]:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", complete)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    return await _serve(web.AppRunner(app))
 
 
 @pytest.mark.parametrize("logic", ["roundrobin", "prefixaware", "session"])
@@ -172,11 +176,8 @@ async def _hanging_backend(health: str) -> tuple[web.AppRunner, str]:
     app = web.Application()
     app.router.add_get("/health", check)
     app.router.add_post("/v1/completions", complete)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)  # its handlers never return
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    # its handlers never return
+    return await _serve(web.AppRunner(app, shutdown_timeout=0.1))
 
 
 @contextlib.asynccontextmanager
@@ -251,11 +252,7 @@ async def _adapter_backend(calls: list, status: int = 200) -> tuple[web.AppRunne
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/load_lora_adapter", adapter)
     app.router.add_post("/v1/unload_lora_adapter", adapter)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    return await _serve(web.AppRunner(app))
 
 
 def test_runtime_lora_routes_reach_every_backend():
