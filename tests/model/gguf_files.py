@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def decoder_writer(path: str, arch: str, config: Any) -> Any:
+def decoder_writer(path: str, arch: str, config: Any, head_count_kv: int | None = None) -> Any:
     """A ``gguf.GGUFWriter`` of architecture ``arch`` holding the metadata every llama.cpp
-    decoder file has, from a transformers ``config``: layers, context, widths, heads,
+    decoder file has, from a transformers ``config``: layers, context, widths, heads (KV
+    heads ``head_count_kv`` where the converter stores another count than the config's),
     RMSNorm epsilon, RoPE base and vocabulary size."""
     import gguf
 
@@ -17,7 +18,9 @@ def decoder_writer(path: str, arch: str, config: Any) -> Any:
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(
+        config.num_key_value_heads if head_count_kv is None else head_count_kv
+    )
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = getattr(config, "rope_parameters", None) or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 1e4))))

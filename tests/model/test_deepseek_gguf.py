@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.model.gguf_files import decoder_writer, finish
 from tests.model.test_deepseek_parity import MLA, YARN, save_deepseek
 from tests.model.test_qwen3_parity import mixed_batch_logits
 from tests.model.tolerance import assert_logits_close
@@ -25,16 +26,8 @@ def _write_deepseek2_gguf(hf, path: str, split_kv_b: bool, quantize: bool = Fals
 
     c = hf.config
     rope = c.rope_parameters
-    writer = gguf.GGUFWriter(path, "deepseek2")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(1)  # MLA stored as multi-query attention over the latent
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_vocab_size(c.vocab_size)
+    # MLA stored as multi-query attention over the latent: one KV head
+    writer = decoder_writer(path, "deepseek2", c, head_count_kv=1)
     writer.add_leading_dense_block_count(c.first_k_dense_replace)
     if c.q_lora_rank:
         writer.add_q_lora_rank(c.q_lora_rank)
@@ -93,10 +86,7 @@ def _write_deepseek2_gguf(hf, path: str, split_kv_b: bool, quantize: bool = Fals
             held[name] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(data.shape)
         else:
             held[name] = add(name_map.get_name(name, try_suffixes=(".weight", ".bias")), data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return held
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.model.gguf_files import decoder_writer
+from tests.model.gguf_files import decoder_writer, finish
 from tests.model.paged import PagedRunner
 from tokenmill.config import LoadConfig
 from tokenmill.engine_args import EngineArgs
@@ -74,10 +74,7 @@ def write_gguf(hf, kind: str, path: str) -> dict[str, torch.Tensor]:
         gguf_name = name_map.get_name(name.replace(".mlp.gate.", ".block_sparse_moe.gate."),
                                       try_suffixes=(".weight",))
         reference[name] = _add(writer, gguf_name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return reference
 
 
@@ -135,10 +132,7 @@ def test_unknown_gguf_architecture_is_refused_by_name(tmp_path):
     writer = gguf.GGUFWriter(path, "mamba")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises((ModelLoadError, ConfigError), match="'mamba'"):
         EngineArgs(model=path).create_engine_config()
 
@@ -156,10 +150,7 @@ def test_a_layer_past_the_block_count_is_refused(tmp_path):
     writer.add_block_count(1)
     for i in (0, 1):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(8, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     names = [f"model.layers.{i}.input_layernorm.weight" for i in (0, 1)]
     with pytest.raises(ModelLoadError, match=r"'blk\.1\.attn_norm\.weight' belongs to no layer"):
         list(iterate_gguf(path, names, num_heads=1, num_kv_heads=1))
@@ -214,10 +205,7 @@ def test_gguf_settings_out_of_range_are_refused(tmp_path, change, message):
         else:
             writer.add_float32(key, value)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     with pytest.raises((ModelLoadError, ConfigError), match=message):
         EngineArgs(model=path, tokenizer=path).create_engine_config()
 
@@ -232,10 +220,7 @@ def _one_tensor_gguf(path, data, raw_dtype=None, shape=None):
     else:
         writer.add_tensor("blk.0.ffn_down.weight", data, raw_shape=shape, raw_dtype=raw_dtype)
     writer.add_tensor("blk.0.ffn_norm.weight", np.ones(64, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def test_a_header_that_does_not_match_the_data_is_refused(tmp_path):
