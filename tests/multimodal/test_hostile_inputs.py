@@ -55,3 +55,16 @@ def test_mm_features_that_do_not_match_the_prompt_are_refused(llm):
                          use_tqdm=False)  # fmt: skip
         assert info.value.param == "mm_features"
     still_serves(llm)
+
+
+def test_one_mm_feature_outside_a_list_is_read_as_a_list_of_one(llm):
+    """``mm_features`` given as one feature (the check reads it as a list of one) reaches
+    the engine as that list: the same tokens as the list form."""
+    image_id = llm.llm_engine.config.model_config.hf_config.image_token_id
+    ids, [feature] = llm.llm_engine.input_processor.process_multimodal(
+        [1, image_id, 2], {"image": rgb(3)}
+    )
+    outs = [llm.generate({"prompt_token_ids": ids, "mm_features": f}, GREEDY,
+                         use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+            for f in (feature, [feature])]
+    assert outs[0] == outs[1]

@@ -171,9 +171,9 @@ class InputProcessor:
         except MediaError as e:
             raise InvalidRequestError(f"Invalid image input: {e}.", param) from None
 
-    def _check_mm_features(self, prompt_ids: list[int], features: Any) -> None:
-        """Check processed images given with a prompt (``mm_features``) against it: the
-        engine reads each one's placeholder range of the prompt.
+    def _check_mm_features(self, prompt_ids: list[int], features: Any) -> list[MultiModalFeature]:
+        """Processed images given with a prompt (``mm_features``: one, or a list), as a list
+        checked against the prompt: the engine reads each one's placeholder range of it.
 
         Raises:
             InvalidRequestError: the model takes no images, or the features are not
@@ -212,6 +212,7 @@ class InputProcessor:
                 f"{prompt_ids.count(image_id)} image placeholder tokens.",
                 "mm_features",
             )
+        return features
 
     def _resolve_eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
@@ -289,7 +290,7 @@ class InputProcessor:
                     prompt_ids, prompt["multi_modal_data"]
                 )
             elif mm_features:
-                self._check_mm_features(prompt_ids, mm_features)
+                mm_features = self._check_mm_features(prompt_ids, mm_features)
         if not mm_features and self.mm_processor is not None and (
             self.mm_processor.image_token_id in prompt_ids
         ):
