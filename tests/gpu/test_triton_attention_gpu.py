@@ -180,6 +180,31 @@ def test_sliding_window_and_soft_cap(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_bidirectional_spans(dtype):
+    """Gemma-3-4B-like layers (8 query heads over 4, head_dim 256, window 1024) whose prompts
+    hold 256-token image spans that attend both ways (``AttentionMetadata.last_key_pos``):
+    a fresh prompt with two spans, a chunk after cached context whose span began there."""
+    b = make_batch(
+        [1, 1, 900, 400], [3000, 100, 0, 1500], num_heads=8, num_kv_heads=4, head_dim=256,
+        dtype=dtype, num_decodes=2, query_scale=3.0,
+    )  # fmt: skip
+    spans = {2: [(10, 266), (300, 556)], 3: [(1400, 1656), (1700, 1900)]}
+    starts = b.metadata.query_start_loc_cpu.tolist()
+    last = []
+    for r in range(b.metadata.num_reqs):
+        seq_len, q_len = int(b.metadata.seq_lens_cpu[r]), starts[r + 1] - starts[r]
+        for pos in range(seq_len - q_len, seq_len):
+            ends = [hi - 1 for lo, hi in spans.get(r, []) if lo <= pos < hi]
+            last.append(ends[0] if ends else pos)
+    md = dataclasses.replace(b.metadata, last_key_pos=torch.tensor(last, dtype=torch.int32,
+                                                                    device=DEVICE))  # fmt: skip
+    b = dataclasses.replace(b, metadata=md)
+    check(b)
+    check(b, sliding_window=1024)
+    check(b, sliding_window=200, soft_cap=50.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_sinks_and_chunked_attention(dtype):
     """gpt-oss-like (64 query heads over 8, head_dim 64, window 128, sinks) and Llama-4-like
     (40 over 8, head_dim 128, chunks of 256) layers, over decodes split across programs, a

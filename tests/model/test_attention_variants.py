@@ -42,9 +42,12 @@ def sinks(num_heads: int) -> torch.Tensor:
     return SINKS[:num_heads].clone()
 
 
-def dense_reference(b: Batch, window=None, soft_cap=None, chunk=None, sink=None) -> torch.Tensor:
-    """Each query token's attention written out: its visible keys (causal; within the
-    window or its chunk), scaled scores, the cap, the sink in the denominator. float64."""
+def dense_reference(
+    b: Batch, window=None, soft_cap=None, chunk=None, sink=None, last_key_pos=None
+) -> torch.Tensor:
+    """Each query token's attention written out: its visible keys (causal, or up to
+    ``last_key_pos[t]``; within the window or its chunk), scaled scores, the cap, the sink in
+    the denominator. float64."""
     md = b.metadata
     h, hkv, d = b.num_heads, b.num_kv_heads, b.head_dim
     cache = torch.nan_to_num(b.kv_cache, nan=0.0).double()
@@ -65,6 +68,7 @@ def dense_reference(b: Batch, window=None, soft_cap=None, chunk=None, sink=None)
         k, v = flat_k[slots], flat_v[slots]  # [L, Hkv, D]
         for i in range(q_len):
             pos = seq_len - q_len + i
+            hi = pos + 1 if last_key_pos is None else int(last_key_pos[starts[r] + i]) + 1
             lo = 0
             if window is not None:
                 lo = max(0, pos - window + 1)
@@ -73,14 +77,14 @@ def dense_reference(b: Batch, window=None, soft_cap=None, chunk=None, sink=None)
             q = b.query[starts[r] + i].view(h, d).double()
             for head in range(h):
                 kv = head // (h // hkv)
-                s = (k[lo : pos + 1, kv] @ q[head]) * d**-0.5
+                s = (k[lo:hi, kv] @ q[head]) * d**-0.5
                 if soft_cap is not None:
                     s = soft_cap * torch.tanh(s / soft_cap)
                 w = torch.exp(s - s.max())
                 denom = w.sum()
                 if sink is not None:
                     denom = denom + math.exp(float(sink[head]) - float(s.max()))
-                out[starts[r] + i, head] = (w / denom) @ v[lo : pos + 1, kv]
+                out[starts[r] + i, head] = (w / denom) @ v[lo:hi, kv]
     return out.view(n, h * d)
 
 
@@ -254,3 +258,61 @@ def test_decode_with_rope_in_the_kernel_with_chunks_and_sinks(monkeypatch, small
                                    torch.nan_to_num(real.kv_cache, nan=0.0),
                                    dataclasses.replace(real.metadata))  # fmt: skip
         torch.testing.assert_close(out[:3], ref_out, atol=1e-4, rtol=1e-4)
+
+
+# ---- bidirectional spans (Gemma 3's image tokens) ------------------------------------------
+
+# Request 2 (a fresh 37-token prompt): two spans, the second ending before the chunk does;
+# request 3 (21 tokens after 50 cached): a span begun in the cached context, one ending the
+# chunk. Decodes have none.
+SPANS = {2: [(3, 19), (20, 36)], 3: [(45, 60), (62, 71)]}
+
+
+def with_spans(b: Batch, spans: dict[int, list[tuple[int, int]]]) -> Batch:
+    """``b`` with ``metadata.last_key_pos``: each token's own position, or ``end - 1`` for a
+    token in one of its request's spans ``[start, end)`` (absolute positions)."""
+    md = b.metadata
+    starts = md.query_start_loc_cpu.tolist()
+    last = torch.zeros(b.query.shape[0], dtype=torch.int32)
+    for r in range(md.num_reqs):
+        seq_len, q_len = int(md.seq_lens_cpu[r]), starts[r + 1] - starts[r]
+        for i in range(q_len):
+            pos = seq_len - q_len + i
+            ends = [hi - 1 for lo, hi in spans.get(r, []) if lo <= pos < hi]
+            last[starts[r] + i] = ends[0] if ends else pos
+    return dataclasses.replace(b, metadata=dataclasses.replace(md, last_key_pos=last))
+
+
+@pytest.mark.parametrize(
+    "features", [dict(), dict(window=9, soft_cap=3.0), dict(sink=True)], ids=str
+)
+def test_torch_reference_sees_whole_spans(features):
+    b = with_spans(
+        make_batch(MIXED_Q, MIXED_CTX, num_heads=8, num_kv_heads=2, num_decodes=2), SPANS
+    )
+    sink = sinks(8) if features.get("sink") else None
+    impl = TorchAttentionImpl(8, 16, 16**-0.5, 2, features.get("window"),
+                              features.get("soft_cap"), None, sink)  # fmt: skip
+    out = impl.forward(b.query, b.key, b.value, torch.nan_to_num(b.kv_cache, nan=0.0),
+                       dataclasses.replace(b.metadata))  # fmt: skip
+    expected = dense_reference(b, features.get("window"), features.get("soft_cap"), None, sink,
+                               b.metadata.last_key_pos)  # fmt: skip
+    torch.testing.assert_close(out[: len(expected)].double(), expected, atol=1e-5, rtol=1e-5)
+    causal = dense_reference(b, features.get("window"), features.get("soft_cap"), None, sink)
+    assert not torch.allclose(expected, causal)  # the spans change the outputs
+
+
+@pytest.mark.parametrize("tiles", ["fp32", "half"])
+def test_spans_in_a_mixed_batch(monkeypatch, tiles):
+    use_tiles(monkeypatch, *TILE_SHAPES[tiles])
+    b = with_spans(make_batch(MIXED_Q, MIXED_CTX, num_decodes=2), SPANS)
+    check(b)
+    check(b, sliding_window=12, soft_cap=5.0, sinks=sinks(4))
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_spans_over_prompt_key_splits(monkeypatch, small_tiles, splits):
+    monkeypatch.setattr(paged, "num_varlen_splits", lambda *args: splits)
+    b = with_spans(make_batch([37, 21], [0, 50]), {0: SPANS[2], 1: SPANS[3]})
+    check(b)
+    check(b, sliding_window=10)

@@ -10,6 +10,7 @@ rows of the cached outputs. A step with placeholders runs eagerly with ``inputs_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from tokenmill.core.scheduler_output import NewRequestData, SchedulerOutput
+from tokenmill.model.attention.backend import AttentionMetadata
 from tokenmill.multimodal.inputs import MultiModalFeature, SharedImageData
 
 logger = logging.getLogger(__name__)
@@ -41,11 +43,15 @@ class StepImages:
         embeds: ``[K, H]`` their embeddings.
         mrope_positions: ``[3, T]`` int64 rotary positions of the step when some token's
             three streams differ, else None.
+        last_key_pos: ``[T]`` int32, the last key each token sees
+            (``AttentionMetadata.last_key_pos``): a placeholder sees its whole image, for
+            models whose image tokens attend to each other both ways; else None.
     """
 
     token_index: torch.Tensor | None
     embeds: torch.Tensor | None
     mrope_positions: torch.Tensor | None
+    last_key_pos: torch.Tensor | None = None
 
 
 class MultiModalState:
@@ -53,7 +59,8 @@ class MultiModalState:
 
     Args:
         model: a multimodal model (``embed_input_ids``, ``encode_images``; with
-            ``uses_mrope`` also ``mrope_positions``).
+            ``uses_mrope`` also ``mrope_positions``; ``bidirectional_image_attention``:
+            an image's placeholders attend to each other both ways, Gemma 3).
         device: the model's device.
     """
 
@@ -61,6 +68,7 @@ class MultiModalState:
         self.model = model
         self.device = device
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.bidirectional = bool(getattr(model, "bidirectional_image_attention", False))
         self.cache: dict[str, torch.Tensor] = {}  # image hash -> [length, H] embeddings
         self.requests: dict[str, _RequestImages] = {}
         self.images = SharedImageData()
@@ -176,13 +184,19 @@ class MultiModalState:
         num_scheduled: np.ndarray,
         mrope: np.ndarray | None,
     ) -> StepImages | None:
-        """The placeholders among the step's tokens and their embeddings (None: none)."""
+        """The placeholders among the step's tokens and their embeddings (None: none).
+
+        For bidirectional models, each placeholder's last visible key is its image's last
+        placeholder: the scheduler keeps an image's placeholders in one chunk
+        (``EncoderCacheManager``), so that key is in this step or already cached."""
         index: list[np.ndarray] = []
         rows: list[torch.Tensor] = []
+        last: list[np.ndarray] = []
         start = 0
         for req_id, c, s in zip(req_ids, num_computed.tolist(), num_scheduled.tolist(),
                                 strict=True):  # fmt: skip
             state = self.requests.get(req_id)
+            own = np.arange(c, c + s, dtype=np.int32) if self.bidirectional else None
             if state is not None:
                 for f in state.features:
                     lo, hi = max(f.offset, c), min(f.end, c + s)
@@ -190,6 +204,10 @@ class MultiModalState:
                         continue
                     index.append(np.arange(start + lo - c, start + hi - c))
                     rows.append(self.cache[f.identifier][lo - f.offset : hi - f.offset])
+                    if own is not None:
+                        own[lo - c : hi - c] = f.end - 1
+            if own is not None:
+                last.append(own)
             start += s
         if not index and mrope is None:
             return None
@@ -197,16 +215,21 @@ class MultiModalState:
         if not index:
             return StepImages(None, None, mrope_t)
         token_index = torch.from_numpy(np.concatenate(index)).to(self.device)
-        return StepImages(token_index, torch.cat(rows), mrope_t)
+        last_key_pos = None
+        if last:
+            last_key_pos = torch.from_numpy(np.concatenate(last)).to(self.device)
+        return StepImages(token_index, torch.cat(rows), mrope_t, last_key_pos)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        metadata: object,
+        metadata: AttentionMetadata,
         images: StepImages,
     ) -> torch.Tensor:
         """The model over a step with image placeholders (eager)."""
+        if images.last_key_pos is not None:
+            metadata = dataclasses.replace(metadata, last_key_pos=images.last_key_pos)
         embeds = None
         if images.token_index is not None:
             embeds = self.model.embed_input_ids(input_ids)

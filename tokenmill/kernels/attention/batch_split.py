@@ -30,6 +30,7 @@ class PagedBatch(Protocol):
     uniform_grids: bool
     prefill_range: torch.Tensor | None
     reads_step_kv: bool
+    last_key_pos: torch.Tensor | None
 
 
 @dataclass

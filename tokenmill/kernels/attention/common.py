@@ -84,17 +84,18 @@ def sink_state(sinks_ptr, head, head_valid, holds_sink, m_i, l_i, USE_SINKS: tl.
 
 @triton.jit
 def tile_scores(
-    q, k, j, q_pos, kv_valid, window, sm_scale, soft_cap,
+    q, k, j, q_pos, q_last, kv_valid, window, sm_scale, soft_cap,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, CHUNKED: tl.constexpr,
 ):  # fmt: skip
     """Scores ``[M, BLOCK_N]`` of ``q [M, D_P]`` against ``k [D_P, BLOCK_N]`` in the log2
-    domain, soft-capped if asked, with the causal, sequence-end and local masks (-inf): with
-    ``USE_WINDOW`` a query sees no key before ``local_start``."""
+    domain, soft-capped if asked, with the causal, sequence-end and local masks (-inf): a
+    query sees no key after ``q_last`` (its own position ``q_pos``, or later for a token of
+    a bidirectional span) and, with ``USE_WINDOW``, none before ``local_start(q_pos)``."""
     s = scaled_scores(tl.dot(q, k, input_precision=DOT_PRECISION), sm_scale, soft_cap,
                       USE_SOFTCAP)  # fmt: skip
     if MASKED:
-        visible = (j[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+        visible = (j[None, :] <= q_last[:, None]) & kv_valid[None, :]
         if USE_WINDOW:
             visible = visible & (j[None, :] >= local_start(q_pos, window, CHUNKED)[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -118,6 +119,7 @@ def attend_tiles(
     l_i,
     q,
     q_pos,
+    q_last,
     k_cache_ptr,
     v_cache_ptr,
     block_row_ptr,
@@ -144,7 +146,8 @@ def attend_tiles(
     """Fold the key tiles ``[start, end)`` (step ``BLOCK_N``) into the online softmax state.
 
     ``acc`` ``[M, D_P]`` fp32, ``m_i``/``l_i`` ``[M]`` fp32 (log2 domain), ``q`` ``[M, D_P]``,
-    ``q_pos`` ``[M]`` int32 positions of the query rows. ``MASKED`` tiles apply the causal,
+    ``q_pos`` ``[M]`` int32 positions of the query rows, ``q_last`` ``[M]`` int32 the last key
+    position each row sees (``q_pos`` where attention is causal). ``MASKED`` tiles apply the causal,
     sequence-end and local (window or chunk: ``local_start``) masks and load no key outside
     ``[kv_lo, seq_len)`` (slots there may hold stale data, NaN included); unmasked tiles must
     be fully visible to every row.
@@ -165,7 +168,7 @@ def attend_tiles(
         # K is read transposed, [D_P, BLOCK_N], so q @ k needs no shuffle.
         k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=kt_mask, other=0.0)
         k = k.to(q.dtype)  # FP8 caches: widened for the product
-        s = tile_scores(q, k, j, q_pos, kv_valid, window, sm_scale, soft_cap,
+        s = tile_scores(q, k, j, q_pos, q_last, kv_valid, window, sm_scale, soft_cap,
                         MASKED, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, CHUNKED)  # fmt: skip
         m_i, l_i, alpha, p = softmax_step(m_i, l_i, s)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=v_mask, other=0.0)

@@ -348,12 +348,12 @@ def decode_attention_kernel(
     m_i = tl.zeros([GROUP_P], dtype=tl.float32) + M_INIT
     l_i = tl.zeros([GROUP_P], dtype=tl.float32)
     m_i, l_i = sink_state(sinks_ptr, head, g < GROUP, split == 0, m_i, l_i, USE_SINKS)
-    s0 = tile_scores(q, k0, j, q_pos, first_valid, window, sm_scale, soft_cap,
+    s0 = tile_scores(q, k0, j, q_pos, q_pos, first_valid, window, sm_scale, soft_cap,
                      True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, CHUNKED)  # fmt: skip
     m_i, l_i, alpha, p = softmax_step(m_i, l_i, s0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v0.dtype), v0, input_precision=DOT_PRECISION)
     acc, m_i, l_i = attend_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr,
+        acc, m_i, l_i, q, q_pos, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr,
         kv_head * stride_ch, kv_lo, last, window, sm_scale, soft_cap, start + BLOCK_N, end,
         stride_cb, stride_cs, True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE,
         BLOCK_N, DOT_PRECISION, CHUNKED,

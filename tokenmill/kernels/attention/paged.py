@@ -493,11 +493,14 @@ class PagedAttention:
     ) -> None:
         launch = self._launches("varlen", out, query, kv_cache, batch, split)
         part_out, part_lse = launch.workspace or (out, out)
+        key_limits = batch.last_key_pos
         prefill_range = batch.prefill_range if split.uniform else batch.query_start_loc
         prefill_kernels.varlen_attention_kernel[launch.grid](
             out, part_out, part_lse, query, kv_cache[0], kv_cache[1], batch.block_table,
             batch.seq_lens, batch.query_start_loc, prefill_range,
-            sinks_ptr=self._sinks_arg(query), **launch.kwargs,
+            sinks_ptr=self._sinks_arg(query),
+            last_key_pos_ptr=batch.seq_lens if key_limits is None else key_limits,
+            KEY_LIMITS=key_limits is not None, **launch.kwargs,
         )  # fmt: skip
         if launch.reduce_grid:
             prefill_kernels.varlen_reduce_kernel[launch.reduce_grid](

@@ -98,13 +98,15 @@ def shared_prefix_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     block_row_ptr = block_table_ptr + req_offset.to(tl.int64) * stride_bt
     acc, m_i, l_i = attend_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head * stride_ch,
-        0, prefix_len, 0, sm_scale, soft_cap, start, full_end, stride_cb, stride_cs,
+        acc, m_i, l_i, q, q_pos, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr,
+        kv_head * stride_ch, 0, prefix_len, 0, sm_scale, soft_cap, start, full_end, stride_cb,
+        stride_cs,
         False, False, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False,
     )  # fmt: skip
     acc, m_i, l_i = attend_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head * stride_ch,
-        0, prefix_len, 0, sm_scale, soft_cap, full_end, end, stride_cb, stride_cs,
+        acc, m_i, l_i, q, q_pos, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr,
+        kv_head * stride_ch, 0, prefix_len, 0, sm_scale, soft_cap, full_end, end, stride_cb,
+        stride_cs,
         True, False, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION, False,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -190,6 +192,7 @@ def varlen_attention_kernel(
     stride_lr,
     stride_lh,
     sinks_ptr,
+    last_key_pos_ptr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
@@ -204,6 +207,7 @@ def varlen_attention_kernel(
     CHUNKED: tl.constexpr,
     USE_SINKS: tl.constexpr,
     UNIFORM: tl.constexpr,
+    KEY_LIMITS: tl.constexpr,
 ):
     """Program (query block, KV head, split): ``BLOCK_Q`` consecutive query tokens of one
     sequence times the ``GROUP`` heads of one KV head, ``BLOCK_Q * GROUP_P`` rows in all,
@@ -214,7 +218,10 @@ def varlen_attention_kernel(
     The tokens are the last ``q_len`` positions of a ``seq_len``-token context, so token
     ``t`` of the chunk sits at position ``seq_len - q_len + t`` and sees keys up to it (and,
     in local layers, from its ``local_start`` on: above ``pos - window``, or with ``CHUNKED``
-    within its chunk of ``window`` tokens). Key tiles visible to every row skip the masks;
+    within its chunk of ``window`` tokens). With ``KEY_LIMITS`` a token sees keys up to
+    ``last_key_pos[token]`` instead (int32, absolute, at least its own position, at most
+    the context's last: a token of a bidirectional span, Gemma 3's image tokens, sees its
+    whole span); the local start stays its own. Key tiles visible to every row skip the masks;
     only the tiles on the diagonal and at the local edge pay for them. With ``USE_SINKS``
     the first split starts each row's softmax from its head's sink logit (``sink_state``).
     With one split the result goes to ``out``; with more (a short chunk after a long
@@ -276,6 +283,10 @@ def varlen_attention_kernel(
 
     first_pos = context_len + q_block * BLOCK_Q
     end = tl.minimum(first_pos + BLOCK_Q, seq_len)  # one past the last query position
+    q_last = q_pos
+    if KEY_LIMITS:
+        q_last = tl.maximum(tl.load(last_key_pos_ptr + qo_rows, mask=row_valid, other=0), q_pos)
+        end = tl.minimum(tl.maximum(end, tl.max(tl.where(row_valid, q_last, 0), 0) + 1), seq_len)
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # tiles below it are causal for all rows
     kv_lo = 0  # the first row's local start: no row sees keys below it
     full_lo = 0  # the last row's local start, rounded up to a tile: every row sees above it
@@ -298,21 +309,21 @@ def varlen_attention_kernel(
     block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
     kv_head_offset = kv_head * stride_ch
     acc, m_i, l_i = attend_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
+        acc, m_i, l_i, q, q_pos, q_last, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
         kv_lo, seq_len, window, sm_scale, soft_cap, tl.maximum(lo, split_lo),
         tl.minimum(mid_lo, split_hi), stride_cb, stride_cs,
         True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
         CHUNKED,
     )  # fmt: skip
     acc, m_i, l_i = attend_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
+        acc, m_i, l_i, q, q_pos, q_last, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
         kv_lo, seq_len, window, sm_scale, soft_cap, tl.maximum(mid_lo, split_lo),
         tl.minimum(mid_hi, split_hi), stride_cb, stride_cs,
         False, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,
         CHUNKED,
     )  # fmt: skip
     acc, m_i, l_i = attend_tiles(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
+        acc, m_i, l_i, q, q_pos, q_last, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head_offset,
         kv_lo, seq_len, window, sm_scale, soft_cap, tl.maximum(mid_hi, split_lo),
         tl.minimum(end, split_hi), stride_cb, stride_cs,
         True, USE_WINDOW, USE_SOFTCAP, HEAD_DIM, D_P, BLOCK_SIZE, BLOCK_N, DOT_PRECISION,

@@ -59,6 +59,14 @@ class AttentionMetadata:
             must not read the cache before the step's KV writes have completed; without
             it, every cache slot a request reads other than its own new ones was written
             by an earlier step.
+        last_key_pos: ``[num_tokens]`` int32 on the device, the position of the last key
+            each query token sees: its own where attention is causal, the last token of its
+            span for a token of a bidirectional span (Gemma 3's image placeholders, which
+            attend to each other both ways); local windows still count from the token's own
+            position. None: causal everywhere. Every span lies wholly in the step's chunk
+            of its request (the scheduler never ends a chunk inside one), so the keys a
+            token sees are always in the cache when it attends; such steps run eagerly,
+            never with ``uniform_grids``.
         backend_state: what a backend works out once per step and its layers share (the
             Triton backend's batch split, split workspaces and launches), by backend name;
             empty in a new metadata, ``dataclasses.replace`` included. A captured CUDA
@@ -80,6 +88,7 @@ class AttentionMetadata:
     uniform_grids: bool = False
     prefill_range: torch.Tensor | None = None
     reads_step_kv: bool = False
+    last_key_pos: torch.Tensor | None = None
     backend_state: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
 

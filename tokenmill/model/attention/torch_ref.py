@@ -174,9 +174,11 @@ class TorchAttentionImpl(AttentionImpl):
             o[plan["decode_tokens"]] = self._decode(q, kv_cache, metadata, plan)
         starts = plan["starts"]
         seq_lens = plan["seq_lens"]
+        last_key_pos = metadata.last_key_pos
         for i in plan["prefill_reqs"]:
             s, e = starts[i], starts[i + 1]
-            o[s:e] = self._prefill(q[s:e], kv_cache, metadata.block_table[i], seq_lens[i])
+            last = None if last_key_pos is None else last_key_pos[s:e]
+            o[s:e] = self._prefill(q[s:e], kv_cache, metadata.block_table[i], seq_lens[i], last)
         return out
 
     def host_decode_rotary(self, query: torch.Tensor, kv_cache: torch.Tensor, rope: Any) -> bool:
@@ -226,10 +228,13 @@ class TorchAttentionImpl(AttentionImpl):
         out[rows] = o
         return out
 
-    def _window_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """True where a query at ``q_pos`` may see a key at ``k_pos`` (causal, and within
-        the sliding window or the query's attention chunk)."""
-        mask = k_pos <= q_pos
+    def _window_mask(
+        self, q_pos: torch.Tensor, k_pos: torch.Tensor, q_last: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """True where a query at ``q_pos`` may see a key at ``k_pos`` (up to ``q_last``,
+        by default ``q_pos``: causal; and within the sliding window or the query's
+        attention chunk)."""
+        mask = k_pos <= (q_pos if q_last is None else q_last)
         if self.sliding_window is not None:
             mask &= k_pos > q_pos - self.sliding_window
         if self.attention_chunk_size is not None:
@@ -237,21 +242,30 @@ class TorchAttentionImpl(AttentionImpl):
         return mask
 
     def _prefill(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        seq_len: int,
+        last_key_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """One request's prompt chunk ``q`` ``[q_len, H, D]`` (the last ``q_len`` of its
+        ``seq_len`` positions) over its cached keys; ``last_key_pos`` ``[q_len]``: the last
+        key each token sees (``AttentionMetadata.last_key_pos``), None: causal."""
         q_len = q.shape[0]
         bs = kv_cache.shape[2]
         slots = context_slots(block_ids[: cdiv(seq_len, bs)], seq_len, bs)
         k, v = (gather_slots(kv_cache[i], slots).to(q.dtype) for i in (0, 1))
         qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         local = self.sliding_window is not None or self.attention_chunk_size is not None
-        if q_len == seq_len and not local:
+        if q_len == seq_len and not local and last_key_pos is None:
             out = _attend(qt, kt, vt, None, self.scale, self.logits_soft_cap, is_causal=True,
                           sinks=self.sinks)  # fmt: skip
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
             k_pos = torch.arange(seq_len, device=q.device)[None, :]
-            mask = self._window_mask(q_pos, k_pos)
+            q_last = None if last_key_pos is None else last_key_pos.to(q_pos.dtype)[:, None]
+            mask = self._window_mask(q_pos, k_pos, q_last)
             out = _attend(qt, kt, vt, mask, self.scale, self.logits_soft_cap, sinks=self.sinks)
         return out.squeeze(0).transpose(0, 1)
 
