@@ -248,6 +248,11 @@ class SchedulerConfig:
             paced step, beside its decodes).
         stream_interval: streamed (DELTA) outputs carry a request's tokens in chunks of at
             least this many, but for its first output and its last (vLLM's).
+        disable_chunked_mm_input: an image's placeholders are never split over two
+            prompt chunks (vLLM's): a chunk that would end inside one ends before it, and
+            one that starts inside it (after a prefix-cache hit) takes all of its rest,
+            past ``long_prefill_token_threshold`` and prefill pacing. Always on for models
+            whose image tokens attend to each other both ways (Gemma 3).
     """
 
     max_num_batched_tokens: int
@@ -261,6 +266,7 @@ class SchedulerConfig:
     prefill_pacing_tokens: int = 0
     prefill_pacing_mode: Literal["prompt", "step"] = "step"
     stream_interval: int = 1
+    disable_chunked_mm_input: bool = False
 
 
 DistributedExecutorBackend = Literal["uni", "mp", "ray"]

@@ -155,6 +155,12 @@ class EngineArgs:
     long_prefill_token_threshold: int = _flag(
         "If > 0, a prompt chunk takes at most this many tokens of a step.", default=0
     )
+    disable_chunked_mm_input: bool = _flag(
+        "Never split an image's placeholder tokens over two prompt chunks: a chunk that "
+        "would end inside an image ends before it (always on for Gemma 3, whose image "
+        "tokens attend to each other both ways).",
+        default=False,
+    )
     stream_interval: int = _flag(
         "Streamed responses send a request's tokens in chunks of this many (the first token "
         "and the last chunk at once): fewer, larger chunks cost the server less per token. "

@@ -8,6 +8,7 @@ from typing import Any
 
 from tokenmill.config import ConfigError, ModelConfig, SchedulerConfig
 from tokenmill.core.prefill_pacing import SERVING_PACING_TOKENS
+from tokenmill.multimodal.config import BIDIRECTIONAL_IMAGE_ARCHITECTURES
 
 
 def create_scheduler_config(
@@ -55,7 +56,29 @@ def create_scheduler_config(
         prefill_pacing_tokens=pacing_tokens,
         prefill_pacing_mode=args.prefill_pacing_mode or "step",  # type: ignore[arg-type]
         stream_interval=args.stream_interval,
+        disable_chunked_mm_input=_whole_images(args, model_config, max_tokens),
     )
+
+def _whole_images(args: Any, model_config: ModelConfig, max_tokens: int) -> bool:
+    """``--disable-chunked-mm-input``, forced on for models whose image tokens attend to
+    each other both ways (their images' tokens must be computed in one step).
+
+    Raises:
+        ConfigError: such a model with a step budget below the tokens of one image.
+    """
+    if model_config.multimodal_config is None:
+        return bool(args.disable_chunked_mm_input)
+    if model_config.architecture not in BIDIRECTIONAL_IMAGE_ARCHITECTURES:
+        return bool(args.disable_chunked_mm_input)
+    per_image = model_config.hf_config.get("mm_tokens_per_image")
+    if per_image and max_tokens < per_image:
+        raise ConfigError(
+            f"--max-num-batched-tokens {max_tokens} is below the {per_image} tokens of one "
+            f"image: {model_config.architecture}'s image tokens attend to each other both "
+            "ways, so an image's tokens are computed in one step"
+        )
+    return True
+
 
 def _async_scheduling(args: Any, device: str, speculative: bool) -> bool:
     if speculative:

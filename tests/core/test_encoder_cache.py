@@ -167,3 +167,57 @@ def test_the_image_of_a_preempted_request_is_encoded_for_the_request_that_reads_
         assert so.scheduled_encoder_inputs == {"y": [0]}
         while sched.requests:
             run_step(sched)
+
+
+def whole_image_scheduler(budget: int, **config) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4, max_model_len=256,
+                        admission_headroom=False, disable_chunked_mm_input=True, **config),
+        CacheConfig(block_size=4, enable_prefix_caching=True),
+        num_blocks=64,
+    )  # fmt: skip
+
+
+def test_whole_images_are_never_split_even_when_cached():
+    # Split: the cached image's placeholders read the cache from any chunk.
+    sched = make_scheduler(budget=32)
+    sched.add_request(image_request("a", [2, ("img", 30)]))
+    while sched.requests:
+        run_step(sched)
+    sched.add_request(image_request("b", [10, ("img", 30), 10]))
+    assert run_step(sched).num_scheduled_tokens == {"b": 32}
+    # Whole: the chunk stops before the image, then takes it in one step.
+    sched = whole_image_scheduler(budget=32)
+    sched.add_request(image_request("a", [2, ("img", 30)]))
+    while sched.requests:
+        run_step(sched)
+    sched.add_request(image_request("b", [10, ("img", 30), 10]))
+    plans = [run_step(sched) for _ in range(3)]
+    assert [p.num_scheduled_tokens["b"] for p in plans] == [10, 32, 8]
+    assert [p.scheduled_encoder_inputs for p in plans] == [{}, {}, {}]  # cached
+
+
+def test_a_chunk_starting_inside_an_image_takes_the_rest_of_it_past_the_chunk_limit():
+    # Chunks of one token; the second request's prefix-cache hit (24 tokens, whole blocks)
+    # ends 2 tokens before its image does.
+    sched = whole_image_scheduler(budget=32, long_prefill_token_threshold=1)
+    sched.add_request(image_request("a", [6, ("img", 20)]))
+    chunks = []
+    while sched.requests:
+        chunks.append(run_step(sched).num_scheduled_tokens.get("a"))
+    assert chunks[:7] == [1] * 6 + [20]  # text, then the image whole
+    sched.add_request(image_request("b", [6, ("img", 20), 3]))
+    assert run_step(sched).num_scheduled_tokens == {"b": 2}
+    assert sched.requests["b"].num_computed_tokens == 26  # 24 hit + the image's last 2
+    assert [run_step(sched).num_scheduled_tokens["b"] for _ in range(3)] == [1, 1, 1]
+
+
+def test_a_chunk_inside_an_image_waits_for_a_step_with_room_for_its_rest():
+    sched = whole_image_scheduler(budget=32)
+    req = image_request("a", [6, ("img", 20)])
+    sched.add_request(req)
+    enc = sched.encoder_cache
+    step = enc.begin_step()
+    assert enc.clip(req, 24, 1, step, token_budget=1) == (0, [])
+    assert enc.clip(req, 24, 1, step, token_budget=2) == (2, [0])
+    assert enc.clip(req, 4, 10, step, token_budget=32) == (2, [])  # stops before it

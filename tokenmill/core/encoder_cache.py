@@ -10,6 +10,11 @@ Scheduling rule (vLLM's encoder budget): a step encodes images of at most
 across two chunks: the chunk stops before it and the image is encoded whole in a later step
 (with its placeholders in one chunk), unless the image starts the chunk and does not fit it
 (then it is encoded whole and its remaining placeholders read the cached output next step).
+
+With ``whole_images`` (``SchedulerConfig.disable_chunked_mm_input``), no chunk ends inside
+an image, cached or not: the chunk ends before it, and a chunk that starts inside one (after
+a prefix-cache hit) takes the rest of it whole, beyond the chunk's soft limits
+(``long_prefill_token_threshold``, prefill pacing) if the step's token budget holds it.
 """
 
 from __future__ import annotations
@@ -42,11 +47,13 @@ class EncoderCacheManager:
         capacity: placeholder tokens the cache holds (an image larger than that is still
             encoded, and held alone).
         encoder_budget: placeholder tokens of the images one step may encode.
+        whole_images: never end a chunk inside an image (module docstring).
     """
 
-    def __init__(self, capacity: int, encoder_budget: int) -> None:
+    def __init__(self, capacity: int, encoder_budget: int, whole_images: bool = False) -> None:
         self.capacity = capacity
         self.encoder_budget = encoder_budget
+        self.whole_images = whole_images
         self._entries: OrderedDict[str, int] = OrderedDict()  # id -> tokens, LRU first
         self._used = 0
         self._freed: list[str] = []
@@ -59,10 +66,12 @@ class EncoderCacheManager:
         return identifier in self._entries
 
     def clip(
-        self, request: Request, num_computed: int, num_new: int, step: EncoderStep
-    ) -> tuple[int, list[int]]:
+        self, request: Request, num_computed: int, num_new: int, step: EncoderStep,
+        token_budget: int | None = None,
+    ) -> tuple[int, list[int]]:  # fmt: skip
         """Shorten a chunk ``[num_computed, num_computed + num_new)`` of ``request`` to the
-        rule above.
+        rule above (with ``whole_images``, possibly lengthen it, to at most
+        ``token_budget`` tokens: what the step has left; ``num_new`` when None).
 
         Returns:
             ``(tokens to schedule, indices of the images to encode for them)``: the chunk
@@ -74,6 +83,10 @@ class EncoderCacheManager:
         encoding: set[str] = set()  # an image repeated in the prompt is encoded once
         budget = step.budget
         end = num_computed + num_new
+        if self.whole_images:
+            end = self._whole_image_end(request, num_computed, end, token_budget or num_new)
+            if end == num_computed:
+                return 0, []
         # The cached outputs the chunk reads may not make room for the ones it encodes.
         keep = step.pinned | self._read_by(request, num_computed, end)
         for i, f in enumerate(request.mm_features):
@@ -92,6 +105,21 @@ class EncoderCacheManager:
             encoding.add(f.identifier)
             budget -= f.length
         return end - num_computed, to_encode
+
+    @staticmethod
+    def _whole_image_end(request: Request, num_computed: int, end: int, token_budget: int) -> int:
+        """The chunk's end moved off any image it would end inside: before the image, or
+        past it where the chunk starts inside it and ``token_budget`` allows (else the chunk
+        is empty)."""
+        for f in request.mm_features:
+            if f.offset >= end:
+                break
+            if f.end <= end or f.end <= num_computed:
+                continue
+            if f.offset > num_computed:
+                return f.offset
+            return f.end if f.end - num_computed <= token_budget else num_computed
+        return end
 
     def commit(
         self, request: Request, num_computed: int, num_new: int, to_encode: list[int],

@@ -150,7 +150,10 @@ class Scheduler:
         # Images: encoder outputs of up to one step's token budget are cached, and a step
         # encodes up to that many placeholder tokens.
         budget = self.max_num_batched_tokens
-        self.encoder_cache = EncoderCacheManager(capacity=budget, encoder_budget=budget)
+        self.encoder_cache = EncoderCacheManager(
+            capacity=budget, encoder_budget=budget,
+            whole_images=self.scheduler_config.disable_chunked_mm_input,
+        )  # fmt: skip
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=cache_config.block_size,
@@ -299,7 +302,9 @@ class Scheduler:
                 request, num_computed, plan.budget_for(request)
             )
             encoder = self.encoder_cache
-            num_new, to_encode = encoder.clip(request, num_computed, num_new, plan.encoder)
+            num_new, to_encode = encoder.clip(
+                request, num_computed, num_new, plan.encoder, plan.token_budget
+            )
             if num_new == 0:
                 continue
             new_block_ids = self._allocate_or_preempt(request, num_new, plan)
@@ -390,7 +395,9 @@ class Scheduler:
             budget = plan.budget_for(request)
             num_new = self._num_tokens_to_schedule(request, num_hit_tokens, budget)
             encoder = self.encoder_cache
-            num_new, to_encode = encoder.clip(request, num_hit_tokens, num_new, plan.encoder)
+            num_new, to_encode = encoder.clip(
+                request, num_hit_tokens, num_new, plan.encoder, plan.token_budget
+            )
             if num_new == 0:
                 # The prompt does not fit (chunked prefill off), or the step's prefill
                 # allowance is spent: it waits.

@@ -27,7 +27,7 @@ from tokenmill.core.engine_io import EngineCoreOutputs, SchedulerStats
 from tokenmill.engine.async_tokenizer import AsyncTokenizer
 from tokenmill.engine.engine_core_proc import MSG_ABORT, MSG_ADD, MSG_OUT, MSG_UTILITY
 from tokenmill.engine.engine_procs import EngineDeadError, EngineProcs
-from tokenmill.engine.input_processor import InputProcessor
+from tokenmill.engine.input_processor import InputProcessor, whole_image_budget
 from tokenmill.engine.output_processor import IterationStats, OutputProcessor
 from tokenmill.engine.request_collector import RequestOutputCollector
 from tokenmill.engine.stage_timings import FRONT_END_TIMINGS
@@ -122,6 +122,7 @@ class AsyncLLM:
                 mc, self.tokenizer, mc.max_logprobs, config.scheduler_config.max_num_seqs,
                 config.parallel_config.pipeline_parallel_size,
                 speculative=config.speculative_config is not None,
+                max_image_tokens=whole_image_budget(config.scheduler_config),
             )
             self.output_processor = OutputProcessor(
                 self.tokenizer, log_stats=bool(self.stat_loggers),

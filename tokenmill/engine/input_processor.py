@@ -29,7 +29,7 @@ from tokenmill.tokenizer import encode_prompt
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from tokenmill.config import ModelConfig
+    from tokenmill.config import ModelConfig, SchedulerConfig
 
 # A prompt: text, token ids, or a dict with "prompt" (text) or "prompt_token_ids"
 # (optionally "cache_salt", and "multi_modal_data": {"image": a PIL image or a list of them}).
@@ -66,6 +66,15 @@ class ProcessedRequest:
     arrival_time: float
 
 
+def whole_image_budget(scheduler_config: SchedulerConfig) -> int | None:
+    """The most placeholder tokens one image may take under ``scheduler_config``: the step
+    budget where images are never split over chunks (``disable_chunked_mm_input``), else
+    None (an image larger than a step is split)."""
+    if scheduler_config.disable_chunked_mm_input:
+        return scheduler_config.max_num_batched_tokens
+    return None
+
+
 def truncate_prompt(
     prompt_ids: list[int], k: int, max_model_len: int, max_tokens: int | None
 ) -> list[int]:
@@ -98,6 +107,9 @@ class InputProcessor:
             may not exceed it); None: no limit.
         pipeline_parallel_size: the engine's pipeline stages (beam search needs one).
         speculative: the engine runs speculative decoding (beam search is refused then).
+        max_image_tokens: the most placeholder tokens one image may take, where the
+            scheduler never splits an image over two chunks (``whole_image_budget``); an
+            image needing more is a 400. None: no such bound.
     """
 
     def __init__(
@@ -108,8 +120,10 @@ class InputProcessor:
         max_num_seqs: int | None = None,
         pipeline_parallel_size: int = 1,
         speculative: bool = False,
+        max_image_tokens: int | None = None,
     ) -> None:
         self.model_config = model_config
+        self.max_image_tokens = max_image_tokens
         self.speculative = speculative
         self.pipeline_parallel_size = pipeline_parallel_size
         self.max_num_seqs = max_num_seqs
@@ -214,6 +228,19 @@ class InputProcessor:
             )
         return features
 
+    def _check_whole_images(self, features: list[MultiModalFeature]) -> None:
+        """Raises InvalidRequestError for an image with more placeholders than a step
+        computes: it could never be scheduled whole."""
+        assert self.max_image_tokens is not None
+        for i, f in enumerate(features):
+            if f.length > self.max_image_tokens:
+                raise InvalidRequestError(
+                    f"image {i} takes {f.length} tokens, more than the "
+                    f"{self.max_image_tokens} a step computes (--max-num-batched-tokens), and "
+                    "an image's tokens are computed in one step here",
+                    "multi_modal_data",
+                )
+
     def _resolve_eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -300,6 +327,8 @@ class InputProcessor:
                 f"the prompt holds the image placeholder token "
                 f"(id {self.mm_processor.image_token_id}) but no image was given.", "prompt"
             )
+        if mm_features and self.max_image_tokens is not None:
+            self._check_whole_images(mm_features)
         if mm_features and params.truncate_prompt_tokens is not None:
             raise InvalidRequestError(
                 "truncate_prompt_tokens cannot be used with images (it could cut an image's "

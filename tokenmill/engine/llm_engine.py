@@ -13,7 +13,11 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_io import EngineCoreOutputs, SchedulerStats, SpecDecodingStats
 from tokenmill.engine.engine_core import EngineCore
-from tokenmill.engine.input_processor import InputProcessor, ProcessedRequest
+from tokenmill.engine.input_processor import (
+    InputProcessor,
+    ProcessedRequest,
+    whole_image_budget,
+)
 from tokenmill.engine.output_processor import IterationStats, OutputProcessor
 from tokenmill.engine_args import EngineArgs, UsageContext
 from tokenmill.lora.request import LoRARequest
@@ -70,6 +74,7 @@ class LLMEngine:
             mc, self.tokenizer, mc.max_logprobs, config.scheduler_config.max_num_seqs,
             config.parallel_config.pipeline_parallel_size,
             speculative=config.speculative_config is not None,
+            max_image_tokens=whole_image_budget(config.scheduler_config),
         )
         self.output_processor = OutputProcessor(
             self.tokenizer, log_stats=log_stats,

@@ -37,6 +37,10 @@ class MultiModalConfig:
     allowed_local_media_path: str | None = None
 
 
+# Models whose image placeholders attend to each other both ways (transformers' Gemma 3
+# masks: causal OR same image): an image's placeholders are computed in one step.
+BIDIRECTIONAL_IMAGE_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
+
 # Checkpoints with a vision encoder whose language model tokenmill serves alone (the vision
 # tower is not loaded): text prompts only, image flags refused.
 TEXT_ONLY_ARCHITECTURES = {"Llama4ForConditionalGeneration"}
