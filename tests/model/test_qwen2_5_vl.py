@@ -133,6 +133,41 @@ def test_greedy_tokens_do_not_depend_on_chunks_or_the_batch(checkpoint, llm):
     """Both cases in one batch, on an engine whose 32-token steps split the prompts (and a
     64-placeholder image) into chunks, give the tokens each gets alone on ``llm``."""
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    chats = _case_chats()
+    alone = [llm.chat(c, params, use_tqdm=False)[0].outputs[0].token_ids for c in chats]
+    small = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=1024,
+                max_num_batched_tokens=32)  # fmt: skip
+    together = small.chat(chats, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == alone
+
+
+def test_images_kept_whole_give_the_same_tokens_and_one_over_the_budget_is_refused(
+    checkpoint, llm
+):
+    """``disable_chunked_mm_input``: chunks end before an image (64 placeholders here) and
+    take it in one step; the tokens do not change. An image with more placeholders than a
+    step's budget could never be scheduled: refused."""
+    from tokenmill.engine.input_processor import InvalidRequestError
+
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    chats = _case_chats()
+    alone = [llm.chat(c, params, use_tqdm=False)[0].outputs[0].token_ids for c in chats]
+    whole = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=1024,
+                max_num_batched_tokens=64, disable_chunked_mm_input=True)  # fmt: skip
+    together = whole.chat(chats, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == alone
+    del whole
+    small = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=1024,
+                max_num_batched_tokens=32, disable_chunked_mm_input=True)  # fmt: skip
+    big = [{"role": "user", "content": [{"type": "image_pil", "image_pil": _image(5, 224, 224)},
+                                        {"type": "text", "text": "Hi"}]}]  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="takes 64 tokens, more than the 32"):
+        small.chat(big, params, use_tqdm=False)
+    text_only = [{"role": "user", "content": "Hi"}]
+    assert small.chat(text_only, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def _case_chats() -> list[list[dict]]:
     chats = []
     for specs, parts in CASES.values():
         it = iter([_image(*s) for s in specs])
@@ -141,11 +176,7 @@ def test_greedy_tokens_do_not_depend_on_chunks_or_the_batch(checkpoint, llm):
             else {"type": "text", "text": p}
             for p in parts
         ]}])  # fmt: skip
-    alone = [llm.chat(c, params, use_tqdm=False)[0].outputs[0].token_ids for c in chats]
-    small = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=1024,
-                max_num_batched_tokens=32)  # fmt: skip
-    together = small.chat(chats, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in together] == alone
+    return chats
 
 
 def test_generate_with_multi_modal_data_gives_the_chat_tokens(llm):
