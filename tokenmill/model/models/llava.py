@@ -53,7 +53,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         super().__init__(model_config, backend)
         config = self.config
         vision = dict(config.vision_config)
-        self.vision_tower = _vision_tower(vision)
+        self.vision_tower = hf_vision_tower(vision)
         layer = config.get("vision_feature_layer", -2)
         self.feature_layers = [layer] if isinstance(layer, int) else list(layer)
         self.drop_cls = config.get("vision_feature_select_strategy", "default") == "default"
@@ -82,10 +82,13 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
     ) -> None:
-        super().load_weights(((_rename(n), t) for n, t in weights), source)
+        super().load_weights(((vlm_checkpoint_name(n), t) for n, t in weights), source)
 
 
-def _rename(name: str) -> str:
+def vlm_checkpoint_name(name: str) -> str:
+    """A vision-language checkpoint's tensor name (transformers 4 or 5 layout) -> ours:
+    the language model under ``model.`` / ``lm_head.``, the tower under ``vision_tower.``
+    (its ``vision_model.`` level dropped), the projector under ``multi_modal_projector.``."""
     for old, new in _RENAMES:
         if name.startswith(old):
             name = new + name[len(old) :]
@@ -93,7 +96,7 @@ def _rename(name: str) -> str:
     return name.replace("vision_tower.vision_model.", "vision_tower.")
 
 
-def _vision_tower(vision_config: dict) -> nn.Module:
+def hf_vision_tower(vision_config: dict) -> nn.Module:
     """transformers' CLIP or SigLIP vision model (flat parameter names), SDPA attention."""
     from transformers import AutoConfig, AutoModel
 
