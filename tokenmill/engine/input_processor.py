@@ -138,8 +138,9 @@ class InputProcessor:
             from tokenmill.multimodal.processor import MultiModalProcessor
 
             self.mm_processor = MultiModalProcessor(
-                model_config.model, model_config.hf_config, mm.limit_per_prompt, mm.processor_kwargs
-            )
+                model_config.model, model_config.hf_config, mm.limit_per_prompt,
+                mm.processor_kwargs, tokenizer,
+            )  # fmt: skip
             self.mm_processor.preload()
 
     def process_multimodal(

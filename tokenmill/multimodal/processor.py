@@ -3,9 +3,11 @@ placeholder expanded to the image's token count, and one ``MultiModalFeature`` p
 
 Images go through the model's own image processor (transformers' ``AutoImageProcessor``
 from the model folder: resizing, normalization, patching). The prompt marks each image with
-one image token (``config.image_token_id``, written by the chat template); the model's
-processor rule decides how many tokens replace it (Qwen2-VL: one per 2x2 merged patches;
-LLaVA: one per patch of the fixed-size crop).
+one placeholder token written by the chat template (``config.image_token_id``; Gemma 3:
+``<start_of_image>``); the model's processor rule decides what replaces it (Qwen2-VL: one
+image token per 2x2 merged patches; LLaVA: one per patch of the fixed-size crop; Gemma 3:
+``mm_tokens_per_image`` soft tokens between ``<start_of_image>`` and ``<end_of_image>``,
+see ``gemma3.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.multimodal.gemma3 import Gemma3ImageTokens, gemma3_processor_kwargs
 from tokenmill.multimodal.inputs import MultiModalFeature, PackedArray
 from tokenmill.multimodal.media import MediaError, check_image
 
@@ -39,6 +42,15 @@ def image_hash(image: Any) -> str:
     return h.hexdigest()
 
 
+def crop_identifier(digest: str, index: int) -> str:
+    """The identifier of an image's ``index``-th encoder input: the image's hash for the
+    first (the whole image), a hash of it and the index for further crops (Gemma 3's
+    pan-and-scan)."""
+    if index == 0:
+        return digest
+    return hashlib.sha256(f"{digest}:crop:{index}".encode()).hexdigest()
+
+
 class MultiModalProcessor:
     """Expands image placeholders and runs the model's image processor (thread-safe).
 
@@ -48,6 +60,13 @@ class MultiModalProcessor:
         limit_per_prompt: modality -> most items per prompt.
         processor_kwargs: keyword arguments of every image processor call
             (``--mm-processor-kwargs``).
+        tokenizer: the model's tokenizer (Gemma 3 tokenizes the text around its images);
+            None: loaded from ``model`` when needed.
+
+    Attributes:
+        placeholder_token_id: the token that marks an image in a prompt, once per image.
+        image_token_id: the token the image's embeddings replace (the features cover runs
+            of it); the same as ``placeholder_token_id`` but for Gemma 3.
     """
 
     def __init__(
@@ -56,25 +75,39 @@ class MultiModalProcessor:
         hf_config: Any,
         limit_per_prompt: dict[str, int],
         processor_kwargs: dict[str, Any] | None = None,
+        tokenizer: Any = None,
     ) -> None:
         self.model = model
         self.processor_kwargs = dict(processor_kwargs or {})
+        self._tokenizer = tokenizer
         token = hf_config.get("image_token_id", hf_config.get("image_token_index"))
         self.image_token_id = int(token)
+        self.placeholder_token_id = self.image_token_id
         vision = hf_config.get("vision_config") or {}
         self.merge_size = int(vision.get("spatial_merge_size", 1))
         # Fixed-size models (LLaVA): placeholders per image and the crop the tower takes;
         # None: from the patch grid, whose patches the tower takes flattened.
         self.tokens_per_image: int | None = None
         self.pixel_shape: tuple[int, ...] | None = None
-        if (hf_config.get("architectures") or [""])[0] == "LlavaForConditionalGeneration":
-            self.tokens_per_image = llava_tokens_per_image(hf_config)
+        arch = (hf_config.get("architectures") or [""])[0]
+        # Gemma 3: the text its processor writes around each image (None for the others).
+        self.gemma3: Gemma3ImageTokens | None = None
+        if arch == "Gemma3ForConditionalGeneration":
+            self.gemma3 = Gemma3ImageTokens(hf_config, self.tokenizer)
+            self.image_token_id = self.gemma3.image_token_id
+            self.placeholder_token_id = self.gemma3.boi_token_id
+            self.tokens_per_image = self.gemma3.tokens_per_image
+        if arch in ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration"):
+            if arch == "LlavaForConditionalGeneration":
+                self.tokens_per_image = llava_tokens_per_image(hf_config)
             size = int(vision["image_size"])
             self.pixel_shape = (int(vision.get("num_channels", 3)), size, size)
         channels = vision.get("in_channels", vision.get("in_chans", 3))
         patch = int(vision.get("patch_size", 14))
         self.patch_dim = int(channels) * int(vision.get("temporal_patch_size", 2)) * patch * patch
         self.limit_per_prompt = limit_per_prompt
+        # What each image processor call takes (``processor_kwargs`` and model defaults).
+        self.call_kwargs = self.processor_kwargs
         self._image_processor: Any = None
         self._lock = threading.Lock()
 
@@ -89,8 +122,21 @@ class MultiModalProcessor:
             if self._image_processor is None:
                 from transformers import AutoImageProcessor
 
-                self._image_processor = AutoImageProcessor.from_pretrained(self.model)
+                processor = AutoImageProcessor.from_pretrained(self.model)
+                if self.gemma3 is not None:
+                    self.call_kwargs = gemma3_processor_kwargs(processor, self.processor_kwargs)
+                self._image_processor = processor
             return self._image_processor
+
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (loaded from the model folder on first use if none was
+        given)."""
+        with self._lock:
+            if self._tokenizer is None:
+                from tokenmill.tokenizer import get_tokenizer
+
+                self._tokenizer = get_tokenizer(self.model)
+            return self._tokenizer
 
     def process(
         self,
@@ -103,7 +149,7 @@ class MultiModalProcessor:
         only one decoded image is held at once.
 
         Args:
-            prompt_ids: the prompt, one image token per image, in image order.
+            prompt_ids: the prompt, one placeholder token per image, in image order.
             images: ``PIL.Image.Image`` objects, or what ``load`` turns into them.
             max_len: the context length: processing stops once the expanded prompt
                 reaches it (None: no bound).
@@ -111,11 +157,13 @@ class MultiModalProcessor:
                 decode an image URL).
 
         Returns:
-            ``(prompt ids with placeholders expanded, one feature per image)``.
+            ``(prompt ids with placeholders expanded, one feature per image)``; Gemma 3
+            with pan-and-scan: one per image and one per crop of it, in prompt order.
 
         Raises:
-            MediaError: more images than ``limit_per_prompt``, a count of image tokens
-                other than the count of images, an image past the pixel bound, or a prompt
+            MediaError: more images than ``limit_per_prompt``, a count of placeholder
+                tokens other than the count of images, image tokens in a prompt whose
+                placeholder is another token, an image past the pixel bound, or a prompt
                 that reaches ``max_len``; ``load``'s errors pass through.
         """
         limit = self.limit_per_prompt.get("image", 0)
@@ -124,7 +172,7 @@ class MultiModalProcessor:
                 f"at most {limit} image(s) may be provided in one prompt, got {len(images)} "
                 "(--limit-mm-per-prompt)"
             )
-        positions = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
+        positions = [i for i, t in enumerate(prompt_ids) if t == self.placeholder_token_id]
         if len(positions) != len(images):
             raise MediaError(
                 f"the prompt has {len(positions)} image placeholder(s) for {len(images)} "
@@ -132,6 +180,11 @@ class MultiModalProcessor:
             )
         if not images:
             return list(prompt_ids), []
+        if self.placeholder_token_id != self.image_token_id and self.image_token_id in prompt_ids:
+            raise MediaError(
+                f"the prompt holds image tokens (id {self.image_token_id}) of its own; mark "
+                f"each image with its placeholder token (id {self.placeholder_token_id}) only"
+            )
         ids: list[int] = []
         features: list[MultiModalFeature] = []
         prev = 0
@@ -139,33 +192,64 @@ class MultiModalProcessor:
         for n, (pos, item) in enumerate(zip(positions, images, strict=True)):
             image = check_image(load(item) if load is not None else item)
             digest = image_hash(image)
-            try:
-                out = self.image_processor(
-                    images=[image], return_tensors="np", **self.processor_kwargs
-                )
-            except ValueError as e:  # e.g. Qwen2-VL's resize refuses an aspect ratio above 200
-                raise MediaError(f"the model's image processor refused the image: {e}") from None
+            inputs = self.encoder_inputs(image)
             del image
-            [data] = self._split(out, 1)
-            self._check_encoder_input(data)
-            ids.extend(prompt_ids[prev:pos])
-            length = self.tokens_per_image or (
-                int(np.prod(data["image_grid_thw"])) // self.merge_size**2
-            )
-            features.append(
-                MultiModalFeature(
-                    "image",
-                    digest,
-                    offset=len(ids),
-                    length=length,
-                    data={k: PackedArray.pack(v) for k, v in data.items()},
+            tokens, runs = self._replacement(inputs)
+            self._append(ids, prompt_ids[prev:pos])
+            self._append(ids, tokens)
+            base = len(ids) - len(tokens)  # the tokens after a junction keep their places
+            for k, ((start, length), data) in enumerate(zip(runs, inputs, strict=True)):
+                features.append(
+                    MultiModalFeature(
+                        "image",
+                        crop_identifier(digest, k),
+                        offset=base + start,
+                        length=length,
+                        data={key: PackedArray.pack(v) for key, v in data.items()},
+                    )
                 )
-            )
-            ids.extend([self.image_token_id] * length)
             prev = pos + 1
             self._check_length(len(ids) + len(prompt_ids) - prev, n + 1, len(images), max_len)
-        ids.extend(prompt_ids[prev:])
+        self._append(ids, prompt_ids[prev:])
         return ids, features
+
+    def encoder_inputs(self, image: Any) -> list[dict[str, np.ndarray]]:
+        """Run the image processor on one RGB image: the vision encoder's inputs, one
+        dict of arrays per encoder call (an image, or each of its crops).
+
+        Raises:
+            MediaError: the processor refuses the image, or its output is not what the
+                vision tower takes.
+        """
+        processor = self.image_processor
+        try:
+            out = processor(images=[image], return_tensors="np", **self.call_kwargs)
+        except ValueError as e:  # e.g. Qwen2-VL's resize refuses an aspect ratio above 200
+            raise MediaError(f"the model's image processor refused the image: {e}") from None
+        inputs = self._split(out)
+        for data in inputs:
+            self._check_encoder_input(data)
+        return inputs
+
+    def _replacement(
+        self, inputs: list[dict[str, np.ndarray]]
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids that replace an image's placeholder and the ``(start, length)`` of the
+        image token run of each of its encoder inputs in them."""
+        if self.gemma3 is not None:
+            return self.gemma3.replacement(len(inputs) - 1)
+        [data] = inputs
+        length = self.tokens_per_image or (
+            int(np.prod(data["image_grid_thw"])) // self.merge_size**2
+        )
+        return [self.image_token_id] * length, [(0, length)]
+
+    def _append(self, ids: list[int], more: list[int]) -> None:
+        """``ids.extend(more)``; Gemma 3 tokenizes the newlines that meet again together."""
+        if self.gemma3 is not None:
+            self.gemma3.append(ids, more)
+        else:
+            ids.extend(more)
 
     def _check_encoder_input(self, data: dict[str, np.ndarray]) -> None:
         """Raise unless the processed image is what the vision tower takes: processor
@@ -198,17 +282,12 @@ class MultiModalProcessor:
             )
 
     @staticmethod
-    def _split(out: Any, num_images: int) -> list[dict[str, np.ndarray]]:
-        """The image processor's batch output -> per image arrays (Qwen2-VL concatenates
-        the patches of all images, ``image_grid_thw`` says how many are each's; others
-        stack one ``[3, S, S]`` crop per image)."""
-        if "image_grid_thw" not in out:
-            pixels = np.asarray(out["pixel_values"], dtype=np.float32)
-            return [{"pixel_values": pixels[i]} for i in range(num_images)]
-        grid = np.asarray(out["image_grid_thw"], dtype=np.int64)
+    def _split(out: Any) -> list[dict[str, np.ndarray]]:
+        """The image processor's output for one image -> its encoder inputs: the patches
+        and ``image_grid_thw`` (Qwen2-VL), or each ``[3, S, S]`` crop it stacked (LLaVA:
+        one; Gemma 3: the image, then its pan-and-scan crops)."""
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
-        bounds = np.concatenate([[0], np.cumsum(grid.prod(-1))])
-        return [
-            {"pixel_values": pixels[bounds[i] : bounds[i + 1]], "image_grid_thw": grid[i]}
-            for i in range(num_images)
-        ]
+        if "image_grid_thw" not in out:
+            return [{"pixel_values": crop} for crop in pixels]
+        grid = np.asarray(out["image_grid_thw"], dtype=np.int64)
+        return [{"pixel_values": pixels, "image_grid_thw": grid[0]}]

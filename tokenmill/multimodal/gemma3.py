@@ -1,0 +1,117 @@
+"""How Gemma 3 writes an image into the prompt, as transformers' ``Gemma3Processor`` does.
+
+The chat template writes ``<start_of_image>`` once per image; the processor replaces it by
+``"\\n\\n<start_of_image>" + mm_tokens_per_image x "<image_soft_token>" +
+"<end_of_image>\\n\\n"``, and, with pan-and-scan, by ``"Here is the original image "``
++ that sequence + ``" and here are some crops to help you see better "`` + one such
+sequence per crop (joined by spaces). The soft tokens of each sequence are one image's
+placeholders: the original, then each crop, each ``mm_tokens_per_image`` long.
+
+transformers replaces text and then tokenizes the prompt; tokenmill expands token ids.
+The two agree because special tokens split the text: only the newlines of the replacement
+meet the prompt's text, and Gemma's tokenizer writes a run of newlines as one token, so the
+newline tokens on both sides of each junction are tokenized again together (``"\\n"`` +
+``"\\n\\n"`` -> ``"\\n\\n\\n"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# Gemma3Processor's pan-and-scan defaults (the released preprocessor_config.json files leave
+# these keys null).
+PAN_AND_SCAN_DEFAULTS = {
+    "pan_and_scan_min_crop_size": 256,
+    "pan_and_scan_max_num_crops": 4,
+    "pan_and_scan_min_ratio_to_activate": 1.2,
+}
+
+
+def gemma3_processor_kwargs(image_processor: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of Gemma 3's image processor calls: ``kwargs``
+    (``--mm-processor-kwargs``) over the processor's own settings over Gemma3Processor's
+    pan-and-scan defaults (used where the processor's settings are null)."""
+    defaults = {k: v for k, v in PAN_AND_SCAN_DEFAULTS.items()
+                if getattr(image_processor, k, None) is None}  # fmt: skip
+    return {**defaults, **kwargs}
+
+
+class Gemma3ImageTokens:
+    """Gemma 3's image sequences in token ids.
+
+    Args:
+        hf_config: the model's config (``boi_token_index``, ``eoi_token_index``,
+            ``image_token_index``, ``mm_tokens_per_image``).
+        tokenizer: returns the model's tokenizer (called on first use).
+    """
+
+    def __init__(self, hf_config: Any, tokenizer: Callable[[], Any]) -> None:
+        self.boi_token_id = int(hf_config.get("boi_token_index", 255_999))
+        self.eoi_token_id = int(hf_config.get("eoi_token_index", 256_000))
+        token = hf_config.get("image_token_index", hf_config.get("image_token_id"))
+        self.image_token_id = int(token if token is not None else 262_144)
+        self.tokens_per_image = int(hf_config.get("mm_tokens_per_image", 256))
+        self._tokenizer = tokenizer
+        self._replacements: dict[int, tuple[list[int], list[tuple[int, int]]]] = {}
+        self._is_newline: dict[int, bool] = {}
+
+    def replacement(self, num_crops: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids that replace one ``<start_of_image>`` of an image with ``num_crops``
+        pan-and-scan crops, and the ``(start, length)`` of each of its ``1 + num_crops``
+        soft-token runs in them (the original image first)."""
+        cached = self._replacements.get(num_crops)
+        if cached is not None:
+            return cached
+        tok = self._tokenizer()
+        boi, eoi, soft = tok.convert_ids_to_tokens(
+            [self.boi_token_id, self.eoi_token_id, self.image_token_id]
+        )
+        sequence = f"\n\n{boi}{soft * self.tokens_per_image}{eoi}\n\n"
+        text = sequence
+        if num_crops:
+            text = (f"Here is the original image {sequence} and here are some crops to help "
+                    "you see better " + " ".join([sequence] * num_crops))  # fmt: skip
+        ids = list(tok.encode(text, add_special_tokens=False))
+        runs = []
+        i = 0
+        while i < len(ids):
+            if ids[i] == self.image_token_id:
+                start = i
+                while i < len(ids) and ids[i] == self.image_token_id:
+                    i += 1
+                runs.append((start, i - start))
+            else:
+                i += 1
+        if len(runs) != 1 + num_crops or any(n != self.tokens_per_image for _, n in runs):
+            raise ValueError(
+                f"the tokenizer does not write {soft!r} as one token (id {self.image_token_id})"
+            )
+        self._replacements[num_crops] = (ids, runs)
+        return ids, runs
+
+    def append(self, ids: list[int], more: Sequence[int]) -> None:
+        """``ids.extend(more)``, the newline tokens that meet at the junction tokenized
+        again together (as transformers' tokenizer sees them, in one text)."""
+        left = len(ids)
+        while left > 0 and self._newline(ids[left - 1]):
+            left -= 1
+        right = 0
+        while right < len(more) and self._newline(more[right]):
+            right += 1
+        if left == len(ids) or right == 0:
+            ids.extend(more)
+            return
+        tok = self._tokenizer()
+        text = tok.decode(ids[left:] + list(more[:right]))
+        del ids[left:]
+        ids.extend(tok.encode(text, add_special_tokens=False))
+        ids.extend(more[right:])
+
+    def _newline(self, token_id: int) -> bool:
+        """Whether the token is one or more newlines only."""
+        known = self._is_newline.get(token_id)
+        if known is None:
+            text = self._tokenizer().decode([token_id])
+            known = self._is_newline[token_id] = bool(text) and set(text) == {"\n"}
+        return known
