@@ -23,13 +23,18 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Llama4ForConditionalGeneration": ("llama4", "Llama4ForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": ("gemma3_mm", "Gemma3ForConditionalGeneration"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
 }
 
 # Architectures that take images (a vision encoder whose embeddings fill placeholder tokens).
-_MULTIMODAL_MODELS = {"Qwen2_5_VLForConditionalGeneration", "LlavaForConditionalGeneration"}
+_MULTIMODAL_MODELS = {
+    "Qwen2_5_VLForConditionalGeneration",
+    "LlavaForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+}
 
 
 # Embedding (pooling) architectures: encoders run by the embedding engine, one forward pass

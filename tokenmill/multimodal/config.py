@@ -76,8 +76,8 @@ def build_multimodal_config(
         if hf_config.get("vision_config") is not None and arch not in TEXT_ONLY_ARCHITECTURES:
             raise MultiModalConfigError(
                 f"{arch} has a vision encoder, which tokenmill does not implement for this "
-                "architecture (images are supported for Qwen2_5_VLForConditionalGeneration "
-                "and LlavaForConditionalGeneration)"
+                "architecture (images are supported for Qwen2_5_VLForConditionalGeneration, "
+                "LlavaForConditionalGeneration and Gemma3ForConditionalGeneration)"
             )
         for flag, value in [("--limit-mm-per-prompt", limit_mm_per_prompt),
                             ("--mm-processor-kwargs", mm_processor_kwargs)]:  # fmt: skip
@@ -124,17 +124,16 @@ def check_processor_kwargs(model: str, kwargs: dict[str, Any], hf_config: Any) -
             output does not fit the model's vision tower.
     """
     from PIL import Image
-    from transformers import AutoImageProcessor
 
     from tokenmill.multimodal.media import MediaError
     from tokenmill.multimodal.processor import MultiModalProcessor
 
-    processor = AutoImageProcessor.from_pretrained(model)
     images = [Image.new("RGB", (64, 64)), Image.new("RGB", (96, 32))]
     try:
-        processor(images=images[:1], return_tensors="np", **kwargs)
         mm = MultiModalProcessor(model, hf_config, {"image": 2}, kwargs)
-        mm.process([mm.image_token_id] * 2, images)
+        mm.image_processor(images=images[:1], return_tensors="np", **mm.call_kwargs)
+        for image in images:
+            mm.encoder_inputs(image)
     except MediaError as e:  # the vision tower cannot take the output
         raise MultiModalConfigError(f"--mm-processor-kwargs {kwargs}: {e}") from None
     except (TypeError, ValueError) as e:
