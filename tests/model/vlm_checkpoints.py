@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 QWEN_CHAT_TEMPLATE = (
@@ -25,19 +26,35 @@ QWEN_SPECIAL_TOKENS = [
 ]  # fmt: skip
 
 
-def byte_tokenizer(special_tokens: list[str], **kwargs: Any):
-    """A byte-level tokenizer (ids 0..255 are bytes) with ``special_tokens`` from id 256."""
+def byte_tokenizer(
+    special_tokens: list[str], merges: Sequence[tuple[str, str]] = (), **kwargs: Any
+):
+    """A byte-level tokenizer (ids 0..255 are bytes) with one token per pair of ``merges``
+    (text pieces, applied in order) from id 256, then ``special_tokens``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_chars = pre_tokenizers.ByteLevel.alphabet()
     vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    bpe_merges = [(_byte_chars(a), _byte_chars(b)) for a, b in merges]
+    for a, b in bpe_merges:
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=bpe_merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
     fast.add_special_tokens({"additional_special_tokens": special_tokens})
     return fast
+
+
+def _byte_chars(text: str) -> str:
+    """``text`` in the byte-level alphabet (each UTF-8 byte as its printable character)."""
+    from tokenizers import pre_tokenizers
+
+    [(chars, _)] = pre_tokenizers.ByteLevel(
+        add_prefix_space=False, use_regex=False
+    ).pre_tokenize_str(text)
+    return chars
 
 
 def write_qwen2_5_vl(path: str, seed: int = 0) -> str:
@@ -171,6 +188,84 @@ def write_llava(path: str, tower: str = "clip", seed: int = 0) -> str:
                           ).save_pretrained(path)  # fmt: skip
     tok.chat_template = LLAVA_CHAT_TEMPLATE
     tok.save_pretrained(path)
+    return path
+
+
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+GEMMA3_SPECIAL_TOKENS = [
+    "<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+    "<end_of_image>", "<image_soft_token>",
+]  # fmt: skip
+# Gemma's tokenizer has one token per run of newlines ("\n\n\n" is one token).
+NEWLINE_MERGES = [("\n", "\n"), ("\n\n", "\n"), ("\n\n", "\n\n")]
+
+
+def gemma3_tokenizer():
+    """The byte tokenizer with Gemma 3's special tokens (``boi_token``, ``eoi_token`` and
+    ``image_token`` named as Gemma3Processor reads them) and newline-run tokens."""
+    return byte_tokenizer(
+        GEMMA3_SPECIAL_TOKENS, NEWLINE_MERGES, bos_token="<bos>", eos_token="<end_of_turn>",
+        pad_token="<pad>", extra_special_tokens={"boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+    )  # fmt: skip
+
+
+def write_gemma3_mm(path: str, seed: int = 0, mm_tokens_per_image: int = 16) -> str:
+    """A random Gemma 3 vision-language model (a 2-layer SigLIP tower on 64x64 images of
+    8x8 patches, pooled to ``mm_tokens_per_image`` tokens; 3 text layers, sliding, sliding
+    and full, with a 12-token window) with its tokenizer, image processor, processor
+    config and chat template, saved to ``path``."""
+    import torch
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+    tok = gemma3_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA3_SPECIAL_TOKENS}
+    text = Gemma3TextConfig(
+        vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=12, max_position_embeddings=1024,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        bos_token_id=ids["<bos>"], eos_token_id=ids["<end_of_turn>"],
+        pad_token_id=ids["<pad>"],
+    )  # fmt: skip
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=2, image_size=64, patch_size=8,
+                                vision_use_head=False)  # fmt: skip
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=mm_tokens_per_image,
+        image_token_index=ids["<image_soft_token>"], boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08)
+    model.save_pretrained(path)
+    image_processor = Gemma3ImageProcessorPil(
+        size={"height": 64, "width": 64}, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    )
+    tok.chat_template = GEMMA3_CHAT_TEMPLATE
+    Gemma3Processor(image_processor, tok, chat_template=GEMMA3_CHAT_TEMPLATE,
+                    image_seq_length=mm_tokens_per_image).save_pretrained(path)  # fmt: skip
+    tok.save_pretrained(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]]}, f)
     return path
 
 
