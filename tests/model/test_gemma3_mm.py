@@ -197,6 +197,35 @@ def test_generate_with_start_of_image_gives_the_chat_tokens(llm):
             llm.generate({"prompt": prompt, "multi_modal_data": data}, params, use_tqdm=False)
 
 
+def test_checkpoint_layouts_load_alike(checkpoint, llm, tmp_path):
+    """The tensors named as transformers 4.52+ keeps them in memory
+    (``model.language_model.*``, ``model.vision_tower.vision_model.*``,
+    ``model.multi_modal_projector.*`` and a tied ``lm_head.weight``) give the tokens of the
+    saved layout (``language_model.model.*``, ``vision_tower.*``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(f"{checkpoint}/model.safetensors")
+    renamed = {}
+    for name, tensor in tensors.items():
+        for old, new in [("language_model.model.", "model.language_model."),
+                         ("vision_tower.", "model.vision_tower.vision_model."),
+                         ("multi_modal_projector.", "model.multi_modal_projector.")]:  # fmt: skip
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        renamed[name] = tensor
+    renamed["lm_head.weight"] = tensors["language_model.model.embed_tokens.weight"].clone()
+    shutil.copytree(checkpoint, tmp_path, dirs_exist_ok=True)
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    other = LLM(model=str(tmp_path), **ENGINE)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    chat = _chat(["image", "Hi"], [random_image(6, 64, 64)])
+    assert (other.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids
+            == llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids)  # fmt: skip
+
+
 def test_dummy_weights_serve_images(checkpoint):
     """``--load-format dummy`` builds the tower and the projector too."""
     dummy = LLM(model=checkpoint, load_format="dummy", dtype="float32", device="cpu",
