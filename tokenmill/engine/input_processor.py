@@ -155,7 +155,7 @@ class InputProcessor:
         length (CPU work: callers on an event loop run it in a thread).
 
         Args:
-            prompt_ids: the prompt with one image token per image.
+            prompt_ids: the prompt with one placeholder token per image.
             mm_data: ``{"image": image or [images]}`` (``PIL.Image.Image``, or what
                 ``load`` turns into one).
             param: the request field named in errors.

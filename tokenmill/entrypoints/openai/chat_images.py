@@ -56,7 +56,7 @@ async def attach_images(
 
     Args:
         engine: the AsyncLLM (its input processor and model config).
-        prompt_ids: the rendered prompt, one image token per image.
+        prompt_ids: the rendered prompt, one placeholder token per image.
         images: ``(url, request field)`` per image, in prompt order.
 
     Returns:
