@@ -85,21 +85,21 @@ class MultiModalProcessor:
         self.placeholder_token_id = self.image_token_id
         vision = hf_config.get("vision_config") or {}
         self.merge_size = int(vision.get("spatial_merge_size", 1))
-        # Fixed-size models (LLaVA): placeholders per image and the crop the tower takes;
-        # None: from the patch grid, whose patches the tower takes flattened.
+        # Fixed-size models (LLaVA, Gemma 3): placeholders per crop and the crop the tower
+        # takes; None: from the patch grid, whose patches the tower takes flattened.
         self.tokens_per_image: int | None = None
         self.pixel_shape: tuple[int, ...] | None = None
         arch = (hf_config.get("architectures") or [""])[0]
         # Gemma 3: the text its processor writes around each image (None for the others).
         self.gemma3: Gemma3ImageTokens | None = None
-        if arch == "Gemma3ForConditionalGeneration":
+        if arch == "LlavaForConditionalGeneration":
+            self.tokens_per_image = llava_tokens_per_image(hf_config)
+        elif arch == "Gemma3ForConditionalGeneration":
             self.gemma3 = Gemma3ImageTokens(hf_config, self.tokenizer)
             self.image_token_id = self.gemma3.image_token_id
             self.placeholder_token_id = self.gemma3.boi_token_id
             self.tokens_per_image = self.gemma3.tokens_per_image
-        if arch in ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration"):
-            if arch == "LlavaForConditionalGeneration":
-                self.tokens_per_image = llava_tokens_per_image(hf_config)
+        if self.tokens_per_image is not None:
             size = int(vision["image_size"])
             self.pixel_shape = (int(vision.get("num_channels", 3)), size, size)
         channels = vision.get("in_channels", vision.get("in_chans", 3))
