@@ -233,3 +233,21 @@ def test_dummy_weights_serve_images(checkpoint):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     out = dummy.chat(_chat(["image", "Hi"], [random_image(4, 64, 64)]), params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_step_budget_below_one_image_is_refused_at_start_up(checkpoint):
+    from tokenmill.config import ConfigError
+
+    with pytest.raises(ConfigError, match="below the 16 tokens of one image"):
+        LLM(model=checkpoint, **{**ENGINE, "max_num_batched_tokens": 15})
+
+
+def test_bidirectional_models_are_the_ones_the_scheduler_keeps_images_whole_for():
+    from tokenmill.model.registry import get_model_class, supported_architectures
+    from tokenmill.multimodal.config import BIDIRECTIONAL_IMAGE_ARCHITECTURES
+
+    declared = {
+        arch for arch in supported_architectures()
+        if getattr(get_model_class(arch), "bidirectional_image_attention", False)
+    }  # fmt: skip
+    assert declared == set(BIDIRECTIONAL_IMAGE_ARCHITECTURES)
