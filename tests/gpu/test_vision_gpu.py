@@ -148,3 +148,39 @@ def test_window_attention_varlen_matches_per_window_sdpa():
         out = attn.to(torch.bfloat16)(hidden.bfloat16(), cu, rope)
     # outputs have std ~0.07; bf16 per-window SDPA on the CPU is within 1.2e-3 of float32
     torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=2e-2)
+
+
+def test_gemma3_image_tokens_see_their_whole_image_on_the_gpu(tmp_path_factory):
+    """Gemma 3 (image tokens attend to each other both ways, through the Triton prompt
+    kernel's ``last_key_pos``): the raw logits of 8 greedy tokens on CUDA (float32) equal
+    the CPU engine's (the torch reference), for a prompt with two images longer than the
+    sliding window, in one step and in 32-token chunks."""
+    from tests.model.vlm_checkpoints import random_image, write_gemma3_mm
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    folder = write_gemma3_mm(str(tmp_path_factory.mktemp("gemma3_mm")))
+    chat = [{"role": "user", "content": [
+        {"type": "text", "text": "First:"},
+        {"type": "image_pil", "image_pil": random_image(1, 64, 64)},
+        {"type": "text", "text": "second:"},
+        {"type": "image_pil", "image_pil": random_image(2, 90, 40)},
+        {"type": "text", "text": "compare."},
+    ]}]  # fmt: skip
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=272)
+    common = dict(model=folder, dtype="float32", max_model_len=512, max_logprobs=272,
+                  logprobs_mode="raw_logits")  # fmt: skip
+    runs = []
+    for kwargs in (dict(device="cpu"), dict(gpu_memory_utilization=0.2),
+                   dict(gpu_memory_utilization=0.2, max_num_batched_tokens=32)):  # fmt: skip
+        llm = LLM(**common, **kwargs)
+        runs.append(llm.chat(chat, params, use_tqdm=False)[0].outputs[0])
+        del llm
+        torch.cuda.empty_cache()
+    ref = runs[0]
+    for out in runs[1:]:
+        assert out.token_ids == ref.token_ids
+        for lp, ref_lp in zip(out.logprobs, ref.logprobs, strict=True):
+            ours = torch.tensor([lp[t].logprob for t in range(272)])
+            theirs = torch.tensor([ref_lp[t].logprob for t in range(272)])
+            torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=0)
