@@ -251,3 +251,59 @@ def test_bidirectional_models_are_the_ones_the_scheduler_keeps_images_whole_for(
         if getattr(get_model_class(arch), "bidirectional_image_attention", False)
     }  # fmt: skip
     assert declared == set(BIDIRECTIONAL_IMAGE_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 0},
+    {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 0},
+    {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 2.5},
+    {"do_pan_and_scan": "yes"},
+    # Passes a check on images below the ratio, divides by zero on the first one above it.
+    {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 0,
+     "pan_and_scan_min_ratio_to_activate": 5.0},
+])  # fmt: skip
+def test_bad_pan_and_scan_settings_are_refused_at_start_up(checkpoint, kwargs):
+    """Pan-and-scan settings Gemma3ImageProcessor fails on (a division by zero, its strict
+    type check) are a ConfigError naming the flag, not the processor's own exception at
+    start-up or a 500 on the first oblong image."""
+    from tokenmill.config import ConfigError
+    from tokenmill.engine_args import EngineArgs
+
+    with pytest.raises(ConfigError, match="--mm-processor-kwargs"):
+        EngineArgs(model=checkpoint, device="cpu", mm_processor_kwargs=kwargs
+                   ).create_engine_config()  # fmt: skip
+
+
+def test_pan_and_scan_ratio_may_be_an_integer(checkpoint):
+    """``pan_and_scan_min_ratio_to_activate`` written as a JSON integer (``2``) is read as
+    that number (transformers' strict check refuses an int for the float field)."""
+    from tokenmill.engine_args import EngineArgs
+    from tokenmill.multimodal.processor import MultiModalProcessor
+
+    kwargs = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16,
+              "pan_and_scan_min_ratio_to_activate": 2}  # fmt: skip
+    config = EngineArgs(model=checkpoint, device="cpu", mm_processor_kwargs=kwargs
+                        ).create_engine_config().model_config  # fmt: skip
+    mm = MultiModalProcessor(checkpoint, config.hf_config, {"image": 2}, kwargs)
+    _, features = mm.process([mm.placeholder_token_id], [random_image(0, 30, 90)])
+    assert len(features) == 1 + 3  # ratio 3, above 2: the image and three crops
+    _, features = mm.process([mm.placeholder_token_id], [random_image(0, 50, 90)])
+    assert len(features) == 1  # ratio 1.8, below 2
+
+
+def test_an_image_the_processor_fails_on_is_an_invalid_request(checkpoint, monkeypatch):
+    """Any exception of the image processor on one image (not only ValueError) refuses
+    that image as invalid input: a 400 on the server, not a 500."""
+    from tokenmill.engine_args import EngineArgs
+    from tokenmill.multimodal.media import MediaError
+    from tokenmill.multimodal.processor import MultiModalProcessor
+
+    config = EngineArgs(model=checkpoint, device="cpu").create_engine_config().model_config
+    mm = MultiModalProcessor(checkpoint, config.hf_config, {"image": 1})
+
+    def fail(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(type(mm.image_processor), "__call__", fail)
+    with pytest.raises(MediaError, match="refused the image: .*division by zero"):
+        mm.process([mm.placeholder_token_id], [random_image(0, 30, 90)])

@@ -136,7 +136,7 @@ def check_processor_kwargs(model: str, kwargs: dict[str, Any], hf_config: Any) -
             mm.encoder_inputs(image)
     except MediaError as e:  # the vision tower cannot take the output
         raise MultiModalConfigError(f"--mm-processor-kwargs {kwargs}: {e}") from None
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # TypeError, ValueError, a strict dataclass check's error...
         raise MultiModalConfigError(
             f"--mm-processor-kwargs: the image processor of {model} refuses {kwargs}: {e}"
         ) from None

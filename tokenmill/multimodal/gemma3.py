@@ -31,10 +31,26 @@ PAN_AND_SCAN_DEFAULTS = {
 def gemma3_processor_kwargs(image_processor: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments of Gemma 3's image processor calls: ``kwargs``
     (``--mm-processor-kwargs``) over the processor's own settings over Gemma3Processor's
-    pan-and-scan defaults (used where the processor's settings are null)."""
+    pan-and-scan defaults (used where the processor's settings are null). An integer
+    ``pan_and_scan_min_ratio_to_activate`` is passed as the float the processor takes.
+
+    Raises:
+        ValueError: a crop size or crop count that is not a positive integer (the
+            processor divides by the crop count, and by the crop size).
+    """
     defaults = {k: v for k, v in PAN_AND_SCAN_DEFAULTS.items()
                 if getattr(image_processor, k, None) is None}  # fmt: skip
-    return {**defaults, **kwargs}
+    merged = {**defaults, **kwargs}
+    ratio = merged.get("pan_and_scan_min_ratio_to_activate")
+    if isinstance(ratio, int) and not isinstance(ratio, bool):
+        merged["pan_and_scan_min_ratio_to_activate"] = float(ratio)
+    for key in ("pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops"):
+        value = merged.get(key, getattr(image_processor, key, None))
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return merged
 
 
 class Gemma3ImageTokens:

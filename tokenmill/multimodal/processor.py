@@ -224,8 +224,12 @@ class MultiModalProcessor:
         processor = self.image_processor
         try:
             out = processor(images=[image], return_tensors="np", **self.call_kwargs)
-        except ValueError as e:  # e.g. Qwen2-VL's resize refuses an aspect ratio above 200
-            raise MediaError(f"the model's image processor refused the image: {e}") from None
+        except Exception as e:  # e.g. Qwen2-VL's resize refuses an aspect ratio above 200
+            # Whatever the processor raises on one image (settings that pass the start-up
+            # check may fail on another shape) refuses that image, not the server.
+            raise MediaError(
+                f"the model's image processor refused the image: {type(e).__name__}: {e}"
+            ) from None
         inputs = self._split(out)
         for data in inputs:
             self._check_encoder_input(data)
