@@ -307,3 +307,16 @@ def test_an_image_the_processor_fails_on_is_an_invalid_request(checkpoint, monke
     monkeypatch.setattr(type(mm.image_processor), "__call__", fail)
     with pytest.raises(MediaError, match="refused the image: .*division by zero"):
         mm.process([mm.placeholder_token_id], [random_image(0, 30, 90)])
+
+
+def test_a_beam_search_prompt_with_image_tokens_and_no_image_is_refused(checkpoint):
+    """Beam search takes no images; a prompt holding ``<image_soft_token>`` itself is
+    refused as ``generate`` refuses it (the beams ran on the placeholder's embedding)."""
+    from tokenmill.engine.input_processor import InvalidRequestError
+    from tokenmill.sampling_params import BeamSearchParams
+
+    llm = LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=256)
+    params = BeamSearchParams(beam_width=2, max_tokens=2)
+    with pytest.raises(InvalidRequestError, match="image placeholder token"):
+        llm.beam_search(["<image_soft_token>Hi"], params)
+    assert len(llm.beam_search(["Hi"], params)[0].sequences) == 2

@@ -242,6 +242,15 @@ class InputProcessor:
                     "multi_modal_data",
                 )
 
+    def _check_no_image_tokens(self, prompt_ids: list[int]) -> None:
+        """Raises InvalidRequestError for a prompt without images that holds image
+        tokens: they would run the model on the placeholder token's own embedding."""
+        if self.mm_processor is not None and self.mm_processor.image_token_id in prompt_ids:
+            raise InvalidRequestError(
+                f"the prompt holds the image placeholder token "
+                f"(id {self.mm_processor.image_token_id}) but no image was given.", "prompt"
+            )
+
     def _resolve_eos_ids(self) -> list[int]:
         ids = list(self.model_config.eos_token_ids)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
@@ -319,15 +328,8 @@ class InputProcessor:
                 )
             elif mm_features:
                 mm_features = self._check_mm_features(prompt_ids, mm_features)
-        if not mm_features and self.mm_processor is not None and (
-            self.mm_processor.image_token_id in prompt_ids
-        ):
-            # Placeholders without an image would run the model on its embedding of the
-            # placeholder token alone.
-            raise InvalidRequestError(
-                f"the prompt holds the image placeholder token "
-                f"(id {self.mm_processor.image_token_id}) but no image was given.", "prompt"
-            )
+        if not mm_features:
+            self._check_no_image_tokens(prompt_ids)
         if mm_features and self.max_image_tokens is not None:
             self._check_whole_images(mm_features)
         if mm_features and params.truncate_prompt_tokens is not None:
@@ -411,6 +413,7 @@ class InputProcessor:
                 "beam search does not take images (multi_modal_data).", "multi_modal_data"
             )
         text, prompt_ids, cache_salt = self._tokenize(prompt)
+        self._check_no_image_tokens(prompt_ids)
         width = params.beam_width
         if self.max_num_seqs is not None and width > self.max_num_seqs:
             raise InvalidRequestError(
