@@ -71,15 +71,39 @@ def test_the_prompt_is_gemma3_processors(checkpoint, hf_processor):
     """Token ids, image ranges (transformers' token_type_ids) and pixels equal
     Gemma3Processor's: a chat prompt, adjacent images and images between newlines (whose
     newline tokens merge with the image sequence's), with and without pan-and-scan."""
-    from tokenmill.engine_args import EngineArgs
-    from tokenmill.multimodal.processor import MultiModalProcessor
-
-    config = EngineArgs(model=checkpoint, device="cpu").create_engine_config().model_config
     prompts = [
         ("<bos><start_of_turn>user\n<start_of_image>What?<end_of_turn>\n<start_of_turn>model\n", 1),
         ("a\n<start_of_image><start_of_image>\n\nb<start_of_image>", 3),
         ("x\n\n<start_of_image>\n\n\ny", 1),
     ]
+    _check_prompts(checkpoint, hf_processor, prompts)
+
+
+def test_text_that_meets_an_image_sequence_is_tokenized_with_it(tmp_path):
+    """A tokenizer that writes text before a newline or a word after a space as one token
+    (Gemma's writes " Here" as one) tokenizes the prompt's text that meets an image's
+    sequence together with it, as Gemma3Processor's one tokenization of the text does:
+    "this " + "Here is the original image" (pan-and-scan) is "this" + " Here"."""
+    from transformers import AutoProcessor
+
+    merges = [(" ", "H"), (" ", "\n"), ("a", "\n"), (".", " ")]
+    path = write_gemma3_mm(str(tmp_path), merges=merges)
+    prompts = [
+        ("Describe this <start_of_image>", 1),
+        ("a <start_of_image> b.<start_of_image>\n\nc", 2),
+        ("see a\n<start_of_image>. Here", 1),
+        ("<start_of_image>a\n", 1),
+    ]
+    _check_prompts(path, AutoProcessor.from_pretrained(path), prompts)
+
+
+def _check_prompts(checkpoint: str, hf_processor, prompts: list[tuple[str, int]]) -> None:
+    """Assert the ids, image ranges and pixels of each ``(text, number of images)`` equal
+    ``hf_processor``'s, with and without pan-and-scan."""
+    from tokenmill.engine_args import EngineArgs
+    from tokenmill.multimodal.processor import MultiModalProcessor
+
+    config = EngineArgs(model=checkpoint, device="cpu").create_engine_config().model_config
     tok = hf_processor.tokenizer
     for kwargs in ({}, PAN_AND_SCAN):
         mm = MultiModalProcessor(checkpoint, config.hf_config, {"image": 4}, kwargs, tok)

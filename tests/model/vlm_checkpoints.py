@@ -208,21 +208,26 @@ GEMMA3_SPECIAL_TOKENS = [
 NEWLINE_MERGES = [("\n", "\n"), ("\n\n", "\n"), ("\n\n", "\n\n")]
 
 
-def gemma3_tokenizer():
+def gemma3_tokenizer(merges: Sequence[tuple[str, str]] = ()):
     """The byte tokenizer with Gemma 3's special tokens (``boi_token``, ``eoi_token`` and
-    ``image_token`` named as Gemma3Processor reads them) and newline-run tokens."""
+    ``image_token`` named as Gemma3Processor reads them), ``merges`` and newline-run
+    tokens."""
     return byte_tokenizer(
-        GEMMA3_SPECIAL_TOKENS, NEWLINE_MERGES, bos_token="<bos>", eos_token="<end_of_turn>",
+        GEMMA3_SPECIAL_TOKENS, [*merges, *NEWLINE_MERGES], bos_token="<bos>",
+        eos_token="<end_of_turn>",
         pad_token="<pad>", extra_special_tokens={"boi_token": "<start_of_image>",
         "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
     )  # fmt: skip
 
 
-def write_gemma3_mm(path: str, seed: int = 0, mm_tokens_per_image: int = 16) -> str:
+def write_gemma3_mm(
+    path: str, seed: int = 0, mm_tokens_per_image: int = 16,
+    merges: Sequence[tuple[str, str]] = (),
+) -> str:  # fmt: skip
     """A random Gemma 3 vision-language model (a 2-layer SigLIP tower on 64x64 images of
     8x8 patches, pooled to ``mm_tokens_per_image`` tokens; 3 text layers, sliding, sliding
-    and full, with a 12-token window) with its tokenizer, image processor, processor
-    config and chat template, saved to ``path``."""
+    and full, with a 12-token window) with its tokenizer (``gemma3_tokenizer(merges)``),
+    image processor, processor config and chat template, saved to ``path``."""
     import torch
     from transformers import (
         Gemma3Config,
@@ -233,7 +238,7 @@ def write_gemma3_mm(path: str, seed: int = 0, mm_tokens_per_image: int = 16) -> 
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
     from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
 
-    tok = gemma3_tokenizer()
+    tok = gemma3_tokenizer(merges)
     ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA3_SPECIAL_TOKENS}
     text = Gemma3TextConfig(
         vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=3,

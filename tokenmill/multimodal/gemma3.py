@@ -8,10 +8,13 @@ sequence per crop (joined by spaces). The soft tokens of each sequence are one i
 placeholders: the original, then each crop, each ``mm_tokens_per_image`` long.
 
 transformers replaces text and then tokenizes the prompt; tokenmill expands token ids.
-The two agree because special tokens split the text: only the newlines of the replacement
-meet the prompt's text, and Gemma's tokenizer writes a run of newlines as one token, so the
-newline tokens on both sides of each junction are tokenized again together (``"\\n"`` +
-``"\\n\\n"`` -> ``"\\n\\n\\n"``).
+The two agree because added tokens (``<start_of_image>``, ``<end_of_image>``, the chat's
+special tokens) split the text into pieces that are tokenized apart: at each junction, the
+prompt's text and the replacement's text that meet there, up to the added tokens on either
+side, are tokenized again together: the newlines around an image sequence (Gemma's
+tokenizer writes a run of newlines as one token: ``"\\n"`` + ``"\\n\\n"`` ->
+``"\\n\\n\\n"``), and with pan-and-scan the prompt's text before ``"Here is the original
+image"`` (``"this "`` + ``"Here"`` -> ``"this"`` + ``" Here"``).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class Gemma3ImageTokens:
         self.tokens_per_image = int(hf_config.get("mm_tokens_per_image", 256))
         self._tokenizer = tokenizer
         self._replacements: dict[int, tuple[list[int], list[tuple[int, int]]]] = {}
-        self._is_newline: dict[int, bool] = {}
+        self._joins_cache: dict[int, bool] = {}
 
     def replacement(self, num_crops: int) -> tuple[list[int], list[tuple[int, int]]]:
         """The ids that replace one ``<start_of_image>`` of an image with ``num_crops``
@@ -107,27 +110,34 @@ class Gemma3ImageTokens:
         return ids, runs
 
     def append(self, ids: list[int], more: Sequence[int]) -> None:
-        """``ids.extend(more)``, the newline tokens that meet at the junction tokenized
-        again together (as transformers' tokenizer sees them, in one text)."""
+        """``ids.extend(more)``, the text that meets at the junction (the tokens up to an
+        added token on either side) tokenized again together, as transformers' tokenizer
+        sees it in one text."""
         left = len(ids)
-        while left > 0 and self._newline(ids[left - 1]):
+        while left > 0 and self._joins(ids[left - 1]):
             left -= 1
         right = 0
-        while right < len(more) and self._newline(more[right]):
+        while right < len(more) and self._joins(more[right]):
             right += 1
         if left == len(ids) or right == 0:
             ids.extend(more)
             return
         tok = self._tokenizer()
-        text = tok.decode(ids[left:] + list(more[:right]))
+        text = tok.decode(ids[left:] + list(more[:right]), clean_up_tokenization_spaces=False)
         del ids[left:]
         ids.extend(tok.encode(text, add_special_tokens=False))
         ids.extend(more[right:])
 
-    def _newline(self, token_id: int) -> bool:
-        """Whether the token is one or more newlines only."""
-        known = self._is_newline.get(token_id)
-        if known is None:
-            text = self._tokenizer().decode([token_id])
-            known = self._is_newline[token_id] = bool(text) and set(text) == {"\n"}
-        return known
+    def _joins(self, token_id: int) -> bool:
+        """Whether the tokenizer may write the token's text together with the text beside
+        it: any token but an added one (added tokens split the text), newline runs
+        included."""
+        joins = self._joins_cache.get(token_id)
+        if joins is None:
+            tok = self._tokenizer()
+            added = getattr(tok, "added_tokens_decoder", None) or {}
+            text = tok.decode([token_id])
+            joins = self._joins_cache[token_id] = token_id not in added or (
+                bool(text) and set(text) == {"\n"}
+            )
+        return joins
