@@ -64,20 +64,35 @@ def _whole_images(args: Any, model_config: ModelConfig, max_tokens: int) -> bool
     each other both ways (their images' tokens must be computed in one step).
 
     Raises:
-        ConfigError: such a model with a step budget below the tokens of one image.
+        ConfigError: images kept whole, on a model whose images all take the same number
+            of tokens (LLaVA, Gemma 3), with a step budget below that number: no image
+            could ever be scheduled.
     """
     if model_config.multimodal_config is None:
         return bool(args.disable_chunked_mm_input)
-    if model_config.architecture not in BIDIRECTIONAL_IMAGE_ARCHITECTURES:
-        return bool(args.disable_chunked_mm_input)
-    per_image = model_config.hf_config.get("mm_tokens_per_image")
+    forced = model_config.architecture in BIDIRECTIONAL_IMAGE_ARCHITECTURES
+    if not forced and not args.disable_chunked_mm_input:
+        return False
+    per_image = _fixed_image_tokens(model_config)
     if per_image and max_tokens < per_image:
+        why = (f"{model_config.architecture}'s image tokens attend to each other both ways"
+               if forced else "--disable-chunked-mm-input keeps images whole")  # fmt: skip
         raise ConfigError(
             f"--max-num-batched-tokens {max_tokens} is below the {per_image} tokens of one "
-            f"image: {model_config.architecture}'s image tokens attend to each other both "
-            "ways, so an image's tokens are computed in one step"
+            f"image: {why}, so an image's tokens are computed in one step"
         )
     return True
+
+
+def _fixed_image_tokens(model_config: ModelConfig) -> int | None:
+    """The tokens every image takes, for models with a fixed-size crop (Gemma 3's
+    ``mm_tokens_per_image``, LLaVA's patches); None where it depends on the image."""
+    hf_config = model_config.hf_config
+    if model_config.architecture == "LlavaForConditionalGeneration":
+        from tokenmill.multimodal.processor import llava_tokens_per_image
+
+        return llava_tokens_per_image(hf_config)
+    return hf_config.get("mm_tokens_per_image")
 
 
 def _async_scheduling(args: Any, device: str, speculative: bool) -> bool:

@@ -49,3 +49,21 @@ def test_llava_matches_transformers(tower, tmp_path):
             assert out.prompt_logprobs[pos][tok].logprob == pytest.approx(
                 float(ref[pos - 1, tok]), abs=2e-4
             ), pos
+
+
+def test_images_kept_whole_with_a_step_budget_below_one_image_are_refused_at_start_up(
+    tmp_path,
+):
+    """--disable-chunked-mm-input with a step budget below LLaVA's fixed image size (16
+    tokens here) could serve no image at all (each was refused as a request): the engine
+    refuses the flags at start-up, and takes them with a budget of one image."""
+    from tokenmill.config import ConfigError
+    from tokenmill.engine_args import EngineArgs
+
+    path = write_llava(str(tmp_path))
+    with pytest.raises(ConfigError, match="below the 16 tokens of one image"):
+        EngineArgs(model=path, device="cpu", max_num_batched_tokens=15,
+                   disable_chunked_mm_input=True).create_engine_config()  # fmt: skip
+    config = EngineArgs(model=path, device="cpu", max_num_batched_tokens=16,
+                        disable_chunked_mm_input=True).create_engine_config()  # fmt: skip
+    assert config.scheduler_config.disable_chunked_mm_input
