@@ -150,11 +150,22 @@ def test_window_attention_varlen_matches_per_window_sdpa():
     torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=2e-2)
 
 
+# CUDA float32 against the CPU's: the vision tower's convolution runs in TF32 on CUDA (torch's
+# cuDNN default), so logits differ in the third decimal; a missing bidirectional mask moves
+# them by tenths. Greedy tokens of these random models are not compared: near-ties flip.
+GEMMA3_ATOL = 2e-2
+
+
+def _raw_logits(logprobs: dict) -> torch.Tensor:
+    return torch.tensor([logprobs[t].logprob for t in range(272)])
+
+
 def test_gemma3_image_tokens_see_their_whole_image_on_the_gpu(tmp_path_factory):
     """Gemma 3 (image tokens attend to each other both ways, through the Triton prompt
-    kernel's ``last_key_pos``): the raw logits of 8 greedy tokens on CUDA (float32) equal
-    the CPU engine's (the torch reference), for a prompt with two images longer than the
-    sliding window, in one step and in 32-token chunks."""
+    kernel's ``last_key_pos``): every prompt position's log-probs and the first generated
+    token's raw logits on CUDA (float32) equal the CPU engine's (the torch reference), for a
+    prompt with two images longer than the sliding window, in one step and in 32-token
+    chunks."""
     from tests.model.vlm_checkpoints import random_image, write_gemma3_mm
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.sampling_params import SamplingParams
@@ -167,20 +178,59 @@ def test_gemma3_image_tokens_see_their_whole_image_on_the_gpu(tmp_path_factory):
         {"type": "image_pil", "image_pil": random_image(2, 90, 40)},
         {"type": "text", "text": "compare."},
     ]}]  # fmt: skip
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=272)
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=272, prompt_logprobs=272)
     common = dict(model=folder, dtype="float32", max_model_len=512, max_logprobs=272,
                   logprobs_mode="raw_logits")  # fmt: skip
     runs = []
     for kwargs in (dict(device="cpu"), dict(gpu_memory_utilization=0.2),
                    dict(gpu_memory_utilization=0.2, max_num_batched_tokens=32)):  # fmt: skip
         llm = LLM(**common, **kwargs)
-        runs.append(llm.chat(chat, params, use_tqdm=False)[0].outputs[0])
+        runs.append(llm.chat(chat, params, use_tqdm=False)[0])
         del llm
         torch.cuda.empty_cache()
     ref = runs[0]
     for out in runs[1:]:
-        assert out.token_ids == ref.token_ids
-        for lp, ref_lp in zip(out.logprobs, ref.logprobs, strict=True):
-            ours = torch.tensor([lp[t].logprob for t in range(272)])
-            theirs = torch.tensor([ref_lp[t].logprob for t in range(272)])
-            torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=0)
+        assert out.prompt_token_ids == ref.prompt_token_ids
+        for pos in range(1, len(ref.prompt_token_ids)):
+            torch.testing.assert_close(_raw_logits(out.prompt_logprobs[pos]),
+                                       _raw_logits(ref.prompt_logprobs[pos]),
+                                       atol=GEMMA3_ATOL, rtol=0)  # fmt: skip
+        torch.testing.assert_close(_raw_logits(out.outputs[0].logprobs[0]),
+                                   _raw_logits(ref.outputs[0].logprobs[0]),
+                                   atol=GEMMA3_ATOL, rtol=0)  # fmt: skip
+
+
+def test_gemma3_prefix_cache_hits_inside_images_and_mixed_steps_on_the_gpu(tmp_path_factory):
+    """Gemma 3 on CUDA (CUDA graphs for the decode and mixed steps without image tokens,
+    eager steps with them) with prefix caching and 24-token steps: a batch of prompts that
+    share images, run twice (the second run's cache hits end inside images), gives the
+    CPU engine's raw logits for the first generated token."""
+    from tests.model.vlm_checkpoints import random_image, write_gemma3_mm
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    folder = write_gemma3_mm(str(tmp_path_factory.mktemp("gemma3_mm_pc")))
+    images = [random_image(i, 64, 64) for i in range(3)]
+    prompts = []
+    for pre in range(0, 16, 3):
+        for k in range(2):
+            text = "a" * pre + "<start_of_image>" + "y" * (k + 1) + "<start_of_image>" + "z" * k
+            data = {"image": [images[0], images[1 + k]]}
+            prompts += [{"prompt": text, "multi_modal_data": data},
+                        {"prompt": "b" + text, "multi_modal_data": data}]  # fmt: skip
+    prompts.append("text only, beside the images")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=272)
+    common = dict(model=folder, dtype="float32", max_model_len=512, max_logprobs=272,
+                  logprobs_mode="raw_logits")  # fmt: skip
+    ref = LLM(**common, device="cpu").generate(prompts, params, use_tqdm=False)
+    llm = LLM(**common, gpu_memory_utilization=0.2, enable_prefix_caching=True,
+              max_num_batched_tokens=24)  # fmt: skip
+    for _ in range(2):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for out, r in zip(outs, ref, strict=True):
+            torch.testing.assert_close(_raw_logits(out.outputs[0].logprobs[0]),
+                                       _raw_logits(r.outputs[0].logprobs[0]),
+                                       atol=GEMMA3_ATOL, rtol=0)  # fmt: skip
+    assert sum(o.num_cached_tokens or 0 for o in outs) > 0
+    del llm
+    torch.cuda.empty_cache()
