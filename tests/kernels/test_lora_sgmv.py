@@ -126,29 +126,6 @@ def test_shrink_split_fills_the_device():
     assert shrink_split(1, 40, 132) == (1, SHRINK_BLOCK_K)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
-def test_split_shrink_adds_its_chunks_in_order_and_resets_its_counts():
-    """K in several chunks: the last chunk program of each tile adds the planes in chunk
-    order (the same bits on every call) and leaves its tile's count at zero for the next
-    launch, which reads the counts as the first did."""
-    from tokenmill.kernels.lora import sgmv
-
-    _, x, a, _, slots = _case(9, 300, 24, 4, 16, seed=11, segments=False)
-    chunks, size = shrink_split(1, 300, sgmv.num_sms(x.device))
-    assert chunks > 1
-    first = lora_shrink_triton(x, a, slots)
-    assert not sgmv._TILE_COUNTS[x.device].any()
-    again = lora_shrink_triton(x, a, slots)
-    assert torch.equal(first, again) and not sgmv._TILE_COUNTS[x.device].any()
-    want = torch.zeros_like(first)  # the chunks' partial products, added in chunk order
-    for c in range(chunks):
-        part = torch.stack([x[i, c * size : (c + 1) * size] @ a[s, :, c * size : (c + 1) * size].T
-                            for i, s in enumerate(slots.tolist())])  # fmt: skip
-        want += part * (slots > 0)[:, None]
-    torch.testing.assert_close(first, want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(first[slots == 0], torch.zeros_like(first[slots == 0]))
-
-
 def test_no_adapter_rows_cost_nothing():
     """A batch without adapters leaves the output untouched (every tile skips its work)."""
     y, x, a, b, _ = _case(20, 32, 32, 2, 16, seed=3, segments=False)

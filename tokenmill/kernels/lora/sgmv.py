@@ -13,12 +13,10 @@ masked to that slot's rows (all the rows of one request's prompt; a few of a til
 rows). Programs of a slot absent from their tile, and tiles of rows without adapters, do no
 work; with one program per slot, a program's serial work does not grow with the number of
 adapters in the batch. The shrink splits K into chunks (split-K) so that a decode batch, one
-or two row tiles, still spreads over the GPU; the last chunk program of a tile to finish
-(an atomic count per tile) adds the chunks' partial sums in chunk order (deterministic),
-so the expand reads each row's ``t`` once per column tile (summed inside the expand, the
-chunks would be summed again in every column tile and slot program) and a layer's adapters
-take two launches. Both kernels are dependent launches where the GPU has them
-(``kernels/pdl.py``): the expand's launch hides behind the shrink. The expand of a
+or two row tiles, still spreads over the GPU; the chunks' partial sums are added by one
+reduction (deterministic, no atomics) before the expand, which then reads each row's ``t``
+once per column tile (summed inside the expand, the chunks would be summed again in every
+column tile and slot program). The expand of a
 merged layer (q/k/v, gate/up) reads, per column tile, only the rank block of the part that
 owns those columns. The slot ids are read on the device, so CUDA graphs replay the launches
 for any mix of adapters.
@@ -36,7 +34,6 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels import pdl
 from tokenmill.kernels.device import HAS_TRITON, num_sms
 from tokenmill.math_utils import cdiv
 
@@ -44,87 +41,62 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from tokenmill.kernels.pdl import wait_for_prior_grid
-
     @triton.jit
     def _shrink_kernel(
-        x_ptr, a_ptr, slot_ptr, t_ptr, count_ptr, T, K, R, K_CHUNK, CHUNKS, RANK_TILES,
+        x_ptr, a_ptr, slot_ptr, t_ptr, T, K, R, K_CHUNK, RANK_TILES,
         sx, sa0, sa1, st_split, st,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+        IEEE: tl.constexpr,
     ):  # fmt: skip
         # Program (row tile, slot x rank tile, K chunk): the chunk's partial product of the
-        # tile's rows of one slot with that slot's A. One slot per program keeps a program's
-        # loop to its chunk of K; programs of a slot absent from the tile return at once.
-        # Slot 0's first-chunk program stores zeros for its rows, so every entry of the
-        # result (plane 0 of t) is written.
-        wait_for_prior_grid(USE_PDL)
+        # tile's rows of one slot with that slot's A, stored in the chunk's plane of t (the
+        # expand sums the planes). One slot per program keeps a program's loop to its chunk
+        # of K; programs of a slot absent from the tile return at once. Slot 0's program
+        # stores zeros for its rows, so every entry of t is written.
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         s = tl.program_id(1) // RANK_TILES
         ranks = (tl.program_id(1) % RANK_TILES) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < T
         slots = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
         mine = slots == s
-        rows64 = rows.to(tl.int64)
-        out_mask = mine[:, None] & (ranks[None, :] < R)
-        out_ptrs = t_ptr + rows64[:, None] * st + ranks[None, :]
-        if tl.sum(mine.to(tl.int32)) == 0:
-            return
-        if s == 0:
-            if tl.program_id(2) == 0:
-                tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32),
-                         mask=out_mask)  # fmt: skip
-            return
-        k_lo = tl.program_id(2) * K_CHUNK
-        k_hi = tl.minimum(k_lo + K_CHUNK, K)
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        a_base = a_ptr + s.to(tl.int64) * sa0
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(
-                x_ptr + rows64[:, None] * sx + ks[None, :],
-                mask=mine[:, None] & (ks[None, :] < k_hi),
-                other=0.0,
+        if tl.sum(mine.to(tl.int32)) > 0:
+            k_lo = tl.program_id(2) * K_CHUNK
+            k_hi = tl.minimum(k_lo + K_CHUNK, K)
+            rows64 = rows.to(tl.int64)
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            if s > 0:
+                a_base = a_ptr + s.to(tl.int64) * sa0
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    xt = tl.load(
+                        x_ptr + rows64[:, None] * sx + ks[None, :],
+                        mask=mine[:, None] & (ks[None, :] < k_hi),
+                        other=0.0,
+                    )
+                    at = tl.load(
+                        a_base + ranks[None, :] * sa1 + ks[:, None],
+                        mask=(ranks[None, :] < R) & (ks[:, None] < k_hi),
+                        other=0.0,
+                    )
+                    if IEEE:
+                        acc += tl.dot(xt, at, input_precision="ieee")
+                    else:
+                        acc += tl.dot(xt, at)
+            tl.store(
+                t_ptr + tl.program_id(2) * st_split + rows64[:, None] * st + ranks[None, :],
+                acc,
+                mask=mine[:, None] & (ranks[None, :] < R),
             )
-            at = tl.load(
-                a_base + ranks[None, :] * sa1 + ks[:, None],
-                mask=(ranks[None, :] < R) & (ks[:, None] < k_hi),
-                other=0.0,
-            )
-            if IEEE:
-                acc += tl.dot(xt, at, input_precision="ieee")
-            else:
-                acc += tl.dot(xt, at)
-        if CHUNKS == 1:
-            tl.store(out_ptrs, acc, mask=out_mask)
-            return
-        # Split K: each chunk stores its partial sum in its own plane of t; the last of
-        # the tile's chunk programs to finish (counted by an atomic per tile and slot)
-        # adds the planes in chunk order -- the same order whichever program comes last,
-        # so the result is deterministic -- into plane 0 and resets the count for the
-        # next launch (the serial split-K reduction of CUTLASS's semaphores).
-        tl.store(out_ptrs + tl.program_id(2) * st_split, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial stored before the count (release)
-        counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == CHUNKS - 1:
-            tl.store(counter, 0)
-            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for c in range(0, CHUNKS):
-                # .cg: from L2, where the other programs' planes are (not a stale L1 line)
-                total += tl.load(out_ptrs + c * st_split, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
-            tl.store(out_ptrs, total, mask=out_mask)
 
     @triton.jit
     def _expand_kernel(
         t_ptr, b_ptr, slot_ptr, y_ptr, T, N, R, PART_R, START1, START2,
         st, sb0, sb1, sy,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-        IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+        IEEE: tl.constexpr,
     ):  # fmt: skip
         # Program (row tile, column tile, slot 1..S-1): the tile's rows of that slot only
         # (slots own disjoint rows, so programs never write the same entry of y).
-        wait_for_prior_grid(USE_PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         c0 = tl.program_id(1) * BLOCK_N
         cols = c0 + tl.arange(0, BLOCK_N)
@@ -235,32 +207,15 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) ->
     t = torch.empty(chunks, num_rows, rank, dtype=torch.float32, device=x.device)
     if num_rows == 0:
         return t[0]
-    num_slots = a.shape[0]
     # every slot's programs, slot 0's included (they zero its rows)
-    _shrink_kernel[(row_tiles, num_slots * rank_tiles, chunks)](
-        x, a, slots, t, _tile_counts(x.device, num_slots), num_rows, k, rank, chunk, chunks,
-        rank_tiles, x.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
+    _shrink_kernel[(row_tiles, a.shape[0] * rank_tiles, chunks)](
+        x, a, slots, t, num_rows, k, rank, chunk, rank_tiles,
+        x.stride(0), a.stride(0), a.stride(1), t.stride(0), t.stride(1),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=SHRINK_BLOCK_K,
-        IEEE=x.dtype == torch.float32, **pdl.launch_options(x.device),
+        IEEE=x.dtype == torch.float32,
     )  # fmt: skip
-    return t[0]
-
-
-# Per device, the shrink's count of finished K chunks per (row tile, slot x rank tile):
-# zero between launches (each launch's last programs reset theirs).
-_TILE_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counts(device: torch.device, num_slots: int) -> torch.Tensor:
-    """The int32 counts for a shrink of ``num_slots`` slots on ``device``. K is split only
-    while the row x rank tiles number at most the SMs (``shrink_split``), so ``SMs x
-    num_slots`` counts cover every split launch. Allocated at a device's first launch,
-    before any CUDA graph is captured (the start-up passes run the layers eagerly)."""
-    need = num_sms(device) * num_slots
-    counts = _TILE_COUNTS.get(device)
-    if counts is None or counts.numel() < need:
-        counts = _TILE_COUNTS[device] = torch.zeros(need, dtype=torch.int32, device=device)
-    return counts
+    # the K chunks' partial sums, added in one fixed order
+    return t[0] if chunks == 1 else t.sum(0)
 
 
 def lora_expand_triton(
@@ -292,7 +247,7 @@ def lora_expand_triton(
         t, b, slots, y, num_rows, n, rank, part_rank, starts[0], starts[1],
         t.stride(0), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=_rank_tile(part_rank),
-        IEEE=b.dtype == torch.float32, **pdl.launch_options(y.device),
+        IEEE=b.dtype == torch.float32,
     )  # fmt: skip
 
 
