@@ -45,21 +45,32 @@ def _chats() -> list[list[dict]]:
     return chats
 
 
-def _greedy(folder: str, dtype: str, enforce_eager: bool) -> list[list[int]]:
+def _greedy(folder: str, dtype: str, enforce_eager: bool, **kwargs) -> list[list[int]]:
     from tokenmill.entrypoints.llm import LLM
     from tokenmill.sampling_params import SamplingParams
 
     llm = LLM(model=folder, load_format="dummy", dtype=dtype, enforce_eager=enforce_eager,
-              max_model_len=2048, gpu_memory_utilization=0.3, seed=0)  # fmt: skip
+              max_model_len=2048, gpu_memory_utilization=0.3, seed=0, **kwargs)  # fmt: skip
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outs = llm.chat(_chats(), params, use_tqdm=False)
+    graphs = llm.llm_engine.engine_core.executor.worker.model_runner.graphs
+    if not enforce_eager:  # the steps with image placeholders replayed the embedding pieces
+        assert graphs is not None and graphs.images is not None
+        assert graphs.images.num_replays > 0 and graphs.paths["images eager"] == 0
     del llm
     torch.cuda.empty_cache()
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_cuda_graphs_give_the_eager_greedy_tokens(vl_folder):
-    assert _greedy(vl_folder, "float32", False) == _greedy(vl_folder, "float32", True)
+@pytest.mark.parametrize("budget", [None, 96], ids=["whole", "chunks"])
+def test_cuda_graphs_give_the_eager_greedy_tokens(vl_folder, budget):
+    """Steps with image placeholders replay piecewise graphs over input embeddings (M-RoPE
+    streams in a static buffer); whole prompts, and 96-token chunks that mix image and text
+    tokens of several prompts."""
+    kwargs = {} if budget is None else {"max_num_batched_tokens": budget}
+    assert _greedy(vl_folder, "float32", False, **kwargs) == _greedy(
+        vl_folder, "float32", True, **kwargs
+    )
 
 
 def test_bfloat16_tower_stays_close_to_float32(vl_folder):

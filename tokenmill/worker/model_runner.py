@@ -299,7 +299,9 @@ class ModelRunner(StepSampling, BufferMetadata):
         """The CUDA graphs start-up captures (``StepGraphs.plan``), uncaptured, planned once;
         None off CUDA."""
         if self.device.type == "cuda" and self.graphs is None:
-            self.graphs = StepGraphs.plan(self, self.attn_backend)
+            self.graphs = StepGraphs.plan(
+                self, self.attn_backend, takes_images=hasattr(self.model, "encode_images")
+            )
             if self.spec_decode is not None:
                 self.graphs.add_proposer(self.spec_decode.proposer.plan_graphs)
         return self.graphs
@@ -478,14 +480,17 @@ class ModelRunner(StepSampling, BufferMetadata):
     def _run_stage(self, inputs: StepInputs) -> torch.Tensor:
         assert self.stage is not None
         self.stage.before_forward(inputs.num_tokens)
-        if self._step_images is not None:  # image placeholders: eager, with inputs_embeds
+        if self._step_images is not None:  # image placeholders: over input embeddings
             assert self.mm is not None
-            if self.graphs is not None:
-                self.graphs.paths["images"] += 1
             n, images, self._step_images = inputs.num_tokens, self._step_images, None
-            hidden = self.mm.forward(
-                self.input_ids.device[:n], self.positions.device[:n], inputs.metadata, images
-            )
+            ids = self.input_ids.device[:n]
+            metadata = self.mm.step_metadata(inputs.metadata, images)
+            embeds = self.mm.step_embeds(ids, images)
+            hidden = None
+            if self.graphs is not None:
+                hidden = self.graphs.try_run_images(n, metadata, embeds, images.mrope_positions)
+            if hidden is None:
+                hidden = self.mm.forward(ids, self.positions.device[:n], metadata, images, embeds)
             self.stage.after_forward(hidden, n)
             return hidden
         hidden = self.graphs.try_run(inputs) if self.graphs is not None else None

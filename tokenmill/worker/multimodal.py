@@ -220,20 +220,30 @@ class MultiModalState:
             last_key_pos = torch.from_numpy(np.concatenate(last)).to(self.device)
         return StepImages(token_index, torch.cat(rows), mrope_t, last_key_pos)
 
+    def step_metadata(self, metadata: AttentionMetadata, images: StepImages) -> AttentionMetadata:
+        """``metadata`` with the step's ``last_key_pos`` (bidirectional models)."""
+        if images.last_key_pos is None:
+            return metadata
+        return dataclasses.replace(metadata, last_key_pos=images.last_key_pos)
+
+    def step_embeds(self, input_ids: torch.Tensor, images: StepImages) -> torch.Tensor:
+        """The step's input embeddings ``[T, H]``: the tokens', with the placeholders' rows
+        replaced by their images' embeddings."""
+        embeds = self.model.embed_input_ids(input_ids)
+        if images.token_index is not None:
+            embeds[images.token_index] = images.embeds.to(embeds.dtype)
+        return embeds
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         images: StepImages,
+        embeds: torch.Tensor,
     ) -> torch.Tensor:
-        """The model over a step with image placeholders (eager)."""
-        if images.last_key_pos is not None:
-            metadata = dataclasses.replace(metadata, last_key_pos=images.last_key_pos)
-        embeds = None
-        if images.token_index is not None:
-            embeds = self.model.embed_input_ids(input_ids)
-            embeds[images.token_index] = images.embeds.to(embeds.dtype)
+        """The model over a step with image placeholders (eager); ``metadata`` and
+        ``embeds`` as ``step_metadata`` and ``step_embeds`` give them."""
         if self.uses_mrope:
             return self.model(
                 input_ids, positions, metadata, inputs_embeds=embeds,

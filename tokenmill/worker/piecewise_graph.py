@@ -18,6 +18,13 @@ the real ``num_actual_tokens``, neither writes them to the cache nor reads them.
 Where the attention backend supports uniform grids, most such steps replay one whole-step
 graph instead (``mixed_graph.py``); the pieces remain for steps with cascade attention or
 with more prompt requests than those graphs take.
+
+A vision-language model's steps that hold image placeholders take a second set, captured
+over input embeddings instead of token ids (``embeds=True``): the step's embeddings, image
+rows merged in, are computed eagerly into a static buffer, and for M-RoPE models the three
+position streams into another (vLLM's piecewise graphs of multimodal models likewise take
+``inputs_embeds``). Under serving load nearly every step of such a model holds some prompt's
+placeholders, so without them it would run eagerly.
 """
 
 from __future__ import annotations
@@ -71,6 +78,9 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         runner: the model runner whose input buffers the graphs read.
         capture_sizes: token counts to capture (default: ``default_piecewise_sizes``).
         pool: as for ``PaddedGraphs`` (the decode graphs' pool).
+        embeds: capture the forward pass over static input embeddings (and, for a model
+            with ``uses_mrope``, static ``[3, T]`` position streams), replayed by
+            ``run_embeds``; the model takes ``inputs_embeds`` (a multimodal model).
     """
 
     def __init__(
@@ -78,10 +88,14 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         runner: GraphHost,
         capture_sizes: list[int] | None = None,
         pool: tuple[int, int] | None = None,
+        embeds: bool = False,
     ) -> None:
         super().__init__(
             runner, capture_sizes or default_piecewise_sizes(runner.max_num_tokens), pool
         )
+        self.embeds = embeds
+        self._embeds: torch.Tensor | None = None  # [max size, H] of the model's dtype
+        self._mrope: torch.Tensor | None = None  # [3, max size] int64
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # size -> its pieces
         # Per attention call, in forward order: the layer, its static query buffer and its
         # static output buffer (full size; a step uses the first rows).
@@ -101,6 +115,24 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
                 self.sizes[-1], width, dtype=like.dtype, device=like.device
             )
         return self._static[key]
+
+    def _forward(self, model: torch.nn.Module, size: int, metadata: AttentionMetadata):
+        """The model over the first ``size`` rows of the static inputs."""
+        ids = self.runner.input_ids.device[:size]
+        pos = self.runner.positions.device[:size]
+        if not self.embeds:
+            return model(ids, pos, metadata)
+        if self._embeds is None:
+            width = model.embed_input_ids(ids[:1])
+            self._embeds = torch.zeros(self.sizes[-1], width.shape[-1], dtype=width.dtype,
+                                       device=width.device)  # fmt: skip
+            if getattr(model, "uses_mrope", False):
+                self._mrope = torch.zeros(3, self.sizes[-1], dtype=torch.int64,
+                                          device=width.device)  # fmt: skip
+        kwargs = {"inputs_embeds": self._embeds[:size]}
+        if self._mrope is not None:
+            kwargs["mrope_positions"] = self._mrope[:, :size]
+        return model(ids, pos, metadata, **kwargs)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -137,8 +169,7 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         for size in reversed(self.sizes):
             metadata = self.runner.single_request_metadata(size, size)
             with attention_hook(self._hand_off(size, metadata.slot_mapping)):
-                model(self.runner.input_ids.device[:size], self.runner.positions.device[:size],
-                      metadata)  # fmt: skip
+                self._forward(model, size, metadata)
 
     def _hand_off(self, size: int, slots: torch.Tensor):
         """The attention hook that ends a piece: RoPE, the K/V write into ``slots`` and the
@@ -153,8 +184,6 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         return hand_off
 
     def _capture_size(self, model: torch.nn.Module, size: int, pool: tuple[int, int]) -> None:
-        ids = self.runner.input_ids.device[:size]
-        pos = self.runner.positions.device[:size]
         # Attention does not run during capture; the metadata only has to be well formed.
         metadata = self.runner.single_request_metadata(size, size)
         calls: list[tuple[Attention, torch.Tensor, torch.Tensor]] = []
@@ -171,7 +200,7 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         with attention_hook(record):
             for _ in range(2):  # warm up: Triton compiles, cuBLAS workspaces, static buffers
                 calls.clear()
-                self.hidden = self._buffer("hidden", model(ids, pos, metadata))
+                self.hidden = self._buffer("hidden", self._forward(model, size, metadata))
         if not calls:
             raise RuntimeError(
                 "the model's forward pass made no Attention call to split at; run it with "
@@ -196,7 +225,7 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         with attention_hook(split):
             graph.capture_begin(pool=pool)
             try:
-                hidden = model(ids, pos, metadata)
+                hidden = self._forward(model, size, metadata)
                 self._buffer("hidden", hidden)[:size].copy_(hidden)
             finally:
                 graph.capture_end()
@@ -224,3 +253,32 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         self.num_replays += 1
         assert self.hidden is not None
         return self.hidden[:size]
+
+    def run_embeds(
+        self,
+        num_tokens: int,
+        metadata: AttentionMetadata,
+        embeds: torch.Tensor,
+        mrope_positions: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Replay the pieces captured over embeddings (``embeds=True``), as ``run``.
+
+        Args:
+            num_tokens: the step's real tokens.
+            metadata: the step's attention metadata.
+            embeds: ``[num_tokens, H]`` the step's input embeddings, image rows merged in.
+            mrope_positions: ``[3, num_tokens]`` int64 position streams of an M-RoPE model,
+                or None where every token's streams equal its position (the runner's
+                position buffer).
+        """
+        assert self.embeds and self._embeds is not None
+        self._embeds[:num_tokens].copy_(embeds[:num_tokens])
+        if self._mrope is not None:
+            size = self.padded_size(num_tokens)
+            if mrope_positions is None:
+                positions = self.runner.positions.device[:num_tokens]
+                self._mrope[:, :num_tokens].copy_(positions.expand(3, -1))
+            else:
+                self._mrope[:, :num_tokens].copy_(mrope_positions)
+            self._mrope[:, num_tokens:size].zero_()
+        return self.run(num_tokens, metadata)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.model.attention.backend import AttentionBackend
+from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.worker.cuda_graph import (
     CUDAGraphRunner,
     GraphHost,
@@ -38,6 +38,8 @@ class StepGraphs:
         decode: whole-pass graphs of decode-only steps, or None.
         mixed: whole-step graphs of steps with prompt tokens, or None.
         piecewise: piecewise graphs of steps with prompt tokens, or None.
+        images: piecewise graphs over input embeddings, of a multimodal model's steps
+            that hold image placeholders (``try_run_images``), or None.
         uniform_max_prefills: the most requests after the leading decodes that a mixed
             graph takes (the attention backend's).
         pool: the memory pool the sets share.
@@ -50,33 +52,42 @@ class StepGraphs:
         piecewise: PiecewiseCUDAGraphRunner | None = None,
         uniform_max_prefills: int = 0,
         pool: tuple[int, int] | None = None,
+        images: PiecewiseCUDAGraphRunner | None = None,
     ) -> None:
         self.decode = decode
         self.mixed = mixed
         self.piecewise = piecewise
+        self.images = images
         self.uniform_max_prefills = uniform_max_prefills
         self.pool = pool
         # A speculative proposer's graphs (``add_proposer``); the proposer replays them.
         self.proposer: PaddedGraphs | None = None
         # Steps by the path that ran them ("decode", "mixed", "piecewise", "eager",
-        # "images": eager with image embeddings), for the step log
+        # "images": piecewise over image embeddings, "images eager"), for the step log
         # (``TOKENMILL_LOG_STEP_STATS``), which empties it.
         self.paths: Counter[str] = Counter()
 
     @classmethod
-    def plan(cls, runner: GraphHost, backend: type[AttentionBackend]) -> StepGraphs:
+    def plan(
+        cls, runner: GraphHost, backend: type[AttentionBackend], takes_images: bool = False
+    ) -> StepGraphs:
         """The sets start-up captures for ``runner``'s model, uncaptured, in one new pool:
-        mixed graphs where ``backend`` has uniform grids."""
+        mixed graphs where ``backend`` has uniform grids, embedding pieces for a model that
+        ``takes_images``."""
         pool = torch.cuda.graph_pool_handle()
         mixed = None
         if backend.supports_uniform_grids:
             mixed = MixedCUDAGraphRunner(runner, pool=pool)
+        images = None
+        if takes_images:
+            images = PiecewiseCUDAGraphRunner(runner, pool=pool, embeds=True)
         return cls(
             decode=CUDAGraphRunner(runner, pool=pool),
             mixed=mixed,
             piecewise=PiecewiseCUDAGraphRunner(runner, pool=pool),
             uniform_max_prefills=backend.uniform_max_prefills,
             pool=pool,
+            images=images,
         )
 
     def add_proposer(self, plan: Callable[[tuple[int, int] | None], PaddedGraphs | None]) -> None:
@@ -86,8 +97,9 @@ class StepGraphs:
 
     @property
     def sets(self) -> list[PaddedGraphs]:
-        """The sets in capture order: piecewise, mixed, decode, the proposer's."""
-        sets = (self.piecewise, self.mixed, self.decode, self.proposer)
+        """The sets in capture order: piecewise (over ids, then embeddings), mixed, decode,
+        the proposer's."""
+        sets = (self.piecewise, self.images, self.mixed, self.decode, self.proposer)
         return [g for g in sets if g is not None]
 
     def compile_passes(self) -> None:
@@ -133,3 +145,19 @@ class StepGraphs:
             return self.piecewise.run(n, metadata)
         self.paths["eager"] += 1
         return None
+
+    def try_run_images(
+        self,
+        num_tokens: int,
+        metadata: AttentionMetadata,
+        embeds: torch.Tensor,
+        mrope_positions: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Replay the embedding pieces for a step with image placeholders (arguments as
+        ``PiecewiseCUDAGraphRunner.run_embeds``); None when they do not take it (it runs
+        eagerly)."""
+        if self.images is None or not self.images.can_run(num_tokens):
+            self.paths["images eager"] += 1
+            return None
+        self.paths["images"] += 1
+        return self.images.run_embeds(num_tokens, metadata, embeds, mrope_positions)
