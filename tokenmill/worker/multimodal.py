@@ -4,8 +4,9 @@ image embeddings into the input embeddings, and multimodal rotary positions.
 Per step (``SchedulerOutput``): drop the encoder outputs the scheduler evicted, run the
 vision encoder over the images it scheduled (all of them in one call) and cache the outputs
 by image hash; then, for the tokens of the step that are image placeholders, gather their
-rows of the cached outputs. A step with placeholders runs eagerly with ``inputs_embeds``
-(token embeddings with those rows replaced); other steps take the usual path (CUDA graphs).
+rows of the cached outputs. A step with placeholders runs over ``inputs_embeds`` (token
+embeddings with those rows replaced, ``step_embeds``): through the piecewise CUDA graphs
+captured over embeddings where they take it, else eagerly; other steps take the usual path.
 """
 
 from __future__ import annotations
