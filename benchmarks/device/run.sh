@@ -9,7 +9,8 @@
 #              128 chat requests of one random 1024x1024 image, 128 in / 128 out, 64 at a time
 #              (bench serve --dataset-name random-mm); gputests_vision tests/gpu/test_vision_gpu.py;
 #              tm_vision / vllm_vision one engine (VISION_DIAG=1: tokenmill's step and front-end
-#              timings); vision_profile the front end's per-image work and the vision tower
+#              timings); tm_vision_gemma3 / vllm_vision_gemma3 the same load on a
+#              Gemma-3-4B-shaped dummy (make_vl_model.py --gemma3); vision_profile the front end's per-image work and the vision tower
 #              (vision_profile.py)
 #   gputests_quant  the int4 and GGUF dequantize-in-GEMM kernels on CUDA (tests/gpu/
 #              test_quant_gemm_gpu.py, tests/kernels' quantized GEMM and GGUF block tests)
@@ -273,14 +274,16 @@ serve_diag() {
   done
   stop_server $pid
 }
-# vision_pair ENGINE(tm|vllm): a Qwen2.5-VL-7B-shaped dummy (benchmarks/device/make_vl_model.py)
+# vision_pair ENGINE(tm|vllm) [qwen|gemma3]: a Qwen2.5-VL-7B-shaped (or Gemma-3-4B-shaped)
+# dummy (benchmarks/device/make_vl_model.py)
 # served by ENGINE, 128 chat requests of one random 1024x1024 JPEG and 128 text tokens each,
 # 64 at a time, by the engine's own bench client (the same random-mm flags).
 VL_MM=(--dataset-name random-mm --random-mm-base-items-per-request 1 --random-mm-num-mm-items-range-ratio 0 --random-mm-limit-mm-per-prompt '{"image": 1, "video": 0}' --random-mm-bucket-config '{(1024, 1024, 1): 1.0}')
 vision_pair() {
-  local eng=$1 VL=/tmp/tm_vl7b
-  [ -f $VL/config.json ] || python3 benchmarks/device/make_vl_model.py "$M135" $VL >> "$LOGS/setup.log" 2>&1
-  local args=(--load-format dummy --port 8000 --max-model-len 8192 --limit-mm-per-prompt '{"image": 1, "video": 0}')
+  local eng=$1 kind=${2:-qwen} VL=/tmp/tm_vl7b label=${1}_vision make=() limits='{"image": 1, "video": 0}'
+  if [ "$kind" = gemma3 ]; then VL=/tmp/tm_gemma3_4b label=${1}_vision_gemma3 make=(--gemma3) limits='{"image": 1}'; fi
+  [ -f $VL/config.json ] || python3 benchmarks/device/make_vl_model.py "$M135" $VL "${make[@]}" >> "$LOGS/setup.log" 2>&1
+  local args=(--load-format dummy --port 8000 --max-model-len 8192 --limit-mm-per-prompt "$limits")
   if [ "$eng" = tm ]; then TOKENMILL_LOG_STEP_STATS=${VISION_DIAG:-0} setsid "${TM[@]}" serve $VL "${args[@]}" --disable-log-requests --served-model-name $VL > "$LOGS/${eng}_vl_server.log" 2>&1 &
   else setsid vllm serve $VL "${args[@]}" > "$LOGS/${eng}_vl_server.log" 2>&1 & fi
   local pid=$!
@@ -288,8 +291,8 @@ vision_pair() {
   say "STAGE ${eng}_vl_server ready after ${ready}s"
   grep -aE "KV cache|CUDA graphs|ready in|Memory:|Error|Traceback" "$LOGS/${eng}_vl_server.log" | head -8 | sed 's/^/  | /' | tee -a "$SUM"
   local B=("${TM[@]}" bench serve); [ "$eng" = vllm ] && B=(vllm bench serve)
-  stage ${eng}_vision 400 "${B[@]}" --backend openai-chat --endpoint /v1/chat/completions --model $VL --port 8000 "${VL_MM[@]}" --random-input-len 128 --random-output-len 128 --num-prompts 128 --max-concurrency 64 --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$LOGS" --result-filename ${eng}_vision.json
-  addjson ${eng}_vision "$LOGS/${eng}_vision.json"
+  stage $label 400 "${B[@]}" --backend openai-chat --endpoint /v1/chat/completions --model $VL --port 8000 "${VL_MM[@]}" --random-input-len 128 --random-output-len 128 --num-prompts 128 --max-concurrency 64 --ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$LOGS" --result-filename $label.json
+  addjson $label "$LOGS/$label.json"
   [ "$eng" = tm ] && [ "${VISION_DIAG:-0}" = 1 ] && grep -aE "Engine step|front end|event loop|Avg prompt" "$LOGS/${eng}_vl_server.log" | tail -30 | sed 's/^/  | /' | tee -a "$SUM"
   stop_server $pid
 }
@@ -358,6 +361,8 @@ run_stage() {  # run_stage NAME: one stage of the list below
     vision) vision_pair tm; vision_pair vllm ;;
     tm_vision) vision_pair tm ;;
     vllm_vision) vision_pair vllm ;;
+    tm_vision_gemma3) vision_pair tm gemma3 ;;
+    vllm_vision_gemma3) vision_pair vllm gemma3 ;;
     vision_profile)
       [ -f /tmp/tm_vl7b/config.json ] || python3 benchmarks/device/make_vl_model.py "$M135" /tmp/tm_vl7b >> "$LOGS/setup.log" 2>&1
       TAIL_LINES=80 stage vision_profile 200 python3 benchmarks/device/vision_profile.py /tmp/tm_vl7b ;;
