@@ -81,7 +81,7 @@ def test_gguf_file_matches_transformers(arch, tmp_path):
     "layers,hidden,heads,scalar", [(42, 3584, 16, 256), (46, 4608, 32, 144)], ids=["9B", "27B"]
 )
 def test_gemma2_27b_scales_queries_by_hidden_per_head(layers, hidden, heads, scalar):
-    from tokenmill.hf_config import _derive_gemma_config
+    from tokenmill.gguf_config import _derive_gemma_config
 
     data = dict(num_hidden_layers=layers, head_dim=256, hidden_size=hidden,
                 num_attention_heads=heads)  # fmt: skip

@@ -109,7 +109,7 @@ def test_max_model_len_is_max_position_embeddings(saved_model):
     [(None, 12, [5, 11]), (3, 7, [2, 5]), ([1, 0, 1, 1, 0], 5, [1, 4])],
 )
 def test_gguf_metadata_derives_the_layer_pattern(pattern, layers, expected_global):
-    from tokenmill.hf_config import _derive_gemma3_config
+    from tokenmill.gguf_config import _derive_gemma3_config
 
     data = dict(num_hidden_layers=layers, head_dim=256, hidden_size=640, num_attention_heads=4)
     _derive_gemma3_config(data, pattern)
@@ -122,7 +122,7 @@ def test_gguf_metadata_derives_the_layer_pattern(pattern, layers, expected_globa
 
 
 def test_gguf_metadata_27b_scales_queries_by_hidden_per_head():
-    from tokenmill.hf_config import _derive_gemma3_config
+    from tokenmill.gguf_config import _derive_gemma3_config
 
     data = dict(num_hidden_layers=62, head_dim=128, hidden_size=5376, num_attention_heads=32)
     _derive_gemma3_config(data, None)

@@ -229,7 +229,8 @@ def test_a_header_that_does_not_match_the_data_is_refused(tmp_path):
     loader does, instead of reading other values."""
     import struct
 
-    from tokenmill.hf_config import ModelLoadError, open_gguf
+    from tokenmill.gguf_config import open_gguf
+    from tokenmill.hf_config import ModelLoadError
 
     path = tmp_path / "patched.gguf"
     _one_tensor_gguf(path, np.ones(64, dtype=np.float32))

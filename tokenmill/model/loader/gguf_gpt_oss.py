@@ -25,7 +25,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from tokenmill.hf_config import GGML_MXFP4, ModelLoadError
+from tokenmill.gguf_config import GGML_MXFP4
+from tokenmill.load_errors import ModelLoadError
 from tokenmill.model.layers.quantization.tensors import GGUFTensor
 
 _OUR_EXPERTS = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.w(13|2)\.")

@@ -18,8 +18,9 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from tokenmill.hf_config import GGML_MXFP4, ModelLoadError, gguf_experts_are_mxfp4, open_gguf
+from tokenmill.gguf_config import GGML_MXFP4, gguf_experts_are_mxfp4, open_gguf
 from tokenmill.kernels.quant.gguf_blocks import BLOCK_TYPES
+from tokenmill.load_errors import ModelLoadError
 from tokenmill.model.layers.quantization.tensors import GGUFTensor
 
 logger = logging.getLogger(__name__)
