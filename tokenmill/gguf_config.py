@@ -27,6 +27,7 @@ GGUF_ARCHITECTURES = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # V3 with sigmoid gating
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
+    "llama4": ("Llama4ForCausalLM", "llama4_text"),
 }
 
 # ggml's type id of MXFP4 (GGMLQuantizationType.MXFP4): gpt-oss' experts in GGUF files.
@@ -52,7 +53,18 @@ GGUF_KEYS = {
     "expert_used_count": "num_experts_per_tok",
     "expert_feed_forward_length": "moe_intermediate_size",
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "interleave_moe_layer_step": "interleave_moe_layer_step",
 }
+
+# llama.cpp's Llama 4 graph (llama-model.cpp, LLM_ARCH_LLAMA4; llama-graph.cpp): RoPE layers
+# attend within chunks of 8192 tokens, every fourth layer is NoPE, and the NoPE layers scale
+# their queries by 1 + 0.1 * log(1 + floor((pos + 1) / 8192)); none of these is in the file.
+LLAMA4_CHUNK_SIZE = 8192
+LLAMA4_NO_ROPE_LAYER_STEP = 4
+LLAMA4_ATTN_TEMP_FLOOR_SCALE = 8192
+LLAMA4_ATTN_TEMP_SCALE = 0.1
+# llama.cpp turns QK-norm off for the 128-expert model (Maverick) and on otherwise.
+LLAMA4_NO_QK_NORM_EXPERTS = 128
 
 # llama.cpp's Gemma 3 graph: five sliding-window layers per global one, local RoPE base 1e4.
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
@@ -192,6 +204,9 @@ def read_gguf_config(path: str) -> dict[str, Any]:
         _derive_deepseek2_config(data, lambda key: _gguf_field(reader, f"{arch}.{key}"))
     elif arch == "gpt-oss":
         _derive_gpt_oss_config(data, {t.name: int(t.tensor_type) for t in reader.tensors})
+    elif arch == "llama4":
+        _derive_llama4_config(data, lambda key: _gguf_field(reader, f"{arch}.{key}"), path)
+        _llama4_rope_factors(data, reader, path)
     return data
 
 
@@ -314,3 +329,76 @@ def _derive_gemma3_config(data: dict[str, Any], pattern: Any) -> None:
     if n == GEMMA3_27B_LAYERS:
         data.setdefault("query_pre_attn_scalar", data["hidden_size"] // data["num_attention_heads"])
     data.setdefault("query_pre_attn_scalar", data["head_dim"])
+
+
+def _derive_llama4_config(data: dict[str, Any], field: Any, path: str) -> None:
+    """Llama 4 text settings (transformers' ``Llama4TextConfig``) from a ``llama4`` file's
+    metadata (``field(key)``: the value of ``llama4.<key>`` or None) and what llama.cpp's
+    graph fixes.
+
+    The converter stores the dense layers' MLP size (``intermediate_size_mlp``) as
+    ``feed_forward_length`` and the experts' and shared expert's (``intermediate_size``) as
+    ``expert_feed_forward_length``. Routing is sigmoid top-``expert_used_count`` with the
+    router weight applied to the expert's input, as the model always does.
+
+    Raises:
+        ModelLoadError: a file with ``attention.sliding_window`` 0 (llama.cpp's variant
+            without chunked attention or NoPE layers), or no ``expert_feed_forward_length``.
+    """
+    window = field("attention.sliding_window")
+    if window is not None and int(window) == 0:
+        raise ModelLoadError(
+            f"GGUF file {path}: a llama4 file with attention.sliding_window 0 (every layer "
+            "full attention, llama.cpp's MobileLLM variant) is not supported"
+        )
+    data.pop("sliding_window", None)
+    if not data.get("moe_intermediate_size"):
+        raise ModelLoadError(f"GGUF file {path} has no llama4.expert_feed_forward_length")
+    data["intermediate_size_mlp"] = data["intermediate_size"]
+    data["intermediate_size"] = data.pop("moe_intermediate_size")
+    if field("attention.key_length") is None and field("rope.dimension_count"):
+        data["head_dim"] = int(field("rope.dimension_count"))
+    n = data["num_hidden_layers"]
+    experts = int(data.get("num_local_experts") or 0)
+    data.update(
+        interleave_moe_layer_step=int(data.get("interleave_moe_layer_step") or 1),
+        num_experts_per_tok=int(data.get("num_experts_per_tok") or 1),
+        no_rope_layers=[int((i + 1) % LLAMA4_NO_ROPE_LAYER_STEP != 0) for i in range(n)],
+        attention_chunk_size=LLAMA4_CHUNK_SIZE,
+        attn_temperature_tuning=True,
+        floor_scale=LLAMA4_ATTN_TEMP_FLOOR_SCALE,
+        attn_scale=LLAMA4_ATTN_TEMP_SCALE,
+        use_qk_norm=experts != LLAMA4_NO_QK_NORM_EXPERTS,
+        hidden_act="silu",
+    )
+    if not experts:  # no MoE layers (``_derive_moe_config`` dropped the count)
+        data["moe_layers"] = []
+
+
+def _llama4_rope_factors(data: dict[str, Any], reader: Any, path: str) -> None:
+    """The converter turns Llama 4's llama3 RoPE scaling into a ``rope_freqs`` tensor of
+    ``head_dim / 2`` factors, each frequency divided by its factor (the metadata has no
+    scaling type). They become ``rope_scaling`` of type ``longrope`` with those factors for
+    short and long contexts alike and an attention factor of 1: the same frequencies,
+    whatever the converter's parameters were.
+
+    Raises:
+        ModelLoadError: a ``rope_freqs`` tensor of another size than ``head_dim / 2``.
+    """
+    import numpy as np
+
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return
+    factors = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    if factors.size != data["head_dim"] // 2:
+        raise ModelLoadError(
+            f"GGUF file {path}: rope_freqs.weight has {factors.size} factors, not head_dim / 2 "
+            f"({data['head_dim'] // 2})"
+        )
+    values = [float(f) for f in factors]
+    data["rope_scaling"] = {
+        "rope_type": "longrope", "short_factor": values, "long_factor": values,
+        "attention_factor": 1.0,
+        "original_max_position_embeddings": data.get("max_position_embeddings"),
+    }  # fmt: skip
