@@ -136,6 +136,13 @@ class Llama4Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, metadata, positions))
 
 
+def from_gguf(config: HFConfig) -> bool:
+    """Whether the config was read from a GGUF file, whose experts load one tensor per expert
+    and projection (llama.cpp stacks them as rows, ``[E, I, H]`` and ``[E, H, I]``, which the
+    GGUF loader yields per expert, quantized blocks included)."""
+    return bool(config.get("_gguf_architecture"))
+
+
 class Llama4MoE(nn.Module):
     """Routed experts (sigmoid scores scaling their inputs) plus a shared expert."""
 
@@ -147,7 +154,7 @@ class Llama4MoE(nn.Module):
         self.experts = FusedMoE(
             experts, config.num_experts_per_tok, h, config.intermediate_size,
             renormalize=False, scoring="sigmoid", apply_router_weight_on_input=True,
-            checkpoint_layout="gate_up_halves",
+            checkpoint_layout="per_expert" if from_gguf(config) else "gate_up_halves",
         )  # fmt: skip
         self.shared_expert = LlamaMLP(h, config.intermediate_size, act, bias=False)
 
@@ -206,7 +213,8 @@ class Llama4ForCausalLM(DecoderForCausalLM):
     """Llama 4 text causal LM (interface: ``DecoderForCausalLM``).
 
     The experts' whole-layer checkpoint tensors (``feed_forward.experts.gate_up_proj
-    [E, H, 2I]``, ``down_proj [E, I, H]``) load into each MoE layer's ``FusedMoE``.
+    [E, H, 2I]``, ``down_proj [E, I, H]``) load into each MoE layer's ``FusedMoE``; from a
+    GGUF file, one tensor per expert and projection (``experts.{e}.gate_proj.weight``, ...).
     """
 
     stacked_params_mapping = LlamaForCausalLM.stacked_params_mapping
@@ -214,6 +222,13 @@ class Llama4ForCausalLM(DecoderForCausalLM):
     def __init__(self, model_config: ModelConfig, backend: type[AttentionBackend]) -> None:
         super().__init__(model_config)
         self.attach(Llama4Model(self.config, model_config.max_model_len, backend))
+        if from_gguf(self.config) and self.config.get("num_local_experts"):
+            self.stacked_params_mapping = [
+                *FusedMoE.expert_params_mapping(
+                    self.config.num_local_experts, "gate_proj", "up_proj", "down_proj"
+                ),
+                *LlamaForCausalLM.stacked_params_mapping,
+            ]
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
