@@ -25,7 +25,8 @@ from tokenmill.model.layers.quantization.tensors import GGUFTensor
 
 logger = logging.getLogger(__name__)
 
-# llama.cpp architectures whose converter permutes Q/K rows.
+# llama.cpp architectures whose converter permutes Q/K rows (not llama4: Llama 4 rotates
+# adjacent pairs, as llama.cpp's "normal" RoPE does, so its converter keeps the rows).
 PERMUTED_QK_ARCHS = ("llama", "mistral")
 # llama.cpp architectures whose converter adds 1 to every RMSNorm weight.
 NORM_PLUS_ONE_ARCHS = ("gemma", "gemma2", "gemma3")
@@ -217,7 +218,7 @@ def _read_tensors(
             continue
         hf_name = to_hf.get(t.name)
         if hf_name is None:
-            if t.name in ("rope_freqs.weight",):  # llama3 rope factors: we compute them
+            if t.name in ("rope_freqs.weight",):  # RoPE factors: in the config's rope_scaling
                 continue
             raise ModelLoadError(f"{path}: tensor {t.name!r} has no Hugging Face equivalent")
         quantized = (keep_quantized and int(t.tensor_type) in BLOCK_TYPES
