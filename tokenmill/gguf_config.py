@@ -206,7 +206,8 @@ def read_gguf_config(path: str) -> dict[str, Any]:
         _derive_gpt_oss_config(data, {t.name: int(t.tensor_type) for t in reader.tensors})
     elif arch == "llama4":
         _derive_llama4_config(data, lambda key: _gguf_field(reader, f"{arch}.{key}"), path)
-        _llama4_rope_factors(data, reader, path)
+    if arch in ("llama", "llama4"):
+        _rope_freq_factors(data, reader, path)
     return data
 
 
@@ -375,12 +376,13 @@ def _derive_llama4_config(data: dict[str, Any], field: Any, path: str) -> None:
         data["moe_layers"] = []
 
 
-def _llama4_rope_factors(data: dict[str, Any], reader: Any, path: str) -> None:
-    """The converter turns Llama 4's llama3 RoPE scaling into a ``rope_freqs`` tensor of
-    ``head_dim / 2`` factors, each frequency divided by its factor (the metadata has no
-    scaling type). They become ``rope_scaling`` of type ``longrope`` with those factors for
-    short and long contexts alike and an attention factor of 1: the same frequencies,
-    whatever the converter's parameters were.
+def _rope_freq_factors(data: dict[str, Any], reader: Any, path: str) -> None:
+    """The converter turns the llama3 RoPE scaling of Llama 3.1+ and Llama 4 into a
+    ``rope_freqs`` tensor of ``head_dim / 2`` factors, each frequency divided by its factor
+    (the metadata has no scaling type), which llama.cpp's ``llama`` and ``llama4`` graphs
+    apply. They become ``rope_scaling`` of type ``longrope`` with those factors for short and
+    long contexts alike and an attention factor of 1: the same frequencies, whatever the
+    converter's parameters were.
 
     Raises:
         ModelLoadError: a ``rope_freqs`` tensor of another size than ``head_dim / 2``.
@@ -391,10 +393,11 @@ def _llama4_rope_factors(data: dict[str, Any], reader: Any, path: str) -> None:
     if tensor is None:
         return
     factors = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
-    if factors.size != data["head_dim"] // 2:
+    head_dim = data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"]
+    if factors.size != head_dim // 2:
         raise ModelLoadError(
             f"GGUF file {path}: rope_freqs.weight has {factors.size} factors, not head_dim / 2 "
-            f"({data['head_dim'] // 2})"
+            f"({head_dim // 2})"
         )
     values = [float(f) for f in factors]
     data["rope_scaling"] = {

@@ -218,7 +218,7 @@ def _read_tensors(
             continue
         hf_name = to_hf.get(t.name)
         if hf_name is None:
-            if t.name in ("rope_freqs.weight",):  # RoPE factors (llama4: in rope_scaling)
+            if t.name in ("rope_freqs.weight",):  # RoPE factors (in rope_scaling)
                 continue
             raise ModelLoadError(f"{path}: tensor {t.name!r} has no Hugging Face equivalent")
         quantized = (keep_quantized and int(t.tensor_type) in BLOCK_TYPES
