@@ -59,6 +59,7 @@ def create_scheduler_config(
         disable_chunked_mm_input=_whole_images(args, model_config, max_tokens),
     )
 
+
 def _whole_images(args: Any, model_config: ModelConfig, max_tokens: int) -> bool:
     """``--disable-chunked-mm-input``, forced on for models whose image tokens attend to
     each other both ways (their images' tokens must be computed in one step).
@@ -73,7 +74,9 @@ def _whole_images(args: Any, model_config: ModelConfig, max_tokens: int) -> bool
     forced = model_config.architecture in BIDIRECTIONAL_IMAGE_ARCHITECTURES
     if not forced and not args.disable_chunked_mm_input:
         return False
-    per_image = _fixed_image_tokens(model_config)
+    from tokenmill.multimodal.processor import fixed_tokens_per_image
+
+    per_image = fixed_tokens_per_image(model_config.hf_config)
     if per_image and max_tokens < per_image:
         why = (f"{model_config.architecture}'s image tokens attend to each other both ways"
                if forced else "--disable-chunked-mm-input keeps images whole")  # fmt: skip
@@ -82,17 +85,6 @@ def _whole_images(args: Any, model_config: ModelConfig, max_tokens: int) -> bool
             f"image: {why}, so an image's tokens are computed in one step"
         )
     return True
-
-
-def _fixed_image_tokens(model_config: ModelConfig) -> int | None:
-    """The tokens every image takes, for models with a fixed-size crop (Gemma 3's
-    ``mm_tokens_per_image``, LLaVA's patches); None where it depends on the image."""
-    hf_config = model_config.hf_config
-    if model_config.architecture == "LlavaForConditionalGeneration":
-        from tokenmill.multimodal.processor import llava_tokens_per_image
-
-        return llava_tokens_per_image(hf_config)
-    return hf_config.get("mm_tokens_per_image")
 
 
 def _async_scheduling(args: Any, device: str, speculative: bool) -> bool:

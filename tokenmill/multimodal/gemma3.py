@@ -56,6 +56,12 @@ def gemma3_processor_kwargs(image_processor: Any, kwargs: dict[str, Any]) -> dic
     return merged
 
 
+def gemma3_tokens_per_image(hf_config: Any) -> int:
+    """Soft tokens of one image (or pan-and-scan crop): ``mm_tokens_per_image``, 256 where
+    the config leaves it out (transformers' default)."""
+    return int(hf_config.get("mm_tokens_per_image", 256))
+
+
 class Gemma3ImageTokens:
     """Gemma 3's image sequences in token ids.
 
@@ -70,7 +76,7 @@ class Gemma3ImageTokens:
         self.eoi_token_id = int(hf_config.get("eoi_token_index", 256_000))
         token = hf_config.get("image_token_index", hf_config.get("image_token_id"))
         self.image_token_id = int(token if token is not None else 262_144)
-        self.tokens_per_image = int(hf_config.get("mm_tokens_per_image", 256))
+        self.tokens_per_image = gemma3_tokens_per_image(hf_config)
         self._tokenizer = tokenizer
         self._replacements: dict[int, tuple[list[int], list[tuple[int, int]]]] = {}
         self._joins_cache: dict[int, bool] = {}

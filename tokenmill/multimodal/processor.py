@@ -19,7 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.multimodal.gemma3 import Gemma3ImageTokens, gemma3_processor_kwargs
+from tokenmill.multimodal.gemma3 import (
+    Gemma3ImageTokens,
+    gemma3_processor_kwargs,
+    gemma3_tokens_per_image,
+)
 from tokenmill.multimodal.inputs import MultiModalFeature, PackedArray
 from tokenmill.multimodal.media import MediaError, check_image
 
@@ -32,6 +36,18 @@ def llava_tokens_per_image(hf_config: Any) -> int:
     has_cls = vision.get("model_type", "clip_vision_model") == "clip_vision_model"
     strategy = hf_config.get("vision_feature_select_strategy", "default")
     return patches + int(has_cls) - int(strategy == "default")
+
+
+def fixed_tokens_per_image(hf_config: Any) -> int | None:
+    """Placeholder tokens of every image (each crop) for models with a fixed-size crop:
+    LLaVA's patches, Gemma 3's ``mm_tokens_per_image``; None where the count follows the
+    image's size (Qwen2.5-VL)."""
+    arch = (hf_config.get("architectures") or [""])[0]
+    if arch == "LlavaForConditionalGeneration":
+        return llava_tokens_per_image(hf_config)
+    if arch == "Gemma3ForConditionalGeneration":
+        return gemma3_tokens_per_image(hf_config)
+    return None
 
 
 def image_hash(image: Any) -> str:
@@ -87,18 +103,15 @@ class MultiModalProcessor:
         self.merge_size = int(vision.get("spatial_merge_size", 1))
         # Fixed-size models (LLaVA, Gemma 3): placeholders per crop and the crop the tower
         # takes; None: from the patch grid, whose patches the tower takes flattened.
-        self.tokens_per_image: int | None = None
+        self.tokens_per_image = fixed_tokens_per_image(hf_config)
         self.pixel_shape: tuple[int, ...] | None = None
         arch = (hf_config.get("architectures") or [""])[0]
         # Gemma 3: the text its processor writes around each image (None for the others).
         self.gemma3: Gemma3ImageTokens | None = None
-        if arch == "LlavaForConditionalGeneration":
-            self.tokens_per_image = llava_tokens_per_image(hf_config)
-        elif arch == "Gemma3ForConditionalGeneration":
+        if arch == "Gemma3ForConditionalGeneration":
             self.gemma3 = Gemma3ImageTokens(hf_config, self.tokenizer)
             self.image_token_id = self.gemma3.image_token_id
             self.placeholder_token_id = self.gemma3.boi_token_id
-            self.tokens_per_image = self.gemma3.tokens_per_image
         if self.tokens_per_image is not None:
             size = int(vision["image_size"])
             self.pixel_shape = (int(vision.get("num_channels", 3)), size, size)

@@ -94,7 +94,7 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
             runner, capture_sizes or default_piecewise_sizes(runner.max_num_tokens), pool
         )
         self.embeds = embeds
-        self._embeds: torch.Tensor | None = None  # [max size, H] of the model's dtype
+        self._embeds: torch.Tensor | None = None  # the static "embeds" buffer, [max size, H]
         self._mrope: torch.Tensor | None = None  # [3, max size] int64
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # size -> its pieces
         # Per attention call, in forward order: the layer, its static query buffer and its
@@ -123,12 +123,10 @@ class PiecewiseCUDAGraphRunner(PaddedGraphs):
         if not self.embeds:
             return model(ids, pos, metadata)
         if self._embeds is None:
-            width = model.embed_input_ids(ids[:1])
-            self._embeds = torch.zeros(self.sizes[-1], width.shape[-1], dtype=width.dtype,
-                                       device=width.device)  # fmt: skip
+            self._embeds = self._buffer("embeds", model.embed_input_ids(ids[:1]))
             if getattr(model, "uses_mrope", False):
                 self._mrope = torch.zeros(3, self.sizes[-1], dtype=torch.int64,
-                                          device=width.device)  # fmt: skip
+                                          device=self._embeds.device)  # fmt: skip
         kwargs = {"inputs_embeds": self._embeds[:size]}
         if self._mrope is not None:
             kwargs["mrope_positions"] = self._mrope[:, :size]
