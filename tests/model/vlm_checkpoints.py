@@ -60,7 +60,6 @@ def _byte_chars(text: str) -> str:
 def write_qwen2_5_vl(path: str, seed: int = 0) -> str:
     """A random Qwen2.5-VL (2 text layers, 2 vision blocks: one windowed, one full) with
     its tokenizer, image processor and chat template, saved to ``path``."""
-    import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -90,12 +89,7 @@ def write_qwen2_5_vl(path: str, seed: int = 0) -> str:
         eos_token_id=ids["<|im_end|>"],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():  # initializer_range gives near-zero logits; widen them
-        for p in model.parameters():
-            p.normal_(0, 0.08)
-    model.save_pretrained(path)
+    save_random_weights(Qwen2_5_VLForConditionalGeneration, config, path, seed)
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64, patch_size=14, merge_size=2,
         temporal_patch_size=2,
@@ -154,7 +148,6 @@ LLAVA_CHAT_TEMPLATE = (
 def write_llava(path: str, tower: str = "clip", seed: int = 0) -> str:
     """A random LLaVA (a CLIP or SigLIP tower of 2 layers on 56x56 crops, a 2-layer Llama)
     with its tokenizer, image processor and chat template, saved to ``path``."""
-    import torch
     from transformers import (
         CLIPVisionConfig,
         LlamaConfig,
@@ -178,12 +171,7 @@ def write_llava(path: str, tower: str = "clip", seed: int = 0) -> str:
         vision_feature_select_strategy="default" if tower == "clip" else "full",
         vision_feature_layer=-2 if tower == "clip" else -1,
     )  # fmt: skip
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.08)
-    model.save_pretrained(path)
+    save_random_weights(LlavaForConditionalGeneration, config, path, seed)
     CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}
                           ).save_pretrained(path)  # fmt: skip
     tok.chat_template = LLAVA_CHAT_TEMPLATE
@@ -228,7 +216,6 @@ def write_gemma3_mm(
     8x8 patches, pooled to ``mm_tokens_per_image`` tokens; 3 text layers, sliding, sliding
     and full, with a 12-token window) with its tokenizer (``gemma3_tokenizer(merges)``),
     image processor, processor config and chat template, saved to ``path``."""
-    import torch
     from transformers import (
         Gemma3Config,
         Gemma3ForConditionalGeneration,
@@ -256,12 +243,7 @@ def write_gemma3_mm(
         image_token_index=ids["<image_soft_token>"], boi_token_index=ids["<start_of_image>"],
         eoi_token_index=ids["<end_of_image>"],
     )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.08)
-    model.save_pretrained(path)
+    save_random_weights(Gemma3ForConditionalGeneration, config, path, seed)
     image_processor = Gemma3ImageProcessorPil(
         size={"height": 64, "width": 64}, image_mean=[0.5] * 3, image_std=[0.5] * 3
     )
@@ -272,6 +254,19 @@ def write_gemma3_mm(
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]]}, f)
     return path
+
+
+def save_random_weights(model_cls: Any, config: Any, path: str, seed: int) -> None:
+    """A ``model_cls(config)`` with every parameter drawn from N(0, 0.08^2) (seeded), saved
+    to ``path``: the configs' ``initializer_range`` gives near-zero logits, these do not."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08)
+    model.save_pretrained(path)
 
 
 def random_image(seed: int, height: int, width: int):
