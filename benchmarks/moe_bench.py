@@ -10,8 +10,10 @@ received tokens, plus a host sync to read the per-expert counts). Times are medi
 Columns: tokens; torch and Triton times (ms); the speed-up (torch / Triton); the Triton
 kernel's rate as TFLOP/s of routed-expert work (``6 * tokens * top_k * H * I``) and as GB/s of
 expert weights read (every expert that received a token is read once), the figure that
-bounds decode-sized batches. ``--sweep-tiles`` also times a list of tile shapes per row and
-prints the fastest, to tune ``moe_tile_config`` in ``tokenmill/model/layers/fused_moe.py``.
+bounds decode-sized batches; for bf16 activations, the time of ``fused_experts_grouped_mm``
+(torch's grouped GEMM) and its error against the loop. ``--sweep-tiles`` also times a list
+of tile shapes per row and prints the fastest, to tune ``moe_tile_config`` in
+``tokenmill/kernels/moe/fused_moe.py``.
 
 ``--mxfp4`` makes the experts gpt-oss': MXFP4 weights (random FP4 codes, small E8M0
 scales), biases and the clamped SwiGLU; the kernel decodes them tile by tile, the torch loop
@@ -31,6 +33,7 @@ import torch
 import triton.testing
 
 from tokenmill.kernels.moe.fused_moe import (
+    fused_experts_grouped_mm,
     fused_experts_torch,
     fused_experts_triton,
     moe_tile_config,
@@ -145,6 +148,11 @@ def bench_row(
         f"{tokens:>6} {t_torch:>10.3f} {t_triton:>10.3f} {t_torch / t_triton:>8.2f}x "
         f"{flops / t_triton / 1e9:>9.1f} {weight_bytes / t_triton / 1e6:>9.0f} {rel_err:>9.2e}"
     )
+    if dtype == torch.bfloat16:
+        grouped = fused_experts_grouped_mm(x, w13, w2, weights, ids, **extra)
+        g_err = (grouped.float() - ref.float()).abs().max().item() / max(scale, 1e-12)
+        t_grouped = time_ms(lambda: fused_experts_grouped_mm(x, w13, w2, weights, ids, **extra))
+        row += f" {t_grouped:>10.3f} {g_err:>9.2e}"
     if args.mxfp4 and args.sweep_tiles:
         row += "\n" + sweep_mxfp4(args, x, w13, w2, weights, ids, extra)
     elif args.sweep_tiles:
@@ -191,7 +199,7 @@ def main() -> None:
     print(f"# experts {args.experts} top-{args.top_k} hidden {args.hidden} "
           f"intermediate {args.intermediate} {args.dtype}{' mxfp4' if args.mxfp4 else ''}")
     print(f"{'tokens':>6} {'torch ms':>10} {'triton ms':>10} {'speedup':>9} "
-          f"{'TFLOP/s':>9} {'GB/s':>9} {'max err':>9}")
+          f"{'TFLOP/s':>9} {'GB/s':>9} {'max err':>9} {'grouped ms':>10} {'its err':>9}")
     w13, w2, extra = make_weights(args)
     for tokens in args.tokens:
         print(bench_row(args, tokens, w13, w2, extra), flush=True)

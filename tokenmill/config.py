@@ -22,6 +22,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 SkinnyGemm = Literal["auto", "all", "off"]
 CpuBf16Weights = Literal["auto", "on", "off"]
+MoEPromptExperts = Literal["auto", "grouped_gemm", "loop"]
 SpeculativeMethod = Literal["ngram", "draft_model", "eagle", "eagle3", "mtp"]
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
@@ -379,10 +380,18 @@ class KernelConfig:
             more bytes per weight: ``"auto"`` where the CPU has bfloat16 dot products
             (AVX-512 BF16 or AMX), ``"on"`` always, ``"off"`` never (every product on the
             int4 kernel).
+        moe_prompt_experts: the routed experts of steps too large for the fused MoE
+            kernel (eager steps from 2,048 tokens; MXFP4 experts from 12,288 under
+            "auto" and "loop"), on CUDA: ``"auto"`` and ``"loop"`` one pair of cuBLAS
+            products per expert that got tokens (MXFP4 experts decoded one at a time),
+            ``"grouped_gemm"`` torch's grouped GEMM over every expert at once (no
+            read-back of the per-expert counts; MXFP4 experts decoded into bfloat16 for
+            each product, a transient buffer of all of a layer's experts).
     """
 
     skinny_gemm: SkinnyGemm = "auto"
     cpu_bf16_weights: CpuBf16Weights = "auto"
+    moe_prompt_experts: MoEPromptExperts = "auto"
 
     @classmethod
     def parse(cls, value: KernelConfig | dict[str, Any] | str | None) -> KernelConfig:

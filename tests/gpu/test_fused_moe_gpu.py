@@ -47,6 +47,33 @@ def test_bf16_kernel_matches_torch_path(tokens, experts, top_k):
     torch.testing.assert_close(got, ours_torch, atol=3e-2 * scale, rtol=3e-2)
 
 
+@pytest.mark.parametrize("tokens", [64, 2048, 4099])
+def test_grouped_mm_path_matches_torch_path(tokens):
+    """Prompt-sized batches' grouped GEMM (``fused_experts_grouped_mm``, which
+    ``fused_experts`` takes from ``TORCH_MIN_TOKENS`` under ``large_batch="grouped_gemm"``)
+    on CUDA against the torch loop, with assignments to another rank's experts and an
+    expert that gets no token."""
+    from tokenmill.kernels.moe.fused_moe import (
+        TORCH_MIN_TOKENS,
+        fused_experts,
+        fused_experts_grouped_mm,
+    )
+
+    x, w13, w2, weights, ids = _problem(tokens, 1024, 1536, 16, 4, torch.bfloat16)
+    ids = ids.masked_fill(ids == 3, 4)
+    expected = fused_experts_torch(x, w13, w2, weights, ids)
+    scale = expected.abs().max().item()
+    got = fused_experts_grouped_mm(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, expected, atol=3e-2 * scale, rtol=3e-2)
+    if tokens >= TORCH_MIN_TOKENS:
+        chosen = fused_experts(x, w13, w2, weights, ids, large_batch="grouped_gemm")
+        torch.testing.assert_close(chosen, got, atol=0, rtol=0)
+    remote = ids.masked_fill(ids == 5, -1)
+    expected = fused_experts_torch(x, w13, w2, weights, remote)
+    got = fused_experts_grouped_mm(x, w13, w2, weights, remote)
+    torch.testing.assert_close(got, expected, atol=3e-2 * scale, rtol=3e-2)
+
+
 @pytest.mark.parametrize("tokens", [5, 300])
 def test_fp32_kernel_is_exact_on_gpu(tokens):
     """fp32 uses IEEE dot products (no TF32), so it agrees with the torch path tightly."""
@@ -107,17 +134,22 @@ def test_mxfp4_kernel_against_fp32_reference(tokens, hidden, inter, experts):
     """MXFP4 experts in bf16 against the torch path on the float32 dequantized weights, at
     gpt-oss-20b's expert shapes (K = 2880, not a multiple of the 64- and 128-wide K tiles)
     and a small one; through ``fused_experts``: the scaled-dot kernel below
-    ``MXFP4_TORCH_MIN_TOKENS`` tokens, the experts decoded one at a time from there on."""
+    ``MXFP4_TORCH_MIN_TOKENS`` tokens, the experts decoded one at a time from there on;
+    with ``large_batch="grouped_gemm"`` the decoded experts' grouped GEMM from
+    ``TORCH_MIN_TOKENS``."""
     from tokenmill.kernels.moe.fused_moe import fused_experts
 
     x, w13, w2, weights, ids, extra = _mxfp4_problem(tokens, hidden, inter, experts, 4)
     got = fused_experts(x, w13, w2, weights, ids, **extra)
+    grouped = fused_experts(x, w13, w2, weights, ids, large_batch="grouped_gemm", **extra)
     exact_extra = dict(extra, w13_bias=extra["w13_bias"].float(),
                        w2_bias=extra["w2_bias"].float())  # fmt: skip
     exact = fused_experts_torch(x.float(), w13, w2, weights, ids, **exact_extra)
     scale = exact.abs().max().item()
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     err = (got.float() - exact).abs().max().item()
+    assert err <= 2e-2 * scale, (err, scale)
+    err = (grouped.float() - exact).abs().max().item()
     assert err <= 2e-2 * scale, (err, scale)
 
 

@@ -175,3 +175,60 @@ def test_ranks_holding_some_experts_sum_to_all(path):
                 x, *local, weights, expert_map[ids], remote_experts=True
             ))  # fmt: skip
     torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-5, rtol=1e-5)
+
+
+# ---- the grouped-GEMM path (prompt-sized batches on CUDA) ------------------------------------
+
+
+@pytest.mark.parametrize("remote", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_mm_path_equals_torch_path(remote, bias):
+    """``fused_experts_grouped_mm`` (bf16, the CUDA prompt path; torch's CPU kernel here)
+    against the torch loop on the same weights: with biases, with experts that get no
+    token, and with assignments to another rank's experts (-1), which add nothing."""
+    from tokenmill.kernels.moe.fused_moe import fused_experts_grouped_mm, grouped_mm_supported
+
+    x, w13, w2, weights, ids = _problem(tokens=37, hidden=32, inter=24, experts=6, top_k=2)
+    ids = ids.masked_fill(ids == 4, 5)  # expert 4 gets no token
+    if remote:
+        ids = ids.masked_fill(ids == 1, -1)
+    x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    biases = {}
+    if bias:
+        gen = torch.Generator().manual_seed(7)
+        biases = dict(w13_bias=torch.randn(6, 48, generator=gen).bfloat16(),
+                      w2_bias=torch.randn(6, 32, generator=gen).bfloat16())
+    assert grouped_mm_supported(x, w13, w2)
+    got = fused_experts_grouped_mm(x, w13, w2, weights, ids, **biases)
+    expected = fused_experts_torch(x, w13, w2, weights, ids, **biases)
+    torch.testing.assert_close(got, expected, atol=3e-2, rtol=2e-2)
+    assert not grouped_mm_supported(x.float(), w13.float(), w2.float())
+
+
+def test_grouped_mm_path_decodes_mxfp4_experts():
+    """MXFP4 experts (gpt-oss: biases, the clamped SwiGLU) through the grouped GEMM equal
+    the torch loop, which decodes them one at a time."""
+    from tokenmill.kernels.moe.fused_moe import fused_experts_grouped_mm, grouped_mm_supported
+    from tokenmill.kernels.moe.tiles import GatedActivation
+
+    gen = torch.Generator().manual_seed(3)
+    experts, hidden, inter = 4, 64, 32
+    w13 = torch.randint(0, 256, (experts, 2 * inter, hidden // 2), dtype=torch.uint8,
+                        generator=gen)  # fmt: skip
+    w2 = torch.randint(0, 256, (experts, hidden, inter // 2), dtype=torch.uint8, generator=gen)
+    extra = dict(
+        w13_scale=torch.randint(118, 124, (experts, 2 * inter, hidden // 32), dtype=torch.uint8,
+                                generator=gen),
+        w2_scale=torch.randint(118, 124, (experts, hidden, inter // 32), dtype=torch.uint8,
+                               generator=gen),
+        w13_bias=torch.randn(experts, 2 * inter, generator=gen).bfloat16(),
+        w2_bias=torch.randn(experts, hidden, generator=gen).bfloat16(),
+        activation=GatedActivation("swigluoai", 1.702, 7.0),
+    )  # fmt: skip
+    x = torch.randn(29, hidden, generator=gen).bfloat16()
+    weights, ids = select_experts(torch.randn(29, experts, generator=gen), 2, renormalize=True)
+    assert grouped_mm_supported(x, w13, w2, mxfp4=True)
+    got = fused_experts_grouped_mm(x, w13, w2, weights, ids, **extra)
+    expected = fused_experts_torch(x, w13, w2, weights, ids, **extra)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, atol=2e-2 * scale, rtol=2e-2)

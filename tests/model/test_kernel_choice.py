@@ -99,3 +99,23 @@ def test_quantized_layers_leave_the_gate_to_the_caller():
 
     for method in (GGUFLinearMethod(), AWQLinearMethod(32)):
         assert method.apply_gated(None, torch.randn(1, 8)) is None
+
+
+def test_moe_layers_take_the_prompt_experts_choice(monkeypatch):
+    """``moe_prompt_experts`` reaches the fused MoE call of an MoE layer built in its
+    scope; the default is the measured loop."""
+    from tokenmill.model.layers import fused_moe as layer_mod
+
+    assert KernelConfig().moe_prompt_experts == "auto"
+    with kernel_config_scope(KernelConfig(moe_prompt_experts="grouped_gemm")):
+        moe = layer_mod.FusedMoE(4, 2, 16, 24, renormalize=True)
+    seen = []
+
+    def fake(hidden, *args, large_batch="auto", **kwargs):
+        seen.append(large_batch)
+        return torch.zeros_like(hidden)
+
+    monkeypatch.setattr(layer_mod, "fused_experts", fake)
+    moe(torch.randn(3, 16), torch.randn(3, 4))
+    assert seen == ["grouped_gemm"]
+    assert KernelConfig.parse('{"moe_prompt_experts": "loop"}').moe_prompt_experts == "loop"

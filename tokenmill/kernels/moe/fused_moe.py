@@ -151,6 +151,76 @@ def fused_experts_torch(
     return out
 
 
+def grouped_mm_supported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         mxfp4: bool = False) -> bool:  # fmt: skip
+    """Whether ``fused_experts_grouped_mm`` takes these tensors: bfloat16 activations, with
+    bfloat16 or (``mxfp4``) MXFP4 experts, whose rows are 16-byte aligned (the grouped
+    GEMM's TMA loads need it)."""
+    if hidden.dtype != torch.bfloat16:
+        return False
+    if not mxfp4 and (w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16):
+        return False
+    inter = w2.shape[2] * (2 if mxfp4 else 1)
+    return hidden.shape[1] % 8 == 0 and inter % 8 == 0
+
+
+def fused_experts_grouped_mm(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: GatedActivation = SILU,
+) -> torch.Tensor:
+    """Routed gated experts as two grouped GEMMs (``torch.nn.functional.grouped_mm``) over
+    the assignments sorted by expert: no read-back of the per-expert counts to the host and
+    no scatter-add (each token's ``k`` rows are put back in slot order and summed).
+
+    Same arguments and result as ``fused_experts_torch`` for bfloat16 activations
+    (``grouped_mm_supported``); ids of -1 (another rank's expert) add nothing. MXFP4
+    experts are decoded into bfloat16 for each product, every expert at once (``w13``
+    first, then ``w2`` in its place): a transient buffer of ``E * 2I * H`` values, which
+    the start-up memory profile sees when it runs a batch of this size.
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_experts, hidden_size = w13.shape[0], w2.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    flat = flat.masked_fill(flat < 0, num_experts)  # other ranks' experts: one group, last
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
+    x = hidden[order // top_k]
+    if w13_scale is not None:
+        w13 = decode_mxfp4(w13, w13_scale, hidden.dtype)
+    h = F.grouped_mm(x, w13.transpose(1, 2), offs=offs)
+    del w13, x  # the decoded experts' memory serves w2's next
+    valid = expert_of < num_experts
+    expert_idx = expert_of.clamp(max=num_experts - 1)
+    if w13_bias is not None:
+        h = h + w13_bias[expert_idx]
+    gate, up = h.chunk(2, dim=-1)
+    act = activation(gate, up).contiguous()
+    del h, gate, up
+    if w2_scale is not None:
+        w2 = decode_mxfp4(w2, w2_scale, hidden.dtype)
+    y = F.grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    if w2_bias is not None:
+        y = y + w2_bias[expert_idx]
+    weights = topk_weights.reshape(-1).float()[order]
+    # Rows past the last expert's are not computed (they hold whatever was in memory).
+    y = torch.where(valid[:, None], y.float() * weights[:, None], 0.0).to(hidden.dtype)
+    rows = torch.empty_like(y)
+    rows[order] = y
+    return rows.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
 def align_tokens_by_expert(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -408,6 +478,7 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None = None,
+    large_batch: str = "auto",
     **experts: object,
 ) -> torch.Tensor:
     """The Triton kernel on CUDA, the torch loop elsewhere (see ``fused_experts_torch``;
@@ -425,15 +496,24 @@ def fused_experts(
         expert_map: expert parallelism: ``[E]`` int32, each global expert id's index in
             ``w13``/``w2`` (this rank's experts), -1 for the experts of other ranks; the
             result then sums this rank's experts only. None: ``topk_ids`` index the weights.
+        large_batch: ``KernelConfig.moe_prompt_experts``: ``"grouped_gemm"`` runs
+            ``fused_experts_grouped_mm`` instead of the loop, from ``TORCH_MIN_TOKENS``
+            tokens for every expert format (where it takes the tensors); ``"auto"`` and
+            ``"loop"`` the loop, as above.
     """
     remote = expert_map is not None
     if remote:
         topk_ids = expert_map[topk_ids]
     if HAS_TRITON and hidden.is_cuda:
         mxfp4 = experts.get("w13_scale") is not None
-        large = hidden.shape[0] >= (MXFP4_TORCH_MIN_TOKENS if mxfp4 else TORCH_MIN_TOKENS)
-        if not large or torch.cuda.is_current_stream_capturing():
+        grouped = (large_batch == "grouped_gemm"
+                   and grouped_mm_supported(hidden, w13, w2, mxfp4)
+                   and torch.cuda.get_device_capability(hidden.device) >= (8, 0))
+        threshold = MXFP4_TORCH_MIN_TOKENS if mxfp4 and not grouped else TORCH_MIN_TOKENS
+        if hidden.shape[0] < threshold or torch.cuda.is_current_stream_capturing():
             return fused_experts_triton(
                 hidden, w13, w2, topk_weights, topk_ids, remote_experts=remote, **experts
             )
+        if grouped:
+            return fused_experts_grouped_mm(hidden, w13, w2, topk_weights, topk_ids, **experts)
     return fused_experts_torch(hidden, w13, w2, topk_weights, topk_ids, **experts)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tokenmill.config import current_kernel_config
 from tokenmill.distributed.parallel_state import (
     expert_parallel_enabled,
     get_tensor_model_parallel_rank,
@@ -96,6 +97,7 @@ class FusedMoE(nn.Module):
         self.scoring = scoring
         self.apply_router_weight_on_input = apply_router_weight_on_input
         self.activation = activation
+        self.prompt_experts = current_kernel_config().moe_prompt_experts
         self.checkpoint_layout = checkpoint_layout
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
@@ -256,6 +258,7 @@ class FusedMoE(nn.Module):
                 hidden, w13.data, w2.data, weights, ids, w13_scale=w13.scale,
                 w2_scale=w2.scale, w13_bias=w13.bias, w2_bias=w2.bias,
                 activation=self.activation, expert_map=self.expert_map,
+                large_batch=self.prompt_experts,
             )  # fmt: skip
         if self.apply_router_weight_on_input and k > 1:
             out = out.view(tokens, k, -1).sum(dim=1)
