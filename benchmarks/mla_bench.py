@@ -11,6 +11,7 @@ Prints ``MLA B=.. ctx=.. tiles=..: <us> us, <GB/s> GB/s of latents`` lines.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 
@@ -44,12 +45,13 @@ def main() -> None:
     p.add_argument("--contexts", default="1024,1280,4096")
     p.add_argument("--sweep", action="store_true", help="also time other tiles")
     args = p.parse_args()
-    tiles = [mla_decode_tiles(torch.bfloat16)]
+    default = mla_decode_tiles(torch.bfloat16)
+    tiles = [default, dataclasses.replace(default, heads_major=not default.heads_major)]
     if args.sweep:
         tiles += [
             MLADecodeTiles(h, n, w, s)
             for h, n, w, s in itertools.product((16, 32, 64), (16, 32, 64), (4, 8), (1, 2, 3))
-            if MLADecodeTiles(h, n, w, s) != tiles[0]
+            if MLADecodeTiles(h, n, w, s) != default
         ]
     for batch, context in itertools.product(
         map(int, args.batches.split(",")), map(int, args.contexts.split(","))
@@ -62,8 +64,10 @@ def main() -> None:
             except Exception as e:  # out of shared memory or registers for this tile
                 print(f"MLA B={batch} ctx={context} tiles={t}: failed ({type(e).__name__})")
                 continue
+            order = "heads" if t.heads_major else "requests"
             print(f"MLA B={batch} ctx={context} tiles={t.block_h}x{t.block_n} w{t.num_warps} "
-                  f"s{t.num_stages}: {us:.1f} us, {read / us / 1e3:.0f} GB/s of latents",
+                  f"s{t.num_stages} {order}-major: {us:.1f} us, "
+                  f"{read / us / 1e3:.0f} GB/s of latents",
                   flush=True)  # fmt: skip
 
 

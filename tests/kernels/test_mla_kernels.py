@@ -5,6 +5,7 @@ dimensions run in ``tests/gpu/test_mla_gpu.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -16,7 +17,11 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from tokenmill.kernels.attention.mla_cache import mla_rope_and_cache  # noqa: E402
-from tokenmill.kernels.attention.mla_decode import mla_decode, mla_num_splits  # noqa: E402
+from tokenmill.kernels.attention.mla_decode import (  # noqa: E402
+    mla_decode,
+    mla_decode_tiles,
+    mla_num_splits,
+)
 from tokenmill.model.attention.mla import MLAImpl, attend_latent_torch  # noqa: E402
 from tokenmill.model.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -51,10 +56,13 @@ def _reference(q_lat, q_pe, cache, table, seq_lens, scale):
 
 @pytest.mark.parametrize("num_heads", [4, 20])
 @pytest.mark.parametrize("splits", [None, 1, 2, 4])
-def test_decode_kernel_matches_torch(num_heads, splits):
+@pytest.mark.parametrize("heads_major", [False, True])
+def test_decode_kernel_matches_torch(num_heads, splits, heads_major):
     seq_lens = [1, 15, 16, 17, 50, 0]
     q_lat, q_pe, cache, table, lens = _decode_problem(num_heads, seq_lens)
-    got = mla_decode(q_lat, q_pe, cache, table, lens, 0.3, max(seq_lens), num_splits=splits)
+    tiles = dataclasses.replace(mla_decode_tiles(torch.float32), heads_major=heads_major)
+    got = mla_decode(q_lat, q_pe, cache, table, lens, 0.3, max(seq_lens), tiles=tiles,
+                     num_splits=splits)  # fmt: skip
     expected = _reference(q_lat, q_pe, cache, table, lens, 0.3)
     assert got.shape == (num_heads, len(seq_lens), RANK)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)

@@ -40,12 +40,17 @@ class MLADecodeTiles:
         block_h: heads per program (at least 16: the smallest ``tl.dot`` tile).
         block_n: context tokens per loop iteration.
         num_warps, num_stages: Triton launch options.
+        heads_major: the head blocks of one request are neighbouring programs, which run
+            together, so each latent tile can come from memory once and from the L2 cache
+            for the other head blocks; else (the default, the order measured) neighbouring
+            programs are different requests. ``benchmarks/mla_bench.py`` times both.
     """
 
     block_h: int = 16
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    heads_major: bool = False
 
 
 def mla_decode_tiles(dtype: torch.dtype) -> MLADecodeTiles:
@@ -77,14 +82,18 @@ def _mla_decode_kernel(
     stride_oh, stride_ob, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     RANK: tl.constexpr, RANK_P: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, HEADS_MAJOR: tl.constexpr,
 ):  # fmt: skip
     """Program (request ``b``, head block, split): ``BLOCK_H`` heads over the split's
     tokens. ``qk_scale`` is the softmax scale times ``log2(e)`` (scores in base 2). With
     ``SPLIT`` it writes the normalised partial and its base-2 log-sum-exp (``-inf`` for an
     empty split), else the output (zeros for a context of 0)."""
-    b = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    if HEADS_MAJOR:
+        b = tl.program_id(1)
+        heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    else:
+        b = tl.program_id(0)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -214,7 +223,8 @@ def mla_decode(
                            device=q_lat.device)  # fmt: skip
         lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q_lat.device)
     consts = dict(RANK=rank, RANK_P=next_power_of_2(rank))
-    _mla_decode_kernel[(batch, head_blocks, splits)](
+    grid = (head_blocks, batch, splits) if tiles.heads_major else (batch, head_blocks, splits)
+    _mla_decode_kernel[grid](
         q_lat, q_pe, kv_cache, block_table, seq_lens, out, part, lse,
         num_heads, splits, scale * 1.4426950408889634,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -226,6 +236,7 @@ def mla_decode(
         ROPE=rope, ROPE_P=next_power_of_2(rope), BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
         BLOCK_SIZE=kv_cache.shape[1], SPLIT=split,
         DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
+        HEADS_MAJOR=tiles.heads_major,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **consts,
     )  # fmt: skip
     if split:
