@@ -5,13 +5,15 @@ tensor-core path and (from 64 rows) the dequantize-then-cuBLAS path of
 checked against the dequantized product.
 
 usage: int4_kernel_bench.py [--ms 1,2,4,16,256,1024,4096] [--group 128] [--sweep]
-                           [--tc-sweep]
+                           [--tc-sweep] [--chunks 8,16,24]
 
 --sweep also times the GEMV kernel under other tiles (BLOCK_N, packed words per K step,
 programs per SM, warps) at M = 1 and 4 and prints the
 fastest per (shape, M) as an ``INT4BEST`` line. --tc-sweep times the tensor-core kernel from
 M = 2 under other tiles and prints the fastest per (shape, M), the dequantize-then-cuBLAS
-path included, as an ``INT4TCBEST`` line.
+path included, as an ``INT4TCBEST`` line. --chunks also times, from 64 rows, the
+dequantize-then-cuBLAS path a slab at a time through an L2-sized scratch buffer of each
+listed size (MiB), slabs of output columns and of input channels.
 
 Prints one ``INT4`` line per (shape, M, path): microseconds per product (CUDA-graph replays,
 median) and the weight bytes read per microsecond (GB/s: packed words, scales and zeros).
@@ -86,12 +88,26 @@ def tc_sweep_configs(m: int, n: int, k: int, g: int, sms: int) -> dict[str, dict
     return out
 
 
+def chunk_configs(n: int, k: int, g: int, mbs: str) -> dict[str, dict]:
+    """Dequantize-then-cuBLAS a slab at a time through one scratch buffer of about ``mb``
+    MiB (kept in the L2 cache): slabs of output columns (multiples of 128) or of input
+    channels (multiples of the group)."""
+    out = {}
+    for mb in (int(v) for v in mbs.split(",")):
+        cols = max(128, (mb << 20) // (2 * k) // 128 * 128)
+        rows = max(g, (mb << 20) // (2 * n) // g * g)
+        out[f"chunk_n{cols}_{mb}mb"] = {"DEQUANT": 1, "CHUNK_N": cols}
+        out[f"chunk_k{rows}_{mb}mb"] = {"DEQUANT": 1, "CHUNK_K": rows}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="1,2,4,16,256,1024,4096")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--tc-sweep", action="store_true")
+    ap.add_argument("--chunks", default="", help="scratch MiB list for the slab variants")
     a = ap.parse_args()
     dev = torch.device("cuda")
     sms = num_sms(dev)
@@ -114,6 +130,8 @@ def main() -> None:
                 paths["gemv"] = gemv
             if m >= 64:
                 paths["dequant_cublas"] = {"DEQUANT": 1}
+                if a.chunks:
+                    paths.update(chunk_configs(n, k, g, a.chunks))
             if gemv and a.sweep and m in (1, 4):
                 paths.update(sweep_configs(m, n, k, g, sms))
             if a.tc_sweep and m > 1:
@@ -138,7 +156,7 @@ def main() -> None:
                 best = min(timed.items(), key=lambda kv: kv[1][0])
                 print(f"INT4BEST {name} m={m} {best[0]} us={best[1][0]:.1f} cfg={best[1][1]}",
                       flush=True)
-            if a.tc_sweep and m > 1:
+            if (a.tc_sweep or a.chunks) and m > 1:
                 best = min(timed.items(), key=lambda kv: kv[1][0])
                 print(f"INT4TCBEST {name} m={m} {best[0]} us={best[1][0]:.1f} "
                       f"default={timed['tensor_core'][0]:.1f} cfg={best[1][1]}", flush=True)

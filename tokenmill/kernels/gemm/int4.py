@@ -153,26 +153,31 @@ if HAS_TRITON:
 
     @triton.jit
     def _int4_dequant_kernel(
-        qw_ptr, s_ptr, z_ptr, w_ptr, N, K,
+        qw_ptr, s_ptr, z_ptr, w_ptr, N, K, stride_q, stride_w,
         GROUP: tl.constexpr, BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr,
+        STREAM: tl.constexpr,
     ):  # fmt: skip
         # W^T[k, n] = (q - z) * s over a [8 * BLOCK_KW, BLOCK_N] tile, rounded once to the
-        # output dtype as the GEMM kernels round their weight tiles.
+        # output dtype as the GEMM kernels round their weight tiles. ``STREAM``: the packed
+        # words, scales and zeros are read once, so they are marked first to leave the L2
+        # cache, which then keeps the written tile for the product that follows.
         BLOCK_K: tl.constexpr = 8 * BLOCK_KW
+        policy: tl.constexpr = "evict_first" if STREAM else ""
         rows = tl.program_id(0) * BLOCK_KW + tl.arange(0, BLOCK_KW)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :],
-                        mask=(rows * 8 < K)[:, None] & n_mask[None, :], other=0)
+        words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * stride_q + offs_n[None, :],
+                        mask=(rows * 8 < K)[:, None] & n_mask[None, :], other=0,
+                        eviction_policy=policy)
         q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
         q = tl.reshape(q, (BLOCK_K, BLOCK_N))
         offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = (offs_k < K)[:, None] & n_mask[None, :]
-        g = (offs_k // GROUP)[:, None].to(tl.int64) * N + offs_n[None, :]
-        s = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g, mask=mask, other=0).to(tl.float32)
+        g = (offs_k // GROUP)[:, None].to(tl.int64) * stride_q + offs_n[None, :]
+        s = tl.load(s_ptr + g, mask=mask, other=0.0, eviction_policy=policy).to(tl.float32)
+        z = tl.load(z_ptr + g, mask=mask, other=0, eviction_policy=policy).to(tl.float32)
         w = (q.to(tl.float32) - z) * s
-        tl.store(w_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :],
+        tl.store(w_ptr + offs_k[:, None].to(tl.int64) * stride_w + offs_n[None, :],
                  w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
@@ -247,10 +252,53 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
         raise ValueError("the int4 dequantization kernel needs Triton")
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     w = torch.empty(k, n, dtype=dtype, device=qweight.device)
-    _int4_dequant_kernel[(cdiv(k, 32), cdiv(n, 128))](
-        qweight, scales, zeros, w, n, k, GROUP=group, BLOCK_KW=4, BLOCK_N=128, num_warps=4,
-    )  # fmt: skip
+    _dequantize_into(qweight, scales, zeros, group, w, stream=False)
     return w
+
+
+def _dequantize_into(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group: int, w: torch.Tensor, stream: bool) -> None:  # fmt: skip
+    """Writes ``W^T`` of the (possibly column- or group-row-sliced) packed weight into ``w``
+    ``[K, N]`` (row stride ``w.stride(0)``); the packed views share one row stride."""
+    k, n = w.shape
+    _int4_dequant_kernel[(cdiv(k, 32), cdiv(n, 128))](
+        qweight, scales, zeros, w, n, k, qweight.stride(0), w.stride(0),
+        GROUP=group, BLOCK_KW=4, BLOCK_N=128, STREAM=stream, num_warps=4,
+    )  # fmt: skip
+
+
+def _dequantize_mm_chunked(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                           zeros: torch.Tensor, group: int, chunk_n: int = 0,
+                           chunk_k: int = 0) -> torch.Tensor:  # fmt: skip
+    """``x @ W^T`` with ``W^T`` dequantized a slab at a time into one scratch buffer small
+    enough to stay in the L2 cache for the cuBLAS product that reads it: ``chunk_n``
+    output columns a slab (each product complete), or ``chunk_k`` input channels a slab
+    (products accumulated in float32)."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if chunk_n:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        scratch = torch.empty(k, min(chunk_n, n), dtype=x.dtype, device=x.device)
+        for c0 in range(0, n, chunk_n):
+            c1 = min(n, c0 + chunk_n)
+            w = scratch[:, : c1 - c0]
+            _dequantize_into(qweight[:, c0:c1], scales[:, c0:c1], zeros[:, c0:c1], group, w,
+                             stream=True)
+            torch.mm(x, w, out=out[:, c0:c1])
+        return out
+    acc = None
+    scratch = torch.empty(min(chunk_k, k), n, dtype=x.dtype, device=x.device)
+    for r0 in range(0, k, chunk_k):
+        r1 = min(k, r0 + chunk_k)
+        w = scratch[: r1 - r0]
+        _dequantize_into(qweight[r0 // 8 : r1 // 8], scales[r0 // group : r1 // group],
+                         zeros[r0 // group : r1 // group], group, w, stream=True)
+        xs = x[:, r0:r1]
+        if acc is None:
+            acc = torch.mm(xs, w, out_dtype=torch.float32)
+        else:
+            torch.addmm(acc, xs, w, out_dtype=torch.float32, out=acc)
+    return acc.to(x.dtype)
 
 
 def int4_linear(
@@ -268,7 +316,9 @@ def int4_linear(
         qweight: ``[K/8, N]`` int32. scales: ``[K/G, N]``. zeros: ``[K/G, N]`` uint8.
         group: ``G``, input channels per group (a multiple of ``BLOCK_K`` or of 8 dividing it).
         config: tiles: ``gemv_config``'s keys for the GEMV kernel, ``launch_config``'s for
-            the tensor-core one, ``{"DEQUANT": 1}`` for ``int4_dequantize`` and cuBLAS;
+            the tensor-core one, ``{"DEQUANT": 1}`` for ``int4_dequantize`` and cuBLAS
+            (with ``"CHUNK_N"`` or ``"CHUNK_K"`` a slab of that many output columns or
+            input channels at a time through an L2-sized buffer; CUDA for ``CHUNK_K``);
             chosen if None: the GEMV for up to ``GEMV_MAX_M`` rows in float16/bfloat16, the
             dequantized weight from ``DEQUANT_MIN_M`` rows.
 
@@ -287,6 +337,9 @@ def int4_linear(
     if cfg is None and m >= DEQUANT_MIN_M and x.dtype != torch.float32:
         cfg = {"DEQUANT": 1}
     if cfg is not None and cfg.get("DEQUANT"):
+        if cfg.get("CHUNK_N") or cfg.get("CHUNK_K"):
+            return _dequantize_mm_chunked(x, qweight, scales, zeros, group,
+                                          cfg.get("CHUNK_N", 0), cfg.get("CHUNK_K", 0))
         return x @ int4_dequantize(qweight, scales, zeros, group, x.dtype)
     if cfg is None and m <= GEMV_MAX_M and x.dtype != torch.float32:
         cfg = gemv_config(m, n, k, group, num_sms(x.device))
