@@ -57,7 +57,8 @@
 #   vllm_*     the same stage run by vLLM's CLI (vllm_tp_long, vllm_lat1, ...)
 #   tp_gptoss  tokenmill bench throughput of a gpt-oss-20b-shaped dummy (MXFP4 experts;
 #              make_arch_models.py writes it, with $M8's tokenizer), 1,024/256, 1,000
-#              prompts (vllm_tp_gptoss: the same with vLLM's CLI)
+#              prompts (vllm_tp_gptoss: the same with vLLM's CLI; tp_gptoss_grouped:
+#              tokenmill with --kernel-config '{"moe_prompt_experts": "grouped_gemm"}')
 #   gputests_arch  the GPU tests of attention sinks, chunked attention and the MXFP4 experts
 #   stepbench  one decode step's GPU time (decode_step_bench.py)
 #   ablation   the batch-1 decode graph with kernels left out (decode_ablation_bench.py);
@@ -71,6 +72,10 @@
 #   mixedbench eager vs captured mixed (decode + prompt chunk) steps (mixed_step_bench.py);
 #              mixedbench_shared: only the batches whose decodes share a prefix (cascade)
 #   moe_mxfp4  the fused MoE kernel on gpt-oss-20b's MXFP4 experts, tile sweep
+#   moe_gptoss the MXFP4 experts of gpt-oss-20b: the Triton kernel, the torch loop and the
+#              grouped-GEMM path (no tile sweep)
+#   moe_dsv3   the bf16 experts of a DeepSeek-V3 layer (32 of them, top-8): Triton, torch loop
+#              and the grouped-GEMM path
 #   skinny skinny_sweep moe   kernel benchmarks: skinny GEMM vs cuBLAS, fused MoE vs torch;
 #              skinny_pdl / skinny_sweep_pdl the same with programmatic dependent launches
 #   *_cublas   lat1/lat32/stepbench with --kernel-config '{"skinny_gemm": "off"}' (cuBLAS for
@@ -124,7 +129,8 @@
 #              gpt-oss-20b-shaped and the MLA model
 #   mla_tp     a DeepSeek-V3-shaped MLA model (6 layers, 32 experts; mla_throughput.py):
 #              tokenmill and vLLM bench throughput 1,024/256 x 1,000 and their KV capacity in
-#              tokens ($OUT/mla_throughput.json); mla_tp_tm / mla_tp_vllm one engine each.
+#              tokens ($OUT/mla_throughput.json); mla_tp_tm / mla_tp_vllm one engine each;
+#              mla_tp_tm_grouped tokenmill with the grouped-GEMM prompt experts
 #              vLLM needs the bundle prepared with KEEP_MOE=1 (its MoE kernels)
 #   gputests_mla  the MLA kernels' and DeepSeek engine's GPU tests; mlabench the MLA decode
 #              kernel's timings (benchmarks/mla_bench.py; mlabench_sweep with other tiles)
@@ -432,6 +438,8 @@ run_stage() {  # run_stage NAME: one stage of the list below
     skinny_sweep) stage skinny_sweep 400 python3 benchmarks/skinny_gemm_bench.py --sweep --ms "${SWEEP_MS:-1}" --shapes qkv,o_proj,gate_up,down --rounds 1 ;;
     moe)      stage moe 150 python3 benchmarks/moe_bench.py ;;
     moetest)  stage moetest 150 python3 -m pytest -q tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider --timeout 120 ;;
+    moe_gptoss) stage moe_gptoss 200 python3 benchmarks/moe_bench.py --mxfp4 --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --tokens 256,1024,2048,4096,8192,16384 ;;
+    moe_dsv3) stage moe_dsv3 200 python3 benchmarks/moe_bench.py --experts 32 --top-k 8 --hidden 7168 --intermediate 2048 --tokens 64,256,512,1024,2048,4096,8192 ;;
     moe_sweep) stage moe_sweep 200 python3 benchmarks/moe_bench.py --sweep-tiles --tokens 64,256,512,1024,2048,4096 ;;
     moe_mxfp4) stage moe_mxfp4 480 python3 benchmarks/moe_bench.py --mxfp4 --experts 32 --top-k 4 --hidden 2880 --intermediate 2880 --sweep-tiles --tokens 1,8,64,256,1024,2048,4096,16384 ;;
     kprof_long) stage kprof_long 200 python3 benchmarks/device/kernel_profile.py "$M8" 300 1024 256 ;;
@@ -469,12 +477,14 @@ run_stage() {  # run_stage NAME: one stage of the list below
     gputests_so) PYTHONPATH="$XGP" stage gputests_so 150 python3 -m pytest -q tests/gpu/test_engine_gpu.py -k "structured or mixed_step_graphs" -p no:cacheprovider --timeout 120 ;;
     mla_tp) stage mla_tp 900 python3 benchmarks/device/mla_throughput.py --out "$OUT" --engines tokenmill,vllm ;;
     mla_tp_tm) stage mla_tp_tm 450 python3 benchmarks/device/mla_throughput.py --out "$OUT" --engines tokenmill ;;
+    mla_tp_tm_grouped) stage mla_tp_tm_grouped 450 python3 benchmarks/device/mla_throughput.py --out "$OUT/grouped" --engines tokenmill --extra '--kernel-config {"moe_prompt_experts":"grouped_gemm"}' ;;
     mla_tp_vllm) stage mla_tp_vllm 450 python3 benchmarks/device/mla_throughput.py --out "$OUT" --engines vllm ;;
     gputests_mla) stage gputests_mla 300 python3 -m pytest -q tests/gpu/test_mla_gpu.py -p no:cacheprovider --timeout 200 ;;
     mlabench) stage mlabench 200 python3 benchmarks/mla_bench.py ;;
     mlabench_sweep) TAIL_LINES=200 stage mlabench_sweep 400 python3 benchmarks/mla_bench.py --sweep --batches 1,64,256 --contexts 1280,4096 ;;
     vllm_serve) serve_pair vllm ;;
     tp_gptoss) gptoss_model; stage tp_gptoss 560 "${TM[@]}" bench throughput --model "$MGPTOSS" "${TPA[@]}" "${GPTOSS_TP[@]}" --output-json "$LOGS/tp_gptoss.json"; addjson tp_gptoss "$LOGS/tp_gptoss.json" ;;
+    tp_gptoss_grouped) gptoss_model; stage tp_gptoss_grouped 560 "${TM[@]}" bench throughput --model "$MGPTOSS" "${TPA[@]}" "${GPTOSS_TP[@]}" --kernel-config '{"moe_prompt_experts": "grouped_gemm"}' --output-json "$LOGS/tp_gptoss_grouped.json"; addjson tp_gptoss_grouped "$LOGS/tp_gptoss_grouped.json" ;;
     vllm_tp_gptoss) gptoss_model; stage vllm_tp_gptoss 560 vllm bench throughput --model "$MGPTOSS" "${TPA[@]}" "${GPTOSS_TP[@]}" --output-json "$LOGS/vllm_tp_gptoss.json"; addjson vllm_tp_gptoss "$LOGS/vllm_tp_gptoss.json" ;;
     gputests_arch) stage gputests_arch 300 python3 -m pytest -q tests/gpu/test_triton_attention_gpu.py tests/gpu/test_fused_moe_gpu.py -p no:cacheprovider --timeout 200 --durations=5 ;;
     beam_sleep) TAIL_LINES=40 stage beam_sleep 1200 python3 benchmarks/device/beam_sleep_bench.py "$M8" --output-json "$OUT/beam_sleep.json" ;;
