@@ -22,6 +22,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     "Llama4ForConditionalGeneration": ("llama4", "Llama4ForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_5_vl", "Qwen2VLForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("llava", "LlavaForConditionalGeneration"),
     "Gemma3ForConditionalGeneration": ("gemma3_mm", "Gemma3ForConditionalGeneration"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
@@ -32,6 +33,7 @@ _MODELS: dict[str, tuple[str, str]] = {
 # Architectures that take images (a vision encoder whose embeddings fill placeholder tokens).
 _MULTIMODAL_MODELS = {
     "Qwen2_5_VLForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
     "LlavaForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
 }

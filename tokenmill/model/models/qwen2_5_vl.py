@@ -1,5 +1,6 @@
 """Qwen2.5-VL (Bai et al. 2025): a ViT with window attention and a 2x2 patch merger in
-front of the Qwen2 language model, with multimodal rotary positions (M-RoPE).
+front of the Qwen2 language model, with multimodal rotary positions (M-RoPE); and Qwen2-VL,
+the same but for its vision tower (``Qwen2VLForConditionalGeneration``).
 
 The language model is Qwen2's (``llama.py``) with ``MRotaryEmbedding`` in every layer. The
 vision tower is transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` (patch embedding,
@@ -77,9 +78,15 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         for layer in self.model.layers:
             layer.self_attn.rotary_emb = self.rotary_emb
             layer.self_attn.attn.rotary_emb = self.rotary_emb
-        self.visual = _vision_tower(config.vision_config)
+        self.visual = self.build_vision_tower(config.vision_config)
         self.image_token_id = int(config.image_token_id)
         self.spatial_merge_size = int(config.vision_config["spatial_merge_size"])
+
+    @staticmethod
+    def build_vision_tower(vision_config: dict) -> torch.nn.Module:
+        """The vision tower of ``vision_config`` (the checkpoint's), built on the current
+        default device and dtype."""
+        return _vision_tower(vision_config)
 
     def forward(
         self,
@@ -151,3 +158,28 @@ def _vision_tower(vision_config: dict) -> torch.nn.Module:
         for block in tower.blocks
     )
     return tower
+
+
+class Qwen2VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """Qwen2-VL (Wang et al. 2024, arXiv:2409.12191): Qwen2.5-VL's language model, prompt
+    layout and M-RoPE, with the earlier vision tower -- every block attends over the whole
+    image (no windows), LayerNorms, a QuickGELU MLP (``fc1``/``fc2``) -- built as
+    transformers' ``Qwen2VisionTransformerPretrainedModel`` with tokenmill's attention
+    (one variable-length FlashAttention call per step on CUDA)."""
+
+    @staticmethod
+    def build_vision_tower(vision_config: dict) -> torch.nn.Module:
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+            Qwen2VisionTransformerPretrainedModel,
+        )
+
+        settings = dict(vision_config)
+        if "in_chans" in settings:  # the name in the released checkpoints' config.json
+            settings.setdefault("in_channels", settings.pop("in_chans"))
+        config = Qwen2VLVisionConfig(**settings)
+        config._attn_implementation = "sdpa"
+        tower = Qwen2VisionTransformerPretrainedModel(config)
+        for block in tower.blocks:  # same parameter names (qkv, proj)
+            block.attn = VisionWindowAttention(config.embed_dim, config.num_heads)
+        return tower
