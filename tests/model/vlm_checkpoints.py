@@ -300,6 +300,56 @@ def write_gemma3_mm(
     return path
 
 
+MISTRAL3_CHAT_TEMPLATE = (
+    "<s>{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}[IMG]{% elif part['type'] == 'text' %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}[/INST]"
+    "{% else %}{{ message['content'] }}</s>{% endif %}{% endfor %}"
+)
+MISTRAL3_SPECIAL_TOKENS = ["<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+
+def write_mistral3(path: str, seed: int = 0) -> str:
+    """A random Mistral 3 vision-language model (Mistral Small 3.1's architecture: a
+    2-layer Pixtral tower with 14-pixel patches, the 2x2 patch merger, a 2-layer Mistral)
+    with its tokenizer, image processor (images up to 112 pixels a side) and a chat
+    template, saved to ``path``."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    from transformers.models.pixtral.image_processing_pil_pixtral import (
+        PixtralImageProcessorPil,
+    )
+
+    tok = byte_tokenizer(MISTRAL3_SPECIAL_TOKENS, bos_token="<s>", eos_token="</s>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in MISTRAL3_SPECIAL_TOKENS}
+    text = dict(
+        model_type="mistral", vocab_size=272, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None,
+        tie_word_embeddings=False, bos_token_id=ids["<s>"], eos_token_id=ids["</s>"],
+    )  # fmt: skip
+    vision = dict(
+        model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_channels=3, image_size=112, patch_size=14, head_dim=16,
+        rope_theta=10000.0,
+    )  # fmt: skip
+    config = Mistral3Config(
+        vision_config=vision, text_config=text, image_token_index=ids["[IMG]"],
+        spatial_merge_size=2, vision_feature_layer=-1, projector_hidden_act="gelu",
+        multimodal_projector_bias=False, tie_word_embeddings=False,
+    )  # fmt: skip
+    save_random_weights(Mistral3ForConditionalGeneration, config, path, seed)
+    PixtralImageProcessorPil(
+        size={"longest_edge": 112}, patch_size={"height": 14, "width": 14}
+    ).save_pretrained(path)
+    tok.chat_template = MISTRAL3_CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"]}, f)
+    return path
+
+
 def save_random_weights(model_cls: Any, config: Any, path: str, seed: int) -> None:
     """A ``model_cls(config)`` with every parameter drawn from N(0, 0.08^2) (seeded), saved
     to ``path``: the configs' ``initializer_range`` gives near-zero logits, these do not."""

@@ -26,6 +26,7 @@ from tokenmill.multimodal.gemma3 import (
 )
 from tokenmill.multimodal.inputs import MultiModalFeature, PackedArray
 from tokenmill.multimodal.media import MediaError, check_image
+from tokenmill.multimodal.pixtral import PixtralImageTokens
 
 
 def llava_tokens_per_image(hf_config: Any) -> int:
@@ -96,6 +97,7 @@ class MultiModalProcessor:
         self.model = model
         self.processor_kwargs = dict(processor_kwargs or {})
         self._tokenizer = tokenizer
+        self._lock = threading.Lock()
         token = hf_config.get("image_token_id", hf_config.get("image_token_index"))
         self.image_token_id = int(token)
         self.placeholder_token_id = self.image_token_id
@@ -112,6 +114,10 @@ class MultiModalProcessor:
             self.gemma3 = Gemma3ImageTokens(hf_config, self.tokenizer)
             self.image_token_id = self.gemma3.image_token_id
             self.placeholder_token_id = self.gemma3.boi_token_id
+        # Mistral 3: rows of [IMG] closed by [IMG_BREAK] / [IMG_END] (None for the others).
+        self.pixtral: PixtralImageTokens | None = None
+        if arch == "Mistral3ForConditionalGeneration":
+            self.pixtral = PixtralImageTokens(hf_config, self.tokenizer())
         if self.tokens_per_image is not None:
             size = int(vision["image_size"])
             self.pixel_shape = (int(vision.get("num_channels", 3)), size, size)
@@ -122,7 +128,6 @@ class MultiModalProcessor:
         # What each image processor call takes (``processor_kwargs`` and model defaults).
         self.call_kwargs = self.processor_kwargs
         self._image_processor: Any = None
-        self._lock = threading.Lock()
 
     def preload(self) -> None:
         """Load the image processor in a background thread (the first image then does not
@@ -138,6 +143,8 @@ class MultiModalProcessor:
                 processor = AutoImageProcessor.from_pretrained(self.model)
                 if self.gemma3 is not None:
                     self.call_kwargs = gemma3_processor_kwargs(processor, self.processor_kwargs)
+                if self.pixtral is not None:
+                    self.call_kwargs = self.pixtral.processor_kwargs(self.processor_kwargs)
                 self._image_processor = processor
             return self._image_processor
 
@@ -243,7 +250,7 @@ class MultiModalProcessor:
             raise MediaError(
                 f"the model's image processor refused the image: {type(e).__name__}: {e}"
             ) from None
-        inputs = self._split(out)
+        inputs = [self.pixtral.encoder_input(out)] if self.pixtral else self._split(out)
         for data in inputs:
             self._check_encoder_input(data)
         return inputs
@@ -256,6 +263,8 @@ class MultiModalProcessor:
         if self.gemma3 is not None:
             return self.gemma3.replacement(len(inputs) - 1)
         [data] = inputs
+        if self.pixtral is not None:
+            return self.pixtral.replacement(data)
         length = self.tokens_per_image or (
             int(np.prod(data["image_grid_thw"])) // self.merge_size**2
         )
@@ -273,7 +282,10 @@ class MultiModalProcessor:
         arguments (--mm-processor-kwargs) can change the crop or the patch size, and the
         encoder would fail on the image in the engine."""
         shape = list(data["pixel_values"].shape)
-        if "image_grid_thw" in data:
+        if self.pixtral is not None:
+            takes = self.pixtral.check(data)
+            ok = takes is None
+        elif "image_grid_thw" in data:
             t, h, w = (int(x) for x in data["image_grid_thw"])
             m = self.merge_size
             takes = f"{[t * h * w, self.patch_dim]} (a patch grid whose sides divide by {m})"

@@ -1,0 +1,133 @@
+"""Mistral 3 (Mistral Small 3.1's architecture: Pixtral tower, 2x2 patch merger, Mistral)
+against transformers on the same random weights (float32, CPU): the prompt's ids as
+PixtralProcessor writes them (rows of [IMG] closed by [IMG_BREAK] / [IMG_END]), the
+log-probs of every prompt position and of 16 greedy tokens, for prompts with one and with
+two images of other sizes and aspect ratios; and the encoder cache on a repeated image."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.vlm_checkpoints import random_image, write_mistral3
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return write_mistral3(str(tmp_path_factory.mktemp("mistral3")))
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    from transformers import Mistral3ForConditionalGeneration
+
+    return Mistral3ForConditionalGeneration.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint) -> LLM:
+    return LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=1024,
+               max_num_batched_tokens=256)  # fmt: skip
+
+
+def _hf_inputs(checkpoint: str, text: str, images: list) -> dict:
+    """transformers' inputs: the image processor's pixels (resized to multiples of the
+    28-pixel merged patch, as PixtralProcessor asks) and the prompt's [IMG] expanded as
+    PixtralProcessor writes it (built here: that class needs torchvision)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    processed = AutoImageProcessor.from_pretrained(checkpoint)(
+        images=images, patch_size={"height": 28, "width": 28}, return_tensors="pt"
+    )  # fmt: skip
+    img, brk, end = tok.convert_tokens_to_ids(["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    sizes = iter(processed["image_sizes"].tolist())
+    ids: list[int] = []
+    for t in tok(text, add_special_tokens=False)["input_ids"]:
+        if t != img:
+            ids.append(t)
+            continue
+        h, w = next(sizes)
+        rows = ([img] * (w // 28) + [brk]) * (h // 28)
+        ids.extend(rows[:-1] + [end])
+    return dict(input_ids=torch.tensor([ids]), pixel_values=processed["pixel_values"],
+                image_sizes=processed["image_sizes"])  # fmt: skip
+
+
+CASES = {
+    "one image": ([(0, 112, 84)], ["image", "What is in the picture?"]),
+    "two images": ([(1, 60, 100), (2, 150, 40)], ["First:", "image", "second:", "image", "?"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logprobs_and_greedy_tokens_match_transformers(case, checkpoint, hf_model, llm):
+    specs, parts = CASES[case]
+    images = [random_image(*s) for s in specs]
+    it = iter(images)
+    content = [
+        {"type": "image_pil", "image_pil": next(it)} if p == "image"
+        else {"type": "text", "text": p}
+        for p in parts
+    ]  # fmt: skip
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1,
+                            prompt_logprobs=0)  # fmt: skip
+    out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
+    inputs = _hf_inputs(checkpoint, out.prompt, images)
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    if case == "one image":  # 112 x 84 pixels: 4 rows of 3 merged patches
+        tok = llm.get_tokenizer()
+        img, brk, end = tok.convert_tokens_to_ids(["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+        run = ([img] * 3 + [brk]) * 3 + [img] * 3 + [end]
+        start = out.prompt_token_ids.index(img)
+        assert out.prompt_token_ids[start : start + 16] == run
+    with torch.no_grad():
+        generated = hf_model.generate(**inputs, max_new_tokens=16, do_sample=False,
+                                      output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        prompt_len = inputs["input_ids"].shape[1]
+        assert out.outputs[0].token_ids == generated.sequences[0, prompt_len:].tolist()
+        logits = hf_model(**inputs).logits[0].float()
+    ref = torch.log_softmax(logits, -1)
+    ids = inputs["input_ids"][0]
+    for pos in range(1, len(ids)):
+        ours = out.prompt_logprobs[pos][int(ids[pos])].logprob
+        assert ours == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=2e-4), pos
+    for step, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs,
+                                         strict=True)):  # fmt: skip
+        ref_step = torch.log_softmax(generated.logits[step][0].float(), -1)
+        assert lp[tok].logprob == pytest.approx(float(ref_step[tok]), abs=2e-4), step
+
+
+def test_repeated_image_hits_the_encoder_cache(llm):
+    """The same image after another text: the prefix cache stops before it, the encoder
+    cache serves it."""
+    counters = llm.llm_engine.counters
+    image = random_image(7, 84, 112)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    before = counters.mm_cache_hits
+    for text in ("First look.", "Second look, longer text."):
+        chat = [{"role": "user", "content": [{"type": "text", "text": text},
+                                             {"type": "image_pil", "image_pil": image}]}]
+        assert llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert counters.mm_cache_hits - before == 1
+
+
+def test_a_tokenizer_without_the_row_tokens_is_refused_in_one_line(checkpoint, tmp_path):
+    """A Mistral 3 folder whose tokenizer lacks [IMG_BREAK] cannot lay out images: the
+    engine refuses it at start-up, naming the token."""
+    import shutil
+
+    from tests.model.vlm_checkpoints import byte_tokenizer
+    from tokenmill.config import ConfigError
+
+    folder = shutil.copytree(checkpoint, tmp_path / "m3")
+    byte_tokenizer(["<s>", "</s>", "[INST]", "[/INST]", "[IMG]"], bos_token="<s>",
+                   eos_token="</s>").save_pretrained(folder)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"no \[IMG_BREAK\] token"):
+        LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=256)

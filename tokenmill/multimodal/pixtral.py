@@ -1,0 +1,78 @@
+"""Mistral 3 (Pixtral tower) images in a prompt: the tokens that replace an image's
+``[IMG]`` placeholder, and the image processor's arguments, as transformers'
+``PixtralProcessor`` makes them.
+
+An image resized to ``R x C`` merged patches (each ``patch_size * spatial_merge_size``
+pixels a side; the processor's resize rounds the sides to that unit) is written as ``R``
+rows of ``C`` ``[IMG]`` tokens, each row closed by ``[IMG_BREAK]``, the last by
+``[IMG_END]`` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tokenmill.config import ConfigError
+
+
+class PixtralImageTokens:
+    """The prompt layout of Mistral 3 images.
+
+    Args:
+        hf_config: the model's config (``image_token_index``, ``spatial_merge_size``,
+            ``vision_config.patch_size``).
+        tokenizer: the model's tokenizer (``[IMG_BREAK]`` and ``[IMG_END]`` ids).
+
+    Raises:
+        ConfigError: the tokenizer has no ``[IMG_BREAK]`` or ``[IMG_END]`` token.
+    """
+
+    def __init__(self, hf_config: Any, tokenizer: Any) -> None:
+        vision = hf_config.get("vision_config") or {}
+        self.image_token_id = int(hf_config.get("image_token_index",
+                                                hf_config.get("image_token_id", 10)))  # fmt: skip
+        self.unit = int(vision.get("patch_size", 14)) * int(hf_config.get("spatial_merge_size", 2))
+        ids = []
+        for token in ("[IMG_BREAK]", "[IMG_END]"):
+            tid = tokenizer.convert_tokens_to_ids(token)
+            if tid is None or tid == getattr(tokenizer, "unk_token_id", None):
+                raise ConfigError(
+                    f"the tokenizer has no {token} token, which Mistral 3 images need"
+                )
+            ids.append(int(tid))
+        self.break_token_id, self.end_token_id = ids
+
+    def processor_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` (``--mm-processor-kwargs``) with the merged patch side as the resize
+        unit (``patch_size``), as ``PixtralProcessor`` passes it, unless they set it."""
+        return {"patch_size": {"height": self.unit, "width": self.unit}, **kwargs}
+
+    def encoder_input(self, out: Any) -> dict[str, np.ndarray]:
+        """The image processor's output for one image -> the encoder's input:
+        ``pixel_values [3, h, w]``, ``image_sizes [2]`` and ``special_ids`` (the break and
+        end ids, whose embeddings the model writes at their places)."""
+        pixels = np.asarray(out["pixel_values"][0], dtype=np.float32)
+        size = np.asarray(out["image_sizes"][0], dtype=np.int64)
+        return {"pixel_values": pixels[:, : size[0], : size[1]], "image_sizes": size,
+                "special_ids": np.array([self.break_token_id, self.end_token_id])}  # fmt: skip
+
+    def check(self, data: dict[str, np.ndarray]) -> str | None:
+        """What the tower takes, where ``data`` is not that; None where it is."""
+        h, w = (int(x) for x in data["image_sizes"])
+        shape = list(data["pixel_values"].shape)
+        if shape == [3, h, w] and h % self.unit == w % self.unit == 0 and h and w:
+            return None
+        return f"[3, h, w] pixel values whose sides are multiples of {self.unit}"
+
+    def replacement(self, data: dict[str, np.ndarray]) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids that replace the image's ``[IMG]`` and the one run its feature covers
+        (all of them: the model fills the break and end rows)."""
+        h, w = (int(x) for x in data["image_sizes"])
+        rows, cols = h // self.unit, w // self.unit
+        ids: list[int] = []
+        for _ in range(rows):
+            ids += [self.image_token_id] * cols + [self.break_token_id]
+        ids[-1] = self.end_token_id
+        return ids, [(0, len(ids))]
