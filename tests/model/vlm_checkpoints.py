@@ -146,6 +146,53 @@ def write_qwen2_vl(path: str, seed: int = 0) -> str:
     return path
 
 
+def write_qwen3_vl(path: str, seed: int = 0) -> str:
+    """A random Qwen3-VL (2 text layers with QK-norm and interleaved M-RoPE; 3 vision
+    blocks of 16-pixel patches, learned position embeddings and DeepStack features from
+    blocks 0 and 1) with its tokenizer, image processor and chat template."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tok = byte_tokenizer(QWEN_SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    text = dict(
+        vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True},
+        bos_token_id=None, eos_token_id=ids["<|im_end|>"],
+    )  # fmt: skip
+    vision = dict(
+        depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+        num_position_embeddings=64, deepstack_visual_indexes=[0, 1],
+        hidden_act="gelu_pytorch_tanh",
+    )  # fmt: skip
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    save_random_weights(Qwen3VLForConditionalGeneration, config, path, seed)
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 64, patch_size=16, merge_size=2,
+        temporal_patch_size=2,
+    )  # fmt: skip
+    image_processor.save_pretrained(path)
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": ids["<|im_end|>"]}, f)
+    return path
+
+
 def write_qwen2_5_vl_config(path: str, text: dict, vision: dict) -> str:
     """A Qwen2.5-VL folder without weights (for ``--load-format dummy``): config.json from
     ``text`` and ``vision`` settings, the byte tokenizer with the chat template, and Qwen2-VL's

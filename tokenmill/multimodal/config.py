@@ -77,8 +77,9 @@ def build_multimodal_config(
             raise MultiModalConfigError(
                 f"{arch} has a vision encoder, which tokenmill does not implement for this "
                 "architecture (images are supported for Qwen2_5_VLForConditionalGeneration, "
-                "Qwen2VLForConditionalGeneration, LlavaForConditionalGeneration, "
-                "Gemma3ForConditionalGeneration and Mistral3ForConditionalGeneration)"
+                "Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration, "
+                "LlavaForConditionalGeneration, Gemma3ForConditionalGeneration and "
+                "Mistral3ForConditionalGeneration)"
             )
         for flag, value in [("--limit-mm-per-prompt", limit_mm_per_prompt),
                             ("--mm-processor-kwargs", mm_processor_kwargs)]:  # fmt: skip

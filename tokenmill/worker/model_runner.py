@@ -300,7 +300,11 @@ class ModelRunner(StepSampling, BufferMetadata):
         None off CUDA."""
         if self.device.type == "cuda" and self.graphs is None:
             self.graphs = StepGraphs.plan(
-                self, self.attn_backend, takes_images=hasattr(self.model, "encode_images")
+                # DeepStack models (Qwen3-VL) add image features inside the layers: their
+                # image steps run eagerly.
+                self, self.attn_backend,
+                takes_images=(hasattr(self.model, "encode_images")
+                              and not getattr(self.model, "deepstack_layers", 0)),
             )
             if self.spec_decode is not None:
                 self.graphs.add_proposer(self.spec_decode.proposer.plan_graphs)

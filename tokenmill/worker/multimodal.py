@@ -229,10 +229,18 @@ class MultiModalState:
 
     def step_embeds(self, input_ids: torch.Tensor, images: StepImages) -> torch.Tensor:
         """The step's input embeddings ``[T, H]``: the tokens', with the placeholders' rows
-        replaced by their images' embeddings."""
+        replaced by their images' embeddings (a model with DeepStack features gets them
+        for its next forward pass, ``set_deepstack``)."""
         embeds = self.model.embed_input_ids(input_ids)
         if images.token_index is not None:
-            embeds[images.token_index] = images.embeds.to(embeds.dtype)
+            rows = images.embeds
+            layers = getattr(self.model, "deepstack_layers", 0)
+            if layers:  # Qwen3-VL: the DeepStack features follow the embeddings
+                hidden = embeds.shape[1]
+                features = rows[:, hidden:].view(rows.shape[0], layers, hidden)
+                self.model.set_deepstack(images.token_index, features)
+                rows = rows[:, :hidden]
+            embeds[images.token_index] = rows.to(embeds.dtype)
         return embeds
 
     def forward(

@@ -2,7 +2,10 @@
 
 Each token has three positions (temporal, height, width). The rotary frequencies are split
 into three sections (``mrope_section``, over the half rotary dimension); frequency ``i``
-rotates by the position of the section it falls in. Text tokens have three equal
+rotates by the position of the section it falls in; or, interleaved (Qwen3-VL), frequency
+``i`` takes the height position where ``i % 3 == 1`` and the width position where
+``i % 3 == 2`` within the first ``3 * section`` frequencies, the temporal one elsewhere.
+Text tokens have three equal
 positions, which makes M-RoPE the plain 1-D RoPE of that position: steps without image
 tokens pass one position per token and take the plain path (its fused kernels and CUDA
 graphs); a step with image tokens sets its three streams first (``set_step_positions``).
@@ -28,6 +31,7 @@ class MRotaryEmbedding(RotaryEmbedding):
             ``head_dim // 2``.
         scaling: the config's ``rope_scaling`` (``rope_type`` default or none).
         max_model_len: the engine's context length.
+        interleaved: the sections' frequencies interleave (see the module docstring).
 
     Raises:
         ValueError: the sections do not cover the half head dimension.
@@ -41,15 +45,21 @@ class MRotaryEmbedding(RotaryEmbedding):
         mrope_section: list[int],
         scaling: dict[str, Any] | None = None,
         max_model_len: int | None = None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__(head_dim, head_dim, max_position, base, True, scaling, max_model_len)
         if sum(mrope_section) != head_dim // 2:
             raise ValueError(
                 f"mrope_section {mrope_section} must sum to head_dim // 2 = {head_dim // 2}"
             )
-        stream = torch.repeat_interleave(
-            torch.arange(3), torch.tensor(mrope_section), output_size=head_dim // 2
-        )
+        if interleaved:
+            stream = torch.zeros(head_dim // 2, dtype=torch.long)
+            for axis in (1, 2):
+                stream[axis : 3 * mrope_section[axis] : 3] = axis
+        else:
+            stream = torch.repeat_interleave(
+                torch.arange(3), torch.tensor(mrope_section), output_size=head_dim // 2
+            )
         # cos | sin columns of the table -> the position stream each takes.
         self.register_buffer("stream_of_column", torch.cat([stream, stream]), persistent=False)
         self._step_cos_sin: torch.Tensor | None = None

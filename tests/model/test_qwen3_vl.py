@@ -1,0 +1,82 @@
+"""Qwen3-VL against transformers on the same random weights (float32, CPU): the log-probs
+of every prompt position and of 16 greedy tokens, for prompts with one and with two images
+(the checks of ``test_qwen2_5_vl.py``: interleaved M-RoPE, QK-norm, 16-pixel patches with
+learned position embeddings, and DeepStack features added after the first decoder layers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model.test_qwen2_5_vl import CASES, _hf_inputs
+from tests.model.vlm_checkpoints import random_image, write_qwen3_vl
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return write_qwen3_vl(str(tmp_path_factory.mktemp("qwen3_vl")))
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint) -> LLM:
+    return LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=1024,
+               max_num_batched_tokens=256)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logprobs_and_greedy_tokens_match_transformers(case, checkpoint, hf_model, llm):
+    specs, parts = CASES[case]
+    images = [random_image(*s) for s in specs]
+    it = iter(images)
+    content = [
+        {"type": "image_pil", "image_pil": next(it)} if p == "image"
+        else {"type": "text", "text": p}
+        for p in parts
+    ]  # fmt: skip
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1,
+                            prompt_logprobs=0)  # fmt: skip
+    out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
+    inputs = _hf_inputs(checkpoint, hf_model, out.prompt, images)
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        generated = hf_model.generate(**inputs, max_new_tokens=16, do_sample=False,
+                                      output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        assert out.outputs[0].token_ids == generated.sequences[0, inputs["input_ids"].shape[1]:
+                                                               ].tolist()  # fmt: skip
+        logits = hf_model(**inputs).logits[0].float()
+    ref = torch.log_softmax(logits, -1)
+    ids = inputs["input_ids"][0]
+    for pos in range(1, len(ids)):
+        ours = out.prompt_logprobs[pos][int(ids[pos])].logprob
+        assert ours == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=2e-4), pos
+    for step, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs,
+                                         strict=True)):  # fmt: skip
+        ref_step = torch.log_softmax(generated.logits[step][0].float(), -1)
+        assert lp[tok].logprob == pytest.approx(float(ref_step[tok]), abs=2e-4), step
+
+
+def test_repeated_image_hits_the_encoder_cache(llm):
+    """The same image after another text: the prefix cache stops before it, the encoder
+    cache serves it."""
+    counters = llm.llm_engine.counters
+    image = random_image(7, 224, 224)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    before = counters.mm_cache_hits
+    for text in ("First look.", "Second look, longer text."):
+        chat = [{"role": "user", "content": [{"type": "text", "text": text},
+                                             {"type": "image_pil", "image_pil": image}]}]
+        assert llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert counters.mm_cache_hits - before == 1

@@ -1,0 +1,155 @@
+"""Qwen3-VL (``Qwen3VLForConditionalGeneration``, Qwen Team 2025): a ViT of 16-pixel
+patches with learned position embeddings (bilinearly resampled to each image's grid) and
+2-D rotary angles, a 2x2 patch merger, and the Qwen3 language model (QK-norm) with
+interleaved multimodal rotary positions.
+
+Two differences from Qwen2.5-VL shape the engine's side:
+
+- M-RoPE frequencies interleave (``MRotaryEmbedding(interleaved=True)``); the prompt's
+  three position streams are Qwen2-VL's for images (``qwen2_5_vl.mrope_positions``).
+- DeepStack (Meng et al. 2024, arXiv:2406.04334): the tower also merges the patches after
+  some of its blocks (``deepstack_visual_indexes``), and each of those ``K`` features is
+  added to the residual stream of the image's placeholders after decoder layer ``k``. The
+  encoder output of an image is therefore ``[length, (1 + K) * H]`` (the embeddings, then
+  the ``K`` DeepStack features), and a step that holds placeholders hands the features to
+  the model (``set_deepstack``) before its forward pass, which adds them through forward
+  hooks on the first ``K`` layers. Such steps run eagerly (no image-step CUDA graphs).
+
+The tower is transformers' ``Qwen3VLVisionModel`` with tokenmill's attention (one
+variable-length FlashAttention call per step on CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.model.layers.mrope import MRotaryEmbedding
+from tokenmill.model.models.qwen2_5_vl import mrope_positions
+from tokenmill.model.models.qwen2_5_vl_vision import VisionWindowAttention
+from tokenmill.model.models.qwen3 import Qwen3ForCausalLM
+
+# Checkpoint name prefixes (transformers 5 layout) -> ours.
+_RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
+    """Qwen3-VL; interface as ``DecoderForCausalLM`` plus the multimodal hooks
+    (``embed_input_ids``, ``encode_images``, ``mrope_positions``, ``set_deepstack``)."""
+
+    uses_mrope = True
+
+    def __init__(self, model_config: ModelConfig, backend: type[AttentionBackend]) -> None:
+        super().__init__(model_config, backend)
+        config = self.config
+        head_dim = config.get("head_dim") or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = MRotaryEmbedding(
+            head_dim,
+            max_position=config.get("max_position_embeddings", model_config.max_model_len),
+            base=config.rope_theta,
+            mrope_section=list(config.get("mrope_section", [24, 20, 20])),
+            max_model_len=model_config.max_model_len,
+            interleaved=True,
+        )
+        for layer in self.model.layers:
+            layer.self_attn.rotary_emb = self.rotary_emb
+            layer.self_attn.attn.rotary_emb = self.rotary_emb
+        vision = dict(config.vision_config)
+        self.visual = _vision_tower(vision)
+        self.image_token_id = int(config.image_token_id)
+        self.spatial_merge_size = int(vision["spatial_merge_size"])
+        self.deepstack_layers = len(vision.get("deepstack_visual_indexes") or ())
+        # (placeholder rows of the step [N], features [N, K, H]) until the forward pass.
+        self._deepstack: tuple[torch.Tensor, torch.Tensor] | None = None
+        for k in range(self.deepstack_layers):
+            self.model.layers[k].register_forward_hook(self._add_deepstack(k))
+
+    def _add_deepstack(self, k: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: tuple[torch.Tensor, torch.Tensor]):
+            if self._deepstack is None:
+                return output
+            rows, features = self._deepstack
+            hidden, residual = output
+            # The layer's output is ``hidden + residual``; adding to either adds to it.
+            return hidden.index_add(0, rows, features[:, k].to(hidden.dtype)), residual
+
+        return hook
+
+    def set_deepstack(self, rows: torch.Tensor, features: torch.Tensor) -> None:
+        """The next forward pass adds ``features [N, K, H]`` to the residual stream of the
+        step's tokens ``rows [N]`` (int64) after layers ``0..K-1``."""
+        self._deepstack = (rows, features)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+        mrope_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As ``DecoderForCausalLM.forward``; ``mrope_positions`` ``[3, T]`` (int64), when
+        the step holds image tokens, replaces ``positions`` for the rotary embedding."""
+        self.rotary_emb.set_step_positions(mrope_positions)
+        try:
+            return self.model(input_ids, positions, metadata, inputs_embeds)
+        finally:
+            self.rotary_emb.set_step_positions(None)
+            self._deepstack = None
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, H]`` (placeholders included, to be overwritten)."""
+        return self.model.embed(input_ids)
+
+    def encode_images(self, items: Sequence[dict[str, np.ndarray]]) -> list[torch.Tensor]:
+        """Per image (``pixel_values`` ``[t*h*w, C*tp*p*p]`` float32, ``image_grid_thw``
+        ``[3]`` int64) its ``[t*h*w / m^2, (1 + K) * H]`` rows in the model's dtype: the
+        embeddings, then the ``K`` DeepStack features."""
+        param = self.model.embed_tokens.weight
+        pixels = torch.cat([torch.from_numpy(np.array(d["pixel_values"])) for d in items])
+        grid = torch.from_numpy(np.stack([np.array(d["image_grid_thw"]) for d in items]))
+        out = self.visual(pixels.to(param.device, self.visual.dtype),
+                          grid_thw=grid.to(param.device))  # fmt: skip
+        rows = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
+        sizes = (grid.prod(-1) // self.spatial_merge_size**2).tolist()
+        return list(rows.to(param.dtype).split(sizes))
+
+    def mrope_positions(
+        self, num_tokens: int, items: Sequence[tuple[int, int, dict[str, np.ndarray]]]
+    ) -> tuple[np.ndarray, int]:
+        """The prompt's M-RoPE positions (``qwen2_5_vl.mrope_positions``; Qwen3-VL's are
+        the same for images)."""
+        grids = [(o, n, [int(x) for x in d["image_grid_thw"]]) for o, n, d in items]
+        return mrope_positions(num_tokens, grids, self.spatial_merge_size)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
+    ) -> None:
+        super().load_weights(((_checkpoint_name(n), t) for n, t in weights), source)
+
+
+def _checkpoint_name(name: str) -> str:
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def _vision_tower(vision_config: dict) -> nn.Module:
+    """transformers' Qwen3-VL vision tower with tokenmill's attention, built on the current
+    default device and dtype."""
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    config = Qwen3VLVisionConfig(**vision_config)
+    config._attn_implementation = "sdpa"
+    tower = Qwen3VLVisionModel(config)
+    for block in tower.blocks:  # same parameter names (qkv, proj)
+        block.attn = VisionWindowAttention(config.hidden_size, config.num_heads)
+    return tower
