@@ -1,7 +1,8 @@
 """Qwen3-VL against transformers on the same random weights (float32, CPU): the log-probs
 of every prompt position and of 16 greedy tokens, for prompts with one and with two images
 (the checks of ``test_qwen2_5_vl.py``: interleaved M-RoPE, QK-norm, 16-pixel patches with
-learned position embeddings, and DeepStack features added after the first decoder layers)."""
+learned position embeddings, and DeepStack features added after the first decoder layers),
+over the dense language model and the MoE one (Qwen3-VL-MoE)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,17 @@ from tokenmill.sampling_params import SamplingParams
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return write_qwen3_vl(str(tmp_path_factory.mktemp("qwen3_vl")))
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def checkpoint(request, tmp_path_factory) -> str:
+    moe = request.param == "moe"
+    return write_qwen3_vl(str(tmp_path_factory.mktemp(f"qwen3_vl_{request.param}")), moe=moe)
 
 
 @pytest.fixture(scope="module")
 def hf_model(checkpoint):
-    from transformers import Qwen3VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    return Qwen3VLForConditionalGeneration.from_pretrained(
+    return AutoModelForImageTextToText.from_pretrained(
         checkpoint, dtype=torch.float32, attn_implementation="eager"
     ).eval()
 
@@ -80,3 +82,30 @@ def test_repeated_image_hits_the_encoder_cache(llm):
                                              {"type": "image_pil", "image_pil": image}]}]
         assert llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids
     assert counters.mm_cache_hits - before == 1
+
+
+def test_moe_experts_load_from_the_released_orientation(checkpoint, llm, tmp_path):
+    """The released Qwen3-VL-MoE checkpoints store each layer's experts as ``x @ W``
+    (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``); transformers 5 saves them the
+    other way round. Both load to the same model."""
+    if "moe" not in checkpoint:
+        pytest.skip("dense language model")
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(checkpoint, tmp_path / "released")
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    for name in list(tensors):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    released = LLM(model=str(folder), dtype="float32", device="cpu", max_model_len=256)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    prompt = {"prompt_token_ids": list(range(40, 60))}
+    ours = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    theirs = released.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert ours.token_ids == theirs.token_ids
+    for a, b, tok in zip(ours.logprobs, theirs.logprobs, ours.token_ids, strict=True):
+        assert a[tok].logprob == pytest.approx(b[tok].logprob, abs=1e-5)

@@ -146,11 +146,17 @@ def write_qwen2_vl(path: str, seed: int = 0) -> str:
     return path
 
 
-def write_qwen3_vl(path: str, seed: int = 0) -> str:
+def write_qwen3_vl(path: str, seed: int = 0, moe: bool = False) -> str:
     """A random Qwen3-VL (2 text layers with QK-norm and interleaved M-RoPE; 3 vision
     blocks of 16-pixel patches, learned position embeddings and DeepStack features from
-    blocks 0 and 1) with its tokenizer, image processor and chat template."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    blocks 0 and 1) with its tokenizer, image processor and chat template; ``moe``: the
+    language model routes to 4 experts of 48, 2 a token (Qwen3-VL-MoE)."""
+    from transformers import (
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -171,7 +177,12 @@ def write_qwen3_vl(path: str, seed: int = 0) -> str:
         num_position_embeddings=64, deepstack_visual_indexes=[0, 1],
         hidden_act="gelu_pytorch_tanh",
     )  # fmt: skip
-    config = Qwen3VLConfig(
+    config_cls, model_cls = Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    if moe:
+        config_cls, model_cls = Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                    decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    config = config_cls(
         text_config=text,
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
@@ -180,7 +191,7 @@ def write_qwen3_vl(path: str, seed: int = 0) -> str:
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    save_random_weights(Qwen3VLForConditionalGeneration, config, path, seed)
+    save_random_weights(model_cls, config, path, seed)
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 64, patch_size=16, merge_size=2,
         temporal_patch_size=2,

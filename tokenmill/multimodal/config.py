@@ -78,6 +78,7 @@ def build_multimodal_config(
                 f"{arch} has a vision encoder, which tokenmill does not implement for this "
                 "architecture (images are supported for Qwen2_5_VLForConditionalGeneration, "
                 "Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration, "
+                "Qwen3VLMoeForConditionalGeneration, "
                 "LlavaForConditionalGeneration, Gemma3ForConditionalGeneration and "
                 "Mistral3ForConditionalGeneration)"
             )

@@ -180,6 +180,7 @@ class FusedMoE(nn.Module):
         loaded = as_float(loaded)
         i = self.intermediate_per_rank
         if shard_id is None:
+            loaded = self._as_checkpoint_layout(loaded, param.expert_part, hidden_axis=1)
             full = stacked_w13(loaded, param.expert_part, self.checkpoint_layout)
             copy_checked(param, narrow_w13(full, self.tp_rank, i), "")
             return
@@ -197,6 +198,7 @@ class FusedMoE(nn.Module):
         loaded = as_float(loaded)
         i = self.intermediate_per_rank
         if shard_id is None:
+            loaded = self._as_checkpoint_layout(loaded, param.expert_part, hidden_axis=2)
             full = stacked_w2(loaded, param.expert_part, self.checkpoint_layout)
             copy_checked(param, narrow_w2(full, param.expert_part, self.tp_rank, i), "")
             return
@@ -208,6 +210,21 @@ class FusedMoE(nn.Module):
         target = param.data[expert]
         check_shape(f"{getattr(param, '_tm_name', '?')}[{expert}]", target.shape, loaded.shape)
         target.copy_(loaded)
+
+    def _as_checkpoint_layout(self, loaded: torch.Tensor, part: str, hidden_axis: int
+                              ) -> torch.Tensor:  # fmt: skip
+        """A whole-layer plain weight in ``nn.Linear``'s orientation (``[E, 2I, H]`` /
+        ``[E, H, I]``, as transformers 5 saves Qwen3-VL-MoE and Llama 4 experts) ->
+        the layout's ``x @ W`` orientation (the released checkpoints': ``[E, H, 2I]`` /
+        ``[E, I, H]``), told apart by where the hidden size ``H`` sits (``hidden_axis``:
+        its axis in ``x @ W``); where both sides equal ``H`` the layout's orientation is
+        assumed."""
+        if part != "weight" or self.checkpoint_layout == "per_expert" or loaded.dim() != 3:
+            return loaded
+        h = self.hidden_size
+        if loaded.shape[3 - hidden_axis] == h and loaded.shape[hidden_axis] != h:
+            return loaded.transpose(1, 2)
+        return loaded
 
     def _parse_shard(self, shard_id: Any, parts: tuple[str, ...]) -> tuple[int, str]:
         """``(index of the expert in this rank's weights, or -1 for another rank's, part)``."""

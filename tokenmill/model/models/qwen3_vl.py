@@ -1,4 +1,5 @@
-"""Qwen3-VL (``Qwen3VLForConditionalGeneration``, Qwen Team 2025): a ViT of 16-pixel
+"""Qwen3-VL (``Qwen3VLForConditionalGeneration``, and ``Qwen3VLMoeForConditionalGeneration``
+over the Qwen3-MoE language model; Qwen Team 2025): a ViT of 16-pixel
 patches with learned position embeddings (bilinearly resampled to each image's grid) and
 2-D rotary angles, a 2x2 patch merger, and the Qwen3 language model (QK-norm) with
 interleaved multimodal rotary positions.
@@ -30,23 +31,28 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.model.layers.fused_moe import FusedMoE
+from tokenmill.model.layers.linear import ReplicatedLinear
 from tokenmill.model.layers.mrope import MRotaryEmbedding
+from tokenmill.model.models.llama import LlamaMLP
 from tokenmill.model.models.qwen2_5_vl import mrope_positions
 from tokenmill.model.models.qwen2_5_vl_vision import VisionWindowAttention
 from tokenmill.model.models.qwen3 import Qwen3ForCausalLM
+from tokenmill.model.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer, num_experts
 
 # Checkpoint name prefixes (transformers 5 layout) -> ours.
 _RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
-class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
-    """Qwen3-VL; interface as ``DecoderForCausalLM`` plus the multimodal hooks
+class Qwen3VLParts:
+    """What Qwen3-VL adds to its language model (dense or MoE): the tower, the rotary
+    positions and DeepStack; interface as ``DecoderForCausalLM`` plus the multimodal hooks
     (``embed_input_ids``, ``encode_images``, ``mrope_positions``, ``set_deepstack``)."""
 
     uses_mrope = True
 
     def __init__(self, model_config: ModelConfig, backend: type[AttentionBackend]) -> None:
-        super().__init__(model_config, backend)
+        super().__init__(model_config, backend)  # type: ignore[call-arg]
         config = self.config
         head_dim = config.get("head_dim") or config.hidden_size // config.num_attention_heads
         self.rotary_emb = MRotaryEmbedding(
@@ -131,13 +137,55 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
     ) -> None:
-        super().load_weights(((_checkpoint_name(n), t) for n, t in weights), source)
+        super().load_weights(  # type: ignore[misc]
+            ((_checkpoint_name(n), t) for n, t in weights), source
+        )
+
+
+class Qwen3VLForConditionalGeneration(Qwen3VLParts, Qwen3ForCausalLM):
+    """Qwen3-VL with the dense Qwen3 language model."""
+
+
+class Qwen3VLMoeSparseMoeBlock(nn.Module):
+    """Router (``gate``) and routed experts, the probabilities of the top ``k``
+    renormalised: ``[T, H] -> [T, H]``. The experts load from whole-layer tensors
+    (``experts.gate_up_proj``, ``experts.down_proj``)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.gate = ReplicatedLinear(config.hidden_size, num_experts(config), bias=False)
+        self.experts = FusedMoE(
+            num_experts=num_experts(config),
+            top_k=config.num_experts_per_tok,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size,
+            renormalize=True,
+            checkpoint_layout="gate_up_halves",
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden, self.gate(hidden))
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLParts, Qwen3MoeForCausalLM):
+    """Qwen3-VL with the Qwen3-MoE language model (Qwen3-VL-30B-A3B, 235B-A22B)."""
+
+    def _make_mlp(self, layer_idx: int) -> nn.Module:
+        c = self.config
+        if is_sparse_layer(c, layer_idx):
+            return Qwen3VLMoeSparseMoeBlock(c)
+        return LlamaMLP(c.hidden_size, c.intermediate_size, c.get("hidden_act", "silu"), False)
 
 
 def _checkpoint_name(name: str) -> str:
     for old, new in _RENAMES:
         if name.startswith(old):
-            return new + name[len(old) :]
+            name = new + name[len(old) :]
+            break
+    for checkpoint, ours in (("experts.gate_up_proj", "experts.w13.weight"),
+                             ("experts.down_proj", "experts.w2.weight")):  # fmt: skip
+        if name.endswith(checkpoint):
+            return name[: -len(checkpoint)] + ours
     return name
 
 
