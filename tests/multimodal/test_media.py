@@ -419,3 +419,18 @@ def test_file_urls_are_read_only_under_the_allowed_folder(tmp_path, monkeypatch)
     (root / "big.png").write_bytes(encoded("PNG", (64, 64)))
     with pytest.raises(MediaError, match="bytes"):
         load_image_url((root / "big.png").as_uri(), (), local)
+
+
+def test_a_vision_encoder_tokenmill_does_not_run_is_refused_naming_those_it_does():
+    from types import SimpleNamespace
+
+    from tokenmill.model.registry import multimodal_architectures
+    from tokenmill.multimodal.config import build_multimodal_config
+
+    config = SimpleNamespace(architectures=["InternVLForConditionalGeneration"],
+                             get=lambda key, default=None: {"vision_config": {}}.get(key, default))
+    with pytest.raises(MultiModalConfigError) as e:
+        build_multimodal_config(config, "m", False, None, None, None)
+    assert "InternVLForConditionalGeneration has a vision encoder" in str(e.value)
+    assert all(arch in str(e.value) for arch in multimodal_architectures())
+    assert "Qwen3VLMoeForConditionalGeneration" in multimodal_architectures()

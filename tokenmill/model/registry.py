@@ -74,6 +74,11 @@ def is_pooling_model(architecture: str) -> bool:
     return architecture in _POOLING_MODELS
 
 
+def multimodal_architectures() -> list[str]:
+    """The architectures whose vision encoder tokenmill runs, sorted."""
+    return sorted(_MULTIMODAL_MODELS)
+
+
 def is_multimodal_model(architecture: str) -> bool:
     """Whether ``architecture`` takes images in its prompts."""
     return architecture in _MULTIMODAL_MODELS

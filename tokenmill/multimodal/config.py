@@ -74,13 +74,11 @@ def build_multimodal_config(
     arch = hf_config.architectures[0]
     if not takes_images:
         if hf_config.get("vision_config") is not None and arch not in TEXT_ONLY_ARCHITECTURES:
+            from tokenmill.model.registry import multimodal_architectures
+
             raise MultiModalConfigError(
                 f"{arch} has a vision encoder, which tokenmill does not implement for this "
-                "architecture (images are supported for Qwen2_5_VLForConditionalGeneration, "
-                "Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration, "
-                "Qwen3VLMoeForConditionalGeneration, "
-                "LlavaForConditionalGeneration, Gemma3ForConditionalGeneration and "
-                "Mistral3ForConditionalGeneration)"
+                f"architecture (images are supported for {', '.join(multimodal_architectures())})"
             )
         for flag, value in [("--limit-mm-per-prompt", limit_mm_per_prompt),
                             ("--mm-processor-kwargs", mm_processor_kwargs)]:  # fmt: skip
