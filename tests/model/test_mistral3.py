@@ -1,8 +1,9 @@
-"""Mistral 3 (Mistral Small 3.1's architecture: Pixtral tower, 2x2 patch merger, Mistral)
-against transformers on the same random weights (float32, CPU): the prompt's ids as
-PixtralProcessor writes them (rows of [IMG] closed by [IMG_BREAK] / [IMG_END]), the
-log-probs of every prompt position and of 16 greedy tokens, for prompts with one and with
-two images of other sizes and aspect ratios; and the encoder cache on a repeated image."""
+"""Mistral 3 (Mistral Small 3.1's architecture: Pixtral tower, 2x2 patch merger, Mistral),
+and Pixtral-12B's (the tower and Mistral in a LLaVA, no merger), against transformers on
+the same random weights (float32, CPU): the prompt's ids as PixtralProcessor writes them
+(rows of [IMG] closed by [IMG_BREAK] / [IMG_END]), the log-probs of every prompt position
+and of 16 greedy tokens, for prompts with one and with two images of other sizes and
+aspect ratios; and the encoder cache on a repeated image."""
 
 from __future__ import annotations
 
@@ -16,16 +17,22 @@ from tokenmill.sampling_params import SamplingParams
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return write_mistral3(str(tmp_path_factory.mktemp("mistral3")))
+@pytest.fixture(scope="module", params=["mistral3", "pixtral_llava"])
+def checkpoint(request, tmp_path_factory) -> str:
+    llava = request.param == "pixtral_llava"
+    return write_mistral3(str(tmp_path_factory.mktemp(request.param)), llava=llava)
+
+
+def _unit(checkpoint: str) -> int:
+    """Pixels a side of one image token: 14-pixel patches, merged 2x2 by Mistral 3."""
+    return 14 if "pixtral_llava" in checkpoint else 28
 
 
 @pytest.fixture(scope="module")
 def hf_model(checkpoint):
-    from transformers import Mistral3ForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    return Mistral3ForConditionalGeneration.from_pretrained(
+    return AutoModelForImageTextToText.from_pretrained(
         checkpoint, dtype=torch.float32, attn_implementation="eager"
     ).eval()
 
@@ -37,14 +44,15 @@ def llm(checkpoint) -> LLM:
 
 
 def _hf_inputs(checkpoint: str, text: str, images: list) -> dict:
-    """transformers' inputs: the image processor's pixels (resized to multiples of the
-    28-pixel merged patch, as PixtralProcessor asks) and the prompt's [IMG] expanded as
+    """transformers' inputs: the image processor's pixels (resized to multiples of an
+    image token's side, as PixtralProcessor asks) and the prompt's [IMG] expanded as
     PixtralProcessor writes it (built here: that class needs torchvision)."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(checkpoint)
+    unit = _unit(checkpoint)
     processed = AutoImageProcessor.from_pretrained(checkpoint)(
-        images=images, patch_size={"height": 28, "width": 28}, return_tensors="pt"
+        images=images, patch_size={"height": unit, "width": unit}, return_tensors="pt"
     )  # fmt: skip
     img, brk, end = tok.convert_tokens_to_ids(["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
     sizes = iter(processed["image_sizes"].tolist())
@@ -54,7 +62,7 @@ def _hf_inputs(checkpoint: str, text: str, images: list) -> dict:
             ids.append(t)
             continue
         h, w = next(sizes)
-        rows = ([img] * (w // 28) + [brk]) * (h // 28)
+        rows = ([img] * (w // unit) + [brk]) * (h // unit)
         ids.extend(rows[:-1] + [end])
     return dict(input_ids=torch.tensor([ids]), pixel_values=processed["pixel_values"],
                 image_sizes=processed["image_sizes"])  # fmt: skip
@@ -81,7 +89,7 @@ def test_logprobs_and_greedy_tokens_match_transformers(case, checkpoint, hf_mode
     out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
     inputs = _hf_inputs(checkpoint, out.prompt, images)
     assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
-    if case == "one image":  # 112 x 84 pixels: 4 rows of 3 merged patches
+    if case == "one image" and _unit(checkpoint) == 28:  # 112 x 84: 4 rows of 3 tokens
         tok = llm.get_tokenizer()
         img, brk, end = tok.convert_tokens_to_ids(["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
         run = ([img] * 3 + [brk]) * 3 + [img] * 3 + [end]

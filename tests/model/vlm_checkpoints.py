@@ -369,12 +369,18 @@ MISTRAL3_CHAT_TEMPLATE = (
 MISTRAL3_SPECIAL_TOKENS = ["<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 
 
-def write_mistral3(path: str, seed: int = 0) -> str:
+def write_mistral3(path: str, seed: int = 0, llava: bool = False) -> str:
     """A random Mistral 3 vision-language model (Mistral Small 3.1's architecture: a
     2-layer Pixtral tower with 14-pixel patches, the 2x2 patch merger, a 2-layer Mistral)
     with its tokenizer, image processor (images up to 112 pixels a side) and a chat
-    template, saved to ``path``."""
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+    template, saved to ``path``; ``llava``: Pixtral-12B's architecture instead (the same
+    tower and language model in a ``LlavaForConditionalGeneration``, no patch merger)."""
+    from transformers import (
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+    )
     from transformers.models.pixtral.image_processing_pil_pixtral import (
         PixtralImageProcessorPil,
     )
@@ -392,12 +398,21 @@ def write_mistral3(path: str, seed: int = 0) -> str:
         num_attention_heads=2, num_channels=3, image_size=112, patch_size=14, head_dim=16,
         rope_theta=10000.0,
     )  # fmt: skip
-    config = Mistral3Config(
-        vision_config=vision, text_config=text, image_token_index=ids["[IMG]"],
-        spatial_merge_size=2, vision_feature_layer=-1, projector_hidden_act="gelu",
-        multimodal_projector_bias=False, tie_word_embeddings=False,
-    )  # fmt: skip
-    save_random_weights(Mistral3ForConditionalGeneration, config, path, seed)
+    if llava:
+        config = LlavaConfig(
+            vision_config=vision, text_config=text, image_token_index=ids["[IMG]"],
+            vision_feature_layer=-1, vision_feature_select_strategy="full",
+            projector_hidden_act="gelu", multimodal_projector_bias=True,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        save_random_weights(LlavaForConditionalGeneration, config, path, seed)
+    else:
+        config = Mistral3Config(
+            vision_config=vision, text_config=text, image_token_index=ids["[IMG]"],
+            spatial_merge_size=2, vision_feature_layer=-1, projector_hidden_act="gelu",
+            multimodal_projector_bias=False, tie_word_embeddings=False,
+        )  # fmt: skip
+        save_random_weights(Mistral3ForConditionalGeneration, config, path, seed)
     PixtralImageProcessorPil(
         size={"longest_edge": 112}, patch_size={"height": 14, "width": 14}
     ).save_pretrained(path)

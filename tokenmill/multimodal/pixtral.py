@@ -1,6 +1,6 @@
-"""Mistral 3 (Pixtral tower) images in a prompt: the tokens that replace an image's
-``[IMG]`` placeholder, and the image processor's arguments, as transformers'
-``PixtralProcessor`` makes them.
+"""Mistral 3 (and Pixtral-12B: LLaVA with a Pixtral tower) images in a prompt: the tokens
+that replace an image's ``[IMG]`` placeholder, and the image processor's arguments, as
+transformers' ``PixtralProcessor`` makes them.
 
 An image resized to ``R x C`` merged patches (each ``patch_size * spatial_merge_size``
 pixels a side; the processor's resize rounds the sides to that unit) is written as ``R``
@@ -15,6 +15,15 @@ from typing import Any
 import numpy as np
 
 from tokenmill.config import ConfigError
+
+
+def uses_pixtral_layout(hf_config: Any) -> bool:
+    """Mistral 3, or a LLaVA checkpoint with a Pixtral tower (Pixtral-12B)."""
+    arch = (hf_config.get("architectures") or [""])[0]
+    vision = hf_config.get("vision_config") or {}
+    return arch == "Mistral3ForConditionalGeneration" or (
+        arch == "LlavaForConditionalGeneration" and vision.get("model_type") == "pixtral"
+    )
 
 
 class PixtralImageTokens:
@@ -33,7 +42,10 @@ class PixtralImageTokens:
         vision = hf_config.get("vision_config") or {}
         self.image_token_id = int(hf_config.get("image_token_index",
                                                 hf_config.get("image_token_id", 10)))  # fmt: skip
-        self.unit = int(vision.get("patch_size", 14)) * int(hf_config.get("spatial_merge_size", 2))
+        # Mistral 3 merges 2x2 patches; a LLaVA checkpoint's Pixtral tower does not.
+        arch = (hf_config.get("architectures") or [""])[0]
+        merge = hf_config.get("spatial_merge_size", 2 if arch.startswith("Mistral3") else 1)
+        self.unit = int(vision.get("patch_size", 14)) * int(merge)
         ids = []
         for token in ("[IMG_BREAK]", "[IMG_END]"):
             tid = tokenizer.convert_tokens_to_ids(token)

@@ -26,7 +26,7 @@ from tokenmill.multimodal.gemma3 import (
 )
 from tokenmill.multimodal.inputs import MultiModalFeature, PackedArray
 from tokenmill.multimodal.media import MediaError, check_image
-from tokenmill.multimodal.pixtral import PixtralImageTokens
+from tokenmill.multimodal.pixtral import PixtralImageTokens, uses_pixtral_layout
 
 
 def llava_tokens_per_image(hf_config: Any) -> int:
@@ -44,7 +44,7 @@ def fixed_tokens_per_image(hf_config: Any) -> int | None:
     LLaVA's patches, Gemma 3's ``mm_tokens_per_image``; None where the count follows the
     image's size (Qwen2.5-VL)."""
     arch = (hf_config.get("architectures") or [""])[0]
-    if arch == "LlavaForConditionalGeneration":
+    if arch == "LlavaForConditionalGeneration" and not uses_pixtral_layout(hf_config):
         return llava_tokens_per_image(hf_config)
     if arch == "Gemma3ForConditionalGeneration":
         return gemma3_tokens_per_image(hf_config)
@@ -116,7 +116,7 @@ class MultiModalProcessor:
             self.placeholder_token_id = self.gemma3.boi_token_id
         # Mistral 3: rows of [IMG] closed by [IMG_BREAK] / [IMG_END] (None for the others).
         self.pixtral: PixtralImageTokens | None = None
-        if arch == "Mistral3ForConditionalGeneration":
+        if uses_pixtral_layout(hf_config):
             self.pixtral = PixtralImageTokens(hf_config, self.tokenizer())
         if self.tokens_per_image is not None:
             size = int(vision["image_size"])

@@ -1,6 +1,7 @@
 """LLaVA (Liu et al. 2023): a CLIP or SigLIP vision tower, a two-layer MLP projector and a
 Llama-family language model; the generic path for vision-language checkpoints of that
-shape (``LlavaForConditionalGeneration``).
+shape (``LlavaForConditionalGeneration``). A Pixtral tower (Pixtral-12B) takes each image
+at its own size instead, laid out as Mistral 3 lays it out (``mistral3.py``).
 
 Each image is one fixed-size tile (the image processor's crop): the tower's hidden states
 of ``vision_feature_layer`` (the CLS position dropped under the ``default`` strategy) are
@@ -19,6 +20,7 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionBackend
 from tokenmill.model.models.llama import LlamaForCausalLM
+from tokenmill.model.models.pixtral_image import pixtral_features, with_row_breaks
 
 # Checkpoint name prefixes (transformers 4 and 5 layouts) -> ours.
 _RENAMES = (
@@ -57,6 +59,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         layer = config.get("vision_feature_layer", -2)
         self.feature_layers = [layer] if isinstance(layer, int) else list(layer)
         self.drop_cls = config.get("vision_feature_select_strategy", "default") == "default"
+        # A Pixtral tower (Pixtral-12B): images at their own size, rows closed by breaks.
+        self.pixtral_patch = int(vision["patch_size"]) if is_pixtral(vision) else 0
         self.multi_modal_projector = LlavaProjector(
             vision["hidden_size"] * len(self.feature_layers),
             config.hidden_size,
@@ -70,8 +74,19 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def encode_images(self, items: Sequence[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Per image (``pixel_values`` ``[3, S, S]`` float32) its embeddings
-        ``[tokens_per_image, H]`` in the model's dtype."""
+        ``[tokens_per_image, H]`` in the model's dtype; with a Pixtral tower, as
+        ``Mistral3ForConditionalGeneration.encode_images`` (no patch merging)."""
         param = self.model.embed_tokens.weight
+        if self.pixtral_patch:
+            out = []
+            for d in items:
+                special = torch.from_numpy(np.array(d["special_ids"], dtype=np.int64))
+                features = pixtral_features(self.vision_tower, d, self.feature_layers,
+                                            param.dtype, param.device)  # fmt: skip
+                h, w = (int(x) // self.pixtral_patch for x in d["image_sizes"])
+                out.append(with_row_breaks(self.multi_modal_projector(features), h, w,
+                                           self.model.embed(special.to(param.device))))  # fmt: skip
+            return out
         pixels = torch.from_numpy(np.stack([np.array(d["pixel_values"]) for d in items]))
         out = self.vision_tower(
             pixels.to(param.device, param.dtype), output_hidden_states=True
@@ -83,6 +98,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
     ) -> None:
         super().load_weights(((vlm_checkpoint_name(n), t) for n, t in weights), source)
+
+
+def is_pixtral(vision_config: dict) -> bool:
+    """Whether a LLaVA checkpoint's tower is Pixtral's (Pixtral-12B in transformers' form)."""
+    return vision_config.get("model_type") == "pixtral"
 
 
 def vlm_checkpoint_name(name: str) -> str:

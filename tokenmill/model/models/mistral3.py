@@ -26,6 +26,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.model.attention.backend import AttentionBackend
 from tokenmill.model.models.llama import LlamaForCausalLM
 from tokenmill.model.models.llava import hf_vision_tower, vlm_checkpoint_name
+from tokenmill.model.models.pixtral_image import pixtral_features, with_row_breaks
 
 
 class Mistral3ForConditionalGeneration(LlamaForCausalLM):
@@ -67,20 +68,13 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
         out = []
         for d in items:
             special = torch.from_numpy(np.array(d["special_ids"], dtype=np.int64))
-            breaks = self.model.embed(special.to(param.device))
-            pixels = torch.from_numpy(np.array(d["pixel_values"]))[None]
+            features = pixtral_features(self.vision_tower, d, self.feature_layers, param.dtype,
+                                        param.device)  # fmt: skip
             size = [int(x) for x in d["image_sizes"]]
-            hidden = self.vision_tower(
-                pixels.to(param.device, param.dtype), image_sizes=[size],
-                output_hidden_states=True,
-            ).hidden_states  # fmt: skip
-            features = torch.cat([hidden[i] for i in self.feature_layers], -1).squeeze(0)
             merged = self.multi_modal_projector(features, torch.tensor([size]))
             rows, cols = size[0] // self.downsample, size[1] // self.downsample
-            grid = merged.to(param.dtype).view(rows, cols, -1)
-            ends = breaks[0].expand(rows, 1, -1).clone()
-            ends[-1, 0] = breaks[1]
-            out.append(torch.cat([grid, ends], dim=1).reshape(rows * (cols + 1), -1))
+            out.append(with_row_breaks(merged, rows, cols,
+                                       self.model.embed(special.to(param.device))))  # fmt: skip
         return out
 
     def load_weights(
