@@ -372,7 +372,7 @@ run_stage() {  # run_stage NAME: one stage of the list below
     vision_profile)
       [ -f /tmp/tm_vl7b/config.json ] || python3 benchmarks/device/make_vl_model.py "$M135" /tmp/tm_vl7b >> "$LOGS/setup.log" 2>&1
       TAIL_LINES=80 stage vision_profile 200 python3 benchmarks/device/vision_profile.py /tmp/tm_vl7b ;;
-    gputests_vision) PYTHONPATH="$XGP" stage gputests_vision 300 python3 -m pytest -q tests/gpu/test_vision_gpu.py -p no:cacheprovider --timeout 250 ;;
+    gputests_vision) PYTHONPATH="$XGP" stage gputests_vision 300 python3 -m pytest -q tests/gpu/test_vision_gpu.py tests/gpu/test_vlm_families_gpu.py -p no:cacheprovider --timeout 250 ;;
     gputests_engine) PYTHONPATH="$XGP" stage gputests_engine 240 python3 -m pytest -q tests/gpu/test_engine_gpu.py tests/kernels/test_fused_kernels.py tests/model/test_attention_hook.py tests/worker/test_sampler.py tests/worker/test_sampler_logprobs.py -p no:cacheprovider --timeout 200 ;;
     attn)     stage attn 180 python3 benchmarks/attention_bench.py ;;
     attn_rope) stage attn_rope 120 python3 benchmarks/attention_bench.py --only cache --prefill-tokens 1,64,272,1024 ;;
