@@ -7,7 +7,8 @@
 # Stages:
 #   vision     a Qwen2.5-VL-7B-shaped dummy (make_vl_model.py) served by tokenmill, then vLLM:
 #              128 chat requests of one random 1024x1024 image, 128 in / 128 out, 64 at a time
-#              (bench serve --dataset-name random-mm); gputests_vision tests/gpu/test_vision_gpu.py;
+#              (bench serve --dataset-name random-mm); gputests_vision tests/gpu/test_vision_gpu.py
+#              and test_vlm_families_gpu.py;
 #              tm_vision / vllm_vision one engine (VISION_DIAG=1: tokenmill's step and front-end
 #              timings); tm_vision_gemma3 / vllm_vision_gemma3 the same load on a
 #              Gemma-3-4B-shaped dummy (make_vl_model.py --gemma3); vision_profile the front end's per-image work and the vision tower
