@@ -423,6 +423,54 @@ def write_mistral3(path: str, seed: int = 0, llava: bool = False) -> str:
     return path
 
 
+INTERNVL_SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>",
+                           "<|endoftext|>"]
+INTERNVL_CHAT_TEMPLATE = QWEN_CHAT_TEMPLATE.replace(
+    "<|vision_start|><|image_pad|><|vision_end|>", "<IMG_CONTEXT>\n"
+)
+
+
+def write_internvl(path: str, seed: int = 0, text_model: str = "qwen2") -> str:
+    """A random InternVL 3 in transformers' form (``InternVLForConditionalGeneration``: a
+    2-layer InternViT on 56-pixel tiles, pixel shuffle to 4 tokens a tile, a 2-layer
+    Qwen2, or ``text_model="qwen3"`` as InternVL 3.5) with its tokenizer, tiling image
+    processor (1 to 4 tiles and a thumbnail) and chat template."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (
+        GotOcr2ImageProcessorPil,
+    )
+
+    tok = byte_tokenizer(INTERNVL_SPECIAL_TOKENS, eos_token="<|im_end|>",
+                         pad_token="<|endoftext|>")  # fmt: skip
+    ids = {t: tok.convert_tokens_to_ids(t) for t in INTERNVL_SPECIAL_TOKENS}
+    text = dict(
+        model_type=text_model, vocab_size=272, hidden_size=64, intermediate_size=128, head_dim=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
+    )  # fmt: skip
+    vision = dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        image_size=[56, 56], patch_size=[14, 14], norm_type="layer_norm",
+        use_mean_pooling=False,
+    )  # fmt: skip
+    config = InternVLConfig(
+        vision_config=vision, text_config=text, image_token_id=ids["<IMG_CONTEXT>"],
+        image_seq_length=4, downsample_ratio=0.5, projector_hidden_act="gelu",
+        vision_feature_layer=-1, vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    save_random_weights(InternVLForConditionalGeneration, config, path, seed)
+    GotOcr2ImageProcessorPil(
+        size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1, max_patches=4
+    ).save_pretrained(path)  # fmt: skip
+    tok.chat_template = INTERNVL_CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": ids["<|im_end|>"]}, f)
+    return path
+
+
 def save_random_weights(model_cls: Any, config: Any, path: str, seed: int) -> None:
     """A ``model_cls(config)`` with every parameter drawn from N(0, 0.08^2) (seeded), saved
     to ``path``: the configs' ``initializer_range`` gives near-zero logits, these do not."""

@@ -25,6 +25,7 @@ from tokenmill.multimodal.gemma3 import (
     gemma3_tokens_per_image,
 )
 from tokenmill.multimodal.inputs import MultiModalFeature, PackedArray
+from tokenmill.multimodal.internvl import InternVLImageTokens, uses_internvl_layout
 from tokenmill.multimodal.media import MediaError, check_image
 from tokenmill.multimodal.pixtral import PixtralImageTokens, uses_pixtral_layout
 
@@ -114,15 +115,19 @@ class MultiModalProcessor:
             self.gemma3 = Gemma3ImageTokens(hf_config, self.tokenizer)
             self.image_token_id = self.gemma3.image_token_id
             self.placeholder_token_id = self.gemma3.boi_token_id
-        # Mistral 3: rows of [IMG] closed by [IMG_BREAK] / [IMG_END] (None for the others).
-        self.pixtral: PixtralImageTokens | None = None
+        # Mistral 3 / Pixtral-12B (row breaks), InternVL (tiles between <img> and </img>):
+        # the encoder input, its check and its tokens (None for the others).
+        self.layout: PixtralImageTokens | InternVLImageTokens | None = None
         if uses_pixtral_layout(hf_config):
-            self.pixtral = PixtralImageTokens(hf_config, self.tokenizer())
+            self.layout = PixtralImageTokens(hf_config, self.tokenizer())
+        elif uses_internvl_layout(hf_config):
+            self.layout = InternVLImageTokens(hf_config, self.tokenizer())
         if self.tokens_per_image is not None:
             size = int(vision["image_size"])
             self.pixel_shape = (int(vision.get("num_channels", 3)), size, size)
         channels = vision.get("in_channels", vision.get("in_chans", 3))
-        patch = int(vision.get("patch_size", 14))
+        patch = vision.get("patch_size", 14)
+        patch = int(patch[0] if isinstance(patch, list | tuple) else patch)  # InternViT: [p, p]
         self.patch_dim = int(channels) * int(vision.get("temporal_patch_size", 2)) * patch * patch
         self.limit_per_prompt = limit_per_prompt
         # What each image processor call takes (``processor_kwargs`` and model defaults).
@@ -143,8 +148,8 @@ class MultiModalProcessor:
                 processor = AutoImageProcessor.from_pretrained(self.model)
                 if self.gemma3 is not None:
                     self.call_kwargs = gemma3_processor_kwargs(processor, self.processor_kwargs)
-                if self.pixtral is not None:
-                    self.call_kwargs = self.pixtral.processor_kwargs(self.processor_kwargs)
+                if self.layout is not None:
+                    self.call_kwargs = self.layout.processor_kwargs(self.processor_kwargs)
                 self._image_processor = processor
             return self._image_processor
 
@@ -250,7 +255,7 @@ class MultiModalProcessor:
             raise MediaError(
                 f"the model's image processor refused the image: {type(e).__name__}: {e}"
             ) from None
-        inputs = [self.pixtral.encoder_input(out)] if self.pixtral else self._split(out)
+        inputs = [self.layout.encoder_input(out)] if self.layout else self._split(out)
         for data in inputs:
             self._check_encoder_input(data)
         return inputs
@@ -263,8 +268,8 @@ class MultiModalProcessor:
         if self.gemma3 is not None:
             return self.gemma3.replacement(len(inputs) - 1)
         [data] = inputs
-        if self.pixtral is not None:
-            return self.pixtral.replacement(data)
+        if self.layout is not None:
+            return self.layout.replacement(data)
         length = self.tokens_per_image or (
             int(np.prod(data["image_grid_thw"])) // self.merge_size**2
         )
@@ -282,8 +287,8 @@ class MultiModalProcessor:
         arguments (--mm-processor-kwargs) can change the crop or the patch size, and the
         encoder would fail on the image in the engine."""
         shape = list(data["pixel_values"].shape)
-        if self.pixtral is not None:
-            takes = self.pixtral.check(data)
+        if self.layout is not None:
+            takes = self.layout.check(data)
             ok = takes is None
         elif "image_grid_thw" in data:
             t, h, w = (int(x) for x in data["image_grid_thw"])
