@@ -3,7 +3,8 @@ CPU engine on the same random weights: every prompt position's raw logits and th
 generated token's, for a prompt with two images, in one step and in 32-token chunks (CUDA
 graphs for the steps without image tokens). Qwen2-VL's and Qwen3-VL's towers take the
 variable-length attention path, Qwen3-VL adds DeepStack features inside the decoder (its
-image steps run eagerly), Mistral 3 and Pixtral-12B write row-break embeddings."""
+image steps run eagerly), Mistral 3 and Pixtral-12B write row-break embeddings, InternVL
+tiles its images."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ WRITERS = {
     "qwen3_vl_moe": lambda path: ckpt.write_qwen3_vl(path, moe=True),
     "mistral3": ckpt.write_mistral3,
     "pixtral_llava": lambda path: ckpt.write_mistral3(path, llava=True),
+    "internvl": ckpt.write_internvl,
 }
 # float32 on both sides; the GPU's attention and reductions differ in order (as for Gemma 3
 # in test_vision_gpu.py).

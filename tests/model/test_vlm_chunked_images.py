@@ -1,19 +1,24 @@
-"""Images whose placeholders are not all plain image tokens (Mistral 3's row breaks) or
-whose features enter inside the model (Qwen3-VL's DeepStack): prompts cut into 32-token
-chunks beside other requests, and served again with prefix-cache hits that end inside an
-image, give the greedy tokens of whole, uncached prompts."""
+"""Images whose placeholders are not all plain image tokens (Mistral 3's row breaks), that
+are tiled (InternVL) or whose features enter inside the model (Qwen3-VL's DeepStack):
+prompts cut into 32-token chunks beside other requests, and served again with prefix-cache
+hits that end inside an image, give the greedy tokens of whole, uncached prompts."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.model.vlm_checkpoints import random_image, write_mistral3, write_qwen3_vl
+from tests.model.vlm_checkpoints import (
+    random_image,
+    write_internvl,
+    write_mistral3,
+    write_qwen3_vl,
+)
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-WRITERS = {"mistral3": write_mistral3, "qwen3_vl": write_qwen3_vl}
+WRITERS = {"mistral3": write_mistral3, "qwen3_vl": write_qwen3_vl, "internvl": write_internvl}
 
 
 @pytest.mark.parametrize("arch", list(WRITERS))
