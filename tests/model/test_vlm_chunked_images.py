@@ -44,3 +44,27 @@ def test_chunks_and_prefix_hits_inside_images_keep_greedy_tokens(arch, tmp_path)
         outs = chunked.chat(chats, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(o.num_cached_tokens > 0 for o in outs)
+
+
+@pytest.mark.parametrize("arch", list(WRITERS))
+def test_processed_images_as_the_server_sends_them(arch, tmp_path):
+    """The OpenAI server processes images first and hands the engine the expanded prompt
+    with its features (``mm_features``): the ranges of Mistral 3's images hold row-break
+    tokens, which that check must take; the tokens equal the offline path's."""
+    path = WRITERS[arch](str(tmp_path / arch))
+    llm = LLM(model=path, dtype="float32", device="cpu", max_model_len=1024)
+    image = random_image(4, 90, 130)
+    chat = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                         {"type": "image_pil", "image_pil": image}]}]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    offline = llm.chat(chat, params, use_tqdm=False)[0]
+    templated = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"}]}],
+        tokenize=False, add_generation_prompt=True,
+    )  # fmt: skip
+    raw = llm.get_tokenizer()(templated, add_special_tokens=False)["input_ids"]
+    ids, features = llm.llm_engine.input_processor.process_multimodal(raw, {"image": image})
+    assert ids == offline.prompt_token_ids
+    served = llm.generate({"prompt_token_ids": ids, "mm_features": features}, params,
+                          use_tqdm=False)[0]  # fmt: skip
+    assert served.outputs[0].token_ids == offline.outputs[0].token_ids

@@ -201,8 +201,12 @@ class InputProcessor:
                 "mm_features",
             )
         image_id = self.mm_processor.image_token_id
+        # Tokens an image's range may hold: its image tokens, and for some layouts the row
+        # breaks the model fills itself (Mistral 3's [IMG_BREAK] / [IMG_END]).
+        allowed = self.mm_processor.feature_token_ids
         features = list(features) if isinstance(features, (list, tuple)) else [features]
         end = 0
+        inside = 0
         for f in features:
             if not isinstance(f, MultiModalFeature) or f.modality != "image":
                 raise InvalidRequestError(
@@ -212,7 +216,7 @@ class InputProcessor:
                 )
             if not (isinstance(f.offset, int) and isinstance(f.length, int)
                     and end <= f.offset and f.length > 0 and f.end <= len(prompt_ids)
-                    and all(t == image_id for t in prompt_ids[f.offset : f.end])):  # fmt: skip
+                    and all(t in allowed for t in prompt_ids[f.offset : f.end])):  # fmt: skip
                 raise InvalidRequestError(
                     f"mm_features: the image at offset {f.offset!r} (length {f.length!r}) "
                     "does not cover image placeholder tokens of the prompt, after the "
@@ -220,10 +224,10 @@ class InputProcessor:
                     "mm_features",
                 )
             end = f.end
-        covered = sum(f.length for f in features)
-        if prompt_ids.count(image_id) != covered:
+            inside += prompt_ids[f.offset : f.end].count(image_id)
+        if prompt_ids.count(image_id) != inside:
             raise InvalidRequestError(
-                f"mm_features cover {covered} of the prompt's "
+                f"mm_features cover {inside} of the prompt's "
                 f"{prompt_ids.count(image_id)} image placeholder tokens.",
                 "mm_features",
             )

@@ -134,6 +134,15 @@ class MultiModalProcessor:
         self.call_kwargs = self.processor_kwargs
         self._image_processor: Any = None
 
+    @property
+    def feature_token_ids(self) -> frozenset[int]:
+        """The tokens an image's placeholder range holds: the image token, and Mistral 3's
+        row breaks, whose embeddings the model writes with the image's."""
+        ids = {self.image_token_id}
+        if isinstance(self.layout, PixtralImageTokens):
+            ids |= {self.layout.break_token_id, self.layout.end_token_id}
+        return frozenset(ids)
+
     def preload(self) -> None:
         """Load the image processor in a background thread (the first image then does not
         wait seconds for transformers' imports)."""
