@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.core.engine_io import EngineCoreRequest
 from tokenmill.engine.parallel_sampling import child_request_id, make_child_params, needs_fan_out
 from tokenmill.lora.request import LoRARequest
+from tokenmill.multimodal.embeds import is_embeds
 from tokenmill.multimodal.inputs import MultiModalFeature, without_data
 from tokenmill.multimodal.media import MediaError
 from tokenmill.sampling_params import (
@@ -174,14 +175,19 @@ class InputProcessor:
             )
         images = mm_data.get("image")
         images = [] if images is None else images
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        embeds = is_embeds(images) or (isinstance(images, (list, tuple))
+                                       and any(is_embeds(x) for x in images))  # fmt: skip
+        if not embeds:
+            images = list(images) if isinstance(images, (list, tuple)) else [images]
         if self.mm_processor is None:
-            if not images:
+            if not embeds and not images:
                 return prompt_ids, []
             raise InvalidRequestError(
                 f"The model {self.model_config.served_model_name} does not take images.", param
             )
         try:
+            if embeds:
+                images = self.mm_processor.split_embeds(images)
             return self.mm_processor.process(prompt_ids, images, self.max_model_len, load)
         except MediaError as e:
             raise InvalidRequestError(f"Invalid image input: {e}.", param) from None

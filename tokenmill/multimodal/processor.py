@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.multimodal.embeds import ImageEmbeds, split_embeds
 from tokenmill.multimodal.gemma3 import (
     Gemma3ImageTokens,
     gemma3_processor_kwargs,
@@ -104,6 +105,10 @@ class MultiModalProcessor:
         self.placeholder_token_id = self.image_token_id
         vision = hf_config.get("vision_config") or {}
         self.merge_size = int(vision.get("spatial_merge_size", 1))
+        # The width of an image's encoder output (given embeddings must match): the
+        # language model's, and Qwen3-VL's DeepStack features after it.
+        deepstack = len(vision.get("deepstack_visual_indexes") or ())
+        self.embed_dim = int(hf_config.get("hidden_size", 0)) * (1 + deepstack)
         # Fixed-size models (LLaVA, Gemma 3): placeholders per crop and the crop the tower
         # takes; None: from the patch grid, whose patches the tower takes flattened.
         self.tokens_per_image = fixed_tokens_per_image(hf_config)
@@ -224,11 +229,19 @@ class MultiModalProcessor:
         prev = 0
         self._check_length(len(prompt_ids), 0, len(images), max_len)  # a token per image
         for n, (pos, item) in enumerate(zip(positions, images, strict=True)):
-            image = check_image(load(item) if load is not None else item)
-            digest = image_hash(image)
-            inputs = self.encoder_inputs(image)
-            del image
+            if isinstance(item, ImageEmbeds):
+                digest, inputs = item.digest(), [self._embeds_input(item)]
+            else:
+                image = check_image(load(item) if load is not None else item)
+                digest = image_hash(image)
+                inputs = self.encoder_inputs(image)
+                del image
             tokens, runs = self._replacement(inputs)
+            if isinstance(item, ImageEmbeds) and runs[0][1] != item.embeds.shape[0]:
+                raise MediaError(
+                    f"image {n} has {item.embeds.shape[0]} embedding rows where the model "
+                    f"takes {runs[0][1]}"
+                )
             self._append(ids, prompt_ids[prev:pos])
             self._append(ids, tokens)
             base = len(ids) - len(tokens)  # the tokens after a junction keep their places
@@ -246,6 +259,28 @@ class MultiModalProcessor:
             self._check_length(len(ids) + len(prompt_ids) - prev, n + 1, len(images), max_len)
         self._append(ids, prompt_ids[prev:])
         return ids, features
+
+    def split_embeds(self, value: Any) -> list[ImageEmbeds]:
+        """``multi_modal_data["image"]`` embeddings -> one ``ImageEmbeds`` per image
+        (``multimodal/embeds.py``).
+
+        Raises:
+            MediaError: a form the model does not take.
+        """
+        return split_embeds(value, self.merge_size)
+
+    def _embeds_input(self, item: ImageEmbeds) -> dict[str, np.ndarray]:
+        """The encoder-cache entry of given embeddings, checked against the model."""
+        if self.layout is not None or self.gemma3 is not None:
+            raise MediaError("this model takes images, not image embeddings")
+        if (item.grid_thw is None) != (self.tokens_per_image is not None):
+            form = ("a [F, D] tensor per image" if self.tokens_per_image is not None
+                    else "{'image_embeds': ..., 'image_grid_thw': ...}")  # fmt: skip
+            raise MediaError(f"this model takes image embeddings as {form}")
+        if item.embeds.shape[1] != self.embed_dim:
+            raise MediaError(f"image embeddings of width {item.embeds.shape[1]}; the model "
+                             f"takes {self.embed_dim}")  # fmt: skip
+        return item.encoder_input()
 
     def encoder_inputs(self, image: Any) -> list[dict[str, np.ndarray]]:
         """Run the image processor on one RGB image: the vision encoder's inputs, one

@@ -116,7 +116,7 @@ class MultiModalState:
         if not todo:
             return
         try:
-            outputs = self.model.encode_images([_unpack(f) for f in todo.values()])
+            outputs = self._encode([_unpack(f) for f in todo.values()])
         except Exception:
             outputs = [self._encode_alone(f) for f in todo.values()]
         for (identifier, f), out in zip(todo.items(), outputs, strict=True):
@@ -131,10 +131,29 @@ class MultiModalState:
             self.cache[identifier] = out
         self.num_encoded += len(todo)
 
+    def _encode(self, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
+        """The encoder outputs of ``items``: the vision tower's, or the embeddings a
+        request gave (``image_embeds``: ``multimodal/embeds.py``) in the model's dtype."""
+        given = [i for i, d in enumerate(items) if "image_embeds" in d]
+        if not given:
+            return self.model.encode_images(items)
+        dtype = self.model.embed_input_ids(torch.zeros(1, dtype=torch.long,
+                                                       device=self.device)).dtype  # fmt: skip
+        outputs: list[torch.Tensor | None] = [None] * len(items)
+        for i in given:
+            outputs[i] = torch.from_numpy(np.array(items[i]["image_embeds"])).to(self.device,
+                                                                                 dtype)  # fmt: skip
+        rest = [i for i in range(len(items)) if outputs[i] is None]
+        if rest:
+            for i, out in zip(rest, self.model.encode_images([items[i] for i in rest]),
+                              strict=True):  # fmt: skip
+                outputs[i] = out
+        return outputs  # type: ignore[return-value]
+
     def _encode_alone(self, feature: MultiModalFeature) -> torch.Tensor | str:
         """One image's embeddings, or why the vision tower failed on it."""
         try:
-            return self.model.encode_images([_unpack(feature)])[0]
+            return self._encode([_unpack(feature)])[0]
         except Exception as e:
             return f"{type(e).__name__}: {e}"
 
