@@ -177,9 +177,8 @@ def test_gemma3_image_tokens_see_their_whole_image_on_the_gpu(tmp_path_factory):
     token's raw logits on CUDA (float32) equal the CPU engine's (the torch reference), for a
     prompt with two images longer than the sliding window, in one step and in 32-token
     chunks."""
+    from tests.gpu.vlm_gpu_checks import assert_cuda_matches_cpu
     from tests.model.vlm_checkpoints import random_image, write_gemma3_mm
-    from tokenmill.entrypoints.llm import LLM
-    from tokenmill.sampling_params import SamplingParams
 
     folder = write_gemma3_mm(str(tmp_path_factory.mktemp("gemma3_mm")))
     chat = [{"role": "user", "content": [
@@ -189,26 +188,7 @@ def test_gemma3_image_tokens_see_their_whole_image_on_the_gpu(tmp_path_factory):
         {"type": "image_pil", "image_pil": random_image(2, 90, 40)},
         {"type": "text", "text": "compare."},
     ]}]  # fmt: skip
-    params = SamplingParams(max_tokens=1, temperature=0, logprobs=272, prompt_logprobs=272)
-    common = dict(model=folder, dtype="float32", max_model_len=512, max_logprobs=272,
-                  logprobs_mode="raw_logits")  # fmt: skip
-    runs = []
-    for kwargs in (dict(device="cpu"), dict(gpu_memory_utilization=0.2),
-                   dict(gpu_memory_utilization=0.2, max_num_batched_tokens=32)):  # fmt: skip
-        llm = LLM(**common, **kwargs)
-        runs.append(llm.chat(chat, params, use_tqdm=False)[0])
-        del llm
-        torch.cuda.empty_cache()
-    ref = runs[0]
-    for out in runs[1:]:
-        assert out.prompt_token_ids == ref.prompt_token_ids
-        for pos in range(1, len(ref.prompt_token_ids)):
-            torch.testing.assert_close(_raw_logits(out.prompt_logprobs[pos]),
-                                       _raw_logits(ref.prompt_logprobs[pos]),
-                                       atol=GEMMA3_ATOL, rtol=0)  # fmt: skip
-        torch.testing.assert_close(_raw_logits(out.outputs[0].logprobs[0]),
-                                   _raw_logits(ref.outputs[0].logprobs[0]),
-                                   atol=GEMMA3_ATOL, rtol=0)  # fmt: skip
+    assert_cuda_matches_cpu(folder, chat, GEMMA3_ATOL)
 
 
 def test_gemma3_prefix_cache_hits_inside_images_and_mixed_steps_on_the_gpu(tmp_path_factory):

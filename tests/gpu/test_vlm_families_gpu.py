@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.vlm_gpu_checks import assert_cuda_matches_cpu
 from tests.model import vlm_checkpoints as ckpt
 
 pytestmark = pytest.mark.gpu
@@ -26,45 +27,13 @@ WRITERS = {
     "pixtral_llava": lambda path: ckpt.write_mistral3(path, llava=True),
     "internvl": ckpt.write_internvl,
 }
-# float32 on both sides; the GPU's attention and reductions differ in order (as for Gemma 3
-# in test_vision_gpu.py).
-ATOL = 2e-2
-
-
-def _raw_logits(logprobs: dict) -> torch.Tensor:
-    return torch.tensor([logprobs[t].logprob for t in range(272)])
-
-
 @pytest.mark.parametrize("family", list(WRITERS))
 def test_cuda_equals_the_cpu_engine(family, tmp_path):
-    from tokenmill.entrypoints.llm import LLM
-    from tokenmill.sampling_params import SamplingParams
-
     folder = WRITERS[family](str(tmp_path / family))
-    chat = [{"role": "user", "content": [
+    assert_cuda_matches_cpu(folder, [{"role": "user", "content": [
         {"type": "text", "text": "First:"},
         {"type": "image_pil", "image_pil": ckpt.random_image(1, 112, 84)},
         {"type": "text", "text": "second:"},
         {"type": "image_pil", "image_pil": ckpt.random_image(2, 60, 100)},
         {"type": "text", "text": "compare."},
-    ]}]  # fmt: skip
-    params = SamplingParams(max_tokens=1, temperature=0, logprobs=272, prompt_logprobs=272)
-    common = dict(model=folder, dtype="float32", max_model_len=512, max_logprobs=272,
-                  logprobs_mode="raw_logits")  # fmt: skip
-    runs = []
-    for kwargs in (dict(device="cpu"), dict(gpu_memory_utilization=0.2),
-                   dict(gpu_memory_utilization=0.2, max_num_batched_tokens=32)):  # fmt: skip
-        llm = LLM(**common, **kwargs)
-        runs.append(llm.chat(chat, params, use_tqdm=False)[0])
-        del llm
-        torch.cuda.empty_cache()
-    ref = runs[0]
-    for out in runs[1:]:
-        assert out.prompt_token_ids == ref.prompt_token_ids
-        for pos in range(1, len(ref.prompt_token_ids)):
-            torch.testing.assert_close(_raw_logits(out.prompt_logprobs[pos]),
-                                       _raw_logits(ref.prompt_logprobs[pos]),
-                                       atol=ATOL, rtol=0)  # fmt: skip
-        torch.testing.assert_close(_raw_logits(out.outputs[0].logprobs[0]),
-                                   _raw_logits(ref.outputs[0].logprobs[0]),
-                                   atol=ATOL, rtol=0)  # fmt: skip
+    ]}])  # fmt: skip

@@ -10,8 +10,13 @@ import pytest
 import torch
 
 from tests.model.vlm_checkpoints import random_image, write_internvl
+from tests.model.vlm_parity import (
+    PARITY_PARAMS,
+    assert_matches_transformers,
+    assert_repeated_image_hits_the_encoder_cache,
+    chat_content,
+)
 from tokenmill.entrypoints.llm import LLM
-from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -64,41 +69,11 @@ CASES = {
 def test_logprobs_and_greedy_tokens_match_transformers(case, checkpoint, hf_model, llm):
     specs, parts = CASES[case]
     images = [random_image(*s) for s in specs]
-    it = iter(images)
-    content = [
-        {"type": "image_pil", "image_pil": next(it)} if p == "image"
-        else {"type": "text", "text": p}
-        for p in parts
-    ]  # fmt: skip
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1,
-                            prompt_logprobs=0)  # fmt: skip
-    out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
-    inputs = _hf_inputs(checkpoint, out.prompt, images)
-    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
-    with torch.no_grad():
-        generated = hf_model.generate(**inputs, max_new_tokens=16, do_sample=False,
-                                      output_logits=True, return_dict_in_generate=True)  # fmt: skip
-        prompt_len = inputs["input_ids"].shape[1]
-        assert out.outputs[0].token_ids == generated.sequences[0, prompt_len:].tolist()
-        logits = hf_model(**inputs).logits[0].float()
-    ref = torch.log_softmax(logits, -1)
-    ids = inputs["input_ids"][0]
-    for pos in range(1, len(ids)):
-        ours = out.prompt_logprobs[pos][int(ids[pos])].logprob
-        assert ours == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=2e-4), pos
-    for step, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs,
-                                         strict=True)):  # fmt: skip
-        ref_step = torch.log_softmax(generated.logits[step][0].float(), -1)
-        assert lp[tok].logprob == pytest.approx(float(ref_step[tok]), abs=2e-4), step
+    out = llm.chat([{"role": "user", "content": chat_content(parts, images)}], PARITY_PARAMS,
+                   use_tqdm=False)[0]  # fmt: skip
+    assert_matches_transformers(out, hf_model, _hf_inputs(checkpoint, out.prompt, images))
 
 
 def test_repeated_image_hits_the_encoder_cache(llm):
-    counters = llm.llm_engine.counters
-    image = random_image(7, 80, 120)
-    params = SamplingParams(max_tokens=4, temperature=0)
-    before = counters.mm_cache_hits
-    for text in ("First look.", "Second look, longer text."):
-        chat = [{"role": "user", "content": [{"type": "text", "text": text},
-                                             {"type": "image_pil", "image_pil": image}]}]
-        assert llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids
-    assert counters.mm_cache_hits - before == 1
+    assert_repeated_image_hits_the_encoder_cache(llm, 80, 120)
+

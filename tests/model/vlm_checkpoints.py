@@ -57,14 +57,29 @@ def _byte_chars(text: str) -> str:
     return chars
 
 
-def write_qwen2_5_vl(path: str, seed: int = 0) -> str:
-    """A random Qwen2.5-VL (2 text layers, 2 vision blocks: one windowed, one full) with
-    its tokenizer, image processor and chat template, saved to ``path``."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def _save_qwen_processing(path: str, tok: Any, patch_size: int) -> str:
+    """The Qwen-VL image processor (4 to 64 merged 2x2 patch groups an image), the
+    tokenizer with the chat template and a generation config, saved beside the weights."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
+    unit = 2 * patch_size
+    Qwen2VLImageProcessorPil(
+        min_pixels=unit * unit * 4, max_pixels=unit * unit * 64, patch_size=patch_size,
+        merge_size=2, temporal_patch_size=2,
+    ).save_pretrained(path)  # fmt: skip
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": tok.convert_tokens_to_ids("<|im_end|>")}, f)
+    return path
+
+
+def write_qwen2_5_vl(path: str, seed: int = 0) -> str:
+    """A random Qwen2.5-VL (2 text layers, 2 vision blocks: one windowed, one full) with
+    its tokenizer, image processor and chat template, saved to ``path``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     tok = byte_tokenizer(QWEN_SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     text = dict(
@@ -90,26 +105,13 @@ def write_qwen2_5_vl(path: str, seed: int = 0) -> str:
         tie_word_embeddings=False,
     )
     save_random_weights(Qwen2_5_VLForConditionalGeneration, config, path, seed)
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64, patch_size=14, merge_size=2,
-        temporal_patch_size=2,
-    )  # fmt: skip
-    image_processor.save_pretrained(path)
-    tok.chat_template = QWEN_CHAT_TEMPLATE
-    tok.save_pretrained(path)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": ids["<|im_end|>"]}, f)
-    return path
+    return _save_qwen_processing(path, tok, patch_size=14)
 
 
 def write_qwen2_vl(path: str, seed: int = 0) -> str:
     """A random Qwen2-VL (2 text layers, 2 vision blocks) with its tokenizer, image
     processor and chat template, saved to ``path``."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
     tok = byte_tokenizer(QWEN_SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     text = dict(
@@ -134,16 +136,7 @@ def write_qwen2_vl(path: str, seed: int = 0) -> str:
         tie_word_embeddings=False,
     )
     save_random_weights(Qwen2VLForConditionalGeneration, config, path, seed)
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64, patch_size=14, merge_size=2,
-        temporal_patch_size=2,
-    )  # fmt: skip
-    image_processor.save_pretrained(path)
-    tok.chat_template = QWEN_CHAT_TEMPLATE
-    tok.save_pretrained(path)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": ids["<|im_end|>"]}, f)
-    return path
+    return _save_qwen_processing(path, tok, patch_size=14)
 
 
 def write_qwen3_vl(path: str, seed: int = 0, moe: bool = False) -> str:
@@ -157,10 +150,6 @@ def write_qwen3_vl(path: str, seed: int = 0, moe: bool = False) -> str:
         Qwen3VLMoeConfig,
         Qwen3VLMoeForConditionalGeneration,
     )
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
     tok = byte_tokenizer(QWEN_SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     text = dict(
@@ -192,16 +181,7 @@ def write_qwen3_vl(path: str, seed: int = 0, moe: bool = False) -> str:
         tie_word_embeddings=False,
     )
     save_random_weights(model_cls, config, path, seed)
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 64, patch_size=16, merge_size=2,
-        temporal_patch_size=2,
-    )  # fmt: skip
-    image_processor.save_pretrained(path)
-    tok.chat_template = QWEN_CHAT_TEMPLATE
-    tok.save_pretrained(path)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": ids["<|im_end|>"]}, f)
-    return path
+    return _save_qwen_processing(path, tok, patch_size=16)
 
 
 def write_qwen2_5_vl_config(path: str, text: dict, vision: dict) -> str:

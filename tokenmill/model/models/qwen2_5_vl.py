@@ -58,11 +58,44 @@ def mrope_positions(
     return pos, delta
 
 
-class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
-    """Qwen2.5-VL; interface as ``DecoderForCausalLM`` plus the multimodal hooks
-    (``embed_input_ids``, ``encode_images``, ``mrope_positions``)."""
+class MRopeImagesMixin:
+    """The hooks a Qwen-VL model with M-RoPE adds to its language model (needs
+    ``rotary_emb``, an ``MRotaryEmbedding``, and ``spatial_merge_size``)."""
 
     uses_mrope = True
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+        mrope_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As ``DecoderForCausalLM.forward``; ``mrope_positions`` ``[3, T]`` (int64), when
+        the step holds image tokens, replaces ``positions`` for the rotary embedding."""
+        self.rotary_emb.set_step_positions(mrope_positions)
+        try:
+            return self.model(input_ids, positions, metadata, inputs_embeds)
+        finally:
+            self.rotary_emb.set_step_positions(None)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, H]`` (placeholders included, to be overwritten)."""
+        return self.model.embed(input_ids)
+
+    def mrope_positions(
+        self, num_tokens: int, items: Sequence[tuple[int, int, dict[str, np.ndarray]]]
+    ) -> tuple[np.ndarray, int]:
+        """The prompt's M-RoPE positions (see ``mrope_positions``); ``items`` are
+        ``(offset, length, encoder inputs)`` of its images."""
+        grids = [(o, n, [int(x) for x in d["image_grid_thw"]]) for o, n, d in items]
+        return mrope_positions(num_tokens, grids, self.spatial_merge_size)
+
+
+class Qwen2_5_VLForConditionalGeneration(MRopeImagesMixin, Qwen2ForCausalLM):
+    """Qwen2.5-VL; interface as ``DecoderForCausalLM`` plus the multimodal hooks
+    (``embed_input_ids``, ``encode_images``, ``mrope_positions``)."""
 
     def __init__(self, model_config: ModelConfig, backend: type[AttentionBackend]) -> None:
         super().__init__(model_config, backend)
@@ -88,26 +121,6 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         default device and dtype."""
         return _vision_tower(vision_config)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,
-        mrope_positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As ``DecoderForCausalLM.forward``; ``mrope_positions`` ``[3, T]`` (int64), when
-        the step holds image tokens, replaces ``positions`` for the rotary embedding."""
-        self.rotary_emb.set_step_positions(mrope_positions)
-        try:
-            return self.model(input_ids, positions, metadata, inputs_embeds)
-        finally:
-            self.rotary_emb.set_step_positions(None)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings ``[T, H]`` (placeholders included, to be overwritten)."""
-        return self.model.embed(input_ids)
-
     def encode_images(self, items: Sequence[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Run the vision tower over images processed by the model's image processor.
 
@@ -126,15 +139,6 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         out = getattr(out, "pooler_output", out)  # transformers 4 returns the tensor itself
         sizes = (grid.prod(-1) // self.spatial_merge_size**2).tolist()
         return list(out.to(param.dtype).split(sizes))
-
-    def mrope_positions(
-        self, num_tokens: int, items: Sequence[tuple[int, int, dict[str, np.ndarray]]]
-    ) -> tuple[np.ndarray, int]:
-        """The prompt's M-RoPE positions (see ``mrope_positions``); ``items`` are
-        ``(offset, length, encoder inputs)`` of its images."""
-        grids = [(o, n, [int(x) for x in d["image_grid_thw"]]) for o, n, d in items]
-        return mrope_positions(num_tokens, grids, self.spatial_merge_size)
-
 
 def _vision_tower(vision_config: dict) -> torch.nn.Module:
     """transformers' Qwen2.5-VL vision tower, built on the current default device/dtype."""

@@ -30,12 +30,12 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelConfig
-from tokenmill.model.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.model.attention.backend import AttentionBackend
 from tokenmill.model.layers.fused_moe import FusedMoE
 from tokenmill.model.layers.linear import ReplicatedLinear
 from tokenmill.model.layers.mrope import MRotaryEmbedding
 from tokenmill.model.models.llama import LlamaMLP
-from tokenmill.model.models.qwen2_5_vl import mrope_positions
+from tokenmill.model.models.qwen2_5_vl import MRopeImagesMixin
 from tokenmill.model.models.qwen2_5_vl_vision import VisionWindowAttention
 from tokenmill.model.models.qwen3 import Qwen3ForCausalLM
 from tokenmill.model.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer, num_experts
@@ -44,12 +44,10 @@ from tokenmill.model.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_laye
 _RENAMES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
-class Qwen3VLParts:
+class Qwen3VLParts(MRopeImagesMixin):
     """What Qwen3-VL adds to its language model (dense or MoE): the tower, the rotary
     positions and DeepStack; interface as ``DecoderForCausalLM`` plus the multimodal hooks
     (``embed_input_ids``, ``encode_images``, ``mrope_positions``, ``set_deepstack``)."""
-
-    uses_mrope = True
 
     def __init__(self, model_config: ModelConfig, backend: type[AttentionBackend]) -> None:
         super().__init__(model_config, backend)  # type: ignore[call-arg]
@@ -92,26 +90,12 @@ class Qwen3VLParts:
         step's tokens ``rows [N]`` (int64) after layers ``0..K-1``."""
         self._deepstack = (rows, features)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,
-        mrope_positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As ``DecoderForCausalLM.forward``; ``mrope_positions`` ``[3, T]`` (int64), when
-        the step holds image tokens, replaces ``positions`` for the rotary embedding."""
-        self.rotary_emb.set_step_positions(mrope_positions)
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """As ``MRopeImagesMixin.forward``; the step's DeepStack features are used once."""
         try:
-            return self.model(input_ids, positions, metadata, inputs_embeds)
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
         finally:
-            self.rotary_emb.set_step_positions(None)
             self._deepstack = None
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings ``[T, H]`` (placeholders included, to be overwritten)."""
-        return self.model.embed(input_ids)
 
     def encode_images(self, items: Sequence[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Per image (``pixel_values`` ``[t*h*w, C*tp*p*p]`` float32, ``image_grid_thw``
@@ -125,14 +109,6 @@ class Qwen3VLParts:
         rows = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1)
         sizes = (grid.prod(-1) // self.spatial_merge_size**2).tolist()
         return list(rows.to(param.dtype).split(sizes))
-
-    def mrope_positions(
-        self, num_tokens: int, items: Sequence[tuple[int, int, dict[str, np.ndarray]]]
-    ) -> tuple[np.ndarray, int]:
-        """The prompt's M-RoPE positions (``qwen2_5_vl.mrope_positions``; Qwen3-VL's are
-        the same for images)."""
-        grids = [(o, n, [int(x) for x in d["image_grid_thw"]]) for o, n, d in items]
-        return mrope_positions(num_tokens, grids, self.spatial_merge_size)
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
