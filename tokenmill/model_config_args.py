@@ -171,7 +171,7 @@ def _multimodal_config(args: Any, hf_config: Any, model: str) -> Any:
     Raises:
         ConfigError: see ``build_multimodal_config``.
     """
-    from tokenmill.model.registry import is_multimodal_model
+    from tokenmill.model.registry import is_multimodal_model, multimodal_architectures
     from tokenmill.multimodal.config import MultiModalConfigError, build_multimodal_config
 
     try:
@@ -179,6 +179,7 @@ def _multimodal_config(args: Any, hf_config: Any, model: str) -> Any:
             hf_config, model, is_multimodal_model(hf_config.architectures[0]),
             args.limit_mm_per_prompt, args.allowed_media_domains,
             args.mm_processor_kwargs, args.allowed_local_media_path,
+            image_architectures=multimodal_architectures(),
         )  # fmt: skip
     except MultiModalConfigError as e:
         raise ConfigError(str(e)) from None

@@ -430,7 +430,8 @@ def test_a_vision_encoder_tokenmill_does_not_run_is_refused_naming_those_it_does
     config = SimpleNamespace(architectures=["InternVLForConditionalGeneration"],
                              get=lambda key, default=None: {"vision_config": {}}.get(key, default))
     with pytest.raises(MultiModalConfigError) as e:
-        build_multimodal_config(config, "m", False, None, None, None)
+        build_multimodal_config(config, "m", False, None, None, None,
+                                image_architectures=multimodal_architectures())  # fmt: skip
     assert "InternVLForConditionalGeneration has a vision encoder" in str(e.value)
     assert all(arch in str(e.value) for arch in multimodal_architectures())
     assert "Qwen3VLMoeForConditionalGeneration" in multimodal_architectures()

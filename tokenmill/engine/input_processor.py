@@ -136,12 +136,17 @@ class InputProcessor:
         self.mm_processor = None
         mm = model_config.multimodal_config
         if mm is not None:
+            from tokenmill.config import ConfigError
+            from tokenmill.multimodal.config import MultiModalConfigError
             from tokenmill.multimodal.processor import MultiModalProcessor
 
-            self.mm_processor = MultiModalProcessor(
-                model_config.model, model_config.hf_config, mm.limit_per_prompt,
-                mm.processor_kwargs, tokenizer,
-            )  # fmt: skip
+            try:
+                self.mm_processor = MultiModalProcessor(
+                    model_config.model, model_config.hf_config, mm.limit_per_prompt,
+                    mm.processor_kwargs, tokenizer,
+                )  # fmt: skip
+            except MultiModalConfigError as e:  # e.g. a tokenizer without the layout's tokens
+                raise ConfigError(str(e)) from None
             self.mm_processor.preload()
 
     def process_multimodal(

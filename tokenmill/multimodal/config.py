@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+# Defined apart so that the image layouts (pixtral.py, internvl.py) raise it without a cycle.
+from tokenmill.multimodal.errors import MultiModalConfigError as MultiModalConfigError
 
 # Modalities tokenmill serves.
 MODALITIES = ("image",)
 # Images per prompt when --limit-mm-per-prompt does not say (vLLM's default is 999).
 DEFAULT_IMAGE_LIMIT = 999
-
-
-class MultiModalConfigError(ValueError):
-    """An invalid --limit-mm-per-prompt, --allowed-media-domains, --allowed-local-media-path
-    or --mm-processor-kwargs value, or a vision encoder tokenmill does not run."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +53,11 @@ def build_multimodal_config(
     allowed_media_domains: list[str] | None,
     mm_processor_kwargs: str | dict[str, Any] | None,
     allowed_local_media_path: str | None = None,
+    image_architectures: Sequence[str] = (),
 ) -> MultiModalConfig | None:
     """The image settings of the model in folder ``model`` from the image flags; None for
-    a text-only model (``takes_images``: tokenmill runs the model's vision encoder).
+    a text-only model (``takes_images``: tokenmill runs the model's vision encoder;
+    ``image_architectures``: those it runs, named when refusing another).
 
     Raises:
         MultiModalConfigError: a checkpoint with a vision encoder tokenmill does not run (it
@@ -74,11 +75,9 @@ def build_multimodal_config(
     arch = hf_config.architectures[0]
     if not takes_images:
         if hf_config.get("vision_config") is not None and arch not in TEXT_ONLY_ARCHITECTURES:
-            from tokenmill.model.registry import multimodal_architectures
-
             raise MultiModalConfigError(
                 f"{arch} has a vision encoder, which tokenmill does not implement for this "
-                f"architecture (images are supported for {', '.join(multimodal_architectures())})"
+                f"architecture (images are supported for {', '.join(image_architectures)})"
             )
         for flag, value in [("--limit-mm-per-prompt", limit_mm_per_prompt),
                             ("--mm-processor-kwargs", mm_processor_kwargs)]:  # fmt: skip

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.config import ConfigError
+from tokenmill.multimodal.errors import MultiModalConfigError
 
 
 def uses_internvl_layout(hf_config: Any) -> bool:
@@ -27,7 +27,7 @@ class InternVLImageTokens:
         tokenizer: the model's tokenizer (``<img>`` and ``</img>`` ids).
 
     Raises:
-        ConfigError: the tokenizer has no ``<img>`` or ``</img>`` token.
+        MultiModalConfigError: the tokenizer has no ``<img>`` or ``</img>`` token.
     """
 
     def __init__(self, hf_config: Any, tokenizer: Any) -> None:
@@ -44,7 +44,9 @@ class InternVLImageTokens:
         for token in ("<img>", "</img>"):
             tid = tokenizer.convert_tokens_to_ids(token)
             if tid is None or tid == getattr(tokenizer, "unk_token_id", None):
-                raise ConfigError(f"the tokenizer has no {token} token, which InternVL images need")
+                raise MultiModalConfigError(
+                    f"the tokenizer has no {token} token, which InternVL images need"
+                )
             ids.append(int(tid))
         self.start_token_id, self.end_token_id = ids
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.config import ConfigError
+from tokenmill.multimodal.errors import MultiModalConfigError
 
 
 def uses_pixtral_layout(hf_config: Any) -> bool:
@@ -35,7 +35,7 @@ class PixtralImageTokens:
         tokenizer: the model's tokenizer (``[IMG_BREAK]`` and ``[IMG_END]`` ids).
 
     Raises:
-        ConfigError: the tokenizer has no ``[IMG_BREAK]`` or ``[IMG_END]`` token.
+        MultiModalConfigError: the tokenizer has no ``[IMG_BREAK]`` or ``[IMG_END]`` token.
     """
 
     def __init__(self, hf_config: Any, tokenizer: Any) -> None:
@@ -50,7 +50,7 @@ class PixtralImageTokens:
         for token in ("[IMG_BREAK]", "[IMG_END]"):
             tid = tokenizer.convert_tokens_to_ids(token)
             if tid is None or tid == getattr(tokenizer, "unk_token_id", None):
-                raise ConfigError(
+                raise MultiModalConfigError(
                     f"the tokenizer has no {token} token, which Mistral 3 images need"
                 )
             ids.append(int(tid))
