@@ -14,6 +14,7 @@ from tests.model.vlm_checkpoints import (
     write_llava,
     write_mistral3,
     write_qwen2_5_vl,
+    write_qwen2_vl,
     write_qwen3_vl,
 )
 from tokenmill.engine.input_processor import InvalidRequestError
@@ -83,6 +84,21 @@ def test_qwen_embeddings_with_their_grids_give_the_images_tokens(family, tmp_pat
         _tokens(llm, prompt, {"image": dict(given, image_embeds=embeds[1:])})
     with pytest.raises(InvalidRequestError, match="as {'image_embeds'"):
         _tokens(llm, prompt, {"image": [embeds[:4], embeds[4:8]]})
+
+
+def test_a_grid_off_the_merged_patches_is_refused_and_the_engine_serves_on(tmp_path):
+    """Rows are placed on the 2x2-merged grid (M-RoPE): a grid whose height or width is
+    not a multiple of the merge size, or whose size overflows 64 bits, is a 400 naming the
+    field; it once killed the engine in its first step."""
+    llm = LLM(model=write_qwen2_vl(str(tmp_path / "q2")), dtype="float32", device="cpu",
+              max_model_len=256)  # fmt: skip
+    prompt = f"a {QWEN_IMAGE} b"
+    for rows, grid in [(1, [1, 1, 4]), (2, [1, 3, 3]), (0, [1, 2**32, 2**32])]:
+        given = {"image_embeds": torch.zeros(rows, 64), "image_grid_thw": torch.tensor([grid])}
+        with pytest.raises(InvalidRequestError) as e:
+            _tokens(llm, prompt, {"image": given})
+        assert e.value.param == "multi_modal_data"
+    assert len(_tokens(llm, prompt, {"image": random_image(0, 56, 56)})) == 8
 
 
 def test_a_model_with_its_own_layout_refuses_embeddings(tmp_path):

@@ -85,7 +85,13 @@ def split_embeds(value: Any, merge_size: int) -> list[ImageEmbeds]:
             raise MediaError(f"image_embeds must be [rows, D] and image_grid_thw [N, 3] of "
                              f"positive sizes, got {list(embeds.shape)} and "
                              f"{list(grid.shape)}")  # fmt: skip
-        rows = [int(np.prod(g)) // merge_size**2 for g in grid]
+        if (grid[:, 1:] % merge_size).any():
+            # M-RoPE places the rows on the merged grid; the image path refuses such grids
+            # too (the processor's output check).
+            raise MediaError(f"image_grid_thw's heights and widths must be multiples of the "
+                             f"spatial merge size {merge_size}, got {grid.tolist()}")  # fmt: skip
+        # Python ints: numpy's int64 product of huge sizes wraps (to 0 rows).
+        rows = [int(t) * int(h) * int(w) // merge_size**2 for t, h, w in grid]
         if sum(rows) != embeds.shape[0]:
             raise MediaError(f"image_grid_thw gives {sum(rows)} embedding rows, image_embeds "
                              f"has {embeds.shape[0]}")  # fmt: skip
