@@ -333,6 +333,12 @@ def test_mm_processor_kwargs_reach_the_image_processor_and_bad_ones_are_refused(
     for bad in ("[1]", "{"):
         with pytest.raises(MultiModalConfigError, match="--mm-processor-kwargs"):
             parse_mm_processor_kwargs(bad)
+    # The arguments the server passes itself: transformers' TypeError for them printed the
+    # processor's whole configuration, many lines, instead of naming the key.
+    for bad in ('{"images": 1}', '{"return_tensors": "pt"}'):
+        with pytest.raises(MultiModalConfigError, match="set by the server") as e:
+            parse_mm_processor_kwargs(bad)
+        assert "\n" not in str(e.value)
 
     config, _ = load_hf_config(qwen_path)
     mm = build_multimodal_config(config, qwen_path, True, None, None, '{"max_pixels": 3136}')

@@ -15,6 +15,8 @@ from tokenmill.multimodal.errors import MultiModalConfigError as MultiModalConfi
 MODALITIES = ("image",)
 # Images per prompt when --limit-mm-per-prompt does not say (vLLM's default is 999).
 DEFAULT_IMAGE_LIMIT = 999
+# The image processor's arguments that each call passes itself (MultiModalProcessor).
+SERVER_PROCESSOR_ARGUMENTS = frozenset({"images", "return_tensors"})
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,12 @@ def parse_mm_processor_kwargs(value: str | dict[str, Any] | None) -> dict[str, A
             ) from None
     if not isinstance(value, dict):
         raise MultiModalConfigError("--mm-processor-kwargs must be a JSON object")
+    own = sorted(set(value) & SERVER_PROCESSOR_ARGUMENTS)
+    if own:
+        raise MultiModalConfigError(
+            f"--mm-processor-kwargs may not hold {', '.join(own)}: set by the server for "
+            "each image"
+        )
     return dict(value)
 
 
