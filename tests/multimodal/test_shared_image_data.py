@@ -41,3 +41,19 @@ def test_data_is_held_while_a_request_holds_it():
     gc.collect()
     with pytest.raises(ValueError, match="without its data"):
         shared.share(without_data([_feature("b" * 64, 2.0)]))
+
+
+def test_a_worker_in_the_same_process_keeps_the_cores_copy_alive():
+    """The engine core and an in-process worker (one GPU, or CPU) each share the same
+    feature objects: the core's first, then the worker's when the request is scheduled. The
+    worker wrapped the core's copy in one of its own and replaced it, so the core's entry
+    lost its last holder: a child of an ``n > 1`` request that reached the core after that
+    step was refused ("arrived without its data"), a 400 on the server."""
+    core, worker = SharedImageData(), SharedImageData()
+    first = [_feature("c" * 64, 3.0)]
+    core.share(first)
+    worker.share(first)  # the step that schedules the first child, in the same process
+    gc.collect()
+    [child] = without_data(first)
+    core.share([child])
+    assert child.data is first[0].data

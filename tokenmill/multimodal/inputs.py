@@ -91,7 +91,10 @@ class SharedImageData:
                         f"image {f.identifier[:12]} arrived without its data and no other "
                         "request carries it"
                     )
-                held = _SharedData(f.data)
+                # A copy another registry of this process holds (the engine core's, given
+                # to an in-process worker) is registered as it is: wrapped anew and put in
+                # its place, the other registry's entry would lose its last holder.
+                held = f.data if isinstance(f.data, _SharedData) else _SharedData(f.data)
                 self._by_identifier[f.identifier] = held
             f.data = held
 
