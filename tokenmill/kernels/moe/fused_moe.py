@@ -151,6 +151,20 @@ def fused_experts_torch(
     return out
 
 
+def slots_by_expert(
+    topk_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(expert of each slot [T*k] int64, slots per expert [E + 1], slots in expert order
+    [T*k])``: ids of -1 (another rank's expert) count as expert ``E``, sorted last; the
+    stable sort keeps each expert's slots in slot order. No read-back to the host."""
+    flat = topk_ids.reshape(-1).long()
+    flat = flat.masked_fill(flat < 0, num_experts)  # other ranks' experts: one group, last
+    # NOTE: scatter_add rather than bincount, whose output size depends on the data (a sync).
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return flat, counts, torch.argsort(flat, stable=True)
+
+
 def grouped_mm_supported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          mxfp4: bool = False) -> bool:  # fmt: skip
     """Whether ``fused_experts_grouped_mm`` takes these tensors: bfloat16 activations, with
@@ -189,12 +203,8 @@ def fused_experts_grouped_mm(
     """
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden_size = w13.shape[0], w2.shape[1]
-    flat = topk_ids.reshape(-1).long()
-    flat = flat.masked_fill(flat < 0, num_experts)  # other ranks' experts: one group, last
-    order = torch.argsort(flat, stable=True)
+    flat, counts, order = slots_by_expert(topk_ids, num_experts)
     expert_of = flat[order]
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
     offs = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
     x = hidden[order // top_k]
     if w13_scale is not None:
@@ -241,19 +251,14 @@ def align_tokens_by_expert(
         slot); ``block_experts [max_padded / block_m]`` int32, the expert of each row tile
         (``E`` past the used tiles); ``num_padded [1]`` int32, the rows in use.
     """
-    flat = topk_ids.reshape(-1).long()
-    flat = flat.masked_fill(flat < 0, num_experts)  # other ranks' experts: one group, last
+    flat, counts, order = slots_by_expert(topk_ids, num_experts)
     num_slots = flat.numel()
     device = flat.device
-    # NOTE: scatter_add rather than bincount, whose output size depends on the data (a sync).
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded[num_experts] = counts[num_experts]  # never computed: not padded
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
     count_start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
     expert_of = flat[order]
     rank = torch.arange(num_slots, device=device) - count_start[expert_of]
     max_padded = num_slots + num_experts * (block_m - 1)
