@@ -15,6 +15,8 @@ from tests.model.vlm_parity import (
     assert_matches_transformers,
     assert_repeated_image_hits_the_encoder_cache,
     chat_content,
+    parity_llm,
+    transformers_model,
 )
 from tokenmill.entrypoints.llm import LLM
 
@@ -29,17 +31,12 @@ def checkpoint(request, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def hf_model(checkpoint):
-    from transformers import InternVLForConditionalGeneration
-
-    return InternVLForConditionalGeneration.from_pretrained(
-        checkpoint, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    return transformers_model(checkpoint)
 
 
 @pytest.fixture(scope="module")
 def llm(checkpoint) -> LLM:
-    return LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=1024,
-               max_num_batched_tokens=256)  # fmt: skip
+    return parity_llm(checkpoint)
 
 
 def _hf_inputs(checkpoint: str, text: str, images: list) -> dict:

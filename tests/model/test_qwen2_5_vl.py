@@ -10,6 +10,13 @@ import pytest
 import torch
 
 from tests.model.vlm_checkpoints import random_image, write_qwen2_5_vl
+from tests.model.vlm_parity import (
+    PARITY_PARAMS,
+    assert_matches_transformers,
+    chat_content,
+    parity_llm,
+    transformers_model,
+)
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.sampling_params import SamplingParams
 
@@ -26,17 +33,12 @@ def checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def hf_model(checkpoint):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        checkpoint, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    return transformers_model(checkpoint)
 
 
 @pytest.fixture(scope="module")
 def llm(checkpoint) -> LLM:
-    return LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=1024,
-               max_num_batched_tokens=256)  # fmt: skip
+    return parity_llm(checkpoint)
 
 
 def _hf_inputs(checkpoint: str, hf_model, text: str, images: list) -> dict:
@@ -73,33 +75,9 @@ CASES = {
 def test_logprobs_and_greedy_tokens_match_transformers(case, checkpoint, hf_model, llm):
     specs, parts = CASES[case]
     images = [_image(*s) for s in specs]
-    it = iter(images)
-    content = [
-        {"type": "image_pil", "image_pil": next(it)} if p == "image"
-        else {"type": "text", "text": p}
-        for p in parts
-    ]  # fmt: skip
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1,
-                            prompt_logprobs=0)  # fmt: skip
-    out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
-    inputs = _hf_inputs(checkpoint, hf_model, out.prompt, images)
-    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
-
-    with torch.no_grad():
-        generated = hf_model.generate(**inputs, max_new_tokens=16, do_sample=False,
-                                      output_logits=True, return_dict_in_generate=True)  # fmt: skip
-        full = generated.sequences
-        assert out.outputs[0].token_ids == full[0, inputs["input_ids"].shape[1] :].tolist()
-        logits = hf_model(**{**inputs}).logits[0].float()
-    ref = torch.log_softmax(logits, -1)
-    ids = inputs["input_ids"][0]
-    for pos in range(1, len(ids)):
-        ours = out.prompt_logprobs[pos][int(ids[pos])].logprob
-        assert ours == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=2e-4), pos
-    for step, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs,
-                                         strict=True)):  # fmt: skip
-        ref_step = torch.log_softmax(generated.logits[step][0].float(), -1)
-        assert lp[tok].logprob == pytest.approx(float(ref_step[tok]), abs=2e-4), step
+    out = llm.chat([{"role": "user", "content": chat_content(parts, images)}], PARITY_PARAMS,
+                   use_tqdm=False)[0]  # fmt: skip
+    assert_matches_transformers(out, hf_model, _hf_inputs(checkpoint, hf_model, out.prompt, images))
 
 
 def test_repeated_image_hits_the_encoder_and_prefix_caches(llm):

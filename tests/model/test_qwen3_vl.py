@@ -7,7 +7,6 @@ over the dense language model and the MoE one (Qwen3-VL-MoE)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.model.test_qwen2_5_vl import CASES, _hf_inputs
 from tests.model.vlm_checkpoints import random_image, write_qwen3_vl
@@ -16,6 +15,8 @@ from tests.model.vlm_parity import (
     assert_matches_transformers,
     assert_repeated_image_hits_the_encoder_cache,
     chat_content,
+    parity_llm,
+    transformers_model,
 )
 from tokenmill.entrypoints.llm import LLM
 from tokenmill.sampling_params import SamplingParams
@@ -31,17 +32,12 @@ def checkpoint(request, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def hf_model(checkpoint):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(
-        checkpoint, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    return transformers_model(checkpoint)
 
 
 @pytest.fixture(scope="module")
 def llm(checkpoint) -> LLM:
-    return LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=1024,
-               max_num_batched_tokens=256)  # fmt: skip
+    return parity_llm(checkpoint)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -1,6 +1,7 @@
-"""The checks the vision-language model tests share: a chat message from text and image
-parts, tokenmill's prompt log-probs and greedy tokens against transformers' on the same
-inputs, and an encoder-cache hit on a repeated image."""
+"""The checks the vision-language model tests share: the reference and the engine under
+test, a chat message from text and image parts, tokenmill's prompt log-probs and greedy
+tokens against transformers' on the same inputs, and an encoder-cache hit on a repeated
+image."""
 
 from __future__ import annotations
 
@@ -14,6 +15,21 @@ from tokenmill.sampling_params import SamplingParams
 # 16 greedy tokens with their log-probs, and every prompt position's.
 PARITY_PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1,
                                prompt_logprobs=0)  # fmt: skip
+
+
+def transformers_model(checkpoint: str):
+    """transformers' model of ``checkpoint`` in float32 with eager attention (the reference)."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def parity_llm(checkpoint: str) -> LLM:
+    """tokenmill on ``checkpoint`` in float32 on the CPU, prompts in 256-token steps."""
+    return LLM(model=checkpoint, dtype="float32", device="cpu", max_model_len=1024,
+               max_num_batched_tokens=256)  # fmt: skip
 
 
 def chat_content(parts: list[str], images: list) -> list[dict]:
