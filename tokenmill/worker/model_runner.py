@@ -300,11 +300,8 @@ class ModelRunner(StepSampling, BufferMetadata):
         None off CUDA."""
         if self.device.type == "cuda" and self.graphs is None:
             self.graphs = StepGraphs.plan(
-                # DeepStack models (Qwen3-VL) add image features inside the layers: their
-                # image steps run eagerly.
                 self, self.attn_backend,
-                takes_images=(hasattr(self.model, "encode_images")
-                              and not getattr(self.model, "deepstack_layers", 0)),
+                takes_images=self.mm is not None and self.mm.graph_image_steps,
             )
             if self.spec_decode is not None:
                 self.graphs.add_proposer(self.spec_decode.proposer.plan_graphs)

@@ -61,7 +61,8 @@ class MultiModalState:
     Args:
         model: a multimodal model (``embed_input_ids``, ``encode_images``; with
             ``uses_mrope`` also ``mrope_positions``; ``bidirectional_image_attention``:
-            an image's placeholders attend to each other both ways, Gemma 3).
+            an image's placeholders attend to each other both ways, Gemma 3;
+            ``deepstack_layers``: features added inside its first layers, Qwen3-VL).
         device: the model's device.
     """
 
@@ -70,6 +71,10 @@ class MultiModalState:
         self.device = device
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         self.bidirectional = bool(getattr(model, "bidirectional_image_attention", False))
+        self.deepstack_layers = int(getattr(model, "deepstack_layers", 0))
+        # Image steps replay graphs over input embeddings, unless features enter inside
+        # the layers (DeepStack), which those graphs do not capture: such steps run eagerly.
+        self.graph_image_steps = not self.deepstack_layers
         self.cache: dict[str, torch.Tensor] = {}  # image hash -> [length, H] embeddings
         self.requests: dict[str, _RequestImages] = {}
         self.images = SharedImageData()
@@ -253,10 +258,9 @@ class MultiModalState:
         embeds = self.model.embed_input_ids(input_ids)
         if images.token_index is not None:
             rows = images.embeds
-            layers = getattr(self.model, "deepstack_layers", 0)
-            if layers:  # Qwen3-VL: the DeepStack features follow the embeddings
+            if self.deepstack_layers:  # Qwen3-VL: the DeepStack features follow
                 hidden = embeds.shape[1]
-                features = rows[:, hidden:].view(rows.shape[0], layers, hidden)
+                features = rows[:, hidden:].view(rows.shape[0], self.deepstack_layers, hidden)
                 self.model.set_deepstack(images.token_index, features)
                 rows = rows[:, :hidden]
             embeds[images.token_index] = rows.to(embeds.dtype)
