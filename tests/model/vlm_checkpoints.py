@@ -76,26 +76,23 @@ def _save_qwen_processing(path: str, tok: Any, patch_size: int) -> str:
     return path
 
 
-def write_qwen2_5_vl(path: str, seed: int = 0) -> str:
-    """A random Qwen2.5-VL (2 text layers, 2 vision blocks: one windowed, one full) with
-    its tokenizer, image processor and chat template, saved to ``path``."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def _write_qwen_vl(path: str, seed: int, config_cls: Any, model_cls: Any, vision: dict,
+                   patch_size: int, **text: Any) -> str:  # fmt: skip
+    """A random Qwen-VL model of ``config_cls`` / ``model_cls``: 2 text layers of 64 (and
+    ``text``'s settings over them), the ``vision`` tower, the byte tokenizer with Qwen's
+    special tokens, and the image processor for ``patch_size``-pixel patches."""
     tok = byte_tokenizer(QWEN_SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
-    text = dict(
+    text_config = dict(
         vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
         eos_token_id=ids["<|im_end|>"],
     )  # fmt: skip
-    vision = dict(
-        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-        fullatt_block_indexes=[1], in_channels=3,
-    )  # fmt: skip
-    config = Qwen2_5_VLConfig(
-        text_config=text,
+    text_config.update(text)
+    config = config_cls(
+        text_config=text_config,
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -104,39 +101,35 @@ def write_qwen2_5_vl(path: str, seed: int = 0) -> str:
         eos_token_id=ids["<|im_end|>"],
         tie_word_embeddings=False,
     )
-    save_random_weights(Qwen2_5_VLForConditionalGeneration, config, path, seed)
-    return _save_qwen_processing(path, tok, patch_size=14)
+    save_random_weights(model_cls, config, path, seed)
+    return _save_qwen_processing(path, tok, patch_size)
+
+
+def write_qwen2_5_vl(path: str, seed: int = 0) -> str:
+    """A random Qwen2.5-VL (2 text layers, 2 vision blocks: one windowed, one full) with
+    its tokenizer, image processor and chat template, saved to ``path``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+        fullatt_block_indexes=[1], in_channels=3,
+    )  # fmt: skip
+    return _write_qwen_vl(path, seed, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                          vision, patch_size=14)  # fmt: skip
 
 
 def write_qwen2_vl(path: str, seed: int = 0) -> str:
     """A random Qwen2-VL (2 text layers, 2 vision blocks) with its tokenizer, image
     processor and chat template, saved to ``path``."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    tok = byte_tokenizer(QWEN_SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
-    text = dict(
-        vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
-        eos_token_id=ids["<|im_end|>"],
-    )  # fmt: skip
+
     vision = dict(
         depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
         spatial_merge_size=2, temporal_patch_size=2, in_channels=3, hidden_act="quick_gelu",
     )  # fmt: skip
-    config = Qwen2VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        eos_token_id=ids["<|im_end|>"],
-        tie_word_embeddings=False,
-    )
-    save_random_weights(Qwen2VLForConditionalGeneration, config, path, seed)
-    return _save_qwen_processing(path, tok, patch_size=14)
+    return _write_qwen_vl(path, seed, Qwen2VLConfig, Qwen2VLForConditionalGeneration, vision,
+                          patch_size=14)  # fmt: skip
 
 
 def write_qwen3_vl(path: str, seed: int = 0, moe: bool = False) -> str:
@@ -150,38 +143,24 @@ def write_qwen3_vl(path: str, seed: int = 0, moe: bool = False) -> str:
         Qwen3VLMoeConfig,
         Qwen3VLMoeForConditionalGeneration,
     )
-    tok = byte_tokenizer(QWEN_SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
-    text = dict(
-        vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
-                         "mrope_interleaved": True},
-        bos_token_id=None, eos_token_id=ids["<|im_end|>"],
-    )  # fmt: skip
+
     vision = dict(
         depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
         patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
         num_position_embeddings=64, deepstack_visual_indexes=[0, 1],
         hidden_act="gelu_pytorch_tanh",
     )  # fmt: skip
-    config_cls, model_cls = Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    text: dict[str, Any] = dict(
+        head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True},
+    )  # fmt: skip
+    classes = (Qwen3VLConfig, Qwen3VLForConditionalGeneration)
     if moe:
-        config_cls, model_cls = Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+        classes = (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration)
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                     decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
-    config = config_cls(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    save_random_weights(model_cls, config, path, seed)
-    return _save_qwen_processing(path, tok, patch_size=16)
+    return _write_qwen_vl(path, seed, *classes, vision, patch_size=16, **text)
 
 
 def write_qwen2_5_vl_config(path: str, text: dict, vision: dict) -> str:
